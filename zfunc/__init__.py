@@ -1,0 +1,23 @@
+"""zfunc: ZeRO, offload, tiling and pipelining as transformations of a pure training step.
+
+    apply, params = zf.functionalize(model)
+    step = zf.train_step(loss_fn, zf.optim.adamw(3e-4), precision="bf16", accum=4)
+    state = step.init(params)
+    state, metrics = step(state, batch)
+"""
+from zfunc import optim, precision, tree
+from zfunc.module import functionalize
+from zfunc.step import ConsumedStateError, Step, TrainState, train_step, value_and_grad
+
+__all__ = [
+    "ConsumedStateError",
+    "Step",
+    "TrainState",
+    "functionalize",
+    "optim",
+    "precision",
+    "train_step",
+    "tree",
+    "value_and_grad",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,426 @@
+"""Optimizers as pure ``GradientTransformation(init, update)`` pairs, in the shape of optax.
+
+``init(params) -> state`` and ``update(grads, state, params) -> (updates, new_state)`` are pure: they
+never modify their arguments, and ``params + updates`` is the new parameters (``apply_updates``).
+``chain`` composes transformations left to right.
+
+A third, optional member, ``apply(grads, state, params) -> (new_params, new_state)``, does the whole
+update and is allowed to *consume* its arguments: it may write into their tensors, which is how the
+training step avoids holding two copies of the state (JAX's buffer donation). ``adamw``/``adam``
+implement it with one fused kernel per (device, dtype) group -- ``torch._fused_adamw_`` (the kernel
+behind ``torch.optim.AdamW(fused=True)``) or, with ``backend="numba"``, zfunc's CPU-Adam -- and
+every other transformation gets it from ``update`` (see ``apply``). The step only ever calls
+``apply`` on state it owns.
+
+Learning rates are floats or schedules ``count -> float``, where ``count`` is the number of updates
+already applied (0 on the first step). Step counts are Python ints in the state.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from zfunc import tree
+
+PyTree = Any
+Schedule = Callable[[int], float]
+ScalarOrSchedule = float | Schedule
+MaskOrFn = PyTree | Callable[[PyTree], PyTree] | None
+
+
+class GradientTransformation(NamedTuple):
+    """``init(params) -> state``; ``update(grads, state, params) -> (updates, state)``, both pure.
+
+    ``apply(grads, state, params) -> (params, state)`` is an optional fused update that may write
+    into its arguments' tensors; ``None`` means "derive it from ``update``".
+    ``learning_rate(state) -> float`` is the rate the next update will use, for optimizers that
+    have one (reported in the step's metrics).
+    """
+
+    init: Callable[[PyTree], PyTree]
+    update: Callable[[PyTree, PyTree, PyTree | None], tuple[PyTree, PyTree]]
+    apply: Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree]] | None = None
+    learning_rate: Callable[[PyTree], float] | None = None
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless transformation."""
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
+    """``params + updates`` leaf by leaf, as new tensors (updates cast to each param's dtype)."""
+    return tree.map(lambda p, u: p + u.to(p.dtype), params, updates)
+
+
+def apply(tx: GradientTransformation, grads: PyTree, state: PyTree, params: PyTree) -> tuple[PyTree, PyTree]:
+    """Run ``tx``'s whole update, consuming ``grads``, ``state`` and ``params``.
+
+    Uses ``tx.apply`` when it has one; otherwise ``tx.update`` and an in-place add into ``params``.
+    Callers must own all three arguments: their tensors may be overwritten.
+    """
+    if tx.apply is not None:
+        return tx.apply(grads, state, params)
+    updates, state = tx.update(grads, state, params)
+    p_leaves, treespec = tree.flatten(params)
+    torch._foreach_add_(p_leaves, [u.to(p.dtype) for p, u in zip(p_leaves, tree.leaves(updates))])
+    return tree.unflatten(treespec, p_leaves), state
+
+
+def learning_rate(tx: GradientTransformation, state: PyTree) -> float | None:
+    """The learning rate ``tx``'s next update will use, or ``None`` if it has none."""
+    return None if tx.learning_rate is None else float(tx.learning_rate(state))
+
+
+def global_norm(grads: PyTree) -> torch.Tensor:
+    """The L2 norm of all tensor leaves together, as a 0-d fp32 tensor on the first leaf's device."""
+    leaves = tree.tensors(grads)
+    if not leaves:
+        return torch.zeros(())
+    device = leaves[0].device
+    norms = [n.to(device, torch.float32) for n in torch._foreach_norm(leaves)]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def _as_schedule(learning_rate: ScalarOrSchedule) -> Schedule:
+    if callable(learning_rate):
+        return learning_rate
+    if not isinstance(learning_rate, (int, float)) or learning_rate < 0:
+        raise ValueError(f"learning_rate: expected a float >= 0 or a schedule, got {learning_rate!r}")
+    return constant_schedule(float(learning_rate))
+
+
+def _check_betas(**betas: float) -> None:
+    for name, b in betas.items():
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"{name}: expected a value in [0, 1), got {b!r}")
+
+
+def _mask_leaves(mask: MaskOrFn, params: PyTree, n: int) -> list[bool]:
+    """Per-leaf booleans of a weight-decay mask (``None``: every leaf)."""
+    if mask is None:
+        return [True] * n
+    m = mask(params) if callable(mask) else mask
+    flags = [bool(x) for x in tree.leaves(m)]
+    if len(flags) != n:
+        raise ValueError(f"mask: expected one bool per parameter ({n}), got {len(flags)}")
+    return flags
+
+
+def decay_mask(params: PyTree) -> PyTree:
+    """Weight-decay mask: decay matrices and embeddings (ndim >= 2), not norms' gains or biases."""
+    return tree.map(lambda p: p.ndim >= 2, params)
+
+
+# ----------------------------------------------------------------------------- schedules
+
+
+def constant_schedule(value: float) -> Schedule:
+    """``count -> value``."""
+    return lambda count: value
+
+
+def linear_schedule(init_value: float, end_value: float, transition_steps: int) -> Schedule:
+    """Linear from ``init_value`` at count 0 to ``end_value`` at ``transition_steps``, then flat."""
+    if transition_steps <= 0:
+        raise ValueError(f"transition_steps: expected > 0, got {transition_steps}")
+
+    def schedule(count: int) -> float:
+        frac = min(count, transition_steps) / transition_steps
+        return init_value + frac * (end_value - init_value)
+
+    return schedule
+
+
+def linear_warmup(peak_value: float, warmup_steps: int) -> Schedule:
+    """``peak * (count + 1) / warmup_steps`` for the first ``warmup_steps`` updates, then ``peak``."""
+    if warmup_steps < 0:
+        raise ValueError(f"warmup_steps: expected >= 0, got {warmup_steps}")
+    return lambda count: peak_value * min(1.0, (count + 1) / warmup_steps) if warmup_steps else peak_value
+
+
+def warmup_cosine(peak_value: float, warmup_steps: int, total_steps: int, end_value: float = 0.0) -> Schedule:
+    """Linear warmup to ``peak_value`` (``linear_warmup``), then a cosine decay to ``end_value``.
+
+    ``lr(count) = end + (peak - end) * (1 + cos(pi * t)) / 2`` with
+    ``t = (count - warmup_steps) / (total_steps - warmup_steps)`` clipped to [0, 1].
+    """
+    if not 0 <= warmup_steps < total_steps:
+        raise ValueError(
+            f"warmup_steps, total_steps: expected 0 <= warmup_steps < total_steps, got {warmup_steps}, {total_steps}"
+        )
+    warmup = linear_warmup(peak_value, warmup_steps)
+
+    def schedule(count: int) -> float:
+        if count < warmup_steps:
+            return warmup(count)
+        t = min(1.0, (count - warmup_steps) / (total_steps - warmup_steps))
+        return end_value + (peak_value - end_value) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+    return schedule
+
+
+# ----------------------------------------------------------------------------- combinators
+
+
+def chain(*txs: GradientTransformation) -> GradientTransformation:
+    """Apply ``txs`` in order; the state is the tuple of their states.
+
+    ``apply`` runs the pure ``update`` of all but the last and the last one's ``apply``, so a
+    fused optimizer at the end of a chain keeps its fused in-place path.
+    """
+    for i, tx in enumerate(txs):
+        if not isinstance(tx, GradientTransformation):
+            raise TypeError(f"chain argument {i}: expected a GradientTransformation, got {type(tx).__name__}")
+
+    def init(params):
+        return tuple(tx.init(params) for tx in txs)
+
+    def update(grads, state, params=None):
+        new_state = []
+        for tx, s in zip(txs, state):
+            grads, s = tx.update(grads, s, params)
+            new_state.append(s)
+        return grads, tuple(new_state)
+
+    def apply_(grads, state, params):
+        new_state = []
+        for tx, s in zip(txs[:-1], state[:-1]):
+            grads, s = tx.update(grads, s, params)
+            new_state.append(s)
+        params, last = apply(txs[-1], grads, state[-1], params)
+        return params, (*new_state, last)
+
+    def learning_rate_(state):
+        rates = [learning_rate(tx, s) for tx, s in zip(txs, state)]
+        return next((r for r in reversed(rates) if r is not None), None)
+
+    return GradientTransformation(init, update, apply_ if txs else None, learning_rate_)
+
+
+def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+    """Scale all grads by ``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_``."""
+    if not max_norm > 0:
+        raise ValueError(f"max_norm: expected > 0, got {max_norm!r}")
+
+    def update(grads, state, params=None):
+        leaves, treespec = tree.flatten(grads)
+        coef = torch.clamp(max_norm / (global_norm(grads) + 1e-6), max=1.0)
+        return tree.unflatten(treespec, torch._foreach_mul(leaves, coef)), state
+
+    return GradientTransformation(lambda params: EmptyState(), update)
+
+
+# ----------------------------------------------------------------------------- adam family
+
+
+class AdamState(NamedTuple):
+    """``count``: updates applied so far; ``mu``/``nu``: first/second moments, shaped and typed like params."""
+
+    count: int
+    mu: PyTree
+    nu: PyTree
+
+
+def _zeros_like(params: PyTree) -> PyTree:
+    return tree.map(torch.zeros_like, params)
+
+
+def _adam_update(grads, state, params, *, lr, b1, b2, eps, weight_decay, decoupled, mask):
+    """Pure Adam/AdamW in the order of ``torch.optim.AdamW``'s single-tensor loop."""
+    if params is None:
+        raise ValueError("params: adam/adamw need the current params for weight decay, got None")
+    g_leaves, treespec = tree.flatten(grads)
+    p_leaves, m_leaves, v_leaves = tree.leaves(params), tree.leaves(state.mu), tree.leaves(state.nu)
+    decay = _mask_leaves(mask, params, len(p_leaves))
+    count = state.count + 1
+    step_lr = lr(state.count)
+    bc1, bc2_sqrt = 1 - b1**count, math.sqrt(1 - b2**count)
+    updates, mus, nus = [], [], []
+    for g, p, m, v, d in zip(g_leaves, p_leaves, m_leaves, v_leaves, decay):
+        g = g.to(m.dtype)
+        p32 = p.to(m.dtype)
+        if weight_decay and d and not decoupled:
+            g = g + weight_decay * p32
+        m = m.lerp(g, 1 - b1)
+        v = v * b2 + (1 - b2) * g * g
+        denom = v.sqrt() / bc2_sqrt + eps
+        new_p = p32 * (1 - step_lr * weight_decay) if (weight_decay and d and decoupled) else p32
+        new_p = new_p - (step_lr / bc1) * (m / denom)
+        updates.append(new_p - p32)
+        mus.append(m)
+        nus.append(v)
+    unflat = lambda xs: tree.unflatten(treespec, xs)  # noqa: E731
+    return unflat(updates), AdamState(count, unflat(mus), unflat(nus))
+
+
+def _adam_apply_fused(grads, state, params, *, lr, b1, b2, eps, weight_decay, decoupled, mask, backend):
+    """In-place Adam/AdamW with one fused kernel call per (device, dtype, decays?) group."""
+    p_leaves, treespec = tree.flatten(params)
+    g_leaves, m_leaves, v_leaves = tree.leaves(grads), tree.leaves(state.mu), tree.leaves(state.nu)
+    decay = _mask_leaves(mask, params, len(p_leaves))
+    count = state.count + 1
+    step_lr = float(lr(state.count))
+    groups: dict[tuple, list[int]] = {}
+    for i, (p, d) in enumerate(zip(p_leaves, decay)):
+        groups.setdefault((p.device, p.dtype, d), []).append(i)
+    for (device, _, d), idx in groups.items():
+        pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
+        ps, ms, vs = pick(p_leaves), pick(m_leaves), pick(v_leaves)
+        gs = [g.to(ps[0].dtype) for g in pick(g_leaves)]
+        wd = weight_decay if d else 0.0
+        if backend == "numba":
+            _numba_adam(ps, gs, ms, vs, count, step_lr, b1, b2, eps, wd, decoupled)
+            continue
+        steps = [torch.tensor(float(count), device=device)] * len(ps)
+        kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        kernel(ps, gs, ms, vs, [], steps, lr=step_lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
+               amsgrad=False, maximize=False)
+    mu, nu = tree.unflatten(treespec, m_leaves), tree.unflatten(treespec, v_leaves)
+    return tree.unflatten(treespec, p_leaves), AdamState(count, mu, nu)
+
+
+def _numba_adam(ps, gs, ms, vs, count, lr, b1, b2, eps, wd, decoupled):
+    from zfunc.ops import cpu_adam
+
+    for p, g, m, v in zip(ps, gs, ms, vs):
+        cpu_adam.adamw_(p.view(-1), g.reshape(-1), m.view(-1), v.view(-1), step=count, lr=lr, beta1=b1,
+                        beta2=b2, eps=eps, weight_decay=wd, decoupled=decoupled)
+
+
+_BACKENDS = ("torch", "numba")
+
+
+def _check_fused_leaves(params: PyTree, backend: str) -> None:
+    for p in tree.tensors(params):
+        if not p.is_floating_point():
+            raise TypeError(f"params: the adam kernels need floating-point params, got {p.dtype}")
+        if backend == "numba" and (p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous()):
+            raise ValueError(
+                f"backend='numba': expected contiguous fp32 CPU params, got {p.dtype} on {p.device}"
+                f"{'' if p.is_contiguous() else ' (non-contiguous)'}; use backend='torch'"
+            )
+
+
+def _adam_family(learning_rate, b1, b2, eps, weight_decay, mask, backend, decoupled) -> GradientTransformation:
+    _check_betas(b1=b1, b2=b2)
+    if not eps >= 0 or not weight_decay >= 0:
+        raise ValueError(f"eps, weight_decay: expected >= 0, got {eps!r}, {weight_decay!r}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
+    hyper = dict(lr=_as_schedule(learning_rate), b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+                 decoupled=decoupled, mask=mask)
+
+    def init(params):
+        _check_fused_leaves(params, backend)
+        return AdamState(0, _zeros_like(params), _zeros_like(params))
+
+    def update(grads, state, params=None):
+        return _adam_update(grads, state, params, **hyper)
+
+    def apply_(grads, state, params):
+        return _adam_apply_fused(grads, state, params, backend=backend, **hyper)
+
+    return GradientTransformation(init, update, apply_, lambda state: hyper["lr"](state.count))
+
+
+def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+          weight_decay: float = 1e-2, mask: MaskOrFn = None, backend: str = "torch") -> GradientTransformation:
+    """AdamW (Loshchilov & Hutter, 2019), equal to ``torch.optim.AdamW`` with the same arguments.
+
+    ``m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;  p = p (1 - lr wd) - lr/(1-b1^t) * m / (sqrt(v/(1-b2^t)) + eps)``
+
+    Args:
+      mask: which params decay: a pytree of bools shaped like params, or a function of params
+        returning one (e.g. ``decay_mask``); ``None`` decays all, as torch does.
+      backend: the fused in-place kernel: ``"torch"`` (``torch._fused_adamw_``, CPU or CUDA) or
+        ``"numba"`` (zfunc's CPU-Adam; contiguous fp32 CPU params only).
+    State: ``AdamState(count, mu, nu)``, moments in the params' dtype (8 bytes per fp32 param).
+    """
+    return _adam_family(learning_rate, b1, b2, eps, weight_decay, mask, backend, decoupled=True)
+
+
+def adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+         weight_decay: float = 0.0, mask: MaskOrFn = None, backend: str = "torch") -> GradientTransformation:
+    """Adam (Kingma & Ba, 2015) with L2 weight decay added to the grad, as ``torch.optim.Adam``.
+
+    Arguments as ``adamw``.
+    """
+    return _adam_family(learning_rate, b1, b2, eps, weight_decay, mask, backend, decoupled=False)
+
+
+# ----------------------------------------------------------------------------- sgd, lion
+
+
+class TraceState(NamedTuple):
+    """``count``: updates applied so far; ``trace``: momentum buffers shaped like params."""
+
+    count: int
+    trace: PyTree
+
+
+def sgd(learning_rate: ScalarOrSchedule, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
+        weight_decay: float = 0.0, mask: MaskOrFn = None) -> GradientTransformation:
+    """SGD with momentum, as ``torch.optim.SGD``: ``g += wd p; b = mu b + (1-damp) g`` (``b = g`` at
+    the first step); ``d = g + mu b`` if nesterov else ``b``; ``p -= lr d``."""
+    _check_betas(momentum=momentum, dampening=dampening)
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("nesterov: needs momentum > 0 and dampening == 0")
+    lr = _as_schedule(learning_rate)
+
+    def init(params):
+        return TraceState(0, tree.map(lambda p: torch.zeros_like(p) if momentum else None, params))
+
+    def update(grads, state, params=None):
+        g_leaves, treespec = tree.flatten(grads)
+        if weight_decay and params is None:
+            raise ValueError("params: sgd with weight_decay needs the current params, got None")
+        p_leaves = tree.leaves(params) if params is not None else [None] * len(g_leaves)
+        decay = _mask_leaves(mask, params, len(g_leaves)) if weight_decay else [False] * len(g_leaves)
+        traces = tree.leaves(state.trace) if momentum else [None] * len(g_leaves)
+        step_lr = lr(state.count)
+        updates, new_traces = [], []
+        for g, p, d, b in zip(g_leaves, p_leaves, decay, traces):
+            if d:
+                g = g + weight_decay * p
+            if momentum:
+                b = g.clone() if state.count == 0 else b * momentum + (1 - dampening) * g
+                g = g + momentum * b if nesterov else b
+            updates.append(-step_lr * g)
+            new_traces.append(b)
+        trace = tree.unflatten(treespec, new_traces) if momentum else state.trace
+        return tree.unflatten(treespec, updates), TraceState(state.count + 1, trace)
+
+    return GradientTransformation(init, update, None, lambda state: lr(state.count))
+
+
+def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 0.0,
+         mask: MaskOrFn = None) -> GradientTransformation:
+    """Lion (Chen et al., 2023): ``p = p (1 - lr wd) - lr sign(b1 m + (1-b1) g);  m = b2 m + (1-b2) g``."""
+    _check_betas(b1=b1, b2=b2)
+    lr = _as_schedule(learning_rate)
+
+    def init(params):
+        return TraceState(0, _zeros_like(params))
+
+    def update(grads, state, params=None):
+        g_leaves, treespec = tree.flatten(grads)
+        p_leaves, m_leaves = tree.leaves(params), tree.leaves(state.trace)
+        decay = _mask_leaves(mask, params, len(g_leaves))
+        step_lr = lr(state.count)
+        updates, new_m = [], []
+        for g, p, m, d in zip(g_leaves, p_leaves, m_leaves, decay):
+            g = g.to(m.dtype)
+            u = -step_lr * torch.sign(m.lerp(g, 1 - b1))
+            if weight_decay and d:
+                u = u - step_lr * weight_decay * p
+            updates.append(u)
+            new_m.append(m.lerp(g, 1 - b2))
+        return tree.unflatten(treespec, updates), TraceState(state.count + 1, tree.unflatten(treespec, new_m))
+
+    return GradientTransformation(init, update, None, lambda state: lr(state.count))

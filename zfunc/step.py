@@ -1,0 +1,301 @@
+"""The training step as a pure function: ``state, metrics = step(state, batch)``.
+
+``train_step(loss_fn, optimizer, precision, accum)`` returns a ``Step``: a callable plus
+``init(params) -> TrainState``. One call computes the loss and grads of ``loss_fn(params, batch)``
+(in the compute dtype, over ``accum`` microbatches), unscales them, applies the optimizer to the
+fp32 master params and returns the new state with its metrics.
+
+Purity without doubling memory (JAX's buffer donation): by default a step *consumes* its input
+state -- the optimizer writes into its tensors -- and marks it, so touching it afterwards raises
+``ConsumedStateError`` instead of showing changed values. With ``donate=False`` the step works on a
+copy and the input state stays intact. ``init`` copies the caller's tensors. The batch is never
+written to.
+
+Gradients use ``torch.autograd.grad`` over ``torch.func.functional_call`` with detached leaves
+that require grad: it supports saved-tensor hooks and non-reentrant checkpointing, which
+``torch.func.grad`` refuses (DESIGN section 4), and costs the same as ``loss.backward()``.
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+
+from zfunc import optim, precision as mp, tree
+
+PyTree = Any
+
+
+class ConsumedStateError(RuntimeError):
+    """A ``TrainState`` was read after a donating step consumed it."""
+
+
+_FIELDS = ("params", "opt_state", "step", "rng", "loss_scale")
+
+
+class TrainState:
+    """Everything a training run carries from step to step; an optree node (namespace "zfunc").
+
+    Fields: ``params`` (pytree of fp32 master tensors), ``opt_state`` (the optimizer's state),
+    ``step`` (int, steps taken), ``rng`` (int, the base seed; step ``k`` seeds torch's RNG from
+    ``(rng, k)``), ``loss_scale`` (``precision.LossScale`` for fp16, else ``None``).
+    """
+
+    __slots__ = ("_values", "_consumed")
+
+    def __init__(self, params: PyTree, opt_state: PyTree, step: int = 0, rng: int = 0, loss_scale=None):
+        self._values = (params, opt_state, step, rng, loss_scale)
+        self._consumed = False
+
+    def _get(self, i: int) -> Any:
+        if self._consumed:
+            raise ConsumedStateError(
+                "this TrainState was consumed by a step (its buffers may have been updated in place); "
+                "use the state that step returned, or build the step with train_step(..., donate=False)"
+            )
+        return self._values[i]
+
+    params = property(lambda self: self._get(0), doc="pytree of fp32 master params")
+    opt_state = property(lambda self: self._get(1), doc="the optimizer's state")
+    step = property(lambda self: self._get(2), doc="number of steps taken (skipped ones included)")
+    rng = property(lambda self: self._get(3), doc="base seed of the step's random numbers")
+    loss_scale = property(lambda self: self._get(4), doc="fp16 LossScale, or None")
+
+    @property
+    def consumed(self) -> bool:
+        """True once a donating step has taken this state."""
+        return self._consumed
+
+    def replace(self, **changes: Any) -> TrainState:
+        """A new state with ``changes`` applied (``dataclasses.replace``-style)."""
+        unknown = changes.keys() - set(_FIELDS)
+        if unknown:
+            raise TypeError(f"replace: unknown fields {sorted(unknown)}; expected some of {_FIELDS}")
+        values = dict(zip(_FIELDS, (self._get(i) for i in range(len(_FIELDS)))))
+        return TrainState(**{**values, **changes})
+
+    def __repr__(self) -> str:
+        if self._consumed:
+            return "TrainState(<consumed>)"
+        n = tree.numel(self._values[0])
+        return f"TrainState(step={self._values[2]}, params={n} elements, loss_scale={self._values[4]})"
+
+
+optree.register_pytree_node(
+    TrainState,
+    lambda s: (tuple(s._get(i) for i in range(len(_FIELDS))), None, _FIELDS),
+    lambda _, children: TrainState(*children),
+    namespace=tree.NAMESPACE,
+)
+
+
+def _check_loss(loss: Any) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
+        got = f"shape {tuple(loss.shape)} {loss.dtype}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(f"loss_fn: expected a 0-d floating-point tensor (a scalar loss), got {got}")
+    return loss
+
+
+def _grad_leaves(params: PyTree, loss_fn: Callable, args: tuple, scale: float | None, has_aux: bool):
+    """``(loss, aux, grads)`` of ``loss_fn(params, *args)``; grads a list in leaf order."""
+    leaves, treespec = tree.flatten(params)
+    diff = [x.detach().requires_grad_() if _differentiable(x) else x for x in leaves]
+    with torch.enable_grad():
+        out = loss_fn(tree.unflatten(treespec, diff), *args)
+        loss, aux = out if has_aux else (out, None)
+        loss = _check_loss(loss)
+        wrt = [x for x in diff if _differentiable(x)]
+        grads = torch.autograd.grad(loss * scale if scale is not None else loss, wrt, allow_unused=True)
+    grads = iter(grads)
+    out_grads = [_or_zeros(next(grads), x) if _differentiable(x) else None for x in diff]
+    return loss.detach(), aux, out_grads
+
+
+def _differentiable(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+
+def _or_zeros(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like) if g is None else g
+
+
+def value_and_grad(fn: Callable[..., Any], has_aux: bool = False) -> Callable[..., Any]:
+    """``fn(params, *args) -> loss`` becomes ``(params, *args) -> (loss, grads)``.
+
+    ``loss`` must be a 0-d floating tensor; it comes back detached. ``grads`` has the structure of
+    ``params``, a tensor (zeros where unused) for each floating leaf and ``None`` elsewhere. With
+    ``has_aux`` ``fn`` returns ``(loss, aux)`` and the result is ``((loss, aux), grads)``. Pure:
+    ``params`` are read, never written.
+    """
+
+    def wrapped(params: PyTree, *args: Any):
+        loss, aux, grads = _grad_leaves(params, fn, args, None, has_aux)
+        grads = tree.unflatten(tree.structure(params), grads)
+        return ((loss, aux) if has_aux else loss), grads
+
+    return wrapped
+
+
+def _split_batch(batch: PyTree, accum: int) -> list[PyTree]:
+    if accum == 1:
+        return [batch]
+    leaves, treespec = tree.flatten(batch)
+    pieces = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            if x.dim() == 0 or x.shape[0] % accum:
+                raise ValueError(
+                    f"batch: accum={accum} splits each tensor's leading dim, got a tensor of shape {tuple(x.shape)}"
+                )
+            pieces.append(x.chunk(accum))
+        else:
+            pieces.append([x] * accum)
+    return [tree.unflatten(treespec, parts) for parts in zip(*pieces)]
+
+
+def _check_single_device(params: PyTree) -> torch.device:
+    paths, leaves, _ = optree.tree_flatten_with_path(params, namespace=tree.NAMESPACE)
+    devices: dict[torch.device, Any] = {}
+    for path, leaf in zip(paths, leaves):
+        if isinstance(leaf, torch.Tensor):
+            devices.setdefault(leaf.device, path)
+    if not devices:
+        raise ValueError("params: expected a pytree with at least one tensor, got none")
+    if len(devices) > 1:
+        where = ", ".join(f"{'/'.join(map(str, p))} on {d}" for d, p in devices.items())
+        raise ValueError(f"params: expected all tensors on one device, got mixed devices ({where})")
+    return next(iter(devices))
+
+
+def _takes_params_and_batch(fn: Callable) -> None:
+    if not callable(fn):
+        raise TypeError(f"loss_fn: expected a callable loss_fn(params, batch), got {type(fn).__name__}")
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError:
+        raise TypeError(f"loss_fn: expected a callable taking (params, batch), got signature {inspect.signature(fn)}") from None
+    except ValueError:  # builtins without a signature: trust them
+        pass
+
+
+class Step:
+    """A training step: ``state, metrics = step(state, batch)`` and ``state = step.init(params)``.
+
+    Built by ``train_step``; transformations (shard, offload, ...) read its attributes and build a
+    new ``Step``. ``metrics`` holds 0-d tensors ``loss`` and ``grad_norm`` (of the unscaled, unclipped
+    fp32 grads), floats ``lr`` (None if the optimizer has no schedule) and ``loss_scale`` (fp16),
+    ``skipped`` (bool: fp16 overflow, update not applied) and ``step`` (int, steps taken).
+    """
+
+    def __init__(self, loss_fn, optimizer, precision, accum, donate, has_aux, seed):
+        self.loss_fn, self.optimizer, self.precision = loss_fn, optimizer, precision
+        self.accum, self.donate, self.has_aux, self.seed = accum, donate, has_aux, seed
+        self.compute_dtype = mp.compute_dtype(precision)
+
+    def init(self, params: PyTree) -> TrainState:
+        """A fresh state: fp32 copies of ``params`` (the caller's tensors are never aliased), the
+        optimizer's initial state, step 0, ``rng = seed`` and fp16's initial loss scale."""
+        device = _check_single_device(params)
+        master = tree.map(lambda p: _master_copy(p, device), params)
+        return TrainState(master, self.optimizer.init(master), 0, self.seed, mp.init_loss_scale(self.precision))
+
+    def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
+        if not isinstance(state, TrainState):
+            raise TypeError(f"state: expected a TrainState from step.init(params), got {type(state).__name__}")
+        params, opt_state, step, rng, loss_scale = (getattr(state, f) for f in _FIELDS)
+        loss, aux, grads = self._loss_and_grads(params, batch, step, rng, loss_scale)
+        norm = optim.global_norm(grads)
+        finite = loss_scale is None or bool(torch.isfinite(norm))
+        lr = optim.learning_rate(self.optimizer, opt_state)
+        if self.donate:
+            state._consumed = True
+        else:
+            params, opt_state = tree.clone(params), tree.clone(opt_state)
+        if finite:
+            params, opt_state = optim.apply(self.optimizer, grads, opt_state, params)
+        loss_scale = mp.next_loss_scale(loss_scale, finite)
+        metrics = {"loss": loss, "grad_norm": norm, "lr": lr, "skipped": not finite, "step": step + 1}
+        if loss_scale is not None:
+            metrics["loss_scale"] = loss_scale.scale
+        if self.has_aux:
+            metrics["aux"] = aux
+        return TrainState(params, opt_state, step + 1, rng, loss_scale), metrics
+
+    def _loss_and_grads(self, params, batch, step, rng, loss_scale):
+        """Mean loss over microbatches and the fp32, unscaled, averaged grads (a pytree)."""
+        compute = mp.cast_floating(params, self.compute_dtype)
+        scale = loss_scale.scale if loss_scale is not None else None
+        losses, auxes, acc = [], [], None
+        with torch.random.fork_rng(devices=_cuda_devices(params)):
+            torch.manual_seed(_step_seed(rng, step))
+            for micro in _split_batch(batch, self.accum):
+                loss, aux, grads = _grad_leaves(compute, self.loss_fn, (micro,), scale, self.has_aux)
+                losses.append(loss.float())
+                auxes.append(aux)
+                acc = _accumulate(acc, grads)
+        divisor = self.accum * (scale or 1.0)
+        tensors = [g for g in acc if g is not None]
+        if divisor != 1.0:
+            torch._foreach_mul_(tensors, 1.0 / divisor)
+        loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+        return loss, (auxes[0] if self.accum == 1 else auxes), tree.unflatten(tree.structure(params), acc)
+
+
+def _master_copy(p: Any, device: torch.device) -> Any:
+    if not isinstance(p, torch.Tensor):
+        return p
+    return p.detach().to(device=device, dtype=torch.float32 if p.is_floating_point() else p.dtype, copy=True)
+
+
+def _accumulate(acc: list | None, grads: list) -> list:
+    """Sum per-microbatch grads in fp32; the first microbatch's fp32 grads are used as they are."""
+    if acc is None:
+        return [g if g is None or g.dtype == torch.float32 else g.float() for g in grads]
+    tensors = [(a, g) for a, g in zip(acc, grads) if a is not None]
+    torch._foreach_add_([a for a, _ in tensors], [g for _, g in tensors])
+    return acc
+
+
+def _step_seed(rng: int, step: int) -> int:
+    return (rng * 1_000_003 + step) % (2**63)
+
+
+def _cuda_devices(params: PyTree) -> list[int]:
+    return sorted({t.device.index or 0 for t in tree.tensors(params) if t.device.type == "cuda"})
+
+
+def train_step(
+    loss_fn: Callable[[PyTree, PyTree], torch.Tensor],
+    optimizer: optim.GradientTransformation,
+    precision: str = "fp32",
+    accum: int = 1,
+    *,
+    donate: bool = True,
+    has_aux: bool = False,
+    seed: int = 0,
+) -> Step:
+    """Build the step that trains ``loss_fn`` with ``optimizer``.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> 0-d tensor`` (``(loss, aux)`` with ``has_aux``); pure.
+      optimizer: a ``zf.optim.GradientTransformation``.
+      precision: "fp32", "bf16" or "fp16": the compute dtype of forward and backward. Params are
+        kept as fp32 masters in the state; fp16 adds a dynamic loss scale (``precision.LossScale``)
+        and skips the update when a grad is inf/nan (``metrics["skipped"]``).
+      accum: microbatches per step; every tensor in the batch is split along dim 0 into ``accum``
+        equal parts and the grads are averaged, so ``accum=k`` on a batch of ``k*B`` equals
+        ``accum=1`` on it (for a loss that is a mean over the batch).
+      donate: consume the input state (update its buffers in place) -- see the module docstring.
+      seed: base seed stored in the state as ``rng``.
+    Memory: params 4 B/param (fp32 masters) + the optimizer's state + grads 4 B/param (+ the compute
+    copy: 2 B/param for bf16/fp16).
+    """
+    _takes_params_and_batch(loss_fn)
+    if not isinstance(optimizer, optim.GradientTransformation):
+        raise TypeError(f"optimizer: expected a zf.optim.GradientTransformation, got {type(optimizer).__name__}")
+    if not isinstance(accum, int) or accum < 1:
+        raise ValueError(f"accum: expected an int >= 1, got {accum!r}")
+    return Step(loss_fn, optimizer, precision, accum, donate, has_aux, seed)
