@@ -1,7 +1,7 @@
 """Mixed precision: compute dtypes, casts of the fp32 master params, and the fp16 dynamic loss scale.
 
-Policy: the ``TrainState`` holds fp32 master params. Each step casts them to the compute dtype
-(bf16/fp16; a no-op alias for fp32), runs forward and backward in it, accumulates the grads in fp32
+Policy: the ``TrainState`` holds fp32 master params. Each step casts them and the batch's floating
+tensors to the compute dtype (bf16/fp16; a no-op alias for fp32), runs forward and backward in it, accumulates the grads in fp32
 and hands fp32 grads to the optimizer, which updates the masters.
 
 fp16 needs a loss scale: the loss is multiplied by ``scale`` before backward so small grads do not

@@ -231,7 +231,7 @@ class Step:
         losses, auxes, acc = [], [], None
         with torch.random.fork_rng(devices=_cuda_devices(params)):
             torch.manual_seed(_step_seed(rng, step))
-            for micro in _split_batch(batch, self.accum):
+            for micro in _split_batch(mp.cast_floating(batch, self.compute_dtype), self.accum):
                 loss, aux, grads = _grad_leaves(compute, self.loss_fn, (micro,), scale, self.has_aux)
                 losses.append(loss.float())
                 auxes.append(aux)
@@ -282,7 +282,8 @@ def train_step(
     Args:
       loss_fn: ``loss_fn(params, batch) -> 0-d tensor`` (``(loss, aux)`` with ``has_aux``); pure.
       optimizer: a ``zf.optim.GradientTransformation``.
-      precision: "fp32", "bf16" or "fp16": the compute dtype of forward and backward. Params are
+      precision: "fp32", "bf16" or "fp16": the compute dtype of forward and backward. The params
+        and the batch's floating tensors are cast to it (integer tokens are left alone); params are
         kept as fp32 masters in the state; fp16 adds a dynamic loss scale (``precision.LossScale``)
         and skips the update when a grad is inf/nan (``metrics["skipped"]``).
       accum: microbatches per step; every tensor in the batch is split along dim 0 into ``accum``

@@ -1,0 +1,219 @@
+"""zf.optim equals torch.optim, step for step, through the pure update and the fused apply."""
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import zfunc as zf
+from zfunc import optim
+
+STEPS = 20
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(7, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def batches(n=STEPS):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 7, generator=g), torch.randn(8, 3, generator=g)) for _ in range(n)]
+
+
+def torch_run(model, make_opt, data, clip=None, scheduler=None):
+    """Parameters after training ``model`` (a copy) with a torch optimizer on ``data``."""
+    model = _copy(model)
+    opt = make_opt(model.parameters())
+    sched = scheduler(opt) if scheduler else None
+    for x, y in data:
+        opt.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+        if clip:
+            nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        if sched:
+            sched.step()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def zf_run(model, tx, data, *, pure=False):
+    """Parameters after training ``model`` with ``tx``: through the step (fused ``apply``) or,
+    with ``pure``, through ``update`` + ``apply_updates``."""
+    apply, params = zf.functionalize(_copy(model))
+
+    def loss_fn(p, batch):
+        return nn.functional.mse_loss(apply(p, batch[0]), batch[1])
+
+    if pure:
+        state = tx.init(params)
+        for batch in data:
+            _, grads = zf.value_and_grad(loss_fn)(params, batch)
+            updates, state = tx.update(grads, state, params)
+            params = optim.apply_updates(params, updates)
+        return params
+    step = zf.train_step(loss_fn, tx)
+    state = step.init(params)
+    for batch in data:
+        state, _ = step(state, batch)
+    return state.params
+
+
+def _copy(model):
+    return copy.deepcopy(model)
+
+
+def assert_params_close(ours, theirs, rtol=1e-6, atol=0.0):
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+# Adam divides m by sqrt(v): where a grad is rounding noise near zero, a one-ulp difference in the
+# order of operations can flip the step's sign, i.e. move the param by up to 2*lr. Over 20 steps
+# such flips stay rare; an absolute bound of 2*lr*STEPS/10 covers a handful and still catches any
+# real formula error (which moves every element by ~lr per step).
+def adam_atol(lr):
+    return 2 * lr * STEPS / 10
+
+
+@pytest.mark.parametrize("pure", [False, True], ids=["fused", "pure"])
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_adamw_matches_torch(pure, wd):
+    lr = 1e-2
+    model, data = mlp(), batches()
+    theirs = torch_run(model, lambda p: torch.optim.AdamW(p, lr=lr, betas=(0.9, 0.95), weight_decay=wd, fused=not pure), data)
+    ours = zf_run(model, optim.adamw(lr, b1=0.9, b2=0.95, weight_decay=wd), data, pure=pure)
+    assert_params_close(ours, theirs, atol=0.0 if not pure else adam_atol(lr))
+
+
+@pytest.mark.parametrize("pure", [False, True], ids=["fused", "pure"])
+def test_adam_matches_torch(pure):
+    lr = 1e-2
+    model, data = mlp(), batches()
+    theirs = torch_run(model, lambda p: torch.optim.Adam(p, lr=lr, weight_decay=0.05, fused=not pure), data)
+    ours = zf_run(model, optim.adam(lr, weight_decay=0.05), data, pure=pure)
+    assert_params_close(ours, theirs, atol=0.0 if not pure else adam_atol(lr))
+
+
+@pytest.mark.parametrize(
+    "kw", [dict(), dict(momentum=0.9), dict(momentum=0.9, nesterov=True, weight_decay=0.01), dict(momentum=0.5, dampening=0.3)]
+)
+def test_sgd_matches_torch(kw):
+    model, data = mlp(), batches()
+    theirs = torch_run(model, lambda p: torch.optim.SGD(p, lr=0.05, **kw), data)
+    # optax's shape materialises the update -lr*d and adds it: two roundings where torch's
+    # p.add_(d, alpha=-lr) has one. Each step may differ by half an ulp of lr*|d| (<= 0.05 here,
+    # ulp 3.7e-9), so 20 steps stay under 5e-8 absolute; relative error explodes only where a
+    # param crosses zero.
+    assert_params_close(zf_run(model, optim.sgd(0.05, **kw), data), theirs, atol=5e-8)
+
+
+def test_fused_adamw_path_equals_pure_update():
+    model, data = mlp(), batches()
+    tx = optim.adamw(1e-3, weight_decay=0.1)
+    assert_params_close(zf_run(model, tx, data), zf_run(model, tx, data, pure=True), atol=adam_atol(1e-3))
+
+
+@pytest.mark.parametrize("pure", [False, True], ids=["fused", "pure"])
+def test_decay_mask_decays_matrices_not_biases(pure):
+    model, data = mlp(), batches(1)  # one step: each param's update depends only on its own decay
+    masked = zf_run(model, optim.adamw(1e-2, weight_decay=0.5, mask=optim.decay_mask), data, pure=pure)
+    decayed = zf_run(model, optim.adamw(1e-2, weight_decay=0.5), data, pure=pure)
+    undecayed = zf_run(model, optim.adamw(1e-2, weight_decay=0.0), data, pure=pure)
+    for name, p in masked.items():
+        expected = decayed[name] if name.endswith("weight") else undecayed[name]
+        torch.testing.assert_close(p, expected, rtol=0, atol=0, msg=name)
+    assert optim.decay_mask({"w": torch.zeros(2, 2), "b": torch.zeros(2)}) == {"w": True, "b": False}
+
+
+def test_mask_is_honoured_by_pure_and_fused_paths():
+    model, data = mlp(), batches(5)
+    mask = lambda params: {n: n.startswith("0.") for n in params}  # noqa: E731
+    tx = optim.adamw(1e-2, weight_decay=0.3, mask=mask)
+    assert_params_close(zf_run(model, tx, data), zf_run(model, tx, data, pure=True), atol=adam_atol(1e-2))
+
+
+def test_clip_by_global_norm_matches_torch():
+    model, data = mlp(), batches()
+    theirs = torch_run(model, lambda p: torch.optim.SGD(p, lr=0.1), data, clip=0.05)
+    ours = zf_run(model, optim.chain(optim.clip_by_global_norm(0.05), optim.sgd(0.1)), data)
+    assert_params_close(ours, theirs, atol=5e-8)  # sgd's two roundings: see test_sgd_matches_torch
+
+
+def test_chained_clip_and_adamw_matches_torch_fused():
+    model, data = mlp(), batches()
+    theirs = torch_run(model, lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.1, fused=True), data, clip=0.5)
+    ours = zf_run(model, optim.chain(optim.clip_by_global_norm(0.5), optim.adamw(3e-3, weight_decay=0.1)), data)
+    assert_params_close(ours, theirs, atol=adam_atol(3e-3))
+
+
+def test_warmup_cosine_schedule_matches_torch_lambda_lr():
+    sched = optim.warmup_cosine(1e-2, 5, STEPS, end_value=1e-3)
+    model, data = mlp(), batches()
+    theirs = torch_run(model, lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True), data,
+                       scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda t: sched(t) / 1e-2))
+    assert_params_close(zf_run(model, optim.adamw(sched), data), theirs, rtol=1e-5, atol=1e-7)
+
+
+def test_schedule_values():
+    s = optim.warmup_cosine(1.0, 4, 14, end_value=0.1)
+    assert [s(i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert s(4) == 1.0 and math.isclose(s(9), 0.55) and math.isclose(s(14), 0.1) and math.isclose(s(100), 0.1)
+    assert optim.linear_warmup(2.0, 2)(0) == 1.0 and optim.linear_warmup(2.0, 2)(5) == 2.0
+    lin = optim.linear_schedule(1.0, 0.0, 10)
+    assert lin(0) == 1.0 and lin(5) == 0.5 and lin(20) == 0.0
+    assert optim.constant_schedule(0.3)(123) == 0.3
+
+
+def test_lion_matches_reference_formula():
+    torch.manual_seed(0)
+    p0, g = torch.randn(50), torch.randn(50)
+    tx = optim.lion(1e-3, b1=0.9, b2=0.99, weight_decay=0.1)
+    state = tx.init({"w": p0})
+    params = {"w": p0}
+    m = torch.zeros(50)
+    p = p0.clone()
+    for _ in range(3):
+        updates, state = tx.update({"w": g}, state, params)
+        params = optim.apply_updates(params, updates)
+        p = p * (1 - 1e-3 * 0.1) - 1e-3 * torch.sign(0.9 * m + 0.1 * g)
+        m = 0.99 * m + 0.01 * g
+    torch.testing.assert_close(params["w"], p, rtol=1e-6, atol=1e-7)
+
+
+def test_learning_rate_reported_from_chain():
+    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(optim.linear_warmup(1.0, 4)))
+    state = tx.init({"w": torch.zeros(3)})
+    assert optim.learning_rate(tx, state) == 0.25
+    assert optim.learning_rate(optim.clip_by_global_norm(1.0), optim.EmptyState()) is None
+
+
+def test_global_norm():
+    t = {"a": torch.tensor([3.0]), "b": torch.tensor([[4.0]])}
+    assert optim.global_norm(t).item() == 5.0
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: optim.adamw(-1.0), "learning_rate"),
+        (lambda: optim.adamw(1e-3, b1=1.0), "b1"),
+        (lambda: optim.adamw(1e-3, backend="cuda"), "backend"),
+        (lambda: optim.sgd(0.1, nesterov=True), "nesterov"),
+        (lambda: optim.clip_by_global_norm(0.0), "max_norm"),
+        (lambda: optim.warmup_cosine(1.0, 10, 5), "warmup_steps"),
+        (lambda: optim.chain(optim.sgd(0.1), "adam"), "chain argument 1"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(make, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        make()
+
+
+def test_mask_of_wrong_length_is_rejected():
+    tx = optim.adamw(1e-3, mask={"a": True})
+    params = {"a": torch.zeros(2), "b": torch.zeros(2)}
+    with pytest.raises(ValueError, match="mask"):
+        tx.update(params, tx.init(params), params)

@@ -1,0 +1,19 @@
+"""Optimizer kernels, chosen by where the optimizer state lives.
+
+``zfunc.ops.cpu_adam``: Numba kernels for state in CPU RAM (AdamW/Adam, Lion, SGD).
+Submodules load on first attribute access: importing Numba costs ~0.3 s and most steps never
+touch a CPU kernel, so ``import zfunc`` must not pay for it.
+"""
+import importlib
+
+_SUBMODULES = ("cpu_adam",)
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_SUBMODULES])
