@@ -5,12 +5,13 @@
     state = step.init(params)
     state, metrics = step(state, batch)
 """
-from zfunc import optim, precision, tree
+from zfunc import dist, optim, precision, tree
 from zfunc.module import functionalize
 from zfunc.step import ConsumedStateError, Step, TrainState, train_step, value_and_grad
 
 __all__ = [
     "ConsumedStateError",
+    "dist",
     "Step",
     "TrainState",
     "functionalize",

@@ -42,13 +42,17 @@ class TrainState:
     Fields: ``params`` (pytree of fp32 master tensors), ``opt_state`` (the optimizer's state),
     ``step`` (int, steps taken), ``rng`` (int, the base seed; step ``k`` seeds torch's RNG from
     ``(rng, k)``), ``loss_scale`` (``precision.LossScale`` for fp16, else ``None``).
+    ``sharding`` is static metadata, not a pytree child: ``None`` for a plain state, else the
+    ``shard.ShardSpec`` saying how ``params`` and ``opt_state`` are split over ranks.
     """
 
-    __slots__ = ("_values", "_consumed")
+    __slots__ = ("_values", "_consumed", "sharding")
 
-    def __init__(self, params: PyTree, opt_state: PyTree, step: int = 0, rng: int = 0, loss_scale=None):
+    def __init__(self, params: PyTree, opt_state: PyTree, step: int = 0, rng: int = 0, loss_scale=None,
+                 sharding: Any = None):
         self._values = (params, opt_state, step, rng, loss_scale)
         self._consumed = False
+        self.sharding = sharding
 
     def _get(self, i: int) -> Any:
         if self._consumed:
@@ -75,7 +79,7 @@ class TrainState:
         if unknown:
             raise TypeError(f"replace: unknown fields {sorted(unknown)}; expected some of {_FIELDS}")
         values = dict(zip(_FIELDS, (self._get(i) for i in range(len(_FIELDS)))))
-        return TrainState(**{**values, **changes})
+        return TrainState(**{**values, **changes}, sharding=self.sharding)
 
     def __repr__(self) -> str:
         if self._consumed:
@@ -86,8 +90,8 @@ class TrainState:
 
 optree.register_pytree_node(
     TrainState,
-    lambda s: (tuple(s._get(i) for i in range(len(_FIELDS))), None, _FIELDS),
-    lambda _, children: TrainState(*children),
+    lambda s: (tuple(s._get(i) for i in range(len(_FIELDS))), s.sharding, _FIELDS),
+    lambda sharding, children: TrainState(*children, sharding=sharding),
     namespace=tree.NAMESPACE,
 )
 
@@ -203,10 +207,21 @@ class Step:
         return TrainState(master, self.optimizer.init(master), 0, self.seed, mp.init_loss_scale(self.precision))
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
-        if not isinstance(state, TrainState):
-            raise TypeError(f"state: expected a TrainState from step.init(params), got {type(state).__name__}")
+        self._check_state(state)
         params, opt_state, step, rng, loss_scale = (getattr(state, f) for f in _FIELDS)
         loss, aux, grads = self._loss_and_grads(params, batch, step, rng, loss_scale)
+        return self._update(state, grads, loss, aux)
+
+    def _check_state(self, state: Any) -> None:
+        if not isinstance(state, TrainState):
+            raise TypeError(f"state: expected a TrainState from step.init(params), got {type(state).__name__}")
+        if state.sharding is not None:
+            raise ValueError(f"state: this state is sharded ({state.sharding}); feed it to the sharded step "
+                             "it came from, not to the plain step")
+
+    def _update(self, state: TrainState, grads: PyTree, loss: torch.Tensor, aux: Any):
+        """Apply the optimizer to ``state`` with fp32, unscaled ``grads``; the new state and metrics."""
+        params, opt_state, step, rng, loss_scale = (getattr(state, f) for f in _FIELDS)
         norm = optim.global_norm(grads)
         finite = loss_scale is None or bool(torch.isfinite(norm))
         lr = optim.learning_rate(self.optimizer, opt_state)
@@ -222,7 +237,7 @@ class Step:
             metrics["loss_scale"] = loss_scale.scale
         if self.has_aux:
             metrics["aux"] = aux
-        return TrainState(params, opt_state, step + 1, rng, loss_scale), metrics
+        return TrainState(params, opt_state, step + 1, rng, loss_scale, state.sharding), metrics
 
     def _loss_and_grads(self, params, batch, step, rng, loss_scale):
         """Mean loss over microbatches and the fp32, unscaled, averaged grads (a pytree)."""

@@ -1,0 +1,200 @@
+"""The data-parallel mesh over ``torch.distributed``, a byte-counting collectives layer, and ``spawn``.
+
+``Mesh(dp=N)`` wraps the default process group (gloo for CPU tensors, NCCL for CUDA), which
+``torchrun``'s environment variables or ``spawn`` set up. Every collective zfunc issues goes
+through a ``Comm``, which counts the bytes of each call type -- the figures the comm-volume tests
+and the sharding docstrings' *cost* lines are checked against -- and names the operation (unit,
+step) in the error when a peer fails or the ranks' calls diverge, instead of hanging silently.
+
+Byte counts are the full logical tensor, per rank: ``all_gather`` counts its output,
+``reduce_scatter`` its input, ``all_reduce`` twice its tensor (a ring all-reduce is a
+reduce-scatter plus an all-gather). In those units DDP moves 2 Psi bytes per step.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed: a peer died, timed out, or the ranks issued different collectives."""
+
+
+@dataclass
+class Comm:
+    """Collectives over ``group`` that count bytes per call type and label failures.
+
+    ``label`` is a string like ``"gather unit 'h.0' at step 3"`` that names the operation in errors.
+    ``bytes`` maps call type ("all_gather", "reduce_scatter", "all_reduce", "broadcast") to bytes.
+    """
+
+    group: Any = None
+    bytes: Counter = field(default_factory=Counter)
+
+    def _run(self, kind: str, nbytes: int, label: str, fn: Callable[[], Any]) -> Any:
+        self.bytes[kind] += nbytes
+        try:
+            return fn()
+        except Exception as e:  # gloo/NCCL raise RuntimeError subclasses with transport details
+            raise CollectiveError(f"{kind} failed during {label or 'an unlabelled collective'}: {e}") from e
+
+    def all_gather(self, out: torch.Tensor, local: torch.Tensor, label: str = "", async_op: bool = False):
+        """``out`` (N * local.numel(), rank-major) <- every rank's ``local``."""
+        return self._run("all_gather", _nbytes(out), label,
+                         lambda: dist.all_gather_into_tensor(out, local, group=self.group, async_op=async_op))
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, label: str = "", async_op: bool = False):
+        """``out`` <- this rank's slice of the sum over ranks of ``full`` (N * out.numel())."""
+        return self._run("reduce_scatter", _nbytes(full), label,
+                         lambda: dist.reduce_scatter_tensor(out, full, group=self.group, async_op=async_op))
+
+    def all_reduce(self, t: torch.Tensor, label: str = "", async_op: bool = False):
+        """``t`` <- the sum over ranks of ``t``, in place."""
+        return self._run("all_reduce", 2 * _nbytes(t), label,
+                         lambda: dist.all_reduce(t, group=self.group, async_op=async_op))
+
+    def broadcast(self, t: torch.Tensor, src: int = 0, label: str = ""):
+        """``t`` <- rank ``src``'s ``t``, in place."""
+        return self._run("broadcast", _nbytes(t), label, lambda: dist.broadcast(t, src, group=self.group))
+
+    def check_same(self, values: list[int], what: str, label: str = "") -> None:
+        """Raise ``CollectiveError`` unless every rank passed the same ``values`` (small ints)."""
+        mine = torch.tensor(values, dtype=torch.int64)
+        lo, hi = mine.clone(), mine.clone()
+        self._run("check", 0, label, lambda: dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.group))
+        self._run("check", 0, label, lambda: dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.group))
+        if not torch.equal(lo, hi):
+            raise CollectiveError(
+                f"ranks diverged at {label}: {what} differ across ranks (this rank: {values}, "
+                f"min over ranks: {lo.tolist()}, max: {hi.tolist()})"
+            )
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Mesh:
+    """A 1-D data-parallel mesh of ``dp`` ranks: the default process group, checked.
+
+    ``Mesh(dp=None)`` takes the world size. The process group must be initialised first
+    (``init_from_env()`` under ``torchrun``, or ``spawn``); a single process without one gets a
+    trivial mesh of 1.
+    """
+
+    def __init__(self, dp: int | None = None):
+        initialised = dist.is_available() and dist.is_initialized()
+        world = dist.get_world_size() if initialised else 1
+        if dp is None:
+            dp = world
+        if not isinstance(dp, int) or dp < 1:
+            raise ValueError(f"dp: expected an int >= 1, got {dp!r}")
+        if dp != world:
+            raise ValueError(
+                f"dp: the mesh has {dp} ranks but the process group has world size {world}"
+                + ("" if initialised else " (torch.distributed is not initialised: start with torchrun or zf.dist.spawn)")
+            )
+        self.dp = dp
+        self.rank = dist.get_rank() if initialised else 0
+        self.comm = Comm()
+
+    @property
+    def size(self) -> int:
+        """Number of data-parallel ranks."""
+        return self.dp
+
+    def __repr__(self) -> str:
+        return f"Mesh(dp={self.dp}, rank={self.rank})"
+
+
+def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> None:
+    """Initialise the default process group from torchrun's env vars (no-op if already done).
+
+    ``backend``: "gloo" or "nccl"; default NCCL when CUDA is available, else gloo. ``timeout_s``
+    bounds how long a collective waits for a peer before failing.
+    """
+    if dist.is_initialized():
+        return
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, timeout_s: float, fn: Callable, args: tuple, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        results.put((rank, True, fn(rank, *args)))
+    except BaseException:  # report every failure to the parent, which raises it
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+    """Run ``fn(rank, *args)`` on ``world_size`` gloo ranks over loopback; return results by rank.
+
+    ``fn`` and ``args`` must be picklable (a module-level function). Each rank gets
+    ``cpu_count // world_size`` threads. If a rank raises, the others are stopped and a
+    ``RuntimeError`` carries the first failing rank's traceback; if the whole run exceeds
+    ``timeout_s`` every rank is stopped and ``TimeoutError`` is raised.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size: expected an int >= 1, got {world_size!r}")
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = free_port()
+    collective_timeout = max(5.0, timeout_s / 2)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, collective_timeout, fn, args, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    try:
+        return _collect(procs, results, world_size, timeout_s)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+
+
+def _collect(procs, results, world_size: int, timeout_s: float) -> list[Any]:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    out: dict[int, Any] = {}
+    while len(out) < world_size:
+        if not results.empty():
+            rank, ok, value = results.get()
+            if not ok:
+                raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
+            out[rank] = value
+            continue
+        dead = [i for i, p in enumerate(procs) if not p.is_alive() and i not in out and p.exitcode not in (0, None)]
+        if dead and results.empty():
+            time.sleep(0.2)  # a last report may still be in flight
+            if results.empty():
+                raise RuntimeError(f"rank {dead[0]} of {world_size} died with exit code {procs[dead[0]].exitcode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"spawn: ranks {sorted(set(range(world_size)) - set(out))} did not finish in {timeout_s} s")
+        time.sleep(0.01)
+    return [out[r] for r in range(world_size)]
