@@ -5,20 +5,25 @@
     state = step.init(params)
     state, metrics = step(state, batch)
 """
-from zfunc import dist, optim, precision, tree
+from zfunc import dist, optim, precision, tree, units
+from zfunc.dist import Mesh
 from zfunc.module import functionalize
+from zfunc.shard import shard
 from zfunc.step import ConsumedStateError, Step, TrainState, train_step, value_and_grad
 
 __all__ = [
     "ConsumedStateError",
+    "Mesh",
     "dist",
     "Step",
     "TrainState",
     "functionalize",
     "optim",
     "precision",
+    "shard",
     "train_step",
     "tree",
+    "units",
     "value_and_grad",
 ]
 __version__ = "0.1.0"

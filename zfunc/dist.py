@@ -13,6 +13,7 @@ reduce-scatter plus an all-gather). In those units DDP moves 2 Psi bytes per ste
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import socket
 import traceback
@@ -51,12 +52,12 @@ class Comm:
     def all_gather(self, out: torch.Tensor, local: torch.Tensor, label: str = "", async_op: bool = False):
         """``out`` (N * local.numel(), rank-major) <- every rank's ``local``."""
         return self._run("all_gather", _nbytes(out), label,
-                         lambda: dist.all_gather_into_tensor(out, local, group=self.group, async_op=async_op))
+                         lambda: _all_gather(out, local, group=self.group, async_op=async_op))
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, label: str = "", async_op: bool = False):
         """``out`` <- this rank's slice of the sum over ranks of ``full`` (N * out.numel())."""
         return self._run("reduce_scatter", _nbytes(full), label,
-                         lambda: dist.reduce_scatter_tensor(out, full, group=self.group, async_op=async_op))
+                         lambda: _reduce_scatter(out, full, group=self.group, async_op=async_op))
 
     def all_reduce(self, t: torch.Tensor, label: str = "", async_op: bool = False):
         """``t`` <- the sum over ranks of ``t``, in place."""
@@ -78,6 +79,11 @@ class Comm:
                 f"ranks diverged at {label}: {what} differ across ranks (this rank: {values}, "
                 f"min over ranks: {lo.tolist()}, max: {hi.tolist()})"
             )
+
+
+# torch 2.13 renamed the tensor collectives; 2.11 has only the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -142,12 +148,20 @@ def _worker(rank: int, world_size: int, port: int, timeout_s: float, fn: Callabl
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-        results.put((rank, True, fn(rank, *args)))
+        results.put((rank, True, _to_bytes(fn(rank, *args))))
     except BaseException:  # report every failure to the parent, which raises it
         results.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _to_bytes(value: Any) -> bytes:
+    # Tensors sent through a torch.multiprocessing queue travel as shared-memory handles that die
+    # with the sending process; plain bytes outlive it.
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
@@ -187,7 +201,7 @@ def _collect(procs, results, world_size: int, timeout_s: float) -> list[Any]:
             rank, ok, value = results.get()
             if not ok:
                 raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
-            out[rank] = value
+            out[rank] = torch.load(io.BytesIO(value), weights_only=False)
             continue
         dead = [i for i, p in enumerate(procs) if not p.is_alive() and i not in out and p.exitcode not in (0, None)]
         if dead and results.empty():

@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from zfunc.prefetch import ACTIVE
+
 
 def _buffer_snapshot(module: nn.Module) -> dict[str, torch.Tensor]:
     return {name: b.detach().clone() for name, b in module.named_buffers()}
@@ -63,7 +65,11 @@ def functionalize(module: nn.Module, *, with_buffers: bool = False) -> tuple[Cal
 
     def call(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], args, kwargs):
         _check_params(params, names)
-        return functional_call(module, ({**trainable, **params}, frozen, buffers), args, kwargs)
+        gatherer = ACTIVE.get()  # a ZeRO-3 step is running: its units gather params around each forward
+        if gatherer is None:
+            return functional_call(module, ({**trainable, **params}, frozen, buffers), args, kwargs)
+        with gatherer.running(module):
+            return functional_call(module, ({**trainable, **params}, frozen, buffers), args, kwargs)
 
     if with_buffers:
 

@@ -17,8 +17,10 @@ already applied (0 on the first step). Step counts are Python ints in the state.
 """
 from __future__ import annotations
 
+import contextvars
 import math
 from collections.abc import Callable
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import torch
@@ -77,14 +79,31 @@ def learning_rate(tx: GradientTransformation, state: PyTree) -> float | None:
     return None if tx.learning_rate is None else float(tx.learning_rate(state))
 
 
+# Set by a sharded step: sums a 0-d tensor over the ranks, so norms of sharded grads are global.
+_SUM_ACROSS_RANKS: contextvars.ContextVar[Callable[[torch.Tensor], torch.Tensor] | None] = contextvars.ContextVar(
+    "zfunc_sum_across_ranks", default=None)
+
+
+@contextmanager
+def summing_across(sum_fn: Callable[[torch.Tensor], torch.Tensor]):
+    """Within the block, ``global_norm`` treats the grads as one rank's share: it sums the squared
+    norm with ``sum_fn`` (an all-reduce) before the square root, like ``psum`` in JAX."""
+    token = _SUM_ACROSS_RANKS.set(sum_fn)
+    try:
+        yield
+    finally:
+        _SUM_ACROSS_RANKS.reset(token)
+
+
 def global_norm(grads: PyTree) -> torch.Tensor:
-    """The L2 norm of all tensor leaves together, as a 0-d fp32 tensor on the first leaf's device."""
+    """The L2 norm of all tensor leaves together, as a 0-d fp32 tensor on the first leaf's device
+    (summed over ranks inside ``summing_across``)."""
     leaves = tree.tensors(grads)
-    if not leaves:
-        return torch.zeros(())
-    device = leaves[0].device
-    norms = [n.to(device, torch.float32) for n in torch._foreach_norm(leaves)]
-    return torch.linalg.vector_norm(torch.stack(norms))
+    device = leaves[0].device if leaves else torch.device("cpu")
+    norms = [n.to(device, torch.float32) for n in torch._foreach_norm(leaves)] if leaves else []
+    norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=device)
+    sum_fn = _SUM_ACROSS_RANKS.get()
+    return norm if sum_fn is None else sum_fn(norm * norm).sqrt()
 
 
 def _as_schedule(learning_rate: ScalarOrSchedule) -> Schedule:

@@ -1,0 +1,181 @@
+"""ZeRO-3 parameter gathering: units gathered just in time, freed after use, prefetched in order.
+
+A ``Gatherer`` lives for one sharded step. It hands the loss function *placeholders*: tensors of
+each param's whole shape (compute dtype, ``requires_grad``) whose storage is empty. While
+``zf.functionalize``'s ``apply`` runs the model, forward hooks on each unit's modules fill the
+unit's storages by an all-gather just before the unit's forward and empty them after it.
+Autograd keeps referring to the same storages; a saved-tensor hook notices when backward is about
+to use a freed one and gathers the unit again (DESIGN section 4: ``torch.autograd.grad`` and
+``backward`` allow these hooks where ``torch.func`` does not). The grad reducer releases a unit for
+good once all its grads are in.
+
+Prefetch (ZeRO-Infinity's overlap-centric design): the first step records the order in which units
+run; later steps, when unit i starts, launch the async all-gather of the next ``depth`` units
+(the previous ones in backward), so communication overlaps compute. Peak whole-param bytes are
+tracked in ``peak_bytes``; the bound is ``(1 + depth)`` times the largest unit plus any unit whose
+params a module outside it reads (a tied head).
+
+Divergence: each rank writes its unit index into the padding slot of its segment; after the
+all-gather every rank checks every other rank gathered the same unit, so data-dependent control
+flow that skips a unit on one rank fails at once, naming the unit and step, instead of hanging.
+"""
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from zfunc.dist import CollectiveError, Comm
+
+TAG_DTYPES = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+# Set while a stage-3 step runs its loss function: functionalize's apply calls it with the module.
+ACTIVE: contextvars.ContextVar[Gatherer | None] = contextvars.ContextVar("zfunc_stage3_gatherer", default=None)
+
+
+def _write(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy ``src`` into ``dst``'s storage without bumping ``dst``'s version counter (autograd has
+    saved ``dst``; refilling the same values must not look like an in-place edit)."""
+    alias = torch.empty(0, dtype=dst.dtype, device=dst.device).set_(dst.untyped_storage(), 0, dst.shape, dst.stride())
+    with torch.no_grad():
+        alias.copy_(src)
+
+
+class Gatherer:
+    """Gathers, frees and prefetches the units of one stage-3 step (see the module docstring).
+
+    Args:
+      comm: the mesh's ``Comm``. pieces: this rank's param pieces, leaf order. placeholders:
+      whole-shape leaves handed to the loss. flat_units: callable ``module -> list[FlatUnit]`` with
+      their ``users``. order: units' run order from an earlier step (``[]`` to record it).
+    """
+
+    def __init__(self, comm: Comm, spec, pieces, placeholders, flat_units: Callable, order: list[int],
+                 depth: int, label: str):
+        self.comm, self.spec, self.pieces, self.placeholders = comm, spec, pieces, placeholders
+        self.flat_units, self.units, self.order, self.depth, self.label = flat_units, None, order, depth, label
+        self.recording = not order
+        self.gathered: dict[int, bool] = {}
+        self.inflight: dict[int, tuple[Any, torch.Tensor]] = {}
+        self.holders: dict[int, int] = {}
+        self.current_bytes = self.peak_bytes = 0
+        self._ptr_to_unit: dict[int, int] = {}
+
+    # ------------------------------------------------------------------ gather and free
+    def _unit_bytes(self, u: int) -> int:
+        return sum(self.placeholders[i].numel() * self.placeholders[i].element_size() for i in self.units[u].indices)
+
+    def _launch(self, u: int) -> None:
+        unit = self.units[u]
+        ph = self.placeholders[unit.indices[0]]
+        seg = unit.pack_local([self.pieces[i] for i in unit.indices], ph.dtype, ph.device, tag=u)
+        out = torch.empty(self.spec.world * seg.numel(), dtype=seg.dtype, device=seg.device)
+        work = self.comm.all_gather(out, seg, label=self._what(u), async_op=True)
+        self.inflight[u] = (work, out)
+        self._count(self._unit_bytes(u))
+
+    def ensure(self, u: int) -> None:
+        """Make unit ``u``'s placeholders hold its whole params."""
+        if self.gathered.get(u):
+            return
+        if u not in self.inflight:
+            self._launch(u)
+        work, out = self.inflight.pop(u)
+        try:
+            work.wait()
+        except Exception as e:
+            raise CollectiveError(f"all_gather failed during {self._what(u)}: {e}") from e
+        unit = self.units[u]
+        self._check_tags(out, unit, u)
+        for i, whole in zip(unit.indices, unit.unpack_gathered(out, self.spec.leaves, self.spec.world)):
+            ph = self.placeholders[i]
+            ph.untyped_storage().resize_(ph.numel() * ph.element_size())
+            _write(ph, whole)
+            self._ptr_to_unit[ph.untyped_storage().data_ptr()] = u
+        self.gathered[u] = True
+
+    def release(self, u: int) -> None:
+        """Free unit ``u``'s whole params (a no-op if they are not held)."""
+        if not self.gathered.pop(u, False):
+            return
+        for i in self.units[u].indices:
+            storage = self.placeholders[i].untyped_storage()
+            self._ptr_to_unit.pop(storage.data_ptr(), None)
+            storage.resize_(0)
+        self.current_bytes -= self._unit_bytes(u)
+
+    def _count(self, nbytes: int) -> None:
+        self.current_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+
+    def _check_tags(self, out: torch.Tensor, unit, u: int) -> None:
+        tags = out.view(self.spec.world, -1)[:, -1:].contiguous().view(TAG_DTYPES[out.element_size()])
+        if not bool((tags == u).all()):
+            names = [self.units[int(t)].name if 0 <= int(t) < len(self.units) else f"#{int(t)}" for t in tags.view(-1)]
+            raise CollectiveError(f"ranks diverged at {self._what(u)}: the ranks gathered units {names} "
+                                  "(data-dependent control flow skipped a unit on some rank?)")
+
+    def _what(self, u: int) -> str:
+        return f"gather of unit '{self.units[u].name}' at {self.label}"
+
+    def _prefetch(self, u: int, backward: bool) -> None:
+        if self.recording or not self.depth or u not in self.order:
+            return
+        seq = self.order[::-1] if backward else self.order
+        at = seq.index(u)
+        for nxt in seq[at + 1 : at + 1 + self.depth]:
+            if not self.gathered.get(nxt) and nxt not in self.inflight:
+                self._launch(nxt)
+
+    # ------------------------------------------------------------------ hooks
+    def _pre(self, u: int):
+        def hook(module, args):
+            if self.recording and u not in self.order:
+                self.order.append(u)
+            self.holders[u] = self.holders.get(u, 0) + 1
+            self.ensure(u)
+            self._prefetch(u, backward=False)
+
+        return hook
+
+    def _post(self, u: int):
+        def hook(module, args, output):
+            self.holders[u] -= 1
+            if not self.holders[u]:
+                self.release(u)
+
+        return hook
+
+    def _pack(self, t: torch.Tensor):
+        if t.device.type == "meta" or not t.untyped_storage().nbytes():
+            return None, t
+        return self._ptr_to_unit.get(t.untyped_storage().data_ptr()), t
+
+    def _unpack(self, packed):
+        u, t = packed
+        if u is not None:
+            self.ensure(u)
+            self._prefetch(u, backward=True)
+        return t
+
+    @contextmanager
+    def running(self, module: nn.Module):
+        """Hooks on ``module``'s units for the duration of one ``apply`` call."""
+        if self.units is None:
+            self.units = self.flat_units(module)
+        handles = []
+        for u, unit in enumerate(self.units):
+            for name in unit.users:
+                sub = module.get_submodule(name)
+                handles.append(sub.register_forward_pre_hook(self._pre(u)))
+                handles.append(sub.register_forward_hook(self._post(u)))
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            for h in handles:
+                h.remove()
