@@ -36,14 +36,19 @@ class Comm:
     """Collectives over ``group`` that count bytes per call type and label failures.
 
     ``label`` is a string like ``"gather unit 'h.0' at step 3"`` that names the operation in errors.
-    ``bytes`` maps call type ("all_gather", "reduce_scatter", "all_reduce", "broadcast") to bytes.
+    ``bytes`` maps call type ("all_gather", "reduce_scatter", "all_reduce") to bytes.
     """
 
     group: Any = None
     bytes: Counter = field(default_factory=Counter)
+    alone: bool = False  # a mesh of one process without torch.distributed: collectives are copies
 
-    def _run(self, kind: str, nbytes: int, label: str, fn: Callable[[], Any]) -> Any:
+    def _run(self, kind: str, nbytes: int, label: str, fn: Callable[[], Any], alone: Callable[[], Any] = None) -> Any:
         self.bytes[kind] += nbytes
+        if self.alone:
+            if alone is not None:
+                alone()
+            return _Done()
         try:
             return fn()
         except Exception as e:  # gloo/NCCL raise RuntimeError subclasses with transport details
@@ -52,38 +57,48 @@ class Comm:
     def all_gather(self, out: torch.Tensor, local: torch.Tensor, label: str = "", async_op: bool = False):
         """``out`` (N * local.numel(), rank-major) <- every rank's ``local``."""
         return self._run("all_gather", _nbytes(out), label,
-                         lambda: _all_gather(out, local, group=self.group, async_op=async_op))
+                         lambda: _all_gather(out, local, group=self.group, async_op=async_op), lambda: out.copy_(local))
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, label: str = "", async_op: bool = False):
         """``out`` <- this rank's slice of the sum over ranks of ``full`` (N * out.numel())."""
         return self._run("reduce_scatter", _nbytes(full), label,
-                         lambda: _reduce_scatter(out, full, group=self.group, async_op=async_op))
+                         lambda: _reduce_scatter(out, full, group=self.group, async_op=async_op), lambda: out.copy_(full))
 
     def all_reduce(self, t: torch.Tensor, label: str = "", async_op: bool = False):
         """``t`` <- the sum over ranks of ``t``, in place."""
         return self._run("all_reduce", 2 * _nbytes(t), label,
                          lambda: dist.all_reduce(t, group=self.group, async_op=async_op))
 
-    def broadcast(self, t: torch.Tensor, src: int = 0, label: str = ""):
-        """``t`` <- rank ``src``'s ``t``, in place."""
-        return self._run("broadcast", _nbytes(t), label, lambda: dist.broadcast(t, src, group=self.group))
+    def agree(self, op: tuple[int, ...], describe: Callable[[list[int]], str], label: str) -> None:
+        """Check that every rank is about to issue the same collective ``op`` (small ints).
 
-    def check_same(self, values: list[int], what: str, label: str = "") -> None:
-        """Raise ``CollectiveError`` unless every rank passed the same ``values`` (small ints)."""
-        mine = torch.tensor(values, dtype=torch.int64)
-        lo, hi = mine.clone(), mine.clone()
-        self._run("check", 0, label, lambda: dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.group))
-        self._run("check", 0, label, lambda: dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.group))
-        if not torch.equal(lo, hi):
-            raise CollectiveError(
-                f"ranks diverged at {label}: {what} differ across ranks (this rank: {values}, "
-                f"min over ranks: {lo.tolist()}, max: {hi.tolist()})"
-            )
+        gloo aborts the process when ranks exchange buffers of different sizes and NCCL hangs, so
+        a rank whose control flow diverged must be caught before the collective: this all-gathers
+        the ops (a few bytes) and raises ``CollectiveError`` naming what each rank was doing.
+        """
+        if self.alone:
+            return
+        mine = torch.tensor(op, dtype=torch.int64)
+        world = dist.get_world_size(self.group)
+        everyone = torch.empty(world * len(op), dtype=torch.int64)
+        self._run("agree", 0, label, lambda: _all_gather(everyone, mine, group=self.group))
+        rows = everyone.view(world, len(op))
+        if not bool((rows == mine).all()):
+            ops = "; ".join(f"rank {r}: {describe(row.tolist())}" for r, row in enumerate(rows))
+            raise CollectiveError(f"ranks diverged at {label}: {ops} "
+                                  "(data-dependent control flow skipped or reordered work on some rank?)")
 
 
 # torch 2.13 renamed the tensor collectives; 2.11 has only the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _Done:
+    """The finished work of a collective run locally."""
+
+    def wait(self) -> bool:
+        return True
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -112,7 +127,7 @@ class Mesh:
             )
         self.dp = dp
         self.rank = dist.get_rank() if initialised else 0
-        self.comm = Comm()
+        self.comm = Comm(alone=not initialised)
 
     @property
     def size(self) -> int:

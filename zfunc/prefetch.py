@@ -15,9 +15,9 @@ run; later steps, when unit i starts, launch the async all-gather of the next ``
 tracked in ``peak_bytes``; the bound is ``(1 + depth)`` times the largest unit plus any unit whose
 params a module outside it reads (a tied head).
 
-Divergence: each rank writes its unit index into the padding slot of its segment; after the
-all-gather every rank checks every other rank gathered the same unit, so data-dependent control
-flow that skips a unit on one rank fails at once, naming the unit and step, instead of hanging.
+Divergence: before each gather the ranks check they are all gathering the same unit
+(``Comm.agree``), so data-dependent control flow that skips a unit on one rank fails at once,
+naming the unit and step, instead of aborting in gloo or hanging in NCCL.
 """
 from __future__ import annotations
 
@@ -31,10 +31,17 @@ from torch import nn
 
 from zfunc.dist import CollectiveError, Comm
 
-TAG_DTYPES = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+GATHER, REDUCE = 0, 1  # op codes the ranks compare before a collective
 
 # Set while a stage-3 step runs its loss function: functionalize's apply calls it with the module.
 ACTIVE: contextvars.ContextVar[Gatherer | None] = contextvars.ContextVar("zfunc_stage3_gatherer", default=None)
+
+
+def describe_op(units: list | None, op: list[int]) -> str:
+    """Words for an op code ``(kind, unit, step)`` that ranks compare before a collective."""
+    kind, u, step = op
+    name = units[u].name if units and 0 <= u < len(units) else f"#{u}"
+    return f"{'gather' if kind == GATHER else 'reduce-scatter'} of unit '{name}' at step {step}"
 
 
 def _write(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -52,11 +59,14 @@ class Gatherer:
       comm: the mesh's ``Comm``. pieces: this rank's param pieces, leaf order. placeholders:
       whole-shape leaves handed to the loss. flat_units: callable ``module -> list[FlatUnit]`` with
       their ``users``. order: units' run order from an earlier step (``[]`` to record it).
+      depth: units to prefetch. step: the step number, for errors. verify: check the ranks agree
+      on each collective before issuing it.
     """
 
     def __init__(self, comm: Comm, spec, pieces, placeholders, flat_units: Callable, order: list[int],
-                 depth: int, label: str):
+                 depth: int, step: int, verify: bool = True):
         self.comm, self.spec, self.pieces, self.placeholders = comm, spec, pieces, placeholders
+        self.step, self.verify, label = step, verify, f"step {step}"
         self.flat_units, self.units, self.order, self.depth, self.label = flat_units, None, order, depth, label
         self.recording = not order
         self.gathered: dict[int, bool] = {}
@@ -72,7 +82,9 @@ class Gatherer:
     def _launch(self, u: int) -> None:
         unit = self.units[u]
         ph = self.placeholders[unit.indices[0]]
-        seg = unit.pack_local([self.pieces[i] for i in unit.indices], ph.dtype, ph.device, tag=u)
+        if self.verify:
+            self.comm.agree((GATHER, u, self.step), self.describe, self.label)
+        seg = unit.pack_local([self.pieces[i] for i in unit.indices], ph.dtype, ph.device)
         out = torch.empty(self.spec.world * seg.numel(), dtype=seg.dtype, device=seg.device)
         work = self.comm.all_gather(out, seg, label=self._what(u), async_op=True)
         self.inflight[u] = (work, out)
@@ -90,7 +102,6 @@ class Gatherer:
         except Exception as e:
             raise CollectiveError(f"all_gather failed during {self._what(u)}: {e}") from e
         unit = self.units[u]
-        self._check_tags(out, unit, u)
         for i, whole in zip(unit.indices, unit.unpack_gathered(out, self.spec.leaves, self.spec.world)):
             ph = self.placeholders[i]
             ph.untyped_storage().resize_(ph.numel() * ph.element_size())
@@ -112,12 +123,8 @@ class Gatherer:
         self.current_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.current_bytes)
 
-    def _check_tags(self, out: torch.Tensor, unit, u: int) -> None:
-        tags = out.view(self.spec.world, -1)[:, -1:].contiguous().view(TAG_DTYPES[out.element_size()])
-        if not bool((tags == u).all()):
-            names = [self.units[int(t)].name if 0 <= int(t) < len(self.units) else f"#{int(t)}" for t in tags.view(-1)]
-            raise CollectiveError(f"ranks diverged at {self._what(u)}: the ranks gathered units {names} "
-                                  "(data-dependent control flow skipped a unit on some rank?)")
+    def describe(self, op: list[int]) -> str:
+        return describe_op(self.units, op)
 
     def _what(self, u: int) -> str:
         return f"gather of unit '{self.units[u].name}' at {self.label}"

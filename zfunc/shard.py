@@ -47,9 +47,9 @@ import torch
 
 from zfunc import optim, precision as mp, tree
 from zfunc.dist import CollectiveError, Mesh
-from zfunc.prefetch import ACTIVE, TAG_DTYPES, Gatherer
+from zfunc.prefetch import ACTIVE, REDUCE, Gatherer, describe_op
 from zfunc.step import (_FIELDS, Step, TrainState, _check_loss, _check_single_device, _cuda_devices, _split_batch,
-                        _step_seed, train_step)
+                        _step_seed)
 from zfunc.units import Selector
 
 PyTree = Any
@@ -112,20 +112,15 @@ class FlatUnit:
             size += leaves[i].chunk * leaves[i].rowsize
         self.segment = size
 
-    def pack_local(self, pieces: list[torch.Tensor], dtype: torch.dtype, device, tag: int | None = None) -> torch.Tensor:
-        """This rank's padded segment holding ``pieces`` (in ``indices`` order), cast to ``dtype``.
-
-        With ``tag`` one more element carries the tag's bits (an int of the element's width), so the
-        ranks can check after an all-gather that they all gathered the same unit."""
-        seg = torch.zeros(self.segment + (tag is not None), dtype=dtype, device=device)
+    def pack_local(self, pieces: list[torch.Tensor], dtype: torch.dtype, device) -> torch.Tensor:
+        """This rank's padded segment holding ``pieces`` (in ``indices`` order), cast to ``dtype``."""
+        seg = torch.zeros(self.segment, dtype=dtype, device=device)
         for off, piece in zip(self.offsets, pieces):
             seg[off : off + piece.numel()].copy_(piece.reshape(-1))
-        if tag is not None:
-            seg[-1:].view(TAG_DTYPES[seg.element_size()]).fill_(tag)
         return seg
 
     def unpack_gathered(self, gathered: torch.Tensor, leaves: tuple[LeafShard, ...], world: int) -> list[torch.Tensor]:
-        """Whole params from an all-gathered buffer (``world`` segments, tag slots too), padding dropped."""
+        """Whole params from an all-gathered ``(world * segment,)`` buffer, padding dropped."""
         by_rank = gathered.view(world, -1)
         out = []
         for i, off in zip(self.indices, self.offsets):
@@ -170,14 +165,16 @@ class GradReducer:
 
     ``eager`` (stages 2/3): a unit is reduced as soon as backward has produced all its grads, and
     ``on_unit_done(u)`` is called (stage 3 frees the unit's params). Otherwise (stage 1) whole
-    grads are summed over microbatches and reduced by ``reduce_accumulated``. The reduced buffer
-    carries each rank's unit index + 1 in a tag slot, so ranks reducing different units fail loudly.
+    grads are summed over microbatches and reduced by ``reduce_accumulated``. With ``verify`` the
+    ranks check they reduce the same unit before each reduce-scatter (``Comm.agree``).
     """
 
     def __init__(self, comm, spec: ShardSpec, units: Callable[[], list[FlatUnit]], acc: list[torch.Tensor],
-                 eager: bool, label: str, on_unit_done: Callable[[int], None] | None = None):
+                 eager: bool, step: int, verify: bool, describe: Callable[[list[int]], str],
+                 on_unit_done: Callable[[int], None] | None = None):
         self.comm, self.spec, self.units, self.acc, self.eager = comm, spec, units, acc, eager
-        self.label, self.on_unit_done = label, on_unit_done
+        self.step, self.label, self.verify, self.describe = step, f"step {step}", verify, describe
+        self.on_unit_done = on_unit_done
         self.pending: dict[int, dict[int, torch.Tensor]] = {}
         self.whole: dict[int, torch.Tensor] = {}
         self.works: list = []
@@ -213,14 +210,14 @@ class GradReducer:
 
     def _reduce(self, u: int, grads: dict[int, torch.Tensor]) -> None:
         unit, world = self.units()[u], self.spec.world
-        first = next(iter(grads.values()), None)
-        device = first.device if first is not None else self.acc[unit.indices[0]].device
-        full = torch.zeros(world, unit.segment + 1, dtype=torch.float32, device=device)
+        if self.verify:
+            self.comm.agree((REDUCE, u, self.step), self.describe, self.label)
+        device = self.acc[unit.indices[0]].device
+        full = torch.zeros(world, unit.segment, dtype=torch.float32, device=device)
         fulls = [grads.get(i) if grads.get(i) is not None else torch.zeros(self.spec.leaves[i].shape, device=device)
                  for i in unit.indices]
         unit.pack_full(fulls, self.spec.leaves, world, full)
-        full[:, -1] = u + 1
-        out = torch.empty(unit.segment + 1, dtype=torch.float32, device=device)
+        out = torch.empty(unit.segment, dtype=torch.float32, device=device)
         what = f"reduce-scatter of {unit.name} at {self.label}"
         work = self.comm.reduce_scatter(out, full.view(-1), label=what, async_op=True)
         self.works.append((work, out, u, what))
@@ -246,9 +243,6 @@ class GradReducer:
                 work.wait()
             except Exception as e:
                 raise CollectiveError(f"reduce_scatter failed during {what}: {e}") from e
-            if out[-1].item() != self.spec.world * (u + 1):
-                raise CollectiveError(f"ranks diverged at {what}: the ranks reduced different units "
-                                      "(data-dependent control flow skipped a unit on some rank?)")
             unit = self.units()[u]
             views = unit.local_views(out, self.spec.leaves, self.spec.rank)
             torch._foreach_add_([self.acc[i] for i in unit.indices], views)
@@ -258,11 +252,11 @@ class GradReducer:
 class ShardedStep(Step):
     """The step ``shard`` returns: same call and ``init`` as ``Step``, state split over the mesh."""
 
-    def __init__(self, base: Step, mesh: Mesh, stage: int, units, prefetch: int, bucket_elems: int):
+    def __init__(self, base: Step, mesh: Mesh, stage: int, units, prefetch: int, bucket_elems: int, verify: bool):
         super().__init__(base.loss_fn, base.optimizer, base.precision, base.accum, base.donate, base.has_aux,
                          base.seed)
         self.mesh, self.stage, self.units_selector = mesh, stage, units
-        self.prefetch, self.bucket_elems = prefetch, bucket_elems
+        self.prefetch, self.bucket_elems, self.verify = prefetch, bucket_elems, verify
         self.order: list[int] = []  # stage 3: units' run order, recorded on the first step
         self._flat_units: list[FlatUnit] | None = None
         self.peak_gathered_bytes = 0  # stage 3: most whole-param bytes held at once in the last step
@@ -326,10 +320,12 @@ class ShardedStep(Step):
                     units = lambda: self._buckets(spec)  # noqa: E731
                 else:
                     leaves = [_placeholder(leaf.shape, self.compute_dtype, p.device) for leaf, p in zip(spec.leaves, pieces)]
-                    gatherer = Gatherer(comm, spec, pieces, leaves, self._stage3_units, self.order, self.prefetch, label)
+                    gatherer = Gatherer(comm, spec, pieces, leaves, self._stage3_units, self.order, self.prefetch, step,
+                                        self.verify)
                     units = lambda g=gatherer: g.units  # noqa: E731
                 if reducer is None or self.stage > 1:
-                    reducer = GradReducer(comm, spec, units, acc, eager=self.stage > 1, label=label,
+                    reducer = GradReducer(comm, spec, units, acc, self.stage > 1, step, self.verify,
+                                          lambda op, units=units: describe_op(units(), op),
                                           on_unit_done=gatherer.release if gatherer else None)
                 handles = reducer.hook(leaves)
                 token = ACTIVE.set(gatherer)
@@ -408,7 +404,7 @@ def _placeholder(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Te
 
 
 def shard(step: Step, mesh: Mesh, stage: int, units: Selector | None = None, *, prefetch: int = 1,
-          bucket_mb: float = 25.0) -> ShardedStep:
+          bucket_mb: float = 25.0, verify: bool = True) -> ShardedStep:
     """ZeRO stage ``stage`` (1, 2 or 3) of ``step`` over ``mesh``'s data-parallel ranks.
 
     Args:
@@ -417,6 +413,8 @@ def shard(step: Step, mesh: Mesh, stage: int, units: Selector | None = None, *, 
       units: stage 3's gather units, a selector from ``zf.units`` (default ``zf.units.auto()``).
       prefetch: stage 3: how many units ahead to all-gather while one computes (0 turns it off).
       bucket_mb: stages 1/2: size of the flat buffers the collectives move (fp32 MiB).
+      verify: before each unit's collective, check all ranks issue the same one (a few bytes, one
+        small all-gather), so diverging control flow is reported instead of aborting or hanging.
     Law, layout and cost: see the module docstring. The loss must be a mean over the rank's batch;
     under stage 3 the model's params must reach it only through ``zf.functionalize``'s ``apply``.
     """
@@ -434,7 +432,7 @@ def shard(step: Step, mesh: Mesh, stage: int, units: Selector | None = None, *, 
         raise ValueError(f"units: only stage 3 gathers by unit; stage {stage} uses bucket_mb")
     from zfunc import units as units_mod
 
-    return ShardedStep(step, mesh, stage, units or units_mod.auto(), prefetch, max(1, int(bucket_mb * 2**18)))
+    return ShardedStep(step, mesh, stage, units or units_mod.auto(), prefetch, max(1, int(bucket_mb * 2**18)), verify)
 
 
 def full_params(state: TrainState, mesh: Mesh) -> PyTree:

@@ -1,0 +1,265 @@
+"""shard: N ranks on loopback gloo train exactly as one process on the concatenated batch."""
+import os
+import signal
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zfunc as zf
+from zfunc.shard import full_params
+
+STEPS = 5
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + F.gelu(self.fc(self.ln(x)))
+
+
+class Tiny(nn.Module):
+    """Embedding tied to the head, uneven row counts (13, 6) so shards are padded."""
+
+    def __init__(self, vocab=13, d=6, n=3, tie=True):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        if tie:
+            self.head.weight = self.emb.weight
+
+    def forward(self, idx, skip=None):
+        x = self.emb(idx)
+        for i, b in enumerate(self.blocks):
+            if i != skip:
+                x = b(x)
+        return self.head(self.ln_f(x))
+
+
+def make(stage=None, mesh=None, accum=1, clip=True, model_kw=None, prefetch=1, vocab=13):
+    torch.manual_seed(0)
+    apply, params = zf.functionalize(Tiny(vocab=vocab, **(model_kw or {})))
+
+    def loss_fn(p, batch):
+        x, y, *skip = batch
+        return F.cross_entropy(apply(p, x, skip[0] if skip else None).flatten(0, 1), y.flatten())
+
+    txs = [zf.optim.clip_by_global_norm(0.1)] if clip else []
+    tx = zf.optim.chain(*txs, zf.optim.adamw(1e-2, weight_decay=0.1, mask=zf.optim.decay_mask))
+    step = zf.train_step(loss_fn, tx, accum=accum)
+    if stage:
+        units = zf.units.by_class(Block) if stage == 3 else None
+        step = zf.shard(step, mesh, stage, units=units, prefetch=prefetch if stage == 3 else 1)
+    return step, step.init(params)
+
+
+def batches(world, n=STEPS, b=4, vocab=13):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, vocab, (world * b, 5), generator=g), torch.randint(0, vocab, (world * b, 5), generator=g))
+            for _ in range(n)]
+
+
+def local(batch, rank, world):
+    b = batch[0].shape[0] // world
+    return tuple(t[rank * b:(rank + 1) * b] for t in batch)
+
+
+CONFIGS = [(stage, accum, clip) for stage in (1, 2, 3) for accum, clip in ((1, True), (2, False))]
+
+
+def law_worker(rank, world, configs):
+    mesh = zf.Mesh(dp=world)
+    out = []
+    for stage, accum, clip in configs:
+        step, state = make(stage, mesh, accum, clip)
+        losses, norms = [], []
+        for batch in batches(world):
+            state, m = step(state, local(batch, rank, world))
+            losses.append(m["loss"].item())
+            norms.append(m["grad_norm"].item())
+        out.append((losses, norms, full_params(state, mesh)))
+    return out
+
+
+def reference(world, accum, clip):
+    step, state = make(accum=accum, clip=clip)
+    losses, norms = [], []
+    for batch in batches(world):
+        state, m = step(state, batch)
+        losses.append(m["loss"].item())
+        norms.append(m["grad_norm"].item())
+    return losses, norms, state.params
+
+
+# Collectives reorder sums: 1e-5 relative. Adam turns rounding in near-zero grads into +-lr steps;
+# over 5 steps at lr 1e-2 a few such flips move a param by at most 2 * lr * 5 = 0.1 -- far above
+# anything seen (1e-7), so the bound stays 1e-5 absolute, i.e. no sign flip was observed.
+@pytest.mark.parametrize("world, configs", [(2, CONFIGS), (4, [c for c in CONFIGS if c[1] == 1])])
+def test_sharded_step_equals_plain_step(world, configs):
+    results = zf.dist.spawn(law_worker, world, world, configs)
+    for k, (stage, accum, clip) in enumerate(configs):
+        ref_losses, ref_norms, ref_params = reference(world, accum, clip)
+        for rank in range(world):
+            losses, norms, params = results[rank][k]
+            what = f"stage {stage}, accum {accum}, clip {clip}, rank {rank}"
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6, msg=what)
+            torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=1e-6, msg=what)
+            for name in ref_params:
+                torch.testing.assert_close(params[name], ref_params[name], rtol=1e-5, atol=1e-5, msg=f"{what}: {name}")
+
+
+def accounting_worker(rank, world):
+    """Bytes per rank of state, comm per step and stage-3 peak, on a model with even row counts."""
+    mesh = zf.Mesh(dp=world)
+    out = {}
+    for stage in (1, 2, 3):
+        step, state = make(stage, mesh, clip=False, model_kw=dict(d=8, n=3, tie=False), vocab=16)
+        state, _ = step(state, local(batches(world, 1, vocab=16)[0], rank, world))
+        mesh.comm.bytes.clear()
+        state, _ = step(state, local(batches(world, 1, vocab=16)[0], rank, world))
+        comm = dict(mesh.comm.bytes)
+        unit_bytes = [sum(step._state_spec.leaves[i].chunk * step._state_spec.leaves[i].rowsize for i in u.indices) * world * 4
+                      for u in step._flat_units] if stage == 3 else []
+        out[stage] = dict(state_bytes=zf.tree.nbytes((state.params, state.opt_state)), comm=comm,
+                          peak=step.peak_gathered_bytes, largest_unit=max(unit_bytes, default=0))
+    return out
+
+
+def test_memory_and_comm_accounting():
+    world = 2
+    torch.manual_seed(0)
+    psi = sum(p.numel() for p in Tiny(vocab=16, d=8, n=3, tie=False).parameters())  # rows even: no padding
+    results = zf.dist.spawn(accounting_worker, world, world)
+    for rank in range(world):
+        r = results[rank]
+        for stage in (1, 2, 3):
+            # masters (4) + Adam moments (8) bytes per param, split over the ranks, at every stage
+            assert r[stage]["state_bytes"] == 12 * psi // world
+        # stage 1/2: params all-gathered once, grads reduce-scattered once: 2 Psi (fp32, + tag slots)
+        for stage in (1, 2):
+            comm = r[stage]["comm"]
+            assert 4 * psi <= comm["all_gather"] < 4 * psi + 64
+            assert 4 * psi <= comm["reduce_scatter"] < 4 * psi + 64
+        # stage 3: gathered in forward, again in backward where a unit's backward reads its params
+        # (not the embedding's), grads reduce-scattered once: at most 3 Psi, 1.5x stages 1/2
+        comm3 = r[3]["comm"]
+        assert 4 * psi * 1.5 <= comm3["all_gather"] <= 4 * psi * 2 + 128
+        assert 4 * psi <= comm3["reduce_scatter"] < 4 * psi + 128
+        total12 = r[1]["comm"]["all_gather"] + r[1]["comm"]["reduce_scatter"]
+        assert (comm3["all_gather"] + comm3["reduce_scatter"]) / total12 <= 1.5 + 0.05
+        # never more than (1 + prefetch) units whole at once
+        assert 0 < r[3]["peak"] <= 2 * r[3]["largest_unit"]
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+
+def bad_input_worker(rank, world):
+    mesh = zf.Mesh(dp=world)
+    errors = {}
+    try:
+        zf.Mesh(dp=world + 1)
+    except ValueError as e:
+        errors["mesh"] = str(e)
+    plain_step, plain_state = make()
+    sharded_step, sharded_state = make(2, mesh)
+    stage3_step, _ = make(3, mesh)
+    batch = local(batches(world, 1)[0], rank, world)
+    for name, fn in {
+        "sharded_into_plain": lambda: plain_step(sharded_state, batch),
+        "plain_into_sharded": lambda: sharded_step(plain_state, batch),
+        "other_stage": lambda: stage3_step(sharded_state, batch),
+    }.items():
+        try:
+            fn()
+        except ValueError as e:
+            errors[name] = str(e)
+    torch.manual_seed(0)
+    apply, params = zf.functionalize(Tiny())
+    step = zf.shard(zf.train_step(lambda p, b: F.cross_entropy(apply(p, b[0]).flatten(0, 1), b[1].flatten()),
+                                  zf.optim.sgd(0.1)), mesh, 3, units=zf.units.by_names(["blocks.0", "blocks.1"]))
+    try:
+        step(step.init(params), batch)
+    except ValueError as e:
+        errors["units"] = str(e)
+    return errors
+
+
+def test_bad_input_is_reported_clearly():
+    errors = zf.dist.spawn(bad_input_worker, 2, 2)[0]
+    assert "dp: the mesh has 3 ranks but the process group has world size 2" in errors["mesh"]
+    assert "this state is sharded (stage 2 over 2 ranks)" in errors["sharded_into_plain"]
+    assert "not sharded" in errors["plain_into_sharded"]
+    assert "sharded as stage 2 over 2 ranks, but this step is stage 3" in errors["other_stage"]
+    assert "units: parameters" in errors["units"] and "emb.weight" in errors["units"]
+
+
+def test_shard_argument_checks():
+    mesh = zf.Mesh()  # a single process: a mesh of one
+    step, _ = make()
+    with pytest.raises(ValueError, match="stage: expected 1, 2 or 3"):
+        zf.shard(step, mesh, 4)
+    with pytest.raises(TypeError, match="mesh: expected a zf.Mesh"):
+        zf.shard(step, "dp=2", 1)
+    with pytest.raises(ValueError, match="units: only stage 3"):
+        zf.shard(step, mesh, 2, units=zf.units.by_class(Block))
+    with pytest.raises(ValueError, match="prefetch"):
+        zf.shard(step, mesh, 3, prefetch=-1)
+    with pytest.raises(ValueError, match="already sharded"):
+        zf.shard(zf.shard(step, mesh, 1), mesh, 1)
+    with pytest.raises(ValueError, match="dp: the mesh has 2 ranks"):
+        zf.Mesh(dp=2)
+
+
+def test_single_process_mesh_equals_plain():
+    ref = reference(1, 1, True)
+    step, state = make(3, zf.Mesh())
+    for batch in batches(1):
+        state, m = step(state, batch)
+    for name in ref[2]:
+        torch.testing.assert_close(state.params[name], ref[2][name], rtol=1e-5, atol=1e-6)
+
+
+def divergence_worker(rank, world):
+    mesh = zf.Mesh(dp=world)
+    step, state = make(3, mesh)
+    x, y = local(batches(world, 1)[0], rank, world)
+    state, _ = step(state, (x, y))
+    try:  # rank 1 skips block 0 through data-dependent control flow; blocks are the same size
+        step(state, (x, y, 0 if rank == 1 else None))
+    except zf.dist.CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+def test_diverging_ranks_are_detected_and_named():
+    messages = zf.dist.spawn(divergence_worker, 2, 2, timeout_s=60)
+    for msg in messages:
+        assert "ranks diverged" in msg and "blocks.0" in msg and "step 1" in msg, msg
+
+
+def dying_worker(rank, world):
+    mesh = zf.Mesh(dp=world)
+    step, state = make(3, mesh)
+    batch = local(batches(world, 1)[0], rank, world)
+    state, _ = step(state, batch)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        step(state, batch)
+    except zf.dist.CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_dead_rank_fails_the_others_with_a_clear_error():
+    with pytest.raises(RuntimeError, match="rank 1 of 2 died") as info:
+        zf.dist.spawn(dying_worker, 2, 2, timeout_s=60)
+    assert "timed out" not in str(info.value)
