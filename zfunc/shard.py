@@ -179,6 +179,7 @@ class GradReducer:
         self.whole: dict[int, torch.Tensor] = {}
         self.works: list = []
         self._unit_of: dict[int, int] | None = None
+        self.held_bytes = self.peak_bytes = 0  # whole grads held at once (accounting)
 
     def unit_of(self, i: int) -> int:
         if self._unit_of is None:
@@ -196,17 +197,26 @@ class GradReducer:
         return [leaf.register_post_accumulate_grad_hook(on_grad(i)) for i, leaf in enumerate(leaves)]
 
     def add(self, i: int, grad: torch.Tensor) -> None:
+        self._held(grad.numel() * grad.element_size())
         if not self.eager:
-            if i in self.whole:
+            if i not in self.whole:
+                self.whole[i] = grad  # autograd's tensor, ours now; kept in the compute dtype
+            else:  # a later microbatch: sum in fp32
+                if self.whole[i].dtype != torch.float32:
+                    self._held(self.whole[i].numel() * 2)
+                    self.whole[i] = self.whole[i].float()
                 self.whole[i].add_(grad)
-            else:
-                self.whole[i] = grad.float() if grad.dtype != torch.float32 else grad.clone()
+                self._held(-grad.numel() * grad.element_size())
             return
         u = self.unit_of(i)
         got = self.pending.setdefault(u, {})
         got[i] = grad
         if len(got) == len(self.units()[u].indices):
             self._reduce(u, self.pending.pop(u))
+
+    def _held(self, nbytes: int) -> None:
+        self.held_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 
     def _reduce(self, u: int, grads: dict[int, torch.Tensor]) -> None:
         unit, world = self.units()[u], self.spec.world
@@ -217,6 +227,7 @@ class GradReducer:
         fulls = [grads.get(i) if grads.get(i) is not None else torch.zeros(self.spec.leaves[i].shape, device=device)
                  for i in unit.indices]
         unit.pack_full(fulls, self.spec.leaves, world, full)
+        self._held(-sum(g.numel() * g.element_size() for g in grads.values() if g is not None))
         out = torch.empty(unit.segment, dtype=torch.float32, device=device)
         what = f"reduce-scatter of {unit.name} at {self.label}"
         work = self.comm.reduce_scatter(out, full.view(-1), label=what, async_op=True)
@@ -259,7 +270,8 @@ class ShardedStep(Step):
         self.prefetch, self.bucket_elems, self.verify = prefetch, bucket_elems, verify
         self.order: list[int] = []  # stage 3: units' run order, recorded on the first step
         self._flat_units: list[FlatUnit] | None = None
-        self.peak_gathered_bytes = 0  # stage 3: most whole-param bytes held at once in the last step
+        self.peak_gathered_bytes = 0  # most whole-param bytes held at once in the last step
+        self.peak_whole_grad_bytes = 0  # most whole-grad bytes held at once in the last step
 
     # ------------------------------------------------------------------ init and checks
     def init(self, params: PyTree) -> TrainState:
@@ -309,7 +321,10 @@ class ShardedStep(Step):
         spec, comm, label = self._state_spec, self.mesh.comm, f"step {step}"
         scale = loss_scale.scale if loss_scale is not None else None
         acc = [torch.zeros_like(p) for p in pieces]
+        comm.bytes.clear()
         whole = self._gather_all(pieces, spec, label) if self.stage < 3 else None
+        self.peak_gathered_bytes = tree.nbytes(whole) if whole else 0
+        self.peak_whole_grad_bytes = 0
         reducer = None
         losses, auxes = [], []
         with torch.random.fork_rng(devices=_cuda_devices(params)):
@@ -340,8 +355,9 @@ class ShardedStep(Step):
                 for h in handles:
                     h.remove()
                 reducer.finish_microbatch()
+                self.peak_whole_grad_bytes = max(self.peak_whole_grad_bytes, reducer.peak_bytes)
                 if gatherer is not None:
-                    self.peak_gathered_bytes = gatherer.peak_bytes
+                    self.peak_gathered_bytes = max(self.peak_gathered_bytes, gatherer.peak_bytes)
                 losses.append(loss.detach().float())
                 auxes.append(aux)
         if self.stage == 1:
@@ -350,6 +366,29 @@ class ShardedStep(Step):
         loss = torch.stack(losses).mean()
         comm.all_reduce(loss, label=f"loss all-reduce at {label}")
         return loss / spec.world, (auxes[0] if self.accum == 1 else auxes), tree.unflatten(treespec, acc)
+
+    def memory(self, state: TrainState) -> dict[str, Any]:
+        """Accounted bytes on this rank, and the last step's communication.
+
+        ``params`` (fp32 master pieces) and ``optimizer`` are held between steps; ``grad_shard``
+        (fp32, this rank's slice), ``whole_params`` (stage 1/2: every param in the compute dtype;
+        stage 3: the peak of gathered units) and ``whole_grads`` (the peak of whole grads held)
+        exist during a step. ``comm`` is the last step's bytes per collective (``dist.Comm``).
+        Against the ZeRO paper's bf16 formulas (DESIGN section 5), with Psi params and N ranks:
+        stage 1 = ``2 Psi + 2 Psi + 16 Psi/N``, stage 2 = ``2 Psi + 16 Psi/N`` (+ a bucket of whole
+        grads), stage 3 = ``16 Psi/N`` (+ the gathered units): the paper's plus ``4 Psi/N`` (stages
+        1/2) for the fp32 grad slice the optimizer reads, which DeepSpeed holds too, and minus the
+        bf16 param shard at stage 3 (units are gathered straight from the fp32 masters).
+        """
+        self._check_state(state)
+        return {
+            "params": tree.nbytes(state.params),
+            "optimizer": tree.nbytes(state.opt_state),
+            "grad_shard": tree.nbytes(state.params),
+            "whole_params": self.peak_gathered_bytes,
+            "whole_grads": self.peak_whole_grad_bytes,
+            "comm": dict(self.mesh.comm.bytes),
+        }
 
     def _forward(self, params, micro):
         with torch.enable_grad():
