@@ -1,0 +1,175 @@
+"""ZeRO on 2 gloo ranks of this CPU: DDP, FSDP2 and zfunc stages 1/2/3 on the same GPT.
+
+    python benchmarks/shard.py [--world 2] [--n-layer 4] [--n-embd 192] [--batch 8] [--steps 5] [--rounds 3]
+
+Phase 1 (throughput): one spawn; every rank builds all five trainers from the same initial GPT and
+runs them interleaved, ``--steps`` steps each per round, for ``--rounds`` rounds; the median step
+time per trainer is compared with DDP's (stages 1/2) and FSDP2's (stage 3). FSDP2 shards the same
+units as zfunc's stage 3 (each ``Block``, then the root).
+Phase 2 (memory): a fresh spawn per trainer, so each peak RSS is its own: peak RSS minus the RSS
+after building the model, per rank, beside the bytes the trainer accounts for.
+Prints a markdown table and one README row.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import zfunc as zf  # noqa: E402
+from recipes.gpt import GPT, Block, GPTConfig  # noqa: E402
+
+TRAINERS = ("ddp", "fsdp2", "zf-1", "zf-2", "zf-3")
+LR = 1e-3
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def batches(cfg: GPTConfig, batch: int, rank: int, n: int):
+    g = torch.Generator().manual_seed(100 + rank)
+    return [torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=g) for _ in range(n)]
+
+
+def torch_trainer(kind: str, model: torch.nn.Module):
+    """DDP or FSDP2 with fused (DDP) / foreach (FSDP2's DTensors) AdamW: ``step(tokens) -> loss``."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if kind == "ddp":
+        module = DistributedDataParallel(model)
+        opt = torch.optim.AdamW(module.parameters(), lr=LR, fused=True)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for m in model.modules():
+            if isinstance(m, Block):
+                fully_shard(m)
+        module = fully_shard(model)
+        opt = torch.optim.AdamW(module.parameters(), lr=LR)
+
+    def step(tokens):
+        logits = module(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def accounted():
+        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+        params = sum(local(p).numel() * 4 for p in module.parameters())
+        state = sum(local(v).numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                    if torch.is_tensor(v) and v.dim())
+        return params + state
+
+    return step, accounted
+
+
+def zfunc_trainer(stage: int, model: torch.nn.Module, mesh: zf.Mesh):
+    apply, params = zf.functionalize(model)
+
+    def loss_fn(p, tokens):
+        return F.cross_entropy(apply(p, tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+
+    tx = zf.optim.chain(zf.optim.clip_by_global_norm(1.0), zf.optim.adamw(LR))
+    step = zf.shard(zf.train_step(loss_fn, tx), mesh, stage, units=zf.units.by_class(Block) if stage == 3 else None)
+    holder = {"state": step.init(params)}
+
+    def run(tokens):
+        holder["state"], m = step(holder["state"], tokens)
+        return m["loss"]
+
+    def accounted():
+        mem = step.memory(holder["state"])
+        return mem["params"] + mem["optimizer"]
+
+    return run, accounted
+
+
+def build(kind: str, model, mesh):
+    model = copy.deepcopy(model)
+    if kind.startswith("zf-"):
+        return zfunc_trainer(int(kind[-1]), model, mesh)
+    return torch_trainer(kind, model)
+
+
+def throughput_worker(rank: int, world: int, cfg: GPTConfig, batch: int, steps: int, rounds: int):
+    mesh = zf.Mesh(dp=world)
+    torch.manual_seed(0)
+    base = GPT(cfg)
+    trainers = {k: build(k, base, mesh)[0] for k in TRAINERS}
+    data = batches(cfg, batch, rank, steps)
+    times = {k: [] for k in TRAINERS}
+    losses = {}
+    for k, run in trainers.items():  # warm-up (JIT, allocator, stage-3 unit order)
+        losses[k] = run(data[0]).item()
+    for _ in range(rounds):
+        for k, run in trainers.items():
+            for tokens in data:
+                t0 = time.perf_counter()
+                run(tokens).item()
+                times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}, losses
+
+
+def memory_worker(rank: int, world: int, kind: str, cfg: GPTConfig, batch: int, steps: int):
+    mesh = zf.Mesh(dp=world)
+    torch.manual_seed(0)
+    base = GPT(cfg)
+    data = batches(cfg, batch, rank, steps)
+    before = rss_bytes()
+    run, accounted = build(kind, base, mesh)
+    del base
+    for tokens in data:
+        run(tokens).item()
+    return peak_rss_bytes() - before, accounted()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=192)
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args(argv)
+    cfg = GPTConfig(n_layer=args.n_layer, n_head=4, n_embd=args.n_embd, block_size=args.block_size)
+    n_params = sum(x.numel() for x in GPT(cfg).parameters())
+    print(f"GPT {n_params / 1e6:.2f}M params, {args.world} gloo ranks, batch {args.batch}x{cfg.block_size} per rank, "
+          f"torch {torch.__version__}")
+    results = zf.dist.spawn(throughput_worker, args.world, args.world, cfg, args.batch, args.steps, args.rounds,
+                            timeout_s=3600)
+    med = {k: max(r[0][k] for r in results) for k in TRAINERS}  # a step is as slow as its slowest rank
+    memory = {k: zf.dist.spawn(memory_worker, args.world, args.world, k, cfg, args.batch, 2, timeout_s=600)
+              for k in TRAINERS}
+    print("\n| trainer | ms/step | vs DDP | vs FSDP2 | peak RSS growth/rank (MB) | accounted state/rank (MB) |")
+    print("|---|---|---|---|---|---|")
+    for k in TRAINERS:
+        rss = max(m[0] for m in memory[k]) / 2**20
+        acc = max(m[1] for m in memory[k]) / 2**20
+        print(f"| {k} | {med[k] * 1e3:.1f} | {med['ddp'] / med[k]:.2f}x | {med['fsdp2'] / med[k]:.2f}x | {rss:.1f} | {acc:.2f} |")
+    print(f"\nREADME row: | ZeRO on {args.world} gloo ranks, GPT {n_params / 1e6:.1f}M | `python benchmarks/shard.py` | "
+          f"throughput vs DDP: stage 1 {med['ddp'] / med['zf-1']:.2f}x, stage 2 {med['ddp'] / med['zf-2']:.2f}x; "
+          f"stage 3 vs FSDP2 {med['fsdp2'] / med['zf-3']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
