@@ -16,6 +16,7 @@ import datetime
 import io
 import os
 import socket
+import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
@@ -207,23 +208,36 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
 
 
 def _collect(procs, results, world_size: int, timeout_s: float) -> list[Any]:
-    import time
-
     deadline = time.monotonic() + timeout_s
     out: dict[int, Any] = {}
     while len(out) < world_size:
-        if not results.empty():
+        while not results.empty():
             rank, ok, value = results.get()
             if not ok:
                 raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
             out[rank] = torch.load(io.BytesIO(value), weights_only=False)
-            continue
-        dead = [i for i, p in enumerate(procs) if not p.is_alive() and i not in out and p.exitcode not in (0, None)]
-        if dead and results.empty():
-            time.sleep(0.2)  # a last report may still be in flight
-            if results.empty():
-                raise RuntimeError(f"rank {dead[0]} of {world_size} died with exit code {procs[dead[0]].exitcode}")
+        dead = [i for i, p in enumerate(procs) if i not in out and p.exitcode not in (0, None)]
+        if dead:
+            raise RuntimeError(f"rank {dead[0]} of {world_size} died with exit code {procs[dead[0]].exitcode}"
+                               + _survivors(procs, results, out, world_size))
         if time.monotonic() > deadline:
             raise TimeoutError(f"spawn: ranks {sorted(set(range(world_size)) - set(out))} did not finish in {timeout_s} s")
         time.sleep(0.01)
     return [out[r] for r in range(world_size)]
+
+
+def _survivors(procs, results, out: dict, world_size: int, grace_s: float = 20.0) -> str:
+    """What the other ranks reported after one died (they should fail fast, not hang)."""
+    reports = []
+    deadline = time.monotonic() + grace_s
+    waiting = {i for i, p in enumerate(procs) if i not in out and p.exitcode is None}
+    while waiting and time.monotonic() < deadline:
+        while not results.empty():
+            rank, ok, value = results.get()
+            waiting.discard(rank)
+            reports.append(f"rank {rank} {'finished' if ok else 'failed'}:\n{value if not ok else ''}")
+        waiting = {i for i in waiting if procs[i].exitcode is None}
+        time.sleep(0.05)
+    if waiting:
+        reports.append(f"ranks {sorted(waiting)} still running after {grace_s:.0f} s")
+    return "".join("\n" + r for r in reports)

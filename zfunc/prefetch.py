@@ -83,7 +83,7 @@ class Gatherer:
         unit = self.units[u]
         ph = self.placeholders[unit.indices[0]]
         if self.verify:
-            self.comm.agree((GATHER, u, self.step), self.describe, self.label)
+            self.comm.agree((GATHER, u, self.step), self.describe, self._what(u))
         seg = unit.pack_local([self.pieces[i] for i in unit.indices], ph.dtype, ph.device)
         out = torch.empty(self.spec.world * seg.numel(), dtype=seg.dtype, device=seg.device)
         work = self.comm.all_gather(out, seg, label=self._what(u), async_op=True)

@@ -220,8 +220,9 @@ class GradReducer:
 
     def _reduce(self, u: int, grads: dict[int, torch.Tensor]) -> None:
         unit, world = self.units()[u], self.spec.world
+        what = f"reduce-scatter of {unit.name} at {self.label}"
         if self.verify:
-            self.comm.agree((REDUCE, u, self.step), self.describe, self.label)
+            self.comm.agree((REDUCE, u, self.step), self.describe, what)
         device = self.acc[unit.indices[0]].device
         full = torch.zeros(world, unit.segment, dtype=torch.float32, device=device)
         fulls = [grads.get(i) if grads.get(i) is not None else torch.zeros(self.spec.leaves[i].shape, device=device)
@@ -229,7 +230,6 @@ class GradReducer:
         unit.pack_full(fulls, self.spec.leaves, world, full)
         self._held(-sum(g.numel() * g.element_size() for g in grads.values() if g is not None))
         out = torch.empty(unit.segment, dtype=torch.float32, device=device)
-        what = f"reduce-scatter of {unit.name} at {self.label}"
         work = self.comm.reduce_scatter(out, full.view(-1), label=what, async_op=True)
         self.works.append((work, out, u, what))
         if self.on_unit_done is not None:
