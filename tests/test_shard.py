@@ -188,6 +188,10 @@ def bad_input_worker(rank, world):
         step(step.init(params), batch)
     except ValueError as e:
         errors["units"] = str(e)
+    try:
+        sharded_step.init({"w": torch.full((3,), float(rank))})
+    except zf.dist.CollectiveError as e:
+        errors["params_differ"] = str(e)
     return errors
 
 
@@ -198,6 +202,7 @@ def test_bad_input_is_reported_clearly():
     assert "not sharded" in errors["plain_into_sharded"]
     assert "sharded as stage 2 over 2 ranks, but this step is stage 3" in errors["other_stage"]
     assert "units: parameters" in errors["units"] and "emb.weight" in errors["units"]
+    assert "params differ across ranks" in errors["params_differ"]
 
 
 def test_shard_argument_checks():

@@ -89,10 +89,6 @@ class ShardSpec:
     def __str__(self) -> str:
         return f"stage {self.stage} over {self.world} ranks"
 
-    def compatible(self, other: Any) -> bool:
-        return isinstance(other, ShardSpec) and (self.stage, self.world, self.rank, self.leaves) == (
-            other.stage, other.world, other.rank, other.leaves)
-
 
 def local_piece(full: torch.Tensor, leaf: LeafShard, rank: int) -> torch.Tensor:
     """This rank's rows of ``full`` (a view; 0-d params are seen as shape (1,))."""
@@ -284,6 +280,10 @@ class ShardedStep(Step):
                 raise TypeError(f"params: shard needs floating-point tensor leaves, got {type(x).__name__}"
                                 f"{' ' + str(x.dtype) if isinstance(x, torch.Tensor) else ''}")
         world, rank = self.mesh.dp, self.mesh.rank
+        if self.verify:  # every rank must start from the same params: compare a checksum's bits
+            checksum = torch.stack([x.detach().double().sum().cpu() for x in leaves]).sum()
+            self.mesh.comm.agree((int(checksum.view(torch.int64)),), lambda op: f"params checksum {op[0]}",
+                                 "init: params differ across ranks (seed the model the same way on every rank)")
         spec = ShardSpec(self.stage, world, rank,
                          tuple(LeafShard(tuple(x.shape), -(-(x.shape[0] if x.dim() else 1) // world)) for x in leaves))
         pieces = [local_piece(x.detach(), leaf, rank).to(device=device, dtype=torch.float32, copy=True)
