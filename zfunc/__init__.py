@@ -5,13 +5,14 @@
     state = step.init(params)
     state, metrics = step(state, batch)
 """
-from zfunc import dist, optim, precision, tree, units
+from zfunc import checkpoint, dist, optim, precision, tree, units
 from zfunc.dist import Mesh
 from zfunc.module import functionalize
 from zfunc.shard import shard
 from zfunc.step import ConsumedStateError, Step, TrainState, train_step, value_and_grad
 
 __all__ = [
+    "checkpoint",
     "ConsumedStateError",
     "Mesh",
     "dist",

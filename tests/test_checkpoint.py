@@ -1,0 +1,189 @@
+"""checkpoint: resume is bit-exact, any layout reshards into any other, faults are caught."""
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+import zfunc as zf
+from zfunc import checkpoint as ck
+from test_shard import Tiny, batches, local, make  # noqa: E402  (tests/ is on sys.path)
+
+
+def run(step, state, data, rank=0, world=1):
+    for batch in data:
+        state, _ = step(state, local(batch, rank, world))
+    return state
+
+
+def fp16_dropout_step():
+    """A plain step with everything resume must carry: fp16 loss scale, dropout RNG, Adam moments."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(13, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 13))
+    apply, params = zf.functionalize(model)
+
+    def loss_fn(p, batch):
+        x, y = batch
+        return F.cross_entropy(apply(p, x).float().flatten(0, 1), y.flatten())
+
+    step = zf.train_step(loss_fn, zf.optim.adamw(1e-2), precision="fp16", seed=3)
+    return step, step.init(params).replace(loss_scale=zf.precision.LossScale(2.0**10, 0, growth_interval=3))
+
+
+def resume_plain(directory):
+    step, _ = fp16_dropout_step()
+    state = ck.load(directory, step)
+    position = ck.read_manifest(directory)["extra"]["data_position"]
+    return run(step, state, batches(1, 10)[position:]).params
+
+
+def test_plain_resume_is_bit_exact_in_a_new_process(tmp_path):
+    step, state = fp16_dropout_step()
+    straight = run(*fp16_dropout_step(), batches(1, 10))
+    state = run(step, state, batches(1, 10)[:5])
+    ck.save(state, tmp_path / "000005", extra={"data_position": 5})
+    resumed = zf.dist.spawn(lambda_free_resume, 1, str(tmp_path / "000005"))[0]
+    assert straight.loss_scale == (2.0**13, 1, 3)  # the scale grew mid-run: it is carried
+    for name in straight.params:
+        assert torch.equal(resumed[name], straight.params[name]), name
+
+
+def lambda_free_resume(rank, directory):
+    return resume_plain(directory)
+
+
+def sharded_worker(rank, world, stage, directory, phase):
+    mesh = zf.Mesh(dp=world)
+    step, state = make(stage, mesh)
+    data = batches(world, 10)
+    if phase == "straight":
+        return ck.full_params(run(step, state, data, rank, world), mesh)
+    if phase == "save":
+        ck.save(run(step, state, data[:5], rank, world), directory)
+        return None
+    state = ck.load(directory, step)
+    return ck.full_params(run(step, state, data[5:], rank, world), mesh)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_sharded_resume_is_bit_exact(tmp_path, stage):
+    directory = str(tmp_path / "ckpt")
+    straight = zf.dist.spawn(sharded_worker, 2, 2, stage, directory, "straight")[0]
+    zf.dist.spawn(sharded_worker, 2, 2, stage, directory, "save")
+    resumed = zf.dist.spawn(sharded_worker, 2, 2, stage, directory, "load")[0]
+    for name in straight:
+        assert torch.equal(resumed[name], straight[name]), name
+
+
+def reshard_worker(rank, world, stage, directory, phase):
+    mesh = zf.Mesh(dp=world)
+    step, state = make(stage, mesh)
+    if phase == "save":
+        state = run(step, state, batches(world, 3), rank, world)
+        ck.save(state, directory)
+        return ck.full_params(state, mesh)
+    state = ck.load(directory, step)
+    assert state.sharding.world == world and state.sharding.stage == stage
+    return ck.full_params(state, mesh), zf.tree.leaves(state.opt_state)[0]
+
+
+def test_reshard_4_ranks_stage_3_into_2_ranks_stage_2_and_one_process(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    saved = zf.dist.spawn(reshard_worker, 4, 4, 3, directory, "save")[0]
+    two = zf.dist.spawn(reshard_worker, 2, 2, 2, directory, "load")
+    plain_step, _ = make()
+    one = ck.load(directory, plain_step)
+    for name in saved:
+        assert torch.equal(two[0][0][name], saved[name]) and torch.equal(two[1][0][name], saved[name])
+        assert torch.equal(one.params[name], saved[name])
+    assert two[0][1] == one.opt_state[1].count == 3  # the optimizer's step count travels too
+    # the exported state dict loads into a fresh model and computes the same outputs
+    out = ck.export(directory, tmp_path / "model.safetensors")
+    fresh = Tiny()
+    result = fresh.load_state_dict(load_file(out), strict=False)
+    assert result.missing_keys == ["head.weight"] and not result.unexpected_keys  # tied to emb.weight
+    apply, _ = zf.functionalize(Tiny())
+    x = batches(1, 1)[0][0]
+    torch.testing.assert_close(fresh(x), apply(saved, x), rtol=0, atol=0)
+
+
+def test_latest_and_keep_last(tmp_path):
+    step, state = fp16_dropout_step()
+    assert ck.latest(tmp_path) is None
+    for i in range(4):
+        ck.save(state, tmp_path / f"{i:06d}", keep_last=2)
+    assert ck.latest(tmp_path) == tmp_path / "000003"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["000002", "000003"]
+
+
+KILLED_MID_SAVE = textwrap.dedent("""
+    import os, sys, time, torch
+    sys.path[:0] = {paths!r}
+    import zfunc as zf
+    from zfunc import checkpoint as ck
+    state = zf.TrainState({{"w": torch.ones(1000)}}, (), 0, 0, None)
+    ck.save(state, {root!r} + "/000001")
+    def stuck(path):   # mid-save: rank files written, no manifest yet
+        print("mid-save", flush=True)
+        time.sleep(60)
+    ck._sha256 = stuck
+    ck.save(state.replace(step=2), {root!r} + "/000002")
+""")
+
+
+def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path):
+    code = KILLED_MID_SAVE.format(paths=sys.path, root=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "mid-save"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert ck.latest(tmp_path) == tmp_path / "000001"
+    template = zf.TrainState({"w": torch.zeros(1000)}, (), 0, 0, None)
+    assert ck.load(ck.latest(tmp_path), template).params["w"].sum() == 1000
+    assert not (tmp_path / "000002").exists()
+
+
+def test_corruption_and_mismatches_raise_clear_errors(tmp_path):
+    step, state = fp16_dropout_step()
+    directory = ck.save(state, tmp_path / "000000")
+    before = {p.name: p.read_bytes() for p in directory.iterdir()}
+
+    other = zf.train_step(step.loss_fn, zf.optim.sgd(0.1))  # another optimizer: another structure
+    with pytest.raises(ck.CheckpointError, match="structure differs"):
+        ck.load(directory, other)
+    template = zf.tree.map(lambda x: x.double() if isinstance(x, torch.Tensor) else x, state)
+    with pytest.raises(ck.CheckpointError, match="float32 in the checkpoint, torch.float64 in the state"):
+        ck.load(directory, template)
+    with pytest.raises(TypeError, match="step_or_template"):
+        ck.load(directory, "a step")
+    with pytest.raises(ck.CheckpointError, match="no checkpoint at"):
+        ck.load(tmp_path / "nope", step)
+    assert {p.name: p.read_bytes() for p in directory.iterdir()} == before  # nothing was overwritten
+
+    shard = directory / "rank00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ck.CheckpointError, match="rank00000.safetensors: checksum mismatch"):
+        ck.load(directory, step)
+    shard.unlink()
+    with pytest.raises(ck.CheckpointError, match="rank00000.safetensors: shard file missing"):
+        ck.load(directory, step)
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(TypeError, match="state: expected a TrainState"):
+        ck.save({"w": torch.ones(1)}, tmp_path / "x")
+    _, state = fp16_dropout_step()
+    with pytest.raises(ValueError, match="keep_last"):
+        ck.save(state, tmp_path / "x", keep_last=0)
+    with pytest.raises(ck.CheckpointError, match="cannot be saved"):
+        ck.save(state.replace(rng=object()), tmp_path / "y")
+    assert ck.full_params(state)["0.weight"].data_ptr() != state.params["0.weight"].data_ptr()
