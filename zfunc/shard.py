@@ -49,7 +49,7 @@ from zfunc import optim, precision as mp, tree
 from zfunc.dist import CollectiveError, Mesh
 from zfunc.prefetch import ACTIVE, REDUCE, Gatherer, describe_op
 from zfunc.step import (_FIELDS, Step, TrainState, _check_loss, _check_single_device, _cuda_devices, _split_batch,
-                        _step_seed)
+                        _step_seed, seeded)
 from zfunc.units import Selector
 
 PyTree = Any
@@ -327,8 +327,7 @@ class ShardedStep(Step):
         self.peak_whole_grad_bytes = 0
         reducer = None
         losses, auxes = [], []
-        with torch.random.fork_rng(devices=_cuda_devices(params)):
-            torch.manual_seed(_step_seed(rng, step))
+        with seeded(_step_seed(rng, step), _cuda_devices(params)):
             for micro in _split_batch(mp.cast_floating(batch, self.compute_dtype), self.accum):
                 if self.stage < 3:
                     leaves, gatherer = [w.detach().requires_grad_() for w in whole], None
