@@ -128,10 +128,12 @@ KILLED_MID_SAVE = textwrap.dedent("""
     from zfunc import checkpoint as ck
     state = zf.TrainState({{"w": torch.ones(1000)}}, (), 0, 0, None)
     ck.save(state, {root!r} + "/000001")
-    def stuck(path):   # mid-save: rank files written, no manifest yet
+    write = ck._write_safetensors
+    def stuck(path, tensors):   # mid-save: the rank file is written, the manifest is not
+        write(path, tensors)
         print("mid-save", flush=True)
         time.sleep(60)
-    ck._sha256 = stuck
+    ck._write_safetensors = stuck
     ck.save(state.replace(step=2), {root!r} + "/000002")
 """)
 
@@ -176,6 +178,15 @@ def test_corruption_and_mismatches_raise_clear_errors(tmp_path):
     shard.unlink()
     with pytest.raises(ck.CheckpointError, match="rank00000.safetensors: shard file missing"):
         ck.load(directory, step)
+
+
+def test_files_open_with_the_safetensors_library(tmp_path):
+    from safetensors.torch import load_file
+
+    _, state = fp16_dropout_step()
+    directory = ck.save(state, tmp_path / "000000")
+    on_disk = load_file(directory / "rank00000.safetensors")
+    assert torch.equal(on_disk["params/2.weight"], state.params["2.weight"])
 
 
 def test_bad_arguments(tmp_path):

@@ -5,7 +5,7 @@ Layout of ``save(state, "ckpt/000100")``::
     ckpt/000100/rank00000.safetensors ...   each rank's tensors (its pieces), written in parallel
     ckpt/000100/manifest.json               tree paths, shapes, dtypes, how each leaf is split, world
                                             size, stage, zfunc version, step, RNG, loss scale, the
-                                            caller's ``extra`` (data position), a sha256 per file
+                                            caller's ``extra`` (data position), a crc32 per file
     ckpt/latest                             "000100", replaced last
 
 **Atomic.** Every rank writes into ``ckpt/.000100.tmp``; after a barrier rank 0 writes the
@@ -20,23 +20,24 @@ for each leaf just the saved rows the new rank owns (safetensors slices, memory-
 leaves shaped like a param's piece are split like that param; other leaves (counts) are copied.
 
 Why not ``torch.distributed.checkpoint``: it needs DTensors or a planner to describe the uneven
-chunks, and its files are not plain safetensors; the layout above is a few dozen lines, reads
-with ``safetensors`` alone, and exports straight to a state dict.
+chunks, and its files are not plain safetensors; the layout above is a few dozen lines, its files
+open with ``safetensors`` (zfunc streams them itself, checksumming on the way, and reads each
+once), and it exports straight to a state dict.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
+import struct
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import optree
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 import zfunc
 from zfunc import tree
@@ -102,12 +103,107 @@ def _jsonable(x: Any) -> Any:
 # ----------------------------------------------------------------------------- files
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+_TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> int:
+    """Write ``tensors`` (contiguous, CPU) as a safetensors file, fsynced; returns its crc32.
+
+    Streams each tensor's memory straight to the file (no serialised copy) and checksums it on
+    the way. Wider dtypes first, so every tensor's offset stays aligned for zero-copy reads.
+    """
+    names = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for n in names:
+        t = tensors[n]
+        if t.dtype not in _ST_DTYPES:
+            raise CheckpointError(f"state: leaf {n} has dtype {t.dtype}, which safetensors cannot hold")
+        size = t.numel() * t.element_size()
+        header[n] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    prefix = struct.pack("<Q", len(blob)) + blob
+    checksum = _Crc32()
+    with open(path, "wb") as f:
+        for data in [memoryview(prefix)] + [_bytes_of(tensors[n]) for n in names]:
+            for block in _blocks(data):
+                f.write(block)
+                checksum.update(block)  # on a helper thread, overlapping the next write
+        f.flush()
+        os.fsync(f.fileno())
+    return checksum.value()
+
+
+_BLOCK = 64 << 20
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _blocks(data: memoryview):
+    for i in range(0, len(data), _BLOCK):
+        yield data[i : i + _BLOCK]
+
+
+class _Crc32:
+    """A running crc32 computed on one helper thread (zlib releases the GIL), in update order."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(1)
+        self._crc = 0
+        self._last = None
+
+    def _step(self, block: memoryview) -> None:
+        self._crc = zlib.crc32(block, self._crc)
+
+    def update(self, block: memoryview) -> None:
+        self._last = self._pool.submit(self._step, block)
+
+    def value(self) -> int:
+        self._pool.shutdown(wait=True)
+        if self._last is not None:
+            self._last.result()
+        return self._crc
+
+
+def _read_safetensors(path: Path, expected_crc: int | None) -> dict[str, torch.Tensor]:
+    """Read a safetensors file in one pass; tensors are views into one buffer (no copies).
+
+    With ``expected_crc`` the file's crc32 must match, else ``CheckpointError`` names the file.
+    """
+    size = path.stat().st_size
+    raw = torch.empty(size, dtype=torch.uint8)  # uninitialised: the file overwrites every byte
+    checksum = _Crc32()
+    with open(path, "rb", buffering=0) as f:
+        for block in _blocks(_bytes_of(raw)):
+            got = 0
+            while got < len(block):
+                n = f.readinto(block[got:])
+                if not n:
+                    raise CheckpointError(f"{path}: file ended after {got} of {len(block)} bytes of a block")
+                got += n
+            checksum.update(block)  # checksums block k while block k+1 is read
+    if expected_crc is not None and checksum.value() != expected_crc:
+        raise CheckpointError(f"{path}: checksum mismatch, the file is corrupt")
+    try:
+        (n_header,) = struct.unpack("<Q", bytes(raw[:8].numpy()))
+        header = json.loads(bytes(raw[8 : 8 + n_header].numpy()))
+    except (struct.error, ValueError) as e:
+        raise CheckpointError(f"{path}: not a safetensors file ({e})") from e
+    base = 8 + n_header
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        start, stop = meta["data_offsets"]
+        dtype = _TORCH_DTYPES[meta["dtype"]]
+        out[name] = raw[base + start : base + stop].view(dtype).reshape(meta["shape"])
+    return out
 
 
 def _fsync_dir(path: Path) -> None:
@@ -150,7 +246,8 @@ def save(state: TrainState, directory: str | os.PathLike, *, keep_last: int | No
       keep_last: keep only the newest ``keep_last`` checkpoints in the parent (None keeps all).
       extra: JSON-able data saved in the manifest (e.g. the data loader's position); read it back
         with ``read_manifest(directory)["extra"]``.
-    Returns the directory. Costs one pass over this rank's state bytes, plus a sha256 of its file.
+    Returns the directory. Costs one streaming write of this rank's state bytes (checksummed on the
+    way) and an fsync.
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"state: expected a TrainState, got {type(state).__name__}")
@@ -165,15 +262,11 @@ def save(state: TrainState, directory: str | os.PathLike, *, keep_last: int | No
     _barrier(world)
     paths, leaves, _ = _paths_and_leaves(state)
     tensors = {p: x.detach().contiguous().cpu() for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor)}
-    file = tmp / _rank_file(rank)
-    save_file(tensors, str(file))
-    with open(file, "rb+") as f:
-        os.fsync(f.fileno())
-    digests = [None] * world
+    crc = _write_safetensors(tmp / _rank_file(rank), tensors)
+    digests = [crc]
     if world > 1:
-        dist.all_gather_object(digests, _sha256(file))
-    else:
-        digests = [_sha256(file)]
+        digests = [None] * world
+        dist.all_gather_object(digests, crc)
     if rank == 0:
         splits = _splits(state)
         manifest = {
@@ -241,23 +334,21 @@ def read_manifest(directory: str | os.PathLike) -> dict:
 
 
 class _Files:
-    """The checkpoint's rank files, opened (and checksummed) on first use."""
+    """The checkpoint's rank files, each read (and checksummed) once, on first use."""
 
     def __init__(self, directory: Path, manifest: dict, verify: bool):
         self.directory, self.manifest, self.verify = directory, manifest, verify
-        self.open: dict[int, Any] = {}
+        self.read: dict[int, dict[str, torch.Tensor]] = {}
 
-    def __call__(self, rank: int):
-        if rank not in self.open:
+    def __call__(self, rank: int) -> dict[str, torch.Tensor]:
+        if rank not in self.read:
             name = _rank_file(rank)
             path = self.directory / name
             if not path.exists():
                 raise CheckpointError(f"{path}: shard file missing (the checkpoint was written by "
                                       f"{self.manifest['world']} ranks)")
-            if self.verify and _sha256(path) != self.manifest["files"][name]:
-                raise CheckpointError(f"{path}: checksum mismatch, the file is corrupt")
-            self.open[rank] = safe_open(str(path), framework="pt")
-        return self.open[rank]
+            self.read[rank] = _read_safetensors(path, self.manifest["files"][name] if self.verify else None)
+        return self.read[rank]
 
 
 def _read_rows(files: _Files, entry: dict, world: int, start: int, stop: int) -> torch.Tensor:
@@ -268,11 +359,11 @@ def _read_rows(files: _Files, entry: dict, world: int, start: int, stop: int) ->
     for r in range(world):
         lo, hi = max(start, r * chunk), min(stop, (r + 1) * chunk, rows)
         if lo < hi:
-            piece = files(r).get_slice(entry["path"])
-            parts.append(piece[lo - r * chunk : hi - r * chunk] if entry["shape"] else files(r).get_tensor(entry["path"]).reshape(1))
+            saved = files(r)[entry["path"]]
+            parts.append(saved.reshape(-1, *full[1:])[lo - r * chunk : hi - r * chunk])
     if not parts:
         return torch.empty((0, *full[1:]), dtype=getattr(torch, entry["dtype"]))
-    return torch.cat(parts)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _template(manifest: dict, step_or_template: Any, device: str | torch.device) -> TrainState:
@@ -296,9 +387,10 @@ def load(directory: str | os.PathLike, step_or_template: Step | TrainState, *, d
       step_or_template: the step that will train the state (sharded or plain: the state is split
         as its ``init`` splits) or a ``TrainState`` whose structure, dtypes and split to follow.
       device: where the tensors go when a step is given (a template's own devices are used).
-      verify: check each file's sha256 before reading it.
+      verify: check each file's crc32 as it is read.
     Raises ``CheckpointError`` naming what differs: a missing or corrupt file, another structure,
-    shape or dtype. Nothing on disk is modified.
+    shape or dtype. Nothing on disk is modified. Each file this rank needs is read once; where the
+    layout is unchanged, the state's CPU tensors are views of the read buffer (no copies).
     """
     directory = Path(directory)
     manifest = read_manifest(directory)
@@ -322,7 +414,7 @@ def load(directory: str | os.PathLike, step_or_template: Step | TrainState, *, d
             raise CheckpointError(f"{directory}: leaf {path} is {entry.get('dtype')} in the checkpoint, "
                                   f"{like.dtype} in the state")
         if entry["split_like"] is None:
-            value = files(0).get_tensor(path)
+            value = files(0)[path]
         else:
             if path not in splits or tuple(entry["full_shape"]) != splits[path][1].shape:
                 raise CheckpointError(f"{directory}: leaf {path} has whole shape {tuple(entry['full_shape'])} in "
@@ -371,6 +463,6 @@ def export(directory: str | os.PathLike, out: str | os.PathLike) -> Path:
             tensors[entry["path"][len("params/"):]] = whole.reshape(entry["full_shape"]).contiguous()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    _write_safetensors(tmp, tensors)
     os.replace(tmp, out)
     return out
