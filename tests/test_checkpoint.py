@@ -1,9 +1,7 @@
 """checkpoint: resume is bit-exact, any layout reshards into any other, faults are caught."""
-import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch

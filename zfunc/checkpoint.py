@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 import zfunc
 from zfunc import tree
-from zfunc.shard import LeafShard, ShardSpec, ShardedStep, local_piece
+from zfunc.shard import LeafShard, ShardSpec
 from zfunc.step import Step, TrainState
 
 FORMAT = 1
