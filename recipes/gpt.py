@@ -26,14 +26,17 @@ DEFAULTS = dict(
     steps=600, batch_size=32, accum=1,  # 4,096 tokens per step
     lr=3e-3, end_lr=3e-4, warmup=40, weight_decay=0.1, grad_clip=1.0,  # AdamW(0.9, 0.95), cosine
     precision=None, device=None, data=None, out="out/gpt", seed=1337,
-    eval_every=100, eval_batches=20, sample_len=300, temperature=0.8, top_k=40,
+    eval_every=100, eval_batches=20, ckpt_every=200, keep_last=2, resume=False,
+    sample_len=300, temperature=0.8, top_k=40,
 )
 HELP = dict(
     block_size="context length in bytes", batch_size="sequences per microbatch",
     accum="microbatches per step", lr="peak learning rate (after linear warmup)",
     end_lr="learning rate at the end of the cosine decay", warmup="linear warmup steps (at most half of --steps)",
     grad_clip="max global grad norm", precision="default: bf16 on CUDA, fp32 on CPU",
-    device="default: cuda if available, else cpu", out="output dir for the checkpoint",
+    device="default: cuda if available, else cpu", out="output dir (checkpoints in OUT/ckpt)",
+    ckpt_every="save a checkpoint every N steps (and at the end)", keep_last="checkpoints to keep",
+    resume="continue from OUT/ckpt/latest (same flags as the run that wrote it)",
     data="text file or folder (default: the Python stdlib's .py files)",
     sample_len="bytes to generate at the end",
 )
@@ -232,6 +235,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     """Every key of DEFAULTS is a flag: n_layer -> --n-layer."""
     p = argparse.ArgumentParser(prog="python -m recipes.gpt", description=__doc__.split("\n\n")[0])
     for name, default in DEFAULTS.items():
+        if isinstance(default, bool):
+            p.add_argument("--" + name.replace("_", "-"), action="store_true", help=HELP.get(name))
+            continue
         p.add_argument("--" + name.replace("_", "-"), type=str if default is None else type(default),
                        default=default, help=f"{HELP.get(name, '')} (default: %(default)s)".lstrip(),
                        choices=["fp32", "bf16", "fp16"] if name == "precision" else None)
@@ -277,6 +283,13 @@ def train(args: argparse.Namespace) -> dict:
     step = zf.train_step(loss_fn, opt, precision=precision, accum=args.accum, seed=args.seed)
     state = step.init(params)
     del params  # aliases of the module's tensors; the step owns its own copy now
+    ckpt_root = Path(args.out) / "ckpt"
+    if args.resume:
+        latest = zf.checkpoint.latest(ckpt_root)
+        if latest is None:
+            raise FileNotFoundError(f"--resume: no checkpoint under {ckpt_root}")
+        state = zf.checkpoint.load(latest, step, device=device)
+        print(f"resumed from {latest} at step {state.step}")
 
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
@@ -291,11 +304,17 @@ def train(args: argparse.Namespace) -> dict:
         model.train()
         return total / args.eval_batches
 
-    gen = torch.Generator().manual_seed(args.seed)
+    def save(n: int, val_loss: float):
+        return zf.checkpoint.save(state, ckpt_root / f"{n:06d}", keep_last=args.keep_last,
+                                  extra={"config": asdict(cfg), "val_loss": val_loss})
+
     history, train_time, loss, val_loss = [], 0.0, float("nan"), float("nan")
-    bar = tqdm(range(args.steps), desc="train", dynamic_ncols=True)
+    first = state.step
+    bar = tqdm(range(first, args.steps), desc="train", dynamic_ncols=True, initial=first, total=args.steps)
     t0 = time.time()
     for i in bar:
+        # Step i's batch depends on (seed, i) alone, so a resumed run sees the same data.
+        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + i)
         batch = get_batch(corpus.train, args.batch_size * args.accum, cfg.block_size, gen, device)
         state, metrics = step(state, batch)
         n = i + 1
@@ -311,9 +330,12 @@ def train(args: argparse.Namespace) -> dict:
                 bar.write(f"step {n}: train loss {loss:.3f}, val loss {val_loss:.3f} "
                           f"({time.time() - t_start:.0f} s)")
             t0 = time.time()
+        if n % args.ckpt_every == 0 and n != args.steps:
+            save(n, val_loss)
+            t0 = time.time()
     bar.close()
 
-    tokens_per_s = args.steps * tokens_per_step / train_time
+    tokens_per_s = (args.steps - first) * tokens_per_step / max(train_time, 1e-9)
     peak = peak_flops(device)
     mfu = flops_per_token * tokens_per_s / peak if peak else None
     print(f"final val loss {val_loss:.3f} nats/byte (unigram baseline {baseline:.3f}) after "
@@ -322,11 +344,7 @@ def train(args: argparse.Namespace) -> dict:
         print(f"MFU {mfu:.1%} of {peak / 1e12:.0f} TFLOP/s bf16 peak" if mfu is not None else
               f"MFU unknown: no peak FLOP/s on record for {torch.cuda.get_device_name(device)}")
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    ckpt = out / "ckpt.pt"
-    torch.save({"config": asdict(cfg), "params": {k: v.detach().cpu() for k, v in state.params.items()},
-                "step": args.steps, "val_loss": val_loss}, ckpt)
+    ckpt = save(args.steps, val_loss)
     print(f"saved {ckpt}")
 
     model.eval()

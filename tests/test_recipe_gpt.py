@@ -3,7 +3,9 @@ import math
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+import zfunc as zf
 from recipes import gpt
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
@@ -26,14 +28,34 @@ def test_tiny_run_trains_through_zfunc_and_saves_a_checkpoint(tmp_path, text_fil
     assert [s for s, _ in result["history"]] == [10, 20, 30, 40]
     assert losses[-1] < losses[0] < math.log(256)
     assert losses[-1] < 2.0  # a 45-byte repeated sentence is easy
-    ckpt = torch.load(result["checkpoint"], weights_only=True)
-    assert ckpt["step"] == 40 and ckpt["val_loss"] == pytest.approx(result["val_loss"])
-    assert ckpt["config"]["n_embd"] == 32
-    assert "lm_head.weight" not in ckpt["params"]  # tied to wte.weight: stored once
-    model = gpt.GPT(gpt.GPTConfig(**ckpt["config"]))
-    model.load_state_dict(ckpt["params"], strict=False)
-    assert torch.equal(model.lm_head.weight, ckpt["params"]["wte.weight"])
+    manifest = zf.checkpoint.read_manifest(result["checkpoint"])
+    assert manifest["step"] == 40 and manifest["extra"]["val_loss"] == pytest.approx(result["val_loss"])
+    assert manifest["extra"]["config"]["n_embd"] == 32
+    exported = zf.checkpoint.export(result["checkpoint"], tmp_path / "model.safetensors")
+    params = load_file(exported)
+    assert "lm_head.weight" not in params  # tied to wte.weight: stored once
+    model = gpt.GPT(gpt.GPTConfig(**manifest["extra"]["config"]))
+    model.load_state_dict(params, strict=False)
+    assert torch.equal(model.lm_head.weight, params["wte.weight"])
     assert len(result["sample"]) == 16
+
+
+def test_resume_continues_exactly(tmp_path, text_file):
+    flags = TINY + ["--steps", "6", "--eval-every", "0", "--ckpt-every", "3", "--data", str(text_file),
+                    "--out", str(tmp_path)]
+    straight = gpt.main(flags)["checkpoint"]
+    ckpt = tmp_path / "ckpt"
+    saved = load_file(zf.checkpoint.export(straight, tmp_path / "straight.safetensors"))
+    (ckpt / "000006").rename(tmp_path / "moved")  # as if the run had died after step 3
+    (ckpt / "latest").write_text("000003")
+    resumed = gpt.main(flags + ["--resume"])["checkpoint"]
+    again = load_file(zf.checkpoint.export(resumed, tmp_path / "resumed.safetensors"))
+    assert all(torch.equal(again[k], saved[k]) for k in saved)
+
+
+def test_resume_without_a_checkpoint_says_so(tmp_path, text_file):
+    with pytest.raises(FileNotFoundError, match="--resume: no checkpoint under"):
+        gpt.main(TINY + ["--steps", "2", "--data", str(text_file), "--out", str(tmp_path), "--resume"])
 
 
 def test_generate_returns_the_asked_number_of_bytes():
