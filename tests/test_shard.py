@@ -127,6 +127,13 @@ def accounting_worker(rank, world, precision):
         state, _ = step(state, local(batches(world, 1, vocab=16)[0], rank, world))
         unit_elems = [u.segment * world for u in step._flat_units]
         out[stage] = dict(step.memory(state), largest_unit=max(unit_elems), units=len(unit_elems))
+    for depth in (0, 2):  # stage 3's prefetch depth bounds the whole params held at once
+        step = zf.shard(zf.train_step(step.loss_fn, step.optimizer, precision), mesh, 3,
+                        units=step.units_selector, prefetch=depth)
+        state = step.init(full_params(state, mesh))
+        for _ in range(2):  # the first step records the unit order, the second prefetches by it
+            state, _ = step(state, local(batches(world, 1, vocab=16)[0], rank, world))
+        out[f"3-prefetch-{depth}"] = step.memory(state)["whole_params"]
     return out
 
 
@@ -146,6 +153,9 @@ def test_memory_and_comm_accounting(world):
         # stage 3: at most (1 + prefetch) units whole at once, params and grads alike
         assert 0 < r[3]["whole_params"] <= 2 * 2 * r[3]["largest_unit"]
         assert 0 < r[3]["whole_grads"] <= 2 * r[3]["largest_unit"]
+        for depth in (0, 2):
+            assert 0 < r[f"3-prefetch-{depth}"] <= (1 + depth) * 2 * r[3]["largest_unit"]
+        assert r["3-prefetch-0"] < r["3-prefetch-2"]  # prefetching holds more, as it should
         # comm per step: stages 1/2 gather Psi (bf16) and reduce-scatter Psi (fp32) = 2 Psi like DDP
         for stage in (1, 2):
             comm = r[stage]["comm"]
@@ -276,6 +286,11 @@ def test_a_rank_dying_mid_step_fails_the_others_with_a_clear_error():
 
 
 def hf_model(kind):
+    if kind == "recipe-gpt":
+        from recipes.gpt import GPT, Block as GPTBlock, GPTConfig
+
+        torch.manual_seed(0)
+        return GPT(GPTConfig(vocab_size=61, block_size=16, n_layer=2, n_head=2, n_embd=32)), GPTBlock
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -295,7 +310,7 @@ def hf_run(kind, mesh=None, rank=0, world=1):
     apply, params = zf.functionalize(model)
 
     def loss_fn(p, ids):
-        logits = apply(p, input_ids=ids).logits
+        logits = apply(p, ids) if kind == "recipe-gpt" else apply(p, input_ids=ids).logits
         return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
 
     step = zf.train_step(loss_fn, zf.optim.adamw(1e-2))
@@ -313,13 +328,13 @@ def hf_run(kind, mesh=None, rank=0, world=1):
 
 def hf_worker(rank, world):
     mesh = zf.Mesh(dp=world)
-    return {kind: hf_run(kind, mesh, rank, world) for kind in ("gpt2", "llama")}
+    return {kind: hf_run(kind, mesh, rank, world) for kind in ("recipe-gpt", "gpt2", "llama")}
 
 
-def test_hugging_face_models_train_unchanged_under_stage_3():
+def test_our_gpt_and_hugging_face_models_train_unchanged_under_stage_3():
     pytest.importorskip("transformers")
     results = zf.dist.spawn(hf_worker, 2, 2, timeout_s=180)
-    for kind in ("gpt2", "llama"):
+    for kind in ("recipe-gpt", "gpt2", "llama"):
         ref, _ = hf_run(kind, world=2)
         for rank in range(2):
             losses, peak = results[rank][kind]
