@@ -196,3 +196,20 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(ck.CheckpointError, match="cannot be saved"):
         ck.save(state.replace(rng=object()), tmp_path / "y")
     assert ck.full_params(state)["0.weight"].data_ptr() != state.params["0.weight"].data_ptr()
+
+
+def test_export_loads_with_hugging_face_from_pretrained(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import GPT2LMHeadModel
+    from test_shard import hf_model
+
+    model, _ = hf_model("gpt2")
+    apply, params = zf.functionalize(model)
+    step = zf.train_step(lambda p, ids: apply(p, input_ids=ids).logits.float().mean(), zf.optim.adamw(1e-2))
+    state, _ = step(step.init(params), torch.randint(0, 61, (2, 8)))
+    ck.export(ck.save(state, tmp_path / "ckpt" / "000001"), tmp_path / "hf" / "model.safetensors")
+    model.config.save_pretrained(tmp_path / "hf")
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+    ids = torch.randint(0, 61, (2, 8))
+    torch.testing.assert_close(loaded(input_ids=ids).logits, apply(state.params, input_ids=ids).logits,
+                               rtol=0, atol=0)
