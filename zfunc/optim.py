@@ -280,6 +280,7 @@ def _adam_update(grads, state, params, *, lr, b1, b2, eps, weight_decay, decoupl
 
 def _adam_apply_fused(grads, state, params, *, lr, b1, b2, eps, weight_decay, decoupled, mask, backend):
     """In-place Adam/AdamW with one fused kernel call per (device, dtype, decays?) group."""
+    backend = _resolve_backend(backend, params)
     p_leaves, treespec = tree.flatten(params)
     g_leaves, m_leaves, v_leaves = tree.leaves(grads), tree.leaves(state.mu), tree.leaves(state.nu)
     decay = _mask_leaves(mask, params, len(p_leaves))
@@ -312,13 +313,30 @@ def _numba_adam(ps, gs, ms, vs, count, lr, b1, b2, eps, wd, decoupled):
                         beta2=b2, eps=eps, weight_decay=wd, decoupled=decoupled)
 
 
-_BACKENDS = ("torch", "numba")
+# "auto": the kernel follows where the state lives. Flat fp32 buffers in CPU RAM (what offload and
+# sharded flat layouts hold) go to zfunc's Numba CPU-Adam; everything else to torch's fused kernel,
+# which handles many shaped tensors in one multi-tensor call.
+_BACKENDS = ("auto", "torch", "numba")
+
+
+def _resolve_backend(backend: str, params: PyTree) -> str:
+    if backend != "auto":
+        return backend
+    leaves = tree.tensors(params)
+    flat_cpu = bool(leaves) and all(p.device.type == "cpu" and p.dtype == torch.float32 and p.dim() == 1
+                                    and p.is_contiguous() for p in leaves)
+    return "numba" if flat_cpu else "torch"
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
 
 
 def _check_fused_leaves(params: PyTree, backend: str) -> None:
     for p in tree.tensors(params):
         if not p.is_floating_point():
-            raise TypeError(f"params: the adam kernels need floating-point params, got {p.dtype}")
+            raise TypeError(f"params: the optimizer kernels need floating-point params, got {p.dtype}")
         if backend == "numba" and (p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous()):
             raise ValueError(
                 f"backend='numba': expected contiguous fp32 CPU params, got {p.dtype} on {p.device}"
@@ -330,8 +348,7 @@ def _adam_family(learning_rate, b1, b2, eps, weight_decay, mask, backend, decoup
     _check_betas(b1=b1, b2=b2)
     if not eps >= 0 or not weight_decay >= 0:
         raise ValueError(f"eps, weight_decay: expected >= 0, got {eps!r}, {weight_decay!r}")
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
+    _check_backend(backend)
     hyper = dict(lr=_as_schedule(learning_rate), b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
                  decoupled=decoupled, mask=mask)
 
@@ -349,7 +366,7 @@ def _adam_family(learning_rate, b1, b2, eps, weight_decay, mask, backend, decoup
 
 
 def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-          weight_decay: float = 1e-2, mask: MaskOrFn = None, backend: str = "torch") -> GradientTransformation:
+          weight_decay: float = 1e-2, mask: MaskOrFn = None, backend: str = "auto") -> GradientTransformation:
     """AdamW (Loshchilov & Hutter, 2019), equal to ``torch.optim.AdamW`` with the same arguments.
 
     ``m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;  p = p (1 - lr wd) - lr/(1-b1^t) * m / (sqrt(v/(1-b2^t)) + eps)``
@@ -357,15 +374,16 @@ def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, e
     Args:
       mask: which params decay: a pytree of bools shaped like params, or a function of params
         returning one (e.g. ``decay_mask``); ``None`` decays all, as torch does.
-      backend: the fused in-place kernel: ``"torch"`` (``torch._fused_adamw_``, CPU or CUDA) or
-        ``"numba"`` (zfunc's CPU-Adam; contiguous fp32 CPU params only).
+      backend: the fused in-place kernel: ``"torch"`` (``torch._fused_adamw_``, CPU or CUDA),
+        ``"numba"`` (zfunc's CPU-Adam; contiguous fp32 CPU params only) or ``"auto"``: numba for
+        flat (1-D) fp32 CPU buffers, torch otherwise.
     State: ``AdamState(count, mu, nu)``, moments in the params' dtype (8 bytes per fp32 param).
     """
     return _adam_family(learning_rate, b1, b2, eps, weight_decay, mask, backend, decoupled=True)
 
 
 def adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-         weight_decay: float = 0.0, mask: MaskOrFn = None, backend: str = "torch") -> GradientTransformation:
+         weight_decay: float = 0.0, mask: MaskOrFn = None, backend: str = "auto") -> GradientTransformation:
     """Adam (Kingma & Ba, 2015) with L2 weight decay added to the grad, as ``torch.optim.Adam``.
 
     Arguments as ``adamw``.
@@ -384,10 +402,14 @@ class TraceState(NamedTuple):
 
 
 def sgd(learning_rate: ScalarOrSchedule, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
-        weight_decay: float = 0.0, mask: MaskOrFn = None) -> GradientTransformation:
+        weight_decay: float = 0.0, mask: MaskOrFn = None, backend: str = "auto") -> GradientTransformation:
     """SGD with momentum, as ``torch.optim.SGD``: ``g += wd p; b = mu b + (1-damp) g`` (``b = g`` at
-    the first step); ``d = g + mu b`` if nesterov else ``b``; ``p -= lr d``."""
+    the first step); ``d = g + mu b`` if nesterov else ``b``; ``p -= lr d``.
+
+    ``backend`` as ``adamw``: ``"numba"`` updates in place with zfunc's CPU kernel, ``"torch"``
+    through ``update``."""
     _check_betas(momentum=momentum, dampening=dampening)
+    _check_backend(backend)
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("nesterov: needs momentum > 0 and dampening == 0")
     lr = _as_schedule(learning_rate)
@@ -415,13 +437,28 @@ def sgd(learning_rate: ScalarOrSchedule, momentum: float = 0.0, dampening: float
         trace = tree.unflatten(treespec, new_traces) if momentum else state.trace
         return tree.unflatten(treespec, updates), TraceState(state.count + 1, trace)
 
-    return GradientTransformation(init, update, None, lambda state: lr(state.count))
+    def numba_apply(grads, state, params):
+        from zfunc.ops import cpu_adam
+
+        p_leaves, treespec = tree.flatten(params)
+        decay = _mask_leaves(mask, params, len(p_leaves))
+        traces = tree.leaves(state.trace) if momentum else [None] * len(p_leaves)
+        for p, g, b, d in zip(p_leaves, tree.leaves(grads), traces, decay):
+            cpu_adam.sgd_(p.view(-1), g.reshape(-1), None if b is None else b.view(-1), lr=float(lr(state.count)),
+                          momentum=momentum, dampening=dampening, nesterov=nesterov,
+                          weight_decay=weight_decay if d else 0.0, first_step=state.count == 0)
+        return tree.unflatten(treespec, p_leaves), TraceState(state.count + 1, state.trace)
+
+    return GradientTransformation(init, update, _kernel_apply(backend, update, numba_apply), lambda state: lr(state.count))
 
 
 def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 0.0,
-         mask: MaskOrFn = None) -> GradientTransformation:
-    """Lion (Chen et al., 2023): ``p = p (1 - lr wd) - lr sign(b1 m + (1-b1) g);  m = b2 m + (1-b2) g``."""
+         mask: MaskOrFn = None, backend: str = "auto") -> GradientTransformation:
+    """Lion (Chen et al., 2023): ``p = p (1 - lr wd) - lr sign(b1 m + (1-b1) g);  m = b2 m + (1-b2) g``.
+
+    ``backend`` as ``sgd``."""
     _check_betas(b1=b1, b2=b2)
+    _check_backend(backend)
     lr = _as_schedule(learning_rate)
 
     def init(params):
@@ -442,4 +479,27 @@ def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99, wei
             new_m.append(m.lerp(g, 1 - b2))
         return tree.unflatten(treespec, updates), TraceState(state.count + 1, tree.unflatten(treespec, new_m))
 
-    return GradientTransformation(init, update, None, lambda state: lr(state.count))
+    def numba_apply(grads, state, params):
+        from zfunc.ops import cpu_adam
+
+        p_leaves, treespec = tree.flatten(params)
+        decay = _mask_leaves(mask, params, len(p_leaves))
+        for p, g, m, d in zip(p_leaves, tree.leaves(grads), tree.leaves(state.trace), decay):
+            cpu_adam.lion_(p.view(-1), g.reshape(-1), m.view(-1), lr=float(lr(state.count)), beta1=b1, beta2=b2,
+                           weight_decay=weight_decay if d else 0.0)
+        return tree.unflatten(treespec, p_leaves), TraceState(state.count + 1, state.trace)
+
+    return GradientTransformation(init, update, _kernel_apply(backend, update, numba_apply), lambda state: lr(state.count))
+
+
+def _kernel_apply(backend: str, update, numba_apply):
+    """``apply`` for optimizers whose only fused kernel is Numba's: it where ``backend`` resolves
+    to numba for these params, else ``update`` plus an in-place add (``optim.apply``'s default)."""
+
+    def apply_(grads, state, params):
+        if _resolve_backend(backend, params) == "numba":
+            _check_fused_leaves(params, "numba")
+            return numba_apply(grads, state, params)
+        return apply(GradientTransformation(None, update), grads, state, params)
+
+    return apply_
