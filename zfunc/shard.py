@@ -317,54 +317,64 @@ class ShardedStep(Step):
         return t
 
     def _loss_and_grads(self, params, batch, step, rng, loss_scale):
+        """Mean loss over ranks and microbatches, and this rank's fp32 slice of the averaged grads."""
         pieces, treespec = tree.flatten(params)
-        spec, comm, label = self._state_spec, self.mesh.comm, f"step {step}"
+        spec, comm = self._state_spec, self.mesh.comm
         scale = loss_scale.scale if loss_scale is not None else None
         acc = [torch.zeros_like(p) for p in pieces]
         comm.bytes.clear()
-        whole = self._gather_all(pieces, spec, label) if self.stage < 3 else None
-        self.peak_gathered_bytes = tree.nbytes(whole) if whole else 0
-        self.peak_whole_grad_bytes = 0
-        reducer = None
-        losses, auxes = [], []
+        whole = self._gather_all(pieces, spec, f"step {step}") if self.stage < 3 else None
+        self.peak_gathered_bytes, self.peak_whole_grad_bytes = (tree.nbytes(whole) if whole else 0), 0
+        reducer, losses, auxes = None, [], []
         with seeded(_step_seed(rng, step), _cuda_devices(params)):
             for micro in _split_batch(mp.cast_floating(batch, self.compute_dtype), self.accum):
-                if self.stage < 3:
-                    leaves, gatherer = [w.detach().requires_grad_() for w in whole], None
-                    units = lambda: self._buckets(spec)  # noqa: E731
-                else:
-                    leaves = [_placeholder(leaf.shape, self.compute_dtype, p.device) for leaf, p in zip(spec.leaves, pieces)]
-                    gatherer = Gatherer(comm, spec, pieces, leaves, self._stage3_units, self.order, self.prefetch, step,
-                                        self.verify)
-                    units = lambda g=gatherer: g.units  # noqa: E731
-                if reducer is None or self.stage > 1:
+                leaves, gatherer, units = self._microbatch_leaves(spec, pieces, whole, step)
+                if reducer is None or self.stage > 1:  # stage 1 sums whole grads over microbatches
                     reducer = GradReducer(comm, spec, units, acc, self.stage > 1, step, self.verify,
                                           lambda op, units=units: describe_op(units(), op),
                                           on_unit_done=gatherer.release if gatherer else None)
-                handles = reducer.hook(leaves)
-                token = ACTIVE.set(gatherer)
-                try:
-                    loss, aux = self._forward(tree.unflatten(treespec, leaves), micro)
-                finally:
-                    ACTIVE.reset(token)
-                if gatherer is not None and gatherer.units is None:
-                    raise ValueError("loss_fn: stage 3 needs the loss to run the model through the apply of "
-                                     "zf.functionalize (params reach the model only through it)")
-                (loss * scale if scale is not None else loss).backward(inputs=leaves)
-                for h in handles:
-                    h.remove()
-                reducer.finish_microbatch()
-                self.peak_whole_grad_bytes = max(self.peak_whole_grad_bytes, reducer.peak_bytes)
-                if gatherer is not None:
-                    self.peak_gathered_bytes = max(self.peak_gathered_bytes, gatherer.peak_bytes)
-                losses.append(loss.detach().float())
+                loss, aux = self._backward(tree.unflatten(treespec, leaves), micro, leaves, gatherer, reducer, scale)
+                losses.append(loss)
                 auxes.append(aux)
         if self.stage == 1:
             reducer.reduce_accumulated()
         torch._foreach_mul_(acc, 1.0 / (spec.world * self.accum * (scale or 1.0)))
         loss = torch.stack(losses).mean()
-        comm.all_reduce(loss, label=f"loss all-reduce at {label}")
+        comm.all_reduce(loss, label=f"loss all-reduce at step {step}")
         return loss / spec.world, (auxes[0] if self.accum == 1 else auxes), tree.unflatten(treespec, acc)
+
+    def _microbatch_leaves(self, spec: ShardSpec, pieces, whole, step: int):
+        """``(leaves, gatherer, units)`` for one microbatch: stages 1/2 differentiate the gathered
+        params; stage 3 hands out storage-less placeholders that its ``Gatherer`` fills per unit."""
+        if self.stage < 3:
+            return [w.detach().requires_grad_() for w in whole], None, lambda: self._buckets(spec)
+        leaves = [_placeholder(leaf.shape, self.compute_dtype, p.device) for leaf, p in zip(spec.leaves, pieces)]
+        gatherer = Gatherer(self.mesh.comm, spec, pieces, leaves, self._stage3_units, self.order, self.prefetch,
+                            step, self.verify)
+        return leaves, gatherer, lambda: gatherer.units
+
+    def _backward(self, params, micro, leaves, gatherer, reducer, scale):
+        """Forward and backward of one microbatch; the reducer takes each grad as it is produced."""
+        handles = reducer.hook(leaves)
+        token = ACTIVE.set(gatherer)
+        try:
+            with torch.enable_grad():
+                out = self.loss_fn(params, micro)
+        finally:
+            ACTIVE.reset(token)
+        loss, aux = out if self.has_aux else (out, None)
+        loss = _check_loss(loss)
+        if gatherer is not None and gatherer.units is None:
+            raise ValueError("loss_fn: stage 3 needs the loss to run the model through the apply of "
+                             "zf.functionalize (params reach the model only through it)")
+        (loss * scale if scale is not None else loss).backward(inputs=leaves)
+        for h in handles:
+            h.remove()
+        reducer.finish_microbatch()
+        self.peak_whole_grad_bytes = max(self.peak_whole_grad_bytes, reducer.peak_bytes)
+        if gatherer is not None:
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, gatherer.peak_bytes)
+        return loss.detach().float(), aux
 
     def memory(self, state: TrainState) -> dict[str, Any]:
         """Accounted bytes on this rank, and the last step's communication.
@@ -388,12 +398,6 @@ class ShardedStep(Step):
             "whole_grads": self.peak_whole_grad_bytes,
             "comm": dict(self.mesh.comm.bytes),
         }
-
-    def _forward(self, params, micro):
-        with torch.enable_grad():
-            out = self.loss_fn(params, micro)
-        loss, aux = out if self.has_aux else (out, None)
-        return _check_loss(loss), aux
 
     def _gather_all(self, pieces, spec: ShardSpec, label: str) -> list[torch.Tensor]:
         """Stages 1/2: every param whole, in the compute dtype (one all-gather per bucket)."""
