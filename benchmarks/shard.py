@@ -81,14 +81,15 @@ def torch_trainer(kind: str, model: torch.nn.Module):
     return step, accounted
 
 
-def zfunc_trainer(stage: int, model: torch.nn.Module, mesh: zf.Mesh):
+def zfunc_trainer(stage: int, model: torch.nn.Module, mesh: zf.Mesh, verify: bool = True):
     apply, params = zf.functionalize(model)
 
     def loss_fn(p, tokens):
         return F.cross_entropy(apply(p, tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
 
     tx = zf.optim.chain(zf.optim.clip_by_global_norm(1.0), zf.optim.adamw(LR))
-    step = zf.shard(zf.train_step(loss_fn, tx), mesh, stage, units=zf.units.by_class(Block) if stage == 3 else None)
+    step = zf.shard(zf.train_step(loss_fn, tx), mesh, stage, units=zf.units.by_class(Block) if stage == 3 else None,
+                    verify=verify)
     holder = {"state": step.init(params)}
 
     def run(tokens):

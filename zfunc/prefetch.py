@@ -44,12 +44,10 @@ def describe_op(units: list | None, op: list[int]) -> str:
     return f"{'gather' if kind == GATHER else 'reduce-scatter'} of unit '{name}' at step {step}"
 
 
-def _write(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy ``src`` into ``dst``'s storage without bumping ``dst``'s version counter (autograd has
-    saved ``dst``; refilling the same values must not look like an in-place edit)."""
-    alias = torch.empty(0, dtype=dst.dtype, device=dst.device).set_(dst.untyped_storage(), 0, dst.shape, dst.stride())
-    with torch.no_grad():
-        alias.copy_(src)
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``t``'s storage with a version counter of its own: refilling a placeholder that
+    autograd has saved must not look like an in-place edit of it."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), 0, t.shape, t.stride())
 
 
 class Gatherer:
@@ -73,7 +71,7 @@ class Gatherer:
         self.inflight: dict[int, tuple[Any, torch.Tensor]] = {}
         self.holders: dict[int, int] = {}
         self.current_bytes = self.peak_bytes = 0
-        self._ptr_to_unit: dict[int, int] = {}
+        self._leaf_unit: dict[int, int] = {}  # id(placeholder) -> its unit, filled when units are known
 
     # ------------------------------------------------------------------ gather and free
     def _unit_bytes(self, u: int) -> int:
@@ -102,11 +100,12 @@ class Gatherer:
         except Exception as e:
             raise CollectiveError(f"all_gather failed during {self._what(u)}: {e}") from e
         unit = self.units[u]
-        for i, whole in zip(unit.indices, unit.unpack_gathered(out, self.spec.leaves, self.spec.world)):
+        targets = []
+        for i in unit.indices:
             ph = self.placeholders[i]
             ph.untyped_storage().resize_(ph.numel() * ph.element_size())
-            _write(ph, whole)
-            self._ptr_to_unit[ph.untyped_storage().data_ptr()] = u
+            targets.append(_alias(ph))
+        unit.unpack_into(out, self.spec.leaves, self.spec.world, targets)  # one copy, straight into place
         self.gathered[u] = True
 
     def release(self, u: int) -> None:
@@ -114,9 +113,7 @@ class Gatherer:
         if not self.gathered.pop(u, False):
             return
         for i in self.units[u].indices:
-            storage = self.placeholders[i].untyped_storage()
-            self._ptr_to_unit.pop(storage.data_ptr(), None)
-            storage.resize_(0)
+            self.placeholders[i].untyped_storage().resize_(0)
         self.current_bytes -= self._unit_bytes(u)
 
     def _count(self, nbytes: int) -> None:
@@ -158,9 +155,11 @@ class Gatherer:
         return hook
 
     def _pack(self, t: torch.Tensor):
-        if t.device.type == "meta" or not t.untyped_storage().nbytes():
-            return None, t
-        return self._ptr_to_unit.get(t.untyped_storage().data_ptr()), t
+        # A saved param is its placeholder or a view of it (``weight.t()``): look both up by id.
+        u = self._leaf_unit.get(id(t))
+        if u is None and t._base is not None:
+            u = self._leaf_unit.get(id(t._base))
+        return u, t
 
     def _unpack(self, packed):
         u, t = packed
@@ -174,6 +173,7 @@ class Gatherer:
         """Hooks on ``module``'s units for the duration of one ``apply`` call."""
         if self.units is None:
             self.units = self.flat_units(module)
+            self._leaf_unit = {id(self.placeholders[i]): u for u, unit in enumerate(self.units) for i in unit.indices}
         handles = []
         for u, unit in enumerate(self.units):
             for name in unit.users:

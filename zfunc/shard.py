@@ -116,30 +116,43 @@ class FlatUnit:
         return seg
 
     def unpack_gathered(self, gathered: torch.Tensor, leaves: tuple[LeafShard, ...], world: int) -> list[torch.Tensor]:
-        """Whole params from an all-gathered ``(world * segment,)`` buffer, padding dropped."""
+        """Whole params (new tensors) from an all-gathered ``(world * segment,)`` buffer."""
+        outs = [torch.empty(leaves[i].shape, dtype=gathered.dtype, device=gathered.device) for i in self.indices]
+        self.unpack_into(gathered, leaves, world, outs)
+        return outs
+
+    def unpack_into(self, gathered: torch.Tensor, leaves: tuple[LeafShard, ...], world: int,
+                    outs: list[torch.Tensor]) -> None:
+        """Copy the whole params out of an all-gathered buffer into ``outs`` (contiguous, whole
+        shape), padding dropped: one copy per param."""
         by_rank = gathered.view(world, -1)
-        out = []
-        for i, off in zip(self.indices, self.offsets):
-            leaf = leaves[i]
-            rows = by_rank[:, off : off + leaf.chunk * leaf.rowsize].reshape(world * leaf.chunk, *leaf.shape[1:])
-            out.append(rows[: leaf.rows].reshape(leaf.shape))
-        return out
+        with torch.no_grad():
+            for i, off, out in zip(self.indices, self.offsets, outs):
+                for ranked, rows in _row_blocks(leaves[i], by_rank, off, out, world):
+                    rows.copy_(ranked)
 
     def pack_full(self, fulls: list[torch.Tensor], leaves: tuple[LeafShard, ...], world: int, out: torch.Tensor) -> None:
         """Write whole grads into ``out`` ``(world, segment)`` so rank r's segment holds its rows."""
         for i, off, g in zip(self.indices, self.offsets, fulls):
-            leaf = leaves[i]
-            dst = out[:, off : off + leaf.chunk * leaf.rowsize].view(world, leaf.chunk, leaf.rowsize)
-            rows = g.reshape(leaf.rows, leaf.rowsize)
-            whole = leaf.rows // leaf.chunk
-            dst[:whole].copy_(rows[: whole * leaf.chunk].view(whole, leaf.chunk, leaf.rowsize))
-            if whole < world and leaf.rows > whole * leaf.chunk:
-                dst[whole, : leaf.rows - whole * leaf.chunk].copy_(rows[whole * leaf.chunk :])
+            for ranked, rows in _row_blocks(leaves[i], out, off, g, world):
+                ranked.copy_(rows)
 
     def local_views(self, seg: torch.Tensor, leaves: tuple[LeafShard, ...], rank: int) -> list[torch.Tensor]:
         """This rank's pieces as views into its ``segment``-element ``seg``."""
         return [seg[off : off + leaves[i].local_rows(rank) * leaves[i].rowsize].view(leaves[i].local_shape(rank))
                 for i, off in zip(self.indices, self.offsets)]
+
+
+def _row_blocks(leaf: LeafShard, by_rank: torch.Tensor, offset: int, whole: torch.Tensor, world: int):
+    """Matching ``(ranked, rows)`` views: a leaf's rows in the ``(world, segment)`` buffer, where
+    rank r holds rows ``[r*chunk, (r+1)*chunk)`` at ``offset``, and in its whole tensor."""
+    ranked = by_rank[:, offset : offset + leaf.chunk * leaf.rowsize].view(world, leaf.chunk, leaf.rowsize)
+    rows = whole.reshape(leaf.rows, leaf.rowsize)
+    full = leaf.rows // leaf.chunk  # ranks whose chunk is complete; the next one may hold a remainder
+    blocks = [(ranked[:full], rows[: full * leaf.chunk].view(full, leaf.chunk, leaf.rowsize))]
+    if full < world and leaf.rows > full * leaf.chunk:
+        blocks.append((ranked[full, : leaf.rows - full * leaf.chunk], rows[full * leaf.chunk :]))
+    return blocks
 
 
 def _buckets(leaves: tuple[LeafShard, ...], bucket_elems: int) -> list[FlatUnit]:
@@ -487,4 +500,4 @@ def full_params(state: TrainState, mesh: Mesh) -> PyTree:
     seg = unit.pack_local(pieces, torch.float32, pieces[0].device)
     out = torch.empty(spec.world * seg.numel(), dtype=torch.float32, device=seg.device)
     mesh.comm.all_gather(out, seg, label="full_params")
-    return tree.unflatten(treespec, [w.clone() for w in unit.unpack_gathered(out, spec.leaves, spec.world)])
+    return tree.unflatten(treespec, unit.unpack_gathered(out, spec.leaves, spec.world))
