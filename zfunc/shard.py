@@ -343,7 +343,8 @@ class ShardedStep(Step):
             for micro in _split_batch(mp.cast_floating(batch, self.compute_dtype), self.accum):
                 leaves, gatherer, units = self._microbatch_leaves(spec, pieces, whole, step)
                 if reducer is None or self.stage > 1:  # stage 1 sums whole grads over microbatches
-                    reducer = GradReducer(comm, spec, units, acc, self.stage > 1, step, self.verify,
+                    # stage 1's collectives run in a fixed order after backward: nothing to verify
+                    reducer = GradReducer(comm, spec, units, acc, self.stage > 1, step, self.verify and self.stage > 1,
                                           lambda op, units=units: describe_op(units(), op),
                                           on_unit_done=gatherer.release if gatherer else None)
                 loss, aux = self._backward(tree.unflatten(treespec, leaves), micro, leaves, gatherer, reducer, scale)
@@ -468,8 +469,11 @@ def shard(step: Step, mesh: Mesh, stage: int, units: Selector | None = None, *, 
       units: stage 3's gather units, a selector from ``zf.units`` (default ``zf.units.auto()``).
       prefetch: stage 3: how many units ahead to all-gather while one computes (0 turns it off).
       bucket_mb: stages 1/2: size of the flat buffers the collectives move (fp32 MiB).
-      verify: before each unit's collective, check all ranks issue the same one (a few bytes, one
-        small all-gather), so diverging control flow is reported instead of aborting or hanging.
+      verify: before each collective whose order follows the model's control flow (stage 2's
+        reduce-scatters, stage 3's gathers and reduce-scatters), check all ranks issue the same one
+        (one all-gather of a few bytes), so diverging control flow is reported by unit and step
+        instead of aborting gloo or hanging NCCL. It costs a round trip per unit: ~10% of a step of
+        the 1.8M-param GPT on 2 loopback ranks (benchmarks/shard.py shows stage 3 both ways).
     Law, layout and cost: see the module docstring. The loss must be a mean over the rank's batch;
     under stage 3 the model's params must reach it only through ``zf.functionalize``'s ``apply``.
     """
