@@ -43,6 +43,7 @@ _JIT = dict(cache=True, fastmath=False, nogil=True, error_model="numpy", boundsc
 _PARALLEL_MIN = 1 << 15
 _ALIGN = 64  # per-thread chunk length, in elements: whole 64-byte lines for every dtype
 _num_threads: int | None = None
+_POOL_SIZE = numba.config.NUMBA_NUM_THREADS  # fixed once Numba starts; read here, not per call
 
 
 def set_num_threads(n: int | None) -> None:
@@ -55,7 +56,7 @@ def set_num_threads(n: int | None) -> None:
 
 def get_num_threads() -> int:
     """Threads the next large kernel call will use (capped by Numba's pool size)."""
-    return min(_num_threads or torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    return min(_num_threads or torch.get_num_threads(), _POOL_SIZE)
 
 
 # ---- pointers and bit-level conversions ----
@@ -266,6 +267,8 @@ def _sgd_par(k, lo, hi, p_at, g_at, buf_at, out_at, g_tag, out_tag,
 _FLOAT32 = torch.float32
 _GRAD = {torch.float32: _F32, torch.bfloat16: np.uint16(0), torch.float16: np.int16(0)}
 _OUT = {torch.bfloat16: np.uint16(0), torch.float16: np.int16(0)}
+_UNIT = (1,)
+_data_ptr = torch.Tensor.data_ptr
 
 
 def _reject(t, name: str, dtypes, n: int, fn: str) -> None:
@@ -313,17 +316,19 @@ def _prepare(fn: str, param, grad, states: tuple, names: tuple, param_out, start
     """Check every buffer (``states``: fp32 state tensors, called ``names`` in errors); return
     (threads, start, end, addresses of param, grad, states and param_out (0 if None), grad tag,
     param_out tag)."""
+    # stride() == (1,) is 1-D and contiguous in one read; a 1-D tensor of <= 1 element may be
+    # contiguous with another stride, so it takes the slow path, which lets it through.
     try:
         n = param.numel()
-        ok = param.dtype is _FLOAT32 and param.is_cpu and param.dim() == 1 \
-            and param.is_contiguous() and grad.dtype in _GRAD and grad.is_cpu \
-            and grad.dim() == 1 and grad.is_contiguous() and grad.numel() == n
+        g_tag = _GRAD.get(grad.dtype)
+        ok = param.dtype is _FLOAT32 and param.is_cpu and param.stride() == _UNIT \
+            and g_tag is not None and grad.is_cpu and grad.stride() == _UNIT and grad.numel() == n
         for t in states:
-            ok = ok and t.dtype is _FLOAT32 and t.is_cpu and t.dim() == 1 and t.is_contiguous() \
-                and t.numel() == n
+            ok = ok and t.dtype is _FLOAT32 and t.is_cpu and t.stride() == _UNIT and t.numel() == n
         if param_out is not None:
-            ok = ok and param_out.dtype in _OUT and param_out.is_cpu and param_out.dim() == 1 \
-                and param_out.is_contiguous() and param_out.numel() == n
+            out_tag = _OUT.get(param_out.dtype)
+            ok = ok and out_tag is not None and param_out.is_cpu and param_out.stride() == _UNIT \
+                and param_out.numel() == n
     except AttributeError:  # not a tensor
         ok = False
     if not ok:
@@ -334,14 +339,16 @@ def _prepare(fn: str, param, grad, states: tuple, names: tuple, param_out, start
             _reject(t, name, (_FLOAT32,), n, fn)
         if param_out is not None:
             _reject(param_out, "param_out", _OUT, n, fn)
+        g_tag = _GRAD[grad.dtype]
+        out_tag = None if param_out is None else _OUT[param_out.dtype]
     if end is None:
         end = n
     if type(start) is not int or type(end) is not int or not 0 <= start <= end <= n:
         start, end = _check_range(fn, start, end, n)
     k = get_num_threads() if end - start >= _PARALLEL_MIN else 1
-    out, out_tag = (0, None) if param_out is None else (param_out.data_ptr(), _OUT[param_out.dtype])
-    return (k, start, end, param.data_ptr(), grad.data_ptr(), [t.data_ptr() for t in states],
-            out, _GRAD[grad.dtype], out_tag)
+    out, out_tag = (0, None) if param_out is None else (param_out.data_ptr(), out_tag)
+    return (k, start, end, param.data_ptr(), grad.data_ptr(), [*map(_data_ptr, states)], out,
+            g_tag, out_tag)
 
 
 def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
