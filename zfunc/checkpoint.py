@@ -81,8 +81,11 @@ def _splits(state: TrainState) -> dict[str, tuple[str, LeafShard]]:
             key = path[len("params/"):]
             out[path] = (key, full[key])
             continue
-        for key in keys:  # an optimizer leaf named after a param and shaped like its piece
-            if (path.endswith("/" + key)) and (tuple(leaf.shape) if leaf.dim() else (1,)) == local[key]:
+        # an optimizer leaf whose path ends with a param's key and is shaped like its piece
+        parts = path.split("/")
+        for cut in range(1, len(parts)):
+            key = "/".join(parts[cut:])
+            if key in local and (tuple(leaf.shape) if leaf.dim() else (1,)) == local[key]:
                 out[path] = (key, full[key])
                 break
     return out

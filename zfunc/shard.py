@@ -48,8 +48,8 @@ import torch
 from zfunc import optim, precision as mp, tree
 from zfunc.dist import CollectiveError, Mesh
 from zfunc.prefetch import ACTIVE, REDUCE, Gatherer, describe_op
-from zfunc.step import (_FIELDS, Step, TrainState, _check_loss, _check_single_device, _cuda_devices, _split_batch,
-                        _step_seed, seeded)
+from zfunc.step import (_FIELDS, Step, TrainState, _check_single_device, _cuda_devices, _split_batch,
+                        _step_seed, seeded, split_loss)
 from zfunc.units import Selector
 
 PyTree = Any
@@ -376,8 +376,7 @@ class ShardedStep(Step):
                 out = self.loss_fn(params, micro)
         finally:
             ACTIVE.reset(token)
-        loss, aux = out if self.has_aux else (out, None)
-        loss = _check_loss(loss)
+        loss, aux = split_loss(out, self.has_aux)
         if gatherer is not None and gatherer.units is None:
             raise ValueError("loss_fn: stage 3 needs the loss to run the model through the apply of "
                              "zf.functionalize (params reach the model only through it)")

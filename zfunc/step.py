@@ -97,11 +97,13 @@ optree.register_pytree_node(
 )
 
 
-def _check_loss(loss: Any) -> torch.Tensor:
+def split_loss(out: Any, has_aux: bool) -> tuple[torch.Tensor, Any]:
+    """``(loss, aux)`` from what a loss function returned, the loss checked to be a scalar tensor."""
+    loss, aux = out if has_aux else (out, None)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
         got = f"shape {tuple(loss.shape)} {loss.dtype}" if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ValueError(f"loss_fn: expected a 0-d floating-point tensor (a scalar loss), got {got}")
-    return loss
+    return loss, aux
 
 
 def _grad_leaves(params: PyTree, loss_fn: Callable, args: tuple, scale: float | None, has_aux: bool):
@@ -109,9 +111,7 @@ def _grad_leaves(params: PyTree, loss_fn: Callable, args: tuple, scale: float | 
     leaves, treespec = tree.flatten(params)
     diff = [x.detach().requires_grad_() if _differentiable(x) else x for x in leaves]
     with torch.enable_grad():
-        out = loss_fn(tree.unflatten(treespec, diff), *args)
-        loss, aux = out if has_aux else (out, None)
-        loss = _check_loss(loss)
+        loss, aux = split_loss(loss_fn(tree.unflatten(treespec, diff), *args), has_aux)
         wrt = [x for x in diff if _differentiable(x)]
         grads = torch.autograd.grad(loss * scale if scale is not None else loss, wrt, allow_unused=True)
     grads = iter(grads)
