@@ -20,6 +20,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,37 +39,65 @@ class Comm:
 
     ``label`` is a string like ``"gather unit 'h.0' at step 3"`` that names the operation in errors.
     ``bytes`` maps call type ("all_gather", "reduce_scatter", "all_reduce") to bytes.
+
+    Every collective is issued by one comm thread, in the order the calls were made, so the order
+    is the same on every rank however the caller overlaps them. A call with ``check=(op,
+    describe)`` first makes the ranks agree they issue the same ``op`` (see ``agree``); on the comm
+    thread that round trip overlaps the caller's compute instead of stalling it. After a failure
+    the thread issues nothing more: mismatched collectives would only add confusion.
     """
 
     group: Any = None
     bytes: Counter = field(default_factory=Counter)
     alone: bool = False  # a mesh of one process without torch.distributed: collectives are copies
+    _thread: ThreadPoolExecutor | None = field(default=None, repr=False)
+    _failed: str | None = field(default=None, repr=False)
 
-    def _run(self, kind: str, nbytes: int, label: str, fn: Callable[[], Any], alone: Callable[[], Any] = None) -> Any:
+    def _run(self, kind: str, nbytes: int, label: str, issue: Callable[[], Any], alone: Callable[[], Any] = None,
+             async_op: bool = False, check: tuple | None = None):
         self.bytes[kind] += nbytes
         if self.alone:
             if alone is not None:
                 alone()
             return _Done()
-        try:
-            return fn()
-        except Exception as e:  # gloo/NCCL raise RuntimeError subclasses with transport details
-            raise CollectiveError(f"{kind} failed during {label or 'an unlabelled collective'}: {e}") from e
+        what = f"{kind} failed during {label or 'an unlabelled collective'}"
 
-    def all_gather(self, out: torch.Tensor, local: torch.Tensor, label: str = "", async_op: bool = False):
+        def task():
+            if self._failed:
+                raise CollectiveError(f"{what}: not issued, an earlier collective failed ({self._failed})")
+            try:
+                if check is not None:
+                    self._agree(*check, label)
+                return issue()
+            except Exception as e:  # gloo/NCCL raise RuntimeError subclasses with transport details
+                self._failed = str(e)
+                raise
+
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="zfunc-comm")
+        work = _Pending(self._thread.submit(task), what)
+        if not async_op:
+            work.wait()
+        return work
+
+    def all_gather(self, out: torch.Tensor, local: torch.Tensor, label: str = "", async_op: bool = False,
+                   check: tuple | None = None):
         """``out`` (N * local.numel(), rank-major) <- every rank's ``local``."""
         return self._run("all_gather", _nbytes(out), label,
-                         lambda: _all_gather(out, local, group=self.group, async_op=async_op), lambda: out.copy_(local))
+                         lambda: _all_gather(out, local, group=self.group, async_op=True), lambda: out.copy_(local),
+                         async_op, check)
 
-    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, label: str = "", async_op: bool = False):
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, label: str = "", async_op: bool = False,
+                       check: tuple | None = None):
         """``out`` <- this rank's slice of the sum over ranks of ``full`` (N * out.numel())."""
         return self._run("reduce_scatter", _nbytes(full), label,
-                         lambda: _reduce_scatter(out, full, group=self.group, async_op=async_op), lambda: out.copy_(full))
+                         lambda: _reduce_scatter(out, full, group=self.group, async_op=True), lambda: out.copy_(full),
+                         async_op, check)
 
     def all_reduce(self, t: torch.Tensor, label: str = "", async_op: bool = False):
         """``t`` <- the sum over ranks of ``t``, in place."""
         return self._run("all_reduce", 2 * _nbytes(t), label,
-                         lambda: dist.all_reduce(t, group=self.group, async_op=async_op))
+                         lambda: dist.all_reduce(t, group=self.group, async_op=True), None, async_op)
 
     def agree(self, op: tuple[int, ...], describe: Callable[[list[int]], str], label: str) -> None:
         """Check that every rank is about to issue the same collective ``op`` (small ints).
@@ -77,17 +106,36 @@ class Comm:
         a rank whose control flow diverged must be caught before the collective: this all-gathers
         the ops (a few bytes) and raises ``CollectiveError`` naming what each rank was doing.
         """
-        if self.alone:
-            return
+        self._run("agree", 0, label, lambda: None, check=(op, describe))
+
+    def _agree(self, op: tuple[int, ...], describe: Callable[[list[int]], str], label: str) -> None:
         mine = torch.tensor(op, dtype=torch.int64)
         world = dist.get_world_size(self.group)
         everyone = torch.empty(world * len(op), dtype=torch.int64)
-        self._run("agree", 0, label, lambda: _all_gather(everyone, mine, group=self.group))
+        _all_gather(everyone, mine, group=self.group)
         rows = everyone.view(world, len(op))
         if not bool((rows == mine).all()):
             ops = "; ".join(f"rank {r}: {describe(row.tolist())}" for r, row in enumerate(rows))
             raise CollectiveError(f"ranks diverged at {label}: {ops} "
                                   "(data-dependent control flow skipped or reordered work on some rank?)")
+
+
+class _Pending:
+    """A collective handed to the comm thread: ``wait()`` returns once it has completed."""
+
+    def __init__(self, future: Future, what: str):
+        self.future, self.what = future, what
+
+    def wait(self) -> bool:
+        try:
+            work = self.future.result()
+            if work is not None:
+                work.wait()
+        except CollectiveError:
+            raise
+        except Exception as e:
+            raise CollectiveError(f"{self.what}: {e}") from e
+        return True
 
 
 # torch 2.13 renamed the tensor collectives; 2.11 has only the old names.

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zfunc.dist import CollectiveError, Comm
+from zfunc.dist import Comm
 
 GATHER, REDUCE = 0, 1  # op codes the ranks compare before a collective
 
@@ -80,11 +80,10 @@ class Gatherer:
     def _launch(self, u: int) -> None:
         unit = self.units[u]
         ph = self.placeholders[unit.indices[0]]
-        if self.verify:
-            self.comm.agree((GATHER, u, self.step), self.describe, self._what(u))
         seg = unit.pack_local([self.pieces[i] for i in unit.indices], ph.dtype, ph.device)
         out = torch.empty(self.spec.world * seg.numel(), dtype=seg.dtype, device=seg.device)
-        work = self.comm.all_gather(out, seg, label=self._what(u), async_op=True)
+        check = ((GATHER, u, self.step), self.describe) if self.verify else None
+        work = self.comm.all_gather(out, seg, label=self._what(u), async_op=True, check=check)
         self.inflight[u] = (work, out)
         self._count(self._unit_bytes(u))
 
@@ -95,10 +94,7 @@ class Gatherer:
         if u not in self.inflight:
             self._launch(u)
         work, out = self.inflight.pop(u)
-        try:
-            work.wait()
-        except Exception as e:
-            raise CollectiveError(f"all_gather failed during {self._what(u)}: {e}") from e
+        work.wait()  # raises CollectiveError naming the unit and step
         unit = self.units[u]
         targets = []
         for i in unit.indices:

@@ -46,7 +46,7 @@ import optree
 import torch
 
 from zfunc import optim, precision as mp, tree
-from zfunc.dist import CollectiveError, Mesh
+from zfunc.dist import Mesh
 from zfunc.prefetch import ACTIVE, REDUCE, Gatherer, describe_op
 from zfunc.step import (_FIELDS, Step, TrainState, _check_single_device, _cuda_devices, _split_batch,
                         _step_seed, seeded, split_loss)
@@ -230,8 +230,6 @@ class GradReducer:
     def _reduce(self, u: int, grads: dict[int, torch.Tensor]) -> None:
         unit, world = self.units()[u], self.spec.world
         what = f"reduce-scatter of {unit.name} at {self.label}"
-        if self.verify:
-            self.comm.agree((REDUCE, u, self.step), self.describe, what)
         device = self.acc[unit.indices[0]].device
         full = torch.zeros(world, unit.segment, dtype=torch.float32, device=device)
         fulls = [grads.get(i) if grads.get(i) is not None else torch.zeros(self.spec.leaves[i].shape, device=device)
@@ -239,7 +237,8 @@ class GradReducer:
         unit.pack_full(fulls, self.spec.leaves, world, full)
         self._held(-sum(g.numel() * g.element_size() for g in grads.values() if g is not None))
         out = torch.empty(unit.segment, dtype=torch.float32, device=device)
-        work = self.comm.reduce_scatter(out, full.view(-1), label=what, async_op=True)
+        check = ((REDUCE, u, self.step), self.describe) if self.verify else None
+        work = self.comm.reduce_scatter(out, full.view(-1), label=what, async_op=True, check=check)
         self.works.append((work, out, u, what))
         if self.on_unit_done is not None:
             self.on_unit_done(u)
@@ -259,10 +258,7 @@ class GradReducer:
 
     def _wait(self) -> None:
         for work, out, u, what in self.works:
-            try:
-                work.wait()
-            except Exception as e:
-                raise CollectiveError(f"reduce_scatter failed during {what}: {e}") from e
+            work.wait()  # raises CollectiveError naming the unit and step
             unit = self.units()[u]
             views = unit.local_views(out, self.spec.leaves, self.spec.rank)
             torch._foreach_add_([self.acc[i] for i in unit.indices], views)
