@@ -466,9 +466,10 @@ def shard(step: Step, mesh: Mesh, stage: int, units: Selector | None = None, *, 
       bucket_mb: stages 1/2: size of the flat buffers the collectives move (fp32 MiB).
       verify: before each collective whose order follows the model's control flow (stage 2's
         reduce-scatters, stage 3's gathers and reduce-scatters), check all ranks issue the same one
-        (one all-gather of a few bytes), so diverging control flow is reported by unit and step
-        instead of aborting gloo or hanging NCCL. It costs a round trip per unit: ~10% of a step of
-        the 1.8M-param GPT on 2 loopback ranks (benchmarks/shard.py shows stage 3 both ways).
+        (one all-gather of a few bytes, on the comm thread), so diverging control flow is reported
+        by unit and step instead of aborting gloo or hanging NCCL. It delays each collective by a
+        round trip: 10-15% of a stage-3 step of the 1.8M-param GPT on 2 loopback ranks
+        (benchmarks/shard.py shows stage 3 both ways).
     Law, layout and cost: see the module docstring. The loss must be a mean over the rank's batch;
     under stage 3 the model's params must reach it only through ``zf.functionalize``'s ``apply``.
     """
