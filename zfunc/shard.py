@@ -172,18 +172,25 @@ def _buckets(leaves: tuple[LeafShard, ...], bucket_elems: int) -> list[FlatUnit]
 class GradReducer:
     """Reduce-scatters whole grads into this rank's fp32 accumulators ``acc``, a unit at a time.
 
-    ``eager`` (stages 2/3): a unit is reduced as soon as backward has produced all its grads, and
-    ``on_unit_done(u)`` is called (stage 3 frees the unit's params). Otherwise (stage 1) whole
-    grads are summed over microbatches and reduced by ``reduce_accumulated``. With ``verify`` the
-    ranks check they reduce the same unit before each reduce-scatter (``Comm.agree``).
+    ``eager``: a unit is reduced as soon as backward has produced all its grads (overlapping the
+    rest of backward), and ``on_unit_done(u)`` is called (stage 3 frees the unit's params).
+    ``ordered`` (stages 1/2, whose buckets are fixed): units are launched strictly in index order,
+    so every rank issues the same sequence whatever order its grads arrive in, and no check is
+    needed; unordered (stage 3, whose reduce-scatters interleave with re-gathers) relies on
+    ``verify``: the ranks check they reduce the same unit first (``Comm.agree``). ``keep_whole``
+    (stage 1): whole grads stay held for the step, as ZeRO-1 defines. Not eager (stage 1 with
+    accumulation): whole grads are summed over microbatches and reduced by ``reduce_accumulated``.
     """
 
     def __init__(self, comm, spec: ShardSpec, units: Callable[[], list[FlatUnit]], acc: list[torch.Tensor],
                  eager: bool, step: int, verify: bool, describe: Callable[[list[int]], str],
-                 on_unit_done: Callable[[int], None] | None = None):
+                 on_unit_done: Callable[[int], None] | None = None, ordered: bool = False,
+                 keep_whole: bool = False):
         self.comm, self.spec, self.units, self.acc, self.eager = comm, spec, units, acc, eager
         self.step, self.label, self.verify, self.describe = step, f"step {step}", verify, describe
-        self.on_unit_done = on_unit_done
+        self.on_unit_done, self.ordered, self.keep_whole = on_unit_done, ordered, keep_whole
+        self.ready: dict[int, dict[int, torch.Tensor]] = {}  # complete units waiting for their turn
+        self.next_unit = 0  # ordered: the next unit to launch
         self.pending: dict[int, dict[int, torch.Tensor]] = {}
         self.whole: dict[int, torch.Tensor] = {}
         self.works: list = []
@@ -221,7 +228,17 @@ class GradReducer:
         got = self.pending.setdefault(u, {})
         got[i] = grad
         if len(got) == len(self.units()[u].indices):
-            self._reduce(u, self.pending.pop(u))
+            self.ready[u] = self.pending.pop(u)
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        if not self.ordered:
+            for u in list(self.ready):
+                self._reduce(u, self.ready.pop(u))
+            return
+        while self.next_unit in self.ready:
+            self._reduce(self.next_unit, self.ready.pop(self.next_unit))
+            self.next_unit += 1
 
     def _held(self, nbytes: int) -> None:
         self.held_bytes += nbytes
@@ -235,7 +252,8 @@ class GradReducer:
         fulls = [grads.get(i) if grads.get(i) is not None else torch.zeros(self.spec.leaves[i].shape, device=device)
                  for i in unit.indices]
         unit.pack_full(fulls, self.spec.leaves, world, full)
-        self._held(-sum(g.numel() * g.element_size() for g in grads.values() if g is not None))
+        if not self.keep_whole:
+            self._held(-sum(g.numel() * g.element_size() for g in grads.values() if g is not None))
         out = torch.empty(unit.segment, dtype=torch.float32, device=device)
         check = ((REDUCE, u, self.step), self.describe) if self.verify else None
         work = self.comm.reduce_scatter(out, full.view(-1), label=what, async_op=True, check=check)
@@ -246,8 +264,10 @@ class GradReducer:
     def finish_microbatch(self) -> None:
         """Reduce units some of whose params got no grad (unused this time), then wait for all."""
         if self.eager:
-            for u in sorted(self.pending):
-                self._reduce(u, self.pending.pop(u))
+            left = sorted({*self.pending, *self.ready, *(range(self.next_unit, len(self.units())) if self.ordered else ())})
+            for u in left:
+                self._reduce(u, {**self.pending.pop(u, {}), **self.ready.pop(u, {})})
+            self.next_unit = len(self.units()) if self.ordered else 0
         self._wait()
 
     def reduce_accumulated(self) -> None:
@@ -335,18 +355,19 @@ class ShardedStep(Step):
         whole = self._gather_all(pieces, spec, f"step {step}") if self.stage < 3 else None
         self.peak_gathered_bytes, self.peak_whole_grad_bytes = (tree.nbytes(whole) if whole else 0), 0
         reducer, losses, auxes = None, [], []
+        eager = self.stage > 1 or self.accum == 1
         with seeded(_step_seed(rng, step), _cuda_devices(params)):
             for micro in _split_batch(mp.cast_floating(batch, self.compute_dtype), self.accum):
                 leaves, gatherer, units = self._microbatch_leaves(spec, pieces, whole, step)
-                if reducer is None or self.stage > 1:  # stage 1 sums whole grads over microbatches
-                    # stage 1's collectives run in a fixed order after backward: nothing to verify
-                    reducer = GradReducer(comm, spec, units, acc, self.stage > 1, step, self.verify and self.stage > 1,
+                if reducer is None or eager:  # stage 1 with accum sums whole grads over microbatches
+                    reducer = GradReducer(comm, spec, units, acc, eager, step, self.verify and self.stage == 3,
                                           lambda op, units=units: describe_op(units(), op),
-                                          on_unit_done=gatherer.release if gatherer else None)
+                                          on_unit_done=gatherer.release if gatherer else None,
+                                          ordered=self.stage < 3, keep_whole=self.stage == 1)
                 loss, aux = self._backward(tree.unflatten(treespec, leaves), micro, leaves, gatherer, reducer, scale)
                 losses.append(loss)
                 auxes.append(aux)
-        if self.stage == 1:
+        if not eager:
             reducer.reduce_accumulated()
         torch._foreach_mul_(acc, 1.0 / (spec.world * self.accum * (scale or 1.0)))
         loss = torch.stack(losses).mean()
