@@ -20,10 +20,12 @@ through its sharding propagation), and uneven ``torch.chunk`` sharding is easy t
 ``torch.distributed.checkpoint`` from ``ShardSpec`` when checkpointing needs it.
 
 **Stages** (what differs is when params are whole and how grads travel):
-- 1: all params are all-gathered (in the compute dtype) at the start of the step; grads are
-  accumulated whole over microbatches, then reduce-scattered once.
-- 2: as 1, but each unit's grads are reduce-scattered as soon as backward has produced them, and
-  freed: a rank never holds more than a unit of whole grads beyond its own slice.
+- 1: all params are all-gathered (in the compute dtype) at the start of the step; whole grads are
+  held for the step: reduce-scattered bucket by bucket as backward produces them (accum=1), or
+  summed over microbatches and reduce-scattered once (accum>1).
+- 2: as 1, but each bucket's grads are freed once reduce-scattered (every microbatch): a rank
+  never holds more than the buckets still in flight of whole grads beyond its own slice.
+  Buckets go out in a fixed order, so the ranks' collectives always match.
 - 3: params stay sharded; each unit is gathered just before its forward, freed after it,
   gathered again when its backward needs it (``prefetch.Gatherer``) and its grads reduce-scattered.
 
