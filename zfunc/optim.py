@@ -290,9 +290,8 @@ def _adam_apply_fused(grads, state, params, *, lr, b1, b2, eps, weight_decay, de
     for i, (p, d) in enumerate(zip(p_leaves, decay)):
         groups.setdefault((p.device, p.dtype, d), []).append(i)
     for (device, _, d), idx in groups.items():
-        pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
-        ps, ms, vs = pick(p_leaves), pick(m_leaves), pick(v_leaves)
-        gs = [g.to(ps[0].dtype) for g in pick(g_leaves)]
+        ps, ms, vs = ([xs[i] for i in idx] for xs in (p_leaves, m_leaves, v_leaves))
+        gs = [g_leaves[i].to(ps[0].dtype) for i in idx]
         wd = weight_decay if d else 0.0
         if backend == "numba":
             _numba_adam(ps, gs, ms, vs, count, step_lr, b1, b2, eps, wd, decoupled)

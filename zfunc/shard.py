@@ -259,7 +259,7 @@ class GradReducer:
         out = torch.empty(unit.segment, dtype=torch.float32, device=device)
         check = ((REDUCE, u, self.step), self.describe) if self.verify else None
         work = self.comm.reduce_scatter(out, full.view(-1), label=what, async_op=True, check=check)
-        self.works.append((work, out, u, what))
+        self.works.append((work, out, u))
         if self.on_unit_done is not None:
             self.on_unit_done(u)
 
@@ -279,7 +279,7 @@ class GradReducer:
         self._wait()
 
     def _wait(self) -> None:
-        for work, out, u, what in self.works:
+        for work, out, u in self.works:
             work.wait()  # raises CollectiveError naming the unit and step
             unit = self.units()[u]
             views = unit.local_views(out, self.spec.leaves, self.spec.rank)
