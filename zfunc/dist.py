@@ -177,11 +177,23 @@ class Mesh:
         self.dp = dp
         self.rank = dist.get_rank() if initialised else 0
         self.comm = Comm(alone=not initialised)
+        # Grad reduce-scatters get a process group (and comm thread) of their own: they run in a
+        # fixed order there, independent of the order of param gathers on ``comm``.
+        self.reduce_comm = Comm(group=dist.new_group(backend=dist.get_backend()) if initialised else None,
+                                alone=not initialised)
 
     @property
     def size(self) -> int:
         """Number of data-parallel ranks."""
         return self.dp
+
+    def comm_bytes(self) -> dict[str, int]:
+        """Bytes per collective type counted by both of the mesh's comms since they were cleared."""
+        return dict(self.comm.bytes + self.reduce_comm.bytes)
+
+    def clear_comm_bytes(self) -> None:
+        self.comm.bytes.clear()
+        self.reduce_comm.bytes.clear()
 
     def __repr__(self) -> str:
         return f"Mesh(dp={self.dp}, rank={self.rank})"

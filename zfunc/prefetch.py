@@ -31,7 +31,7 @@ from torch import nn
 
 from zfunc.dist import Comm
 
-GATHER, REDUCE = 0, 1  # op codes the ranks compare before a collective
+GATHER = 0  # the op code ranks compare before a gather
 
 # Set while a stage-3 step runs its loss function: functionalize's apply calls it with the module.
 ACTIVE: contextvars.ContextVar[Gatherer | None] = contextvars.ContextVar("zfunc_stage3_gatherer", default=None)
@@ -41,7 +41,7 @@ def describe_op(units: list | None, op: list[int]) -> str:
     """Words for an op code ``(kind, unit, step)`` that ranks compare before a collective."""
     kind, u, step = op
     name = units[u].name if units and 0 <= u < len(units) else f"#{u}"
-    return f"{'gather' if kind == GATHER else 'reduce-scatter'} of unit '{name}' at step {step}"
+    return f"{'gather' if kind == GATHER else f'op {kind}'} of unit '{name}' at step {step}"
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:

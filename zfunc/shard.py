@@ -49,7 +49,7 @@ import torch
 
 from zfunc import optim, precision as mp, tree
 from zfunc.dist import Mesh
-from zfunc.prefetch import ACTIVE, REDUCE, Gatherer, describe_op
+from zfunc.prefetch import ACTIVE, Gatherer
 from zfunc.step import (_FIELDS, Step, TrainState, _check_single_device, _cuda_devices, _split_batch,
                         _step_seed, seeded, split_loss)
 from zfunc.units import Selector
@@ -175,24 +175,23 @@ class GradReducer:
     """Reduce-scatters whole grads into this rank's fp32 accumulators ``acc``, a unit at a time.
 
     ``eager``: a unit is reduced as soon as backward has produced all its grads (overlapping the
-    rest of backward), and ``on_unit_done(u)`` is called (stage 3 frees the unit's params).
-    ``ordered`` (stages 1/2, whose buckets are fixed): units are launched strictly in index order,
-    so every rank issues the same sequence whatever order its grads arrive in, and no check is
-    needed; unordered (stage 3, whose reduce-scatters interleave with re-gathers) relies on
-    ``verify``: the ranks check they reduce the same unit first (``Comm.agree``). ``keep_whole``
-    (stage 1): whole grads stay held for the step, as ZeRO-1 defines. Not eager (stage 1 with
-    accumulation): whole grads are summed over microbatches and reduced by ``reduce_accumulated``.
+    rest of backward), and ``on_unit_done(u)`` is called (stage 3 frees the unit's params). Units
+    are launched strictly in the order ``sequence()`` gives (the backward order), so every rank
+    issues the same reduce-scatters in the same order whatever order its grads arrive in (a unit
+    with an unused param waits for the end of backward, and the ones after it with it): on the
+    mesh's ``reduce_comm`` nothing needs checking. ``keep_whole`` (stage 1): whole grads stay held
+    for the step, as ZeRO-1 defines. Not eager (stage 1 with accumulation): whole grads are summed
+    over microbatches and reduced by ``reduce_accumulated``.
     """
 
     def __init__(self, comm, spec: ShardSpec, units: Callable[[], list[FlatUnit]], acc: list[torch.Tensor],
-                 eager: bool, step: int, verify: bool, describe: Callable[[list[int]], str],
-                 on_unit_done: Callable[[int], None] | None = None, ordered: bool = False,
-                 keep_whole: bool = False):
+                 eager: bool, step: int, sequence: Callable[[], list[int]],
+                 on_unit_done: Callable[[int], None] | None = None, keep_whole: bool = False):
         self.comm, self.spec, self.units, self.acc, self.eager = comm, spec, units, acc, eager
-        self.step, self.label, self.verify, self.describe = step, f"step {step}", verify, describe
-        self.on_unit_done, self.ordered, self.keep_whole = on_unit_done, ordered, keep_whole
+        self.label, self.sequence = f"step {step}", sequence
+        self.on_unit_done, self.keep_whole = on_unit_done, keep_whole
         self.ready: dict[int, dict[int, torch.Tensor]] = {}  # complete units waiting for their turn
-        self.next_unit = 0  # ordered: the next unit to launch
+        self.launched = 0  # how many units of sequence() have been launched
         self.pending: dict[int, dict[int, torch.Tensor]] = {}
         self.whole: dict[int, torch.Tensor] = {}
         self.works: list = []
@@ -234,13 +233,11 @@ class GradReducer:
             self._launch_ready()
 
     def _launch_ready(self) -> None:
-        if not self.ordered:
-            for u in list(self.ready):
-                self._reduce(u, self.ready.pop(u))
-            return
-        while self.next_unit in self.ready:
-            self._reduce(self.next_unit, self.ready.pop(self.next_unit))
-            self.next_unit += 1
+        sequence = self.sequence()
+        while self.launched < len(sequence) and sequence[self.launched] in self.ready:
+            u = sequence[self.launched]
+            self._reduce(u, self.ready.pop(u))
+            self.launched += 1
 
     def _held(self, nbytes: int) -> None:
         self.held_bytes += nbytes
@@ -257,8 +254,7 @@ class GradReducer:
         if not self.keep_whole:
             self._held(-sum(g.numel() * g.element_size() for g in grads.values() if g is not None))
         out = torch.empty(unit.segment, dtype=torch.float32, device=device)
-        check = ((REDUCE, u, self.step), self.describe) if self.verify else None
-        work = self.comm.reduce_scatter(out, full.view(-1), label=what, async_op=True, check=check)
+        work = self.comm.reduce_scatter(out, full.view(-1), label=what, async_op=True)
         self.works.append((work, out, u))
         if self.on_unit_done is not None:
             self.on_unit_done(u)
@@ -266,16 +262,15 @@ class GradReducer:
     def finish_microbatch(self) -> None:
         """Reduce units some of whose params got no grad (unused this time), then wait for all."""
         if self.eager:
-            left = sorted({*self.pending, *self.ready, *(range(self.next_unit, len(self.units())) if self.ordered else ())})
-            for u in left:
+            for u in self.sequence()[self.launched :]:
                 self._reduce(u, {**self.pending.pop(u, {}), **self.ready.pop(u, {})})
-            self.next_unit = len(self.units()) if self.ordered else 0
+            self.launched = len(self.sequence())
         self._wait()
 
     def reduce_accumulated(self) -> None:
         """Stage 1: reduce the whole grads summed over microbatches, every unit, then wait."""
-        for u, unit in enumerate(self.units()):
-            self._reduce(u, {i: self.whole.pop(i, None) for i in unit.indices})
+        for u in self.sequence():
+            self._reduce(u, {i: self.whole.pop(i, None) for i in self.units()[u].indices})
         self._wait()
 
     def _wait(self) -> None:
@@ -353,7 +348,7 @@ class ShardedStep(Step):
         spec, comm = self._state_spec, self.mesh.comm
         scale = loss_scale.scale if loss_scale is not None else None
         acc = [torch.zeros_like(p) for p in pieces]
-        comm.bytes.clear()
+        self.mesh.clear_comm_bytes()
         whole = self._gather_all(pieces, spec, f"step {step}") if self.stage < 3 else None
         self.peak_gathered_bytes, self.peak_whole_grad_bytes = (tree.nbytes(whole) if whole else 0), 0
         reducer, losses, auxes = None, [], []
@@ -362,10 +357,10 @@ class ShardedStep(Step):
             for micro in _split_batch(mp.cast_floating(batch, self.compute_dtype), self.accum):
                 leaves, gatherer, units = self._microbatch_leaves(spec, pieces, whole, step)
                 if reducer is None or eager:  # stage 1 with accum sums whole grads over microbatches
-                    reducer = GradReducer(comm, spec, units, acc, eager, step, self.verify and self.stage == 3,
-                                          lambda op, units=units: describe_op(units(), op),
+                    reducer = GradReducer(self.mesh.reduce_comm, spec, units, acc, eager, step,
+                                          lambda units=units: self._backward_order(units()),
                                           on_unit_done=gatherer.release if gatherer else None,
-                                          ordered=self.stage < 3, keep_whole=self.stage == 1)
+                                          keep_whole=self.stage == 1)
                 loss, aux = self._backward(tree.unflatten(treespec, leaves), micro, leaves, gatherer, reducer, scale)
                 losses.append(loss)
                 auxes.append(aux)
@@ -375,6 +370,14 @@ class ShardedStep(Step):
         loss = torch.stack(losses).mean()
         comm.all_reduce(loss, label=f"loss all-reduce at step {step}")
         return loss / spec.world, (auxes[0] if self.accum == 1 else auxes), tree.unflatten(treespec, acc)
+
+    def _backward_order(self, units: list[FlatUnit]) -> list[int]:
+        """Units in the order their grads complete: stage 3 reverses the recorded forward order
+        (units that did not run go last); stages 1/2's buckets are already in backward order."""
+        if self.stage < 3:
+            return list(range(len(units)))
+        ran = self.order[::-1]
+        return ran + [u for u in range(len(units)) if u not in ran]
 
     def _microbatch_leaves(self, spec: ShardSpec, pieces, whole, step: int):
         """``(leaves, gatherer, units)`` for one microbatch: stages 1/2 differentiate the gathered
@@ -428,7 +431,7 @@ class ShardedStep(Step):
             "grad_shard": tree.nbytes(state.params),
             "whole_params": self.peak_gathered_bytes,
             "whole_grads": self.peak_whole_grad_bytes,
-            "comm": dict(self.mesh.comm.bytes),
+            "comm": self.mesh.comm_bytes(),
         }
 
     def _gather_all(self, pieces, spec: ShardSpec, label: str) -> list[torch.Tensor]:
@@ -487,12 +490,12 @@ def shard(step: Step, mesh: Mesh, stage: int, units: Selector | None = None, *, 
       units: stage 3's gather units, a selector from ``zf.units`` (default ``zf.units.auto()``).
       prefetch: stage 3: how many units ahead to all-gather while one computes (0 turns it off).
       bucket_mb: stages 1/2: size of the flat buffers the collectives move (fp32 MiB).
-      verify: before each collective whose order follows the model's control flow (stage 2's
-        reduce-scatters, stage 3's gathers and reduce-scatters), check all ranks issue the same one
-        (one all-gather of a few bytes, on the comm thread), so diverging control flow is reported
-        by unit and step instead of aborting gloo or hanging NCCL. It delays each collective by a
-        round trip: 10-15% of a stage-3 step of the 1.8M-param GPT on 2 loopback ranks
-        (benchmarks/shard.py shows stage 3 both ways).
+      verify: before each stage-3 gather (whose order follows the model's control flow), check all
+        ranks gather the same unit (one all-gather of a few bytes, on the comm thread), so
+        diverging control flow is reported by unit and step instead of aborting gloo or hanging
+        NCCL. It delays each gather by a round trip: about 10% of a stage-3 step of the 1.8M-param
+        GPT on 2 loopback ranks (benchmarks/shard.py shows stage 3 both ways). Reduce-scatters
+        need no check: they run in a fixed order on a process group of their own.
     Law, layout and cost: see the module docstring. The loss must be a mean over the rank's batch;
     under stage 3 the model's params must reach it only through ``zf.functionalize``'s ``apply``.
     """
