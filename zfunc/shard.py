@@ -493,8 +493,8 @@ def shard(step: Step, mesh: Mesh, stage: int, units: Selector | None = None, *, 
       verify: before each stage-3 gather (whose order follows the model's control flow), check all
         ranks gather the same unit (one all-gather of a few bytes, on the comm thread), so
         diverging control flow is reported by unit and step instead of aborting gloo or hanging
-        NCCL. It delays each gather by a round trip: about 10% of a stage-3 step of the 1.8M-param
-        GPT on 2 loopback ranks (benchmarks/shard.py shows stage 3 both ways). Reduce-scatters
+        NCCL. It delays each gather by a round trip, mostly hidden on the comm thread: 0-5% of a
+        stage-3 step of the 1.8M-param GPT on 2 loopback ranks (benchmarks/shard.py shows both). Reduce-scatters
         need no check: they run in a fixed order on a process group of their own.
     Law, layout and cost: see the module docstring. The loss must be a mean over the rank's batch;
     under stage 3 the model's params must reach it only through ``zf.functionalize``'s ``apply``.
