@@ -68,7 +68,12 @@ def apply(tx: GradientTransformation, grads: PyTree, state: PyTree, params: PyTr
     """
     if tx.apply is not None:
         return tx.apply(grads, state, params)
-    updates, state = tx.update(grads, state, params)
+    return _update_in_place(tx.update, grads, state, params)
+
+
+def _update_in_place(update, grads: PyTree, state: PyTree, params: PyTree) -> tuple[PyTree, PyTree]:
+    """``update``, then its updates added into ``params``' own tensors."""
+    updates, state = update(grads, state, params)
     p_leaves, treespec = tree.flatten(params)
     torch._foreach_add_(p_leaves, [u.to(p.dtype) for p, u in zip(p_leaves, tree.leaves(updates))])
     return tree.unflatten(treespec, p_leaves), state
@@ -493,12 +498,12 @@ def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99, wei
 
 def _kernel_apply(backend: str, update, numba_apply):
     """``apply`` for optimizers whose only fused kernel is Numba's: it where ``backend`` resolves
-    to numba for these params, else ``update`` plus an in-place add (``optim.apply``'s default)."""
+    to numba for these params, else ``update`` plus an in-place add."""
 
     def apply_(grads, state, params):
         if _resolve_backend(backend, params) == "numba":
             _check_fused_leaves(params, "numba")
             return numba_apply(grads, state, params)
-        return apply(GradientTransformation(None, update), grads, state, params)
+        return _update_in_place(update, grads, state, params)
 
     return apply_

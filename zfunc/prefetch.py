@@ -31,17 +31,8 @@ from torch import nn
 
 from zfunc.dist import Comm
 
-GATHER = 0  # the op code ranks compare before a gather
-
 # Set while a stage-3 step runs its loss function: functionalize's apply calls it with the module.
 ACTIVE: contextvars.ContextVar[Gatherer | None] = contextvars.ContextVar("zfunc_stage3_gatherer", default=None)
-
-
-def describe_op(units: list | None, op: list[int]) -> str:
-    """Words for an op code ``(kind, unit, step)`` that ranks compare before a collective."""
-    kind, u, step = op
-    name = units[u].name if units and 0 <= u < len(units) else f"#{u}"
-    return f"{'gather' if kind == GATHER else f'op {kind}'} of unit '{name}' at step {step}"
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
@@ -64,8 +55,8 @@ class Gatherer:
     def __init__(self, comm: Comm, spec, pieces, placeholders, flat_units: Callable, order: list[int],
                  depth: int, step: int, verify: bool = True):
         self.comm, self.spec, self.pieces, self.placeholders = comm, spec, pieces, placeholders
-        self.step, self.verify, label = step, verify, f"step {step}"
-        self.flat_units, self.units, self.order, self.depth, self.label = flat_units, None, order, depth, label
+        self.step, self.verify = step, verify
+        self.flat_units, self.units, self.order, self.depth = flat_units, None, order, depth
         self.recording = not order
         self.gathered: dict[int, bool] = {}
         self.inflight: dict[int, tuple[Any, torch.Tensor]] = {}
@@ -82,7 +73,7 @@ class Gatherer:
         ph = self.placeholders[unit.indices[0]]
         seg = unit.pack_local([self.pieces[i] for i in unit.indices], ph.dtype, ph.device)
         out = torch.empty(self.spec.world * seg.numel(), dtype=seg.dtype, device=seg.device)
-        check = ((GATHER, u, self.step), self.describe) if self.verify else None
+        check = ((u, self.step), self.describe) if self.verify else None
         work = self.comm.all_gather(out, seg, label=self._what(u), async_op=True, check=check)
         self.inflight[u] = (work, out)
         self._count(self._unit_bytes(u))
@@ -117,10 +108,13 @@ class Gatherer:
         self.peak_bytes = max(self.peak_bytes, self.current_bytes)
 
     def describe(self, op: list[int]) -> str:
-        return describe_op(self.units, op)
+        """Words for the op code ``(unit, step)`` the ranks compare before a gather."""
+        u, step = op
+        name = self.units[u].name if 0 <= u < len(self.units) else f"#{u}"
+        return f"gather of unit '{name}' at step {step}"
 
     def _what(self, u: int) -> str:
-        return f"gather of unit '{self.units[u].name}' at {self.label}"
+        return self.describe([u, self.step])
 
     def _prefetch(self, u: int, backward: bool) -> None:
         if self.recording or not self.depth or u not in self.order:

@@ -102,8 +102,8 @@ def local_piece(full: torch.Tensor, leaf: LeafShard, rank: int) -> torch.Tensor:
 class FlatUnit:
     """A group of leaves communicated together: offsets of each leaf in a rank's padded segment."""
 
-    def __init__(self, name: str, indices: list[int], leaves: tuple[LeafShard, ...]):
-        self.name, self.indices = name, indices
+    def __init__(self, name: str, indices: list[int], leaves: tuple[LeafShard, ...], users: tuple[str, ...] = ()):
+        self.name, self.indices, self.users = name, indices, users  # users: modules that read them (stage 3)
         self.offsets, size = [], 0
         for i in indices:
             self.offsets.append(size)
@@ -134,8 +134,11 @@ class FlatUnit:
                     rows.copy_(ranked)
 
     def pack_full(self, fulls: list[torch.Tensor], leaves: tuple[LeafShard, ...], world: int, out: torch.Tensor) -> None:
-        """Write whole grads into ``out`` ``(world, segment)`` so rank r's segment holds its rows."""
+        """Write whole grads into the zeroed ``out`` ``(world, segment)`` so rank r's segment holds its
+        rows; a ``None`` grad (an unused param) stays zero."""
         for i, off, g in zip(self.indices, self.offsets, fulls):
+            if g is None:
+                continue
             for ranked, rows in _row_blocks(leaves[i], out, off, g, world):
                 ranked.copy_(rows)
 
@@ -188,7 +191,7 @@ class GradReducer:
                  eager: bool, step: int, sequence: Callable[[], list[int]],
                  on_unit_done: Callable[[int], None] | None = None, keep_whole: bool = False):
         self.comm, self.spec, self.units, self.acc, self.eager = comm, spec, units, acc, eager
-        self.label, self.sequence = f"step {step}", sequence
+        self.label, self._sequence_fn, self._sequence = f"step {step}", sequence, None
         self.on_unit_done, self.keep_whole = on_unit_done, keep_whole
         self.ready: dict[int, dict[int, torch.Tensor]] = {}  # complete units waiting for their turn
         self.launched = 0  # how many units of sequence() have been launched
@@ -197,6 +200,12 @@ class GradReducer:
         self.works: list = []
         self._unit_of: dict[int, int] | None = None
         self.held_bytes = self.peak_bytes = 0  # whole grads held at once (accounting)
+
+    def sequence(self) -> list[int]:
+        """The launch order, asked for once: after the forward pass it no longer changes."""
+        if self._sequence is None:
+            self._sequence = self._sequence_fn()
+        return self._sequence
 
     def unit_of(self, i: int) -> int:
         if self._unit_of is None:
@@ -248,9 +257,7 @@ class GradReducer:
         what = f"reduce-scatter of {unit.name} at {self.label}"
         device = self.acc[unit.indices[0]].device
         full = torch.zeros(world, unit.segment, dtype=torch.float32, device=device)
-        fulls = [grads.get(i) if grads.get(i) is not None else torch.zeros(self.spec.leaves[i].shape, device=device)
-                 for i in unit.indices]
-        unit.pack_full(fulls, self.spec.leaves, world, full)
+        unit.pack_full([grads.get(i) for i in unit.indices], self.spec.leaves, world, full)
         if not self.keep_whole:
             self._held(-sum(g.numel() * g.element_size() for g in grads.values() if g is not None))
         out = torch.empty(unit.segment, dtype=torch.float32, device=device)
@@ -332,14 +339,15 @@ class ShardedStep(Step):
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         self._check_state(state)
         params, opt_state, step, rng, loss_scale = (getattr(state, f) for f in _FIELDS)
-        self._state_spec, self._names = state.sharding, _leaf_names(params)
+        self._state_spec = state.sharding
+        if self.stage == 3 and self._flat_units is None:  # unit binding maps param names to leaves
+            self._names = _leaf_names(params)
         loss, aux, grads = self._loss_and_grads(params, batch, step, rng, loss_scale)
         with optim.summing_across(self._sum_over_ranks):
             return self._update(state, grads, loss, aux)
 
     def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.clone()
-        self.mesh.comm.all_reduce(t, label="grad-norm all-reduce")
+        self.mesh.comm.all_reduce(t, label="grad-norm all-reduce")  # t is global_norm's own temporary
         return t
 
     def _loss_and_grads(self, params, batch, step, rng, loss_scale):
@@ -457,9 +465,7 @@ class ShardedStep(Step):
             for unit in self.units_selector(module):
                 indices = [index[p] for p in unit.params if p in index]
                 if indices:
-                    fu = FlatUnit(unit.name or "<root>", indices, self._state_spec.leaves)
-                    fu.users = unit.users
-                    flat.append(fu)
+                    flat.append(FlatUnit(unit.name or "<root>", indices, self._state_spec.leaves, unit.users))
             covered = {i for fu in flat for i in fu.indices}
             missing = [self._names[i] for i in range(len(self._names)) if i not in covered]
             if missing:
