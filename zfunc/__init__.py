@@ -8,8 +8,10 @@
 from zfunc import checkpoint, dist, optim, precision, tree, units
 from zfunc.dist import Mesh
 from zfunc.module import functionalize
+from zfunc.remat import remat
 from zfunc.shard import shard
 from zfunc.step import ConsumedStateError, Step, TrainState, train_step, value_and_grad
+from zfunc.tile import tile
 
 __all__ = [
     "checkpoint",
@@ -21,7 +23,9 @@ __all__ = [
     "functionalize",
     "optim",
     "precision",
+    "remat",
     "shard",
+    "tile",
     "train_step",
     "tree",
     "units",
