@@ -65,3 +65,48 @@ def test_mesh_of_one_without_a_process_group():
         zf.Mesh(dp=0)
     with pytest.raises(ValueError, match="world_size"):
         zf.dist.spawn(failing, 0)
+
+
+def mesh_2x2(rank):
+    mesh = zf.Mesh(dp=2, pp=2)
+    dp_sum, pp_sum = torch.tensor([float(rank)]), torch.tensor([float(rank)])
+    mesh.comm.all_reduce(dp_sum)  # over the ranks holding the same stage
+    mesh.pp_comm.all_reduce(pp_sum)  # over one replica's stages
+    x = torch.full((3,), float(rank))
+    if mesh.pp_rank == 0:
+        mesh.p2p.send(x, 1, "a test send").wait()
+    else:
+        mesh.p2p.recv(x, 0, "a test recv").wait()
+    errors = []
+    for kw in ({"dp": 3, "pp": 2}, {"pp": 3}):
+        try:
+            zf.Mesh(**kw)
+        except ValueError as e:
+            errors.append(str(e))
+    return (mesh.rank, mesh.pp_rank, dp_sum.item(), pp_sum.item(), x.tolist(), dict(mesh.p2p.bytes),
+            repr(mesh), errors)
+
+
+def test_mesh_dp_x_pp_layout_groups_and_p2p():
+    for rank, r in enumerate(zf.dist.spawn(mesh_2x2, 4)):
+        dp_rank, pp_rank, dp_sum, pp_sum, x, nbytes, text, errors = r
+        assert (dp_rank, pp_rank) == (rank % 2, rank // 2)  # global rank = pp_rank * dp + dp_rank
+        assert dp_sum == {0: 1.0, 1: 5.0}[pp_rank]  # ranks {0, 1} and {2, 3}
+        assert pp_sum == {0: 2.0, 1: 4.0}[dp_rank]  # ranks {0, 2} and {1, 3}
+        assert x == [float(dp_rank)] * 3  # stage 1 received its replica's stage 0 tensor
+        assert nbytes == {("send" if pp_rank == 0 else "recv"): 12}
+        assert text == f"Mesh(dp=2, pp=2, rank={dp_rank}, pp_rank={pp_rank})"
+        assert "dp, pp: the mesh has dp * pp = 3 * 2 = 6 ranks but the process group has world size 4" in errors[0]
+        assert "pp: the world size 4 is not a multiple of pp=3" in errors[1]
+
+
+def lonely_recv(rank):
+    mesh = zf.Mesh(pp=2)
+    if rank == 1:
+        mesh.p2p.recv(torch.empty(3), 0, "recv of the activation of microbatch 0 from stage 0 to 1 at step 0").wait()
+
+
+def test_p2p_failure_names_the_transfer():
+    with pytest.raises(RuntimeError, match="rank 1 of 2 failed:(.|\n)*CollectiveError: recv failed during recv of the "
+                                           "activation of microbatch 0 from stage 0 to 1 at step 0"):
+        zf.dist.spawn(lonely_recv, 2, timeout_s=20)

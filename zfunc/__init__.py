@@ -8,6 +8,8 @@
 from zfunc import checkpoint, dist, optim, precision, tree, units
 from zfunc.dist import Mesh
 from zfunc.module import functionalize
+from zfunc.offload import offload
+from zfunc.pipeline import pipeline
 from zfunc.remat import remat
 from zfunc.shard import shard
 from zfunc.step import ConsumedStateError, Step, TrainState, train_step, value_and_grad
@@ -21,7 +23,9 @@ __all__ = [
     "Step",
     "TrainState",
     "functionalize",
+    "offload",
     "optim",
+    "pipeline",
     "precision",
     "remat",
     "shard",

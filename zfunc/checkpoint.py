@@ -93,6 +93,9 @@ def _splits(state: TrainState) -> dict[str, tuple[str, LeafShard]]:
 
 def _world_rank(state: TrainState) -> tuple[int, int, int | None]:
     spec = state.sharding
+    if spec is not None and not isinstance(spec, ShardSpec):  # zf.pipeline's PipelineSpec
+        raise CheckpointError(f"state: checkpoints of pipelined states ({spec}) are not supported yet; "
+                              "save and load plain or zf.shard states")
     return (spec.world, spec.rank, spec.stage) if isinstance(spec, ShardSpec) else (1, 0, None)
 
 
@@ -257,6 +260,9 @@ def save(state: TrainState, directory: str | os.PathLike, *, keep_last: int | No
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last: expected an int >= 1 or None, got {keep_last!r}")
     final = Path(directory)
+    from zfunc.offload import in_ram
+
+    state = in_ram(state)  # an offloaded state's swap files, read back
     world, rank, stage = _world_rank(state)
     tmp = final.with_name(f".{final.name}.tmp")
     if rank == 0:
@@ -374,6 +380,11 @@ def _template(manifest: dict, step_or_template: Any, device: str | torch.device)
         return step_or_template
     if not isinstance(step_or_template, Step):
         raise TypeError(f"step_or_template: expected a Step or a TrainState, got {type(step_or_template).__name__}")
+    from zfunc.offload import OffloadedStep
+
+    if isinstance(step_or_template, OffloadedStep):
+        raise CheckpointError("step_or_template: loading straight into an offloaded step is not supported yet; load "
+                              "into the step it wraps, then start the offloaded one from zf.checkpoint.full_params")
     params = {e["path"][len("params/"):]: torch.empty(e["full_shape"], dtype=getattr(torch, e["dtype"]), device="meta")
               for e in manifest["leaves"] if e["path"].startswith("params/")}
     template = step_or_template.init(params)
@@ -443,9 +454,10 @@ def full_params(state: TrainState, mesh=None) -> dict:
     if state.sharding is None:
         return tree.clone(state.params)
     from zfunc.dist import Mesh
+    from zfunc.offload import in_ram
     from zfunc.shard import full_params as gather
 
-    return gather(state, mesh or Mesh(dp=state.sharding.world))
+    return gather(in_ram(state), mesh or Mesh(dp=state.sharding.world))
 
 
 def export(directory: str | os.PathLike, out: str | os.PathLike) -> Path:

@@ -1,14 +1,17 @@
-"""The data-parallel mesh over ``torch.distributed``, a byte-counting collectives layer, and ``spawn``.
+"""The mesh over ``torch.distributed``, byte-counting collectives and point-to-point, and ``spawn``.
 
-``Mesh(dp=N)`` wraps the default process group (gloo for CPU tensors, NCCL for CUDA), which
-``torchrun``'s environment variables or ``spawn`` set up. Every collective zfunc issues goes
-through a ``Comm``, which counts the bytes of each call type -- the figures the comm-volume tests
-and the sharding docstrings' *cost* lines are checked against -- and names the operation (unit,
-step) in the error when a peer fails or the ranks' calls diverge, instead of hanging silently.
+``Mesh(dp=N)`` wraps the default process group; ``Mesh(dp=N, pp=P)`` adds a pipeline axis (see
+``Mesh`` for the layout and its groups). The default process group (gloo for CPU tensors, NCCL
+for CUDA) is set up by ``torchrun``'s environment variables or ``spawn``. Every collective zfunc
+issues goes through a ``Comm``, which counts the bytes of each call type -- the figures the
+comm-volume tests and the sharding docstrings' *cost* lines are checked against -- and names the
+operation (unit, step) in the error when a peer fails or the ranks' calls diverge, instead of
+hanging silently; point-to-point transfers go through a ``P2P``, which does the same.
 
 Byte counts are the full logical tensor, per rank: ``all_gather`` counts its output,
 ``reduce_scatter`` its input, ``all_reduce`` twice its tensor (a ring all-reduce is a
-reduce-scatter plus an all-gather). In those units DDP moves 2 Psi bytes per step.
+reduce-scatter plus an all-gather). In those units DDP moves 2 Psi bytes per step. ``P2P``
+counts each sent or received tensor once.
 """
 from __future__ import annotations
 
@@ -154,33 +157,129 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-class Mesh:
-    """A 1-D data-parallel mesh of ``dp`` ranks: the default process group, checked.
+class P2P:
+    """Point-to-point sends and receives between the ranks of ``group`` (a pipeline's stages).
 
-    ``Mesh(dp=None)`` takes the world size. The process group must be initialised first
-    (``init_from_env()`` under ``torchrun``, or ``spawn``); a single process without one gets a
-    trivial mesh of 1.
+    ``peers[i]`` is the global rank of group member ``i``; callers name peers by group rank.
+    ``bytes`` counts "send" and "recv" (each tensor once, on the rank that moves it). Every call
+    returns at once; the result's ``wait()`` raises ``CollectiveError`` naming ``label`` (what
+    moved, between which stages, at which step) when the peer failed or did not answer within the
+    process group's timeout, instead of hanging. Sends and receives between one pair of ranks
+    match in call order per ``tag``.
     """
 
-    def __init__(self, dp: int | None = None):
+    def __init__(self, group: Any = None, peers: tuple[int, ...] = ()):
+        self.group, self.peers = group, tuple(peers)
+        self.bytes: Counter = Counter()
+
+    def send(self, t: torch.Tensor, to: int, label: str, tag: int = 0) -> _P2PWork:
+        """Start sending ``t`` to group rank ``to``; ``t`` must not change until ``wait()``."""
+        return self._issue("send", dist.isend, t, to, label, tag)
+
+    def recv(self, t: torch.Tensor, frm: int, label: str, tag: int = 0) -> _P2PWork:
+        """Start receiving into ``t`` from group rank ``frm``; read ``t`` after ``wait()``."""
+        return self._issue("recv", dist.irecv, t, frm, label, tag)
+
+    def _issue(self, kind: str, op: Callable, t: torch.Tensor, peer: int, label: str, tag: int) -> _P2PWork:
+        what = f"{kind} failed during {label}"
+        if not 0 <= peer < len(self.peers):
+            raise CollectiveError(f"{what}: no peer {peer} in a group of {len(self.peers)} ranks")
+        self.bytes[kind] += _nbytes(t)
+        try:
+            work = op(t, self.peers[peer], group=self.group, tag=tag)
+        except Exception as e:  # gloo raises at once when the peer's connection is gone
+            raise CollectiveError(f"{what}: {e}") from e
+        return _P2PWork(work, what, t)
+
+
+class _P2PWork:
+    """A started send or receive; holds its tensor until ``wait()`` has returned."""
+
+    def __init__(self, work: Any, what: str, tensor: torch.Tensor):
+        self.work, self.what, self.tensor = work, what, tensor
+
+    def done(self) -> bool:
+        """True once the transfer has finished (or failed: ``wait()`` then raises)."""
+        return self.work.is_completed()
+
+    def wait(self) -> torch.Tensor:
+        try:
+            self.work.wait()
+        except Exception as e:
+            raise CollectiveError(f"{self.what}: {e}") from e
+        return self.tensor
+
+
+class Mesh:
+    """A mesh of ``dp * pp`` ranks: ``dp`` data-parallel replicas of a ``pp``-stage pipeline.
+
+    ``Mesh(dp=None, pp=1)`` takes ``dp = world size / pp``. The process group must be initialised
+    first (``init_from_env()`` under ``torchrun``, or ``spawn``); a single process without one
+    gets a trivial mesh of 1.
+
+    Layout: global rank ``= pp_rank * dp + rank`` -- data-parallel innermost, pipeline outermost
+    (Megatron's order; a tensor-parallel axis would go inside dp). The pipeline moves the least
+    (one activation per microbatch, point to point), so it is the axis that may cross the slowest
+    links, while the dp ranks of one stage, which reduce every grad each step, are neighbours.
+
+    ``rank``, ``comm`` and ``reduce_comm`` are over this rank's data-parallel group (the ``dp``
+    ranks holding the same pipeline stage), so ``zf.shard`` works over the dp axis unchanged;
+    ``pp_rank``, ``pp_comm`` (collectives: loss and norm sums) and ``p2p`` (activations and
+    grads) are over its pipeline group. With ``pp=1`` the mesh is the default process group, as
+    it always was, and creates no other groups but ``reduce_comm``'s.
+    """
+
+    def __init__(self, dp: int | None = None, pp: int = 1):
         initialised = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if initialised else 1
+        if not isinstance(pp, int) or pp < 1:
+            raise ValueError(f"pp: expected an int >= 1, got {pp!r}")
         if dp is None:
-            dp = world
+            if world % pp:
+                raise ValueError(f"pp: the world size {world} is not a multiple of pp={pp}")
+            dp = world // pp
         if not isinstance(dp, int) or dp < 1:
             raise ValueError(f"dp: expected an int >= 1, got {dp!r}")
-        if dp != world:
+        if dp * pp != world:
+            ranks = f"{dp} ranks" if pp == 1 else f"dp * pp = {dp} * {pp} = {dp * pp} ranks"
             raise ValueError(
-                f"dp: the mesh has {dp} ranks but the process group has world size {world}"
+                f"{'dp' if pp == 1 else 'dp, pp'}: the mesh has {ranks} but the process group has world size {world}"
                 + ("" if initialised else " (torch.distributed is not initialised: start with torchrun or zf.dist.spawn)")
             )
-        self.dp = dp
-        self.rank = dist.get_rank() if initialised else 0
+        self.dp, self.pp = dp, pp
+        if pp == 1:
+            self._data_parallel_only(initialised)
+        else:
+            self._groups(dist.get_rank())
+
+    @classmethod
+    def alone(cls) -> Mesh:
+        """A mesh of this process alone, whatever the process group: its collectives are copies
+        (a plain step's offload runs on one)."""
+        mesh = object.__new__(cls)
+        mesh.dp, mesh.pp = 1, 1
+        mesh._data_parallel_only(initialised=False)
+        return mesh
+
+    def _data_parallel_only(self, initialised: bool) -> None:
+        self.rank, self.pp_rank = (dist.get_rank() if initialised else 0), 0
         self.comm = Comm(alone=not initialised)
         # Grad reduce-scatters get a process group (and comm thread) of their own: they run in a
         # fixed order there, independent of the order of param gathers on ``comm``.
         self.reduce_comm = Comm(group=dist.new_group(backend=dist.get_backend()) if initialised else None,
                                 alone=not initialised)
+        self.pp_comm, self.p2p = Comm(alone=True), P2P(peers=(dist.get_rank() if initialised else 0,))
+
+    def _groups(self, global_rank: int) -> None:
+        dp, pp = self.dp, self.pp
+        self.pp_rank, self.rank = divmod(global_rank, dp)
+        dp_groups = [[q * dp + d for d in range(dp)] for q in range(pp)]
+        pp_groups = [[q * dp + d for q in range(pp)] for d in range(dp)]
+        # Every rank creates every group, in this order (torch.distributed requires it).
+        self.comm = Comm(group=_my_group(dp_groups, global_rank))
+        self.reduce_comm = Comm(group=_my_group(dp_groups, global_rank))
+        self.pp_comm = Comm(group=_my_group(pp_groups, global_rank))
+        self.p2p = P2P(_my_group(pp_groups, global_rank), tuple(pp_groups[self.rank]))
 
     @property
     def size(self) -> int:
@@ -188,15 +287,27 @@ class Mesh:
         return self.dp
 
     def comm_bytes(self) -> dict[str, int]:
-        """Bytes per collective type counted by both of the mesh's comms since they were cleared."""
-        return dict(self.comm.bytes + self.reduce_comm.bytes)
+        """Bytes per call type counted by all of the mesh's comms since they were cleared."""
+        return dict(self.comm.bytes + self.reduce_comm.bytes + self.pp_comm.bytes + self.p2p.bytes)
 
     def clear_comm_bytes(self) -> None:
-        self.comm.bytes.clear()
-        self.reduce_comm.bytes.clear()
+        for counter in (self.comm.bytes, self.reduce_comm.bytes, self.pp_comm.bytes, self.p2p.bytes):
+            counter.clear()
 
     def __repr__(self) -> str:
-        return f"Mesh(dp={self.dp}, rank={self.rank})"
+        if self.pp == 1:
+            return f"Mesh(dp={self.dp}, rank={self.rank})"
+        return f"Mesh(dp={self.dp}, pp={self.pp}, rank={self.rank}, pp_rank={self.pp_rank})"
+
+
+def _my_group(groups: list[list[int]], rank: int) -> Any:
+    """Create one process group per list of ranks (all ranks take part); return ``rank``'s."""
+    mine = None
+    for ranks in groups:
+        group = dist.new_group(ranks, backend=dist.get_backend())
+        if rank in ranks:
+            mine = group
+    return mine
 
 
 def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> None:

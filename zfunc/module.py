@@ -14,12 +14,14 @@ makes. With ``with_buffers=True`` they become explicit state:
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
+from zfunc.pipeline import ACTIVE as PIPELINE_STAGE
 from zfunc.prefetch import ACTIVE
 
 
@@ -66,10 +68,12 @@ def functionalize(module: nn.Module, *, with_buffers: bool = False) -> tuple[Cal
     def call(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], args, kwargs):
         _check_params(params, names)
         gatherer = ACTIVE.get()  # a ZeRO-3 step is running: its units gather params around each forward
-        if gatherer is None:
-            return functional_call(module, ({**trainable, **params}, frozen, buffers), args, kwargs)
-        with gatherer.running(module):
-            return functional_call(module, ({**trainable, **params}, frozen, buffers), args, kwargs)
+        stage = PIPELINE_STAGE.get()  # a pipeline stage is running: it runs its own units only
+        with stage.running(module) if stage is not None else nullcontext():
+            if gatherer is None:
+                return functional_call(module, ({**trainable, **params}, frozen, buffers), args, kwargs)
+            with gatherer.running(module):
+                return functional_call(module, ({**trainable, **params}, frozen, buffers), args, kwargs)
 
     if with_buffers:
 

@@ -175,7 +175,8 @@ def _buckets(leaves: tuple[LeafShard, ...], bucket_elems: int) -> list[FlatUnit]
 
 
 class GradReducer:
-    """Reduce-scatters whole grads into this rank's fp32 accumulators ``acc``, a unit at a time.
+    """Reduce-scatters whole grads, a unit at a time, and hands this rank's fp32 slice of each unit
+    to ``deliver(unit, slices)`` (``ShardedStep`` adds them into its accumulators).
 
     ``eager``: a unit is reduced as soon as backward has produced all its grads (overlapping the
     rest of backward), and ``on_unit_done(u)`` is called (stage 3 frees the unit's params). Units
@@ -184,13 +185,17 @@ class GradReducer:
     with an unused param waits for the end of backward, and the ones after it with it): on the
     mesh's ``reduce_comm`` nothing needs checking. ``keep_whole`` (stage 1): whole grads stay held
     for the step, as ZeRO-1 defines. Not eager (stage 1 with accumulation): whole grads are summed
-    over microbatches and reduced by ``reduce_accumulated``.
+    over microbatches and reduced by ``reduce_accumulated``. ``deliver_early``: deliver each unit
+    as soon as the next one is launched (offload's overlapped updates) instead of at the end.
     """
 
-    def __init__(self, comm, spec: ShardSpec, units: Callable[[], list[FlatUnit]], acc: list[torch.Tensor],
+    def __init__(self, comm, spec: ShardSpec, units: Callable[[], list[FlatUnit]],
+                 deliver: Callable[[FlatUnit, list[torch.Tensor]], None], device: torch.device,
                  eager: bool, step: int, sequence: Callable[[], list[int]],
-                 on_unit_done: Callable[[int], None] | None = None, keep_whole: bool = False):
-        self.comm, self.spec, self.units, self.acc, self.eager = comm, spec, units, acc, eager
+                 on_unit_done: Callable[[int], None] | None = None, keep_whole: bool = False,
+                 deliver_early: bool = False):
+        self.comm, self.spec, self.units, self.deliver, self.eager = comm, spec, units, deliver, eager
+        self.device, self.deliver_early = device, deliver_early
         self.label, self._sequence_fn, self._sequence = f"step {step}", sequence, None
         self.on_unit_done, self.keep_whole = on_unit_done, keep_whole
         self.ready: dict[int, dict[int, torch.Tensor]] = {}  # complete units waiting for their turn
@@ -255,7 +260,7 @@ class GradReducer:
     def _reduce(self, u: int, grads: dict[int, torch.Tensor]) -> None:
         unit, world = self.units()[u], self.spec.world
         what = f"reduce-scatter of {unit.name} at {self.label}"
-        device = self.acc[unit.indices[0]].device
+        device = self.device
         full = torch.zeros(world, unit.segment, dtype=torch.float32, device=device)
         unit.pack_full([grads.get(i) for i in unit.indices], self.spec.leaves, world, full)
         if not self.keep_whole:
@@ -265,6 +270,8 @@ class GradReducer:
         self.works.append((work, out, u))
         if self.on_unit_done is not None:
             self.on_unit_done(u)
+        if self.deliver_early:  # the one just launched overlaps what comes next; the others are due
+            self._wait(keep_last=True)
 
     def finish_microbatch(self) -> None:
         """Reduce units some of whose params got no grad (unused this time), then wait for all."""
@@ -280,13 +287,33 @@ class GradReducer:
             self._reduce(u, {i: self.whole.pop(i, None) for i in self.units()[u].indices})
         self._wait()
 
-    def _wait(self) -> None:
-        for work, out, u in self.works:
+    def _wait(self, keep_last: bool = False) -> None:
+        due = self.works[:-1] if keep_last else self.works
+        for work, out, u in due:
             work.wait()  # raises CollectiveError naming the unit and step
             unit = self.units()[u]
-            views = unit.local_views(out, self.spec.leaves, self.spec.rank)
-            torch._foreach_add_([self.acc[i] for i in unit.indices], views)
-        self.works.clear()
+            self.deliver(unit, unit.local_views(out, self.spec.leaves, self.spec.rank))
+        self.works = self.works[len(due):]
+
+
+class GradSlices:
+    """This rank's fp32 grad slices, summed as the reducer delivers them and averaged at the end.
+
+    ``early`` (False here) asks the reducer to deliver each unit as soon as it can, for sinks that
+    consume grads during backward (offload's overlapped updates).
+    """
+
+    early = False
+
+    def __init__(self, acc: list[torch.Tensor], divisor: float):
+        self.acc, self.divisor = acc, divisor
+
+    def deliver(self, unit: FlatUnit, slices: list[torch.Tensor]) -> None:
+        torch._foreach_add_([self.acc[i] for i in unit.indices], slices)
+
+    def result(self) -> list[torch.Tensor]:
+        torch._foreach_mul_(self.acc, 1.0 / self.divisor)
+        return self.acc
 
 
 class ShardedStep(Step):
@@ -306,23 +333,29 @@ class ShardedStep(Step):
     def init(self, params: PyTree) -> TrainState:
         """This rank's fp32 pieces of ``params`` (which must be equal on every rank) and their
         optimizer state; ``sharding`` records the split."""
+        device, leaves, treespec, spec = self._layout(params)
+        pieces = [local_piece(x.detach(), leaf, spec.rank).to(device=device, dtype=torch.float32, copy=True)
+                  for x, leaf in zip(leaves, spec.leaves)]
+        master = tree.unflatten(treespec, pieces)
+        return TrainState(master, self.optimizer.init(master), 0, self.seed, mp.init_loss_scale(self.precision), spec)
+
+    def _layout(self, params: PyTree) -> tuple[torch.device, list[torch.Tensor], Any, ShardSpec]:
+        """``(device, leaves, treespec, spec)`` of ``params``, checked (floating tensors, the same
+        on every rank unless on the meta device)."""
         device = _check_single_device(params)
         leaves, treespec = tree.flatten(params)
         for x in leaves:
             if not isinstance(x, torch.Tensor) or not x.is_floating_point():
                 raise TypeError(f"params: shard needs floating-point tensor leaves, got {type(x).__name__}"
                                 f"{' ' + str(x.dtype) if isinstance(x, torch.Tensor) else ''}")
-        world, rank = self.mesh.dp, self.mesh.rank
-        if self.verify and device.type != "meta":  # every rank must start from the same params
+        if self.verify and device.type != "meta" and self.mesh.dp > 1:  # every rank must start alike
             checksum = torch.stack([x.detach().double().sum().cpu() for x in leaves]).sum()
             self.mesh.comm.agree((int(checksum.view(torch.int64)),), lambda op: f"params checksum {op[0]}",
                                  "init: params differ across ranks (seed the model the same way on every rank)")
-        spec = ShardSpec(self.stage, world, rank,
+        world = self.mesh.dp
+        spec = ShardSpec(self.stage, world, self.mesh.rank,
                          tuple(LeafShard(tuple(x.shape), -(-(x.shape[0] if x.dim() else 1) // world)) for x in leaves))
-        pieces = [local_piece(x.detach(), leaf, rank).to(device=device, dtype=torch.float32, copy=True)
-                  for x, leaf in zip(leaves, spec.leaves)]
-        master = tree.unflatten(treespec, pieces)
-        return TrainState(master, self.optimizer.init(master), 0, self.seed, mp.init_loss_scale(self.precision), spec)
+        return device, leaves, treespec, spec
 
     def _check_state(self, state: Any) -> None:
         if not isinstance(state, TrainState):
@@ -330,7 +363,7 @@ class ShardedStep(Step):
         if state.sharding is None:
             raise ValueError("state: this state is not sharded (it came from a plain step's init); "
                              "build it with this sharded step's init(params)")
-        if not isinstance(state.sharding, ShardSpec) or (state.sharding.stage, state.sharding.world,
+        if type(state.sharding) is not ShardSpec or (state.sharding.stage, state.sharding.world,
                                                          state.sharding.rank) != (self.stage, self.mesh.dp, self.mesh.rank):
             raise ValueError(f"state: sharded as {state.sharding}, but this step is stage {self.stage} over "
                              f"{self.mesh.dp} ranks (rank {self.mesh.rank}); reshard it through a checkpoint")
@@ -339,7 +372,7 @@ class ShardedStep(Step):
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         self._check_state(state)
         params, opt_state, step, rng, loss_scale = (getattr(state, f) for f in _FIELDS)
-        self._state_spec = state.sharding
+        self._state_spec, self._loss_scale = state.sharding, loss_scale and loss_scale.scale
         if self.stage == 3 and self._flat_units is None:  # unit binding maps param names to leaves
             self._names = _leaf_names(params)
         loss, aux, grads = self._loss_and_grads(params, batch, step, rng, loss_scale)
@@ -352,32 +385,45 @@ class ShardedStep(Step):
 
     def _loss_and_grads(self, params, batch, step, rng, loss_scale):
         """Mean loss over ranks and microbatches, and this rank's fp32 slice of the averaged grads."""
-        pieces, treespec = tree.flatten(params)
+        pieces, treespec = self._pieces(params)
         spec, comm = self._state_spec, self.mesh.comm
         scale = loss_scale.scale if loss_scale is not None else None
-        acc = [torch.zeros_like(p) for p in pieces]
+        device = self._device(pieces)
+        sink = self._grad_sink(pieces)
         self.mesh.clear_comm_bytes()
-        whole = self._gather_all(pieces, spec, f"step {step}") if self.stage < 3 else None
+        whole = self._gather_all(pieces, spec, f"step {step}", device) if self.stage < 3 else None
         self.peak_gathered_bytes, self.peak_whole_grad_bytes = (tree.nbytes(whole) if whole else 0), 0
         reducer, losses, auxes = None, [], []
         eager = self.stage > 1 or self.accum == 1
         with seeded(_step_seed(rng, step), _cuda_devices(params)):
             for micro in _split_batch(mp.cast_floating(batch, self.compute_dtype), self.accum):
-                leaves, gatherer, units = self._microbatch_leaves(spec, pieces, whole, step)
+                leaves, gatherer, units = self._microbatch_leaves(spec, pieces, whole, step, device)
                 if reducer is None or eager:  # stage 1 with accum sums whole grads over microbatches
-                    reducer = GradReducer(self.mesh.reduce_comm, spec, units, acc, eager, step,
+                    reducer = GradReducer(self.mesh.reduce_comm, spec, units, sink.deliver, device, eager, step,
                                           lambda units=units: self._backward_order(units()),
                                           on_unit_done=gatherer.release if gatherer else None,
-                                          keep_whole=self.stage == 1)
+                                          keep_whole=self.stage == 1, deliver_early=sink.early)
                 loss, aux = self._backward(tree.unflatten(treespec, leaves), micro, leaves, gatherer, reducer, scale)
                 losses.append(loss)
                 auxes.append(aux)
         if not eager:
             reducer.reduce_accumulated()
-        torch._foreach_mul_(acc, 1.0 / (spec.world * self.accum * (scale or 1.0)))
+        grads = sink.result()
         loss = torch.stack(losses).mean()
         comm.all_reduce(loss, label=f"loss all-reduce at step {step}")
-        return loss / spec.world, (auxes[0] if self.accum == 1 else auxes), tree.unflatten(treespec, acc)
+        return loss / spec.world, (auxes[0] if self.accum == 1 else auxes), grads and tree.unflatten(treespec, grads)
+
+    def _pieces(self, params) -> tuple[Any, Any]:
+        """``(pieces, treespec)``: this rank's param pieces, indexable in leaf order."""
+        return tree.flatten(params)
+
+    def _grad_sink(self, pieces) -> GradSlices:
+        """Where the reduced grad slices go: fp32 accumulators shaped like ``pieces``."""
+        return GradSlices([torch.zeros_like(p) for p in pieces], self._grad_divisor())
+
+    def _grad_divisor(self) -> float:
+        """Reduced grads are sums over ranks and microbatches of scaled losses' grads."""
+        return self._state_spec.world * self.accum * (self._loss_scale or 1.0)
 
     def _backward_order(self, units: list[FlatUnit]) -> list[int]:
         """Units in the order their grads complete: stage 3 reverses the recorded forward order
@@ -387,12 +433,16 @@ class ShardedStep(Step):
         ran = self.order[::-1]
         return ran + [u for u in range(len(units)) if u not in ran]
 
-    def _microbatch_leaves(self, spec: ShardSpec, pieces, whole, step: int):
+    def _device(self, pieces) -> torch.device:
+        """Where the step computes: where the pieces live."""
+        return pieces[0].device
+
+    def _microbatch_leaves(self, spec: ShardSpec, pieces, whole, step: int, device: torch.device):
         """``(leaves, gatherer, units)`` for one microbatch: stages 1/2 differentiate the gathered
         params; stage 3 hands out storage-less placeholders that its ``Gatherer`` fills per unit."""
         if self.stage < 3:
             return [w.detach().requires_grad_() for w in whole], None, lambda: self._buckets(spec)
-        leaves = [_placeholder(leaf.shape, self.compute_dtype, p.device) for leaf, p in zip(spec.leaves, pieces)]
+        leaves = [_placeholder(leaf.shape, self.compute_dtype, device) for leaf in spec.leaves]
         gatherer = Gatherer(self.mesh.comm, spec, pieces, leaves, self._stage3_units, self.order, self.prefetch,
                             step, self.verify)
         return leaves, gatherer, lambda: gatherer.units
@@ -442,11 +492,11 @@ class ShardedStep(Step):
             "comm": self.mesh.comm_bytes(),
         }
 
-    def _gather_all(self, pieces, spec: ShardSpec, label: str) -> list[torch.Tensor]:
+    def _gather_all(self, pieces, spec: ShardSpec, label: str, device: torch.device) -> list[torch.Tensor]:
         """Stages 1/2: every param whole, in the compute dtype (one all-gather per bucket)."""
         whole: list[torch.Tensor | None] = [None] * len(pieces)
         for unit in self._buckets(spec):
-            seg = unit.pack_local([pieces[i] for i in unit.indices], self.compute_dtype, pieces[0].device)
+            seg = unit.pack_local([pieces[i] for i in unit.indices], self.compute_dtype, device)
             out = torch.empty(spec.world * seg.numel(), dtype=seg.dtype, device=seg.device)
             self.mesh.comm.all_gather(out, seg, label=f"param all-gather of {unit.name} at {label}")
             for i, w in zip(unit.indices, unit.unpack_gathered(out, spec.leaves, spec.world)):

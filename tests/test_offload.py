@@ -1,0 +1,242 @@
+"""offload: state in CPU RAM or swap files trains exactly as the plain (or sharded) step."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import zfunc as zf
+from tests.test_shard import Block, Tiny, batches, local
+from zfunc.offload import in_ram, offload
+from zfunc.shard import full_params
+
+PLACES = [("cpu", None), ("nvme", None), ("cpu", "cpu"), ("nvme", "nvme")]
+
+
+def make(clip=True, precision="fp32", accum=1, where=None, params=None, path=None, mesh=None, stage=None, **kw):
+    torch.manual_seed(0)
+    apply, p = zf.functionalize(Tiny())
+
+    def loss_fn(p, batch):
+        x, y = batch
+        return F.cross_entropy(apply(p, x).flatten(0, 1).float(), y.flatten())
+
+    txs = [zf.optim.clip_by_global_norm(0.1)] if clip else []
+    tx = zf.optim.chain(*txs, zf.optim.adamw(1e-2, weight_decay=0.1, mask=zf.optim.decay_mask, backend="numba"))
+    step = zf.train_step(loss_fn, tx, precision, accum)
+    if stage:
+        step = zf.shard(step, mesh, stage, units=zf.units.by_class(Block) if stage == 3 else None)
+    if where:
+        units = zf.units.by_class(Block) if params and not stage else None
+        step = offload(step, where, params, path=path, units=units, **kw)
+    return step, step.init(p)
+
+
+def run(step, state, world=1, rank=0, n=5, shards=1):
+    """``n`` steps on the batches of a ``world``-rank run, this process taking its share of
+    ``shards`` (1: the whole batch, as the plain reference does)."""
+    losses, norms = [], []
+    for batch in batches(world, n):
+        state, m = step(state, local(batch, rank, shards))
+        losses.append(m["loss"].item())
+        norms.append(m["grad_norm"].item())
+    return state, losses, norms
+
+
+def materialized(step, state):
+    """The fp32 masters of a one-process offloaded state, read back from wherever they live."""
+    return zf.checkpoint.full_params(state)
+
+
+@pytest.mark.parametrize("where, params", PLACES)
+@pytest.mark.parametrize("clip, precision, accum", [(False, "fp32", 1), (True, "fp32", 1), (False, "bf16", 2)])
+def test_offloaded_step_equals_the_plain_step(tmp_path, where, params, clip, precision, accum):
+    ref, ref_losses, ref_norms = run(*make(clip, precision, accum))
+    step, state = make(clip, precision, accum, where, params, tmp_path)
+    assert step.overlap == (not clip and accum == 1)
+    state, losses, norms = run(step, state)
+    assert losses == ref_losses and norms == pytest.approx(ref_norms, rel=1e-6)
+    got = materialized(step, state)
+    for name, want in ref.params.items():
+        torch.testing.assert_close(got[name], want, rtol=1e-6, atol=0)
+    placed = step.memory(state)
+    assert (placed["nvme"] > 0) == ("nvme" in (where, params))
+    assert (placed["device"] > 0) == (params is None)
+
+
+def test_fp16_overflow_skips_the_offloaded_update_like_the_plain_step(tmp_path):
+    def big_loss(step):
+        inner = step.loss_fn
+        step.loss_fn = lambda p, b: inner(p, b) * 1e4  # overflows fp16 at the initial scale
+        return step
+
+    ref_step, ref = make(False, "fp16")
+    step, state = make(False, "fp16", 1, "nvme", "nvme", tmp_path)
+    ref_step, step = big_loss(ref_step), big_loss(step)
+    for batch in batches(1, 3):
+        ref, m_ref = ref_step(ref, batch)
+        state, m = step(state, batch)
+        assert m["skipped"] == m_ref["skipped"] and m["loss_scale"] == m_ref["loss_scale"]
+    got = materialized(step, state)
+    for name, want in ref.params.items():
+        torch.testing.assert_close(got[name], want, rtol=1e-6, atol=0)
+
+
+def sharded_worker(rank, world, path, configs):
+    mesh = zf.Mesh(dp=world)
+    out = []
+    for stage, where, params, clip in configs:
+        step, state = make(clip, where=where, params=params, path=f"{path}/{stage}-{where}-{params}-{rank}",
+                           mesh=mesh, stage=stage)
+        state, losses, norms = run(step, state, world, rank, shards=world)
+        out.append((losses, norms, full_params(in_ram(state), mesh)))
+    return out
+
+
+SHARDED = [(2, "nvme", None, True), (2, "cpu", None, False), (3, "nvme", "nvme", False), (3, "cpu", "cpu", True)]
+
+
+def test_offload_composes_with_shard_stages_2_and_3(tmp_path):
+    results = zf.dist.spawn(sharded_worker, 2, 2, str(tmp_path), SHARDED)
+    for k, (stage, where, params, clip) in enumerate(SHARDED):
+        ref, ref_losses, ref_norms = run(*make(clip), world=2)
+        ref = ref.params
+        for rank in range(2):
+            losses, norms, full = results[rank][k]
+            what = f"stage {stage}, optimizer {where}, params {params}, rank {rank}"
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6, msg=what)
+            torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=1e-6, msg=what)
+            for name in ref:
+                torch.testing.assert_close(full[name], ref[name], rtol=1e-5, atol=1e-5, msg=f"{what}: {name}")
+
+
+def test_params_built_on_the_meta_device_are_materialized_one_leaf_at_a_time(tmp_path):
+    torch.manual_seed(0)
+    values = dict(zf.functionalize(Tiny())[1])
+    with torch.device("meta"):
+        meta_model = Tiny()
+    apply, meta = zf.functionalize(meta_model)
+    asked = []
+
+    def materialize(name, like):
+        asked.append(name)
+        assert like.device.type == "meta"
+        return values[name].clone()
+
+    step = offload(zf.train_step(lambda p, b: F.cross_entropy(apply(p, b[0]).flatten(0, 1), b[1].flatten()),
+                                 zf.optim.adamw(1e-2)), "nvme", "nvme", path=tmp_path, units=zf.units.by_class(Block))
+    state = step.init(meta, materialize=materialize)
+    assert sorted(asked) == sorted(values)
+    got = materialized(step, state)
+    for name, want in values.items():
+        assert torch.equal(got[name], want)
+    state, m = step(state, batches(1, 1)[0])
+    assert torch.isfinite(m["loss"])
+    with pytest.raises(ValueError, match="meta device; pass materialize"):
+        step.init(meta)
+
+
+def test_a_corrupted_swap_file_is_reported_by_name(tmp_path):
+    step, state = make(False, where="nvme", params="nvme", path=tmp_path)
+    victim = max(tmp_path.glob("*.swap"), key=lambda f: f.stat().st_size)
+    with open(victim, "r+b") as f:
+        f.seek(4096 + 7)
+        byte = f.read(1)
+        f.seek(4096 + 7)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    from zfunc.swap import SwapChecksumError
+
+    with pytest.raises(SwapChecksumError, match=victim.name):
+        step(state, batches(1, 1)[0])
+
+
+def test_bad_arguments_are_named(tmp_path):
+    step = zf.train_step(lambda p, b: p["w"].sum(), zf.optim.chain(zf.optim.clip_by_global_norm(1.0),
+                                                                    zf.optim.adamw(1e-2)))
+    with pytest.raises(ValueError, match="optimizer: expected one of"):
+        offload(step, "gpu")
+    with pytest.raises(ValueError, match="params: expected None"):
+        offload(step, "cpu", "disk")
+    with pytest.raises(ValueError, match="path: 'nvme' offload needs a directory"):
+        offload(step, "nvme")
+    with pytest.raises(ValueError, match="overlap: updates cannot start during backward.*clip_by_global_norm"):
+        offload(step, "cpu", overlap=True)
+    with pytest.raises(ValueError, match="donating step"):
+        offload(zf.train_step(step.loss_fn, step.optimizer, donate=False), "cpu")
+    with pytest.raises(ValueError, match="already offloaded"):
+        offload(offload(step, "cpu"), "cpu")
+    with pytest.raises(ValueError, match="params: offloading params needs stage 3"):
+        offload(zf.shard(step, zf.Mesh(), 2), "cpu", "cpu")
+    off = offload(step, "cpu")
+    plain_state = step.init({"w": torch.ones(3)})
+    with pytest.raises(ValueError, match="state: this state is not offloaded"):
+        off(plain_state, None)
+    with pytest.raises(ValueError, match="this state is sharded"):
+        step(off.init({"w": torch.ones(3)}), None)
+
+
+def test_an_unwritable_or_full_path_fails_at_init_before_training(tmp_path):
+    from zfunc.swap import SwapError
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    step = offload(zf.train_step(lambda p, b: p["w"].sum(), zf.optim.adamw(1e-2)), "nvme", path=blocker / "swap")
+    with pytest.raises(SwapError, match="swap"):
+        step.init({"w": torch.ones(3)})
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    huge = {"w": torch.empty(0).expand(0)}  # no memory; the room asked for comes from the layout below
+    step = offload(zf.train_step(lambda p, b: p["w"].sum(), zf.optim.adamw(1e-2)), "nvme", path=tmp_path / "s")
+    with torch.device("meta"):
+        big = {"w": torch.empty(free // 8 + 1)}  # 16 bytes per param asked for: twice the free space
+    with pytest.raises(SwapError, match="free"):
+        step.init(big, materialize=lambda name, like: torch.zeros(like.shape))
+    del huge
+
+
+RSS_CAP_SCRIPT = textwrap.dedent("""
+    import resource, sys, torch
+    from torch import nn
+    import zfunc as zf
+    cap = int(sys.argv[2])
+    # 48 layers of 1M fp32 params: 192 MB of params; with grads and Adam moments 768 MB
+    with torch.device("meta" if sys.argv[1] == "nvme" else "cpu"):
+        model = nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(48)])
+    apply, params = zf.functionalize(model)
+    step = zf.train_step(lambda p, x: apply(p, x).square().mean(), zf.optim.adamw(1e-3, backend="numba"))
+    if sys.argv[1] == "nvme":
+        step = zf.offload(step, "nvme", "nvme", path=sys.argv[3], chunk_bytes=16 << 20)
+    import numba  # noqa: F401  (thread pools and JIT before the cap, as a long run would have them)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    resource.setrlimit(resource.RLIMIT_DATA, (base + cap, base + cap))
+    init = lambda name, like: torch.randn(like.shape) * 0.02
+    state = step.init(params, materialize=init) if sys.argv[1] == "nvme" else step.init(params)
+    for _ in range(2):
+        state, m = step(state, torch.ones(2, 1024))
+    print("trained", float(m["loss"]))
+""")
+
+
+@pytest.mark.parametrize("where, ok", [("plain", False), ("nvme", True)])
+def test_optimizer_state_beyond_an_rss_cap_trains_only_with_nvme_offload(tmp_path, where, ok):
+    cap = 400 * 2**20  # below the 768+ MB a plain AdamW step of 48M params needs (params, grads, moments)
+    # glibc would otherwise raise its mmap threshold after the first large free and serve later
+    # blocks from a heap that never shrinks: a fixed threshold makes freed memory go back at once.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 17)}
+    proc = subprocess.run([sys.executable, "-c", RSS_CAP_SCRIPT, where, str(cap), str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    if ok:
+        assert proc.returncode == 0 and "trained" in proc.stdout, proc.stderr[-2000:]
+    else:
+        assert proc.returncode != 0 and "memory" in proc.stderr.lower(), proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_the_state_a_step_took_is_consumed(tmp_path, clip):
+    step, state = make(clip, where="nvme", params="nvme", path=tmp_path)
+    new, _ = step(state, batches(1, 1)[0])
+    with pytest.raises(zf.ConsumedStateError):
+        state.params
+    step(new, batches(1, 1)[0])

@@ -1,0 +1,232 @@
+"""pipeline: p stages on p gloo ranks train exactly as the plain step on the whole batch."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zfunc as zf
+from recipes import gpt
+from zfunc.shard import full_params
+
+STEPS = 3
+VOCAB = 13
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + F.gelu(self.fc(self.ln(x)))
+
+
+class Tiny(nn.Module):
+    """Embedding tied to the head (a param of both end stages), blocks in an nn.ModuleList.
+    ``order`` runs the blocks out of module order; ``between`` scales x between blocks 1 and 2;
+    ``reuse`` reads a block's param in the head: three things a pipeline must refuse."""
+
+    def __init__(self, d=6, n=4, order=None, between=False, reuse=False):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+        self.order, self.between, self.reuse = order or list(range(n)), between, reuse
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for i in self.order:
+            x = self.blocks[i](x)
+            if self.between and i == 1:
+                x = 2 * x
+        x = self.ln_f(x)
+        return self.head(x * self.blocks[0].ln.weight if self.reuse else x)
+
+
+def make(pipe=None, mesh=None, shard=False, model="tiny", **model_kw):
+    """``(step, state)``: the plain step, or pipelined with ``pipe = (schedule, microbatches, split)``."""
+    torch.manual_seed(0)
+    if model == "gpt":  # the recipe's GPT, unchanged: tied wte/lm_head, positions, final norm
+        model, block = gpt.GPT(gpt.GPTConfig(vocab_size=VOCAB, block_size=5, n_layer=2, n_head=2, n_embd=8)), gpt.Block
+    else:
+        model, block = Tiny(**model_kw), Block
+    apply, params = zf.functionalize(model)
+
+    def loss_fn(p, batch):
+        x, y = batch
+        return F.cross_entropy(apply(p, x).flatten(0, 1), y.flatten())
+
+    adamw = zf.optim.adamw(1e-2, weight_decay=0.1, mask=zf.optim.decay_mask)
+    tx = zf.optim.chain(zf.optim.clip_by_global_norm(0.1), adamw)
+    step = zf.train_step(loss_fn, tx)
+    if pipe is not None:
+        schedule, m, split = pipe
+        step = zf.shard(step, mesh, stage=1) if shard else step
+        step = zf.pipeline(step, stages=mesh.pp, microbatches=m, schedule=schedule, model=model,
+                           units=zf.units.by_class(block), split=split, mesh=None if shard else mesh)
+    return step, step.init(params)
+
+
+def batches(b=8, n=STEPS):
+    g = torch.Generator().manual_seed(1)
+
+    def tokens():
+        return torch.randint(0, VOCAB, (b, 5), generator=g)
+
+    return [(tokens(), tokens()) for _ in range(n)]
+
+
+def train(step, state, data):
+    losses, norms = [], []
+    for batch in data:
+        state, m = step(state, batch)
+        losses.append(m["loss"].item())
+        norms.append(m["grad_norm"].item())
+    return state, losses, norms
+
+
+def check_equal(results, ref, what):
+    """Every rank's losses and norms are the plain step's; each param is held by one rank and equal."""
+    ref_state, ref_losses, ref_norms = ref
+    holder = {}
+    for rank, (losses, norms, params) in enumerate(results):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6, msg=what)
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=1e-6, msg=what)
+        for name, value in params.items():
+            assert name not in holder, f"{what}: {name} is held by ranks {holder.get(name)} and {rank}"
+            holder[name] = rank
+            torch.testing.assert_close(value, ref_state.params[name], rtol=1e-5, atol=1e-5, msg=f"{what}: {name}")
+    assert set(holder) == set(ref_state.params), what
+
+
+# (model, schedule, microbatches, split): even and uneven splits, m < p, m = p, m > p.
+CONFIGS = {2: [("tiny", "gpipe", 4, None), ("tiny", "1f1b", 4, None), ("tiny", "1f1b", 2, (1, 3)),
+               ("tiny", "gpipe", 1, (3, 1)), ("gpt", "1f1b", 4, None)],
+           4: [("tiny", "gpipe", 4, None), ("tiny", "1f1b", 8, None), ("tiny", "1f1b", 2, None)]}
+
+
+def law_worker(rank, world, configs):
+    mesh = zf.Mesh(pp=world)
+    out = []
+    for model, *pipe in configs:
+        step, state = make(pipe, mesh, model=model)
+        state, losses, norms = train(step, state, batches())
+        out.append((losses, norms, dict(state.params), step.peak_live_microbatches, mesh.comm_bytes()))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_pipelined_step_equals_plain_step(world):
+    results = zf.dist.spawn(law_worker, world, world, CONFIGS[world])
+    refs = {model: train(*make(model=model), batches()) for model in ("tiny", "gpt")}
+    for k, (model, schedule, m, split) in enumerate(CONFIGS[world]):
+        what = f"{model}, {schedule}, m={m}, split={split}, p={world}"
+        check_equal([r[k][:3] for r in results], refs[model], what)
+        for stage, r in enumerate(results):
+            live, nbytes = r[k][3:]
+            # 1F1B: at most p - s microbatches' activations held on stage s (so <= p); GPipe: all m
+            assert live == (m if schedule == "gpipe" else min(world - stage, m)), (what, stage, live)
+            if model == "tiny":
+                assert (nbytes["send"], nbytes["recv"]) == p2p_bytes(stage, world), (what, stage, nbytes)
+
+
+def p2p_bytes(stage, p, header=13 * 8, acts=8 * 5 * 6 * 4, shared=(VOCAB * 6 + 6 + 6) * 4):
+    """The docstring's cost: m activations (the whole batch's, fp32) forward and their grads back
+    across each boundary, a shape header per step, and the shared params (emb = head, ln_f) lent
+    from stage 0 to the last stage, their fp32 grads returned."""
+    send = (header + acts if stage < p - 1 else 0) + (acts if stage > 0 else 0)
+    recv = (header + acts if stage > 0 else 0) + (acts if stage < p - 1 else 0)
+    ends = shared if stage in (0, p - 1) else 0
+    return send + ends, recv + ends
+
+
+def dp_pp_worker(rank, world):
+    mesh = zf.Mesh(dp=2, pp=2)
+    step, state = make(("1f1b", 2, None), mesh, shard=True)
+    local = [tuple(t[mesh.rank * 4 : (mesh.rank + 1) * 4] for t in batch) for batch in batches()]
+    state, losses, norms = train(step, state, local)
+    stage_state = zf.TrainState(state.params, state.opt_state, sharding=state.sharding.inner)
+    return losses, norms, full_params(stage_state, mesh), (mesh.rank, mesh.pp_rank)
+
+
+def test_dp2_x_pp2_with_shard_stage_1_equals_plain_step():
+    results = zf.dist.spawn(dp_pp_worker, 4, 4)
+    assert [r[3] for r in results] == [(0, 0), (1, 0), (0, 1), (1, 1)]  # rank = pp_rank * dp + dp_rank
+    ref = train(*make(), batches())
+    for dp_rank in (0, 1):  # each replica's two stages hold the whole model between them
+        check_equal([results[dp_rank][:3], results[2 + dp_rank][:3]], ref, f"dp rank {dp_rank}")
+
+
+def refusing_worker(rank, world, model_kw, own_batch):
+    step, state = make(("gpipe", 2, None), zf.Mesh(pp=world), **model_kw)
+    step(state, batches(n=2)[rank if own_batch else 0])
+
+
+@pytest.mark.parametrize("model_kw, own_batch, error", [
+    ({"between": True}, False, "unit 'blocks.2' \\(first of stage 1\\) must get the output of unit 'blocks.1'"),
+    ({"reuse": True}, False, "stage 1's forward used param 'blocks.0.ln.weight', which stage 0 holds"),
+    ({}, True, "stages 0 and 1 were given different batches at step 0"),
+])
+def test_what_a_pipeline_cannot_split_is_refused(model_kw, own_batch, error):
+    with pytest.raises(RuntimeError, match=f"rank 1 of 2 failed:(.|\n)*{error}"):
+        zf.dist.spawn(refusing_worker, 2, 2, model_kw, own_batch, timeout_s=30)
+
+
+# ------------------------------------------------------------------------------------ one process
+
+
+@pytest.mark.parametrize("p, m", [(4, 6), (4, 2), (2, 1)])
+def test_schedules_run_every_microbatch_once_and_bound_the_live_ones(p, m):
+    from zfunc.pipeline import schedule_ops
+
+    assert schedule_ops("1f1b", 2, 0, 3) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2)]
+    for schedule in ("gpipe", "1f1b"):
+        for stage in range(p):
+            ops = schedule_ops(schedule, p, stage, m)
+            assert sorted(ops) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+            live = [sum(1 if kind == "F" else -1 for kind, _ in ops[: k + 1]) for k in range(len(ops))]
+            assert min(live) >= 0 and max(live) == (m if schedule == "gpipe" else min(p - stage, m))
+
+
+def test_one_stage_equals_plain_step_with_accumulation():
+    step, state = make(("1f1b", 4, None), zf.Mesh())
+    state, losses, norms = train(step, state, batches())
+    check_equal([(losses, norms, dict(state.params))], train(*make(), batches()), "one stage")
+    assert step.peak_live_microbatches == 1 and step.timings["wait_s"] == 0 < step.timings["compute_s"]
+    assert [op[:2] for op in step.timings["ops"]] == [(kind, i) for i in range(4) for kind in "FB"]
+
+
+def test_bad_input():
+    mesh = zf.Mesh()
+    plain_step, plain_state = make()
+    step, state = make(("1f1b", 2, None), mesh)
+    torch.manual_seed(0)
+    model = Tiny(n=3)
+    by_block = zf.units.by_class(Block)
+    with pytest.raises(ValueError, match=r"stages: 4 stages need at least 4 pipeline units, the model has 3"):
+        zf.pipeline(plain_step, stages=4, microbatches=2, model=model, units=by_block)
+    with pytest.raises(ValueError, match=r"batch: microbatches=3 must divide .* shape \(8, 5\)"):
+        step3, state3 = make(("gpipe", 3, None), mesh)
+        step3(state3, batches()[0])
+    with pytest.raises(ValueError, match=r"split: expected 1 ints >= 1 .* 3 pipeline units, got \[2\]"):
+        zf.pipeline(plain_step, stages=1, microbatches=2, model=model, units=by_block, split=(2,))
+    with pytest.raises(ValueError, match="schedule: expected one of"):
+        zf.pipeline(plain_step, stages=1, microbatches=2, schedule="zb", model=model, units=by_block)
+    with pytest.raises(ValueError, match="stages: 2 stages, but the mesh has pp=1"):
+        zf.pipeline(plain_step, stages=2, microbatches=2, model=model, units=by_block, mesh=mesh)
+    with pytest.raises(ValueError, match="this state is sharded \\(pipeline stage 0 of 1\\)"):
+        plain_step(state, batches()[0])
+    with pytest.raises(ValueError, match="this state is not pipelined"):
+        step(plain_state, batches()[0])
+    with pytest.raises(AttributeError, match=r"apply zf.pipeline last"):
+        zf.shard(step, mesh, stage=1)
+    with pytest.raises(ValueError, match="pipeline composes with ZeRO stage 1 over the dp axis, got stage 3"):
+        zf.pipeline(zf.shard(plain_step, mesh, stage=3), stages=1, microbatches=2, model=model, units=by_block)
+    with pytest.raises(zf.checkpoint.CheckpointError, match="pipelined states"):
+        zf.checkpoint.save(state, "/tmp/zfunc-pipeline-never-written")
+    shuffled, shuffled_state = make(("gpipe", 2, None), mesh, order=[1, 0, 2, 3])
+    with pytest.raises(ValueError, match="units must run once each, in module order; unit 'blocks.1' ran"):
+        shuffled(shuffled_state, batches()[0])

@@ -1,0 +1,520 @@
+"""offload: optimizer state and params in CPU RAM or on NVMe, updated by CPU-Adam as grads arrive.
+
+``zf.offload(step, optimizer="cpu"|"nvme", params=None|"cpu"|"nvme", path=...)`` returns a step
+that trains exactly like ``step`` (a plain step, or ``zf.shard(step, mesh, stage)``) while keeping,
+between steps, the optimizer state (``optimizer=``) and the fp32 master params (``params=``) in
+CPU RAM (pinned when there is a GPU) or in swap files under ``path`` (``zfunc.swap``).
+
+**Law.** For the same optimizer (kernel included: pass ``backend="numba"`` to both for CPU-Adam)
+the offloaded step gives the same params, optimizer state, loss and grad norm as ``step``, up to
+the rounding of the global norm, which is summed leaf by leaf. Never a stale or delayed update.
+
+**How a step runs** (one param *leaf* is the unit of storage; each leaf has its own optimizer
+state, ``optimizer.init({name: piece})``, so a leaf can be updated alone):
+- forward/backward: exactly ``shard``'s machinery, over a one-process mesh for a plain step.
+  With ``params`` offloaded, units are fetched just in time (stage 3's gatherer) from the store,
+  reads running ahead in the order recorded on the first step; else params are gathered whole.
+- update: each leaf's master and state are read (``chunk_bytes`` of reads kept in flight ahead),
+  updated by the optimizer's fused kernel on the CPU, and written back asynchronously: disk reads,
+  CPU work and disk writes of consecutive leaves overlap (a 3-deep pipeline).
+- overlap with backward: when the optimizer does not need the global grad norm (no
+  ``clip_by_global_norm``), there is no fp16 overflow check and ``accum == 1``, a unit is updated as
+  soon as its reduced grads exist, during the rest of backward. Otherwise all grad slices (fp32,
+  4 B/param/N) are held until backward ends and the norm is known.
+
+**Cost** per rank, Psi params over N ranks (fp32 masters, Adam): RAM between steps holds nothing of
+what is offloaded to "nvme"; ``optimizer="cpu"`` holds 8 Psi/N of moments in host RAM, ``params``
+4 Psi/N of masters. Disk traffic per step with both on NVMe: reads 4 Psi/N per forward/backward
+fetch of params + 12 Psi/N for the update; writes 12 Psi/N. The compute-side memory is that of
+the sharded step (stage 3: a few units).
+
+Not yet: the updated compute-dtype copy is cast in a second pass (the Numba kernel's fused
+copy-out is not used through the generic optimizer interface); on CUDA, grads and masters cross
+PCIe as fp32.
+"""
+from __future__ import annotations
+
+import gc
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from zfunc import optim, precision as mp, tree
+from zfunc.dist import Mesh
+from zfunc.shard import FlatUnit, GradSlices, LeafShard, ShardedStep, ShardSpec, _leaf_names, local_piece
+from zfunc.step import _FIELDS, Step, TrainState, _check_single_device
+
+PyTree = Any
+PLACES = ("cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class OnDisk:
+    """A tensor kept in a swap file: the file's name in the engine, and the tensor's shape/dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return _numel(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class OffloadSpec(ShardSpec):
+    """A ``ShardSpec`` (a plain step's offload is sharded over one rank) plus where the state lives."""
+
+    optimizer: str = "cpu"
+    params: str | None = None
+    path: str | None = None
+    device: torch.device = torch.device("cpu")  # where forward and backward compute
+
+    def __str__(self) -> str:
+        return (f"stage {self.stage} over {self.world} ranks, optimizer on {self.optimizer}, params on "
+                f"{self.params or 'the compute device'}")
+
+
+def astuple_shallow(spec: ShardSpec) -> tuple:
+    return tuple(getattr(spec, f.name) for f in fields(ShardSpec))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+class _Pending:
+    """``result()`` waits for ``io`` (a swap read) and returns ``value`` (its buffer, or a list
+    of other pendings' results). Plain references, no callbacks: callback closures between
+    futures form cycles that keep read buffers alive until the cyclic GC runs."""
+
+    def __init__(self, io: Future | None, value: Any):
+        self.io, self.value = io, value
+
+    def result(self) -> Any:
+        if self.io is not None:
+            self.io.result()
+        return [p.result() for p in self.value] if self.io is None else self.value
+
+
+def _done(value: Any) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
+class Store:
+    """Tensors kept in RAM (``engine=None``) or in swap files, read and written by future."""
+
+    def __init__(self, engine=None, pin: bool = False, track: Callable[[Future | None, int], None] | None = None):
+        self.engine, self.pin, self.track = engine, pin, track
+
+    def put(self, name: str, t: torch.Tensor) -> torch.Tensor | OnDisk:
+        """Keep ``t`` (a CPU tensor the store takes over); returns its handle. A file's write is
+        handed to ``track(future, nbytes)``, which bounds the writes in flight."""
+        if self.engine is None:
+            return t.pin_memory() if self.pin else t
+        self.track(self.engine.write(name, t.contiguous()), t.numel() * t.element_size())
+        return OnDisk(name, tuple(t.shape), t.dtype)
+
+    def fetch(self, x: torch.Tensor | OnDisk) -> Future | _Pending:
+        """A future of the tensor behind ``x`` (for a file, a fresh aligned buffer read from it)."""
+        if not isinstance(x, OnDisk):
+            return _done(x)
+        from zfunc.swap import aligned_empty
+
+        out = aligned_empty(x.nbytes, pin=self.pin)[: x.nbytes].view(x.dtype).view(x.shape)
+        return _Pending(self.engine.read(x.name, out), out)
+
+    def store_back(self, x: torch.Tensor | OnDisk, t: torch.Tensor) -> tuple[torch.Tensor | OnDisk, Future | None]:
+        """Make ``t`` the new value of ``x``: a file is rewritten (the future), RAM keeps ``t``."""
+        if not isinstance(x, OnDisk):
+            return t, None
+        return x, self.engine.write(x.name, t.contiguous())
+
+
+class ReadAhead:
+    """Futures of store reads, launched ahead along an expected order within a byte budget.
+
+    ``get(i)`` returns the tensor for key ``i`` (waiting for its read, or reading it now if it was
+    not expected), then tops up: reads along ``order`` after the last one launched start until
+    ``budget`` bytes are in flight. Keys are read once per ``get``; the order can repeat keys.
+    """
+
+    def __init__(self, fetch: Callable[[int], Future], nbytes: Callable[[int], int], order: list[int], budget: int):
+        self.fetch, self.nbytes, self.order, self.budget = fetch, nbytes, order, budget
+        self.ahead: dict[int, deque[Future]] = {}
+        self.inflight = 0
+        self.next = 0  # position in ``order`` of the next read to launch
+        self.seen: list[int] = []  # the order of this pass's requests (the next pass's ``order``)
+
+    def get(self, i: int) -> torch.Tensor:
+        self.seen.append(i)
+        queued = self.ahead.get(i)
+        if queued:
+            future = queued.popleft()
+            self.inflight -= self.nbytes(i)
+        else:
+            future = self.fetch(i)
+            if self.next < len(self.order) and self.order[self.next] == i:
+                self.next += 1  # on schedule: do not read it again ahead
+        self._top_up()
+        return future.result()
+
+    def _top_up(self) -> None:
+        while self.next < len(self.order) and self.inflight < self.budget:
+            i = self.order[self.next]
+            self.next += 1
+            self.ahead.setdefault(i, deque()).append(self.fetch(i))
+            self.inflight += self.nbytes(i)
+
+
+class _Pieces:
+    """The param pieces, as ``shard``'s gatherers index them: read from the store on access."""
+
+    def __init__(self, masters: list, reader: ReadAhead):
+        self.masters, self.reader = masters, reader
+
+    def __len__(self) -> int:
+        return len(self.masters)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.reader.get(i)
+
+
+class OffloadedStep(ShardedStep):
+    """The step ``offload`` returns (see the module docstring)."""
+
+    def __init__(self, base: Step, mesh: Mesh, stage: int, units, prefetch: int, bucket_elems: int, verify: bool,
+                 optimizer: str, params: str | None, path: str | None, chunk_bytes: int, overlap: bool | None):
+        super().__init__(base, mesh, stage, units, prefetch, bucket_elems, verify)
+        self.where_optimizer, self.where_params, self.path = optimizer, params, path
+        self.chunk_bytes = chunk_bytes
+        self.overlap = _overlap_allowed(base, overlap)
+        self.engine = None
+        self._fetch_order: list[int] = []  # params' read order in the last step (forward/backward)
+        self._update_order: list[int] = []  # leaves' update order in the last step
+
+    # ------------------------------------------------------------------ init
+    def init(self, params: PyTree, materialize: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+             ) -> TrainState:
+        """This rank's fp32 pieces of ``params`` and their optimizer state, placed where the step
+        keeps them (written to swap files for "nvme"), one leaf at a time.
+
+        ``materialize(name, like)``: for params built on the meta device (``with
+        torch.device("meta"): model = GPT(cfg)``), returns leaf ``name``'s whole initial value
+        (shaped like ``like``); only one leaf is ever materialized at once, so a model larger than
+        RAM can start. Compute then happens on CUDA when available, else on the CPU.
+        """
+        device, leaves, treespec, spec = self._layout(params)
+        if device.type == "meta":
+            if materialize is None:
+                raise ValueError("params: on the meta device; pass materialize(name, like) -> tensor to init")
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        names = _leaf_names(params)
+        self._swap(need_bytes=16 * sum(_numel(leaf.local_shape(spec.rank)) for leaf in spec.leaves))
+        self._stores(device)
+        masters, states = [], []
+        for i, (x, leaf, name) in enumerate(zip(leaves, spec.leaves, names)):
+            whole = materialize(name, x) if x.device.type == "meta" else x.detach()
+            if tuple(whole.shape) != leaf.shape:
+                raise ValueError(f"materialize: returned shape {tuple(whole.shape)} for {name}, expected {leaf.shape}")
+            piece = local_piece(whole, leaf, spec.rank).to(device="cpu", dtype=torch.float32, copy=True)
+            del whole
+            s_leaves, s_spec = tree.flatten(self.optimizer.init({name: piece}))
+            states.append(tree.unflatten(s_spec, [self._opt_store.put(f"p{i}.s{j}", t) if _is_stored(t) else t
+                                                  for j, t in enumerate(s_leaves)]))
+            masters.append(piece.to(device) if self.where_params is None else self._param_store.put(f"p{i}.master", piece))
+        self._wait_writes(None)
+        off = OffloadSpec(*astuple_shallow(spec), self.where_optimizer, self.where_params, self.path, device)
+        return TrainState(tree.unflatten(treespec, masters), tuple(states), 0, self.seed,
+                          mp.init_loss_scale(self.precision), off)
+
+    def _swap(self, need_bytes: int):
+        if self.engine is None and "nvme" in (self.where_optimizer, self.where_params):
+            from zfunc.swap import SwapEngine
+
+            self.engine = SwapEngine(self.path, need_bytes=need_bytes)
+        return self.engine
+
+    def _stores(self, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self._writes: deque = deque()
+        self._opt_store = Store(self.engine if self.where_optimizer == "nvme" else None, pin, self._track)
+        self._param_store = Store(self.engine if self.where_params == "nvme" else None, pin, self._track)
+
+    def _check_state(self, state: Any) -> None:
+        if not isinstance(state, TrainState):
+            raise TypeError(f"state: expected a TrainState from step.init(params), got {type(state).__name__}")
+        spec = state.sharding
+        if not isinstance(spec, OffloadSpec):
+            raise ValueError(f"state: this state is not offloaded ({spec or 'a plain state'}); build it with "
+                             "this offloaded step's init(params)")
+        mine = (self.stage, self.mesh.dp, self.mesh.rank, self.where_optimizer, self.where_params)
+        if (spec.stage, spec.world, spec.rank, spec.optimizer, spec.params) != mine:
+            raise ValueError(f"state: {spec}, but this step is stage {self.stage} over {self.mesh.dp} ranks "
+                             f"(rank {self.mesh.rank}) with optimizer on {self.where_optimizer}, params on "
+                             f"{self.where_params or 'the compute device'}")
+
+    # ------------------------------------------------------------------ forward and backward
+    def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
+        self._check_state(state)
+        self._stores(state.sharding.device)
+        self._state_in_use, self._fields = state, tuple(getattr(state, f) for f in _FIELDS)
+        self._masters = tree.leaves(state.params)
+        self._opt_states = list(state.opt_state)
+        self._reader = ReadAhead(lambda i: self._param_store.fetch(self._masters[i]), self._leaf_bytes,
+                                 self._fetch_order, self.chunk_bytes)
+        self._sq_norm = torch.zeros((), dtype=torch.float64)
+        self._new: dict[int, tuple[Any, Any]] = {}
+        try:
+            return super().__call__(state, batch)
+        finally:
+            self._fetch_order = self._reader.seen
+            self._wait_writes(None)
+
+    def _leaf_bytes(self, i: int) -> int:
+        return 4 * _numel(self._state_spec.leaves[i].local_shape(self._state_spec.rank))
+
+    def _device(self, pieces) -> torch.device:
+        return self._state_spec.device
+
+    def _pieces(self, params) -> tuple[Any, Any]:
+        masters, treespec = tree.flatten(params)
+        return (masters if self.where_params is None else _Pieces(masters, self._reader)), treespec
+
+    def _grad_sink(self, pieces):
+        if self.overlap:
+            return _Updating(self)
+        spec = self._state_spec
+        return GradSlices([torch.zeros(leaf.local_shape(spec.rank), dtype=torch.float32, device=spec.device)
+                           for leaf in spec.leaves], self._grad_divisor())
+
+    # ------------------------------------------------------------------ the update
+    def _update(self, state: TrainState, grads: PyTree, loss: torch.Tensor, aux: Any):
+        params, opt_state, step, rng, loss_scale = self._fields  # the state may be consumed by now
+        if grads is not None:  # held until now: the norm first, then every leaf
+            g_leaves = tree.leaves(grads)
+            norm = optim.global_norm(g_leaves)  # inside summing_across: over all ranks
+        else:
+            norm = self._sum_over_ranks(self._sq_norm.float()).sqrt()
+        finite = loss_scale is None or bool(torch.isfinite(norm))
+        lr = optim.learning_rate(self.optimizer, self._opt_states[0])
+        state._consumed = True
+        if grads is not None and finite:
+            total_sq = (norm.double() ** 2).float()
+            order = self._update_order if sorted(self._update_order) == list(range(len(g_leaves))) else None
+            with optim.summing_across(lambda local_sq: total_sq):
+                self._update_leaves(order or list(range(len(g_leaves))), g_leaves)
+        self._wait_writes(None)
+        loss_scale = mp.next_loss_scale(loss_scale, finite)
+        metrics = {"loss": loss, "grad_norm": norm, "lr": lr, "skipped": not finite, "step": step + 1}
+        if loss_scale is not None:
+            metrics["loss_scale"] = loss_scale.scale
+        if self.has_aux:
+            metrics["aux"] = aux
+        masters = [self._new.get(i, (m, None))[0] for i, m in enumerate(self._masters)]
+        states = tuple(self._new.get(i, (None, s))[1] for i, s in enumerate(self._opt_states))
+        new_params = tree.unflatten(tree.structure(params), masters)
+        return TrainState(new_params, states, step + 1, rng, loss_scale, state.sharding), metrics
+
+    def _update_leaves(self, order: list[int], grads: list[torch.Tensor]) -> None:
+        reader = ReadAhead(self._fetch_leaf, self._update_bytes, order, self.chunk_bytes)
+        for i in order:
+            self._update_leaf(i, grads[i], reader)
+
+    def _fetch_leaf(self, i: int) -> _Pending:
+        """Pending ``[master, *state tensors]`` of leaf ``i``, all reads started."""
+        parts = [self._param_store.fetch(self._masters[i])]
+        parts += [self._opt_store.fetch(t) for t in tree.leaves(self._opt_states[i]) if _is_stored(t)]
+        return _Pending(None, parts)
+
+    def _update_bytes(self, i: int) -> int:
+        return self._leaf_bytes(i) * (1 + sum(_is_stored(t) for t in tree.leaves(self._opt_states[i])))
+
+    def _update_leaf(self, i: int, grad: torch.Tensor, reader: ReadAhead) -> None:
+        """Read leaf ``i``'s master and state, apply the optimizer on the CPU, write them back."""
+        self._state_in_use._consumed = True  # its files or tensors change from here on
+        master, *tensors = reader.get(i)
+        name = f"p{i}"
+        on_device = master.device
+        state_leaves, s_spec = tree.flatten(self._opt_states[i])
+        it = iter(tensors)
+        state = tree.unflatten(s_spec, [next(it).to("cpu") if _is_stored(t) else t for t in state_leaves])
+        p_cpu = master.to("cpu")
+        new_p, new_state = optim.apply(self.optimizer, {name: grad.to("cpu", torch.float32)}, state, {name: p_cpu})
+        new_p = new_p[name]
+        if on_device.type != "cpu":
+            master.copy_(new_p)
+            new_p = master
+        handle, write = self._param_store.store_back(self._masters[i], new_p)
+        self._track(write, self._leaf_bytes(i))
+        new_leaves = []
+        for old, new in zip(state_leaves, tree.leaves(new_state)):
+            if _is_stored(old):
+                kept, write = self._opt_store.store_back(old, new)
+                self._track(write, new.numel() * new.element_size())
+                new_leaves.append(kept)
+            else:
+                new_leaves.append(new)
+        self._new[i] = (handle, tree.unflatten(s_spec, new_leaves))
+
+    def _track(self, write: Future | None, nbytes: int) -> None:
+        if write is None:
+            return
+        self._writes.append((write, nbytes))
+        self._wait_writes(2 * self.chunk_bytes)
+
+    def _wait_writes(self, budget: int | None) -> None:
+        """Wait for the oldest writes until at most ``budget`` bytes are in flight (all: None)."""
+        writes = self._writes
+        while writes and (budget is None or sum(n for _, n in writes) > budget):
+            writes.popleft()[0].result()
+
+    def memory(self, state: TrainState) -> dict[str, Any]:
+        """Bytes of the state by place: "device" (masters kept where compute happens), "cpu" (host
+        RAM), "nvme" (swap files); the peak of whole params in the last step and its communication."""
+        self._check_state(state)
+        where = {"device": 0, "cpu": 0, "nvme": 0}
+        ram = "device" if self.where_params is None else "cpu"
+        for leaves, in_ram in ((tree.leaves(state.params), ram), (tree.leaves(state.opt_state), "cpu")):
+            for x in leaves:
+                if isinstance(x, OnDisk):
+                    where["nvme"] += x.nbytes
+                elif isinstance(x, torch.Tensor):
+                    where[in_ram] += x.numel() * x.element_size()
+        return {**where, "whole_params": self.peak_gathered_bytes, "comm": self.mesh.comm_bytes()}
+
+
+def _is_stored(t: Any) -> bool:
+    return isinstance(t, (torch.Tensor, OnDisk))
+
+
+class _Updating:
+    """A grad sink that updates each unit's leaves as soon as their reduced grads arrive."""
+
+    early = True
+
+    def __init__(self, step: OffloadedStep):
+        self.step = step
+        order = step._update_order
+        self.reader = ReadAhead(step._fetch_leaf, step._update_bytes, order, step.chunk_bytes)
+        self.seen: list[int] = []
+
+    def deliver(self, unit: FlatUnit, slices: list[torch.Tensor]) -> None:
+        divisor = self.step._grad_divisor()
+        for i, g in zip(unit.indices, slices):
+            if divisor != 1.0:
+                g = g / divisor
+            self.step._sq_norm += torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
+            self.seen.append(i)
+            self.step._update_leaf(i, g, self.reader)
+
+    def result(self):
+        self.step._update_order = self.seen
+        return None
+
+
+def _overlap_allowed(step: Step, overlap: bool | None) -> bool:
+    """Whether units may be updated during backward: the update must not depend on grads not yet
+    reduced (a global-norm clip, an fp16 overflow check) nor on later microbatches."""
+    reasons = []
+    if step.accum > 1:
+        reasons.append(f"accum={step.accum} sums grads over microbatches first")
+    if step.precision == "fp16":
+        reasons.append("fp16 checks every grad for overflow first")
+    if _reads_global_norm(step.optimizer):
+        reasons.append("the optimizer reads the global grad norm (clip_by_global_norm)")
+    if overlap and reasons:
+        raise ValueError(f"overlap: updates cannot start during backward: {'; '.join(reasons)}")
+    return not reasons if overlap is None else overlap
+
+
+def _reads_global_norm(tx: optim.GradientTransformation) -> bool:
+    """Probe ``tx`` on a one-element param: does its update ask for the global grad norm?"""
+    called = []
+
+    def record(sq: torch.Tensor) -> torch.Tensor:
+        called.append(True)
+        return sq
+
+    p = {"probe": torch.ones(1)}
+    with optim.summing_across(record):
+        tx.update({"probe": torch.ones(1)}, tx.init(p), p)
+    return bool(called)
+
+
+def in_ram(state: TrainState) -> TrainState:
+    """``state`` with every leaf kept in a swap file read back into (new) CPU tensors; the state
+    itself is not consumed. What ``zf.checkpoint.save`` and ``full_params`` read an offloaded
+    state through (so they need RAM for this rank's whole state)."""
+    spec = state.sharding
+    if not isinstance(spec, OffloadSpec) or spec.path is None:
+        return state
+    from zfunc.swap import SwapEngine
+
+    with SwapEngine(spec.path) as engine:
+        store = Store(engine)
+        futures = tree.map(lambda x: store.fetch(x) if isinstance(x, OnDisk) else _done(x),
+                           (state.params, state.opt_state))
+        params, opt_state = tree.map(lambda f: f.result(), futures)
+    return state.replace(params=params, opt_state=opt_state)
+
+
+def offload(step: Step, optimizer: str = "cpu", params: str | None = None, *, path: str | None = None,
+            chunk_bytes: int = 64 << 20, overlap: bool | None = None, units=None, prefetch: int = 1) -> OffloadedStep:
+    """``step`` with its optimizer state (and optionally its fp32 master params) kept in CPU RAM or
+    on NVMe between steps, and updated there by the optimizer's CPU kernel, leaf by leaf.
+
+    Args:
+      step: a plain ``Step`` from ``train_step`` or a sharded one from ``zf.shard`` (any stage;
+        offloading ``params`` needs stage 3 or a plain step).
+      optimizer: "cpu" (host RAM, pinned with a GPU) or "nvme" (swap files under ``path``).
+      params: ``None`` (masters stay where compute happens), "cpu" or "nvme": masters offloaded
+        too, and each unit of params fetched just before use (stage 3's gatherer; ``units`` and
+        ``prefetch`` as in ``zf.shard`` for a plain step).
+      path: directory of the swap files, for "nvme" (checked for room and writability by ``init``).
+      chunk_bytes: bytes of reads kept in flight ahead of the update and of param fetches; writes
+        in flight are bounded by twice this.
+      overlap: update units during backward (default: whenever the optimizer allows it; see the
+        module docstring); True insists (error if not possible), False never.
+    Law and cost: the module docstring. Needs ``donate=True`` (the default): the state is updated
+    where it lives, in RAM or in its files.
+    """
+    if isinstance(step, OffloadedStep):
+        raise ValueError("step: already offloaded; offload the plain or sharded step once")
+    if not isinstance(step, Step):
+        raise TypeError(f"step: expected a Step from zf.train_step or zf.shard, got {type(step).__name__}")
+    if optimizer not in PLACES:
+        raise ValueError(f"optimizer: expected one of {PLACES}, got {optimizer!r}")
+    if params not in (None, *PLACES):
+        raise ValueError(f"params: expected None, 'cpu' or 'nvme', got {params!r}")
+    if "nvme" in (optimizer, params) and not path:
+        raise ValueError("path: 'nvme' offload needs a directory for its swap files, got none")
+    if not isinstance(chunk_bytes, int) or chunk_bytes < 4096:
+        raise ValueError(f"chunk_bytes: expected an int >= 4096, got {chunk_bytes!r}")
+    if not step.donate:
+        raise ValueError("step: offload updates the state where it lives (RAM or files), so it needs a donating "
+                         "step; build it with train_step(..., donate=True)")
+    if isinstance(step, ShardedStep):
+        if params is not None and step.stage != 3:
+            raise ValueError(f"params: offloading params needs stage 3 (units fetched just in time), the step is "
+                             f"stage {step.stage}")
+        if units is not None:
+            raise ValueError("units: a sharded step brings its own units; pass them to zf.shard")
+        mesh, stage, selector = step.mesh, step.stage, step.units_selector
+        prefetch, bucket_elems, verify = step.prefetch, step.bucket_elems, step.verify
+    else:
+        from zfunc import units as units_mod
+
+        mesh, stage, selector = Mesh.alone(), 3 if params is not None else 2, units or units_mod.auto()
+        bucket_elems, verify = 25 << 18, False
+    return OffloadedStep(step, mesh, stage, selector, prefetch, bucket_elems, verify, optimizer, params, path,
+                         chunk_bytes, overlap)

@@ -1,0 +1,687 @@
+"""pipeline: pipeline parallelism (GPipe, 1F1B) as a transformation of the step.
+
+``zf.pipeline(step, stages=p, microbatches=m, schedule="1f1b", model=model, units=zf.units.by_class(Block))``
+splits the model's consecutive *pipeline units* into ``p`` stages, one per rank of the mesh's pp
+axis; every rank of a pipeline calls the step with the same batch, which is cut into ``m``
+microbatches; activations travel forward and their grads backward point to point (``dist.P2P``).
+Loss and metrics come back on every rank.
+
+**How a stage runs the unchanged model.** The step runs the user's opaque ``loss_fn(params,
+batch)``; while ``zf.functionalize``'s ``apply`` runs the module it enters ``ACTIVE.running``,
+which, for that one call, makes other stages' units the identity (their ``forward`` replaced),
+swaps the first local unit's input for the activation received from the previous stage (a
+forward pre-hook) and, on all but the last stage, stops the forward after the last local unit by
+raising a private ``BaseException`` carrying its output. Code outside the units (embeddings, final
+norm, head, loss) runs wherever it is reached; its params (and those tied to them: GPT's
+``wte``/``lm_head``) are *shared*: owned by stage 0 and lent to the last stage each step. Params a
+stage neither owns nor borrows are zero-memory stand-ins (``zeros(()).expand(shape)``); that code
+on stages > 0 computes with them and its result is dropped at the first local unit.
+
+**Law.** For a loss that is a mean over the batch, the pipelined step on a batch equals the plain
+step on it (params, optimizer state, loss, grad norm), up to the order of float sums, whatever
+the schedule, split or ``p``: the microbatch grads are averaged as ``train_step(accum=m)`` does.
+Checked at run time, with an error instead of a wrong result: units run once each, in module
+order; a stage's first unit gets the previous unit's output unchanged (no code between units);
+stand-ins receive no grad. Dropout draws different masks than the plain step (test with 0).
+
+**Cost** (per rank; ``Psi_s`` = params of stage s, ``Psi_sh`` = shared ones, ``A`` = bytes of one
+microbatch's activation at a stage boundary). Between steps: ``(4 + opt) Psi_s`` bytes (fp32
+masters + optimizer state, 8 for Adam; stage 0 also ``(4 + opt) Psi_sh``). During a step: the
+fp32 grad sums (``4 Psi_s``), a compute-dtype copy of the params unless fp32, the activations of
+at most ``p - s`` microbatches on stage s with 1F1B and of all ``m`` with GPipe
+(``step.peak_live_microbatches``), and on the last stage the lent params and their grads.
+Communication per step: each stage boundary carries ``m A`` forward (activations), ``m A`` back
+(their grads) and a 104-byte header (shape, step, a digest of the batch to check the
+stages got the same one); ``Psi_sh`` in the compute dtype goes from stage 0 to
+the last stage and ``4 Psi_sh`` of fp32 grads back (what all-reducing a replica's grads would
+cost); two scalar all-reduces over the pipeline (loss, grad norm). ``mesh.comm_bytes()`` counts
+it ("send", "recv"). Compute: the pre-unit code (embeddings) also runs, discarded, on stages
+> 0. Idle time: the bubble ``(p - 1) / (m + p - 1)`` of p equal stages (``step.timings``).
+
+**Composition** (3D, as DeepSpeed): ``zf.pipeline(zf.shard(step, Mesh(dp=d, pp=p), stage=1), ...)``
+shards each stage's params and optimizer state over its dp group: whole stage params are
+all-gathered at the start of the step, whole grads summed over microbatches and reduce-scattered
+at the end (stage 1 costs: ``2 Psi_s`` per rank per step). ZeRO 2/3 and ``shard(pipeline(...))``
+are rejected: the pipeline must be the outermost transformation.
+
+**Why this shape.** Shared params have one owner rather than a copy on both end stages
+(DeepSpeed's tied layers): the optimizer state exists once, the grad norm counts each param once,
+and nobody needs to know whether a param outside the units is used before or after them (that
+would need a trace); sending the lent params costs what all-reducing a replica's grads would.
+Stage ownership must be known at ``init`` (the state holds only the stage's params), before the
+model ever runs, so ``pipeline`` takes the ``model``. Pipeline units are the selector's units
+except those made only of one module's own params (``by_class``'s leftovers: embeddings, norms,
+heads); if every unit is such a module (a stack of Linears), all are pipeline units.
+"""
+from __future__ import annotations
+
+import contextvars
+import time
+import zlib
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from zfunc import optim, precision as mp, tree
+from zfunc.dist import Mesh
+from zfunc.shard import ShardedStep, ShardSpec, _buckets
+from zfunc.step import Step, TrainState, _cuda_devices, _split_batch, _step_seed, seeded, split_loss
+from zfunc.units import Selector
+
+PyTree = Any
+SCHEDULES = ("1f1b", "gpipe")
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_MAX_DIMS = 8
+_HEADER = 5 + _MAX_DIMS  # int64s: step, microbatches, batch digest, dtype, ndim, shape
+
+# Set while a stage runs the loss function: functionalize's apply enters ``running(module)``.
+ACTIVE: contextvars.ContextVar[_StageRun | None] = contextvars.ContextVar("zfunc_pipeline_stage", default=None)
+
+
+class _StageOutput(BaseException):
+    """Stops a non-last stage's forward after its last unit. A ``BaseException``, so a loss
+    function's ``except Exception`` cannot swallow it."""
+
+    def __init__(self, output: torch.Tensor):
+        super().__init__("pipeline stage output")
+        self.output = output
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which stage runs and owns what: ``units`` (pipeline units' module names, in order),
+    ``bounds[s]`` (first and last unit index of stage s), ``owner`` (param name -> stage; shared
+    params -> 0) and ``shared`` (params outside the units, lent to the last stage)."""
+
+    units: tuple[str, ...]
+    bounds: tuple[tuple[int, int], ...]
+    owner: dict[str, int]
+    shared: frozenset[str]
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """Static metadata of a pipelined state: the stage, the names and whole shapes of all params
+    (leaf order), the names this stage holds, and ``inner``, their dp split (``ShardSpec``)."""
+
+    stages: int
+    stage: int
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    owned: tuple[str, ...]
+    inner: ShardSpec | None = None
+
+    def __str__(self) -> str:
+        return f"pipeline stage {self.stage} of {self.stages}" + (f", {self.inner}" if self.inner else "")
+
+
+def schedule_ops(schedule: str, stages: int, stage: int, microbatches: int) -> list[tuple[str, int]]:
+    """Stage ``stage``'s ops, ``("F", i)`` / ``("B", i)``: GPipe runs every forward then every
+    backward; 1F1B runs ``min(p - 1 - s, m)`` forwards, then alternates one forward and one
+    backward, then the remaining backwards, so at most ``p - s`` microbatches are live."""
+    m = microbatches
+    if schedule == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    warm = min(stages - 1 - stage, m)
+    ops = [("F", i) for i in range(warm)]
+    for i in range(m - warm):
+        ops += [("F", warm + i), ("B", i)]
+    return ops + [("B", i) for i in range(m - warm, m)]
+
+
+# ----------------------------------------------------------------------------- the stage's hooks
+
+
+class _StageRun:
+    """Hooks one stage puts on the model for one microbatch's forward (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, layout: Layout, stage: int, stages: int, act_in: torch.Tensor | None):
+        self.model, self.layout, self.stage, self.stages, self.act_in = model, layout, stage, stages, act_in
+        self.first, self.last = layout.bounds[stage]
+        self.seen, self.boundary, self.calls = 0, None, 0
+
+    @contextmanager
+    def running(self, module: nn.Module):
+        if module is not self.model:
+            raise ValueError(f"pipeline: loss_fn ran a {type(module).__name__}, not the model given to "
+                             f"zf.pipeline(model=...) (a {type(self.model).__name__})")
+        self.calls += 1
+        if self.calls > 1:
+            raise ValueError("pipeline: loss_fn ran the model more than once per microbatch")
+        subs = [module.get_submodule(n) for n in self.layout.units]
+        handles, skipped = [], []
+        try:
+            for k, sub in enumerate(subs):
+                if self.first <= k <= self.last:
+                    handles.append(sub.register_forward_pre_hook(self._enter(k)))
+                else:
+                    skipped.append((sub, sub.__dict__.get("forward")))
+                    sub.forward = self._skip(k)
+            if self.stage < self.stages - 1:
+                handles.append(subs[self.last].register_forward_hook(self._leave))
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+            for sub, forward in skipped:
+                if forward is None:
+                    del sub.forward
+                else:
+                    sub.forward = forward
+
+    def _arrive(self, k: int) -> None:
+        units = self.layout.units
+        if k != self.seen:
+            expected = f"'{units[self.seen]}'" if self.seen < len(units) else "no more units"
+            raise ValueError(f"pipeline: units must run once each, in module order; unit '{units[k]}' ran "
+                             f"when {expected} was due")
+        self.seen += 1
+
+    def _skip(self, k: int):
+        def identity(*args, **kwargs):
+            self._arrive(k)
+            if not args or not isinstance(args[0], torch.Tensor):
+                raise ValueError(f"pipeline: unit '{self.layout.units[k]}' must take the activation as its "
+                                 "first positional argument")
+            if k == self.first - 1:
+                self.boundary = args[0]
+            return args[0]
+
+        return identity
+
+    def _enter(self, k: int):
+        def hook(module, args):
+            self._arrive(k)
+            if k != self.first or self.act_in is None:
+                return None
+            if not args or args[0] is not self.boundary:
+                units = self.layout.units
+                raise ValueError(f"pipeline: unit '{units[k]}' (first of stage {self.stage}) must get the output "
+                                 f"of unit '{units[k - 1]}' unchanged as its first argument: code between two "
+                                 "units cannot be split across stages")
+            return (self.act_in, *args[1:])
+
+        return hook
+
+    def _leave(self, module, args, output):
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"pipeline: unit '{self.layout.units[self.last]}' (last of stage {self.stage}) must "
+                            f"return one tensor to send to the next stage, got {type(output).__name__}")
+        raise _StageOutput(output)
+
+    def check_complete(self) -> None:
+        """After a forward that returned normally (only the last stage's may): every unit ran."""
+        if self.calls == 0:
+            raise ValueError("loss_fn: the pipeline needs the loss to run the model through the apply "
+                             "of zf.functionalize(model)")
+        if self.seen != len(self.layout.units):
+            raise ValueError(f"pipeline: unit '{self.layout.units[self.seen]}' never ran in stage {self.stage}'s "
+                             "forward (the loss must run every pipeline unit, once, in module order)")
+
+
+# ----------------------------------------------------------------------------- one step's schedule
+
+
+class _Run:
+    """One step's schedule on this stage: the params the loss sees, p2p in flight, live
+    microbatches, fp32 grad sums (``acc`` for owned params, ``lent_acc`` for borrowed ones)."""
+
+    def __init__(self, ps: PipelineStep, spec: PipelineSpec, whole: list[torch.Tensor], number: int, scale,
+                 digest: int):
+        self.ps, self.spec, self.number, self.scale, self.digest = ps, spec, number, scale, digest
+        self.s, self.p, self.m, self.p2p = spec.stage, spec.stages, ps.microbatches, ps.mesh.p2p
+        self.device = whole[0].device if whole else torch.device("cpu")
+        self.shapes = dict(zip(spec.names, spec.shapes))
+        self.owned = [w.detach().requires_grad_() for w in whole]
+        self.params = dict(zip(spec.owned, self.owned))
+        self.shared = [n for n in spec.names if n in ps.layout.shared]  # the order both ends use
+        self.sizes = [torch.Size(self.shapes[n]).numel() for n in self.shared]
+        self.lent_names = self.shared if 0 < self.s == self.p - 1 else []
+        self.lent: list[torch.Tensor] = []
+        self.stand_in_names = [n for n in spec.names if n not in self.params and n not in self.lent_names]
+        zero = torch.zeros((), dtype=ps.compute_dtype, device=self.device)
+        self.stand_ins = [zero.expand(self.shapes[n]).detach().requires_grad_() for n in self.stand_in_names]
+        self.params.update(zip(self.stand_in_names, self.stand_ins))
+        self.acc: list[torch.Tensor | None] = [None] * len(self.owned)
+        self.lent_acc: list[torch.Tensor | None] = [None] * len(self.lent_names)
+        self.outputs: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self.meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # "F": input, "B": output
+        self.posted, self.recvs, self.sends = set(), {}, []
+        self.losses, self.auxes = [], []
+        self.peak_live, self.wait_s, self.compute_s, self.trace = 0, 0.0, 0.0, []
+
+    def execute(self, micro: list[PyTree]) -> None:
+        t0 = time.perf_counter()
+        self._start_shared()
+        ops = schedule_ops(self.ps.schedule, self.p, self.s, self.m)
+        for k, (kind, i) in enumerate(ops):
+            for op in ops[k : k + 2]:  # post this op's receive and the next one's: transfers overlap compute
+                self._post(op)
+            start, waited = time.perf_counter(), self.wait_s
+            self._forward(i, micro[i]) if kind == "F" else self._backward(i)
+            self.compute_s += time.perf_counter() - start - (self.wait_s - waited)
+            self.trace.append((kind, i, start - t0, time.perf_counter() - t0))
+            self._reap_sends()
+        self._finish_shared()
+        for work in self.sends:
+            self._wait(work)
+        self.step_s = time.perf_counter() - t0
+
+    # -- p2p
+    def _send(self, t: torch.Tensor, peer: int, what: str, tag: int = 0) -> None:
+        label = f"send of {what} from stage {self.s} to {peer} at step {self.number}"
+        self.sends.append(self.p2p.send(t, peer, label, tag))
+
+    def _recv(self, shape, dtype: torch.dtype, peer: int, what: str, tag: int = 0):
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        return self.p2p.recv(buf, peer, f"recv of {what} from stage {peer} to {self.s} at step {self.number}", tag)
+
+    def _wait(self, work) -> torch.Tensor:
+        t0 = time.perf_counter()
+        out = work.wait()  # raises CollectiveError naming the transfer
+        self.wait_s += time.perf_counter() - t0
+        return out
+
+    def _reap_sends(self) -> None:
+        done = [w for w in self.sends if w.done()]
+        for w in done:
+            w.wait()  # already complete: raises only if it failed
+        self.sends = [w for w in self.sends if w not in done]
+
+    def _post(self, op: tuple[str, int]) -> None:
+        kind, i = op
+        peer = self.s - 1 if kind == "F" else self.s + 1
+        if op in self.posted or kind not in self.meta or not 0 <= peer < self.p:
+            return
+        self.posted.add(op)
+        what = "activation" if kind == "F" else "activation grad"
+        self.recvs[op] = self._recv(*self.meta[kind], peer, f"the {what} of microbatch {i}")
+
+    def _send_header(self, out: torch.Tensor) -> None:
+        """Step, microbatches, batch digest, dtype and shape of the activations about to follow."""
+        if out.dim() > _MAX_DIMS or out.dtype not in _DTYPES:
+            raise ValueError(f"pipeline: stage {self.s} output has shape {tuple(out.shape)} {out.dtype}; expected at "
+                             f"most {_MAX_DIMS} dims and one of {_DTYPES}")
+        header = [self.number, self.m, self.digest, _DTYPES.index(out.dtype), out.dim(), *out.shape]
+        self._send(torch.tensor(header + [0] * (_HEADER - len(header)), device=self.device), self.s + 1,
+                   "the activation shape")
+
+    def _recv_header(self) -> None:
+        header = self._wait(self._recv(_HEADER, torch.int64, self.s - 1, "the activation shape")).tolist()
+        number, m, digest, code, ndim = header[:5]
+        if (number, m) != (self.number, self.m):
+            raise ValueError(f"pipeline: stage {self.s - 1} runs step {number} with {m} microbatches but stage "
+                             f"{self.s} runs step {self.number} with {self.m}: the ranks' steps diverged")
+        if digest != self.digest:
+            raise ValueError(f"pipeline: stages {self.s - 1} and {self.s} were given different batches at step "
+                             f"{self.number}; every rank of a pipeline must call the step with the same batch")
+        self.meta["F"] = (tuple(header[5 : 5 + ndim]), _DTYPES[code])
+
+    # -- shared params: stage 0 lends them to the last stage, which returns their grads (tag 1)
+    def _start_shared(self) -> None:
+        last = self.p - 1
+        if not self.shared or last == 0 or 0 < self.s < last:
+            return
+        if self.s == 0:
+            owned = dict(zip(self.spec.owned, self.owned))
+            self._send(torch.cat([owned[n].detach().reshape(-1) for n in self.shared]), last, "the shared params", 1)
+            self.returned = self._recv(sum(self.sizes), torch.float32, last, "the shared params' grads", 1)
+        else:
+            self.lent_flat = self._recv(sum(self.sizes), self.ps.compute_dtype, 0, "the shared params", 1)
+
+    def _borrow(self) -> None:
+        pieces = self._wait(self.lent_flat).split(self.sizes)
+        self.lent = [x.view(self.shapes[n]).requires_grad_() for x, n in zip(pieces, self.lent_names)]
+        self.params.update(zip(self.lent_names, self.lent))
+
+    def _finish_shared(self) -> None:
+        if self.lent_names:
+            flat = [(torch.zeros(self.shapes[n], device=self.device) if g is None else g).reshape(-1)
+                    for g, n in zip(self.lent_acc, self.lent_names)]
+            self._send(torch.cat(flat), 0, "the shared params' grads", 1)
+        elif self.s == 0 and self.p > 1 and self.shared:
+            back = dict(zip(self.shared, self._wait(self.returned).split(self.sizes)))
+            _accumulate(self.acc, [back[n].view(self.shapes[n]) if n in back else None for n in self.spec.owned])
+
+    # -- compute
+    def _forward(self, i: int, micro: PyTree) -> None:
+        act_in = None
+        if self.s > 0:
+            if "F" not in self.meta:
+                self._recv_header()
+            self._post(("F", i))
+            act_in = self._wait(self.recvs.pop(("F", i))).requires_grad_()
+        if self.lent_names and not self.lent:
+            self._borrow()
+        output = self._run_loss(micro, act_in)
+        self.outputs[i] = (act_in, output)
+        self.peak_live = max(self.peak_live, len(self.outputs))
+        if self.s < self.p - 1:
+            sent = output.detach().contiguous()
+            if "B" not in self.meta:
+                self.meta["B"] = (tuple(sent.shape), sent.dtype)
+                self._send_header(sent)
+            self._send(sent, self.s + 1, f"the activation of microbatch {i}")
+
+    def _run_loss(self, micro: PyTree, act_in: torch.Tensor | None) -> torch.Tensor:
+        run = _StageRun(self.ps.model, self.ps.layout, self.s, self.p, act_in)
+        token = ACTIVE.set(run)
+        try:
+            with torch.enable_grad():
+                out = self.ps._loss(self.params, micro)
+        except _StageOutput as stop:
+            return stop.output
+        finally:
+            ACTIVE.reset(token)
+        run.check_complete()
+        loss, aux = split_loss(out, self.ps.has_aux)
+        self.losses.append(loss.detach().float())
+        self.auxes.append(aux)
+        return loss
+
+    def _backward(self, i: int) -> None:
+        act_in, output = self.outputs.pop(i)
+        if self.s == self.p - 1:
+            root, grad_out = (output * self.scale if self.scale is not None else output), None
+        else:
+            self._post(("B", i))
+            root, grad_out = output, [self._wait(self.recvs.pop(("B", i)))]
+        inputs = ([act_in] if act_in is not None else []) + self.owned + self.lent + self.stand_ins
+        grads = list(torch.autograd.grad([root], inputs, grad_out, allow_unused=True))
+        if act_in is not None:
+            g = grads.pop(0)
+            self._send(torch.zeros_like(act_in) if g is None else g.contiguous(), self.s - 1,
+                       f"the activation grad of microbatch {i}")
+        n, k = len(self.owned), len(self.lent)
+        _accumulate(self.acc, grads[:n])
+        _accumulate(self.lent_acc, grads[n : n + k])
+        used = [name for name, g in zip(self.stand_in_names, grads[n + k :]) if g is not None]
+        if used:
+            raise ValueError(f"pipeline: stage {self.s}'s forward used param '{used[0]}', which stage "
+                             f"{self.ps.layout.owner.get(used[0], 0)} holds: a pipeline unit's params must be "
+                             "read only inside the unit")
+
+
+def _digest(batch: PyTree) -> int:
+    """crc32 of the batch's tensors' bytes: adjacent stages compare it (cheap: the batch is small)."""
+    crc = 0
+    for x in tree.leaves(batch):
+        if isinstance(x, torch.Tensor):
+            crc = zlib.crc32(x.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy(), crc)
+    return crc
+
+
+def _accumulate(acc: list[torch.Tensor | None], grads: Sequence[torch.Tensor | None]) -> None:
+    """Sum grads into ``acc`` in fp32 (the first one's fp32 grad is taken as it is)."""
+    pairs = [(j, g) for j, g in enumerate(grads) if g is not None]
+    more = [(acc[j], g) for j, g in pairs if acc[j] is not None]
+    if more:
+        torch._foreach_add_([a for a, _ in more], [g for _, g in more])
+    for j, g in pairs:
+        if acc[j] is None:
+            acc[j] = g.float()
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+class PipelineStep(Step):
+    """The step ``pipeline`` returns: same call and ``init`` as ``Step``; this rank runs one stage.
+
+    Metrics are the same on every rank, except ``aux`` (``has_aux``): the loss function's aux per
+    microbatch on the last stage, which alone computes the loss; ``None`` elsewhere. After each
+    call, ``peak_live_microbatches`` is the most microbatches whose activations this stage held at
+    once, and ``timings`` has the schedule's wall time ``step_s``, the time spent blocked on peers
+    ``wait_s``, forward + backward compute ``compute_s``, and ``ops``: each op's ``(kind,
+    microbatch, start_s, end_s)`` from the schedule's start.
+    """
+
+    def __init__(self, base: Step, model: nn.Module, layout: Layout, microbatches: int, schedule: str, mesh: Mesh):
+        super().__init__(base.loss_fn, base.optimizer, base.precision, 1, base.donate, base.has_aux, base.seed)
+        self.base = base if isinstance(base, ShardedStep) else None
+        self.model, self.layout, self.mesh = model, layout, mesh
+        self.stages, self.stage, self.microbatches, self.schedule = mesh.pp, mesh.pp_rank, microbatches, schedule
+        self.peak_live_microbatches, self.timings = 0, {}
+        self._bucket_cache: list | None = None
+
+    def _refuse(self):
+        raise AttributeError("a pipelined step cannot be wrapped by another transformation (zf.shard(zf.pipeline(..."
+                             "))): apply zf.pipeline last, e.g. zf.pipeline(zf.shard(step, mesh, stage=1), ...)")
+
+    def _keep(self, fn) -> None:
+        self._loss = fn
+
+    loss_fn = property(_refuse, _keep, doc="refused: the pipeline must be the outermost transformation")
+
+    def init(self, params: PyTree) -> TrainState:
+        """This stage's fp32 params (split over the dp ranks if the step is sharded) and their
+        optimizer state; ``sharding`` is a ``PipelineSpec``."""
+        if not isinstance(params, dict) or not all(isinstance(k, str) for k in params):
+            raise TypeError("params: expected the dict[str, Tensor] of zf.functionalize(model), got "
+                            f"{type(params).__name__}")
+        unknown = sorted(params.keys() - self.layout.owner.keys())
+        if unknown:
+            raise ValueError(f"params: {unknown[:5]} are not parameters of the model given to zf.pipeline")
+        names = tuple(sorted(params))  # optree's leaf order for a dict
+        owned = {n: params[n] for n in names if self.layout.owner[n] == self.stage}
+        inner = self.base.init(owned) if self.base is not None else Step.init(self, owned)
+        spec = PipelineSpec(self.stages, self.stage, names, tuple(tuple(params[n].shape) for n in names),
+                            tuple(sorted(owned)), inner.sharding)
+        return TrainState(inner.params, inner.opt_state, 0, self.seed, inner.loss_scale, spec)
+
+    def _check_state(self, state: Any) -> None:
+        if not isinstance(state, TrainState):
+            raise TypeError(f"state: expected a TrainState from step.init(params), got {type(state).__name__}")
+        spec = state.sharding
+        if not isinstance(spec, PipelineSpec):
+            raise ValueError(f"state: this state is not pipelined ({spec or 'a plain state'}); build it with this "
+                             "pipelined step's init(params)")
+        dp = (spec.inner.world, spec.inner.rank) if spec.inner else None
+        mine = (self.mesh.dp, self.mesh.rank) if self.base else None
+        if (spec.stages, spec.stage, dp) != (self.stages, self.stage, mine):
+            raise ValueError(f"state: it is {spec}, but this step runs pipeline stage {self.stage} of {self.stages}"
+                             + (f" sharded over {self.mesh.dp} ranks" if self.base else ""))
+
+    def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
+        self._check_state(state)
+        params, step, rng, loss_scale = state.params, state.step, state.rng, state.loss_scale
+        loss, aux, grads = self._loss_and_grads(state.sharding, params, batch, step, rng, loss_scale)
+        with optim.summing_across(self._sum_over_ranks):
+            return self._update(state, grads, loss, aux)
+
+    def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        if self.base is not None:
+            self.mesh.comm.all_reduce(t, label="grad-norm all-reduce over the dp ranks")
+        self.mesh.pp_comm.all_reduce(t, label="grad-norm all-reduce over the pipeline")
+        return t
+
+    def _loss_and_grads(self, spec: PipelineSpec, params, batch, step, rng, loss_scale):
+        """Mean loss (on every rank) and this rank's fp32 grads, averaged over microbatches (and dp)."""
+        pieces, treespec = tree.flatten(params)
+        scale = loss_scale.scale if loss_scale is not None else None
+        self.mesh.clear_comm_bytes()
+        whole = self._whole_params(pieces, spec, step)
+        micro = self._microbatches(mp.cast_floating(batch, self.compute_dtype))
+        run = _Run(self, spec, whole, step, scale, _digest(batch))
+        with seeded(_step_seed(rng, step), _cuda_devices(params)):
+            run.execute(micro)
+        self.peak_live_microbatches = run.peak_live
+        self.timings = {"step_s": run.step_s, "wait_s": run.wait_s, "compute_s": run.compute_s, "ops": run.trace}
+        grads = [torch.zeros(w.shape, device=w.device) if g is None else g for g, w in zip(run.acc, whole)]
+        divisor = self.microbatches * (scale or 1.0)
+        if spec.inner is not None:
+            grads = _reduce_scatter(grads, pieces, spec.inner, self._buckets(spec.inner), self.mesh.reduce_comm, step)
+            divisor *= spec.inner.world
+        torch._foreach_mul_(grads, 1.0 / divisor)
+        loss = self._mean_loss(run.losses, spec, step, run.device)
+        return loss, self._aux(run.auxes), tree.unflatten(treespec, grads)
+
+    def _whole_params(self, pieces: list[torch.Tensor], spec: PipelineSpec, step: int) -> list[torch.Tensor]:
+        """This stage's params whole, in the compute dtype (all-gathered over dp when sharded)."""
+        if spec.inner is None:
+            return [p.to(self.compute_dtype) for p in pieces]
+        return _all_gather(pieces, spec.inner, self._buckets(spec.inner), self.mesh.comm, self.compute_dtype, step)
+
+    def _buckets(self, inner: ShardSpec) -> list:
+        if self._bucket_cache is None:
+            self._bucket_cache = _buckets(inner.leaves, self.base.bucket_elems)
+        return self._bucket_cache
+
+    def _microbatches(self, batch: PyTree) -> list[PyTree]:
+        m = self.microbatches
+        for x in tree.leaves(batch):
+            if isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[0] % m):
+                raise ValueError(f"batch: microbatches={m} must divide the leading dim of every batch tensor, got a "
+                                 f"tensor of shape {tuple(x.shape)}")
+        return _split_batch(batch, m)
+
+    def _mean_loss(self, losses: list[torch.Tensor], spec: PipelineSpec, step: int, device) -> torch.Tensor:
+        """The last stage's mean loss, summed into every stage (the others add 0) and over dp."""
+        loss = torch.stack(losses).mean() if losses else torch.zeros((), device=device)
+        self.mesh.pp_comm.all_reduce(loss, label=f"loss all-reduce over the pipeline at step {step}")
+        if spec.inner is not None:
+            self.mesh.comm.all_reduce(loss, label=f"loss all-reduce over the dp ranks at step {step}")
+            loss = loss / spec.inner.world
+        return loss
+
+    def _aux(self, auxes: list) -> Any:
+        if not auxes:
+            return None  # aux comes from the loss, which only the last stage computes
+        return auxes[0] if self.microbatches == 1 else auxes
+
+
+def _all_gather(pieces, spec: ShardSpec, buckets, comm, dtype: torch.dtype, step: int) -> list[torch.Tensor]:
+    """Whole params in ``dtype`` from every dp rank's pieces (one all-gather per bucket)."""
+    whole: list[torch.Tensor | None] = [None] * len(pieces)
+    for unit in buckets:
+        seg = unit.pack_local([pieces[i] for i in unit.indices], dtype, pieces[0].device)
+        out = torch.empty(spec.world * seg.numel(), dtype=dtype, device=seg.device)
+        comm.all_gather(out, seg, label=f"param all-gather of {unit.name} at step {step}")
+        for i, w in zip(unit.indices, unit.unpack_gathered(out, spec.leaves, spec.world)):
+            whole[i] = w
+    return whole
+
+
+def _reduce_scatter(grads, pieces, spec: ShardSpec, buckets, comm, step: int) -> list[torch.Tensor]:
+    """This rank's fp32 slices of the dp-summed whole ``grads`` (one reduce-scatter per bucket)."""
+    acc = [torch.zeros_like(p, dtype=torch.float32) for p in pieces]
+    works = []
+    for unit in buckets:
+        full = torch.zeros(spec.world, unit.segment, dtype=torch.float32, device=pieces[0].device)
+        unit.pack_full([grads[i] for i in unit.indices], spec.leaves, spec.world, full)
+        out = torch.empty(unit.segment, dtype=torch.float32, device=full.device)
+        label = f"reduce-scatter of {unit.name} at step {step}"
+        works.append((comm.reduce_scatter(out, full.view(-1), label=label, async_op=True), out, unit))
+    for work, out, unit in works:
+        work.wait()
+        torch._foreach_add_([acc[i] for i in unit.indices], unit.local_views(out, spec.leaves, spec.rank))
+    return acc
+
+
+# ----------------------------------------------------------------------------- construction
+
+
+def _pipeline_units(model: nn.Module, units: Selector | Sequence[str]) -> list[tuple[str, tuple[str, ...]]]:
+    """``(module name, canonical param names)`` of the pipeline units, in module order."""
+    modules = dict(model.named_modules())
+    if callable(units):
+        found = units(model)
+        blocks = [u for u in found if not all(p.rpartition(".")[0] == u.name for p in u.params)]
+        chosen = [(u.name, tuple(u.params)) for u in (blocks or found)]
+    else:
+        missing = [n for n in units if n not in modules]
+        if isinstance(units, str) or missing:
+            raise ValueError(f"units: expected a zf.units selector or module names of the model, got {units!r}")
+        canonical = {id(p): n for n, p in model.named_parameters()}
+        chosen = [(n, tuple(dict.fromkeys(canonical[id(p)] for p in modules[n].parameters()))) for n in units]
+    order = {name: k for k, name in enumerate(modules)}
+    return sorted(chosen, key=lambda u: order[u[0]])
+
+
+def _split_counts(n: int, stages: int, split: Sequence[int] | None) -> list[int]:
+    if split is None:  # even; the first n % stages stages take one more
+        base, extra = divmod(n, stages)
+        return [base + (s < extra) for s in range(stages)]
+    split = list(split)
+    if len(split) != stages or any(not isinstance(c, int) or c < 1 for c in split) or sum(split) != n:
+        raise ValueError(f"split: expected {stages} ints >= 1 (units per stage) summing to the model's {n} pipeline "
+                         f"units, got {split!r}")
+    return split
+
+
+def make_layout(model: nn.Module, units: Selector | Sequence[str], stages: int, split: Sequence[int] | None) -> Layout:
+    """Assign consecutive pipeline units to stages; everything else is shared (see the module docstring)."""
+    trunk = _pipeline_units(model, units)
+    if stages > len(trunk):
+        raise ValueError(f"stages: {stages} stages need at least {stages} pipeline units, the model has {len(trunk)}: "
+                         f"{[name for name, _ in trunk]}")
+    bounds, start = [], 0
+    for count in _split_counts(len(trunk), stages, split):
+        bounds.append((start, start + count - 1))
+        start += count
+    owner = {n: 0 for n, _ in model.named_parameters()}
+    in_units = set()
+    for s, (first, last) in enumerate(bounds):
+        for _, params in trunk[first : last + 1]:
+            owner.update(dict.fromkeys(params, s))
+            in_units.update(params)
+    return Layout(tuple(name for name, _ in trunk), tuple(bounds), owner, frozenset(owner.keys() - in_units))
+
+
+def pipeline(step: Step, stages: int, microbatches: int, schedule: str = "1f1b", *, model: nn.Module,
+             units: Selector | Sequence[str], split: Sequence[int] | None = None,
+             mesh: Mesh | None = None) -> PipelineStep:
+    """Pipeline ``step`` over ``stages`` ranks with ``microbatches`` microbatches per batch.
+
+    Args:
+      step: a plain ``Step`` from ``train_step`` (accum=1), or ``zf.shard(step, mesh, stage=1)``
+        over a ``Mesh(dp=d, pp=stages)`` to shard each stage over its dp ranks.
+      stages: pipeline stages, one per rank of the mesh's pp axis.
+      microbatches: the batch's leading dim is split into this many equal parts.
+      schedule: "1f1b" (at most ``stages - s`` live microbatches on stage s) or "gpipe" (all ``m``).
+      model: the module the loss runs through ``zf.functionalize``'s ``apply``, used unchanged.
+      units: the pipeline units: a ``zf.units`` selector (e.g. ``by_class(Block)``; see the module
+        docstring for which of its units count) or module names; consecutive ones form a stage.
+      split: units per stage (e.g. ``(1, 3)``); default even, earlier stages taking the remainder.
+      mesh: default ``Mesh(pp=stages)``; a sharded step brings its own.
+    Every rank of a pipeline calls the step with the same batch. Law and cost: module docstring.
+    """
+    if isinstance(step, PipelineStep):
+        raise ValueError("step: already pipelined; pipeline the plain or sharded step once")
+    if not isinstance(step, Step):
+        raise TypeError(f"step: expected a Step from zf.train_step (or zf.shard), got {type(step).__name__}")
+    if isinstance(step, ShardedStep) and step.stage != 1:
+        raise ValueError(f"step: pipeline composes with ZeRO stage 1 over the dp axis, got stage {step.stage}")
+    if step.accum != 1:
+        raise ValueError(f"step: accum={step.accum}; the pipeline splits the batch into microbatches itself, "
+                         "build the step with accum=1")
+    for name, value in (("stages", stages), ("microbatches", microbatches)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected the torch.nn.Module the loss runs, got {type(model).__name__}")
+    layout = make_layout(model, units, stages, split)
+    mesh = _pick_mesh(step, stages, mesh)
+    return PipelineStep(step, model, layout, microbatches, schedule, mesh)
+
+
+def _pick_mesh(step: Step, stages: int, mesh: Mesh | None) -> Mesh:
+    if isinstance(step, ShardedStep):
+        if mesh is not None and mesh is not step.mesh:
+            raise ValueError("mesh: a sharded step pipelines over its own mesh; leave mesh out")
+        mesh = step.mesh
+    mesh = Mesh(pp=stages) if mesh is None else mesh
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh: expected a zf.Mesh, got {type(mesh).__name__}")
+    if mesh.pp != stages:
+        raise ValueError(f"stages: {stages} stages, but the mesh has pp={mesh.pp} (build it as zf.Mesh(pp={stages}))")
+    if mesh.dp > 1 and not isinstance(step, ShardedStep):
+        raise ValueError(f"mesh: dp={mesh.dp}; shard the step over the dp axis first: "
+                         "zf.pipeline(zf.shard(step, mesh, stage=1), ...)")
+    return mesh
