@@ -5,21 +5,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import zfunc as zf
+from tests.test_shard import Block
 from recipes import gpt
 from zfunc.shard import full_params
 
 STEPS = 3
 VOCAB = 13
-
-
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.ln = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, d)
-
-    def forward(self, x):
-        return x + F.gelu(self.fc(self.ln(x)))
 
 
 class Tiny(nn.Module):

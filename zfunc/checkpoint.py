@@ -43,6 +43,7 @@ import zfunc
 from zfunc import tree
 from zfunc.shard import LeafShard, ShardSpec
 from zfunc.step import Step, TrainState
+from zfunc.swap import fsync_dir
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -212,14 +213,6 @@ def _read_safetensors(path: Path, expected_crc: int | None) -> dict[str, torch.T
     return out
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
@@ -227,7 +220,7 @@ def _write_text_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _barrier(world: int) -> None:
@@ -295,7 +288,7 @@ def save(state: TrainState, directory: str | os.PathLike, *, keep_last: int | No
             json.dump(manifest, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():
             old = final.with_name(f".{final.name}.old")
             shutil.rmtree(old, ignore_errors=True)
@@ -304,7 +297,7 @@ def save(state: TrainState, directory: str | os.PathLike, *, keep_last: int | No
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
         _write_text_atomic(final.parent / "latest", final.name)
         if keep_last:
             _prune(final.parent, keep_last)

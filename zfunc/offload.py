@@ -315,11 +315,7 @@ class OffloadedStep(ShardedStep):
                 self._update_leaves(order or list(range(len(g_leaves))), g_leaves)
         self._wait_writes(None)
         loss_scale = mp.next_loss_scale(loss_scale, finite)
-        metrics = {"loss": loss, "grad_norm": norm, "lr": lr, "skipped": not finite, "step": step + 1}
-        if loss_scale is not None:
-            metrics["loss_scale"] = loss_scale.scale
-        if self.has_aux:
-            metrics["aux"] = aux
+        metrics = self._metrics(loss, norm, lr, finite, step, loss_scale, aux)
         masters = [self._new.get(i, (m, None))[0] for i, m in enumerate(self._masters)]
         states = tuple(self._new.get(i, (None, s))[1] for i, s in enumerate(self._opt_states))
         new_params = tree.unflatten(tree.structure(params), masters)

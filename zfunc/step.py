@@ -233,12 +233,17 @@ class Step:
         if finite:
             params, opt_state = optim.apply(self.optimizer, grads, opt_state, params)
         loss_scale = mp.next_loss_scale(loss_scale, finite)
+        metrics = self._metrics(loss, norm, lr, finite, step, loss_scale, aux)
+        return TrainState(params, opt_state, step + 1, rng, loss_scale, state.sharding), metrics
+
+    def _metrics(self, loss, norm, lr, finite: bool, step: int, loss_scale, aux) -> dict[str, Any]:
+        """The step's metrics (see the class docstring); ``loss_scale`` is the next one."""
         metrics = {"loss": loss, "grad_norm": norm, "lr": lr, "skipped": not finite, "step": step + 1}
         if loss_scale is not None:
             metrics["loss_scale"] = loss_scale.scale
         if self.has_aux:
             metrics["aux"] = aux
-        return TrainState(params, opt_state, step + 1, rng, loss_scale, state.sharding), metrics
+        return metrics
 
     def _loss_and_grads(self, params, batch, step, rng, loss_scale):
         """Mean loss over microbatches and the fp32, unscaled, averaged grads (a pytree)."""

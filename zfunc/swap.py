@@ -274,7 +274,8 @@ def _spare(file: Path) -> Path:
     return file.with_name(f".{file.name}.spare")
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a rename, a new file) durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -508,7 +509,7 @@ class SwapEngine:
                     os.link(file, _spare(file))
             os.replace(tmp, file)  # the commit point
             if self.fsync == "write":
-                _fsync_dir(self.path)
+                fsync_dir(self.path)
             with self._lock:
                 self.bytes_written += header.nbytes
             return done
