@@ -240,3 +240,31 @@ def test_the_state_a_step_took_is_consumed(tmp_path, clip):
     with pytest.raises(zf.ConsumedStateError):
         state.params
     step(new, batches(1, 1)[0])
+
+
+def test_an_offloaded_state_saves_and_exports_its_params(tmp_path):
+    step, state = make(False, where="nvme", params="nvme", path=tmp_path / "swap")
+    state, _ = step(state, batches(1, 1)[0])
+    zf.checkpoint.save(state, tmp_path / "ckpt" / "000001")
+    exported = zf.checkpoint.export(tmp_path / "ckpt" / "000001", tmp_path / "model.safetensors")
+    from safetensors.torch import load_file
+
+    saved, full = load_file(exported), zf.checkpoint.full_params(state)
+    assert saved.keys() == full.keys()
+    for name in full:
+        assert torch.equal(saved[name], full[name])
+    with pytest.raises(zf.checkpoint.CheckpointError, match="offloaded step is not supported yet"):
+        zf.checkpoint.load(tmp_path / "ckpt" / "000001", step)
+    step(state, batches(1, 1)[0])  # saving only read the state
+
+
+def alone_worker(rank, world, path):
+    step, state = make(False, where="nvme", path=f"{path}/{rank}")  # a plain step, in a 2-rank world
+    state, losses, _ = run(step, state, n=2)
+    return step.mesh.dp, losses
+
+
+def test_a_plain_offloaded_step_in_a_multi_process_run_keeps_to_itself(tmp_path):
+    results = zf.dist.spawn(alone_worker, 2, 2, str(tmp_path))
+    _, ref_losses, _ = run(*make(False), n=2)
+    assert results == [(1, ref_losses)] * 2
