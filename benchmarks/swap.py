@@ -1,11 +1,11 @@
 """Swap engine read/write GB/s vs dd and fio on the same disk, file size and block size, in one run.
 
-    python benchmarks/swap.py [--gib 2] [--block-mib 8] [--dir /tmp/zfunc-swap-bench] [--repeats 3] [--threads 4,16]
+    python benchmarks/swap.py [--gib 2] [--block-mib 8] [--dir /tmp/zfunc-swap-bench] [--repeats 3] [--threads 8,16]
 
 Each repeat runs every contender once, in a rotated order (disk timings on this shared machine
 swing ~2x between runs, so compare within a run):
 - zfunc's ``SwapEngine`` writing and reading a ``--gib`` tensor from a 4096-aligned buffer, with
-  and without crc32 verification, for each ``--threads`` count (4 is the engine's default, 16
+  and without crc32 verification, for each ``--threads`` count (8 is the engine's default, 16
   matches fio's deepest queue), each on its own file;
 - ``dd`` with ``oflag=direct`` / ``iflag=direct`` and ``bs=--block-mib``;
 - ``fio`` with ``direct=1`` and the same ``bs``: libaio at iodepth 1/4/16, psync with 4 jobs.
@@ -113,7 +113,7 @@ def main() -> None:
     p.add_argument("--block-mib", type=int, default=8, help="block size in MiB for every contender")
     p.add_argument("--dir", default="/tmp/zfunc-swap-bench")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", default="4,16", help="the engine's I/O threads, a comma list (4 is the default)")
+    p.add_argument("--threads", default="8,16", help="the engine's I/O threads, a comma list (8 is the default)")
     args = p.parse_args()
     args.threads = [int(t) for t in args.threads.split(",")]
     if not shutil.which("fio"):

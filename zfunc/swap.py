@@ -372,7 +372,8 @@ class SwapEngine:
 
     Args:
       path: the directory (created if missing, checked with ``check_path``).
-      threads: I/O worker threads, each with one blocking preadv/pwritev in flight.
+      threads: I/O worker threads, each with one blocking preadv/pwritev in flight (8: checked writes
+        reached fio's best at 8 and 16 in benchmarks/swap.py, 4 left them at 0.75x).
       block_bytes: transfer piece size, a multiple of 4096 up to 1 GiB.
       queue_depth: pieces of one transfer in flight at once (default: ``threads``).
       o_direct: use O_DIRECT where the filesystem takes it; ``self.o_direct`` tells what is used.
@@ -386,7 +387,7 @@ class SwapEngine:
         ``sum(...) + max(...)`` without.
     """
 
-    def __init__(self, path: str | os.PathLike, *, threads: int = 4, block_bytes: int = 8 << 20,
+    def __init__(self, path: str | os.PathLike, *, threads: int = 8, block_bytes: int = 8 << 20,
                  queue_depth: int | None = None, o_direct: bool = True, fsync: str = "never",
                  verify: bool = True, spare: bool = True, need_bytes: int = 0):
         for arg, value in (("threads", threads), ("queue_depth", threads if queue_depth is None else queue_depth)):
