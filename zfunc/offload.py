@@ -25,8 +25,13 @@ state, ``optimizer.init({name: piece})``, so a leaf can be updated alone):
 **Cost** per rank, Psi params over N ranks (fp32 masters, Adam): RAM between steps holds nothing of
 what is offloaded to "nvme"; ``optimizer="cpu"`` holds 8 Psi/N of moments in host RAM, ``params``
 4 Psi/N of masters. Disk traffic per step with both on NVMe: reads 4 Psi/N per forward/backward
-fetch of params + 12 Psi/N for the update; writes 12 Psi/N. The compute-side memory is that of
-the sharded step (stage 3: a few units).
+fetch of params + 12 Psi/N for the update; writes 12 Psi/N; disk space up to 24 Psi/N (the swap
+engine keeps a spare of each file). The compute-side memory is that of the sharded step (stage 3:
+a few units) plus ``chunk_bytes`` of reads and twice that of writes in flight.
+
+``init(params, materialize=...)`` starts from meta-device params one leaf at a time, so a model
+larger than RAM can start; ``zf.checkpoint.save`` / ``full_params`` read an offloaded state back
+(``in_ram``).
 
 Not yet: the updated compute-dtype copy is cast in a second pass (the Numba kernel's fused
 copy-out is not used through the generic optimizer interface); on CUDA, grads and masters cross
@@ -34,7 +39,6 @@ PCIe as fp32.
 """
 from __future__ import annotations
 
-import gc
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -45,24 +49,12 @@ import torch
 
 from zfunc import optim, precision as mp, tree
 from zfunc.dist import Mesh
-from zfunc.shard import FlatUnit, GradSlices, LeafShard, ShardedStep, ShardSpec, _leaf_names, local_piece
-from zfunc.step import _FIELDS, Step, TrainState, _check_single_device
+from zfunc.shard import FlatUnit, GradSlices, ShardedStep, ShardSpec, _leaf_names, local_piece
+from zfunc.step import _FIELDS, Step, TrainState
+from zfunc.store import All, OnDisk, ReadAhead, Store, done, numel
 
 PyTree = Any
 PLACES = ("cpu", "nvme")
-
-
-@dataclass(frozen=True)
-class OnDisk:
-    """A tensor kept in a swap file: the file's name in the engine, and the tensor's shape/dtype."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return _numel(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
 
 @dataclass(frozen=True)
@@ -81,109 +73,6 @@ class OffloadSpec(ShardSpec):
 
 def _shard_fields(spec: ShardSpec) -> tuple:
     return tuple(getattr(spec, f.name) for f in fields(ShardSpec))
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-# Pending reads are plain objects holding plain references, never future callbacks: closures
-# registered between futures form reference cycles that keep read buffers alive until Python's
-# cyclic GC happens to run (measured: +250 MB peak on a 57M-param model).
-class _Read:
-    """``result()`` waits for the swap read ``io`` and returns its buffer ``out``."""
-
-    def __init__(self, io: Future, out: torch.Tensor):
-        self.io, self.out = io, out
-
-    def result(self) -> torch.Tensor:
-        self.io.result()
-        return self.out
-
-
-class _All:
-    """``result()``: the results of ``parts``, in order."""
-
-    def __init__(self, parts: list):
-        self.parts = parts
-
-    def result(self) -> list:
-        return [p.result() for p in self.parts]
-
-
-def _done(value: Any) -> Future:
-    f: Future = Future()
-    f.set_result(value)
-    return f
-
-
-class Store:
-    """Tensors kept in RAM (``engine=None``) or in swap files, read and written by future."""
-
-    def __init__(self, engine=None, pin: bool = False, track: Callable[[Future | None, int], None] | None = None):
-        self.engine, self.pin, self.track = engine, pin, track
-
-    def put(self, name: str, t: torch.Tensor) -> torch.Tensor | OnDisk:
-        """Keep ``t`` (a CPU tensor the store takes over); returns its handle. A file's write is
-        handed to ``track(future, nbytes)``, which bounds the writes in flight."""
-        if self.engine is None:
-            return t.pin_memory() if self.pin else t
-        self.track(self.engine.write(name, t.contiguous()), t.numel() * t.element_size())
-        return OnDisk(name, tuple(t.shape), t.dtype)
-
-    def fetch(self, x: torch.Tensor | OnDisk) -> Future | _Read:
-        """A future of the tensor behind ``x`` (for a file, a fresh aligned buffer read from it)."""
-        if not isinstance(x, OnDisk):
-            return _done(x)
-        from zfunc.swap import aligned_empty
-
-        out = aligned_empty(x.nbytes, pin=self.pin)[: x.nbytes].view(x.dtype).view(x.shape)
-        return _Read(self.engine.read(x.name, out), out)
-
-    def store_back(self, x: torch.Tensor | OnDisk, t: torch.Tensor) -> tuple[torch.Tensor | OnDisk, Future | None]:
-        """Make ``t`` the new value of ``x``: a file is rewritten (the future), RAM keeps ``t``."""
-        if not isinstance(x, OnDisk):
-            return t, None
-        return x, self.engine.write(x.name, t.contiguous())
-
-
-class ReadAhead:
-    """Futures of store reads, launched ahead along an expected order within a byte budget.
-
-    ``get(i)`` returns the tensor for key ``i`` (waiting for its read, or reading it now if it was
-    not expected), then tops up: reads along ``order`` after the last one launched start until
-    ``budget`` bytes are in flight. Keys are read once per ``get``; the order can repeat keys.
-    """
-
-    def __init__(self, fetch: Callable[[int], Future], nbytes: Callable[[int], int], order: list[int], budget: int):
-        self.fetch, self.nbytes, self.order, self.budget = fetch, nbytes, order, budget
-        self.ahead: dict[int, deque[Future]] = {}
-        self.inflight = 0
-        self.next = 0  # position in ``order`` of the next read to launch
-        self.seen: list[int] = []  # the order of this pass's requests (the next pass's ``order``)
-
-    def get(self, i: int) -> torch.Tensor:
-        self.seen.append(i)
-        queued = self.ahead.get(i)
-        if queued:
-            future = queued.popleft()
-            self.inflight -= self.nbytes(i)
-        else:
-            future = self.fetch(i)
-            if self.next < len(self.order) and self.order[self.next] == i:
-                self.next += 1  # on schedule: do not read it again ahead
-        self._top_up()
-        return future.result()
-
-    def _top_up(self) -> None:
-        while self.next < len(self.order) and self.inflight < self.budget:
-            i = self.order[self.next]
-            self.next += 1
-            self.ahead.setdefault(i, deque()).append(self.fetch(i))
-            self.inflight += self.nbytes(i)
 
 
 class _Pieces:
@@ -230,7 +119,7 @@ class OffloadedStep(ShardedStep):
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         names = _leaf_names(params)
         # disk: fp32 masters + two moments, twice over (the swap engine keeps a spare per file)
-        self._swap(need_bytes=24 * sum(_numel(leaf.local_shape(spec.rank)) for leaf in spec.leaves))
+        self._swap(need_bytes=24 * sum(numel(leaf.local_shape(spec.rank)) for leaf in spec.leaves))
         self._stores(device)
         masters, states = [], []
         for i, (x, leaf, name) in enumerate(zip(leaves, spec.leaves, names)):
@@ -292,7 +181,7 @@ class OffloadedStep(ShardedStep):
             self._wait_writes(None)
 
     def _leaf_bytes(self, i: int) -> int:
-        return 4 * _numel(self._state_spec.leaves[i].local_shape(self._state_spec.rank))
+        return 4 * numel(self._state_spec.leaves[i].local_shape(self._state_spec.rank))
 
     def _device(self, pieces) -> torch.device:
         return self._state_spec.device
@@ -337,11 +226,11 @@ class OffloadedStep(ShardedStep):
         for i in order:
             self._update_leaf(i, grads[i], reader)
 
-    def _fetch_leaf(self, i: int) -> _All:
+    def _fetch_leaf(self, i: int) -> All:
         """Pending ``[master, *state tensors]`` of leaf ``i``, all reads started."""
         parts = [self._param_store.fetch(self._masters[i])]
         parts += [self._opt_store.fetch(t) for t in tree.leaves(self._opt_states[i]) if _is_stored(t)]
-        return _All(parts)
+        return All(parts)
 
     def _update_bytes(self, i: int) -> int:
         return self._leaf_bytes(i) * (1 + sum(_is_stored(t) for t in tree.leaves(self._opt_states[i])))
@@ -469,7 +358,7 @@ def in_ram(state: TrainState) -> TrainState:
 
     with SwapEngine(spec.path) as engine:
         store = Store(engine)
-        futures = tree.map(lambda x: store.fetch(x) if isinstance(x, OnDisk) else _done(x),
+        futures = tree.map(lambda x: store.fetch(x) if isinstance(x, OnDisk) else done(x),
                            (state.params, state.opt_state))
         params, opt_state = tree.map(lambda f: f.result(), futures)
     return state.replace(params=params, opt_state=opt_state)
