@@ -141,7 +141,10 @@ class OffloadedStep(ShardedStep):
         if self.engine is None and "nvme" in (self.where_optimizer, self.where_params):
             from zfunc.swap import SwapEngine
 
-            self.engine = SwapEngine(self.path, need_bytes=need_bytes)
+            # 4 I/O threads: enough to keep the disk busy under a CPU update, and every thread costs
+            # RAM (an allocator arena, a staging buffer): at 8 the 403M-param GPT of
+            # benchmarks/capacity.py no longer fit in 1 GiB
+            self.engine = SwapEngine(self.path, need_bytes=need_bytes, threads=4)
         return self.engine
 
     def _stores(self, device: torch.device) -> None:
