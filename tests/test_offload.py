@@ -46,11 +46,6 @@ def run(step, state, world=1, rank=0, n=5, shards=1):
     return state, losses, norms
 
 
-def materialized(step, state):
-    """The fp32 masters of a one-process offloaded state, read back from wherever they live."""
-    return zf.checkpoint.full_params(state)
-
-
 @pytest.mark.parametrize("where, params", PLACES)
 @pytest.mark.parametrize("clip, precision, accum", [(False, "fp32", 1), (True, "fp32", 1), (False, "bf16", 2)])
 def test_offloaded_step_equals_the_plain_step(tmp_path, where, params, clip, precision, accum):
@@ -59,7 +54,7 @@ def test_offloaded_step_equals_the_plain_step(tmp_path, where, params, clip, pre
     assert step.overlap == (not clip and accum == 1)
     state, losses, norms = run(step, state)
     assert losses == ref_losses and norms == pytest.approx(ref_norms, rel=1e-6)
-    got = materialized(step, state)
+    got = zf.checkpoint.full_params(state)
     for name, want in ref.params.items():
         torch.testing.assert_close(got[name], want, rtol=1e-6, atol=0)
     placed = step.memory(state)
@@ -80,7 +75,7 @@ def test_fp16_overflow_skips_the_offloaded_update_like_the_plain_step(tmp_path):
         ref, m_ref = ref_step(ref, batch)
         state, m = step(state, batch)
         assert m["skipped"] == m_ref["skipped"] and m["loss_scale"] == m_ref["loss_scale"]
-    got = materialized(step, state)
+    got = zf.checkpoint.full_params(state)
     for name, want in ref.params.items():
         torch.testing.assert_close(got[name], want, rtol=1e-6, atol=0)
 
@@ -130,7 +125,7 @@ def test_params_built_on_the_meta_device_are_materialized_one_leaf_at_a_time(tmp
                                  zf.optim.adamw(1e-2)), "nvme", "nvme", path=tmp_path, units=zf.units.by_class(Block))
     state = step.init(meta, materialize=materialize)
     assert sorted(asked) == sorted(values)
-    got = materialized(step, state)
+    got = zf.checkpoint.full_params(state)
     for name, want in values.items():
         assert torch.equal(got[name], want)
     state, m = step(state, batches(1, 1)[0])

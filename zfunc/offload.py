@@ -39,6 +39,7 @@ PCIe as fp32.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -50,8 +51,8 @@ import torch
 from zfunc import optim, precision as mp, tree
 from zfunc.dist import Mesh
 from zfunc.shard import FlatUnit, GradSlices, ShardedStep, ShardSpec, _leaf_names, local_piece
-from zfunc.step import _FIELDS, Step, TrainState
-from zfunc.store import All, OnDisk, ReadAhead, Store, done, numel
+from zfunc.step import _FIELDS, Step, TrainState, require_train_state
+from zfunc.store import All, OnDisk, ReadAhead, Store, done
 
 PyTree = Any
 PLACES = ("cpu", "nvme")
@@ -119,7 +120,7 @@ class OffloadedStep(ShardedStep):
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         names = _leaf_names(params)
         # disk: fp32 masters + two moments, twice over (the swap engine keeps a spare per file)
-        self._swap(need_bytes=24 * sum(numel(leaf.local_shape(spec.rank)) for leaf in spec.leaves))
+        self._swap(need_bytes=24 * sum(math.prod(leaf.local_shape(spec.rank)) for leaf in spec.leaves))
         self._stores(device)
         masters, states = [], []
         for i, (x, leaf, name) in enumerate(zip(leaves, spec.leaves, names)):
@@ -137,7 +138,7 @@ class OffloadedStep(ShardedStep):
         return TrainState(tree.unflatten(treespec, masters), tuple(states), 0, self.seed,
                           mp.init_loss_scale(self.precision), off)
 
-    def _swap(self, need_bytes: int):
+    def _swap(self, need_bytes: int) -> None:
         if self.engine is None and "nvme" in (self.where_optimizer, self.where_params):
             from zfunc.swap import SwapEngine
 
@@ -145,7 +146,6 @@ class OffloadedStep(ShardedStep):
             # RAM (an allocator arena, a staging buffer): at 8 the 403M-param GPT of
             # benchmarks/capacity.py no longer fit in 1 GiB
             self.engine = SwapEngine(self.path, need_bytes=need_bytes, threads=4)
-        return self.engine
 
     def _stores(self, device: torch.device) -> None:
         pin = device.type == "cuda"
@@ -154,8 +154,7 @@ class OffloadedStep(ShardedStep):
         self._param_store = Store(self.engine if self.where_params == "nvme" else None, pin, self._track)
 
     def _check_state(self, state: Any) -> None:
-        if not isinstance(state, TrainState):
-            raise TypeError(f"state: expected a TrainState from step.init(params), got {type(state).__name__}")
+        require_train_state(state)
         spec = state.sharding
         if not isinstance(spec, OffloadSpec):
             raise ValueError(f"state: this state is not offloaded ({spec or 'a plain state'}); build it with "
@@ -184,7 +183,7 @@ class OffloadedStep(ShardedStep):
             self._wait_writes(None)
 
     def _leaf_bytes(self, i: int) -> int:
-        return 4 * numel(self._state_spec.leaves[i].local_shape(self._state_spec.rank))
+        return 4 * math.prod(self._state_spec.leaves[i].local_shape(self._state_spec.rank))
 
     def _device(self, pieces) -> torch.device:
         return self._state_spec.device
@@ -213,9 +212,8 @@ class OffloadedStep(ShardedStep):
         state._consumed = True
         if grads is not None and finite:
             total_sq = (norm.double() ** 2).float()
-            order = self._update_order if sorted(self._update_order) == list(range(len(g_leaves))) else None
             with optim.summing_across(lambda local_sq: total_sq):
-                self._update_leaves(order or list(range(len(g_leaves))), g_leaves)
+                self._update_leaves(list(range(len(g_leaves))), g_leaves)
         self._wait_writes(None)
         loss_scale = mp.next_loss_scale(loss_scale, finite)
         metrics = self._metrics(loss, norm, lr, finite, step, loss_scale, aux)

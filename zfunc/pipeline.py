@@ -69,7 +69,8 @@ from torch import nn
 from zfunc import optim, precision as mp, tree
 from zfunc.dist import Mesh
 from zfunc.shard import ShardedStep, ShardSpec, _buckets
-from zfunc.step import Step, TrainState, _cuda_devices, _split_batch, _step_seed, seeded, split_loss
+from zfunc.step import (Step, TrainState, _cuda_devices, _split_batch, _step_seed, require_train_state, seeded,
+                        split_loss)
 from zfunc.units import Selector
 
 PyTree = Any
@@ -474,8 +475,7 @@ class PipelineStep(Step):
         return TrainState(inner.params, inner.opt_state, 0, self.seed, inner.loss_scale, spec)
 
     def _check_state(self, state: Any) -> None:
-        if not isinstance(state, TrainState):
-            raise TypeError(f"state: expected a TrainState from step.init(params), got {type(state).__name__}")
+        require_train_state(state)
         spec = state.sharding
         if not isinstance(spec, PipelineSpec):
             raise ValueError(f"state: this state is not pipelined ({spec or 'a plain state'}); build it with this "

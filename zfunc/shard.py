@@ -51,7 +51,7 @@ from zfunc import optim, precision as mp, tree
 from zfunc.dist import Mesh
 from zfunc.prefetch import ACTIVE, Gatherer
 from zfunc.step import (_FIELDS, Step, TrainState, _check_single_device, _cuda_devices, _split_batch,
-                        _step_seed, seeded, split_loss)
+                        _step_seed, require_train_state, seeded, split_loss)
 from zfunc.units import Selector
 
 PyTree = Any
@@ -358,8 +358,7 @@ class ShardedStep(Step):
         return device, leaves, treespec, spec
 
     def _check_state(self, state: Any) -> None:
-        if not isinstance(state, TrainState):
-            raise TypeError(f"state: expected a TrainState from step.init(params), got {type(state).__name__}")
+        require_train_state(state)
         if state.sharding is None:
             raise ValueError("state: this state is not sharded (it came from a plain step's init); "
                              "build it with this sharded step's init(params)")

@@ -97,6 +97,12 @@ optree.register_pytree_node(
 )
 
 
+def require_train_state(state: Any) -> None:
+    """Raise a ``TypeError`` naming what was passed unless ``state`` is a ``TrainState``."""
+    if not isinstance(state, TrainState):
+        raise TypeError(f"state: expected a TrainState from step.init(params), got {type(state).__name__}")
+
+
 def split_loss(out: Any, has_aux: bool) -> tuple[torch.Tensor, Any]:
     """``(loss, aux)`` from what a loss function returned, the loss checked to be a scalar tensor."""
     loss, aux = out if has_aux else (out, None)
@@ -214,8 +220,7 @@ class Step:
         return self._update(state, grads, loss, aux)
 
     def _check_state(self, state: Any) -> None:
-        if not isinstance(state, TrainState):
-            raise TypeError(f"state: expected a TrainState from step.init(params), got {type(state).__name__}")
+        require_train_state(state)
         if state.sharding is not None:
             raise ValueError(f"state: this state is sharded ({state.sharding}); feed it to the sharded step "
                              "it came from, not to the plain step")
