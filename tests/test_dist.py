@@ -13,24 +13,30 @@ def collectives(rank, world):
     mesh.comm.all_gather(gathered, torch.full((2,), float(rank)))
     out = torch.empty(2)
     mesh.comm.reduce_scatter(out, torch.arange(2.0 * world))
+    later = torch.empty(3)  # async, as the grad reducer issues it (gloo: an all-to-all + a sum on wait)
+    work = mesh.reduce_comm.reduce_scatter(later, torch.arange(3.0 * world) * (rank + 1), async_op=True)
+    work.wait()
     mesh.comm.agree((1, 2), lambda op: str(op), "a label")
     try:
         mesh.comm.agree((rank,), lambda op: f"op {op[0]}", "step 7")
         diverged = "no error"
     except zf.dist.CollectiveError as e:
         diverged = str(e)
-    return t.tolist(), gathered.tolist(), out.tolist(), dict(mesh.comm.bytes), diverged, repr(mesh)
+    return t.tolist(), gathered.tolist(), out.tolist(), later.tolist(), dict(mesh.comm.bytes), diverged, repr(mesh)
 
 
-def test_collectives_count_bytes_and_agree_checks_ranks():
-    results = zf.dist.spawn(collectives, 2, 2)
-    for rank, (t, gathered, out, nbytes, diverged, mesh) in enumerate(results):
-        assert t == [3.0] * 4
-        assert gathered == [0.0, 0.0, 1.0, 1.0]
-        assert out == [2.0 * (2 * rank), 2.0 * (2 * rank + 1)]
-        assert nbytes == {"all_reduce": 2 * 16, "all_gather": 16, "reduce_scatter": 16, "agree": 0}
+@pytest.mark.parametrize("world", [2, 4])
+def test_collectives_count_bytes_and_agree_checks_ranks(world):
+    results = zf.dist.spawn(collectives, world, world)
+    rank_sum = world * (world + 1) // 2
+    for rank, (t, gathered, out, later, nbytes, diverged, mesh) in enumerate(results):
+        assert t == [float(rank_sum)] * 4
+        assert gathered == [float(r) for r in range(world) for _ in range(2)]
+        assert out == [float(world * (2 * rank)), float(world * (2 * rank + 1))]
+        assert later == [float(rank_sum * i) for i in range(3 * rank, 3 * rank + 3)]
+        assert nbytes == {"all_reduce": 2 * 16, "all_gather": 8 * world, "reduce_scatter": 8 * world, "agree": 0}
         assert "ranks diverged at step 7: rank 0: op 0; rank 1: op 1" in diverged
-        assert mesh == f"Mesh(dp=2, rank={rank})"
+        assert mesh == f"Mesh(dp={world}, rank={rank})"
 
 
 def failing(rank):

@@ -55,6 +55,7 @@ class Comm:
     alone: bool = False  # a mesh of one process without torch.distributed: collectives are copies
     _thread: ThreadPoolExecutor | None = field(default=None, repr=False)
     _failed: str | None = field(default=None, repr=False)
+    _backend: str | None = field(default=None, repr=False)
 
     def _run(self, kind: str, nbytes: int, label: str, issue: Callable[[], Any], alone: Callable[[], Any] = None,
              async_op: bool = False, check: tuple | None = None):
@@ -92,10 +93,21 @@ class Comm:
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, label: str = "", async_op: bool = False,
                        check: tuple | None = None):
-        """``out`` <- this rank's slice of the sum over ranks of ``full`` (N * out.numel())."""
+        """``out`` <- this rank's slice of the sum over ranks of ``full`` (N * out.numel()).
+
+        On gloo this is an all-to-all of the same bytes followed by a local sum: gloo's own
+        reduce-scatter took 2.4x as long (7.4 MB on 2 loopback ranks: 9.2 vs 3.8 ms), longer
+        even than its all-reduce of the same tensor (6.7 ms).
+        """
+        reduce_scatter = _reduce_scatter_by_all_to_all if self._on_gloo() else _reduce_scatter
         return self._run("reduce_scatter", _nbytes(full), label,
-                         lambda: _reduce_scatter(out, full, group=self.group, async_op=True), lambda: out.copy_(full),
+                         lambda: reduce_scatter(out, full, group=self.group, async_op=True), lambda: out.copy_(full),
                          async_op, check)
+
+    def _on_gloo(self) -> bool:
+        if self._backend is None:
+            self._backend = "" if self.alone else str(dist.get_backend(self.group))
+        return self._backend == "gloo"
 
     def all_reduce(self, t: torch.Tensor, label: str = "", async_op: bool = False):
         """``t`` <- the sum over ranks of ``t``, in place."""
@@ -144,6 +156,29 @@ class _Pending:
 # torch 2.13 renamed the tensor collectives; 2.11 has only the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _reduce_scatter_by_all_to_all(out: torch.Tensor, full: torch.Tensor, group: Any, async_op: bool) -> _SumOnWait:
+    """``reduce_scatter`` as ``all_to_all_single`` (rank r receives every rank's r-th chunk of
+    ``full``) plus a sum of the received chunks into ``out`` when the work is waited on."""
+    received = torch.empty_like(full)
+    work = dist.all_to_all_single(received, full, group=group, async_op=async_op)
+    return _SumOnWait(work, received.view(-1, out.numel()), out)
+
+
+class _SumOnWait:
+    """An all-to-all in flight whose received chunks (rows) are summed into ``out`` by ``wait()``."""
+
+    def __init__(self, work: Any, received: torch.Tensor, out: torch.Tensor):
+        self.work, self.received, self.out = work, received, out
+
+    def wait(self) -> bool:
+        if self.received is not None:
+            if self.work is not None:
+                self.work.wait()
+            torch.sum(self.received, dim=0, out=self.out.view(-1))
+            self.received = None
+        return True
 
 
 class _Done:
