@@ -195,6 +195,19 @@ def test_global_norm():
     assert optim.global_norm(t).item() == 5.0
 
 
+def test_known_norm_is_reused_only_for_the_same_unmodified_grads():
+    grads = {"a": torch.tensor([3.0]), "b": torch.tensor([[4.0]])}
+    given = torch.tensor(7.0)
+    with optim.known_norm(grads, given):
+        assert optim.global_norm(grads) is given  # what clip_by_global_norm sees inside the step
+        assert optim.global_norm(dict(grads)) is given  # another container, the same tensors
+        assert optim.global_norm({"a": grads["a"].clone(), "b": grads["b"]}).item() == 5.0
+        assert optim.global_norm({"a": grads["a"]}).item() == 3.0
+        grads["b"].mul_(0.0)  # changed in place since: computed again
+        assert optim.global_norm(grads).item() == 3.0
+    assert optim.global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([[4.0]])}).item() == 5.0
+
+
 @pytest.mark.parametrize(
     "make, match",
     [

@@ -134,6 +134,9 @@ def accounting_worker(rank, world, precision):
         for _ in range(2):  # the first step records the unit order, the second prefetches by it
             state, _ = step(state, local(batches(world, 1, vocab=16)[0], rank, world))
         out[f"3-prefetch-{depth}"] = step.memory(state)["whole_params"]
+    step, state = make(2, mesh)  # with clip_by_global_norm: the reported norm is the one it clips by
+    state, _ = step(state, local(batches(world, 1)[0], rank, world))
+    out["clipped"] = step.memory(state)["comm"]
     return out
 
 
@@ -165,6 +168,8 @@ def test_memory_and_comm_accounting(world):
         comm3 = r[3]["comm"]
         assert 1.5 * 2 * psi <= comm3["all_gather"] <= 2 * 2 * psi
         assert comm3["reduce_scatter"] == 4 * psi
+        # small all-reduces: the loss and the grad norm, once each (4 bytes, counted in and out)
+        assert r["clipped"]["all_reduce"] == 2 * (4 + 4)
 
 
 # ------------------------------------------------------------------------------------ bad input

@@ -100,10 +100,38 @@ def summing_across(sum_fn: Callable[[torch.Tensor], torch.Tensor]):
         _SUM_ACROSS_RANKS.reset(token)
 
 
+# Set by the training step around the optimizer: the norm it already computed of its grads.
+_KNOWN_NORM: contextvars.ContextVar[tuple[list[tuple[torch.Tensor, int]], torch.Tensor] | None] = \
+    contextvars.ContextVar("zfunc_known_norm", default=None)
+
+
+@contextmanager
+def known_norm(grads: PyTree, norm: torch.Tensor):
+    """Within the block, ``global_norm`` of these same grad tensors, unmodified since (same
+    objects, same version counters), returns ``norm`` instead of computing it again: in a sharded
+    step each computation is an all-reduce, and the step reports the norm that clipping uses."""
+    token = _KNOWN_NORM.set(([(t, t._version) for t in tree.tensors(grads)], norm))
+    try:
+        yield
+    finally:
+        _KNOWN_NORM.reset(token)
+
+
+def _known_norm_of(leaves: list[torch.Tensor]) -> torch.Tensor | None:
+    known = _KNOWN_NORM.get()
+    if known is None or len(known[0]) != len(leaves):
+        return None
+    same = all(t is k and t._version == v for t, (k, v) in zip(leaves, known[0]))
+    return known[1] if same else None
+
+
 def global_norm(grads: PyTree) -> torch.Tensor:
     """The L2 norm of all tensor leaves together, as a 0-d fp32 tensor on the first leaf's device
-    (summed over ranks inside ``summing_across``)."""
+    (summed over ranks inside ``summing_across``; taken as given inside ``known_norm``)."""
     leaves = tree.tensors(grads)
+    known = _known_norm_of(leaves)
+    if known is not None:
+        return known
     device = leaves[0].device if leaves else torch.device("cpu")
     norms = [n.to(device, torch.float32) for n in torch._foreach_norm(leaves)] if leaves else []
     norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=device)

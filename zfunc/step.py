@@ -236,7 +236,8 @@ class Step:
         else:
             params, opt_state = tree.clone(params), tree.clone(opt_state)
         if finite:
-            params, opt_state = optim.apply(self.optimizer, grads, opt_state, params)
+            with optim.known_norm(grads, norm):  # clipping reuses it: sharded, each norm is an all-reduce
+                params, opt_state = optim.apply(self.optimizer, grads, opt_state, params)
         loss_scale = mp.next_loss_scale(loss_scale, finite)
         metrics = self._metrics(loss, norm, lr, finite, step, loss_scale, aux)
         return TrainState(params, opt_state, step + 1, rng, loss_scale, state.sharding), metrics
