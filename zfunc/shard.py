@@ -375,17 +375,21 @@ class ShardedStep(Step):
         if self.stage == 3 and self._flat_units is None:  # unit binding maps param names to leaves
             self._names = _leaf_names(params)
         loss, aux, grads = self._loss_and_grads(params, batch, step, rng, loss_scale)
-        with optim.summing_across(self._sum_over_ranks):
-            return self._update(state, grads, loss, aux)
+        loss_sum = self.mesh.comm.all_reduce(loss, label=f"loss all-reduce at step {step}", async_op=True)
+        with optim.summing_across(self._sum_over_ranks):  # the loss is summed meanwhile
+            new_state, metrics = self._update(state, grads, loss, aux)
+        loss_sum.wait()
+        loss.div_(state.sharding.world)  # metrics["loss"]: the mean over ranks
+        return new_state, metrics
 
     def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
         self.mesh.comm.all_reduce(t, label="grad-norm all-reduce")  # t is global_norm's own temporary
         return t
 
     def _loss_and_grads(self, params, batch, step, rng, loss_scale):
-        """Mean loss over ranks and microbatches, and this rank's fp32 slice of the averaged grads."""
+        """This rank's mean loss over its microbatches, and its fp32 slice of the grads averaged over ranks."""
         pieces, treespec = self._pieces(params)
-        spec, comm = self._state_spec, self.mesh.comm
+        spec = self._state_spec
         scale = loss_scale.scale if loss_scale is not None else None
         device = self._device(pieces)
         sink = self._grad_sink(pieces)
@@ -408,9 +412,8 @@ class ShardedStep(Step):
         if not eager:
             reducer.reduce_accumulated()
         grads = sink.result()
-        loss = torch.stack(losses).mean()
-        comm.all_reduce(loss, label=f"loss all-reduce at step {step}")
-        return loss / spec.world, (auxes[0] if self.accum == 1 else auxes), grads and tree.unflatten(treespec, grads)
+        loss = torch.stack(losses).mean()  # this rank's; the caller averages it over the ranks
+        return loss, (auxes[0] if self.accum == 1 else auxes), grads and tree.unflatten(treespec, grads)
 
     def _pieces(self, params) -> tuple[Any, Any]:
         """``(pieces, treespec)``: this rank's param pieces, indexable in leaf order."""
