@@ -1,12 +1,15 @@
 """zfunc.ops.cpu_adam: the Numba kernels equal torch.optim's updates, casts and errors."""
+import os
 import subprocess
 import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
 
-from zfunc.ops import cpu_adam
+from zfunc.ops import cpu_adam, gomp
 
 # Sizes: 1 and 7 are shorter than one vector (tail path only); 1000 mixes vector body and tail;
 # 1_000_003 is over the parallel threshold with an odd tail, so it runs the threaded chunking.
@@ -205,6 +208,81 @@ def test_thread_count_does_not_change_results():
                                              cpu_adam.numba.config.NUMBA_NUM_THREADS)
     with pytest.raises(ValueError, match="positive int"):
         cpu_adam.set_num_threads(0)
+
+
+def _step_all(n, seed, steps=1):
+    """Every buffer after ``steps`` AdamW, Lion and SGD steps on bf16 grads with a bf16 copy-out."""
+    gen = torch.Generator().manual_seed(seed)
+    p = [torch.randn(n, generator=gen) for _ in range(3)]
+    state = [torch.rand(n, generator=gen) for _ in range(4)]
+    g, out = torch.randn(n, generator=gen).bfloat16(), torch.empty(n, dtype=torch.bfloat16)
+    for _ in range(steps):
+        _all_optimizers(p, g, state, param_out=out)
+    return p + state + [out]
+
+
+def _no_library(name, *args, **kwargs):
+    raise OSError(f"{name}: cannot open shared object file: No such file or directory")
+
+
+def test_without_libgomp_the_kernels_fall_back_to_numba_prange(monkeypatch):
+    with_team = _step_all(BIG, seed=4)
+    monkeypatch.setattr(gomp.ctypes, "CDLL", _no_library)
+    monkeypatch.setattr(gomp, "AVAILABLE", gomp._bind())
+    assert gomp.AVAILABLE is False
+    for a, b in zip(with_team, _step_all(BIG, seed=4)):
+        assert torch.equal(a, b)
+
+
+def test_concurrent_calls_from_python_threads():
+    # Kernels run from several Python threads at once (GIL released); each caller gets its own team.
+    seeds = range(4)
+    alone = [_step_all(300_007, seed, steps=5) for seed in seeds]
+    with ThreadPoolExecutor(len(seeds)) as pool:
+        together = list(pool.map(lambda seed: _step_all(300_007, seed, steps=5), seeds))
+    for a, b in zip(alone, together):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _python(code: str, **env) -> None:
+    subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env={**os.environ, **env},
+                   check=True, timeout=120)
+
+
+@pytest.mark.skipif(not gomp.AVAILABLE, reason="libgomp not loadable: no teams to test")
+def test_a_team_smaller_than_asked_still_takes_every_chunk():
+    # OMP_THREAD_LIMIT=1: libgomp runs every team on its caller alone, which must do both chunks.
+    _python("""
+        import ctypes, torch
+        from zfunc.ops import cpu_adam
+        assert ctypes.CDLL("libgomp.so.1").omp_get_thread_limit() == 1
+        n = 300_007
+        p0, g = torch.randn(n), torch.randn(n)
+        p = [p0.clone(), p0.clone()]
+        for threads, q in zip((1, 2), p):
+            cpu_adam.set_num_threads(threads)
+            cpu_adam.adamw_(q, g, torch.zeros(n), torch.zeros(n), step=1, lr=1e-2)
+        assert torch.equal(*p) and not torch.equal(p[0], p0)
+        """, OMP_THREAD_LIMIT="1")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork on this platform")
+def test_a_forked_child_steps_on_one_thread():
+    # The parent's OpenMP worker threads do not exist in a forked child: a team there would wait
+    # for them forever (the subprocess timeout catches that).
+    _python("""
+        import os, torch
+        from zfunc.ops import cpu_adam
+        cpu_adam.set_num_threads(2)
+        n = 300_007
+        p, g, m, v = torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)
+        cpu_adam.adamw_(p, g, m, v, step=1, lr=1e-2)
+        pid = os.fork()
+        if pid == 0:
+            cpu_adam.adamw_(p, g, m, v, step=2, lr=1e-2)
+            os._exit(0 if cpu_adam.get_num_threads() == 1 else 1)
+        assert os.waitpid(pid, 0)[1] == 0 and cpu_adam.get_num_threads() == 2
+        """)
 
 
 def test_params_that_require_grad_and_numpy_ints_are_accepted():

@@ -17,11 +17,15 @@ AdamW fp32 28, AdamW bf16 grad + bf16 out 28; no temporaries.
 
 Tensors are 1-D contiguous CPU buffers (an offload engine's flat per-group buffers) that must not
 overlap one another (unchecked); ``start`` and ``end`` restrict the update to ``[start, end)`` so
-a caller can stream chunks. Large calls run on ``get_num_threads()`` threads; the GIL is released.
+a caller can stream chunks. Large calls run on ``get_num_threads()`` threads, a libgomp team the
+kernel starts itself (Numba's prange where libgomp cannot be loaded); the GIL is released.
+Fixed cost per call: ~3.1 us on one thread (64 elements; the Python checks are ~1.5 of it, Numba's
+dispatch ~0.4); a threaded call adds ~1.0 us to start its team.
 """
 from __future__ import annotations
 
 import operator
+import os
 
 import numba
 import numpy as np
@@ -30,6 +34,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
+from zfunc.ops import gomp
+
 __all__ = ["adamw_", "get_num_threads", "lion_", "set_num_threads", "sgd_"]
 
 # fastmath stays off: measured 1.4x faster on cache-resident sizes (approximate reciprocal/rsqrt
@@ -37,13 +43,12 @@ __all__ = ["adamw_", "get_num_threads", "lion_", "set_num_threads", "sgd_"]
 # steps, against the 1e-6 promised. error_model="numpy": x/0 gives inf like torch instead of a
 # branch that raises, which would also stop the loop from vectorizing.
 _JIT = dict(cache=True, fastmath=False, nogil=True, error_model="numpy", boundscheck=False)
-# Below this many elements one thread is as fast as two: Numba's parallel launch costs ~2 us
-# (measured AdamW: 8K elements 3.0 us on one thread, 3.5 on two; 16K about even at ~6 us; 32K
-# 11 us on one, 7.5 on two).
-_PARALLEL_MIN = 1 << 15
-_ALIGN = 64  # per-thread chunk length, in elements: whole 64-byte lines for every dtype
+# Below this many elements one thread is as fast as two, a team launch costing ~1 us (measured
+# on one thread / two: 8K elements AdamW 2.9 / 2.8 us, Lion 1.8 / 2.2, SGD 1.4 / 2.0; 16K AdamW
+# 5.5 / 4.3, Lion 3.1 / 2.9, SGD 2.3 / 2.4; 32K AdamW 11.0 / 7.3, Lion 6.3 / 4.5, SGD 4.7 / 3.7).
+_PARALLEL_MIN = 1 << 14
 _num_threads: int | None = None
-_POOL_SIZE = numba.config.NUMBA_NUM_THREADS  # fixed once Numba starts; read here, not per call
+_POOL_SIZE = numba.config.NUMBA_NUM_THREADS  # fixed once Numba starts (1 after a fork, below)
 
 
 def set_num_threads(n: int | None) -> None:
@@ -55,8 +60,19 @@ def set_num_threads(n: int | None) -> None:
 
 
 def get_num_threads() -> int:
-    """Threads the next large kernel call will use (capped by Numba's pool size)."""
+    """Threads the next large kernel call will use (capped by Numba's pool size; 1 in a child
+    made by ``os.fork``)."""
     return min(_num_threads or torch.get_num_threads(), _POOL_SIZE)
+
+
+def _one_thread_after_fork() -> None:
+    # A forked child has none of its parent's OpenMP worker threads, and a team started there
+    # waits for them forever (torch's own parallel ops hang likewise; Numba's prange aborts).
+    global _POOL_SIZE
+    _POOL_SIZE = 1
+
+
+os.register_at_fork(after_in_child=_one_thread_after_fork)
 
 
 # ---- pointers and bit-level conversions ----
@@ -162,7 +178,7 @@ def _store_impl(out, i, x):
 _F32 = np.float32(0)
 
 
-# ---- kernels: *_block updates [lo, hi) on one thread; *_par splits it over k threads ----
+# ---- kernels: *_block updates [lo, hi) on the calling thread ----
 @njit(**_JIT)
 def _adamw_block(lo, hi, p_at, g_at, m_at, v_at, out_at, g_tag, out_tag,
                  scale, decay, l2, w, b2, omb2, bc2s, eps, neg_step):
@@ -193,16 +209,6 @@ def _adamw_block(lo, hi, p_at, g_at, m_at, v_at, out_at, g_tag, out_tag,
         _store(out, i, pi)
 
 
-@njit(parallel=True, **_JIT)
-def _adamw_par(k, lo, hi, p_at, g_at, m_at, v_at, out_at, g_tag, out_tag,
-               scale, decay, l2, w, b2, omb2, bc2s, eps, neg_step):
-    per = ((hi - lo + k - 1) // k + _ALIGN - 1) // _ALIGN * _ALIGN
-    for c in prange(k):
-        a = min(lo + c * per, hi)
-        _adamw_block(a, min(a + per, hi), p_at, g_at, m_at, v_at, out_at, g_tag, out_tag,
-                     scale, decay, l2, w, b2, omb2, bc2s, eps, neg_step)
-
-
 @njit(**_JIT)
 def _lion_block(lo, hi, p_at, g_at, m_at, out_at, g_tag, out_tag,
                 scale, decay, neg_lr, b1, omb1, b2, omb2):
@@ -218,16 +224,6 @@ def _lion_block(lo, hi, p_at, g_at, m_at, out_at, g_tag, out_tag,
         p[i] = pi
         m[i] = _fma(gi, omb2, mi * b2)
         _store(out, i, pi)
-
-
-@njit(parallel=True, **_JIT)
-def _lion_par(k, lo, hi, p_at, g_at, m_at, out_at, g_tag, out_tag,
-              scale, decay, neg_lr, b1, omb1, b2, omb2):
-    per = ((hi - lo + k - 1) // k + _ALIGN - 1) // _ALIGN * _ALIGN
-    for c in prange(k):
-        a = min(lo + c * per, hi)
-        _lion_block(a, min(a + per, hi), p_at, g_at, m_at, out_at, g_tag, out_tag,
-                    scale, decay, neg_lr, b1, omb1, b2, omb2)
 
 
 @njit(**_JIT)
@@ -252,23 +248,54 @@ def _sgd_block(lo, hi, p_at, g_at, buf_at, out_at, g_tag, out_tag,
         _store(out, i, pi)
 
 
+# ---- threads: a libgomp team (zfunc.ops.gomp), or Numba's prange where libgomp cannot be loaded ----
+# *_gomp(k, lo, hi, ...) and *_par(k, lo, hi, ...): *_block(lo, hi, ...) on k > 1 threads.
+@njit(**_JIT)
+def _adamw_gomp(k, *args):
+    gomp.parallel_range(_adamw_block, k, args)
+
+
+@njit(**_JIT)
+def _lion_gomp(k, *args):
+    gomp.parallel_range(_lion_block, k, args)
+
+
+@njit(**_JIT)
+def _sgd_gomp(k, *args):
+    gomp.parallel_range(_sgd_block, k, args)
+
+
 @njit(parallel=True, **_JIT)
-def _sgd_par(k, lo, hi, p_at, g_at, buf_at, out_at, g_tag, out_tag,
-             scale, neg_lr, wd, mom, omd, nesterov, first):
-    per = ((hi - lo + k - 1) // k + _ALIGN - 1) // _ALIGN * _ALIGN
+def _adamw_par(k, lo, hi, *rest):
+    per = gomp.chunk_length(lo, hi, k)
     for c in prange(k):
         a = min(lo + c * per, hi)
-        _sgd_block(a, min(a + per, hi), p_at, g_at, buf_at, out_at, g_tag, out_tag,
-                   scale, neg_lr, wd, mom, omd, nesterov, first)
+        _adamw_block(a, min(a + per, hi), *rest)
 
 
-# ---- Python side: checks run on every call (~2 us of a 100K-param call's ~21), so the passing
-# path is one chain of attribute reads and the error path finds and names the culprit ----
+@njit(parallel=True, **_JIT)
+def _lion_par(k, lo, hi, *rest):
+    per = gomp.chunk_length(lo, hi, k)
+    for c in prange(k):
+        a = min(lo + c * per, hi)
+        _lion_block(a, min(a + per, hi), *rest)
+
+
+@njit(parallel=True, **_JIT)
+def _sgd_par(k, lo, hi, *rest):
+    per = gomp.chunk_length(lo, hi, k)
+    for c in prange(k):
+        a = min(lo + c * per, hi)
+        _sgd_block(a, min(a + per, hi), *rest)
+
+
+# ---- Python side: checks run on every call (~1.5 us, ~2.4 at 100K params where the kernel has
+# just evicted the tensors' metadata from cache; the whole call takes ~20 us there), so the
+# passing path is one chain of attribute reads and the error path finds and names the culprit ----
 _FLOAT32 = torch.float32
 _GRAD = {torch.float32: _F32, torch.bfloat16: np.uint16(0), torch.float16: np.int16(0)}
 _OUT = {torch.bfloat16: np.uint16(0), torch.float16: np.int16(0)}
 _UNIT = (1,)
-_data_ptr = torch.Tensor.data_ptr
 
 
 def _reject(t, name: str, dtypes, n: int, fn: str) -> None:
@@ -312,31 +339,34 @@ def _check_step(step) -> int:
                      f"got {step!r}")
 
 
-def _prepare(fn: str, param, grad, states: tuple, names: tuple, param_out, start, end):
-    """Check every buffer (``states``: fp32 state tensors, called ``names`` in errors); return
-    (threads, start, end, addresses of param, grad, states and param_out (0 if None), grad tag,
-    param_out tag)."""
+def _prepare(fn: str, names: tuple, param, grad, m, v, param_out, start, end):
+    """Check every buffer (m, v: fp32 state called ``names`` in errors, or None where the kernel
+    has fewer); return (threads, start, end, addresses of param, grad, m, v and param_out (0 for
+    None), grad tag, param_out tag)."""
     # stride() == (1,) is 1-D and contiguous in one read; a 1-D tensor of <= 1 element may be
-    # contiguous with another stride, so it takes the slow path, which lets it through.
+    # contiguous with another stride, so it takes the slow path, which lets it through. Each
+    # buffer's reads are written out: a loop or a helper call costs ~0.04 us more per buffer.
     try:
         n = param.numel()
         g_tag = _GRAD.get(grad.dtype)
-        ok = param.dtype is _FLOAT32 and param.is_cpu and param.stride() == _UNIT \
-            and g_tag is not None and grad.is_cpu and grad.stride() == _UNIT and grad.numel() == n
-        for t in states:
-            ok = ok and t.dtype is _FLOAT32 and t.is_cpu and t.stride() == _UNIT and t.numel() == n
-        if param_out is not None:
-            out_tag = _OUT.get(param_out.dtype)
-            ok = ok and out_tag is not None and param_out.is_cpu and param_out.stride() == _UNIT \
-                and param_out.numel() == n
+        out_tag = None if param_out is None else _OUT.get(param_out.dtype)
+        ok = (param.dtype is _FLOAT32 and param.is_cpu and param.stride() == _UNIT
+              and g_tag is not None and grad.is_cpu and grad.stride() == _UNIT and grad.numel() == n
+              and (m is None or m.dtype is _FLOAT32 and m.is_cpu and m.stride() == _UNIT
+                   and m.numel() == n)
+              and (v is None or v.dtype is _FLOAT32 and v.is_cpu and v.stride() == _UNIT
+                   and v.numel() == n)
+              and (param_out is None or out_tag is not None and param_out.is_cpu
+                   and param_out.stride() == _UNIT and param_out.numel() == n))
     except AttributeError:  # not a tensor
         ok = False
     if not ok:
         n = param.numel() if isinstance(param, torch.Tensor) else -1
         _reject(param, "param", (_FLOAT32,), n, fn)
         _reject(grad, "grad", _GRAD, n, fn)
-        for name, t in zip(names, states):
-            _reject(t, name, (_FLOAT32,), n, fn)
+        for name, t in zip(names, (m, v)):
+            if t is not None:
+                _reject(t, name, (_FLOAT32,), n, fn)
         if param_out is not None:
             _reject(param_out, "param_out", _OUT, n, fn)
         g_tag = _GRAD[grad.dtype]
@@ -345,9 +375,11 @@ def _prepare(fn: str, param, grad, states: tuple, names: tuple, param_out, start
         end = n
     if type(start) is not int or type(end) is not int or not 0 <= start <= end <= n:
         start, end = _check_range(fn, start, end, n)
-    k = get_num_threads() if end - start >= _PARALLEL_MIN else 1
-    out, out_tag = (0, None) if param_out is None else (param_out.data_ptr(), out_tag)
-    return (k, start, end, param.data_ptr(), grad.data_ptr(), [*map(_data_ptr, states)], out,
+    k = 1
+    if end - start >= _PARALLEL_MIN:  # get_num_threads(), inlined: the call costs ~0.1 us
+        k = min(_num_threads or torch.get_num_threads(), _POOL_SIZE)
+    return (k, start, end, param.data_ptr(), grad.data_ptr(), 0 if m is None else m.data_ptr(),
+            0 if v is None else v.data_ptr(), 0 if param_out is None else param_out.data_ptr(),
             g_tag, out_tag)
 
 
@@ -364,9 +396,9 @@ def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         v = beta2*v + (1 - beta2)*g*g;   p -= lr/(1 - beta1^step) * m / (sqrt(v / (1 - beta2^step)) + eps)
         param_out = p.to(param_out.dtype)
     """
-    k, lo, hi, p, g, (m, v), out, g_tag, out_tag = _prepare(
-        "adamw_", param, grad, (exp_avg, exp_avg_sq), ("exp_avg", "exp_avg_sq"), param_out,
-        start, end)
+    k, lo, hi, p, g, m, v, out, g_tag, out_tag = _prepare(
+        "adamw_", ("exp_avg", "exp_avg_sq"), param, grad, exp_avg, exp_avg_sq, param_out, start,
+        end)
     if type(step) is not int or step < 1:
         step = _check_step(step)
     # Scalars in float64 exactly as torch.optim computes them (the kernel rounds them to fp32);
@@ -376,10 +408,10 @@ def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     args = (lo, hi, p, g, m, v, out, g_tag, out_tag, float(grad_scale), decay, l2, 1.0 - beta1,
             beta2, 1.0 - beta2, (1.0 - beta2 ** step) ** 0.5, float(eps),
             -(lr / (1.0 - beta1 ** step)))
-    if k > 1:
-        _adamw_par(k, *args)
-    else:
+    if k == 1:
         _adamw_block(*args)
+    else:
+        (_adamw_gomp if gomp.AVAILABLE else _adamw_par)(k, *args)
 
 
 def lion_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *, lr: float,
@@ -392,15 +424,15 @@ def lion_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *, lr:
     With g = grad * grad_scale, on elements [start, end) only:
         p = p*(1 - lr*wd) - lr*sign(beta1*m + (1 - beta1)*g);   m = beta2*m + (1 - beta2)*g
     """
-    k, lo, hi, p, g, (m,), out, g_tag, out_tag = _prepare(
-        "lion_", param, grad, (exp_avg,), ("exp_avg",), param_out, start, end)
+    k, lo, hi, p, g, m, _, out, g_tag, out_tag = _prepare(
+        "lion_", ("exp_avg",), param, grad, exp_avg, None, param_out, start, end)
     lr, beta1, beta2, wd = float(lr), float(beta1), float(beta2), float(weight_decay)
     args = (lo, hi, p, g, m, out, g_tag, out_tag, float(grad_scale), 1.0 - lr * wd, -lr,
             beta1, 1.0 - beta1, beta2, 1.0 - beta2)
-    if k > 1:
-        _lion_par(k, *args)
-    else:
+    if k == 1:
         _lion_block(*args)
+    else:
+        (_lion_gomp if gomp.AVAILABLE else _lion_par)(k, *args)
 
 
 def sgd_(param: torch.Tensor, grad: torch.Tensor, momentum_buf: torch.Tensor | None, *,
@@ -418,14 +450,14 @@ def sgd_(param: torch.Tensor, grad: torch.Tensor, momentum_buf: torch.Tensor | N
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError(f"sgd_: nesterov needs momentum > 0 and dampening == 0, got "
                          f"momentum={momentum!r}, dampening={dampening!r}")
-    states = (momentum_buf,) if momentum != 0 else ()
-    k, lo, hi, p, g, addrs, out, g_tag, out_tag = _prepare(
-        "sgd_", param, grad, states, ("momentum_buf",), param_out, start, end)
-    buf = addrs[0] if addrs else p  # never touched when momentum == 0
+    k, lo, hi, p, g, buf, _, out, g_tag, out_tag = _prepare(
+        "sgd_", ("momentum_buf",), param, grad, momentum_buf if momentum != 0 else None, None,
+        param_out, start, end)
+    buf = buf or p  # never read when momentum == 0, but a valid address all the same
     args = (lo, hi, p, g, buf, out, g_tag, out_tag, float(grad_scale), -float(lr),
             float(weight_decay), float(momentum), 1.0 - float(dampening), bool(nesterov),
             bool(first_step))
-    if k > 1:
-        _sgd_par(k, *args)
-    else:
+    if k == 1:
         _sgd_block(*args)
+    else:
+        (_sgd_gomp if gomp.AVAILABLE else _sgd_par)(k, *args)
