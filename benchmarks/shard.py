@@ -2,8 +2,9 @@
 
     python benchmarks/shard.py [--world 2] [--n-layer 4] [--n-embd 192] [--batch 8] [--steps 5] [--rounds 3]
 
-Phase 1 (throughput): one spawn; every rank builds all five trainers from the same initial GPT and
-runs them interleaved, ``--steps`` steps each per round, for ``--rounds`` rounds; the median step
+Phase 1 (throughput): one spawn; every rank builds all six trainers from the same initial GPT and
+runs them interleaved, ``--steps`` steps each per round, for ``--rounds`` rounds, in an order that
+rotates from round to round (what runs before a trainer shifts its timings); the median step
 time per trainer is compared with DDP's (stages 1/2) and FSDP2's (stage 3). FSDP2 shards the same
 units as zfunc's stage 3 (each ``Block``, then the root).
 Phase 2 (memory): a fresh spawn per trainer, so each peak RSS is its own: peak RSS minus the RSS
@@ -122,8 +123,10 @@ def throughput_worker(rank: int, world: int, cfg: GPTConfig, batch: int, steps: 
     losses = {}
     for k, run in trainers.items():  # warm-up (JIT, allocator, stage-3 unit order)
         losses[k] = run(data[0]).item()
-    for _ in range(rounds):
-        for k, run in trainers.items():
+    names = list(trainers)
+    for r in range(rounds):  # the order rotates each round: no trainer always follows the same one
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            run = trainers[k]
             for tokens in data:
                 t0 = time.perf_counter()
                 run(tokens).item()
