@@ -249,44 +249,47 @@ def _sgd_block(lo, hi, p_at, g_at, buf_at, out_at, g_tag, out_tag,
 
 
 # ---- threads: a libgomp team (zfunc.ops.gomp), or Numba's prange where libgomp cannot be loaded ----
-# *_gomp(k, lo, hi, ...) and *_par(k, lo, hi, ...): *_block(lo, hi, ...) on k > 1 threads.
+# *_gomp(k, args) and *_par(k, args): *_block(*args), args = (lo, hi, ...), on k > 1 threads.
 @njit(**_JIT)
-def _adamw_gomp(k, *args):
+def _adamw_gomp(k, args):
     gomp.parallel_range(_adamw_block, k, args)
 
 
 @njit(**_JIT)
-def _lion_gomp(k, *args):
+def _lion_gomp(k, args):
     gomp.parallel_range(_lion_block, k, args)
 
 
 @njit(**_JIT)
-def _sgd_gomp(k, *args):
+def _sgd_gomp(k, args):
     gomp.parallel_range(_sgd_block, k, args)
 
 
 @njit(parallel=True, **_JIT)
-def _adamw_par(k, lo, hi, *rest):
+def _adamw_par(k, args):
+    lo, hi = args[0], args[1]
     per = gomp.chunk_length(lo, hi, k)
     for c in prange(k):
         a = min(lo + c * per, hi)
-        _adamw_block(a, min(a + per, hi), *rest)
+        _adamw_block(a, min(a + per, hi), *args[2:])
 
 
 @njit(parallel=True, **_JIT)
-def _lion_par(k, lo, hi, *rest):
+def _lion_par(k, args):
+    lo, hi = args[0], args[1]
     per = gomp.chunk_length(lo, hi, k)
     for c in prange(k):
         a = min(lo + c * per, hi)
-        _lion_block(a, min(a + per, hi), *rest)
+        _lion_block(a, min(a + per, hi), *args[2:])
 
 
 @njit(parallel=True, **_JIT)
-def _sgd_par(k, lo, hi, *rest):
+def _sgd_par(k, args):
+    lo, hi = args[0], args[1]
     per = gomp.chunk_length(lo, hi, k)
     for c in prange(k):
         a = min(lo + c * per, hi)
-        _sgd_block(a, min(a + per, hi), *rest)
+        _sgd_block(a, min(a + per, hi), *args[2:])
 
 
 # ---- Python side: checks run on every call (~1.5 us, ~2.4 at 100K params where the kernel has
@@ -383,6 +386,28 @@ def _prepare(fn: str, names: tuple, param, grad, m, v, param_out, start, end):
             g_tag, out_tag)
 
 
+_entry_points: dict = {}  # (kernel, grad tag type, param_out tag type) -> compiled entry point
+
+
+def _run(block, threaded, k: int, args: tuple, g_tag, out_tag) -> None:
+    """``block(*args)`` if k == 1, else ``threaded(k, args)``.
+
+    Numba's dispatcher types every argument on every call (~0.5 us for the ~18 here); once the
+    overload is compiled, its entry point is called directly, which only unboxes them. The tags
+    are the only arguments whose types vary (the rest are always ints, floats, bools and tuples
+    of them), so the kernel and their types pick the entry point."""
+    kernel, args = (block, args) if k == 1 else (threaded, (k, args))
+    key = (kernel, type(g_tag), type(out_tag))
+    entry = _entry_points.get(key)
+    if entry is not None:
+        entry(*args)
+        return
+    kernel(*args)
+    overload = kernel.overloads.get(tuple(map(numba.typeof, args)))
+    if overload is not None:
+        _entry_points[key] = overload.entry_point
+
+
 def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
            exp_avg_sq: torch.Tensor, *, step: int, lr: float, beta1: float = 0.9,
            beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
@@ -408,10 +433,7 @@ def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     args = (lo, hi, p, g, m, v, out, g_tag, out_tag, float(grad_scale), decay, l2, 1.0 - beta1,
             beta2, 1.0 - beta2, (1.0 - beta2 ** step) ** 0.5, float(eps),
             -(lr / (1.0 - beta1 ** step)))
-    if k == 1:
-        _adamw_block(*args)
-    else:
-        (_adamw_gomp if gomp.AVAILABLE else _adamw_par)(k, *args)
+    _run(_adamw_block, _adamw_gomp if gomp.AVAILABLE else _adamw_par, k, args, g_tag, out_tag)
 
 
 def lion_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *, lr: float,
@@ -429,10 +451,7 @@ def lion_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *, lr:
     lr, beta1, beta2, wd = float(lr), float(beta1), float(beta2), float(weight_decay)
     args = (lo, hi, p, g, m, out, g_tag, out_tag, float(grad_scale), 1.0 - lr * wd, -lr,
             beta1, 1.0 - beta1, beta2, 1.0 - beta2)
-    if k == 1:
-        _lion_block(*args)
-    else:
-        (_lion_gomp if gomp.AVAILABLE else _lion_par)(k, *args)
+    _run(_lion_block, _lion_gomp if gomp.AVAILABLE else _lion_par, k, args, g_tag, out_tag)
 
 
 def sgd_(param: torch.Tensor, grad: torch.Tensor, momentum_buf: torch.Tensor | None, *,
@@ -457,7 +476,4 @@ def sgd_(param: torch.Tensor, grad: torch.Tensor, momentum_buf: torch.Tensor | N
     args = (lo, hi, p, g, buf, out, g_tag, out_tag, float(grad_scale), -float(lr),
             float(weight_decay), float(momentum), 1.0 - float(dampening), bool(nesterov),
             bool(first_step))
-    if k == 1:
-        _sgd_block(*args)
-    else:
-        (_sgd_gomp if gomp.AVAILABLE else _sgd_par)(k, *args)
+    _run(_sgd_block, _sgd_gomp if gomp.AVAILABLE else _sgd_par, k, args, g_tag, out_tag)
