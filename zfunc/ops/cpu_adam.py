@@ -265,31 +265,19 @@ def _sgd_gomp(k, args):
     gomp.parallel_range(_sgd_block, k, args)
 
 
-@njit(parallel=True, **_JIT)
-def _adamw_par(k, args):
-    lo, hi = args[0], args[1]
-    per = gomp.chunk_length(lo, hi, k)
-    for c in prange(k):
-        a = min(lo + c * per, hi)
-        _adamw_block(a, min(a + per, hi), *args[2:])
+def _prange_of(block):
+    """``par(k, args)``: ``block(*args)`` on k threads of Numba's own pool (where libgomp is not
+    loadable), in the chunks ``gomp.parallel_range`` uses."""
+    def par(k, args):
+        lo, hi = args[0], args[1]
+        per = gomp.chunk_length(lo, hi, k)
+        for c in prange(k):
+            a = min(lo + c * per, hi)
+            block(a, min(a + per, hi), *args[2:])
+    return njit(parallel=True, **_JIT)(par)
 
 
-@njit(parallel=True, **_JIT)
-def _lion_par(k, args):
-    lo, hi = args[0], args[1]
-    per = gomp.chunk_length(lo, hi, k)
-    for c in prange(k):
-        a = min(lo + c * per, hi)
-        _lion_block(a, min(a + per, hi), *args[2:])
-
-
-@njit(parallel=True, **_JIT)
-def _sgd_par(k, args):
-    lo, hi = args[0], args[1]
-    per = gomp.chunk_length(lo, hi, k)
-    for c in prange(k):
-        a = min(lo + c * per, hi)
-        _sgd_block(a, min(a + per, hi), *args[2:])
+_adamw_par, _lion_par, _sgd_par = map(_prange_of, (_adamw_block, _lion_block, _sgd_block))
 
 
 # ---- Python side: checks run on every call (~1.5 us, ~2.4 at 100K params where the kernel has
