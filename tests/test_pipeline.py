@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zfunc as zf
-from tests.test_shard import Block
+from tests.test_shard import Block, assert_same_training
 from recipes import gpt
 from zfunc.shard import full_params
 
@@ -83,13 +83,12 @@ def check_equal(results, ref, what):
     """Every rank's losses and norms are the plain step's; each param is held by one rank and equal."""
     ref_state, ref_losses, ref_norms = ref
     holder = {}
-    for rank, (losses, norms, params) in enumerate(results):
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6, msg=what)
-        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=1e-6, msg=what)
-        for name, value in params.items():
+    for rank, got in enumerate(results):
+        params = got[2]
+        for name in params:
             assert name not in holder, f"{what}: {name} is held by ranks {holder.get(name)} and {rank}"
             holder[name] = rank
-            torch.testing.assert_close(value, ref_state.params[name], rtol=1e-5, atol=1e-5, msg=f"{what}: {name}")
+        assert_same_training(got, (ref_losses, ref_norms, ref_state.params), what, names=params)
     assert set(holder) == set(ref_state.params), what
 
 
