@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zfunc as zf
-from zfunc.shard import full_params
+from zfunc.shard import FlatUnit, LeafShard, full_params, local_piece
 
 STEPS = 5
 
@@ -120,6 +120,29 @@ def assert_same_training(got, ref, what: str, names=None) -> None:
     torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=1e-6, msg=what)
     for name in ref_params if names is None else names:
         torch.testing.assert_close(params[name], ref_params[name], rtol=1e-5, atol=1e-5, msg=f"{what}: {name}")
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_packing_writes_every_element_padding_as_zeros(world):
+    """Collective buffers come from torch.empty: what they held must not reach the collectives."""
+    shapes = [(5, 3), (7,), (), (2, 2)]
+    wholes = [torch.randn(shape) for shape in shapes]
+    leaves = tuple(LeafShard(shape, -(-(shape[0] if shape else 1) // world)) for shape in shapes)
+    unit = FlatUnit("u", list(range(len(leaves))), leaves)
+    grads = [*wholes[:-1], None]  # the last param got no grad: reduced as zeros
+    full = torch.full((world, unit.segment), float("nan"))
+    unit.pack_full(grads, leaves, world, full)
+    for rank in range(world):
+        pieces = [local_piece(w, leaf, rank) for w, leaf in zip(wholes, leaves)]
+        seg = unit.pack_local(pieces, torch.float32, "cpu")
+        for g, piece, sent, packed in zip(grads, pieces, unit.local_views(full[rank], leaves, rank),
+                                          unit.local_views(seg, leaves, rank)):
+            assert torch.equal(sent, piece if g is not None else torch.zeros_like(piece))
+            assert torch.equal(packed, piece)
+        padding = torch.ones(unit.segment, dtype=torch.bool)
+        for off, piece in zip(unit.offsets, pieces):
+            padding[off : off + piece.numel()] = False
+        assert not full[rank][padding].any() and not seg[padding].any()
 
 
 def accounting_worker(rank, world, precision):

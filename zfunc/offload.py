@@ -196,8 +196,8 @@ class OffloadedStep(ShardedStep):
         if self.overlap:
             return _Updating(self)
         spec = self._state_spec
-        return GradSlices([torch.zeros(leaf.local_shape(spec.rank), dtype=torch.float32, device=spec.device)
-                           for leaf in spec.leaves], self._grad_divisor())
+        return GradSlices(lambda i: torch.zeros(spec.leaves[i].local_shape(spec.rank), dtype=torch.float32,
+                                                device=spec.device), len(spec.leaves), self._grad_divisor())
 
     # ------------------------------------------------------------------ the update
     def _update(self, state: TrainState, grads: PyTree, loss: torch.Tensor, aux: Any):

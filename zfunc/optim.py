@@ -10,7 +10,9 @@ training step avoids holding two copies of the state (JAX's buffer donation). ``
 implement it with one fused kernel per (device, dtype) group -- ``torch._fused_adamw_`` (the kernel
 behind ``torch.optim.AdamW(fused=True)``) or, with ``backend="numba"``, zfunc's CPU-Adam -- and
 every other transformation gets it from ``update`` (see ``apply``). The step only ever calls
-``apply`` on state it owns.
+``apply`` on state it owns. Likewise ``update_`` (optional) is an ``update`` allowed to write into
+the grads it is given; ``chain``'s ``apply`` uses it, so ``clip_by_global_norm`` scales the grads
+in place there instead of allocating a second copy of them.
 
 Learning rates are floats or schedules ``count -> float``, where ``count`` is the number of updates
 already applied (0 on the first step). Step counts are Python ints in the state.
@@ -39,13 +41,15 @@ class GradientTransformation(NamedTuple):
     ``apply(grads, state, params) -> (params, state)`` is an optional fused update that may write
     into its arguments' tensors; ``None`` means "derive it from ``update``".
     ``learning_rate(state) -> float`` is the rate the next update will use, for optimizers that
-    have one (reported in the step's metrics).
+    have one (reported in the step's metrics). ``update_`` is an optional ``update`` that may
+    write into ``grads``' tensors (``None``: ``update`` is used where it is allowed).
     """
 
     init: Callable[[PyTree], PyTree]
     update: Callable[[PyTree, PyTree, PyTree | None], tuple[PyTree, PyTree]]
     apply: Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree]] | None = None
     learning_rate: Callable[[PyTree], float] | None = None
+    update_: Callable[[PyTree, PyTree, PyTree | None], tuple[PyTree, PyTree]] | None = None
 
 
 class EmptyState(NamedTuple):
@@ -223,8 +227,8 @@ def warmup_cosine(peak_value: float, warmup_steps: int, total_steps: int, end_va
 def chain(*txs: GradientTransformation) -> GradientTransformation:
     """Apply ``txs`` in order; the state is the tuple of their states.
 
-    ``apply`` runs the pure ``update`` of all but the last and the last one's ``apply``, so a
-    fused optimizer at the end of a chain keeps its fused in-place path.
+    ``apply`` runs the ``update_`` (else ``update``) of all but the last and the last one's
+    ``apply``, so a fused optimizer at the end of a chain keeps its fused in-place path.
     """
     for i, tx in enumerate(txs):
         if not isinstance(tx, GradientTransformation):
@@ -233,18 +237,21 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
     def init(params):
         return tuple(tx.init(params) for tx in txs)
 
-    def update(grads, state, params=None):
+    def run(grads, state, params, consuming: bool):
         new_state = []
         for tx, s in zip(txs, state):
-            grads, s = tx.update(grads, s, params)
+            grads, s = ((consuming and tx.update_) or tx.update)(grads, s, params)
             new_state.append(s)
         return grads, tuple(new_state)
 
-    def apply_(grads, state, params):
-        new_state = []
-        for tx, s in zip(txs[:-1], state[:-1]):
-            grads, s = tx.update(grads, s, params)
-            new_state.append(s)
+    def update(grads, state, params=None):
+        return run(grads, state, params, consuming=False)
+
+    def update_(grads, state, params=None):
+        return run(grads, state, params, consuming=True)
+
+    def apply_(grads, state, params):  # owns grads: each transformation may write into them
+        grads, new_state = update_(grads, state[:-1], params)  # zip stops at the last tx
         params, last = apply(txs[-1], grads, state[-1], params)
         return params, (*new_state, last)
 
@@ -252,20 +259,27 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
         rates = [learning_rate(tx, s) for tx, s in zip(txs, state)]
         return next((r for r in reversed(rates) if r is not None), None)
 
-    return GradientTransformation(init, update, apply_ if txs else None, learning_rate_)
+    return GradientTransformation(init, update, apply_ if txs else None, learning_rate_, update_)
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
-    """Scale all grads by ``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_``."""
+    """Scale all grads by ``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_``
+    (in place in ``update_``, which ``chain``'s ``apply`` uses)."""
     if not max_norm > 0:
         raise ValueError(f"max_norm: expected > 0, got {max_norm!r}")
 
+    def coefficient(grads):
+        return torch.clamp(max_norm / (global_norm(grads) + 1e-6), max=1.0)
+
     def update(grads, state, params=None):
         leaves, treespec = tree.flatten(grads)
-        coef = torch.clamp(max_norm / (global_norm(grads) + 1e-6), max=1.0)
-        return tree.unflatten(treespec, torch._foreach_mul(leaves, coef)), state
+        return tree.unflatten(treespec, torch._foreach_mul(leaves, coefficient(grads))), state
 
-    return GradientTransformation(lambda params: EmptyState(), update)
+    def update_(grads, state, params=None):
+        torch._foreach_mul_(tree.tensors(grads), coefficient(grads))
+        return grads, state
+
+    return GradientTransformation(lambda params: EmptyState(), update, update_=update_)
 
 
 # ----------------------------------------------------------------------------- adam family

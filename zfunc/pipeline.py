@@ -571,7 +571,7 @@ def _reduce_scatter(grads, pieces, spec: ShardSpec, buckets, comm, step: int) ->
     acc = [torch.zeros_like(p, dtype=torch.float32) for p in pieces]
     works = []
     for unit in buckets:
-        full = torch.zeros(spec.world, unit.segment, dtype=torch.float32, device=pieces[0].device)
+        full = torch.empty(spec.world, unit.segment, dtype=torch.float32, device=pieces[0].device)
         unit.pack_full([grads[i] for i in unit.indices], spec.leaves, spec.world, full)
         out = torch.empty(unit.segment, dtype=torch.float32, device=full.device)
         label = f"reduce-scatter of {unit.name} at step {step}"

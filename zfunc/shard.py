@@ -112,9 +112,10 @@ class FlatUnit:
 
     def pack_local(self, pieces: list[torch.Tensor], dtype: torch.dtype, device) -> torch.Tensor:
         """This rank's padded segment holding ``pieces`` (in ``indices`` order), cast to ``dtype``."""
-        seg = torch.zeros(self.segment, dtype=dtype, device=device)
-        for off, piece in zip(self.offsets, pieces):
+        seg = torch.empty(self.segment, dtype=dtype, device=device)
+        for off, end, piece in zip(self.offsets, [*self.offsets[1:], self.segment], pieces):
             seg[off : off + piece.numel()].copy_(piece.reshape(-1))
+            seg[off + piece.numel() : end].zero_()  # the padding of a rank short of a full chunk
         return seg
 
     def unpack_gathered(self, gathered: torch.Tensor, leaves: tuple[LeafShard, ...], world: int) -> list[torch.Tensor]:
@@ -134,13 +135,19 @@ class FlatUnit:
                     rows.copy_(ranked)
 
     def pack_full(self, fulls: list[torch.Tensor], leaves: tuple[LeafShard, ...], world: int, out: torch.Tensor) -> None:
-        """Write whole grads into the zeroed ``out`` ``(world, segment)`` so rank r's segment holds its
-        rows; a ``None`` grad (an unused param) stays zero."""
+        """Fill ``out`` ``(world, segment)`` with whole grads so rank r's segment holds its rows;
+        padding, and a ``None`` grad (an unused param), are written as zeros."""
         for i, off, g in zip(self.indices, self.offsets, fulls):
+            leaf = leaves[i]
             if g is None:
+                out[:, off : off + leaf.chunk * leaf.rowsize].zero_()
                 continue
-            for ranked, rows in _row_blocks(leaves[i], out, off, g, world):
+            for ranked, rows in _row_blocks(leaf, out, off, g, world):
                 ranked.copy_(rows)
+            full, rest = divmod(leaf.rows, leaf.chunk)  # rows past the last one are padding
+            if full < world:
+                out[full, off + rest * leaf.rowsize : off + leaf.chunk * leaf.rowsize].zero_()
+                out[full + 1 :, off : off + leaf.chunk * leaf.rowsize].zero_()
 
     def local_views(self, seg: torch.Tensor, leaves: tuple[LeafShard, ...], rank: int) -> list[torch.Tensor]:
         """This rank's pieces as views into its ``segment``-element ``seg``."""
@@ -261,7 +268,7 @@ class GradReducer:
         unit, world = self.units()[u], self.spec.world
         what = f"reduce-scatter of {unit.name} at {self.label}"
         device = self.device
-        full = torch.zeros(world, unit.segment, dtype=torch.float32, device=device)
+        full = torch.empty(world, unit.segment, dtype=torch.float32, device=device)
         unit.pack_full([grads.get(i) for i in unit.indices], self.spec.leaves, world, full)
         if not self.keep_whole:
             self._held(-sum(g.numel() * g.element_size() for g in grads.values() if g is not None))
@@ -299,19 +306,28 @@ class GradReducer:
 class GradSlices:
     """This rank's fp32 grad slices, summed as the reducer delivers them and averaged at the end.
 
-    ``early`` (False here) asks the reducer to deliver each unit as soon as it can, for sinks that
-    consume grads during backward (offload's overlapped updates).
+    ``zeros(i)`` makes leaf i's zero slice, for a leaf nothing was delivered to. The first slice
+    delivered for a leaf is kept as it is (a view into the reduce-scatter's output, which nothing
+    else holds) and later ones are added into it: no zero-filled accumulators. ``early`` (False
+    here) asks the reducer to deliver each unit as soon as it can, for sinks that consume grads
+    during backward (offload's overlapped updates).
     """
 
     early = False
 
-    def __init__(self, acc: list[torch.Tensor], divisor: float):
-        self.acc, self.divisor = acc, divisor
+    def __init__(self, zeros: Callable[[int], torch.Tensor], n: int, divisor: float):
+        self.zeros, self.divisor = zeros, divisor
+        self.acc: list[torch.Tensor | None] = [None] * n
 
     def deliver(self, unit: FlatUnit, slices: list[torch.Tensor]) -> None:
-        torch._foreach_add_([self.acc[i] for i in unit.indices], slices)
+        for i, piece in zip(unit.indices, slices):
+            if self.acc[i] is None:
+                self.acc[i] = piece
+            else:
+                self.acc[i].add_(piece)
 
     def result(self) -> list[torch.Tensor]:
+        self.acc = [self.zeros(i) if a is None else a for i, a in enumerate(self.acc)]
         torch._foreach_mul_(self.acc, 1.0 / self.divisor)
         return self.acc
 
@@ -328,6 +344,7 @@ class ShardedStep(Step):
         self._flat_units: list[FlatUnit] | None = None
         self.peak_gathered_bytes = 0  # most whole-param bytes held at once in the last step
         self.peak_whole_grad_bytes = 0  # most whole-grad bytes held at once in the last step
+        self._loss_to_sum: torch.Tensor | None = None  # this step's loss, until an all-reduce sums it
 
     # ------------------------------------------------------------------ init and checks
     def init(self, params: PyTree) -> TrainState:
@@ -375,16 +392,26 @@ class ShardedStep(Step):
         if self.stage == 3 and self._flat_units is None:  # unit binding maps param names to leaves
             self._names = _leaf_names(params)
         loss, aux, grads = self._loss_and_grads(params, batch, step, rng, loss_scale)
-        loss_sum = self.mesh.comm.all_reduce(loss, label=f"loss all-reduce at step {step}", async_op=True)
-        with optim.summing_across(self._sum_over_ranks):  # the loss is summed meanwhile
+        self._loss_to_sum = loss  # summed by the grad norm's all-reduce, the step's one sync
+        with optim.summing_across(self._sum_over_ranks):
             new_state, metrics = self._update(state, grads, loss, aux)
-        loss_sum.wait()
+        if self._loss_to_sum is not None:  # no norm was summed
+            self.mesh.comm.all_reduce(loss, label=f"loss all-reduce at step {step}")
+            self._loss_to_sum = None
         loss.div_(state.sharding.world)  # metrics["loss"]: the mean over ranks
         return new_state, metrics
 
     def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
-        self.mesh.comm.all_reduce(t, label="grad-norm all-reduce")  # t is global_norm's own temporary
-        return t
+        """``t`` (global_norm's own temporary) summed over the ranks; the first call of a step
+        also sums the step's loss, in the same all-reduce."""
+        loss, self._loss_to_sum = self._loss_to_sum, None
+        if loss is None:
+            self.mesh.comm.all_reduce(t, label="grad-norm all-reduce")
+            return t
+        both = torch.stack([t, loss.to(t.device, t.dtype)])
+        self.mesh.comm.all_reduce(both, label="grad-norm and loss all-reduce")
+        loss.copy_(both[1])
+        return both[0]
 
     def _loss_and_grads(self, params, batch, step, rng, loss_scale):
         """This rank's mean loss over its microbatches, and its fp32 slice of the grads averaged over ranks."""
@@ -421,7 +448,7 @@ class ShardedStep(Step):
 
     def _grad_sink(self, pieces) -> GradSlices:
         """Where the reduced grad slices go: fp32 accumulators shaped like ``pieces``."""
-        return GradSlices([torch.zeros_like(p) for p in pieces], self._grad_divisor())
+        return GradSlices(lambda i: torch.zeros_like(pieces[i]), len(pieces), self._grad_divisor())
 
     def _grad_divisor(self) -> float:
         """Reduced grads are sums over ranks and microbatches of scaled losses' grads."""
