@@ -1,12 +1,15 @@
 """ZeRO on 2 gloo ranks of this CPU: DDP, FSDP2 and zfunc stages 1/2/3 on the same GPT.
 
-    python benchmarks/shard.py [--world 2] [--n-layer 4] [--n-embd 192] [--batch 8] [--steps 5] [--rounds 3]
+    python benchmarks/shard.py [--world 2] [--n-layer 4] [--n-embd 192] [--batch 8] [--rounds 60]
 
 Phase 1 (throughput): one spawn; every rank builds all six trainers from the same initial GPT and
-runs them interleaved, ``--steps`` steps each per round, for ``--rounds`` rounds, in an order that
-rotates from round to round (what runs before a trainer shifts its timings); the median step
-time per trainer is compared with DDP's (stages 1/2) and FSDP2's (stage 3). FSDP2 shards the same
-units as zfunc's stage 3 (each ``Block``, then the root).
+runs them interleaved: each round runs one step of every trainer, in an order that rotates from
+round to round (what runs before a trainer shifts its timings), for ``--rounds`` rounds. A step
+is as slow as its slowest rank. Ratios are *paired*: the median over rounds of the peer's step
+time over the trainer's in the same round, so that the load this shared machine sees, which drifts
+over seconds, cancels (blocks of consecutive steps per trainer let it decide the ranking: the
+identical stage 1 and 2 steps came out 0.87x and 0.98x of DDP in one run). Stages 1/2 are compared
+with DDP, stage 3 with FSDP2, which shards the same units (each ``Block``, then the root).
 Phase 2 (memory): a fresh spawn per trainer, so each peak RSS is its own: peak RSS minus the RSS
 after building the model, per rank, beside the bytes the trainer accounts for.
 Prints a markdown table and one README row.
@@ -113,25 +116,29 @@ def build(kind: str, model, mesh):
     return torch_trainer(kind, model)
 
 
-def throughput_worker(rank: int, world: int, cfg: GPTConfig, batch: int, steps: int, rounds: int):
+def throughput_worker(rank: int, world: int, cfg: GPTConfig, batch: int, rounds: int):
+    """Per trainer, this rank's step times (s), one per round."""
     mesh = zf.Mesh(dp=world)
     torch.manual_seed(0)
     base = GPT(cfg)
     trainers = {k: build(k, base, mesh)[0] for k in TRAINERS}
-    data = batches(cfg, batch, rank, steps)
+    data = batches(cfg, batch, rank, 5)
     times = {k: [] for k in TRAINERS}
-    losses = {}
-    for k, run in trainers.items():  # warm-up (JIT, allocator, stage-3 unit order)
-        losses[k] = run(data[0]).item()
+    for _ in range(2):  # warm-up (JIT, allocator, DDP's buckets, stage-3 unit order)
+        for run in trainers.values():
+            run(data[0]).item()
     names = list(trainers)
     for r in range(rounds):  # the order rotates each round: no trainer always follows the same one
         for k in names[r % len(names):] + names[:r % len(names)]:
-            run = trainers[k]
-            for tokens in data:
-                t0 = time.perf_counter()
-                run(tokens).item()
-                times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}, losses
+            t0 = time.perf_counter()
+            trainers[k](data[r % len(data)]).item()
+            times[k].append(time.perf_counter() - t0)
+    return times
+
+
+def paired_ratio(peer: list[float], ours: list[float]) -> float:
+    """Median over rounds of peer time / our time in the same round (> 1: we are faster)."""
+    return statistics.median(p / o for p, o in zip(peer, ours))
 
 
 def memory_worker(rank: int, world: int, kind: str, cfg: GPTConfig, batch: int, steps: int):
@@ -154,28 +161,30 @@ def main(argv=None) -> None:
     p.add_argument("--n-embd", type=int, default=192)
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=60, help="steps of each trainer, interleaved")
     args = p.parse_args(argv)
     cfg = GPTConfig(n_layer=args.n_layer, n_head=4, n_embd=args.n_embd, block_size=args.block_size)
     n_params = sum(x.numel() for x in GPT(cfg).parameters())
     print(f"GPT {n_params / 1e6:.2f}M params, {args.world} gloo ranks, batch {args.batch}x{cfg.block_size} per rank, "
           f"torch {torch.__version__}")
-    results = zf.dist.spawn(throughput_worker, args.world, args.world, cfg, args.batch, args.steps, args.rounds,
-                            timeout_s=3600)
-    med = {k: max(r[0][k] for r in results) for k in TRAINERS}  # a step is as slow as its slowest rank
+    results = zf.dist.spawn(throughput_worker, args.world, args.world, cfg, args.batch, args.rounds, timeout_s=3600)
+    times = {k: [max(ts) for ts in zip(*(r[k] for r in results))] for k in TRAINERS}  # the slowest rank
+    med = {k: statistics.median(v) for k, v in times.items()}
+    vs = {k: {peer: paired_ratio(times[peer], times[k]) for peer in ("ddp", "fsdp2")} for k in TRAINERS}
     memory = {k: zf.dist.spawn(memory_worker, args.world, args.world, k, cfg, args.batch, 2, timeout_s=600)
               for k in TRAINERS}
-    print("\n| trainer | ms/step | vs DDP | vs FSDP2 | peak RSS growth/rank (MB) | accounted state/rank (MB) |")
+    print("\n| trainer | median ms/step | vs DDP, paired (of medians) | vs FSDP2, paired (of medians) "
+          "| peak RSS growth/rank (MB) | accounted state/rank (MB) |")
     print("|---|---|---|---|---|---|")
     for k in TRAINERS:
         rss = max(m[0] for m in memory[k]) / 2**20
         acc = max(m[1] for m in memory[k]) / 2**20
-        print(f"| {k} | {med[k] * 1e3:.1f} | {med['ddp'] / med[k]:.2f}x | {med['fsdp2'] / med[k]:.2f}x | {rss:.1f} | {acc:.2f} |")
+        print(f"| {k} | {med[k] * 1e3:.1f} | {vs[k]['ddp']:.2f}x ({med['ddp'] / med[k]:.2f}x) "
+              f"| {vs[k]['fsdp2']:.2f}x ({med['fsdp2'] / med[k]:.2f}x) | {rss:.1f} | {acc:.2f} |")
     print(f"\nREADME row: | ZeRO on {args.world} gloo ranks, GPT {n_params / 1e6:.1f}M | `python benchmarks/shard.py` | "
-          f"throughput vs DDP: stage 1 {med['ddp'] / med['zf-1']:.2f}x, stage 2 {med['ddp'] / med['zf-2']:.2f}x; "
-          f"stage 3 vs FSDP2 {med['fsdp2'] / med['zf-3']:.2f}x ({med['fsdp2'] / med['zf-3*']:.2f}x without verify) |")
-
+          f"throughput vs DDP (paired, {args.rounds} rounds): stage 1 {vs['zf-1']['ddp']:.2f}x, stage 2 "
+          f"{vs['zf-2']['ddp']:.2f}x; stage 3 vs FSDP2 {vs['zf-3']['fsdp2']:.2f}x ({vs['zf-3*']['fsdp2']:.2f}x "
+          "without verify) |")
 
 if __name__ == "__main__":
     main()
