@@ -221,6 +221,29 @@ def _step_all(n, seed, steps=1):
     return p + state + [out]
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_streamed_param_out_equals_stored_bit_for_bit(monkeypatch, out_dtype, threads):
+    # Past _STREAM_MIN elements param_out is written by non-temporal stores, a line at a time
+    # from its first 64-byte boundary; here every call streams, over ranges whose ends fall at
+    # every offset in a line (and one shorter than a line).
+    cpu_adam.set_num_threads(threads)
+    n = 40_003
+    for start, end in [(0, n), (1, n - 1), (17, 17 + 31), (33, 20_000 + 5)]:
+        results = []
+        for stream_min in (n + 1, 0):  # stored, then streamed
+            monkeypatch.setattr(cpu_adam, "_STREAM_MIN", stream_min)
+            gen = torch.Generator().manual_seed(start)
+            p = [torch.randn(n, generator=gen) for _ in range(3)]
+            state = [torch.rand(n, generator=gen) for _ in range(4)]
+            g, out = torch.randn(n, generator=gen).to(out_dtype), torch.full((n,), 7.0, dtype=out_dtype)
+            _all_optimizers(p, g, state, param_out=out, start=start, end=end)
+            results.append(p + state + [out.view(torch.int16)])
+        for stored, streamed in zip(*results):
+            assert torch.equal(stored, streamed), (start, end)
+        assert (results[1][-1][:start] == torch.tensor(7.0, dtype=out_dtype).view(torch.int16)).all()
+
+
 def _no_library(name, *args, **kwargs):
     raise OSError(f"{name}: cannot open shared object file: No such file or directory")
 

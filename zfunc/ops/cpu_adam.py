@@ -13,7 +13,8 @@ not correctly rounded either): 200 steps agree to rtol = atol = 1e-6. ``sgd_`` l
 ``torch.optim.SGD``; ``lion_`` is Chen et al. 2023 ("Symbolic Discovery of Optimization
 Algorithms", Alg. 2). ``param_out`` is bit-equal to ``param.to(bfloat16 | float16)``.
 Cost: bytes/param = 8 per fp32 buffer updated (param and state) + 4 or 2 (grad) + 0 or 2 (out):
-AdamW fp32 28, AdamW bf16 grad + bf16 out 28; no temporaries.
+AdamW fp32 28, AdamW bf16 grad + bf16 out 28; no temporaries. Calls of ``_STREAM_MIN`` elements
+or more write param_out with non-temporal stores, so that it costs no read either (see _sweep).
 
 Tensors are 1-D contiguous CPU buffers (an offload engine's flat per-group buffers) that must not
 overlap one another (unchecked); ``start`` and ``end`` restrict the update to ``[start, end)`` so
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from zfunc.ops import gomp
@@ -132,7 +134,7 @@ def _sqrt(typingctx, x):
     return types.float32(types.float32), codegen
 
 
-@njit(inline="always")
+@njit(**_JIT)  # not inline="always": inlined thrice in a sweep, it trips a Numba IR check (LLVM inlines it)
 def _f32_to_bf16_bits(x):
     # Round to nearest even on the bits; NaN -> 0xFFFF, as torch's vectorized CPU cast (AVX2 and
     # AVX512) writes it. The bias add cannot carry past bit 31 for any non-NaN input.
@@ -141,6 +143,8 @@ def _f32_to_bf16_bits(x):
     return np.uint16(0xFFFF) if np.isnan(x) else np.uint16(r)
 
 
+# Not inline="always" (LLVM inlines them anyway): inlined at Numba's IR level into an element
+# function that unpacks its pointers from a tuple, they made the stores after them vanish.
 def _load(g, i):
     raise NotImplementedError  # only called inside jitted code, where the overload replaces it
 
@@ -149,7 +153,7 @@ def _store(out, i, x):
     raise NotImplementedError
 
 
-@overload(_load, inline="always")
+@overload(_load)
 def _load_impl(g, i):
     if g.dtype == types.float32:
         return lambda g, i: g[i]
@@ -160,7 +164,7 @@ def _load_impl(g, i):
     return None
 
 
-@overload(_store, inline="always")
+@overload(_store)
 def _store_impl(out, i, x):
     if isinstance(out, types.NoneType):
         return lambda out, i, x: None
@@ -178,9 +182,98 @@ def _store_impl(out, i, x):
 _F32 = np.float32(0)
 
 
+# ---- the sweep: each kernel is an element update ``one(i, args) -> new param``, run over
+# [lo, hi) by ``_sweep``, which also writes param_out. Streamed (``stream``, for calls whose
+# footprint is past the caches), param_out's 64-byte lines are written by non-temporal stores:
+# param_out is only written, so an ordinary store first reads each line for ownership (30 bytes
+# per param move where 28 must) and evicts p, m and v to make room for it. Each line is built in
+# a register-sized buffer and stored whole (vmovntdq); the head up to param_out's first line
+# boundary and the tail are stored as usual. Streamed or not, the results are the same bits.
+_LINE = 32  # 16-bit elements per 64-byte line
+
+
+@intrinsic
+def _line_buffer(typingctx, out):
+    """A 64-byte-aligned buffer of one line of ``out``'s 16-bit elements, in the caller's frame."""
+    def codegen(context, builder, sig, args):
+        with builder.goto_entry_block():
+            buf = builder.alloca(ir.VectorType(ir.IntType(16), _LINE))  # a vector: 64-byte aligned
+        return builder.bitcast(buf, context.get_value_type(out))
+    return out(out), codegen
+
+
+@intrinsic
+def _stream_line(typingctx, out, at, line):
+    """Store ``line`` to ``out[at : at + _LINE]`` (64-byte aligned) with a non-temporal store."""
+    def codegen(context, builder, sig, args):
+        vec = ir.VectorType(ir.IntType(16), _LINE).as_pointer()
+        value = builder.load(builder.bitcast(args[2], vec), align=64)
+        store = builder.store(value, builder.bitcast(builder.gep(args[0], [args[1]]), vec), align=64)
+        store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+        return context.get_dummy_value()
+    return types.none(out, at, line), codegen
+
+
+@intrinsic
+def _sfence(typingctx):
+    """Order this thread's non-temporal stores before what it does next (they are weakly ordered)."""
+    def codegen(context, builder, sig, args):
+        fence = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                               "llvm.x86.sse.sfence")
+        builder.call(fence, [])
+        return context.get_dummy_value()
+    return types.none(), codegen
+
+
+def _sweep_of(one):
+    """``sweep(lo, hi, out, out_at, stream, args)``: ``one(i, args)`` for i in [lo, hi), each
+    result stored to ``out[i]`` (None: nowhere), streamed or not (above). A factory, not a
+    function taking ``one``: Numba cannot cache code that receives a function as an argument."""
+    def sweep(lo, hi, out, out_at, stream, args):
+        lo, hi = np.uintp(lo), np.uintp(hi)  # unsigned: no wraparound check, so loops vectorize
+        if out is None or not stream:
+            for i in range(lo, hi):
+                _store(out, i, one(i, args))
+            return
+        head = min(hi, lo + np.uintp((-(out_at + 2 * lo) % 64) // 2))  # to out's first line boundary
+        for i in range(lo, head):
+            _store(out, i, one(i, args))
+        line = _line_buffer(out)
+        lines = (hi - head) // np.uintp(_LINE)
+        for b in range(lines):
+            at = head + b * np.uintp(_LINE)
+            for j in range(np.uintp(_LINE)):
+                _store(line, j, one(at + j, args))
+            _stream_line(out, at, line)
+        for i in range(head + lines * np.uintp(_LINE), hi):
+            _store(out, i, one(i, args))
+        _sfence()
+    return njit(**_JIT)(sweep)
+
+
 # ---- kernels: *_block updates [lo, hi) on the calling thread ----
+@njit(inline="always")
+def _adamw_one(i, args):
+    p, g, m, v, scale, decay, l2, use_l2, small, coeff, b2, omb2, inv_bc2s, eps, neg_step = args
+    gi = _load(g, i) * scale
+    pi = p[i] * decay
+    if use_l2:
+        gi = _fma(pi, l2, gi)
+    mi = m[i]
+    mi = _fma(coeff, gi - mi, mi if small else gi)
+    vi = _fma(omb2 * gi, gi, v[i] * b2)
+    pi = pi + neg_step * mi / (_sqrt(vi) * inv_bc2s + eps)
+    p[i] = pi
+    m[i] = mi
+    v[i] = vi
+    return pi
+
+
+_adamw_sweep = _sweep_of(_adamw_one)
+
+
 @njit(**_JIT)
-def _adamw_block(lo, hi, p_at, g_at, m_at, v_at, out_at, g_tag, out_tag,
+def _adamw_block(lo, hi, p_at, g_at, m_at, v_at, out_at, g_tag, out_tag, stream,
                  scale, decay, l2, w, b2, omb2, bc2s, eps, neg_step):
     p, m, v = _ptr(p_at, _F32), _ptr(m_at, _F32), _ptr(v_at, _F32)
     g, out = _ptr(g_at, g_tag), _ptr(out_at, out_tag)
@@ -193,63 +286,65 @@ def _adamw_block(lo, hi, p_at, g_at, m_at, v_at, out_at, g_tag, out_tag,
     eps, neg_step = np.float32(eps), np.float32(neg_step)
     small = abs(w) < np.float32(0.5)  # torch's lerp picks its formula by this
     coeff = w if small else w - np.float32(1.0)
-    use_l2 = l2 != np.float32(0.0)
-    for i in range(np.uintp(lo), np.uintp(hi)):  # unsigned: no wraparound check, so it vectorizes
-        gi = _load(g, i) * scale
-        pi = p[i] * decay
-        if use_l2:
-            gi = _fma(pi, l2, gi)
-        mi = m[i]
-        mi = _fma(coeff, gi - mi, mi if small else gi)
-        vi = _fma(omb2 * gi, gi, v[i] * b2)
-        pi = pi + neg_step * mi / (_sqrt(vi) * inv_bc2s + eps)
-        p[i] = pi
-        m[i] = mi
-        v[i] = vi
-        _store(out, i, pi)
+    _adamw_sweep(lo, hi, out, out_at, stream, (p, g, m, v, scale, decay, l2,
+           l2 != np.float32(0.0), small, coeff, b2, omb2, inv_bc2s, eps, neg_step))
+
+
+@njit(inline="always")
+def _lion_one(i, args):
+    p, g, m, scale, decay, neg_lr, b1, omb1, b2, omb2 = args
+    gi = _load(g, i) * scale
+    mi = m[i]
+    c = _fma(gi, omb1, mi * b1)
+    s = np.float32(1.0) if c > 0 else (np.float32(-1.0) if c < 0 else c)  # sign; NaN stays
+    pi = _fma(s, neg_lr, p[i] * decay)
+    p[i] = pi
+    m[i] = _fma(gi, omb2, mi * b2)
+    return pi
+
+
+_lion_sweep = _sweep_of(_lion_one)
 
 
 @njit(**_JIT)
-def _lion_block(lo, hi, p_at, g_at, m_at, out_at, g_tag, out_tag,
+def _lion_block(lo, hi, p_at, g_at, m_at, out_at, g_tag, out_tag, stream,
                 scale, decay, neg_lr, b1, omb1, b2, omb2):
     p, m, g, out = _ptr(p_at, _F32), _ptr(m_at, _F32), _ptr(g_at, g_tag), _ptr(out_at, out_tag)
-    scale, decay, neg_lr = np.float32(scale), np.float32(decay), np.float32(neg_lr)
-    b1, omb1, b2, omb2 = np.float32(b1), np.float32(omb1), np.float32(b2), np.float32(omb2)
-    for i in range(np.uintp(lo), np.uintp(hi)):
-        gi = _load(g, i) * scale
-        mi = m[i]
-        c = _fma(gi, omb1, mi * b1)
-        s = np.float32(1.0) if c > 0 else (np.float32(-1.0) if c < 0 else c)  # sign; NaN stays
-        pi = _fma(s, neg_lr, p[i] * decay)
-        p[i] = pi
-        m[i] = _fma(gi, omb2, mi * b2)
-        _store(out, i, pi)
+    _lion_sweep(lo, hi, out, out_at, stream, (p, g, m, np.float32(scale), np.float32(decay),
+           np.float32(neg_lr), np.float32(b1), np.float32(omb1), np.float32(b2), np.float32(omb2)))
+
+
+@njit(inline="always")
+def _sgd_one(i, args):
+    p, g, buf, scale, neg_lr, wd, use_wd, mom, omd, use_mom, nesterov, first = args
+    gi = _load(g, i) * scale
+    pi = p[i]
+    if use_wd:
+        gi = _fma(pi, wd, gi)
+    if use_mom:
+        bi = gi if first else _fma(gi, omd, buf[i] * mom)
+        buf[i] = bi
+        gi = _fma(bi, mom, gi) if nesterov else bi
+    pi = _fma(gi, neg_lr, pi)
+    p[i] = pi
+    return pi
+
+
+_sgd_sweep = _sweep_of(_sgd_one)
 
 
 @njit(**_JIT)
-def _sgd_block(lo, hi, p_at, g_at, buf_at, out_at, g_tag, out_tag,
+def _sgd_block(lo, hi, p_at, g_at, buf_at, out_at, g_tag, out_tag, stream,
                scale, neg_lr, wd, mom, omd, nesterov, first):
     p, buf, g, out = _ptr(p_at, _F32), _ptr(buf_at, _F32), _ptr(g_at, g_tag), _ptr(out_at, out_tag)
-    scale, neg_lr, wd = np.float32(scale), np.float32(neg_lr), np.float32(wd)
-    mom, omd = np.float32(mom), np.float32(omd)
-    use_wd = wd != np.float32(0.0)
-    use_mom = mom != np.float32(0.0)
-    for i in range(np.uintp(lo), np.uintp(hi)):
-        gi = _load(g, i) * scale
-        pi = p[i]
-        if use_wd:
-            gi = _fma(pi, wd, gi)
-        if use_mom:
-            bi = gi if first else _fma(gi, omd, buf[i] * mom)
-            buf[i] = bi
-            gi = _fma(bi, mom, gi) if nesterov else bi
-        pi = _fma(gi, neg_lr, pi)
-        p[i] = pi
-        _store(out, i, pi)
+    wd, mom = np.float32(wd), np.float32(mom)
+    _sgd_sweep(lo, hi, out, out_at, stream, (p, g, buf, np.float32(scale), np.float32(neg_lr), wd,
+           wd != np.float32(0.0), mom, np.float32(omd), mom != np.float32(0.0), nesterov, first))
 
 
 # ---- threads: a libgomp team (zfunc.ops.gomp), or Numba's prange where libgomp cannot be loaded ----
 # *_gomp(k, args) and *_par(k, args): *_block(*args), args = (lo, hi, ...), on k > 1 threads.
+# (Module-level functions: Numba cannot cache a closure over a kernel.)
 @njit(**_JIT)
 def _adamw_gomp(k, args):
     gomp.parallel_range(_adamw_block, k, args)
@@ -277,7 +372,14 @@ def _prange_of(block):
     return njit(parallel=True, **_JIT)(par)
 
 
-_adamw_par, _lion_par, _sgd_par = map(_prange_of, (_adamw_block, _lion_block, _sgd_block))
+if gomp.AVAILABLE:
+    _adamw_team, _lion_team, _sgd_team = _adamw_gomp, _lion_gomp, _sgd_gomp
+else:
+    _adamw_team, _lion_team, _sgd_team = map(_prange_of, (_adamw_block, _lion_block, _sgd_block))
+# Calls with param_out and at least this many elements stream it: past the last-level cache (32
+# MiB here; AdamW moves 28 B/param), where the read for ownership costs bandwidth. Smaller calls
+# store it as usual, so it stays in cache for the copy to the device.
+_STREAM_MIN = 1 << 21
 
 
 # ---- Python side: checks run on every call (~1.5 us, ~2.4 at 100K params where the kernel has
@@ -418,10 +520,10 @@ def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     # float() first, because an int or numpy scalar would make Numba compile another signature.
     lr, beta1, beta2, wd = float(lr), float(beta1), float(beta2), float(weight_decay)
     decay, l2 = (1.0 - lr * wd, 0.0) if decoupled else (1.0, wd)
-    args = (lo, hi, p, g, m, v, out, g_tag, out_tag, float(grad_scale), decay, l2, 1.0 - beta1,
+    args = (lo, hi, p, g, m, v, out, g_tag, out_tag, hi - lo >= _STREAM_MIN, float(grad_scale), decay, l2, 1.0 - beta1,
             beta2, 1.0 - beta2, (1.0 - beta2 ** step) ** 0.5, float(eps),
             -(lr / (1.0 - beta1 ** step)))
-    _run(_adamw_block, _adamw_gomp if gomp.AVAILABLE else _adamw_par, k, args, g_tag, out_tag)
+    _run(_adamw_block, _adamw_team, k, args, g_tag, out_tag)
 
 
 def lion_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *, lr: float,
@@ -437,9 +539,9 @@ def lion_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *, lr:
     k, lo, hi, p, g, m, _, out, g_tag, out_tag = _prepare(
         "lion_", ("exp_avg",), param, grad, exp_avg, None, param_out, start, end)
     lr, beta1, beta2, wd = float(lr), float(beta1), float(beta2), float(weight_decay)
-    args = (lo, hi, p, g, m, out, g_tag, out_tag, float(grad_scale), 1.0 - lr * wd, -lr,
+    args = (lo, hi, p, g, m, out, g_tag, out_tag, hi - lo >= _STREAM_MIN, float(grad_scale), 1.0 - lr * wd, -lr,
             beta1, 1.0 - beta1, beta2, 1.0 - beta2)
-    _run(_lion_block, _lion_gomp if gomp.AVAILABLE else _lion_par, k, args, g_tag, out_tag)
+    _run(_lion_block, _lion_team, k, args, g_tag, out_tag)
 
 
 def sgd_(param: torch.Tensor, grad: torch.Tensor, momentum_buf: torch.Tensor | None, *,
@@ -461,7 +563,7 @@ def sgd_(param: torch.Tensor, grad: torch.Tensor, momentum_buf: torch.Tensor | N
         "sgd_", ("momentum_buf",), param, grad, momentum_buf if momentum != 0 else None, None,
         param_out, start, end)
     buf = buf or p  # never read when momentum == 0, but a valid address all the same
-    args = (lo, hi, p, g, buf, out, g_tag, out_tag, float(grad_scale), -float(lr),
+    args = (lo, hi, p, g, buf, out, g_tag, out_tag, hi - lo >= _STREAM_MIN, float(grad_scale), -float(lr),
             float(weight_decay), float(momentum), 1.0 - float(dampening), bool(nesterov),
             bool(first_step))
-    _run(_sgd_block, _sgd_gomp if gomp.AVAILABLE else _sgd_par, k, args, g_tag, out_tag)
+    _run(_sgd_block, _sgd_team, k, args, g_tag, out_tag)
