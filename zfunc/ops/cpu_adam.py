@@ -14,7 +14,7 @@ not correctly rounded either): 200 steps agree to rtol = atol = 1e-6. ``sgd_`` l
 Algorithms", Alg. 2). ``param_out`` is bit-equal to ``param.to(bfloat16 | float16)``.
 Cost: bytes/param = 8 per fp32 buffer updated (param and state) + 4 or 2 (grad) + 0 or 2 (out):
 AdamW fp32 28, AdamW bf16 grad + bf16 out 28; no temporaries. Calls of ``_STREAM_MIN`` elements
-or more write param_out with non-temporal stores, so that it costs no read either (see _sweep).
+or more write param_out with non-temporal stores, so that it costs no read either (_sweep_of).
 
 Tensors are 1-D contiguous CPU buffers (an offload engine's flat per-group buffers) that must not
 overlap one another (unchecked); ``start`` and ``end`` restrict the update to ``[start, end)`` so
@@ -33,7 +33,6 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from zfunc.ops import gomp
@@ -183,7 +182,7 @@ _F32 = np.float32(0)
 
 
 # ---- the sweep: each kernel is an element update ``one(i, args) -> new param``, run over
-# [lo, hi) by ``_sweep``, which also writes param_out. Streamed (``stream``, for calls whose
+# [lo, hi) by a sweep (``_sweep_of``), which also writes param_out. Streamed (``stream``, for calls whose
 # footprint is past the caches), param_out's 64-byte lines are written by non-temporal stores:
 # param_out is only written, so an ordinary store first reads each line for ownership (30 bytes
 # per param move where 28 must) and evicts p, m and v to make room for it. Each line is built in
@@ -215,12 +214,12 @@ def _stream_line(typingctx, out, at, line):
 
 
 @intrinsic
-def _sfence(typingctx):
-    """Order this thread's non-temporal stores before what it does next (they are weakly ordered)."""
+def _fence(typingctx):
+    """Order this thread's non-temporal stores before what it does next (they are weakly ordered):
+    a sequentially consistent fence, mfence or a locked instruction on x86, either of which drains
+    the write-combining buffers."""
     def codegen(context, builder, sig, args):
-        fence = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
-                                               "llvm.x86.sse.sfence")
-        builder.call(fence, [])
+        builder.fence("seq_cst")
         return context.get_dummy_value()
     return types.none(), codegen
 
@@ -247,7 +246,7 @@ def _sweep_of(one):
             _stream_line(out, at, line)
         for i in range(head + lines * np.uintp(_LINE), hi):
             _store(out, i, one(i, args))
-        _sfence()
+        _fence()
     return njit(**_JIT)(sweep)
 
 
