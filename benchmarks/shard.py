@@ -186,5 +186,6 @@ def main(argv=None) -> None:
           f"{vs['zf-2']['ddp']:.2f}x; stage 3 vs FSDP2 {vs['zf-3']['fsdp2']:.2f}x ({vs['zf-3*']['fsdp2']:.2f}x "
           "without verify) |")
 
+
 if __name__ == "__main__":
     main()

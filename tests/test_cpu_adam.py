@@ -225,8 +225,8 @@ def _step_all(n, seed, steps=1):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_streamed_param_out_equals_stored_bit_for_bit(monkeypatch, out_dtype, threads):
     # Past _STREAM_MIN elements param_out is written by non-temporal stores, a line at a time
-    # from its first 64-byte boundary; here every call streams, over ranges whose ends fall at
-    # every offset in a line (and one shorter than a line).
+    # from its first 64-byte boundary; here every call streams, over ranges that start and end
+    # inside a line (and one shorter than a line), on one thread and on two.
     cpu_adam.set_num_threads(threads)
     n = 40_003
     for start, end in [(0, n), (1, n - 1), (17, 17 + 31), (33, 20_000 + 5)]:

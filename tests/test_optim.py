@@ -148,6 +148,7 @@ def test_chained_clip_and_adamw_matches_torch_fused():
     ours = zf_run(model, optim.chain(optim.clip_by_global_norm(0.5), optim.adamw(3e-3, weight_decay=0.1)), data)
     assert_params_close(ours, theirs, atol=adam_atol(3e-3))
 
+
 def test_clip_scales_in_place_only_where_the_grads_are_owned():
     grads = {"a": torch.tensor([3.0]), "b": torch.tensor([[4.0]])}
     clip = optim.clip_by_global_norm(1.0)
@@ -157,7 +158,6 @@ def test_clip_scales_in_place_only_where_the_grads_are_owned():
     params, _ = optim.apply(tx, grads, tx.init({"a": torch.zeros(1), "b": torch.zeros(1, 1)}),
                             {"a": torch.zeros(1), "b": torch.zeros(1, 1)})
     assert math.isclose(grads["a"].item(), 0.6, rel_tol=1e-6) and math.isclose(params["a"].item(), -0.6, rel_tol=1e-6)
-
 
 
 def test_warmup_cosine_schedule_matches_torch_lambda_lr():
