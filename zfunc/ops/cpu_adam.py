@@ -285,8 +285,8 @@ def _adamw_block(lo, hi, p_at, g_at, m_at, v_at, out_at, g_tag, out_tag, stream,
     eps, neg_step = np.float32(eps), np.float32(neg_step)
     small = abs(w) < np.float32(0.5)  # torch's lerp picks its formula by this
     coeff = w if small else w - np.float32(1.0)
-    _adamw_sweep(lo, hi, out, out_at, stream, (p, g, m, v, scale, decay, l2,
-           l2 != np.float32(0.0), small, coeff, b2, omb2, inv_bc2s, eps, neg_step))
+    _adamw_sweep(lo, hi, out, out_at, stream, (p, g, m, v, scale, decay, l2, l2 != np.float32(0.0),
+                                               small, coeff, b2, omb2, inv_bc2s, eps, neg_step))
 
 
 @njit(inline="always")
@@ -309,8 +309,9 @@ _lion_sweep = _sweep_of(_lion_one)
 def _lion_block(lo, hi, p_at, g_at, m_at, out_at, g_tag, out_tag, stream,
                 scale, decay, neg_lr, b1, omb1, b2, omb2):
     p, m, g, out = _ptr(p_at, _F32), _ptr(m_at, _F32), _ptr(g_at, g_tag), _ptr(out_at, out_tag)
-    _lion_sweep(lo, hi, out, out_at, stream, (p, g, m, np.float32(scale), np.float32(decay),
-           np.float32(neg_lr), np.float32(b1), np.float32(omb1), np.float32(b2), np.float32(omb2)))
+    consts = (np.float32(scale), np.float32(decay), np.float32(neg_lr), np.float32(b1), np.float32(omb1),
+              np.float32(b2), np.float32(omb2))
+    _lion_sweep(lo, hi, out, out_at, stream, (p, g, m) + consts)
 
 
 @njit(inline="always")
@@ -338,12 +339,13 @@ def _sgd_block(lo, hi, p_at, g_at, buf_at, out_at, g_tag, out_tag, stream,
     p, buf, g, out = _ptr(p_at, _F32), _ptr(buf_at, _F32), _ptr(g_at, g_tag), _ptr(out_at, out_tag)
     wd, mom = np.float32(wd), np.float32(mom)
     _sgd_sweep(lo, hi, out, out_at, stream, (p, g, buf, np.float32(scale), np.float32(neg_lr), wd,
-           wd != np.float32(0.0), mom, np.float32(omd), mom != np.float32(0.0), nesterov, first))
+                                             wd != np.float32(0.0), mom, np.float32(omd),
+                                             mom != np.float32(0.0), nesterov, first))
 
 
 # ---- threads: a libgomp team (zfunc.ops.gomp), or Numba's prange where libgomp cannot be loaded ----
-# *_gomp(k, args) and *_par(k, args): *_block(*args), args = (lo, hi, ...), on k > 1 threads.
-# (Module-level functions: Numba cannot cache a closure over a kernel.)
+# *_gomp(k, args) and _prange_of(*_block)(k, args): *_block(*args), args = (lo, hi, ...), on k > 1
+# threads; *_team is whichever of the two this process can run.
 @njit(**_JIT)
 def _adamw_gomp(k, args):
     gomp.parallel_range(_adamw_block, k, args)
