@@ -52,7 +52,7 @@ from zfunc import optim, precision as mp, tree
 from zfunc.dist import Mesh
 from zfunc.shard import FlatUnit, GradSlices, ShardedStep, ShardSpec, _leaf_names, local_piece
 from zfunc.step import _FIELDS, Step, TrainState, require_train_state
-from zfunc.store import All, OnDisk, ReadAhead, Store, done
+from zfunc.store import All, OnDisk, ReadAhead, Store
 
 PyTree = Any
 PLACES = ("cpu", "nvme")
@@ -359,8 +359,7 @@ def in_ram(state: TrainState) -> TrainState:
 
     with SwapEngine(spec.path) as engine:
         store = Store(engine)
-        futures = tree.map(lambda x: store.fetch(x) if isinstance(x, OnDisk) else done(x),
-                           (state.params, state.opt_state))
+        futures = tree.map(store.fetch, (state.params, state.opt_state))  # RAM leaves come back as they are
         params, opt_state = tree.map(lambda f: f.result(), futures)
     return state.replace(params=params, opt_state=opt_state)
 

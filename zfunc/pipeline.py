@@ -68,7 +68,7 @@ from torch import nn
 
 from zfunc import optim, precision as mp, tree
 from zfunc.dist import Mesh
-from zfunc.shard import ShardedStep, ShardSpec, _buckets
+from zfunc.shard import GradSlices, ShardedStep, ShardSpec, _buckets, _gather_whole
 from zfunc.step import (Step, TrainState, _cuda_devices, _split_batch, _step_seed, require_train_state, seeded,
                         split_loss)
 from zfunc.units import Selector
@@ -514,9 +514,10 @@ class PipelineStep(Step):
         grads = [torch.zeros(w.shape, device=w.device) if g is None else g for g, w in zip(run.acc, whole)]
         divisor = self.microbatches * (scale or 1.0)
         if spec.inner is not None:
-            grads = _reduce_scatter(grads, pieces, spec.inner, self._buckets(spec.inner), self.mesh.reduce_comm, step)
-            divisor *= spec.inner.world
-        torch._foreach_mul_(grads, 1.0 / divisor)
+            grads = _reduce_scatter(grads, pieces, spec.inner, self._buckets(spec.inner), self.mesh.reduce_comm, step,
+                                    divisor * spec.inner.world)
+        else:
+            torch._foreach_mul_(grads, 1.0 / divisor)
         loss = self._mean_loss(run.losses, spec, step, run.device)
         return loss, self._aux(run.auxes), tree.unflatten(treespec, grads)
 
@@ -524,7 +525,8 @@ class PipelineStep(Step):
         """This stage's params whole, in the compute dtype (all-gathered over dp when sharded)."""
         if spec.inner is None:
             return [p.to(self.compute_dtype) for p in pieces]
-        return _all_gather(pieces, spec.inner, self._buckets(spec.inner), self.mesh.comm, self.compute_dtype, step)
+        return _gather_whole(pieces, spec.inner, self._buckets(spec.inner), self.mesh.comm, self.compute_dtype,
+                            pieces[0].device, f"step {step}")
 
     def _buckets(self, inner: ShardSpec) -> list:
         if self._bucket_cache is None:
@@ -554,21 +556,10 @@ class PipelineStep(Step):
         return auxes[0] if self.microbatches == 1 else auxes
 
 
-def _all_gather(pieces, spec: ShardSpec, buckets, comm, dtype: torch.dtype, step: int) -> list[torch.Tensor]:
-    """Whole params in ``dtype`` from every dp rank's pieces (one all-gather per bucket)."""
-    whole: list[torch.Tensor | None] = [None] * len(pieces)
-    for unit in buckets:
-        seg = unit.pack_local([pieces[i] for i in unit.indices], dtype, pieces[0].device)
-        out = torch.empty(spec.world * seg.numel(), dtype=dtype, device=seg.device)
-        comm.all_gather(out, seg, label=f"param all-gather of {unit.name} at step {step}")
-        for i, w in zip(unit.indices, unit.unpack_gathered(out, spec.leaves, spec.world)):
-            whole[i] = w
-    return whole
-
-
-def _reduce_scatter(grads, pieces, spec: ShardSpec, buckets, comm, step: int) -> list[torch.Tensor]:
-    """This rank's fp32 slices of the dp-summed whole ``grads`` (one reduce-scatter per bucket)."""
-    acc = [torch.zeros_like(p, dtype=torch.float32) for p in pieces]
+def _reduce_scatter(grads, pieces, spec: ShardSpec, buckets, comm, step: int, divisor: float) -> list[torch.Tensor]:
+    """This rank's fp32 slices of the dp-summed whole ``grads`` divided by ``divisor`` (one
+    reduce-scatter per bucket)."""
+    sink = GradSlices(lambda i: torch.zeros_like(pieces[i], dtype=torch.float32), len(pieces), divisor)
     works = []
     for unit in buckets:
         full = torch.empty(spec.world, unit.segment, dtype=torch.float32, device=pieces[0].device)
@@ -578,8 +569,8 @@ def _reduce_scatter(grads, pieces, spec: ShardSpec, buckets, comm, step: int) ->
         works.append((comm.reduce_scatter(out, full.view(-1), label=label, async_op=True), out, unit))
     for work, out, unit in works:
         work.wait()
-        torch._foreach_add_([acc[i] for i in unit.indices], unit.local_views(out, spec.leaves, spec.rank))
-    return acc
+        sink.deliver(unit, unit.local_views(out, spec.leaves, spec.rank))
+    return sink.result()
 
 
 # ----------------------------------------------------------------------------- construction

@@ -139,15 +139,16 @@ class FlatUnit:
         padding, and a ``None`` grad (an unused param), are written as zeros."""
         for i, off, g in zip(self.indices, self.offsets, fulls):
             leaf = leaves[i]
+            ranked = out[:, off : off + leaf.chunk * leaf.rowsize].view(world, leaf.chunk, leaf.rowsize)
             if g is None:
-                out[:, off : off + leaf.chunk * leaf.rowsize].zero_()
+                ranked.zero_()
                 continue
-            for ranked, rows in _row_blocks(leaf, out, off, g, world):
-                ranked.copy_(rows)
+            for dst, rows in _row_blocks(leaf, out, off, g, world):
+                dst.copy_(rows)
             full, rest = divmod(leaf.rows, leaf.chunk)  # rows past the last one are padding
             if full < world:
-                out[full, off + rest * leaf.rowsize : off + leaf.chunk * leaf.rowsize].zero_()
-                out[full + 1 :, off : off + leaf.chunk * leaf.rowsize].zero_()
+                ranked[full, rest:].zero_()
+                ranked[full + 1 :].zero_()
 
     def local_views(self, seg: torch.Tensor, leaves: tuple[LeafShard, ...], rank: int) -> list[torch.Tensor]:
         """This rank's pieces as views into its ``segment``-element ``seg``."""
@@ -523,14 +524,7 @@ class ShardedStep(Step):
 
     def _gather_all(self, pieces, spec: ShardSpec, label: str, device: torch.device) -> list[torch.Tensor]:
         """Stages 1/2: every param whole, in the compute dtype (one all-gather per bucket)."""
-        whole: list[torch.Tensor | None] = [None] * len(pieces)
-        for unit in self._buckets(spec):
-            seg = unit.pack_local([pieces[i] for i in unit.indices], self.compute_dtype, device)
-            out = torch.empty(spec.world * seg.numel(), dtype=seg.dtype, device=seg.device)
-            self.mesh.comm.all_gather(out, seg, label=f"param all-gather of {unit.name} at {label}")
-            for i, w in zip(unit.indices, unit.unpack_gathered(out, spec.leaves, spec.world)):
-                whole[i] = w
-        return whole
+        return _gather_whole(pieces, spec, self._buckets(spec), self.mesh.comm, self.compute_dtype, device, label)
 
     def _buckets(self, spec: ShardSpec) -> list[FlatUnit]:
         if self._flat_units is None:
@@ -551,6 +545,20 @@ class ShardedStep(Step):
                 raise ValueError(f"units: params {missing[:5]} are in no unit of the model run by the loss")
             self._flat_units = flat
         return self._flat_units
+
+
+def _gather_whole(pieces, spec: ShardSpec, buckets: list[FlatUnit], comm, dtype: torch.dtype, device,
+                 label: str) -> list[torch.Tensor]:
+    """Every param whole, in ``dtype`` on ``device``, from every rank's ``pieces`` (leaf order):
+    one all-gather per bucket, labelled ``... at {label}``."""
+    whole: list[torch.Tensor | None] = [None] * len(pieces)
+    for unit in buckets:
+        seg = unit.pack_local([pieces[i] for i in unit.indices], dtype, device)
+        out = torch.empty(spec.world * seg.numel(), dtype=seg.dtype, device=seg.device)
+        comm.all_gather(out, seg, label=f"param all-gather of {unit.name} at {label}")
+        for i, w in zip(unit.indices, unit.unpack_gathered(out, spec.leaves, spec.world)):
+            whole[i] = w
+    return whole
 
 
 def _leaf_names(params: PyTree) -> list[str]:

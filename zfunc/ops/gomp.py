@@ -71,8 +71,6 @@ def _chunks_of(block):
     return run
 
 
-
-
 @intrinsic
 def parallel_range(typingctx, block, k, args):
     """``block(*args)``, ``args = (lo, hi, *rest)``, in k chunks on a libgomp team of k threads."""
