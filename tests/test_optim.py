@@ -282,6 +282,20 @@ def test_auto_backend_follows_where_the_state_lives(monkeypatch):
     assert len(calls) == 2
 
 
+@pytest.mark.parametrize("make", [lambda: optim.adamw(1e-2, weight_decay=0.1, backend="numba"),
+                                  lambda: optim.sgd(0.1, momentum=0.9, backend="numba"),
+                                  lambda: optim.lion(1e-2, backend="numba")])
+def test_numba_backend_takes_grads_of_any_layout(make):
+    # autograd hands ``p.sum()``'s grad out expanded (stride 0); a transposed grad is strided
+    grads = {"b": torch.full((1,), 0.5).expand(6), "w": torch.randn(3, 2).t()[0]}  # strides 0 and 2
+    tx = make()
+    results = []
+    for g in (grads, {k: v.contiguous() for k, v in grads.items()}):
+        params = {"b": torch.linspace(-1, 1, 6), "w": torch.linspace(0, 1, 3)}
+        results.append(tx.apply(g, tx.init(params), params)[0])
+    assert_params_close(results[0], results[1], rtol=0, atol=0)
+
+
 def test_numba_backend_rejects_what_it_cannot_update():
     with pytest.raises(ValueError, match="backend='numba': expected contiguous fp32 CPU params"):
         optim.adamw(1e-3, backend="numba").init({"w": torch.zeros(2, dtype=torch.float64)})

@@ -355,7 +355,7 @@ def _numba_adam(ps, gs, ms, vs, count, lr, b1, b2, eps, wd, decoupled):
     from zfunc.ops import cpu_adam
 
     for p, g, m, v in zip(ps, gs, ms, vs):
-        cpu_adam.adamw_(p.view(-1), g.reshape(-1), m.view(-1), v.view(-1), step=count, lr=lr, beta1=b1,
+        cpu_adam.adamw_(p.view(-1), g.contiguous().view(-1), m.view(-1), v.view(-1), step=count, lr=lr, beta1=b1,
                         beta2=b2, eps=eps, weight_decay=wd, decoupled=decoupled)
 
 
@@ -490,8 +490,8 @@ def sgd(learning_rate: ScalarOrSchedule, momentum: float = 0.0, dampening: float
         decay = _mask_leaves(mask, params, len(p_leaves))
         traces = tree.leaves(state.trace) if momentum else [None] * len(p_leaves)
         for p, g, b, d in zip(p_leaves, tree.leaves(grads), traces, decay):
-            cpu_adam.sgd_(p.view(-1), g.reshape(-1), None if b is None else b.view(-1), lr=float(lr(state.count)),
-                          momentum=momentum, dampening=dampening, nesterov=nesterov,
+            cpu_adam.sgd_(p.view(-1), g.contiguous().view(-1), None if b is None else b.view(-1),
+                          lr=float(lr(state.count)), momentum=momentum, dampening=dampening, nesterov=nesterov,
                           weight_decay=weight_decay if d else 0.0, first_step=state.count == 0)
         return tree.unflatten(treespec, p_leaves), TraceState(state.count + 1, state.trace)
 
@@ -531,8 +531,8 @@ def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99, wei
         p_leaves, treespec = tree.flatten(params)
         decay = _mask_leaves(mask, params, len(p_leaves))
         for p, g, m, d in zip(p_leaves, tree.leaves(grads), tree.leaves(state.trace), decay):
-            cpu_adam.lion_(p.view(-1), g.reshape(-1), m.view(-1), lr=float(lr(state.count)), beta1=b1, beta2=b2,
-                           weight_decay=weight_decay if d else 0.0)
+            cpu_adam.lion_(p.view(-1), g.contiguous().view(-1), m.view(-1), lr=float(lr(state.count)), beta1=b1,
+                           beta2=b2, weight_decay=weight_decay if d else 0.0)
         return tree.unflatten(treespec, p_leaves), TraceState(state.count + 1, state.trace)
 
     return GradientTransformation(init, update, _kernel_apply(backend, update, numba_apply), lambda state: lr(state.count))
