@@ -7,10 +7,14 @@ DeepSpeed is optional: ``pip install --no-build-isolation deepspeed`` after torc
 the CPU torch); its CPU-Adam extension JIT-builds on first use (~1 min) with DS_ACCELERATOR=cpu,
 which this script sets.
 
-Every implementation updates the same flat fp32 buffers (param, exp_avg, exp_avg_sq), so 100M
-params fit in RAM; samples are interleaved (one sample of each implementation per round) and the
-best of ``--repeats`` rounds is kept, because on a shared machine separate runs of the same kernel
-vary by 1.5x. Small sizes are timed over back-to-back calls (state stays in cache there).
+Each implementation updates flat fp32 buffers (param, exp_avg, exp_avg_sq) allocated the way its
+owner allocates them: torch.optim's and DeepSpeed's state come from torch's allocator (4 KiB
+pages), zfunc's from ``zfunc.ops.hostmem`` (transparent huge pages: what zf.optim, shard and
+offload hold). The rows "... on torch's buffers" run our kernels on the peers' own buffers: the
+kernel alone, like for like. Grads and the bf16 param copy are torch tensors for everyone. Samples
+are interleaved (one sample of each implementation per round) and the best of ``--repeats``
+rounds is kept, because on a shared machine separate runs of the same kernel vary by 1.5x. Small
+sizes are timed over back-to-back calls (state stays in cache there).
 
 Bytes per param a kernel must move: fp32 AdamW reads p, g, m, v and writes p, m, v = 28; the
 fused bf16 pass reads p, m, v (12) + bf16 g (2) and writes p, m, v (12) + bf16 param copy (2) = 28.
@@ -18,7 +22,8 @@ fused bf16 pass reads p, m, v (12) + bf16 g (2) and writes p, m, v (12) + bf16 p
 footprint: torch ``copy_`` counted as read + write ("x copy"), and in-place ``add_`` (read 2,
 write 1). A copy also pays a hidden read of each destination line before writing it
 (write-allocate), which in-place kernels do not, so the limit ("x limit") is the larger of 1.5x
-the copy figure and the add_ figure: what the memory system was seen to deliver.
+the copy figure and the add_ figure, each probe run on 4 KiB and on huge pages: what the memory
+system was seen to deliver.
 """
 from __future__ import annotations
 
@@ -37,10 +42,11 @@ import numba  # noqa: E402
 import torch  # noqa: E402
 from torch.optim.adam import adam as torch_adam  # noqa: E402
 
-from zfunc.ops import cpu_adam  # noqa: E402
+from zfunc.ops import cpu_adam, hostmem  # noqa: E402
 
 LR, BETAS, EPS, WD, SCALE = 1e-3, (0.9, 0.999), 1e-8, 0.1, 1.0 / 1024
 BYTES_PER_PARAM = 28
+OURS32 = "zfunc numba AdamW fp32"
 BF16_OURS = "zfunc numba bf16 g + unscale + AdamW + bf16 p, one pass"
 COPY_PROBE, ADD_PROBE = "copy_ probe", "add_ probe"
 
@@ -57,15 +63,27 @@ def deepspeed_adam():
         opt.opt_id, step, LR, BETAS[0], BETAS[1], EPS, WD, True, p, g, m, v)), None
 
 
+def state_buffers(n: int, empty) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(param, exp_avg, exp_avg_sq) of n params from ``empty(n)``, param values seeded."""
+    p, m, v = empty(n), empty(n), empty(n)
+    p.copy_(torch.randn(n, generator=torch.Generator().manual_seed(0)))
+    return p, m.zero_(), v.zero_()
+
+
 def implementations(n: int, ds_update):
-    """name -> (kind, zero-arg callable) over one shared set of buffers of n params."""
-    gen = torch.Generator().manual_seed(0)
-    p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-2
-    m, v = torch.zeros(n), torch.zeros(n)
-    g_bf16, out_bf16, g32 = (g / SCALE).bfloat16(), torch.empty(n, dtype=torch.bfloat16), \
-        torch.empty(n)
+    """name -> (kind, zero-arg callable). Param and optimizer state are allocated as each one's
+    owner allocates them: torch.optim and DeepSpeed on torch's allocator, zfunc through
+    ``hostmem`` (huge pages; what zf.optim, shard and offload hold). Grads and the bf16 param copy
+    are the caller's, from torch, for everyone. "zfunc ... on torch's buffers" runs our kernel on
+    the peers' own memory: the kernel alone, like for like."""
+    gen = torch.Generator().manual_seed(1)
+    p, m, v = state_buffers(n, torch.empty)
+    zp, zm, zv = state_buffers(n, hostmem.empty)
+    g = torch.randn(n, generator=gen) * 1e-2
+    g_bf16, out_bf16, g32 = (g / SCALE).bfloat16(), torch.empty(n, dtype=torch.bfloat16), torch.empty(n)
     step_t, inv_scale = torch.tensor(1.0), torch.tensor(1.0 / SCALE)  # step 0 would divide by 0
-    copy_src, copy_dst = torch.randn(n * 7 // 2), torch.empty(n * 7 // 2)  # 28 B/param in all
+    probes = {kind: (empty(n * 7 // 2).normal_(), empty(n * 7 // 2)) for kind, empty in  # 28 B/param in all
+              (("", torch.empty), (", huge pages", hostmem.empty))}
     steps = iter(range(1, 1 << 40))
 
     def fused_kernel(grad, **kw):  # torch.optim's fused path without its Python bookkeeping
@@ -79,7 +97,9 @@ def implementations(n: int, ds_update):
                    eps=EPS, maximize=False, **kw)
 
     impls = {
-        "zfunc numba AdamW fp32": ("fp32", lambda: cpu_adam.adamw_(
+        OURS32: ("fp32", lambda: cpu_adam.adamw_(
+            zp, g, zm, zv, step=next(steps), lr=LR, weight_decay=WD)),
+        OURS32 + " on torch's buffers": ("fp32", lambda: cpu_adam.adamw_(
             p, g, m, v, step=next(steps), lr=LR, weight_decay=WD)),
         "torch._fused_adamw_ (kernel called directly)": ("fp32", lambda: fused_kernel(g)),
         "torch AdamW fused=True (functional torch.optim.adam)": ("fp32", lambda: torch_step(
@@ -87,15 +107,19 @@ def implementations(n: int, ds_update):
         "torch AdamW foreach": ("fp32", lambda: torch_step(g, foreach=True)),
         "torch AdamW for-loop": ("fp32", lambda: torch_step(g, foreach=False)),
         BF16_OURS: ("bf16", lambda: cpu_adam.adamw_(
+            zp, g_bf16, zm, zv, step=next(steps), lr=LR, weight_decay=WD, grad_scale=SCALE,
+            param_out=out_bf16)),
+        BF16_OURS + " on torch's buffers": ("bf16", lambda: cpu_adam.adamw_(
             p, g_bf16, m, v, step=next(steps), lr=LR, weight_decay=WD, grad_scale=SCALE,
             param_out=out_bf16)),
         "torch ops: upcast, mul_(scale), _fused_adamw_, downcast": ("bf16", lambda: (
             g32.copy_(g_bf16), g32.mul_(SCALE), fused_kernel(g32), out_bf16.copy_(p))),
         "torch ops: upcast, _fused_adamw_(grad_scale=), downcast": ("bf16", lambda: (
             g32.copy_(g_bf16), fused_kernel(g32, grad_scale=inv_scale), out_bf16.copy_(p))),
-        COPY_PROBE: ("probe", lambda: copy_dst.copy_(copy_src)),
-        ADD_PROBE: ("probe", lambda: copy_dst.add_(copy_src)),
     }
+    for kind, (src, dst) in probes.items():
+        impls[COPY_PROBE + kind] = ("probe", lambda src=src, dst=dst: dst.copy_(src))
+        impls[ADD_PROBE + kind] = ("probe", lambda src=src, dst=dst: dst.add_(src))
     if ds_update is not None:
         impls["DeepSpeedCPUAdam"] = ("fp32", lambda: ds_update(next(steps), p, g, m, v))
         impls["torch upcast + mul_ + DeepSpeedCPUAdam + downcast"] = ("bf16", lambda: (
@@ -133,14 +157,15 @@ def _paired_ratio(samples: dict, others: list[str], ours: str) -> float:
 def report(n: int, samples: dict, impls: dict, ds_missing: str | None) -> None:
     best = {name: min(ts) for name, ts in samples.items()}
     elems = n * 7 // 2  # per probe buffer: two of them make the kernels' 28 B/param footprint
-    copy_gbs = 8 * elems / best.pop(COPY_PROBE) / 1e9  # read + write
-    add_gbs = 12 * elems / best.pop(ADD_PROBE) / 1e9  # in place: read 2, write 1, no allocate
+    pages = ("", ", huge pages")
+    copy_gbs = max(8 * elems / best.pop(COPY_PROBE + k) / 1e9 for k in pages)  # read + write
+    add_gbs = max(12 * elems / best.pop(ADD_PROBE + k) / 1e9 for k in pages)  # in place: read 2, write 1
     limit = max(1.5 * copy_gbs, add_gbs)
     kind_of = {name: impls[name][0].replace("-once", "") for name in best}
     ds = {k: [nm for nm in best if "DeepSpeed" in nm and kind_of[nm] == k] for k in ("fp32", "bf16")}
     tf = {k: [nm for nm in best if "_fused_adamw_" in nm and kind_of[nm] == k] for k in ds}
-    print(f"\n### {n:,} params\n\nBandwidth probes over the same 28 B/param footprint: copy_ "
-          f"{copy_gbs:.1f} GB/s counted read+write ({1.5 * copy_gbs:.1f} with write-allocate), "
+    print(f"\n### {n:,} params\n\nBandwidth probes over the same 28 B/param footprint (the faster of 4 KiB "
+          f"and huge pages): copy_ {copy_gbs:.1f} GB/s counted read+write ({1.5 * copy_gbs:.1f} with write-allocate), "
           f"in-place add_ {add_gbs:.1f} GB/s; limit = the larger physical one = {limit:.1f} GB/s "
           f"= {limit / BYTES_PER_PARAM * 1e3:.0f} Mparam/s. Ratios are of best times; x DeepSpeed"
           f" and x torch fused compare like with like (fp32 rows with fp32, bf16 with bf16).\n")
@@ -157,12 +182,14 @@ def report(n: int, samples: dict, impls: dict, ds_missing: str | None) -> None:
               f"{gbs / limit:.2f} |")
     if ds_missing:
         print(f"| DeepSpeedCPUAdam | not available: {ds_missing} | | | | | | | |")
-    ours32, ours16 = "zfunc numba AdamW fp32", BF16_OURS
+    ours32, ours16, kernel_only = OURS32, BF16_OURS, " on torch's buffers"
     torch_ops = [nm for nm in best if nm.startswith("torch ops")]
     checks = [("fp32 vs torch fused", tf["fp32"], ours32, 1.0),
               ("fp32 vs DeepSpeed", ds["fp32"], ours32, 1.0),
               ("bf16 pass vs torch ops", torch_ops, ours16, 1.5),
-              ("bf16 pass vs DeepSpeed + torch ops", ds["bf16"], ours16, 1.5)]
+              ("bf16 pass vs DeepSpeed + torch ops", ds["bf16"], ours16, 1.5),
+              ("kernel alone, fp32 on torch's buffers vs torch fused", tf["fp32"], ours32 + kernel_only, 1.0),
+              ("vs DeepSpeed", ds["fp32"], ours32 + kernel_only, 1.0)]
     lines = [f"{label} {min(best[o] for o in others) / best[ours]:.2f}x best, "
              f"{_paired_ratio(samples, others, ours):.2f}x paired median (target >= {goal})"
              for label, others, ours, goal in checks if others]

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 import zfunc
 from zfunc import tree
+from zfunc.ops import hostmem
 from zfunc.shard import LeafShard, ShardSpec
 from zfunc.step import Step, TrainState
 from zfunc.swap import fsync_dir
@@ -184,7 +185,9 @@ def _read_safetensors(path: Path, expected_crc: int | None) -> dict[str, torch.T
     With ``expected_crc`` the file's crc32 must match, else ``CheckpointError`` names the file.
     """
     size = path.stat().st_size
-    raw = torch.empty(size, dtype=torch.uint8)  # uninitialised: the file overwrites every byte
+    # uninitialised: the file overwrites every byte. Loaded state is views into it, so it goes on
+    # huge pages, as init places state (zfunc.ops.hostmem).
+    raw = hostmem.empty(size, torch.uint8)
     checksum = _Crc32()
     with open(path, "rb", buffering=0) as f:
         for block in _blocks(_bytes_of(raw)):

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from zfunc import optim, precision as mp, tree
+from zfunc.ops import hostmem
 from zfunc.dist import Mesh
 from zfunc.shard import FlatUnit, GradSlices, ShardedStep, ShardSpec, _leaf_names, local_piece
 from zfunc.step import _FIELDS, Step, TrainState, require_train_state
@@ -127,7 +128,7 @@ class OffloadedStep(ShardedStep):
             whole = materialize(name, x) if x.device.type == "meta" else x.detach()
             if tuple(whole.shape) != leaf.shape:
                 raise ValueError(f"materialize: returned shape {tuple(whole.shape)} for {name}, expected {leaf.shape}")
-            piece = local_piece(whole, leaf, spec.rank).to(device="cpu", dtype=torch.float32, copy=True)
+            piece = hostmem.copy_to(local_piece(whole, leaf, spec.rank), "cpu", torch.float32)
             del whole
             s_leaves, s_spec = tree.flatten(self.optimizer.init({name: piece}))
             states.append(tree.unflatten(s_spec, [self._opt_store.put(f"p{i}.s{j}", t) if _is_stored(t) else t

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import torch
 
 from zfunc import tree
+from zfunc.ops import hostmem
 
 PyTree = Any
 Schedule = Callable[[int], float]
@@ -294,7 +295,8 @@ class AdamState(NamedTuple):
 
 
 def _zeros_like(params: PyTree) -> PyTree:
-    return tree.map(torch.zeros_like, params)
+    """Zero state shaped like ``params``; CPU state on huge pages, where the kernels run faster."""
+    return tree.map(hostmem.zeros_like, params)
 
 
 def _adam_update(grads, state, params, *, lr, b1, b2, eps, weight_decay, decoupled, mask):
@@ -461,7 +463,7 @@ def sgd(learning_rate: ScalarOrSchedule, momentum: float = 0.0, dampening: float
     lr = _as_schedule(learning_rate)
 
     def init(params):
-        return TraceState(0, tree.map(lambda p: torch.zeros_like(p) if momentum else None, params))
+        return TraceState(0, tree.map(lambda p: hostmem.zeros_like(p) if momentum else None, params))
 
     def update(grads, state, params=None):
         g_leaves, treespec = tree.flatten(grads)

@@ -48,6 +48,7 @@ import optree
 import torch
 
 from zfunc import optim, precision as mp, tree
+from zfunc.ops import hostmem
 from zfunc.dist import Mesh
 from zfunc.prefetch import ACTIVE, Gatherer
 from zfunc.step import (_FIELDS, Step, TrainState, _check_single_device, _cuda_devices, _split_batch,
@@ -352,7 +353,7 @@ class ShardedStep(Step):
         """This rank's fp32 pieces of ``params`` (which must be equal on every rank) and their
         optimizer state; ``sharding`` records the split."""
         device, leaves, treespec, spec = self._layout(params)
-        pieces = [local_piece(x.detach(), leaf, spec.rank).to(device=device, dtype=torch.float32, copy=True)
+        pieces = [hostmem.copy_to(local_piece(x.detach(), leaf, spec.rank), device, torch.float32)
                   for x, leaf in zip(leaves, spec.leaves)]
         master = tree.unflatten(treespec, pieces)
         return TrainState(master, self.optimizer.init(master), 0, self.seed, mp.init_loss_scale(self.precision), spec)

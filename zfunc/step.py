@@ -26,6 +26,7 @@ import optree
 import torch
 
 from zfunc import optim, precision as mp, tree
+from zfunc.ops import hostmem
 
 PyTree = Any
 
@@ -273,7 +274,7 @@ class Step:
 def _master_copy(p: Any, device: torch.device) -> Any:
     if not isinstance(p, torch.Tensor):
         return p
-    return p.detach().to(device=device, dtype=torch.float32 if p.is_floating_point() else p.dtype, copy=True)
+    return hostmem.copy_to(p.detach(), device, torch.float32 if p.is_floating_point() else p.dtype)
 
 
 def _accumulate(acc: list | None, grads: list) -> list:

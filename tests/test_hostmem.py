@@ -1,0 +1,100 @@
+"""hostmem: CPU tensors on transparent huge pages, equal to torch's in everything but the pages."""
+import gc
+
+import pytest
+import torch
+
+import zfunc as zf
+from zfunc.ops import hostmem
+
+BIG = hostmem.HUGE_MIN // 4 + 1000  # fp32 elements: past the threshold, not a multiple of a page
+
+
+def _vma_of(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds ``address``."""
+    fields, inside = {}, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                if inside:
+                    break
+                inside = lo <= address < hi
+            elif inside:
+                key, _, value = line.partition(":")
+                fields[key] = value.strip()
+    return fields
+
+
+needs_thp = pytest.mark.skipif(not hostmem.huge_pages_available(), reason="no transparent huge pages here")
+
+
+@pytest.mark.parametrize("shape, dtype", [((BIG,), torch.float32), ((3, BIG), torch.bfloat16), ((5,), torch.float32),
+                                          ((0,), torch.float16), (7, torch.int64)])
+def test_empty_is_a_contiguous_writable_cpu_tensor(shape, dtype):
+    t = hostmem.empty(shape, dtype)
+    want = (shape,) if isinstance(shape, int) else shape
+    assert (tuple(t.shape), t.dtype, t.device.type, t.is_contiguous()) == (want, dtype, "cpu", True)
+    t.fill_(3)
+    assert bool((t == 3).all())
+
+
+@needs_thp
+def test_big_tensors_are_advised_for_huge_pages_at_spread_offsets():
+    ts = [hostmem.empty(BIG) for _ in range(8)]
+    for t in ts:
+        assert t.data_ptr() % 4096 == 0
+        assert "hg" in _vma_of(t.data_ptr())["VmFlags"].split()  # MADV_HUGEPAGE: the kernel may use 2 MiB pages
+    # not all at one offset within their huge pages, where a kernel's streams would collide
+    assert len({t.data_ptr() % hostmem.HUGE for t in ts}) > 4
+    small = hostmem.empty(100)
+    assert "hg" not in _vma_of(small.data_ptr()).get("VmFlags", "").split()
+
+
+@needs_thp
+def test_the_mapping_is_released_with_its_last_tensor():
+    def mappings() -> int:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+
+    gc.collect()
+    before = mappings()
+    t = hostmem.empty(BIG)
+    view = t[10:20]
+    del t
+    gc.collect()
+    assert mappings() == before + 1  # the view keeps it
+    del view
+    gc.collect()
+    assert mappings() == before
+
+
+def test_zeros_like_and_copy_to_equal_torch():
+    x = torch.randn(BIG)
+    z = hostmem.zeros_like(x)
+    assert z.shape == x.shape and z.dtype == x.dtype and not z.any()
+    c = hostmem.copy_to(x.view(2, -1)[:, :5].t(), "cpu", torch.bfloat16)  # strided, cast
+    assert c.is_contiguous() and torch.equal(c, x.view(2, -1)[:, :5].t().to(torch.bfloat16))
+    assert c.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    strided = torch.randn(4, 6).t()  # not contiguous: torch's zeros_like keeps its strides
+    assert hostmem.zeros_like(strided).stride() == torch.zeros_like(strided).stride()
+
+
+def test_cpu_optimizer_state_and_masters_live_in_host_memory():
+    params = {"w": torch.randn(BIG), "b": torch.randn(3)}
+    step = zf.train_step(lambda p, x: (p["w"][:3] * x).sum() + p["b"].sum(), zf.optim.adamw(1e-3))
+    state = step.init(params)
+    held = [state.params["w"], state.opt_state.mu["w"], state.opt_state.nu["w"]]
+    for t in held:
+        assert "hg" in _vma_of(t.data_ptr())["VmFlags"].split() or not hostmem.huge_pages_available()
+    new, _ = step(state, torch.ones(3))  # donated: updated in place, so the pages stay
+    assert [new.params["w"].data_ptr(), new.opt_state.mu["w"].data_ptr(), new.opt_state.nu["w"].data_ptr()] == \
+        [t.data_ptr() for t in held]
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="shape"):
+        hostmem.empty((-1, 2))
+    with pytest.raises(TypeError, match="dtype"):
+        hostmem.empty(4, "float32")

@@ -1,0 +1,103 @@
+"""Host memory for CPU optimizer state: tensors on transparent huge pages.
+
+A CPU optimizer step streams five to seven arrays at once (AdamW: param, grad, exp_avg, exp_avg_sq
+and a low-precision param copy). On 4 KiB pages each stream crosses a page every 4 KiB, and at
+each crossing the core takes a TLB miss and its hardware prefetcher, which does not follow a
+stream across pages, starts over. On 2 MiB pages both happen 512x less often. Measured on this
+project's 2-core EPYC VM (11-15 interleaved rounds, same kernel, every buffer from ``empty`` or
+from ``torch.empty``): ``cpu_adam.adamw_`` fp32 1.07x faster at 100M params and 1.28x at 10M;
+the bf16-grad + bf16-out pass 1.12x and 1.25x.
+
+Linux backs anonymous memory with huge pages when transparent huge pages (THP) are ``always``, or
+for ranges advised ``MADV_HUGEPAGE`` when they are ``madvise`` (many distributions' default, and
+this machine's). torch's CPU allocator never advises, so its big tensors live on 4 KiB pages
+under ``madvise``. ``empty`` maps fresh memory, advises it before the first touch and hands it
+to torch (``torch.frombuffer``; the mapping is unmapped when the last tensor over it is freed).
+Each tensor starts at its own 4 KiB-aligned offset within a huge page (``_colour``): buffers that
+all start on a huge-page boundary make a kernel's streams collide in the caches and DRAM banks,
+which cost more than the huge pages gained. Below ``HUGE_MIN`` bytes, where THP is ``never`` or
+on systems without it, ``empty`` is plain ``torch.empty``. Nothing here is required for
+correctness: whatever pages a tensor has, the kernels compute the same values.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import mmap
+import random
+
+import torch
+
+__all__ = ["HUGE_MIN", "copy_to", "empty", "huge_pages_available", "zeros_like"]
+
+HUGE = 2 << 20  # bytes in a huge page (x86-64 and aarch64 with 4 KiB base pages)
+HUGE_MIN = HUGE  # smaller tensors fit in one huge page at best: torch.empty
+_THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+@functools.cache
+def huge_pages_available() -> bool:
+    """Whether advised anonymous memory can get transparent huge pages here (Linux THP
+    ``always`` or ``madvise``)."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    try:
+        with open(_THP_MODE) as f:
+            mode = f.read()
+    except OSError:
+        return False
+    return "[never]" not in mode
+
+
+def empty(shape: int | tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An uninitialised contiguous CPU tensor, on transparent huge pages where available.
+
+    Args:
+      shape: the tensor's shape (an int for 1-D).
+      dtype: any torch dtype.
+    Returns ``torch.empty(shape, dtype=dtype)``'s equal, whose data lies 4 KiB-aligned on an
+    ``MADV_HUGEPAGE`` mapping when it is at least ``HUGE_MIN`` bytes and THP is available.
+    """
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    if any(not isinstance(d, int) or d < 0 for d in shape):
+        raise ValueError(f"shape: expected non-negative ints, got {shape!r}")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype: expected a torch.dtype, got {type(dtype).__name__}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * itemsize
+    if nbytes < HUGE_MIN or not huge_pages_available():
+        return torch.empty(shape, dtype=dtype)
+    mapping = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapping.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping alive
+    skip = (_colour() - raw.data_ptr()) % HUGE
+    return raw[skip : skip + nbytes].view(dtype).view(shape)
+
+
+def _colour() -> int:
+    """Where in its huge page the next tensor starts: a pseudo-random 4 KiB multiple.
+
+    Tensors that all start at the same offset in their huge pages put element i of every stream
+    a kernel reads in the same cache sets and DRAM banks: measured, AdamW over three such 100M-param
+    buffers ran 0.77-0.88x as fast as on 4 KiB pages, against 1.13-1.16x with offsets spread
+    like mmap's own addresses."""
+    return _COLOURS.randrange(HUGE // 4096) * 4096
+
+
+_COLOURS = random.Random(0)
+
+
+def zeros_like(t: torch.Tensor) -> torch.Tensor:
+    """``torch.zeros_like(t)``; for a contiguous CPU ``t``, in host memory from ``empty``."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return torch.zeros_like(t)
+    return empty(tuple(t.shape), t.dtype).zero_()
+
+
+def copy_to(t: torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``t.to(device, dtype, copy=True)``; a copy on the CPU is contiguous, in host memory from ``empty``."""
+    device = torch.device(device)
+    dtype = t.dtype if dtype is None else dtype
+    if device.type != "cpu":
+        return t.to(device=device, dtype=dtype, copy=True)
+    return empty(tuple(t.shape), dtype).copy_(t)
