@@ -131,14 +131,18 @@ def implementations(n: int, ds_update):
 
 
 def measure(impls: dict, n: int, repeats: int) -> dict:
-    """Seconds per call of each implementation, one sample per round, rounds interleaved."""
+    """Seconds per call of each implementation, one sample per round, rounds interleaved. The
+    order rotates from round to round: what runs just before a sample (a probe that flushed the
+    caches, or a kernel that left its state in them) would otherwise favour some rows for good."""
     inner = max(1, 2 * 10**7 // n)  # >= ~5 ms per sample, so timer and call noise stay small
     samples = {name: [] for name in impls}
     for name, (_, fn) in impls.items():
         fn()  # warm up: JIT load, page faults, lazy state
+    names = list(impls)
     for r in range(repeats):
-        for name, (kind, fn) in impls.items():
-            if kind == "fp32-once" and r > 0:
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            kind, fn = impls[name]
+            if kind == "fp32-once" and samples[name]:
                 continue
             t0 = time.perf_counter()
             for _ in range(inner):
