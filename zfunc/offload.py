@@ -49,8 +49,8 @@ from typing import Any
 import torch
 
 from zfunc import optim, precision as mp, tree
-from zfunc.ops import hostmem
 from zfunc.dist import Mesh
+from zfunc.ops import hostmem
 from zfunc.shard import FlatUnit, GradSlices, ShardedStep, ShardSpec, _leaf_names, local_piece
 from zfunc.step import _FIELDS, Step, TrainState, require_train_state
 from zfunc.store import All, OnDisk, ReadAhead, Store

@@ -48,8 +48,8 @@ import optree
 import torch
 
 from zfunc import optim, precision as mp, tree
-from zfunc.ops import hostmem
 from zfunc.dist import Mesh
+from zfunc.ops import hostmem
 from zfunc.prefetch import ACTIVE, Gatherer
 from zfunc.step import (_FIELDS, Step, TrainState, _check_single_device, _cuda_devices, _split_batch,
                         _step_seed, require_train_state, seeded, split_loss)

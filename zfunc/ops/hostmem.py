@@ -34,7 +34,7 @@ HUGE = 2 << 20  # bytes in a huge page (x86-64 and aarch64 with 4 KiB base pages
 # Smaller tensors: torch.empty. Huge pages pay where a kernel's streams outgrow the last-level
 # cache; below that, each pair of streams keeps one fixed offset within its huge pages, where 4 KiB
 # pages spread conflicts at random. Measured (AdamW param + moments from here, 15 rounds): 4 MiB
-# buffers 0.95x (fp32) / 1.02x (bf16 pass) the speed on torch's pages, 12 MiB 1.00x / 1.10x,
+# buffers 0.95x (fp32) / 1.02x (bf16 pass) the speed on torch's pages, 12 MiB 1.00-1.05x / 1.10-1.14x,
 # 40 MiB 1.19x / 1.20x.
 HUGE_MIN = 8 << 20
 _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
