@@ -616,8 +616,6 @@ def full_params(state: TrainState, mesh: Mesh) -> PyTree:
         raise ValueError("state: expected a sharded state (from a sharded step's init or call)")
     pieces, treespec = tree.flatten(state.params)
     spec = state.sharding
-    unit = FlatUnit("all params", list(range(len(pieces))), spec.leaves)
-    seg = unit.pack_local(pieces, torch.float32, pieces[0].device)
-    out = torch.empty(spec.world * seg.numel(), dtype=torch.float32, device=seg.device)
-    mesh.comm.all_gather(out, seg, label="full_params")
-    return tree.unflatten(treespec, unit.unpack_gathered(out, spec.leaves, spec.world))
+    everything = [FlatUnit("all params", list(range(len(pieces))), spec.leaves)]
+    return tree.unflatten(treespec, _gather_whole(pieces, spec, everything, mesh.comm, torch.float32,
+                                                  pieces[0].device, "full_params"))
