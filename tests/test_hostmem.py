@@ -98,6 +98,9 @@ def test_bad_arguments_are_named():
         hostmem.empty((-1, 2))
     with pytest.raises(TypeError, match="dtype"):
         hostmem.empty(4, "float32")
+    for fn in (hostmem.zeros_like, lambda t: hostmem.copy_to(t, "cpu")):
+        with pytest.raises(TypeError, match="t: expected a torch.Tensor, got list"):
+            fn([1.0, 2.0])
 
 
 @needs_thp

@@ -96,6 +96,7 @@ _COLOURS = random.Random(0)
 
 def zeros_like(t: torch.Tensor) -> torch.Tensor:
     """``torch.zeros_like(t)``; for a contiguous CPU ``t``, in host memory from ``empty``."""
+    _check_tensor(t)
     if t.device.type != "cpu" or not t.is_contiguous():
         return torch.zeros_like(t)
     return empty(tuple(t.shape), t.dtype).zero_()
@@ -103,8 +104,14 @@ def zeros_like(t: torch.Tensor) -> torch.Tensor:
 
 def copy_to(t: torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``t.to(device, dtype, copy=True)``; a copy on the CPU is contiguous, in host memory from ``empty``."""
+    _check_tensor(t)
     device = torch.device(device)
     dtype = t.dtype if dtype is None else dtype
     if device.type != "cpu":
         return t.to(device=device, dtype=dtype, copy=True)
     return empty(tuple(t.shape), dtype).copy_(t)
+
+
+def _check_tensor(t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"t: expected a torch.Tensor, got {type(t).__name__}")
