@@ -3,13 +3,16 @@
     python benchmarks/shard.py [--world 2] [--n-layer 4] [--n-embd 192] [--batch 8] [--rounds 60]
 
 Phase 1 (throughput): one spawn; every rank builds all six trainers from the same initial GPT and
-runs them interleaved: each round runs one step of every trainer, in an order that rotates from
-round to round (what runs before a trainer shifts its timings), for ``--rounds`` rounds. A step
-is as slow as its slowest rank. Ratios are *paired*: the median over rounds of the peer's step
-time over the trainer's in the same round, so that the load this shared machine sees, which drifts
-over seconds, cancels (blocks of consecutive steps per trainer let it decide the ranking: the
-identical stage 1 and 2 steps came out 0.87x and 0.98x of DDP in one run). Stages 1/2 are compared
-with DDP, stage 3 with FSDP2, which shards the same units (each ``Block``, then the root).
+runs them interleaved: each round runs one step of every trainer, in an order shuffled anew each
+round (the same on every rank), for ``--rounds`` rounds. What runs before a trainer shifts its
+timings, and an order that merely rotates keeps each trainer behind the same one: stage 1, always
+behind FSDP2, came out 0.01-0.03x below the identical stage 2 step in three runs of three; shuffled,
+they agree. A step is as slow as its slowest rank. Ratios are *paired*: the median over rounds of
+the peer's step time over the trainer's in the same round, so that the load this shared machine
+sees, which drifts over seconds, cancels (blocks of consecutive steps per trainer let it decide the
+ranking: the identical stage 1 and 2 steps came out 0.87x and 0.98x of DDP in one run). Stages
+1/2 are compared with DDP, stage 3 with FSDP2, which shards the same units (each ``Block``, then
+the root).
 Phase 2 (memory): a fresh spawn per trainer, so each peak RSS is its own: peak RSS minus the RSS
 after building the model, per rank, beside the bytes the trainer accounts for.
 Prints a markdown table and one README row.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import random
 import resource
 import statistics
 import sys
@@ -128,8 +132,8 @@ def throughput_worker(rank: int, world: int, cfg: GPTConfig, batch: int, rounds:
         for run in trainers.values():
             run(data[0]).item()
     names = list(trainers)
-    for r in range(rounds):  # the order rotates each round: no trainer always follows the same one
-        for k in names[r % len(names):] + names[:r % len(names)]:
+    for r in range(rounds):  # a fresh order each round, the same on every rank
+        for k in random.Random(r).sample(names, len(names)):
             t0 = time.perf_counter()
             trainers[k](data[r % len(data)]).item()
             times[k].append(time.perf_counter() - t0)

@@ -11,6 +11,10 @@ def collectives(rank, world):
     mesh.comm.all_reduce(t)
     gathered = torch.empty(2 * world)
     mesh.comm.all_gather(gathered, torch.full((2,), float(rank)))
+    in_place = torch.zeros(3 * world)  # this rank's chunk of the output passed as the input: not copied
+    mine = in_place[3 * rank : 3 * rank + 3].fill_(rank + 0.5)
+    mesh.comm.all_gather(in_place, mine)
+    assert in_place.tolist() == [r + 0.5 for r in range(world) for _ in range(3)]
     out = torch.empty(2)
     mesh.comm.reduce_scatter(out, torch.arange(2.0 * world))
     later = torch.empty(3)  # async, as the grad reducer issues it (gloo: an all-to-all + a sum on wait)
@@ -34,7 +38,7 @@ def test_collectives_count_bytes_and_agree_checks_ranks(world):
         assert gathered == [float(r) for r in range(world) for _ in range(2)]
         assert out == [float(world * (2 * rank)), float(world * (2 * rank + 1))]
         assert later == [float(rank_sum * i) for i in range(3 * rank, 3 * rank + 3)]
-        assert nbytes == {"all_reduce": 2 * 16, "all_gather": 8 * world, "reduce_scatter": 8 * world, "agree": 0}
+        assert nbytes == {"all_reduce": 2 * 16, "all_gather": 20 * world, "reduce_scatter": 8 * world, "agree": 0}
         assert "ranks diverged at step 7: rank 0: op 0; rank 1: op 1" in diverged
         assert mesh == f"Mesh(dp={world}, rank={rank})"
 
@@ -78,6 +82,8 @@ def mesh_2x2(rank):
     dp_sum, pp_sum = torch.tensor([float(rank)]), torch.tensor([float(rank)])
     mesh.comm.all_reduce(dp_sum)  # over the ranks holding the same stage
     mesh.pp_comm.all_reduce(pp_sum)  # over one replica's stages
+    pp_gathered = torch.empty(2)  # group ranks are not global ranks: pp group {1, 3} has ranks 0, 1
+    mesh.pp_comm.all_gather(pp_gathered, torch.tensor([float(rank)]))
     x = torch.full((3,), float(rank))
     if mesh.pp_rank == 0:
         mesh.p2p.send(x, 1, "a test send").wait()
@@ -89,6 +95,7 @@ def mesh_2x2(rank):
             zf.Mesh(**kw)
         except ValueError as e:
             errors.append(str(e))
+    assert pp_gathered.tolist() == [float(mesh.rank), float(mesh.rank + 2)]
     return (mesh.rank, mesh.pp_rank, dp_sum.item(), pp_sum.item(), x.tolist(), dict(mesh.p2p.bytes),
             repr(mesh), errors)
 

@@ -134,7 +134,8 @@ def test_packing_writes_every_element_padding_as_zeros(world):
     unit.pack_full(grads, leaves, world, full)
     for rank in range(world):
         pieces = [local_piece(w, leaf, rank) for w, leaf in zip(wholes, leaves)]
-        seg = unit.pack_local(pieces, torch.float32, "cpu")
+        out, seg = unit.gather_buffer(pieces, torch.float32, "cpu", world, rank)
+        assert seg.data_ptr() == out[rank * unit.segment :].data_ptr() and seg.numel() == unit.segment
         for g, piece, sent, packed in zip(grads, pieces, unit.local_views(full[rank], leaves, rank),
                                           unit.local_views(seg, leaves, rank)):
             assert torch.equal(sent, piece if g is not None else torch.zeros_like(piece))

@@ -86,10 +86,17 @@ class Comm:
 
     def all_gather(self, out: torch.Tensor, local: torch.Tensor, label: str = "", async_op: bool = False,
                    check: tuple | None = None):
-        """``out`` (N * local.numel(), rank-major) <- every rank's ``local``."""
+        """``out`` (N * local.numel(), contiguous, rank-major) <- every rank's ``local``.
+
+        ``local`` may already be this rank's chunk of ``out`` (a view): then nothing is copied.
+        On gloo this is one broadcast per rank, each rank sending its own chunk of ``out``: gloo's
+        ring all-gather took 1.4-1.7x as long (7.2 MB on 2 loopback ranks: 5.5-6.7 vs 3.4-4.1 ms;
+        on 4 ranks 11.4 vs 7.9 ms), for the same bytes.
+        """
+        all_gather = _all_gather_by_broadcasts if self._on_gloo() else _all_gather
         return self._run("all_gather", _nbytes(out), label,
-                         lambda: _all_gather(out, local, group=self.group, async_op=True), lambda: out.copy_(local),
-                         async_op, check)
+                         lambda: all_gather(out, local, group=self.group, async_op=True),
+                         lambda: _copy_unless_same(out, local), async_op, check)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, label: str = "", async_op: bool = False,
                        check: tuple | None = None):
@@ -156,6 +163,31 @@ class _Pending:
 # torch 2.13 renamed the tensor collectives; 2.11 has only the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_gather_by_broadcasts(out: torch.Tensor, local: torch.Tensor, group: Any, async_op: bool) -> _AllOf:
+    """``all_gather`` as one broadcast per rank of ``group``, of that rank's chunk of ``out``."""
+    chunks = out.view(dist.get_world_size(group), -1)
+    _copy_unless_same(chunks[dist.get_rank(group)], local)
+    return _AllOf([dist.broadcast(chunk, group=group, group_src=r, async_op=async_op) for r, chunk in enumerate(chunks)])
+
+
+def _copy_unless_same(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.data_ptr() != src.data_ptr():
+        dst.view(-1).copy_(src.reshape(-1))
+
+
+class _AllOf:
+    """Several works in flight, waited on as one."""
+
+    def __init__(self, works: list[Any]):
+        self.works = works
+
+    def wait(self) -> bool:
+        for work in self.works:
+            if work is not None:
+                work.wait()
+        return True
 
 
 def _reduce_scatter_by_all_to_all(out: torch.Tensor, full: torch.Tensor, group: Any, async_op: bool) -> _SumOnWait:

@@ -71,8 +71,8 @@ class Gatherer:
     def _launch(self, u: int) -> None:
         unit = self.units[u]
         ph = self.placeholders[unit.indices[0]]
-        seg = unit.pack_local([self.pieces[i] for i in unit.indices], ph.dtype, ph.device)
-        out = torch.empty(self.spec.world * seg.numel(), dtype=seg.dtype, device=seg.device)
+        out, seg = unit.gather_buffer([self.pieces[i] for i in unit.indices], ph.dtype, ph.device, self.spec.world,
+                                      self.spec.rank)
         check = ((u, self.step), self.describe) if self.verify else None
         work = self.comm.all_gather(out, seg, label=self._what(u), async_op=True, check=check)
         self.inflight[u] = (work, out)

@@ -111,13 +111,16 @@ class FlatUnit:
             size += leaves[i].chunk * leaves[i].rowsize
         self.segment = size
 
-    def pack_local(self, pieces: list[torch.Tensor], dtype: torch.dtype, device) -> torch.Tensor:
-        """This rank's padded segment holding ``pieces`` (in ``indices`` order), cast to ``dtype``."""
-        seg = torch.empty(self.segment, dtype=dtype, device=device)
+    def gather_buffer(self, pieces: list[torch.Tensor], dtype: torch.dtype, device, world: int,
+                      rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, seg)``: a ``(world * segment,)`` buffer in ``dtype`` for this unit's all-gather,
+        and ``seg``, this rank's segment of it, holding ``pieces`` (in ``indices`` order) padded."""
+        out = torch.empty(world * self.segment, dtype=dtype, device=device)
+        seg = out[rank * self.segment : (rank + 1) * self.segment]
         for off, end, piece in zip(self.offsets, [*self.offsets[1:], self.segment], pieces):
             seg[off : off + piece.numel()].copy_(piece.reshape(-1))
             seg[off + piece.numel() : end].zero_()  # the padding of a rank short of a full chunk
-        return seg
+        return out, seg
 
     def unpack_gathered(self, gathered: torch.Tensor, leaves: tuple[LeafShard, ...], world: int) -> list[torch.Tensor]:
         """Whole params (new tensors) from an all-gathered ``(world * segment,)`` buffer."""
@@ -554,8 +557,7 @@ def _gather_whole(pieces, spec: ShardSpec, buckets: list[FlatUnit], comm, dtype:
     one all-gather per bucket, labelled ``... at {label}``."""
     whole: list[torch.Tensor | None] = [None] * len(pieces)
     for unit in buckets:
-        seg = unit.pack_local([pieces[i] for i in unit.indices], dtype, device)
-        out = torch.empty(spec.world * seg.numel(), dtype=seg.dtype, device=seg.device)
+        out, seg = unit.gather_buffer([pieces[i] for i in unit.indices], dtype, device, spec.world, spec.rank)
         comm.all_gather(out, seg, label=f"param all-gather of {unit.name} at {label}")
         for i, w in zip(unit.indices, unit.unpack_gathered(out, spec.leaves, spec.world)):
             whole[i] = w
