@@ -183,8 +183,8 @@ def main(argv=None) -> None:
     for k in TRAINERS:
         rss = max(m[0] for m in memory[k]) / 2**20
         acc = max(m[1] for m in memory[k]) / 2**20
-        print(f"| {k} | {med[k] * 1e3:.1f} | {vs[k]['ddp']:.2f}x ({med['ddp'] / med[k]:.2f}x) "
-              f"| {vs[k]['fsdp2']:.2f}x ({med['fsdp2'] / med[k]:.2f}x) | {rss:.1f} | {acc:.2f} |")
+        print(f"| {k} | {med[k] * 1e3:.1f} | {vs[k]['ddp']:.3f}x ({med['ddp'] / med[k]:.2f}x) "
+              f"| {vs[k]['fsdp2']:.3f}x ({med['fsdp2'] / med[k]:.2f}x) | {rss:.1f} | {acc:.2f} |")
     print(f"\nREADME row: | ZeRO on {args.world} gloo ranks, GPT {n_params / 1e6:.1f}M | `python benchmarks/shard.py` | "
           f"throughput vs DDP (paired, {args.rounds} rounds): stage 1 {vs['zf-1']['ddp']:.2f}x, stage 2 "
           f"{vs['zf-2']['ddp']:.2f}x; stage 3 vs FSDP2 {vs['zf-3']['fsdp2']:.2f}x ({vs['zf-3*']['fsdp2']:.2f}x "

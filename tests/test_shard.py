@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zfunc as zf
-from zfunc.shard import FlatUnit, LeafShard, full_params, local_piece
+from zfunc.shard import FlatUnit, GradReducer, LeafShard, full_params, local_piece
 
 STEPS = 5
 
@@ -43,7 +43,7 @@ class Tiny(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def make(stage=None, mesh=None, accum=1, clip=True, model_kw=None, prefetch=1, vocab=13):
+def make(stage=None, mesh=None, accum=1, clip=True, model_kw=None, prefetch=1, vocab=13, bucket_mb=25.0):
     torch.manual_seed(0)
     apply, params = zf.functionalize(Tiny(vocab=vocab, **(model_kw or {})))
 
@@ -56,7 +56,7 @@ def make(stage=None, mesh=None, accum=1, clip=True, model_kw=None, prefetch=1, v
     step = zf.train_step(loss_fn, tx, accum=accum)
     if stage:
         units = zf.units.by_class(Block) if stage == 3 else None
-        step = zf.shard(step, mesh, stage, units=units, prefetch=prefetch if stage == 3 else 1)
+        step = zf.shard(step, mesh, stage, units=units, prefetch=prefetch if stage == 3 else 1, bucket_mb=bucket_mb)
     return step, step.init(params)
 
 
@@ -78,7 +78,7 @@ def law_worker(rank, world, configs):
     mesh = zf.Mesh(dp=world)
     out = []
     for stage, accum, clip in configs:
-        step, state = make(stage, mesh, accum, clip)
+        step, state = make(stage, mesh, accum, clip, bucket_mb=1e-4)  # about a bucket per leaf, reordered after step 1
         losses, norms = [], []
         for batch in batches(world):
             state, m = step(state, local(batch, rank, world))
@@ -120,6 +120,36 @@ def assert_same_training(got, ref, what: str, names=None) -> None:
     torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=1e-6, msg=what)
     for name in ref_params if names is None else names:
         torch.testing.assert_close(params[name], ref_params[name], rtol=1e-5, atol=1e-5, msg=f"{what}: {name}")
+
+
+def launch_worker(rank, world):
+    """Per step, how many grads backward had produced when each reduce-scatter was launched."""
+    mesh = zf.Mesh(dp=world)
+    step, state = make(2, mesh, clip=False, bucket_mb=1e-6)  # a bucket per leaf
+    launches = []
+    reduce = GradReducer._reduce
+
+    def spy(self, u, grads):
+        launches[-1].append(len(self.arrived))
+        reduce(self, u, grads)
+
+    GradReducer._reduce = spy  # in this spawned process only
+    for batch in batches(world, n=3):
+        launches.append([])
+        state, _ = step(state, local(batch, rank, world))
+    return launches, len(step._flat_units)
+
+
+def test_reduce_scatters_overlap_backward_once_buckets_follow_the_grads():
+    """Leaf order is sorted names: Tiny's embedding (tied to the head), whose grad backward produces
+    last, falls in the first buckets of the reversed leaf order, so on the first step every
+    reduce-scatter waits for the end of backward; from the second on, buckets follow the grads."""
+    for (first, *later), n in zf.dist.spawn(launch_worker, 2, 2):
+        assert n == 15  # a bucket per leaf: 3 blocks of 4, the embedding, ln_f's 2
+        # step 1, reversed leaf order: ln_f.weight, ln_f.bias, then the embedding holds the rest back
+        assert first == [1, 2] + [n] * (n - 2)
+        for launched in later:  # each bucket goes out as soon as its grad is there
+            assert launched == list(range(1, n + 1))
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

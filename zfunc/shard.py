@@ -25,7 +25,8 @@ through its sharding propagation), and uneven ``torch.chunk`` sharding is easy t
   summed over microbatches and reduce-scattered once (accum>1).
 - 2: as 1, but each bucket's grads are freed once reduce-scattered (every microbatch): a rank
   never holds more than the buckets still in flight of whole grads beyond its own slice.
-  Buckets go out in a fixed order, so the ranks' collectives always match.
+  Buckets go out in a fixed order, so the ranks' collectives always match: from the second step
+  on, the order in which the first step's backward produced the grads on rank 0.
 - 3: params stay sharded; each unit is gathered just before its forward, freed after it,
   gathered again when its backward needs it (``prefetch.Gatherer``) and its grads reduce-scattered.
 
@@ -172,10 +173,11 @@ def _row_blocks(leaf: LeafShard, by_rank: torch.Tensor, offset: int, whole: torc
     return blocks
 
 
-def _buckets(leaves: tuple[LeafShard, ...], bucket_elems: int) -> list[FlatUnit]:
-    """Stage 1/2 communication groups: consecutive leaves, reversed (backward order), ~bucket_elems each."""
+def _buckets(leaves: tuple[LeafShard, ...], bucket_elems: int, order: list[int] | None = None) -> list[FlatUnit]:
+    """Stage 1/2 communication groups of ~bucket_elems each: consecutive leaves of ``order`` (every
+    leaf index once; default: reversed leaf order, a guess at the backward order)."""
     groups, current, size = [], [], 0
-    for i in reversed(range(len(leaves))):
+    for i in reversed(range(len(leaves))) if order is None else order:
         current.append(i)
         size += leaves[i].chunk * leaves[i].rowsize
         if size >= bucket_elems:
@@ -217,6 +219,7 @@ class GradReducer:
         self.works: list = []
         self._unit_of: dict[int, int] | None = None
         self.held_bytes = self.peak_bytes = 0  # whole grads held at once (accounting)
+        self.arrived: list[int] = []  # leaf indices in the order backward produced their grads
 
     def sequence(self) -> list[int]:
         """The launch order, asked for once: after the forward pass it no longer changes."""
@@ -240,6 +243,7 @@ class GradReducer:
         return [leaf.register_post_accumulate_grad_hook(on_grad(i)) for i, leaf in enumerate(leaves)]
 
     def add(self, i: int, grad: torch.Tensor) -> None:
+        self.arrived.append(i)
         self._held(grad.numel() * grad.element_size())
         if not self.eager:
             if i not in self.whole:
@@ -347,6 +351,10 @@ class ShardedStep(Step):
         self.prefetch, self.bucket_elems, self.verify = prefetch, bucket_elems, verify
         self.order: list[int] = []  # stage 3: units' run order, recorded on the first step
         self._flat_units: list[FlatUnit] | None = None
+        # Stages 1/2: the order the first step's backward produced the grads in, until the
+        # buckets are rebuilt in it (``_order_buckets``); then None.
+        self._grad_order: list[int] | None = None
+        self._buckets_ordered = False
         self.peak_gathered_bytes = 0  # most whole-param bytes held at once in the last step
         self.peak_whole_grad_bytes = 0  # most whole-grad bytes held at once in the last step
         self._loss_to_sum: torch.Tensor | None = None  # this step's loss, until an all-reduce sums it
@@ -425,6 +433,8 @@ class ShardedStep(Step):
         scale = loss_scale.scale if loss_scale is not None else None
         device = self._device(pieces)
         sink = self._grad_sink(pieces)
+        if self._grad_order is not None:
+            self._order_buckets(spec, step)
         self.mesh.clear_comm_bytes()
         whole = self._gather_all(pieces, spec, f"step {step}", device) if self.stage < 3 else None
         self.peak_gathered_bytes, self.peak_whole_grad_bytes = (tree.nbytes(whole) if whole else 0), 0
@@ -443,6 +453,8 @@ class ShardedStep(Step):
                 auxes.append(aux)
         if not eager:
             reducer.reduce_accumulated()
+        if self.stage < 3 and not self._buckets_ordered:
+            self._grad_order = reducer.arrived
         grads = sink.result()
         loss = torch.stack(losses).mean()  # this rank's; the caller averages it over the ranks
         return loss, (auxes[0] if self.accum == 1 else auxes), grads and tree.unflatten(treespec, grads)
@@ -534,6 +546,23 @@ class ShardedStep(Step):
         if self._flat_units is None:
             self._flat_units = _buckets(spec.leaves, self.bucket_elems)
         return self._flat_units
+
+    def _order_buckets(self, spec: ShardSpec, step: int) -> None:
+        """Stages 1/2, once, at the start of the second step: rebuild the buckets in the order the
+        first step's backward produced the grads on rank 0 (leaves that got none last), as DDP
+        rebuilds its buckets after its first iteration, so that each bucket is complete, and its
+        reduce-scatter launched, as early as backward allows. Leaf order is the pytree's (sorted
+        dict keys), not the model's: on the GPT it puts the embeddings, whose grads come last,
+        in the first bucket of the reversed order, and as buckets are launched in order, no
+        reduce-scatter overlapped backward at all. Every rank takes rank 0's order (one small
+        all-gather, in no step's comm bytes), so their buckets match whatever their graphs did."""
+        arrived = list(dict.fromkeys(self._grad_order))
+        seen = set(arrived)
+        order = torch.tensor(arrived + [i for i in reversed(range(len(spec.leaves))) if i not in seen])
+        everyone = torch.empty(spec.world * order.numel(), dtype=order.dtype)
+        self.mesh.comm.all_gather(everyone, order, label=f"bucket order at step {step}")
+        self._flat_units = _buckets(spec.leaves, self.bucket_elems, everyone[: order.numel()].tolist())
+        self._grad_order, self._buckets_ordered = None, True
 
     def _stage3_units(self, module) -> list[FlatUnit]:
         if self._flat_units is None:
