@@ -6,8 +6,8 @@ Phase 1 (throughput): one spawn; every rank builds all six trainers from the sam
 runs them interleaved: each round runs one step of every trainer, in an order shuffled anew each
 round (the same on every rank), for ``--rounds`` rounds. What runs before a trainer shifts its
 timings, and an order that merely rotates keeps each trainer behind the same one: stage 1, always
-behind FSDP2, came out 0.01-0.03x below the identical stage 2 step in three runs of three; shuffled,
-they agree. A step is as slow as its slowest rank. Ratios are *paired*: the median over rounds of
+behind FSDP2, came out 0.01-0.03x below the identical stage 2 step in three runs of three;
+shuffled, the sign of their difference changes from run to run (-0.013 to +0.017 over seven). A step is as slow as its slowest rank. Ratios are *paired*: the median over rounds of
 the peer's step time over the trainer's in the same round, so that the load this shared machine
 sees, which drifts over seconds, cancels (blocks of consecutive steps per trainer let it decide the
 ranking: the identical stage 1 and 2 steps came out 0.87x and 0.98x of DDP in one run). Stages
