@@ -192,24 +192,45 @@ class _AllOf:
 
 def _reduce_scatter_by_all_to_all(out: torch.Tensor, full: torch.Tensor, group: Any, async_op: bool) -> _SumOnWait:
     """``reduce_scatter`` as ``all_to_all_single`` (rank r receives every rank's r-th chunk of
-    ``full``) plus a sum of the received chunks into ``out`` when the work is waited on."""
+    ``full``) plus a sum of the received chunks into ``out`` when the work is waited on.
+
+    A rank whose own chunk comes first or last (both ranks of two) does not send it to itself: the
+    others' chunks are then contiguous, and its own is added straight from ``full`` (7.2 MB on 2
+    loopback ranks, with the sum: 4.2-4.9 vs 5.5-5.8 ms).
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunks = full.view(world, out.numel())
+    if world > 1 and rank in (0, world - 1):
+        others = chunks[1:] if rank == 0 else chunks[:-1]
+        splits = [0 if r == rank else out.numel() for r in range(world)]
+        received = torch.empty_like(others)
+        work = dist.all_to_all_single(received.view(-1), others.reshape(-1), splits, splits, group=group,
+                                      async_op=async_op)
+        return _SumOnWait(work, received, out, own=chunks[rank])
     received = torch.empty_like(full)
     work = dist.all_to_all_single(received, full, group=group, async_op=async_op)
-    return _SumOnWait(work, received.view(-1, out.numel()), out)
+    return _SumOnWait(work, received.view(world, -1), out)
 
 
 class _SumOnWait:
-    """An all-to-all in flight whose received chunks (rows) are summed into ``out`` by ``wait()``."""
+    """An all-to-all in flight whose received chunks (rows), and this rank's ``own`` chunk if it
+    was not sent, are summed into ``out`` by ``wait()``."""
 
-    def __init__(self, work: Any, received: torch.Tensor, out: torch.Tensor):
-        self.work, self.received, self.out = work, received, out
+    def __init__(self, work: Any, received: torch.Tensor, out: torch.Tensor, own: torch.Tensor | None = None):
+        self.work, self.received, self.out, self.own = work, received, out, own
 
     def wait(self) -> bool:
         if self.received is not None:
             if self.work is not None:
                 self.work.wait()
-            torch.sum(self.received, dim=0, out=self.out.view(-1))
-            self.received = None
+            out = self.out.view(-1)
+            if self.own is None:
+                torch.sum(self.received, dim=0, out=out)
+            elif len(self.received) == 1:
+                torch.add(self.own, self.received[0], out=out)
+            else:
+                torch.sum(self.received, dim=0, out=out).add_(self.own)
+            self.received = self.own = None
         return True
 
 
