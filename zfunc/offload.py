@@ -358,7 +358,7 @@ def in_ram(state: TrainState) -> TrainState:
         return state
     from zfunc.swap import SwapEngine
 
-    with SwapEngine(spec.path) as engine:
+    with SwapEngine(spec.path, lock=False) as engine:  # a reader beside the step's engine, between steps
         store = Store(engine)
         futures = tree.map(store.fetch, (state.params, state.opt_state))  # RAM leaves come back as they are
         params, opt_state = tree.map(lambda f: f.result(), futures)
