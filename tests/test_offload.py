@@ -2,7 +2,10 @@
 import os
 import subprocess
 import sys
+import re
 import textwrap
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ import zfunc as zf
 from tests.test_shard import Block, Tiny, assert_same_training, batches, local
 from zfunc.offload import in_ram, offload
 from zfunc.shard import full_params
+from zfunc.swap import SwapInUseError, SwapPathError
 
 PLACES = [("cpu", None), ("nvme", None), ("cpu", "cpu"), ("nvme", "nvme")]
 
@@ -258,3 +262,45 @@ def test_a_plain_offloaded_step_in_a_multi_process_run_keeps_to_itself(tmp_path)
     results = zf.dist.spawn(alone_worker, 2, 2, str(tmp_path))
     _, ref_losses, _ = run(*make(False), n=2)
     assert results == [(1, ref_losses)] * 2
+
+
+def shared_path_worker(rank, world, path, stages):
+    mesh = zf.Mesh(dp=world)
+    out = []
+    for stage in stages:  # every rank given the same path: each keeps its files in its own folder
+        step, state = make(False, where="nvme", path=f"{path}/{stage}", mesh=mesh, stage=stage)
+        state, losses, norms = run(step, state, world, rank, n=4, shards=world)
+        out.append((losses, norms, full_params(in_ram(state), mesh)))
+    return out
+
+
+def test_ranks_given_one_nvme_path_keep_their_files_apart_and_train_as_the_plain_step(tmp_path):
+    stages = (1, 2)
+    results = zf.dist.spawn(shared_path_worker, 2, 2, str(tmp_path), stages)
+    ref_state, ref_losses, ref_norms = run(*make(False), world=2, n=4)
+    for k, stage in enumerate(stages):
+        for rank in range(2):
+            assert_same_training(results[rank][k], (ref_losses, ref_norms, ref_state.params),
+                                 f"stage {stage}, rank {rank}")
+        files = sorted(str(f.relative_to(tmp_path / str(stage))) for f in (tmp_path / str(stage)).rglob("*.swap"))
+        assert {f.split("/")[0] for f in files} == {"rank00000", "rank00001"}, files
+
+
+def test_nvme_init_asks_for_whole_blocks_per_file(tmp_path, monkeypatch):
+    block, n_leaves = 1 << 20, len(zf.functionalize(Tiny())[1])
+    free = [4 * n_leaves - 1]  # two moments per leaf, each beside its spare: one 1 MiB block each
+    monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_bavail=free[0], f_frsize=block))
+    with pytest.raises(SwapPathError, match=f"{4 * n_leaves} files in {block}-byte blocks"):
+        make(False, where="nvme", path=tmp_path / "a")  # though the files hold a few KB
+    free[0] += 1
+    make(False, where="nvme", path=tmp_path / "b")
+
+
+def test_a_second_run_on_a_path_in_use_is_refused_and_a_later_one_starts_there(tmp_path):
+    first, state = make(False, where="nvme", path=tmp_path)
+    with pytest.raises(SwapInUseError, match=f"{re.escape(str(tmp_path))} is in use .*pid {os.getpid()}"):
+        make(False, where="nvme", path=tmp_path)
+    run(first, state, n=1)
+    del first, state  # the run ends: its engine goes with its step (collected, if in a reference cycle)
+    step, state = make(False, where="nvme", path=tmp_path)  # the same path again, as a resumed run would
+    assert run(step, state, n=2)[1] == run(*make(False), n=2)[1]

@@ -2,6 +2,7 @@
 import errno
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -9,13 +10,14 @@ import textwrap
 import time
 import zlib
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from zfunc import swap
-from zfunc.swap import (SwapChecksumError, SwapEngine, SwapError, SwapMismatchError, SwapPathError, aligned_empty,
-                        aligned_like, check_path, crc32_combine)
+from zfunc.swap import (LOCK_FILE, SwapChecksumError, SwapEngine, SwapError, SwapInUseError, SwapMismatchError,
+                        SwapPathError, aligned_empty, aligned_like, check_path, crc32_combine, disk_bytes, rank_dir)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
 SIZES = [1, 4097, (3 << 20) + 3]  # elements: one, just over a page, a few MB in several blocks
@@ -153,10 +155,10 @@ def test_spare_is_overwritten_in_place_and_never_aliases_the_live_file(engine, m
     monkeypatch.undo()
     out = torch.empty(300_000)
     assert engine.read("r", out).result(timeout=10).version == 4 and bool((out == 3).all())
-    with SwapEngine(engine.path, spare=False) as fresh:
+    with SwapEngine(engine.path / "fresh", spare=False) as fresh:  # its own directory: one engine per directory
         fresh.write("s", out).result()
         fresh.write("s", out).result()
-    assert not (engine.path / ".s.swap.spare").exists()
+    assert not (fresh.path / ".s.swap.spare").exists()
     assert engine.remove("r") and not spare.exists()
 
 
@@ -236,6 +238,108 @@ def test_disk_full_during_write_keeps_previous_version(engine, monkeypatch):
     assert not list(engine.path.glob(".*.tmp"))
 
 
+def test_free_space_counts_each_file_in_whole_blocks(tmp_path, monkeypatch):
+    block = 1 << 16
+    sizes = [1, 5000, 70_000]  # files of 8 KiB, 12 KiB and 76 KiB: 1, 1 and 2 blocks of 64 KiB
+    assert [disk_bytes(n, block) for n in sizes] == [block, block, 2 * block]
+    assert disk_bytes(5000) == swap.file_nbytes(5000) == 12288
+    free = [4]
+    monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_bavail=free[0], f_frsize=block))
+    assert check_path(tmp_path, files=sizes) == tmp_path
+    free[0] = 3  # 192 KiB: twice the files' 96 KiB of bytes, one block short
+    with pytest.raises(SwapPathError, match=f"{tmp_path} has .* GiB free, needs .*3 files in {block}-byte blocks"):
+        check_path(tmp_path, files=sizes)
+    with pytest.raises(SwapPathError, match="need_bytes=1 "):
+        check_path(tmp_path, need_bytes=1, files=sizes[:1] * 3)
+    # the engine makes room for each file's spare too; without spares, for one new version beside
+    for spare, blocks in ((True, 8), (False, 6)):
+        free[0] = blocks - 1
+        with pytest.raises(SwapPathError, match=f"{2 * len(sizes) if spare else len(sizes) + 1} files"):
+            SwapEngine(tmp_path, files=sizes, spare=spare)
+        free[0] = blocks
+        SwapEngine(tmp_path, files=sizes, spare=spare).close()
+
+
+def test_files_take_no_more_than_disk_bytes_on_this_file_system(tmp_path):
+    block = os.statvfs(tmp_path).f_frsize
+    sizes = [1, 4097, 100_000]
+    with SwapEngine(tmp_path, files=sizes) as e:
+        for i, n in enumerate(sizes):
+            t = torch.randint(0, 256, (n,), dtype=torch.uint8)
+            e.write(f"f{i}", t).result()
+            e.write(f"f{i}", t).result()  # a second version: the first is kept as its spare
+    used = sum(f.stat().st_blocks * 512 for f in tmp_path.iterdir())
+    assert len(list(tmp_path.iterdir())) == 2 * len(sizes)
+    assert 2 * sum(sizes) < used <= 2 * sum(disk_bytes(n, block) for n in sizes)
+
+
+# ----------------------------------------------------------------------------- one engine per directory
+
+
+def test_rank_dir_gives_each_rank_its_folder():
+    assert rank_dir("/scratch/run") == Path("/scratch/run")  # this process is alone
+    assert rank_dir("/scratch/run", 0, 1) == Path("/scratch/run")
+    assert rank_dir("/scratch/run", 3, 8) == Path("/scratch/run/rank00003")
+    with pytest.raises(ValueError, match="rank, world: expected ints with 0 <= rank < world, got rank=2, world=2"):
+        rank_dir("/scratch/run", 2, 2)
+    with pytest.raises(ValueError, match="pass both or neither"):
+        rank_dir("/scratch/run", 1)
+
+
+def test_a_second_engine_on_a_live_directory_is_refused_until_the_first_closes(tmp_path):
+    first = SwapEngine(tmp_path)
+    message = f"{re.escape(str(tmp_path))} is in use by another live SwapEngine \\(pid {os.getpid()}, this process\\)"
+    with pytest.raises(SwapInUseError, match=message):
+        SwapEngine(tmp_path)
+    first.write("a", torch.ones(10)).result()
+    with SwapEngine(tmp_path, lock=False) as reader:  # a reader beside the holder takes no lock
+        out = torch.empty(10)
+        assert reader.read("a", out).result().version == 1 and bool((out == 1).all())
+    first.close()
+    with SwapEngine(tmp_path) as second:  # the directory is free again: a later run resumes in it
+        out = torch.empty(10)
+        assert second.read("a", out).result().version == 1 and bool((out == 1).all())
+    assert not (tmp_path / LOCK_FILE).exists(), "close leaves the directory as it found it"
+    dropped = SwapEngine(tmp_path)
+    dropped.cycle = dropped  # never closed, and kept alive by a reference cycle until collected
+    del dropped
+    SwapEngine(tmp_path).close()
+
+
+HOLDER = textwrap.dedent("""
+    import sys
+    from zfunc.swap import SwapEngine
+    engine = SwapEngine(sys.argv[1])
+    print("held", flush=True)
+    if sys.stdin.readline().strip() == "close":
+        engine.close()
+        print("closed", flush=True)
+    sys.stdin.readline()
+""")
+
+
+@pytest.mark.parametrize("end", ["close", "kill -9"])
+def test_a_directory_held_by_another_process_is_refused_until_it_closes_or_dies(tmp_path, end):
+    child = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    try:
+        assert child.stdout.readline().strip() == "held"
+        with pytest.raises(SwapInUseError, match=f"{re.escape(str(tmp_path))} is in use .*\\(pid {child.pid}\\)"):
+            SwapEngine(tmp_path)
+        if end == "close":
+            child.stdin.write("close\n")
+            child.stdin.flush()
+            assert child.stdout.readline().strip() == "closed"
+        else:
+            os.kill(child.pid, signal.SIGKILL)
+            child.wait(timeout=30)
+        with SwapEngine(tmp_path) as e:  # the holder is gone: the next run starts in the same directory
+            e.write("x", torch.ones(3)).result()
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+
+
 # ----------------------------------------------------------------------------- corrupt files
 
 
@@ -256,7 +360,7 @@ def test_corrupt_file_raises_checksum_error_naming_it(engine, damage):
     with pytest.raises(SwapChecksumError, match=str(file)):
         engine.read("c", torch.empty_like(t)).result(timeout=10)
     if damage == "flip_payload":  # the crc is what caught it
-        with SwapEngine(engine.path, verify=False) as unchecked:
+        with SwapEngine(engine.path, verify=False, lock=False) as unchecked:  # a reader beside the holder
             unchecked.read("c", torch.empty_like(t)).result(timeout=10)
 
 

@@ -3,7 +3,8 @@
 ``zf.offload(step, optimizer="cpu"|"nvme", params=None|"cpu"|"nvme", path=...)`` returns a step
 that trains exactly like ``step`` (a plain step, or ``zf.shard(step, mesh, stage)``) while keeping,
 between steps, the optimizer state (``optimizer=``) and the fp32 master params (``params=``) in
-CPU RAM (pinned when there is a GPU) or in swap files under ``path`` (``zfunc.swap``).
+CPU RAM (pinned when there is a GPU) or in swap files under ``path`` (``zfunc.swap``), each process
+in its own folder (``path/rank00003/`` for global rank 3, ``path`` itself alone), locked while used.
 
 **Law.** For the same optimizer (kernel included: pass ``backend="numba"`` to both for CPU-Adam)
 the offloaded step gives the same params, optimizer state, loss and grad norm as ``step``, up to
@@ -120,8 +121,7 @@ class OffloadedStep(ShardedStep):
                 raise ValueError("params: on the meta device; pass materialize(name, like) -> tensor to init")
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         names = _leaf_names(params)
-        # disk: fp32 masters + two moments, twice over (the swap engine keeps a spare per file)
-        self._swap(need_bytes=24 * sum(math.prod(leaf.local_shape(spec.rank)) for leaf in spec.leaves))
+        self._swap(spec)
         self._stores(device)
         masters, states = [], []
         for i, (x, leaf, name) in enumerate(zip(leaves, spec.leaves, names)):
@@ -135,18 +135,24 @@ class OffloadedStep(ShardedStep):
                                                   for j, t in enumerate(s_leaves)]))
             masters.append(piece.to(device) if self.where_params is None else self._param_store.put(f"p{i}.master", piece))
         self._wait_writes(None)
-        off = OffloadSpec(*_shard_fields(spec), self.where_optimizer, self.where_params, self.path, device)
+        path = self.path if self.engine is None else str(self.engine.path)  # this rank's files
+        off = OffloadSpec(*_shard_fields(spec), self.where_optimizer, self.where_params, path, device)
         return TrainState(tree.unflatten(treespec, masters), tuple(states), 0, self.seed,
                           mp.init_loss_scale(self.precision), off)
 
-    def _swap(self, need_bytes: int) -> None:
+    def _swap(self, spec: ShardSpec) -> None:
+        """The swap engine, on this process's own folder of ``path`` (``rank_dir``), which it locks."""
         if self.engine is None and "nvme" in (self.where_optimizer, self.where_params):
-            from zfunc.swap import SwapEngine
+            from zfunc.swap import SwapEngine, rank_dir
 
+            # the files init writes, fp32 like the local pieces: a master (params on nvme) and, as
+            # for Adam, two moments (optimizer on nvme) per leaf; the engine adds their spares
+            per_leaf = (self.where_params == "nvme") + 2 * (self.where_optimizer == "nvme")
+            files = [4 * math.prod(leaf.local_shape(spec.rank)) for leaf in spec.leaves for _ in range(per_leaf)]
             # 4 I/O threads: enough to keep the disk busy under a CPU update, and every thread costs
             # RAM (an allocator arena, a staging buffer): at 8 the 403M-param GPT of
             # benchmarks/capacity.py no longer fit in 1 GiB
-            self.engine = SwapEngine(self.path, need_bytes=need_bytes, threads=4)
+            self.engine = SwapEngine(rank_dir(self.path), files=files, threads=4)
 
     def _stores(self, device: torch.device) -> None:
         pin = device.type == "cuda"
@@ -358,7 +364,7 @@ def in_ram(state: TrainState) -> TrainState:
         return state
     from zfunc.swap import SwapEngine
 
-    with SwapEngine(spec.path) as engine:
+    with SwapEngine(spec.path, lock=False) as engine:  # a reader beside the step's engine, between steps
         store = Store(engine)
         futures = tree.map(store.fetch, (state.params, state.opt_state))  # RAM leaves come back as they are
         params, opt_state = tree.map(lambda f: f.result(), futures)
@@ -378,6 +384,9 @@ def offload(step: Step, optimizer: str = "cpu", params: str | None = None, *, pa
         too, and each unit of params fetched just before use (stage 3's gatherer; ``units`` and
         ``prefetch`` as in ``zf.shard`` for a plain step).
       path: directory of the swap files, for "nvme" (checked for room and writability by ``init``).
+        Each process keeps its files in its own folder, ``path/rank00003/`` for global rank 3
+        (``path`` itself for a process alone), and locks it while its step lives: ranks given one
+        path never share a file, and a second run on a path in use is refused (``SwapInUseError``).
       chunk_bytes: bytes of reads kept in flight ahead of the update and of param fetches; writes
         in flight are bounded by twice this.
       overlap: update units during backward (default: whenever the optimizer allows it; see the

@@ -22,9 +22,18 @@ is kept as a hidden ``.<file>.spare`` hard link, and the next write renames that
 ``.tmp`` and overwrites it in place: no blocks allocated, converted or freed per write, which made
 writes ~1.5x faster here (ext4 mounted with ``discard``: freeing a 1 GiB file took 0.2 s), for 2x
 the disk space. Rename rather than two slots per name with the header's version deciding: a rename
-never exposes a torn file and data and header need no ordering. One engine per directory: another
-process that keeps a file open across two writes of its name would see its spare overwritten
-(``spare=False`` gives such readers the version they opened).
+never exposes a torn file and data and header need no ordering.
+
+**One engine per directory.** An engine holds an exclusive ``flock`` on the directory's
+``.zfunc-swap.lock`` for its lifetime; a second engine on the directory, in this process or another,
+is refused with ``SwapInUseError`` naming the directory and the holder's pid (two writers of one name
+would overwrite each other's versions and spares). The kernel drops the lock when the engine closes
+or its process dies, ``kill -9`` included, so the next run on the directory (a resumed one) starts.
+``lock=False`` takes no lock, for a reader beside the holder (``zfunc.offload.in_ram`` between
+steps); a reader that keeps a file open across two writes of its name would see its spare
+overwritten (``spare=False`` gives such readers the version they opened). Ranks of one job given
+one path use ``rank_dir(path)``: ``path/rank00003/`` for global rank 3, ``path`` itself for a
+process alone.
 
 **Checked.** Each worker crc32s the block it moved; block crcs combine (``crc32_combine``) into the
 payload's crc32. A bad header, a truncated file or a payload mismatch raises ``SwapChecksumError``
@@ -33,7 +42,8 @@ naming the file (``out`` is then unspecified). zlib's crc32 runs ~4 GB/s per cor
 its crc32 (the same values, ~50 GB/s) is used and verify costs little (3.9-4.7 vs 4.9 GB/s in one
 run). ``verify=False`` skips it (the header then holds no crc, and readers check none).
 
-**Cost.** A write or read moves ``file_nbytes(nbytes)`` = 4096 + nbytes rounded up to 4096. A
+**Cost.** A write or read moves ``file_nbytes(nbytes)`` = 4096 + nbytes rounded up to 4096; on disk
+the file takes ``disk_bytes(nbytes, block)``, that rounded up to the file system's block. A
 4096-aligned tensor (``aligned_empty``) moves with no copy but for its last partial page; others go
 through a staging buffer per block (one memcpy). ``threads`` workers each keep one blocking
 ``preadv``/``pwritev`` in flight; a transfer is cut into ``block_bytes`` pieces with at most
@@ -44,12 +54,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
+import gc
 import itertools
 import json
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -66,6 +79,7 @@ ALIGN = 4096
 FORMAT = 1
 MAGIC = b"ZFSWAP\x00\x01"
 FSYNC = ("never", "write")
+LOCK_FILE = ".zfunc-swap.lock"
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
@@ -74,7 +88,11 @@ class SwapError(OSError):
 
 
 class SwapPathError(SwapError):
-    """The swap directory cannot be created or written, or has too little free space."""
+    """The swap directory cannot be created, written or locked, or has too little free space."""
+
+
+class SwapInUseError(SwapPathError):
+    """Another live engine (this process or another) holds the swap directory."""
 
 
 class SwapChecksumError(SwapError):
@@ -104,8 +122,14 @@ def _pad(n: int) -> int:
 
 
 def file_nbytes(nbytes: int) -> int:
-    """Bytes on disk of a swap file holding ``nbytes`` of payload (header + padded payload)."""
+    """Bytes of a swap file holding ``nbytes`` of payload (header + padded payload)."""
     return ALIGN + _pad(nbytes)
+
+
+def disk_bytes(nbytes: int, block: int = ALIGN) -> int:
+    """Room a swap file holding ``nbytes`` of payload takes on a file system that allocates whole
+    ``block``-byte blocks: ``file_nbytes(nbytes)`` rounded up to ``block`` (file metadata aside)."""
+    return -(-file_nbytes(nbytes) // block) * block
 
 
 def aligned_empty(nbytes: int, *, pin: bool = False) -> torch.Tensor:
@@ -206,8 +230,28 @@ def _version_on_disk(file: Path) -> int:
 # ----------------------------------------------------------------------------- paths and files
 
 
-def check_path(path: str | os.PathLike, need_bytes: int = 0) -> Path:
-    """Create ``path`` if needed; check files can be written there and ``need_bytes`` are free.
+def rank_dir(path: str | os.PathLike, rank: int | None = None, world: int | None = None) -> Path:
+    """The directory under ``path`` for the swap files of process ``rank`` of ``world``: ``path``
+    itself for a process alone (``world == 1``), else ``path/rank{rank:05d}``, so the ranks of a job
+    given one path never write one file. Default: the global rank and world size of
+    ``torch.distributed`` (alone when it is not initialised)."""
+    if (rank is None) != (world is None):
+        raise ValueError(f"rank, world: pass both or neither, got rank={rank!r}, world={world!r}")
+    if rank is None:
+        import torch.distributed as dist
+
+        on = dist.is_available() and dist.is_initialized()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
+    if not isinstance(world, int) or world < 1 or not isinstance(rank, int) or not 0 <= rank < world:
+        raise ValueError(f"rank, world: expected ints with 0 <= rank < world, got rank={rank!r}, world={world!r}")
+    return Path(path) if world == 1 else Path(path) / f"rank{rank:05d}"
+
+
+def check_path(path: str | os.PathLike, need_bytes: int = 0, files: Iterable[int] = ()) -> Path:
+    """Create ``path`` if needed; check files can be written there and there is room for
+    ``need_bytes`` plus swap files holding ``files`` (payload bytes each): ``disk_bytes(n, block)``
+    each, ``block`` being the file system's allocation unit (``statvfs``'s ``f_frsize``, the unit
+    free space is counted in), so many small files are not undercounted.
 
     Raises ``SwapPathError`` naming the path otherwise. Call it before training starts.
     """
@@ -220,11 +264,80 @@ def check_path(path: str | os.PathLike, need_bytes: int = 0) -> Path:
     except OSError as e:
         raise SwapPathError(f"path: swap directory {p} cannot be created or written ({e})") from e
     st = os.statvfs(p)
-    free = st.f_bavail * st.f_frsize
-    if need_bytes > free:
+    block = st.f_frsize or ALIGN
+    free, sizes = st.f_bavail * block, list(files)
+    need = need_bytes + sum(disk_bytes(n, block) for n in sizes)
+    if need > free:
         raise SwapPathError(f"path: swap directory {p} has {free / 2**30:.2f} GiB free, needs "
-                            f"{need_bytes / 2**30:.2f} GiB (need_bytes={need_bytes})")
+                            f"{need / 2**30:.2f} GiB (need_bytes={need_bytes} + {len(sizes)} files "
+                            f"in {block}-byte blocks)")
     return p
+
+
+def _hold_directory(directory: Path) -> int:
+    """Hold ``directory``'s lock file (``flock``, exclusive, not waiting): its fd, the holder's pid
+    written in it. The kernel drops the lock with the fd's last close or the process's death."""
+    file, collected = directory / LOCK_FILE, False
+    while True:
+        try:
+            fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise SwapPathError(f"path: swap directory {directory} cannot be locked ({e})") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder_pid(fd)
+            os.close(fd)
+            if holder == os.getpid() and not collected:
+                # the engine of a dropped step may be waiting in a reference cycle: collecting it
+                # runs its finalizer, which releases the lock
+                gc.collect()
+                collected = True
+                continue
+            who = "pid unknown" if holder is None else f"pid {holder}"
+            who += ", this process" if holder == os.getpid() else ""
+            raise SwapInUseError(f"path: swap directory {directory} is in use by another live SwapEngine ({who}); "
+                                 "two engines on one directory overwrite each other's files: give each run its "
+                                 "own path, or close the engine (drop the step) holding it") from None
+        except OSError as e:
+            os.close(fd)
+            raise SwapPathError(f"path: swap directory {directory} cannot be locked ({e}); its file system must "
+                                "support flock") from e
+        if _is_file(fd, file):
+            break
+        os.close(fd)  # its holder removed it between our open and flock: lock the one there now
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _release_directory(fd: int, file: Path) -> None:
+    """Remove the lock file while still holding it (a waiter that opened it then sees it gone, see
+    ``_hold_directory``), then release it."""
+    try:
+        if _is_file(fd, file):
+            file.unlink()
+    except OSError:
+        pass  # left behind, harmless: the next engine locks it
+    finally:
+        os.close(fd)
+
+
+def _is_file(fd: int, file: Path) -> bool:
+    """Whether ``fd`` is the file at ``file`` now."""
+    try:
+        a, b = os.fstat(fd), os.stat(file)
+    except FileNotFoundError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _holder_pid(fd: int) -> int | None:
+    """The pid the lock file's holder wrote (None if not yet written)."""
+    try:
+        return int(os.pread(fd, 32, 0))
+    except ValueError:
+        return None
 
 
 def _o_direct_works(directory: Path) -> bool:
@@ -383,13 +496,18 @@ class SwapEngine:
         in place and renames: steady-state writes then allocate and free nothing (~1.5x faster on
         ext4, more where freed blocks are discarded) for 2x the disk space; False: fresh files,
         2x only while a name is being written.
-      need_bytes: free space to require now: about ``2 * sum(file_nbytes(...))`` with ``spare``,
-        ``sum(...) + max(...)`` without.
+      need_bytes: free space to require now, beyond ``files``.
+      files: payload bytes of each file to be written: their room is required now, in the file
+        system's blocks (``check_path``), twice with ``spare`` (each file and its spare), else
+        plus the largest (one new version beside its old).
+      lock: hold the directory's lock while open (``SwapInUseError`` if another engine holds it);
+        False only for a reader beside the holder, which must not write while the holder does.
     """
 
     def __init__(self, path: str | os.PathLike, *, threads: int = 8, block_bytes: int = 8 << 20,
                  queue_depth: int | None = None, o_direct: bool = True, fsync: str = "never",
-                 verify: bool = True, spare: bool = True, need_bytes: int = 0):
+                 verify: bool = True, spare: bool = True, need_bytes: int = 0, files: Iterable[int] = (),
+                 lock: bool = True):
         for arg, value in (("threads", threads), ("queue_depth", threads if queue_depth is None else queue_depth)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{arg}: expected an int >= 1, got {value!r}")
@@ -397,7 +515,11 @@ class SwapEngine:
             raise ValueError(f"block_bytes: expected a multiple of {ALIGN} up to 1 GiB, got {block_bytes!r}")
         if fsync not in FSYNC:
             raise ValueError(f"fsync: expected one of {FSYNC}, got {fsync!r}")
-        self.path = check_path(path, need_bytes)
+        files = list(files)
+        self.path = check_path(path, need_bytes, files * 2 if spare else files + [max(files, default=0)])
+        # closing the lock's fd releases it: on close(), or when an unclosed engine is collected
+        self._unlock = (weakref.finalize(self, _release_directory, _hold_directory(self.path), self.path / LOCK_FILE)
+                        if lock else lambda: None)
         self.o_direct = bool(o_direct) and _o_direct_works(self.path)
         self.threads, self.block_bytes, self.queue_depth = threads, block_bytes, queue_depth or threads
         self.fsync, self.verify, self.spare = fsync, verify, spare
@@ -450,11 +572,12 @@ class SwapEngine:
         return self._after(name, unlink).result()
 
     def close(self) -> None:
-        """Wait for every operation issued, then stop the workers (idempotent)."""
+        """Wait for every operation issued, stop the workers, release the directory (idempotent)."""
         with self._lock:
             self._closed, pending = True, list(self._pending)
         wait(pending)
         self._pool.shutdown(wait=True)
+        self._unlock()
 
     def __enter__(self) -> SwapEngine:
         return self
