@@ -10,24 +10,27 @@ schedules reproduced update for update (``schedule``).
 
 DeepSpeed key -> Plan field (key paths as in DeepSpeed's "Configuration JSON" reference):
 
-| DeepSpeed key                                        | Plan field                        |
-|------------------------------------------------------|-----------------------------------|
-| ``world_size=`` argument (data-parallel ranks)       | ``dp``                            |
-| ``train_batch_size``                                 | ``global_batch``                  |
-| ``train_micro_batch_size_per_gpu``                   | ``micro_batch``                   |
-| ``gradient_accumulation_steps``                      | ``accum``                         |
-| ``gradient_clipping`` (absent: 1.0, DeepSpeed >= 0.19.3; 0 = off) | ``gradient_clipping`` |
-| ``zero_optimization.stage`` (0-3; legacy ``true``/``false`` = 1/0) | ``zero_stage``      |
-| ``zero_optimization.offload_optimizer.device`` (stage 1-3) | ``offload_optimizer``       |
-| ``zero_optimization.offload_param.device`` (stage 3) | ``offload_params``                |
-| ``zero_optimization.offload_*.nvme_path``            | ``nvme_path`` (one for both)      |
-| ``zero_optimization.cpu_offload`` / ``cpu_offload_param`` (deprecated) | device "cpu"    |
-| ``fp16.enabled`` / ``bf16.enabled`` (``bfloat16``)   | ``precision`` "fp16" / "bf16"     |
-| ``fp16.initial_scale_power``, ``loss_scale_window``, ``hysteresis``, ``consecutive_hysteresis``, ``min_loss_scale`` | same names |
-| ``optimizer.type`` + ``optimizer.params``            | ``optimizer`` + ``optimizer_params`` |
-| ``scheduler.type`` + ``scheduler.params``            | ``scheduler`` + ``scheduler_params`` |
-| ``activation_checkpointing`` (present)               | ``remat=True``                    |
-| ``activation_checkpointing.cpu_checkpointing``       | ``remat_offload``                 |
+| DeepSpeed key                                                   | Plan field                  |
+|-----------------------------------------------------------------|-----------------------------|
+| ``world_size=`` argument (DeepSpeed's data-parallel world size)  | ``dp``                      |
+| ``train_batch_size``                                            | ``global_batch``            |
+| ``train_micro_batch_size_per_gpu``                              | ``micro_batch``             |
+| ``gradient_accumulation_steps``                                 | ``accum``                   |
+| ``gradient_clipping`` (absent: 1.0 as DeepSpeed >= 0.19.3)       | ``gradient_clipping``       |
+| ``zero_optimization.stage`` (legacy ``true``/``false``: 1/0)     | ``zero_stage``              |
+| ``zero_optimization.offload_optimizer.device`` (stage 1-3)      | ``offload_optimizer``       |
+| ``zero_optimization.offload_param.device`` (stage 3)            | ``offload_params``          |
+| ``zero_optimization.offload_{optimizer,param}.nvme_path``       | ``nvme_path`` (one for both)|
+| ``zero_optimization.cpu_offload`` / ``cpu_offload_param`` (old) | the offloads, "cpu"         |
+| ``fp16.enabled`` / ``bf16.enabled`` (old name ``bfloat16``)     | ``precision``               |
+| ``fp16.initial_scale_power``, ``.loss_scale_window``,           | the same names              |
+| ``.hysteresis``, ``.consecutive_hysteresis``, ``.min_loss_scale`` |                           |
+| ``optimizer.type``, ``optimizer.params``                        | ``optimizer``, ``optimizer_params`` |
+| ``scheduler.type``, ``scheduler.params``                        | ``scheduler``, ``scheduler_params`` |
+| ``activation_checkpointing`` (the section present)              | ``remat=True``              |
+| ``activation_checkpointing.cpu_checkpointing``                  | ``remat_offload``           |
+Not in DeepSpeed's JSON, set on the Plan: ``pp``, ``microbatches``, ``pipeline_schedule``, ``units``,
+``tile_lm_head``.
 
 Choices where DeepSpeed leaves room, each stated once:
 - Batch sizes follow DeepSpeed's rule ``train_batch_size = micro * accum * world_size``: any two
@@ -167,7 +170,7 @@ def _complete(given: Mapping[str, Any], defaults: dict[str, Any], where: str, wh
     return out
 
 
-def optimizer_params(kind: str, given: Mapping[str, Any], where: str = "optimizer_params") -> dict[str, Any]:
+def _optimizer_params(kind: str, given: Mapping[str, Any], where: str = "optimizer_params") -> dict[str, Any]:
     """``given`` params of zfunc optimizer ``kind`` completed with DeepSpeed's defaults, checked."""
     _check_choice("optimizer", kind, tuple(OPTIMIZER_DEFAULTS))
     out = _complete(given, OPTIMIZER_DEFAULTS[kind], where, kind)
@@ -177,7 +180,7 @@ def optimizer_params(kind: str, given: Mapping[str, Any], where: str = "optimize
     return out
 
 
-def scheduler_params(kind: str, given: Mapping[str, Any], where: str = "scheduler_params") -> dict[str, Any]:
+def _scheduler_params(kind: str, given: Mapping[str, Any], where: str = "scheduler_params") -> dict[str, Any]:
     """``given`` params of DeepSpeed scheduler ``kind`` completed with DeepSpeed's defaults, checked."""
     _check_choice("scheduler", kind, SCHEDULERS)
     return _complete(given, SCHEDULER_DEFAULTS[kind], where, kind)
@@ -201,10 +204,12 @@ class Plan:
       remat, remat_offload: activation checkpointing per unit, its saved inputs in CPU RAM.
       tile_lm_head: tiles of the LM head (``zf.tile``), 0 = untiled.
       microbatches, pipeline_schedule: pipeline microbatches (1 without a pipeline), "1f1b" or "gpipe".
-      precision: "fp32", "bf16" or "fp16"; fp16's dynamic loss scale starts at
-        ``2**initial_scale_power``, grows after ``loss_scale_window`` finite steps, and (DeepSpeed's
-        rule) lowers after ``hysteresis`` overflows (``consecutive_hysteresis``: in a row), never
-        below ``min_loss_scale``.
+      precision: "fp32", "bf16" or "fp16". DeepSpeed's fp16 loss scale starts at
+        ``2**initial_scale_power``, doubles after ``loss_scale_window`` finite steps and halves
+        after ``hysteresis`` overflows (``consecutive_hysteresis``: refilled by a finite step), never
+        below ``min_loss_scale``. zf.precision's ``LossScale`` has the growth interval; the start,
+        hysteresis and floor are recorded here for the step builder (today it starts at 2**16,
+        halves on every overflow, floor 1).
       accum: gradient accumulation steps (1 with a pipeline, which splits batches itself).
       gradient_clipping: max global grad norm, 0 = off.
       optimizer, optimizer_params: "adamw", "adam", "sgd", "lion" or None (the caller brings its
@@ -303,11 +308,11 @@ def _check_training(p: Plan) -> None:
                          f"pp={p.pp}, got {p.accum}")
     _check_number("gradient_clipping", p.gradient_clipping)
     if p.optimizer is not None:
-        object.__setattr__(p, "optimizer_params", optimizer_params(p.optimizer, p.optimizer_params))
+        object.__setattr__(p, "optimizer_params", _optimizer_params(p.optimizer, p.optimizer_params))
     elif p.optimizer_params:
         raise ValueError(f"optimizer_params: the plan names no optimizer, got {p.optimizer_params!r}")
     if p.scheduler is not None:
-        params = scheduler_params(p.scheduler, p.scheduler_params)
+        params = _scheduler_params(p.scheduler, p.scheduler_params)
         needs_lr = p.scheduler == "WarmupCosineLR" or (p.scheduler == "WarmupLR" and params["warmup_max_lr"] is None)
         if needs_lr and p.optimizer is None:
             raise ValueError(f"scheduler: {p.scheduler} takes its peak from the optimizer's lr, and the plan names no "
@@ -826,7 +831,7 @@ def _read_optimizer(r: _Reader, config: dict) -> dict:
             params["weight_decay"] = 0.01  # torch.optim.AdamW's default, not FusedAdam's 0
     for key in list(params):
         params[key] = r.value(params, key, f"optimizer.params.{key}")
-    return {"optimizer": kind, "optimizer_params": optimizer_params(kind, params, "optimizer.params")}
+    return {"optimizer": kind, "optimizer_params": _optimizer_params(kind, params, "optimizer.params")}
 
 
 def _read_scheduler(r: _Reader, config: dict, fields: dict) -> dict:
@@ -853,7 +858,7 @@ def _read_scheduler(r: _Reader, config: dict, fields: dict) -> dict:
                          "config has no optimizer")
     if kind == "WarmupCosineLR" and fields["optimizer"] is None:
         raise ValueError("scheduler.type: WarmupCosineLR scales the optimizer's lr, and the config has no optimizer")
-    return {"scheduler": kind, "scheduler_params": scheduler_params(kind, given, "scheduler.params")}
+    return {"scheduler": kind, "scheduler_params": _scheduler_params(kind, given, "scheduler.params")}
 
 
 def _read_remat(r: _Reader, config: dict) -> dict:
