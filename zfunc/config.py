@@ -502,6 +502,7 @@ _AUTO_NAMES = {
     "scheduler.params.total_num_steps": "total_num_steps",
     "fp16.enabled": "fp16",
     "bf16.enabled": "bf16",
+    "bfloat16.enabled": "bf16",
 }
 AUTO_NAMES = tuple(sorted(set(_AUTO_NAMES.values())))
 _AUTO_DEFAULTS = {"warmup_min_lr": 0.0}  # HF fills it with 0 ("not a trainer arg") and checks nothing
@@ -513,8 +514,11 @@ def _enabled(v: Any) -> bool:
 
 
 def _tp_on(v: Any) -> bool:
-    sizes = [v.get("autotp_size"), (v.get("tp") or {}).get("tp_size")] if isinstance(v, Mapping) else [v]
-    return any(s not in (None, 0, 1) for s in sizes)
+    if not isinstance(v, Mapping):
+        return v not in (None, 0, 1, False)
+    tp = v.get("tp")
+    tp_size = tp.get("tp_size") if isinstance(tp, Mapping) else tp
+    return any(s not in (None, 0, 1) for s in (v.get("autotp_size"), tp_size))
 
 
 # Top level. Knobs: tuning, logging and tooling with no meaning here. Features: (on?, what it is).
@@ -594,7 +598,10 @@ _OPTIMIZERS_LACKING = {"lamb": "LAMB", "onebitadam": "1-bit Adam", "zerooneadam"
                        "musgd": "MuSGD", "muon": "Muon"}
 _OPTIMIZER_PARAM_KNOBS = frozenset({"fp32_optimizer_states", "set_grad_none", "foreach", "fused", "capturable",
                                     "differentiable"})
-_OPTIMIZER_PARAM_FIXED = {"bias_correction": True, "amsgrad": False, "maximize": False}
+# Params whose only value zfunc has (FusedAdam's and torch's flags), by optimizer.
+_OPTIMIZER_PARAM_FIXED = {"adam": {"bias_correction": True, "amsgrad": False, "maximize": False},
+                          "adamw": {"bias_correction": True, "amsgrad": False, "maximize": False},
+                          "sgd": {"maximize": False}, "lion": {}}
 _SCHEDULER_NAMES = {s.lower(): s for s in SCHEDULERS}
 
 
@@ -654,7 +661,7 @@ class _Reader:
                 if on(value):
                     raise ValueError(f"{prefix}{key}: zfunc has no {what}; refused before training, got {value!r}")
             elif key not in knobs:
-                raise ValueError(f"{prefix}{key}: not a DeepSpeed key zfunc knows (got {value!r}); unknown keys are "
+                raise ValueError(f"{prefix}{key}: not a key zfunc knows here (got {value!r}); unknown keys are "
                                  "refused rather than ignored, so a typo cannot pass")
             self.ignored.append(prefix + key)
         return section
@@ -774,7 +781,7 @@ def _read_precision(r: _Reader, config: dict) -> dict:
     bf16 = r.sort(config.get(bf16_key, {}), bf16_key, {"enabled"},
                   {"immediate_grad_update", "check_grad_overflow", "check_overflow"}, _BF16_FEATURES)
     fp16_on = r.bool_value(fp16, "enabled", "fp16.enabled", False)
-    bf16_on = r.bool_value(bf16, "enabled", "bf16.enabled", False)
+    bf16_on = r.bool_value(bf16, "enabled", f"{bf16_key}.enabled", False)
     if fp16_on and bf16_on:
         raise ValueError("fp16.enabled, bf16.enabled: both true; DeepSpeed refuses the two at once")
     if not fp16_on:
@@ -809,15 +816,15 @@ def _read_optimizer(r: _Reader, config: dict) -> dict:
         lacking = _OPTIMIZERS_LACKING.get(name.lower())
         what = f"{lacking}, a DeepSpeed optimizer zfunc does not have" if lacking else "not an optimizer zfunc has"
         raise ValueError(f"optimizer.type: {what}; zfunc maps Adam, AdamW, SGD and Lion, got {name!r}")
-    params = dict(r.sort(section.get("params", {}), "optimizer.params", set(OPTIMIZER_DEFAULTS[kind]) |
-                         {"adam_w_mode", "torch_adam", "max_grad_norm", *_OPTIMIZER_PARAM_FIXED},
-                         _OPTIMIZER_PARAM_KNOBS, {}))
+    fixed = _OPTIMIZER_PARAM_FIXED[kind]
+    params = dict(r.sort(section.get("params") or {}, "optimizer.params", set(OPTIMIZER_DEFAULTS[kind]) |
+                         {"adam_w_mode", "torch_adam", "max_grad_norm", *fixed}, _OPTIMIZER_PARAM_KNOBS, {}))
     for key in _OPTIMIZER_PARAM_KNOBS:
         params.pop(key, None)
     if "max_grad_norm" in params:  # DeepSpeed's own refusal
         raise ValueError(f"optimizer.params.max_grad_norm: not an optimizer param in DeepSpeed; use the top-level "
                          f"gradient_clipping, got {params['max_grad_norm']!r}")
-    for key, required in _OPTIMIZER_PARAM_FIXED.items():
+    for key, required in fixed.items():
         if key in params and params.pop(key) != required:
             raise ValueError(f"optimizer.params.{key}: zfunc's optimizers have only {key}={required}, got "
                              f"{section['params'][key]!r}")
@@ -843,7 +850,7 @@ def _read_scheduler(r: _Reader, config: dict, fields: dict) -> dict:
     if kind is None:
         raise ValueError(f"scheduler.type: zfunc maps DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR "
                          f"(not LRRangeTest, OneCycle or torch schedulers), got {name!r}")
-    given = dict(r.sort(section.get("params", {}), "scheduler.params",
+    given = dict(r.sort(section.get("params") or {}, "scheduler.params",
                         set(SCHEDULER_DEFAULTS[kind]) | {"last_batch_iteration"}, set(), {}))
     if given.pop("last_batch_iteration", -1) != -1:
         raise ValueError(f"scheduler.params.last_batch_iteration: zfunc counts from the state's own step; expected -1, "
