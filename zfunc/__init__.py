@@ -17,6 +17,7 @@ from zfunc.tile import tile
 
 __all__ = [
     "checkpoint",
+    "config",
     "ConsumedStateError",
     "Mesh",
     "dist",
