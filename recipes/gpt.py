@@ -289,7 +289,7 @@ def training_flags(args: argparse.Namespace) -> dict:
 def check_args(args: argparse.Namespace) -> None:
     """Check every flag before anything is built: each value (RULES), --data, --device, that --out is
     writable (creating OUT/ckpt), and that --resume finds a checkpoint saved with these training_flags
-    below --steps. Raises FlagError naming each flag, its value and what was expected."""
+    at a step below --steps. Raises FlagError naming each flag, its value and what was expected."""
     errors = [f"{_flag(k)}: expected {want}, got {getattr(args, k)!r}"
               for k, (ok, want) in RULES.items() if not ok(getattr(args, k))]
     if args.n_head >= 1 and args.n_embd % args.n_head:

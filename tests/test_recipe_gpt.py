@@ -1,4 +1,5 @@
 """recipes/gpt.py: the model, the data, a tiny training run through zfunc, and its flags checked."""
+import json
 import math
 import re
 
@@ -228,3 +229,16 @@ def test_resume_with_steps_not_beyond_the_checkpoint_changes_nothing(tmp_path, t
         assert f"--steps: {steps} is not beyond step 4 of the checkpoint" in err and "nothing to train" in err
     assert snapshot(tmp_path) == before
     assert zf.checkpoint.latest(tmp_path / "ckpt") == tmp_path / "ckpt" / "000004"
+
+
+def test_resume_from_a_checkpoint_without_flags_still_checks_the_model(tmp_path, text_file, capsys):
+    flags = TINY + ["--eval-every", "0", "--data", str(text_file), "--out", str(tmp_path)]
+    gpt.main(flags + ["--steps", "2"])
+    manifest_path = tmp_path / "ckpt" / "000002" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["extra"] = {}  # saved by another program: nothing to compare the flags with
+    manifest_path.write_text(json.dumps(manifest))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        gpt.main(flags + ["--steps", "4", "--resume", "--n-layer", "2"])
+    assert exc.value.code == 2 and "are not this model's" in capsys.readouterr().err
