@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import sys
 import sysconfig
 import time
 import zlib
@@ -35,11 +37,19 @@ HELP = dict(
     end_lr="learning rate at the end of the cosine decay", warmup="linear warmup steps (at most half of --steps)",
     grad_clip="max global grad norm", precision="default: bf16 on CUDA, fp32 on CPU",
     device="default: cuda if available, else cpu", out="output dir (checkpoints in OUT/ckpt)",
-    ckpt_every="save a checkpoint every N steps (and at the end)", keep_last="checkpoints to keep",
-    resume="continue from OUT/ckpt/latest (same flags as the run that wrote it)",
+    eval_every="evaluate every N steps; 0: never (the last step always evaluates)",
+    ckpt_every="save a checkpoint every N steps; 0: never (the last step always saves)",
+    keep_last="checkpoints to keep (>= 1)",
+    resume="continue from OUT/ckpt/latest: the flags that shape training must be those it was saved with; "
+           "--steps (above the checkpoint's step; the cosine is laid over the new total), --device, "
+           "--out and the eval, checkpoint and sample flags may change",
     data="text file or folder (default: the Python stdlib's .py files)",
-    sample_len="bytes to generate at the end",
+    sample_len="bytes to generate at the end", top_k="sample from the k likeliest bytes (256: all)",
 )
+# A resumed run may change these; every other flag shapes the training, is saved in each checkpoint,
+# and must match it (else --resume names each difference).
+MAY_CHANGE_ON_RESUME = ("steps", "device", "out", "resume", "eval_every", "eval_batches", "ckpt_every",
+                        "keep_last", "sample_len", "temperature", "top_k")
 MAX_CORPUS_BYTES = 16 * 2**20  # the stdlib holds ~30 MB of .py; 16 MB is plenty and loads fast
 VAL_PERCENT = 10
 
@@ -232,16 +242,98 @@ def peak_flops(device) -> float | None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    """Every key of DEFAULTS is a flag: n_layer -> --n-layer."""
+    """Every key of DEFAULTS is a flag: n_layer -> --n-layer (their values are checked by check_args)."""
     p = argparse.ArgumentParser(prog="python -m recipes.gpt", description=__doc__.split("\n\n")[0])
     for name, default in DEFAULTS.items():
         if isinstance(default, bool):
-            p.add_argument("--" + name.replace("_", "-"), action="store_true", help=HELP.get(name))
+            p.add_argument(_flag(name), action="store_true", help=HELP.get(name))
             continue
-        p.add_argument("--" + name.replace("_", "-"), type=str if default is None else type(default),
+        p.add_argument(_flag(name), type=str if default is None else type(default),
                        default=default, help=f"{HELP.get(name, '')} (default: %(default)s)".lstrip(),
                        choices=["fp32", "bf16", "fp16"] if name == "precision" else None)
     return p.parse_args(argv)
+
+
+class FlagError(ValueError):
+    """Flags that cannot work together; the message names each flag, its value and what was expected."""
+
+
+_AT_LEAST_1, _AT_LEAST_0 = (lambda v: v >= 1, "an int >= 1"), (lambda v: v >= 0, "an int >= 0")
+_FINITE_AT_LEAST_0 = (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
+RULES = dict(  # flag: (test, what is expected)
+    n_layer=_AT_LEAST_1, n_head=_AT_LEAST_1, n_embd=_AT_LEAST_1, block_size=_AT_LEAST_1, steps=_AT_LEAST_1,
+    batch_size=_AT_LEAST_1, accum=_AT_LEAST_1, eval_batches=_AT_LEAST_1, keep_last=_AT_LEAST_1, top_k=_AT_LEAST_1,
+    warmup=_AT_LEAST_0, eval_every=_AT_LEAST_0, ckpt_every=_AT_LEAST_0, sample_len=_AT_LEAST_0,
+    seed=(lambda v: 0 <= v < 2**32, "an int in [0, 2**32)"), dropout=(lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    lr=_FINITE_AT_LEAST_0, end_lr=_FINITE_AT_LEAST_0, weight_decay=_FINITE_AT_LEAST_0,
+    grad_clip=(lambda v: v > 0, "a number > 0"), temperature=(lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
+)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def device_of(args: argparse.Namespace) -> torch.device:
+    return torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def training_flags(args: argparse.Namespace) -> dict:
+    """The flags that shape the training, as saved in every checkpoint (precision and data resolved)."""
+    flags = {k: getattr(args, k) for k in DEFAULTS if k not in MAY_CHANGE_ON_RESUME}
+    flags["precision"] = args.precision or ("bf16" if device_of(args).type == "cuda" else "fp32")
+    flags["data"] = args.data and str(Path(args.data).resolve())
+    return flags
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Check every flag before anything is built: each value (RULES), --data, --device, that --out is
+    writable (creating OUT/ckpt), and that --resume finds a checkpoint saved with these training_flags
+    at a step below --steps. Raises FlagError naming each flag, its value and what was expected."""
+    errors = [f"{_flag(k)}: expected {want}, got {getattr(args, k)!r}"
+              for k, (ok, want) in RULES.items() if not ok(getattr(args, k))]
+    if args.n_head >= 1 and args.n_embd % args.n_head:
+        errors.append(f"--n-embd: expected a multiple of --n-head {args.n_head}, got {args.n_embd}")
+    if args.data is not None and not Path(args.data).exists():
+        errors.append(f"--data: path {args.data!r} does not exist")
+    try:
+        device = device_of(args)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            errors.append(f"--device: {args.device!r} asked for, but CUDA is not available")
+    except RuntimeError as e:
+        errors.append(f"--device: expected a torch device such as cpu or cuda:0, got {args.device!r} ({e})")
+    if errors:
+        raise FlagError("\n".join(errors))
+    ckpt_root = Path(args.out) / "ckpt"
+    try:  # now, not at the first save after all the training
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        probe = ckpt_root / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise FlagError(f"--out: cannot write checkpoints under {str(ckpt_root)!r} ({e})") from e
+    if args.resume:
+        check_resume(args, ckpt_root)
+
+
+def check_resume(args: argparse.Namespace, ckpt_root: Path) -> None:
+    import zfunc as zf
+
+    latest = zf.checkpoint.latest(ckpt_root)
+    if latest is None:
+        raise FlagError(f"--resume: no checkpoint under {ckpt_root}")
+    manifest = zf.checkpoint.read_manifest(latest)
+    extra = manifest.get("extra", {})
+    saved = extra.get("flags") or extra.get("config", {})  # "config" alone: a checkpoint from before flags were saved
+    given = training_flags(args)
+    differ = [f"  {_flag(k)}: {saved[k]!r} in the checkpoint, {given[k]!r} given"
+              for k in sorted(saved) if k in given and saved[k] != given[k]]
+    if differ:
+        raise FlagError(f"--resume: {latest} was saved by a run with other flags; pass its flags (or another "
+                        "--out to start afresh):\n" + "\n".join(differ))
+    if args.steps <= manifest["step"]:
+        raise FlagError(f"--steps: {args.steps} is not beyond step {manifest['step']} of the checkpoint {latest} "
+                        f"resumed: nothing to train (pass --steps above {manifest['step']})")
 
 
 def train(args: argparse.Namespace) -> dict:
@@ -249,9 +341,10 @@ def train(args: argparse.Namespace) -> dict:
     import zfunc as zf  # the model and data above are plain torch; only training needs zfunc
     from tqdm import tqdm
 
+    check_args(args)  # before anything is built
     t_start = time.time()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
+    device, flags = device_of(args), training_flags(args)
+    precision = flags["precision"]
     torch.manual_seed(args.seed)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
 
@@ -259,6 +352,10 @@ def train(args: argparse.Namespace) -> dict:
     baseline = unigram_entropy(corpus.val)
     print(f"data: {corpus.source}: {corpus.n_files} files, {len(corpus.train):,} train / "
           f"{len(corpus.val):,} val bytes; unigram entropy of val {baseline:.3f} nats/byte")
+    for split, data in (("train", corpus.train), ("val", corpus.val)):
+        if len(data) <= args.block_size + 1:  # found now, not at the first batch or eval
+            raise FlagError(f"--block-size: {args.block_size} needs more than {args.block_size + 1} bytes, the "
+                            f"{split} split of --data {corpus.source!r} has {len(data)}")
 
     cfg = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
                     n_embd=args.n_embd, dropout=args.dropout)
@@ -287,8 +384,12 @@ def train(args: argparse.Namespace) -> dict:
     if args.resume:
         latest = zf.checkpoint.latest(ckpt_root)
         if latest is None:
-            raise FileNotFoundError(f"--resume: no checkpoint under {ckpt_root}")
+            raise FlagError(f"--resume: no checkpoint under {ckpt_root}")  # removed since check_args
+        shapes = {k: tuple(v.shape) for k, v in state.params.items()}
         state = zf.checkpoint.load(latest, step, device=device)
+        if {k: tuple(v.shape) for k, v in state.params.items()} != shapes:  # check_resume compared the flags
+            raise FlagError(f"--resume: the params in {latest} are not this model's ({len(shapes)} tensors): "
+                            f"saved by a run with other model flags")
         print(f"resumed from {latest} at step {state.step}")
 
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
@@ -306,7 +407,7 @@ def train(args: argparse.Namespace) -> dict:
 
     def save(n: int, val_loss: float):
         return zf.checkpoint.save(state, ckpt_root / f"{n:06d}", keep_last=args.keep_last,
-                                  extra={"config": asdict(cfg), "val_loss": val_loss})
+                                  extra={"config": asdict(cfg), "flags": flags, "val_loss": val_loss})
 
     history, train_time, loss, val_loss = [], 0.0, float("nan"), float("nan")
     first = state.step
@@ -323,14 +424,14 @@ def train(args: argparse.Namespace) -> dict:
             loss = metrics["loss"].item()
             train_time += time.time() - t0
             bar.set_postfix(loss=f"{loss:.3f}", lr=f"{metrics['lr']:.2e}",
-                            tok_s=f"{n * tokens_per_step / train_time:,.0f}")
+                            tok_s=f"{(n - first) * tokens_per_step / train_time:,.0f}")
             if do_eval:
                 val_loss = evaluate(state.params)
                 history.append((n, val_loss))
                 bar.write(f"step {n}: train loss {loss:.3f}, val loss {val_loss:.3f} "
                           f"({time.time() - t_start:.0f} s)")
             t0 = time.time()
-        if n % args.ckpt_every == 0 and n != args.steps:
+        if args.ckpt_every and n % args.ckpt_every == 0 and n != args.steps:
             save(n, val_loss)
             t0 = time.time()
     bar.close()
@@ -358,7 +459,13 @@ def train(args: argparse.Namespace) -> dict:
 
 
 def main(argv=None) -> dict:
-    return train(parse_args(argv))
+    """The command line; flags that cannot work exit with status 2 and their message, as argparse's do."""
+    args = parse_args(argv)
+    try:
+        return train(args)
+    except FlagError as e:
+        print(f"python -m recipes.gpt: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from e
 
 
 if __name__ == "__main__":
