@@ -7,11 +7,12 @@ microbatches; activations travel forward and their grads backward point to point
 Loss and metrics come back on every rank.
 
 **How a stage runs the unchanged model.** The step runs the user's opaque ``loss_fn(params,
-batch)``; while ``zf.functionalize``'s ``apply`` runs the module it enters ``ACTIVE.running``,
-which, for that one call, makes other stages' units the identity (their ``forward`` replaced),
-swaps the first local unit's input for the activation received from the previous stage (a
-forward pre-hook) and, on all but the last stage, stops the forward after the last local unit by
-raising a private ``BaseException`` carrying its output. Code outside the units (embeddings, final
+batch)``; while ``zf.functionalize``'s ``apply`` runs the module it enters the stage's
+``running`` (registered with ``zfunc.module.run_by``), which, for that one call, makes other
+stages' units the identity (their ``forward`` replaced), swaps the first local unit's input for
+the activation received from the previous stage (a forward pre-hook) and, on all but the last
+stage, stops the forward after the last local unit by raising a private ``BaseException``
+carrying its output. Code outside the units (embeddings, final
 norm, head, loss) runs wherever it is reached; its params (and those tied to them: GPT's
 ``wte``/``lm_head``) are *shared*: owned by stage 0 and lent to the last stage each step. Params a
 stage neither owns nor borrows are zero-memory stand-ins (``zeros(()).expand(shape)``); that code
@@ -55,7 +56,6 @@ heads); if every unit is such a module (a stack of Linears), all are pipeline un
 """
 from __future__ import annotations
 
-import contextvars
 import time
 import zlib
 from collections.abc import Sequence
@@ -68,6 +68,7 @@ from torch import nn
 
 from zfunc import optim, precision as mp, tree
 from zfunc.dist import Mesh
+from zfunc.module import run_by
 from zfunc.shard import GradSlices, ShardedStep, ShardSpec, _buckets, _gather_whole
 from zfunc.step import (Step, TrainState, _cuda_devices, _split_batch, _step_seed, require_train_state, seeded,
                         split_loss)
@@ -78,9 +79,6 @@ SCHEDULES = ("1f1b", "gpipe")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _MAX_DIMS = 8
 _HEADER = 5 + _MAX_DIMS  # int64s: step, microbatches, batch digest, dtype, ndim, shape
-
-# Set while a stage runs the loss function: functionalize's apply enters ``running(module)``.
-ACTIVE: contextvars.ContextVar[_StageRun | None] = contextvars.ContextVar("zfunc_pipeline_stage", default=None)
 
 
 class _StageOutput(BaseException):
@@ -370,14 +368,11 @@ class _Run:
 
     def _run_loss(self, micro: PyTree, act_in: torch.Tensor | None) -> torch.Tensor:
         run = _StageRun(self.ps.model, self.ps.layout, self.s, self.p, act_in)
-        token = ACTIVE.set(run)
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), run_by(run):
                 out = self.ps._loss(self.params, micro)
         except _StageOutput as stop:
             return stop.output
-        finally:
-            ACTIVE.reset(token)
         run.check_complete()
         loss, aux = split_loss(out, self.ps.has_aux)
         self.losses.append(loss.detach().float())
