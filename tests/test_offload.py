@@ -258,3 +258,18 @@ def test_a_plain_offloaded_step_in_a_multi_process_run_keeps_to_itself(tmp_path)
     results = zf.dist.spawn(alone_worker, 2, 2, str(tmp_path))
     _, ref_losses, _ = run(*make(False), n=2)
     assert results == [(1, ref_losses)] * 2
+
+
+@pytest.mark.parametrize("where, params, accum", [("cpu", None, 1), ("cpu", "cpu", 1), ("nvme", "nvme", 2)])
+def test_offloaded_step_carries_batchnorm_statistics_like_torch(tmp_path, where, params, accum):
+    from tests.test_module import BN_STATS, BNNet, assert_trained_like, bn_batches, bn_step, torch_train
+
+    torch.manual_seed(0)
+    model = BNNet()
+    _, step = bn_step(model, accum)
+    step = offload(step, where, params, path=tmp_path)
+    state = step.init(zf.functionalize(model)[1])
+    for batch in bn_batches():
+        state, _ = step(state, batch)
+    assert set(state.buffers) == BN_STATS  # kept where the forward computes, not offloaded
+    assert_trained_like(zf.checkpoint.full_params(state), state.buffers, torch_train(model, bn_batches(), accum))
