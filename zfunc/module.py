@@ -14,6 +14,8 @@ snapshot taken at ``functionalize`` time), runs the module on copies, and hands 
 forward wrote to the step, which puts it into the new state. So a step of ``k`` forwards
 (``accum=k``, or a loss that calls ``apply`` twice) updates them ``k`` times, in order, as torch's
 own loop does in train mode; ``model.eval()`` makes the forward read them without updating them.
+A step whose update is skipped (fp16 overflow) keeps what its forwards wrote, as torch's
+``GradScaler`` loop does.
 
 A buffer counts as written when the forward updates it in place (torch's version counter), assigns
 a new tensor to it, or when it is the running statistics of a normalization layer that tracks

@@ -429,7 +429,7 @@ class ShardedStep(Step):
         loss.div_(state.sharding.world)  # metrics["loss"]: the mean over ranks
         return new_state.replace(buffers=buffers), metrics
 
-    def _average_buffers(self, carried, step: int) -> dict[str, torch.Tensor]:
+    def _average_buffers(self, carried: BufferScope, step: int) -> dict[str, torch.Tensor]:
         """The step's module buffers, those a forward wrote averaged over the ranks (module
         docstring); the first time the set of written buffers changes, the ranks check they agree."""
         names = average_order(carried)
@@ -624,7 +624,7 @@ def average_buffers(buffers: dict[str, torch.Tensor], names: list[str], comm, wo
                     label: str) -> dict[str, torch.Tensor]:
     """``buffers`` with each of ``names`` replaced by its mean over the ``world`` ranks of
     ``comm``: one all-reduce of their elements, in fp64, so that buffers equal on every rank stay
-    bit-identical (``(x + x) / 2`` is ``x``) and the sum of fp32 values is exact."""
+    bit-identical (``N x / N`` is ``x`` exactly) and the mean is rounded once, to the buffer's dtype."""
     if world == 1 or not names:
         return buffers
     flat = torch.cat([buffers[n].detach().reshape(-1).double() for n in names])
