@@ -213,3 +213,63 @@ def test_export_loads_with_hugging_face_from_pretrained(tmp_path):
     ids = torch.randint(0, 61, (2, 8))
     torch.testing.assert_close(loaded(input_ids=ids).logits, apply(state.params, input_ids=ids).logits,
                                rtol=0, atol=0)
+
+
+def bn_sharded_worker(rank, world, directory, phase):
+    """Stage 3 over ``world`` ranks of test_module's BatchNorm model: 3 steps straight, or 2 saved
+    and then 1 after loading; returns the whole params and the buffers."""
+    from test_module import BNNet, bn_batches, bn_step
+
+    mesh = zf.Mesh(dp=world)
+    torch.manual_seed(0)
+    model = BNNet()
+    step = zf.shard(bn_step(model)[1], mesh, stage=3)
+    state = step.init(zf.functionalize(model)[1])
+    data = [local(b, rank, world) for b in bn_batches(3)]
+    if phase == "save":
+        ck.save(run(step, state, data[:2]), directory)
+        return None
+    state = run(step, state, data) if phase == "straight" else run(step, ck.load(directory, step), data[2:])
+    return ck.full_params(state, mesh), state.buffers
+
+
+def test_module_buffers_round_trip_plain_and_sharded(tmp_path):
+    from test_module import BN_STATS, BNNet, bn_batches, bn_step
+
+    # plain: saved after 2 steps, loaded by the step or into a state from init, the 3rd step equal
+    torch.manual_seed(0)
+    model = BNNet()
+    _, step = bn_step(model, donate=False)
+    fresh = step.init(zf.functionalize(model)[1])
+    ck.save(fresh, tmp_path / "000000")  # no buffers yet
+    saved = run(step, fresh, bn_batches(3)[:2])
+    ck.save(saved, tmp_path / "000002")
+    for loaded in (ck.load(tmp_path / "000002", step), ck.load(tmp_path / "000002", fresh)):
+        assert set(loaded.buffers) == BN_STATS
+        for name, b in saved.buffers.items():
+            assert torch.equal(loaded.buffers[name], b) and loaded.buffers[name].dtype == b.dtype, name
+        a, b = run(step, saved, bn_batches(3)[2:]), run(step, loaded, bn_batches(3)[2:])
+        for name in BN_STATS:
+            assert torch.equal(a.buffers[name], b.buffers[name]), name
+    assert ck.load(tmp_path / "000000", saved).buffers == {}  # the checkpoint's absence is loaded too
+    # exported: the trained statistics load into a fresh module
+    out = ck.export(tmp_path / "000002", tmp_path / "model.safetensors")
+    module = BNNet()
+    assert not module.load_state_dict(load_file(out)).missing_keys
+    for name, b in saved.buffers.items():
+        assert torch.equal(module.get_buffer(name), b), name
+
+    # sharded: 2 ranks at stage 3 resume bit-exactly; one process loads the same statistics
+    directory = str(tmp_path / "sharded")
+    straight = zf.dist.spawn(bn_sharded_worker, 2, 2, directory, "straight")
+    zf.dist.spawn(bn_sharded_worker, 2, 2, directory, "save")
+    resumed = zf.dist.spawn(bn_sharded_worker, 2, 2, directory, "load")
+    for rank in range(2):
+        (params, buffers), (ref_params, ref_buffers) = resumed[rank], straight[rank]
+        assert set(buffers) == BN_STATS
+        for name in ref_params:
+            assert torch.equal(params[name], ref_params[name]), name
+        for name in BN_STATS:
+            assert torch.equal(buffers[name], ref_buffers[name]), name
+    one = ck.load(directory, step)
+    assert one.buffers["bn.num_batches_tracked"].item() == 2 and set(one.buffers) == BN_STATS

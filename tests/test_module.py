@@ -1,6 +1,10 @@
-"""functionalize: the pure apply equals the module, buffers are never mutated, errors are clear."""
+"""functionalize: the pure apply equals the module, the module is never mutated, a step carries the
+buffers training updates (BatchNorm statistics) as torch's own loop updates them, errors are clear."""
+import copy
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import zfunc as zf
@@ -84,3 +88,238 @@ def test_bad_inputs():
         apply({"wieght": torch.ones(2, 2)}, torch.ones(1, 2))
     with pytest.raises(TypeError, match="params: expected a dict"):
         apply([torch.ones(2, 2)], torch.ones(1, 2))
+
+
+# ----------------------------------------------------------------------------- buffers a step carries
+# BNNet, bn_batches and torch_train are shared with the transformations' tests (shard, offload,
+# checkpoint, pipeline, remat).
+
+BN_STATS = {"bn.running_mean", "bn.running_var", "bn.num_batches_tracked"}
+
+
+class BNNet(nn.Module):
+    """A tiny MLP with BatchNorm1d; ``mask`` adds a persistent buffer no forward writes."""
+
+    def __init__(self, d_in=3, d=5, d_out=2, mask=False):
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = nn.Linear(d_in, d), nn.BatchNorm1d(d), nn.Linear(d, d_out)
+        if mask:
+            self.register_buffer("mask", torch.tensor([1.0, 0.0, 1.0, 1.0, 0.5]))
+
+    def forward(self, x):
+        h = F.relu(self.bn(self.fc1(x)))
+        return self.fc2(h * self.mask if hasattr(self, "mask") else h)
+
+
+def bn_batches(n=3, b=8, d_in=3, d_out=2, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(b, d_in, generator=g), torch.randn(b, d_out, generator=g)) for _ in range(n)]
+
+
+def bn_step(model, accum=1, **kw):
+    """``(apply, step)``: SGD with momentum on the mean squared error of ``model``."""
+    apply, _ = zf.functionalize(model)
+    step = zf.train_step(lambda p, batch: F.mse_loss(apply(p, batch[0]), batch[1]), zf.optim.sgd(0.1, momentum=0.9),
+                         accum=accum, **kw)
+    return apply, step
+
+
+def torch_train(model, data, accum=1, ranks=1):
+    """torch's own loop in train mode, SGD with momentum, on a copy of ``model``: ``ranks``
+    replicas each on its slice of every batch, ``accum`` microbatches each, grads averaged; after
+    each step the replicas' floating buffers are averaged (``zf.shard``'s law; DDP without
+    SyncBatchNorm for the forward). Returns the trained replica 0."""
+    replicas = [copy.deepcopy(model) for _ in range(ranks)]
+    main = replicas[0]
+    opt = torch.optim.SGD(main.parameters(), lr=0.1, momentum=0.9)
+    for x, y in data:
+        opt.zero_grad()
+        for r, rep in enumerate(replicas):
+            with torch.no_grad():
+                for mine, theirs in zip(rep.parameters(), main.parameters()):
+                    mine.copy_(theirs)
+            rep.zero_grad() if r else None
+            for xc, yc in zip(x.chunk(ranks)[r].chunk(accum), y.chunk(ranks)[r].chunk(accum)):
+                (F.mse_loss(rep(xc), yc) / (accum * ranks)).backward()
+            if r:
+                for mine, theirs in zip(main.parameters(), rep.parameters()):
+                    mine.grad += theirs.grad
+        opt.step()
+        with torch.no_grad():
+            for name, b in main.named_buffers():
+                if b.is_floating_point():
+                    b.copy_(torch.stack([rep.get_buffer(name) for rep in replicas]).double().mean(0))
+            for rep in replicas[1:]:
+                for name, b in rep.named_buffers():
+                    b.copy_(main.get_buffer(name))
+    return main
+
+
+def assert_trained_like(state_params, state_buffers, ref, rtol=1e-6, atol=1e-6, names=None):
+    """``state_params`` / ``state_buffers`` equal ``ref``'s (only ``names`` of them, if given)."""
+    for n, p in ref.named_parameters():
+        if names is None or n in names:
+            torch.testing.assert_close(state_params[n], p.detach(), rtol=rtol, atol=atol, msg=n)
+    for n, b in ref.named_buffers():
+        if names is None or n in names:
+            if b.is_floating_point():
+                torch.testing.assert_close(state_buffers[n], b, rtol=rtol, atol=atol, msg=n)
+            else:
+                assert torch.equal(state_buffers[n], b), (n, state_buffers[n], b)
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_batchnorm_trains_like_torch(accum):
+    """Params and running_mean / running_var / num_batches_tracked equal torch's own loop: a step
+    of k microbatches updates the statistics k times."""
+    torch.manual_seed(0)
+    model = BNNet()
+    apply, step = bn_step(model, accum)
+    state = step.init(zf.functionalize(model)[1])
+    assert state.buffers == {}  # they join at the first step that writes them
+    for batch in bn_batches():
+        state, _ = step(state, batch)
+    ref = torch_train(model, bn_batches(), accum)
+    assert set(state.buffers) == BN_STATS
+    assert_trained_like(state.params, state.buffers, ref)
+    assert state.buffers["bn.num_batches_tracked"].item() == 3 * accum
+    assert model.bn.num_batches_tracked.item() == 0  # the module itself is never written
+
+
+def test_evaluation_uses_the_trained_statistics():
+    torch.manual_seed(0)
+    model = BNNet()
+    apply, step = bn_step(model)
+    state = step.init(zf.functionalize(model)[1])
+    for batch in bn_batches():
+        state, _ = step(state, batch)
+    ref = torch_train(model, bn_batches()).eval()
+    x = torch.randn(4, 3)
+    model.eval()
+    with zf.module.using(state):
+        out = apply(state.params, x)
+    with zf.module.using(state.buffers):  # a dict of buffers works too
+        again = apply(state.params, x)
+    untrained = apply(state.params, x)  # outside a step or ``using``: the snapshot's statistics
+    model.train()
+    torch.testing.assert_close(out, ref(x), rtol=1e-6, atol=1e-6)
+    assert torch.equal(out, again)
+    assert not torch.allclose(untrained, out)
+    with zf.module.using(state):  # train mode under ``using``: the update is discarded
+        apply(state.params, x)
+    assert state.buffers["bn.num_batches_tracked"].item() == 3
+
+
+def test_unwritten_buffers_stay_out_of_the_state():
+    torch.manual_seed(0)
+    model = BNNet(mask=True)
+    apply, step = bn_step(model)
+    state = step.init(zf.functionalize(model)[1])
+    state, _ = step(state, bn_batches(1)[0])
+    assert set(state.buffers) == BN_STATS  # the mask is read from the snapshot, never carried
+    model.eval()  # BatchNorm in eval mode writes nothing: a frozen norm carries nothing either
+    apply, step = bn_step(model)
+    state, _ = step(step.init(zf.functionalize(model)[1]), bn_batches(1)[0])
+    assert state.buffers == {}
+
+
+class Counting(nn.Module):
+    """Buffers written without BatchNorm: an EMA updated in place and a count reassigned."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+        self.register_buffer("ema", torch.zeros(3))
+        self.register_buffer("calls", torch.tensor(0))
+        self.register_buffer("scale", torch.tensor(2.0))  # read only
+
+    def forward(self, x):
+        if self.training:
+            self.ema.mul_(0.5).add_(0.5 * x.detach().mean(0))
+            self.calls = self.calls + 1
+        return self.fc(x) * self.scale
+
+
+def test_buffers_written_in_place_or_reassigned_are_carried():
+    torch.manual_seed(0)
+    model = Counting()
+    ref = copy.deepcopy(model)
+    apply, params = zf.functionalize(model)
+    step = zf.train_step(lambda p, x: apply(p, x).square().mean(), zf.optim.sgd(0.1), accum=2)
+    state = step.init(params)
+    data = [torch.randn(4, 3) for _ in range(2)]
+    for x in data:
+        state, _ = step(state, x)
+        for xc in x.chunk(2):
+            ref(xc)
+    assert set(state.buffers) == {"ema", "calls"}
+    torch.testing.assert_close(state.buffers["ema"], ref.ema)
+    assert state.buffers["calls"].item() == ref.calls.item() == 4
+
+
+def test_the_state_given_is_never_written_and_a_failed_step_loses_nothing():
+    torch.manual_seed(0)
+    model = BNNet()
+    apply, params = zf.functionalize(model)
+
+    def loss_fn(p, batch):
+        out = apply(p, batch[0])  # updates the statistics, then the loss may fail
+        if batch[1] is None:
+            raise RuntimeError("bad batch")
+        return F.mse_loss(out, batch[1])
+
+    for donate in (False, True):
+        step = zf.train_step(loss_fn, zf.optim.sgd(0.1), donate=donate)
+        state, _ = step(step.init(params), bn_batches(1)[0])
+        before = {n: b.clone() for n, b in state.buffers.items()}
+        with pytest.raises(RuntimeError, match="bad batch"):
+            step(state, (torch.randn(8, 3), None))
+        for n, b in state.buffers.items():
+            assert torch.equal(b, before[n]), n  # the failed call changed nothing
+        new, _ = step(state, bn_batches(1)[0])
+        assert new.buffers["bn.num_batches_tracked"].item() == 2
+        if not donate:
+            for n, b in state.buffers.items():
+                assert torch.equal(b, before[n]), n  # donate=False: the input state stays as it was
+
+
+def test_buffer_errors_are_clear():
+    torch.manual_seed(0)
+    a, b = BNNet(), BNNet()
+    apply_a, params_a = zf.functionalize(a)
+    apply_b, params_b = zf.functionalize(b)
+    step = zf.train_step(lambda p, x: apply_a(p, x).sum() + apply_b(params_b, x).sum(), zf.optim.sgd(0.1))
+    with pytest.raises(ValueError, match="carries one module's buffers.*with_buffers=True"):
+        step(step.init(params_a), torch.randn(4, 3))
+    apply, step = bn_step(a)
+    state = step.init(params_a).replace(buffers={"nope": torch.zeros(1)})
+    with pytest.raises(KeyError, match=r"state.buffers: names \['nope'\] are not buffers"):
+        step(state, bn_batches(1)[0])
+    with pytest.raises(TypeError, match="state_or_buffers: expected a TrainState or a dict"):
+        zf.module.using([1, 2])
+    with pytest.raises(TypeError, match="buffers: expected a dict"):
+        zf.TrainState({}, (), buffers=[torch.zeros(1)])
+
+
+def test_run_by_registers_who_runs_the_module_now():
+    """functionalize knows one registry: each apply enters every registered runner, outer first."""
+    from contextlib import contextmanager
+
+    seen = []
+
+    class Runner:
+        def __init__(self, name):
+            self.name = name
+
+        @contextmanager
+        def running(self, module):
+            seen.append((self.name, type(module).__name__))
+            yield
+            seen.append((self.name, "done"))
+
+    m = nn.Linear(2, 1)
+    apply, params = zf.functionalize(m)
+    with zf.module.run_by(Runner("outer")), zf.module.run_by(Runner("inner")):
+        apply(params, torch.ones(1, 2))
+    apply(params, torch.ones(1, 2))  # outside: nobody
+    assert seen == [("outer", "Linear"), ("inner", "Linear"), ("inner", "done"), ("outer", "done")]

@@ -304,3 +304,18 @@ def test_a_second_run_on_a_path_in_use_is_refused_and_a_later_one_starts_there(t
     del first, state  # the run ends: its engine goes with its step (collected, if in a reference cycle)
     step, state = make(False, where="nvme", path=tmp_path)  # the same path again, as a resumed run would
     assert run(step, state, n=2)[1] == run(*make(False), n=2)[1]
+
+
+@pytest.mark.parametrize("where, params, accum", [("cpu", None, 1), ("cpu", "cpu", 1), ("nvme", "nvme", 2)])
+def test_offloaded_step_carries_batchnorm_statistics_like_torch(tmp_path, where, params, accum):
+    from tests.test_module import BN_STATS, BNNet, assert_trained_like, bn_batches, bn_step, torch_train
+
+    torch.manual_seed(0)
+    model = BNNet()
+    _, step = bn_step(model, accum)
+    step = offload(step, where, params, path=tmp_path)
+    state = step.init(zf.functionalize(model)[1])
+    for batch in bn_batches():
+        state, _ = step(state, batch)
+    assert set(state.buffers) == BN_STATS  # kept where the forward computes, not offloaded
+    assert_trained_like(zf.checkpoint.full_params(state), state.buffers, torch_train(model, bn_batches(), accum))

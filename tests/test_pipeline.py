@@ -220,3 +220,110 @@ def test_bad_input():
     shuffled, shuffled_state = make(("gpipe", 2, None), mesh, order=[1, 0, 2, 3])
     with pytest.raises(ValueError, match="units must run once each, in module order; unit 'blocks.1' ran"):
         shuffled(shuffled_state, batches()[0])
+
+
+# ------------------------------------------------------------------------------------ module buffers
+
+
+class NormUnit(nn.Module):
+    def __init__(self, d=5):
+        super().__init__()
+        self.fc, self.bn = nn.Linear(d, d), nn.BatchNorm1d(d)
+
+    def forward(self, x):
+        return x + self.bn(self.fc(x))
+
+
+class NormStack(nn.Module):
+    """Pipeline units with BatchNorm; ``stem`` or ``head`` adds one outside the units."""
+
+    def __init__(self, d=5, n=2, stem=False, head=False):
+        super().__init__()
+        self.inp, self.out = nn.Linear(3, d), nn.Linear(d, 2)
+        self.stem = nn.BatchNorm1d(d) if stem else nn.Identity()
+        self.blocks = nn.ModuleList(NormUnit(d) for _ in range(n))
+        self.head = nn.BatchNorm1d(d) if head else nn.Identity()
+
+    def forward(self, x):
+        x = self.stem(self.inp(x))
+        for b in self.blocks:
+            x = b(x)
+        return self.out(self.head(x))
+
+
+def norm_step(mesh=None, schedule="gpipe", **model_kw):
+    from tests.test_module import bn_step
+
+    torch.manual_seed(0)
+    model = NormStack(**model_kw)
+    _, step = bn_step(model, accum=1 if mesh else 2)
+    if mesh:
+        step = zf.pipeline(step, stages=mesh.pp, microbatches=2, schedule=schedule, model=model,
+                           units=zf.units.by_class(NormUnit))
+    return step, step.init(zf.functionalize(model)[1])
+
+
+def norm_worker(rank, world, schedule, model_kw):
+    from tests.test_module import bn_batches
+
+    step, state = norm_step(zf.Mesh(pp=world), schedule, **model_kw)
+    try:
+        for batch in bn_batches():
+            state, _ = step(state, batch)
+    except ValueError as e:
+        return str(e), state.consumed
+    return dict(state.params), state.buffers
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_each_stage_carries_its_units_batchnorm_statistics(schedule):
+    """The pipelined step updates each unit's statistics once per microbatch, as the plain step
+    with accum=m: each stage holds its own units' buffers, equal to the plain step's."""
+    from tests.test_module import bn_batches
+
+    results = zf.dist.spawn(norm_worker, 2, 2, schedule, {})
+    step, ref = norm_step()
+    for batch in bn_batches():
+        ref, _ = step(ref, batch)
+    assert set(results[0][1]) == {f"blocks.0.bn.{n}" for n in ("running_mean", "running_var", "num_batches_tracked")}
+    assert set(results[0][1]) | set(results[1][1]) == set(ref.buffers) and len(ref.buffers) == 6
+    for params, buffers in results:
+        for name, p in params.items():
+            torch.testing.assert_close(p, ref.params[name], rtol=1e-6, atol=1e-6, msg=name)
+        for name, b in buffers.items():
+            torch.testing.assert_close(b, ref.buffers[name], rtol=1e-6, atol=1e-6, msg=name)
+    assert results[1][1]["blocks.1.bn.num_batches_tracked"].item() == 6  # 3 steps of 2 microbatches
+
+
+@pytest.mark.parametrize("where", ["stem", "head"])
+def test_a_buffer_written_outside_the_units_is_refused_on_every_stage(where):
+    results = zf.dist.spawn(norm_worker, 2, 2, "1f1b", {where: True}, timeout_s=60)
+    for message, consumed in results:
+        assert "wrote module buffers outside the pipeline units" in message and not consumed
+    assert f"'{where}.running_mean'" in results[1][0]  # the last stage runs both the stem and the head
+
+
+def norm_dp_pp_worker(rank, world):
+    from tests.test_module import bn_batches, bn_step
+
+    mesh = zf.Mesh(dp=2, pp=2)
+    torch.manual_seed(0)
+    model = NormStack()
+    step = zf.pipeline(zf.shard(bn_step(model)[1], mesh, stage=1), stages=2, microbatches=2, model=model,
+                       units=zf.units.by_class(NormUnit))
+    state = step.init(zf.functionalize(model)[1])
+    for batch in bn_batches():
+        state, _ = step(state, tuple(t[mesh.rank * 4 : (mesh.rank + 1) * 4] for t in batch))
+    stage_state = zf.TrainState(state.params, state.opt_state, sharding=state.sharding.inner)
+    return full_params(stage_state, mesh), state.buffers
+
+
+def test_dp2_x_pp2_averages_each_stage_statistics_over_its_dp_ranks():
+    from tests.test_module import assert_trained_like, bn_batches, torch_train
+
+    results = zf.dist.spawn(norm_dp_pp_worker, 4, 4)
+    torch.manual_seed(0)
+    ref = torch_train(NormStack(), bn_batches(), accum=2, ranks=2)
+    for params, buffers in results:
+        assert buffers and all(n.startswith("blocks.") for n in buffers)
+        assert_trained_like(params, buffers, ref, rtol=1e-5, atol=1e-6, names=set(params) | set(buffers))

@@ -143,3 +143,68 @@ def test_remat_of_a_module_recomputes_with_the_params_functional_call_swapped_in
     torch.testing.assert_close(rematted[0], plain[0])
     for name in params:
         torch.testing.assert_close(rematted[1][name], plain[1][name], rtol=1e-6, atol=1e-7)
+
+
+class NormBlock(nn.Module):
+    def __init__(self, d=5):
+        super().__init__()
+        self.fc, self.bn = nn.Linear(d, d), nn.BatchNorm1d(d)
+
+    def forward(self, x):
+        return x + self.bn(self.fc(x))
+
+
+def test_torch_checkpoint_updates_batchnorm_statistics_twice():
+    """The fact zf.remat departs from: torch's non-reentrant checkpoint recomputes the forward in
+    backward, BatchNorm's running statistics included."""
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(4)
+    x = torch.randn(8, 4, requires_grad=True)
+    torch.utils.checkpoint.checkpoint(bn, x, use_reentrant=False).sum().backward()
+    assert bn.num_batches_tracked.item() == 2
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_remat_updates_batchnorm_statistics_once_like_the_plain_step(offload):
+    def run(use_remat):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 5), NormBlock(), NormBlock(), nn.Linear(5, 2))
+        if use_remat:
+            for b in (model[1], model[2]):
+                b.forward = remat(b.forward, offload=offload)
+        apply, params = zf.functionalize(model)
+        step = zf.train_step(lambda p, b: F.mse_loss(apply(p, b[0]), b[1]), zf.optim.sgd(0.1, momentum=0.9), accum=2)
+        state = step.init(params)
+        g = torch.Generator().manual_seed(3)
+        for _ in range(3):
+            state, _ = step(state, (torch.randn(8, 3, generator=g), torch.randn(8, 2, generator=g)))
+        return state
+
+    plain, rematted = run(False), run(True)
+    assert set(rematted.buffers) == set(plain.buffers) and len(plain.buffers) == 6
+    for name in plain.buffers:
+        torch.testing.assert_close(rematted.buffers[name], plain.buffers[name], rtol=1e-6, atol=1e-7)
+    assert rematted.buffers["1.bn.num_batches_tracked"].item() == 6  # 3 steps of 2 microbatches
+    for name in plain.params:
+        torch.testing.assert_close(rematted.params[name], plain.params[name], rtol=1e-6, atol=1e-7)
+
+
+def test_remat_keeps_a_buffer_the_forward_reassigns():
+    class Count(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+            self.register_buffer("calls", torch.tensor(0))
+
+        def forward(self, x):
+            self.calls = self.calls + 1
+            return self.fc(x)
+
+    model = nn.Sequential(Count(), nn.Linear(3, 1))
+    model[0].forward = remat(model[0].forward)
+    apply, params = zf.functionalize(model)
+    step = zf.train_step(lambda p, x: apply(p, x).sum(), zf.optim.sgd(0.1))
+    state = step.init(params)
+    for _ in range(2):
+        state, _ = step(state, torch.randn(4, 3))
+    assert state.buffers["0.calls"].item() == 2  # once per forward: not by the recomputation

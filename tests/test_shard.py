@@ -406,3 +406,40 @@ def test_our_gpt_and_hugging_face_models_train_unchanged_under_stage_3():
             losses, peak = results[rank][kind]
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6, msg=kind)
             assert peak > 0
+
+
+def batchnorm_worker(rank, world, configs):
+    from tests.test_module import BNNet, bn_batches, bn_step
+
+    mesh = zf.Mesh(dp=world)
+    out = []
+    for stage, accum in configs:
+        torch.manual_seed(0)
+        model = BNNet()
+        _, step = bn_step(model, accum)
+        step = zf.shard(step, mesh, stage)
+        state = step.init(zf.functionalize(model)[1])
+        for batch in bn_batches():
+            state, _ = step(state, local(batch, rank, world))
+        out.append((full_params(state, mesh), state.buffers))
+    return out
+
+
+def test_batchnorm_statistics_are_averaged_over_ranks():
+    """The module docstring's law for buffers: every rank normalizes with its own batch (DDP), the
+    written floating buffers are averaged over the ranks after each step: torch's loop on 2
+    replicas whose buffers are averaged after each step gives the same params and statistics, and
+    the ranks hold identical buffers."""
+    from tests.test_module import BNNet, assert_trained_like, bn_batches, torch_train
+
+    configs = [(1, 1), (2, 1), (3, 1), (2, 2)]
+    results = zf.dist.spawn(batchnorm_worker, 2, 2, configs)
+    for k, (stage, accum) in enumerate(configs):
+        torch.manual_seed(0)
+        ref = torch_train(BNNet(), bn_batches(), accum, ranks=2)
+        for rank in range(2):
+            params, buffers = results[rank][k]
+            assert_trained_like(params, buffers, ref, rtol=1e-5, atol=1e-6)
+            for name, b in buffers.items():
+                assert torch.equal(b, results[0][k][1][name]), (stage, accum, rank, name)
+        assert results[0][k][1]["bn.num_batches_tracked"].item() == 3 * accum

@@ -48,6 +48,7 @@ from zfunc.swap import fsync_dir
 
 FORMAT = 1
 MANIFEST = "manifest.json"
+_BUFFERS = "buffers/"  # leaf paths of TrainState.buffers, the module buffers training updates
 
 
 class CheckpointError(RuntimeError):
@@ -371,9 +372,25 @@ def _read_rows(files: _Files, entry: dict, world: int, start: int, stop: int) ->
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def _saved_buffers(manifest: dict, device: str | torch.device) -> dict[str, torch.Tensor]:
+    """Empty tensors shaped like the checkpoint's module buffers (``state.buffers``: never split)."""
+    return {e["path"][len(_BUFFERS):]: torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]), device=device)
+            for e in manifest["leaves"] if e["path"].startswith(_BUFFERS)}
+
+
+def _device_of(template: TrainState, default: str | torch.device) -> str | torch.device:
+    tensors = [x for x in tree.leaves(template.params) if isinstance(x, torch.Tensor)]
+    return tensors[0].device if tensors else default
+
+
 def _template(manifest: dict, step_or_template: Any, device: str | torch.device) -> TrainState:
     if isinstance(step_or_template, TrainState):
-        return step_or_template
+        saved = _saved_buffers(manifest, _device_of(step_or_template, device))
+        if step_or_template.buffers and saved:
+            return step_or_template
+        # buffers join a state at the first step that writes them: where the template or the
+        # checkpoint has none yet, the checkpoint's (or their absence) are what is loaded
+        return step_or_template.replace(buffers=saved)
     if not isinstance(step_or_template, Step):
         raise TypeError(f"step_or_template: expected a Step or a TrainState, got {type(step_or_template).__name__}")
     from zfunc.offload import OffloadedStep
@@ -383,7 +400,7 @@ def _template(manifest: dict, step_or_template: Any, device: str | torch.device)
                               "into the step it wraps, then start the offloaded one from zf.checkpoint.full_params")
     params = {e["path"][len("params/"):]: torch.empty(e["full_shape"], dtype=getattr(torch, e["dtype"]), device="meta")
               for e in manifest["leaves"] if e["path"].startswith("params/")}
-    template = step_or_template.init(params)
+    template = step_or_template.init(params).replace(buffers=_saved_buffers(manifest, "meta"))
     return tree.map(lambda x: torch.empty(x.shape, dtype=x.dtype, device=device) if isinstance(x, torch.Tensor) else x,
                     template)
 
@@ -396,6 +413,8 @@ def load(directory: str | os.PathLike, step_or_template: Step | TrainState, *, d
       directory: a checkpoint directory (``latest(root)`` finds the newest).
       step_or_template: the step that will train the state (sharded or plain: the state is split
         as its ``init`` splits) or a ``TrainState`` whose structure, dtypes and split to follow.
+        ``state.buffers`` (module buffers, whole on every rank) come from rank 0's file, as the
+        checkpoint holds them, also when the template has none yet (a state from ``init``).
       device: where the tensors go when a step is given (a template's own devices are used).
       verify: check each file's crc32 as it is read.
     Raises ``CheckpointError`` naming what differs: a missing or corrupt file, another structure,
@@ -459,8 +478,9 @@ def full_params(state: TrainState, mesh=None) -> dict:
 def export(directory: str | os.PathLike, out: str | os.PathLike) -> Path:
     """Write the checkpoint's params, whole, as one safetensors file (a model state dict).
 
-    ``model.load_state_dict(safetensors.torch.load_file(out), strict=False)`` restores a model
-    (tied aliases and buffers are not repeated); Hugging Face's ``from_pretrained`` reads it as a
+    ``model.load_state_dict(safetensors.torch.load_file(out), strict=False)`` restores a model,
+    with the buffers training updated (BatchNorm statistics: ``state.buffers``); tied aliases and
+    constant buffers are not repeated. Hugging Face's ``from_pretrained`` reads it as a
     ``model.safetensors``. Works in one process, whatever world size wrote the checkpoint.
     """
     directory, out = Path(directory), Path(out)
@@ -472,6 +492,8 @@ def export(directory: str | os.PathLike, out: str | os.PathLike) -> Path:
             rows = entry["full_shape"][0] if entry["full_shape"] else 1
             whole = _read_rows(files, entry, manifest["world"], 0, rows)
             tensors[entry["path"][len("params/"):]] = whole.reshape(entry["full_shape"]).contiguous()
+        elif entry["path"].startswith(_BUFFERS):  # trained BatchNorm statistics: whole on every rank
+            tensors[entry["path"][len(_BUFFERS):]] = files(0)[entry["path"]].contiguous()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     _write_safetensors(tmp, tensors)

@@ -1,38 +1,164 @@
-"""Turn an ``nn.Module`` into a pure function of its parameters.
+"""Turn an ``nn.Module`` into a pure function of its parameters, and carry the buffers it updates.
 
 ``functionalize(model)`` returns ``(apply, params)``: ``params`` is a ``dict[str, Tensor]`` of the
 model's trainable parameters (detached aliases of the module's own tensors: no copy is made, and
 tied parameters appear once under their first name); ``apply(params, *args, **kwargs)`` runs the
-module through ``torch.func.functional_call`` with those tensors. The module is used unchanged.
+module through ``torch.func.functional_call`` with those tensors. The module is used unchanged:
+its own tensors are never written, now or when ``apply`` runs.
 
-Buffers (BatchNorm running statistics, ...) are never mutated. By default ``apply`` reads them
-from a private snapshot taken at ``functionalize`` time and discards any update the forward pass
-makes. With ``with_buffers=True`` they become explicit state:
-``apply, (params, buffers) = functionalize(model, with_buffers=True)`` and
-``out, new_buffers = apply(params, buffers, *args)``, with ``buffers`` left untouched.
+**Buffers a step carries.** A forward in training mode updates some buffers (BatchNorm's running
+statistics and ``num_batches_tracked``, an EMA a module keeps). A training step (``zf.train_step``
+and its transformations) carries them in ``TrainState.buffers`` (name -> tensor): during the step
+``apply`` reads each buffer from the state (a buffer the state does not hold yet comes from a
+snapshot taken at ``functionalize`` time), runs the module on copies, and hands every buffer the
+forward wrote to the step, which puts it into the new state. So a step of ``k`` forwards
+(``accum=k``, or a loss that calls ``apply`` twice) updates them ``k`` times, in order, as torch's
+own loop does in train mode; ``model.eval()`` makes the forward read them without updating them.
+A step whose update is skipped (fp16 overflow) keeps what its forwards wrote, as torch's
+``GradScaler`` loop does.
+
+A buffer counts as written when the forward updates it in place (torch's version counter), assigns
+a new tensor to it, or when it is the running statistics of a normalization layer that tracks
+them and is in training mode (``torch.nn.modules.batchnorm._NormBase``: BatchNorm*, SyncBatchNorm,
+InstanceNorm* with ``track_running_stats=True``), whose update inside ``F.batch_norm`` does not bump
+the version counter. Only those enter the state: buffers no forward writes (a causal mask, rotary
+tables) stay in ``apply``'s snapshot, out of the state and its checkpoints. A state from ``init``
+holds no buffers; they join it at the first step whose forward writes them.
+
+Cost: each ``apply`` clones the module's buffers (so neither the state nor the snapshot is ever
+written: a failed step leaves its state intact) -- the buffers' bytes, small next to the params.
+
+**Evaluation with the trained statistics**: ``with zf.module.using(state): out = apply(params, x)``
+(``state`` a ``TrainState`` or a dict of buffers; a sharded state's buffers are whole, its params
+come from ``zf.checkpoint.full_params``). After ``model.eval()`` the module normalizes with them,
+as torch does; updates a forward makes under ``using`` are discarded. Outside any step or
+``using``, ``apply`` reads the snapshot and discards updates.
+
+**One module per step.** The buffers of a step belong to one module: a loss that runs two
+functionalized modules with buffers (a teacher) must give the other explicit buffers:
+``apply, (params, buffers) = functionalize(module, with_buffers=True)`` and
+``out, new_buffers = apply(params, buffers, *args)``, which never reads or writes a step's state.
+
+**Who runs the module now.** ``run_by(runner)`` registers, for the duration of a block, an object
+whose ``running(module)`` context manager every ``apply`` enters around the module's call: ZeRO-3
+gathers units around their forwards, a pipeline stage runs only its units. That registry is all
+``functionalize`` knows of the transformations.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import nullcontext
+import contextvars
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.nn.modules.batchnorm import _NormBase
 
-from zfunc.pipeline import ACTIVE as PIPELINE_STAGE
-from zfunc.prefetch import ACTIVE
+_RUNNERS: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar("zfunc_module_runners", default=())
+
+
+@contextmanager
+def run_by(runner: Any) -> Iterator[None]:
+    """While the block runs, every ``apply`` enters ``runner.running(module)`` around the module's
+    call (after the runners registered before it: the outer one first)."""
+    token = _RUNNERS.set((*_RUNNERS.get(), runner))
+    try:
+        yield
+    finally:
+        _RUNNERS.reset(token)
+
+
+@contextmanager
+def _runners_of(module: nn.Module) -> Iterator[None]:
+    runners = _RUNNERS.get()
+    if not runners:
+        yield
+        return
+    with ExitStack() as stack:
+        for runner in runners:
+            stack.enter_context(runner.running(module))
+        yield
+
+
+class BufferScope:
+    """The module buffers of one step (or one ``using`` block).
+
+    ``buffers``: name -> tensor, the state's at first, then each forward's updates. ``written``:
+    the names a forward wrote in the scope, in the order first written (only when ``record``).
+    """
+
+    def __init__(self, buffers: Mapping[str, torch.Tensor], record: bool):
+        if not isinstance(buffers, Mapping):
+            raise TypeError(f"buffers: expected a dict[str, Tensor], got {type(buffers).__name__}")
+        self.buffers = dict(buffers)
+        self.record = record
+        self.written: dict[str, None] = {}
+        self._owner: nn.Module | None = None
+
+    def read(self, module: nn.Module, snapshot: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every buffer of ``module``: the scope's where it has one, else the snapshot's."""
+        if self._owner is None:
+            self._owner = module
+        elif self._owner is not module:
+            raise ValueError(
+                f"apply: this step already ran a {type(self._owner).__name__} with buffers, now a "
+                f"{type(module).__name__}; a step carries one module's buffers: functionalize the other "
+                "with with_buffers=True and pass its buffers explicitly")
+        unknown = self.buffers.keys() - snapshot.keys()
+        if unknown:
+            raise KeyError(f"state.buffers: names {sorted(unknown)[:5]} are not buffers of the "
+                           f"{type(module).__name__} being run (expected some of {sorted(snapshot)[:5]})")
+        return {**snapshot, **self.buffers}
+
+    def write(self, updates: dict[str, torch.Tensor]) -> None:
+        if self.record and updates:
+            self.buffers.update(updates)
+            self.written.update(dict.fromkeys(updates))
+
+
+_SCOPE: contextvars.ContextVar[BufferScope | None] = contextvars.ContextVar("zfunc_module_buffers", default=None)
+
+
+@contextmanager
+def _scoped(scope: BufferScope) -> Iterator[BufferScope]:
+    token = _SCOPE.set(scope)
+    try:
+        yield scope
+    finally:
+        _SCOPE.reset(token)
+
+
+def carrying(buffers: Mapping[str, torch.Tensor]) -> AbstractContextManager[BufferScope]:
+    """For steps: run the block with ``buffers`` (a state's) as the module's, recording what each
+    forward writes in the yielded ``BufferScope`` (its ``buffers`` become the new state's)."""
+    return _scoped(BufferScope(buffers, record=True))
+
+
+def using(state_or_buffers: Any) -> AbstractContextManager[BufferScope]:
+    """Run the block's ``apply`` calls with the buffers of ``state_or_buffers`` (a ``TrainState``
+    or a dict name -> tensor): evaluation with trained statistics (``model.eval()`` first, as in
+    torch). The buffers are read, never written: updates a forward makes are discarded."""
+    buffers = getattr(state_or_buffers, "buffers", state_or_buffers)
+    if not isinstance(buffers, Mapping):
+        raise TypeError(f"state_or_buffers: expected a TrainState or a dict[str, Tensor], got "
+                        f"{type(state_or_buffers).__name__}")
+    return _scoped(BufferScope(buffers, record=False))
 
 
 def _buffer_snapshot(module: nn.Module) -> dict[str, torch.Tensor]:
     return {name: b.detach().clone() for name, b in module.named_buffers()}
 
 
-def _fresh(buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    # The forward pass may update buffers in place (BatchNorm's running stats): give it copies so
-    # the caller's tensors never change.
-    return {name: b.clone() for name, b in buffers.items()}
+def _norm_stats(module: nn.Module) -> list[tuple[nn.Module, tuple[str, ...]]]:
+    """``(norm layer, names of its running statistics)`` for each layer that tracks them."""
+    out = []
+    for prefix, m in module.named_modules():
+        if isinstance(m, _NormBase):
+            names = tuple(f"{prefix}.{n}" if prefix else n for n, b in m.named_buffers(recurse=False))
+            out.append((m, names))
+    return out
 
 
 def _check_params(params: Any, expected: frozenset[str]) -> None:
@@ -51,43 +177,59 @@ def functionalize(module: nn.Module, *, with_buffers: bool = False) -> tuple[Cal
 
     Args:
       module: any ``nn.Module``; it is not modified, now or when ``apply`` runs.
-      with_buffers: also return the module's buffers as explicit state (see the module docstring).
+      with_buffers: give ``apply`` its buffers explicitly, outside any step's state (see the
+        module docstring): ``out, new_buffers = apply(params, buffers, *args)``.
 
     Returns:
       ``(apply, params)``, or ``(apply, (params, buffers))`` with ``with_buffers=True``. ``params``
       maps each trainable parameter's qualified name to a detached alias of it (same dtype, device
       and storage); parameters with ``requires_grad=False`` are frozen into ``apply`` instead.
       ``params`` may hold a subset of the names: missing ones are taken from the module.
+      Inside a step, ``apply`` reads and updates the step's ``TrainState.buffers`` (module
+      docstring); elsewhere it reads a snapshot of the buffers taken now and discards updates.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
     trainable = {n: p.detach() for n, p in module.named_parameters() if p.requires_grad}
     frozen = {n: p.detach() for n, p in module.named_parameters() if not p.requires_grad}
     names = frozenset(trainable)
+    norms = _norm_stats(module)
 
-    def call(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], args, kwargs):
+    def call(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], args, kwargs,
+             done: Callable[[dict[str, torch.Tensor]], None]):
+        """The module's output; ``done(written)`` gets the buffers the forward wrote, also when
+        the forward stops by an exception (a pipeline stage ends its forward that way)."""
         _check_params(params, names)
-        gatherer = ACTIVE.get()  # a ZeRO-3 step is running: its units gather params around each forward
-        stage = PIPELINE_STAGE.get()  # a pipeline stage is running: it runs its own units only
-        with stage.running(module) if stage is not None else nullcontext():
-            if gatherer is None:
-                return functional_call(module, ({**trainable, **params}, frozen, buffers), args, kwargs)
-            with gatherer.running(module):
-                return functional_call(module, ({**trainable, **params}, frozen, buffers), args, kwargs)
+        copies = {n: b.clone() for n, b in buffers.items()}  # the forward may write them in place
+        versions = {n: b._version for n, b in copies.items()}
+        # One dict: functional_call writes buffers the forward reassigned back into it.
+        tensors = {**trainable, **params, **frozen, **copies}
+        try:
+            with _runners_of(module):
+                return functional_call(module, tensors, args, kwargs)
+        finally:
+            stats = {n for m, ns in norms if m.training and m.track_running_stats for n in ns}
+            done({n: tensors[n].detach() for n, b in copies.items()
+                  if tensors[n] is not b or b._version != versions[n] or n in stats})
 
     if with_buffers:
 
         def apply_with_buffers(params, buffers, *args, **kwargs):
-            """``(out, new_buffers)``: the module's output and its updated buffers (copies)."""
-            new_buffers = _fresh(buffers)
-            return call(params, new_buffers, args, kwargs), new_buffers
+            """``(out, new_buffers)``: the module's output and its buffers after the forward
+            (copies: ``buffers`` is left untouched)."""
+            new_buffers = dict(buffers)
+            out = call(params, buffers, args, kwargs, new_buffers.update)
+            return out, new_buffers
 
         return apply_with_buffers, (trainable, _buffer_snapshot(module))
 
     snapshot = _buffer_snapshot(module)
 
     def apply(params, *args, **kwargs):
-        """The module's output for ``params``; buffers come from a snapshot and stay unchanged."""
-        return call(params, _fresh(snapshot) if snapshot else snapshot, args, kwargs)
+        """The module's output for ``params``, with the step's buffers (module docstring)."""
+        scope = _SCOPE.get()
+        if scope is None or not snapshot:
+            return call(params, snapshot, args, kwargs, lambda written: None)
+        return call(params, scope.read(module, snapshot), args, kwargs, scope.write)
 
     return apply, trainable

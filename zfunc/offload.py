@@ -9,6 +9,8 @@ in its own folder (``path/rank00003/`` for global rank 3, ``path`` itself alone)
 **Law.** For the same optimizer (kernel included: pass ``backend="numba"`` to both for CPU-Adam)
 the offloaded step gives the same params, optimizer state, loss and grad norm as ``step``, up to
 the rounding of the global norm, which is summed leaf by leaf. Never a stale or delayed update.
+Module buffers (BatchNorm statistics, ``zfunc.module``) are not offloaded: they stay in
+``state.buffers`` where the forward computes, updated and averaged over ranks as ``zf.shard`` says.
 
 **How a step runs** (one param *leaf* is the unit of storage; each leaf has its own optimizer
 state, ``optimizer.init({name: piece})``, so a leaf can be updated alone):
@@ -208,7 +210,7 @@ class OffloadedStep(ShardedStep):
 
     # ------------------------------------------------------------------ the update
     def _update(self, state: TrainState, grads: PyTree, loss: torch.Tensor, aux: Any):
-        params, opt_state, step, rng, loss_scale = self._fields  # the state may be consumed by now
+        params, opt_state, step, rng, loss_scale, _ = self._fields  # the state may be consumed by now
         if grads is not None:  # held until now: the norm first, then every leaf
             g_leaves = tree.leaves(grads)
             norm = optim.global_norm(g_leaves)  # inside summing_across: over all ranks

@@ -7,11 +7,12 @@ microbatches; activations travel forward and their grads backward point to point
 Loss and metrics come back on every rank.
 
 **How a stage runs the unchanged model.** The step runs the user's opaque ``loss_fn(params,
-batch)``; while ``zf.functionalize``'s ``apply`` runs the module it enters ``ACTIVE.running``,
-which, for that one call, makes other stages' units the identity (their ``forward`` replaced),
-swaps the first local unit's input for the activation received from the previous stage (a
-forward pre-hook) and, on all but the last stage, stops the forward after the last local unit by
-raising a private ``BaseException`` carrying its output. Code outside the units (embeddings, final
+batch)``; while ``zf.functionalize``'s ``apply`` runs the module it enters the stage's
+``running`` (registered with ``zfunc.module.run_by``), which, for that one call, makes other
+stages' units the identity (their ``forward`` replaced), swaps the first local unit's input for
+the activation received from the previous stage (a forward pre-hook) and, on all but the last
+stage, stops the forward after the last local unit by raising a private ``BaseException``
+carrying its output. Code outside the units (embeddings, final
 norm, head, loss) runs wherever it is reached; its params (and those tied to them: GPT's
 ``wte``/``lm_head``) are *shared*: owned by stage 0 and lent to the last stage each step. Params a
 stage neither owns nor borrows are zero-memory stand-ins (``zeros(()).expand(shape)``); that code
@@ -23,6 +24,14 @@ the schedule, split or ``p``: the microbatch grads are averaged as ``train_step(
 Checked at run time, with an error instead of a wrong result: units run once each, in module
 order; a stage's first unit gets the previous unit's output unchanged (no code between units);
 stand-ins receive no grad. Dropout draws different masks than the plain step (test with 0).
+
+**Module buffers** (BatchNorm statistics, ``zfunc.module``): each stage carries, in its state, the
+buffers of its own units, updated by its forwards microbatch after microbatch (as
+``train_step(accum=m)`` does) and, when the step is sharded, averaged over the dp ranks as
+``zf.shard`` does. A forward that writes a buffer outside the pipeline units (a BatchNorm in the
+stem or the head, in training mode) is refused on every stage at the end of the schedule, before
+the update: that code runs on several stages, on stand-in params before the first unit, so no
+stage's copy would be right.
 
 **Cost** (per rank; ``Psi_s`` = params of stage s, ``Psi_sh`` = shared ones, ``A`` = bytes of one
 microbatch's activation at a stage boundary). Between steps: ``(4 + opt) Psi_s`` bytes (fp32
@@ -55,7 +64,6 @@ heads); if every unit is such a module (a stack of Linears), all are pipeline un
 """
 from __future__ import annotations
 
-import contextvars
 import time
 import zlib
 from collections.abc import Sequence
@@ -68,7 +76,8 @@ from torch import nn
 
 from zfunc import optim, precision as mp, tree
 from zfunc.dist import Mesh
-from zfunc.shard import GradSlices, ShardedStep, ShardSpec, _buckets, _gather_whole
+from zfunc.module import BufferScope, carrying, run_by
+from zfunc.shard import GradSlices, ShardedStep, ShardSpec, _buckets, _gather_whole, average_buffers, average_order
 from zfunc.step import (Step, TrainState, _cuda_devices, _split_batch, _step_seed, require_train_state, seeded,
                         split_loss)
 from zfunc.units import Selector
@@ -78,9 +87,6 @@ SCHEDULES = ("1f1b", "gpipe")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _MAX_DIMS = 8
 _HEADER = 5 + _MAX_DIMS  # int64s: step, microbatches, batch digest, dtype, ndim, shape
-
-# Set while a stage runs the loss function: functionalize's apply enters ``running(module)``.
-ACTIVE: contextvars.ContextVar[_StageRun | None] = contextvars.ContextVar("zfunc_pipeline_stage", default=None)
 
 
 class _StageOutput(BaseException):
@@ -370,14 +376,11 @@ class _Run:
 
     def _run_loss(self, micro: PyTree, act_in: torch.Tensor | None) -> torch.Tensor:
         run = _StageRun(self.ps.model, self.ps.layout, self.s, self.p, act_in)
-        token = ACTIVE.set(run)
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), run_by(run):
                 out = self.ps._loss(self.params, micro)
         except _StageOutput as stop:
             return stop.output
-        finally:
-            ACTIVE.reset(token)
         run.check_complete()
         loss, aux = split_loss(out, self.ps.has_aux)
         self.losses.append(loss.detach().float())
@@ -489,9 +492,29 @@ class PipelineStep(Step):
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         self._check_state(state)
         params, step, rng, loss_scale = state.params, state.step, state.rng, state.loss_scale
-        loss, aux, grads = self._loss_and_grads(state.sharding, params, batch, step, rng, loss_scale)
+        with carrying(state.buffers) as carried:
+            loss, aux, grads = self._loss_and_grads(state.sharding, params, batch, step, rng, loss_scale, carried)
+        buffers = self._stage_buffers(carried, state.sharding, step)
         with optim.summing_across(self._sum_over_ranks):
-            return self._update(state, grads, loss, aux)
+            new_state, metrics = self._update(state, grads, loss, aux)
+        return new_state.replace(buffers=buffers), metrics
+
+    def _in_units(self, name: str, units: Sequence[str]) -> bool:
+        return any(name.startswith(f"{u}.") for u in units)
+
+    def _stray_buffers(self, carried: BufferScope) -> list[str]:
+        """Buffers the forward wrote outside every pipeline unit (module docstring: refused)."""
+        return [n for n in carried.written if not self._in_units(n, self.layout.units)]
+
+    def _stage_buffers(self, carried: BufferScope, spec: PipelineSpec, step: int) -> dict[str, torch.Tensor]:
+        """The buffers of this stage's own units, those written averaged over the dp ranks."""
+        first, last = self.layout.bounds[self.stage]
+        mine = self.layout.units[first : last + 1]
+        own = {n: b for n, b in carried.buffers.items() if self._in_units(n, mine)}
+        if spec.inner is None:
+            return own
+        names = [n for n in average_order(carried) if n in own]
+        return average_buffers(own, names, self.mesh.comm, spec.inner.world, f"buffer all-reduce at step {step}")
 
     def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
         if self.base is not None:
@@ -499,7 +522,7 @@ class PipelineStep(Step):
         self.mesh.pp_comm.all_reduce(t, label="grad-norm all-reduce over the pipeline")
         return t
 
-    def _loss_and_grads(self, spec: PipelineSpec, params, batch, step, rng, loss_scale):
+    def _loss_and_grads(self, spec: PipelineSpec, params, batch, step, rng, loss_scale, carried: BufferScope):
         """Mean loss (on every rank) and this rank's fp32 grads, averaged over microbatches (and dp)."""
         pieces, treespec = tree.flatten(params)
         scale = loss_scale.scale if loss_scale is not None else None
@@ -518,7 +541,7 @@ class PipelineStep(Step):
                                     divisor * spec.inner.world)
         else:
             torch._foreach_mul_(grads, 1.0 / divisor)
-        loss = self._mean_loss(run.losses, spec, step, run.device)
+        loss = self._mean_loss(run.losses, spec, step, run.device, self._stray_buffers(carried))
         return loss, self._aux(run.auxes), tree.unflatten(treespec, grads)
 
     def _whole_params(self, pieces: list[torch.Tensor], spec: PipelineSpec, step: int) -> list[torch.Tensor]:
@@ -541,10 +564,20 @@ class PipelineStep(Step):
                                  f"tensor of shape {tuple(x.shape)}")
         return _split_batch(batch, m)
 
-    def _mean_loss(self, losses: list[torch.Tensor], spec: PipelineSpec, step: int, device) -> torch.Tensor:
-        """The last stage's mean loss, summed into every stage (the others add 0) and over dp."""
+    def _mean_loss(self, losses: list[torch.Tensor], spec: PipelineSpec, step: int, device,
+                   stray: list[str]) -> torch.Tensor:
+        """The last stage's mean loss, summed into every stage (the others add 0) and over dp.
+        The same all-reduce counts the ``stray`` buffers of every stage: if any stage has some,
+        every stage raises, before the update (a post-unit module runs on the last stage only)."""
         loss = torch.stack(losses).mean() if losses else torch.zeros((), device=device)
-        self.mesh.pp_comm.all_reduce(loss, label=f"loss all-reduce over the pipeline at step {step}")
+        both = torch.stack([loss, torch.tensor(float(len(stray)), device=loss.device)])
+        self.mesh.pp_comm.all_reduce(both, label=f"loss all-reduce over the pipeline at step {step}")
+        loss = both[0]
+        if both[1].item():
+            where = f"here: {stray[:5]}" if stray else "on another stage"
+            raise ValueError(f"pipeline: the forward wrote module buffers outside the pipeline units ({where}); a "
+                             "pipelined state carries only the buffers of each stage's own units (BatchNorm inside "
+                             "a unit is fine): move that module into a unit, or put it in eval mode")
         if spec.inner is not None:
             self.mesh.comm.all_reduce(loss, label=f"loss all-reduce over the dp ranks at step {step}")
             loss = loss / spec.inner.world

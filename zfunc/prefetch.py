@@ -2,7 +2,8 @@
 
 A ``Gatherer`` lives for one sharded step. It hands the loss function *placeholders*: tensors of
 each param's whole shape (compute dtype, ``requires_grad``) whose storage is empty. While
-``zf.functionalize``'s ``apply`` runs the model, forward hooks on each unit's modules fill the
+``zf.functionalize``'s ``apply`` runs the model (the step registers the gatherer with
+``zfunc.module.run_by``), forward hooks on each unit's modules fill the
 unit's storages by an all-gather just before the unit's forward and empty them after it.
 Autograd keeps referring to the same storages; a saved-tensor hook notices when backward is about
 to use a freed one and gathers the unit again (DESIGN section 4: ``torch.autograd.grad`` and
@@ -21,7 +22,6 @@ naming the unit and step, instead of aborting in gloo or hanging in NCCL.
 """
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
@@ -30,10 +30,6 @@ import torch
 from torch import nn
 
 from zfunc.dist import Comm
-
-# Set while a stage-3 step runs its loss function: functionalize's apply calls it with the module.
-ACTIVE: contextvars.ContextVar[Gatherer | None] = contextvars.ContextVar("zfunc_stage3_gatherer", default=None)
-
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
     """A tensor over ``t``'s storage with a version counter of its own: refilling a placeholder that

@@ -9,7 +9,12 @@ without touching the model's code or parameter names, by replacing an instance's
         block.forward = zf.remat(block.forward, offload=True)
 
 **Law.** Outputs and grads equal ``fn``'s: the recomputation replays torch's RNG state, so dropout
-draws the same mask (``torch.utils.checkpoint``'s ``preserve_rng_state``).
+draws the same mask (``torch.utils.checkpoint``'s ``preserve_rng_state``). Buffers the module
+updates in training (BatchNorm's running statistics) are updated once per call, as without remat:
+the recomputation reads them as the forward left them, as torch's checkpoint does, but writes into
+copies. ``torch.utils.checkpoint`` alone would update them a second time in backward (measured on
+torch 2.13: ``num_batches_tracked`` is 2 after one forward and backward, and the running mean has
+moved twice); a buffer the forward reassigns is kept too.
 
 **Cost.** Memory: per unit, its inputs instead of everything its backward would save (a
 transformer block saves ~10-30x its input); with ``offload`` the inputs live in CPU RAM and only the
@@ -69,6 +74,15 @@ def _owner(fn: Callable[..., Any]) -> nn.Module | None:
     return owner if isinstance(owner, nn.Module) else None
 
 
+def _keep_reassigned(module: nn.Module, given: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> None:
+    """Set on ``module`` each buffer the forward reassigned (``functional_call`` wrote it back into
+    ``after``): under an outer ``functional_call`` (``zf.functionalize``'s apply), that one sees it."""
+    for n in given:
+        if after[n] is not given[n]:
+            owner, _, leaf = n.rpartition(".")
+            setattr(module.get_submodule(owner), leaf, after[n])
+
+
 def remat(fn: Callable[..., Any], offload: bool = False) -> Callable[..., Any]:
     """``fn`` with activation checkpointing (see the module docstring for law and cost).
 
@@ -76,8 +90,9 @@ def remat(fn: Callable[..., Any], offload: bool = False) -> Callable[..., Any]:
       fn: any callable of tensors (and other arguments): a function, a module, or a module's bound
         ``forward`` (the form to assign back to ``module.forward``; a module itself must not be).
         For a module (or its bound method), the parameters and buffers it holds *when called* --
-        under ``functional_call``, the tensors swapped in -- become explicit inputs of the
-        checkpoint, so the recomputation in backward (outside ``functional_call``) uses them too.
+        under ``functional_call``, the tensors swapped in -- are what the recomputation in
+        backward (outside ``functional_call``) uses too: the parameters as explicit inputs of the
+        checkpoint, the buffers as the forward left them, copied (see the law).
       offload: keep the positional tensor arguments in pinned CPU memory between forward and
         backward; each comes back to its own device when the recomputation needs it (tensors
         nested in other arguments stay where they are).
@@ -90,17 +105,29 @@ def remat(fn: Callable[..., Any], offload: bool = False) -> Callable[..., Any]:
     module = _owner(fn)
     replaying = contextvars.ContextVar("zfunc_remat_replaying", default=False)
 
-    def with_state(names: tuple[str, ...], kwargs: dict):
-        """``(*state, *args) -> fn(*args, **kwargs)`` with ``module``'s state set to ``state``."""
+    def with_state(names: tuple[str, ...], buffers: dict[str, torch.Tensor], kwargs: dict):
+        """``(*params, *args) -> fn(*args, **kwargs)`` with ``module``'s params set to ``params``
+        and its buffers to ``buffers``: the forward (first call) updates them, the recomputation
+        (any later call) updates copies. Buffers are not inputs of the checkpoint: it would
+        refuse to recompute from a buffer the forward updated in place (a version check)."""
+        calls = 0
+
         def run(*inputs: Any) -> Any:
-            state, args = inputs[: len(names)], inputs[len(names):]
+            nonlocal calls
+            params, args = inputs[: len(names)], inputs[len(names):]
             if module is None:
                 return fn(*args, **kwargs)
+            recompute, calls = calls > 0, calls + 1
+            given = {n: b.clone() for n, b in buffers.items()} if recompute else buffers
+            tensors = {**dict(zip(names, params)), **given}
             token = replaying.set(True)  # ``module.forward`` may be this very wrapper: call ``fn``
             try:
-                return functional_call(module, dict(zip(names, state)), args, kwargs)
+                return functional_call(module, tensors, args, kwargs)
             finally:
                 replaying.reset(token)
+                if not recompute:
+                    _keep_reassigned(module, buffers, tensors)
+
         return run
 
     @functools.wraps(fn)
@@ -109,12 +136,13 @@ def remat(fn: Callable[..., Any], offload: bool = False) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         if not torch.is_grad_enabled():
             return fn(*args, **kwargs)
-        held = dict(module.named_parameters()) | dict(module.named_buffers()) if module is not None else {}
+        held = dict(module.named_parameters()) if module is not None else {}
+        buffers = dict(module.named_buffers()) if module is not None else {}
         names, state = tuple(held), tuple(held.values())
         if not offload:
-            return checkpoint(with_state(names, kwargs), *state, *args, use_reentrant=False)
+            return checkpoint(with_state(names, buffers, kwargs), *state, *args, use_reentrant=False)
         devices = [x.device if isinstance(x, torch.Tensor) else None for x in args]
-        run = with_state(names, kwargs)
+        run = with_state(names, buffers, kwargs)
 
         def on_device(*inputs: Any) -> Any:
             back = [h.to(d, non_blocking=True) if d is not None else h

@@ -8,6 +8,16 @@ the plain step trains on the concatenated batch.
 step on batches ``b_0..b_{N-1}`` produce the same params, optimizer state, loss and grad norm as
 the plain step on ``cat(b_0..b_{N-1})`` (up to the reordering of sums in the collectives).
 
+**Module buffers** (BatchNorm's running statistics; ``zfunc.module``): each rank's forward
+normalizes with its own batch's statistics and updates the buffers from them, as DDP does without
+SyncBatchNorm -- for such a model the law above holds against N replicas each on its own batch,
+grads averaged, not against the plain step on the concatenated batch. After backward, every
+floating buffer a forward wrote is replaced by its mean over the ranks, so all ranks hold the same
+buffers (a momentum update thus uses the mean of the ranks' batch statistics). Integer buffers
+(``num_batches_tracked``) stay each rank's count: equal, as the ranks run the same forwards. Cost:
+one all-reduce of the written floating buffers per step, in fp64 (16 bytes per element in
+``dist.Comm`` units); none for a model without such buffers.
+
 **Layout (all stages alike).** Every parameter is split along dim 0 in ``torch.chunk`` style:
 ``chunk = ceil(rows / N)`` rows per rank, the last ranks holding fewer or none (0-d params count as
 one row). ``state.params`` holds this rank's pieces (fp32 masters) and ``state.opt_state`` the
@@ -42,6 +52,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,9 +61,10 @@ import torch
 
 from zfunc import optim, precision as mp, tree
 from zfunc.dist import Mesh
+from zfunc.module import BufferScope, carrying, run_by
 from zfunc.ops import hostmem
-from zfunc.prefetch import ACTIVE, Gatherer
-from zfunc.step import (_FIELDS, Step, TrainState, _check_single_device, _cuda_devices, _split_batch,
+from zfunc.prefetch import Gatherer
+from zfunc.step import (Step, TrainState, _check_single_device, _cuda_devices, _split_batch,
                         _step_seed, require_train_state, seeded, split_loss)
 from zfunc.units import Selector
 
@@ -358,6 +370,7 @@ class ShardedStep(Step):
         self.peak_gathered_bytes = 0  # most whole-param bytes held at once in the last step
         self.peak_whole_grad_bytes = 0  # most whole-grad bytes held at once in the last step
         self._loss_to_sum: torch.Tensor | None = None  # this step's loss, until an all-reduce sums it
+        self._buffer_names: list[str] = []  # the module buffers averaged in the last step
 
     # ------------------------------------------------------------------ init and checks
     def init(self, params: PyTree) -> TrainState:
@@ -400,11 +413,13 @@ class ShardedStep(Step):
     # ------------------------------------------------------------------ the step
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         self._check_state(state)
-        params, opt_state, step, rng, loss_scale = (getattr(state, f) for f in _FIELDS)
+        params, step, rng, loss_scale = state.params, state.step, state.rng, state.loss_scale
         self._state_spec, self._loss_scale = state.sharding, loss_scale and loss_scale.scale
         if self.stage == 3 and self._flat_units is None:  # unit binding maps param names to leaves
             self._names = _leaf_names(params)
-        loss, aux, grads = self._loss_and_grads(params, batch, step, rng, loss_scale)
+        with carrying(state.buffers) as carried:
+            loss, aux, grads = self._loss_and_grads(params, batch, step, rng, loss_scale)
+        buffers = self._average_buffers(carried, step)
         self._loss_to_sum = loss  # summed by the grad norm's all-reduce, the step's one sync
         with optim.summing_across(self._sum_over_ranks):
             new_state, metrics = self._update(state, grads, loss, aux)
@@ -412,7 +427,18 @@ class ShardedStep(Step):
             self.mesh.comm.all_reduce(loss, label=f"loss all-reduce at step {step}")
             self._loss_to_sum = None
         loss.div_(state.sharding.world)  # metrics["loss"]: the mean over ranks
-        return new_state, metrics
+        return new_state.replace(buffers=buffers), metrics
+
+    def _average_buffers(self, carried: BufferScope, step: int) -> dict[str, torch.Tensor]:
+        """The step's module buffers, those a forward wrote averaged over the ranks (module
+        docstring); the first time the set of written buffers changes, the ranks check they agree."""
+        names = average_order(carried)
+        if names != self._buffer_names and self.verify and self.mesh.dp > 1:
+            numel = sum(carried.buffers[n].numel() for n in names)
+            self.mesh.comm.agree((len(names), numel), lambda op: f"buffer all-reduce of {op[0]} buffers, {op[1]} "
+                                 "elements", f"step {step}: the ranks' forwards wrote different module buffers")
+        self._buffer_names = names
+        return average_buffers(carried.buffers, names, self.mesh.comm, self.mesh.dp, f"buffer all-reduce at step {step}")
 
     def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (global_norm's own temporary) summed over the ranks; the first call of a step
@@ -496,12 +522,8 @@ class ShardedStep(Step):
     def _backward(self, params, micro, leaves, gatherer, reducer, scale):
         """Forward and backward of one microbatch; the reducer takes each grad as it is produced."""
         handles = reducer.hook(leaves)
-        token = ACTIVE.set(gatherer)
-        try:
-            with torch.enable_grad():
-                out = self.loss_fn(params, micro)
-        finally:
-            ACTIVE.reset(token)
+        with torch.enable_grad(), run_by(gatherer) if gatherer is not None else nullcontext():
+            out = self.loss_fn(params, micro)
         loss, aux = split_loss(out, self.has_aux)
         if gatherer is not None and gatherer.units is None:
             raise ValueError("loss_fn: stage 3 needs the loss to run the model through the apply of "
@@ -591,6 +613,27 @@ def _gather_whole(pieces, spec: ShardSpec, buckets: list[FlatUnit], comm, dtype:
         for i, w in zip(unit.indices, unit.unpack_gathered(out, spec.leaves, spec.world)):
             whole[i] = w
     return whole
+
+
+def average_order(carried: BufferScope) -> list[str]:
+    """The floating buffers a step's forwards wrote, in the order every rank averages them."""
+    return sorted(n for n in carried.written if carried.buffers[n].is_floating_point())
+
+
+def average_buffers(buffers: dict[str, torch.Tensor], names: list[str], comm, world: int,
+                    label: str) -> dict[str, torch.Tensor]:
+    """``buffers`` with each of ``names`` replaced by its mean over the ``world`` ranks of
+    ``comm``: one all-reduce of their elements, in fp64, so that buffers equal on every rank stay
+    bit-identical (``N x / N`` is ``x`` exactly) and the mean is rounded once, to the buffer's dtype."""
+    if world == 1 or not names:
+        return buffers
+    flat = torch.cat([buffers[n].detach().reshape(-1).double() for n in names])
+    comm.all_reduce(flat, label=label)
+    flat.div_(world)
+    out = dict(buffers)
+    for n, mean in zip(names, flat.split([buffers[n].numel() for n in names])):
+        out[n] = mean.view(buffers[n].shape).to(buffers[n].dtype)
+    return out
 
 
 def _leaf_names(params: PyTree) -> list[str]:

@@ -25,7 +25,7 @@ from typing import Any
 import optree
 import torch
 
-from zfunc import optim, precision as mp, tree
+from zfunc import module, optim, precision as mp, tree
 from zfunc.ops import hostmem
 
 PyTree = Any
@@ -35,7 +35,7 @@ class ConsumedStateError(RuntimeError):
     """A ``TrainState`` was read after a donating step consumed it."""
 
 
-_FIELDS = ("params", "opt_state", "step", "rng", "loss_scale")
+_FIELDS = ("params", "opt_state", "step", "rng", "loss_scale", "buffers")
 
 
 class TrainState:
@@ -43,7 +43,10 @@ class TrainState:
 
     Fields: ``params`` (pytree of fp32 master tensors), ``opt_state`` (the optimizer's state),
     ``step`` (int, steps taken), ``rng`` (int, the base seed; step ``k`` seeds torch's RNG from
-    ``(rng, k)``), ``loss_scale`` (``precision.LossScale`` for fp16, else ``None``).
+    ``(rng, k)``), ``loss_scale`` (``precision.LossScale`` for fp16, else ``None``), ``buffers``
+    (keyword; dict name -> tensor: the module buffers the forward updates in training, BatchNorm's
+    running statistics; empty until a step first writes one, see ``zfunc.module``; whole, never
+    split, on every rank of a sharded state).
     ``sharding`` is static metadata, not a pytree child: ``None`` for a plain state, else the
     ``shard.ShardSpec`` saying how ``params`` and ``opt_state`` are split over ranks.
     """
@@ -51,8 +54,10 @@ class TrainState:
     __slots__ = ("_values", "_consumed", "sharding")
 
     def __init__(self, params: PyTree, opt_state: PyTree, step: int = 0, rng: int = 0, loss_scale=None,
-                 sharding: Any = None):
-        self._values = (params, opt_state, step, rng, loss_scale)
+                 sharding: Any = None, *, buffers: dict[str, Any] | None = None):
+        if buffers is not None and not isinstance(buffers, dict):
+            raise TypeError(f"buffers: expected a dict[str, Tensor] (name -> module buffer), got {type(buffers).__name__}")
+        self._values = (params, opt_state, step, rng, loss_scale, {} if buffers is None else buffers)
         self._consumed = False
         self.sharding = sharding
 
@@ -69,6 +74,7 @@ class TrainState:
     step = property(lambda self: self._get(2), doc="number of steps taken (skipped ones included)")
     rng = property(lambda self: self._get(3), doc="base seed of the step's random numbers")
     loss_scale = property(lambda self: self._get(4), doc="fp16 LossScale, or None")
+    buffers = property(lambda self: self._get(5), doc="module buffers training updates: dict name -> tensor")
 
     @property
     def consumed(self) -> bool:
@@ -87,13 +93,14 @@ class TrainState:
         if self._consumed:
             return "TrainState(<consumed>)"
         n = tree.numel(self._values[0])
-        return f"TrainState(step={self._values[2]}, params={n} elements, loss_scale={self._values[4]})"
+        buffers = f", buffers={len(self._values[5])}" if self._values[5] else ""
+        return f"TrainState(step={self._values[2]}, params={n} elements{buffers}, loss_scale={self._values[4]})"
 
 
 optree.register_pytree_node(
     TrainState,
     lambda s: (tuple(s._get(i) for i in range(len(_FIELDS))), s.sharding, _FIELDS),
-    lambda sharding, children: TrainState(*children, sharding=sharding),
+    lambda sharding, children: TrainState(*children[:-1], sharding=sharding, buffers=children[-1]),
     namespace=tree.NAMESPACE,
 )
 
@@ -216,9 +223,10 @@ class Step:
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         self._check_state(state)
-        params, opt_state, step, rng, loss_scale = (getattr(state, f) for f in _FIELDS)
-        loss, aux, grads = self._loss_and_grads(params, batch, step, rng, loss_scale)
-        return self._update(state, grads, loss, aux)
+        with module.carrying(state.buffers) as carried:  # apply reads and updates the state's buffers
+            loss, aux, grads = self._loss_and_grads(state.params, batch, state.step, state.rng, state.loss_scale)
+        new_state, metrics = self._update(state, grads, loss, aux)
+        return new_state.replace(buffers=carried.buffers), metrics
 
     def _check_state(self, state: Any) -> None:
         require_train_state(state)
@@ -228,7 +236,7 @@ class Step:
 
     def _update(self, state: TrainState, grads: PyTree, loss: torch.Tensor, aux: Any):
         """Apply the optimizer to ``state`` with fp32, unscaled ``grads``; the new state and metrics."""
-        params, opt_state, step, rng, loss_scale = (getattr(state, f) for f in _FIELDS)
+        params, opt_state, step, rng, loss_scale = state.params, state.opt_state, state.step, state.rng, state.loss_scale
         norm = optim.global_norm(grads)
         finite = loss_scale is None or bool(torch.isfinite(norm))
         lr = optim.learning_rate(self.optimizer, opt_state)
