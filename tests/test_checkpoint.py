@@ -164,7 +164,8 @@ def test_corruption_and_mismatches_raise_clear_errors(tmp_path):
     with pytest.raises(ck.CheckpointError, match="structure differs"):
         ck.load(directory, other)
     template = zf.tree.map(lambda x: x.double() if isinstance(x, torch.Tensor) else x, state)
-    with pytest.raises(ck.CheckpointError, match=r"2.bias: \(13,\) float32 in the checkpoint, \(13,\) float64 in the model"):
+    with pytest.raises(ck.CheckpointError, match=r"2.bias: \(13,\) float32 in the checkpoint, \(13,\) float64 in "
+                                                 "the model"):
         ck.load(directory, template)  # the params' dtypes: reported as the model's
     template = template.replace(params=state.params)
     with pytest.raises(ck.CheckpointError, match="float32 in the checkpoint, torch.float64 in the state"):
@@ -223,7 +224,7 @@ def test_export_loads_with_hugging_face_from_pretrained(tmp_path):
                                rtol=0, atol=0)
 
 
-# ----------------------------------------------------------------------------- issue 23: nothing lost, nothing silently wrong
+# ------------------------------------------------------------- issue 23: nothing lost, nothing silently wrong
 
 
 def small(step=0, value=1.0):
@@ -255,7 +256,8 @@ def test_save_refuses_a_folder_of_checkpoints(tmp_path):
     root = tmp_path / "ckpt"
     ck.save(small(100, 7.0), root / "000100")
     before = snapshot(tmp_path)
-    with pytest.raises(ck.CheckpointError, match=r"ckpt holds files a checkpoint does not write: \['000100', 'latest'\]"):
+    with pytest.raises(ck.CheckpointError, match=r"ckpt holds files a checkpoint does not write: "
+                                                 r"\['000100', 'latest'\]"):
         ck.save(small(200), root)  # meant ckpt/000200
     assert snapshot(tmp_path) == before
     assert ck.latest(root) == root / "000100" and torch.equal(loaded(root / "000100"), torch.full((100,), 7.0))
@@ -293,6 +295,15 @@ def test_save_replaces_its_own_checkpoint_and_fills_an_empty_directory(tmp_path)
     (tmp_path / "000002").mkdir()
     assert torch.equal(loaded(ck.save(small(2, 3.0), tmp_path / "000002")), torch.full((100,), 3.0))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["000001", "000002", "latest"]  # no scratch left
+
+
+def test_save_replaces_with_two_renames_where_it_cannot_swap(tmp_path, monkeypatch):
+    from zfunc import checkpoint_folder
+
+    monkeypatch.setattr(checkpoint_folder, "exchange", lambda a, b: False)  # e.g. NFS: no RENAME_EXCHANGE
+    first = ck.save(small(1, 1.0), tmp_path / "000001")
+    assert torch.equal(loaded(ck.save(small(1, 2.0), first)), torch.full((100,), 2.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["000001", "latest"]
 
 
 def test_save_removes_only_its_own_leftovers(tmp_path):
@@ -362,6 +373,9 @@ def test_latest_refuses_to_name_what_is_not_a_checkpoint(tmp_path):
     ck.save(small(1), tmp_path / "000001")
     shutil.rmtree(tmp_path / "000001")  # by hand: resuming must not silently start over
     with pytest.raises(ck.CheckpointError, match="latest names '000001', which is not a checkpoint"):
+        ck.latest(tmp_path)
+    (tmp_path / "latest").write_text("../../etc\n")
+    with pytest.raises(ck.CheckpointError, match="latest is not zfunc's pointer file"):
         ck.latest(tmp_path)
 
 
@@ -471,6 +485,8 @@ def arrival_worker(rank, world, directory):
     store = torch.distributed.distributed_c10d._get_default_store()
     _, state = make(2, zf.Mesh(dp=world))
     errors = []
+    if rank == 0:  # a plain state is one rank's own: saved alone, no waiting for the others
+        ck.save(small(), os.path.dirname(directory) + "-rank0/000001")
 
     def attempt(fn, *args):
         try:
@@ -508,6 +524,6 @@ def test_a_collective_called_on_one_rank_fails_fast_naming_the_call(tmp_path):
                     "within 2 s"
     assert r0[1] is False  # rank 0's failed save wrote nothing, not even the folder
     assert r0[2] == r1[1] + " (this rank arrived after the others gave up)"
-    assert r0[3] == r1[2] == ("ranks made different calls: rank 0: zf.checkpoint.save; rank 1: "
-                              "zf.checkpoint.full_params (every rank must make the same collective calls in the same order)")
+    assert r0[3] == r1[2] == ("ranks made different calls: rank 0: zf.checkpoint.save; rank 1: zf.checkpoint."
+                              "full_params (every rank must make the same collective calls in the same order)")
     assert files == ["000001", "latest"]

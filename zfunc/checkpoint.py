@@ -8,7 +8,8 @@ Layout of ``save(state, "ckpt/000100")``::
                                             the caller's ``extra`` (data position), a crc32 per file
     ckpt/latest                             "000100", replaced last
 
-What is guaranteed (file format and ownership rules: ``zfunc.checkpoint_files``):
+What is guaranteed (the files: ``zfunc.checkpoint_files``; ownership, locks, replacing, pruning:
+``zfunc.checkpoint_folder``):
 
 - **Only its own files.** ``save`` writes ``ckpt/000100``, ``ckpt/latest`` and scratch names
   beside them (``.000100.tmp``, ``.000100.lock``, ``.latest.lock``, ``.latest.tmp``), nothing
@@ -20,9 +21,11 @@ What is guaranteed (file format and ownership rules: ``zfunc.checkpoint_files``)
 - **Atomic.** Every rank writes into ``.000100.tmp``; after a barrier rank 0 writes the manifest,
   fsyncs, and puts the directory in place, swapping it with an existing checkpoint of that name
   in one rename (``renameat2`` ``RENAME_EXCHANGE``; where the file system lacks it, two renames,
-  between which the name is briefly absent), and only then replaces ``latest`` (written beside
-  it, fsynced, renamed). A crash at any point leaves the previous checkpoint and ``latest`` as
-  they were; the next save to that name removes the scratch the crash left.
+  between which the name is absent), and only then replaces ``latest`` (written beside it,
+  fsynced, renamed). A crash at any point leaves each checkpoint name holding a whole checkpoint,
+  the previous one or the new one (on the fallback, between its two renames, the previous one
+  is in ``.000100.old``), and ``latest`` naming a whole checkpoint; the next save to that name
+  removes the scratch the crash left.
 - **One writer at a time.** Saves to one directory, from threads or processes, run one after the
   other (an ``flock`` beside it, taken by rank 0), so the checkpoint is whole and is one of them;
   saves into one folder put their checkpoint in place and update ``latest`` one at a time.
@@ -57,8 +60,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,9 @@ import torch.distributed as dist
 
 import zfunc
 from zfunc import checkpoint_files as cf, tree
-from zfunc.checkpoint_files import LATEST, MANIFEST, CheckpointError, read_manifest
+from zfunc.checkpoint_files import LATEST, CheckpointError, read_manifest
+from zfunc.checkpoint_folder import (checkpoint_path, claim, default_run, latest, locked, prune, put_in_place, scratch,
+                                     write_text_atomic)
 from zfunc.dist import all_arrive
 from zfunc.shard import LeafShard, ShardSpec
 from zfunc.step import Step, TrainState
@@ -125,7 +128,6 @@ def _world_rank(state: TrainState) -> tuple[int, int, int | None]:
     return (spec.world, spec.rank, spec.stage) if isinstance(spec, ShardSpec) else (1, 0, None)
 
 
-
 # ----------------------------------------------------------------------------- save
 
 
@@ -159,20 +161,6 @@ def _check_extra(extra: Any) -> dict:
     return extra
 
 
-def _checkpoint_path(directory: Any, argument: str = "directory") -> Path:
-    if directory is None:
-        raise CheckpointError(f"{argument}: expected a checkpoint directory, got None (zf.checkpoint.latest(root) "
-                              "returns None when no checkpoint was saved under root yet)")
-    if not isinstance(directory, (str, os.PathLike)):
-        raise TypeError(f"{argument}: expected a path (str or os.PathLike), got {type(directory).__name__}")
-    return Path(directory)
-
-
-def _run_of(name: str) -> str:
-    """The default run of a checkpoint named ``name``: the name without its trailing digits."""
-    return re.sub(r"\d+$", "", name)
-
-
 def save(state: TrainState, directory: str | os.PathLike, *, keep_last: int | None = None,
          extra: dict | None = None, run: str | None = None) -> Path:
     """Write ``state`` to ``directory`` atomically; every rank of a sharded state calls it.
@@ -193,26 +181,18 @@ def save(state: TrainState, directory: str | os.PathLike, *, keep_last: int | No
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"state: expected a TrainState, got {type(state).__name__}")
-    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
-        raise ValueError(f"keep_last: expected an int >= 1 or None, got {keep_last!r}")
-    final = _checkpoint_path(directory)
-    if final.name in ("", ".", "..", LATEST) or final.name.startswith("."):
-        raise ValueError(f"directory: expected a path whose last part names the checkpoint (not hidden, not "
-                         f"{LATEST!r}), got {str(directory)!r}")
-    if run is not None and not isinstance(run, str):
-        raise TypeError(f"run: expected a str or None, got {type(run).__name__}")
-    run = _run_of(final.name) if run is None else run
-    extra = _check_extra(extra)
+    final, run, extra = _check_save_args(directory, keep_last, extra, run)
     world, rank, stage = _world_rank(state)
     from zfunc.offload import in_ram
 
     state = in_ram(state)  # an offloaded state's swap files, read back
     paths, leaves, _ = _paths_and_leaves(state)
     _check_leaves(paths, leaves)
-    all_arrive("zf.checkpoint.save", "state")
-    tmp = _scratch(final, "tmp")
-    with ExitStack() as held:
-        problem = _claim(final, held) if rank == 0 else None
+    if world > 1:
+        all_arrive("zf.checkpoint.save", "state")
+    tmp = scratch(final, "tmp")
+    with ExitStack() as held:  # rank 0 holds the lock on ``final`` until the save is in place
+        problem = claim(final, held) if rank == 0 else None
         if world > 1:
             shared = [problem]
             dist.broadcast_object_list(shared, src=0)
@@ -231,46 +211,32 @@ def save(state: TrainState, directory: str | os.PathLike, *, keep_last: int | No
         if rank == 0:
             cf.write_manifest(tmp, _manifest(state, paths, leaves, world, stage, run, extra, digests))
             fsync_dir(tmp)
-            with cf.locked(final.parent / ".latest.lock"):
-                _put_in_place(tmp, final)
-                cf.write_text_atomic(final.parent / LATEST, final.name)
-                if keep_last:
-                    _prune(final.parent, run, keep_last, keep={final.name})
+            _publish(tmp, final, run, keep_last)
     _barrier(world)
     return final
 
 
-def _scratch(final: Path, kind: str) -> Path:
-    return final.with_name(f".{final.name}.{kind}")
+def _check_save_args(directory: Any, keep_last: Any, extra: Any, run: Any) -> tuple[Path, str, dict]:
+    """``(final, run, extra)`` checked; refused before anything is written."""
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"keep_last: expected an int >= 1 or None, got {keep_last!r}")
+    final = checkpoint_path(directory)
+    if final.name in ("", ".", "..", LATEST) or final.name.startswith("."):
+        raise ValueError(f"directory: expected a path whose last part names the checkpoint (not hidden, not "
+                         f"{LATEST!r}), got {str(directory)!r}")
+    if run is not None and not isinstance(run, str):
+        raise TypeError(f"run: expected a str or None, got {type(run).__name__}")
+    return final, default_run(final.name) if run is None else run, _check_extra(extra)
 
 
-def _claim(final: Path, held: ExitStack) -> str | None:
-    """Rank 0: lock ``final`` for this save (held until ``held`` closes) and check that every path
-    the save writes is absent or zfunc's; remove a crashed save's scratch. The refusal, or None."""
-    root = final.parent
-    refusal = ("{path} {why}; zf.checkpoint.save writes only its own files (expected a new path, an empty "
-               "directory or a zfunc checkpoint to replace); nothing was written")
-    try:
-        if (root / MANIFEST).exists():
-            return (f"directory: its parent {root} is a checkpoint itself; save checkpoints beside each other "
-                    "(ckpt/000100, ckpt/000200), not inside one; nothing was written")
-        root.mkdir(parents=True, exist_ok=True)
-        lock = _scratch(final, "lock")
-        why = cf.foreign(lock, "lock")
-        if why:
-            return "directory: " + refusal.format(path=lock, why=why)
-        held.enter_context(cf.locked(lock))  # a concurrent save to ``final`` finishes first
-        checks = [(final, "checkpoint"), (_scratch(final, "tmp"), "scratch"), (_scratch(final, "old"), "checkpoint"),
-                  (root / LATEST, "pointer"), (root / ".latest.lock", "lock")]
-        for path, kind in checks:
-            why = cf.foreign(path, kind)
-            if why:
-                return "directory: " + refusal.format(path=path, why=why)
-        for kind in ("tmp", "old"):  # a crashed save's: checked above to hold only checkpoint files
-            shutil.rmtree(_scratch(final, kind), ignore_errors=True)
-    except OSError as e:
-        return f"directory: cannot save to {final} ({e}); nothing was written"
-    return None
+def _publish(tmp: Path, final: Path, run: str, keep_last: int | None) -> None:
+    """Rank 0: the written ``tmp`` becomes ``final``, then ``latest`` names it, then old ones of
+    the run are pruned; one save in the folder at a time."""
+    with locked(final.parent / ".latest.lock"):
+        put_in_place(tmp, final)
+        write_text_atomic(final.parent / LATEST, final.name)
+        if keep_last:
+            prune(final.parent, run, keep_last, keep={final.name})
 
 
 def _manifest(state: TrainState, paths: list[str], leaves: list[Any], world: int, stage: int | None, run: str,
@@ -291,64 +257,9 @@ def _manifest(state: TrainState, paths: list[str], leaves: list[Any], world: int
     }
 
 
-def _put_in_place(tmp: Path, final: Path) -> None:
-    """Move the written ``tmp`` to ``final``, swapping it with what is there in one step."""
-    if os.path.lexists(final):
-        if not cf.exchange(tmp, final):  # no atomic swap here: two renames
-            old = _scratch(final, "old")
-            os.replace(final, old)
-            os.replace(tmp, final)
-            tmp = old
-        fsync_dir(final.parent)
-        shutil.rmtree(tmp)  # the checkpoint it replaced
-    else:
-        os.replace(tmp, final)
-    fsync_dir(final.parent)
-
-
-def _prune(root: Path, run: str, keep_last: int, keep: set[str]) -> None:
-    """Delete all but the ``keep_last`` checkpoints of ``run`` in ``root`` with the highest step,
-    sparing ``keep``, what ``latest`` names, and directories holding files zfunc did not write."""
-    pointer = root / LATEST
-    if cf.foreign(pointer, "pointer") is None and pointer.exists():
-        keep = keep | {pointer.read_text().strip()}
-    ours = []
-    for path in root.iterdir():
-        if path.name.startswith(".") or not path.is_dir() or cf.foreign(path, "checkpoint"):
-            continue
-        try:
-            manifest = read_manifest(path)
-        except CheckpointError:  # an empty directory
-            continue
-        if manifest.get("run", _run_of(path.name)) == run and isinstance(manifest.get("step"), int):
-            ours.append((manifest["step"], path.name))
-    for _, name in sorted(ours)[:-keep_last]:
-        if name not in keep:
-            shutil.rmtree(root / name)
-
-
 def _barrier(world: int) -> None:
     if world > 1:
         dist.barrier()
-
-
-def latest(root: str | os.PathLike) -> Path | None:
-    """The checkpoint ``root/latest`` names (the last one saved into ``root``), or None when
-    ``root`` has no ``latest`` yet. Raises ``CheckpointError`` when ``latest`` names something
-    that is not a checkpoint (deleted by hand, or not zfunc's file): resuming must not silently
-    start over."""
-    pointer = _checkpoint_path(root, "root") / LATEST
-    if not os.path.lexists(pointer):
-        return None
-    why = cf.foreign(pointer, "pointer")
-    if why:
-        raise CheckpointError(f"root: {pointer} {why}")
-    path = Path(root) / pointer.read_text().strip()
-    try:
-        read_manifest(path)
-    except CheckpointError as e:
-        raise CheckpointError(f"root: {pointer} names {path.name!r}, which is not a checkpoint ({e})") from None
-    return path
 
 
 # ----------------------------------------------------------------------------- load
@@ -409,7 +320,8 @@ def _template(manifest: dict, step_or_template: Any, params: Any, device: str | 
     elif getattr(step_or_template, "initialized_with", None) is not None:
         model, source = step_or_template.initialized_with, "the params step.init last received"
     else:  # nothing says what the model is: the checkpoint's own params
-        model = {e["path"][len("params/"):]: torch.empty(e["full_shape"], dtype=getattr(torch, e["dtype"]))
+        model = {e["path"][len("params/"):]: torch.empty(e["full_shape"], dtype=getattr(torch, e["dtype"]),
+                                                         device="meta")
                  for e in manifest["leaves"] if e["path"].startswith("params/")}
         source = "the checkpoint"
     template = step_or_template.init(tree.map(_meta, model))
@@ -460,7 +372,7 @@ def load(directory: str | os.PathLike, step_or_template: Step | TrainState, *, p
     Nothing on disk is modified. Each file this rank needs is read once; where the layout is
     unchanged, the state's CPU tensors are views of the read buffer (no copies).
     """
-    directory = _checkpoint_path(directory)
+    directory = checkpoint_path(directory)
     manifest = read_manifest(directory)
     template, source = _template(manifest, step_or_template, params, device)
     _check_model(directory, manifest, template, source)
@@ -513,7 +425,8 @@ def full_params(state: TrainState, mesh=None) -> dict:
     from zfunc.offload import in_ram
     from zfunc.shard import full_params as gather
 
-    all_arrive("zf.checkpoint.full_params", "state", mesh.comm.group if mesh is not None else None)
+    if state.sharding.world > 1:
+        all_arrive("zf.checkpoint.full_params", "state", mesh.comm.group if mesh is not None else None)
     return gather(in_ram(state), mesh or Mesh(dp=state.sharding.world))
 
 
@@ -524,7 +437,7 @@ def export(directory: str | os.PathLike, out: str | os.PathLike) -> Path:
     (tied aliases and buffers are not repeated); Hugging Face's ``from_pretrained`` reads it as a
     ``model.safetensors``. Works in one process, whatever world size wrote the checkpoint.
     """
-    directory, out = _checkpoint_path(directory), _checkpoint_path(out, "out")
+    directory, out = checkpoint_path(directory), checkpoint_path(out, "out")
     manifest = read_manifest(directory)
     files = _Files(directory, manifest, verify=True)
     tensors = {}

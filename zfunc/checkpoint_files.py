@@ -1,45 +1,28 @@
-"""The files of a checkpoint directory: their format, which of them zfunc owns, and how they are
-replaced atomically. (Split from ``checkpoint.py``, which says what a saved state means, so that
-each stays readable.)
+"""The files of a checkpoint: each rank's tensors as safetensors, checksummed, and the manifest.
+(Split from ``checkpoint.py``, which says what a saved state means, so that each stays readable.)
 
-**Format.** Each rank's tensors are one safetensors file, ``rank{r:05d}.safetensors``, streamed
-from the tensors' memory and checksummed (crc32) on the way; ``manifest.json`` describes them.
-
-**Ownership.** A checkpoint directory holds only those files. zfunc writes, replaces or deletes
-a path only when it is absent or is what zfunc itself writes there: a checkpoint directory (a
-readable manifest, no other files), an empty directory, the ``latest`` pointer (a one-line
-file), or its own scratch names beside a checkpoint (``.NAME.tmp`` holding only rank files and a
-manifest, an empty ``.NAME.lock``). ``foreign`` says why a path is not zfunc's.
-
-**Replacing.** ``exchange`` swaps two directories in one step (Linux ``renameat2`` with
-``RENAME_EXCHANGE``), so a checkpoint being replaced is, at every instant, either the old one
-or the new one. ``locked`` serialises writers of one path across threads and processes
-(``flock`` on a lock file beside it, opened by each writer).
+Each rank's tensors are one safetensors file, ``rank{r:05d}.safetensors``, streamed from the
+tensors' memory and checksummed (crc32) on the way; ``manifest.json`` describes them. These two
+kinds of file are all a checkpoint directory holds.
 """
 from __future__ import annotations
 
-import ctypes
-import errno
-import fcntl
 import json
 import os
 import re
 import struct
 import zlib
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from zfunc.ops import hostmem
-from zfunc.swap import fsync_dir
 
 FORMAT = 1
 MANIFEST = "manifest.json"
 LATEST = "latest"
-_RANK_FILE = re.compile(r"rank\d{5}\.safetensors")
+RANK_FILE = re.compile(r"rank\d{5}\.safetensors")
 
 
 class CheckpointError(RuntimeError):
@@ -76,101 +59,6 @@ def write_manifest(directory: Path, manifest: dict) -> None:
         json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-
-
-# ----------------------------------------------------------------------------- ownership
-
-
-def foreign(path: Path, kind: str) -> str | None:
-    """Why ``path`` is not zfunc's to replace or delete, or None when it is (or is absent).
-
-    ``kind``: "checkpoint" (a checkpoint directory, or an empty one), "scratch" (a ``.NAME.tmp``
-    left by a crashed save: rank files and at most a manifest, valid or not), "pointer" (``latest``:
-    a one-line file), "lock" (an empty file).
-    """
-    if not os.path.lexists(path):
-        return None
-    if path.is_symlink():
-        return "is a symbolic link"
-    if kind in ("pointer", "lock"):
-        if not path.is_file():
-            return "is not a regular file"
-        size = path.stat().st_size
-        if kind == "lock":
-            return f"is a file of {size} bytes, not zfunc's empty lock file" if size else None
-        text = path.read_bytes()[:256].decode(errors="replace").strip() if size <= 256 else ""
-        ok = text and "\n" not in text and "/" not in text
-        return None if ok else "is not zfunc's pointer file (one line naming a checkpoint beside it)"
-    if not path.is_dir():
-        return "is a file, not a directory"
-    names = sorted(os.listdir(path))
-    others = [n for n in names if n != MANIFEST and not _RANK_FILE.fullmatch(n)]
-    if others:
-        return f"holds files a checkpoint does not write: {others[:5]}"
-    if kind == "checkpoint" and names:
-        try:
-            read_manifest(path)
-        except CheckpointError as e:
-            return f"is not a zfunc checkpoint ({e})"
-    return None
-
-
-@contextmanager
-def locked(path: Path) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on the lock file ``path`` (created empty, removed on exit).
-
-    Each call opens its own descriptor, so threads of one process exclude each other as processes
-    do. The file is removed while locked; a waiter that then gets the lock on the removed file
-    sees a different inode at ``path`` and tries again, so two writers never both hold it.
-    """
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            try:
-                if os.stat(path).st_ino == os.fstat(fd).st_ino:
-                    break
-            except FileNotFoundError:
-                pass
-        except BaseException:
-            os.close(fd)
-            raise
-        os.close(fd)
-    try:
-        yield
-    finally:
-        os.unlink(path)
-        os.close(fd)
-
-
-# ----------------------------------------------------------------------------- replacing
-
-
-_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
-
-
-def exchange(a: Path, b: Path) -> bool:
-    """Swap directories ``a`` and ``b`` atomically; False where the OS or file system cannot."""
-    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
-    if renameat2 is None:
-        return False
-    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), str(b))
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Replace ``path`` by a file holding ``text``: written beside it, fsynced, renamed over it."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 # ----------------------------------------------------------------------------- safetensors

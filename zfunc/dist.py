@@ -6,7 +6,9 @@ for CUDA) is set up by ``torchrun``'s environment variables or ``spawn``. Every 
 issues goes through a ``Comm``, which counts the bytes of each call type -- the figures the
 comm-volume tests and the sharding docstrings' *cost* lines are checked against -- and names the
 operation (unit, step) in the error when a peer fails or the ranks' calls diverge, instead of
-hanging silently; point-to-point transfers go through a ``P2P``, which does the same.
+hanging silently; point-to-point transfers go through a ``P2P``, which does the same. A public
+collective call that some ranks may skip by mistake (``zf.checkpoint.save``) first checks, with
+``all_arrive``, that every rank made it.
 
 Byte counts are the full logical tensor, per rank: ``all_gather`` counts its output,
 ``reduce_scatter`` its input, ``all_reduce`` twice its tensor (a ring all-reduce is a
