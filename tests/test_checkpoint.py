@@ -336,6 +336,10 @@ def test_save_refuses_bad_names_and_nesting(tmp_path):
     with pytest.raises(ck.CheckpointError, match="its parent .*000001 is a checkpoint itself"):
         ck.save(small(), inside / "000002")
     assert snapshot(tmp_path) == before
+    project = tmp_path / "project"  # a folder with a manifest.json of its own is not a checkpoint
+    project.mkdir()
+    (project / "manifest.json").write_text('{"name": "my app"}')
+    ck.save(small(), project / "000001")
 
 
 def test_keep_last_orders_by_recorded_step_not_by_name(tmp_path):

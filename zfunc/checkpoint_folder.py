@@ -122,7 +122,7 @@ def claim(final: Path, held: ExitStack) -> str | None:
     refusal = ("{path} {why}; zf.checkpoint.save writes only its own files (expected a new path, an empty "
                "directory or a zfunc checkpoint to replace); nothing was written")
     try:
-        if (root / MANIFEST).exists():
+        if (root / MANIFEST).is_file() and foreign(root, "checkpoint") is None:
             return (f"directory: its parent {root} is a checkpoint itself; save checkpoints beside each other "
                     "(ckpt/000100, ckpt/000200), not inside one; nothing was written")
         root.mkdir(parents=True, exist_ok=True)
@@ -190,8 +190,9 @@ def put_in_place(tmp: Path, final: Path) -> None:
 
 
 def prune(root: Path, run: str, keep_last: int, keep: set[str]) -> None:
-    """Delete all but the ``keep_last`` checkpoints of ``run`` in ``root`` with the highest step,
-    sparing ``keep``, what ``latest`` names, and directories holding files zfunc did not write."""
+    """Delete all but the ``keep_last`` checkpoints of ``run`` in ``root`` with the highest step
+    (ties: the names' order), sparing ``keep``, what ``latest`` names, and directories holding
+    files zfunc did not write."""
     pointer = root / LATEST
     if foreign(pointer, "pointer") is None and pointer.exists():
         keep = keep | {pointer.read_text().strip()}
