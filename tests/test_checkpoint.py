@@ -1,4 +1,5 @@
 """checkpoint: resume is bit-exact, any layout reshards into any other, faults are caught."""
+import os
 import subprocess
 import sys
 import textwrap
@@ -123,15 +124,15 @@ KILLED_MID_SAVE = textwrap.dedent("""
     import os, sys, time, torch
     sys.path[:0] = {paths!r}
     import zfunc as zf
-    from zfunc import checkpoint as ck
+    from zfunc import checkpoint as ck, checkpoint_files as cf
     state = zf.TrainState({{"w": torch.ones(1000)}}, (), 0, 0, None)
     ck.save(state, {root!r} + "/000001")
-    write = ck._write_safetensors
+    write = cf.write_safetensors
     def stuck(path, tensors):   # mid-save: the rank file is written, the manifest is not
         write(path, tensors)
         print("mid-save", flush=True)
         time.sleep(60)
-    ck._write_safetensors = stuck
+    cf.write_safetensors = stuck
     ck.save(state.replace(step=2), {root!r} + "/000002")
 """)
 
@@ -148,6 +149,10 @@ def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path):
     template = zf.TrainState({"w": torch.zeros(1000)}, (), 0, 0, None)
     assert ck.load(ck.latest(tmp_path), template).params["w"].sum() == 1000
     assert not (tmp_path / "000002").exists()
+    assert (tmp_path / ".000002.tmp").is_dir()  # the crashed save's scratch, and its lock file
+    # the next save to that name removes the scratch (it holds only a rank file: zfunc's own)
+    ck.save(template.replace(step=2), tmp_path / "000002")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["000001", "000002", "latest"]
 
 
 def test_corruption_and_mismatches_raise_clear_errors(tmp_path):
@@ -159,8 +164,12 @@ def test_corruption_and_mismatches_raise_clear_errors(tmp_path):
     with pytest.raises(ck.CheckpointError, match="structure differs"):
         ck.load(directory, other)
     template = zf.tree.map(lambda x: x.double() if isinstance(x, torch.Tensor) else x, state)
+    with pytest.raises(ck.CheckpointError, match=r"2.bias: \(13,\) float32 in the checkpoint, \(13,\) float64 in "
+                                                 "the model"):
+        ck.load(directory, template)  # the params' dtypes: reported as the model's
+    template = template.replace(params=state.params)
     with pytest.raises(ck.CheckpointError, match="float32 in the checkpoint, torch.float64 in the state"):
-        ck.load(directory, template)
+        ck.load(directory, template)  # the optimizer state's
     with pytest.raises(TypeError, match="step_or_template"):
         ck.load(directory, "a step")
     with pytest.raises(ck.CheckpointError, match="no checkpoint at"):
@@ -273,3 +282,312 @@ def test_module_buffers_round_trip_plain_and_sharded(tmp_path):
             assert torch.equal(buffers[name], ref_buffers[name]), name
     one = ck.load(directory, step)
     assert one.buffers["bn.num_batches_tracked"].item() == 2 and set(one.buffers) == BN_STATS
+
+
+# ------------------------------------------------------------- issue 23: nothing lost, nothing silently wrong
+
+
+def small(step=0, value=1.0):
+    """A plain state without a step object: enough for the file-level laws."""
+    return zf.TrainState({"w": torch.full((100,), float(value))}, (), step, 0, None)
+
+
+def loaded(directory):
+    return ck.load(directory, small()).params["w"]
+
+
+def snapshot(root):
+    """Every file under ``root`` with its bytes: what must not change."""
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
+
+
+def test_save_refuses_a_directory_that_is_not_a_checkpoint(tmp_path):
+    mine = tmp_path / "results"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("my experiment")
+    before = snapshot(tmp_path)
+    with pytest.raises(ck.CheckpointError, match=r"results holds files a checkpoint does not write: \['notes.txt'\]"
+                                                 r".*expected a new path, an empty directory or a zfunc checkpoint"):
+        ck.save(small(), mine)
+    assert snapshot(tmp_path) == before  # nothing written: no scratch, no latest, the file intact
+
+
+def test_save_refuses_a_folder_of_checkpoints(tmp_path):
+    root = tmp_path / "ckpt"
+    ck.save(small(100, 7.0), root / "000100")
+    before = snapshot(tmp_path)
+    with pytest.raises(ck.CheckpointError, match=r"ckpt holds files a checkpoint does not write: "
+                                                 r"\['000100', 'latest'\]"):
+        ck.save(small(200), root)  # meant ckpt/000200
+    assert snapshot(tmp_path) == before
+    assert ck.latest(root) == root / "000100" and torch.equal(loaded(root / "000100"), torch.full((100,), 7.0))
+
+
+def test_save_refuses_a_plain_file_and_a_link(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"precious")
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    before = snapshot(tmp_path)
+    with pytest.raises(ck.CheckpointError, match="weights.bin is a file, not a directory"):
+        ck.save(small(), tmp_path / "weights.bin")
+    with pytest.raises(ck.CheckpointError, match="link is a symbolic link"):
+        ck.save(small(), tmp_path / "link")
+    assert snapshot(tmp_path) == before
+
+
+def test_save_refuses_a_broken_or_extended_checkpoint(tmp_path):
+    garbage = tmp_path / "000001"
+    garbage.mkdir()
+    (garbage / "manifest.json").write_text("{not json")
+    extended = ck.save(small(2), tmp_path / "000002")
+    (extended / "eval.csv").write_text("step,loss\n2,0.5\n")
+    before = snapshot(tmp_path)
+    with pytest.raises(ck.CheckpointError, match=r"000001 is not a zfunc checkpoint .*manifest.json: not a zfunc "
+                                                 "manifest, it does not parse as JSON"):
+        ck.save(small(), garbage)
+    with pytest.raises(ck.CheckpointError, match=r"000002 holds files a checkpoint does not write: \['eval.csv'\]"):
+        ck.save(small(), extended)
+    assert snapshot(tmp_path) == before
+
+
+def test_save_replaces_its_own_checkpoint_and_fills_an_empty_directory(tmp_path):
+    first = ck.save(small(1, 1.0), tmp_path / "000001")
+    assert torch.equal(loaded(ck.save(small(1, 2.0), first)), torch.full((100,), 2.0))
+    (tmp_path / "000002").mkdir()
+    assert torch.equal(loaded(ck.save(small(2, 3.0), tmp_path / "000002")), torch.full((100,), 3.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["000001", "000002", "latest"]  # no scratch left
+
+
+def test_save_replaces_with_two_renames_where_it_cannot_swap(tmp_path, monkeypatch):
+    from zfunc import checkpoint_folder
+
+    monkeypatch.setattr(checkpoint_folder, "exchange", lambda a, b: False)  # e.g. NFS: no RENAME_EXCHANGE
+    first = ck.save(small(1, 1.0), tmp_path / "000001")
+    assert torch.equal(loaded(ck.save(small(1, 2.0), first)), torch.full((100,), 2.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["000001", "latest"]
+
+
+def test_save_removes_only_its_own_leftovers(tmp_path):
+    (tmp_path / ".000001.tmp").mkdir()
+    (tmp_path / ".000001.tmp" / "rank00000.safetensors").write_bytes(b"half written")
+    ck.save(small(1), tmp_path / "000001")  # a crashed save's scratch: removed
+    assert not (tmp_path / ".000001.tmp").exists()
+    (tmp_path / ".000002.tmp").mkdir()
+    (tmp_path / ".000002.tmp" / "draft.txt").write_text("not ours")
+    before = snapshot(tmp_path)
+    with pytest.raises(ck.CheckpointError, match=r"\.000002\.tmp holds files a checkpoint does not write"):
+        ck.save(small(2), tmp_path / "000002")
+    assert snapshot(tmp_path) == before
+
+
+def test_save_writes_latest_only_over_its_own_pointer(tmp_path):
+    (tmp_path / "latest").write_text("my notes\nabout the latest run\n")
+    before = snapshot(tmp_path)
+    with pytest.raises(ck.CheckpointError, match="latest is not zfunc's pointer file"):
+        ck.save(small(), tmp_path / "000001")
+    assert snapshot(tmp_path) == before
+
+
+def test_save_refuses_bad_names_and_nesting(tmp_path):
+    for bad in (tmp_path / "latest", tmp_path / ".hidden", "."):
+        with pytest.raises(ValueError, match="directory: expected a path whose last part names the checkpoint"):
+            ck.save(small(), bad)
+    inside = ck.save(small(), tmp_path / "000001")
+    before = snapshot(tmp_path)
+    with pytest.raises(ck.CheckpointError, match="its parent .*000001 is a checkpoint itself"):
+        ck.save(small(), inside / "000002")
+    assert snapshot(tmp_path) == before
+    project = tmp_path / "project"  # a folder with a manifest.json of its own is not a checkpoint
+    project.mkdir()
+    (project / "manifest.json").write_text('{"name": "my app"}')
+    ck.save(small(), project / "000001")
+
+
+def test_keep_last_orders_by_recorded_step_not_by_name(tmp_path):
+    for step in (8, 9, 10, 11):  # as strings step10 < step11 < step8 < step9
+        ck.save(small(step, step), tmp_path / f"step{step}", keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step10", "step11"]
+    assert ck.latest(tmp_path) == tmp_path / "step11"
+    assert ck.read_manifest(tmp_path / "step11")["run"] == "step"
+
+
+def test_keep_last_never_touches_another_run_in_a_shared_folder(tmp_path):
+    for step in (1, 2, 3):
+        ck.save(small(step), tmp_path / f"a-{step:06d}", keep_last=1)
+    for step in (1, 2):
+        ck.save(small(step), tmp_path / f"b-{step:06d}", keep_last=1)
+    for step in (5, 6):  # bare numbers: the run is named explicitly
+        ck.save(small(step), tmp_path / f"{step:06d}", keep_last=1, run="c")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["000006", "a-000003", "b-000002"]
+    assert ck.latest(tmp_path) == tmp_path / "000006"
+
+
+def test_keep_last_keeps_what_was_just_written_and_what_it_does_not_own(tmp_path):
+    ck.save(small(5), tmp_path / "000005")
+    again = ck.save(small(1), tmp_path / "000001", keep_last=1)  # an older step saved last: kept
+    assert ck.latest(tmp_path) == again and (tmp_path / "000005").exists()
+    (tmp_path / "000005" / "eval.csv").write_text("mine")  # now it holds a file zfunc did not write
+    ck.save(small(6), tmp_path / "000006", keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["000005", "000006"]
+    assert (tmp_path / "000005" / "eval.csv").read_text() == "mine"
+
+
+def test_latest_refuses_to_name_what_is_not_a_checkpoint(tmp_path):
+    import shutil
+
+    ck.save(small(1), tmp_path / "000001")
+    shutil.rmtree(tmp_path / "000001")  # by hand: resuming must not silently start over
+    with pytest.raises(ck.CheckpointError, match="latest names '000001', which is not a checkpoint"):
+        ck.latest(tmp_path)
+    (tmp_path / "latest").write_text("../../etc\n")
+    with pytest.raises(ck.CheckpointError, match="latest is not zfunc's pointer file"):
+        ck.latest(tmp_path)
+
+
+def test_concurrent_saves_to_one_directory_leave_one_whole_checkpoint(tmp_path):
+    import threading
+
+    target = tmp_path / "000001"
+    errors = []
+
+    def saver(value):
+        try:
+            for _ in range(3):
+                ck.save(small(1, value), target)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=saver, args=(v,)) for v in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    w = loaded(target)  # checksums verified: one whole checkpoint
+    assert any(torch.equal(w, torch.full((100,), float(v))) for v in range(4))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["000001", "latest"]
+
+
+def test_concurrent_saves_into_one_folder_keep_latest_and_pruning_consistent(tmp_path):
+    import threading
+
+    def saver(first):
+        for step in range(first, 12, 3):
+            ck.save(small(step, step), tmp_path / f"{step:06d}", keep_last=2)
+
+    threads = [threading.Thread(target=saver, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    kept = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
+    assert ck.latest(tmp_path).name in kept and "000011" in kept and len(kept) <= 3
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_load_refuses_a_model_with_another_layer_or_width(tmp_path):
+    step, state = make()
+    directory = ck.save(state, tmp_path / "000000")
+    deeper, _ = make(model_kw={"n": 4})  # its init recorded the model: one block more
+    with pytest.raises(ck.CheckpointError, match=r"the params step.init last received.*4 params of the model not in "
+                                                 r"the checkpoint \['blocks.3.fc.bias', 'blocks.3.fc.weight'"):
+        ck.load(directory, deeper)
+    shallower, _ = make(model_kw={"n": 2})
+    with pytest.raises(ck.CheckpointError, match=r"params in the checkpoint not in the model \['blocks.2.fc.bias'"):
+        ck.load(directory, shallower)
+    wider, _ = make(model_kw={"d": 8})
+    with pytest.raises(ck.CheckpointError, match=r"differ: blocks.0.fc.bias: \(6,\) float32 in the checkpoint, "
+                                                 r"\(8,\) float32 in the model"):
+        ck.load(directory, wider)
+
+
+def test_load_checks_the_params_it_is_given(tmp_path):
+    step, state = make()
+    directory = ck.save(state, tmp_path / "000000")
+    fresh = zf.train_step(step.loss_fn, step.optimizer)  # never initialised: nothing recorded
+    with torch.device("meta"):  # no memory for the model's values: the load fills the state
+        _, deeper = zf.functionalize(Tiny(n=4))
+        _, right = zf.functionalize(Tiny())
+    with pytest.raises(ck.CheckpointError, match=r"\(from params=\).*blocks.3.fc.weight"):
+        ck.load(directory, fresh, params=deeper)
+    assert torch.equal(ck.load(directory, fresh, params=right).params["emb.weight"], state.params["emb.weight"])
+    with pytest.raises(ValueError, match="params: give it with a Step"):
+        ck.load(directory, state, params=right)
+
+
+def test_unhelpful_errors_now_name_the_problem(tmp_path):
+    with pytest.raises(ck.CheckpointError, match=r"directory: expected a checkpoint directory, got None "
+                                                 r"\(zf.checkpoint.latest\(root\) returns None"):
+        ck.load(ck.latest(tmp_path / "nope"), small())
+    directory = ck.save(small(), tmp_path / "000001")
+    (directory / "manifest.json").write_text("{garbage")
+    with pytest.raises(ck.CheckpointError, match=r"000001/manifest.json: not a zfunc manifest"):
+        ck.load(directory, small())
+    with pytest.raises(TypeError, match="directory: expected a path"):
+        ck.load(3, small())
+
+
+def test_bad_extra_and_leaves_are_refused_before_anything_is_written(tmp_path):
+    before = snapshot(tmp_path)
+    with pytest.raises(TypeError, match=r"extra\['loss'\]: a Tensor cannot be saved as JSON .*\.item\(\)"):
+        ck.save(small(), tmp_path / "000001", extra={"loss": torch.tensor(0.5), "position": 3})
+    with pytest.raises(TypeError, match="extra: expected a dict"):
+        ck.save(small(), tmp_path / "000001", extra=[1, 2])
+    with pytest.raises(TypeError, match=r"extra: keys must be strings, got 1"):
+        ck.save(small(), tmp_path / "000001", extra={1: 2})
+    with pytest.raises(ck.CheckpointError, match="leaf params/z has dtype torch.complex64"):
+        ck.save(small().replace(params={"z": torch.zeros(2, dtype=torch.complex64)}), tmp_path / "000001")
+    with pytest.raises(ck.CheckpointError, match="leaf rng = <object"):
+        ck.save(small().replace(rng=object()), tmp_path / "000001")
+    with pytest.raises(TypeError, match="run: expected a str"):
+        ck.save(small(), tmp_path / "000001", run=3)
+    assert snapshot(tmp_path) == before
+
+
+def arrival_worker(rank, world, directory):
+    """Saves and gathers called on a subset of ranks fail fast on every rank that came."""
+    zf.dist.ARRIVAL_TIMEOUT_S = 2.0
+    store = torch.distributed.distributed_c10d._get_default_store()
+    _, state = make(2, zf.Mesh(dp=world))
+    errors = []
+    if rank == 0:  # a plain state is one rank's own: saved alone, no waiting for the others
+        ck.save(small(), os.path.dirname(directory) + "-rank0/000001")
+
+    def attempt(fn, *args):
+        try:
+            fn(*args)
+            errors.append(None)
+        except zf.dist.CollectiveError as e:
+            errors.append(str(e))
+
+    # rank 0 saves alone; rank 1 comes only after rank 0 gave up
+    if rank == 0:
+        attempt(ck.save, state, directory)
+        errors.append(os.path.exists(os.path.dirname(directory)))  # nothing was written
+        store.set("test/saved", "1")
+    else:
+        store.wait(["test/saved"])
+        attempt(ck.save, state, directory)
+    # rank 1 gathers alone; rank 0 comes after
+    if rank == 1:
+        attempt(ck.full_params, state)
+        store.set("test/gathered", "1")
+    else:
+        store.wait(["test/gathered"])
+        attempt(ck.full_params, state)
+    attempt(ck.save, state, directory) if rank == 0 else attempt(ck.full_params, state)  # different calls
+    ck.save(state, directory)  # every rank: works again
+    return errors, sorted(os.listdir(os.path.dirname(directory)))
+
+
+def test_a_collective_called_on_one_rank_fails_fast_naming_the_call(tmp_path):
+    directory = str(tmp_path / "ckpt" / "000001")
+    (r0, files), (r1, _) = zf.dist.spawn(arrival_worker, 2, 2, directory)
+    assert r0[0] == "zf.checkpoint.save: every rank of the 2-rank state must call it; rank 1 did not arrive within 2 s"
+    assert r1[0] == r0[0] + " (this rank arrived after the others gave up)"
+    assert r1[1] == "zf.checkpoint.full_params: every rank of the 2-rank state must call it; rank 0 did not arrive " \
+                    "within 2 s"
+    assert r0[1] is False  # rank 0's failed save wrote nothing, not even the folder
+    assert r0[2] == r1[1] + " (this rank arrived after the others gave up)"
+    assert r0[3] == r1[2] == ("ranks made different calls: rank 0: zf.checkpoint.save; rank 1: zf.checkpoint."
+                              "full_params (every rank must make the same collective calls in the same order)")
+    assert files == ["000001", "latest"]

@@ -323,3 +323,12 @@ def test_run_by_registers_who_runs_the_module_now():
         apply(params, torch.ones(1, 2))
     apply(params, torch.ones(1, 2))  # outside: nobody
     assert seen == [("outer", "Linear"), ("inner", "Linear"), ("inner", "done"), ("outer", "done")]
+
+
+def test_apply_needs_every_trainable_param():
+    """A missing name is an error, not silently the module's own tensor (which would never train)."""
+    apply, params = zf.functionalize(nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1)))
+    partial = {k: v for k, v in params.items() if not k.startswith("1.")}
+    with pytest.raises(KeyError, match=r"params: 2 trainable parameters of the module are missing: "
+                                       r"\['1.bias', '1.weight'\]"):
+        apply(partial, torch.ones(1, 2))

@@ -4,20 +4,52 @@ Layout of ``save(state, "ckpt/000100")``::
 
     ckpt/000100/rank00000.safetensors ...   each rank's tensors (its pieces), written in parallel
     ckpt/000100/manifest.json               tree paths, shapes, dtypes, how each leaf is split, world
-                                            size, stage, zfunc version, step, RNG, loss scale, the
-                                            caller's ``extra`` (data position), a crc32 per file
+                                            size, stage, zfunc version, step, run, RNG, loss scale,
+                                            the caller's ``extra`` (data position), a crc32 per file
     ckpt/latest                             "000100", replaced last
 
-**Atomic.** Every rank writes into ``ckpt/.000100.tmp``; after a barrier rank 0 writes the
-manifest, fsyncs, renames the directory into place and only then replaces ``latest`` (write to a
-temporary file, fsync, rename). A crash at any point leaves the previous checkpoint and ``latest``
-as they were. ``keep_last=k`` then removes all but the newest k checkpoints beside it.
+What is guaranteed (the files: ``zfunc.checkpoint_files``; ownership, locks, replacing, pruning:
+``zfunc.checkpoint_folder``):
+
+- **Only its own files.** ``save`` writes ``ckpt/000100``, ``ckpt/latest`` and scratch names
+  beside them (``.000100.tmp``, ``.000100.lock``, ``.latest.lock``, ``.latest.tmp``), nothing
+  else. When one of them exists and is not what zfunc writes there -- a directory that is not a
+  zfunc checkpoint (no readable manifest, or files a checkpoint does not write, such as a folder
+  of checkpoints), a plain file, a ``latest`` that is not a one-line pointer -- ``save`` raises
+  ``CheckpointError`` naming it before it writes anything. Bad arguments (``extra`` that is not
+  JSON, a leaf safetensors cannot hold) are refused before anything is written too.
+- **Atomic.** Every rank writes into ``.000100.tmp``; after a barrier rank 0 writes the manifest,
+  fsyncs, and puts the directory in place, swapping it with an existing checkpoint of that name
+  in one rename (``renameat2`` ``RENAME_EXCHANGE``; where the file system lacks it, two renames,
+  between which the name is absent), and only then replaces ``latest`` (written beside it,
+  fsynced, renamed). A crash at any point leaves each checkpoint name holding a whole checkpoint,
+  the previous one or the new one (on the fallback, between its two renames, the previous one
+  is in ``.000100.old``), and ``latest`` naming a whole checkpoint; the next save to that name
+  removes the scratch the crash left.
+- **One writer at a time.** Saves to one directory, from threads or processes, run one after the
+  other (an ``flock`` beside it, taken by rank 0), so the checkpoint is whole and is one of them;
+  saves into one folder put their checkpoint in place and update ``latest`` one at a time.
+- **Pruning.** ``keep_last=k`` keeps, among the checkpoints *of the same run* in the folder, the
+  ``k`` with the highest recorded step; it never deletes the checkpoint just written, the one
+  ``latest`` names, another run's checkpoints, or a directory holding files a checkpoint does not
+  write. A checkpoint's run is ``save``'s ``run=``, by default its name without trailing digits
+  ("000100" -> "", "gpt-000100" -> "gpt-", "step8" -> "step"): runs sharing a folder need names
+  that differ before their step digits, or ``run=``.
+- **Every rank or none.** A sharded ``save`` and ``full_params`` first check that every rank made
+  the call (``zf.dist.all_arrive``, at most ``zf.dist.ARRIVAL_TIMEOUT_S``); otherwise each rank
+  that came raises ``CollectiveError`` naming the call and the missing ranks instead of hanging
+  in a collective.
+- **Loads check the model and the bytes.** ``load`` builds the state for the model it is given
+  (``params=``, else the params ``step.init`` last received, else the manifest's) and raises
+  ``CheckpointError`` listing params missing from the checkpoint, params only in the checkpoint
+  and shape/dtype differences, then any other difference of structure or dtype; each file's crc32
+  is checked as it is read (``verify=True``). Loads never write.
 
 **Resharding.** Every split zfunc makes is the same: dim 0 in ``torch.chunk`` style over the
 ranks (``shard.ShardSpec``; a plain state is one rank holding everything), whatever the ZeRO stage.
 So a checkpoint from N ranks at stage s loads into M ranks at stage t, or one process, by reading
-for each leaf just the saved rows the new rank owns (safetensors slices, memory-mapped). Optimizer
-leaves shaped like a param's piece are split like that param; other leaves (counts) are copied.
+for each leaf just the saved rows the new rank owns. Optimizer leaves shaped like a param's piece
+are split like that param; other leaves (counts) are copied.
 
 Why not ``torch.distributed.checkpoint``: it needs DTensors or a planner to describe the uneven
 chunks, and its files are not plain safetensors; the layout above is a few dozen lines, its files
@@ -28,10 +60,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import struct
-import zlib
-from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -40,19 +69,18 @@ import torch
 import torch.distributed as dist
 
 import zfunc
-from zfunc import tree
-from zfunc.ops import hostmem
+from zfunc import checkpoint_files as cf, tree
+from zfunc.checkpoint_files import LATEST, CheckpointError, read_manifest
+from zfunc.checkpoint_folder import (checkpoint_path, claim, default_run, latest, locked, prune, put_in_place, scratch,
+                                     write_text_atomic)
+from zfunc.dist import all_arrive
 from zfunc.shard import LeafShard, ShardSpec
 from zfunc.step import Step, TrainState
 from zfunc.swap import fsync_dir
 
-FORMAT = 1
-MANIFEST = "manifest.json"
 _BUFFERS = "buffers/"  # leaf paths of TrainState.buffers, the module buffers training updates
 
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, corrupt, or does not match what it is loaded into."""
+__all__ = ["CheckpointError", "save", "load", "latest", "read_manifest", "full_params", "export"]
 
 
 # ----------------------------------------------------------------------------- describing a state
@@ -102,238 +130,138 @@ def _world_rank(state: TrainState) -> tuple[int, int, int | None]:
     return (spec.world, spec.rank, spec.stage) if isinstance(spec, ShardSpec) else (1, 0, None)
 
 
-def _jsonable(x: Any) -> Any:
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return x
-    raise CheckpointError(f"state: leaf {x!r} of type {type(x).__name__} cannot be saved (expected tensors, "
-                          "numbers, strings or None)")
+# ----------------------------------------------------------------------------- save
 
 
-# ----------------------------------------------------------------------------- files
+def _check_leaves(paths: list[str], leaves: list[Any]) -> None:
+    """Refuse, before anything is written, a leaf the files cannot hold."""
+    for path, x in zip(paths, leaves):
+        if isinstance(x, torch.Tensor):
+            if x.dtype not in cf.ST_DTYPES:
+                raise CheckpointError(f"state: leaf {path} has dtype {x.dtype}, which safetensors cannot hold")
+            if x.device.type == "meta":
+                raise CheckpointError(f"state: leaf {path} is on the meta device, it has no values to save")
+        elif not (x is None or isinstance(x, (bool, int, float, str))):
+            raise CheckpointError(f"state: leaf {path} = {x!r} of type {type(x).__name__} cannot be saved "
+                                  "(expected tensors, numbers, strings or None)")
 
 
-_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-              torch.bool: "BOOL"}
-_TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
+def _check_extra(extra: Any) -> dict:
+    if extra is None:
+        return {}
+    if not isinstance(extra, dict):
+        raise TypeError(f"extra: expected a dict of JSON values, got {type(extra).__name__}")
+    for key, value in extra.items():
+        if not isinstance(key, str):
+            raise TypeError(f"extra: keys must be strings, got {key!r} ({type(key).__name__})")
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"extra[{key!r}]: a {type(value).__name__} cannot be saved as JSON ({e}); expected "
+                            "numbers, strings, bools, None and lists or dicts of them (a tensor: .item() or .tolist())"
+                            ) from None
+    return extra
 
 
-def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> int:
-    """Write ``tensors`` (contiguous, CPU) as a safetensors file, fsynced; returns its crc32.
+def save(state: TrainState, directory: str | os.PathLike, *, keep_last: int | None = None,
+         extra: dict | None = None, run: str | None = None) -> Path:
+    """Write ``state`` to ``directory`` atomically; every rank of a sharded state calls it.
 
-    Streams each tensor's memory straight to the file (no serialised copy) and checksums it on
-    the way. Wider dtypes first, so every tensor's offset stays aligned for zero-copy reads.
+    Args:
+      state: any ``TrainState``, plain or sharded (it is only read).
+      directory: the checkpoint's own directory, e.g. ``ckpt/000100``: new, empty, or a zfunc
+        checkpoint to replace (anything else is refused); its parent gets ``latest``.
+      keep_last: keep only the ``keep_last`` checkpoints of this run in the parent with the
+        highest step (None keeps all); see the module docstring.
+      extra: JSON-able data saved in the manifest (e.g. the data loader's position); read it back
+        with ``read_manifest(directory)["extra"]``.
+      run: the run this checkpoint belongs to, for ``keep_last``; default the directory's name
+        without its trailing digits.
+    Returns the directory. Raises ``CheckpointError`` before writing anything when a path it would
+    write is not zfunc's. Costs one streaming write of this rank's state bytes (checksummed on the
+    way) and an fsync; a sharded save also a store round trip checking every rank called it.
     """
-    names = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for n in names:
-        t = tensors[n]
-        if t.dtype not in _ST_DTYPES:
-            raise CheckpointError(f"state: leaf {n} has dtype {t.dtype}, which safetensors cannot hold")
-        size = t.numel() * t.element_size()
-        header[n] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    prefix = struct.pack("<Q", len(blob)) + blob
-    checksum = _Crc32()
-    with open(path, "wb") as f:
-        for data in [memoryview(prefix)] + [_bytes_of(tensors[n]) for n in names]:
-            for block in _blocks(data):
-                f.write(block)
-                checksum.update(block)  # on a helper thread, overlapping the next write
-        f.flush()
-        os.fsync(f.fileno())
-    return checksum.value()
+    if not isinstance(state, TrainState):
+        raise TypeError(f"state: expected a TrainState, got {type(state).__name__}")
+    final, run, extra = _check_save_args(directory, keep_last, extra, run)
+    world, rank, stage = _world_rank(state)
+    from zfunc.offload import in_ram
+
+    state = in_ram(state)  # an offloaded state's swap files, read back
+    paths, leaves, _ = _paths_and_leaves(state)
+    _check_leaves(paths, leaves)
+    if world > 1:
+        all_arrive("zf.checkpoint.save", "state")
+    tmp = scratch(final, "tmp")
+    with ExitStack() as held:  # rank 0 holds the lock on ``final`` until the save is in place
+        problem = claim(final, held) if rank == 0 else None
+        if world > 1:
+            shared = [problem]
+            dist.broadcast_object_list(shared, src=0)
+            problem = shared[0]
+        if problem:
+            raise CheckpointError(problem)
+        if rank == 0:
+            tmp.mkdir()
+        _barrier(world)
+        tensors = {p: x.detach().contiguous().cpu() for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor)}
+        crc = cf.write_safetensors(tmp / cf.rank_file(rank), tensors)
+        digests = [crc]
+        if world > 1:
+            digests = [None] * world
+            dist.all_gather_object(digests, crc)
+        if rank == 0:
+            cf.write_manifest(tmp, _manifest(state, paths, leaves, world, stage, run, extra, digests))
+            fsync_dir(tmp)
+            _publish(tmp, final, run, keep_last)
+    _barrier(world)
+    return final
 
 
-_BLOCK = 64 << 20
+def _check_save_args(directory: Any, keep_last: Any, extra: Any, run: Any) -> tuple[Path, str, dict]:
+    """``(final, run, extra)`` checked; refused before anything is written."""
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"keep_last: expected an int >= 1 or None, got {keep_last!r}")
+    final = checkpoint_path(directory)
+    if final.name in ("", ".", "..", LATEST) or final.name.startswith("."):
+        raise ValueError(f"directory: expected a path whose last part names the checkpoint (not hidden, not "
+                         f"{LATEST!r}), got {str(directory)!r}")
+    if run is not None and not isinstance(run, str):
+        raise TypeError(f"run: expected a str or None, got {type(run).__name__}")
+    return final, default_run(final.name) if run is None else run, _check_extra(extra)
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+def _publish(tmp: Path, final: Path, run: str, keep_last: int | None) -> None:
+    """Rank 0: the written ``tmp`` becomes ``final``, then ``latest`` names it, then old ones of
+    the run are pruned; one save in the folder at a time."""
+    with locked(final.parent / ".latest.lock"):
+        put_in_place(tmp, final)
+        write_text_atomic(final.parent / LATEST, final.name)
+        if keep_last:
+            prune(final.parent, run, keep_last, keep={final.name})
 
 
-def _blocks(data: memoryview):
-    for i in range(0, len(data), _BLOCK):
-        yield data[i : i + _BLOCK]
-
-
-class _Crc32:
-    """A running crc32 computed on one helper thread (zlib releases the GIL), in update order."""
-
-    def __init__(self):
-        self._pool = ThreadPoolExecutor(1)
-        self._crc = 0
-        self._last = None
-
-    def _step(self, block: memoryview) -> None:
-        self._crc = zlib.crc32(block, self._crc)
-
-    def update(self, block: memoryview) -> None:
-        self._last = self._pool.submit(self._step, block)
-
-    def value(self) -> int:
-        self._pool.shutdown(wait=True)
-        if self._last is not None:
-            self._last.result()
-        return self._crc
-
-
-def _read_safetensors(path: Path, expected_crc: int | None) -> dict[str, torch.Tensor]:
-    """Read a safetensors file in one pass; tensors are views into one buffer (no copies).
-
-    With ``expected_crc`` the file's crc32 must match, else ``CheckpointError`` names the file.
-    """
-    size = path.stat().st_size
-    # uninitialised: the file overwrites every byte. Loaded state is views into it, so it goes on
-    # huge pages, as init places state (zfunc.ops.hostmem).
-    raw = hostmem.empty(size, torch.uint8)
-    checksum = _Crc32()
-    with open(path, "rb", buffering=0) as f:
-        for block in _blocks(_bytes_of(raw)):
-            got = 0
-            while got < len(block):
-                n = f.readinto(block[got:])
-                if not n:
-                    raise CheckpointError(f"{path}: file ended after {got} of {len(block)} bytes of a block")
-                got += n
-            checksum.update(block)  # checksums block k while block k+1 is read
-    if expected_crc is not None and checksum.value() != expected_crc:
-        raise CheckpointError(f"{path}: checksum mismatch, the file is corrupt")
-    try:
-        (n_header,) = struct.unpack("<Q", bytes(raw[:8].numpy()))
-        header = json.loads(bytes(raw[8 : 8 + n_header].numpy()))
-    except (struct.error, ValueError) as e:
-        raise CheckpointError(f"{path}: not a safetensors file ({e})") from e
-    base = 8 + n_header
-    out = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        start, stop = meta["data_offsets"]
-        dtype = _TORCH_DTYPES[meta["dtype"]]
-        out[name] = raw[base + start : base + stop].view(dtype).reshape(meta["shape"])
-    return out
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+def _manifest(state: TrainState, paths: list[str], leaves: list[Any], world: int, stage: int | None, run: str,
+              extra: dict, digests: list[int]) -> dict:
+    splits = _splits(state)
+    return {
+        "format": cf.FORMAT, "zfunc": zfunc.__version__, "world": world, "stage": stage,
+        "step": state.step, "run": run, "rng": state.rng, "extra": extra,
+        "files": {cf.rank_file(r): d for r, d in enumerate(digests)},
+        "leaves": [
+            {"path": p, "dtype": str(x.dtype).removeprefix("torch."), "shape": list(x.shape),
+             "split_like": splits[p][0] if p in splits else None,
+             "full_shape": list(splits[p][1].shape) if p in splits else None,
+             "chunk": splits[p][1].chunk if p in splits else None}
+            if isinstance(x, torch.Tensor) else {"path": p, "value": x}
+            for p, x in zip(paths, leaves)
+        ],
+    }
 
 
 def _barrier(world: int) -> None:
     if world > 1:
         dist.barrier()
-
-
-def _rank_file(rank: int) -> str:
-    return f"rank{rank:05d}.safetensors"
-
-
-# ----------------------------------------------------------------------------- save
-
-
-def save(state: TrainState, directory: str | os.PathLike, *, keep_last: int | None = None,
-         extra: dict | None = None) -> Path:
-    """Write ``state`` to ``directory`` atomically; every rank of a sharded state calls it.
-
-    Args:
-      state: any ``TrainState``, plain or sharded (it is only read).
-      directory: the checkpoint's own directory, e.g. ``ckpt/000100``; its parent gets ``latest``.
-      keep_last: keep only the newest ``keep_last`` checkpoints in the parent (None keeps all).
-      extra: JSON-able data saved in the manifest (e.g. the data loader's position); read it back
-        with ``read_manifest(directory)["extra"]``.
-    Returns the directory. Costs one streaming write of this rank's state bytes (checksummed on the
-    way) and an fsync.
-    """
-    if not isinstance(state, TrainState):
-        raise TypeError(f"state: expected a TrainState, got {type(state).__name__}")
-    if keep_last is not None and keep_last < 1:
-        raise ValueError(f"keep_last: expected an int >= 1 or None, got {keep_last!r}")
-    final = Path(directory)
-    from zfunc.offload import in_ram
-
-    state = in_ram(state)  # an offloaded state's swap files, read back
-    world, rank, stage = _world_rank(state)
-    tmp = final.with_name(f".{final.name}.tmp")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier(world)
-    paths, leaves, _ = _paths_and_leaves(state)
-    tensors = {p: x.detach().contiguous().cpu() for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor)}
-    crc = _write_safetensors(tmp / _rank_file(rank), tensors)
-    digests = [crc]
-    if world > 1:
-        digests = [None] * world
-        dist.all_gather_object(digests, crc)
-    if rank == 0:
-        splits = _splits(state)
-        manifest = {
-            "format": FORMAT, "zfunc": zfunc.__version__, "world": world, "stage": stage,
-            "step": state.step, "rng": state.rng, "extra": extra or {},
-            "files": {_rank_file(r): d for r, d in enumerate(digests)},
-            "leaves": [
-                {"path": p, "dtype": str(x.dtype).removeprefix("torch."), "shape": list(x.shape),
-                 "split_like": splits[p][0] if p in splits else None,
-                 "full_shape": list(splits[p][1].shape) if p in splits else None,
-                 "chunk": splits[p][1].chunk if p in splits else None}
-                if isinstance(x, torch.Tensor) else {"path": p, "value": _jsonable(x)}
-                for p, x in zip(paths, leaves)
-            ],
-        }
-        with open(tmp / MANIFEST, "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(tmp)
-        if final.exists():
-            old = final.with_name(f".{final.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        fsync_dir(final.parent)
-        _write_text_atomic(final.parent / "latest", final.name)
-        if keep_last:
-            _prune(final.parent, keep_last)
-    _barrier(world)
-    return final
-
-
-def _prune(root: Path, keep: int) -> None:
-    checkpoints = sorted(p for p in root.iterdir() if p.is_dir() and (p / MANIFEST).exists())
-    for old in checkpoints[:-keep]:
-        shutil.rmtree(old)
-
-
-def latest(root: str | os.PathLike) -> Path | None:
-    """The checkpoint ``root/latest`` names, or None when there is none yet."""
-    pointer = Path(root) / "latest"
-    if not pointer.exists():
-        return None
-    path = Path(root) / pointer.read_text().strip()
-    return path if (path / MANIFEST).exists() else None
-
-
-def read_manifest(directory: str | os.PathLike) -> dict:
-    """The checkpoint's manifest (a dict); raises ``CheckpointError`` if there is none."""
-    path = Path(directory) / MANIFEST
-    if not path.exists():
-        raise CheckpointError(f"directory: no checkpoint at {directory} ({MANIFEST} missing)")
-    with open(path) as f:
-        manifest = json.load(f)
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT}")
-    return manifest
 
 
 # ----------------------------------------------------------------------------- load
@@ -348,12 +276,12 @@ class _Files:
 
     def __call__(self, rank: int) -> dict[str, torch.Tensor]:
         if rank not in self.read:
-            name = _rank_file(rank)
+            name = cf.rank_file(rank)
             path = self.directory / name
             if not path.exists():
                 raise CheckpointError(f"{path}: shard file missing (the checkpoint was written by "
                                       f"{self.manifest['world']} ranks)")
-            self.read[rank] = _read_safetensors(path, self.manifest["files"][name] if self.verify else None)
+            self.read[rank] = cf.read_safetensors(path, self.manifest["files"][name] if self.verify else None)
         return self.read[rank]
 
 
@@ -383,14 +311,21 @@ def _device_of(template: TrainState, default: str | torch.device) -> str | torch
     return tensors[0].device if tensors else default
 
 
-def _template(manifest: dict, step_or_template: Any, device: str | torch.device) -> TrainState:
+def _meta(x: Any) -> Any:
+    return torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
+
+
+def _template(manifest: dict, step_or_template: Any, params: Any, device: str | torch.device) -> tuple[TrainState, str]:
+    """The state to fill and where its model came from."""
     if isinstance(step_or_template, TrainState):
+        if params is not None:
+            raise ValueError("params: give it with a Step; a TrainState template's own params say the model")
         saved = _saved_buffers(manifest, _device_of(step_or_template, device))
         if step_or_template.buffers and saved:
-            return step_or_template
+            return step_or_template, "the template state"
         # buffers join a state at the first step that writes them: where the template or the
         # checkpoint has none yet, the checkpoint's (or their absence) are what is loaded
-        return step_or_template.replace(buffers=saved)
+        return step_or_template.replace(buffers=saved), "the template state"
     if not isinstance(step_or_template, Step):
         raise TypeError(f"step_or_template: expected a Step or a TrainState, got {type(step_or_template).__name__}")
     from zfunc.offload import OffloadedStep
@@ -398,15 +333,48 @@ def _template(manifest: dict, step_or_template: Any, device: str | torch.device)
     if isinstance(step_or_template, OffloadedStep):
         raise CheckpointError("step_or_template: loading straight into an offloaded step is not supported yet; load "
                               "into the step it wraps, then start the offloaded one from zf.checkpoint.full_params")
-    params = {e["path"][len("params/"):]: torch.empty(e["full_shape"], dtype=getattr(torch, e["dtype"]), device="meta")
-              for e in manifest["leaves"] if e["path"].startswith("params/")}
-    template = step_or_template.init(params).replace(buffers=_saved_buffers(manifest, "meta"))
+    if params is not None:
+        model, source = params, "params="
+    elif getattr(step_or_template, "initialized_with", None) is not None:
+        model, source = step_or_template.initialized_with, "the params step.init last received"
+    else:  # nothing says what the model is: the checkpoint's own params
+        model = {e["path"][len("params/"):]: torch.empty(e["full_shape"], dtype=getattr(torch, e["dtype"]),
+                                                         device="meta")
+                 for e in manifest["leaves"] if e["path"].startswith("params/")}
+        source = "the checkpoint"
+    template = step_or_template.init(tree.map(_meta, model)).replace(buffers=_saved_buffers(manifest, "meta"))
     return tree.map(lambda x: torch.empty(x.shape, dtype=x.dtype, device=device) if isinstance(x, torch.Tensor) else x,
-                    template)
+                    template), source
 
 
-def load(directory: str | os.PathLike, step_or_template: Step | TrainState, *, device: str | torch.device = "cpu",
-         verify: bool = True) -> TrainState:
+def _check_model(directory: Path, manifest: dict, template: TrainState, source: str) -> None:
+    """Every param of the model is in the checkpoint with its whole shape and dtype, and no other."""
+    def describe(shape, dtype) -> str:
+        return f"{tuple(shape)} {dtype}"
+
+    saved = {e["path"][len("params/"):]: describe(e["full_shape"], e["dtype"])
+             for e in manifest["leaves"] if e["path"].startswith("params/") and "dtype" in e}
+    model = {path[len("params/"):]: describe(leaf.shape, str(x.dtype).removeprefix("torch."))
+             for path, (_, leaf), x in _param_splits(template)}
+    missing, unexpected = sorted(model.keys() - saved.keys()), sorted(saved.keys() - model.keys())
+    differ = [f"{n}: {saved[n]} in the checkpoint, {model[n]} in the model" for n in sorted(model.keys() & saved.keys())
+              if saved[n] != model[n]]
+    if missing or unexpected or differ:
+        parts = [f"{len(missing)} params of the model not in the checkpoint {missing[:5]}" if missing else "",
+                 f"{len(unexpected)} params in the checkpoint not in the model {unexpected[:5]}" if unexpected else "",
+                 f"{len(differ)} differ: {'; '.join(differ[:5])}" if differ else ""]
+        raise CheckpointError(f"{directory}: the checkpoint does not hold this model (from {source}): "
+                              + "; ".join(p for p in parts if p))
+
+
+def _param_splits(state: TrainState) -> list[tuple[str, tuple[str, LeafShard], torch.Tensor]]:
+    paths, leaves, _ = _paths_and_leaves(state)
+    splits = _splits(state)
+    return [(p, splits[p], x) for p, x in zip(paths, leaves) if p.startswith("params/") and p in splits]
+
+
+def load(directory: str | os.PathLike, step_or_template: Step | TrainState, *, params: Any = None,
+         device: str | torch.device = "cpu", verify: bool = True) -> TrainState:
     """Read a checkpoint into the layout of ``step_or_template`` (any world size and stage).
 
     Args:
@@ -415,15 +383,19 @@ def load(directory: str | os.PathLike, step_or_template: Step | TrainState, *, d
         as its ``init`` splits) or a ``TrainState`` whose structure, dtypes and split to follow.
         ``state.buffers`` (module buffers, whole on every rank) come from rank 0's file, as the
         checkpoint holds them, also when the template has none yet (a state from ``init``).
+      params: with a step, the model's params (what ``zf.functionalize`` returns, on any device,
+        meta included); default: what the step's ``init`` last received, else the checkpoint's.
       device: where the tensors go when a step is given (a template's own devices are used).
       verify: check each file's crc32 as it is read.
-    Raises ``CheckpointError`` naming what differs: a missing or corrupt file, another structure,
-    shape or dtype. Nothing on disk is modified. Each file this rank needs is read once; where the
-    layout is unchanged, the state's CPU tensors are views of the read buffer (no copies).
+    Raises ``CheckpointError`` naming what differs: params the model has and the checkpoint lacks
+    or the reverse, whole shapes or dtypes, another optimizer structure, a missing or corrupt file.
+    Nothing on disk is modified. Each file this rank needs is read once; where the layout is
+    unchanged, the state's CPU tensors are views of the read buffer (no copies).
     """
-    directory = Path(directory)
+    directory = checkpoint_path(directory)
     manifest = read_manifest(directory)
-    template = _template(manifest, step_or_template, device)
+    template, source = _template(manifest, step_or_template, params, device)
+    _check_model(directory, manifest, template, source)
     paths, leaves, treespec = _paths_and_leaves(template)
     saved = {e["path"]: e for e in manifest["leaves"]}
     if set(paths) != set(saved):
@@ -463,7 +435,8 @@ def load(directory: str | os.PathLike, step_or_template: Step | TrainState, *, d
 
 
 def full_params(state: TrainState, mesh=None) -> dict:
-    """Every param whole (fp32 copies), on every rank, from any state: a collective when sharded."""
+    """Every param whole (fp32 copies), on every rank, from any state: a collective when sharded,
+    which every rank of the state must call (checked first, see ``zf.dist.all_arrive``)."""
     if not isinstance(state, TrainState):
         raise TypeError(f"state: expected a TrainState, got {type(state).__name__}")
     if state.sharding is None:
@@ -472,6 +445,8 @@ def full_params(state: TrainState, mesh=None) -> dict:
     from zfunc.offload import in_ram
     from zfunc.shard import full_params as gather
 
+    if state.sharding.world > 1:
+        all_arrive("zf.checkpoint.full_params", "state", mesh.comm.group if mesh is not None else None)
     return gather(in_ram(state), mesh or Mesh(dp=state.sharding.world))
 
 
@@ -483,7 +458,7 @@ def export(directory: str | os.PathLike, out: str | os.PathLike) -> Path:
     constant buffers are not repeated. Hugging Face's ``from_pretrained`` reads it as a
     ``model.safetensors``. Works in one process, whatever world size wrote the checkpoint.
     """
-    directory, out = Path(directory), Path(out)
+    directory, out = checkpoint_path(directory), checkpoint_path(out, "out")
     manifest = read_manifest(directory)
     files = _Files(directory, manifest, verify=True)
     tensors = {}
@@ -496,6 +471,6 @@ def export(directory: str | os.PathLike, out: str | os.PathLike) -> Path:
             tensors[entry["path"][len(_BUFFERS):]] = files(0)[entry["path"]].contiguous()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
-    _write_safetensors(tmp, tensors)
+    cf.write_safetensors(tmp, tensors)
     os.replace(tmp, out)
     return out

@@ -6,7 +6,9 @@ for CUDA) is set up by ``torchrun``'s environment variables or ``spawn``. Every 
 issues goes through a ``Comm``, which counts the bytes of each call type -- the figures the
 comm-volume tests and the sharding docstrings' *cost* lines are checked against -- and names the
 operation (unit, step) in the error when a peer fails or the ranks' calls diverge, instead of
-hanging silently; point-to-point transfers go through a ``P2P``, which does the same.
+hanging silently; point-to-point transfers go through a ``P2P``, which does the same. A public
+collective call that some ranks may skip by mistake (``zf.checkpoint.save``) first checks, with
+``all_arrive``, that every rank made it.
 
 Byte counts are the full logical tensor, per rank: ``all_gather`` counts its output,
 ``reduce_scatter`` its input, ``all_reduce`` twice its tensor (a ring all-reduce is a
@@ -21,6 +23,7 @@ import os
 import socket
 import time
 import traceback
+import zlib
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -140,6 +143,62 @@ class Comm:
             ops = "; ".join(f"rank {r}: {describe(row.tolist())}" for r, row in enumerate(rows))
             raise CollectiveError(f"ranks diverged at {label}: {ops} "
                                   "(data-dependent control flow skipped or reordered work on some rank?)")
+
+
+# How long ``all_arrive`` waits for the other ranks: long enough for a rank that reaches the call
+# late in normal training (rank 0 evaluating or logging first), far shorter than the process
+# group's 30 min. Set it here or with ZFUNC_ARRIVAL_TIMEOUT_S.
+ARRIVAL_TIMEOUT_S = float(os.environ.get("ZFUNC_ARRIVAL_TIMEOUT_S", "300"))
+_calls: Counter = Counter()  # per group: how many all_arrive calls this rank has made
+
+
+def all_arrive(what: str, of: str, group: Any = None, timeout_s: float | None = None) -> None:
+    """Check that every rank of ``group`` makes the call ``what`` before its collectives start.
+
+    A collective issued by some ranks only hangs until the process group's timeout and is then
+    blamed on whatever the other ranks were doing. Here each rank posts ``what`` to the process
+    group's key-value store (a side channel that never mixes with collectives) and waits at most
+    ``timeout_s`` (default ``ARRIVAL_TIMEOUT_S``) for the others; one verdict, set once in the
+    store, decides for every rank, a rank arriving after the others gave up included. Raises
+    ``CollectiveError`` like "zf.checkpoint.save: every rank of the 2-rank state must call it; rank
+    1 did not arrive within 300 s" (``of`` = "state": what the ranks make up), or naming what each
+    rank called when they differ.
+    Cost: a few store round trips per rank. A no-op without torch.distributed or with one rank.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    key = f"zfunc/arrive/{zlib.crc32(repr(ranks).encode()):08x}/{_calls[ranks]}"
+    _calls[ranks] += 1
+    store = dist.distributed_c10d._get_default_store()
+    verdict = f"{key}/verdict"
+    late = store.check([verdict])  # the others decided before this rank came
+    store.set(f"{key}/{me}", what)
+    timeout_s = ARRIVAL_TIMEOUT_S if timeout_s is None else timeout_s
+    if store.check([f"{key}/{r}" for r in range(world)]):  # the last to arrive decides
+        store.compare_set(verdict, "", _agreed(store, key, world))
+    try:
+        store.wait([verdict], datetime.timedelta(seconds=timeout_s))
+    except dist.DistStoreError:  # timed out: give up for everyone, unless someone decided first
+        missing = [r for r in range(world) if not store.check([f"{key}/{r}"])]
+        store.compare_set(verdict, "", f"{what}: every rank of the {world}-rank {of} must call it; "
+                          f"rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} did not arrive "
+                          f"within {timeout_s:g} s")
+    outcome = store.get(verdict).decode()
+    if outcome != "ok":
+        raise CollectiveError(outcome + (" (this rank arrived after the others gave up)" if late else ""))
+    if store.add(f"{key}/read", 1) == world:  # everyone has read the verdict: clear the keys
+        for name in [verdict, f"{key}/read", *(f"{key}/{r}" for r in range(world))]:
+            store.delete_key(name)
+
+
+def _agreed(store: Any, key: str, world: int) -> str:
+    calls = [store.get(f"{key}/{r}").decode() for r in range(world)]
+    if len(set(calls)) == 1:
+        return "ok"
+    return ("ranks made different calls: " + "; ".join(f"rank {r}: {c}" for r, c in enumerate(calls))
+            + " (every rank must make the same collective calls in the same order)")
 
 
 class _Pending:

@@ -168,7 +168,13 @@ def _check_params(params: Any, expected: frozenset[str]) -> None:
     if unknown:
         raise KeyError(
             f"params: names {sorted(unknown)[:5]} are not parameters of the module "
-            f"(expected a subset of {sorted(expected)[:5]}...)"
+            f"(expected its trainable names {sorted(expected)[:5]}...)"
+        )
+    missing = expected - params.keys()
+    if missing:  # taking them from the module instead would silently never train them
+        raise KeyError(
+            f"params: {len(missing)} trainable parameters of the module are missing: {sorted(missing)[:5]} "
+            f"(expected every name of the params functionalize returned, {len(expected)} in all)"
         )
 
 
@@ -184,7 +190,7 @@ def functionalize(module: nn.Module, *, with_buffers: bool = False) -> tuple[Cal
       ``(apply, params)``, or ``(apply, (params, buffers))`` with ``with_buffers=True``. ``params``
       maps each trainable parameter's qualified name to a detached alias of it (same dtype, device
       and storage); parameters with ``requires_grad=False`` are frozen into ``apply`` instead.
-      ``params`` may hold a subset of the names: missing ones are taken from the module.
+      ``apply``'s ``params`` must hold every trainable name, else ``KeyError`` names the missing.
       Inside a step, ``apply`` reads and updates the step's ``TrainState.buffers`` (module
       docstring); elsewhere it reads a snapshot of the buffers taken now and discards updates.
     """

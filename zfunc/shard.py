@@ -377,6 +377,7 @@ class ShardedStep(Step):
         """This rank's fp32 pieces of ``params`` (which must be equal on every rank) and their
         optimizer state; ``sharding`` records the split."""
         device, leaves, treespec, spec = self._layout(params)
+        self.initialized_with = tree.map(lambda x: x.to("meta"), params)  # what zf.checkpoint.load checks
         pieces = [hostmem.copy_to(local_piece(x.detach(), leaf, spec.rank), device, torch.float32)
                   for x, leaf in zip(leaves, spec.leaves)]
         master = tree.unflatten(treespec, pieces)

@@ -218,6 +218,7 @@ class Step:
         """A fresh state: fp32 copies of ``params`` (the caller's tensors are never aliased), the
         optimizer's initial state, step 0, ``rng = seed`` and fp16's initial loss scale."""
         device = _check_single_device(params)
+        self.initialized_with = tree.map(lambda x: x.to("meta") if torch.is_tensor(x) else x, params)  # for load
         master = tree.map(lambda p: _master_copy(p, device), params)
         return TrainState(master, self.optimizer.init(master), 0, self.seed, mp.init_loss_scale(self.precision))
 
