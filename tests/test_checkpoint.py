@@ -591,3 +591,15 @@ def test_a_collective_called_on_one_rank_fails_fast_naming_the_call(tmp_path):
     assert r0[3] == r1[2] == ("ranks made different calls: rank 0: zf.checkpoint.save; rank 1: zf.checkpoint."
                               "full_params (every rank must make the same collective calls in the same order)")
     assert files == ["000001", "latest"]
+
+
+def test_prune_finishes_what_a_killed_prune_or_save_left(tmp_path):
+    from zfunc import checkpoint_folder
+
+    first = ck.save(small(1), tmp_path / "000001")
+    os.replace(first, tmp_path / ".000001.pruned")  # killed after the rename, before the delete
+    (tmp_path / ".000001.pruned" / "manifest.json").unlink()  # ... or halfway through it
+    (tmp_path / ".000002.lock").touch()  # a save killed while holding its lock
+    with checkpoint_folder.locked(tmp_path / ".000009.lock"):  # a live save's lock stays
+        ck.save(small(3), tmp_path / "000003", keep_last=1)
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".000009.lock", "000003", "latest"]

@@ -154,8 +154,6 @@ def test_killed_inside_the_save_of_an_offloaded_state_resumes_exactly(tmp_path):
     assert assert_resumes_exactly("offloaded", "save", 0.5, tmp_path)
 
 
-@pytest.mark.xfail(strict=True, reason="zfunc.checkpoint._prune removes an old checkpoint's manifest first and "
-                   "then only prunes directories that have one: a kill mid-prune leaves the rest for good")
 def test_a_kill_mid_prune_leaves_no_debris_once_resumed(tmp_path):
     root = tmp_path / "ckpt"
     assert kill_inside(["child", "plain", "save", "0.99", str(root), str(tmp_path / "swap")])  # the last event

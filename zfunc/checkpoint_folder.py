@@ -111,7 +111,7 @@ def locked(path: Path) -> Iterator[None]:
 
 
 def scratch(final: Path, kind: str) -> Path:
-    """The hidden path beside ``final`` a save uses as ``kind``: "tmp", "old" or "lock"."""
+    """The hidden path beside ``final`` a save uses as ``kind``: "tmp", "old", "lock" or "pruned"."""
     return final.with_name(f".{final.name}.{kind}")
 
 
@@ -208,7 +208,46 @@ def prune(root: Path, run: str, keep_last: int, keep: set[str]) -> None:
             ours.append((manifest["step"], path.name))
     for _, name in sorted(ours)[:-keep_last]:
         if name not in keep:
-            shutil.rmtree(root / name)
+            remove(root / name)
+    for leftover in root.glob(".*.pruned"):  # a prune killed mid-delete: only zfunc makes these names
+        if foreign(leftover, "scratch") is None:
+            shutil.rmtree(leftover)
+    for lock in root.glob(".*.lock"):  # a save killed while holding its lock leaves the empty file
+        if lock.name != ".latest.lock" and foreign(lock, "lock") is None:
+            remove_if_free(lock)
+
+
+def remove_if_free(lock: Path) -> None:
+    """Unlink the lock file ``lock`` unless a live writer holds it. A waiter that opened it before
+    the unlink sees another inode at the path once it gets the lock, and tries again (``locked``)."""
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except FileNotFoundError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return
+    try:
+        if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+            os.unlink(lock)
+    except FileNotFoundError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def remove(path: Path) -> None:
+    """Delete the checkpoint ``path``: renamed to ``.NAME.pruned`` first (fsynced), so a kill
+    mid-delete leaves a name that the next prune recognises and finishes, never a checkpoint
+    without its manifest that nothing would delete."""
+    doomed = scratch(path, "pruned")
+    if os.path.lexists(doomed) and foreign(doomed, "scratch") is None:
+        shutil.rmtree(doomed)
+    os.replace(path, doomed)
+    fsync_dir(path.parent)
+    shutil.rmtree(doomed)
 
 
 def latest(root: str | os.PathLike) -> Path | None:
