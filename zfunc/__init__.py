@@ -12,13 +12,14 @@ from zfunc.offload import offload
 from zfunc.pipeline import pipeline
 from zfunc.remat import remat
 from zfunc.shard import shard
-from zfunc.step import ConsumedStateError, Step, TrainState, train_step, value_and_grad
+from zfunc.step import ConsumedStateError, NonFiniteError, Step, TrainState, train_step, value_and_grad
 from zfunc.tile import tile
 
 __all__ = [
     "checkpoint",
     "ConsumedStateError",
     "Mesh",
+    "NonFiniteError",
     "dist",
     "Step",
     "TrainState",
