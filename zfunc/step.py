@@ -277,7 +277,7 @@ class Step:
                      f"non-finite grads (grad norm {norm.item()}"
                      + (f" at loss scale {loss_scale.scale})" if loss_scale is not None and loss_scale.dynamic else ")"))
             raise NonFiniteError(
-                f"step: {skips + 1} non-finite steps in a row, the last at state.step={step}: {cause}; "
+                f"step: {skips + 1} non-finite step{'s' if skips else ''} in a row, the last at state.step={step}: {cause}; "
                 f"train_step(max_skips={self.max_skips}) allows {self.max_skips}. Nothing was updated: the "
                 "state passed in is intact. Look for the cause in the batch, the learning rate or the loss")
         return False
