@@ -338,7 +338,8 @@ def test_a_param_without_grad_is_left_alone_by_every_optimizer(name, backend, pa
 
 
 @pytest.mark.parametrize("ours, theirs", [
-    (lambda: optim.adam(1e-2, weight_decay=0.05), lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.05, fused=True)),
+    (lambda: optim.adam(1e-2, weight_decay=0.05),
+     lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.05, fused=True)),
     (lambda: optim.sgd(0.05, momentum=0.9, weight_decay=0.01),
      lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=0.01)),
     (lambda: optim.sgd(0.05, momentum=0.9, weight_decay=0.01, backend="numba"),

@@ -290,7 +290,8 @@ def test_a_non_finite_loss_or_grads_on_one_rank_skip_the_step_on_every_rank():
         for stage in (1, 2, 3):
             for fault in ("nan_loss", "inf_grads"):
                 assert out[(stage, fault)] == (True, True, 1, False), (rank, stage, fault)
-            assert "1 non-finite step in a row, the last at state.step=3: non-finite loss (nan)" in out[(stage, "error")], (rank, stage)
+            error = out[(stage, "error")]
+            assert "1 non-finite step in a row, the last at state.step=3: non-finite loss (nan)" in error, (rank, stage)
 
 
 def unused_worker(rank, world):

@@ -185,7 +185,7 @@ def _check_betas(**betas: float) -> None:
 
 
 def _check_int(name: str, value: Any, least: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < least:
         raise ValueError(f"{name}: expected an int >= {least}, got {value!r}")
 
 

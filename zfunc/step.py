@@ -273,13 +273,11 @@ class Step:
             return True
         skips = loss_scale.skips if loss_scale is not None else 0
         if skips >= self.max_skips:
-            cause = (f"non-finite loss ({loss.item()})" if not torch.isfinite(loss) else
-                     f"non-finite grads (grad norm {norm.item()}"
-                     + (f" at loss scale {loss_scale.scale})" if loss_scale is not None and loss_scale.dynamic else ")"))
             raise NonFiniteError(
-                f"step: {skips + 1} non-finite step{'s' if skips else ''} in a row, the last at state.step={step}: {cause}; "
-                f"train_step(max_skips={self.max_skips}) allows {self.max_skips}. Nothing was updated: the "
-                "state passed in is intact. Look for the cause in the batch, the learning rate or the loss")
+                f"step: {skips + 1} non-finite step{'s' if skips else ''} in a row, the last at state.step={step}: "
+                f"{_cause(loss, norm, loss_scale)}; train_step(max_skips={self.max_skips}) allows {self.max_skips}. "
+                "Nothing was updated: the state passed in is intact. Look for the cause in the batch, the learning "
+                "rate or the loss")
         return False
 
     def _without_missing_grads(self, grads: PyTree) -> PyTree:
@@ -312,6 +310,14 @@ class Step:
             torch._foreach_mul_(tensors, 1.0 / divisor)
         loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
         return loss, (auxes[0] if self.accum == 1 else auxes), tree.unflatten(tree.structure(params), acc)
+
+
+def _cause(loss: torch.Tensor, norm: torch.Tensor, loss_scale) -> str:
+    """Why a step is not finite, in words."""
+    if not torch.isfinite(loss):
+        return f"non-finite loss ({loss.item()})"
+    at = f" at loss scale {loss_scale.scale}" if loss_scale is not None and loss_scale.dynamic else ""
+    return f"non-finite grads (grad norm {norm.item()}{at})"
 
 
 def _master_copy(p: Any, device: torch.device) -> Any:
