@@ -21,8 +21,8 @@ def make(clip=True, precision="fp32", accum=1, where=None, params=None, path=Non
     apply, p = zf.functionalize(Tiny())
 
     def loss_fn(p, batch):
-        x, y = batch
-        return F.cross_entropy(apply(p, x).flatten(0, 1).float(), y.flatten())
+        x, y, *skip = batch  # skip: a block the model leaves out (its params get no grad)
+        return F.cross_entropy(apply(p, x, skip[0] if skip else None).flatten(0, 1).float(), y.flatten())
 
     txs = [zf.optim.clip_by_global_norm(0.1)] if clip else []
     tx = zf.optim.chain(*txs, zf.optim.adamw(1e-2, weight_decay=0.1, mask=zf.optim.decay_mask, backend="numba"))
@@ -178,6 +178,25 @@ def test_a_non_finite_loss_on_one_rank_skips_the_offloaded_step_on_every_rank(tm
             assert results[rank][k][:2] == (overlap, [False, True, False])
             for name, want in ref.params.items():
                 torch.testing.assert_close(results[rank][k][2][name], want, rtol=1e-5, atol=1e-6)
+
+
+def offload_unused_worker(rank, world, path):
+    mesh = zf.Mesh(dp=world)
+    step, state = make(True, where="nvme", path=f"{path}/{rank}", mesh=mesh, stage=2)
+    for batch in batches(world, 2):  # every rank leaves block 1 out
+        state, _ = step(state, (*local(batch, rank, world), 1))
+    return full_params(in_ram(state), mesh)
+
+
+def test_offload_over_ranks_leaves_alone_a_param_no_rank_produced_a_grad_for(tmp_path):
+    ref_step, ref = make(True)
+    init = ref.params["blocks.1.fc.weight"].clone()
+    for batch in batches(2, 2):
+        ref, _ = ref_step(ref, (*batch, 1))
+    assert torch.equal(ref.params["blocks.1.fc.weight"], init)
+    for got in zf.dist.spawn(offload_unused_worker, 2, 2, str(tmp_path)):
+        for name, want in ref.params.items():
+            torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-6)
 
 
 def sharded_worker(rank, world, path, configs):

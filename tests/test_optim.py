@@ -337,6 +337,19 @@ def test_a_param_without_grad_is_left_alone_by_every_optimizer(name, backend, pa
             assert not leaf.any()
 
 
+@pytest.mark.parametrize("path", ["update", "apply"])
+def test_a_chain_with_clipping_takes_grads_that_are_all_none(path):
+    # an offloaded leaf without grad is updated alone: clipping then sees no grad at all
+    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2, weight_decay=0.1))
+    params = {"w": torch.ones(3)}
+    if path == "apply":
+        new, state = tx.apply({"w": None}, tx.init(params), {"w": params["w"].clone()})
+    else:
+        updates, state = tx.update({"w": None}, tx.init(params), params)
+        new = optim.apply_updates(params, updates)
+    assert torch.equal(new["w"], params["w"]) and state[1].count == 1
+
+
 @pytest.mark.parametrize("ours, theirs", [
     (lambda: optim.adam(1e-2, weight_decay=0.05),
      lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.05, fused=True)),

@@ -328,11 +328,15 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         return torch.clamp(max_norm / (global_norm(grads) + 1e-6), max=1.0)
 
     def update(grads, state, params=None):
-        leaves, treespec = tree.flatten(grads)
+        leaves, treespec = tree.flatten(grads)  # None grads (no grad) are no leaves: kept as they are
+        if not leaves:
+            return grads, state
         return tree.unflatten(treespec, torch._foreach_mul(leaves, coefficient(grads))), state
 
     def update_(grads, state, params=None):
-        torch._foreach_mul_(tree.tensors(grads), coefficient(grads))
+        tensors = tree.tensors(grads)
+        if tensors:
+            torch._foreach_mul_(tensors, coefficient(grads))
         return grads, state
 
     return GradientTransformation(lambda params: EmptyState(), update, update_=update_)
