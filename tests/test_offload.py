@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import zfunc as zf
-from tests.test_shard import Block, Tiny, assert_same_training, batches, local
+from tests.test_shard import Block, Tiny, assert_same_training, batches, local, tree_equal, with_faults
 from zfunc.offload import in_ram, offload
 from zfunc.shard import full_params
 from zfunc.swap import SwapInUseError, SwapPathError
@@ -25,8 +25,8 @@ def make(clip=True, precision="fp32", accum=1, where=None, params=None, path=Non
     apply, p = zf.functionalize(Tiny())
 
     def loss_fn(p, batch):
-        x, y = batch
-        return F.cross_entropy(apply(p, x).flatten(0, 1).float(), y.flatten())
+        x, y, *skip = batch  # skip: a block the model leaves out (its params get no grad)
+        return F.cross_entropy(apply(p, x, skip[0] if skip else None).flatten(0, 1).float(), y.flatten())
 
     txs = [zf.optim.clip_by_global_norm(0.1)] if clip else []
     tx = zf.optim.chain(*txs, zf.optim.adamw(1e-2, weight_decay=0.1, mask=zf.optim.decay_mask, backend="numba"))
@@ -82,6 +82,125 @@ def test_fp16_overflow_skips_the_offloaded_update_like_the_plain_step(tmp_path):
     got = zf.checkpoint.full_params(state)
     for name, want in ref.params.items():
         torch.testing.assert_close(got[name], want, rtol=1e-6, atol=0)
+
+
+def faulty_run(step, state, faults):
+    """Run ``step`` on batches carrying ``faults`` (see ``test_shard.inject``); per step, whether
+    it was skipped and whether params and optimizer state came back as they went in."""
+    with_faults(step)
+    report = []
+    for batch, fault in zip(batches(1, len(faults)), faults):
+        before = (zf.checkpoint.full_params(state), in_ram(state).opt_state)
+        state, m = step(state, (*batch, fault))
+        report.append((m["skipped"], tree_equal((zf.checkpoint.full_params(state), in_ram(state).opt_state), before)))
+    return state, report
+
+
+# overlapped updates (clip=False) catch a non-finite loss only (see test below); held grads catch both
+@pytest.mark.parametrize("clip, fault, overlap", [(True, "nan_loss", None), (True, "inf_grads", None),
+                                                  (False, "nan_loss", None), (False, "inf_grads", False)])
+@pytest.mark.parametrize("where, params", [("cpu", None), ("nvme", "nvme")])
+def test_a_non_finite_step_is_skipped_by_the_offloaded_step_like_the_plain_step(tmp_path, where, params, clip,
+                                                                                fault, overlap):
+    faults = [None, fault, None]
+    ref, ref_report = faulty_run(*make(clip), faults)
+    step, state = make(clip, where=where, params=params, path=tmp_path, overlap=overlap)
+    assert step.overlap == (not clip and overlap is None)
+    state, report = faulty_run(step, state, faults)
+    assert report == ref_report == [(False, False), (True, True), (False, False)]
+    assert state.loss_scale == ref.loss_scale and state.step == 3
+    got = zf.checkpoint.full_params(state)
+    for name, want in ref.params.items():
+        torch.testing.assert_close(got[name], want, rtol=1e-6, atol=0)
+
+
+def test_with_overlap_non_finite_grads_behind_a_finite_loss_raise_instead_of_returning_nan_params(tmp_path):
+    step, state = make(False, where="cpu")
+    assert step.overlap
+    state, _ = faulty_run(step, state, [None])
+    with pytest.raises(zf.NonFiniteError, match=r"state.step=1 behind a finite loss, with offload's overlap.*"
+                                                r"overlap=False"):
+        step(state, (*batches(1, 1)[0], "inf_grads"))
+    assert state.consumed  # the leaves were updated during backward: this is the documented loss
+
+
+def test_too_many_non_finite_steps_raise_with_the_offloaded_state_intact(tmp_path):
+    step, state = make(False, where="nvme", params="nvme", path=tmp_path)
+    step.max_skips = 1
+    state, _ = faulty_run(step, state, [None, "nan_loss"])
+    with pytest.raises(zf.NonFiniteError, match="2 non-finite steps in a row, the last at state.step=2"):
+        step(state, (*batches(1, 1)[0], "nan_loss"))
+    state, m = step(state, batches(1, 1)[0])  # nothing was written: the state still trains
+    assert not m["skipped"] and state.step == 3
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_param_the_loss_never_uses_is_left_alone_by_the_offloaded_step(overlap):
+    def build(where):
+        torch.manual_seed(0)
+        apply, p = zf.functionalize(Tiny())
+
+        def loss_fn(p, batch):  # block 1 is skipped: its params get no grad
+            return F.cross_entropy(apply(p, batch[0], 1).flatten(0, 1), batch[1].flatten())
+
+        step = zf.train_step(loss_fn, zf.optim.adamw(1e-2, weight_decay=0.1, backend="numba"))
+        step = offload(step, where, overlap=overlap) if where else step
+        return step, step.init(p)
+
+    init = build(None)[1].params
+    ref, _, _ = run(*build(None), n=2)
+    state, _, _ = run(*build("cpu"), n=2)
+    got = zf.checkpoint.full_params(state)
+    assert torch.equal(ref.params["blocks.1.fc.weight"], init["blocks.1.fc.weight"])
+    for name, want in ref.params.items():
+        torch.testing.assert_close(got[name], want, rtol=1e-6, atol=0)
+
+
+def offload_nonfinite_worker(rank, world, path):
+    """Stage 2 with overlap (the loss all-reduced before backward), stage 3 with params offloaded
+    and held grads: rank 0's loss is nan at the second step."""
+    mesh = zf.Mesh(dp=world)
+    out = []
+    for stage, where, params, clip in ((2, "cpu", None, False), (3, "nvme", "nvme", True)):
+        step, state = make(clip, where=where, params=params, path=f"{path}/{stage}-{rank}", mesh=mesh, stage=stage)
+        with_faults(step)
+        flags = []
+        for k, batch in enumerate(batches(world, 3)):
+            state, m = step(state, (*local(batch, rank, world), "nan_loss" if k == 1 and rank == 0 else None))
+            flags.append(m["skipped"])
+        out.append((step.overlap, flags, full_params(in_ram(state), mesh)))
+    return out
+
+
+def test_a_non_finite_loss_on_one_rank_skips_the_offloaded_step_on_every_rank(tmp_path):
+    results = zf.dist.spawn(offload_nonfinite_worker, 2, 2, str(tmp_path))
+    for k, (overlap, clip) in enumerate(((True, False), (False, True))):
+        ref_step, ref = make(clip)
+        for batch in batches(2, 3)[::2]:  # the plain step on the whole batches, without the bad one
+            ref, _ = ref_step(ref, batch)
+        for rank in range(2):
+            assert results[rank][k][:2] == (overlap, [False, True, False])
+            for name, want in ref.params.items():
+                torch.testing.assert_close(results[rank][k][2][name], want, rtol=1e-5, atol=1e-6)
+
+
+def offload_unused_worker(rank, world, path):
+    mesh = zf.Mesh(dp=world)
+    step, state = make(True, where="nvme", path=f"{path}/{rank}", mesh=mesh, stage=2)
+    for batch in batches(world, 2):  # every rank leaves block 1 out
+        state, _ = step(state, (*local(batch, rank, world), 1))
+    return full_params(in_ram(state), mesh)
+
+
+def test_offload_over_ranks_leaves_alone_a_param_no_rank_produced_a_grad_for(tmp_path):
+    ref_step, ref = make(True)
+    init = ref.params["blocks.1.fc.weight"].clone()
+    for batch in batches(2, 2):
+        ref, _ = ref_step(ref, (*batch, 1))
+    assert torch.equal(ref.params["blocks.1.fc.weight"], init)
+    for got in zf.dist.spawn(offload_unused_worker, 2, 2, str(tmp_path)):
+        for name, want in ref.params.items():
+            torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-6)
 
 
 def sharded_worker(rank, world, path, configs):

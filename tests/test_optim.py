@@ -236,6 +236,147 @@ def test_bad_arguments_raise_clear_errors(make, match):
         make()
 
 
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: optim.adamw(NAN), "learning_rate: expected a finite float >= 0 or a schedule, got nan"),
+        (lambda: optim.adamw(INF), "learning_rate: expected a finite float >= 0 or a schedule, got inf"),
+        (lambda: optim.sgd(-1), "learning_rate: expected a finite float >= 0 or a schedule, got -1"),
+        (lambda: optim.lion("1e-3"), "learning_rate: expected a finite float >= 0 or a schedule, got '1e-3'"),
+        (lambda: optim.adam(1e-3, b2=NAN), "b2: expected a value in [0, 1), got nan"),
+        (lambda: optim.adamw(1e-3, b1=-0.1), "b1: expected a value in [0, 1), got -0.1"),
+        (lambda: optim.lion(1e-3, b2=1.0), "b2: expected a value in [0, 1), got 1.0"),
+        (lambda: optim.adamw(1e-3, eps=0.0), "eps: expected a finite float > 0, got 0.0"),
+        (lambda: optim.adam(1e-3, eps=NAN), "eps: expected a finite float > 0, got nan"),
+        (lambda: optim.adamw(1e-3, weight_decay=-0.1), "weight_decay: expected a finite float >= 0, got -0.1"),
+        (lambda: optim.adamw(1e-3, weight_decay=INF), "weight_decay: expected a finite float >= 0, got inf"),
+        (lambda: optim.sgd(0.1, weight_decay=NAN), "weight_decay: expected a finite float >= 0, got nan"),
+        (lambda: optim.lion(1e-3, weight_decay=-1), "weight_decay: expected a finite float >= 0, got -1"),
+        (lambda: optim.sgd(0.1, momentum=1.0), "momentum: expected a value in [0, 1), got 1.0"),
+        (lambda: optim.sgd(0.1, momentum=NAN), "momentum: expected a value in [0, 1), got nan"),
+        (lambda: optim.sgd(0.1, momentum=0.9, dampening=-0.5), "dampening: expected a value in [0, 1), got -0.5"),
+        (lambda: optim.sgd(0.1, momentum=0.9, nesterov=1), "nesterov: expected a bool, got 1"),
+        (lambda: optim.clip_by_global_norm(NAN), "max_norm: expected a finite float > 0, got nan"),
+        (lambda: optim.clip_by_global_norm(-1.0), "max_norm: expected a finite float > 0, got -1.0"),
+        (lambda: optim.constant_schedule(-1e-3), "value: expected a finite float >= 0, got -0.001"),
+        (lambda: optim.linear_schedule(1e-3, NAN, 10), "end_value: expected a finite float >= 0, got nan"),
+        (lambda: optim.linear_schedule(1e-3, 0.0, 0), "transition_steps: expected an int >= 1, got 0"),
+        (lambda: optim.linear_warmup(-1.0, 10), "peak_value: expected a finite float >= 0, got -1.0"),
+        (lambda: optim.linear_warmup(1e-3, -1), "warmup_steps: expected an int >= 0, got -1"),
+        (lambda: optim.linear_warmup(1e-3, 2.5), "warmup_steps: expected an int >= 0, got 2.5"),
+        (lambda: optim.warmup_cosine(NAN, 10, 100), "peak_value: expected a finite float >= 0, got nan"),
+        (lambda: optim.warmup_cosine(1e-3, 10, 100, end_value=-1e-4), "end_value: expected a finite float >= 0"),
+        (lambda: optim.warmup_cosine(1e-3, -1, 100), "warmup_steps: expected an int >= 0, got -1"),
+        (lambda: optim.warmup_cosine(1e-3, 0, 0), "total_steps: expected an int >= 1, got 0"),
+        (lambda: optim.warmup_cosine(1e-3, 0, 10.0), "total_steps: expected an int >= 1, got 10.0"),
+    ],
+)
+def test_every_hyperparameter_is_checked_finite_and_in_range_naming_it(make, message):
+    with pytest.raises(ValueError) as info:
+        make()
+    assert str(info.value).startswith(message)
+
+
+@pytest.mark.parametrize("value", [NAN, -1e-3, INF, None])
+@pytest.mark.parametrize("make", [optim.adamw, optim.adam, optim.sgd, optim.lion])
+def test_a_schedule_value_is_checked_when_used_naming_the_count(make, value):
+    tx = make(lambda count: 1e-3 if count < 2 else value)
+    params = {"w": torch.ones(3)}
+    state = tx.init(params)
+    for _ in range(2):
+        _, state = tx.update({"w": torch.ones(3)}, state, params)
+    with pytest.raises(ValueError, match="at update count 2"):
+        optim.learning_rate(tx, state)  # what the step reads first, before it writes anything
+    with pytest.raises(ValueError, match=rf"learning_rate: the schedule returned {value!r} at update count 2"):
+        tx.update({"w": torch.ones(3)}, state, params)
+    with pytest.raises(ValueError, match="at update count 2"):
+        tx.apply({"w": torch.ones(3)}, state, params)
+
+
+# Each optimizer, each path: a param whose grad is None is left exactly as it was (no weight
+# decay), its moments/momentum untouched, and the other params move exactly as if it were absent.
+NO_GRAD_OPTIMIZERS = {
+    "adamw": lambda backend: optim.adamw(1e-2, weight_decay=0.1, backend=backend),
+    "adam": lambda backend: optim.adam(1e-2, weight_decay=0.1, backend=backend),
+    "sgd": lambda backend: optim.sgd(0.1, momentum=0.9, weight_decay=0.1, backend=backend),
+    "lion": lambda backend: optim.lion(1e-2, weight_decay=0.1, backend=backend),
+}
+
+
+@pytest.mark.parametrize("path", ["update", "apply"])
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+@pytest.mark.parametrize("name", sorted(NO_GRAD_OPTIMIZERS))
+def test_a_param_without_grad_is_left_alone_by_every_optimizer(name, backend, path):
+    tx = NO_GRAD_OPTIMIZERS[name](backend)
+    g = torch.Generator().manual_seed(0)
+    # "a" (no grad) comes first in leaf order: a grad list that dropped it would shift "b"'s onto it
+    both = {"a": torch.randn(4, generator=g), "b": torch.randn(5, generator=g)}
+    alone = {"b": both["b"].clone()}
+    s_both, s_alone = tx.init(both), tx.init(alone)
+    a0 = both["a"].clone()
+    for _ in range(3):
+        grad = torch.randn(5, generator=g)
+        for params, state, grads in ((both, s_both, {"a": None, "b": grad}), (alone, s_alone, {"b": grad.clone()})):
+            if path == "apply":
+                new, state = tx.apply(grads, state, params)
+            else:
+                updates, state = tx.update(grads, state, params)
+                assert "a" not in grads or updates["a"] is None
+                new = optim.apply_updates(params, updates)
+            if params is both:
+                both, s_both = new, state
+            else:
+                alone, s_alone = new, state
+    assert torch.equal(both["a"], a0)
+    torch.testing.assert_close(both["b"], alone["b"], rtol=1e-6, atol=1e-7)
+    for leaf in zf.tree.leaves(s_both):
+        if isinstance(leaf, torch.Tensor) and leaf.shape == (4,):  # a's moments or momentum
+            assert not leaf.any()
+
+
+@pytest.mark.parametrize("path", ["update", "apply"])
+def test_a_chain_with_clipping_takes_grads_that_are_all_none(path):
+    # an offloaded leaf without grad is updated alone: clipping then sees no grad at all
+    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2, weight_decay=0.1))
+    params = {"w": torch.ones(3)}
+    if path == "apply":
+        new, state = tx.apply({"w": None}, tx.init(params), {"w": params["w"].clone()})
+    else:
+        updates, state = tx.update({"w": None}, tx.init(params), params)
+        new = optim.apply_updates(params, updates)
+    assert torch.equal(new["w"], params["w"]) and state[1].count == 1
+
+
+@pytest.mark.parametrize("ours, theirs", [
+    (lambda: optim.adam(1e-2, weight_decay=0.05),
+     lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.05, fused=True)),
+    (lambda: optim.sgd(0.05, momentum=0.9, weight_decay=0.01),
+     lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=0.01)),
+    (lambda: optim.sgd(0.05, momentum=0.9, weight_decay=0.01, backend="numba"),
+     lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=0.01, foreach=False)),
+])
+def test_an_unused_layer_is_left_alone_as_torch_leaves_it(ours, theirs):
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"used": nn.Linear(7, 3), "unused": nn.Linear(2, 2)})
+    data = batches(5)
+
+    class Used(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner["used"](x)
+
+    want = torch_run(Used(model), theirs, data)
+    got = zf_run(Used(model), ours(), data)
+    assert_params_close(got, want, rtol=1e-6, atol=5e-8)
+    assert torch.equal(got["inner.unused.weight"], model["unused"].weight.detach())
+
+
 def test_mask_of_wrong_length_is_rejected():
     tx = optim.adamw(1e-3, mask={"a": True})
     params = {"a": torch.zeros(2), "b": torch.zeros(2)}

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zfunc as zf
-from tests.test_shard import Block, assert_same_training
+from tests.test_shard import Block, assert_same_training, tree_equal, with_faults
 from recipes import gpt
 from zfunc.shard import full_params
 
@@ -148,6 +148,38 @@ def test_dp2_x_pp2_with_shard_stage_1_equals_plain_step():
     ref = train(*make(), batches())
     for dp_rank in (0, 1):  # each replica's two stages hold the whole model between them
         check_equal([results[dp_rank][:3], results[2 + dp_rank][:3]], ref, f"dp rank {dp_rank}")
+
+
+def nonfinite_worker(rank, world):
+    """The last stage's loss gets a fault at the second of three steps: per fault, each step's
+    ``skipped``, whether the skip returned this stage's params and optimizer state unchanged,
+    and the params after."""
+    out = {}
+    for fault in ("nan_loss", "inf_grads"):
+        step, state = make(("1f1b", 2, None), zf.Mesh(pp=world))
+        with_faults(step, "_loss")
+        flags = []
+        for k, batch in enumerate(batches()):
+            before = zf.tree.clone((state.params, state.opt_state))
+            state, m = step(state, (*batch, fault if k == 1 else None))
+            flags.append(m["skipped"])
+            if k == 1:
+                unchanged = tree_equal((state.params, state.opt_state), before)
+        out[fault] = (flags, unchanged, dict(state.params))
+    return out
+
+
+def test_a_non_finite_step_is_skipped_on_every_stage():
+    results = zf.dist.spawn(nonfinite_worker, 2, 2)
+    ref_step, ref = make()
+    for batch in batches()[::2]:  # the plain step without the bad batch
+        ref, _ = ref_step(ref, batch)
+    for fault in ("nan_loss", "inf_grads"):
+        for rank, out in enumerate(results):
+            flags, unchanged, params = out[fault]
+            assert flags == [False, True, False] and unchanged, (fault, rank)
+            for name, value in params.items():
+                torch.testing.assert_close(value, ref.params[name], rtol=1e-5, atol=1e-5)
 
 
 def refusing_worker(rank, world, model_kw, own_batch):

@@ -19,13 +19,38 @@ def test_cast_floating_leaves_integers_alone():
 
 
 def test_loss_scale_rule():
-    assert mp.init_loss_scale("bf16") is None
     ls = mp.init_loss_scale("fp16", init_scale=4.0, growth_interval=2)
-    assert ls == mp.LossScale(4.0, 0, 2)
-    assert mp.next_loss_scale(ls, finite=False) == mp.LossScale(2.0, 0, 2)
+    assert ls == mp.LossScale(4.0, 0, 2) and ls.dynamic and ls.skips == 0
+    assert mp.next_loss_scale(ls, finite=False) == mp.LossScale(2.0, -1, 2)  # halved, one skip in a row
     ls = mp.next_loss_scale(ls, finite=True)
     assert ls == mp.LossScale(4.0, 1, 2)
     assert mp.next_loss_scale(ls, finite=True) == mp.LossScale(8.0, 0, 2)
     assert mp.next_loss_scale(mp.LossScale(1.0), finite=False).scale == 1.0  # floor
-    with pytest.raises(ValueError, match="init_scale"):
-        mp.init_loss_scale("fp16", init_scale=0)
+    for bad in (dict(init_scale=0), dict(init_scale=float("nan")), dict(init_scale=float("inf"))):
+        with pytest.raises(ValueError, match="init_scale"):
+            mp.init_loss_scale("fp16", **bad)
+    with pytest.raises(ValueError, match="growth_interval: expected an int >= 1, got 0"):
+        mp.init_loss_scale("fp16", growth_interval=0)
+
+
+def test_skips_in_a_row_are_counted_and_a_finite_step_ends_the_run():
+    ls = mp.init_loss_scale("fp16", init_scale=8.0, growth_interval=3)
+    for k in (1, 2, 3):
+        ls = mp.next_loss_scale(ls, finite=False)
+        assert ls.skips == k and ls.scale == max(8.0 / 2**k, 1.0)
+    ls = mp.next_loss_scale(ls, finite=True)
+    assert ls == mp.LossScale(1.0, 1, 3) and ls.skips == 0  # growth counts from the end of the run
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_fp32_and_bf16_carry_a_fixed_scale_of_one_that_only_counts_skips(precision):
+    ls = mp.init_loss_scale(precision)
+    assert ls == mp.LossScale(1.0, 0, 0) and not ls.dynamic and mp.scale_of(ls) is None
+    ls = mp.next_loss_scale(mp.next_loss_scale(ls, finite=False), finite=False)
+    assert ls == mp.LossScale(1.0, -2, 0) and ls.skips == 2
+    assert mp.next_loss_scale(ls, finite=True) == mp.LossScale(1.0, 0, 0)  # never grows
+
+
+def test_default_max_skips_lets_fp16_halve_its_initial_scale_down_to_one():
+    assert mp.default_max_skips("fp32") == mp.default_max_skips("bf16") == 10
+    assert mp.default_max_skips("fp16") == 10 + 16 and mp.init_loss_scale("fp16").scale == 2.0**16

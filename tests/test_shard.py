@@ -229,8 +229,98 @@ def test_memory_and_comm_accounting(world):
         comm3 = r[3]["comm"]
         assert 1.5 * 2 * psi <= comm3["all_gather"] <= 2 * 2 * psi
         assert comm3["reduce_scatter"] == 4 * psi
-        # small all-reduces: the loss and the grad norm, once each (4 bytes, counted in and out)
-        assert r["clipped"]["all_reduce"] == 2 * (4 + 4)
+        # one small all-reduce: the grad norm, the loss and, per param, whether the rank produced a
+        # grad for it (4 bytes each, counted in and out)
+        leaves = len(zf.functionalize(Tiny())[1])
+        assert r["clipped"]["all_reduce"] == 2 * (4 + 4 + 4 * leaves)
+
+
+# ------------------------------------------------------------------------------------ non-finite steps, unused params
+
+
+def inject(loss, fault):
+    """``loss`` with ``fault``: "nan_loss", "inf_grads" (finite loss, inf grads) or None."""
+    from tests.test_step import PoisonGrad
+
+    if fault == "nan_loss":
+        return loss * float("nan")
+    return PoisonGrad.apply(loss) if fault == "inf_grads" else loss
+
+
+def with_faults(step, attribute="loss_fn"):
+    """``step`` reading a fault to inject from its batch's third element (see ``inject``)."""
+    inner = getattr(step, attribute)
+    setattr(step, attribute, lambda p, b: inject(inner(p, b[:2]), b[2] if len(b) > 2 else None))
+    return step
+
+
+def tree_equal(a, b) -> bool:
+    la, lb = zf.tree.leaves(a), zf.tree.leaves(b)
+    return len(la) == len(lb) and all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+                                      for x, y in zip(la, lb))
+
+
+def nonfinite_worker(rank, world):
+    """Per (stage, fault) on rank 0 only: was the step skipped on this rank, are params and
+    optimizer state unchanged, the skip count, did the next step train; and the max_skips errors."""
+    mesh = zf.Mesh(dp=world)
+    out = {}
+    data = [local(b, rank, world) for b in batches(world, 3)]
+    for stage in (1, 2, 3):
+        for fault in ("nan_loss", "inf_grads"):
+            step, state = make(stage, mesh)
+            with_faults(step)
+            state, _ = step(state, data[0])
+            before = (full_params(state, mesh), zf.tree.clone(state.opt_state))
+            state, m = step(state, (*data[1], fault if rank == 0 else None))
+            unchanged = tree_equal((full_params(state, mesh), state.opt_state), before)
+            skips = state.loss_scale.skips
+            state, m_next = step(state, data[2])
+            out[(stage, fault)] = (m["skipped"], unchanged, skips, m_next["skipped"])
+        step.max_skips = 0
+        try:
+            step(state, (*data[0], "nan_loss" if rank == 1 else None))
+        except zf.NonFiniteError as e:
+            out[(stage, "error")] = str(e)
+    return out
+
+
+def test_a_non_finite_loss_or_grads_on_one_rank_skip_the_step_on_every_rank():
+    for rank, out in enumerate(zf.dist.spawn(nonfinite_worker, 2, 2)):
+        for stage in (1, 2, 3):
+            for fault in ("nan_loss", "inf_grads"):
+                assert out[(stage, fault)] == (True, True, 1, False), (rank, stage, fault)
+            error = out[(stage, "error")]
+            assert "1 non-finite step in a row, the last at state.step=3: non-finite loss (nan)" in error, (rank, stage)
+
+
+def unused_worker(rank, world):
+    mesh = zf.Mesh(dp=world)
+    out = {}
+    data = [local(b, rank, world) for b in batches(world, 2)]
+    for stage, who in ((1, "everyone"), (2, "everyone"), (3, "everyone"), (1, "rank 0"), (2, "rank 0")):
+        step, state = make(stage, mesh, clip=False)
+        for batch in data:  # block 1 is skipped by every rank, or by rank 0 only
+            state, _ = step(state, (*batch, 1 if who == "everyone" or rank == 0 else None))
+        out[(stage, who)] = full_params(state, mesh)
+    return out
+
+
+def test_a_param_is_left_alone_only_if_no_rank_produced_a_grad_for_it():
+    init = make()[1].params
+    step, ref = make(clip=False)
+    for batch in batches(2, 2):
+        ref, _ = step(ref, (*batch, 1))
+    assert torch.equal(ref.params["blocks.1.fc.weight"], init["blocks.1.fc.weight"])  # no weight decay either
+    for rank, out in enumerate(zf.dist.spawn(unused_worker, 2, 2)):
+        for stage in (1, 2, 3):  # unused everywhere: the plain step's training, block 1 untouched
+            got = out[(stage, "everyone")]
+            for name in ref.params:
+                torch.testing.assert_close(got[name], ref.params[name], rtol=1e-5, atol=1e-5, msg=f"{stage} {name}")
+        for stage in (1, 2):  # used by rank 1: updated (stage 3 requires the same units on every rank)
+            got = out[(stage, "rank 0")]
+            for name in ("blocks.1.fc.weight", "blocks.1.fc.bias", "blocks.1.ln.weight"):
+                assert not torch.equal(got[name], init[name]), (rank, stage, name)
 
 
 # ------------------------------------------------------------------------------------ bad input

@@ -258,3 +258,197 @@ def test_train_state_is_a_pytree_and_replace_checks_fields():
     assert len(zf.tree.tensors(state)) == 4 + 8  # params + adam moments
     with pytest.raises(TypeError, match="unknown fields"):
         state.replace(parms={})
+
+
+# ------------------------------------------------------------------------------ non-finite steps
+
+
+class PoisonGrad(torch.autograd.Function):
+    """The identity in forward; backward sends inf: a finite loss with non-finite grads."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * float("inf")
+
+
+def guarded_step(precision="fp32", **kw):
+    """A step whose batch is ``(x, y, fault)``: fault "nan_loss" multiplies the loss by nan,
+    "inf_grads" keeps it finite and makes its grads inf, None trains normally."""
+    apply, params = zf.functionalize(mlp())
+
+    def loss_fn(p, batch):
+        x, y, fault = batch
+        loss = nn.functional.mse_loss(apply(p, x).float(), y)
+        if fault == "nan_loss":
+            return loss * float("nan")
+        return PoisonGrad.apply(loss) if fault == "inf_grads" else loss
+
+    step = zf.train_step(loss_fn, optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2, weight_decay=0.1)),
+                         precision, **kw)
+    return step, step.init(params)
+
+
+def good(k=0):
+    x, y = data(1, seed=k + 1)[0]
+    return x, y, None
+
+
+def assert_trees_equal(a, b):
+    la, lb = zf.tree.leaves(a), zf.tree.leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+
+
+@pytest.mark.parametrize("donate", [True, False])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("fault", ["nan_loss", "one_nan_in_batch", "inf_grads"])
+def test_a_non_finite_step_is_skipped_and_returns_the_state_it_was_given(fault, precision, donate):
+    step, state = guarded_step(precision, donate=donate)
+    state, _ = step(state, good())  # moments are non-zero from here on
+    before = zf.tree.clone((state.params, state.opt_state))
+    x, y, _ = good(1)
+    batch = (x, y, fault)
+    if fault == "one_nan_in_batch":
+        x[3, 2] = float("nan")
+        batch = (x, y, None)
+    scale = state.loss_scale.scale
+    after, m = step(state, batch)
+    assert m["skipped"] and m["step"] == after.step == 2
+    assert torch.isfinite(m["loss"]) == (fault == "inf_grads") and not torch.isfinite(m["grad_norm"])
+    assert state.consumed == donate
+    assert_trees_equal((after.params, after.opt_state), before)  # with donation too: decided before any write
+    assert after.loss_scale.skips == 1 and after.loss_scale.scale == (scale / 2 if precision == "fp16" else 1.0)
+    after, m = step(after, good(2))  # the next finite step trains and ends the run of skips
+    assert not m["skipped"] and after.loss_scale.skips == 0 and after.opt_state[1].count == 2
+    assert not torch.equal(after.params["0.weight"], before[0]["0.weight"])
+
+
+def test_skipping_keeps_the_trajectory_of_a_run_without_the_bad_batch():
+    ref_step, ref = guarded_step()
+    step, state = guarded_step()
+    for k in range(3):
+        ref, _ = ref_step(ref, good(k))
+        state, _ = step(state, good(k))
+        state, m = step(state, (*good(k)[:2], "nan_loss"))
+        assert m["skipped"]
+    assert_trees_equal((state.params, state.opt_state), (ref.params, ref.opt_state))
+    assert state.step == 6 and ref.step == 3  # skipped steps count (torch's GradScaler and DeepSpeed do too)
+
+
+@pytest.mark.parametrize("fault, cause", [("nan_loss", r"non-finite loss \(nan\)"),
+                                          ("inf_grads", r"non-finite grads \(grad norm (inf|nan)\)")])
+def test_too_many_skips_in_a_row_raise_naming_the_step_and_the_cause(fault, cause):
+    step, state = guarded_step(max_skips=2)
+    state, _ = step(state, good())
+    for _ in range(2):
+        state, m = step(state, (*good()[:2], fault))
+        assert m["skipped"]
+    with pytest.raises(zf.NonFiniteError, match=rf"3 non-finite steps in a row, the last at state.step=3: {cause}; "
+                                                r"train_step\(max_skips=2\)"):
+        step(state, (*good()[:2], fault))
+    assert not state.consumed  # nothing was written: the state is still usable
+    state, m = step(state, good())
+    assert not m["skipped"] and state.step == 4
+
+
+def test_max_skips_0_raises_at_the_first_non_finite_step_and_fp16_names_its_scale():
+    step, state = guarded_step("fp16", max_skips=0)
+    with pytest.raises(zf.NonFiniteError, match=r"state.step=0: non-finite grads .* at loss scale 65536.0"):
+        step(state, (*good()[:2], "inf_grads"))
+
+
+def test_fp16_default_max_skips_lets_the_initial_scale_come_down():
+    # a loss scaled by 1e4 overflows fp16 until the scale is down from 2**16 to 4: 13 skips in a
+    # row, more than fp32/bf16's 10, fewer than fp16's 26
+    apply, params = zf.functionalize(mlp())
+    loss_fn = lambda p, b: nn.functional.mse_loss(apply(p, b[0]).float(), b[1]) * 1e4  # noqa: E731
+    step = zf.train_step(loss_fn, optim.adamw(1e-3), "fp16")
+    assert step.max_skips == 26 and zf.train_step(loss_fn, optim.adamw(1e-3)).max_skips == 10
+    state, skipped = step.init(params), []
+    for batch in data(16):
+        state, m = step(state, batch)
+        skipped.append(m["skipped"])
+    assert skipped[:13] == [True] * 13 and not any(skipped[13:])
+    strict = zf.train_step(loss_fn, optim.adamw(1e-3), "fp16", max_skips=10)
+    state = strict.init(params)
+    with pytest.raises(zf.NonFiniteError, match="11 non-finite steps in a row"):
+        for batch in data(16):
+            state, _ = strict(state, batch)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])
+def test_max_skips_must_be_an_int_at_least_0(bad):
+    with pytest.raises(ValueError, match=f"max_skips: expected None or an int >= 0, got {bad!r}"):
+        zf.train_step(lambda p, b: p, optim.sgd(0.1), max_skips=bad)
+
+
+def test_a_schedule_returning_nan_raises_naming_the_count_before_the_state_is_touched():
+    step, state = make_step(mlp(), optim.adamw(lambda count: float("nan") if count == 1 else 1e-3))
+    state, _ = step(state, data(1)[0])
+    with pytest.raises(ValueError, match="learning_rate: the schedule returned nan at update count 1"):
+        step(state, data(1)[0])
+    assert not state.consumed
+
+
+# ------------------------------------------------------------------------------ params without grads
+
+
+class WithUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.used = nn.Linear(6, 2)
+        self.unused = nn.Linear(3, 3)  # trainable, never reached by the loss
+
+    def forward(self, x):
+        return self.used(x)
+
+
+@pytest.mark.parametrize("backend, torch_kw, tol", [("torch", dict(fused=True), 0.0),
+                                                    ("numba", dict(foreach=False), 1e-6)])
+def test_a_param_the_loss_never_uses_is_left_alone_as_torch_adamw_leaves_it(backend, torch_kw, tol):
+    model, batches = WithUnused(), data(4)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, **torch_kw)
+    for x, y in batches:
+        opt.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(ref(x), y).backward()
+        opt.step()
+    assert ref.unused.weight.grad is None
+    apply, params = zf.functionalize(model)
+    step = zf.train_step(lambda p, b: nn.functional.mse_loss(apply(p, b[0]), b[1]),
+                         optim.adamw(1e-2, weight_decay=0.1, backend=backend))
+    state = step.init(params)
+    for batch in batches:
+        state, _ = step(state, batch)
+    for name, want in ref.named_parameters():
+        torch.testing.assert_close(state.params[name], want.detach(), rtol=tol, atol=tol)
+    assert torch.equal(state.params["unused.weight"], model.unused.weight.detach())  # no weight decay
+    assert not state.opt_state.mu["unused.weight"].any() and not state.opt_state.nu["unused.bias"].any()
+
+
+@pytest.mark.parametrize("flags", [[0, 0, 0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0, 0, 0]])
+def test_a_param_used_by_one_microbatch_only_gets_that_grad(flags):
+    apply, params = zf.functionalize(WithUnused())
+
+    def loss_fn(p, batch):  # a batch with a flagged row also runs the "unused" weight
+        x, y, flag = batch
+        loss = nn.functional.mse_loss(apply(p, x), y)
+        return loss + (p["unused.weight"] ** 2).sum() if flag.any() else loss
+
+    x, y = data(1)[0]
+    batch = (x, y, torch.tensor(flags))
+    states = []
+    for accum in (1, 2):
+        step = zf.train_step(loss_fn, optim.sgd(0.1), accum=accum)
+        states.append(step(step.init(params), batch)[0])
+    # accum=1 sees the term on the whole batch; accum=2 in one microbatch of two (the other has no
+    # grad for it), averaged over both: half the step
+    w0 = params["unused.weight"]
+    torch.testing.assert_close(w0 - states[1].params["unused.weight"], (w0 - states[0].params["unused.weight"]) / 2)
+    assert torch.equal(states[1].params["unused.bias"], params["unused.bias"])

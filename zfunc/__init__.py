@@ -12,7 +12,7 @@ from zfunc.offload import offload
 from zfunc.pipeline import pipeline
 from zfunc.remat import remat
 from zfunc.shard import shard
-from zfunc.step import ConsumedStateError, Step, TrainState, train_step, value_and_grad
+from zfunc.step import ConsumedStateError, NonFiniteError, Step, TrainState, train_step, value_and_grad
 from zfunc.tile import tile
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "config",
     "ConsumedStateError",
     "Mesh",
+    "NonFiniteError",
     "dist",
     "Step",
     "TrainState",

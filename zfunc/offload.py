@@ -25,6 +25,18 @@ state, ``optimizer.init({name: piece})``, so a leaf can be updated alone):
   soon as its reduced grads exist, during the rest of backward. Otherwise all grad slices (fp32,
   4 B/param/N) are held until backward ends and the norm is known.
 
+**Non-finite steps** (``zfunc.step``'s rules): without overlap the update waits for the grad norm,
+so a step whose loss or grads are inf/nan writes nothing: the state comes back unchanged and
+``metrics["skipped"]`` is True, as in the plain step. With overlap, updates start before the norm
+exists, and an update cannot be taken back, so **only a non-finite loss is caught**: it is checked
+(summed over the ranks: one more scalar all-reduce per step when N > 1) between forward and
+backward, and then no leaf is updated and the step is skipped. Non-finite grads behind a finite
+loss reach the leaves; the step then raises ``NonFiniteError`` (the state is consumed: restart
+from a checkpoint) rather than return nan params. Pass ``overlap=False`` to have such steps
+skipped too. A param no rank produced a grad for is left alone by the optimizer, except with
+overlap on N > 1 ranks, where it is updated with a zero grad (no rank can know before its update
+that the others produced none: weight decay applies to it).
+
 **Cost** per rank, Psi params over N ranks (fp32 masters, Adam): RAM between steps holds nothing of
 what is offloaded to "nvme"; ``optimizer="cpu"`` holds 8 Psi/N of moments in host RAM, ``params``
 4 Psi/N of masters. Disk traffic per step with both on NVMe: reads 4 Psi/N per forward/backward
@@ -55,7 +67,7 @@ from zfunc import optim, precision as mp, tree
 from zfunc.dist import Mesh
 from zfunc.ops import hostmem
 from zfunc.shard import FlatUnit, GradSlices, ShardedStep, ShardSpec, _leaf_names, local_piece
-from zfunc.step import _FIELDS, Step, TrainState, require_train_state
+from zfunc.step import _FIELDS, NonFiniteError, Step, TrainState, require_train_state
 from zfunc.store import All, OnDisk, ReadAhead, Store
 
 PyTree = Any
@@ -202,6 +214,7 @@ class OffloadedStep(ShardedStep):
         return (masters if self.where_params is None else _Pieces(masters, self._reader)), treespec
 
     def _grad_sink(self, pieces):
+        self._skip_updates = False
         if self.overlap:
             return _Updating(self)
         spec = self._state_spec
@@ -209,6 +222,16 @@ class OffloadedStep(ShardedStep):
                                                 device=spec.device), len(spec.leaves), self._grad_divisor())
 
     # ------------------------------------------------------------------ the update
+    def _before_backward(self, loss: torch.Tensor) -> None:
+        """With overlap, updates start during backward: a non-finite loss (summed over the ranks,
+        so all decide alike) turns them off for this step, which ``_update`` then skips."""
+        if not self.overlap:
+            return
+        total = loss.detach().float().reshape(1).clone()
+        if self.mesh.dp > 1:
+            self.mesh.comm.all_reduce(total, label="loss all-reduce before an overlapped backward")
+        self._skip_updates = not bool(torch.isfinite(total))
+
     def _update(self, state: TrainState, grads: PyTree, loss: torch.Tensor, aux: Any):
         params, opt_state, step, rng, loss_scale, _ = self._fields  # the state may be consumed by now
         if grads is not None:  # held until now: the norm first, then every leaf
@@ -216,10 +239,17 @@ class OffloadedStep(ShardedStep):
             norm = optim.global_norm(g_leaves)  # inside summing_across: over all ranks
         else:
             norm = self._sum_over_ranks(self._sq_norm.float()).sqrt()
-        finite = loss_scale is None or bool(torch.isfinite(norm))
+            if not self._skip_updates and not bool(torch.isfinite(norm)):
+                raise NonFiniteError(
+                    f"step: non-finite grads (grad norm {norm.item()}) at state.step={step} behind a finite loss, "
+                    "with offload's overlap: the leaves were updated during backward, before the norm was "
+                    "known, so the state passed in is consumed. Restart from a checkpoint; with "
+                    "offload(..., overlap=False) such a step is skipped instead")
+        finite = self._finite(loss, norm, step, loss_scale)  # may raise: nothing written yet
         lr = optim.learning_rate(self.optimizer, self._opt_states[0])
         state._consumed = True
         if grads is not None and finite:
+            g_leaves = self._without_missing_grads(g_leaves)
             total_sq = (norm.double() ** 2).float()
             with optim.summing_across(lambda local_sq: total_sq):
                 self._update_leaves(list(range(len(g_leaves))), g_leaves)
@@ -245,8 +275,10 @@ class OffloadedStep(ShardedStep):
     def _update_bytes(self, i: int) -> int:
         return self._leaf_bytes(i) * (1 + sum(_is_stored(t) for t in tree.leaves(self._opt_states[i])))
 
-    def _update_leaf(self, i: int, grad: torch.Tensor, reader: ReadAhead) -> None:
-        """Read leaf ``i``'s master and state, apply the optimizer on the CPU, write them back."""
+    def _update_leaf(self, i: int, grad: torch.Tensor | None, reader: ReadAhead) -> None:
+        """Read leaf ``i``'s master and state, apply the optimizer on the CPU, write them back.
+        ``grad`` None: no grad; the optimizer leaves the param alone but advances its count, as
+        the plain step's does for all params together."""
         self._state_in_use._consumed = True  # its files or tensors change from here on
         master, *tensors = reader.get(i)
         name = self._param_names[i]  # the key its optimizer state was made with
@@ -255,7 +287,8 @@ class OffloadedStep(ShardedStep):
         it = iter(tensors)
         state = tree.unflatten(s_spec, [next(it).to("cpu") if _is_stored(t) else t for t in state_leaves])
         p_cpu = master.to("cpu")
-        new_p, new_state = optim.apply(self.optimizer, {name: grad.to("cpu", torch.float32)}, state, {name: p_cpu})
+        grad = None if grad is None else grad.to("cpu", torch.float32)
+        new_p, new_state = optim.apply(self.optimizer, {name: grad}, state, {name: p_cpu})
         new_p = new_p[name]
         if on_device.type != "cpu":
             master.copy_(new_p)
@@ -313,15 +346,30 @@ class _Updating:
         order = step._update_order
         self.reader = ReadAhead(step._fetch_leaf, step._update_bytes, order, step.chunk_bytes)
         self.seen: list[int] = []
+        self.produced: set[int] = set()  # leaves backward produced a grad for, as far as read
+        self.read = 0  # how much of the reducer's ``arrived`` list is in ``produced``
 
     def deliver(self, unit: FlatUnit, slices: list[torch.Tensor]) -> None:
-        divisor = self.step._grad_divisor()
+        step = self.step
+        divisor = step._grad_divisor()
         for i, g in zip(unit.indices, slices):
             if divisor != 1.0:
                 g = g / divisor
-            self.step._sq_norm += torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
+            step._sq_norm += torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
             self.seen.append(i)
-            self.step._update_leaf(i, g, self.reader)
+            if step._skip_updates:  # a non-finite loss: the step will be skipped
+                continue
+            step._update_leaf(i, g if self._produced(i) else None, self.reader)
+
+    def _produced(self, i: int) -> bool:
+        """Whether leaf ``i`` has a grad. Alone, exact: a unit is delivered once its grads are all
+        in, or backward has ended. Over N > 1 ranks, other ranks' grads are unknown: True."""
+        if self.step.mesh.dp > 1:
+            return True
+        arrived = self.step._arrived  # grows as backward runs (accum is 1 with overlap: one list)
+        self.produced.update(arrived[self.read :])
+        self.read = len(arrived)
+        return i in self.produced
 
     def result(self):
         self.step._update_order = self.seen
@@ -392,7 +440,9 @@ def offload(step: Step, optimizer: str = "cpu", params: str | None = None, *, pa
       chunk_bytes: bytes of reads kept in flight ahead of the update and of param fetches; writes
         in flight are bounded by twice this.
       overlap: update units during backward (default: whenever the optimizer allows it; see the
-        module docstring); True insists (error if not possible), False never.
+        module docstring); True insists (error if not possible), False never. With overlap only a
+        non-finite loss skips a step; non-finite grads behind a finite one raise ``NonFiniteError``
+        with the state consumed (module docstring): False makes them skip the step too.
     Law and cost: the module docstring. Needs ``donate=True`` (the default): the state is updated
     where it lives, in RAM or in its files.
     """

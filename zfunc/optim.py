@@ -15,16 +15,26 @@ the grads it is given; ``chain``'s ``apply`` uses it, so ``clip_by_global_norm``
 in place there instead of allocating a second copy of them.
 
 Learning rates are floats or schedules ``count -> float``, where ``count`` is the number of updates
-already applied (0 on the first step). Step counts are Python ints in the state.
+already applied (0 on the first step). Step counts are Python ints in the state. Hyperparameters are
+checked when a transformation is built (finite and in range; errors name the argument and value);
+a schedule's values are checked when used (finite and >= 0), naming the count.
+
+A grad leaf may be ``None``: the param got no grad (the loss never used it). Every optimizer here
+leaves such a param alone, as ``torch.optim`` does for a param whose ``.grad`` is None: no weight
+decay, moments and momentum untouched, its update ``None`` (``apply_updates`` keeps the param).
+Step counts stay global: ``count`` advances with every update, while torch keeps a step per param
+(so Adam's bias correction of a param that gets its first grad late differs from torch's).
 """
 from __future__ import annotations
 
 import contextvars
 import math
+import numbers
 from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
+import optree
 import torch
 
 from zfunc import tree
@@ -61,8 +71,9 @@ class EmptyState(NamedTuple):
 
 
 def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
-    """``params + updates`` leaf by leaf, as new tensors (updates cast to each param's dtype)."""
-    return tree.map(lambda p, u: p + u.to(p.dtype), params, updates)
+    """``params + updates`` leaf by leaf, as new tensors (updates cast to each param's dtype); a
+    ``None`` update (a param without grad) keeps the param as it is."""
+    return tree.map(lambda p, u: p if u is None else p + u.to(p.dtype), params, updates)
 
 
 def apply(tx: GradientTransformation, grads: PyTree, state: PyTree, params: PyTree) -> tuple[PyTree, PyTree]:
@@ -80,7 +91,9 @@ def _update_in_place(update, grads: PyTree, state: PyTree, params: PyTree) -> tu
     """``update``, then its updates added into ``params``' own tensors."""
     updates, state = update(grads, state, params)
     p_leaves, treespec = tree.flatten(params)
-    torch._foreach_add_(p_leaves, [u.to(p.dtype) for p, u in zip(p_leaves, tree.leaves(updates))])
+    pairs = [(p, u) for p, u in zip(p_leaves, treespec.flatten_up_to(updates)) if u is not None]
+    if pairs:
+        torch._foreach_add_([p for p, _ in pairs], [u.to(p.dtype) for p, u in pairs])
     return tree.unflatten(treespec, p_leaves), state
 
 
@@ -144,18 +157,57 @@ def global_norm(grads: PyTree) -> torch.Tensor:
     return norm if sum_fn is None else sum_fn(norm * norm).sqrt()
 
 
-def _as_schedule(learning_rate: ScalarOrSchedule) -> Schedule:
-    if callable(learning_rate):
-        return learning_rate
-    if not isinstance(learning_rate, (int, float)) or learning_rate < 0:
-        raise ValueError(f"learning_rate: expected a float >= 0 or a schedule, got {learning_rate!r}")
-    return constant_schedule(float(learning_rate))
+def _grad_leaves(grads: PyTree, params: PyTree | None) -> tuple[list[Any], optree.PyTreeSpec]:
+    """``(leaves, treespec)`` of ``grads`` at the leaf positions of ``params`` (whose treespec it
+    is): ``None`` where a param has no grad. Without ``params``, ``grads``' own leaves, ``None``
+    counted as one."""
+    if params is None:
+        return optree.tree_flatten(grads, none_is_leaf=True, namespace=tree.NAMESPACE)
+    treespec = tree.structure(params)
+    return treespec.flatten_up_to(grads), treespec
+
+
+def _check_number(name: str, value: Any, expected: str, ok: Callable[[float], bool]) -> None:
+    """Raise unless ``value`` is a finite real number for which ``ok`` holds."""
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not (real and math.isfinite(value) and ok(value)):
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+
+
+def _check_non_negative(**values: float) -> None:
+    for name, v in values.items():
+        _check_number(name, v, "a finite float >= 0", lambda x: x >= 0)
 
 
 def _check_betas(**betas: float) -> None:
     for name, b in betas.items():
-        if not 0.0 <= b < 1.0:
-            raise ValueError(f"{name}: expected a value in [0, 1), got {b!r}")
+        _check_number(name, b, "a value in [0, 1)", lambda x: 0.0 <= x < 1.0)
+
+
+def _check_int(name: str, value: Any, least: int) -> None:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < least:
+        raise ValueError(f"{name}: expected an int >= {least}, got {value!r}")
+
+
+def _as_schedule(learning_rate: ScalarOrSchedule) -> Schedule:
+    """``learning_rate`` as a schedule whose every value is checked to be finite and >= 0 when
+    used (a negative rate would ascend the loss, a nan one poison every param)."""
+    if not callable(learning_rate):
+        _check_number("learning_rate", learning_rate, "a finite float >= 0 or a schedule", lambda x: x >= 0)
+        return constant_schedule(float(learning_rate))
+
+    def schedule(count: int) -> float:
+        value = learning_rate(count)
+        try:
+            ok = math.isfinite(value) and value >= 0
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"learning_rate: the schedule returned {value!r} at update count {count}; "
+                             "expected a finite float >= 0")
+        return value
+
+    return schedule
 
 
 def _mask_leaves(mask: MaskOrFn, params: PyTree, n: int) -> list[bool]:
@@ -179,13 +231,14 @@ def decay_mask(params: PyTree) -> PyTree:
 
 def constant_schedule(value: float) -> Schedule:
     """``count -> value``."""
+    _check_non_negative(value=value)
     return lambda count: value
 
 
 def linear_schedule(init_value: float, end_value: float, transition_steps: int) -> Schedule:
     """Linear from ``init_value`` at count 0 to ``end_value`` at ``transition_steps``, then flat."""
-    if transition_steps <= 0:
-        raise ValueError(f"transition_steps: expected > 0, got {transition_steps}")
+    _check_non_negative(init_value=init_value, end_value=end_value)
+    _check_int("transition_steps", transition_steps, 1)
 
     def schedule(count: int) -> float:
         frac = min(count, transition_steps) / transition_steps
@@ -196,8 +249,8 @@ def linear_schedule(init_value: float, end_value: float, transition_steps: int) 
 
 def linear_warmup(peak_value: float, warmup_steps: int) -> Schedule:
     """``peak * (count + 1) / warmup_steps`` for the first ``warmup_steps`` updates, then ``peak``."""
-    if warmup_steps < 0:
-        raise ValueError(f"warmup_steps: expected >= 0, got {warmup_steps}")
+    _check_non_negative(peak_value=peak_value)
+    _check_int("warmup_steps", warmup_steps, 0)
     return lambda count: peak_value * min(1.0, (count + 1) / warmup_steps) if warmup_steps else peak_value
 
 
@@ -207,7 +260,10 @@ def warmup_cosine(peak_value: float, warmup_steps: int, total_steps: int, end_va
     ``lr(count) = end + (peak - end) * (1 + cos(pi * t)) / 2`` with
     ``t = (count - warmup_steps) / (total_steps - warmup_steps)`` clipped to [0, 1].
     """
-    if not 0 <= warmup_steps < total_steps:
+    _check_non_negative(peak_value=peak_value, end_value=end_value)
+    _check_int("total_steps", total_steps, 1)
+    _check_int("warmup_steps", warmup_steps, 0)
+    if not warmup_steps < total_steps:
         raise ValueError(
             f"warmup_steps, total_steps: expected 0 <= warmup_steps < total_steps, got {warmup_steps}, {total_steps}"
         )
@@ -266,18 +322,21 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     """Scale all grads by ``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_``
     (in place in ``update_``, which ``chain``'s ``apply`` uses)."""
-    if not max_norm > 0:
-        raise ValueError(f"max_norm: expected > 0, got {max_norm!r}")
+    _check_number("max_norm", max_norm, "a finite float > 0", lambda x: x > 0)
 
     def coefficient(grads):
         return torch.clamp(max_norm / (global_norm(grads) + 1e-6), max=1.0)
 
     def update(grads, state, params=None):
-        leaves, treespec = tree.flatten(grads)
+        leaves, treespec = tree.flatten(grads)  # None grads (no grad) are no leaves: kept as they are
+        if not leaves:
+            return grads, state
         return tree.unflatten(treespec, torch._foreach_mul(leaves, coefficient(grads))), state
 
     def update_(grads, state, params=None):
-        torch._foreach_mul_(tree.tensors(grads), coefficient(grads))
+        tensors = tree.tensors(grads)
+        if tensors:
+            torch._foreach_mul_(tensors, coefficient(grads))
         return grads, state
 
     return GradientTransformation(lambda params: EmptyState(), update, update_=update_)
@@ -303,7 +362,7 @@ def _adam_update(grads, state, params, *, lr, b1, b2, eps, weight_decay, decoupl
     """Pure Adam/AdamW in the order of ``torch.optim.AdamW``'s single-tensor loop."""
     if params is None:
         raise ValueError("params: adam/adamw need the current params for weight decay, got None")
-    g_leaves, treespec = tree.flatten(grads)
+    g_leaves, treespec = _grad_leaves(grads, params)
     p_leaves, m_leaves, v_leaves = tree.leaves(params), tree.leaves(state.mu), tree.leaves(state.nu)
     decay = _mask_leaves(mask, params, len(p_leaves))
     count = state.count + 1
@@ -311,6 +370,11 @@ def _adam_update(grads, state, params, *, lr, b1, b2, eps, weight_decay, decoupl
     bc1, bc2_sqrt = 1 - b1**count, math.sqrt(1 - b2**count)
     updates, mus, nus = [], [], []
     for g, p, m, v, d in zip(g_leaves, p_leaves, m_leaves, v_leaves, decay):
+        if g is None:  # no grad: left alone, as torch does
+            updates.append(None)
+            mus.append(m)
+            nus.append(v)
+            continue
         g = g.to(m.dtype)
         p32 = p.to(m.dtype)
         if weight_decay and d and not decoupled:
@@ -331,13 +395,15 @@ def _adam_apply_fused(grads, state, params, *, lr, b1, b2, eps, weight_decay, de
     """In-place Adam/AdamW with one fused kernel call per (device, dtype, decays?) group."""
     backend = _resolve_backend(backend, params)
     p_leaves, treespec = tree.flatten(params)
-    g_leaves, m_leaves, v_leaves = tree.leaves(grads), tree.leaves(state.mu), tree.leaves(state.nu)
+    g_leaves, _ = _grad_leaves(grads, params)
+    m_leaves, v_leaves = tree.leaves(state.mu), tree.leaves(state.nu)
     decay = _mask_leaves(mask, params, len(p_leaves))
     count = state.count + 1
     step_lr = float(lr(state.count))
     groups: dict[tuple, list[int]] = {}
-    for i, (p, d) in enumerate(zip(p_leaves, decay)):
-        groups.setdefault((p.device, p.dtype, d), []).append(i)
+    for i, (p, g, d) in enumerate(zip(p_leaves, g_leaves, decay)):
+        if g is not None:  # a param without grad is left alone
+            groups.setdefault((p.device, p.dtype, d), []).append(i)
     for (device, _, d), idx in groups.items():
         ps, ms, vs = ([xs[i] for i in idx] for xs in (p_leaves, m_leaves, v_leaves))
         gs = [g_leaves[i].to(ps[0].dtype) for i in idx]
@@ -394,8 +460,8 @@ def _check_fused_leaves(params: PyTree, backend: str) -> None:
 
 def _adam_family(learning_rate, b1, b2, eps, weight_decay, mask, backend, decoupled) -> GradientTransformation:
     _check_betas(b1=b1, b2=b2)
-    if not eps >= 0 or not weight_decay >= 0:
-        raise ValueError(f"eps, weight_decay: expected >= 0, got {eps!r}, {weight_decay!r}")
+    _check_number("eps", eps, "a finite float > 0", lambda x: x > 0)
+    _check_non_negative(weight_decay=weight_decay)
     _check_backend(backend)
     hyper = dict(lr=_as_schedule(learning_rate), b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
                  decoupled=decoupled, mask=mask)
@@ -457,7 +523,10 @@ def sgd(learning_rate: ScalarOrSchedule, momentum: float = 0.0, dampening: float
     ``backend`` as ``adamw``: ``"numba"`` updates in place with zfunc's CPU kernel, ``"torch"``
     through ``update``."""
     _check_betas(momentum=momentum, dampening=dampening)
+    _check_non_negative(weight_decay=weight_decay)
     _check_backend(backend)
+    if not isinstance(nesterov, bool):
+        raise ValueError(f"nesterov: expected a bool, got {nesterov!r}")
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("nesterov: needs momentum > 0 and dampening == 0")
     lr = _as_schedule(learning_rate)
@@ -466,7 +535,7 @@ def sgd(learning_rate: ScalarOrSchedule, momentum: float = 0.0, dampening: float
         return TraceState(0, tree.map(lambda p: hostmem.zeros_like(p) if momentum else None, params))
 
     def update(grads, state, params=None):
-        g_leaves, treespec = tree.flatten(grads)
+        g_leaves, treespec = _grad_leaves(grads, params)
         if weight_decay and params is None:
             raise ValueError("params: sgd with weight_decay needs the current params, got None")
         p_leaves = tree.leaves(params) if params is not None else [None] * len(g_leaves)
@@ -475,6 +544,10 @@ def sgd(learning_rate: ScalarOrSchedule, momentum: float = 0.0, dampening: float
         step_lr = lr(state.count)
         updates, new_traces = [], []
         for g, p, d, b in zip(g_leaves, p_leaves, decay, traces):
+            if g is None:  # no grad: left alone, momentum untouched, as torch does
+                updates.append(None)
+                new_traces.append(b)
+                continue
             if d:
                 g = g + weight_decay * p
             if momentum:
@@ -491,7 +564,9 @@ def sgd(learning_rate: ScalarOrSchedule, momentum: float = 0.0, dampening: float
         p_leaves, treespec = tree.flatten(params)
         decay = _mask_leaves(mask, params, len(p_leaves))
         traces = tree.leaves(state.trace) if momentum else [None] * len(p_leaves)
-        for p, g, b, d in zip(p_leaves, tree.leaves(grads), traces, decay):
+        for p, g, b, d in zip(p_leaves, _grad_leaves(grads, params)[0], traces, decay):
+            if g is None:
+                continue
             cpu_adam.sgd_(p.view(-1), g.contiguous().view(-1), None if b is None else b.view(-1),
                           lr=float(lr(state.count)), momentum=momentum, dampening=dampening, nesterov=nesterov,
                           weight_decay=weight_decay if d else 0.0, first_step=state.count == 0)
@@ -506,6 +581,7 @@ def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99, wei
 
     ``backend`` as ``sgd``."""
     _check_betas(b1=b1, b2=b2)
+    _check_non_negative(weight_decay=weight_decay)
     _check_backend(backend)
     lr = _as_schedule(learning_rate)
 
@@ -513,12 +589,16 @@ def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99, wei
         return TraceState(0, _zeros_like(params))
 
     def update(grads, state, params=None):
-        g_leaves, treespec = tree.flatten(grads)
+        g_leaves, treespec = _grad_leaves(grads, params)
         p_leaves, m_leaves = tree.leaves(params), tree.leaves(state.trace)
         decay = _mask_leaves(mask, params, len(g_leaves))
         step_lr = lr(state.count)
         updates, new_m = [], []
         for g, p, m, d in zip(g_leaves, p_leaves, m_leaves, decay):
+            if g is None:  # no grad: left alone
+                updates.append(None)
+                new_m.append(m)
+                continue
             g = g.to(m.dtype)
             u = -step_lr * torch.sign(m.lerp(g, 1 - b1))
             if weight_decay and d:
@@ -532,7 +612,9 @@ def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99, wei
 
         p_leaves, treespec = tree.flatten(params)
         decay = _mask_leaves(mask, params, len(p_leaves))
-        for p, g, m, d in zip(p_leaves, tree.leaves(grads), tree.leaves(state.trace), decay):
+        for p, g, m, d in zip(p_leaves, _grad_leaves(grads, params)[0], tree.leaves(state.trace), decay):
+            if g is None:
+                continue
             cpu_adam.lion_(p.view(-1), g.contiguous().view(-1), m.view(-1), lr=float(lr(state.count)), beta1=b1,
                            beta2=b2, weight_decay=weight_decay if d else 0.0)
         return tree.unflatten(treespec, p_leaves), TraceState(state.count + 1, state.trace)

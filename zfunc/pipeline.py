@@ -24,6 +24,10 @@ the schedule, split or ``p``: the microbatch grads are averaged as ``train_step(
 Checked at run time, with an error instead of a wrong result: units run once each, in module
 order; a stage's first unit gets the previous unit's output unchanged (no code between units);
 stand-ins receive no grad. Dropout draws different masks than the plain step (test with 0).
+A step whose loss or grads are inf/nan is skipped on every rank alike, as the plain step skips it:
+the decision reads the loss and the grad norm, which are summed over all ranks anyway. Not yet: a
+param no microbatch produced a grad for gets a zero grad (the optimizer moves it by weight decay),
+where the plain step leaves it alone.
 
 **Module buffers** (BatchNorm statistics, ``zfunc.module``): each stage carries, in its state, the
 buffers of its own units, updated by its forwards microbatch after microbatch (as
@@ -445,7 +449,8 @@ class PipelineStep(Step):
     """
 
     def __init__(self, base: Step, model: nn.Module, layout: Layout, microbatches: int, schedule: str, mesh: Mesh):
-        super().__init__(base.loss_fn, base.optimizer, base.precision, 1, base.donate, base.has_aux, base.seed)
+        super().__init__(base.loss_fn, base.optimizer, base.precision, 1, base.donate, base.has_aux, base.seed,
+                         base.max_skips)
         self.base = base if isinstance(base, ShardedStep) else None
         self.model, self.layout, self.mesh = model, layout, mesh
         self.stages, self.stage, self.microbatches, self.schedule = mesh.pp, mesh.pp_rank, microbatches, schedule
@@ -525,7 +530,7 @@ class PipelineStep(Step):
     def _loss_and_grads(self, spec: PipelineSpec, params, batch, step, rng, loss_scale, carried: BufferScope):
         """Mean loss (on every rank) and this rank's fp32 grads, averaged over microbatches (and dp)."""
         pieces, treespec = tree.flatten(params)
-        scale = loss_scale.scale if loss_scale is not None else None
+        scale = mp.scale_of(loss_scale)
         self.mesh.clear_comm_bytes()
         whole = self._whole_params(pieces, spec, step)
         micro = self._microbatches(mp.cast_floating(batch, self.compute_dtype))

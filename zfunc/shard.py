@@ -47,6 +47,13 @@ most ``(1 + prefetch)`` units of whole params. Communication per step, in ``dist
 (DDP = 2 Psi): stages 1/2 all-gather Psi + reduce-scatter Psi = 2 Psi (at the gather dtype and
 fp32 grads); stage 3 gathers twice: 3 Psi. The issue text says "grads all-reduced" for stage 1:
 a reduce-scatter gives each rank the slice it updates for half the bytes, so stage 1 uses it.
+One small all-reduce per step sums the squared grad norm, the loss and, per param, whether the
+rank produced a grad for it: ``4 (2 + leaves)`` bytes.
+
+**Non-finite steps and params without grads** (``zfunc.step``'s rules, on every rank alike): the
+skip is decided on the summed loss and grad norm, which that all-reduce already made equal on
+every rank; no other sync. A param is left alone by the optimizer only if no rank's backward
+produced a grad for it (DDP's rule), which the same all-reduce tells every rank.
 """
 from __future__ import annotations
 
@@ -358,7 +365,7 @@ class ShardedStep(Step):
 
     def __init__(self, base: Step, mesh: Mesh, stage: int, units, prefetch: int, bucket_elems: int, verify: bool):
         super().__init__(base.loss_fn, base.optimizer, base.precision, base.accum, base.donate, base.has_aux,
-                         base.seed)
+                         base.seed, base.max_skips)
         self.mesh, self.stage, self.units_selector = mesh, stage, units
         self.prefetch, self.bucket_elems, self.verify = prefetch, bucket_elems, verify
         self.order: list[int] = []  # stage 3: units' run order, recorded on the first step
@@ -369,7 +376,10 @@ class ShardedStep(Step):
         self._buckets_ordered = False
         self.peak_gathered_bytes = 0  # most whole-param bytes held at once in the last step
         self.peak_whole_grad_bytes = 0  # most whole-grad bytes held at once in the last step
-        self._loss_to_sum: torch.Tensor | None = None  # this step's loss, until an all-reduce sums it
+        # This step's loss and its 0/1 per leaf "this rank produced a grad", until an all-reduce sums them.
+        self._to_sum: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._produced: torch.Tensor | None = None  # per leaf, ranks that produced a grad (once summed)
+        self._arrived: list[int] = []  # the current microbatch's leaves whose grads backward produced
         self._buffer_names: list[str] = []  # the module buffers averaged in the last step
 
     # ------------------------------------------------------------------ init and checks
@@ -421,12 +431,15 @@ class ShardedStep(Step):
         with carrying(state.buffers) as carried:
             loss, aux, grads = self._loss_and_grads(params, batch, step, rng, loss_scale)
         buffers = self._average_buffers(carried, step)
-        self._loss_to_sum = loss  # summed by the grad norm's all-reduce, the step's one sync
-        with optim.summing_across(self._sum_over_ranks):
-            new_state, metrics = self._update(state, grads, loss, aux)
-        if self._loss_to_sum is not None:  # no norm was summed
+        self._to_sum = (loss, self._produced)  # summed by the grad norm's all-reduce, the step's one sync
+        try:
+            with optim.summing_across(self._sum_over_ranks):
+                new_state, metrics = self._update(state, grads, loss, aux)
+        finally:
+            self._produced = None  # counts of this step only
+        if self._to_sum is not None:  # no norm was summed
             self.mesh.comm.all_reduce(loss, label=f"loss all-reduce at step {step}")
-            self._loss_to_sum = None
+            self._to_sum = None
         loss.div_(state.sharding.world)  # metrics["loss"]: the mean over ranks
         return new_state.replace(buffers=buffers), metrics
 
@@ -443,23 +456,34 @@ class ShardedStep(Step):
 
     def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (global_norm's own temporary) summed over the ranks; the first call of a step
-        also sums the step's loss, in the same all-reduce."""
-        loss, self._loss_to_sum = self._loss_to_sum, None
-        if loss is None:
+        also sums the step's loss and the per-leaf grads-produced flags, in the same all-reduce."""
+        pending, self._to_sum = self._to_sum, None
+        if pending is None:
             self.mesh.comm.all_reduce(t, label="grad-norm all-reduce")
             return t
-        both = torch.stack([t, loss.to(t.device, t.dtype)])
-        self.mesh.comm.all_reduce(both, label="grad-norm and loss all-reduce")
+        loss, produced = pending
+        both = torch.cat([t.reshape(1), loss.reshape(1).to(t.device, t.dtype), produced.to(t.device, t.dtype)])
+        self.mesh.comm.all_reduce(both, label="grad-norm, loss and grads-produced all-reduce")
         loss.copy_(both[1])
+        produced.copy_(both[2:])
         return both[0]
+
+    def _without_missing_grads(self, grads: PyTree) -> PyTree:
+        """``grads`` with ``None`` for the params no rank produced a grad for (their slices are
+        zeros): the optimizer leaves those alone, as DDP does. Known once the norm is summed."""
+        if self._produced is None or self._to_sum is not None:
+            return grads
+        leaves, treespec = tree.flatten(grads)
+        return tree.unflatten(treespec, [g if n > 0 else None for g, n in zip(leaves, self._produced.tolist())])
 
     def _loss_and_grads(self, params, batch, step, rng, loss_scale):
         """This rank's mean loss over its microbatches, and its fp32 slice of the grads averaged over ranks."""
         pieces, treespec = self._pieces(params)
         spec = self._state_spec
-        scale = loss_scale.scale if loss_scale is not None else None
+        scale = mp.scale_of(loss_scale)
         device = self._device(pieces)
         sink = self._grad_sink(pieces)
+        self._produced = torch.zeros(len(spec.leaves))  # 1 where this rank's backward produced a grad
         if self._grad_order is not None:
             self._order_buckets(spec, step)
         self.mesh.clear_comm_bytes()
@@ -475,7 +499,9 @@ class ShardedStep(Step):
                                           lambda units=units: self._backward_order(units()),
                                           on_unit_done=gatherer.release if gatherer else None,
                                           keep_whole=self.stage == 1, deliver_early=sink.early)
+                    self._arrived = reducer.arrived  # leaves with a grad so far (offload's overlapped updates)
                 loss, aux = self._backward(tree.unflatten(treespec, leaves), micro, leaves, gatherer, reducer, scale)
+                self._produced[torch.tensor(reducer.arrived, dtype=torch.long)] = 1.0
                 losses.append(loss)
                 auxes.append(aux)
         if not eager:
@@ -529,6 +555,7 @@ class ShardedStep(Step):
         if gatherer is not None and gatherer.units is None:
             raise ValueError("loss_fn: stage 3 needs the loss to run the model through the apply of "
                              "zf.functionalize (params reach the model only through it)")
+        self._before_backward(loss)
         (loss * scale if scale is not None else loss).backward(inputs=leaves)
         for h in handles:
             h.remove()
@@ -537,6 +564,9 @@ class ShardedStep(Step):
         if gatherer is not None:
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, gatherer.peak_bytes)
         return loss.detach().float(), aux
+
+    def _before_backward(self, loss: torch.Tensor) -> None:
+        """Each microbatch's loss, between its forward and its backward (offload checks it there)."""
 
     def memory(self, state: TrainState) -> dict[str, Any]:
         """Accounted bytes on this rank, and the last step's communication.

@@ -13,7 +13,17 @@ written to.
 
 Gradients use ``torch.autograd.grad`` over ``torch.func.functional_call`` with detached leaves
 that require grad: it supports saved-tensor hooks and non-reentrant checkpointing, which
-``torch.func.grad`` refuses (DESIGN section 4), and costs the same as ``loss.backward()``.
+``torch.func.grad`` refuses (DESIGN section 4), and costs the same as ``loss.backward()``. A param
+the loss never uses gets no grad (``None``), and the optimizer leaves it alone, as torch does.
+
+Non-finite steps: when the loss or the grads hold an inf or a nan, the step does not update. It
+returns a state with the same params and optimizer state, ``step + 1`` (a skipped step counts, as
+in torch's ``GradScaler`` and DeepSpeed, so the next step draws new random numbers), fp16's scale
+halved, and ``metrics["skipped"] = True``. The decision comes before any write, so with donation
+too the returned state holds the old values. ``max_skips`` such steps in a row are tolerated; the
+next one raises ``NonFiniteError`` naming the step and the cause, the state passed in still intact.
+Cost: the loss (computed anyway) and the grad norm (computed anyway, for the metrics and for
+clipping) are checked, one host sync of two scalars per step; no second read of the grads.
 """
 from __future__ import annotations
 
@@ -35,6 +45,10 @@ class ConsumedStateError(RuntimeError):
     """A ``TrainState`` was read after a donating step consumed it."""
 
 
+class NonFiniteError(FloatingPointError):
+    """More non-finite steps (loss or grads inf/nan) in a row than ``train_step(max_skips=)``."""
+
+
 _FIELDS = ("params", "opt_state", "step", "rng", "loss_scale", "buffers")
 
 
@@ -43,7 +57,8 @@ class TrainState:
 
     Fields: ``params`` (pytree of fp32 master tensors), ``opt_state`` (the optimizer's state),
     ``step`` (int, steps taken), ``rng`` (int, the base seed; step ``k`` seeds torch's RNG from
-    ``(rng, k)``), ``loss_scale`` (``precision.LossScale`` for fp16, else ``None``), ``buffers``
+    ``(rng, k)``), ``loss_scale`` (``precision.LossScale``: fp16's dynamic scale, a fixed 1.0 for
+    fp32/bf16; in all three it also counts the non-finite steps skipped in a row), ``buffers``
     (keyword; dict name -> tensor: the module buffers the forward updates in training, BatchNorm's
     running statistics; empty until a step first writes one, see ``zfunc.module``; whole, never
     split, on every rank of a sharded state).
@@ -73,7 +88,7 @@ class TrainState:
     opt_state = property(lambda self: self._get(1), doc="the optimizer's state")
     step = property(lambda self: self._get(2), doc="number of steps taken (skipped ones included)")
     rng = property(lambda self: self._get(3), doc="base seed of the step's random numbers")
-    loss_scale = property(lambda self: self._get(4), doc="fp16 LossScale, or None")
+    loss_scale = property(lambda self: self._get(4), doc="precision.LossScale (and the skips in a row)")
     buffers = property(lambda self: self._get(5), doc="module buffers training updates: dict name -> tensor")
 
     @property
@@ -121,7 +136,8 @@ def split_loss(out: Any, has_aux: bool) -> tuple[torch.Tensor, Any]:
 
 
 def _grad_leaves(params: PyTree, loss_fn: Callable, args: tuple, scale: float | None, has_aux: bool):
-    """``(loss, aux, grads)`` of ``loss_fn(params, *args)``; grads a list in leaf order."""
+    """``(loss, aux, grads)`` of ``loss_fn(params, *args)``; grads a list in leaf order, ``None``
+    for a leaf that is not floating or that the loss did not use."""
     leaves, treespec = tree.flatten(params)
     diff = [x.detach().requires_grad_() if _differentiable(x) else x for x in leaves]
     with torch.enable_grad():
@@ -129,8 +145,7 @@ def _grad_leaves(params: PyTree, loss_fn: Callable, args: tuple, scale: float | 
         wrt = [x for x in diff if _differentiable(x)]
         grads = torch.autograd.grad(loss * scale if scale is not None else loss, wrt, allow_unused=True)
     grads = iter(grads)
-    out_grads = [_or_zeros(next(grads), x) if _differentiable(x) else None for x in diff]
-    return loss.detach(), aux, out_grads
+    return loss.detach(), aux, [next(grads) if _differentiable(x) else None for x in diff]
 
 
 def _differentiable(x: Any) -> bool:
@@ -152,6 +167,8 @@ def value_and_grad(fn: Callable[..., Any], has_aux: bool = False) -> Callable[..
 
     def wrapped(params: PyTree, *args: Any):
         loss, aux, grads = _grad_leaves(params, fn, args, None, has_aux)
+        leaves = tree.leaves(params)
+        grads = [_or_zeros(g, x) if _differentiable(x) else None for g, x in zip(grads, leaves)]
         grads = tree.unflatten(tree.structure(params), grads)
         return ((loss, aux) if has_aux else loss), grads
 
@@ -206,13 +223,16 @@ class Step:
     Built by ``train_step``; transformations (shard, offload, ...) read its attributes and build a
     new ``Step``. ``metrics`` holds 0-d tensors ``loss`` and ``grad_norm`` (of the unscaled, unclipped
     fp32 grads), floats ``lr`` (None if the optimizer has no schedule) and ``loss_scale`` (fp16),
-    ``skipped`` (bool: fp16 overflow, update not applied) and ``step`` (int, steps taken).
+    ``skipped`` (bool: the loss or the grads were inf/nan, so the update was not applied: params
+    and optimizer state are returned unchanged; see the module docstring) and ``step`` (int,
+    steps taken, skipped ones included).
     """
 
-    def __init__(self, loss_fn, optimizer, precision, accum, donate, has_aux, seed):
+    def __init__(self, loss_fn, optimizer, precision, accum, donate, has_aux, seed, max_skips=None):
         self.loss_fn, self.optimizer, self.precision = loss_fn, optimizer, precision
         self.accum, self.donate, self.has_aux, self.seed = accum, donate, has_aux, seed
         self.compute_dtype = mp.compute_dtype(precision)
+        self.max_skips = mp.default_max_skips(precision) if max_skips is None else max_skips
 
     def init(self, params: PyTree) -> TrainState:
         """A fresh state: fp32 copies of ``params`` (the caller's tensors are never aliased), the
@@ -236,10 +256,12 @@ class Step:
                              "it came from, not to the plain step")
 
     def _update(self, state: TrainState, grads: PyTree, loss: torch.Tensor, aux: Any):
-        """Apply the optimizer to ``state`` with fp32, unscaled ``grads``; the new state and metrics."""
+        """Apply the optimizer to ``state`` with fp32, unscaled ``grads`` unless the step is not
+        finite; the new state and metrics."""
         params, opt_state, step, rng, loss_scale = state.params, state.opt_state, state.step, state.rng, state.loss_scale
-        norm = optim.global_norm(grads)
-        finite = loss_scale is None or bool(torch.isfinite(norm))
+        norm = optim.global_norm(grads)  # sharded: the all-reduce that also sums the loss
+        finite = self._finite(loss, norm, step, loss_scale)  # may raise: nothing written yet
+        grads = self._without_missing_grads(grads)
         lr = optim.learning_rate(self.optimizer, opt_state)
         if self.donate:
             state._consumed = True
@@ -252,10 +274,29 @@ class Step:
         metrics = self._metrics(loss, norm, lr, finite, step, loss_scale, aux)
         return TrainState(params, opt_state, step + 1, rng, loss_scale, state.sharding), metrics
 
+    def _finite(self, loss: torch.Tensor, norm: torch.Tensor, step: int, loss_scale) -> bool:
+        """Whether the loss and the grad norm (inf/nan iff a grad is) are finite: one host sync.
+        Sharded or pipelined, both are already sums over the ranks, so every rank decides alike.
+        A non-finite step after ``max_skips`` skipped in a row raises ``NonFiniteError``."""
+        if bool(torch.isfinite(norm) & torch.isfinite(loss.to(norm.device))):
+            return True
+        skips = loss_scale.skips if loss_scale is not None else 0
+        if skips >= self.max_skips:
+            raise NonFiniteError(
+                f"step: {skips + 1} non-finite step{'s' if skips else ''} in a row, the last at state.step={step}: "
+                f"{_cause(loss, norm, loss_scale)}; train_step(max_skips={self.max_skips}) allows {self.max_skips}. "
+                "Nothing was updated: the state passed in is intact. Look for the cause in the batch, the learning "
+                "rate or the loss")
+        return False
+
+    def _without_missing_grads(self, grads: PyTree) -> PyTree:
+        """``grads`` with ``None`` for params no rank produced a grad for (plain: already so)."""
+        return grads
+
     def _metrics(self, loss, norm, lr, finite: bool, step: int, loss_scale, aux) -> dict[str, Any]:
         """The step's metrics (see the class docstring); ``loss_scale`` is the next one."""
         metrics = {"loss": loss, "grad_norm": norm, "lr": lr, "skipped": not finite, "step": step + 1}
-        if loss_scale is not None:
+        if loss_scale is not None and loss_scale.dynamic:
             metrics["loss_scale"] = loss_scale.scale
         if self.has_aux:
             metrics["aux"] = aux
@@ -264,7 +305,7 @@ class Step:
     def _loss_and_grads(self, params, batch, step, rng, loss_scale):
         """Mean loss over microbatches and the fp32, unscaled, averaged grads (a pytree)."""
         compute = mp.cast_floating(params, self.compute_dtype)
-        scale = loss_scale.scale if loss_scale is not None else None
+        scale = mp.scale_of(loss_scale)
         losses, auxes, acc = [], [], None
         with seeded(_step_seed(rng, step), _cuda_devices(params)):
             for micro in _split_batch(mp.cast_floating(batch, self.compute_dtype), self.accum):
@@ -274,10 +315,18 @@ class Step:
                 acc = _accumulate(acc, grads)
         divisor = self.accum * (scale or 1.0)
         tensors = [g for g in acc if g is not None]
-        if divisor != 1.0:
+        if divisor != 1.0 and tensors:
             torch._foreach_mul_(tensors, 1.0 / divisor)
         loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
         return loss, (auxes[0] if self.accum == 1 else auxes), tree.unflatten(tree.structure(params), acc)
+
+
+def _cause(loss: torch.Tensor, norm: torch.Tensor, loss_scale) -> str:
+    """Why a step is not finite, in words."""
+    if not torch.isfinite(loss):
+        return f"non-finite loss ({loss.item()})"
+    at = f" at loss scale {loss_scale.scale}" if loss_scale is not None and loss_scale.dynamic else ""
+    return f"non-finite grads (grad norm {norm.item()}{at})"
 
 
 def _master_copy(p: Any, device: torch.device) -> Any:
@@ -287,12 +336,18 @@ def _master_copy(p: Any, device: torch.device) -> Any:
 
 
 def _accumulate(acc: list | None, grads: list) -> list:
-    """Sum per-microbatch grads in fp32; the first microbatch's fp32 grads are used as they are."""
+    """Sum per-microbatch grads in fp32; the first fp32 grad of a leaf is used as it is. ``None``
+    (no grad in this microbatch) adds nothing; a leaf stays ``None`` until some microbatch has one."""
     if acc is None:
-        return [g if g is None or g.dtype == torch.float32 else g.float() for g in grads]
-    tensors = [(a, g) for a, g in zip(acc, grads) if a is not None]
-    torch._foreach_add_([a for a, _ in tensors], [g for _, g in tensors])
-    return acc
+        acc = [None] * len(grads)
+    pairs = [(a, g) for a, g in zip(acc, grads) if a is not None and g is not None]
+    if pairs:
+        torch._foreach_add_([a for a, _ in pairs], [g for _, g in pairs])
+    return [_fp32(g) if a is None else a for a, g in zip(acc, grads)]
+
+
+def _fp32(g: torch.Tensor | None) -> torch.Tensor | None:
+    return g if g is None or g.dtype == torch.float32 else g.float()
 
 
 def _step_seed(rng: int, step: int) -> int:
@@ -330,6 +385,7 @@ def train_step(
     donate: bool = True,
     has_aux: bool = False,
     seed: int = 0,
+    max_skips: int | None = None,
 ) -> Step:
     """Build the step that trains ``loss_fn`` with ``optimizer``.
 
@@ -338,13 +394,18 @@ def train_step(
       optimizer: a ``zf.optim.GradientTransformation``.
       precision: "fp32", "bf16" or "fp16": the compute dtype of forward and backward. The params
         and the batch's floating tensors are cast to it (integer tokens are left alone); params are
-        kept as fp32 masters in the state; fp16 adds a dynamic loss scale (``precision.LossScale``)
-        and skips the update when a grad is inf/nan (``metrics["skipped"]``).
+        kept as fp32 masters in the state; fp16 adds a dynamic loss scale (``precision.LossScale``),
+        halved at every skipped step. In every precision a step whose loss or grads hold an inf or
+        a nan is skipped: no update, ``metrics["skipped"]`` (see the module docstring).
       accum: microbatches per step; every tensor in the batch is split along dim 0 into ``accum``
         equal parts and the grads are averaged, so ``accum=k`` on a batch of ``k*B`` equals
         ``accum=1`` on it (for a loss that is a mean over the batch).
       donate: consume the input state (update its buffers in place) -- see the module docstring.
       seed: base seed stored in the state as ``rng``.
+      max_skips: non-finite steps tolerated in a row (skipped); the next one raises
+        ``NonFiniteError`` naming the step and the cause, leaving the state passed in intact. 0
+        raises at the first. Default ``precision.default_max_skips``: 10, and 26 for fp16, whose
+        scale may overflow from 2**16 down to 1 (16 skips) before it fits.
     Memory: params 4 B/param (fp32 masters) + the optimizer's state + grads 4 B/param (+ the compute
     copy: 2 B/param for bf16/fp16).
     """
@@ -353,4 +414,6 @@ def train_step(
         raise TypeError(f"optimizer: expected a zf.optim.GradientTransformation, got {type(optimizer).__name__}")
     if not isinstance(accum, int) or accum < 1:
         raise ValueError(f"accum: expected an int >= 1, got {accum!r}")
-    return Step(loss_fn, optimizer, precision, accum, donate, has_aux, seed)
+    if max_skips is not None and (not isinstance(max_skips, int) or isinstance(max_skips, bool) or max_skips < 0):
+        raise ValueError(f"max_skips: expected None or an int >= 0, got {max_skips!r}")
+    return Step(loss_fn, optimizer, precision, accum, donate, has_aux, seed, max_skips)
