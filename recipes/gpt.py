@@ -385,11 +385,10 @@ def train(args: argparse.Namespace) -> dict:
         latest = zf.checkpoint.latest(ckpt_root)
         if latest is None:
             raise FlagError(f"--resume: no checkpoint under {ckpt_root}")  # removed since check_args
-        shapes = {k: tuple(v.shape) for k, v in state.params.items()}
-        state = zf.checkpoint.load(latest, step, device=device)
-        if {k: tuple(v.shape) for k, v in state.params.items()} != shapes:  # check_resume compared the flags
-            raise FlagError(f"--resume: the params in {latest} are not this model's ({len(shapes)} tensors): "
-                            f"saved by a run with other model flags")
+        try:  # zf.checkpoint.load checks the model's params against the checkpoint's
+            state = zf.checkpoint.load(latest, step, device=device)
+        except zf.checkpoint.CheckpointError as e:
+            raise FlagError(f"--resume: {e}") from e
         print(f"resumed from {latest} at step {state.step}")
 
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
