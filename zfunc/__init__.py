@@ -24,6 +24,7 @@ __all__ = [
     "Step",
     "TrainState",
     "functionalize",
+    "materialize",
     "module",
     "offload",
     "optim",
