@@ -68,6 +68,7 @@ import torch
 
 from zfunc import optim, precision as mp, tree
 from zfunc.dist import Mesh
+from zfunc.materialize import Materializer, leaf as materialize_leaf
 from zfunc.module import BufferScope, carrying, run_by
 from zfunc.ops import hostmem
 from zfunc.prefetch import Gatherer
@@ -383,15 +384,44 @@ class ShardedStep(Step):
         self._buffer_names: list[str] = []  # the module buffers averaged in the last step
 
     # ------------------------------------------------------------------ init and checks
-    def init(self, params: PyTree) -> TrainState:
+    def init(self, params: PyTree, materialize: Materializer | None = None) -> TrainState:
         """This rank's fp32 pieces of ``params`` (which must be equal on every rank) and their
-        optimizer state; ``sharding`` records the split."""
+        optimizer state; ``sharding`` records the split.
+
+        ``materialize``: for params on the meta device (``with torch.device("meta"): model =
+        GPT(cfg)``), what makes their values (``zfunc.materialize``), asked leaf by leaf for this
+        rank's rows only: ``materialize(name, like, rows=slice(start, stop))`` (``zf.materialize``'s
+        ``normal``, ``constant``, ``by_name``...), or a plain ``materialize(name, like)`` making
+        the whole leaf, which is then sliced. No rank ever holds the whole model: beyond the state,
+        peak memory is one rank's rows of one leaf, made then copied into the state (a whole leaf
+        for a plain callable). With a materializer whose values depend only on (seed, name, row),
+        as ``zfunc.materialize``'s do, the state is the same whatever the world size, one process
+        included. The pieces go to CUDA when there is a GPU and the mesh can reduce CUDA tensors
+        (NCCL, or one process alone), else to the CPU. Ignored for params not on the meta device;
+        meta params without it give a meta state, a template of shapes only (``zf.checkpoint.load``
+        builds one to read a checkpoint into).
+        """
         device, leaves, treespec, spec = self._layout(params)
+        if device.type == "meta" and materialize is not None:
+            device = self._materialize_device()
         self.initialized_with = tree.map(lambda x: x.to("meta"), params)  # what zf.checkpoint.load checks
-        pieces = [hostmem.copy_to(local_piece(x.detach(), leaf, spec.rank), device, torch.float32)
-                  for x, leaf in zip(leaves, spec.leaves)]
+        pieces = []
+        for x, leaf, name in zip(leaves, spec.leaves, _leaf_names(params)):  # one leaf's rows at a time
+            if x.device.type == "meta" and materialize is not None:
+                start = min(spec.rank * leaf.chunk, leaf.rows)  # the rows local_piece takes
+                rows = materialize_leaf(materialize, name, x, slice(start, start + leaf.local_rows(spec.rank)))
+                pieces.append(hostmem.copy_to(rows.reshape(leaf.local_shape(spec.rank)), device, torch.float32))
+                del rows
+            else:
+                pieces.append(hostmem.copy_to(local_piece(x.detach(), leaf, spec.rank), device, torch.float32))
         master = tree.unflatten(treespec, pieces)
         return TrainState(master, self.optimizer.init(master), 0, self.seed, mp.init_loss_scale(self.precision), spec)
+
+    def _materialize_device(self) -> torch.device:
+        """Where materialized pieces go (``init``): gloo moves CPU tensors only, so it keeps them
+        there even on a machine with a GPU (asked first: CUDA is not probed on a gloo mesh)."""
+        on_gloo = not self.mesh.comm.alone and self.mesh.comm._on_gloo()
+        return torch.device("cuda" if not on_gloo and torch.cuda.is_available() else "cpu")
 
     def _layout(self, params: PyTree) -> tuple[torch.device, list[torch.Tensor], Any, ShardSpec]:
         """``(device, leaves, treespec, spec)`` of ``params``, checked (floating tensors, the same
