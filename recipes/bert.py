@@ -18,7 +18,6 @@ The published ones were pretrained with next-sentence prediction, so their flavo
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
@@ -107,7 +106,9 @@ class SelfAttention(nn.Module):
 
 class Layer(nn.Module):
     """One encoder layer. Post-LN (BERT): h = LN(h + f(h)) after attention and after the MLP.
-    Pre-LN (``pre_ln``): the residual stream r adds f(LN(r)); the LN sits on the branch, not the sum."""
+    Pre-LN (``pre_ln``): the residual stream r adds f(LN(r)); the LN sits on the branch, not the sum.
+    Habana's layer_norm_large_model wires its LayerNorms so, with the same parameters; its stream starts
+    at 0 in the first layer, ours at the (normalized) embeddings, as pre-LN transformers do."""
 
     def __init__(self, cfg: BertConfig):
         super().__init__()

@@ -11,7 +11,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.nn as nn
 
 TASKS = ("causal-lm", "masked-lm")
