@@ -1,0 +1,164 @@
+"""recipes/data.py: bytes exactly as recipes/gpt.py reads them; a local tokenizer's tokens cached once in
+a memory-mapped file, streamed in pieces, reused while the corpus and tokenizer stay the same."""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from recipes import data, gpt
+
+WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
+         "upsilon phi chi psi omega déjà vu naïve café").split()
+
+
+def text(i: int, n_lines: int = 12) -> str:
+    g = torch.Generator().manual_seed(i)
+    return "".join(" ".join(WORDS[j] for j in torch.randint(len(WORDS), (8,), generator=g)) + "\n"
+                   for _ in range(n_lines))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A folder of 40 small text files in two subfolders, plus a binary one and a hidden one (skipped)."""
+    root = tmp_path_factory.mktemp("corpus")
+    for i in range(40):
+        f = root / f"part{i % 2}" / f"doc{i:02d}.txt"
+        f.parent.mkdir(exist_ok=True)
+        f.write_text(text(i))
+    (root / "blob.bin").write_bytes(b"\x00\x01" * 100)
+    (root / ".hidden").write_text("not part of the corpus\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory, corpus):
+    """A byte-level BPE of 300 tokens trained on the corpus, saved as a tokenizers JSON file."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator([f.read_text() for f in sorted(corpus.rglob("*.txt"))], trainer)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+# ----------------------------------------------------------------------------- bytes, as today
+def test_bytes_are_the_gpt_recipes_corpus(corpus, tmp_path):
+    single = tmp_path / "one.txt"
+    single.write_text(text(99, 200))
+    for path in (corpus, single):
+        ours, theirs = data.load(path), gpt.load_corpus(path)
+        assert torch.equal(ours.train, theirs.train) and torch.equal(ours.val, theirs.val)
+        assert (ours.vocab_size, ours.n_files, ours.source) == (256, theirs.n_files, theirs.source)
+    assert data.load(corpus).n_files == 40  # the binary and the hidden file are skipped
+
+
+def test_get_batch_draws_the_gpt_recipes_windows_from_tensors_and_arrays(corpus):
+    train = data.load(corpus).train
+    want = gpt.get_batch(train, 4, 16, torch.Generator().manual_seed(5))
+    for source in (train, train.numpy(), np.asarray(train.numpy(), dtype=np.uint16)):
+        x, y = data.get_batch(source, 4, 16, torch.Generator().manual_seed(5))
+        assert x.dtype == torch.int64 and torch.equal(x, want[0]) and torch.equal(y, want[1])
+    with pytest.raises(ValueError, match="split of 10 tokens is too short for block_size=16"):
+        data.get_batch(np.zeros(10, np.uint16), 2, 16)
+
+
+# ----------------------------------------------------------------------------- tokens
+def test_tokens_round_trip_to_the_same_split_as_bytes(corpus, tokenizer, tmp_path):
+    tokens = data.load(corpus, tokenizer, tmp_path / "cache")
+    as_bytes = data.load(corpus)
+    assert len(as_bytes.val) > 0 and not tokens.reused
+    assert isinstance(tokens.train, np.memmap) and tokens.train.dtype == np.uint16 and tokens.vocab_size == 300
+    codec = data.codec(tokenizer)
+    assert codec.decode(tokens.train) == bytes(as_bytes.train.tolist()).decode()
+    assert codec.decode(tokens.val) == bytes(as_bytes.val.tolist()).decode()
+    assert len(tokens.train) < 0.75 * len(as_bytes.train)  # BPE merged something
+    x, y = data.get_batch(tokens.train, 3, 8, torch.Generator().manual_seed(0))
+    assert x.shape == (3, 8) and torch.equal(x[:, 1:], y[:, :-1]) and int(x.max()) < 300
+
+
+def test_the_cache_is_built_once_and_reused_until_the_corpus_or_tokenizer_changes(corpus, tokenizer, tmp_path):
+    cache = tmp_path / "cache"
+    first = data.load(corpus, tokenizer, cache)
+    stamp = (first.cache / "tokens.bin").stat().st_mtime_ns
+    second = data.load(corpus, tokenizer, cache)
+    assert second.reused and second.cache == first.cache
+    assert (second.cache / "tokens.bin").stat().st_mtime_ns == stamp
+    assert np.array_equal(second.train, first.train) and np.array_equal(second.val, first.val)
+    capped = data.load(corpus, tokenizer, cache, max_bytes=1000)  # another cap: another cache
+    assert not capped.reused and capped.cache != first.cache and len(capped.train) < len(first.train)
+    edited = corpus / "part0" / "doc00.txt"
+    before = edited.read_text()
+    try:
+        edited.write_text(before + "one more line\n")
+        rebuilt = data.load(corpus, tokenizer, cache)
+        assert not rebuilt.reused and rebuilt.cache != first.cache
+    finally:
+        edited.write_text(before)
+    assert sorted(p.name for p in cache.iterdir()) == sorted({first.cache.name, capped.cache.name,
+                                                              rebuilt.cache.name})  # no debris
+
+
+def test_a_file_is_tokenized_in_pieces_as_it_would_be_whole(tokenizer, tmp_path, monkeypatch):
+    f = tmp_path / "long.txt"
+    long_line = " ".join(WORDS * 3)  # longer than a piece: cut before spaces
+    body = text(7, 50) + long_line + "\n" + text(8, 5)
+    f.write_text(body)
+    monkeypatch.setattr(data, "PIECE_BYTES", 37)
+    pieces = list(data._text_pieces(f, f.stat().st_size))
+    assert len(pieces) > 50 and "".join(pieces) == body
+    got = data.load(f, tokenizer, tmp_path / "cache")
+    whole = data.codec(tokenizer).encode(body)
+    assert np.concatenate([got.train, got.val]).tolist() == whole  # one file: cut by position, 90%
+    assert len(got.train) == len(whole) * 9 // 10
+
+
+def test_a_run_without_newline_or_space_is_cut_at_character_boundaries(tmp_path, monkeypatch):
+    f = tmp_path / "run.txt"
+    body = "é" * 40 + "x" + "€" * 30  # 2- and 3-byte characters: a block edge falls inside some
+    f.write_text(body)
+    monkeypatch.setattr(data, "PIECE_BYTES", 7)
+    pieces = list(data._text_pieces(f, f.stat().st_size))
+    assert len(pieces) > 10 and "".join(pieces) == body and "\ufffd" not in "".join(pieces)
+
+
+def test_bad_tokenizers_and_caches_are_named(corpus, tokenizer, tmp_path):
+    with pytest.raises(FileNotFoundError, match="--tokenizer: expected a tokenizer.json file or a folder holding one"):
+        data.load(corpus, tmp_path / "nope.json", tmp_path / "cache")
+    bad = tmp_path / "bad" / "tokenizer.json"
+    bad.parent.mkdir()
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="is not a tokenizers JSON file"):
+        data.load(corpus, bad.parent, tmp_path / "cache")  # a folder holding tokenizer.json is accepted
+    with pytest.raises(ValueError, match="cache_dir: a folder for the token cache is needed"):
+        data.load(corpus, tokenizer)
+    with pytest.raises(FileNotFoundError, match="--data: path '/no/such/corpus' does not exist"):
+        data.load("/no/such/corpus", tokenizer, tmp_path / "cache")
+    built = data.load(corpus, tokenizer, tmp_path / "cache")
+    with open(built.cache / "tokens.bin", "r+b") as fh:
+        fh.truncate(10)
+    with pytest.raises(ValueError, match="tokens.bin.*10 bytes, expected .*delete the folder to rebuild it"):
+        data.load(corpus, tokenizer, tmp_path / "cache")
+
+
+def test_codecs_round_trip(tokenizer):
+    s = "theta iota déjà vu\n"
+    for c in (data.codec(), data.codec(tokenizer)):
+        assert c.decode(c.encode(s)) == s
+    assert data.codec().vocab_size == 256 and data.codec(tokenizer).vocab_size == 300
+
+
+def test_the_cache_records_what_it_holds(corpus, tokenizer, tmp_path):
+    built = data.load(corpus, tokenizer, tmp_path / "cache")
+    meta = json.loads((built.cache / "meta.json").read_text())
+    assert meta["n_tokens"] == len(built.train) + len(built.val) and meta["cut"] == len(built.train)
+    assert meta["vocab_size"] == 300 and meta["dtype"] == "uint16" and meta["n_files"] == 40
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")]
+    assert os.path.getsize(built.cache / "tokens.bin") == 2 * meta["n_tokens"]
