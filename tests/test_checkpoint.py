@@ -739,3 +739,39 @@ def test_plain_and_zero_1_checkpoints_load_into_a_pipeline_and_back(tmp_path):
     assert_written_once(pp_ckpt)
     back = layout_worker(0, 1, [((0, 0), pp_ckpt, K, N, None)])[0]
     assert_same(back, (plain[0][0][K:], plain[0][1][K:], plain[0][2]), "pp2 -> one process")
+
+
+def test_a_format_1_checkpoint_still_loads_and_is_checked_whole(tmp_path):
+    """Checkpoints written before format 2 (every rank's file holding all its leaves, one crc32
+    per file) load as they did: rows from each rank's file, unsplit leaves from rank 0's."""
+    import json
+    import zlib
+
+    from safetensors.torch import save_file
+
+    w = torch.arange(10.0)
+    directory = tmp_path / "000003"
+    directory.mkdir()
+    crcs = {}
+    for rank in range(2):  # chunk 5: rank r holds rows [5r, 5r + 5) of w and of its moment
+        name = f"rank{rank:05d}.safetensors"
+        save_file({"params/w": w[5 * rank : 5 * rank + 5].clone(), "opt_state/0/w": -w[5 * rank : 5 * rank + 5],
+                   "opt_state/1": torch.tensor(3)}, str(directory / name))
+        crcs[name] = zlib.crc32((directory / name).read_bytes())
+    split = {"split_like": "w", "full_shape": [10], "chunk": 5}
+    (directory / "manifest.json").write_text(json.dumps({
+        "format": 1, "world": 2, "stage": 1, "step": 3, "run": "", "rng": 0, "extra": {}, "files": crcs,
+        "leaves": [{"path": "params/w", "dtype": "float32", "shape": [5], **split},
+                   {"path": "opt_state/0/w", "dtype": "float32", "shape": [5], **split},
+                   {"path": "opt_state/1", "dtype": "int64", "shape": [], "split_like": None, "full_shape": None,
+                    "chunk": None},
+                   {"path": "step", "value": 3}, {"path": "rng", "value": 0}]}))
+    template = zf.TrainState({"w": torch.zeros(10)}, ({"w": torch.zeros(10)}, torch.tensor(0)))
+    state = ck.load(directory, template)
+    assert torch.equal(state.params["w"], w) and torch.equal(state.opt_state[0]["w"], -w)
+    assert state.opt_state[1].item() == 3 and state.step == 3
+    data = bytearray((directory / "rank00001.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (directory / "rank00001.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ck.CheckpointError, match=r"rank00001.safetensors: checksum mismatch.*whole file"):
+        ck.load(directory, template)

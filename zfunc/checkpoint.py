@@ -36,10 +36,10 @@ What is guaranteed (the files: ``zfunc.checkpoint_files``; ownership, locks, rep
   write. A checkpoint's run is ``save``'s ``run=``, by default its name without trailing digits
   ("000100" -> "", "gpt-000100" -> "gpt-", "step8" -> "step"): runs sharing a folder need names
   that differ before their step digits, or ``run=``.
-- **Every rank or none.** A sharded ``save`` and ``full_params`` first check that every rank made
-  the call (``zf.dist.all_arrive``, at most ``zf.dist.ARRIVAL_TIMEOUT_S``); otherwise each rank
-  that came raises ``CollectiveError`` naming the call and the missing ranks instead of hanging
-  in a collective.
+- **Every rank or none.** A sharded or pipelined ``save`` and ``full_params`` first check that
+  every rank made the call (``zf.dist.all_arrive``, at most ``zf.dist.ARRIVAL_TIMEOUT_S``);
+  otherwise each rank that came raises ``CollectiveError`` naming the call and the missing ranks
+  instead of hanging in a collective.
 - **Loads check the model and the bytes.** ``load`` builds the state for the model it is given
   (``params=``, else the params ``step.init`` last received, else the manifest's) and raises
   ``CheckpointError`` listing params missing from the checkpoint, params only in the checkpoint
@@ -78,12 +78,11 @@ from zfunc import checkpoint_files as cf, checkpoint_layout as cl, tree
 from zfunc.checkpoint_files import LATEST, CheckpointError, read_manifest
 from zfunc.checkpoint_folder import (checkpoint_path, claim, default_run, latest, locked, prune, put_in_place, scratch,
                                      write_text_atomic)
-from zfunc.checkpoint_layout import PARAMS, Slot
+from zfunc.checkpoint_layout import BUFFERS, PARAMS, Slot
 from zfunc.dist import all_arrive
 from zfunc.step import Step, TrainState
 from zfunc.swap import fsync_dir
 
-_BUFFERS = "buffers/"  # leaf paths of TrainState.buffers, the module buffers training updates
 
 __all__ = ["CheckpointError", "save", "load", "latest", "read_manifest", "full_params", "export"]
 
@@ -219,8 +218,8 @@ def _barrier(world: int) -> None:
 
 def _saved_buffers(manifest: dict, device: str | torch.device) -> dict[str, torch.Tensor]:
     """Empty tensors shaped like the checkpoint's module buffers (``state.buffers``: never split)."""
-    return {e["path"][len(_BUFFERS):]: torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]), device=device)
-            for e in manifest["leaves"] if e["path"].startswith(_BUFFERS)}
+    return {e["path"][len(BUFFERS):]: torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]), device=device)
+            for e in manifest["leaves"] if e["path"].startswith(BUFFERS)}
 
 
 def _meta(x: Any) -> Any:
@@ -234,7 +233,7 @@ def _model(manifest: dict, step: Step, params: Any) -> tuple[Any, str]:
     elif getattr(step, "initialized_with", None) is not None:
         model, source = step.initialized_with, "the params step.init last received"
     else:  # nothing says what the model is: the checkpoint's own params
-        model = {e["path"][len(PARAMS):]: torch.empty(e["full_shape"], dtype=getattr(torch, e["dtype"]))
+        model = {e["path"][len(PARAMS):]: torch.empty(e["full_shape"], dtype=getattr(torch, e["dtype"]), device="meta")
                  for e in manifest["leaves"] if e["path"].startswith(PARAMS)}
         source = "the checkpoint"
     return tree.map(_meta, model), source
@@ -302,48 +301,6 @@ def _check_model(directory: Path, manifest: dict, template: TrainState, slots: l
                               + "; ".join(p for p in parts if p))
 
 
-def _check_structure(directory: Path, saved: dict[str, dict], slots: list[Slot], template: TrainState) -> None:
-    """The checkpoint has every leaf of the state and, besides, only the leaves of params (and
-    module buffers) that other pipeline stages hold."""
-    from zfunc.pipeline import PipelineSpec
-
-    mine = {s.path for s in slots}
-    held = set(cl.param_keys(template))
-
-    def elsewhere(path: str, entry: dict) -> bool:
-        split_like = entry.get("split_like")
-        return path.startswith(_BUFFERS) or (split_like is not None and split_like not in held)
-
-    pipelined = isinstance(template.sharding, PipelineSpec)
-    missing = sorted(mine - saved.keys())
-    unexpected = sorted(p for p, e in saved.items() if p not in mine and not (pipelined and elsewhere(p, e)))
-    if missing or unexpected:
-        raise CheckpointError(f"{directory}: the state's structure differs from the checkpoint's: "
-                              f"not in the checkpoint {missing[:5]}, only in the checkpoint {unexpected[:5]}")
-
-
-def _check_leaf(directory: Path, entry: dict, slot: Slot, like: Any) -> None:
-    """The saved leaf can fill ``like``: a value for a value, else the same dtype, whole shape and size."""
-    path = slot.path
-    if not isinstance(like, torch.Tensor):
-        if "dtype" in entry:
-            raise CheckpointError(f"{directory}: leaf {path} is a tensor in the checkpoint, {like!r} in the state")
-        return
-    if entry.get("dtype") != str(like.dtype).removeprefix("torch."):
-        raise CheckpointError(f"{directory}: leaf {path} is {entry.get('dtype')} in the checkpoint, "
-                              f"{like.dtype} in the state")
-    if entry["split_like"] is not None:
-        if slot.split_like is None or tuple(entry["full_shape"]) != slot.full_shape:
-            raise CheckpointError(f"{directory}: leaf {path} has whole shape {tuple(entry['full_shape'])} in the "
-                                  f"checkpoint, {slot.full_shape if slot.split_like else 'unsplit'} in the state")
-        size = (slot.rows[1] - slot.rows[0]) * int(torch.Size(slot.full_shape[1:]).numel())
-    else:
-        size = int(torch.Size(entry["shape"]).numel())
-    if size != like.numel():
-        raise CheckpointError(f"{directory}: leaf {path} has {size} elements in the checkpoint, "
-                              f"{like.numel()} in the state")
-
-
 def _reader(files: cf.RankFiles, entry: dict, slot: Slot, like: Any) -> Callable[[], Any]:
     """A function reading the leaf (a CPU tensor shaped like ``like``, or the saved value)."""
     def read() -> Any:
@@ -388,9 +345,9 @@ def load(directory: str | os.PathLike, step_or_template: Step | TrainState, *, p
     slots, leaves, treespec = cl.slots(template)
     _check_model(directory, manifest, template, slots, leaves, source)
     saved = {e["path"]: e for e in manifest["leaves"]}
-    _check_structure(directory, saved, slots, template)
+    cl.check_structure(directory, saved, slots, template)
     for slot, like in zip(slots, leaves):
-        _check_leaf(directory, saved[slot.path], slot, like)
+        cl.check_leaf(directory, saved[slot.path], slot, like)
     with cf.RankFiles(directory, manifest, verify) as files:
         lazy = tree.unflatten(treespec, [_reader(files, saved[s.path], s, x) for s, x in zip(slots, leaves)])
         if isinstance(step_or_template, OffloadedStep):
@@ -450,7 +407,7 @@ def export(directory: str | os.PathLike, out: str | os.PathLike) -> Path:
     tensors = {}
     with cf.RankFiles(directory, manifest, verify=True) as files:
         for entry in manifest["leaves"]:
-            for prefix in (PARAMS, _BUFFERS):  # buffers: trained BatchNorm statistics
+            for prefix in (PARAMS, BUFFERS):  # buffers: trained BatchNorm statistics
                 if entry["path"].startswith(prefix) and "dtype" in entry:
                     tensors[entry["path"][len(prefix):]] = cl.read_whole(files, entry, manifest).contiguous()
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -176,14 +176,30 @@ class RankFiles:
         self.directory, self.manifest, self.verify = directory, manifest, verify
         self.opened: dict[int, tuple] = {}  # rank -> (file, path, header, data offset)
         self.checksum = _Crc32()
+        self.pending: list[tuple[int, int, Path, str]] = []  # (span, expected crc32, file, what)
+        self.cuts = 0
 
     def __enter__(self) -> RankFiles:
         return self
 
-    def __exit__(self, *exc) -> None:
-        for f, *_ in self.opened.values():
-            f.close()
-        self.checksum.close()
+    def __exit__(self, kind, *exc) -> None:
+        try:
+            if kind is None:
+                self.check()
+        finally:
+            for f, *_ in self.opened.values():
+                f.close()
+            self.checksum.close()
+
+    def check(self) -> None:
+        """Wait for the checksums of the tensors read so far; raise ``CheckpointError`` naming the
+        file at the first mismatch. (Each is computed on the helper thread while the next is
+        read; leaving the ``with`` block checks the rest.)"""
+        spans = self.checksum.spans()
+        pending, self.pending = self.pending, []
+        for span, expected, path, what in pending:
+            if spans[span] != expected:
+                raise CheckpointError(f"{path}: checksum mismatch, the file is corrupt ({what})")
 
     def _open(self, rank: int) -> tuple:
         if rank not in self.opened:
@@ -200,19 +216,22 @@ class RankFiles:
                 raise
         return self.opened[rank]
 
-    def _read_checked(self, f, offset: int, out: memoryview, path: Path, expected: int | None, what: str) -> None:
+    def _read_checked(self, f, offset: int, out: memoryview, path: Path, expected: int | None, what: str,
+                      wait: bool = False) -> None:
         if not self.verify or expected is None:
             _read_into(f, offset, out, path)
             return
         _read_into(f, offset, out, path, self.checksum)
         self.checksum.cut()
-        if self.checksum.spans().pop() != expected:
-            raise CheckpointError(f"{path}: checksum mismatch, the file is corrupt ({what})")
+        self.pending.append((self.cuts, expected, path, what))
+        self.cuts += 1
+        if wait:
+            self.check()
 
     def _header(self, f, path: Path, crc: int | None) -> tuple[dict, int]:
         size = path.stat().st_size
         if self.manifest["format"] == 1:  # one crc32 for the whole file
-            self._read_checked(f, 0, memoryview(bytearray(size)), path, crc, "the whole file")
+            self._read_checked(f, 0, memoryview(bytearray(size)), path, crc, "the whole file", wait=True)
         try:
             prefix = memoryview(bytearray(8))
             _read_into(f, 0, prefix, path)
@@ -220,7 +239,8 @@ class RankFiles:
             if n_header > size - 8:
                 raise ValueError(f"a header of {n_header} bytes in a file of {size}")
             whole = memoryview(bytearray(8 + n_header))
-            self._read_checked(f, 0, whole, path, crc if self.manifest["format"] > 1 else None, "its header")
+            self._read_checked(f, 0, whole, path, crc if self.manifest["format"] > 1 else None, "its header",
+                               wait=True)
             header = json.loads(bytes(whole[8:]))
         except (struct.error, ValueError) as e:
             raise CheckpointError(f"{path}: not a safetensors file ({e})") from e

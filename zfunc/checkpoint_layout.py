@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import optree
@@ -40,6 +41,7 @@ from zfunc.shard import LeafShard, ShardSpec, _leaf_names
 from zfunc.step import TrainState
 
 PARAMS = "params/"
+BUFFERS = "buffers/"  # TrainState.buffers: module buffers, never split
 
 
 @dataclass(frozen=True)
@@ -213,7 +215,49 @@ def all_gather(obj: Any, world: int) -> list[Any]:
     return out
 
 
-# ----------------------------------------------------------------------------- load: reading rows
+# ----------------------------------------------------------------------------- load: matching and reading
+
+
+def check_structure(directory: Path, saved: dict[str, dict], slots: list[Slot], template: TrainState) -> None:
+    """The checkpoint has every leaf of the state and, besides, only the leaves of params (and
+    module buffers) that other pipeline stages hold."""
+    from zfunc.pipeline import PipelineSpec
+
+    mine = {s.path for s in slots}
+    held = set(param_keys(template))
+
+    def elsewhere(path: str, entry: dict) -> bool:
+        split_like = entry.get("split_like")
+        return path.startswith(BUFFERS) or (split_like is not None and split_like not in held)
+
+    pipelined = isinstance(template.sharding, PipelineSpec)
+    missing = sorted(mine - saved.keys())
+    unexpected = sorted(p for p, e in saved.items() if p not in mine and not (pipelined and elsewhere(p, e)))
+    if missing or unexpected:
+        raise CheckpointError(f"{directory}: the state's structure differs from the checkpoint's: "
+                              f"not in the checkpoint {missing[:5]}, only in the checkpoint {unexpected[:5]}")
+
+
+def check_leaf(directory: Path, entry: dict, slot: Slot, like: Any) -> None:
+    """The saved leaf can fill ``like``: a value for a value, else the same dtype, whole shape and size."""
+    path = slot.path
+    if not isinstance(like, torch.Tensor):
+        if "dtype" in entry:
+            raise CheckpointError(f"{directory}: leaf {path} is a tensor in the checkpoint, {like!r} in the state")
+        return
+    if entry.get("dtype") != str(like.dtype).removeprefix("torch."):
+        raise CheckpointError(f"{directory}: leaf {path} is {entry.get('dtype')} in the checkpoint, "
+                              f"{like.dtype} in the state")
+    if entry["split_like"] is not None:
+        if slot.split_like is None or tuple(entry["full_shape"]) != slot.full_shape:
+            raise CheckpointError(f"{directory}: leaf {path} has whole shape {tuple(entry['full_shape'])} in the "
+                                  f"checkpoint, {slot.full_shape if slot.split_like else 'unsplit'} in the state")
+        size = (slot.rows[1] - slot.rows[0]) * int(torch.Size(slot.full_shape[1:]).numel())
+    else:
+        size = int(torch.Size(entry["shape"]).numel())
+    if size != like.numel():
+        raise CheckpointError(f"{directory}: leaf {path} has {size} elements in the checkpoint, "
+                              f"{like.numel()} in the state")
 
 
 def pieces(entry: dict, manifest: dict) -> list[dict]:

@@ -139,11 +139,13 @@ class OffloadedStep(ShardedStep):
     def init_meta(self, params: PyTree) -> TrainState:
         """The state ``init(params)`` would return, on the meta device, touching no RAM or file:
         this rank's fp32 pieces and each leaf's optimizer state, with the ``OffloadSpec``."""
-        _, leaves, treespec, spec = self._layout(params)
+        _, _, treespec, spec = self._layout(params)
         pieces = [torch.empty(leaf.local_shape(spec.rank), device="meta") for leaf in spec.leaves]
         states = tuple(self.optimizer.init({name: p}) for name, p in zip(_leaf_names(params), pieces))
-        off = OffloadSpec(*_shard_fields(spec), self.where_optimizer, self.where_params, self.path, torch.device("meta"))
-        return TrainState(tree.unflatten(treespec, pieces), states, 0, self.seed, mp.init_loss_scale(self.precision), off)
+        meta = torch.device("meta")
+        off = OffloadSpec(*_shard_fields(spec), self.where_optimizer, self.where_params, self.path, meta)
+        return TrainState(tree.unflatten(treespec, pieces), states, 0, self.seed, mp.init_loss_scale(self.precision),
+                          off)
 
     def restore(self, params: PyTree, leaf: Callable[[int], tuple[torch.Tensor, Any]],
                 device: str | torch.device = "cpu") -> TrainState:
