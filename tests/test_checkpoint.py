@@ -639,12 +639,16 @@ def layout_step(layout, world):
 def layout_worker(rank, world, plan):
     """Run ``plan``, entries ``(layout, load_from, start, stop, save_to)``: a fresh step in
     ``layout`` starts from ``load_from`` (or init), trains on batches [start, stop) (each dp rank its
-    share) and saves to ``save_to``. Returns, per entry, the losses, grad norms and whole params."""
+    share) and saves to ``save_to``. Returns, per entry, the losses, grad norms, whole params and
+    the rank files the load opened."""
     from test_pipeline import batches as pipe_batches
+    from zfunc.checkpoint_files import RankFiles
 
-    out = []
+    out, opened, open_file = [], set(), RankFiles._open
+    RankFiles._open = lambda files, r: opened.add(r) or open_file(files, r)
     for layout, load_from, start, stop, save_to in plan:
         step, state, mesh = layout_step(layout, world)
+        opened.clear()
         if load_from:
             state = ck.load(load_from, step)
             assert state.step == start
@@ -656,7 +660,7 @@ def layout_worker(rank, world, plan):
         if save_to:
             ck.save(state, save_to)
         gathered = ck.full_params(state, None if layout[0] else mesh)
-        out.append((losses, norms, gathered))
+        out.append((losses, norms, gathered, sorted(opened)))
     return out
 
 
@@ -707,6 +711,7 @@ def test_a_pipeline_over_zero_1_reshards_into_zero_3_and_one_process(tmp_path):
         for got, want in zip(runs[rank], runs[0]):
             assert_same(got, want, f"full_params on rank {rank}", exact=True)  # every rank: the whole model
     assert_same(resumed, (straight[0][K:], straight[1][K:], straight[2]), "pp2 x dp2 resumed", exact=True)
+    assert [runs[rank][2][3] for rank in range(4)] == [[0], [1], [2], [3]]  # each rank reads its own file only
     assert_written_once(saved)
     assert ck.read_manifest(saved)["pipeline"] == 2
 
@@ -736,6 +741,8 @@ def test_plain_and_zero_1_checkpoints_load_into_a_pipeline_and_back(tmp_path):
     assert_same(resumed, rest, "pp2 resumed", exact=True)
     assert_same(from_plain, rest, "plain -> pp2")
     assert_same(from_zero1, rest, "stage 1 on 2 ranks -> pp2")
+    assert resumed[3] == [0] and runs[1][3][3] == [1]  # each stage reads only the file holding its params
+    assert runs[1][5][3] == [0, 1]  # stage 1 of 2 needs rows of its params from both ZeRO-1 ranks
     assert_written_once(pp_ckpt)
     back = layout_worker(0, 1, [((0, 0), pp_ckpt, K, N, None)])[0]
     assert_same(back, (plain[0][0][K:], plain[0][1][K:], plain[0][2]), "pp2 -> one process")

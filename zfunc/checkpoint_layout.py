@@ -23,6 +23,11 @@ leaf, in ``torch.chunk`` style along dim 0; any other leaf whole. For a state in
 bytes per leaf): each piece of rows is written by the lowest rank holding it, an unsplit leaf or a
 value by the lowest rank holding it (rank 0 for what every rank holds); empty pieces are not
 written. Each manifest entry lists its pieces: file, rows and crc32.
+
+**Read as needed.** A loader reads, for each leaf of its own layout, only the pieces holding the
+rows it needs (``read_rows``; a piece is read whole, to check its crc32): a rank of the layout that
+saved reads only its own pieces, a rank of another layout only the pieces overlapping its rows
+(none of another stage's params). ``gather_params`` is ``full_params`` for states whose ranks hold different params (pipelines).
 """
 from __future__ import annotations
 
@@ -99,6 +104,8 @@ def _param_rows(state: TrainState) -> dict[str, tuple[LeafShard, tuple[int, ...]
     dp = spec.inner if isinstance(spec, PipelineSpec) else spec
     out = {}
     for i, (key, p) in enumerate(zip(param_keys(state), tree.leaves(state.params))):
+        if not hasattr(p, "shape"):  # a plain state's non-tensor leaf: saved as a value
+            continue
         if dp is None:
             leaf = LeafShard(tuple(p.shape), p.shape[0] if len(p.shape) else 1)
             rows = (0, leaf.rows)
@@ -139,7 +146,7 @@ def slots(state: TrainState) -> tuple[list[Slot], list[Any], Any]:
     for path, x in zip(_logical(state, ["/".join(map(str, p)) for p in paths]), leaves):
         key = None
         if path.startswith(PARAMS):
-            key = path[len(PARAMS):]
+            key = path[len(PARAMS):] if path[len(PARAMS):] in rows else None
         elif hasattr(x, "shape"):  # an optimizer leaf whose path ends with a param's key, shaped like its piece
             parts = path.split("/")
             key = next((k for k in ("/".join(parts[c:]) for c in range(1, len(parts)))
