@@ -782,3 +782,35 @@ def test_a_format_1_checkpoint_still_loads_and_is_checked_whole(tmp_path):
     (directory / "rank00001.safetensors").write_bytes(bytes(data))
     with pytest.raises(ck.CheckpointError, match=r"rank00001.safetensors: checksum mismatch.*whole file"):
         ck.load(directory, template)
+
+
+def bn_pipeline_worker(rank, world, directory):
+    """test_pipeline's BatchNorm stack on 2 stages: 2 steps saved; loaded by a fresh pipelined step,
+    each stage gets back its own units' statistics, and the 3rd step equals the uninterrupted one."""
+    from test_module import bn_batches
+    from test_pipeline import norm_step
+
+    step, state = norm_step(zf.Mesh(pp=world))
+    for batch in bn_batches()[:2]:
+        state, _ = step(state, batch)
+    ck.save(state, directory)
+    fresh, _ = norm_step(zf.Mesh(pp=world))
+    loaded = ck.load(directory, fresh)
+    assert loaded.buffers.keys() == state.buffers.keys()
+    assert all(torch.equal(loaded.buffers[n], b) for n, b in state.buffers.items())
+    saved = zf.tree.clone(state.buffers)
+    (a, _), (b, _) = step(state, bn_batches()[2]), fresh(loaded, bn_batches()[2])
+    assert all(torch.equal(a.buffers[n], b.buffers[n]) for n in a.buffers)
+    return saved
+
+
+def test_a_pipelined_state_keeps_each_stage_batchnorm_statistics(tmp_path):
+    from test_pipeline import norm_step
+
+    directory = str(tmp_path / "000002")
+    stages = zf.dist.spawn(bn_pipeline_worker, 2, 2, directory)
+    assert stages[0] and stages[1] and not stages[0].keys() & stages[1].keys()
+    plain = ck.load(directory, norm_step()[0])  # one process: every stage's statistics
+    assert plain.buffers.keys() == stages[0].keys() | stages[1].keys()
+    for buffers in stages:
+        assert all(torch.equal(plain.buffers[n], b) for n, b in buffers.items())
