@@ -603,3 +603,214 @@ def test_prune_finishes_what_a_killed_prune_or_save_left(tmp_path):
     with checkpoint_folder.locked(tmp_path / ".000009.lock"):  # a live save's lock stays
         ck.save(small(3), tmp_path / "000003", keep_last=1)
         assert sorted(p.name for p in tmp_path.iterdir()) == [".000009.lock", "000003", "latest"]
+
+
+# ------------------------------------------------------------- issue 18: checkpoints in any layout
+
+K, N = 2, 4  # steps before the save, steps in all
+
+
+def layout_step(layout, world):
+    """``(step, state, mesh)`` of test_pipeline's model (tied embedding and head, 4 blocks) in
+    ``layout = (pp, zero)``: a pipeline of ``pp`` stages (0: none) over a step sharded at ZeRO
+    stage ``zero`` (0: plain) over the other ``world / pp`` ranks."""
+    from test_pipeline import Block, Tiny as PipeTiny  # its Block: the class its Tiny is built of
+
+    pp, zero = layout
+    torch.manual_seed(0)
+    model = PipeTiny()
+    apply, params = zf.functionalize(model)
+
+    def loss_fn(p, batch):
+        x, y = batch
+        return F.cross_entropy(apply(p, x).flatten(0, 1), y.flatten())
+
+    adamw = zf.optim.adamw(1e-2, weight_decay=0.1, mask=zf.optim.decay_mask)
+    step = zf.train_step(loss_fn, zf.optim.chain(zf.optim.clip_by_global_norm(0.1), adamw))
+    mesh = zf.Mesh(dp=world // max(pp, 1), pp=max(pp, 1)) if world > 1 else None
+    if zero:
+        step = zf.shard(step, mesh, zero, units=zf.units.by_class(Block) if zero == 3 else None)
+    if pp:
+        step = zf.pipeline(step, stages=pp, microbatches=2, model=model, units=zf.units.by_class(Block),
+                           mesh=None if zero else mesh)
+    return step, step.init(params), mesh
+
+
+def layout_worker(rank, world, plan):
+    """Run ``plan``, entries ``(layout, load_from, start, stop, save_to)``: a fresh step in
+    ``layout`` starts from ``load_from`` (or init), trains on batches [start, stop) (each dp rank its
+    share) and saves to ``save_to``. Returns, per entry, the losses, grad norms, whole params and
+    the rank files the load opened."""
+    from test_pipeline import batches as pipe_batches
+    from zfunc.checkpoint_files import RankFiles
+
+    out, opened, open_file = [], set(), RankFiles._open
+    RankFiles._open = lambda files, r: opened.add(r) or open_file(files, r)
+    for layout, load_from, start, stop, save_to in plan:
+        step, state, mesh = layout_step(layout, world)
+        opened.clear()
+        if load_from:
+            state = ck.load(load_from, step)
+            assert state.step == start
+        losses, norms = [], []
+        for batch in pipe_batches(n=N)[start:stop]:
+            state, m = step(state, local(batch, mesh.rank, mesh.dp) if mesh else batch)
+            losses.append(m["loss"].item())
+            norms.append(m["grad_norm"].item())
+        if save_to:
+            ck.save(state, save_to)
+        gathered = ck.full_params(state, None if layout[0] else mesh)
+        out.append((losses, norms, gathered, sorted(opened)))
+    return out
+
+
+def assert_same(got, want, what, exact=False):
+    """Two trainings (losses, norms, params) agree: bitwise, or as fp32 allows (1e-5 / 1e-6)."""
+    tol = dict(rtol=0, atol=0) if exact else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(want[0]), **tol, msg=what)
+    torch.testing.assert_close(torch.tensor(got[1]), torch.tensor(want[1]), **tol, msg=what)
+    assert got[2].keys() == want[2].keys(), what
+    for name in want[2]:
+        torch.testing.assert_close(got[2][name], want[2][name], **tol, msg=f"{what}: {name}")
+
+
+def assert_written_once(directory):
+    """Every leaf is in the files once: a split leaf's pieces cover its rows without overlap, any
+    other leaf is in one file; the files hold nothing else."""
+    from safetensors import safe_open
+
+    manifest = ck.read_manifest(directory)
+    held = {}
+    for name in manifest["files"]:
+        with safe_open(str(directory / name), "pt") as f:
+            for key in f.keys():
+                held.setdefault(key, []).append((int(name[4:9]), f.get_slice(key).get_shape()))
+    tensors = [e for e in manifest["leaves"] if "dtype" in e]
+    assert set(held) == {e["path"] for e in tensors}
+    for e in tensors:
+        files = [p["file"] for p in e["pieces"]]
+        assert sorted(files) == sorted(r for r, _ in held[e["path"]]), e["path"]
+        if e["split_like"]:
+            rows = sorted(tuple(p["rows"]) for p in e["pieces"])
+            whole = e["full_shape"][0] if e["full_shape"] else 1
+            assert [a for a, _ in rows] == [0] + [b for _, b in rows[:-1]] and rows[-1][1] == whole, e["path"]
+        else:
+            assert len(files) == 1, e["path"]
+
+
+def test_a_pipeline_over_zero_1_reshards_into_zero_3_and_one_process(tmp_path):
+    """pp=2 x dp=2 (ZeRO-1 in each stage), saved after K steps: resumed in its own layout it is
+    exact; loaded into stage 3 on 2 ranks or a plain process, continuing equals training straight
+    through in that layout; export and full_params give the same whole params."""
+    saved = tmp_path / "pp2-dp2"
+    pp_dp, zero3 = (2, 1), (0, 3)
+    runs = zf.dist.spawn(layout_worker, 4, 4, [(pp_dp, None, 0, N, None), (pp_dp, None, 0, K, saved),
+                                               (pp_dp, saved, K, N, None)])
+    straight, at_k, resumed = runs[0]
+    for rank in range(4):
+        for got, want in zip(runs[rank], runs[0]):
+            assert_same(got, want, f"full_params on rank {rank}", exact=True)  # every rank: the whole model
+    assert_same(resumed, (straight[0][K:], straight[1][K:], straight[2]), "pp2 x dp2 resumed", exact=True)
+    assert [runs[rank][2][3] for rank in range(4)] == [[0], [1], [2], [3]]  # each rank reads its own file only
+    assert_written_once(saved)
+    assert ck.read_manifest(saved)["pipeline"] == 2
+
+    z = zf.dist.spawn(layout_worker, 2, 2, [(zero3, None, 0, N, None), (zero3, saved, K, N, None)])[0]
+    assert_same(z[1], (z[0][0][K:], z[0][1][K:], z[0][2]), "pp2 x dp2 -> stage 3 on 2 ranks")
+
+    plain = layout_worker(0, 1, [((0, 0), None, 0, N, None), ((0, 0), saved, K, N, None)])
+    assert_same(plain[1], (plain[0][0][K:], plain[0][1][K:], plain[0][2]), "pp2 x dp2 -> one process")
+    exported = load_file(ck.export(saved, tmp_path / "model.safetensors"))
+    for name, value in at_k[2].items():
+        if name != "head.weight":  # tied to emb.weight: exported once
+            assert torch.equal(exported[name], value), name
+
+
+def test_plain_and_zero_1_checkpoints_load_into_a_pipeline_and_back(tmp_path):
+    """A plain checkpoint and a ZeRO-1 one (2 ranks) load into pp=2; continuing equals the
+    pipeline trained straight through. A pp=2 checkpoint resumes exactly and loads into one process."""
+    plain_ckpt, zero1_ckpt, pp_ckpt = tmp_path / "plain", tmp_path / "zero1", tmp_path / "pp2"
+    plain = layout_worker(0, 1, [((0, 0), None, 0, N, None), ((0, 0), None, 0, K, plain_ckpt)])
+    pp = (2, 0)
+    runs = zf.dist.spawn(layout_worker, 2, 2, [((0, 1), None, 0, K, zero1_ckpt), (pp, None, 0, N, None),
+                                               (pp, None, 0, K, pp_ckpt), (pp, pp_ckpt, K, N, None),
+                                               (pp, plain_ckpt, K, N, None), (pp, zero1_ckpt, K, N, None)])
+    _, straight, _, resumed, from_plain, from_zero1 = runs[0]
+    assert_same(runs[1][1], straight, "full_params on rank 1", exact=True)
+    rest = (straight[0][K:], straight[1][K:], straight[2])
+    assert_same(resumed, rest, "pp2 resumed", exact=True)
+    assert_same(from_plain, rest, "plain -> pp2")
+    assert_same(from_zero1, rest, "stage 1 on 2 ranks -> pp2")
+    assert resumed[3] == [0] and runs[1][3][3] == [1]  # each stage reads only the file holding its params
+    assert runs[1][5][3] == [0, 1]  # stage 1 of 2 needs rows of its params from both ZeRO-1 ranks
+    assert_written_once(pp_ckpt)
+    back = layout_worker(0, 1, [((0, 0), pp_ckpt, K, N, None)])[0]
+    assert_same(back, (plain[0][0][K:], plain[0][1][K:], plain[0][2]), "pp2 -> one process")
+
+
+def test_a_format_1_checkpoint_still_loads_and_is_checked_whole(tmp_path):
+    """Checkpoints written before format 2 (every rank's file holding all its leaves, one crc32
+    per file) load as they did: rows from each rank's file, unsplit leaves from rank 0's."""
+    import json
+    import zlib
+
+    from safetensors.torch import save_file
+
+    w = torch.arange(10.0)
+    directory = tmp_path / "000003"
+    directory.mkdir()
+    crcs = {}
+    for rank in range(2):  # chunk 5: rank r holds rows [5r, 5r + 5) of w and of its moment
+        name = f"rank{rank:05d}.safetensors"
+        save_file({"params/w": w[5 * rank : 5 * rank + 5].clone(), "opt_state/0/w": -w[5 * rank : 5 * rank + 5],
+                   "opt_state/1": torch.tensor(3)}, str(directory / name))
+        crcs[name] = zlib.crc32((directory / name).read_bytes())
+    split = {"split_like": "w", "full_shape": [10], "chunk": 5}
+    (directory / "manifest.json").write_text(json.dumps({
+        "format": 1, "world": 2, "stage": 1, "step": 3, "run": "", "rng": 0, "extra": {}, "files": crcs,
+        "leaves": [{"path": "params/w", "dtype": "float32", "shape": [5], **split},
+                   {"path": "opt_state/0/w", "dtype": "float32", "shape": [5], **split},
+                   {"path": "opt_state/1", "dtype": "int64", "shape": [], "split_like": None, "full_shape": None,
+                    "chunk": None},
+                   {"path": "step", "value": 3}, {"path": "rng", "value": 0}]}))
+    template = zf.TrainState({"w": torch.zeros(10)}, ({"w": torch.zeros(10)}, torch.tensor(0)))
+    state = ck.load(directory, template)
+    assert torch.equal(state.params["w"], w) and torch.equal(state.opt_state[0]["w"], -w)
+    assert state.opt_state[1].item() == 3 and state.step == 3
+    data = bytearray((directory / "rank00001.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (directory / "rank00001.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ck.CheckpointError, match=r"rank00001.safetensors: checksum mismatch.*whole file"):
+        ck.load(directory, template)
+
+
+def bn_pipeline_worker(rank, world, directory):
+    """test_pipeline's BatchNorm stack on 2 stages: 2 steps saved; loaded by a fresh pipelined step,
+    each stage gets back its own units' statistics, and the 3rd step equals the uninterrupted one."""
+    from test_module import bn_batches
+    from test_pipeline import norm_step
+
+    step, state = norm_step(zf.Mesh(pp=world))
+    for batch in bn_batches()[:2]:
+        state, _ = step(state, batch)
+    ck.save(state, directory)
+    fresh, _ = norm_step(zf.Mesh(pp=world))
+    loaded = ck.load(directory, fresh)
+    assert loaded.buffers.keys() == state.buffers.keys()
+    assert all(torch.equal(loaded.buffers[n], b) for n, b in state.buffers.items())
+    saved = zf.tree.clone(state.buffers)
+    (a, _), (b, _) = step(state, bn_batches()[2]), fresh(loaded, bn_batches()[2])
+    assert all(torch.equal(a.buffers[n], b.buffers[n]) for n in a.buffers)
+    return saved
+
+
+def test_a_pipelined_state_keeps_each_stage_batchnorm_statistics(tmp_path):
+    from test_pipeline import norm_step
+
+    directory = str(tmp_path / "000002")
+    stages = zf.dist.spawn(bn_pipeline_worker, 2, 2, directory)
+    assert stages[0] and stages[1] and not stages[0].keys() & stages[1].keys()
+    plain = ck.load(directory, norm_step()[0])  # one process: every stage's statistics
+    assert plain.buffers.keys() == stages[0].keys() | stages[1].keys()
+    for buffers in stages:
+        assert all(torch.equal(plain.buffers[n], b) for n, b in buffers.items())

@@ -22,7 +22,6 @@ from safetensors.torch import load_file
 import zfunc as zf
 from recipes import gpt
 from zfunc import checkpoint as ck
-from zfunc.offload import in_ram
 from test_checkpoint import fp16_dropout_step
 from test_offload import make as make_offloaded
 from test_recipe_gpt import TINY
@@ -106,14 +105,10 @@ def resume(kind: str, root: Path, swap: Path, *, killed_in: str):
     latest = ck.latest(root)
     allowed = [TARGET - 1] if killed_in == "step" else [TARGET - 1, TARGET]  # a killed save: either
     assert latest is not None and latest.name in [f"{n:06d}" for n in allowed], latest
-    step, fresh = make(kind, swap)  # an offloaded one reuses the killed run's swap directory
-    if kind == "plain":
-        state = ck.load(latest, step)
-    else:
-        # zf.checkpoint.load cannot fill an offloaded step's swap files yet: the template is the
-        # offloaded state read into RAM, and the loaded leaves then stay in RAM (the step reads and
-        # writes them there as its stores do for "cpu")
-        state = ck.load(latest, in_ram(fresh))
+    step, _ = make(kind, swap)  # an offloaded one reuses the killed run's swap directory
+    state = ck.load(latest, step)  # offloaded: written leaf by leaf into the step's swap files
+    if kind == "offloaded":
+        assert step.memory(state)["cpu"] == 0 < step.memory(state)["nvme"]  # a true resume onto NVMe
     for i, batch in enumerate(batches(1, STEPS)[state.step:], state.step + 1):
         state, _ = step(state, batch)
         ck.save(state, root / f"{i:06d}", keep_last=KEEP)

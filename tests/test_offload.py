@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import zfunc as zf
 from tests.test_shard import Block, Tiny, assert_same_training, batches, local, tree_equal, with_faults
-from zfunc.offload import in_ram, offload
+from zfunc.offload import OffloadSpec, in_ram, offload
 from zfunc.shard import full_params
 from zfunc.swap import SwapInUseError, SwapPathError
 
@@ -366,9 +366,72 @@ def test_an_offloaded_state_saves_and_exports_its_params(tmp_path):
     assert saved.keys() == full.keys()
     for name in full:
         assert torch.equal(saved[name], full[name])
-    with pytest.raises(zf.checkpoint.CheckpointError, match="offloaded step is not supported yet"):
-        zf.checkpoint.load(tmp_path / "ckpt" / "000001", step)
     step(state, batches(1, 1)[0])  # saving only read the state
+
+
+def resume(step, state, start, stop):
+    """Train on batches [start, stop) of the 1-rank run; the state, losses and norms."""
+    losses, norms = [], []
+    for batch in batches(1, stop)[start:]:
+        state, m = step(state, batch)
+        losses.append(m["loss"].item())
+        norms.append(m["grad_norm"].item())
+    return state, losses, norms
+
+
+@pytest.mark.parametrize("where, params", PLACES)
+def test_a_checkpoint_loads_straight_into_an_offloaded_step(tmp_path, where, params):
+    """A plain step's checkpoint loads into the offloaded step: the state lands where the step
+    keeps it (RAM or its swap files) and continues as the plain step does from it; the offloaded
+    state's own checkpoint is the plain state's (it loads into the plain step, equal)."""
+    plain, state = make(False)
+    state, _, _ = resume(plain, state, 0, 2)
+    directory = zf.checkpoint.save(state, tmp_path / "ckpt" / "000002")
+    ref, ref_losses, ref_norms = resume(plain, zf.checkpoint.load(directory, plain), 2, 5)
+    step, _ = make(False, where=where, params=params, path=tmp_path / "swap")
+    loaded = zf.checkpoint.load(directory, step)
+    placed = step.memory(loaded)
+    assert (placed["nvme"] > 0) == ("nvme" in (where, params)) and (placed["device"] > 0) == (params is None)
+    assert loaded.step == 2 and isinstance(loaded.sharding, OffloadSpec)
+    state, losses, norms = resume(step, loaded, 2, 5)
+    assert losses == ref_losses and norms == pytest.approx(ref_norms, rel=1e-6)
+    got = zf.checkpoint.full_params(state)
+    for name, want in ref.params.items():
+        torch.testing.assert_close(got[name], want, rtol=1e-6, atol=0)
+    back = zf.checkpoint.load(zf.checkpoint.save(state, tmp_path / "ckpt" / "000005"), plain)
+    assert back.opt_state[-1].count == 5 and all(torch.equal(back.params[n], got[n]) for n in got)
+
+
+def test_loading_into_nvme_holds_one_leaf_at_a_time(tmp_path, monkeypatch):
+    """Each leaf's values are read only once the previous leaf is handed to its swap files, and
+    no read is larger than a leaf: the state never sits in RAM whole."""
+    from zfunc import checkpoint_files, store
+
+    plain, state = make(False)
+    directory = zf.checkpoint.save(state, tmp_path / "ckpt" / "000000")
+    step, _ = make(False, where="nvme", params="nvme", path=tmp_path / "swap")
+    keys, events = sorted(state.params), []  # the leaf order
+    read, put = checkpoint_files.RankFiles.read, store.Store.put
+
+    def reading(self, rank, name, crc=None):
+        t = read(self, rank, name, crc)
+        events.append(("read", next(i for i, k in enumerate(keys) if name.endswith("/" + k)), t.numel()))
+        return t
+
+    def putting(self, name, t):
+        events.append(("put", int(name[1:].split(".")[0]), t.numel()))
+        return put(self, name, t)
+
+    monkeypatch.setattr(checkpoint_files.RankFiles, "read", reading)
+    monkeypatch.setattr(store.Store, "put", putting)
+    loaded = zf.checkpoint.load(directory, step)
+    reads = [i for kind, i, _ in events if kind == "read"]
+    assert reads == sorted(reads) and len(reads) == 3 * len(keys)  # master, m, v: leaf after leaf
+    for k, (kind, i, n) in enumerate(events):
+        assert n <= state.params[keys[i]].numel()
+        if kind == "read" and i > 0:  # the leaf before is placed (its moments and master) already
+            assert sum(1 for e in events[:k] if e[:2] == ("put", i - 1)) == 3, (k, events[:k])
+    assert step.memory(loaded)["cpu"] == 0
 
 
 def alone_worker(rank, world, path):

@@ -2,10 +2,11 @@
 
 Layout of ``save(state, "ckpt/000100")``::
 
-    ckpt/000100/rank00000.safetensors ...   each rank's tensors (its pieces), written in parallel
-    ckpt/000100/manifest.json               tree paths, shapes, dtypes, how each leaf is split, world
-                                            size, stage, zfunc version, step, run, RNG, loss scale,
-                                            the caller's ``extra`` (data position), a crc32 per file
+    ckpt/000100/rank00000.safetensors ...   the tensors each rank owns (its pieces), written in parallel
+    ckpt/000100/manifest.json               the plain state's tree paths, dtypes, whole shapes, each
+                                            leaf's pieces (file, rows, crc32), the layout (world, ZeRO
+                                            stage, pipeline stages), zfunc version, step, run, RNG, loss
+                                            scale, the caller's ``extra`` (data position)
     ckpt/latest                             "000100", replaced last
 
 What is guaranteed (the files: ``zfunc.checkpoint_files``; ownership, locks, replacing, pruning:
@@ -35,26 +36,31 @@ What is guaranteed (the files: ``zfunc.checkpoint_files``; ownership, locks, rep
   write. A checkpoint's run is ``save``'s ``run=``, by default its name without trailing digits
   ("000100" -> "", "gpt-000100" -> "gpt-", "step8" -> "step"): runs sharing a folder need names
   that differ before their step digits, or ``run=``.
-- **Every rank or none.** A sharded ``save`` and ``full_params`` first check that every rank made
-  the call (``zf.dist.all_arrive``, at most ``zf.dist.ARRIVAL_TIMEOUT_S``); otherwise each rank
-  that came raises ``CollectiveError`` naming the call and the missing ranks instead of hanging
-  in a collective.
+- **Every rank or none.** A sharded or pipelined ``save`` and ``full_params`` first check that
+  every rank made the call (``zf.dist.all_arrive``, at most ``zf.dist.ARRIVAL_TIMEOUT_S``);
+  otherwise each rank that came raises ``CollectiveError`` naming the call and the missing ranks
+  instead of hanging in a collective.
 - **Loads check the model and the bytes.** ``load`` builds the state for the model it is given
   (``params=``, else the params ``step.init`` last received, else the manifest's) and raises
   ``CheckpointError`` listing params missing from the checkpoint, params only in the checkpoint
-  and shape/dtype differences, then any other difference of structure or dtype; each file's crc32
-  is checked as it is read (``verify=True``). Loads never write.
+  and shape/dtype differences, then any other difference of structure or dtype; the crc32 of
+  each file header and tensor is checked as it is read (``verify=True``). Loads never write the
+  checkpoint.
 
-**Resharding.** Every split zfunc makes is the same: dim 0 in ``torch.chunk`` style over the
-ranks (``shard.ShardSpec``; a plain state is one rank holding everything), whatever the ZeRO stage.
-So a checkpoint from N ranks at stage s loads into M ranks at stage t, or one process, by reading
-for each leaf just the saved rows the new rank owns. Optimizer leaves shaped like a param's piece
-are split like that param; other leaves (counts) are copied.
+**Resharding.** A checkpoint is the same logical thing whatever wrote it: the plain state's
+leaves, whole params and optimizer state (``zfunc.checkpoint_layout``). Every split zfunc makes is
+the same: dim 0 in ``torch.chunk`` style over a stage's dp ranks (``shard.ShardSpec``), whatever the
+ZeRO stage; a pipeline stage (``PipelineSpec``) holds only its own params and their optimizer
+state; an offloaded state has one optimizer state per param leaf, saved as the plain one. Each
+leaf is written once, by the rank that owns it, as pieces of rows. So a checkpoint from any layout
+(plain, N ranks at stage s, offloaded, a pipeline of p stages x d dp ranks) loads into any other,
+by reading for each leaf just the saved pieces holding the rows the new rank owns. Optimizer
+leaves shaped like a param's piece are split like that param; other leaves (counts) are copied.
 
 Why not ``torch.distributed.checkpoint``: it needs DTensors or a planner to describe the uneven
 chunks, and its files are not plain safetensors; the layout above is a few dozen lines, its files
-open with ``safetensors`` (zfunc streams them itself, checksumming on the way, and reads each
-once), and it exports straight to a state dict.
+open with ``safetensors`` (zfunc streams them itself, checksumming each tensor on the way, and
+reads back only the tensors it needs), and it exports straight to a state dict.
 """
 from __future__ import annotations
 
@@ -62,72 +68,23 @@ import json
 import os
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-import optree
 import torch
 import torch.distributed as dist
 
 import zfunc
-from zfunc import checkpoint_files as cf, tree
+from zfunc import checkpoint_files as cf, checkpoint_layout as cl, tree
 from zfunc.checkpoint_files import LATEST, CheckpointError, read_manifest
 from zfunc.checkpoint_folder import (checkpoint_path, claim, default_run, latest, locked, prune, put_in_place, scratch,
                                      write_text_atomic)
+from zfunc.checkpoint_layout import BUFFERS, PARAMS, Slot
 from zfunc.dist import all_arrive
-from zfunc.shard import LeafShard, ShardSpec
 from zfunc.step import Step, TrainState
 from zfunc.swap import fsync_dir
 
-_BUFFERS = "buffers/"  # leaf paths of TrainState.buffers, the module buffers training updates
 
 __all__ = ["CheckpointError", "save", "load", "latest", "read_manifest", "full_params", "export"]
-
-
-# ----------------------------------------------------------------------------- describing a state
-
-
-def _paths_and_leaves(state: TrainState) -> tuple[list[str], list[Any], Any]:
-    paths, leaves, treespec = optree.tree_flatten_with_path(state, namespace=tree.NAMESPACE)
-    return ["/".join(map(str, p)) for p in paths], leaves, treespec
-
-
-def _param_keys(state: TrainState) -> list[str]:
-    paths, _, _ = optree.tree_flatten_with_path(state.params, namespace=tree.NAMESPACE)
-    return ["/".join(map(str, p)) for p in paths]
-
-
-def _splits(state: TrainState) -> dict[str, tuple[str, LeafShard]]:
-    """Path of every leaf split like a param -> (param key, its full-shape LeafShard)."""
-    spec = state.sharding
-    params = tree.leaves(state.params)
-    keys = _param_keys(state)
-    full = {k: (spec.leaves[i] if spec else LeafShard(tuple(p.shape), p.shape[0] if p.dim() else 1))
-            for i, (k, p) in enumerate(zip(keys, params))}
-    local = {k: tuple(p.shape) if p.dim() else (1,) for k, p in zip(keys, params)}
-    out = {}
-    for path, leaf in zip(*_paths_and_leaves(state)[:2]):
-        if not isinstance(leaf, torch.Tensor):
-            continue
-        if path.startswith("params/"):
-            key = path[len("params/"):]
-            out[path] = (key, full[key])
-            continue
-        # an optimizer leaf whose path ends with a param's key and is shaped like its piece
-        parts = path.split("/")
-        for cut in range(1, len(parts)):
-            key = "/".join(parts[cut:])
-            if key in local and (tuple(leaf.shape) if leaf.dim() else (1,)) == local[key]:
-                out[path] = (key, full[key])
-                break
-    return out
-
-
-def _world_rank(state: TrainState) -> tuple[int, int, int | None]:
-    spec = state.sharding
-    if spec is not None and not isinstance(spec, ShardSpec):  # zf.pipeline's PipelineSpec
-        raise CheckpointError(f"state: checkpoints of pipelined states ({spec}) are not supported yet; "
-                              "save and load plain or zf.shard states")
-    return (spec.world, spec.rank, spec.stage) if isinstance(spec, ShardSpec) else (1, 0, None)
 
 
 # ----------------------------------------------------------------------------- save
@@ -165,10 +122,10 @@ def _check_extra(extra: Any) -> dict:
 
 def save(state: TrainState, directory: str | os.PathLike, *, keep_last: int | None = None,
          extra: dict | None = None, run: str | None = None) -> Path:
-    """Write ``state`` to ``directory`` atomically; every rank of a sharded state calls it.
+    """Write ``state`` to ``directory`` atomically; every rank of a sharded or pipelined state calls it.
 
     Args:
-      state: any ``TrainState``, plain or sharded (it is only read).
+      state: any ``TrainState``: plain, sharded, offloaded or pipelined (it is only read).
       directory: the checkpoint's own directory, e.g. ``ckpt/000100``: new, empty, or a zfunc
         checkpoint to replace (anything else is refused); its parent gets ``latest``.
       keep_last: keep only the ``keep_last`` checkpoints of this run in the parent with the
@@ -178,20 +135,24 @@ def save(state: TrainState, directory: str | os.PathLike, *, keep_last: int | No
       run: the run this checkpoint belongs to, for ``keep_last``; default the directory's name
         without its trailing digits.
     Returns the directory. Raises ``CheckpointError`` before writing anything when a path it would
-    write is not zfunc's. Costs one streaming write of this rank's state bytes (checksummed on the
-    way) and an fsync; a sharded save also a store round trip checking every rank called it.
+    write is not zfunc's. Costs one streaming write of the state bytes this rank owns (checksummed
+    on the way) and an fsync; with several ranks also a store round trip checking every rank
+    called it and two all-gathers of a few bytes per leaf (who writes what, the checksums).
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"state: expected a TrainState, got {type(state).__name__}")
     final, run, extra = _check_save_args(directory, keep_last, extra, run)
-    world, rank, stage = _world_rank(state)
+    world, rank = cl.place(state.sharding)
     from zfunc.offload import in_ram
 
     state = in_ram(state)  # an offloaded state's swap files, read back
-    paths, leaves, _ = _paths_and_leaves(state)
-    _check_leaves(paths, leaves)
+    slots, leaves, _ = cl.slots(state)
+    _check_leaves([s.path for s in slots], leaves)
     if world > 1:
+        if dist.get_world_size() != world:
+            raise ValueError(f"state: it is one of {world} ranks, the process group has {dist.get_world_size()}")
         all_arrive("zf.checkpoint.save", "state")
+    entries, writes = cl.assign(cl.all_gather(cl.descriptions(slots, leaves), world))
     tmp = scratch(final, "tmp")
     with ExitStack() as held:  # rank 0 holds the lock on ``final`` until the save is in place
         problem = claim(final, held) if rank == 0 else None
@@ -204,14 +165,14 @@ def save(state: TrainState, directory: str | os.PathLike, *, keep_last: int | No
         if rank == 0:
             tmp.mkdir()
         _barrier(world)
-        tensors = {p: x.detach().contiguous().cpu() for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor)}
-        crc = cf.write_safetensors(tmp / cf.rank_file(rank), tensors)
-        digests = [crc]
-        if world > 1:
-            digests = [None] * world
-            dist.all_gather_object(digests, crc)
+        tensors: dict[str, torch.Tensor] = {}
+        for slot, x in zip(slots, leaves):
+            if slot.path in writes[rank] and slot.path not in tensors:  # an offloaded state's first copy
+                tensors[slot.path] = x.detach().contiguous().cpu()
+        crcs = cl.all_gather(cf.write_safetensors(tmp / cf.rank_file(rank), tensors), world)
         if rank == 0:
-            cf.write_manifest(tmp, _manifest(state, paths, leaves, world, stage, run, extra, digests))
+            cl.add_checksums(entries, crcs)
+            cf.write_manifest(tmp, _manifest(state, entries, crcs, run, extra))
             fsync_dir(tmp)
             _publish(tmp, final, run, keep_last)
     _barrier(world)
@@ -241,22 +202,10 @@ def _publish(tmp: Path, final: Path, run: str, keep_last: int | None) -> None:
             prune(final.parent, run, keep_last, keep={final.name})
 
 
-def _manifest(state: TrainState, paths: list[str], leaves: list[Any], world: int, stage: int | None, run: str,
-              extra: dict, digests: list[int]) -> dict:
-    splits = _splits(state)
-    return {
-        "format": cf.FORMAT, "zfunc": zfunc.__version__, "world": world, "stage": stage,
-        "step": state.step, "run": run, "rng": state.rng, "extra": extra,
-        "files": {cf.rank_file(r): d for r, d in enumerate(digests)},
-        "leaves": [
-            {"path": p, "dtype": str(x.dtype).removeprefix("torch."), "shape": list(x.shape),
-             "split_like": splits[p][0] if p in splits else None,
-             "full_shape": list(splits[p][1].shape) if p in splits else None,
-             "chunk": splits[p][1].chunk if p in splits else None}
-            if isinstance(x, torch.Tensor) else {"path": p, "value": x}
-            for p, x in zip(paths, leaves)
-        ],
-    }
+def _manifest(state: TrainState, entries: list[dict], crcs: list[dict], run: str, extra: dict) -> dict:
+    return {"format": cf.FORMAT, "zfunc": zfunc.__version__, **cl.describe(state.sharding), "step": state.step,
+            "run": run, "rng": state.rng, "extra": extra,
+            "files": {cf.rank_file(r): c[cf.HEADER] for r, c in enumerate(crcs)}, "leaves": entries}
 
 
 def _barrier(world: int) -> None:
@@ -267,98 +216,83 @@ def _barrier(world: int) -> None:
 # ----------------------------------------------------------------------------- load
 
 
-class _Files:
-    """The checkpoint's rank files, each read (and checksummed) once, on first use."""
-
-    def __init__(self, directory: Path, manifest: dict, verify: bool):
-        self.directory, self.manifest, self.verify = directory, manifest, verify
-        self.read: dict[int, dict[str, torch.Tensor]] = {}
-
-    def __call__(self, rank: int) -> dict[str, torch.Tensor]:
-        if rank not in self.read:
-            name = cf.rank_file(rank)
-            path = self.directory / name
-            if not path.exists():
-                raise CheckpointError(f"{path}: shard file missing (the checkpoint was written by "
-                                      f"{self.manifest['world']} ranks)")
-            self.read[rank] = cf.read_safetensors(path, self.manifest["files"][name] if self.verify else None)
-        return self.read[rank]
-
-
-def _read_rows(files: _Files, entry: dict, world: int, start: int, stop: int) -> torch.Tensor:
-    """Rows [start, stop) of a split leaf's whole tensor, from the ranks that saved them."""
-    chunk, full = entry["chunk"], entry["full_shape"]
-    rows = full[0] if full else 1
-    parts = []
-    for r in range(world):
-        lo, hi = max(start, r * chunk), min(stop, (r + 1) * chunk, rows)
-        if lo < hi:
-            saved = files(r)[entry["path"]]
-            parts.append(saved.reshape(-1, *full[1:])[lo - r * chunk : hi - r * chunk])
-    if not parts:
-        return torch.empty((0, *full[1:]), dtype=getattr(torch, entry["dtype"]))
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
 def _saved_buffers(manifest: dict, device: str | torch.device) -> dict[str, torch.Tensor]:
     """Empty tensors shaped like the checkpoint's module buffers (``state.buffers``: never split)."""
-    return {e["path"][len(_BUFFERS):]: torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]), device=device)
-            for e in manifest["leaves"] if e["path"].startswith(_BUFFERS)}
-
-
-def _device_of(template: TrainState, default: str | torch.device) -> str | torch.device:
-    tensors = [x for x in tree.leaves(template.params) if isinstance(x, torch.Tensor)]
-    return tensors[0].device if tensors else default
+    return {e["path"][len(BUFFERS):]: torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]), device=device)
+            for e in manifest["leaves"] if e["path"].startswith(BUFFERS)}
 
 
 def _meta(x: Any) -> Any:
     return torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
 
 
-def _template(manifest: dict, step_or_template: Any, params: Any, device: str | torch.device) -> tuple[TrainState, str]:
-    """The state to fill and where its model came from."""
+def _model(manifest: dict, step: Step, params: Any) -> tuple[Any, str]:
+    """The model's params (on the meta device) and where they came from."""
+    if params is not None:
+        model, source = params, "params="
+    elif getattr(step, "initialized_with", None) is not None:
+        model, source = step.initialized_with, "the params step.init last received"
+    else:  # nothing says what the model is: the checkpoint's own params
+        model = {e["path"][len(PARAMS):]: torch.empty(e["full_shape"], dtype=getattr(torch, e["dtype"]), device="meta")
+                 for e in manifest["leaves"] if e["path"].startswith(PARAMS)}
+        source = "the checkpoint"
+    return tree.map(_meta, model), source
+
+
+def _template(manifest: dict, step_or_template: Any, params: Any) -> tuple[TrainState, str, Any]:
+    """The state to fill (a step's: on the meta device), where its model came from, and the
+    model's meta params (None for a template state)."""
+    from zfunc.offload import OffloadedStep
+    from zfunc.pipeline import PipelineStep
+    from zfunc.store import OnDisk
+
     if isinstance(step_or_template, TrainState):
         if params is not None:
             raise ValueError("params: give it with a Step; a TrainState template's own params say the model")
-        saved = _saved_buffers(manifest, _device_of(step_or_template, device))
+        if any(isinstance(x, OnDisk) for x in tree.leaves((step_or_template.params, step_or_template.opt_state))):
+            raise ValueError("step_or_template: an offloaded state's leaves live in its swap files; pass the "
+                             "offloaded step, and the checkpoint is written into them")
+        tensors = [x for x in tree.leaves(step_or_template.params) if isinstance(x, torch.Tensor)]
+        saved = _saved_buffers(manifest, tensors[0].device if tensors else "cpu")
         if step_or_template.buffers and saved:
-            return step_or_template, "the template state"
+            return step_or_template, "the template state", None
         # buffers join a state at the first step that writes them: where the template or the
         # checkpoint has none yet, the checkpoint's (or their absence) are what is loaded
-        return step_or_template.replace(buffers=saved), "the template state"
+        return step_or_template.replace(buffers=saved), "the template state", None
     if not isinstance(step_or_template, Step):
         raise TypeError(f"step_or_template: expected a Step or a TrainState, got {type(step_or_template).__name__}")
-    from zfunc.offload import OffloadedStep
-
+    model, source = _model(manifest, step_or_template, params)
     if isinstance(step_or_template, OffloadedStep):
-        raise CheckpointError("step_or_template: loading straight into an offloaded step is not supported yet; load "
-                              "into the step it wraps, then start the offloaded one from zf.checkpoint.full_params")
-    if params is not None:
-        model, source = params, "params="
-    elif getattr(step_or_template, "initialized_with", None) is not None:
-        model, source = step_or_template.initialized_with, "the params step.init last received"
-    else:  # nothing says what the model is: the checkpoint's own params
-        model = {e["path"][len("params/"):]: torch.empty(e["full_shape"], dtype=getattr(torch, e["dtype"]),
-                                                         device="meta")
-                 for e in manifest["leaves"] if e["path"].startswith("params/")}
-        source = "the checkpoint"
-    template = step_or_template.init(tree.map(_meta, model)).replace(buffers=_saved_buffers(manifest, "meta"))
-    return tree.map(lambda x: torch.empty(x.shape, dtype=x.dtype, device=device) if isinstance(x, torch.Tensor) else x,
-                    template), source
+        template = step_or_template.init_meta(model)
+    else:
+        template = step_or_template.init(model)
+    buffers = _saved_buffers(manifest, "meta")
+    if isinstance(step_or_template, PipelineStep):
+        buffers = step_or_template.own_buffers(buffers)
+    return template.replace(buffers=buffers), source, model
 
 
-def _check_model(directory: Path, manifest: dict, template: TrainState, source: str) -> None:
-    """Every param of the model is in the checkpoint with its whole shape and dtype, and no other."""
-    def describe(shape, dtype) -> str:
-        return f"{tuple(shape)} {dtype}"
+def _said(shape: tuple, dtype: str | None) -> str:
+    return f"{shape} {dtype}" if dtype else str(shape)
 
-    saved = {e["path"][len("params/"):]: describe(e["full_shape"], e["dtype"])
-             for e in manifest["leaves"] if e["path"].startswith("params/") and "dtype" in e}
-    model = {path[len("params/"):]: describe(leaf.shape, str(x.dtype).removeprefix("torch."))
-             for path, (_, leaf), x in _param_splits(template)}
+
+def _check_model(directory: Path, manifest: dict, template: TrainState, slots: list[Slot], leaves: list,
+                 source: str) -> None:
+    """Every param of the model is in the checkpoint with its whole shape and dtype, and no other
+    (a pipeline stage holds some of the model's params: the others are checked by shape)."""
+    from zfunc.pipeline import PipelineSpec
+
+    saved = {e["path"][len(PARAMS):]: (tuple(e["full_shape"]), e["dtype"])
+             for e in manifest["leaves"] if e["path"].startswith(PARAMS) and "dtype" in e}
+    spec, model = template.sharding, {}
+    if isinstance(spec, PipelineSpec):
+        model = {n: (tuple(shape), None) for n, shape in zip(spec.names, spec.shapes)}
+    model.update({s.split_like: (s.full_shape, str(x.dtype).removeprefix("torch."))
+                  for s, x in zip(slots, leaves) if s.path.startswith(PARAMS)})
     missing, unexpected = sorted(model.keys() - saved.keys()), sorted(saved.keys() - model.keys())
-    differ = [f"{n}: {saved[n]} in the checkpoint, {model[n]} in the model" for n in sorted(model.keys() & saved.keys())
-              if saved[n] != model[n]]
+    differ = [f"{n}: {_said(*saved[n])} in the checkpoint, {_said(*model[n])} in the model"
+              for n in sorted(model.keys() & saved.keys())
+              if saved[n][0] != model[n][0] or model[n][1] not in (None, saved[n][1])]
     if missing or unexpected or differ:
         parts = [f"{len(missing)} params of the model not in the checkpoint {missing[:5]}" if missing else "",
                  f"{len(unexpected)} params in the checkpoint not in the model {unexpected[:5]}" if unexpected else "",
@@ -367,87 +301,97 @@ def _check_model(directory: Path, manifest: dict, template: TrainState, source: 
                               + "; ".join(p for p in parts if p))
 
 
-def _param_splits(state: TrainState) -> list[tuple[str, tuple[str, LeafShard], torch.Tensor]]:
-    paths, leaves, _ = _paths_and_leaves(state)
-    splits = _splits(state)
-    return [(p, splits[p], x) for p, x in zip(paths, leaves) if p.startswith("params/") and p in splits]
+def _reader(files: cf.RankFiles, entry: dict, slot: Slot, like: Any) -> Callable[[], Any]:
+    """A function reading the leaf (a CPU tensor shaped like ``like``, or the saved value)."""
+    def read() -> Any:
+        if not isinstance(like, torch.Tensor):
+            return entry.get("value")
+        if entry["split_like"] is None:
+            return cl.read_whole(files, entry, files.manifest).reshape(like.shape)
+        return cl.read_rows(files, entry, *slot.rows).reshape(like.shape)
+
+    return read
 
 
 def load(directory: str | os.PathLike, step_or_template: Step | TrainState, *, params: Any = None,
          device: str | torch.device = "cpu", verify: bool = True) -> TrainState:
-    """Read a checkpoint into the layout of ``step_or_template`` (any world size and stage).
+    """Read a checkpoint into the layout of ``step_or_template`` (any world size, stage, pipeline).
 
     Args:
       directory: a checkpoint directory (``latest(root)`` finds the newest).
-      step_or_template: the step that will train the state (sharded or plain: the state is split
-        as its ``init`` splits) or a ``TrainState`` whose structure, dtypes and split to follow.
-        ``state.buffers`` (module buffers, whole on every rank) come from rank 0's file, as the
-        checkpoint holds them, also when the template has none yet (a state from ``init``).
+      step_or_template: the step that will train the state (plain, sharded, pipelined or
+        offloaded: the state is laid out as its ``init`` lays it out; an offloaded step's lands
+        where it keeps it, in RAM or written leaf by leaf into its swap files) or a ``TrainState``
+        whose structure, dtypes and split to follow. ``state.buffers`` (module buffers, whole)
+        are loaded as the checkpoint holds them, also when the template has none yet (a state
+        from ``init``); a pipeline stage gets those of its own units.
       params: with a step, the model's params (what ``zf.functionalize`` returns, on any device,
         meta included); default: what the step's ``init`` last received, else the checkpoint's.
-      device: where the tensors go when a step is given (a template's own devices are used).
-      verify: check each file's crc32 as it is read.
+      device: where the tensors go when a step is given (an offloaded step computes there; a
+        template's own devices are used).
+      verify: check the crc32 of each file header and tensor read.
     Raises ``CheckpointError`` naming what differs: params the model has and the checkpoint lacks
     or the reverse, whole shapes or dtypes, another optimizer structure, a missing or corrupt file.
-    Nothing on disk is modified. Each file this rank needs is read once; where the layout is
-    unchanged, the state's CPU tensors are views of the read buffer (no copies).
+    The checkpoint is never modified. Reads only the saved pieces holding rows this rank needs,
+    one at a time; where the layout is unchanged, the state's CPU tensors are the buffers they
+    were read into (no copies). Into an offloaded step, at most one leaf (param piece and its
+    optimizer state) is in RAM at once, besides the step's writes in flight.
     """
+    from zfunc.offload import OffloadedStep
+
     directory = checkpoint_path(directory)
     manifest = read_manifest(directory)
-    template, source = _template(manifest, step_or_template, params, device)
-    _check_model(directory, manifest, template, source)
-    paths, leaves, treespec = _paths_and_leaves(template)
+    template, source, model = _template(manifest, step_or_template, params)
+    slots, leaves, treespec = cl.slots(template)
+    _check_model(directory, manifest, template, slots, leaves, source)
     saved = {e["path"]: e for e in manifest["leaves"]}
-    if set(paths) != set(saved):
-        missing, unexpected = sorted(set(paths) - set(saved)), sorted(set(saved) - set(paths))
-        raise CheckpointError(f"{directory}: the state's structure differs from the checkpoint's: "
-                              f"not in the checkpoint {missing[:5]}, only in the checkpoint {unexpected[:5]}")
-    files = _Files(directory, manifest, verify)
-    splits = _splits(template)
-    world, rank, _ = _world_rank(template)
-    values = []
-    for path, like in zip(paths, leaves):
-        entry = saved[path]
-        if not isinstance(like, torch.Tensor):
-            values.append(entry.get("value"))
-            continue
-        if entry.get("dtype") != str(like.dtype).removeprefix("torch."):
-            raise CheckpointError(f"{directory}: leaf {path} is {entry.get('dtype')} in the checkpoint, "
-                                  f"{like.dtype} in the state")
-        if entry["split_like"] is None:
-            value = files(0)[path]
-        else:
-            if path not in splits or tuple(entry["full_shape"]) != splits[path][1].shape:
-                raise CheckpointError(f"{directory}: leaf {path} has whole shape {tuple(entry['full_shape'])} in "
-                                      f"the checkpoint, {splits[path][1].shape if path in splits else 'unsplit'} in the state")
-            leaf = splits[path][1]
-            start = min(rank * leaf.chunk, leaf.rows) if world > 1 else 0
-            stop = start + (leaf.local_rows(rank) if world > 1 else leaf.rows)
-            value = _read_rows(files, entry, manifest["world"], start, stop)
-        if value.numel() != like.numel():
-            raise CheckpointError(f"{directory}: leaf {path} has {value.numel()} elements in the checkpoint, "
-                                  f"{like.numel()} in the state")
-        values.append(value.reshape(like.shape).to(like.device))
-    return tree.unflatten(treespec, values)
+    cl.check_structure(directory, saved, slots, template)
+    for slot, like in zip(slots, leaves):
+        cl.check_leaf(directory, saved[slot.path], slot, like)
+    with cf.RankFiles(directory, manifest, verify) as files:
+        lazy = tree.unflatten(treespec, [_reader(files, saved[s.path], s, x) for s, x in zip(slots, leaves)])
+        if isinstance(step_or_template, OffloadedStep):
+            return _restore(step_or_template, lazy, model, device)
+        return tree.map(lambda read, like: _to(read(), like, device), lazy, template)
+
+
+def _to(value: Any, like: Any, device: str | torch.device) -> Any:
+    if not isinstance(like, torch.Tensor):
+        return value
+    return value.to(device if like.device.type == "meta" else like.device)
+
+
+def _restore(step: Any, lazy: TrainState, model: Any, device: str | torch.device) -> TrainState:
+    """The offloaded step's state, its leaves read and placed one at a time (``restore``)."""
+    masters = tree.leaves(lazy.params)
+    state = step.restore(model, lambda i: (masters[i](), tree.map(lambda read: read(), lazy.opt_state[i])), device)
+    return state.replace(step=lazy.step(), rng=lazy.rng(), loss_scale=tree.map(lambda read: read(), lazy.loss_scale),
+                         buffers={n: read().to(device) for n, read in lazy.buffers.items()})
 
 
 # ----------------------------------------------------------------------------- whole params
 
 
 def full_params(state: TrainState, mesh=None) -> dict:
-    """Every param whole (fp32 copies), on every rank, from any state: a collective when sharded,
-    which every rank of the state must call (checked first, see ``zf.dist.all_arrive``)."""
+    """Every param whole (fp32 copies), on every rank, from any state: a collective when sharded
+    or pipelined, which every rank of the state must call (checked first, see ``zf.dist.all_arrive``)."""
     if not isinstance(state, TrainState):
         raise TypeError(f"state: expected a TrainState, got {type(state).__name__}")
     if state.sharding is None:
         return tree.clone(state.params)
     from zfunc.dist import Mesh
     from zfunc.offload import in_ram
+    from zfunc.pipeline import PipelineSpec
     from zfunc.shard import full_params as gather
 
-    if state.sharding.world > 1:
+    world, _ = cl.place(state.sharding)
+    if isinstance(state.sharding, PipelineSpec):  # each stage's params, from its dp ranks, on every rank
+        if world > 1:
+            all_arrive("zf.checkpoint.full_params", "state")
+        return cl.gather_params(state)
+    if world > 1:
         all_arrive("zf.checkpoint.full_params", "state", mesh.comm.group if mesh is not None else None)
-    return gather(in_ram(state), mesh or Mesh(dp=state.sharding.world))
+    return gather(in_ram(state), mesh or Mesh(dp=world))
 
 
 def export(directory: str | os.PathLike, out: str | os.PathLike) -> Path:
@@ -456,19 +400,16 @@ def export(directory: str | os.PathLike, out: str | os.PathLike) -> Path:
     ``model.load_state_dict(safetensors.torch.load_file(out), strict=False)`` restores a model,
     with the buffers training updated (BatchNorm statistics: ``state.buffers``); tied aliases and
     constant buffers are not repeated. Hugging Face's ``from_pretrained`` reads it as a
-    ``model.safetensors``. Works in one process, whatever world size wrote the checkpoint.
+    ``model.safetensors``. Works in one process, whatever layout wrote the checkpoint.
     """
     directory, out = checkpoint_path(directory), checkpoint_path(out, "out")
     manifest = read_manifest(directory)
-    files = _Files(directory, manifest, verify=True)
     tensors = {}
-    for entry in manifest["leaves"]:
-        if entry["path"].startswith("params/"):
-            rows = entry["full_shape"][0] if entry["full_shape"] else 1
-            whole = _read_rows(files, entry, manifest["world"], 0, rows)
-            tensors[entry["path"][len("params/"):]] = whole.reshape(entry["full_shape"]).contiguous()
-        elif entry["path"].startswith(_BUFFERS):  # trained BatchNorm statistics: whole on every rank
-            tensors[entry["path"][len(_BUFFERS):]] = files(0)[entry["path"]].contiguous()
+    with cf.RankFiles(directory, manifest, verify=True) as files:
+        for entry in manifest["leaves"]:
+            for prefix in (PARAMS, BUFFERS):  # buffers: trained BatchNorm statistics
+                if entry["path"].startswith(prefix) and "dtype" in entry:
+                    tensors[entry["path"][len(prefix):]] = cl.read_whole(files, entry, manifest).contiguous()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     cf.write_safetensors(tmp, tensors)

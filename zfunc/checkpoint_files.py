@@ -4,6 +4,10 @@
 Each rank's tensors are one safetensors file, ``rank{r:05d}.safetensors``, streamed from the
 tensors' memory and checksummed (crc32) on the way; ``manifest.json`` describes them. These two
 kinds of file are all a checkpoint directory holds.
+
+Format 2 checksums each file's header and each tensor on its own (the manifest holds the crc32s),
+so a loader reads, and checks, only the tensors it needs, one at a time (``RankFiles``). Format 1
+(one crc32 per file) is still read: its files are checked whole when first opened.
 """
 from __future__ import annotations
 
@@ -19,7 +23,9 @@ import torch
 
 from zfunc.ops import hostmem
 
-FORMAT = 1
+FORMAT = 2
+FORMATS = (1, 2)  # what read_manifest accepts
+HEADER = "__header__"  # write_safetensors' key for the crc32 of the file's header
 MANIFEST = "manifest.json"
 LATEST = "latest"
 RANK_FILE = re.compile(r"rank\d{5}\.safetensors")
@@ -48,9 +54,9 @@ def read_manifest(directory: str | os.PathLike) -> dict:
             manifest = json.loads(f.read())
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
         raise CheckpointError(f"{path}: not a zfunc manifest, it does not parse as JSON ({e})") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") not in FORMATS:
         got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise CheckpointError(f"{path}: format {got!r}, expected {FORMAT}")
+        raise CheckpointError(f"{path}: format {got!r}, expected one of {FORMATS}")
     return manifest
 
 
@@ -70,8 +76,9 @@ ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", t
 _TORCH_DTYPES = {v: k for k, v in ST_DTYPES.items()}
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> int:
-    """Write ``tensors`` (contiguous, CPU) as a safetensors file, fsynced; returns its crc32.
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Write ``tensors`` (contiguous, CPU) as a safetensors file, fsynced; returns the crc32 of
+    each tensor's bytes by name, and of the header (length and JSON) under ``HEADER``.
 
     Streams each tensor's memory straight to the file (no serialised copy) and checksums it on
     the way. Wider dtypes first, so every tensor's offset stays aligned for zero-copy reads.
@@ -94,9 +101,10 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> int:
             for block in _blocks(data):
                 f.write(block)
                 checksum.update(block)  # on a helper thread, overlapping the next write
+            checksum.cut()
         f.flush()
         os.fsync(f.fileno())
-    return checksum.value()
+    return dict(zip([HEADER, *names], checksum.spans()))
 
 
 _BLOCK = 64 << 20
@@ -112,58 +120,142 @@ def _blocks(data: memoryview):
 
 
 class _Crc32:
-    """A running crc32 computed on one helper thread (zlib releases the GIL), in update order."""
+    """Running crc32s computed on one helper thread (zlib releases the GIL), in update order;
+    ``cut()`` ends a span and starts the next one at 0."""
 
     def __init__(self):
         self._pool = ThreadPoolExecutor(1)
         self._crc = 0
+        self._spans: list[int] = []
         self._last = None
 
     def _step(self, block: memoryview) -> None:
         self._crc = zlib.crc32(block, self._crc)
 
+    def _cut(self) -> None:
+        self._spans.append(self._crc)
+        self._crc = 0
+
     def update(self, block: memoryview) -> None:
         self._last = self._pool.submit(self._step, block)
 
-    def value(self) -> int:
-        self._pool.shutdown(wait=True)
+    def cut(self) -> None:
+        self._last = self._pool.submit(self._cut)
+
+    def spans(self) -> list[int]:
+        """The crc32 of every span cut so far (waits for them)."""
         if self._last is not None:
             self._last.result()
-        return self._crc
+        return self._spans
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
 
 
-def read_safetensors(path: Path, expected_crc: int | None) -> dict[str, torch.Tensor]:
-    """Read a safetensors file in one pass; tensors are views into one buffer (no copies).
-
-    With ``expected_crc`` the file's crc32 must match, else ``CheckpointError`` names the file.
-    """
-    size = path.stat().st_size
-    # uninitialised: the file overwrites every byte. Loaded state is views into it, so it goes on
-    # huge pages, as init places state (zfunc.ops.hostmem).
-    raw = hostmem.empty(size, torch.uint8)
-    checksum = _Crc32()
-    with open(path, "rb", buffering=0) as f:
-        for block in _blocks(_bytes_of(raw)):
-            got = 0
-            while got < len(block):
-                n = f.readinto(block[got:])
-                if not n:
-                    raise CheckpointError(f"{path}: file ended after {got} of {len(block)} bytes of a block")
-                got += n
+def _read_into(f, offset: int, out: memoryview, path: Path, checksum: _Crc32 | None = None) -> None:
+    """Fill ``out`` with the file's bytes from ``offset``, block by block (each checksummed)."""
+    f.seek(offset)
+    for block in _blocks(out):
+        got = 0
+        while got < len(block):
+            n = f.readinto(block[got:])
+            if not n:
+                raise CheckpointError(f"{path}: file ended after {got} of {len(block)} bytes of a block")
+            got += n
+        if checksum is not None:
             checksum.update(block)  # checksums block k while block k+1 is read
-    if expected_crc is not None and checksum.value() != expected_crc:
-        raise CheckpointError(f"{path}: checksum mismatch, the file is corrupt")
-    try:
-        (n_header,) = struct.unpack("<Q", bytes(raw[:8].numpy()))
-        header = json.loads(bytes(raw[8 : 8 + n_header].numpy()))
-    except (struct.error, ValueError) as e:
-        raise CheckpointError(f"{path}: not a safetensors file ({e})") from e
-    base = 8 + n_header
-    out = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
+
+
+class RankFiles:
+    """The rank files of one checkpoint, read tensor by tensor: each file's header once (parsed
+    and checked), then only the bytes of the tensors asked for, each checked against its crc32
+    when ``verify``. Format 1 files, which have one crc32 each, are checked whole when opened.
+    Use as a context manager (it holds the files open)."""
+
+    def __init__(self, directory: Path, manifest: dict, verify: bool):
+        self.directory, self.manifest, self.verify = directory, manifest, verify
+        self.opened: dict[int, tuple] = {}  # rank -> (file, path, header, data offset)
+        self.checksum = _Crc32()
+        self.pending: list[tuple[int, int, Path, str]] = []  # (span, expected crc32, file, what)
+        self.cuts = 0
+
+    def __enter__(self) -> RankFiles:
+        return self
+
+    def __exit__(self, kind, *exc) -> None:
+        try:
+            if kind is None:
+                self.check()
+        finally:
+            for f, *_ in self.opened.values():
+                f.close()
+            self.checksum.close()
+
+    def check(self) -> None:
+        """Wait for the checksums of the tensors read so far; raise ``CheckpointError`` naming the
+        file at the first mismatch. (Each is computed on the helper thread while the next is
+        read; leaving the ``with`` block checks the rest.)"""
+        spans = self.checksum.spans()
+        pending, self.pending = self.pending, []
+        for span, expected, path, what in pending:
+            if spans[span] != expected:
+                raise CheckpointError(f"{path}: checksum mismatch, the file is corrupt ({what})")
+
+    def _open(self, rank: int) -> tuple:
+        if rank not in self.opened:
+            name = rank_file(rank)
+            path = self.directory / name
+            if not path.exists():
+                raise CheckpointError(f"{path}: shard file missing (the checkpoint was written by "
+                                      f"{self.manifest['world']} ranks)")
+            f = open(path, "rb", buffering=0)
+            try:
+                self.opened[rank] = (f, path, *self._header(f, path, self.manifest["files"].get(name)))
+            except BaseException:
+                f.close()
+                raise
+        return self.opened[rank]
+
+    def _read_checked(self, f, offset: int, out: memoryview, path: Path, expected: int | None, what: str,
+                      wait: bool = False) -> None:
+        if not self.verify or expected is None:
+            _read_into(f, offset, out, path)
+            return
+        _read_into(f, offset, out, path, self.checksum)
+        self.checksum.cut()
+        self.pending.append((self.cuts, expected, path, what))
+        self.cuts += 1
+        if wait:
+            self.check()
+
+    def _header(self, f, path: Path, crc: int | None) -> tuple[dict, int]:
+        size = path.stat().st_size
+        if self.manifest["format"] == 1:  # one crc32 for the whole file
+            self._read_checked(f, 0, memoryview(bytearray(size)), path, crc, "the whole file", wait=True)
+        try:
+            prefix = memoryview(bytearray(8))
+            _read_into(f, 0, prefix, path)
+            (n_header,) = struct.unpack("<Q", prefix)
+            if n_header > size - 8:
+                raise ValueError(f"a header of {n_header} bytes in a file of {size}")
+            whole = memoryview(bytearray(8 + n_header))
+            self._read_checked(f, 0, whole, path, crc if self.manifest["format"] > 1 else None, "its header",
+                               wait=True)
+            header = json.loads(bytes(whole[8:]))
+        except (struct.error, ValueError) as e:
+            raise CheckpointError(f"{path}: not a safetensors file ({e})") from e
+        return header, 8 + n_header
+
+    def read(self, rank: int, name: str, crc: int | None = None) -> torch.Tensor:
+        """Tensor ``name`` of rank ``rank``'s file, in a buffer of its own (on huge pages where
+        large, as init places state: ``zfunc.ops.hostmem``); ``crc``: its crc32 (format 2)."""
+        f, path, header, base = self._open(rank)
+        if name not in header:
+            raise CheckpointError(f"{path}: tensor {name} missing")
+        meta = header[name]
         start, stop = meta["data_offsets"]
-        dtype = _TORCH_DTYPES[meta["dtype"]]
-        out[name] = raw[base + start : base + stop].view(dtype).reshape(meta["shape"])
-    return out
+        out = hostmem.empty(meta["shape"], _TORCH_DTYPES[meta["dtype"]])
+        if out.numel() * out.element_size() != stop - start:
+            raise CheckpointError(f"{path}: tensor {name} has {stop - start} bytes for shape {meta['shape']}")
+        self._read_checked(f, base + start, _bytes_of(out), path, crc, f"tensor {name}")
+        return out

@@ -45,7 +45,8 @@ engine keeps a spare of each file). The compute-side memory is that of the shard
 a few units) plus ``chunk_bytes`` of reads and twice that of writes in flight.
 
 ``init(params, materialize=...)`` starts from meta-device params one leaf at a time, so a model
-larger than RAM can start; ``zf.checkpoint.save`` / ``full_params`` read an offloaded state back
+larger than RAM can start; ``zf.checkpoint.load(path, step)`` places a checkpoint the same way, one
+leaf at a time (``restore``); ``zf.checkpoint.save`` / ``full_params`` read an offloaded state back
 (``in_ram``).
 
 Not yet: the updated compute-dtype copy is cast in a second pass (the Numba kernel's fused
@@ -135,19 +136,54 @@ class OffloadedStep(ShardedStep):
                 raise ValueError("params: on the meta device; pass materialize(name, like) -> tensor to init")
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         names = _leaf_names(params)
-        self._swap(spec)
-        self._stores(device)
-        masters, states = [], []
-        for i, (x, leaf, name) in enumerate(zip(leaves, spec.leaves, names)):
+
+        def fresh(i: int) -> tuple[torch.Tensor, Any]:
+            x, leaf, name = leaves[i], spec.leaves[i], names[i]
             whole = materialize(name, x) if x.device.type == "meta" else x.detach()
             if tuple(whole.shape) != leaf.shape:
                 raise ValueError(f"materialize: returned shape {tuple(whole.shape)} for {name}, expected {leaf.shape}")
             piece = hostmem.copy_to(local_piece(whole, leaf, spec.rank), "cpu", torch.float32)
-            del whole
-            s_leaves, s_spec = tree.flatten(self.optimizer.init({name: piece}))
+            return piece, self.optimizer.init({name: piece})
+
+        self.initialized_with = tree.map(lambda x: x.to("meta"), params)  # what zf.checkpoint.load checks
+        return self._place(treespec, spec, fresh, device)
+
+    def init_meta(self, params: PyTree) -> TrainState:
+        """The state ``init(params)`` would return, on the meta device, touching no RAM or file:
+        this rank's fp32 pieces and each leaf's optimizer state, with the ``OffloadSpec``."""
+        _, _, treespec, spec = self._layout(params)
+        pieces = [torch.empty(leaf.local_shape(spec.rank), device="meta") for leaf in spec.leaves]
+        states = tuple(self.optimizer.init({name: p}) for name, p in zip(_leaf_names(params), pieces))
+        meta = torch.device("meta")
+        off = OffloadSpec(*_shard_fields(spec), self.where_optimizer, self.where_params, self.path, meta)
+        return TrainState(tree.unflatten(treespec, pieces), states, 0, self.seed, mp.init_loss_scale(self.precision),
+                          off)
+
+    def restore(self, params: PyTree, leaf: Callable[[int], tuple[torch.Tensor, Any]],
+                device: str | torch.device = "cpu") -> TrainState:
+        """A state placed as ``init`` places it (in RAM, or written to this rank's swap files),
+        whose leaf ``i`` (``params``' leaf order) holds the fp32 CPU piece and optimizer state
+        ``leaf(i)`` returns, shaped as in ``init_meta(params)``; compute happens on ``device``.
+        ``leaf`` is called one leaf at a time, each placed before the next is asked for, so only
+        one leaf's values need be in RAM at once. Step, RNG and loss scale are the initial ones:
+        what ``zf.checkpoint.load`` fills in next."""
+        _, _, treespec, spec = self._layout(params)
+        self.initialized_with = tree.map(lambda x: x.to("meta"), params)
+        return self._place(treespec, spec, leaf, torch.device(device))
+
+    def _place(self, treespec: Any, spec: ShardSpec, leaf: Callable[[int], tuple[torch.Tensor, Any]],
+               device: torch.device) -> TrainState:
+        """Each leaf's piece and optimizer state from ``leaf(i)``, put where the step keeps them."""
+        self._swap(spec)
+        self._stores(device)
+        masters, states = [], []
+        for i in range(len(spec.leaves)):
+            piece, state = leaf(i)
+            s_leaves, s_spec = tree.flatten(state)
             states.append(tree.unflatten(s_spec, [self._opt_store.put(f"p{i}.s{j}", t) if _is_stored(t) else t
                                                   for j, t in enumerate(s_leaves)]))
             masters.append(piece.to(device) if self.where_params is None else self._param_store.put(f"p{i}.master", piece))
+            del piece, state, s_leaves
         self._wait_writes(None)
         path = self.path if self.engine is None else str(self.engine.path)  # this rank's files
         off = OffloadSpec(*_shard_fields(spec), self.where_optimizer, self.where_params, path, device)

@@ -451,6 +451,8 @@ def _check_fused_leaves(params: PyTree, backend: str) -> None:
     for p in tree.tensors(params):
         if not p.is_floating_point():
             raise TypeError(f"params: the optimizer kernels need floating-point params, got {p.dtype}")
+        if p.device.type == "meta":  # shapes only (zf.checkpoint.load lays a state out this way): no kernel runs
+            continue
         if backend == "numba" and (p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous()):
             raise ValueError(
                 f"backend='numba': expected contiguous fp32 CPU params, got {p.dtype} on {p.device}"

@@ -117,7 +117,12 @@ class Layout:
 @dataclass(frozen=True)
 class PipelineSpec:
     """Static metadata of a pipelined state: the stage, the names and whole shapes of all params
-    (leaf order), the names this stage holds, and ``inner``, their dp split (``ShardSpec``)."""
+    (leaf order), the names this stage holds, and ``inner``, their dp split (``ShardSpec``).
+
+    A stage's state holds only what it owns, no stand-ins: ``params`` the fp32 masters of
+    ``owned`` (the shared params on stage 0), split over the dp ranks when ``inner`` is set, and
+    ``opt_state`` the optimizer's state for them, the counts and other unsplit leaves on every
+    stage; ``buffers`` those of its own units. Process ``stage * dp + dp rank`` (``zf.Mesh``)."""
 
     stages: int
     stage: int
@@ -478,9 +483,16 @@ class PipelineStep(Step):
         names = tuple(sorted(params))  # optree's leaf order for a dict
         owned = {n: params[n] for n in names if self.layout.owner[n] == self.stage}
         inner = self.base.init(owned) if self.base is not None else Step.init(self, owned)
+        self.initialized_with = tree.map(lambda x: x.to("meta"), params)  # the whole model: zf.checkpoint.load
         spec = PipelineSpec(self.stages, self.stage, names, tuple(tuple(params[n].shape) for n in names),
                             tuple(sorted(owned)), inner.sharding)
         return TrainState(inner.params, inner.opt_state, 0, self.seed, inner.loss_scale, spec)
+
+    def own_buffers(self, buffers: dict[str, Any]) -> dict[str, Any]:
+        """The module buffers of this stage's own units among ``buffers``: what its state carries."""
+        first, last = self.layout.bounds[self.stage]
+        mine = self.layout.units[first : last + 1]
+        return {n: b for n, b in buffers.items() if self._in_units(n, mine)}
 
     def _check_state(self, state: Any) -> None:
         require_train_state(state)
@@ -513,9 +525,7 @@ class PipelineStep(Step):
 
     def _stage_buffers(self, carried: BufferScope, spec: PipelineSpec, step: int) -> dict[str, torch.Tensor]:
         """The buffers of this stage's own units, those written averaged over the dp ranks."""
-        first, last = self.layout.bounds[self.stage]
-        mine = self.layout.units[first : last + 1]
-        own = {n: b for n, b in carried.buffers.items() if self._in_units(n, mine)}
+        own = self.own_buffers(carried.buffers)
         if spec.inner is None:
             return own
         names = [n for n in average_order(carried) if n in own]
