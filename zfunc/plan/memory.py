@@ -175,16 +175,15 @@ def remat_input_bytes(model: ModelSpec, s: Strategy) -> float:
 
 
 def activation_bytes(model: ModelSpec, s: Strategy) -> float:
-    """Activations on the busiest stage's device at its peak: live microbatches x (layers + the
-    embeddings' output) + logits where the stage computes them; with remat the layer inputs (in
-    CPU RAM for "offload") and one layer's full activations while it is recomputed."""
+    """Activations on the busiest stage's device at its peak: live microbatches x its layers, and
+    the logits where the stage computes them; with remat the layer inputs instead (in CPU RAM for
+    "offload": two in flight on the GPU) and one layer's full activations while it is recomputed."""
     tokens = s.micro_batch * s.seq
     layers = math.ceil(model.layers / s.pp)
     per_layer = model.activation_bytes_per_layer(tokens, s.seq, s.tp, s.sp, bool(s.fused_attention), s.elem)
-    embeddings = tokens * model.hidden * s.elem
     live = _live_microbatches(s)
     logits = model.logits_bytes(tokens, s.tp, s.elem) if s.pp == 1 else 0.0  # stage 0 is not the last
-    if s.remat == "none":
-        return live * (layers * per_layer + embeddings) + logits
+    if s.remat == "none":  # (the embeddings' output is the first layer's input, counted there)
+        return live * layers * per_layer + logits
     inputs = remat_input_bytes(model, s) if s.remat == "full" else 2 * tokens * model.hidden * s.elem
-    return inputs + live * embeddings + per_layer + logits
+    return inputs + per_layer + logits
