@@ -4,7 +4,11 @@ Measured (best of a few repeats each; times are wall clock, so a loaded machine 
 - ``matmul_flops``: fp32 ``torch.mm`` of 1024 x 1024 matrices, on 1 thread and on all of them
   (and bf16 8192^3 on CUDA when there is a GPU, beside its datasheet peak: the GEMM efficiency);
 - ``copy_bw``: ``copy_`` of 128 MiB, counted as read + write, on 1 thread and on all;
+- ``attention_flops``: causal ``scaled_dot_product_attention`` (8 x 8 heads x 256 x 64), counting the
+  half the mask keeps; ``activation_rate``: ``F.gelu`` elements per second (both 1 / all threads);
 - ``cpu_adam_params_per_s``: zfunc's CPU-Adam kernel (``zf.ops.cpu_adam.adamw_``) on 8M fp32 params;
+- ``per_rank_of_2``: the four rates above in each of 2 spawned ranks computing at once (1 thread
+  each here), what ``zf.dist.spawn``'s runs see: they share caches and memory bandwidth;
 - ``collectives``: zfunc's own ``dist.Comm`` all-gather, reduce-scatter and all-reduce and a
   ``P2P`` send/recv between 2 spawned gloo ranks on loopback, at 64 KiB and 16 MiB: ``[alpha,
   beta]`` with ``t = alpha + wire / beta`` (``wire``: the ring's ``(N-1)/N`` of the Comm bytes);
@@ -59,6 +63,20 @@ def matmul_flops(n: int = 1024) -> float:
     return 2 * n**3 / _best(lambda: torch.mm(a, b, out=out))
 
 
+def attention_flops(b: int = 8, heads: int = 8, seq: int = 256, d: int = 64) -> float:
+    """Causal ``scaled_dot_product_attention`` forward, FLOP/s counting the half a causal mask keeps
+    (``2 b s^2 heads d``), as ``cost.compute_times`` counts it."""
+    q, k, v = (torch.randn(b, heads, seq, d) for _ in range(3))
+    fn = torch.nn.functional.scaled_dot_product_attention
+    return 2 * b * seq * seq * heads * d / _best(lambda: fn(q, k, v, is_causal=True))
+
+
+def activation_rate(n: int = 1 << 22) -> float:
+    """``F.gelu`` elements per second (erf: bound by arithmetic on a CPU, not by memory)."""
+    x = torch.randn(n)
+    return n / _best(lambda: torch.nn.functional.gelu(x))
+
+
 def copy_bw(nbytes: int = 128 << 20) -> float:
     src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
     return 2 * nbytes / _best(lambda: dst.copy_(src))
@@ -72,11 +90,20 @@ def cpu_adam_rate(n: int = 8 << 20) -> float:
     return n / _best(lambda: cpu_adam.adamw_(p, g, m, v, step=1, lr=1e-4))
 
 
+RATES = {"matmul_flops": matmul_flops, "copy_bw": copy_bw, "attention_flops": attention_flops,
+         "activation_rate": activation_rate}
+
+
 def _collective_worker(rank: int, sizes: tuple[int, ...], repeats: int) -> dict[str, list[float]]:
+    import torch.distributed as dist
+
     import zfunc as zf
 
     mesh, line = zf.Mesh(dp=2), zf.Mesh(pp=2)  # collectives over dp; point-to-point over a pipeline's pair
     out = {}
+    for name, rate in RATES.items():  # both ranks at once, as spawned runs compute: the per-rank rates
+        dist.barrier()
+        out[name] = [rate()]
     for kind in ("all_gather", "reduce_scatter", "all_reduce", "send"):
         times = []
         for nbytes in sizes:
@@ -106,13 +133,27 @@ def collectives(sizes: tuple[int, ...] = SIZES, repeats: int = 7) -> dict[str, l
     import zfunc as zf
 
     results = zf.dist.spawn(_collective_worker, 2, sizes, repeats, timeout_s=600)
-    fitted = {}
+    fitted = {"per_rank_of_2": {name: min(r[name][0] for r in results) for name in RATES}}
     for kind in results[0]:
+        if kind in RATES:
+            continue
         t = [max(r[kind][i] for r in results) for i in range(len(sizes))]  # as slow as the slower rank
         wire = [s if kind == "send" else s / 2 for s in sizes]  # a ring of 2 moves half the Comm bytes
         beta = (wire[1] - wire[0]) / max(t[1] - t[0], 1e-9)
         fitted[kind] = [max(t[0] - wire[0] / beta, 0.0), beta]
     return fitted
+
+
+def rates_now() -> dict[str, float]:
+    """The four per-rank rates of ``RATES``, measured now in this process (with its threads)."""
+    return {name: rate() for name, rate in RATES.items()}
+
+
+def _split(measured: dict) -> dict:
+    """``collectives()``'s result as two entries: the fitted collectives, and the per-rank rates of two
+    ranks computing at once."""
+    per_rank = measured.pop("per_rank_of_2")
+    return {"collectives": measured, "per_rank_of_2": per_rank}
 
 
 def disk(path: str | None = None, files: int = 4, nbytes: int = 64 << 20) -> dict[str, float]:
@@ -159,13 +200,15 @@ def measure(disk_path: str | None = None) -> dict:
     threads = torch.get_num_threads()
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return {
-        "version": 1, "date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
+        "version": 2, "date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
         "torch": torch.__version__, "threads": threads, "ram_bytes": ram,
         "load_average": os.getloadavg(),
         "matmul_flops": {"1": _on_threads(1, matmul_flops), "all": _on_threads(threads, matmul_flops)},
         "copy_bw": {"1": _on_threads(1, copy_bw), "all": _on_threads(threads, copy_bw)},
+        "attention_flops": {"1": _on_threads(1, attention_flops), "all": _on_threads(threads, attention_flops)},
+        "activation_rate": {"1": _on_threads(1, activation_rate), "all": _on_threads(threads, activation_rate)},
         "cpu_adam_params_per_s": {"1": _on_threads(1, cpu_adam_rate), "all": _on_threads(threads, cpu_adam_rate)},
-        "collectives": collectives(),
+        **_split(collectives()),
         "disk": disk(disk_path),
         "cuda": _cuda(),
     }
@@ -183,7 +226,7 @@ def load(path: str | os.PathLike | None = None) -> dict:
     if not path.exists():
         raise OSError(f"no calibration at {path}: run python -m zfunc.plan --calibrate first")
     cal = json.loads(path.read_text())
-    if cal.get("version") != 1:
+    if cal.get("version") != 2:
         raise ValueError(f"{path}: not a zfunc.plan calibration (version {cal.get('version')!r})")
     return cal
 
@@ -196,15 +239,23 @@ def _per_rank(table: dict, threads: int, total: int) -> float:
     return one + (full - one) * (threads - 1) / (total - 1)
 
 
-def cluster_from(cal: dict, ranks: int = 1, threads: int | None = None) -> Cluster:
-    """``ranks`` processes on the calibrated machine, ``threads`` each (default ``cpus // ranks``)."""
+def cluster_from(cal: dict, ranks: int = 1, threads: int | None = None, rates: dict | None = None) -> Cluster:
+    """``ranks`` processes on the calibrated machine, ``threads`` each (default ``cpus // ranks``);
+    ``rates`` (``rates_now()`` of the ranks themselves) replace the calibrated per-rank rates."""
     total = cal["threads"]
     threads = threads or max(1, total // ranks)
-    flops = _per_rank(cal["matmul_flops"], threads, total)
-    bw = _per_rank(cal["copy_bw"], threads, total)
+    if rates is not None:
+        rate = rates.get
+    elif ranks == 2 and threads == max(1, total // 2):  # measured as spawn runs them: two ranks at once
+        rate = cal["per_rank_of_2"].get
+    else:
+        rate = lambda name: _per_rank(cal[name], threads, total)  # noqa: E731
+    flops, bw = rate("matmul_flops"), rate("copy_bw")
+    attention = rate("attention_flops")
     device = Device("this machine (calibrated)", {"fp32": flops, "bf16": None, "fp16": None},
-                    cal["ram_bytes"] / ranks, bw, matmul_efficiency=1.0, attention_efficiency=1.0,
-                    memory_efficiency=1.0, kind="cpu", source=f"calibrated {cal['date']} on {cal['host']}")
+                    cal["ram_bytes"] / ranks, bw, matmul_efficiency=1.0, attention_efficiency=attention / flops,
+                    memory_efficiency=1.0, kind="cpu", source=f"calibrated {cal['date']} on {cal['host']}",
+                    activation_rate=rate("activation_rate"))
     adam_bytes = 36 * cal["cpu_adam_params_per_s"]["all"]
     colls = {k: tuple(v) for k, v in cal["collectives"].items()}
     node = Node(ranks, colls["all_gather"][1], colls["all_gather"][1], bw, cal["ram_bytes"], cal["copy_bw"]["all"],
@@ -219,6 +270,10 @@ def describe(cal: dict) -> str:
     return (f"calibration {cal['date']} ({cal['host']}, load {cal['load_average'][0]:.1f}): matmul "
             f"{cal['matmul_flops']['1'] / GB:.1f} / {cal['matmul_flops']['all'] / GB:.1f} GFLOP/s (1 / "
             f"{cal['threads']} threads), copy {cal['copy_bw']['1'] / GB:.1f} / {cal['copy_bw']['all'] / GB:.1f} GB/s, "
-            f"CPU-Adam {cal['cpu_adam_params_per_s']['all'] / 1e6:.0f} Mparam/s, "
+            f"attention {cal['attention_flops']['1'] / GB:.1f} GFLOP/s, GELU {cal['activation_rate']['1'] / 1e9:.2f} "
+            f"Gelem/s (1 thread), CPU-Adam {cal['cpu_adam_params_per_s']['all'] / 1e6:.0f} Mparam/s, "
             + ", ".join(f"{k} {v[0] * 1e6:.0f} us + {v[1] / GB:.2f} GB/s" for k, v in c.items())
-            + f", disk write {cal['disk']['write_bw'] / GB:.2f} / read {cal['disk']['read_bw'] / GB:.2f} GB/s")
+            + f", disk write {cal['disk']['write_bw'] / GB:.2f} / read {cal['disk']['read_bw'] / GB:.2f} GB/s; "
+            f"per rank of 2 at once: matmul {cal['per_rank_of_2']['matmul_flops'] / GB:.1f} GFLOP/s, copy "
+            f"{cal['per_rank_of_2']['copy_bw'] / GB:.1f} GB/s, attention {cal['per_rank_of_2']['attention_flops'] / GB:.1f}"
+            f" GFLOP/s, GELU {cal['per_rank_of_2']['activation_rate'] / 1e9:.2f} Gelem/s")

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from zfunc.plan import cost
 from zfunc.plan.hardware import Cluster
-from zfunc.plan.memory import partition_params, rank_memory, remat_input_bytes
+from zfunc.plan.memory import _bucket_elems, partition_params, rank_memory, remat_input_bytes
 from zfunc.plan.model import ModelSpec
 from zfunc.plan.strategy import Strategy, resolve
 
@@ -159,7 +159,7 @@ def step_times(model: ModelSpec, s: Strategy, cluster: Cluster) -> dict[str, flo
     P, shared = partition_params(model, s)
     m, N = s.accum, s.dp
     unit_frac = min(1.0, model.largest_unit_params(s.tiles) / s.tp / max(P, 1))
-    bucket_frac = min(1.0, cost._bucket_elems(s.bucket_mb) * N / max(P, 1))
+    bucket_frac = min(1.0, _bucket_elems(s.bucket_mb) * N / max(P, 1))
     out = {}
     if s.pp == 1:
         out["compute"] = m * (micro.forward + micro.backward)

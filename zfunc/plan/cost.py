@@ -16,7 +16,8 @@ network shared by the ``gpus_per_node / members_per_node`` groups crossing it.
 ``max(FLOPs / (peak x matmul_efficiency), bytes / (hbm_bw x memory_efficiency))``, attention runs
 at ``attention_efficiency`` (half its FLOPs when fused and causal), elementwise ops (norms,
 activations, residuals, softmax when unfused, the loss) move their bytes at memory speed; backward
-is twice the forward, remat adds one forward of the layers. What overlaps is what the engine
+is twice the forward (fused attention's 2.5 times: it recomputes the scores), remat adds one
+forward of the layers. What overlaps is what the engine
 overlaps (read in ``zfunc.shard``, ``prefetch``, ``offload``, ``pipeline``):
 - stage 0: bucket all-reduces run during the last microbatch's backward;
 - stages 1/2: the param all-gather before the forward is exposed; reduce-scatters overlap
@@ -39,7 +40,7 @@ import math
 from dataclasses import dataclass
 
 from zfunc.plan.hardware import Cluster
-from zfunc.plan.memory import _bucket_elems, local_numel, partition_params
+from zfunc.plan.memory import local_numel, partition_params
 from zfunc.plan.model import ModelSpec
 from zfunc.plan.strategy import Strategy
 
@@ -76,12 +77,17 @@ def compute_times(model: ModelSpec, s: Strategy, cluster: Cluster, layers: int |
     layer_gemm = sum(_gemm(dev, *g, peak, e) for g in gemms) * scale
     causal = 0.5 if (s.fused_attention and model.kind != "bert") else 1.0
     attention = 4 * T * seq * h / t * causal / (peak * dev.attention_efficiency)
-    elementwise = e * T * (16 * h + (5 if model.glu else 2) * f / t)
+    elementwise = e * T * (16 * h + (3 if model.glu else 0) * f / t)  # norms, residuals, the GLU product
     if not s.fused_attention:
         elementwise += e * T * 3 * model.heads * seq / t  # softmax read, write, and its mask
-    layer_fwd = layer_gemm + attention + elementwise / mem
+    act = T * f / t  # the MLP's activation function, elements
+    activation = act / dev.activation_rate if dev.activation_rate else 2 * e * act / mem
+    layer_fwd = layer_gemm + attention + elementwise / mem + activation
+    # backward: twice each GEMM, and fused attention's backward recomputes the scores (FlashAttention-2:
+    # 2.5x its forward's FLOPs)
+    layer_bwd = 2 * (layer_fwd - attention) + (2.5 if s.fused_attention else 2.0) * attention
     fwd = layers * layer_fwd + e * T * h / mem  # embeddings
-    bwd = 2 * layers * layer_fwd + 2 * e * T * h / mem
+    bwd = layers * layer_bwd + 2 * e * T * h / mem
     if s.recompute:
         bwd += layers * layer_fwd
     if logits:

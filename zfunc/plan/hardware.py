@@ -44,7 +44,9 @@ class Device:
     ``peak``: dense FLOP/s by compute dtype (None: not supported). ``hbm_bytes`` / ``hbm_bw``: memory
     size (bytes) and bandwidth (bytes/s). ``matmul_efficiency``: the fraction of ``peak`` a large GEMM
     reaches; ``attention_efficiency`` the same for fused attention; ``memory_efficiency`` the fraction
-    of ``hbm_bw`` elementwise kernels reach. ``source``: where the numbers come from.
+    of ``hbm_bw`` elementwise kernels reach. ``activation_rate``: elements per second of the MLP's
+    activation function where it is bound by arithmetic (a CPU's erf/exp), None where by memory (a
+    GPU). ``source``: where the numbers come from.
     """
 
     name: str
@@ -56,6 +58,7 @@ class Device:
     memory_efficiency: float = 0.8
     kind: str = "cuda"  # "cuda": compute overlaps communication and host traffic; "cpu": it does not
     source: str = ""
+    activation_rate: float | None = None  # GELU/SiLU elements per second; None: bound by memory bandwidth
 
     def flops(self, precision: str) -> float:
         """Peak FLOP/s for ``precision``; raises if the device has no such arithmetic."""

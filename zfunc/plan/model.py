@@ -206,7 +206,7 @@ _ALIASES = {
     "ffn": ("intermediate_size", "ffn_dim", "n_inner", "hidden_dim"),
     "vocab": ("vocab_size",),
     "max_seq": ("block_size", "max_position_embeddings", "n_positions", "max_seq_len"),
-    "tied": ("tie_word_embeddings",),
+    "tied": ("tie_word_embeddings", "tie_embeddings"),
 }
 
 
@@ -276,33 +276,40 @@ def from_hf_config(path_or_json: str | dict) -> ModelSpec:
 
 
 def from_flavor(name: str, recipe: str = "gpt") -> ModelSpec:
-    """Recipe ``recipe``'s flavor ``name`` (``recipes/flavors.py``), built on the meta device."""
+    """Recipe ``recipe``'s flavor ``name``, built on the meta device. The recipe's config comes from
+    ``recipes.<recipe>.flavor(name)``, else ``recipes.flavors.<recipe>_flavor(name)``, else its
+    ``FLAVORS`` table through ``recipes.flavors.lookup``."""
     import importlib
 
     try:
         flavors = importlib.import_module("recipes.flavors")
+        mod = importlib.import_module(f"recipes.{recipe}")
     except ImportError:
-        raise ValueError("flavor: needs recipes/flavors.py, which is not in this tree yet; use --params or "
-                         "--hf-config") from None
-    lookup = getattr(flavors, f"{recipe}_flavor", None)
-    mod = importlib.import_module(f"recipes.{recipe}")
-    if lookup is None:  # a recipe keeping its table in its own file: RECIPE_FLAVORS + flavors.lookup
-        table = getattr(mod, f"{recipe.upper()}_FLAVORS", None)
-        if table is None:
-            raise ValueError(f"flavor: recipe {recipe!r} has no flavor table")
-        kwargs = flavors.lookup(table, name, recipe)
+        raise ValueError(f"flavor: needs recipes/flavors.py and recipes/{recipe}.py, not in this tree (yet); use "
+                         "--params or --hf-config") from None
+    config_cls = next((getattr(mod, n) for n in sorted(dir(mod))
+                       if n.endswith("Config") and isinstance(getattr(mod, n), type)), None)
+    if callable(getattr(mod, "flavor", None)):
+        config = mod.flavor(name)
     else:
-        kwargs = lookup(name)
-    config_cls = next((getattr(mod, n) for n in dir(mod) if n.endswith("Config") and isinstance(getattr(mod, n), type)),
-                      None)
-    model_cls = next((getattr(mod, n) for n in ("GPT", "Llama", "LLaMA", "Transformer", "Bert", "BERT", "BertForMLM")
-                      if hasattr(mod, n)), None)
-    if config_cls is None or model_cls is None:
-        raise ValueError(f"flavor: recipes/{recipe}.py has no config or model class the planner knows")
+        lookup = getattr(flavors, f"{recipe}_flavor", None)
+        table = getattr(mod, "FLAVORS", None) or getattr(mod, f"{recipe.upper()}_FLAVORS", None)
+        if lookup is not None:
+            kwargs = lookup(name)
+        elif table is not None:
+            kwargs = flavors.lookup(table, name, recipe)
+        else:
+            raise ValueError(f"flavor: recipe {recipe!r} has no flavor table")
+        if config_cls is None:
+            raise ValueError(f"flavor: recipes/{recipe}.py has no config class")
+        config = config_cls(**kwargs)
+    model_cls = next((getattr(mod, n) for n in ("GPT", "Llama", "Bert", "BERT", "BertForMLM", "Transformer")
+                      if isinstance(getattr(mod, n, None), type)), None)
+    if model_cls is None:
+        raise ValueError(f"flavor: recipes/{recipe}.py has no model class the planner knows")
     import torch
 
-    config = config_cls(**kwargs)
     with torch.device("meta"):
         module = model_cls(config)
-    kind = {"gpt": "gpt", "llama": "llama", "bert": "bert"}.get(recipe, "gpt")
+    kind = recipe if recipe in KINDS else "gpt"
     return from_module(module, kind=kind, config=config, name=f"{recipe} {name}")

@@ -110,7 +110,6 @@ def megatron_1t_3d() -> Headline:
             break
     s, gpu = best.strategy, best.memory["gpu"]
     states = sum(gpu.get(k, 0.0) for k in ("masters", "optimizer", "grad_shard", "compute_params", "whole_grads"))
-    P = states / (6 + 16 / s.dp)  # zfunc's stage 1 under a pipeline: e P + 4 P (fp32 grad sums) + 16 P / dp
     return Headline(
         "1T params, 800 V100-32GB, 3D parallelism (DeepSpeed + Megatron)",
         "DeepSpeed ZeRO-3 Offload post 2021-03-08 (docs/_posts/2021-03-08-zero3-offload.md): 3D parallelism "

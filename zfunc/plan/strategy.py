@@ -23,8 +23,8 @@ class Strategy:
     microbatches per step (the pipeline's microbatches when ``pp > 1``). ``remat``: "none", "full"
     (``zf.remat`` on every layer: only layer inputs kept) or "offload" (``zf.remat(offload=True)``:
     those inputs in CPU RAM); True/False mean "full"/"none". ``clip``: a global-norm clip (it keeps
-    offload from updating during backward). ``fused_attention``: None picks what
-    ``scaled_dot_product_attention`` does (fused on CUDA, not on CPU). ``tiles``: ``zf.tile(k)`` on
+    offload from updating during backward). ``fused_attention``: None is what
+    ``scaled_dot_product_attention`` does (a flash kernel, on CUDA and on CPU). ``tiles``: ``zf.tile(k)`` on
     the largest Linears, so a stage-3 unit is 1/k of one."""
 
     dp: int | None = None
@@ -129,5 +129,5 @@ def resolve(strategy: Strategy, gpus: int, max_seq: int, device_kind: str = "cud
         notes.append("offload under a pipeline is modelled; zfunc does not compose them yet")
     if dp == 1 and s.zero != 0 and s.offload_optimizer == "none" and s.offload_params == "none":
         notes.append("dp=1: ZeRO has no ranks to shard over; the plain step is what runs")
-    fused = (device_kind != "cpu") if s.fused_attention is None else s.fused_attention
+    fused = True if s.fused_attention is None else s.fused_attention  # SDPA's flash kernels, CUDA and CPU alike
     return replace(s, dp=dp, seq=seq, fused_attention=fused), notes
