@@ -26,7 +26,8 @@ values, not measurements: every field is a flag of ``python -m zfunc.plan``, and
 measures this machine's own.
 
 **Efficiencies** (assumptions, one place): a large GEMM reaches ``matmul_efficiency`` of the
-datasheet peak (0.8; measure yours with ``--calibrate`` on the GPU), attention 0.6 of it,
+datasheet peak (0.8; ``--calibrate`` on a GPU machine records its bf16 GEMM rate: pass rate / peak
+as ``--matmul-efficiency``), attention 0.6 of it,
 memory-bound kernels 0.8 of the HBM bandwidth, NCCL collectives 0.8 of the link bandwidth, CPU-Adam
 0.6 of the CPU's memory bandwidth.
 """
