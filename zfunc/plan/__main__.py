@@ -1,0 +1,179 @@
+"""``python -m zfunc.plan``: the plan of one strategy, a search, calibration, validation, the papers.
+
+    python -m zfunc.plan --params 7e9 --gpu A100-80GB --gpus 16 --zero 3 --micro-batch 4 --seq 2048
+    python -m zfunc.plan --hf-config llama.json --gpus 64 --search
+    python -m zfunc.plan --flavor 7B --recipe llama --gpus 8 --json
+    python -m zfunc.plan --calibrate [--calibration PATH]      # measure this machine
+    python -m zfunc.plan --validate                            # predicted vs measured benchmarks, here
+    python -m zfunc.plan --papers                              # the published headline runs, predicted
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+from zfunc.plan import core, hardware, model as model_mod
+from zfunc.plan.search import search as search_plans
+from zfunc.plan.strategy import PLACES, PRECISIONS, REMATS, SCHEDULES, OPTIMIZER_STATE_BYTES, Strategy
+
+GB = 1e9
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m zfunc.plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    what = p.add_argument_group("model (one of)")
+    what.add_argument("--params", type=float, help="parameter count, e.g. 7e9 (a standard shape)")
+    what.add_argument("--flavor", help="a recipe's named size (recipes/flavors.py)")
+    what.add_argument("--recipe", default="gpt", help="the recipe --flavor belongs to (default gpt)")
+    what.add_argument("--hf-config", help="a transformers config: JSON file or JSON text")
+    what.add_argument("--layers", type=int, help="explicit shape: layers (with --hidden, --heads)")
+    what.add_argument("--hidden", type=int)
+    what.add_argument("--heads", type=int)
+    what.add_argument("--kv-heads", type=int)
+    what.add_argument("--ffn", type=int)
+    what.add_argument("--vocab", type=int, default=50257)
+    what.add_argument("--kind", choices=model_mod.KINDS, default="gpt")
+    hw = p.add_argument_group("cluster")
+    hw.add_argument("--gpu", default="H100-80GB", help=f"one of {', '.join(hardware.GPUS)} (default H100-80GB)")
+    hw.add_argument("--gpus", type=int, default=8)
+    hw.add_argument("--gpus-per-node", type=int)
+    for flag, unit in (("intra-bw", "GB/s per GPU, one way"), ("inter-bw", "GB/s per node, one way"),
+                       ("pcie-bw", "GB/s per GPU"), ("cpu-ram", "GB per node"), ("cpu-mem-bw", "GB/s per node"),
+                       ("nvme", "GB per node"), ("nvme-read-bw", "GB/s per node"), ("nvme-write-bw", "GB/s per node")):
+        hw.add_argument(f"--{flag}", type=float, help=unit)
+    hw.add_argument("--matmul-efficiency", type=float, help="fraction of the datasheet peak a large GEMM reaches")
+    hw.add_argument("--calibration", help="use this machine's calibrated constants (a --calibrate JSON file)")
+    st = p.add_argument_group("strategy")
+    for flag in ("dp", "pp", "tp"):
+        st.add_argument(f"--{flag}", type=int)
+    st.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
+    st.add_argument("--zero", type=int, default=1, help="ZeRO stage 0-3 (default 1)")
+    st.add_argument("--offload-optimizer", default="none", help=f"one of {PLACES}")
+    st.add_argument("--offload-params", default="none", help=f"one of {PLACES}")
+    st.add_argument("--remat", nargs="?", const="full", default="none", help=f"one of {REMATS} (alone: full)")
+    st.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per microbatch")
+    st.add_argument("--accum", type=int, default=1, help="microbatches per step (a pipeline's microbatches)")
+    st.add_argument("--seq", type=int, help="sequence length (default: the model's context)")
+    st.add_argument("--precision", help=f"one of {PRECISIONS} (default bf16; fp16 where there is no bf16)")
+    st.add_argument("--optimizer", default="adamw", help=f"one of {sorted(OPTIMIZER_STATE_BYTES)}")
+    st.add_argument("--no-clip", action="store_true", help="no global-norm clip (offload may update in backward)")
+    st.add_argument("--tiles", type=int, default=1, help="zf.tile on the largest Linears")
+    st.add_argument("--schedule", default="1f1b", help=f"one of {SCHEDULES}")
+    out = p.add_argument_group("what to do")
+    out.add_argument("--json", action="store_true", help="print one JSON object")
+    out.add_argument("--search", action="store_true", help="the fastest strategies that fit")
+    out.add_argument("--top", type=int, default=5)
+    out.add_argument("--global-batch", type=int, help="--search: sequences per step, kept fixed")
+    out.add_argument("--allow-tp", action="store_true", help="--search: include tensor parallelism (modelled only)")
+    out.add_argument("--calibrate", action="store_true", help="measure this machine into --calibration's file")
+    out.add_argument("--validate", action="store_true", help="predicted vs measured benchmarks on this machine")
+    out.add_argument("--papers", action="store_true", help="the published headline runs beside their predictions")
+    return p
+
+
+def build_model(args, p: argparse.ArgumentParser) -> model_mod.ModelSpec:
+    given = [f for f in ("params", "flavor", "hf_config", "layers") if getattr(args, f) is not None]
+    if len(given) != 1:
+        p.error(f"--params, --flavor, --hf-config, --layers: give exactly one model, got {given or 'none'}")
+    try:
+        if args.params is not None:
+            return model_mod.from_params(args.params, kind=args.kind, vocab=args.vocab)
+        if args.flavor is not None:
+            return model_mod.from_flavor(args.flavor, args.recipe)
+        if args.hf_config is not None:
+            return model_mod.from_hf_config(args.hf_config)
+        if args.hidden is None or args.heads is None:
+            p.error("--layers: an explicit shape needs --hidden and --heads too")
+        return model_mod.from_shape(args.layers, args.hidden, args.heads, kind=args.kind, vocab=args.vocab,
+                                    ffn=args.ffn, kv_heads=args.kv_heads)
+    except ValueError as e:
+        p.error(_flagged(e))
+
+
+def build_cluster(args, p: argparse.ArgumentParser) -> hardware.Cluster:
+    if args.calibration:
+        from zfunc.plan import calibrate
+
+        try:
+            return calibrate.cluster_from(calibrate.load(args.calibration), args.gpus)
+        except (OSError, ValueError, KeyError) as e:
+            p.error(f"--calibration: {args.calibration}: {e}")
+    if args.gpu not in hardware.GPUS:
+        p.error(f"--gpu: expected one of {', '.join(hardware.GPUS)}, got {args.gpu!r}")
+    scaled = {"intra_bw": args.intra_bw, "inter_bw": args.inter_bw, "pcie_bw": args.pcie_bw, "cpu_ram": args.cpu_ram,
+              "cpu_mem_bw": args.cpu_mem_bw, "nvme_bytes": args.nvme, "nvme_read_bw": args.nvme_read_bw,
+              "nvme_write_bw": args.nvme_write_bw}
+    overrides = {k: v * GB for k, v in scaled.items() if v is not None}
+    if args.gpus_per_node:
+        overrides["gpus_per_node"] = args.gpus_per_node
+    if args.matmul_efficiency:
+        overrides["matmul_efficiency"] = args.matmul_efficiency
+    try:
+        return hardware.cluster(args.gpu, args.gpus, **overrides)
+    except ValueError as e:
+        p.error(_flagged(e))
+
+
+def build_strategy(args, device: hardware.Device) -> Strategy:
+    precision = args.precision or ("bf16" if device.peak.get("bf16") else "fp16" if device.peak.get("fp16") else "fp32")
+    return Strategy(dp=args.dp, pp=args.pp or 1, tp=args.tp or 1, sp=args.sp, zero=args.zero,
+                    offload_optimizer=args.offload_optimizer, offload_params=args.offload_params, remat=args.remat,
+                    micro_batch=args.micro_batch, accum=args.accum, seq=args.seq, precision=precision,
+                    optimizer=args.optimizer, clip=not args.no_clip, tiles=args.tiles, schedule=args.schedule)
+
+
+def _flagged(e: Exception) -> str:
+    """An error naming a field (``zero: ...``) as the flag it came from (``--zero: ...``)."""
+    text = str(e)
+    m = re.match(r"([a-z_]+(?:, [a-z_]+)*): ", text)
+    if not m:
+        return text
+    flags = ", ".join("--" + f.replace("_", "-") for f in m.group(1).split(", "))
+    return flags + text[len(m.group(1)):]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    if args.calibrate:
+        from zfunc.plan import calibrate
+
+        path = calibrate.save(calibrate.measure(), args.calibration)
+        print(f"wrote {path}")
+        return 0
+    if args.validate:
+        from zfunc.plan import validate
+
+        return validate.main(args.calibration)
+    if args.papers:
+        from zfunc.plan import papers
+
+        print(papers.table())
+        return 0
+    model = build_model(args, p)
+    cluster = build_cluster(args, p)
+    strategy = build_strategy(args, cluster.device)
+    try:
+        if args.search:
+            found = search_plans(model, cluster, strategy, global_batch=args.global_batch,
+                                      allow_tp=args.allow_tp, top=args.top)
+            if args.json:
+                print(json.dumps([f.to_json() for f in found], indent=1))
+            elif not found:
+                print("no strategy fits")
+            for rank, f in enumerate(found if not args.json else []):
+                print(f"{rank + 1}. {f.strategy.describe()}: {f.tokens_per_step / f.step_time:,.0f} tokens/s, "
+                      f"{f.tflops_per_gpu:.1f} TFLOP/s per GPU, {f.gpu_bytes / GB:.1f} GB per GPU")
+            return 0 if found else 1
+        result = core.plan(model, cluster, strategy)
+    except ValueError as e:
+        p.error(_flagged(e))
+    print(json.dumps(result.to_json(), indent=1) if args.json else result.table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

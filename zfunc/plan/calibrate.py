@@ -1,0 +1,279 @@
+"""``--calibrate``: this machine's constants, measured, into a small JSON file; and a cluster from them.
+
+Measured (best of a few repeats each; times are wall clock, so a loaded machine measures low):
+- ``matmul_flops``: fp32 ``torch.mm`` of 1024 x 1024 matrices, on 1 thread and on all of them
+  (and bf16 8192^3 on CUDA when there is a GPU, beside its datasheet peak: the GEMM efficiency);
+- ``copy_bw``: ``copy_`` of 128 MiB, counted as read + write, on 1 thread and on all;
+- ``attention_flops``: causal ``scaled_dot_product_attention`` (8 x 8 heads x 256 x 64), counting the
+  half the mask keeps; ``activation_rate``: ``F.gelu`` elements per second (both 1 / all threads);
+- ``cpu_adam_params_per_s``: zfunc's CPU-Adam kernel (``zf.ops.cpu_adam.adamw_``) on 8M fp32 params;
+- ``per_rank_of_2``: the four rates above in each of 2 spawned ranks computing at once (1 thread
+  each here), what ``zf.dist.spawn``'s runs see: they share caches and memory bandwidth;
+- ``collectives``: zfunc's own ``dist.Comm`` all-gather, reduce-scatter and all-reduce and a
+  ``P2P`` send/recv between 2 spawned gloo ranks on loopback, at 64 KiB and 16 MiB: ``[alpha,
+  beta]`` with ``t = alpha + wire / beta`` (``wire``: the ring's ``(N-1)/N`` of the Comm bytes);
+- ``disk``: the swap engine (``zfunc.swap``, O_DIRECT) writing then reading 4 files of 64 MiB.
+
+``cluster_from(cal, ranks)`` makes the ``Cluster`` of ``ranks`` processes on this machine (the way
+``zf.dist.spawn`` runs them, ``cpu_count // ranks`` threads each): the CPU is the "device", its
+measured matmul rate the peak (efficiency 1), its copy bandwidth the memory bandwidth, and the
+calibrated collectives replace the link model.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from zfunc.plan.hardware import GB, Cluster, Device, Node
+
+DEFAULT_PATH = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "zfunc" / "plan_calibration.json"
+SIZES = (64 << 10, 16 << 20)  # bytes of the collectives' tensors (Comm units: output / input / tensor)
+
+
+def _best(fn, repeats: int = 5) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def _on_threads(n: int, fn):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+def matmul_flops(n: int = 1024) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = torch.empty(n, n)
+    return 2 * n**3 / _best(lambda: torch.mm(a, b, out=out))
+
+
+def attention_flops(b: int = 8, heads: int = 8, seq: int = 256, d: int = 64) -> float:
+    """Causal ``scaled_dot_product_attention`` forward, FLOP/s counting the half a causal mask keeps
+    (``2 b s^2 heads d``), as ``cost.compute_times`` counts it."""
+    q, k, v = (torch.randn(b, heads, seq, d) for _ in range(3))
+    fn = torch.nn.functional.scaled_dot_product_attention
+    return 2 * b * seq * seq * heads * d / _best(lambda: fn(q, k, v, is_causal=True))
+
+
+def activation_rate(n: int = 1 << 22) -> float:
+    """``F.gelu`` elements per second (erf: bound by arithmetic on a CPU, not by memory)."""
+    x = torch.randn(n)
+    return n / _best(lambda: torch.nn.functional.gelu(x))
+
+
+def copy_bw(nbytes: int = 128 << 20) -> float:
+    src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    return 2 * nbytes / _best(lambda: dst.copy_(src))
+
+
+def cpu_adam_rate(n: int = 8 << 20) -> float:
+    from zfunc.ops import cpu_adam
+
+    p, g, m, v = (torch.randn(n) for _ in range(4))
+    v.abs_()
+    return n / _best(lambda: cpu_adam.adamw_(p, g, m, v, step=1, lr=1e-4))
+
+
+RATES = {"matmul_flops": matmul_flops, "copy_bw": copy_bw, "attention_flops": attention_flops,
+         "activation_rate": activation_rate}
+
+
+def _collective_worker(rank: int, sizes: tuple[int, ...], repeats: int) -> dict[str, list[float]]:
+    import torch.distributed as dist
+
+    import zfunc as zf
+
+    mesh, line = zf.Mesh(dp=2), zf.Mesh(pp=2)  # collectives over dp; point-to-point over a pipeline's pair
+    out = {}
+    for name, rate in RATES.items():  # both ranks at once, as spawned runs compute: the per-rank rates
+        dist.barrier()
+        out[name] = [rate()]
+    for kind in ("all_gather", "reduce_scatter", "all_reduce", "send"):
+        times = []
+        for nbytes in sizes:
+            n = nbytes // 4
+            if kind == "all_gather":
+                big = torch.zeros(n)
+                op = lambda big=big, n=n: mesh.comm.all_gather(big, big[rank * (n // 2):(rank + 1) * (n // 2)])  # noqa
+            elif kind == "reduce_scatter":
+                full, part = torch.ones(n), torch.empty(n // 2)
+                op = lambda full=full, part=part: mesh.reduce_comm.reduce_scatter(part, full)  # noqa: E731
+            elif kind == "all_reduce":
+                t = torch.ones(n // 2)  # Comm counts an all-reduce as twice its tensor
+                op = lambda t=t: mesh.comm.all_reduce(t)  # noqa: E731
+            else:
+                t = torch.ones(n)
+
+                def op(t=t):
+                    work = line.p2p.send(t, 1, "calibrate") if rank == 0 else line.p2p.recv(t, 0, "calibrate")
+                    work.wait()
+            times.append(_best(op, repeats))
+        out[kind] = times
+    return out
+
+
+def collectives(sizes: tuple[int, ...] = SIZES, repeats: int = 7) -> dict[str, list[float]]:
+    """``{kind: [alpha_s, beta_bytes_per_s]}`` between 2 gloo ranks on loopback (module docstring)."""
+    import zfunc as zf
+
+    results = zf.dist.spawn(_collective_worker, 2, sizes, repeats, timeout_s=600)
+    fitted = {"per_rank_of_2": {name: min(r[name][0] for r in results) for name in RATES}}
+    for kind in results[0]:
+        if kind in RATES:
+            continue
+        t = [max(r[kind][i] for r in results) for i in range(len(sizes))]  # as slow as the slower rank
+        wire = [s if kind == "send" else s / 2 for s in sizes]  # a ring of 2 moves half the Comm bytes
+        beta = (wire[1] - wire[0]) / max(t[1] - t[0], 1e-9)
+        fitted[kind] = [max(t[0] - wire[0] / beta, 0.0), beta]
+    return fitted
+
+
+def rates_now() -> dict[str, float]:
+    """The four per-rank rates of ``RATES``, measured now in this process (with its threads)."""
+    return {name: rate() for name, rate in RATES.items()}
+
+
+def _split(measured: dict) -> dict:
+    """``collectives()``'s result as two entries: the fitted collectives, and the per-rank rates of two
+    ranks computing at once."""
+    per_rank = measured.pop("per_rank_of_2")
+    return {"collectives": measured, "per_rank_of_2": per_rank}
+
+
+def disk(path: str | None = None, files: int = 4, nbytes: int = 64 << 20) -> dict[str, float]:
+    """Swap-engine write and read bandwidth (bytes/s) in a scratch folder under ``path``."""
+    from zfunc.swap import SwapEngine, aligned_empty
+
+    root = Path(tempfile.mkdtemp(prefix="zfunc-calibrate-", dir=path))
+    try:
+        with SwapEngine(root) as engine:
+            bufs = [aligned_empty(nbytes)[:nbytes] for _ in range(files)]
+            for b in bufs:
+                b.fill_(1)
+
+            def write():
+                for f in [engine.write(f"f{i}", b) for i, b in enumerate(bufs)]:
+                    f.result()
+
+            def read():
+                for f in [engine.read(f"f{i}", b) for i, b in enumerate(bufs)]:
+                    f.result()
+
+            w = _best(write, 3)
+            r = _best(read, 3)
+        return {"write_bw": files * nbytes / w, "read_bw": files * nbytes / r}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _cuda() -> dict | None:
+    if not torch.cuda.is_available():
+        return None
+    n = 8192
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+    def mm():
+        torch.mm(a, b)
+        torch.cuda.synchronize()
+
+    return {"name": torch.cuda.get_device_name(), "bf16_matmul_flops": 2 * n**3 / _best(mm)}
+
+
+def measure(disk_path: str | None = None) -> dict:
+    """Every constant of the module docstring, as a JSON-ready dict."""
+    threads = torch.get_num_threads()
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {
+        "version": 2, "date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
+        "torch": torch.__version__, "threads": threads, "ram_bytes": ram,
+        "load_average": os.getloadavg(),
+        "matmul_flops": {"1": _on_threads(1, matmul_flops), "all": _on_threads(threads, matmul_flops)},
+        "copy_bw": {"1": _on_threads(1, copy_bw), "all": _on_threads(threads, copy_bw)},
+        "attention_flops": {"1": _on_threads(1, attention_flops), "all": _on_threads(threads, attention_flops)},
+        "activation_rate": {"1": _on_threads(1, activation_rate), "all": _on_threads(threads, activation_rate)},
+        "cpu_adam_params_per_s": {"1": _on_threads(1, cpu_adam_rate), "all": _on_threads(threads, cpu_adam_rate)},
+        **_split(collectives()),
+        "disk": disk(disk_path),
+        "cuda": _cuda(),
+    }
+
+
+def save(cal: dict, path: str | os.PathLike | None = None) -> Path:
+    path = Path(path or DEFAULT_PATH)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cal, indent=1))
+    return path
+
+
+def load(path: str | os.PathLike | None = None) -> dict:
+    path = Path(path or DEFAULT_PATH)
+    if not path.exists():
+        raise OSError(f"no calibration at {path}: run python -m zfunc.plan --calibrate first")
+    cal = json.loads(path.read_text())
+    if cal.get("version") != 2:
+        raise ValueError(f"{path}: not a zfunc.plan calibration (version {cal.get('version')!r})")
+    return cal
+
+
+def _per_rank(table: dict, threads: int, total: int) -> float:
+    """A rate measured on 1 and on ``total`` threads, at ``threads`` (linear between)."""
+    one, full = table["1"], table["all"]
+    if total <= 1:
+        return full
+    return one + (full - one) * (threads - 1) / (total - 1)
+
+
+def cluster_from(cal: dict, ranks: int = 1, threads: int | None = None, rates: dict | None = None) -> Cluster:
+    """``ranks`` processes on the calibrated machine, ``threads`` each (default ``cpus // ranks``);
+    ``rates`` (``rates_now()`` of the ranks themselves) replace the calibrated per-rank rates."""
+    total = cal["threads"]
+    threads = threads or max(1, total // ranks)
+    if rates is not None:
+        rate = rates.get
+    elif ranks == 2 and threads == max(1, total // 2):  # measured as spawn runs them: two ranks at once
+        rate = cal["per_rank_of_2"].get
+    else:
+        rate = lambda name: _per_rank(cal[name], threads, total)  # noqa: E731
+    flops, bw = rate("matmul_flops"), rate("copy_bw")
+    attention = rate("attention_flops")
+    device = Device("this machine (calibrated)", {"fp32": flops, "bf16": None, "fp16": None},
+                    cal["ram_bytes"] / ranks, bw, matmul_efficiency=1.0, attention_efficiency=attention / flops,
+                    memory_efficiency=1.0, kind="cpu", source=f"calibrated {cal['date']} on {cal['host']}",
+                    activation_rate=rate("activation_rate"))
+    adam_bytes = 36 * cal["cpu_adam_params_per_s"]["all"]
+    colls = {k: tuple(v) for k, v in cal["collectives"].items()}
+    node = Node(ranks, colls["all_gather"][1], colls["all_gather"][1], bw, cal["ram_bytes"], cal["copy_bw"]["all"],
+                shutil.disk_usage(tempfile.gettempdir()).free, cal["disk"]["read_bw"], cal["disk"]["write_bw"],
+                "this machine")
+    return Cluster(device, ranks, node, collective_efficiency=1.0, latency=colls["all_reduce"][0],
+                   cpu_adam_efficiency=adam_bytes / cal["copy_bw"]["all"], collectives=colls)
+
+
+def describe(cal: dict) -> str:
+    c = cal["collectives"]
+    return (f"calibration {cal['date']} ({cal['host']}, load {cal['load_average'][0]:.1f}): matmul "
+            f"{cal['matmul_flops']['1'] / GB:.1f} / {cal['matmul_flops']['all'] / GB:.1f} GFLOP/s (1 / "
+            f"{cal['threads']} threads), copy {cal['copy_bw']['1'] / GB:.1f} / {cal['copy_bw']['all'] / GB:.1f} GB/s, "
+            f"attention {cal['attention_flops']['1'] / GB:.1f} GFLOP/s, GELU {cal['activation_rate']['1'] / 1e9:.2f} "
+            f"Gelem/s (1 thread), CPU-Adam {cal['cpu_adam_params_per_s']['all'] / 1e6:.0f} Mparam/s, "
+            + ", ".join(f"{k} {v[0] * 1e6:.0f} us + {v[1] / GB:.2f} GB/s" for k, v in c.items())
+            + f", disk write {cal['disk']['write_bw'] / GB:.2f} / read {cal['disk']['read_bw'] / GB:.2f} GB/s; "
+            f"per rank of 2 at once: matmul {cal['per_rank_of_2']['matmul_flops'] / GB:.1f} GFLOP/s, copy "
+            f"{cal['per_rank_of_2']['copy_bw'] / GB:.1f} GB/s, attention {cal['per_rank_of_2']['attention_flops'] / GB:.1f}"
+            f" GFLOP/s, GELU {cal['per_rank_of_2']['activation_rate'] / 1e9:.2f} Gelem/s")

@@ -1,0 +1,232 @@
+"""Communication per step and the step time: a roofline over compute, collectives and offload traffic.
+
+**Communication** per rank and step, in ``dist.Comm``'s units (all-gather: its output; reduce-scatter:
+its input; all-reduce: twice its tensor; send/recv: each tensor), ``P`` params of the rank's
+partition, ``N = dp``, ``m`` microbatches, ``e`` the compute dtype's bytes (``zfunc.shard``):
+stage 0 all-reduces fp32 grads once (``8P``); stages 1/2 all-gather ``eP`` once and reduce-scatter
+``4P`` fp32 grads, once at stage 1, every microbatch at stage 2; stage 3 gathers ``2eP`` and
+reduce-scatters ``4P`` every microbatch. A pipeline sends each microbatch's boundary activation
+forward and its grad back, and lends the shared params (``eP_sh`` out, ``4P_sh`` back). Tensor
+parallelism (modelled as Megatron-LM: 2 all-reduces of ``T h e`` per layer in forward, 2 in
+backward, 2 more with remat) stays inside a node when it can. On the wire a ring moves
+``(N-1)/N`` of the Comm units, at the link of the group: NVLink inside a node, else the node's
+network shared by the ``gpus_per_node / members_per_node`` groups crossing it.
+
+**Time** (seconds). Compute per microbatch is a roofline per op: each GEMM takes
+``max(FLOPs / (peak x matmul_efficiency), bytes / (hbm_bw x memory_efficiency))``, attention runs
+at ``attention_efficiency`` (half its FLOPs when fused and causal), elementwise ops (norms,
+activations, residuals, softmax when unfused, the loss) move their bytes at memory speed; backward
+is twice the forward (fused attention's 2.5 times: it recomputes the scores), remat adds one
+forward of the layers. What overlaps is what the engine
+overlaps (read in ``zfunc.shard``, ``prefetch``, ``offload``, ``pipeline``):
+- stage 0: bucket all-reduces run during the last microbatch's backward;
+- stages 1/2: the param all-gather before the forward is exposed; reduce-scatters overlap
+  backward (stage 1 with accumulation reduces once after the last microbatch: exposed);
+- stage 3: gathers are prefetched during forward, re-gathers and reduce-scatters during backward;
+- the optimizer runs after backward on the device (28 B/param, +12 with a global-norm clip);
+- offload: per leaf the grad and the master cross PCIe (fp32) and CPU-Adam updates it in the
+  same thread, while the swap engine reads and writes in parallel: ``max(PCIe + CPU-Adam, disk)``;
+  it runs after backward, or during it when the engine updates on arrival (no clip, no fp16,
+  accum 1); params offload fetches each unit's fp32 piece twice per microbatch, read ahead;
+- a pipeline's schedule takes ``sum_s t_s + (m - 1) max_s t_s`` (p stages, m microbatches), each
+  microbatch slot paying its activation's point-to-point transfer;
+- on a CPU device collectives do not overlap compute (gloo's loopback transfers are CPU copies that
+  compete with it for the cores); disk I/O (O_DIRECT, DMA) still runs beside CPU-Adam.
+Exposed overlapped traffic is ``max(traffic - compute, 0)`` plus the last piece, which nothing hides.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from zfunc.plan.hardware import Cluster
+from zfunc.plan.memory import local_numel, partition_params
+from zfunc.plan.model import ModelSpec
+from zfunc.plan.strategy import Strategy
+
+CPU_ADAM_BYTES = 36  # per param: p, g, m, v read; p, m, v written (28) + the fp32 grad and master copies in
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Seconds per microbatch on the busiest stage: ``forward``, ``backward`` (with remat's recompute)."""
+
+    forward: float
+    backward: float
+    flops: float  # FLOPs run per microbatch on this rank (with remat)
+
+
+def _gemm(device, m: float, k: float, n: float, peak: float, elem: int) -> float:
+    flops = 2 * m * k * n
+    nbytes = elem * (m * k + k * n + m * n)
+    return max(flops / (peak * device.matmul_efficiency), nbytes / (device.hbm_bw * device.memory_efficiency))
+
+
+def compute_times(model: ModelSpec, s: Strategy, cluster: Cluster, layers: int | None = None,
+                  logits: bool = True) -> Compute:
+    """Forward and backward seconds of one microbatch over ``layers`` layers (default: the busiest
+    stage's), with the logits and loss when ``logits``."""
+    dev, e, t = cluster.device, s.elem, s.tp
+    peak = dev.flops(s.precision)
+    mem = dev.hbm_bw * dev.memory_efficiency
+    T, h, f, seq = s.micro_batch * s.seq, model.hidden, model.ffn_dim, s.seq
+    layers = math.ceil(model.layers / s.pp) if layers is None else layers
+    scale = model._scale()
+    qkv = h + 2 * h * model.kv // model.heads
+    gemms = [(T, h, qkv / t), (T, h / t, h), (T, h, f * (2 if model.glu else 1) / t), (T, f / t, h)]
+    layer_gemm = sum(_gemm(dev, *g, peak, e) for g in gemms) * scale
+    causal = 0.5 if (s.fused_attention and model.kind != "bert") else 1.0
+    attention = 4 * T * seq * h / t * causal / (peak * dev.attention_efficiency)
+    elementwise = e * T * (16 * h + (3 if model.glu else 0) * f / t)  # norms, residuals, the GLU product
+    if not s.fused_attention:
+        elementwise += e * T * 3 * model.heads * seq / t  # softmax read, write, and its mask
+    act = T * f / t  # the MLP's activation function, elements
+    activation = act / dev.activation_rate if dev.activation_rate else 2 * e * act / mem
+    layer_fwd = layer_gemm + attention + elementwise / mem + activation
+    # backward: twice each GEMM, and fused attention's backward recomputes the scores (FlashAttention-2:
+    # 2.5x its forward's FLOPs)
+    layer_bwd = 2 * (layer_fwd - attention) + (2.5 if s.fused_attention else 2.0) * attention
+    fwd = layers * layer_fwd + e * T * h / mem  # embeddings
+    bwd = layers * layer_bwd + 2 * e * T * h / mem
+    if s.recompute:
+        bwd += layers * layer_fwd
+    if logits:
+        head = _gemm(dev, T, h, model.vocab / t, peak, e)
+        loss = T * model.vocab / t * (e + 8) / mem  # logits read, fp32 log-softmax written and read
+        fwd += head + loss
+        bwd += 2 * head + loss
+    flops = s.micro_batch * s.seq * model.train_flops_per_token(seq, s.recompute) / (s.pp * t)
+    return Compute(fwd, bwd, flops)
+
+
+# ---------------------------------------------------------------------- collectives
+def group_bandwidth(cluster: Cluster, members: int, stride: int) -> float:
+    """Bytes/s one rank of a ring of ``members`` ranks, ``stride`` apart in rank order, moves."""
+    node = cluster.node
+    gpn = cluster.gpus_per_node
+    per_node = max(1, min(members, gpn // max(1, stride)))
+    eff = cluster.collective_efficiency
+    if members <= per_node:  # inside a node
+        return node.intra_bw * eff
+    return min(node.intra_bw, node.inter_bw * per_node / gpn) * eff
+
+
+def collective_time(cluster: Cluster, kind: str, units: float, members: int, stride: int = 1) -> float:
+    """Seconds for a collective of ``units`` bytes (``dist.Comm``'s count) over ``members`` ranks."""
+    if members <= 1 or units <= 0:
+        return 0.0
+    wire = units * (members - 1) / members
+    if kind in cluster.collectives:  # calibrated on this machine: alpha per hop, wire bytes/s
+        alpha, beta = cluster.collectives[kind]
+        return alpha * (members - 1) + wire / beta
+    return cluster.latency * (members - 1) + wire / group_bandwidth(cluster, members, stride)
+
+
+def comm_bytes(model: ModelSpec, s: Strategy) -> dict[str, float]:
+    """Bytes per rank per step by collective, in ``dist.Comm`` units (module docstring)."""
+    P, shared = partition_params(model, s)
+    e, m, N = s.elem, s.accum, s.dp
+    out = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0, "send": 0.0, "recv": 0.0}
+    if N > 1 or s.zero == 0:
+        if s.zero == 0:
+            out["all_reduce"] += 8 * P if N > 1 else 0.0
+        elif s.zero in (1, 2):
+            out["all_gather"] += e * P
+            out["reduce_scatter"] += 4 * P * (m if s.zero == 2 else 1)
+        else:
+            out["all_gather"] += 2 * e * P * m
+            out["reduce_scatter"] += 4 * P * m
+        if N == 1:
+            out = {k: 0.0 for k in out}
+    T = s.micro_batch * s.seq
+    if s.tp > 1:
+        per_layer = (4 + (2 if s.recompute else 0)) * T * model.hidden * e
+        layers = math.ceil(model.layers / s.pp)
+        if s.sp:
+            out["all_gather"] += per_layer * layers * m  # each all-reduce: a gather and a reduce-scatter
+            out["reduce_scatter"] += per_layer * layers * m
+        else:
+            out["all_reduce"] += 2 * per_layer * layers * m
+    if s.pp > 1:
+        act = T * model.hidden * e / (s.tp if s.sp else 1)
+        out["send"] += 2 * act * m + e * shared
+        out["recv"] += 2 * act * m + 4 * shared
+    out["all_reduce"] += 2 * 4 * 3  # loss, grad norm and the grads-produced flags (a few bytes)
+    return out
+
+
+# ---------------------------------------------------------------------- offload
+def offload_traffic(model: ModelSpec, s: Strategy) -> dict[str, float]:
+    """Bytes per rank per step of offload: PCIe each way, NVMe read/written, and params updated."""
+    P, _ = partition_params(model, s)
+    exact = model.leaves is not None and s.pp == 1 and s.tp == 1 and s.zero > 0
+    local = local_numel(model.leaves, s.dp, 0) if exact else (P if s.zero == 0 else math.ceil(P / s.dp))
+    out = {"d2h": 0.0, "h2d": 0.0, "nvme_read": 0.0, "nvme_write": 0.0, "updated": 0.0}
+    if s.offload_optimizer == "none" and s.offload_params == "none":
+        return out
+    out["updated"] = local
+    out["d2h"] = 4 * local + (4 * local if s.offload_params == "none" else 0)  # grads; masters read back
+    out["h2d"] = 4 * local if s.offload_params == "none" else 0.0  # the updated master
+    k = s.opt_bytes
+    if s.offload_optimizer == "nvme":
+        out["nvme_read"] += k * local
+        out["nvme_write"] += k * local
+    if s.offload_params != "none":
+        fetches = 2 * s.accum  # every unit's piece, in forward and again in backward
+        out["h2d"] += 4 * local * fetches
+        if s.offload_params == "nvme":
+            out["nvme_read"] += 4 * local * (fetches + 1)
+            out["nvme_write"] += 4 * local
+    return out
+
+
+def update_time(model: ModelSpec, s: Strategy, cluster: Cluster) -> float:
+    """Seconds of the optimizer update: on the device, or offloaded (module docstring)."""
+    P, _ = partition_params(model, s)
+    traffic = offload_traffic(model, s)
+    local = traffic["updated"]
+    if not local:
+        local = P if s.zero == 0 else math.ceil(P / s.dp)
+        per_param = 28 + (12 if s.clip else 0)
+        return local * per_param / (cluster.device.hbm_bw * cluster.device.memory_efficiency)
+    node = cluster.node
+    ranks = cluster.gpus_per_node  # CPU-Adam of every rank of a node shares its memory bandwidth
+    adam = local * CPU_ADAM_BYTES * ranks / (node.cpu_mem_bw * cluster.cpu_adam_efficiency)
+    pcie = 0.0 if cluster.device.kind == "cpu" else (8 * local) / node.pcie_bw
+    disk_r = traffic["nvme_read"] - (4 * local * 2 * s.accum if s.offload_params == "nvme" else 0)
+    disk_w = traffic["nvme_write"]
+    disk = ranks * (disk_r / node.nvme_read_bw + disk_w / node.nvme_write_bw)
+    return max(pcie + adam, disk)  # O_DIRECT transfers need no CPU: the disk runs beside CPU-Adam
+
+
+def fetch_time(model: ModelSpec, s: Strategy, cluster: Cluster) -> float:
+    """Seconds per step fetching offloaded params to the device (forward and backward, every microbatch)."""
+    if s.offload_params == "none":
+        return 0.0
+    traffic = offload_traffic(model, s)
+    node = cluster.node
+    local = traffic["updated"]
+    fetched = 4 * local * 2 * s.accum
+    t = 0.0 if cluster.device.kind == "cpu" else fetched / node.pcie_bw
+    if s.offload_params == "nvme":
+        t += cluster.gpus_per_node * fetched / node.nvme_read_bw
+    return t
+
+
+def engine_comm(leaves, world: int, stage: int, *, precision: str = "fp32", accum: int = 1,
+                clip: bool = True) -> dict[str, int]:
+    """The bytes ``step.memory(state)["comm"]`` reports for one step of ``zf.shard(step, Mesh(dp=world),
+    stage)`` at stages 1-3 (stage 3's gathers: the bound ``[1, 2] x`` the forward's, as the backward
+    re-gathers only the units it needs again; ``all_gather`` here is the forward's). Every rank's
+    segment is padded to ``ceil(rows / world)`` rows per param, so the collectives move
+    ``world x sum(chunk x rowsize)`` elements. The one small all-reduce sums the squared grad norm,
+    the loss and one grads-produced flag per leaf (fp32); without a clip the norm is not summed
+    across ranks in the optimizer and the loss goes alone."""
+    e = 4 if precision == "fp32" else 2
+    padded = world * sum(-(-(s[0] if s else 1) // world) * (math.prod(s[1:]) if s else 1) for s in leaves)
+    if stage not in (1, 2, 3):
+        raise ValueError(f"stage: engine_comm knows stages 1-3, got {stage!r}")
+    gathers = 1 if stage < 3 else accum
+    out = {"all_gather": e * padded * gathers, "reduce_scatter": 4 * padded * (1 if stage == 1 else accum)}
+    out["all_reduce"] = 2 * 4 * (2 + len(leaves)) if clip else 2 * 4
+    return out

@@ -1,0 +1,189 @@
+"""Bytes per rank: model states as zfunc's engine holds them, activations, working memory, by place.
+
+**Model states, zfunc's layout** (what ``step.memory(state)`` reports; ``zfunc.shard``'s docstring),
+for a rank holding ``P`` params of its pipeline stage and tensor slice, ``N = dp``, ``e`` the
+compute dtype's bytes, ``k`` the optimizer's bytes per param (8 for Adam):
+
+| | between steps | during the step (device) |
+|---|---|---|
+| stage 0 | masters ``4P``, optimizer ``kP`` | fp32 grad buckets ``4P``; compute copy ``eP`` below fp32 |
+| stage 1 | ``4P/N``, ``kP/N`` | fp32 grad shard ``4P/N``; whole params ``eP``; whole grads ``eP`` (``4P`` summed over microbatches) |
+| stage 2 | ``4P/N``, ``kP/N`` | grad shard ``4P/N``; whole params ``eP``; one bucket of whole grads |
+| stage 3 | ``4P/N``, ``kP/N`` | grad shard ``4P/N``; ``(1 + prefetch)`` units of whole params; one unit of grads |
+
+``P/N`` is ``torch.chunk``'s split: each param's rows in chunks of ``ceil(rows/N)``, so rank 0
+holds the most; with the model's leaves known the count is exact, per rank. Offload moves masters
+(``params=``) and optimizer state (``optimizer=``) to CPU RAM or to swap files; updating during
+backward (no clip, no fp16, accum 1) frees the device of the fp32 grad shard, which otherwise waits
+there for the norm. Swap files take twice their bytes on disk (the engine keeps a spare of each).
+
+**The ZeRO paper's layout** (``zero_paper``; Rajbhandari et al. 2019, Figure 1): fp16 params ``2Psi``,
+fp16 grads ``2Psi``, ``K Psi`` of optimizer state (fp32 master, momentum, variance: K = 12),
+partitioned over ``N`` from stage 1 (optimizer), 2 (+grads), 3 (+params). zfunc differs by design:
+it keeps the fp32 grad slice the optimizer reads, as DeepSpeed does outside the paper's count
+(``+4Psi/N`` at stage 1, ``+2Psi/N`` at stage 2 where the paper has an fp16 slice), and gathers
+stage-3 units from the fp32 masters (no fp16 param shard: ``-2Psi/N``, so stage 3 is the paper's
+``16Psi/N``), besides the step's buffers (stage 2's bucket, stage 3's gathered units).
+
+**Activations and working memory**: ``ModelSpec.activation_bytes_per_layer`` per layer and
+microbatch; a pipeline's first stage keeps ``min(m, p)`` microbatches under 1F1B and ``m`` under
+GPipe; logits in the compute dtype plus their fp32 softmax on the last stage. Working memory: the
+collectives' buffers (a bucket's fp32 reduce-scatter input and its gather buffer) and ``RESERVE``
+for the CUDA context, NCCL and the allocator's slack (an assumption: 2 GB).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from zfunc.plan.model import ModelSpec
+from zfunc.plan.strategy import Strategy
+
+RESERVE = 2e9  # CUDA context, NCCL buffers, allocator slack per GPU (assumption)
+STAGING = 3 * (64 << 20)  # offload: chunk_bytes of reads ahead and twice that of writes in flight
+
+
+def local_numel(leaves: Sequence[tuple[int, ...]], world: int, rank: int) -> int:
+    """Elements rank ``rank`` of ``world`` holds of ``leaves`` split along dim 0 as ``zf.shard`` splits
+    them (``chunk = ceil(rows / world)``; 0-d params count as one row)."""
+    total = 0
+    for shape in leaves:
+        rows = shape[0] if shape else 1
+        rowsize = math.prod(shape[1:]) if shape else 1
+        chunk = -(-rows // world)
+        total += max(0, min(chunk, rows - rank * chunk)) * rowsize
+    return total
+
+
+def engine_bytes(leaves: Sequence[tuple[int, ...]], world: int, rank: int, stage: int, *, precision: str = "fp32",
+                 accum: int = 1, optimizer_bytes: int = 8, bucket_mb: float = 25.0) -> dict[str, int]:
+    """The bytes ``zf.shard(step, Mesh(dp=world), stage).memory(state)`` reports on ``rank`` after a
+    step: ``params`` (fp32 masters), ``optimizer``, ``grad_shard``, and, at stages 0-2, the step's
+    ``whole_params`` and, at stage 1 and at stage 2 when all grads fit one bucket, ``whole_grads``
+    (stage 3's gathered peaks depend on the order units run in: ``working_bound`` bounds them).
+    Stage 1 with accumulation holds the fp32 sums and, while one is added to, that leaf's new grad:
+    exact at fp32, and below when the largest leaf's grad comes last (an embedding's does)."""
+    numel = sum(math.prod(s) for s in leaves)
+    mine = numel if stage == 0 else local_numel(leaves, world, rank)
+    e = 4 if precision == "fp32" else 2
+    out = {"params": 4 * mine, "optimizer": optimizer_bytes * mine, "grad_shard": 4 * mine}
+    if stage in (1, 2):
+        out["whole_params"] = e * numel
+    bucket = _bucket_elems(bucket_mb)
+    segment = sum(-(-(s[0] if s else 1) // world) * (math.prod(s[1:]) if s else 1) for s in leaves)
+    if stage == 1:  # with accumulation: fp32 sums, and the microbatch's grad being added in
+        largest = max((math.prod(s) for s in leaves), default=0)
+        out["whole_grads"] = e * numel if accum == 1 else 4 * numel + e * largest
+    elif stage == 2 and segment < bucket:  # one bucket: every grad is held until it is reduced
+        out["whole_grads"] = e * numel
+    return out
+
+
+def working_bound(unit_numels: Sequence[int], precision: str = "fp32", prefetch: int = 1) -> int:
+    """Stage 3's bound on whole-param bytes held at once (``zfunc.prefetch``): ``(1 + prefetch)``
+    times the largest unit, plus one more for a unit whose params a module outside it reads."""
+    e = 4 if precision == "fp32" else 2
+    largest = sorted(unit_numels, reverse=True)
+    return e * (sum(largest[: 2 + prefetch]))
+
+
+def offload_bytes(leaves: Sequence[tuple[int, ...]], world: int, rank: int, *, optimizer: str,
+                  params: str | None, optimizer_bytes: int = 8) -> dict[str, int]:
+    """What ``zf.offload(...).memory(state)`` reports by place: "device" (masters kept where compute
+    happens), "cpu" (host RAM), "nvme" (swap files, logical bytes; the disk holds twice that)."""
+    mine = local_numel(leaves, world, rank)
+    where = {"device": 0, "cpu": 0, "nvme": 0}
+    where["device" if params is None else params] += 4 * mine
+    where[optimizer] += optimizer_bytes * mine
+    return where
+
+
+def zero_paper(psi: float, n: int, stage: int, k: int = 12) -> dict[str, float]:
+    """Per-device model-state bytes in the ZeRO paper's accounting (fp16 params and grads, K bytes
+    of optimizer state per param): Figure 1's 120 / 31.4 / 16.6 / 1.9 GB for 7.5B params on 64."""
+    params = 2 * psi / (n if stage >= 3 else 1)
+    grads = 2 * psi / (n if stage >= 2 else 1)
+    optimizer = k * psi / (n if stage >= 1 else 1)
+    return {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer}
+
+
+def _bucket_elems(bucket_mb: float) -> int:
+    return max(1, int(bucket_mb * 2**18))  # as zf.shard: fp32 MiB of a rank's segment
+
+
+# ---------------------------------------------------------------------- the plan's view
+def partition_params(model: ModelSpec, s: Strategy) -> tuple[float, float]:
+    """``(P, shared)``: params of the busiest rank's model partition (pipeline stage 0, which owns
+    the embeddings, tensor slice 1/tp) and the shared params a pipeline lends its last stage."""
+    total = model.total_params
+    embed = min(total, model.embedding_params())
+    layers = total - embed
+    if s.pp == 1:
+        return total / s.tp, 0.0
+    per_stage = layers * math.ceil(model.layers / s.pp) / model.layers
+    return (per_stage + embed) / s.tp, embed / s.tp
+
+
+def rank_memory(model: ModelSpec, s: Strategy, device_kind: str = "cuda") -> dict[str, dict[str, float]]:
+    """Bytes on the busiest rank by place ("gpu", "cpu", "nvme") and component."""
+    P, _ = partition_params(model, s)
+    N, e, k, stage = s.dp, s.elem, s.opt_bytes, s.zero
+    exact = model.leaves is not None and s.pp == 1 and s.tp == 1
+    if stage == 0:
+        local = P
+    elif exact:
+        local = local_numel(model.leaves, N, 0)
+    else:
+        local = math.ceil(P / N)
+    unit = min(P, model.largest_unit_params(s.tiles) / s.tp)
+    bucket_whole = min(P, _bucket_elems(s.bucket_mb) * N)
+    offloaded = s.offload_optimizer != "none" or s.offload_params != "none"
+    eff_stage = 3 if (s.offload_params != "none" and N == 1) else stage
+    gpu: dict[str, float] = {}
+    cpu: dict[str, float] = {}
+    nvme: dict[str, float] = {}
+    ({"none": gpu, "cpu": cpu, "nvme": nvme}[s.offload_params])["masters"] = 4 * local
+    ({"none": gpu, "cpu": cpu, "nvme": nvme}[s.offload_optimizer])["optimizer"] = k * local
+    if eff_stage == 0:
+        gpu["grad_shard"] = 4 * P
+        gpu["compute_params"] = e * P if e < 4 else 0.0
+        gpu["whole_grads"] = 0.0
+    else:
+        gpu["grad_shard"] = 4 * (unit / N if offloaded and s.offload_overlaps() else local)
+        gpu["compute_params"] = e * P if eff_stage < 3 else (1 + s.prefetch) * e * unit
+        gpu["whole_grads"] = {1: (e if s.accum == 1 else 4) * P, 2: e * bucket_whole}.get(eff_stage, e * unit)
+        gpu["comm_buffers"] = (4 + e) * (bucket_whole if eff_stage < 3 else unit)
+    gpu["activations"] = activation_bytes(model, s)
+    if s.remat == "offload":
+        cpu["remat_inputs"] = remat_input_bytes(model, s)
+    if device_kind != "cpu":
+        gpu["reserve"] = RESERVE
+    if offloaded:
+        cpu["staging"] = STAGING
+    return {"gpu": gpu, "cpu": cpu, "nvme": nvme}
+
+
+def _live_microbatches(s: Strategy) -> int:
+    return 1 if s.pp == 1 else (min(s.accum, s.pp) if s.schedule == "1f1b" else s.accum)
+
+
+def remat_input_bytes(model: ModelSpec, s: Strategy) -> float:
+    """The layer inputs ``zf.remat`` keeps for the busiest stage's live microbatches."""
+    tokens = s.micro_batch * s.seq
+    layers = math.ceil(model.layers / s.pp)
+    return _live_microbatches(s) * layers * tokens * model.hidden * s.elem / (s.tp if s.sp else 1)
+
+
+def activation_bytes(model: ModelSpec, s: Strategy) -> float:
+    """Activations on the busiest stage's device at its peak: live microbatches x its layers, and
+    the logits where the stage computes them; with remat the layer inputs instead (in CPU RAM for
+    "offload": two in flight on the GPU) and one layer's full activations while it is recomputed."""
+    tokens = s.micro_batch * s.seq
+    layers = math.ceil(model.layers / s.pp)
+    per_layer = model.activation_bytes_per_layer(tokens, s.seq, s.tp, s.sp, bool(s.fused_attention), s.elem)
+    live = _live_microbatches(s)
+    logits = model.logits_bytes(tokens, s.tp, s.elem) if s.pp == 1 else 0.0  # stage 0 is not the last
+    if s.remat == "none":  # (the embeddings' output is the first layer's input, counted there)
+        return live * layers * per_layer + logits
+    inputs = remat_input_bytes(model, s) if s.remat == "full" else 2 * tokens * model.hidden * s.elem
+    return inputs + per_layer + logits
