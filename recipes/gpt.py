@@ -159,7 +159,8 @@ class GPT(nn.Module):
         if layer.endswith(".tiles") and index.isdigit():  # a tile of a layer split along dim 0 (zf.tile):
             rows = [getattr(t, kind).shape[0] for t in self.get_submodule(layer)]  # its rows of the whole
             start, whole = sum(rows[: int(index)]), torch.empty((sum(rows), *like.shape[1:]), device="meta")
-            return self.initial_value(f"{layer.removesuffix('.tiles')}.{kind}", whole, seed)[start:start + rows[int(index)]]
+            value = self.initial_value(f"{layer.removesuffix('.tiles')}.{kind}", whole, seed)
+            return value[start:start + rows[int(index)]]
         module = self.get_submodule(owner)
         if isinstance(module, nn.LayerNorm):
             return torch.ones(like.shape) if kind == "weight" else torch.zeros(like.shape)
@@ -350,8 +351,7 @@ def check_args(args: argparse.Namespace) -> None:
               for k, (ok, want) in RULES.items() if not ok(getattr(args, k))]
     if args.n_head >= 1 and args.n_embd % args.n_head:
         errors.append(f"--n-embd: expected a multiple of --n-head {args.n_head}, got {args.n_embd}")
-    if args.accum >= 1:
-        errors += layout.check_layout_args(args, launch.world)
+    errors += layout.check_layout_args(args, launch.world)
     if args.data is not None and not Path(args.data).exists():
         errors.append(f"--data: path {args.data!r} does not exist")
     try:
@@ -412,13 +412,45 @@ def make_optimizer(args: argparse.Namespace, plan):
     return adamw
 
 
-def start_state(step, params: dict, materialize, device: torch.device):
-    """The step's first state from meta-device ``params``: a step that can materialize leaf by leaf
-    (offload; ZeRO-3) makes each rank's rows one leaf at a time, never the whole model; the others
-    get the whole params on ``device``."""
+def first_state(args: argparse.Namespace, step, model: GPT, params: dict, plan, device: torch.device):
+    """The state to train from: OUT/ckpt/latest loaded into this layout (--resume), or a fresh one
+    from meta-device ``params``. A step that can materialize leaf by leaf (offload; ZeRO-3) makes
+    each rank's rows one leaf at a time, never the whole model; the others get whole params."""
+    import zfunc as zf
+
+    if args.resume:
+        latest = zf.checkpoint.latest(Path(args.out) / "ckpt")
+        if latest is None:
+            raise FlagError(f"--resume: no checkpoint under {Path(args.out) / 'ckpt'}")  # removed since check_args
+        saved = {e["path"][len("params/"):]: tuple(e["full_shape"])
+                 for e in zf.checkpoint.read_manifest(latest)["leaves"] if e["path"].startswith("params/")}
+        if saved != {k: tuple(v.shape) for k, v in params.items()}:  # check_resume compared the flags
+            raise FlagError(f"--resume: the params in {latest} are not this model's ({len(params)} tensors): "
+                            f"saved by a run with other model flags")
+        return zf.checkpoint.load(latest, step, params=params, device=device), latest
+    materialize = lambda name, like: model.initial_value(name, like, args.seed)  # noqa: E731
     if "materialize" in inspect.signature(step.init).parameters:
-        return step.init(params, materialize=materialize)
-    return step.init({name: materialize(name, like).to(device) for name, like in params.items()})
+        state = step.init(params, materialize=materialize)
+    else:
+        state = step.init({name: materialize(name, like).to(device) for name, like in params.items()})
+    if plan.precision == "fp16":  # the plan's (a DeepSpeed config's) initial scale and growth window
+        state = state.replace(loss_scale=zf.precision.LossScale(2.0**plan.initial_scale_power, 0,
+                                                                plan.loss_scale_window))
+    return state, None
+
+
+def describe(args, plan, launch, cfg: GPTConfig, model: GPT, device) -> list[str]:
+    """What rank 0 says about the model and the layout before training."""
+    lines = [f"model: {model.num_params(non_embedding=False) / 1e6:.2f}M params {asdict(cfg)}; device {device}, "
+             f"precision {plan.precision}; {args.steps} steps x {args.batch_size * cfg.block_size:,} tokens",
+             f"layout: {launch.world} process{'es' * (launch.world > 1)}, dp={plan.dp} pp={plan.pp}, ZeRO "
+             f"{plan.zero_stage}, offload optimizer {plan.offload_optimizer} params {plan.offload_params}, remat "
+             f"{plan.remat}; per rank {args.batch_size // plan.dp} sequences in "
+             f"{plan.microbatches if plan.pp > 1 else plan.accum} microbatches"]
+    if args.deepspeed and plan.precision == "fp16" and (plan.hysteresis > 1 or plan.consecutive_hysteresis):
+        lines.append(f"--deepspeed: fp16.hysteresis={plan.hysteresis} is not applied: zfunc halves the loss scale "
+                     "at each overflow")
+    return lines
 
 
 def train(args: argparse.Namespace) -> dict:
@@ -452,18 +484,8 @@ def train(args: argparse.Namespace) -> dict:
                     n_embd=args.n_embd, dropout=args.dropout)
     with torch.device("meta"):  # no memory yet: each leaf is made once, where the layout keeps it
         model = GPT(cfg)
-    n_params = model.num_params(non_embedding=False)
-    flops_per_token = 6 * model.num_params() + 12 * cfg.n_layer * cfg.block_size * cfg.n_embd
-    tokens_per_step = args.batch_size * cfg.block_size
-    say(f"model: {n_params / 1e6:.2f}M params {asdict(cfg)}; device {device}, precision "
-        f"{precision}; {args.steps} steps x {tokens_per_step:,} tokens")
-    say(f"layout: {launch.world} process{'es' * (launch.world > 1)}, dp={plan.dp} pp={plan.pp}, ZeRO {plan.zero_stage}"
-        f", offload optimizer {plan.offload_optimizer} params {plan.offload_params}, remat {plan.remat}; per rank "
-        f"{args.batch_size // plan.dp} sequences in {plan.microbatches if plan.pp > 1 else plan.accum} microbatches")
-    if args.deepspeed and precision == "fp16" and (plan.hysteresis > 1 or plan.consecutive_hysteresis):
-        say(f"--deepspeed: fp16.hysteresis={plan.hysteresis} is not applied: zfunc halves the loss scale at each "
-            "overflow")
-
+    for line in describe(args, plan, launch, cfg, model, device):
+        say(line)
     zf.parallelize.prepare(model, plan)  # tile the head, remat the blocks: before functionalize
     apply, params = zf.functionalize(model)
 
@@ -475,24 +497,9 @@ def train(args: argparse.Namespace) -> dict:
     step = zf.train_step(loss_fn, make_optimizer(args, plan), precision=precision, accum=plan.accum, seed=args.seed)
     mesh = zf.Mesh(dp=plan.dp, pp=plan.pp)
     step = zf.parallelize(step, model, plan, mesh)  # shard -> offload -> pipeline, as the plan says
-    ckpt_root = Path(args.out) / "ckpt"
-    if args.resume:
-        latest = zf.checkpoint.latest(ckpt_root)
-        if latest is None:
-            raise FlagError(f"--resume: no checkpoint under {ckpt_root}")  # removed since check_args
-        saved = {e["path"][len("params/"):]: tuple(e["full_shape"]) for e in zf.checkpoint.read_manifest(latest)[
-            "leaves"] if e["path"].startswith("params/")}
-        if saved != {k: tuple(v.shape) for k, v in params.items()}:  # check_resume compared the flags
-            raise FlagError(f"--resume: the params in {latest} are not this model's ({len(params)} tensors): "
-                            f"saved by a run with other model flags")
-        state = zf.checkpoint.load(latest, step, params=params, device=device)
-        say(f"resumed from {latest} at step {state.step}")
-    else:
-        state = start_state(step, params, lambda name, like: model.initial_value(name, like, args.seed), device)
-        if precision == "fp16":  # the plan's (a DeepSpeed config's) initial scale and growth window
-            state = state.replace(loss_scale=zf.precision.LossScale(2.0**plan.initial_scale_power, 0,
-                                                                    plan.loss_scale_window))
-
+    state, resumed = first_state(args, step, model, params, plan, device)
+    if resumed is not None:
+        say(f"resumed from {resumed} at step {state.step}")
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
     @torch.no_grad()
@@ -506,14 +513,16 @@ def train(args: argparse.Namespace) -> dict:
         model.train()
         return total / args.eval_batches
 
+    skipped_saves = []
+
     def save(n: int, val_loss: float):
         try:
-            return zf.checkpoint.save(state, ckpt_root / f"{n:06d}", keep_last=args.keep_last,
+            return zf.checkpoint.save(state, Path(args.out) / "ckpt" / f"{n:06d}", keep_last=args.keep_last,
                                       extra={"config": asdict(cfg), "flags": flags, "val_loss": val_loss})
         except zf.checkpoint.CheckpointError as e:
             if plan.pp == 1:
                 raise
-            # zf.checkpoint refuses pipelined states until they are supported: train on, say so once
+            # zf.checkpoint refuses pipelined states until it supports them: train on, and say so once
             if not skipped_saves:
                 watch.say(f"checkpoints not saved: {e}")
             skipped_saves.append(n)
@@ -523,10 +532,11 @@ def train(args: argparse.Namespace) -> dict:
         per_rank = args.batch_size // plan.dp
         return tuple(t[mesh.rank * per_rank:(mesh.rank + 1) * per_rank].to(device) for t in batch)
 
-    first = state.step
+    first, tokens_per_step = state.step, args.batch_size * cfg.block_size
+    flops_per_token = 6 * model.num_params() + 12 * cfg.n_layer * cfg.block_size * cfg.n_embd
     watch = watch_mod.Watch(Path(args.out), launch.rank, first if args.resume else None,
                             flops_per_token=flops_per_token, peak_flops=peak_flops(device), world=launch.world)
-    history, train_time, loss, val_loss, whole, skipped_saves = [], 0.0, float("nan"), float("nan"), None, []
+    history, train_time, loss, val_loss, whole = [], 0.0, float("nan"), float("nan"), None
     last_logged, log_time = first, 0.0
     t0 = time.time()
     for i in watch.progress(range(first, args.steps), first, args.steps):
@@ -576,7 +586,7 @@ def train(args: argparse.Namespace) -> dict:
                           args.top_k, torch.Generator().manual_seed(args.seed), device)
         say("sample:\n" + (b"def " + sample).decode("utf-8", errors="replace"))
     return dict(val_loss=val_loss, train_loss=loss, unigram_entropy=baseline, history=history,
-                steps=args.steps, n_params=n_params, tokens_per_s=tokens_per_s, mfu=mfu,
+                steps=args.steps, n_params=model.num_params(non_embedding=False), tokens_per_s=tokens_per_s, mfu=mfu,
                 elapsed_s=time.time() - t_start, checkpoint=str(ckpt) if ckpt is not None else None, sample=sample,
                 rank=launch.rank)
 

@@ -38,9 +38,9 @@ LAYOUT_HELP = dict(
     offload_params="keep the fp32 params in CPU RAM or NVMe, fetched per unit (ZeRO 3, or 1 rank); needs "
                    "--offload-optimizer",
     nvme_path="directory for the NVMe swap files (each rank uses its own folder in it)",
-    remat="recompute each block's activations in backward (activation checkpointing)",
-    remat_offload="with --remat: keep each block's saved inputs in CPU RAM",
-    tile_lm_head="compute the LM head (tied to the embedding) in this many tiles; 0: untiled",
+    remat="recompute each unit's (block's) activations in backward (activation checkpointing)",
+    remat_offload="with --remat: keep each unit's saved inputs in CPU RAM",
+    tile_lm_head="compute the LM head (and an embedding tied to it) in this many tiles; 0: untiled",
     pp="pipeline stages (the world size must be a multiple; dp = world size / pp)",
     microbatches="with --pp: microbatches each rank's batch is cut into (in place of --accum)",
     schedule="pipeline schedule",
@@ -112,10 +112,10 @@ def check_layout_args(args: argparse.Namespace, world: int) -> list[str]:
         errors.append(f"--tile-lm-head: expected an int >= 0, got {args.tile_lm_head}")
     if args.deepspeed is not None and not Path(args.deepspeed).is_file():
         errors.append(f"--deepspeed: no DeepSpeed config file at {args.deepspeed!r}")
+    if not errors and world % args.pp:
+        errors.append(f"--pp: {args.pp} stages do not divide the {world} processes (expected a divisor of {world})")
     if errors or args.deepspeed is not None:
         return errors  # with a DeepSpeed config the batch split is checked once its values are read
-    if world % args.pp:
-        return [f"--pp: {args.pp} stages do not divide the {world} processes (expected a divisor of {world})"]
     return check_batch_split(args, world // args.pp)
 
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zfunc as zf
-from tests.test_shard import Block, Tiny, assert_same_training, batches, local
+from tests.test_shard import Tiny, assert_same_training, batches, local
 from zfunc.offload import OffloadedStep
 from zfunc.shard import ShardedStep
 from zfunc.tile import TiledLinear
@@ -83,7 +83,8 @@ PLANS_1 = [  # one process: each transformation, and their compositions
     dict(offload_optimizer="cpu"), dict(offload_optimizer="cpu", offload_params="cpu", units="class:Block"),
     dict(zero_stage=3, offload_optimizer="cpu", offload_params="cpu", units="class:Block", remat=True),
     dict(zero_stage=2, offload_optimizer="cpu", remat=True, remat_offload=True, units="class:Block"),
-    dict(remat=True, units="class:Block"), dict(tile_lm_head=3), dict(zero_stage=3, tile_lm_head=2, units="class:Block"),
+    dict(remat=True, units="class:Block"), dict(tile_lm_head=3),
+    dict(zero_stage=3, tile_lm_head=2, units="class:Block"),
 ]
 
 
