@@ -1,14 +1,19 @@
 """recipes/gpt.py: the model, the data, a tiny training run through zfunc, and its flags checked."""
 import json
 import math
+import os
 import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 import zfunc as zf
-from recipes import gpt
+from recipes import gpt, layout
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
         "--batch-size", "8", "--lr", "1e-2", "--warmup", "5", "--eval-batches", "2",
@@ -243,3 +248,347 @@ def test_resume_from_a_checkpoint_without_flags_still_checks_the_model(tmp_path,
         gpt.main(flags + ["--steps", "4", "--resume", "--n-layer", "2"])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "--resume:" in err and "does not hold this model" in err and "blocks.1." in err
+
+
+# ----------------------------------------------------------------------------- at scale: the layout flags
+# The law of the command line: the same flags in any layout (ZeRO stage, offload, pipeline, remat,
+# tiling, accumulation, number of processes) train as the single-process run: the same losses in
+# OUT/metrics.jsonl (fp32, 1e-5 relative). Two-process runs go through torchrun, as a user's would.
+ROOT = Path(__file__).resolve().parents[1]
+LAW = TINY + ["--n-layer", "2", "--steps", "4", "--eval-every", "2", "--log-every", "1", "--precision", "fp32"]
+ZERO_0_PENDING = "zf.shard(step, mesh, stage=0) (replicated data parallel) is not merged yet"
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def cli(out: Path, flags: list[str], procs: int = 1, torchrun: list[str] = ()) -> subprocess.CompletedProcess:
+    """``python -m recipes.gpt`` (procs=1) or ``torchrun --standalone --nproc_per_node procs -m recipes.gpt``."""
+    launcher = [sys.executable, "-m", "recipes.gpt"] if procs == 1 and not torchrun else [
+        sys.executable, "-m", "torch.distributed.run", *(torchrun or ["--standalone"]), "--nproc_per_node", str(procs),
+        "-m", "recipes.gpt"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([*launcher, *flags, "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, f"{' '.join(launcher + flags)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+def assert_same_losses(rows: list[dict], want: list[dict], what: str) -> None:
+    assert [r["step"] for r in rows] == [r["step"] for r in want], what
+    for key in ("loss", "val_loss"):
+        got, ref = [r[key] for r in rows if key in r], [r[key] for r in want if key in r]
+        assert len(got) == len(ref) and got, (what, key)
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=0, msg=f"{what}: {key}")
+
+
+@pytest.fixture(scope="module")
+def law(tmp_path_factory, text_file):
+    """The single-process run every layout must reproduce: its flags and OUT/metrics.jsonl."""
+    out = tmp_path_factory.mktemp("law") / "plain"
+    flags = LAW + ["--data", str(text_file)]
+    gpt.main(flags + ["--out", str(out)])
+    return flags, metrics(out), out
+
+
+slow = pytest.mark.slow
+ONE_PROCESS = [  # (layout flags, marks): every transformation in one process, in the recipe's own process
+    (["--zero", "3", "--remat"], ()),
+    (["--zero", "2", "--offload-optimizer", "nvme"], ()),
+    (["--offload-optimizer", "cpu", "--offload-params", "cpu"], ()),
+    (["--accum", "2", "--tile-lm-head", "2"], ()),
+    (["--zero", "1"], slow),
+    (["--zero", "3", "--offload-optimizer", "nvme", "--offload-params", "nvme", "--remat", "--remat-offload"], slow),
+    (["--offload-optimizer", "nvme", "--offload-params", "nvme"], slow),
+    (["--zero", "2", "--accum", "4"], slow),
+]
+
+
+def _ids(cases):
+    return [" ".join(flags) for flags, _ in cases]
+
+
+def _nvme(flags: list[str], tmp_path: Path) -> list[str]:
+    return flags + ["--nvme-path", str(tmp_path / "swap")] if "nvme" in flags else flags
+
+
+@pytest.mark.parametrize("layout", [pytest.param(f, marks=m) for f, m in ONE_PROCESS], ids=_ids(ONE_PROCESS))
+def test_the_same_flags_in_another_layout_train_the_same_in_one_process(tmp_path, law, layout):
+    flags, want, _ = law
+    gpt.main(flags + _nvme(layout, tmp_path) + ["--out", str(tmp_path / "out")])
+    assert_same_losses(metrics(tmp_path / "out"), want, " ".join(layout))
+
+
+TWO_PROCESSES = [
+    (["--zero", "3", "--offload-optimizer", "cpu", "--offload-params", "cpu"], ()),
+    (["--pp", "2", "--microbatches", "2"], ()),
+    (["--zero", "0"], pytest.mark.skip(reason=ZERO_0_PENDING)),
+    (["--zero", "1"], slow),
+    (["--zero", "2", "--offload-optimizer", "nvme", "--accum", "2"], slow),
+    (["--zero", "3", "--remat", "--tile-lm-head", "2"], slow),
+    (["--pp", "2", "--microbatches", "4", "--schedule", "gpipe", "--zero", "1"], slow),
+]
+
+
+@pytest.mark.parametrize("layout", [pytest.param(f, marks=m) for f, m in TWO_PROCESSES], ids=_ids(TWO_PROCESSES))
+def test_the_same_flags_on_two_processes_under_torchrun_train_the_same(tmp_path, law, layout):
+    flags, want, _ = law
+    logs = tmp_path / "logs"
+    done = cli(tmp_path / "out", flags + _nvme(layout, tmp_path), procs=2,
+               torchrun=["--standalone", "--log-dir", str(logs), "--redirects", "3"])
+    assert_same_losses(metrics(tmp_path / "out"), want, " ".join(layout))
+    # each rank's output went to its own files: rank 0 tells the story, rank 1 prints nothing
+    by_rank = {p.parent.name: p for p in logs.rglob("stdout.log")}
+    assert "model:" in by_rank["0"].read_text() and "layout: 2 processes" in by_rank["0"].read_text()
+    assert by_rank["1"].read_text() == "" and (by_rank["1"].parent / "stderr.log").read_text() == "", done.stderr
+
+
+@slow
+def test_two_machines_by_torchruns_c10d_rendezvous_train_the_same(tmp_path, law):
+    """Two torchrun agents, one process each, meet at a c10d rendezvous on loopback (--nnodes 2)."""
+    flags, want, _ = law
+    port = zf.dist.free_port()
+    rdzv = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "law"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", *rdzv, "--nproc_per_node", "1", "-m", "recipes.gpt",
+           *flags, "--zero", "2", "--out", str(tmp_path / "out")]
+    agents = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for _ in range(2)]
+    outputs = [a.communicate(timeout=600)[0] for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    assert sum("layout: 2 processes, dp=2" in o for o in outputs) == 1  # rank 0's machine alone tells it
+    assert_same_losses(metrics(tmp_path / "out"), want, "two machines, --zero 2")
+
+
+def test_metrics_jsonl_parses_and_loss_png_is_drawn(law):
+    _, rows, out = law
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_mb"} <= r.keys()
+        assert math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 and len(r["peak_mem_mb"]) == 1
+    assert [r["step"] for r in rows if "val_loss" in r] == [2, 4]
+    png = (out / "loss.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_without_matplotlib_the_png_is_skipped_with_one_notice(tmp_path, text_file, capsys, monkeypatch):
+    for name in ("matplotlib.figure", "matplotlib.backends.backend_agg"):  # their import now raises ImportError
+        monkeypatch.setitem(sys.modules, name, None)
+    gpt.main(LAW + ["--data", str(text_file), "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert out.count("loss.png: not drawn, matplotlib is not installed") == 1
+    assert not (tmp_path / "loss.png").exists() and len(metrics(tmp_path)) == 4
+
+
+def test_a_resumed_run_appends_to_the_log_from_its_checkpoint(tmp_path, law):
+    flags, want, _ = law
+    gpt.main(flags + ["--ckpt-every", "2", "--out", str(tmp_path)])
+    (tmp_path / "ckpt" / "000004").rename(tmp_path / "moved")  # as if the run had died after step 2's save
+    (tmp_path / "ckpt" / "latest").write_text("000002")
+    gpt.main(flags + ["--resume", "--out", str(tmp_path)])
+    assert_same_losses(metrics(tmp_path), want, "resumed")  # steps 1-4, each once
+
+
+def test_resume_in_another_layout_and_number_of_processes(tmp_path, law):
+    """ZeRO-2 on two processes, killed after step 2's checkpoint; resumed as one plain process."""
+    flags, want, _ = law
+    cli(tmp_path, flags + ["--zero", "2", "--ckpt-every", "2"], procs=2)
+    (tmp_path / "ckpt" / "000004").rename(tmp_path / "moved")
+    (tmp_path / "ckpt" / "latest").write_text("000002")
+    result = gpt.main(flags + ["--resume", "--out", str(tmp_path)])
+    assert_same_losses(metrics(tmp_path), want, "--zero 2 on 2 processes -> 1 process")
+    mine = load_file(zf.checkpoint.export(result["checkpoint"], tmp_path / "resumed.safetensors"))
+    theirs = load_file(zf.checkpoint.export(tmp_path / "moved", tmp_path / "straight.safetensors"))
+    assert all(torch.allclose(mine[k], theirs[k], rtol=1e-5, atol=1e-6) for k in theirs)
+
+
+def test_resume_into_an_offloaded_layout(tmp_path, law):
+    flags, want, _ = law
+    gpt.main(flags + ["--zero", "1", "--ckpt-every", "2", "--out", str(tmp_path)])
+    (tmp_path / "ckpt" / "000004").rename(tmp_path / "moved")
+    (tmp_path / "ckpt" / "latest").write_text("000002")
+    gpt.main(flags + ["--resume", "--offload-optimizer", "cpu", "--out", str(tmp_path)])
+    assert_same_losses(metrics(tmp_path), want, "--zero 1 -> --offload-optimizer cpu")
+
+
+@slow
+def test_resume_from_zero3_on_two_processes_to_a_pipeline_to_one_process(tmp_path, law):
+    """Stage 3 on 2 ranks -> --pp 2 -> 1 process stage 0: the params of the run straight through."""
+    flags, _, _ = law
+    flags = [f for f in flags] + ["--ckpt-every", "2"]
+    flags[flags.index("--steps") + 1] = "6"
+    straight = tmp_path / "straight"
+    cli(straight, flags, procs=1)
+    out = tmp_path / "moved"
+
+    def cut_to(step):
+        for p in (out / "ckpt").iterdir():
+            if p.name.isdigit() and int(p.name) > step:
+                shutil.rmtree(p)
+        (out / "ckpt" / "latest").write_text(f"{step:06d}")
+
+    cli(out, flags + ["--zero", "3"], procs=2)
+    cut_to(2)
+    cli(out, flags + ["--pp", "2", "--microbatches", "2", "--resume"], procs=2)
+    cut_to(4)
+    result = gpt.main(flags + ["--resume", "--out", str(out)])
+    assert_same_losses(metrics(out), metrics(straight), "zero 3 x2 -> pp 2 -> 1 process")
+    mine = load_file(zf.checkpoint.export(result["checkpoint"], tmp_path / "mine.safetensors"))
+    theirs = load_file(zf.checkpoint.export(zf.checkpoint.latest(straight / "ckpt"), tmp_path / "theirs.safetensors"))
+    assert all(torch.allclose(mine[k], theirs[k], rtol=1e-5, atol=1e-6) for k in theirs)
+
+
+# ----------------------------------------------------------------------------- --deepspeed
+from tests.test_deepspeed_config import HF_ZERO2, HF_ZERO3  # noqa: E402  (Hugging Face's test configs)
+
+
+def write_config(tmp_path: Path, config: dict, name="ds_config.json") -> str:
+    path = tmp_path / name
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.mark.parametrize("config, extra, layout", [
+    (HF_ZERO2, [], "dp=2 pp=1, ZeRO 2, offload optimizer cpu params none"),
+    (HF_ZERO3, ["--precision", "fp16"], "dp=2 pp=1, ZeRO 3, offload optimizer cpu params cpu"),
+], ids=["hf-zero2-all-auto-cpu-optimizer", "hf-zero3-fp16-cpu-optimizer-and-params"])
+def test_hugging_face_deepspeed_configs_train_the_recipe_on_two_processes(tmp_path, text_file, config, extra, layout):
+    flags = LAW + ["--steps", "6", "--data", str(text_file), "--deepspeed", write_config(tmp_path, config), *extra]
+    done = cli(tmp_path / "out", flags, procs=2)
+    assert layout in done.stdout and done.stdout.count("model:") == 1
+    assert "DeepSpeed keys have no meaning in zfunc and were ignored" in done.stdout  # the notice, once
+    rows = metrics(tmp_path / "out")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert rows[0]["lr"] == 0.0 and rows[-1]["lr"] > 0  # DeepSpeed's WarmupLR (log) from warmup_min_lr 0
+    assert rows[-1]["loss"] < rows[0]["loss"] and all(math.isfinite(r["loss"]) for r in rows)
+    if "--precision" in extra:
+        assert all(r["loss_scale"] == 2.0**16 and not r["skipped"] for r in rows)
+
+
+def _lamb(c):
+    c["optimizer"] = {"type": "Lamb", "params": {"lr": 1e-3}}
+
+
+def _stage_5(c):
+    c["zero_optimization"]["stage"] = 5
+
+
+def _batches_disagree(c):
+    c.update(train_batch_size=10, train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=1)
+
+
+def _nvme_without_path(c):
+    c["zero_optimization"]["offload_optimizer"] = {"device": "nvme"}
+
+
+def _unknown_device(c):
+    c["zero_optimization"]["offload_optimizer"] = {"device": "gpu"}
+
+
+BAD_CONFIGS = [  # (change to HF's ZeRO-2 config, extra flags, the message)
+    (_lamb, [], "optimizer.type: LAMB, a DeepSpeed optimizer zfunc does not have; zfunc maps Adam, AdamW, SGD and "
+                "Lion, got 'Lamb'"),
+    (_stage_5, [], "zero_optimization.stage: expected one of [0, 1, 2, 3], got 5"),
+    (_batches_disagree, [], "train_batch_size=10, train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=1, "
+                            "world_size=1: expected train_batch_size = micro * accum * world_size = 3 * 1 * 1 = 3"),
+    (_nvme_without_path, [], "zero_optimization.offload_optimizer.nvme_path: device 'nvme' needs the directory"),
+    (_unknown_device, [], "zero_optimization.offload_optimizer.device: expected one of ['none', 'cpu', 'nvme'], "
+                          "got 'gpu'"),
+    (None, ["--zero", "1"], "--zero 1 contradicts zero_optimization.stage = 2 in --deepspeed"),
+    (None, ["--offload-optimizer", "none"], "--offload-optimizer 'none' contradicts "
+                                            "zero_optimization.offload_optimizer.device = 'cpu'"),
+]
+
+
+@pytest.mark.parametrize("change, extra, message", BAD_CONFIGS, ids=[m.split(":")[0][:40] for *_, m in BAD_CONFIGS])
+def test_bad_deepspeed_configs_fail_before_training_naming_the_key(tmp_path, text_file, capsys, change, extra,
+                                                                   message):
+    config = json.loads(json.dumps(HF_ZERO2))
+    if change is not None:
+        change(config)
+    err = exits_2(capsys, TINY + ["--data", str(text_file), "--out", str(tmp_path / "out"),
+                                  "--deepspeed", write_config(tmp_path, config), *extra])
+    assert message in err and "--deepspeed" in err
+    assert not (tmp_path / "out").exists()  # refused before anything was made
+
+
+def test_a_flag_contradicting_an_explicit_config_names_both_and_auto_takes_the_flags(tmp_path, text_file, capsys):
+    explicit = dict(HF_ZERO2, gradient_accumulation_steps=2, train_batch_size="auto",
+                    optimizer={"type": "AdamW", "params": {"lr": 1e-3, "betas": "auto", "eps": "auto",
+                                                           "weight_decay": "auto"}},
+                    scheduler={"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3, "warmup_num_steps": "auto"}})
+    path = write_config(tmp_path, explicit)
+    tiny = [f for i, f in enumerate(TINY) if "--lr" not in TINY[max(0, i - 1):i + 1]]  # --lr left at its default
+    base = tiny + ["--data", str(text_file), "--out", str(tmp_path / "out"), "--deepspeed", path]
+    err = exits_2(capsys, base + ["--accum", "4", "--lr", "0.02"])
+    assert f"--accum 4 contradicts gradient_accumulation_steps = 2 in --deepspeed {path}" in err
+    assert "--lr 0.02 contradicts optimizer.params.lr = 0.001" in err
+    # flags left at their defaults yield to the config's explicit values, fill its "auto"s
+    plan, args = layout.resolve(gpt.with_precision(gpt.parse_args(base + ["--weight-decay", "0.05"])), 1, gpt.UNITS,
+                                notices=False)
+    assert (args.accum, args.zero, args.offload_optimizer, plan.accum, plan.micro_batch) == (2, 2, "cpu", 2, 4)
+    assert plan.optimizer_params["lr"] == 1e-3 and plan.optimizer_params["weight_decay"] == 0.05
+    # an "auto" that must agree with an explicit value (Hugging Face's rule) names where autos come from
+    del explicit["scheduler"]["params"]["warmup_max_lr"]
+    explicit["scheduler"]["params"]["warmup_max_lr"] = "auto"
+    err = exits_2(capsys, tiny + ["--data", str(text_file), "--out", str(tmp_path / "out"), "--deepspeed",
+                                  write_config(tmp_path, explicit, "auto_lr.json")])
+    assert "optimizer.params.lr: the config sets 0.001 and the auto value lr=0.003 differs" in err and "--lr" in err
+    assert not (tmp_path / "out").exists()
+
+
+LAYOUT_FLAGS = [  # (flags, world size, the message naming the flags)
+    (["--microbatches", "2"], 1, "--microbatches (plan microbatches): pipeline microbatches need pp > 1"),
+    (["--offload-params", "cpu", "--offload-optimizer", "cpu", "--zero", "1"], 1,
+     "--offload-params (plan offload_params): offloading params needs ZeRO stage 3"),
+    (["--remat-offload"], 1, "--remat-offload (plan remat_offload): offloads what remat keeps, so it needs remat=True"),
+    (["--nvme-path", "/tmp/x"], 1, "--nvme-path (plan nvme_path): only 'nvme' offload uses it"),
+    (["--offload-optimizer", "nvme"], 1, "--nvme-path (plan nvme_path): 'nvme' offload needs a directory"),
+    (["--offload-params", "cpu"], 1, "--offload-params (plan offload_params): zf.offload keeps the optimizer state"),
+    (["--accum", "3"], 1, "--batch-size: the global batch of 8 sequences must split over 1 data-parallel rank x 3 "
+                          "accumulation steps; expected a multiple of 3"),
+    (["--batch-size", "6"], 4, "--batch-size: the global batch of 6 sequences must split over 4 data-parallel ranks "
+                               "x 1 accumulation steps; expected a multiple of 4"),
+    (["--pp", "2"], 3, "--pp: 2 stages do not divide the 3 processes"),
+    (["--pp", "2", "--microbatches", "2", "--remat"], 2, "--remat (plan remat): a pipeline runs each unit once"),
+    (["--pp", "2", "--zero", "1", "--offload-optimizer", "cpu"], 2,
+     "--offload-optimizer (plan offload_optimizer): a pipeline (pp=2) updates each stage's params"),
+    (["--pp", "2", "--zero", "2"], 2, "--zero (plan zero_stage): a pipeline (pp=2) composes with ZeRO stage 0 or 1"),
+    (["--pp", "2", "--accum", "2"], 2, "--accum (plan accum): a pipeline splits each batch into microbatches itself"),
+    (["--pp", "2", "--microbatches", "3"], 2, "--batch-size: the global batch of 8 sequences must split over 1 "
+                                              "data-parallel rank x 3 pipeline microbatches"),
+    (["--deepspeed", "/no/such/ds.json"], 1, "--deepspeed: no DeepSpeed config file at '/no/such/ds.json'"),
+]
+
+
+@pytest.mark.parametrize("flags, world, message", LAYOUT_FLAGS, ids=[" ".join(f) for f, *_ in LAYOUT_FLAGS])
+def test_layout_flags_that_cannot_work_are_named_before_anything_is_built(tmp_path, monkeypatch, flags, world,
+                                                                         message):
+    if world > 1:  # as torchrun would set it; check_args reads it, nothing joins a process group
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+    args = gpt.parse_args(TINY + flags + ["--out", str(tmp_path / "out")])
+    with pytest.raises(gpt.FlagError, match=re.escape(message)):
+        gpt.check_args(args)
+    assert not (tmp_path / "out").exists()
+
+
+def test_help_states_the_global_batch_and_the_layout_flags(capsys):
+    with pytest.raises(SystemExit):
+        gpt.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "global batch: sequences per optimizer step, over all processes" in text
+    for flag in ("--zero {0,1,2,3}", "--offload-optimizer {none,cpu,nvme}", "--offload-params {none,cpu,nvme}",
+                 "--nvme-path", "--remat", "--remat-offload", "--pp", "--microbatches", "--schedule {1f1b,gpipe}",
+                 "--deepspeed", "--tile-lm-head", "--log-every"):
+        assert flag in text, flag
+
+
+def test_resume_may_change_the_layout_but_not_what_is_trained(tmp_path, text_file, capsys):
+    flags = TINY + ["--eval-every", "0", "--data", str(text_file), "--out", str(tmp_path)]
+    gpt.main(flags + ["--steps", "2"])
+    capsys.readouterr()
+    err = exits_2(capsys, flags + ["--steps", "4", "--resume", "--zero", "3", "--tile-lm-head", "2"])
+    assert "--tile-lm-head: 0 in the checkpoint, 2 given" in err and "--zero" not in err
+    result = gpt.main(flags + ["--steps", "3", "--resume", "--zero", "3", "--remat", "--accum", "2"])
+    assert result["history"][-1][0] == 3

@@ -9,6 +9,7 @@ from zfunc import checkpoint, config, dist, materialize, module, optim, precisio
 from zfunc.dist import Mesh
 from zfunc.module import functionalize
 from zfunc.offload import offload
+from zfunc.parallelize import parallelize
 from zfunc.pipeline import pipeline
 from zfunc.remat import remat
 from zfunc.shard import shard
@@ -29,6 +30,7 @@ __all__ = [
     "module",
     "offload",
     "optim",
+    "parallelize",
     "pipeline",
     "precision",
     "remat",

@@ -1,0 +1,298 @@
+"""How a recipe trains at scale: the flags every recipe shares, the launch, and the plan they make.
+
+The flags (``LAYOUT_DEFAULTS``) say how to lay the training out, never what is trained: ZeRO
+stage, offload, remat, LM-head tiling, pipeline, a DeepSpeed config. ``resolve(args, world,
+units)`` turns them (and ``--deepspeed``) into a ``zf.config.Plan``, which ``zf.parallelize``
+applies; the recipe never calls shard/offload/pipeline itself. ``Launch`` reads torchrun's
+environment (``python -m recipes.gpt`` is one process, ``torchrun ... -m recipes.gpt`` N of them,
+on one machine or several). ``--batch-size`` is the global batch: split over the dp ranks, then
+into accumulation (or pipeline) microbatches, so the same flags train the same on any layout.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class FlagError(ValueError):
+    """Flags that cannot work together; the message names each flag, its value and what was expected."""
+
+
+LAYOUT_DEFAULTS = dict(
+    zero=0, offload_optimizer="none", offload_params="none", nvme_path=None, remat=False, remat_offload=False,
+    tile_lm_head=0, pp=1, microbatches=1, schedule="1f1b", deepspeed=None,
+)
+CHOICES = dict(zero=[0, 1, 2, 3], offload_optimizer=["none", "cpu", "nvme"], offload_params=["none", "cpu", "nvme"],
+               schedule=["1f1b", "gpipe"])
+LAYOUT_HELP = dict(
+    zero="ZeRO stage: 0 replicated data parallel, 1 optimizer state, 2 + grads, 3 + params sharded over the ranks",
+    offload_optimizer="keep the optimizer state (and fp32 masters' update) in CPU RAM or NVMe (ZeRO 1-3, or 1 rank)",
+    offload_params="keep the fp32 params in CPU RAM or NVMe, fetched per unit (ZeRO 3, or 1 rank); needs "
+                   "--offload-optimizer",
+    nvme_path="directory for the NVMe swap files (each rank uses its own folder in it)",
+    remat="recompute each unit's (block's) activations in backward (activation checkpointing)",
+    remat_offload="with --remat: keep each unit's saved inputs in CPU RAM",
+    tile_lm_head="compute the LM head (and an embedding tied to it) in this many tiles; 0: untiled",
+    pp="pipeline stages (the world size must be a multiple; dp = world size / pp)",
+    microbatches="with --pp: microbatches each rank's batch is cut into (in place of --accum)",
+    schedule="pipeline schedule",
+    deepspeed="a DeepSpeed JSON config; its 'auto' values come from these flags, and a flag given that "
+              "contradicts it is an error",
+)
+# The layout may change on --resume: a checkpoint loads into any stage, offload or world size.
+MAY_CHANGE_ON_RESUME = ("zero", "offload_optimizer", "offload_params", "nvme_path", "remat", "remat_offload",
+                        "pp", "microbatches", "schedule", "deepspeed", "accum")
+# Plan field -> the flag that sets it, to name flags in the plan's errors.
+FLAG_OF_FIELD = dict(dp="--pp", pp="--pp", zero_stage="--zero", offload_optimizer="--offload-optimizer",
+                     offload_params="--offload-params", nvme_path="--nvme-path", remat="--remat",
+                     remat_offload="--remat-offload", tile_lm_head="--tile-lm-head", microbatches="--microbatches",
+                     pipeline_schedule="--schedule", precision="--precision", accum="--accum",
+                     gradient_clipping="--grad-clip", global_batch="--batch-size", micro_batch="--batch-size")
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+# ----------------------------------------------------------------------------- launch
+
+
+@dataclass(frozen=True)
+class Launch:
+    """This process's place: ``world`` processes, global ``rank``, ``local_rank`` on its machine
+    (torchrun's WORLD_SIZE, RANK, LOCAL_RANK; one process alone without them)."""
+
+    world: int = 1
+    rank: int = 0
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls) -> Launch:
+        if "WORLD_SIZE" not in os.environ:
+            return cls()
+        try:
+            values = [int(os.environ.get(k, "0")) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK")]
+        except ValueError as e:
+            raise FlagError(f"torchrun environment: WORLD_SIZE, RANK, LOCAL_RANK must be ints ({e})") from None
+        return cls(*values)
+
+    def start(self) -> None:
+        """Join the process group (torchrun's rendezvous; gloo on CPU, NCCL on CUDA)."""
+        if self.world > 1:
+            import zfunc as zf
+
+            zf.dist.init_from_env()
+
+    def device(self, given: str | None) -> torch.device:
+        """``given`` (default cuda if available, else cpu); a bare "cuda" is this rank's GPU."""
+        device = torch.device(given or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and device.index is None and self.world > 1:
+            device = torch.device("cuda", self.local_rank)
+        return device
+
+
+# ----------------------------------------------------------------------------- flags -> plan
+
+
+def check_layout_args(args: argparse.Namespace, world: int) -> list[str]:
+    """The layout flags' own values and the global batch's split over ``world`` processes."""
+    errors = []
+    for name in ("pp", "microbatches"):
+        if getattr(args, name) < 1:
+            errors.append(f"{flag(name)}: expected an int >= 1, got {getattr(args, name)}")
+    if args.tile_lm_head < 0:
+        errors.append(f"--tile-lm-head: expected an int >= 0, got {args.tile_lm_head}")
+    if args.deepspeed is not None and not Path(args.deepspeed).is_file():
+        errors.append(f"--deepspeed: no DeepSpeed config file at {args.deepspeed!r}")
+    if not errors and world % args.pp:
+        errors.append(f"--pp: {args.pp} stages do not divide the {world} processes (expected a divisor of {world})")
+    if errors or args.deepspeed is not None:
+        return errors  # with a DeepSpeed config the batch split is checked once its values are read
+    return check_batch_split(args, world // args.pp)
+
+
+def check_batch_split(args: argparse.Namespace, dp: int) -> list[str]:
+    split, what = (args.microbatches, "pipeline microbatches") if args.pp > 1 else (args.accum, "accumulation steps")
+    if split < 1 or args.batch_size < 1:
+        return []  # reported by their own checks
+    if args.batch_size % (dp * split):
+        return [f"--batch-size: the global batch of {args.batch_size} sequences must split over {dp} data-parallel "
+                f"rank{'s' * (dp > 1)} x {split} {what}; expected a multiple of {dp * split}"]
+    return []
+
+
+def resolve(args: argparse.Namespace, world: int, units: str | None, *, notices: bool = True
+            ) -> tuple[Any, argparse.Namespace]:
+    """``(plan, args)``: the ``zf.config.Plan`` the flags (and ``--deepspeed``) ask for on
+    ``world`` processes, and the flags with the DeepSpeed config's values filled in. Raises
+    ``FlagError`` naming the flags (and config keys) of a plan that cannot work. ``notices``:
+    show the DeepSpeed reader's notice of ignored keys (once per run: the recipe's last call)."""
+    import zfunc as zf
+
+    errors = check_layout_args(args, world)
+    if errors:
+        raise FlagError("\n".join(errors))
+    dp = world // args.pp
+    ds_plan = None
+    if args.deepspeed is not None:
+        ds_plan, args = _read_deepspeed(args, dp, notices)
+        errors = check_batch_split(args, dp)
+        if errors:
+            raise FlagError("\n".join(errors))
+    split = args.microbatches if args.pp > 1 else args.accum
+    fields = dict(dp=dp, pp=args.pp, zero_stage=args.zero, units=units, offload_optimizer=args.offload_optimizer,
+                  offload_params=args.offload_params, nvme_path=args.nvme_path, remat=args.remat,
+                  remat_offload=args.remat_offload, tile_lm_head=args.tile_lm_head,
+                  microbatches=args.microbatches, pipeline_schedule=args.schedule,
+                  precision=args.precision, accum=args.accum, gradient_clipping=args.grad_clip,
+                  micro_batch=args.batch_size // (dp * split), global_batch=args.batch_size)
+    try:
+        if ds_plan is None:
+            plan = zf.config.Plan(**fields, optimizer=None)  # the recipe brings its own optimizer
+        else:  # the config's optimizer, scheduler and fp16 scaling; the flags' layout
+            plan = dataclasses.replace(ds_plan, **fields)
+        zf.parallelize.check(plan)
+    except ValueError as e:
+        raise FlagError(_name_flags(str(e))) from None
+    return plan, args
+
+
+def _name_flags(message: str) -> str:
+    """A plan error "field: why" as "--flag (plan field): why"."""
+    field, sep, why = message.partition(": ")
+    if sep and field in FLAG_OF_FIELD:
+        return f"{FLAG_OF_FIELD[field]} (plan {field}): {why}"
+    return message
+
+
+# ----------------------------------------------------------------------------- --deepspeed
+
+
+def _auto_name(path: str) -> str | None:
+    """The Hugging Face name of the value an "auto" at ``path`` takes (zf.config.from_deepspeed's
+    auto names), or None where "auto" is a tuning knob's."""
+    from zfunc.deepspeed_config import AUTO_NAMES
+
+    *parents, key = path.split(".")
+    if key == "enabled" and parents:
+        key = {"bfloat16": "bf16"}.get(parents[-1], parents[-1])
+    elif key == "warmup_max_lr":
+        key = "lr"
+    return key if key in AUTO_NAMES else None
+
+
+def _autos(config: Any, path: str = "") -> set[str]:
+    if isinstance(config, dict):
+        return set().union(*(_autos(v, f"{path}.{k}" if path else str(k)) for k, v in config.items()))
+    name = _auto_name(path) if config == "auto" else None
+    return {name} if name else set()
+
+
+def _flag_values(args: argparse.Namespace, dp: int, config: dict) -> dict[str, Any]:
+    """The recipe's values for DeepSpeed's "auto" names (the Hugging Face Trainer's set)."""
+    split = args.microbatches if args.pp > 1 else args.accum  # DeepSpeed's pipeline: accumulation = microbatches
+    values = dict(train_batch_size=args.batch_size, gradient_accumulation_steps=split,
+                  gradient_clipping=args.grad_clip, lr=args.lr, betas=[0.9, 0.95], eps=1e-8,
+                  weight_decay=args.weight_decay, warmup_num_steps=max(1, args.warmup),
+                  total_num_steps=args.steps, fp16=args.precision == "fp16", bf16=args.precision == "bf16")
+    # --batch-size is the global batch: with train_batch_size in the config, DeepSpeed's batch rule
+    # works out the micro batch from it and the accumulation (the config's own, if it sets one)
+    if "train_batch_size" not in config:
+        accum = config.get("gradient_accumulation_steps")
+        accum = accum if isinstance(accum, int) and not isinstance(accum, bool) and accum >= 1 else split
+        if args.batch_size % (dp * accum) == 0:
+            values["train_micro_batch_size_per_gpu"] = args.batch_size // (dp * accum)
+    return values
+
+
+# flag -> (where the DeepSpeed config says it, the plan's value of it)
+_CONTRADICTIONS = dict(
+    zero=("zero_optimization.stage", lambda p: p.zero_stage),
+    offload_optimizer=("zero_optimization.offload_optimizer.device", lambda p: p.offload_optimizer),
+    offload_params=("zero_optimization.offload_param.device", lambda p: p.offload_params),
+    nvme_path=("zero_optimization.offload_*.nvme_path", lambda p: p.nvme_path),
+    precision=("fp16.enabled / bf16.enabled", lambda p: p.precision),
+    batch_size=("train_batch_size", lambda p: p.global_batch),
+    accum=("gradient_accumulation_steps", lambda p: p.accum),
+    microbatches=("gradient_accumulation_steps (a pipeline's microbatches)", lambda p: p.accum),
+    grad_clip=("gradient_clipping", lambda p: p.gradient_clipping),
+    lr=("optimizer.params.lr", lambda p: p.optimizer_params.get("lr")),
+    weight_decay=("optimizer.params.weight_decay", lambda p: p.optimizer_params.get("weight_decay")),
+    warmup=("scheduler.params.warmup_num_steps", lambda p: p.scheduler_params.get("warmup_num_steps")),
+)
+
+
+def _read_deepspeed(args: argparse.Namespace, dp: int, notices: bool) -> tuple[Any, argparse.Namespace]:
+    """The config's plan, and ``args`` with its values; a given flag that differs is an error."""
+    import zfunc as zf
+
+    path = args.deepspeed
+    try:
+        config = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise FlagError(f"--deepspeed: cannot read {path!r} as JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise FlagError(f"--deepspeed {path}: expected a JSON object at the top, got {type(config).__name__}")
+    values = _flag_values(args, dp, config)
+    given = getattr(args, "given", frozenset())
+    # "auto" takes the flags' values; an explicit value wins over a flag left at its default
+    auto = {name: values[name] for name in _autos(config) if name in values}
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always", zf.config.IgnoredKeysWarning)
+        try:
+            plan = zf.config.from_deepspeed(config, world_size=dp, **auto)
+        except (ValueError, TypeError) as e:
+            hint = (" (its 'auto' values come from --batch-size, --accum or --microbatches, --grad-clip, --lr, "
+                    "--weight-decay, --warmup, --steps and --precision)") if "auto value" in str(e) else ""
+            raise FlagError(f"--deepspeed {path}: {e}{hint}") from None
+    for notice in told:  # the reader's notice as one line, without the warning machinery's file and line
+        if not issubclass(notice.category, zf.config.IgnoredKeysWarning):
+            warnings.warn_explicit(notice.message, notice.category, notice.filename, notice.lineno)
+        elif notices:
+            print(f"--deepspeed {path}: {notice.message}")
+    errors = []
+    not_here = "microbatches" if args.pp == 1 else "accum"  # the config's accumulation is the other one
+    for name, (key, value_of) in _CONTRADICTIONS.items():
+        if name not in given or name == not_here:
+            continue
+        planned = value_of(plan)  # None: the config does not say (no optimizer, no scheduler)
+        mine = max(1, args.warmup) if name == "warmup" else getattr(args, name)  # DeepSpeed's least warmup: 1
+        if planned is not None and planned != mine:
+            errors.append(f"{flag(name)} {getattr(args, name)!r} contradicts {key} = {planned!r} in --deepspeed {path}")
+    if errors:
+        raise FlagError("\n".join(errors))
+    merged = dict(zero=plan.zero_stage, offload_optimizer=plan.offload_optimizer, offload_params=plan.offload_params,
+                  nvme_path=plan.nvme_path, precision=plan.precision, batch_size=plan.global_batch,
+                  grad_clip=plan.gradient_clipping, remat=args.remat or plan.remat,
+                  remat_offload=args.remat_offload or plan.remat_offload)
+    merged["microbatches" if args.pp > 1 else "accum"] = plan.accum
+    return plan, argparse.Namespace(**{**vars(args), **merged})
+
+
+def deepspeed_optimizer(plan: Any) -> dict | None:
+    """The optimizer and scheduler a DeepSpeed config chose (saved with the flags), None if none."""
+    if plan.optimizer is None and plan.scheduler is None:
+        return None
+    return dict(optimizer=plan.optimizer, optimizer_params=plan.optimizer_params, scheduler=plan.scheduler,
+                scheduler_params=plan.scheduler_params)
+
+
+# ----------------------------------------------------------------------------- the state, whole
+
+
+def whole_params(state: Any, mesh: Any) -> dict[str, torch.Tensor]:
+    """Every param whole, on every rank, from a state of any layout (a collective when sharded
+    or pipelined: every rank calls it). Costs the whole model in fp32 on each rank."""
+    import zfunc as zf
+
+    if state.sharding is None:
+        return state.params
+    return zf.checkpoint.full_params(state, mesh)

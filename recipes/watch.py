@@ -1,0 +1,141 @@
+"""What a user watches while a recipe trains: rank 0's progress bar, OUT/metrics.jsonl, OUT/loss.png.
+
+The bar shows loss, tokens/s, MFU (on a GPU with a known peak) and each rank's peak memory.
+``metrics.jsonl`` gets one JSON object per logged step (``step``, ``loss``, ``lr``, ``grad_norm``,
+``tokens_per_s``, ``peak_mem_mb`` per rank, ``mfu`` when known; an eval step adds ``val_loss``);
+``loss.png`` plots train and val loss against step, redrawn at each eval (matplotlib, an optional
+extra: ``pip install 'zfunc[plot]'``; without it one notice and no png). A resumed run keeps the
+lines up to its checkpoint's step and appends. Ranks other than 0 print nothing.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This process's peak: allocated CUDA memory on a GPU, else resident set size (RSS)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def every_rank(value: Any, world: int) -> list[Any]:
+    """``value`` of each rank, on every rank (a collective when ``world > 1``)."""
+    if world == 1:
+        return [value]
+    import torch.distributed as dist
+
+    out = [None] * world
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _mem(mb: list[float]) -> str:
+    if len(mb) <= 4:
+        return "/".join(f"{m:,.0f}" for m in mb) + "M"
+    top = max(range(len(mb)), key=mb.__getitem__)
+    return f"max {mb[top]:,.0f}M (rank {top})"
+
+
+class Watch:
+    """The bar, the metrics log and the plot of one run, on every rank (rank 0 writes)."""
+
+    def __init__(self, out: Path, rank: int, resumed_at: int | None, *, flops_per_token: float,
+                 peak_flops: float | None, world: int):
+        self.writes = rank == 0
+        self.metrics, self.png = Path(out) / "metrics.jsonl", Path(out) / "loss.png"
+        self.flops_per_token, self.peak_flops, self.world = flops_per_token, peak_flops, world
+        self.bar, self._told = None, False
+        if self.writes:
+            self._start_log(resumed_at)
+
+    def _start_log(self, resumed_at: int | None) -> None:
+        """A fresh run starts the log; a resumed one keeps what happened up to its checkpoint."""
+        kept = []
+        if resumed_at is not None and self.metrics.exists():
+            for line in self.metrics.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] <= resumed_at:
+                        kept.append(line + "\n")
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut by a crash
+        tmp = self.metrics.with_name(f".{self.metrics.name}.tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, self.metrics)
+
+    def say(self, message: str) -> None:
+        if self.writes:
+            (self.bar.write if self.bar is not None else print)(message)
+
+    def progress(self, steps: Iterable[int], first: int, total: int) -> Iterable[int]:
+        from tqdm import tqdm
+
+        self.bar = tqdm(steps, desc="train", dynamic_ncols=True, initial=first, total=total, disable=not self.writes)
+        return self.bar
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def record(self, step: int, metrics: dict, tokens_per_s: float, peak_mem: list[int],
+               val_loss: float | None = None) -> dict:
+        """Log one step (every rank calls it; rank 0 writes); returns the record."""
+        row = {"step": step, "loss": float(metrics["loss"]), "lr": metrics["lr"],
+               "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_per_s,
+               "peak_mem_mb": [round(b / 2**20, 1) for b in peak_mem]}
+        if self.peak_flops:
+            row["mfu"] = self.flops_per_token * tokens_per_s / (self.peak_flops * self.world)
+        if "loss_scale" in metrics:
+            row["loss_scale"], row["skipped"] = metrics["loss_scale"], bool(metrics["skipped"])
+        if val_loss is not None:
+            row["val_loss"] = val_loss
+        if not self.writes:
+            return row
+        with open(self.metrics, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.bar is not None:
+            shown = dict(loss=f"{row['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}", mem=_mem(row["peak_mem_mb"]))
+            if "mfu" in row:
+                shown["mfu"] = f"{row['mfu']:.1%}"
+            self.bar.set_postfix(shown)
+        if val_loss is not None:
+            self.plot()
+        return row
+
+    def plot(self) -> None:
+        """Redraw OUT/loss.png from the whole log (a resumed run's earlier steps included)."""
+        try:
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+            from matplotlib.figure import Figure
+        except ImportError:
+            if not self._told:
+                self.say(f"{self.png.name}: not drawn, matplotlib is not installed (pip install 'zfunc[plot]')")
+                self._told = True
+            return
+        rows = [json.loads(line) for line in self.metrics.read_text().splitlines() if line.strip()]
+        train = [(r["step"], r["loss"]) for r in rows if math.isfinite(r.get("loss", math.nan))]
+        val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+        fig = Figure(figsize=(7, 4.5), dpi=100)
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        if train:
+            ax.plot(*zip(*train), lw=1, label="train loss")
+        if val:
+            ax.plot(*zip(*val), "o-", label="val loss")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        tmp = self.png.with_name(f".{self.png.name}.tmp")
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, self.png)
