@@ -5,7 +5,7 @@
     state = step.init(params)
     state, metrics = step(state, batch)
 """
-from zfunc import checkpoint, config, dist, materialize, module, optim, precision, tree, units
+from zfunc import checkpoint, config, dist, materialize, module, optim, plan, precision, tree, units
 from zfunc.dist import Mesh
 from zfunc.module import functionalize
 from zfunc.offload import offload
@@ -32,6 +32,7 @@ __all__ = [
     "optim",
     "parallelize",
     "pipeline",
+    "plan",
     "precision",
     "remat",
     "shard",
