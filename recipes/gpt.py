@@ -431,9 +431,10 @@ def first_state(args: argparse.Namespace, step, model: GPT, params: dict, plan, 
         state = step.init(params, materialize=materialize)
     else:
         state = step.init({name: materialize(name, like).to(device) for name, like in params.items()})
-    if plan.precision == "fp16":  # the plan's (a DeepSpeed config's) initial scale and growth window
-        state = state.replace(loss_scale=zf.precision.LossScale(2.0**plan.initial_scale_power, 0,
-                                                                plan.loss_scale_window))
+    if plan.precision == "fp16":  # the plan's (a DeepSpeed config's) loss-scale rule
+        state = state.replace(loss_scale=zf.precision.deepspeed_loss_scale(
+            plan.initial_scale_power, plan.loss_scale_window, plan.hysteresis, plan.min_loss_scale,
+            plan.consecutive_hysteresis))
     return state, None
 
 
@@ -445,9 +446,6 @@ def describe(args, plan, launch, cfg: GPTConfig, model: GPT, device) -> list[str
              f"{plan.zero_stage}, offload optimizer {plan.offload_optimizer} params {plan.offload_params}, remat "
              f"{plan.remat}; per rank {args.batch_size // plan.dp} sequences in "
              f"{plan.microbatches if plan.pp > 1 else plan.accum} microbatches"]
-    if args.deepspeed and plan.precision == "fp16" and (plan.hysteresis > 1 or plan.consecutive_hysteresis):
-        lines.append(f"--deepspeed: fp16.hysteresis={plan.hysteresis} is not applied: zfunc halves the loss scale "
-                     "at each overflow")
     return lines
 
 

@@ -47,7 +47,7 @@ def test_plain_resume_is_bit_exact_in_a_new_process(tmp_path):
     state = run(step, state, batches(1, 10)[:5])
     ck.save(state, tmp_path / "000005", extra={"data_position": 5})
     resumed = zf.dist.spawn(lambda_free_resume, 1, str(tmp_path / "000005"))[0]
-    assert straight.loss_scale == (2.0**13, 1, 3)  # the scale grew mid-run: it is carried
+    assert straight.loss_scale[:3] == (2.0**13, 1, 3)  # the scale grew mid-run: it is carried
     for name in straight.params:
         assert torch.equal(resumed[name], straight.params[name]), name
 

@@ -54,3 +54,25 @@ def test_fp32_and_bf16_carry_a_fixed_scale_of_one_that_only_counts_skips(precisi
 def test_default_max_skips_lets_fp16_halve_its_initial_scale_down_to_one():
     assert mp.default_max_skips("fp32") == mp.default_max_skips("bf16") == 10
     assert mp.default_max_skips("fp16") == 10 + 16 and mp.init_loss_scale("fp16").scale == 2.0**16
+
+
+def test_deepspeed_rule_halves_at_the_hysteresis_th_overflow_never_below_the_floor():
+    ls = mp.deepspeed_loss_scale(initial_scale_power=3, loss_scale_window=2, hysteresis=2, min_loss_scale=4.0)
+    assert ls.scale == 8.0 and ls.tolerance == 2
+    ls = mp.next_loss_scale(ls, finite=False)
+    assert ls.scale == 8.0 and ls.skips == 1  # the first overflow is tolerated (still skipped)
+    ls = mp.next_loss_scale(ls, finite=False)
+    assert ls.scale == 4.0 and ls.skips == 2  # the second halves
+    ls = mp.next_loss_scale(ls, finite=False)
+    assert ls.scale == 4.0  # never below min_loss_scale
+    ls = mp.next_loss_scale(mp.next_loss_scale(ls, finite=True), finite=True)
+    assert ls.scale == 8.0 and ls.tolerance == 2  # growth refills the hysteresis, as DeepSpeed does
+    one = mp.next_loss_scale(ls, finite=False)
+    assert one.scale == 8.0 and mp.next_loss_scale(mp.next_loss_scale(one, True), False).scale == 4.0  # not refilled
+    consecutive = mp.deepspeed_loss_scale(3, 100, 2, consecutive_hysteresis=True)
+    consecutive = mp.next_loss_scale(mp.next_loss_scale(consecutive, False), True)  # refilled by a finite step
+    assert mp.next_loss_scale(consecutive, False).scale == 8.0
+    with pytest.raises(ValueError, match="hysteresis: expected an int >= 1, got 0"):
+        mp.deepspeed_loss_scale(hysteresis=0)
+    with pytest.raises(ValueError, match="min_loss_scale: expected a finite number > 0"):
+        mp.deepspeed_loss_scale(min_loss_scale=0.0)

@@ -154,9 +154,7 @@ class Plan:
       precision: "fp32", "bf16" or "fp16". DeepSpeed's fp16 loss scale starts at
         ``2**initial_scale_power``, doubles after ``loss_scale_window`` finite steps and halves
         after ``hysteresis`` overflows (``consecutive_hysteresis``: refilled by a finite step), never
-        below ``min_loss_scale``. zf.precision's ``LossScale`` has the growth interval; the start,
-        hysteresis and floor are recorded here for the step builder (today it starts at 2**16,
-        halves on every overflow, floor 1).
+        below ``min_loss_scale``: ``zf.precision.deepspeed_loss_scale`` builds that ``LossScale``.
       accum: gradient accumulation steps (1 with a pipeline, which splits batches itself).
       gradient_clipping: max global grad norm, 0 = off.
       optimizer, optimizer_params: "adamw", "adam", "sgd", "lion" or None (the caller brings its

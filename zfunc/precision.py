@@ -54,11 +54,19 @@ class LossScale(NamedTuple):
     step continued -- ``k > 0``: ``k`` finite steps in a row since the scale last changed;
     ``-k < 0``: ``k`` non-finite steps skipped in a row (``skips``). ``growth_interval``: finite
     steps in a row after which the scale doubles; 0 for a fixed scale (fp32/bf16: 1.0).
+    DeepSpeed's rule (``fp16`` in its config): the scale never halves below ``min_scale``, and
+    only at the ``hysteresis``-th overflow; ``tolerance`` is how many more overflows it takes
+    (1: the next one halves), refilled to ``hysteresis`` when the scale grows, or by every finite
+    step with ``consecutive_hysteresis``. The defaults (1.0, 1, False) are torch's GradScaler rule.
     """
 
     scale: float
     good_steps: int = 0
     growth_interval: int = 2000
+    min_scale: float = 1.0
+    hysteresis: int = 1
+    consecutive_hysteresis: bool = False
+    tolerance: int = 1
 
     @property
     def skips(self) -> int:
@@ -69,6 +77,21 @@ class LossScale(NamedTuple):
     def dynamic(self) -> bool:
         """Whether the scale adapts (fp16) rather than staying fixed."""
         return self.growth_interval > 0
+
+
+def deepspeed_loss_scale(initial_scale_power: int = 16, loss_scale_window: int = 1000, hysteresis: int = 2,
+                         min_loss_scale: float = 1.0, consecutive_hysteresis: bool = False) -> LossScale:
+    """fp16's ``LossScale`` with DeepSpeed's ``fp16`` settings (and their defaults): starts at
+    ``2**initial_scale_power``, doubles after ``loss_scale_window`` finite steps in a row, halves
+    at the ``hysteresis``-th overflow, never below ``min_loss_scale``."""
+    for name, value, low in (("initial_scale_power", initial_scale_power, 0), ("loss_scale_window", loss_scale_window, 1),
+                             ("hysteresis", hysteresis, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+    if not (isinstance(min_loss_scale, (int, float)) and math.isfinite(min_loss_scale) and min_loss_scale > 0):
+        raise ValueError(f"min_loss_scale: expected a finite number > 0, got {min_loss_scale!r}")
+    return LossScale(2.0**initial_scale_power, 0, loss_scale_window, float(min_loss_scale), hysteresis,
+                     bool(consecutive_hysteresis), hysteresis)
 
 
 def init_loss_scale(precision: str, init_scale: float = 2.0**16, growth_interval: int = 2000) -> LossScale:
@@ -88,16 +111,22 @@ def scale_of(loss_scale: LossScale | None) -> float | None:
 
 
 def next_loss_scale(loss_scale: LossScale | None, finite: bool) -> LossScale | None:
-    """The scale after a step that was (not) ``finite``: a skip halves a dynamic scale (floor 1)
-    and extends the run of skips; a finite step ends it and doubles the scale on growth."""
+    """The scale after a step that was (not) ``finite``: a skip extends the run of skips and
+    halves a dynamic scale (at the ``hysteresis``-th overflow, floor ``min_scale``); a finite step
+    ends the run and doubles the scale after ``growth_interval`` of them (``LossScale``)."""
     if loss_scale is None:
         return None
     if not finite:
-        scale = max(loss_scale.scale / 2.0, 1.0) if loss_scale.dynamic else loss_scale.scale
-        return loss_scale._replace(scale=scale, good_steps=min(loss_scale.good_steps, 0) - 1)
+        ls = loss_scale._replace(good_steps=min(loss_scale.good_steps, 0) - 1)
+        if not ls.dynamic:
+            return ls
+        if ls.tolerance > 1:  # DeepSpeed's hysteresis: this overflow is tolerated
+            return ls._replace(tolerance=ls.tolerance - 1)
+        return ls._replace(scale=max(ls.scale / 2.0, ls.min_scale))
     if not loss_scale.dynamic:
         return loss_scale._replace(good_steps=0)
-    good = max(loss_scale.good_steps, 0) + 1
-    if good >= loss_scale.growth_interval:
-        return loss_scale._replace(scale=loss_scale.scale * 2.0, good_steps=0)
-    return loss_scale._replace(good_steps=good)
+    ls = loss_scale._replace(tolerance=loss_scale.hysteresis) if loss_scale.consecutive_hysteresis else loss_scale
+    good = max(ls.good_steps, 0) + 1
+    if good >= ls.growth_interval:
+        return ls._replace(scale=ls.scale * 2.0, good_steps=0, tolerance=ls.hysteresis)
+    return ls._replace(good_steps=good)
