@@ -48,7 +48,9 @@ What is guaranteed (the files: ``zfunc.checkpoint_files``; ownership, locks, rep
 **Resharding.** Every split zfunc makes is the same: dim 0 in ``torch.chunk`` style over the
 ranks (``shard.ShardSpec``; a plain state is one rank holding everything), whatever the ZeRO stage.
 So a checkpoint from N ranks at stage s loads into M ranks at stage t, or one process, by reading
-for each leaf just the saved rows the new rank owns. Optimizer leaves shaped like a param's piece
+for each leaf just the saved rows the new rank owns. A stage-0 state, whole on every rank, is
+laid out as one rank alone (``ShardSpec.split``): rank 0 saves it, once, as a plain state is saved
+(the manifest says world 1, stage 0), and each rank loading into stage 0 reads every row. Optimizer leaves shaped like a param's piece
 are split like that param; other leaves (counts) are copied.
 
 Why not ``torch.distributed.checkpoint``: it needs DTensors or a planner to describe the uneven
@@ -130,6 +132,14 @@ def _world_rank(state: TrainState) -> tuple[int, int, int | None]:
     return (spec.world, spec.rank, spec.stage) if isinstance(spec, ShardSpec) else (1, 0, None)
 
 
+def _layout(state: TrainState) -> tuple[int, int]:
+    """``(ranks, rank)`` of the layout the state's leaves are split in: a stage-0 state, whole on
+    every rank, is laid out as one rank alone (``ShardSpec.split``), like a plain state."""
+    _world_rank(state)  # refuses the layouts checkpoints do not handle
+    spec = state.sharding
+    return spec.split if isinstance(spec, ShardSpec) else (1, 0)
+
+
 # ----------------------------------------------------------------------------- save
 
 
@@ -185,6 +195,7 @@ def save(state: TrainState, directory: str | os.PathLike, *, keep_last: int | No
         raise TypeError(f"state: expected a TrainState, got {type(state).__name__}")
     final, run, extra = _check_save_args(directory, keep_last, extra, run)
     world, rank, stage = _world_rank(state)
+    writers = _layout(state)[0]  # ranks holding a part: a stage-0 state is written once, by rank 0
     from zfunc.offload import in_ram
 
     state = in_ram(state)  # an offloaded state's swap files, read back
@@ -204,14 +215,16 @@ def save(state: TrainState, directory: str | os.PathLike, *, keep_last: int | No
         if rank == 0:
             tmp.mkdir()
         _barrier(world)
-        tensors = {p: x.detach().contiguous().cpu() for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor)}
-        crc = cf.write_safetensors(tmp / cf.rank_file(rank), tensors)
+        crc = None
+        if rank < writers:
+            tensors = {p: x.detach().contiguous().cpu() for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor)}
+            crc = cf.write_safetensors(tmp / cf.rank_file(rank), tensors)
         digests = [crc]
         if world > 1:
             digests = [None] * world
             dist.all_gather_object(digests, crc)
         if rank == 0:
-            cf.write_manifest(tmp, _manifest(state, paths, leaves, world, stage, run, extra, digests))
+            cf.write_manifest(tmp, _manifest(state, paths, leaves, writers, stage, run, extra, digests[:writers]))
             fsync_dir(tmp)
             _publish(tmp, final, run, keep_last)
     _barrier(world)
@@ -404,7 +417,7 @@ def load(directory: str | os.PathLike, step_or_template: Step | TrainState, *, p
                               f"not in the checkpoint {missing[:5]}, only in the checkpoint {unexpected[:5]}")
     files = _Files(directory, manifest, verify)
     splits = _splits(template)
-    world, rank, _ = _world_rank(template)
+    world, rank = _layout(template)
     values = []
     for path, like in zip(paths, leaves):
         entry = saved[path]
@@ -445,6 +458,8 @@ def full_params(state: TrainState, mesh=None) -> dict:
     from zfunc.offload import in_ram
     from zfunc.shard import full_params as gather
 
+    if _layout(state)[0] == 1:  # every param whole on this rank (stage 0): a copy, no collective
+        return gather(in_ram(state), mesh)
     if state.sharding.world > 1:
         all_arrive("zf.checkpoint.full_params", "state", mesh.comm.group if mesh is not None else None)
     return gather(in_ram(state), mesh or Mesh(dp=state.sharding.world))

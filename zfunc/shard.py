@@ -1,4 +1,4 @@
-"""shard: ZeRO stages 1, 2 and 3 as a transformation of the step.
+"""shard: ZeRO stages 0 (replicated data parallel, DDP), 1, 2 and 3 as a transformation of the step.
 
 ``zf.shard(step, mesh, stage, units=None)`` returns a step whose state is partitioned across the
 ``mesh.dp`` data-parallel ranks. Each rank feeds it its own batch; together they train exactly as
@@ -18,7 +18,7 @@ buffers (a momentum update thus uses the mean of the ranks' batch statistics). I
 one all-reduce of the written floating buffers per step, in fp64 (16 bytes per element in
 ``dist.Comm`` units); none for a model without such buffers.
 
-**Layout (all stages alike).** Every parameter is split along dim 0 in ``torch.chunk`` style:
+**Layout (stages 1-3 alike).** Every parameter is split along dim 0 in ``torch.chunk`` style:
 ``chunk = ceil(rows / N)`` rows per rank, the last ranks holding fewer or none (0-d params count as
 one row). ``state.params`` holds this rank's pieces (fp32 masters) and ``state.opt_state`` the
 optimizer's state for them, so each rank keeps 1/N of params and optimizer state between steps,
@@ -27,9 +27,18 @@ flat per-unit buffers, each rank's segment zero-padded to ``chunk`` rows per par
 is never seen by the optimizer or the norm. Plain tensors, not ``DTensor``: pieces are handed to
 the same fused optimizer kernels as unsharded params (a DTensor would dispatch every optimizer op
 through its sharding propagation), and uneven ``torch.chunk`` sharding is easy to describe to
-``torch.distributed.checkpoint`` from ``ShardSpec`` when checkpointing needs it.
+``torch.distributed.checkpoint`` from ``ShardSpec`` when checkpointing needs it. Stage 0 keeps
+every param and its optimizer state whole on every rank: its ``ShardSpec`` describes the layout of
+one rank alone (``chunk = rows``; ``ShardSpec.split == (1, 0)``), which is a plain state's, so its
+checkpoint is written once, by rank 0, and reshards to and from the other stages.
 
 **Stages** (what differs is when params are whole and how grads travel):
+- 0: params are whole on every rank (the masters themselves at fp32); each grad is summed, as
+  backward produces it, into an fp32 bucket, and each bucket all-reduced as soon as it is complete,
+  overlapping the rest of backward (``GradAllReducer``; buckets ordered as at stages 1/2). With
+  accumulation the microbatches before the last only sum (DDP's ``no_sync``). Every rank then runs
+  the optimizer on the whole params: the all-reduce gives every rank the same bits, so the
+  replicas stay identical, and the grad norm needs no collective.
 - 1: all params are all-gathered (in the compute dtype) at the start of the step; whole grads are
   held for the step: reduce-scattered bucket by bucket as backward produces them (accum=1), or
   summed over microbatches and reduce-scattered once (accum>1).
@@ -41,11 +50,13 @@ through its sharding propagation), and uneven ``torch.chunk`` sharding is easy t
   gathered again when its backward needs it (``prefetch.Gatherer``) and its grads reduce-scattered.
 
 **Cost** per rank, Psi = params, fp32 masters and Adam: between steps ``(4 + 8) Psi / N`` bytes
-(masters + moments) at every stage. Within the step: stages 1/2 hold whole compute params
-(2 or 4 Psi); stage 1 whole fp32 grads (4 Psi); stage 2 at most one unit of whole grads; stage 3 at
-most ``(1 + prefetch)`` units of whole params. Communication per step, in ``dist.Comm`` units
-(DDP = 2 Psi): stages 1/2 all-gather Psi + reduce-scatter Psi = 2 Psi (at the gather dtype and
-fp32 grads); stage 3 gathers twice: 3 Psi. The issue text says "grads all-reduced" for stage 1:
+(masters + moments) at stages 1-3, ``(4 + 8) Psi`` at stage 0. Within the step: stage 0 holds
+the fp32 grad buckets (4 Psi) and, below fp32, the compute copy of the params (2 Psi); stages 1/2
+hold whole compute params (2 or 4 Psi); stage 1 whole fp32 grads (4 Psi); stage 2 at most one unit
+of whole grads; stage 3 at most ``(1 + prefetch)`` units of whole params. Communication per step,
+in ``dist.Comm`` units (DDP = 2 Psi): stage 0 all-reduces Psi fp32 grads = 2 Psi, as DDP; stages 1/2
+all-gather Psi + reduce-scatter Psi = 2 Psi (at the gather dtype and fp32 grads); stage 3 gathers
+twice: 3 Psi. The issue text says "grads all-reduced" for stage 1:
 a reduce-scatter gives each rank the slice it updates for half the bytes, so stage 1 uses it.
 """
 from __future__ import annotations
@@ -104,6 +115,13 @@ class ShardSpec:
 
     def __str__(self) -> str:
         return f"stage {self.stage} over {self.world} ranks"
+
+    @property
+    def split(self) -> tuple[int, int]:
+        """``(ranks, rank)`` of the layout ``leaves`` describe, the rank whose pieces this one holds:
+        ``(world, rank)``, but ``(1, 0)`` at stage 0, where every rank holds what one rank alone
+        would (every param whole; a checkpoint saves it once, as a plain state's)."""
+        return (1, 0) if self.stage == 0 else (self.world, self.rank)
 
 
 def local_piece(full: torch.Tensor, leaf: LeafShard, rank: int) -> torch.Tensor:
@@ -186,7 +204,7 @@ def _row_blocks(leaf: LeafShard, by_rank: torch.Tensor, offset: int, whole: torc
 
 
 def _buckets(leaves: tuple[LeafShard, ...], bucket_elems: int, order: list[int] | None = None) -> list[FlatUnit]:
-    """Stage 1/2 communication groups of ~bucket_elems each: consecutive leaves of ``order`` (every
+    """Stage 0-2 communication groups of ~bucket_elems each: consecutive leaves of ``order`` (every
     leaf index once; default: reversed leaf order, a guess at the backward order)."""
     groups, current, size = [], [], 0
     for i in reversed(range(len(leaves))) if order is None else order:
@@ -267,7 +285,10 @@ class GradReducer:
                 self.whole[i].add_(grad)
                 self._held(-grad.numel() * grad.element_size())
             return
-        u = self.unit_of(i)
+        self._collect(self.unit_of(i), i, grad)
+
+    def _collect(self, u: int, i: int, grad: torch.Tensor | None) -> None:
+        """Leaf ``i``'s grad is in: launch unit ``u`` (and those waiting for it) once it is complete."""
         got = self.pending.setdefault(u, {})
         got[i] = grad
         if len(got) == len(self.units()[u].indices):
@@ -324,6 +345,58 @@ class GradReducer:
         self.works = self.works[len(due):]
 
 
+class GradAllReducer(GradReducer):
+    """Stage 0 (DDP): whole grads all-reduced bucket by bucket; delivers whole-shaped fp32 views of
+    the reduced buckets (sums over the ranks and the microbatches).
+
+    Each grad is added, as backward produces it, into its bucket's fp32 flat buffer (the first
+    microbatch copies, later ones add: the microbatches' sum builds up in place, no per-leaf
+    accumulators). Microbatches before the last only accumulate (DDP's ``no_sync``); during the
+    last (``eager``), each bucket is all-reduced as soon as all its grads are in, launched in
+    ``sequence()`` order like the reduce-scatters of ``GradReducer``, so the all-reduces overlap the
+    rest of backward. ``spec``: the layout of one rank holding everything (``ShardSpec.split`` is
+    ``(1, 0)``), so a bucket's segment is its leaves' whole elements, unpadded.
+    """
+
+    def __init__(self, comm, spec: ShardSpec, units: Callable[[], list[FlatUnit]],
+                 deliver: Callable[[FlatUnit, list[torch.Tensor]], None], device: torch.device, step: int,
+                 sequence: Callable[[], list[int]]):
+        super().__init__(comm, spec, units, deliver, device, eager=False, step=step, sequence=sequence)
+        self.flat: dict[int, torch.Tensor] = {}  # bucket -> its fp32 sum of grads
+        self.written: set[int] = set()  # leaves some microbatch produced a grad for
+        self._place: dict[int, tuple[int, int]] | None = None  # leaf -> (bucket, offset)
+
+    def add(self, i: int, grad: torch.Tensor) -> None:
+        self.arrived.append(i)
+        if self._place is None:
+            self._place = {i: (u, off) for u, unit in enumerate(self.units())
+                           for i, off in zip(unit.indices, unit.offsets)}
+        u, off = self._place[i]
+        self._held(grad.numel() * grad.element_size())  # autograd's tensor, until it is summed in
+        if u not in self.flat:
+            self.flat[u] = torch.empty(self.units()[u].segment, dtype=torch.float32, device=self.device)
+        into = self.flat[u][off : off + grad.numel()].view(grad.shape)
+        if i in self.written:
+            into.add_(grad)
+        else:
+            into.copy_(grad)
+            self.written.add(i)
+        self._held(-grad.numel() * grad.element_size())
+        if self.eager:
+            self._collect(u, i, None)
+
+    def _reduce(self, u: int, grads: dict) -> None:
+        unit = self.units()[u]
+        if u not in self.flat:
+            self.flat[u] = torch.empty(unit.segment, dtype=torch.float32, device=self.device)
+        flat = self.flat[u]
+        for i, off in zip(unit.indices, unit.offsets):
+            if i not in self.written:  # no microbatch reached this param: its grad is zero
+                flat[off : off + self.spec.leaves[i].chunk * self.spec.leaves[i].rowsize].zero_()
+        work = self.comm.all_reduce(flat, label=f"grad all-reduce of {unit.name} at {self.label}", async_op=True)
+        self.works.append((work, flat, u))
+
+
 class GradSlices:
     """This rank's fp32 grad slices, summed as the reducer delivers them and averaged at the end.
 
@@ -378,7 +451,7 @@ class ShardedStep(Step):
         optimizer state; ``sharding`` records the split."""
         device, leaves, treespec, spec = self._layout(params)
         self.initialized_with = tree.map(lambda x: x.to("meta"), params)  # what zf.checkpoint.load checks
-        pieces = [hostmem.copy_to(local_piece(x.detach(), leaf, spec.rank), device, torch.float32)
+        pieces = [hostmem.copy_to(local_piece(x.detach(), leaf, spec.split[1]), device, torch.float32)
                   for x, leaf in zip(leaves, spec.leaves)]
         master = tree.unflatten(treespec, pieces)
         return TrainState(master, self.optimizer.init(master), 0, self.seed, mp.init_loss_scale(self.precision), spec)
@@ -396,8 +469,8 @@ class ShardedStep(Step):
             checksum = torch.stack([x.detach().double().sum().cpu() for x in leaves]).sum()
             self.mesh.comm.agree((int(checksum.view(torch.int64)),), lambda op: f"params checksum {op[0]}",
                                  "init: params differ across ranks (seed the model the same way on every rank)")
-        world = self.mesh.dp
-        spec = ShardSpec(self.stage, world, self.mesh.rank,
+        world = 1 if self.stage == 0 else self.mesh.dp  # stage 0: every rank holds every row
+        spec = ShardSpec(self.stage, self.mesh.dp, self.mesh.rank,
                          tuple(LeafShard(tuple(x.shape), -(-(x.shape[0] if x.dim() else 1) // world)) for x in leaves))
         return device, leaves, treespec, spec
 
@@ -421,12 +494,18 @@ class ShardedStep(Step):
         with carrying(state.buffers) as carried:
             loss, aux, grads = self._loss_and_grads(params, batch, step, rng, loss_scale)
         buffers = self._average_buffers(carried, step)
-        self._loss_to_sum = loss  # summed by the grad norm's all-reduce, the step's one sync
-        with optim.summing_across(self._sum_over_ranks):
+        if self.stage == 0:  # grads whole and equal on every rank: the norm is taken locally, and
+            # the loss summed on the comm thread while the optimizer runs
+            summed = self.mesh.comm.all_reduce(loss, label=f"loss all-reduce at step {step}", async_op=True)
             new_state, metrics = self._update(state, grads, loss, aux)
-        if self._loss_to_sum is not None:  # no norm was summed
-            self.mesh.comm.all_reduce(loss, label=f"loss all-reduce at step {step}")
-            self._loss_to_sum = None
+            summed.wait()
+        else:
+            self._loss_to_sum = loss  # summed by the grad norm's all-reduce, the step's one sync
+            with optim.summing_across(self._sum_over_ranks):
+                new_state, metrics = self._update(state, grads, loss, aux)
+            if self._loss_to_sum is not None:  # no norm was summed
+                self.mesh.comm.all_reduce(loss, label=f"loss all-reduce at step {step}")
+                self._loss_to_sum = None
         loss.div_(state.sharding.world)  # metrics["loss"]: the mean over ranks
         return new_state.replace(buffers=buffers), metrics
 
@@ -455,6 +534,8 @@ class ShardedStep(Step):
 
     def _loss_and_grads(self, params, batch, step, rng, loss_scale):
         """This rank's mean loss over its microbatches, and its fp32 slice of the grads averaged over ranks."""
+        if self.stage == 0:
+            return self._replicated_loss_and_grads(params, batch, step, rng, loss_scale)
         pieces, treespec = self._pieces(params)
         spec = self._state_spec
         scale = loss_scale.scale if loss_scale is not None else None
@@ -485,6 +566,38 @@ class ShardedStep(Step):
         grads = sink.result()
         loss = torch.stack(losses).mean()  # this rank's; the caller averages it over the ranks
         return loss, (auxes[0] if self.accum == 1 else auxes), grads and tree.unflatten(treespec, grads)
+
+    def _replicated_loss_and_grads(self, params, batch, step, rng, loss_scale):
+        """Stage 0: this rank's mean loss, and the whole fp32 grads averaged over ranks (the same on
+        every rank): each microbatch differentiates the whole params (the fp32 masters themselves
+        at fp32, a compute-dtype copy otherwise), and ``GradAllReducer`` sums the grads into its
+        buckets, all-reducing them during the last microbatch's backward."""
+        pieces, treespec = self._pieces(params)
+        spec = self._state_spec
+        sink = self._grad_sink(pieces)
+        if self._grad_order is not None:
+            self._order_buckets(spec, step)
+        self.mesh.clear_comm_bytes()
+        compute = [p.to(self.compute_dtype) for p in pieces]
+        self.peak_gathered_bytes = sum(c.numel() * c.element_size() for c, p in zip(compute, pieces) if c is not p)
+        self.peak_whole_grad_bytes = 0
+        buckets = self._buckets(spec)
+        reducer = GradAllReducer(self.mesh.reduce_comm, ShardSpec(0, 1, 0, spec.leaves), lambda: buckets,
+                                 sink.deliver, self._device(pieces), step, lambda: list(range(len(buckets))))
+        losses, auxes = [], []
+        with seeded(_step_seed(rng, step), _cuda_devices(params)):
+            micros = _split_batch(mp.cast_floating(batch, self.compute_dtype), self.accum)
+            for k, micro in enumerate(micros):
+                reducer.eager = k == len(micros) - 1  # DDP's no_sync before the last microbatch
+                leaves = [c.detach().requires_grad_() for c in compute]
+                scale = loss_scale.scale if loss_scale is not None else None
+                loss, aux = self._backward(tree.unflatten(treespec, leaves), micro, leaves, None, reducer, scale)
+                losses.append(loss)
+                auxes.append(aux)
+        if not self._buckets_ordered:
+            self._grad_order = reducer.arrived
+        loss = torch.stack(losses).mean()  # this rank's; the caller averages it over the ranks
+        return loss, (auxes[0] if self.accum == 1 else auxes), tree.unflatten(treespec, sink.result())
 
     def _pieces(self, params) -> tuple[Any, Any]:
         """``(pieces, treespec)``: this rank's param pieces, indexable in leaf order."""
@@ -542,11 +655,14 @@ class ShardedStep(Step):
         """Accounted bytes on this rank, and the last step's communication.
 
         ``params`` (fp32 master pieces) and ``optimizer`` are held between steps; ``grad_shard``
-        (fp32, this rank's slice), ``whole_params`` (stage 1/2: every param in the compute dtype;
-        stage 3: the peak of gathered units) and ``whole_grads`` (the peak of whole grads held)
-        exist during a step. ``comm`` is the last step's bytes per collective (``dist.Comm``).
-        Against the ZeRO paper's bf16 formulas (DESIGN section 5), with Psi params and N ranks:
-        stage 1 = ``2 Psi + 2 Psi + 16 Psi/N``, stage 2 = ``2 Psi + 16 Psi/N`` (+ a bucket of whole
+        (fp32, this rank's slice; stage 0: the whole grads' buckets), ``whole_params`` (stage 0:
+        the compute-dtype copy, none at fp32; stage 1/2: every param in the compute dtype;
+        stage 3: the peak of gathered units) and ``whole_grads`` (the peak of whole grads held in
+        the compute dtype) exist during a step. ``comm`` is the last step's bytes per collective
+        (``dist.Comm``). Against the ZeRO paper's bf16 formulas (DESIGN section 5), with Psi params
+        and N ranks: stage 0 = ``2 Psi + 16 Psi`` (+ the grad autograd just produced, until it is
+        summed into its bucket): the paper's 16 Psi with the grads held in fp32 rather than bf16
+        (as DDP holds them for fp32 params under autocast); stage 1 = ``2 Psi + 2 Psi + 16 Psi/N``, stage 2 = ``2 Psi + 16 Psi/N`` (+ a bucket of whole
         grads), stage 3 = ``16 Psi/N`` (+ the gathered units): the paper's plus ``4 Psi/N`` (stages
         1/2) for the fp32 grad slice the optimizer reads, which DeepSpeed holds too, and minus the
         bf16 param shard at stage 3 (units are gathered straight from the fp32 masters).
@@ -571,7 +687,7 @@ class ShardedStep(Step):
         return self._flat_units
 
     def _order_buckets(self, spec: ShardSpec, step: int) -> None:
-        """Stages 1/2, once, at the start of the second step: rebuild the buckets in the order the
+        """Stages 0-2, once, at the start of the second step: rebuild the buckets in the order the
         first step's backward produced the grads on rank 0 (leaves that got none last), as DDP
         rebuilds its buckets after its first iteration, so that each bucket is complete, and its
         reduce-scatter launched, as early as backward allows. Leaf order is the pytree's (sorted
@@ -651,14 +767,15 @@ def _placeholder(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Te
 
 def shard(step: Step, mesh: Mesh, stage: int, units: Selector | None = None, *, prefetch: int = 1,
           bucket_mb: float = 25.0, verify: bool = True) -> ShardedStep:
-    """ZeRO stage ``stage`` (1, 2 or 3) of ``step`` over ``mesh``'s data-parallel ranks.
+    """ZeRO stage ``stage`` (0, 1, 2 or 3) of ``step`` over ``mesh``'s data-parallel ranks; stage 0 is
+    replicated data parallel (DDP): every rank holds everything, grads are all-reduced.
 
     Args:
       step: a plain ``Step`` from ``train_step``.
       mesh: ``zf.Mesh(dp=world_size)``; every rank calls ``shard`` and the step collectively.
       units: stage 3's gather units, a selector from ``zf.units`` (default ``zf.units.auto()``).
       prefetch: stage 3: how many units ahead to all-gather while one computes (0 turns it off).
-      bucket_mb: stages 1/2: size of the flat buffers the collectives move (fp32 MiB).
+      bucket_mb: stages 0-2: size of the flat buffers the collectives move (fp32 MiB).
       verify: before each stage-3 gather (whose order follows the model's control flow), check all
         ranks gather the same unit (one all-gather of a few bytes, on the comm thread), so
         diverging control flow is reported by unit and step instead of aborting gloo or hanging
@@ -674,8 +791,8 @@ def shard(step: Step, mesh: Mesh, stage: int, units: Selector | None = None, *, 
         raise TypeError(f"step: expected a Step from zf.train_step, got {type(step).__name__}")
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh: expected a zf.Mesh, got {type(mesh).__name__}")
-    if stage not in (1, 2, 3):
-        raise ValueError(f"stage: expected 1, 2 or 3, got {stage!r}")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage: expected 0, 1, 2 or 3, got {stage!r}")
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch: expected an int >= 0, got {prefetch!r}")
     if units is not None and stage != 3:
@@ -686,9 +803,12 @@ def shard(step: Step, mesh: Mesh, stage: int, units: Selector | None = None, *, 
 
 
 def full_params(state: TrainState, mesh: Mesh) -> PyTree:
-    """Every param whole (fp32), on every rank, from a sharded ``state`` (a collective call)."""
+    """Every param whole (fp32), on every rank, from a sharded ``state`` (a collective call, but at
+    stage 0, whose params are whole on every rank: a copy)."""
     if not isinstance(state.sharding, ShardSpec):
         raise ValueError("state: expected a sharded state (from a sharded step's init or call)")
+    if state.sharding.split[0] == 1:
+        return tree.clone(state.params)
     pieces, treespec = tree.flatten(state.params)
     spec = state.sharding
     everything = [FlatUnit("all params", list(range(len(pieces))), spec.leaves)]
