@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zfunc as zf
-from zfunc.shard import FlatUnit, GradAllReducer, GradReducer, LeafShard, full_params, local_piece
+from zfunc.shard import FlatUnit, GradAllReducer, GradReducer, LeafShard, ShardSpec, full_params, local_piece
 
 STEPS = 5
 
@@ -210,6 +210,24 @@ def test_stage_0_all_reduces_overlap_the_last_backward(accum):
             assert launched == list(range(before + 1, before + n + 1))
         # fp32: the masters themselves are differentiated (no copy), grads live in the fp32 buckets
         assert memory["whole_params"] == 0 and memory["grad_shard"] == memory["params"]
+
+
+def test_stage_0_bucket_sizes_follow_ddp_and_the_model():
+    """Stage 0: a 1 MiB first bucket (DDP's); by default the others hold a quarter of the grads,
+    within [1, 25] MiB; an explicit bucket_mb is taken as given; stages 1/2 keep bucket_mb."""
+    step, _ = make()
+    mib = 1 << 18  # fp32 elements
+
+    def spec(elements):
+        return ShardSpec(0, 1, 0, (LeafShard((elements // 1024, 1024), elements // 1024),))
+
+    default = zf.shard(step, zf.Mesh(), 0)
+    assert default._bucket_sizes(spec(4 * mib)) == (mib, mib)  # a small model: 1 MiB buckets
+    assert default._bucket_sizes(spec(32 * mib)) == (8 * mib, mib)
+    assert default._bucket_sizes(spec(1024 * mib)) == (25 * mib, mib)  # a big one: DDP's 25 MiB
+    assert zf.shard(step, zf.Mesh(), 0, bucket_mb=2)._bucket_sizes(spec(1024 * mib)) == (2 * mib, mib)
+    assert zf.shard(step, zf.Mesh(), 0, bucket_mb=0.5)._bucket_sizes(spec(mib)) == (mib // 2, mib // 2)
+    assert zf.shard(step, zf.Mesh(), 2)._bucket_sizes(spec(1024 * mib)) == (25 * mib, None)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

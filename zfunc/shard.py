@@ -36,9 +36,8 @@ checkpoint is written once, by rank 0, and reshards to and from the other stages
 - 0: params are whole on every rank (the masters themselves at fp32); each grad is summed, as
   backward produces it, into an fp32 bucket, and each bucket all-reduced as soon as it is complete,
   overlapping the rest of backward (``GradAllReducer``; buckets ordered as at stages 1/2, the
-  first one capped at 1 MiB as DDP caps it, so that the first all-reduce starts early: with one
-  25 MiB bucket the benchmark's GPT ran at 0.95x DDP, with the small first one at 0.98x, under
-  heavy load). With accumulation the microbatches before the last only sum (DDP's ``no_sync``). Every rank then runs
+  first one small as DDP's, see ``ShardedStep._bucket_sizes``). With accumulation the
+  microbatches before the last only sum (DDP's ``no_sync``). Every rank then runs
   the optimizer on the whole params: the all-reduce gives every rank the same bits, so the
   replicas stay identical, and the grad norm needs no collective.
 - 1: all params are all-gathered (in the compute dtype) at the start of the step; whole grads are
@@ -438,7 +437,8 @@ class GradSlices:
 class ShardedStep(Step):
     """The step ``shard`` returns: same call and ``init`` as ``Step``, state split over the mesh."""
 
-    def __init__(self, base: Step, mesh: Mesh, stage: int, units, prefetch: int, bucket_elems: int, verify: bool):
+    def __init__(self, base: Step, mesh: Mesh, stage: int, units, prefetch: int, bucket_elems: int, verify: bool,
+                 fit_buckets: bool = False):
         super().__init__(base.loss_fn, base.optimizer, base.precision, base.accum, base.donate, base.has_aux,
                          base.seed)
         self.mesh, self.stage, self.units_selector = mesh, stage, units
@@ -450,8 +450,7 @@ class ShardedStep(Step):
         self._grad_order: list[int] | None = None
         self._buckets_ordered = False
         self._bucket_sums: tuple | None = None  # stage 0: (buckets, device, their fp32 buffers), kept
-        # Stage 0, as DDP: a small first bucket, so that the first all-reduce starts early in backward.
-        self.first_bucket_elems = min(bucket_elems, FIRST_BUCKET_ELEMS) if stage == 0 else None
+        self.fit_buckets = fit_buckets  # stage 0 without bucket_mb: buckets sized to the model
         self.peak_gathered_bytes = 0  # most whole-param bytes held at once in the last step
         self.peak_whole_grad_bytes = 0  # most whole-grad bytes held at once in the last step
         self._loss_to_sum: torch.Tensor | None = None  # this step's loss, until an all-reduce sums it
@@ -599,12 +598,12 @@ class ShardedStep(Step):
         reducer = GradAllReducer(self.mesh.reduce_comm, ShardSpec(0, 1, 0, spec.leaves), lambda: buckets,
                                  sink.deliver, device, step, lambda: list(range(len(buckets))), self._bucket_sums[2])
         losses, auxes = [], []
+        scale = loss_scale.scale if loss_scale is not None else None
         with seeded(_step_seed(rng, step), _cuda_devices(params)):
             micros = _split_batch(mp.cast_floating(batch, self.compute_dtype), self.accum)
             for k, micro in enumerate(micros):
                 reducer.eager = k == len(micros) - 1  # DDP's no_sync before the last microbatch
                 leaves = [c.detach().requires_grad_() for c in compute]
-                scale = loss_scale.scale if loss_scale is not None else None
                 loss, aux = self._backward(tree.unflatten(treespec, leaves), micro, leaves, None, reducer, scale)
                 losses.append(loss)
                 auxes.append(aux)
@@ -698,8 +697,25 @@ class ShardedStep(Step):
 
     def _buckets(self, spec: ShardSpec) -> list[FlatUnit]:
         if self._flat_units is None:
-            self._flat_units = _buckets(spec.leaves, self.bucket_elems, first_elems=self.first_bucket_elems)
+            size, first = self._bucket_sizes(spec)
+            self._flat_units = _buckets(spec.leaves, size, first_elems=first)
         return self._flat_units
+
+    def _bucket_sizes(self, spec: ShardSpec) -> tuple[int, int | None]:
+        """``(elements per bucket, elements in the first)`` (None: as the others). Stage 0 caps its
+        first bucket at 1 MiB, as DDP does, so that the first all-reduce starts early in backward;
+        with ``fit_buckets`` the others hold a quarter of the grads, within [1, 25] MiB: DDP's
+        fixed 25 MiB leaves a small model one bucket after the first, whose all-reduce then waits
+        for the end of backward. A/B runs on the benchmark's GPT (7.4 MB of grads, 2 gloo ranks on
+        a heavily loaded 2-core box, 120-150 rounds, paired medians vs DDP): one 25 MiB bucket
+        0.947x; 1 MiB + one bucket 0.983 / 0.983 / 0.999x; 1 MiB + 2 MiB buckets 0.997 / 1.001x;
+        this rule (1 MiB + 1.8 MiB) 1.003x."""
+        if self.stage != 0:
+            return self.bucket_elems, None
+        size = self.bucket_elems
+        if self.fit_buckets:
+            size = min(size, max(FIRST_BUCKET_ELEMS, sum(leaf.rows * leaf.rowsize for leaf in spec.leaves) // 4))
+        return size, min(size, FIRST_BUCKET_ELEMS)
 
     def _order_buckets(self, spec: ShardSpec, step: int) -> None:
         """Stages 0-2, once, at the start of the second step: rebuild the buckets in the order the
@@ -715,8 +731,8 @@ class ShardedStep(Step):
         order = torch.tensor(arrived + [i for i in reversed(range(len(spec.leaves))) if i not in seen])
         everyone = torch.empty(spec.world * order.numel(), dtype=order.dtype)
         self.mesh.comm.all_gather(everyone, order, label=f"bucket order at step {step}")
-        self._flat_units = _buckets(spec.leaves, self.bucket_elems, everyone[: order.numel()].tolist(),
-                                    self.first_bucket_elems)
+        size, first = self._bucket_sizes(spec)
+        self._flat_units = _buckets(spec.leaves, size, everyone[: order.numel()].tolist(), first)
         self._grad_order, self._buckets_ordered = None, True
 
     def _stage3_units(self, module) -> list[FlatUnit]:
@@ -782,7 +798,7 @@ def _placeholder(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Te
 
 
 def shard(step: Step, mesh: Mesh, stage: int, units: Selector | None = None, *, prefetch: int = 1,
-          bucket_mb: float = 25.0, verify: bool = True) -> ShardedStep:
+          bucket_mb: float | None = None, verify: bool = True) -> ShardedStep:
     """ZeRO stage ``stage`` (0, 1, 2 or 3) of ``step`` over ``mesh``'s data-parallel ranks; stage 0 is
     replicated data parallel (DDP): every rank holds everything, grads are all-reduced.
 
@@ -791,7 +807,9 @@ def shard(step: Step, mesh: Mesh, stage: int, units: Selector | None = None, *, 
       mesh: ``zf.Mesh(dp=world_size)``; every rank calls ``shard`` and the step collectively.
       units: stage 3's gather units, a selector from ``zf.units`` (default ``zf.units.auto()``).
       prefetch: stage 3: how many units ahead to all-gather while one computes (0 turns it off).
-      bucket_mb: stages 0-2: size of the flat buffers the collectives move (fp32 MiB).
+      bucket_mb: stages 0-2: size of the flat buffers the collectives move (fp32 MiB). Default 25;
+        at stage 0 a quarter of the grads, within [1, 25] MiB, after a first bucket of 1 MiB
+        (``ShardedStep._bucket_sizes`` says why).
       verify: before each stage-3 gather (whose order follows the model's control flow), check all
         ranks gather the same unit (one all-gather of a few bytes, on the comm thread), so
         diverging control flow is reported by unit and step instead of aborting gloo or hanging
@@ -815,7 +833,9 @@ def shard(step: Step, mesh: Mesh, stage: int, units: Selector | None = None, *, 
         raise ValueError(f"units: only stage 3 gathers by unit; stage {stage} uses bucket_mb")
     from zfunc import units as units_mod
 
-    return ShardedStep(step, mesh, stage, units or units_mod.auto(), prefetch, max(1, int(bucket_mb * 2**18)), verify)
+    bucket_elems = max(1, int((25.0 if bucket_mb is None else bucket_mb) * 2**18))
+    return ShardedStep(step, mesh, stage, units or units_mod.auto(), prefetch, bucket_elems, verify,
+                       fit_buckets=stage == 0 and bucket_mb is None)
 
 
 def full_params(state: TrainState, mesh: Mesh) -> PyTree:
