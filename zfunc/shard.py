@@ -344,65 +344,87 @@ class GradReducer:
         due = self.works[:-1] if keep_last else self.works
         for work, out, u in due:
             work.wait()  # raises CollectiveError naming the unit and step
-            unit = self.units()[u]
-            self.deliver(unit, unit.local_views(out, self.spec.leaves, self.spec.rank))
+            self.deliver(self.units()[u], self._slices(u, out))
         self.works = self.works[len(due):]
+
+    def _slices(self, u: int, out: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's grad slices of unit ``u``, from its reduced ``out``."""
+        return self.units()[u].local_views(out, self.spec.leaves, self.spec.rank)
+
+    def forward_done(self, loss: torch.Tensor) -> None:
+        """A microbatch's loss is computed (its backward is next)."""
+
+
+class Buckets:
+    """Stage 0's fp32 grad buckets, kept from step to step as DDP keeps its own: one flat buffer per
+    bucket (the last with one slot more, for the loss) and each leaf's view into its bucket.
+
+    Kept, backward writes into memory already mapped: with fresh buffers each step, a stage-0 step
+    of the benchmark's GPT (7.4 MB of grads) took ~2800 minor page faults to DDP's ~1400; with kept
+    ones, no more than DDP.
+    """
+
+    def __init__(self, units: list[FlatUnit], leaves: tuple[LeafShard, ...], device: torch.device):
+        self.units, self.device = units, device
+        self.flat = [torch.empty(unit.segment + (u == len(units) - 1), dtype=torch.float32, device=device)
+                     for u, unit in enumerate(units)]
+        self.views = [unit.local_views(self.flat[u][: unit.segment], leaves, 0) for u, unit in enumerate(units)]
+        self.place = {i: (u, k) for u, unit in enumerate(units) for k, i in enumerate(unit.indices)}
 
 
 class GradAllReducer(GradReducer):
     """Stage 0 (DDP): whole grads all-reduced bucket by bucket; delivers whole-shaped fp32 views of
-    the reduced buckets (sums over the ranks and the microbatches).
+    the reduced ``buckets``, divided by ``divisor`` (their means over the ranks and microbatches).
 
-    Each grad is added, as backward produces it, into its bucket's fp32 flat buffer (the first
-    microbatch copies, later ones add: the microbatches' sum builds up in place, no per-leaf
-    accumulators). Microbatches before the last only accumulate (DDP's ``no_sync``); during the
-    last (``eager``), each bucket is all-reduced as soon as all its grads are in, launched in
-    ``sequence()`` order like the reduce-scatters of ``GradReducer``, so the all-reduces overlap the
-    rest of backward. ``spec``: the layout of one rank holding everything (``ShardSpec.split`` is
-    ``(1, 0)``), so a bucket's segment is its leaves' whole elements, unpadded. ``flat``: bucket ->
-    its fp32 buffer, filled here where missing; the step passes the same dict every step (DDP
-    keeps its buckets too), so backward writes into memory already mapped: with fresh buffers
-    each step, a stage-0 step of the benchmark's GPT (7.4 MB of grads) took ~2800 minor page
-    faults to DDP's ~1400; with kept ones, no more than DDP.
+    Each grad is added, as backward produces it, into its view in its bucket (the first microbatch
+    copies, later ones add: the microbatches' sum builds up in place, no per-leaf accumulators).
+    Microbatches before the last only accumulate (DDP's ``no_sync``); during the last (``eager``),
+    each bucket is all-reduced as soon as all its grads are in, launched in ``sequence()`` order
+    like the reduce-scatters of ``GradReducer``, so the all-reduces overlap the rest of backward.
+    The sum of this rank's microbatch losses (``forward_done``) rides in the last bucket's spare
+    slot: ``loss`` is then their sum over the ranks too, with no collective of its own.
+    ``spec``: the layout of one rank holding everything (``ShardSpec.split`` is ``(1, 0)``).
     """
 
-    def __init__(self, comm, spec: ShardSpec, units: Callable[[], list[FlatUnit]],
-                 deliver: Callable[[FlatUnit, list[torch.Tensor]], None], device: torch.device, step: int,
-                 sequence: Callable[[], list[int]], flat: dict[int, torch.Tensor]):
-        super().__init__(comm, spec, units, deliver, device, eager=False, step=step, sequence=sequence)
-        self.flat = flat  # bucket -> its fp32 sum of grads
+    def __init__(self, comm, spec: ShardSpec, buckets: Buckets, deliver: Callable[[FlatUnit, list[torch.Tensor]], None],
+                 step: int, divisor: float):
+        super().__init__(comm, spec, lambda: buckets.units, deliver, buckets.device, eager=False, step=step,
+                         sequence=lambda: list(range(len(buckets.units))))
+        self.buckets, self.scale = buckets, 1.0 / divisor
         self.written: set[int] = set()  # leaves some microbatch produced a grad for
-        self._place: dict[int, tuple[int, int]] | None = None  # leaf -> (bucket, offset)
+        self.loss = torch.zeros((), dtype=torch.float32, device=buckets.device)
+
+    def forward_done(self, loss: torch.Tensor) -> None:
+        self.loss += loss.detach().float()
 
     def add(self, i: int, grad: torch.Tensor) -> None:
         self.arrived.append(i)
-        if self._place is None:
-            self._place = {i: (u, off) for u, unit in enumerate(self.units())
-                           for i, off in zip(unit.indices, unit.offsets)}
-        u, off = self._place[i]
-        self._held(grad.numel() * grad.element_size())  # autograd's tensor, until it is summed in
-        if u not in self.flat:
-            self.flat[u] = torch.empty(self.units()[u].segment, dtype=torch.float32, device=self.device)
-        into = self.flat[u][off : off + grad.numel()].view(grad.shape)
+        u, k = self.buckets.place[i]
+        self.peak_bytes = max(self.peak_bytes, grad.numel() * grad.element_size())  # autograd's, until summed in
         if i in self.written:
-            into.add_(grad)
+            self.buckets.views[u][k].add_(grad)
         else:
-            into.copy_(grad)
+            self.buckets.views[u][k].copy_(grad)
             self.written.add(i)
-        self._held(-grad.numel() * grad.element_size())
         if self.eager:
             self._collect(u, i, None)
 
     def _reduce(self, u: int, grads: dict) -> None:
-        unit = self.units()[u]
-        if u not in self.flat:
-            self.flat[u] = torch.empty(unit.segment, dtype=torch.float32, device=self.device)
-        flat = self.flat[u]
-        for i, off in zip(unit.indices, unit.offsets):
+        unit, flat = self.units()[u], self.buckets.flat[u]
+        for i, view in zip(unit.indices, self.buckets.views[u]):
             if i not in self.written:  # no microbatch reached this param: its grad is zero
-                flat[off : off + self.spec.leaves[i].chunk * self.spec.leaves[i].rowsize].zero_()
+                view.zero_()
+        if flat.numel() > unit.segment:
+            flat[unit.segment :].copy_(self.loss)
         work = self.comm.all_reduce(flat, label=f"grad all-reduce of {unit.name} at {self.label}", async_op=True)
         self.works.append((work, flat, u))
+
+    def _slices(self, u: int, out: torch.Tensor) -> list[torch.Tensor]:
+        segment = self.units()[u].segment
+        out[:segment].mul_(self.scale)  # while the all-reduce's output is still in the cache
+        if out.numel() > segment:
+            self.loss.copy_(out[segment])
+        return self.buckets.views[u]
 
 
 class GradSlices:
@@ -430,7 +452,8 @@ class GradSlices:
 
     def result(self) -> list[torch.Tensor]:
         self.acc = [self.zeros(i) if a is None else a for i, a in enumerate(self.acc)]
-        torch._foreach_mul_(self.acc, 1.0 / self.divisor)
+        if self.divisor != 1.0:
+            torch._foreach_mul_(self.acc, 1.0 / self.divisor)
         return self.acc
 
 
@@ -449,7 +472,7 @@ class ShardedStep(Step):
         # buckets are rebuilt in it (``_order_buckets``); then None.
         self._grad_order: list[int] | None = None
         self._buckets_ordered = False
-        self._bucket_sums: tuple | None = None  # stage 0: (buckets, device, their fp32 buffers), kept
+        self._bucket_buffers: Buckets | None = None  # stage 0's fp32 buckets, kept from step to step
         self.fit_buckets = fit_buckets  # stage 0 without bucket_mb: buckets sized to the model
         self.peak_gathered_bytes = 0  # most whole-param bytes held at once in the last step
         self.peak_whole_grad_bytes = 0  # most whole-grad bytes held at once in the last step
@@ -505,11 +528,9 @@ class ShardedStep(Step):
         with carrying(state.buffers) as carried:
             loss, aux, grads = self._loss_and_grads(params, batch, step, rng, loss_scale)
         buffers = self._average_buffers(carried, step)
-        if self.stage == 0:  # grads whole and equal on every rank: the norm is taken locally, and
-            # the loss summed on the comm thread while the optimizer runs
-            summed = self.mesh.comm.all_reduce(loss, label=f"loss all-reduce at step {step}", async_op=True)
+        if self.stage == 0:  # grads whole and equal on every rank: the norm is taken locally (the
+            # loss was summed over the ranks with the last grad bucket)
             new_state, metrics = self._update(state, grads, loss, aux)
-            summed.wait()
         else:
             self._loss_to_sum = loss  # summed by the grad norm's all-reduce, the step's one sync
             with optim.summing_across(self._sum_over_ranks):
@@ -585,31 +606,30 @@ class ShardedStep(Step):
         buckets, all-reducing them during the last microbatch's backward."""
         pieces, treespec = self._pieces(params)
         spec = self._state_spec
-        sink = self._grad_sink(pieces)
+        sink = GradSlices(lambda i: torch.zeros_like(pieces[i]), len(pieces), 1.0)  # the reducer divides
         if self._grad_order is not None:
             self._order_buckets(spec, step)
         self.mesh.clear_comm_bytes()
         compute = [p.to(self.compute_dtype) for p in pieces]
         self.peak_gathered_bytes = sum(c.numel() * c.element_size() for c, p in zip(compute, pieces) if c is not p)
         self.peak_whole_grad_bytes = 0
-        buckets, device = self._buckets(spec), self._device(pieces)
-        if self._bucket_sums is None or self._bucket_sums[:2] != (buckets, device):  # new order or place
-            self._bucket_sums = (buckets, device, {})
-        reducer = GradAllReducer(self.mesh.reduce_comm, ShardSpec(0, 1, 0, spec.leaves), lambda: buckets,
-                                 sink.deliver, device, step, lambda: list(range(len(buckets))), self._bucket_sums[2])
-        losses, auxes = [], []
+        units, device = self._buckets(spec), self._device(pieces)
+        if self._bucket_buffers is None or (self._bucket_buffers.units, self._bucket_buffers.device) != (units, device):
+            self._bucket_buffers = Buckets(units, spec.leaves, device)  # new order or place
+        reducer = GradAllReducer(self.mesh.reduce_comm, ShardSpec(0, 1, 0, spec.leaves), self._bucket_buffers,
+                                 sink.deliver, step, self._grad_divisor())
+        auxes = []
         scale = loss_scale.scale if loss_scale is not None else None
         with seeded(_step_seed(rng, step), _cuda_devices(params)):
             micros = _split_batch(mp.cast_floating(batch, self.compute_dtype), self.accum)
             for k, micro in enumerate(micros):
                 reducer.eager = k == len(micros) - 1  # DDP's no_sync before the last microbatch
                 leaves = [c.detach().requires_grad_() for c in compute]
-                loss, aux = self._backward(tree.unflatten(treespec, leaves), micro, leaves, None, reducer, scale)
-                losses.append(loss)
+                _, aux = self._backward(tree.unflatten(treespec, leaves), micro, leaves, None, reducer, scale)
                 auxes.append(aux)
         if not self._buckets_ordered:
             self._grad_order = reducer.arrived
-        loss = torch.stack(losses).mean()  # this rank's; the caller averages it over the ranks
+        loss = reducer.loss / self.accum  # summed over the ranks; the caller divides by them
         return loss, (auxes[0] if self.accum == 1 else auxes), tree.unflatten(treespec, sink.result())
 
     def _pieces(self, params) -> tuple[Any, Any]:
@@ -652,6 +672,7 @@ class ShardedStep(Step):
         with torch.enable_grad(), run_by(gatherer) if gatherer is not None else nullcontext():
             out = self.loss_fn(params, micro)
         loss, aux = split_loss(out, self.has_aux)
+        reducer.forward_done(loss)
         if gatherer is not None and gatherer.units is None:
             raise ValueError("loss_fn: stage 3 needs the loss to run the model through the apply of "
                              "zf.functionalize (params reach the model only through it)")
