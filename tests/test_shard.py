@@ -293,7 +293,7 @@ def test_memory_and_comm_accounting(world):
         m = r[0]
         assert (m["params"], m["optimizer"], m["grad_shard"], m["whole_params"]) == (4 * psi, 8 * psi, 4 * psi, 2 * psi)
         assert 0 < m["whole_grads"] <= 2 * 16 * 8  # the largest leaf (embedding, head), bf16
-        # comm: one all-reduce of the fp32 grads (2 Psi, counted as DDP's) and of the loss, nothing else
+        # comm: all-reduces of the fp32 grads (2 Psi, counted as DDP's) and the loss in their last bucket
         assert m["comm"] == {"all_reduce": 2 * 4 * psi + 2 * 4}, m["comm"]
         # stage 1/2: every param whole in bf16; stage 1 every grad whole (bf16, accum 1), stage 2 less
         assert r[1]["whole_params"] == r[2]["whole_params"] == 2 * psi

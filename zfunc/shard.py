@@ -39,7 +39,8 @@ checkpoint is written once, by rank 0, and reshards to and from the other stages
   first one small as DDP's, see ``ShardedStep._bucket_sizes``). With accumulation the
   microbatches before the last only sum (DDP's ``no_sync``). Every rank then runs
   the optimizer on the whole params: the all-reduce gives every rank the same bits, so the
-  replicas stay identical, and the grad norm needs no collective.
+  replicas stay identical, and the grad norm needs no collective (the loss rides in the last
+  grad bucket: no collective of its own).
 - 1: all params are all-gathered (in the compute dtype) at the start of the step; whole grads are
   held for the step: reduce-scattered bucket by bucket as backward produces them (accum=1), or
   summed over microbatches and reduce-scattered once (accum>1).
@@ -600,8 +601,8 @@ class ShardedStep(Step):
         return loss, (auxes[0] if self.accum == 1 else auxes), grads and tree.unflatten(treespec, grads)
 
     def _replicated_loss_and_grads(self, params, batch, step, rng, loss_scale):
-        """Stage 0: this rank's mean loss, and the whole fp32 grads averaged over ranks (the same on
-        every rank): each microbatch differentiates the whole params (the fp32 masters themselves
+        """Stage 0: the loss summed over the ranks (of each rank's mean over its microbatches), and
+        the whole fp32 grads averaged over the ranks (the same on every rank): each microbatch differentiates the whole params (the fp32 masters themselves
         at fp32, a compute-dtype copy otherwise), and ``GradAllReducer`` sums the grads into its
         buckets, all-reducing them during the last microbatch's backward."""
         pieces, treespec = self._pieces(params)
