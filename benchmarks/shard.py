@@ -1,8 +1,9 @@
-"""ZeRO on 2 gloo ranks of this CPU: DDP, FSDP2 and zfunc stages 1/2/3 on the same GPT.
+"""ZeRO on 2 gloo ranks of this CPU: DDP, FSDP2 and zfunc stages 0/1/2/3 on the same GPT.
 
     python benchmarks/shard.py [--world 2] [--n-layer 4] [--n-embd 192] [--batch 8] [--rounds 60]
+                               [--trainers ddp,zf-0]
 
-Phase 1 (throughput): one spawn; every rank builds all six trainers from the same initial GPT and
+Phase 1 (throughput): one spawn; every rank builds all seven trainers (or ``--trainers``) from the same initial GPT and
 runs them interleaved: each round runs one step of every trainer, in an order shuffled anew each
 round (the same on every rank), for ``--rounds`` rounds. What runs before a trainer shifts its
 timings, and an order that merely rotates keeps each trainer behind the same one: stage 1, always
@@ -11,7 +12,8 @@ shuffled, the sign of their difference changes from run to run (-0.013 to +0.017
 the peer's step time over the trainer's in the same round, so that the load this shared machine
 sees, which drifts over seconds, cancels (blocks of consecutive steps per trainer let it decide the
 ranking: the identical stage 1 and 2 steps came out 0.87x and 0.98x of DDP in one run). Stages
-1/2 are compared with DDP, stage 3 with FSDP2, which shards the same units (each ``Block``, then
+0/1/2 are compared with DDP (stage 0 is DDP's algorithm: whole grads all-reduced in buckets
+during backward), stage 3 with FSDP2, which shards the same units (each ``Block``, then
 the root).
 Phase 2 (memory): a fresh spawn per trainer, so each peak RSS is its own: peak RSS minus the RSS
 after building the model, per rank, beside the bytes the trainer accounts for.
@@ -38,7 +40,7 @@ from recipes.gpt import GPT, Block, GPTConfig  # noqa: E402
 
 # zf-3* is stage 3 with verify=False: no per-collective agreement check between the ranks (which
 # reports diverging control flow instead of letting gloo abort), to show what that check costs.
-TRAINERS = ("ddp", "fsdp2", "zf-1", "zf-2", "zf-3", "zf-3*")
+TRAINERS = ("ddp", "fsdp2", "zf-0", "zf-1", "zf-2", "zf-3", "zf-3*")
 LR = 1e-3
 
 
@@ -120,14 +122,14 @@ def build(kind: str, model, mesh):
     return torch_trainer(kind, model)
 
 
-def throughput_worker(rank: int, world: int, cfg: GPTConfig, batch: int, rounds: int):
+def throughput_worker(rank: int, world: int, cfg: GPTConfig, batch: int, rounds: int, kinds: tuple[str, ...]):
     """Per trainer, this rank's step times (s), one per round."""
     mesh = zf.Mesh(dp=world)
     torch.manual_seed(0)
     base = GPT(cfg)
-    trainers = {k: build(k, base, mesh)[0] for k in TRAINERS}
+    trainers = {k: build(k, base, mesh)[0] for k in kinds}
     data = batches(cfg, batch, rank, 5)
-    times = {k: [] for k in TRAINERS}
+    times = {k: [] for k in kinds}
     for _ in range(2):  # warm-up (JIT, allocator, DDP's buckets, stage-3 unit order)
         for run in trainers.values():
             run(data[0]).item()
@@ -166,29 +168,36 @@ def main(argv=None) -> None:
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--rounds", type=int, default=60, help="steps of each trainer, interleaved")
+    p.add_argument("--trainers", default=",".join(TRAINERS), help=f"a comma-separated subset of {','.join(TRAINERS)}")
     args = p.parse_args(argv)
+    kinds = tuple(args.trainers.split(","))
+    if set(kinds) - set(TRAINERS) or "ddp" not in kinds:
+        p.error(f"--trainers: expected 'ddp' and others of {','.join(TRAINERS)}, got {args.trainers!r}")
     cfg = GPTConfig(n_layer=args.n_layer, n_head=4, n_embd=args.n_embd, block_size=args.block_size)
     n_params = sum(x.numel() for x in GPT(cfg).parameters())
     print(f"GPT {n_params / 1e6:.2f}M params, {args.world} gloo ranks, batch {args.batch}x{cfg.block_size} per rank, "
           f"torch {torch.__version__}")
-    results = zf.dist.spawn(throughput_worker, args.world, args.world, cfg, args.batch, args.rounds, timeout_s=3600)
-    times = {k: [max(ts) for ts in zip(*(r[k] for r in results))] for k in TRAINERS}  # the slowest rank
+    results = zf.dist.spawn(throughput_worker, args.world, args.world, cfg, args.batch, args.rounds, kinds,
+                            timeout_s=3600)
+    times = {k: [max(ts) for ts in zip(*(r[k] for r in results))] for k in kinds}  # the slowest rank
     med = {k: statistics.median(v) for k, v in times.items()}
-    vs = {k: {peer: paired_ratio(times[peer], times[k]) for peer in ("ddp", "fsdp2")} for k in TRAINERS}
+    peers = [peer for peer in ("ddp", "fsdp2") if peer in kinds]
+    vs = {k: {peer: paired_ratio(times[peer], times[k]) for peer in peers} for k in kinds}
     memory = {k: zf.dist.spawn(memory_worker, args.world, args.world, k, cfg, args.batch, 2, timeout_s=600)
-              for k in TRAINERS}
+              for k in kinds}
     print("\n| trainer | median ms/step | vs DDP, paired (of medians) | vs FSDP2, paired (of medians) "
           "| peak RSS growth/rank (MB) | accounted state/rank (MB) |")
     print("|---|---|---|---|---|---|")
-    for k in TRAINERS:
+    for k in kinds:
         rss = max(m[0] for m in memory[k]) / 2**20
         acc = max(m[1] for m in memory[k]) / 2**20
-        print(f"| {k} | {med[k] * 1e3:.1f} | {vs[k]['ddp']:.3f}x ({med['ddp'] / med[k]:.2f}x) "
-              f"| {vs[k]['fsdp2']:.3f}x ({med['fsdp2'] / med[k]:.2f}x) | {rss:.1f} | {acc:.2f} |")
-    print(f"\nREADME row: | ZeRO on {args.world} gloo ranks, GPT {n_params / 1e6:.1f}M | `python benchmarks/shard.py` | "
-          f"throughput vs DDP (paired, {args.rounds} rounds): stage 1 {vs['zf-1']['ddp']:.2f}x, stage 2 "
-          f"{vs['zf-2']['ddp']:.2f}x; stage 3 vs FSDP2 {vs['zf-3']['fsdp2']:.2f}x ({vs['zf-3*']['fsdp2']:.2f}x "
-          "without verify) |")
+        ratios = [f"{vs[k][peer]:.3f}x ({med[peer] / med[k]:.2f}x)" if peer in vs[k] else "-" for peer in ("ddp", "fsdp2")]
+        print(f"| {k} | {med[k] * 1e3:.1f} | {' | '.join(ratios)} | {rss:.1f} | {acc:.2f} |")
+    if set(kinds) == set(TRAINERS):
+        print(f"\nREADME row: | ZeRO on {args.world} gloo ranks, GPT {n_params / 1e6:.1f}M | `python benchmarks/shard.py` "
+              f"| throughput vs DDP (paired, {args.rounds} rounds): stage 0 {vs['zf-0']['ddp']:.2f}x, stage 1 "
+              f"{vs['zf-1']['ddp']:.2f}x, stage 2 {vs['zf-2']['ddp']:.2f}x; stage 3 vs FSDP2 {vs['zf-3']['fsdp2']:.2f}x "
+              f"({vs['zf-3*']['fsdp2']:.2f}x without verify) |")
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def sharded_worker(rank, world, stage, directory, phase):
     return ck.full_params(run(step, state, data[5:], rank, world), mesh)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_sharded_resume_is_bit_exact(tmp_path, stage):
     directory = str(tmp_path / "ckpt")
     straight = zf.dist.spawn(sharded_worker, 2, 2, stage, directory, "straight")[0]
@@ -109,6 +109,52 @@ def test_reshard_4_ranks_stage_3_into_2_ranks_stage_2_and_one_process(tmp_path):
     apply, _ = zf.functionalize(Tiny())
     x = batches(1, 1)[0][0]
     torch.testing.assert_close(fresh(x), apply(saved, x), rtol=0, atol=0)
+
+
+def replicated_worker(rank, world, stage, directory, steps, saved_to):
+    """Load ``directory`` (if given) at ``stage``, train ``steps`` steps, save to ``saved_to``;
+    returns the whole params and Adam moments at the start and at the end."""
+    mesh = zf.Mesh(dp=world)
+    step, state = make(stage, mesh)
+    if directory:
+        state = ck.load(directory, step)
+    moments = lambda s: [ck.full_params(s.replace(params=m), mesh) for m in s.opt_state[1][1:]]  # noqa: E731
+    start = ck.full_params(state, mesh), moments(state)
+    state = run(step, state, batches(world, 8)[state.step : state.step + steps], rank, world)
+    ck.save(state, saved_to)
+    return start, (ck.full_params(state, mesh), moments(state))
+
+
+def assert_equal_trees(got, want, what):
+    for name in want:
+        assert torch.equal(got[name], want[name]), (what, name)
+
+
+def test_stage_0_saves_once_and_reshards_into_stage_3_and_back(tmp_path):
+    """A stage-0 state is whole on every rank: rank 0 writes it once, as a plain state (world 1);
+    stage 3 on 2 ranks picks it up, params and moments bit for bit, and hands it back; training
+    through the round trip follows the law (stage 0 all along, up to the order of sums)."""
+    d0, d3, back = (str(tmp_path / name) for name in ("stage0", "stage3", "back"))
+    _, saved0 = zf.dist.spawn(replicated_worker, 2, 2, 0, None, 3, d0)[0]
+    assert sorted(os.listdir(d0)) == ["manifest.json", "rank00000.safetensors"]
+    manifest = ck.read_manifest(d0)
+    assert (manifest["world"], manifest["stage"], list(manifest["files"])) == (1, 0, ["rank00000.safetensors"])
+    plain_step, _ = make()
+    one = ck.load(d0, plain_step)  # one process reads it as it reads a plain state's
+    assert_equal_trees(one.params, saved0[0], "plain from stage 0")
+    for rank_out in zf.dist.spawn(replicated_worker, 2, 2, 3, d0, 2, d3):
+        loaded3, saved3 = rank_out
+        assert_equal_trees(loaded3[0], saved0[0], "stage 3 from stage 0")
+        for got, want in zip(loaded3[1], saved0[1]):
+            assert_equal_trees(got, want, "moments, stage 3 from stage 0")
+    for loaded0, after in zf.dist.spawn(replicated_worker, 2, 2, 0, d3, 3, back):
+        assert_equal_trees(loaded0[0], saved3[0], "stage 0 from stage 3")
+        for got, want in zip(loaded0[1], saved3[1]):
+            assert_equal_trees(got, want, "moments, stage 0 from stage 3")
+    assert ck.read_manifest(back)["step"] == 8
+    _, straight = zf.dist.spawn(replicated_worker, 2, 2, 0, None, 8, str(tmp_path / "straight"))[0]
+    for name in straight[0]:
+        torch.testing.assert_close(after[0][name], straight[0][name], rtol=1e-5, atol=1e-5)
 
 
 def test_latest_and_keep_last(tmp_path):

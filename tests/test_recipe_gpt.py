@@ -256,7 +256,6 @@ def test_resume_from_a_checkpoint_without_flags_still_checks_the_model(tmp_path,
 # OUT/metrics.jsonl (fp32, 1e-5 relative). Two-process runs go through torchrun, as a user's would.
 ROOT = Path(__file__).resolve().parents[1]
 LAW = TINY + ["--n-layer", "2", "--steps", "4", "--eval-every", "2", "--log-every", "1", "--precision", "fp32"]
-ZERO_0_PENDING = "zf.shard(step, mesh, stage=0) (replicated data parallel) is not merged yet"
 
 
 def metrics(out: Path) -> list[dict]:
@@ -323,7 +322,7 @@ def test_the_same_flags_in_another_layout_train_the_same_in_one_process(tmp_path
 TWO_PROCESSES = [
     (["--zero", "3", "--offload-optimizer", "cpu", "--offload-params", "cpu"], ()),
     (["--pp", "2", "--microbatches", "2"], ()),
-    (["--zero", "0"], pytest.mark.skip(reason=ZERO_0_PENDING)),
+    (["--zero", "0"], ()),
     (["--zero", "1"], slow),
     (["--zero", "2", "--offload-optimizer", "nvme", "--accum", "2"], slow),
     (["--zero", "3", "--remat", "--tile-lm-head", "2"], slow),

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zfunc as zf
-from zfunc.shard import FlatUnit, GradReducer, LeafShard, full_params, local_piece
+from zfunc.shard import FlatUnit, GradAllReducer, GradReducer, LeafShard, ShardSpec, full_params, local_piece
 
 STEPS = 5
 
@@ -43,7 +43,8 @@ class Tiny(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def make(stage=None, mesh=None, accum=1, clip=True, model_kw=None, prefetch=1, vocab=13, bucket_mb=25.0):
+def make(stage=None, mesh=None, accum=1, clip=True, model_kw=None, prefetch=1, vocab=13, bucket_mb=25.0,
+         precision="fp32"):
     torch.manual_seed(0)
     apply, params = zf.functionalize(Tiny(vocab=vocab, **(model_kw or {})))
 
@@ -53,8 +54,8 @@ def make(stage=None, mesh=None, accum=1, clip=True, model_kw=None, prefetch=1, v
 
     txs = [zf.optim.clip_by_global_norm(0.1)] if clip else []
     tx = zf.optim.chain(*txs, zf.optim.adamw(1e-2, weight_decay=0.1, mask=zf.optim.decay_mask))
-    step = zf.train_step(loss_fn, tx, accum=accum)
-    if stage:
+    step = zf.train_step(loss_fn, tx, precision, accum=accum)
+    if stage is not None:
         units = zf.units.by_class(Block) if stage == 3 else None
         step = zf.shard(step, mesh, stage, units=units, prefetch=prefetch if stage == 3 else 1, bucket_mb=bucket_mb)
     return step, step.init(params)
@@ -71,14 +72,15 @@ def local(batch, rank, world):
     return tuple(t[rank * b:(rank + 1) * b] for t in batch)
 
 
-CONFIGS = [(stage, accum, clip) for stage in (1, 2, 3) for accum, clip in ((1, True), (2, False))]
+CONFIGS = [(stage, accum, clip) for stage in (0, 1, 2, 3) for accum, clip in ((1, True), (2, False))]
 
 
-def law_worker(rank, world, configs):
+def law_worker(rank, world, configs, precision="fp32"):
     mesh = zf.Mesh(dp=world)
     out = []
     for stage, accum, clip in configs:
-        step, state = make(stage, mesh, accum, clip, bucket_mb=1e-4)  # about a bucket per leaf, reordered after step 1
+        # about a bucket per leaf, reordered after step 1
+        step, state = make(stage, mesh, accum, clip, bucket_mb=1e-4, precision=precision)
         losses, norms = [], []
         for batch in batches(world):
             state, m = step(state, local(batch, rank, world))
@@ -88,8 +90,8 @@ def law_worker(rank, world, configs):
     return out
 
 
-def reference(world, accum, clip):
-    step, state = make(accum=accum, clip=clip)
+def reference(world, accum, clip, precision="fp32"):
+    step, state = make(accum=accum, clip=clip, precision=precision)
     losses, norms = [], []
     for batch in batches(world):
         state, m = step(state, batch)
@@ -101,7 +103,8 @@ def reference(world, accum, clip):
 # Collectives reorder sums: 1e-5 relative. Adam turns rounding in near-zero grads into +-lr steps;
 # over 5 steps at lr 1e-2 a few such flips move a param by at most 2 * lr * 5 = 0.1 -- far above
 # anything seen (1e-7), so the bound stays 1e-5 absolute, i.e. no sign flip was observed.
-@pytest.mark.parametrize("world, configs", [(2, CONFIGS), (4, [c for c in CONFIGS if c[1] == 1])])
+@pytest.mark.parametrize("world, configs", [(1, [c for c in CONFIGS if c[0] == 0]), (2, CONFIGS),
+                                            (4, [c for c in CONFIGS if c[1] == 1 or c[0] == 0])])
 def test_sharded_step_equals_plain_step(world, configs):
     results = zf.dist.spawn(law_worker, world, world, configs)
     for k, (stage, accum, clip) in enumerate(configs):
@@ -109,6 +112,28 @@ def test_sharded_step_equals_plain_step(world, configs):
         for rank in range(world):
             assert_same_training(results[rank][k], (ref_losses, ref_norms, ref_params),
                                  f"stage {stage}, accum {accum}, clip {clip}, rank {rank}")
+            for name, p in results[rank][k][2].items():  # stage 0's replicas hold the same bits
+                assert torch.equal(p, results[0][k][2][name]), (stage, accum, rank, name)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_stage_0_in_bf16_equals_the_plain_step_with_the_ranks_as_microbatches(world):
+    """bf16 grads depend on how the batch is split (the mean's 1/batch is applied in bf16), so
+    the plain reference takes each rank's batch as a microbatch: accum = world * accum. Each
+    microbatch's bf16 grads are then the same bits, if computed by the same kernels: the reference
+    runs on as many threads as a rank (bf16 matmuls round differently with another thread count).
+    The sums in fp32 differ in order only: 1e-5 as in fp32 (bit-exact here on 2 and 4 ranks)."""
+    configs = [(0, 1, True), (0, 2, False)]
+    results = zf.dist.spawn(law_worker, world, world, configs, "bf16")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # a rank's, see zf.dist.spawn
+    try:
+        refs = [reference(world, world * accum, clip, "bf16") for _, accum, clip in configs]
+    finally:
+        torch.set_num_threads(threads)
+    for k, ((stage, accum, clip), ref) in enumerate(zip(configs, refs)):
+        for rank in range(world):
+            assert_same_training(results[rank][k], ref, f"bf16, accum {accum}, clip {clip}, rank {rank}")
 
 
 def assert_same_training(got, ref, what: str, names=None) -> None:
@@ -152,6 +177,59 @@ def test_reduce_scatters_overlap_backward_once_buckets_follow_the_grads():
             assert launched == list(range(1, n + 1))
 
 
+def all_reduce_launch_worker(rank, world, accum):
+    """Stage 0: per step, how many grads backward had produced when each all-reduce was launched,
+    and the step's accounting."""
+    mesh = zf.Mesh(dp=world)
+    step, state = make(0, mesh, accum, clip=False, bucket_mb=1e-6)  # a bucket per leaf
+    launches = []
+    reduce = GradAllReducer._reduce
+
+    def spy(self, u, grads):
+        launches[-1].append(len(self.arrived))
+        reduce(self, u, grads)
+
+    GradAllReducer._reduce = spy  # in this spawned process only
+    for batch in batches(world, n=3):
+        launches.append([])
+        state, _ = step(state, local(batch, rank, world))
+    return launches, len(step._flat_units), step.memory(state)
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_stage_0_all_reduces_overlap_the_last_backward(accum):
+    """As the reduce-scatters of stages 1/2 (test above): on the first step the buckets follow the
+    reversed leaf order and wait for the embedding's grad; from the second on, each bucket's
+    all-reduce goes out as soon as its grad is there. With accumulation, nothing is launched
+    during the first microbatch (DDP's no_sync): its n grads are summed in place first."""
+    for (first, *later), n, memory in zf.dist.spawn(all_reduce_launch_worker, 2, 2, accum):
+        assert n == 15
+        before = n * (accum - 1)  # grads of the microbatches before the last
+        assert first == [before + 1, before + 2] + [before + n] * (n - 2)
+        for launched in later:
+            assert launched == list(range(before + 1, before + n + 1))
+        # fp32: the masters themselves are differentiated (no copy), grads live in the fp32 buckets
+        assert memory["whole_params"] == 0 and memory["grad_shard"] == memory["params"]
+
+
+def test_stage_0_bucket_sizes_follow_ddp_and_the_model():
+    """Stage 0: a 1 MiB first bucket (DDP's); by default the others hold a quarter of the grads,
+    within [1, 25] MiB; an explicit bucket_mb is taken as given; stages 1/2 keep bucket_mb."""
+    step, _ = make()
+    mib = 1 << 18  # fp32 elements
+
+    def spec(elements):
+        return ShardSpec(0, 1, 0, (LeafShard((elements // 1024, 1024), elements // 1024),))
+
+    default = zf.shard(step, zf.Mesh(), 0)
+    assert default._bucket_sizes(spec(4 * mib)) == (mib, mib)  # a small model: 1 MiB buckets
+    assert default._bucket_sizes(spec(32 * mib)) == (8 * mib, mib)
+    assert default._bucket_sizes(spec(1024 * mib)) == (25 * mib, mib)  # a big one: DDP's 25 MiB
+    assert zf.shard(step, zf.Mesh(), 0, bucket_mb=2)._bucket_sizes(spec(1024 * mib)) == (2 * mib, mib)
+    assert zf.shard(step, zf.Mesh(), 0, bucket_mb=0.5)._bucket_sizes(spec(mib)) == (mib // 2, mib // 2)
+    assert zf.shard(step, zf.Mesh(), 2)._bucket_sizes(spec(1024 * mib)) == (25 * mib, None)
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_packing_writes_every_element_padding_as_zeros(world):
     """Collective buffers come from torch.empty: what they held must not reach the collectives."""
@@ -180,7 +258,7 @@ def accounting_worker(rank, world, precision):
     """``step.memory`` after a step, for each stage, on a model with even row counts (no padding)."""
     mesh = zf.Mesh(dp=world)
     out = {}
-    for stage in (1, 2, 3):
+    for stage in (0, 1, 2, 3):
         step, state = make(stage, mesh, clip=False, model_kw=dict(d=8, n=3, tie=False), vocab=16)
         step = zf.shard(zf.train_step(step.loss_fn, step.optimizer, precision), mesh, stage,
                         units=step.units_selector if stage == 3 else None, bucket_mb=1e-4)
@@ -210,6 +288,13 @@ def test_memory_and_comm_accounting(world):
             m = r[stage]
             # between steps, at every stage: fp32 masters (4) + Adam moments (8) per param, split N ways
             assert (m["params"], m["optimizer"], m["grad_shard"]) == (4 * psi // world, 8 * psi // world, 4 * psi // world)
+        # stage 0: everything whole: masters, moments, fp32 grad buckets, the bf16 copy = 18 Psi (the
+        # ZeRO paper's 2 + 2 + 12 = 16 with fp32 grads), plus a bf16 grad until it is summed in
+        m = r[0]
+        assert (m["params"], m["optimizer"], m["grad_shard"], m["whole_params"]) == (4 * psi, 8 * psi, 4 * psi, 2 * psi)
+        assert 0 < m["whole_grads"] <= 2 * 16 * 8  # the largest leaf (embedding, head), bf16
+        # comm: all-reduces of the fp32 grads (2 Psi, counted as DDP's) and the loss in their last bucket
+        assert m["comm"] == {"all_reduce": 2 * 4 * psi + 2 * 4}, m["comm"]
         # stage 1/2: every param whole in bf16; stage 1 every grad whole (bf16, accum 1), stage 2 less
         assert r[1]["whole_params"] == r[2]["whole_params"] == 2 * psi
         assert r[1]["whole_grads"] == 2 * psi and r[1]["units"] > 2
@@ -336,11 +421,14 @@ def bad_input_worker(rank, world):
     plain_step, plain_state = make()
     sharded_step, sharded_state = make(2, mesh)
     stage3_step, _ = make(3, mesh)
+    replicated_step, replicated_state = make(0, mesh)
     batch = local(batches(world, 1)[0], rank, world)
     for name, fn in {
         "sharded_into_plain": lambda: plain_step(sharded_state, batch),
         "plain_into_sharded": lambda: sharded_step(plain_state, batch),
         "other_stage": lambda: stage3_step(sharded_state, batch),
+        "replicated_into_stage_2": lambda: sharded_step(replicated_state, batch),
+        "plain_into_replicated": lambda: replicated_step(plain_state, batch),
     }.items():
         try:
             fn()
@@ -367,6 +455,8 @@ def test_bad_input_is_reported_clearly():
     assert "this state is sharded (stage 2 over 2 ranks)" in errors["sharded_into_plain"]
     assert "not sharded" in errors["plain_into_sharded"]
     assert "sharded as stage 2 over 2 ranks, but this step is stage 3" in errors["other_stage"]
+    assert "sharded as stage 0 over 2 ranks, but this step is stage 2" in errors["replicated_into_stage_2"]
+    assert "not sharded" in errors["plain_into_replicated"]
     assert "units: parameters" in errors["units"] and "emb.weight" in errors["units"]
     assert "params differ across ranks" in errors["params_differ"]
 
@@ -374,8 +464,10 @@ def test_bad_input_is_reported_clearly():
 def test_shard_argument_checks():
     mesh = zf.Mesh()  # a single process: a mesh of one
     step, _ = make()
-    with pytest.raises(ValueError, match="stage: expected 1, 2 or 3"):
+    with pytest.raises(ValueError, match="stage: expected 0, 1, 2 or 3"):
         zf.shard(step, mesh, 4)
+    with pytest.raises(ValueError, match="offloading a stage-0"):
+        zf.offload(zf.shard(step, mesh, 0))
     with pytest.raises(TypeError, match="mesh: expected a zf.Mesh"):
         zf.shard(step, "dp=2", 1)
     with pytest.raises(ValueError, match="units: only stage 3"):
@@ -388,9 +480,10 @@ def test_shard_argument_checks():
         zf.Mesh(dp=2)
 
 
-def test_single_process_mesh_equals_plain():
+@pytest.mark.parametrize("stage", [0, 3])
+def test_single_process_mesh_equals_plain(stage):
     ref = reference(1, 1, True)
-    step, state = make(3, zf.Mesh())
+    step, state = make(stage, zf.Mesh())
     for batch in batches(1):
         state, m = step(state, batch)
     for name in ref[2]:
@@ -522,7 +615,7 @@ def test_batchnorm_statistics_are_averaged_over_ranks():
     the ranks hold identical buffers."""
     from tests.test_module import BNNet, assert_trained_like, bn_batches, torch_train
 
-    configs = [(1, 1), (2, 1), (3, 1), (2, 2)]
+    configs = [(0, 1), (1, 1), (2, 1), (3, 1), (0, 2), (2, 2)]
     results = zf.dist.spawn(batchnorm_worker, 2, 2, configs)
     for k, (stage, accum) in enumerate(configs):
         torch.manual_seed(0)

@@ -51,7 +51,8 @@ What is guaranteed (the files: ``zfunc.checkpoint_files``; ownership, locks, rep
 leaves, whole params and optimizer state (``zfunc.checkpoint_layout``). Every split zfunc makes is
 the same: dim 0 in ``torch.chunk`` style over a stage's dp ranks (``shard.ShardSpec``), whatever the
 ZeRO stage; a pipeline stage (``PipelineSpec``) holds only its own params and their optimizer
-state; an offloaded state has one optimizer state per param leaf, saved as the plain one. Each
+state; an offloaded state has one optimizer state per param leaf, saved as the plain one;
+a stage-0 state, whole on every rank (``ShardSpec.split == (1, 0)``), is saved once, by rank 0. Each
 leaf is written once, by the rank that owns it, as pieces of rows. So a checkpoint from any layout
 (plain, N ranks at stage s, offloaded, a pipeline of p stages x d dp ranks) loads into any other,
 by reading for each leaf just the saved pieces holding the rows the new rank owns. Optimizer
@@ -382,8 +383,10 @@ def full_params(state: TrainState, mesh=None) -> dict:
     from zfunc.dist import Mesh
     from zfunc.offload import in_ram
     from zfunc.pipeline import PipelineSpec
-    from zfunc.shard import full_params as gather
+    from zfunc.shard import ShardSpec, full_params as gather
 
+    if isinstance(state.sharding, ShardSpec) and state.sharding.split[0] == 1:  # stage 0: whole here, a copy
+        return gather(in_ram(state), mesh)
     world, _ = cl.place(state.sharding)
     if isinstance(state.sharding, PipelineSpec):  # each stage's params, from its dp ranks, on every rank
         if world > 1:

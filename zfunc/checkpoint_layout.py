@@ -110,9 +110,9 @@ def _param_rows(state: TrainState) -> dict[str, tuple[LeafShard, tuple[int, ...]
             leaf = LeafShard(tuple(p.shape), p.shape[0] if len(p.shape) else 1)
             rows = (0, leaf.rows)
         else:
-            leaf = dp.leaves[i]
-            start = min(dp.rank * leaf.chunk, leaf.rows)
-            rows = (start, start + leaf.local_rows(dp.rank))
+            leaf, rank = dp.leaves[i], dp.split[1]  # stage 0: every rank holds what rank 0 of one would
+            start = min(rank * leaf.chunk, leaf.rows)
+            rows = (start, start + leaf.local_rows(rank))
         out[key] = (leaf, _shape(p), rows)
     return out
 

@@ -463,7 +463,7 @@ def offload(step: Step, optimizer: str = "cpu", params: str | None = None, *, pa
     on NVMe between steps, and updated there by the optimizer's CPU kernel, leaf by leaf.
 
     Args:
-      step: a plain ``Step`` from ``train_step`` or a sharded one from ``zf.shard`` (any stage;
+      step: a plain ``Step`` from ``train_step`` or a sharded one from ``zf.shard`` (stage 1-3;
         offloading ``params`` needs stage 3 or a plain step).
       optimizer: "cpu" (host RAM, pinned with a GPU) or "nvme" (swap files under ``path``).
       params: ``None`` (masters stay where compute happens), "cpu" or "nvme": masters offloaded
@@ -498,6 +498,9 @@ def offload(step: Step, optimizer: str = "cpu", params: str | None = None, *, pa
         raise ValueError("step: offload updates the state where it lives (RAM or files), so it needs a donating "
                          "step; build it with train_step(..., donate=True)")
     if isinstance(step, ShardedStep):
+        if step.stage == 0:
+            raise ValueError("step: offloading a stage-0 (replicated) step is not supported yet; offload a plain "
+                             "step on one rank, or zf.shard(step, mesh, stage) with stage 1, 2 or 3")
         if params is not None and step.stage != 3:
             raise ValueError(f"params: offloading params needs stage 3 (units fetched just in time), the step is "
                              f"stage {step.stage}")
