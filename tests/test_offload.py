@@ -338,6 +338,8 @@ def test_optimizer_state_beyond_an_rss_cap_trains_only_with_nvme_offload(tmp_pat
     # glibc would otherwise raise its mmap threshold after the first large free and serve later
     # blocks from a heap that never shrinks: a fixed threshold makes freed memory go back at once.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 17)}
+    if not ok:  # the step that must fail: one thread, so no worker of torch's pool is left waiting on one
+        env.update(OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")  # that died of the cap (seen: a 300 s hang in CI)
     proc = subprocess.run([sys.executable, "-c", RSS_CAP_SCRIPT, where, str(cap), str(tmp_path)],
                           capture_output=True, text=True, timeout=300, env=env)
     if ok:
