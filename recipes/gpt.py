@@ -18,7 +18,6 @@ import inspect
 import math
 import os
 import sys
-import sysconfig
 import time
 import warnings
 import zlib
@@ -30,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from recipes import layout
+from recipes.data import MAX_CORPUS_BYTES, VAL_PERCENT, get_batch, is_val as _is_val, load_bytes as load_corpus  # noqa: F401
 from recipes import watch as watch_mod
 from recipes.layout import FlagError
 
@@ -71,8 +71,6 @@ HELP = dict(
 # and must match it (else --resume names each difference).
 MAY_CHANGE_ON_RESUME = ("steps", "device", "out", "resume", "eval_every", "eval_batches", "ckpt_every",
                         "keep_last", "log_every", "sample_len", "temperature", "top_k", *layout.MAY_CHANGE_ON_RESUME)
-MAX_CORPUS_BYTES = 16 * 2**20  # the stdlib holds ~30 MB of .py; 16 MB is plenty and loads fast
-VAL_PERCENT = 10
 
 
 # ----------------------------------------------------------------------------- model
@@ -193,77 +191,8 @@ def generate(model_fn, prompt: bytes, length: int, block_size: int, temperature=
 
 
 # ----------------------------------------------------------------------------- data
-@dataclass
-class Corpus:
-    train: torch.Tensor  # uint8
-    val: torch.Tensor  # uint8
-    source: str
-    n_files: int
-
-
-def _is_val(rel: str) -> bool:
-    return zlib.crc32(rel.encode()) % 100 < VAL_PERCENT  # stable across runs and machines
-
-
-def _looks_binary(data: bytes) -> bool:
-    return b"\x00" in data[:4096]
-
-
-def load_corpus(path=None, max_bytes=MAX_CORPUS_BYTES) -> Corpus:
-    """Bytes of a text file or folder (recursively), or by default the stdlib's *.py files.
-
-    Files are read in sorted order up to `max_bytes`; a folder is split into train/val by a stable
-    hash of each file's relative path, a single file by its last VAL_PERCENT% of bytes.
-    """
-    if path is None:
-        root = Path(sysconfig.get_paths()["stdlib"])
-        files = sorted(p for p in root.rglob("*.py")
-                       if "site-packages" not in p.relative_to(root).parts)
-        source = f"Python stdlib source ({root})"
-    else:
-        root = Path(path)
-        if not root.exists():
-            raise FileNotFoundError(f"--data: path {str(path)!r} does not exist")
-        files = [root] if root.is_file() else sorted(
-            p for p in root.rglob("*") if p.is_file()
-            and not any(part.startswith(".") for part in p.relative_to(root).parts))
-        source = str(root)
-    parts = {False: [], True: []}
-    total, n_files = 0, 0
-    for f in files:
-        if total >= max_bytes:
-            break
-        try:
-            data = f.read_bytes()[: max_bytes - total]
-        except OSError:
-            continue
-        if not data or _looks_binary(data):
-            continue
-        rel = f.name if f == root else str(f.relative_to(root))
-        parts[_is_val(rel)].append(data)
-        total, n_files = total + len(data), n_files + 1
-    if total == 0:
-        raise ValueError(f"--data: no text data found in {source!r}")
-    train, val = b"\n".join(parts[False]), b"\n".join(parts[True])
-    if not train or len(val) < (len(train) + len(val)) // 50:  # one file, or too few: cut by position
-        everything = b"\n".join(parts[False] + parts[True])
-        cut = len(everything) * (100 - VAL_PERCENT) // 100
-        train, val = everything[:cut], everything[cut:]
-    as_tensor = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8)
-    return Corpus(as_tensor(train), as_tensor(val), source, n_files)
-
-
-def get_batch(data: torch.Tensor, batch_size: int, block_size: int, generator=None, device="cpu"):
-    """Random windows: x = data[i:i+T], y = data[i+1:i+T+1] as int64 (B, T)."""
-    if len(data) <= block_size + 1:
-        raise ValueError(f"split of {len(data)} bytes is too short for block_size={block_size}")
-    ix = torch.randint(len(data) - block_size - 1, (batch_size,), generator=generator)
-    offsets = ix[:, None] + torch.arange(block_size + 1)
-    chunk = data[offsets].long()
-    x, y = chunk[:, :-1], chunk[:, 1:]
-    if str(device) != "cpu":
-        x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
-    return x, y
+# Bytes (vocab 256) of a text file or folder, or by default the stdlib's *.py files, split into train/val by a
+# stable hash of each file's path; random windows of them. One implementation: recipes/data.py.
 
 
 def unigram_entropy(data: torch.Tensor) -> float:
