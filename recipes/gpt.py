@@ -20,7 +20,6 @@ import os
 import sys
 import time
 import warnings
-import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -147,27 +146,36 @@ class GPT(nn.Module):
             x = block(x)
         return self.lm_head(self.ln_f(x))
 
-    def initial_value(self, name: str, like: torch.Tensor, seed: int) -> torch.Tensor:
-        """The initial value of param ``name`` (GPT-2's init, as ``__init__`` draws it), from a
-        generator seeded by ``(seed, name)``: the same values whatever the layout, the number of
-        processes or the order leaves are made in, so a model built on the meta device can be
-        materialized leaf by leaf (ZeRO-3, offload) and train exactly as one built whole."""
+    def initial_value(self, name: str, like: torch.Tensor, seed: int, rows: slice | None = None) -> torch.Tensor:
+        """The initial value of param ``name`` (GPT-2's init, as ``__init__`` draws it), whole or its
+        dim-0 ``rows``: a ``zf.materialize`` materializer. Values depend only on ``(seed, name, row)``
+        (``zf.materialize.normal``'s law): the same whatever the layout, the number of processes or the
+        order leaves are made in, so a model built on the meta device can be materialized rank by rank
+        (ZeRO-3: each rank draws only its rows; offload: leaf by leaf) and train exactly as one built
+        whole. A tile of a layer split along dim 0 (``zf.tile``) is its rows of the whole layer's value.
+        Cost: the rows asked for (plus at most two 1 MiB blocks being drawn)."""
+        import zfunc as zf
+
         owner, _, kind = name.rpartition(".")
         layer, _, index = owner.rpartition(".")
-        if layer.endswith(".tiles") and index.isdigit():  # a tile of a layer split along dim 0 (zf.tile):
-            rows = [getattr(t, kind).shape[0] for t in self.get_submodule(layer)]  # its rows of the whole
-            start, whole = sum(rows[: int(index)]), torch.empty((sum(rows), *like.shape[1:]), device="meta")
-            value = self.initial_value(f"{layer.removesuffix('.tiles')}.{kind}", whole, seed)
-            return value[start:start + rows[int(index)]]
-        module = self.get_submodule(owner)
-        if isinstance(module, nn.LayerNorm):
-            return torch.ones(like.shape) if kind == "weight" else torch.zeros(like.shape)
+        if layer.endswith(".tiles") and index.isdigit():  # a tile: its rows of the whole layer
+            sizes = [getattr(t, kind).shape[0] for t in self.get_submodule(layer)]
+            start, mine = sum(sizes[: int(index)]), rows or slice(0, sizes[int(index)])
+            whole = torch.empty((sum(sizes), *like.shape[1:]), dtype=like.dtype, device="meta")
+            return self.initial_value(f"{layer.removesuffix('.tiles')}.{kind}", whole, seed,
+                                      slice(start + mine.start, start + mine.stop))
+        return zf.materialize.leaf(self._rule(owner, kind, seed), name, like, rows)
+
+    def _rule(self, owner: str, kind: str, seed: int):
+        """The materializer of a param of submodule ``owner`` (GPT-2's init)."""
+        import zfunc as zf
+
+        if isinstance(self.get_submodule(owner), nn.LayerNorm):
+            return zf.materialize.constant(1.0 if kind == "weight" else 0.0)
         if kind == "bias":
-            return torch.zeros(like.shape)
-        residual = name.endswith("proj.weight") or name.endswith("mlp.2.weight")
-        std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if residual else 0.02
-        generator = torch.Generator().manual_seed((seed << 32) | zlib.crc32(name.encode()))
-        return torch.randn(like.shape, generator=generator) * std
+            return zf.materialize.constant(0.0)
+        residual = owner.endswith("proj") or owner.endswith("mlp.2")
+        return zf.materialize.normal(0.02 / math.sqrt(2 * self.cfg.n_layer) if residual else 0.02, seed)
 
     def num_params(self, non_embedding=True):
         n = sum(p.numel() for p in self.parameters())
@@ -355,7 +363,10 @@ def first_state(args: argparse.Namespace, step, model: GPT, params: dict, plan, 
             return zf.checkpoint.load(latest, step, params=params, device=device), latest
         except zf.checkpoint.CheckpointError as e:
             raise FlagError(f"--resume: {e}") from e
-    materialize = lambda name, like: model.initial_value(name, like, args.seed)  # noqa: E731
+
+    def materialize(name: str, like: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
+        return model.initial_value(name, like, args.seed, rows)
+
     if "materialize" in inspect.signature(step.init).parameters:
         state = step.init(params, materialize=materialize)
     else:

@@ -89,6 +89,56 @@ def test_generate_returns_the_asked_number_of_bytes():
     assert gpt.generate(model, b"", 0, cfg.block_size) == b""
 
 
+def test_initial_values_are_gpt2s_init_and_any_rows_are_the_rows_of_the_whole():
+    cfg = gpt.GPTConfig(block_size=8, n_layer=2, n_head=2, n_embd=16)
+    with torch.device("meta"):
+        model = gpt.GPT(cfg)
+    for name, like in model.named_parameters():
+        whole = model.initial_value(name, like, seed=3)
+        assert whole.shape == like.shape and whole.dtype == like.dtype, name
+        n = like.shape[0]
+        for rows in (slice(0, n), slice(1, n - 1), slice(n - 1, n), slice(2, 2)):
+            assert torch.equal(model.initial_value(name, like, 3, rows), whole[rows]), (name, rows)
+        if name.startswith("ln") or ".ln" in name:
+            assert torch.equal(whole, torch.ones_like(whole) if name.endswith("weight") else torch.zeros_like(whole))
+        elif name.endswith("bias"):
+            assert not whole.any(), name
+        else:  # N(0, 0.02), the residual projections scaled by 1/sqrt(2 * n_layer)
+            residual = name.endswith("proj.weight") or name.endswith("mlp.2.weight")
+            std = 0.02 / math.sqrt(2 * cfg.n_layer) if residual else 0.02
+            assert abs(whole.std().item() / std - 1) < 0.2 and abs(whole.mean().item()) < std / 3, name
+    assert not torch.equal(model.initial_value("wte.weight", model.wte.weight, 3),
+                           model.initial_value("wte.weight", model.wte.weight, 4))
+
+
+def test_a_rank_draws_only_its_rows_of_a_large_leaf(monkeypatch):
+    """ZeRO-3 from the meta device: rank r of 4 materializes its quarter of the embedding, never the whole
+    (zf.materialize.normal draws blocks of rows: at most its rows plus two blocks)."""
+    cfg = gpt.GPTConfig(vocab_size=4096, block_size=8, n_layer=1, n_head=2, n_embd=256)  # wte: 4 MiB, 4 blocks
+    with torch.device("meta"):
+        model = gpt.GPT(cfg)
+    drawn, randn = [], torch.randn
+    monkeypatch.setattr(torch, "randn", lambda n, **kw: drawn.append(n) or randn(n, **kw))
+    like, quarter = model.wte.weight, 4096 // 4
+    mine = model.initial_value("wte.weight", like, 0, slice(quarter, 2 * quarter))
+    assert mine.shape == (quarter, 256) and sum(drawn) <= quarter * 256 + 2 * zf.materialize.BLOCK_ELEMS < like.numel()
+    assert torch.equal(mine, model.initial_value("wte.weight", like, 0)[quarter:2 * quarter])
+
+
+def test_a_tiles_rows_are_the_rows_of_the_untiled_layer():
+    cfg = gpt.GPTConfig(block_size=8, n_layer=1, n_head=2, n_embd=16)
+    with torch.device("meta"):
+        model = gpt.GPT(cfg)
+    whole = model.initial_value("wte.weight", model.wte.weight, 5)  # lm_head's tied weight
+    zf.tile(model, tiles=3, modules=["lm_head"])  # splits lm_head (and wte, tied) into tiles of rows
+    tiles = [(name, p) for name, p in model.named_parameters() if ".tiles." in name]
+    assert [name for name, _ in tiles] == [f"wte.tiles.{i}.weight" for i in range(3)]
+    got = torch.cat([model.initial_value(name, p, 5) for name, p in tiles])
+    assert torch.equal(got, whole)
+    name, p = tiles[1]
+    assert torch.equal(model.initial_value(name, p, 5, slice(1, 3)), model.initial_value(name, p, 5)[1:3])
+
+
 def test_default_corpus_loads_and_splits_deterministically():
     a, b = gpt.load_corpus(), gpt.load_corpus()
     assert a.n_files > 100 and "stdlib" in a.source
