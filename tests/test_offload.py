@@ -96,6 +96,19 @@ def faulty_run(step, state, faults):
     return state, report
 
 
+def test_overlap_follows_what_the_optimizer_declares_it_needs():
+    """offload reads ``needs_global_norm`` (it no longer runs the optimizer to find out): a
+    transformation that declares it turns overlap off; asking for overlap then names the reason."""
+    adamw = zf.optim.adamw(1e-2)
+    reads_norm = zf.optim.GradientTransformation(lambda p: zf.optim.EmptyState(), lambda g, s, p=None: (g, s),
+                                                 needs_global_norm=True)
+    apply, _ = zf.functionalize(Tiny())
+    for tx, overlap in ((adamw, True), (zf.optim.chain(reads_norm, adamw), False)):
+        assert offload(zf.train_step(lambda p, b: apply(p, b).sum(), tx)).overlap == overlap
+    with pytest.raises(ValueError, match="reads the global grad norm"):
+        offload(zf.train_step(lambda p, b: apply(p, b).sum(), zf.optim.chain(reads_norm, adamw)), overlap=True)
+
+
 # overlapped updates (clip=False) catch a non-finite loss only (see test below); held grads catch both
 @pytest.mark.parametrize("clip, fault, overlap", [(True, "nan_loss", None), (True, "inf_grads", None),
                                                   (False, "nan_loss", None), (False, "inf_grads", False)])

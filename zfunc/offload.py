@@ -20,8 +20,8 @@ state, ``optimizer.init({name: piece})``, so a leaf can be updated alone):
 - update: each leaf's master and state are read (``chunk_bytes`` of reads kept in flight ahead),
   updated by the optimizer's fused kernel on the CPU, and written back asynchronously: disk reads,
   CPU work and disk writes of consecutive leaves overlap (a 3-deep pipeline).
-- overlap with backward: when the optimizer does not need the global grad norm (no
-  ``clip_by_global_norm``), there is no fp16 overflow check and ``accum == 1``, a unit is updated as
+- overlap with backward: when the optimizer does not need the global grad norm (its
+  ``needs_global_norm`` declaration is False: no ``clip_by_global_norm``), there is no fp16 overflow check and ``accum == 1``, a unit is updated as
   soon as its reduced grads exist, during the rest of backward. Otherwise all grad slices (fp32,
   4 B/param/N) are held until backward ends and the norm is known.
 
@@ -420,25 +420,11 @@ def _overlap_allowed(step: Step, overlap: bool | None) -> bool:
         reasons.append(f"accum={step.accum} sums grads over microbatches first")
     if step.precision == "fp16":
         reasons.append("fp16 checks every grad for overflow first")
-    if _reads_global_norm(step.optimizer):
+    if step.optimizer.needs_global_norm:
         reasons.append("the optimizer reads the global grad norm (clip_by_global_norm)")
     if overlap and reasons:
         raise ValueError(f"overlap: updates cannot start during backward: {'; '.join(reasons)}")
     return not reasons if overlap is None else overlap
-
-
-def _reads_global_norm(tx: optim.GradientTransformation) -> bool:
-    """Probe ``tx`` on a one-element param: does its update ask for the global grad norm?"""
-    called = []
-
-    def record(sq: torch.Tensor) -> torch.Tensor:
-        called.append(True)
-        return sq
-
-    p = {"probe": torch.ones(1)}
-    with optim.summing_across(record):
-        tx.update({"probe": torch.ones(1)}, tx.init(p), p)
-    return bool(called)
 
 
 def in_ram(state: TrainState) -> TrainState:
