@@ -419,8 +419,8 @@ def test_auto_backend_follows_where_the_state_lives(monkeypatch):
     from zfunc.ops import cpu_adam
 
     calls = []
-    kernel = cpu_adam.adamw_
-    monkeypatch.setattr(cpu_adam, "adamw_", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    kernel = cpu_adam.adamw_many_
+    monkeypatch.setattr(cpu_adam, "adamw_many_", lambda ps, *a, **k: calls.extend(ps) or kernel(ps, *a, **k))
     tx = optim.adamw(1e-3)
     cpu = {"a": torch.randn(1000), "b": torch.randn(7), "w": torch.randn(3, 4)}  # fp32 CPU, any shape -> numba
     tx.apply(cpu, tx.init(cpu), cpu)

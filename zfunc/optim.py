@@ -421,58 +421,63 @@ def _adam_update(grads, state, params, *, lr, b1, b2, eps, weight_decay, decoupl
 
 
 def _adam_apply_fused(grads, state, params, *, lr, b1, b2, eps, weight_decay, decoupled, mask, backend, out=None):
-    """In-place Adam/AdamW with one fused kernel call per (device, dtype, decays?) group (Numba:
-    one call per leaf); ``out`` as in ``apply``."""
+    """In-place Adam/AdamW: one fused kernel call per (device, dtype, decays?) group (torch's
+    multi-tensor kernel, or zfunc's CPU-Adam over the group's leaves: ``adamw_many_``); ``out``
+    as in ``apply``."""
     p_leaves, treespec = tree.flatten(params)
     backend = _resolve_backend(backend, p_leaves)
     g_leaves = treespec.flatten_up_to(grads)
     m_leaves, v_leaves = tree.leaves(state.mu), tree.leaves(state.nu)
-    o_leaves = [None] * len(p_leaves) if out is None else treespec.flatten_up_to(out)
+    o_leaves = None if out is None else treespec.flatten_up_to(out)
     decay = [True] * len(p_leaves) if mask is None else _mask_leaves(mask, params, len(p_leaves))
     count = state.count + 1
     step_lr = float(lr(state.count))
     groups: dict[tuple, list[int]] = {}
     for i, (p, g, d) in enumerate(zip(p_leaves, g_leaves, decay)):
         if g is not None:  # a param without grad is left alone
-            groups.setdefault((p.device, p.dtype, d), []).append(i)
-        elif o_leaves[i] is not None:
+            groups.setdefault((d,) if backend == "numba" else (p.device, p.dtype, d), []).append(i)
+        elif o_leaves is not None and o_leaves[i] is not None:
             o_leaves[i].copy_(p)
-    for (device, _, d), idx in groups.items():
-        wd = weight_decay if d else 0.0
-        if backend == "numba":
-            for i in idx:
-                _numba_adam(p_leaves[i], g_leaves[i], m_leaves[i], v_leaves[i], o_leaves[i], count, step_lr, b1, b2,
-                            eps, wd, decoupled)
-            continue
+    for key, idx in groups.items():
+        wd = weight_decay if key[-1] else 0.0
         ps, ms, vs = ([xs[i] for i in idx] for xs in (p_leaves, m_leaves, v_leaves))
+        os_ = [None] * len(idx) if o_leaves is None else [o_leaves[i] for i in idx]
+        if backend == "numba":
+            _numba_adam(ps, [g_leaves[i] for i in idx], ms, vs, os_, count, step_lr, b1, b2, eps, wd, decoupled)
+            continue
         gs = [g_leaves[i].to(ps[0].dtype) for i in idx]
-        steps = [torch.tensor(float(count), device=device)] * len(ps)
+        steps = [torch.tensor(float(count), device=key[0])] * len(ps)
         kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
         kernel(ps, gs, ms, vs, [], steps, lr=step_lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
                amsgrad=False, maximize=False)
-        for i in idx:
-            if o_leaves[i] is not None:
-                o_leaves[i].copy_(p_leaves[i])
+        _copy_pairs(ps, os_)
+    if backend == "numba":
+        return params, AdamState(count, state.mu, state.nu)  # updated in place: the same trees
     mu, nu = tree.unflatten(treespec, m_leaves), tree.unflatten(treespec, v_leaves)
     return tree.unflatten(treespec, p_leaves), AdamState(count, mu, nu)
 
 
-_LOW = (torch.bfloat16, torch.float16)  # what the kernel writes as param_out
+_LOW = (torch.bfloat16, torch.float16)  # the dtypes the kernel writes as param_out
+_GRAD_DTYPES = (torch.float32, *_LOW)  # the grad dtypes it reads
 
 
-def _numba_adam(p, g, m, v, out, count, lr, b1, b2, eps, wd, decoupled):
-    """One leaf through zfunc's CPU-Adam, viewed 1-D; ``out`` written in the same pass where the
-    kernel can write it (a contiguous bf16/fp16 CPU tensor), else copied after."""
+def _numba_adam(ps, gs, ms, vs, outs, count, lr, b1, b2, eps, wd, decoupled):
+    """The leaves through zfunc's CPU-Adam (``adamw_many_``: big leaves threaded, small ones in one
+    call); an ``out`` leaf is written in the same pass where the kernel can write it (a contiguous
+    bf16/fp16 CPU tensor), else copied after."""
     from zfunc.ops import cpu_adam
 
-    fused_out = out is not None and out.dtype in _LOW and out.is_cpu and out.is_contiguous()
-    if g.dtype is not torch.float32 and g.dtype not in _LOW:
-        g = g.float()
-    cpu_adam.adamw_(p.view(-1), g.reshape(-1) if g.is_contiguous() else g.contiguous().view(-1), m.view(-1),
-                    v.view(-1), step=count, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, decoupled=decoupled,
-                    param_out=out.view(-1) if fused_out else None)
-    if out is not None and not fused_out:
-        out.copy_(p)
+    gs = [g if g.dtype in _GRAD_DTYPES and g.is_contiguous() else g.float().contiguous() for g in gs]
+    fused = [o if o is not None and o.dtype in _LOW and o.is_cpu and o.is_contiguous() else None for o in outs]
+    cpu_adam.adamw_many_(ps, gs, ms, vs, step=count, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd,
+                         decoupled=decoupled, param_outs=fused)
+    _copy_pairs(ps, [o if f is None else None for o, f in zip(outs, fused)])
+
+
+def _copy_pairs(ps: list[torch.Tensor], outs: list[torch.Tensor | None]) -> None:
+    for p, o in zip(ps, outs):
+        if o is not None:
+            o.copy_(p)
 
 
 # "auto": the kernel follows where the state lives. Contiguous fp32 tensors in CPU RAM (a plain or
