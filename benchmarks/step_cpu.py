@@ -152,7 +152,7 @@ def offload_rows(total: int, rounds: int) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", type=float, nargs="+", default=[1e6, 2e7])
+    ap.add_argument("--sizes", type=float, nargs="*", default=[1e6, 2e7], help="params per run; none: the offload phase only")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--steps", type=int, default=0, help="steps per sample (0: ~2e7 params' worth)")
     ap.add_argument("--no-deepspeed", action="store_true")
