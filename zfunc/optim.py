@@ -7,9 +7,10 @@ never modify their arguments, and ``params + updates`` is the new parameters (``
 A third, optional member, ``apply(grads, state, params) -> (new_params, new_state)``, does the whole
 update and is allowed to *consume* its arguments: it may write into their tensors, which is how the
 training step avoids holding two copies of the state (JAX's buffer donation). ``adamw``/``adam``
-implement it with one fused kernel per (device, dtype) group -- ``torch._fused_adamw_`` (the kernel
-behind ``torch.optim.AdamW(fused=True)``) or, with ``backend="numba"``, zfunc's CPU-Adam -- and
-every other transformation gets it from ``update`` (see ``apply``). The step only ever calls
+implement it with one fused kernel per (device, dtype) group -- zfunc's CPU-Adam where the state
+is contiguous fp32 in CPU RAM (``backend="auto"``: the placement picks), else ``torch._fused_adamw_``
+(the kernel behind ``torch.optim.AdamW(fused=True)``) -- and every other transformation gets it
+from ``update`` (see ``apply``). The step only ever calls
 ``apply`` on state it owns. Likewise ``update_`` (optional) is an ``update`` allowed to write into
 the grads it is given; ``chain``'s ``apply`` uses it, so ``clip_by_global_norm`` scales the grads
 in place there instead of allocating a second copy of them.
