@@ -507,3 +507,22 @@ def gpt_run(make_zf=None, make_torch=None, steps=STEPS):
 ])
 def test_optimizers_match_torch_on_the_gpt(ours, theirs, atol):
     assert_params_close(gpt_run(make_zf=ours), gpt_run(make_torch=theirs), rtol=1e-6, atol=atol)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: optim.adamw(1e-2, weight_decay=0.1),  # CPU-Adam writes out in its pass
+    lambda: optim.adamw(1e-2, weight_decay=0.1, backend="torch"),  # torch's kernel, then a copy
+    lambda: optim.chain(optim.clip_by_global_norm(0.1), optim.adam(1e-2)),
+    lambda: optim.sgd(0.1, momentum=0.9),  # no writes_out: apply, then a copy
+], ids=["adamw-numba", "adamw-torch", "chain", "sgd"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_apply_out_holds_the_new_params_cast_bit_for_bit(make, dtype):
+    tx = make()
+    params = {"w": torch.randn(4, 3), "b": torch.randn(3), "unused": torch.randn(2)}
+    grads = {"w": torch.randn(4, 3), "b": torch.randn(3), "unused": None}
+    ref_params, _ = optim.apply(tx, {k: None if g is None else g.clone() for k, g in grads.items()},
+                                tx.init(params), {k: p.clone() for k, p in params.items()})
+    out = {k: torch.full(p.shape, 7.0, dtype=dtype) for k, p in params.items()}
+    new, _ = optim.apply(tx, grads, tx.init(params), {k: p.clone() for k, p in params.items()}, out=out)
+    for k in params:
+        assert torch.equal(new[k], ref_params[k]) and torch.equal(out[k], new[k].to(dtype)), k
