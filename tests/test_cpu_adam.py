@@ -1,4 +1,5 @@
 """zfunc.ops.cpu_adam: the Numba kernels equal torch.optim's updates, casts and errors."""
+import math
 import os
 import subprocess
 import sys
@@ -366,3 +367,37 @@ def test_importing_zfunc_ops_does_not_load_the_kernels():
     code = ("import sys, zfunc.ops; assert 'zfunc.ops.cpu_adam' not in sys.modules; "
             "zfunc.ops.cpu_adam.adamw_")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16])
+def test_many_leaves_in_one_call_equal_leaf_by_leaf_calls_bit_for_bit(out_dtype):
+    """adamw_many_ (small leaves through one table call, big ones threaded) == adamw_ per leaf."""
+    shapes = [(3, 5), (7,), (cpu_adam._PARALLEL_MIN + 3,), (1,), (4, 1, 2), (0,)]
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(s, generator=gen).to(torch.bfloat16 if i % 2 else torch.float32) for i, s in enumerate(shapes)]
+    runs = []
+    for many in (True, False):
+        ps = [torch.linspace(-1, 1, math.prod(s)).reshape(s) for s in shapes]
+        ms, vs = [torch.zeros(s) for s in shapes], [torch.zeros(s) for s in shapes]
+        outs = [None if out_dtype is None else torch.empty(s, dtype=out_dtype) for s in shapes]
+        for step in (1, 2, 3):
+            kw = dict(step=step, lr=1e-2, weight_decay=0.1, grad_scale=0.5)
+            if many:
+                cpu_adam.adamw_many_(ps, grads, ms, vs, param_outs=None if out_dtype is None else outs, **kw)
+            else:
+                for p, g, m, v, o in zip(ps, grads, ms, vs, outs):
+                    cpu_adam.adamw_(p.view(-1), g.view(-1), m.view(-1), v.view(-1),
+                                    param_out=None if o is None else o.view(-1), **kw)
+        runs.append(ps + ms + vs + [o for o in outs if o is not None])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_many_leaves_name_what_is_wrong():
+    p, g = torch.zeros(4, 4), torch.zeros(4, 4)
+    with pytest.raises(ValueError, match="lists of one length"):
+        cpu_adam.adamw_many_([p], [g], [], [], step=1, lr=1e-3)
+    with pytest.raises(ValueError, match="grad must be 1-D and contiguous"):
+        cpu_adam.adamw_many_([p], [g.t()], [torch.zeros(4, 4)], [torch.zeros(4, 4)], step=1, lr=1e-3)
+    with pytest.raises(ValueError, match="exp_avg has 15 elements, expected 16"):
+        cpu_adam.adamw_many_([p], [g], [torch.zeros(15)], [torch.zeros(4, 4)], step=1, lr=1e-3)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import zfunc as zf
 from tests.test_shard import Block, Tiny, assert_same_training, batches, local, tree_equal, with_faults
-from zfunc.offload import OffloadSpec, in_ram, offload
+from zfunc.offload import ComputeCopies, OffloadSpec, in_ram, offload
 from zfunc.shard import full_params
 from zfunc.swap import SwapInUseError, SwapPathError
 
@@ -94,6 +94,44 @@ def faulty_run(step, state, faults):
         state, m = step(state, (*batch, fault))
         report.append((m["skipped"], tree_equal((zf.checkpoint.full_params(state), in_ram(state).opt_state), before)))
     return state, report
+
+
+def test_overlap_follows_what_the_optimizer_declares_it_needs():
+    """offload reads ``needs_global_norm`` (it no longer runs the optimizer to find out): a
+    transformation that declares it turns overlap off; asking for overlap then names the reason."""
+    adamw = zf.optim.adamw(1e-2)
+    reads_norm = zf.optim.GradientTransformation(lambda p: zf.optim.EmptyState(), lambda g, s, p=None: (g, s),
+                                                 needs_global_norm=True)
+    apply, _ = zf.functionalize(Tiny())
+    for tx, overlap in ((adamw, True), (zf.optim.chain(reads_norm, adamw), False)):
+        assert offload(zf.train_step(lambda p, b: apply(p, b).sum(), tx)).overlap == overlap
+    with pytest.raises(ValueError, match="reads the global grad norm"):
+        offload(zf.train_step(lambda p, b: apply(p, b).sum(), zf.optim.chain(reads_norm, adamw)), overlap=True)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("params", [None, "cpu"])
+def test_the_compute_copy_written_in_the_update_pass_equals_the_cast_at_the_gather(monkeypatch, tmp_path, precision,
+                                                                                 params):
+    """bf16/fp16: the update writes each RAM master's compute copy in its own pass and the next
+    forward gathers it; the same training, bit for bit, as casting the masters at the gather."""
+    runs = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(ComputeCopies, "of", lambda self, master: None)
+        step, state = make(False, precision, where="cpu", params=params, path=tmp_path)
+        state, losses, norms = run(step, state, n=4)
+        if fused:
+            masters = [m for m in zf.tree.leaves(state.params)]
+            copies = [step.compute_copies.of(m) for m in masters]
+            assert all(c is not None and c.dtype == step.compute_dtype for c in copies)
+            assert all(torch.equal(c, m.to(c.dtype)) for c, m in zip(copies, masters))
+            pieces, _ = step._pieces(state.params)  # what the next forward gathers: the copies
+            assert all(pieces[i] is c for i, c in enumerate(copies))
+        runs.append((losses, norms, {k: v.clone() for k, v in state.params.items()}))
+    (l1, n1, p1), (l2, n2, p2) = runs
+    assert l1 == l2 and n1 == n2
+    assert all(torch.equal(p1[k], p2[k]) for k in p1)
 
 
 # overlapped updates (clip=False) catch a non-finite loss only (see test below); held grads catch both

@@ -84,7 +84,7 @@ def test_adamw_matches_torch(pure, wd):
     lr = 1e-2
     model, data = mlp(), batches()
     theirs = torch_run(model, lambda p: torch.optim.AdamW(p, lr=lr, betas=(0.9, 0.95), weight_decay=wd, fused=not pure), data)
-    ours = zf_run(model, optim.adamw(lr, b1=0.9, b2=0.95, weight_decay=wd), data, pure=pure)
+    ours = zf_run(model, optim.adamw(lr, b1=0.9, b2=0.95, weight_decay=wd, backend="torch"), data, pure=pure)
     assert_params_close(ours, theirs, atol=0.0 if not pure else adam_atol(lr))
 
 
@@ -93,7 +93,7 @@ def test_adam_matches_torch(pure):
     lr = 1e-2
     model, data = mlp(), batches()
     theirs = torch_run(model, lambda p: torch.optim.Adam(p, lr=lr, weight_decay=0.05, fused=not pure), data)
-    ours = zf_run(model, optim.adam(lr, weight_decay=0.05), data, pure=pure)
+    ours = zf_run(model, optim.adam(lr, weight_decay=0.05, backend="torch"), data, pure=pure)
     assert_params_close(ours, theirs, atol=0.0 if not pure else adam_atol(lr))
 
 
@@ -199,6 +199,13 @@ def test_learning_rate_reported_from_chain():
     state = tx.init({"w": torch.zeros(3)})
     assert optim.learning_rate(tx, state) == 0.25
     assert optim.learning_rate(optim.clip_by_global_norm(1.0), optim.EmptyState()) is None
+
+
+def test_optimizers_declare_whether_they_need_the_global_norm():
+    assert not optim.adamw(1e-3).needs_global_norm and not optim.sgd(0.1).needs_global_norm
+    assert optim.clip_by_global_norm(1.0).needs_global_norm
+    assert optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-3)).needs_global_norm
+    assert not optim.chain(optim.lion(1e-3)).needs_global_norm
 
 
 def test_global_norm():
@@ -412,15 +419,30 @@ def test_auto_backend_follows_where_the_state_lives(monkeypatch):
     from zfunc.ops import cpu_adam
 
     calls = []
-    kernel = cpu_adam.adamw_
-    monkeypatch.setattr(cpu_adam, "adamw_", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    kernel = cpu_adam.adamw_many_
+    monkeypatch.setattr(cpu_adam, "adamw_many_", lambda ps, *a, **k: calls.extend(ps) or kernel(ps, *a, **k))
     tx = optim.adamw(1e-3)
-    flat = {"a": torch.randn(1000), "b": torch.randn(7)}  # flat fp32 CPU buffers -> numba
-    tx.apply(flat, tx.init(flat), flat)
-    assert len(calls) == 2
-    shaped = {"w": torch.randn(3, 4)}  # shaped tensors -> torch's multi-tensor kernel
-    tx.apply(shaped, tx.init(shaped), shaped)
-    assert len(calls) == 2
+    cpu = {"a": torch.randn(1000), "b": torch.randn(7), "w": torch.randn(3, 4)}  # fp32 CPU, any shape -> numba
+    tx.apply(cpu, tx.init(cpu), cpu)
+    assert len(calls) == 3
+    strided = {"w": torch.randn(4, 3).t()}  # not contiguous -> torch's multi-tensor kernel
+    tx.apply(strided, tx.init(strided), strided)
+    doubles = {"w": torch.randn(3, 4, dtype=torch.float64)}
+    tx.apply(doubles, tx.init(doubles), doubles)
+    assert len(calls) == 3
+
+
+# The placement's kernel (Numba, on CPU) against torch's on the same shaped leaves: 20 steps of
+# an MLP (matrices and biases), with weight decay, a decay mask and clipping.
+@pytest.mark.parametrize("make", [
+    lambda backend: optim.adamw(1e-2, weight_decay=0.1, backend=backend),
+    lambda backend: optim.adamw(1e-2, weight_decay=0.1, mask=optim.decay_mask, backend=backend),
+    lambda backend: optim.adam(1e-2, weight_decay=0.05, backend=backend),
+    lambda backend: optim.chain(optim.clip_by_global_norm(0.05), optim.adamw(1e-2, weight_decay=0.1, backend=backend)),
+], ids=["adamw", "adamw-mask", "adam-l2", "clip-adamw"])
+def test_auto_backend_on_cpu_equals_the_torch_kernel_on_shaped_leaves(make):
+    model, data = mlp(), batches()
+    assert_params_close(zf_run(model, make("auto"), data), zf_run(model, make("torch"), data), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("make", [lambda: optim.adamw(1e-2, weight_decay=0.1, backend="numba"),
@@ -474,11 +496,33 @@ def gpt_run(make_zf=None, make_torch=None, steps=STEPS):
 
 
 @pytest.mark.parametrize("ours, theirs, atol", [
-    (lambda: optim.adamw(3e-3, weight_decay=0.1), lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.1, fused=True), 0),
-    (lambda: optim.adam(3e-3), lambda p: torch.optim.Adam(p, lr=3e-3, fused=True), 0),
+    (lambda: optim.adamw(3e-3, weight_decay=0.1, backend="torch"),
+     lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.1, fused=True), 0),
+    (lambda: optim.adam(3e-3, backend="torch"), lambda p: torch.optim.Adam(p, lr=3e-3, fused=True), 0),
+    # "auto" on CPU: zfunc's Numba kernel, torch's single-tensor formulas to an ulp per step
+    (lambda: optim.adamw(3e-3, weight_decay=0.1), lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.1), 1e-6),
     # sgd's two roundings (see test_sgd_matches_torch) with updates lr*|d| up to ~0.1 here (ulp 7.5e-9):
     # 20 steps stay under 2e-7
     (lambda: optim.sgd(0.1, momentum=0.9), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), 2e-7),
 ])
 def test_optimizers_match_torch_on_the_gpt(ours, theirs, atol):
     assert_params_close(gpt_run(make_zf=ours), gpt_run(make_torch=theirs), rtol=1e-6, atol=atol)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: optim.adamw(1e-2, weight_decay=0.1),  # CPU-Adam writes out in its pass
+    lambda: optim.adamw(1e-2, weight_decay=0.1, backend="torch"),  # torch's kernel, then a copy
+    lambda: optim.chain(optim.clip_by_global_norm(0.1), optim.adam(1e-2)),
+    lambda: optim.sgd(0.1, momentum=0.9),  # no writes_out: apply, then a copy
+], ids=["adamw-numba", "adamw-torch", "chain", "sgd"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_apply_out_holds_the_new_params_cast_bit_for_bit(make, dtype):
+    tx = make()
+    params = {"w": torch.randn(4, 3), "b": torch.randn(3), "unused": torch.randn(2)}
+    grads = {"w": torch.randn(4, 3), "b": torch.randn(3), "unused": None}
+    ref_params, _ = optim.apply(tx, {k: None if g is None else g.clone() for k, g in grads.items()},
+                                tx.init(params), {k: p.clone() for k, p in params.items()})
+    out = {k: torch.full(p.shape, 7.0, dtype=dtype) for k, p in params.items()}
+    new, _ = optim.apply(tx, grads, tx.init(params), {k: p.clone() for k, p in params.items()}, out=out)
+    for k in params:
+        assert torch.equal(new[k], ref_params[k]) and torch.equal(out[k], new[k].to(dtype)), k

@@ -371,4 +371,7 @@ def test_dp2_x_pp2_averages_each_stage_statistics_over_its_dp_ranks():
     ref = torch_train(NormStack(), bn_batches(), accum=2, ranks=2)
     for params, buffers in results:
         assert buffers and all(n.startswith("blocks.") for n in buffers)
-        assert_trained_like(params, buffers, ref, rtol=1e-5, atol=1e-6, names=set(params) | set(buffers))
+        # grads summed over 2 ranks x 2 microbatches in another order than the reference: rounding
+        # that momentum carries over the steps, up to 2e-6 with the pure SGD update and 6e-6 with
+        # the CPU kernel the placement picks (one rounding, as torch's) on params ~0.1-1
+        assert_trained_like(params, buffers, ref, rtol=1e-5, atol=1e-5, names=set(params) | set(buffers))

@@ -452,3 +452,44 @@ def test_a_param_used_by_one_microbatch_only_gets_that_grad(flags):
     w0 = params["unused.weight"]
     torch.testing.assert_close(w0 - states[1].params["unused.weight"], (w0 - states[0].params["unused.weight"]) / 2)
     assert torch.equal(states[1].params["unused.bias"], params["unused.bias"])
+
+
+# ------------------------------------------------------------------------------ grad_norm on demand
+@pytest.mark.parametrize("tx, precision, computed", [
+    (lambda: optim.adamw(1e-2, weight_decay=0.1), "fp32", False),
+    (lambda: optim.adamw(1e-2, weight_decay=0.1), "bf16", False),
+    (lambda: optim.chain(optim.clip_by_global_norm(0.05), optim.adamw(1e-2)), "fp32", True),  # clipping reads it
+    (lambda: optim.adamw(1e-2, weight_decay=0.1), "fp16", True),  # the overflow check reads it
+], ids=["adamw", "adamw-bf16", "clip", "fp16"])
+def test_grad_norm_is_computed_only_where_asked_for_or_needed(monkeypatch, tx, precision, computed):
+    """``grad_norm=False``: no pass over the grads for the norm unless the update needs it; the
+    training is the same, bit for bit, and a norm that is computed has today's value."""
+    batches = data(4)
+    ref_state, ref_norms = make_step(mlp(), tx(), precision=precision)[1], []
+    ref_step = make_step(mlp(), tx(), precision=precision)[0]
+    for b in batches:
+        ref_state, m = ref_step(ref_state, b)
+        ref_norms.append(m["grad_norm"])
+    passes = []  # reads of the grads for a norm
+    norms = torch._foreach_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda g: passes.append(1) or norms(g))
+    step, state = make_step(mlp(), tx(), precision=precision, grad_norm=False)
+    for b, want in zip(batches, ref_norms):
+        state, m = step(state, b)
+        assert (m["grad_norm"] is not None) == computed
+        if computed:
+            assert torch.equal(m["grad_norm"], want)
+    assert len(passes) == (len(batches) if computed else 0)
+    for name, p in ref_state.params.items():
+        assert torch.equal(state.params[name], p), name
+
+
+def test_without_grad_norm_a_non_finite_loss_still_skips_the_step():
+    step, state = make_step(mlp(), grad_norm=False)
+    x, y = data(1)[0]
+    before = {k: v.clone() for k, v in state.params.items()}
+    state, m = step(state, (x, y * float("nan")))
+    assert m["skipped"] and m["grad_norm"] is None
+    assert all(torch.equal(state.params[k], v) for k, v in before.items())
+    with pytest.raises(ValueError, match="grad_norm: expected a bool, got 'yes'"):
+        zf.train_step(lambda p, b: p, optim.adamw(1e-3), grad_norm="yes")

@@ -6,8 +6,9 @@ between steps, the optimizer state (``optimizer=``) and the fp32 master params (
 CPU RAM (pinned when there is a GPU) or in swap files under ``path`` (``zfunc.swap``), each process
 in its own folder (``path/rank00003/`` for global rank 3, ``path`` itself alone), locked while used.
 
-**Law.** For the same optimizer (kernel included: pass ``backend="numba"`` to both for CPU-Adam)
-the offloaded step gives the same params, optimizer state, loss and grad norm as ``step``, up to
+**Law.** For the same optimizer and kernel (``backend="auto"`` runs zfunc's CPU-Adam on the
+offloaded leaves and on a plain step's state on the CPU; a plain step on a GPU runs torch's kernel,
+which agrees with it to about an ulp per step) the offloaded step gives the same params, optimizer state, loss and grad norm as ``step``, up to
 the rounding of the global norm, which is summed leaf by leaf. Never a stale or delayed update.
 Module buffers (BatchNorm statistics, ``zfunc.module``) are not offloaded: they stay in
 ``state.buffers`` where the forward computes, updated and averaged over ranks as ``zf.shard`` says.
@@ -20,8 +21,8 @@ state, ``optimizer.init({name: piece})``, so a leaf can be updated alone):
 - update: each leaf's master and state are read (``chunk_bytes`` of reads kept in flight ahead),
   updated by the optimizer's fused kernel on the CPU, and written back asynchronously: disk reads,
   CPU work and disk writes of consecutive leaves overlap (a 3-deep pipeline).
-- overlap with backward: when the optimizer does not need the global grad norm (no
-  ``clip_by_global_norm``), there is no fp16 overflow check and ``accum == 1``, a unit is updated as
+- overlap with backward: when the optimizer does not need the global grad norm (its
+  ``needs_global_norm`` declaration is False: no ``clip_by_global_norm``), there is no fp16 overflow check and ``accum == 1``, a unit is updated as
   soon as its reduced grads exist, during the rest of backward. Otherwise all grad slices (fp32,
   4 B/param/N) are held until backward ends and the norm is known.
 
@@ -49,13 +50,20 @@ larger than RAM can start; ``zf.checkpoint.load(path, step)`` places a checkpoin
 leaf at a time (``restore``); ``zf.checkpoint.save`` / ``full_params`` read an offloaded state back
 (``in_ram``).
 
-Not yet: the updated compute-dtype copy is cast in a second pass (the Numba kernel's fused
-copy-out is not used through the generic optimizer interface); on CUDA, grads and masters cross
-PCIe as fp32.
+bf16/fp16: a master kept in RAM (``params=None`` computing on the CPU, or ``params="cpu"``) gets
+its compute-dtype copy written by the update in the same pass (``optim.apply(out=)``; zfunc's
+CPU-Adam writes it while it updates), kept between steps (``ComputeCopies``, 2 B/param) and
+gathered by the next forward instead of the master: no cast pass, and half the bytes gathered
+(across PCIe with a GPU, for ``params="cpu"``). Masters on NVMe, or on the GPU, are cast at the
+gather as before.
+
+Not yet: grads cross PCIe as fp32 on CUDA, and masters kept on the GPU (``params=None``) cross
+it as fp32 both ways for the update.
 """
 from __future__ import annotations
 
 import math
+import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -94,16 +102,49 @@ def _shard_fields(spec: ShardSpec) -> tuple:
 
 
 class _Pieces:
-    """The param pieces, as ``shard``'s gatherers index them: read from the store on access."""
+    """The param pieces, as ``shard``'s gatherers index them: a leaf's compute copy where the
+    last update wrote one (``copies[i]``), else its master, read from the store on access."""
 
-    def __init__(self, masters: list, reader: ReadAhead):
-        self.masters, self.reader = masters, reader
+    def __init__(self, masters: list, reader: ReadAhead, copies: list):
+        self.masters, self.reader, self.copies = masters, reader, copies
 
     def __len__(self) -> int:
         return len(self.masters)
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        return self.reader.get(i)
+        copy = self.copies[i]
+        return self.reader.get(i) if copy is None else copy
+
+
+class ComputeCopies:
+    """Each RAM master's compute-dtype copy (bf16/fp16), written by the update in the kernel's own
+    pass, so that the next forward gathers it instead of casting the master (a second pass over
+    it, 6 B/param). A copy is used only for the very master tensor it was written from, unchanged
+    since (same object, same version counter); it is dropped when that tensor dies. Keyed by
+    tensor, not held by a step's run: one step object may drive several states. Cost: 2 B/param
+    of host RAM (pinned with a GPU) for every offloaded master in RAM trained in bf16/fp16."""
+
+    def __init__(self):
+        self._by_id: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+
+    def of(self, master: Any) -> torch.Tensor | None:
+        """The copy written from ``master`` as it is now, or None."""
+        entry = self._by_id.get(id(master))
+        if entry is None or entry[0]() is not master or entry[1] != master._version:
+            return None
+        return entry[2]
+
+    def buffer(self, master: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        """Where ``master``'s next copy goes: its old copy's storage, or a new tensor."""
+        entry = self._by_id.get(id(master))
+        if entry is not None and entry[0]() is master and entry[2].dtype == dtype:
+            return entry[2]
+        return torch.empty(master.shape, dtype=dtype, pin_memory=pin)
+
+    def written(self, master: torch.Tensor, copy: torch.Tensor) -> None:
+        """``copy`` now equals ``master`` cast (the version counter read after the write)."""
+        key, by_id = id(master), self._by_id
+        by_id[key] = (weakref.ref(master, lambda _: by_id.pop(key, None)), master._version, copy)
 
 
 class OffloadedStep(ShardedStep):
@@ -117,6 +158,7 @@ class OffloadedStep(ShardedStep):
         self.overlap = _overlap_allowed(base, overlap)
         self.engine = None
         self._fetch_order: list[int] = []  # params' read order in the last step (forward/backward)
+        self.compute_copies = ComputeCopies()
         self._update_order: list[int] = []  # leaves' update order in the last step
 
     # ------------------------------------------------------------------ init
@@ -247,7 +289,10 @@ class OffloadedStep(ShardedStep):
 
     def _pieces(self, params) -> tuple[Any, Any]:
         masters, treespec = tree.flatten(params)
-        return (masters if self.where_params is None else _Pieces(masters, self._reader)), treespec
+        copies = [self.compute_copies.of(m) for m in masters]
+        if self.where_params is None:
+            return [m if c is None else c for m, c in zip(masters, copies)], treespec
+        return _Pieces(masters, self._reader, copies), treespec
 
     def _grad_sink(self, pieces):
         self._skip_updates = False
@@ -324,13 +369,21 @@ class OffloadedStep(ShardedStep):
         state = tree.unflatten(s_spec, [next(it).to("cpu") if _is_stored(t) else t for t in state_leaves])
         p_cpu = master.to("cpu")
         grad = None if grad is None else grad.to("cpu", torch.float32)
-        new_p, new_state = optim.apply(self.optimizer, {name: grad}, state, {name: p_cpu})
+        # A master kept in RAM gets its compute copy in the update's own pass (ComputeCopies)
+        in_ram = isinstance(self._masters[i], torch.Tensor) and self._masters[i].device.type == "cpu"
+        out = None
+        if in_ram and self.compute_dtype is not torch.float32:
+            out = self.compute_copies.buffer(self._masters[i], self.compute_dtype, self._param_store.pin)
+        new_p, new_state = optim.apply(self.optimizer, {name: grad}, state, {name: p_cpu},
+                                       out=None if out is None else {name: out})
         new_p = new_p[name]
         if on_device.type != "cpu":
             master.copy_(new_p)
             new_p = master
         handle, write = self._param_store.store_back(self._masters[i], new_p)
         self._track(write, self._leaf_bytes(i))
+        if out is not None:
+            self.compute_copies.written(handle, out)
         new_leaves = []
         for old, new in zip(state_leaves, tree.leaves(new_state)):
             if _is_stored(old):
@@ -420,25 +473,11 @@ def _overlap_allowed(step: Step, overlap: bool | None) -> bool:
         reasons.append(f"accum={step.accum} sums grads over microbatches first")
     if step.precision == "fp16":
         reasons.append("fp16 checks every grad for overflow first")
-    if _reads_global_norm(step.optimizer):
+    if step.optimizer.needs_global_norm:
         reasons.append("the optimizer reads the global grad norm (clip_by_global_norm)")
     if overlap and reasons:
         raise ValueError(f"overlap: updates cannot start during backward: {'; '.join(reasons)}")
     return not reasons if overlap is None else overlap
-
-
-def _reads_global_norm(tx: optim.GradientTransformation) -> bool:
-    """Probe ``tx`` on a one-element param: does its update ask for the global grad norm?"""
-    called = []
-
-    def record(sq: torch.Tensor) -> torch.Tensor:
-        called.append(True)
-        return sq
-
-    p = {"probe": torch.ones(1)}
-    with optim.summing_across(record):
-        tx.update({"probe": torch.ones(1)}, tx.init(p), p)
-    return bool(called)
 
 
 def in_ram(state: TrainState) -> TrainState:

@@ -7,9 +7,10 @@ never modify their arguments, and ``params + updates`` is the new parameters (``
 A third, optional member, ``apply(grads, state, params) -> (new_params, new_state)``, does the whole
 update and is allowed to *consume* its arguments: it may write into their tensors, which is how the
 training step avoids holding two copies of the state (JAX's buffer donation). ``adamw``/``adam``
-implement it with one fused kernel per (device, dtype) group -- ``torch._fused_adamw_`` (the kernel
-behind ``torch.optim.AdamW(fused=True)``) or, with ``backend="numba"``, zfunc's CPU-Adam -- and
-every other transformation gets it from ``update`` (see ``apply``). The step only ever calls
+implement it with one fused kernel per (device, dtype) group -- zfunc's CPU-Adam where the state
+is contiguous fp32 in CPU RAM (``backend="auto"``: the placement picks), else ``torch._fused_adamw_``
+(the kernel behind ``torch.optim.AdamW(fused=True)``) -- and every other transformation gets it
+from ``update`` (see ``apply``). The step only ever calls
 ``apply`` on state it owns. Likewise ``update_`` (optional) is an ``update`` allowed to write into
 the grads it is given; ``chain``'s ``apply`` uses it, so ``clip_by_global_norm`` scales the grads
 in place there instead of allocating a second copy of them.
@@ -54,6 +55,14 @@ class GradientTransformation(NamedTuple):
     ``learning_rate(state) -> float`` is the rate the next update will use, for optimizers that
     have one (reported in the step's metrics). ``update_`` is an optional ``update`` that may
     write into ``grads``' tensors (``None``: ``update`` is used where it is allowed).
+
+    Declarations, which the transformations that run the optimizer read instead of probing it:
+    ``needs_global_norm``: the update reads the norm of *all* grads together (``global_norm``,
+    e.g. ``clip_by_global_norm``), so no leaf can be updated before every grad exists (offload's
+    overlap is off) and the step computes the norm. ``writes_out``: ``apply`` takes a keyword
+    ``out`` (a pytree of tensors shaped like the params, e.g. their bf16 compute copy) and writes
+    the new params, cast to each ``out`` leaf's dtype, into it in the same pass as the update
+    (see ``apply``).
     """
 
     init: Callable[[PyTree], PyTree]
@@ -61,6 +70,8 @@ class GradientTransformation(NamedTuple):
     apply: Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree]] | None = None
     learning_rate: Callable[[PyTree], float] | None = None
     update_: Callable[[PyTree, PyTree, PyTree | None], tuple[PyTree, PyTree]] | None = None
+    needs_global_norm: bool = False
+    writes_out: bool = False
 
 
 class EmptyState(NamedTuple):
@@ -76,15 +87,33 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     return tree.map(lambda p, u: p if u is None else p + u.to(p.dtype), params, updates)
 
 
-def apply(tx: GradientTransformation, grads: PyTree, state: PyTree, params: PyTree) -> tuple[PyTree, PyTree]:
+def apply(tx: GradientTransformation, grads: PyTree, state: PyTree, params: PyTree,
+          out: PyTree | None = None) -> tuple[PyTree, PyTree]:
     """Run ``tx``'s whole update, consuming ``grads``, ``state`` and ``params``.
 
     Uses ``tx.apply`` when it has one; otherwise ``tx.update`` and an in-place add into ``params``.
     Callers must own all three arguments: their tensors may be overwritten.
+    ``out``: a pytree shaped like ``params`` (``None`` leaves allowed) whose tensors receive the
+    new params cast to their dtype (``out = new_params.to(out.dtype)``, bit for bit): in the
+    update's own pass where ``tx.writes_out`` and its kernel can (zfunc's CPU-Adam writes a bf16 or
+    fp16 copy while it updates, 2 B/param more written instead of a 6 B/param cast pass), else by
+    a copy after it. Leaves whose param had no grad are written too (the param unchanged).
     """
-    if tx.apply is not None:
-        return tx.apply(grads, state, params)
-    return _update_in_place(tx.update, grads, state, params)
+    if out is None:
+        return tx.apply(grads, state, params) if tx.apply is not None else _update_in_place(tx.update, grads, state, params)
+    if tx.writes_out:
+        return tx.apply(grads, state, params, out=out)
+    params, state = apply(tx, grads, state, params)
+    _copy_out(params, out)
+    return params, state
+
+
+def _copy_out(params: PyTree, out: PyTree, only: set[int] | None = None) -> None:
+    """``out``'s tensors (at ``params``' leaf positions ``only``, all if None) set to ``params``."""
+    with torch.no_grad():
+        for k, (p, o) in enumerate(zip(tree.leaves(params), tree.structure(params).flatten_up_to(out))):
+            if o is not None and (only is None or k in only):
+                o.copy_(p)
 
 
 def _update_in_place(update, grads: PyTree, state: PyTree, params: PyTree) -> tuple[PyTree, PyTree]:
@@ -307,16 +336,17 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
     def update_(grads, state, params=None):
         return run(grads, state, params, consuming=True)
 
-    def apply_(grads, state, params):  # owns grads: each transformation may write into them
+    def apply_(grads, state, params, out=None):  # owns grads: each transformation may write into them
         grads, new_state = update_(grads, state[:-1], params)  # zip stops at the last tx
-        params, last = apply(txs[-1], grads, state[-1], params)
+        params, last = apply(txs[-1], grads, state[-1], params, out)
         return params, (*new_state, last)
 
     def learning_rate_(state):
         rates = [learning_rate(tx, s) for tx, s in zip(txs, state)]
         return next((r for r in reversed(rates) if r is not None), None)
 
-    return GradientTransformation(init, update, apply_ if txs else None, learning_rate_, update_)
+    return GradientTransformation(init, update, apply_ if txs else None, learning_rate_, update_,
+                                  needs_global_norm=any(tx.needs_global_norm for tx in txs), writes_out=bool(txs))
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
@@ -339,7 +369,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
             torch._foreach_mul_(tensors, coefficient(grads))
         return grads, state
 
-    return GradientTransformation(lambda params: EmptyState(), update, update_=update_)
+    return GradientTransformation(lambda params: EmptyState(), update, update_=update_, needs_global_norm=True)
 
 
 # ----------------------------------------------------------------------------- adam family
@@ -391,55 +421,80 @@ def _adam_update(grads, state, params, *, lr, b1, b2, eps, weight_decay, decoupl
     return unflat(updates), AdamState(count, unflat(mus), unflat(nus))
 
 
-def _adam_apply_fused(grads, state, params, *, lr, b1, b2, eps, weight_decay, decoupled, mask, backend):
-    """In-place Adam/AdamW with one fused kernel call per (device, dtype, decays?) group."""
-    backend = _resolve_backend(backend, params)
+def _adam_apply_fused(grads, state, params, *, lr, b1, b2, eps, weight_decay, decoupled, mask, backend, out=None):
+    """In-place Adam/AdamW: one fused kernel call per (device, dtype, decays?) group (torch's
+    multi-tensor kernel, or zfunc's CPU-Adam over the group's leaves: ``adamw_many_``); ``out``
+    as in ``apply``."""
     p_leaves, treespec = tree.flatten(params)
-    g_leaves, _ = _grad_leaves(grads, params)
+    backend = _resolve_backend(backend, p_leaves)
+    g_leaves = treespec.flatten_up_to(grads)
     m_leaves, v_leaves = tree.leaves(state.mu), tree.leaves(state.nu)
-    decay = _mask_leaves(mask, params, len(p_leaves))
+    o_leaves = None if out is None else treespec.flatten_up_to(out)
+    decay = [True] * len(p_leaves) if mask is None else _mask_leaves(mask, params, len(p_leaves))
     count = state.count + 1
     step_lr = float(lr(state.count))
     groups: dict[tuple, list[int]] = {}
     for i, (p, g, d) in enumerate(zip(p_leaves, g_leaves, decay)):
         if g is not None:  # a param without grad is left alone
-            groups.setdefault((p.device, p.dtype, d), []).append(i)
-    for (device, _, d), idx in groups.items():
+            groups.setdefault((d,) if backend == "numba" else (p.device, p.dtype, d), []).append(i)
+        elif o_leaves is not None and o_leaves[i] is not None:
+            o_leaves[i].copy_(p)
+    for key, idx in groups.items():
+        wd = weight_decay if key[-1] else 0.0
         ps, ms, vs = ([xs[i] for i in idx] for xs in (p_leaves, m_leaves, v_leaves))
-        gs = [g_leaves[i].to(ps[0].dtype) for i in idx]
-        wd = weight_decay if d else 0.0
+        os_ = [None] * len(idx) if o_leaves is None else [o_leaves[i] for i in idx]
         if backend == "numba":
-            _numba_adam(ps, gs, ms, vs, count, step_lr, b1, b2, eps, wd, decoupled)
+            _numba_adam(ps, [g_leaves[i] for i in idx], ms, vs, os_, count, step_lr, b1, b2, eps, wd, decoupled)
             continue
-        steps = [torch.tensor(float(count), device=device)] * len(ps)
+        gs = [g_leaves[i].to(ps[0].dtype) for i in idx]
+        steps = [torch.tensor(float(count), device=key[0])] * len(ps)
         kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
         kernel(ps, gs, ms, vs, [], steps, lr=step_lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
                amsgrad=False, maximize=False)
+        _copy_pairs(ps, os_)
+    if backend == "numba":
+        return params, AdamState(count, state.mu, state.nu)  # updated in place: the same trees
     mu, nu = tree.unflatten(treespec, m_leaves), tree.unflatten(treespec, v_leaves)
     return tree.unflatten(treespec, p_leaves), AdamState(count, mu, nu)
 
 
-def _numba_adam(ps, gs, ms, vs, count, lr, b1, b2, eps, wd, decoupled):
+_LOW = (torch.bfloat16, torch.float16)  # the dtypes the kernel writes as param_out
+_GRAD_DTYPES = (torch.float32, *_LOW)  # the grad dtypes it reads
+
+
+def _numba_adam(ps, gs, ms, vs, outs, count, lr, b1, b2, eps, wd, decoupled):
+    """The leaves through zfunc's CPU-Adam (``adamw_many_``: big leaves threaded, small ones in one
+    call); an ``out`` leaf is written in the same pass where the kernel can write it (a contiguous
+    bf16/fp16 CPU tensor), else copied after."""
     from zfunc.ops import cpu_adam
 
-    for p, g, m, v in zip(ps, gs, ms, vs):
-        cpu_adam.adamw_(p.view(-1), g.contiguous().view(-1), m.view(-1), v.view(-1), step=count, lr=lr, beta1=b1,
-                        beta2=b2, eps=eps, weight_decay=wd, decoupled=decoupled)
+    gs = [g if g.dtype in _GRAD_DTYPES and g.is_contiguous() else g.float().contiguous() for g in gs]
+    fused = [o if o is not None and o.dtype in _LOW and o.is_cpu and o.is_contiguous() else None for o in outs]
+    cpu_adam.adamw_many_(ps, gs, ms, vs, step=count, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd,
+                         decoupled=decoupled, param_outs=fused)
+    _copy_pairs(ps, [o if f is None else None for o, f in zip(outs, fused)])
 
 
-# "auto": the kernel follows where the state lives. Flat fp32 buffers in CPU RAM (what offload and
-# sharded flat layouts hold) go to zfunc's Numba CPU-Adam; everything else to torch's fused kernel,
-# which handles many shaped tensors in one multi-tensor call.
+def _copy_pairs(ps: list[torch.Tensor], outs: list[torch.Tensor | None]) -> None:
+    for p, o in zip(ps, outs):
+        if o is not None:
+            o.copy_(p)
+
+
+# "auto": the kernel follows where the state lives. Contiguous fp32 tensors in CPU RAM (a plain or
+# sharded step on the CPU, offload's leaves) go to zfunc's Numba CPU-Adam, each leaf viewed 1-D;
+# everything else (CUDA, other dtypes, strided views) to torch's fused multi-tensor kernel.
 _BACKENDS = ("auto", "torch", "numba")
 
 
 def _resolve_backend(backend: str, params: PyTree) -> str:
+    """``backend``, with "auto" resolved for ``params`` (a pytree or a list of its leaves)."""
     if backend != "auto":
         return backend
-    leaves = tree.tensors(params)
-    flat_cpu = bool(leaves) and all(p.device.type == "cpu" and p.dtype == torch.float32 and p.dim() == 1
-                                    and p.is_contiguous() for p in leaves)
-    return "numba" if flat_cpu else "torch"
+    leaves = params if isinstance(params, list) else tree.tensors(params)
+    on_cpu = bool(leaves) and all(not isinstance(p, torch.Tensor) or (p.dtype is torch.float32 and p.is_cpu
+                                                                     and p.is_contiguous()) for p in leaves)
+    return "numba" if on_cpu else "torch"
 
 
 def _check_backend(backend: str) -> None:
@@ -475,10 +530,10 @@ def _adam_family(learning_rate, b1, b2, eps, weight_decay, mask, backend, decoup
     def update(grads, state, params=None):
         return _adam_update(grads, state, params, **hyper)
 
-    def apply_(grads, state, params):
-        return _adam_apply_fused(grads, state, params, backend=backend, **hyper)
+    def apply_(grads, state, params, out=None):
+        return _adam_apply_fused(grads, state, params, backend=backend, out=out, **hyper)
 
-    return GradientTransformation(init, update, apply_, lambda state: hyper["lr"](state.count))
+    return GradientTransformation(init, update, apply_, lambda state: hyper["lr"](state.count), writes_out=True)
 
 
 def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
@@ -491,8 +546,10 @@ def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, e
       mask: which params decay: a pytree of bools shaped like params, or a function of params
         returning one (e.g. ``decay_mask``); ``None`` decays all, as torch does.
       backend: the fused in-place kernel: ``"torch"`` (``torch._fused_adamw_``, CPU or CUDA),
-        ``"numba"`` (zfunc's CPU-Adam; contiguous fp32 CPU params only) or ``"auto"``: numba for
-        flat (1-D) fp32 CPU buffers, torch otherwise.
+        ``"numba"`` (zfunc's CPU-Adam; contiguous fp32 CPU params only) or ``"auto"``: the
+        placement picks: numba where every param is a contiguous fp32 CPU tensor (any shape:
+        each leaf is viewed 1-D; a plain or sharded step on the CPU, offload), torch otherwise.
+        The two agree to rtol = atol = 1e-6 over 20 steps (``zfunc.ops.cpu_adam``'s law).
     State: ``AdamState(count, mu, nu)``, moments in the params' dtype (8 bytes per fp32 param).
     """
     return _adam_family(learning_rate, b1, b2, eps, weight_decay, mask, backend, decoupled=True)

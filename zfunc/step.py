@@ -22,12 +22,16 @@ in torch's ``GradScaler`` and DeepSpeed, so the next step draws new random numbe
 halved, and ``metrics["skipped"] = True``. The decision comes before any write, so with donation
 too the returned state holds the old values. ``max_skips`` such steps in a row are tolerated; the
 next one raises ``NonFiniteError`` naming the step and the cause, the state passed in still intact.
-Cost: the loss (computed anyway) and the grad norm (computed anyway, for the metrics and for
-clipping) are checked, one host sync of two scalars per step; no second read of the grads.
+Cost: the loss (computed anyway) and the grad norm (computed for the metrics and for clipping)
+are checked, one host sync of two scalars per step; no second read of the grads. With
+``train_step(grad_norm=False)`` and nothing else needing the norm (no clipping, not fp16), the step
+reads the grads only in the optimizer's pass, and only the loss is checked: non-finite grads behind
+a finite loss are not caught (they reach the params, as in torch without a ``GradScaler``).
 """
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
@@ -222,15 +226,16 @@ class Step:
 
     Built by ``train_step``; transformations (shard, offload, ...) read its attributes and build a
     new ``Step``. ``metrics`` holds 0-d tensors ``loss`` and ``grad_norm`` (of the unscaled, unclipped
-    fp32 grads), floats ``lr`` (None if the optimizer has no schedule) and ``loss_scale`` (fp16),
+    fp32 grads; None where the step did not compute it, see ``train_step(grad_norm=)``), floats ``lr`` (None if the optimizer has no schedule) and ``loss_scale`` (fp16),
     ``skipped`` (bool: the loss or the grads were inf/nan, so the update was not applied: params
     and optimizer state are returned unchanged; see the module docstring) and ``step`` (int,
     steps taken, skipped ones included).
     """
 
-    def __init__(self, loss_fn, optimizer, precision, accum, donate, has_aux, seed, max_skips=None):
+    def __init__(self, loss_fn, optimizer, precision, accum, donate, has_aux, seed, max_skips=None, grad_norm=True):
         self.loss_fn, self.optimizer, self.precision = loss_fn, optimizer, precision
         self.accum, self.donate, self.has_aux, self.seed = accum, donate, has_aux, seed
+        self.grad_norm = grad_norm
         self.compute_dtype = mp.compute_dtype(precision)
         self.max_skips = mp.default_max_skips(precision) if max_skips is None else max_skips
 
@@ -259,7 +264,8 @@ class Step:
         """Apply the optimizer to ``state`` with fp32, unscaled ``grads`` unless the step is not
         finite; the new state and metrics."""
         params, opt_state, step, rng, loss_scale = state.params, state.opt_state, state.step, state.rng, state.loss_scale
-        norm = optim.global_norm(grads)  # sharded: the all-reduce that also sums the loss
+        # sharded: the all-reduce that also sums the loss
+        norm = optim.global_norm(grads) if self._needs_norm() else None
         finite = self._finite(loss, norm, step, loss_scale)  # may raise: nothing written yet
         grads = self._without_missing_grads(grads)
         lr = optim.learning_rate(self.optimizer, opt_state)
@@ -267,18 +273,29 @@ class Step:
             state._consumed = True
         else:
             params, opt_state = tree.clone(params), tree.clone(opt_state)
-        if finite:
+        if finite and norm is None:
+            params, opt_state = optim.apply(self.optimizer, grads, opt_state, params)
+        elif finite:
             with optim.known_norm(grads, norm):  # clipping reuses it: sharded, each norm is an all-reduce
                 params, opt_state = optim.apply(self.optimizer, grads, opt_state, params)
         loss_scale = mp.next_loss_scale(loss_scale, finite)
         metrics = self._metrics(loss, norm, lr, finite, step, loss_scale, aux)
         return TrainState(params, opt_state, step + 1, rng, loss_scale, state.sharding), metrics
 
-    def _finite(self, loss: torch.Tensor, norm: torch.Tensor, step: int, loss_scale) -> bool:
-        """Whether the loss and the grad norm (inf/nan iff a grad is) are finite: one host sync.
-        Sharded or pipelined, both are already sums over the ranks, so every rank decides alike.
-        A non-finite step after ``max_skips`` skipped in a row raises ``NonFiniteError``."""
-        if bool(torch.isfinite(norm) & torch.isfinite(loss.to(norm.device))):
+    def _needs_norm(self) -> bool:
+        """Whether this step computes the global grad norm: asked for (``train_step(grad_norm=)``),
+        read by the optimizer (``needs_global_norm``: clipping) or fp16's overflow check."""
+        return self.grad_norm or self.optimizer.needs_global_norm or self.precision == "fp16"
+
+    def _finite(self, loss: torch.Tensor, norm: torch.Tensor | None, step: int, loss_scale) -> bool:
+        """Whether the loss and the grad norm (inf/nan iff a grad is; None: not computed, the loss
+        alone) are finite: one host sync. Sharded or pipelined, both are already sums over the
+        ranks, so every rank decides alike. A non-finite step after ``max_skips`` skipped in a row
+        raises ``NonFiniteError``."""
+        if loss.is_cpu and (norm is None or norm.is_cpu):  # two reads of CPU scalars: no kernel launches
+            if math.isfinite(loss.item()) and (norm is None or math.isfinite(norm.item())):
+                return True
+        elif bool(torch.isfinite(loss) if norm is None else torch.isfinite(norm) & torch.isfinite(loss.to(norm.device))):
             return True
         skips = loss_scale.skips if loss_scale is not None else 0
         if skips >= self.max_skips:
@@ -304,7 +321,8 @@ class Step:
 
     def _loss_and_grads(self, params, batch, step, rng, loss_scale):
         """Mean loss over microbatches and the fp32, unscaled, averaged grads (a pytree)."""
-        compute = mp.cast_floating(params, self.compute_dtype)
+        # fp32: the masters themselves (fp32 by construction), not a copy made by a tree map
+        compute = params if self.compute_dtype is torch.float32 else mp.cast_floating(params, self.compute_dtype)
         scale = mp.scale_of(loss_scale)
         losses, auxes, acc = [], [], None
         with seeded(_step_seed(rng, step), _cuda_devices(params)):
@@ -386,6 +404,7 @@ def train_step(
     has_aux: bool = False,
     seed: int = 0,
     max_skips: int | None = None,
+    grad_norm: bool = True,
 ) -> Step:
     """Build the step that trains ``loss_fn`` with ``optimizer``.
 
@@ -406,6 +425,13 @@ def train_step(
         ``NonFiniteError`` naming the step and the cause, leaving the state passed in intact. 0
         raises at the first. Default ``precision.default_max_skips``: 10, and 26 for fp16, whose
         scale may overflow from 2**16 down to 1 (16 skips) before it fits.
+      grad_norm: compute the global norm of the grads every step (one more read of every grad,
+        before the update): ``metrics["grad_norm"]``, and a step with non-finite grads is skipped.
+        False: computed only where the update needs it anyway (the optimizer's
+        ``needs_global_norm``, e.g. clipping; fp16's overflow check), else ``metrics["grad_norm"]``
+        is None and only a non-finite loss skips a step. The plain step honours False; the
+        steps ``shard``, ``offload`` and ``pipeline`` build compute the norm every step (sharded,
+        its all-reduce is the step's one sync, which also sums the loss).
     Memory: params 4 B/param (fp32 masters) + the optimizer's state + grads 4 B/param (+ the compute
     copy: 2 B/param for bf16/fp16).
     """
@@ -416,4 +442,6 @@ def train_step(
         raise ValueError(f"accum: expected an int >= 1, got {accum!r}")
     if max_skips is not None and (not isinstance(max_skips, int) or isinstance(max_skips, bool) or max_skips < 0):
         raise ValueError(f"max_skips: expected None or an int >= 0, got {max_skips!r}")
-    return Step(loss_fn, optimizer, precision, accum, donate, has_aux, seed, max_skips)
+    if not isinstance(grad_norm, bool):
+        raise ValueError(f"grad_norm: expected a bool, got {grad_norm!r}")
+    return Step(loss_fn, optimizer, precision, accum, donate, has_aux, seed, max_skips, grad_norm)
