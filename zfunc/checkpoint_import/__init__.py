@@ -34,7 +34,7 @@ from zfunc.checkpoint_files import MANIFEST, CheckpointError
 from zfunc.checkpoint_import import common
 from zfunc.step import Step, TrainState
 
-__all__ = ["load_deepspeed", "load_dcp", "detect", "FORMATS"]
+__all__ = ["load_deepspeed", "load_dcp", "detect", "foreign_format", "load_foreign", "FORMATS"]
 
 FORMATS = ("zfunc", "deepspeed", "dcp")
 
@@ -99,6 +99,15 @@ def load_dcp(path: str | os.PathLike, step_or_template: Step | TrainState, *, mo
 
     source = DCPSource(common.directory(path), model_key, optimizer_key)
     return common.fill(source, step_or_template, params=params, device=device, optimizer=optimizer)
+
+
+def foreign_format(path: str | os.PathLike) -> str | None:
+    """``"deepspeed"`` or ``"dcp"`` for such a checkpoint directory, else None (zfunc's, or unknown)."""
+    try:
+        fmt = detect(path)
+    except CheckpointError:
+        return None
+    return None if fmt == "zfunc" else fmt
 
 
 def load_foreign(path: str | os.PathLike, step_or_template: Step | TrainState, **kwargs: Any) -> TrainState:

@@ -18,7 +18,8 @@ pipelined), checks the model against the source (missing, unexpected and mis-sha
   scaler do not map onto zfunc's).
 
 Any other optimizer leaf (SGD momentum, Lion) is refused, naming it; with ``optimizer=False`` the
-optimizer state starts fresh (count 0, zero moments) and only params, buffers and ``step`` load.
+optimizer state starts fresh (counts 0, moments and momenta zero: what ``init`` gives Adam, SGD and
+Lion) and only params, buffers and ``step`` load.
 
 Cost: each rank reads the bytes of its own rows (plus the page or chunk around them), one leaf at
 a time; no rank ever holds another rank's rows or the whole model, unless its layout holds it.
@@ -119,8 +120,8 @@ def _reader(source: Source, names: dict[str, str], slot: cl.Slot, role: str, fie
             return source.optimizer_step if optimizer else 0
         if role == "buffer":
             return source.read_buffer(names[slot.path]).reshape(like.shape)
-        if role == "moment" and not optimizer:
-            return torch.zeros(like.shape, dtype=like.dtype)
+        if role in ("moment", "other") and not optimizer:  # fresh: zero moments, zero counts
+            return torch.zeros(like.shape, dtype=like.dtype) if isinstance(like, torch.Tensor) else 0
         kind = "param" if role == "param" else ADAM_FIELDS[field]
         value = source.read(names[slot.split_like], kind, *slot.rows)
         return value.reshape(like.shape).to(like.dtype)
