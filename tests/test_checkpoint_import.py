@@ -20,9 +20,9 @@ from zfunc.checkpoint_import import detect, load_dcp, load_deepspeed
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed"
 MORE = 3
-# (ZeRO stage or None, offload) for each layout the imports are loaded into
+# (ZeRO stage, None: plain, or "pp": a 2-stage pipeline; offload) for each layout loaded into
 LAYOUTS = [(None, False), (3, False), (None, True)]
-LAYOUTS_2 = [(1, False), (2, False), (3, False), (3, True), (0, False)]
+LAYOUTS_2 = [(1, False), (2, False), (3, False), (3, True), (0, False), ("pp", False)]
 
 
 def fixture(stage: int) -> dict:
@@ -33,7 +33,10 @@ def fixture(stage: int) -> dict:
 
 
 def make(stage=None, offload=False, world=1):
-    apply, params = zf.functionalize(model())
+    from test_shard import Block
+
+    net = model()
+    apply, params = zf.functionalize(net)
 
     def loss_fn(p, batch):
         x, y = batch
@@ -42,7 +45,9 @@ def make(stage=None, offload=False, world=1):
     b1, b2 = ADAMW["betas"]
     opt = zf.optim.adamw(ADAMW["lr"], b1=b1, b2=b2, eps=ADAMW["eps"], weight_decay=ADAMW["weight_decay"])
     step = zf.train_step(loss_fn, opt)
-    if stage is not None:
+    if stage == "pp":  # every rank of a pipeline gets the whole batch
+        step = zf.pipeline(step, stages=world, microbatches=2, model=net, units=zf.units.by_class(Block))
+    elif stage is not None:
         step = zf.shard(step, zf.Mesh(dp=world), stage)
     if offload:
         step = zf.offload(step, optimizer="cpu")
@@ -67,7 +72,8 @@ def load_and_train(rank, world, layouts, fmt, path):
         load = load_deepspeed if fmt == "deepspeed" else load_dcp
         state = load(path, step, params=params)
         full = zf.checkpoint.full_params(state)
-        out.append((full, state.step, continue_training(step, state, rank, world)))
+        data_world = 1 if stage == "pp" else world
+        out.append((full, state.step, continue_training(step, state, rank % data_world, data_world)))
     return out
 
 
@@ -82,7 +88,7 @@ def check(results, params, losses, what):
 # ----------------------------------------------------------------------------- DeepSpeed
 
 
-@pytest.mark.parametrize("ds_stage", [2, 3])
+@pytest.mark.parametrize("ds_stage", [1, 2, 3])
 def test_deepspeed_loads_into_one_process_layouts(ds_stage):
     ref = fixture(ds_stage)
     check(load_and_train(0, 1, LAYOUTS, "deepspeed", FIXTURES / f"zero{ds_stage}"), ref["params"], ref["losses"],
@@ -135,6 +141,16 @@ def test_deepspeed_tag_dir_and_detect(tmp_path):
     assert all(torch.equal(state.params[n], fixture(3)["params"][n]) for n in params)
     with pytest.raises(CheckpointError, match="not a checkpoint zfunc knows"):
         detect(tmp_path)
+
+
+def test_deepspeed_run_continues_with_its_own_config():
+    """The optimizer rebuilt from the ds_config the checkpoint holds (zf.config) continues the run."""
+    apply, params = zf.functionalize(model())
+    plan = zf.config.from_deepspeed(zf.checkpoint.deepspeed_config(FIXTURES / "zero1"), world_size=2)
+    step = zf.train_step(lambda p, b: F.cross_entropy(apply(p, b[0]).flatten(0, 1), b[1].flatten()),
+                         zf.config.optimizer(plan), plan.precision)
+    state = zf.checkpoint.load(FIXTURES / "zero1", step, params=params)
+    assert continue_training(step, state) == pytest.approx(fixture(1)["losses"], rel=1e-5, abs=1e-5)
 
 
 # ----------------------------------------------------------------------------- DeepSpeed: bad input

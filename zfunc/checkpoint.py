@@ -86,7 +86,7 @@ from zfunc.swap import fsync_dir
 
 
 __all__ = ["CheckpointError", "save", "load", "latest", "read_manifest", "full_params", "export", "load_deepspeed",
-           "load_dcp"]
+           "load_dcp", "deepspeed_config"]
 
 
 # ----------------------------------------------------------------------------- save
@@ -424,4 +424,4 @@ def export(directory: str | os.PathLike, out: str | os.PathLike) -> Path:
     return out
 
 
-from zfunc.checkpoint_import import load_dcp, load_deepspeed  # noqa: E402  (they build on load's helpers above)
+from zfunc.checkpoint_import import deepspeed_config, load_dcp, load_deepspeed  # noqa: E402  (built on load's helpers)

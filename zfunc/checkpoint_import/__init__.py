@@ -34,7 +34,7 @@ from zfunc.checkpoint_files import MANIFEST, CheckpointError
 from zfunc.checkpoint_import import common
 from zfunc.step import Step, TrainState
 
-__all__ = ["load_deepspeed", "load_dcp", "detect", "foreign_format", "load_foreign", "FORMATS"]
+__all__ = ["load_deepspeed", "load_dcp", "deepspeed_config", "detect", "foreign_format", "load_foreign", "FORMATS"]
 
 FORMATS = ("zfunc", "deepspeed", "dcp")
 
@@ -81,6 +81,23 @@ def load_deepspeed(path: str | os.PathLike, step_or_template: Step | TrainState,
 
     return common.fill(DeepSpeedSource(common.directory(path), tag), step_or_template, params=params, device=device,
                        optimizer=optimizer)
+
+
+def deepspeed_config(path: str | os.PathLike, *, tag: str | None = None) -> dict:
+    """The DeepSpeed config the run saved in its checkpoint (``ds_config``; ``path`` and ``tag`` as
+    ``load_deepspeed``), e.g. to rebuild its optimizer and LR schedule, which then continue from
+    the loaded step count::
+
+        plan = zf.config.from_deepspeed(zf.checkpoint.deepspeed_config(path), world_size=world)
+        step = zf.parallelize(zf.train_step(loss_fn, zf.config.optimizer(plan)), model, plan)
+
+    Raises ``CheckpointError`` when the checkpoint holds none (it was saved without a config dict)."""
+    from zfunc.checkpoint_import.deepspeed_zero import DeepSpeedSource
+
+    source = DeepSpeedSource(common.directory(path), tag)
+    if source.config is None:
+        raise CheckpointError(f"{source.where}: the model states file holds no ds_config dict")
+    return source.config
 
 
 def load_dcp(path: str | os.PathLike, step_or_template: Step | TrainState, *, model_key: str | None = "model",

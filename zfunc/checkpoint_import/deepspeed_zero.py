@@ -187,6 +187,7 @@ class DeepSpeedSource:
         self.buffers = {n: (tuple(t.shape), t.dtype if not t.is_floating_point() else torch.float32)
                         for n, t in self._buffers.items()}
         self.step = int(sd.get("global_steps", 0))
+        self.config = sd.get("ds_config") if isinstance(sd.get("ds_config"), dict) else None
 
     # -- where each param lives
 
