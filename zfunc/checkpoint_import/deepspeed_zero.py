@@ -24,11 +24,13 @@ in the wrapped torch optimizer's state (one flat "param" per group); ``step`` is
 Reading rows ``[a, b)`` of a param therefore touches only the ranks' files holding those
 elements: each file is opened with ``torch.load(mmap=True)``, so only its pickle (a few KB of
 metadata) and the pages of the slices read come from disk, and they are given back once copied
-(``release``), so a rank's RSS grows by what it keeps, not also by the file pages it read. The pickles are read by an unpickler
-that builds torch's, numpy's and the standard containers' objects as usual and every other class
-(DeepSpeed's enums, its loss scaler, whatever else a config put there) as an inert stand-in
-(``Opaque``), so deepspeed need not be installed and none of its code (or another package's) runs.
-It is not a sandbox: as with ``torch.load``, load checkpoints you trust.
+(``release``), so a rank's RSS grows by what it keeps, not also by the file pages it read.
+
+The pickles are read by an unpickler that builds torch's, numpy's and the standard containers'
+objects as usual and every other class (DeepSpeed's enums, its loss scaler, whatever else a config
+put there) as an inert stand-in (``Opaque``), so deepspeed need not be installed and none of its
+code (or another package's) runs. It is not a sandbox: as with ``torch.load``, load checkpoints
+you trust.
 
 Not read: tensor-parallel checkpoints (``mp_rank_01``: refused), frozen params (refused, naming
 them), the loss scaler (fp16 runs restart from zfunc's scale), the LR scheduler and the RNG.
