@@ -3,7 +3,7 @@ params bit-equal to the tools' own consolidation, and training continues with th
 
 The DeepSpeed checkpoints are fixtures written by ``tests/fixtures/make_deepspeed_checkpoints.py``
 (deepspeed on CPU, 2 gloo ranks); this file never imports deepspeed. The DCP checkpoints are written
-here by FSDP2 on 2 gloo ranks.
+here: by FSDP2 on 2 gloo ranks (slow: ~10 s) and by torch in this process (the fast variant).
 """
 import json
 import shutil
@@ -22,6 +22,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed"
 MORE = 3
 # (ZeRO stage, None: plain, or "pp": a 2-stage pipeline; offload) for each layout loaded into
 LAYOUTS = [(None, False), (3, False), (None, True)]
+ONE_PROCESS = {1: [(None, False)], 2: [(None, False), (None, True)], 3: [(None, False), (3, False)]}  # CI's share
 LAYOUTS_2 = [(1, False), (2, False), (3, False), (3, True), (0, False), ("pp", False)]
 
 
@@ -91,14 +92,16 @@ def check(results, params, losses, what):
 @pytest.mark.parametrize("ds_stage", [1, 2, 3])
 def test_deepspeed_loads_into_one_process_layouts(ds_stage):
     ref = fixture(ds_stage)
-    check(load_and_train(0, 1, LAYOUTS, "deepspeed", FIXTURES / f"zero{ds_stage}"), ref["params"], ref["losses"],
-          f"zero{ds_stage} -> 1 rank")
+    check(load_and_train(0, 1, ONE_PROCESS[ds_stage], "deepspeed", FIXTURES / f"zero{ds_stage}"), ref["params"],
+          ref["losses"], f"zero{ds_stage} -> 1 rank")
 
 
 @pytest.mark.slow
-def test_deepspeed_loads_into_every_two_rank_layout():
-    for ds_stage in (2, 3):
+def test_deepspeed_loads_into_every_layout():
+    for ds_stage in (1, 2, 3):
         ref = fixture(ds_stage)
+        check(load_and_train(0, 1, LAYOUTS, "deepspeed", FIXTURES / f"zero{ds_stage}"), ref["params"], ref["losses"],
+              f"zero{ds_stage} -> 1 rank")
         for rank_results in zf.dist.spawn(load_and_train, 2, 2, LAYOUTS_2, "deepspeed", FIXTURES / f"zero{ds_stage}"):
             check(rank_results, ref["params"], ref["losses"], f"zero{ds_stage} -> 2 ranks")
 
@@ -251,20 +254,77 @@ def fsdp_checkpoint(tmp_path_factory):
     return path, params, ranks[0][0], [zfunc for _, zfunc in ranks]
 
 
+@pytest.mark.slow
 def test_dcp_loads_into_one_process_layouts(fsdp_checkpoint):
     path, params, losses, _ = fsdp_checkpoint
     assert detect(path) == "dcp"
     check(load_and_train(0, 1, LAYOUTS, "dcp", path), params, losses, "dcp -> 1 rank")
 
 
+@pytest.mark.slow
 def test_dcp_loads_into_two_rank_layouts(fsdp_checkpoint):
     _, params, losses, ranks = fsdp_checkpoint
     for rank_results in ranks:
         check(rank_results, params, losses, "dcp -> 2 ranks")
 
 
-def test_dcp_bad_key_and_mismatch(fsdp_checkpoint, tmp_path):
-    path, *_ = fsdp_checkpoint
+class Wrapped(torch.nn.Module):
+    """A wrapper like DDP's: every name gets a ``module.`` prefix."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x):
+        return self.module(x)
+
+
+@pytest.fixture(scope="module")
+def torch_dcp(tmp_path_factory):
+    """One process, no process group: a wrapped module + torch AdamW, saved with dcp (no_dist), and
+    its model alone at the top level; the params as saved and torch's losses after."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    root = tmp_path_factory.mktemp("dcp1")
+    net = Wrapped(model())
+    opt = torch.optim.AdamW(net.parameters(), lr=ADAMW["lr"], betas=tuple(ADAMW["betas"]), eps=ADAMW["eps"],
+                            weight_decay=ADAMW["weight_decay"])
+
+    def train(batch):
+        x, y = batch
+        loss = F.cross_entropy(net(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    data = batches(STEPS + MORE)
+    for batch in data[:STEPS]:
+        train(batch)
+    model_sd, optim_sd = get_state_dict(net, opt)
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(root / "run"), no_dist=True)
+        dcp.save(dict(net.state_dict()), checkpoint_id=str(root / "weights"), no_dist=True)  # a model alone
+    saved = {k.removeprefix("module."): v.detach().clone() for k, v in net.state_dict().items()}
+    return root, saved, [train(batch) for batch in data[STEPS:]]
+
+
+def test_dcp_from_one_process_torch_run_with_a_wrapper_prefix(torch_dcp):
+    root, saved, losses = torch_dcp
+    step, params = make()
+    state = load_dcp(root / "run", step, params=params)
+    assert all(torch.equal(state.params[n], saved[n]) for n in params) and state.opt_state.count == STEPS
+    assert continue_training(step, state) == pytest.approx(losses, rel=1e-5, abs=1e-5)
+
+    with pytest.raises(CheckpointError, match="holds no optimizer state"):
+        load_dcp(root / "weights", step, params=params, model_key=None)
+    state = load_dcp(root / "weights", step, params=params, model_key=None, optimizer=False)
+    assert all(torch.equal(state.params[n], saved[n]) for n in params) and state.opt_state.count == 0
+
+
+def test_dcp_bad_key_and_mismatch(torch_dcp, tmp_path):
+    path = torch_dcp[0] / "run"
     step, params = make()
     with pytest.raises(CheckpointError, match=r"no tensors under model_key='net'.*\['model', 'optim'\]"):
         load_dcp(path, step, params=params, model_key="net")
