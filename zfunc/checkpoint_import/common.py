@@ -81,14 +81,14 @@ def _manifest(source: Source, names: dict[str, str], buffers: dict[str, str]) ->
     return {"leaves": leaves}
 
 
-def _adam_roles(template: TrainState) -> dict[tuple, str]:
-    """Tree path (a tuple, under ``opt_state``) of each ``AdamState`` node -> its role prefix."""
+def _adam_nodes(template: TrainState) -> set[tuple[str, ...]]:
+    """The tree paths (under ``opt_state``) of the state's ``AdamState`` nodes."""
     paths, nodes, _ = optree.tree_flatten_with_path(template.opt_state, is_leaf=lambda x: isinstance(x, AdamState),
                                                      namespace=tree.NAMESPACE)
-    return {tuple(p): "adam" for p, x in zip(paths, nodes) if isinstance(x, AdamState)}
+    return {tuple(map(str, p)) for p, x in zip(paths, nodes) if isinstance(x, AdamState)}
 
 
-def _role(physical: tuple, adam: dict[tuple, str]) -> tuple[str, int | None]:
+def _role(physical: tuple, adam: set[tuple[str, ...]]) -> tuple[str, int | None]:
     """What a leaf of the target state is: ("param"|"buffer"|"step"|"keep"|"count"|"moment"|"other", field)."""
     head, rest = physical[0], tuple(physical[1:])
     if head == "params":
@@ -155,7 +155,7 @@ def fill(source: Source, step_or_template: Step | TrainState, *, params: Any = N
     slots, leaves, treespec = cl.slots(template)
     ck._check_model(where, manifest, template, slots, leaves, said)
     physical = [tuple(map(str, p)) for p in optree.tree_flatten_with_path(template, namespace=tree.NAMESPACE)[0]]
-    adam = {tuple(map(str, p)): r for p, r in _adam_roles(template).items()}
+    adam = _adam_nodes(template)
     roles = [_role(p, adam) for p in physical]
     _check_optimizer(source, slots, roles, optimizer)
     lookup = {**names, **{cl.BUFFERS + n: o for n, o in buffers.items()}}
