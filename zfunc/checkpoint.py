@@ -85,7 +85,8 @@ from zfunc.step import Step, TrainState
 from zfunc.swap import fsync_dir
 
 
-__all__ = ["CheckpointError", "save", "load", "latest", "read_manifest", "full_params", "export"]
+__all__ = ["CheckpointError", "save", "load", "latest", "read_manifest", "full_params", "export", "load_deepspeed",
+           "load_dcp", "deepspeed_config"]
 
 
 # ----------------------------------------------------------------------------- save
@@ -338,9 +339,12 @@ def load(directory: str | os.PathLike, step_or_template: Step | TrainState, *, p
     were read into (no copies). Into an offloaded step, at most one leaf (param piece and its
     optimizer state) is in RAM at once, besides the step's writes in flight.
     """
+    from zfunc.checkpoint_import import foreign_format, load_foreign
     from zfunc.offload import OffloadedStep
 
     directory = checkpoint_path(directory)
+    if foreign_format(directory):  # a DeepSpeed or torch DCP checkpoint: zfunc.checkpoint_import
+        return load_foreign(directory, step_or_template, params=params, device=device)
     manifest = read_manifest(directory)
     template, source, model = _template(manifest, step_or_template, params)
     slots, leaves, treespec = cl.slots(template)
@@ -418,3 +422,6 @@ def export(directory: str | os.PathLike, out: str | os.PathLike) -> Path:
     cf.write_safetensors(tmp, tensors)
     os.replace(tmp, out)
     return out
+
+
+from zfunc.checkpoint_import import deepspeed_config, load_dcp, load_deepspeed  # noqa: E402  (built on load's helpers)
