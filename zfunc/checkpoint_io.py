@@ -8,12 +8,18 @@ same values ~10x faster). ``read_into(file, offset, out)`` fills ``out`` with th
 ``offset``. The checksums are of the memory the bytes came from or went to; nothing here changes
 the segments.
 
-**Why.** Measured on this 2-core VM (ext4 on virtio, 50M-param AdamW state, 0.6 GB): one buffered
-stream of 64 MiB ``write`` calls ran at 0.3-0.8 GB/s, throttled by the page cache's write-back
-(``balance_dirty_pages``), about half of ``torch.save``; ``dd`` with ``O_DIRECT`` wrote 1.7-2.2 GB/s.
-``O_DIRECT`` skips the page cache (no copy into it, no dirty throttling), and ``THREADS`` blocks in
-flight keep the virtio queue busy. Reads gain less (the kernel's read-ahead already streams), but
-skip one copy and keep a cold checkpoint from evicting the training's page cache.
+**Why.** Measured on this 2-core VM (ext4 on virtio, 50M-param AdamW state, 0.6 GB, under load):
+one buffered stream of 64 MiB ``write`` calls ran at 0.3-0.8 GB/s, throttled by the page cache's
+write-back (``balance_dirty_pages``); ``O_DIRECT`` blocks, ``THREADS`` in flight, 2.0-2.6 GB/s
+(``benchmarks/checkpoint.py``: 3-4x ``torch.save``). ``O_DIRECT`` skips the page cache (no copy
+into it, no dirty throttling) and the blocks in flight keep the virtio queue busy; the file's
+blocks are allocated up front (``posix_fallocate``) so the parallel writers leave it in order. The
+price on this VM: the hypervisor caches what the guest writes through its page cache and not what
+it writes with ``O_DIRECT``, so the first read of a file written here runs at the uncached disk's
+0.2-0.3 GB/s, where ``torch.save``'s file comes back from the host's cache (see the benchmark).
+Reads: ``READ_THREADS`` ``O_DIRECT`` blocks straight into the tensors' buffers, ~2x ``torch.load``
+on files the host has cached (0.22 vs 0.55 s for the 0.6 GB state); they skip one copy and keep
+a cold checkpoint from evicting the training's page cache.
 
 **Cost.** A block whose file offset and memory address are both 4096-aligned moves straight from
 the tensor's memory (no copy): ``write_safetensors`` starts the data at 4096 and puts tensors
@@ -37,7 +43,8 @@ import torch
 
 from zfunc.swap import ALIGN, aligned_empty, crc32
 
-THREADS = 4  # blocks in flight per file: 4 measured ~1.3x one on this VM's virtio disk; more gained nothing
+THREADS = 4  # blocks written in flight per file
+READ_THREADS = 8  # blocks read in flight: 8 vs 4 vs 2 read a 0.6 GB state in 0.22 / 0.29 / 0.26 s (medians of 5)
 BLOCK = 8 << 20
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _staging = threading.local()
@@ -100,6 +107,7 @@ def write_file(path: Path, segments: list[torch.Tensor], *, threads: int = THREA
         total += s.numel()
     fd, direct = _open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
+        _reserve(fd, -(-total // ALIGN) * ALIGN)
         with ThreadPoolExecutor(threads + 1) as pool:
             crcs = pool.submit(lambda: [crc32(_mv(s)) if s.numel() else 0 for s in segments])
             blocks = [pool.submit(_write_block, fd, direct, segments, starts, pos, min(BLOCK, total - pos))
@@ -107,8 +115,8 @@ def write_file(path: Path, segments: list[torch.Tensor], *, threads: int = THREA
             for b in blocks:
                 b.result()
             result = crcs.result()
-        if direct and total % ALIGN:
-            os.ftruncate(fd, total)  # the last block was padded to the alignment
+        if total % ALIGN:
+            os.ftruncate(fd, total)  # the reservation (and an O_DIRECT last block) was padded to the alignment
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -135,6 +143,18 @@ def _write_block(fd: int, direct: bool, segments: list[torch.Tensor], starts: li
     _pwrite_all(fd, _mv(buf[:padded]), pos)
 
 
+def _reserve(fd: int, size: int) -> None:
+    """Allocate the file's blocks in one extent run before the blocks are written: the parallel
+    writers would otherwise allocate as they land, out of order, and a full disk fails here."""
+    if not size:
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+
+
 # ----------------------------------------------------------------------------- read
 
 
@@ -142,7 +162,7 @@ class Reader:
     """One file open for reading: ``O_DIRECT`` blocks in parallel where the bytes' file offset and
     memory address line up, else ``pread`` through the page cache. Close it (or use ``with``)."""
 
-    def __init__(self, path: Path, *, threads: int = THREADS):
+    def __init__(self, path: Path, *, threads: int = READ_THREADS):
         self.path = path
         self.fd = os.open(path, os.O_RDONLY)
         self.direct_fd: int | None = None
