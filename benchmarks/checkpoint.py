@@ -1,7 +1,7 @@
 """Checkpoint save/load vs torch.save/torch.load and torch DCP, and a background save's cost to training.
 
     python benchmarks/checkpoint.py [--mparams 50 200] [--rounds 5] [--dir /tmp/zfunc-ckpt-bench]
-                                    [--async-mparams 50] [--no-async]
+                                    [--async-mparams 50] [--no-async] [--verbose] [--buffered-writes]
 
 **Save and load.** The state is an AdamW ``TrainState`` of ``--mparams`` million fp32 params
 (params + two moments: 12 bytes/param). Writers: ``zf.checkpoint.save`` (crc32 of every tensor,
@@ -238,9 +238,15 @@ def main(argv=None) -> None:
     p.add_argument("--dir", default="/tmp/zfunc-ckpt-bench")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--verbose", action="store_true", help="print every round's times")
+    p.add_argument("--buffered-writes", action="store_true",
+                   help="zfunc writes through the page cache (checkpoint_io.DIRECT_WRITES = False)")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP in one process, on purpose
     root = Path(args.dir)
+    if args.buffered_writes:
+        from zfunc import checkpoint_io
+
+        checkpoint_io.DIRECT_WRITES = False
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     try:

@@ -20,7 +20,7 @@ def _segments(sizes, misalign=0):
 @pytest.mark.parametrize("misalign", [0, 3])
 def test_write_file_holds_the_segments_and_returns_their_crc32(tmp_path, monkeypatch, direct, misalign):
     if not direct:
-        monkeypatch.setattr(cio, "_O_DIRECT", 0)
+        monkeypatch.setattr(cio, "DIRECT_WRITES", False)
     monkeypatch.setattr(cio, "BLOCK", 64 << 10)  # several blocks per segment, across segment ends
     sizes = [4096 * 40, 0, 13, 4096 * 17 + 5, 100_000, 0]
     segments = _segments(sizes, misalign)
