@@ -225,7 +225,7 @@ def _write_and_publish(tmp: Path, final: Path, manifest: dict, world: int, rank:
         dist.broadcast_object_list(shared, src=0, group=group)  # rank 0's verdict; also the barrier
         failed = shared[0]
     if failed:
-        raise CheckpointError(f"zf.checkpoint.save of {final}: {failed}; the previous checkpoint is intact") from mine
+        raise CheckpointError(f"zf.checkpoint.save of {final}: {failed}") from mine
 
 
 def _check_save_args(directory: Any, keep_last: Any, extra: Any, run: Any) -> tuple[Path, str, dict]:
