@@ -22,8 +22,8 @@ this VM it depends on how the file was written, not on the reader: a file writte
 guest's page cache (``torch.save``, DCP) is read back at 1.5-2.5 GB/s with the guest's cache
 dropped, while a file written with ``O_DIRECT`` (zfunc) is read at 0.2-0.3 GB/s the first time
 and at 2+ GB/s from then on; ``dd`` showed the same on the raw files (2.2 s vs 0.3 s first, 0.2 s
-each after). The hypervisor's cache keeps what the guest wrote through its page cache and not
-what it wrote with ``O_DIRECT``; the 0.2-0.3 GB/s is this disk uncached. So "files read once
+each after). Our reading (not proven): the hypervisor's cache keeps what the guest wrote through
+its page cache and not what it wrote with ``O_DIRECT``, and 0.2-0.3 GB/s is this disk uncached. So "files read once
 before" compares the readers on an equal footing (guest cache dropped, host cache warm for all).
 (``dd`` of ``/dev/zero``, the old disk reference here, is not one: zeros are cheap to the host.)
 
@@ -154,7 +154,8 @@ def save_load(mparams: float, rounds: int, root: Path, verbose: bool = False) ->
         return statistics.median(tb / ta for ta, tb in zip(times[a], times[b]))
 
     print(f"\n{mparams:g}M params, AdamW: {nbytes / 1e9:.2f} GB, {rounds} interleaved rounds, cold cache, fsynced\n")
-    print("| operation | zfunc GB/s | torch GB/s | DCP GB/s | zfunc vs torch | zfunc vs DCP |\n|---|---|---|---|---|---|")
+    print("| operation | zfunc GB/s | torch GB/s | DCP GB/s | zfunc vs torch | zfunc vs DCP |")
+    print("|---|---|---|---|---|---|")
     for op, what in (("save", "save (fsynced)"), ("load", "load, first read after the save"),
                      ("reload", "load, files read once before")):
         gbs = [nbytes / med[f"{lib} {op}"] / 1e9 for lib in ("zf", "torch", "dcp")]

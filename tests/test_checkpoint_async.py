@@ -12,7 +12,7 @@ import torch
 import zfunc as zf
 from zfunc import checkpoint as ck, checkpoint_async as ca, checkpoint_files as cf
 from test_checkpoint import run
-from test_shard import batches, local, make  # noqa: E402  (tests/ is on sys.path)
+from test_shard import batches, make  # noqa: E402  (tests/ is on sys.path)
 
 
 def big_step():
@@ -155,3 +155,28 @@ def test_a_cuda_state_is_snapshotted_before_save_returns(tmp_path):
     got = ck.load(tmp_path / "b", step)
     for a, b in zip(zf.tree.leaves(want), zf.tree.leaves(got)):
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def failing_rank_worker(rank, world, directory):
+    """Rank 1's write fails in the background: every rank's handle raises, naming rank 1, and the
+    checkpoint saved before stays the latest."""
+    mesh = zf.Mesh(dp=world)
+    step, state = make(3, mesh)
+    ck.save(state, f"{directory}/000001")
+    if rank == 1:
+        def broken(path, tensors):
+            raise OSError(28, "No space left on device")
+        cf.write_safetensors = broken
+    handle = ck.save(state, f"{directory}/000002", blocking=False)
+    try:
+        handle.wait()
+    except (OSError, ck.CheckpointError) as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.slow
+def test_a_rank_whose_background_write_fails_fails_the_save_on_every_rank(tmp_path):
+    errors = zf.dist.spawn(failing_rank_worker, 2, 2, str(tmp_path))
+    assert all(e and "rank 1 could not write its file" in e and "No space" in e for e in errors), errors
+    assert ck.latest(tmp_path) == tmp_path / "000001"

@@ -14,9 +14,10 @@ write-back (``balance_dirty_pages``); ``O_DIRECT`` blocks, ``THREADS`` in flight
 (``benchmarks/checkpoint.py``: 3-4x ``torch.save``). ``O_DIRECT`` skips the page cache (no copy
 into it, no dirty throttling) and the blocks in flight keep the virtio queue busy; the file's
 blocks are allocated up front (``posix_fallocate``) so the parallel writers leave it in order. The
-price on this VM: the hypervisor caches what the guest writes through its page cache and not what
-it writes with ``O_DIRECT``, so the first read of a file written here runs at the uncached disk's
-0.2-0.3 GB/s, where ``torch.save``'s file comes back from the host's cache (see the benchmark).
+price on this VM: a file written with ``O_DIRECT`` read back at 0.17-0.3 GB/s for a while after
+the save (``dd`` too), where ``torch.save``'s files came back at 0.6-2 GB/s; our reading (not
+proven) is that the host caches what the guest writes through its page cache and not these
+writes (see the benchmark; ``DIRECT_WRITES`` below).
 Reads: ``READ_THREADS`` ``O_DIRECT`` blocks straight into the tensors' buffers, ~2x ``torch.load``
 on files the host has cached (0.22 vs 0.55 s for the 0.6 GB state); they skip one copy and keep
 a cold checkpoint from evicting the training's page cache.
