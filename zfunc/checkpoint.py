@@ -40,6 +40,9 @@ What is guaranteed (the files: ``zfunc.checkpoint_files``; ownership, locks, rep
   every rank made the call (``zf.dist.all_arrive``, at most ``zf.dist.ARRIVAL_TIMEOUT_S``);
   otherwise each rank that came raises ``CollectiveError`` naming the call and the missing ranks
   instead of hanging in a collective.
+- **In the background.** ``save(..., blocking=False)`` snapshots the state and returns a
+  ``SaveHandle`` while a thread writes it; the guarantees above hold as for a blocking save
+  (``zfunc.checkpoint_async``: the snapshot, the donation rule that protects it, the handle).
 - **Loads check the model and the bytes.** ``load`` builds the state for the model it is given
   (``params=``, else the params ``step.init`` last received, else the manifest's) and raises
   ``CheckpointError`` listing params missing from the checkpoint, params only in the checkpoint
@@ -65,6 +68,7 @@ reads back only the tensors it needs), and it exports straight to a state dict.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from contextlib import ExitStack
@@ -75,7 +79,8 @@ import torch
 import torch.distributed as dist
 
 import zfunc
-from zfunc import checkpoint_files as cf, checkpoint_layout as cl, tree
+from zfunc import checkpoint_async as ca, checkpoint_files as cf, checkpoint_layout as cl, tree
+from zfunc.checkpoint_async import SaveHandle
 from zfunc.checkpoint_files import LATEST, CheckpointError, read_manifest
 from zfunc.checkpoint_folder import (checkpoint_path, claim, default_run, latest, locked, prune, put_in_place, scratch,
                                      write_text_atomic)
@@ -85,8 +90,8 @@ from zfunc.step import Step, TrainState
 from zfunc.swap import fsync_dir
 
 
-__all__ = ["CheckpointError", "save", "load", "latest", "read_manifest", "full_params", "export", "load_deepspeed",
-           "load_dcp", "deepspeed_config"]
+__all__ = ["CheckpointError", "SaveHandle", "save", "load", "latest", "read_manifest", "full_params", "export",
+           "load_deepspeed", "load_dcp", "deepspeed_config"]
 
 
 # ----------------------------------------------------------------------------- save
@@ -123,7 +128,7 @@ def _check_extra(extra: Any) -> dict:
 
 
 def save(state: TrainState, directory: str | os.PathLike, *, keep_last: int | None = None,
-         extra: dict | None = None, run: str | None = None) -> Path:
+         extra: dict | None = None, run: str | None = None, blocking: bool = True) -> Path | SaveHandle:
     """Write ``state`` to ``directory`` atomically; every rank of a sharded or pipelined state calls it.
 
     Args:
@@ -136,13 +141,22 @@ def save(state: TrainState, directory: str | os.PathLike, *, keep_last: int | No
         with ``read_manifest(directory)["extra"]``.
       run: the run this checkpoint belongs to, for ``keep_last``; default the directory's name
         without its trailing digits.
-    Returns the directory. Raises ``CheckpointError`` before writing anything when a path it would
-    write is not zfunc's. Costs one streaming write of the state bytes this rank owns (checksummed
-    on the way) and an fsync; with several ranks also a store round trip checking every rank
-    called it and two all-gathers of a few bytes per leaf (who writes what, the checksums).
+      blocking: False returns a ``SaveHandle`` at once and writes in the background while
+        training goes on (``zfunc.checkpoint_async``: the snapshot, and what the caller must not
+        do until the next step consumes the state); every rank passes the same value.
+    Returns the directory (``blocking=False``: a handle whose ``wait()`` returns it). Waits first
+    for this process's previous background save. Raises ``CheckpointError`` before writing
+    anything when a path it would write is not zfunc's. Costs one write of the state bytes this
+    rank owns (parallel ``O_DIRECT`` blocks, checksummed on another thread:
+    ``zfunc.checkpoint_io``) and an fsync; with several ranks also a store round trip checking
+    every rank called it and two all-gathers of a few bytes per leaf (who writes what, the
+    checksums). In the background: a copy of those bytes in host memory, kept for the next save.
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"state: expected a TrainState, got {type(state).__name__}")
+    if not isinstance(blocking, bool):
+        raise TypeError(f"blocking: expected a bool, got {type(blocking).__name__}")
+    ca.wait_for_previous()
     final, run, extra = _check_save_args(directory, keep_last, extra, run)
     world, rank = cl.place(state.sharding)
     from zfunc.offload import in_ram
@@ -153,8 +167,10 @@ def save(state: TrainState, directory: str | os.PathLike, *, keep_last: int | No
     if world > 1:
         if dist.get_world_size() != world:
             raise ValueError(f"state: it is one of {world} ranks, the process group has {dist.get_world_size()}")
-        all_arrive("zf.checkpoint.save", "state")
+        all_arrive("zf.checkpoint.save" + ("" if blocking else "(blocking=False)"), "state")
     entries, writes = cl.assign(cl.all_gather(cl.descriptions(slots, leaves), world))
+    group = ca.background_group(world) if world > 1 and not blocking else None
+    manifest = _manifest(state, entries, run, extra)
     tmp = scratch(final, "tmp")
     with ExitStack() as held:  # rank 0 holds the lock on ``final`` until the save is in place
         problem = claim(final, held) if rank == 0 else None
@@ -170,15 +186,47 @@ def save(state: TrainState, directory: str | os.PathLike, *, keep_last: int | No
         tensors: dict[str, torch.Tensor] = {}
         for slot, x in zip(slots, leaves):
             if slot.path in writes[rank] and slot.path not in tensors:  # an offloaded state's first copy
-                tensors[slot.path] = x.detach().contiguous().cpu()
-        crcs = cl.all_gather(cf.write_safetensors(tmp / cf.rank_file(rank), tensors), world)
-        if rank == 0:
-            cl.add_checksums(entries, crcs)
-            cf.write_manifest(tmp, _manifest(state, entries, crcs, run, extra))
-            fsync_dir(tmp)
-            _publish(tmp, final, run, keep_last)
-    _barrier(world)
+                tensors[slot.path] = x
+        finish = functools.partial(_write_and_publish, tmp, final, manifest, world, rank, group, keep_last)
+        if blocking:
+            finish({p: x.detach().contiguous().cpu() for p, x in tensors.items()})
+        else:
+            snapshot = ca.Snapshot(tensors, eager=lambda path: path.startswith(BUFFERS))
+            return ca.start(final, snapshot, finish, held.pop_all().close)
     return final
+
+
+def _write_and_publish(tmp: Path, final: Path, manifest: dict, world: int, rank: int, group: Any,
+                       keep_last: int | None, tensors: dict[str, torch.Tensor]) -> None:
+    """Write this rank's file; gather the checksums; rank 0 writes the manifest and puts the
+    checkpoint in place; every rank learns the outcome (the last collective: a barrier)."""
+    try:
+        crcs = cf.write_safetensors(tmp / cf.rank_file(rank), tensors)
+    except Exception as e:
+        if world == 1:
+            raise
+        crcs, mine = f"rank {rank} could not write its file ({type(e).__name__}: {e})", e
+    else:
+        mine = None
+    everyone = cl.all_gather(crcs, world, group)
+    failed = next((c for c in everyone if isinstance(c, str)), None)
+    if failed is None and rank == 0:
+        try:
+            cl.add_checksums(manifest["leaves"], everyone)
+            manifest["files"] = {cf.rank_file(r): c[cf.HEADER] for r, c in enumerate(everyone)}
+            cf.write_manifest(tmp, manifest)
+            fsync_dir(tmp)
+            _publish(tmp, final, manifest["run"], keep_last)
+        except Exception as e:
+            if world == 1:
+                raise
+            failed, mine = f"rank 0 could not put it in place ({type(e).__name__}: {e})", e
+    if world > 1:
+        shared = [failed]
+        dist.broadcast_object_list(shared, src=0, group=group)  # rank 0's verdict; also the barrier
+        failed = shared[0]
+    if failed:
+        raise CheckpointError(f"zf.checkpoint.save of {final}: {failed}") from mine
 
 
 def _check_save_args(directory: Any, keep_last: Any, extra: Any, run: Any) -> tuple[Path, str, dict]:
@@ -204,10 +252,10 @@ def _publish(tmp: Path, final: Path, run: str, keep_last: int | None) -> None:
             prune(final.parent, run, keep_last, keep={final.name})
 
 
-def _manifest(state: TrainState, entries: list[dict], crcs: list[dict], run: str, extra: dict) -> dict:
+def _manifest(state: TrainState, entries: list[dict], run: str, extra: dict) -> dict:
+    """The manifest but for its checksums (``files`` and the pieces' ``crc``: after the write)."""
     return {"format": cf.FORMAT, "zfunc": zfunc.__version__, **cl.describe(state.sharding), "step": state.step,
-            "run": run, "rng": state.rng, "extra": extra,
-            "files": {cf.rank_file(r): c[cf.HEADER] for r, c in enumerate(crcs)}, "leaves": entries}
+            "run": run, "rng": state.rng, "extra": extra, "files": {}, "leaves": entries}
 
 
 def _barrier(world: int) -> None:

@@ -15,13 +15,14 @@ import json
 import os
 import re
 import struct
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from zfunc.checkpoint_io import Reader, flat_bytes, write_file
 from zfunc.ops import hostmem
+from zfunc.swap import ALIGN, crc32
 
 FORMAT = 2
 FORMATS = (1, 2)  # what read_manifest accepts
@@ -80,31 +81,27 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str,
     """Write ``tensors`` (contiguous, CPU) as a safetensors file, fsynced; returns the crc32 of
     each tensor's bytes by name, and of the header (length and JSON) under ``HEADER``.
 
-    Streams each tensor's memory straight to the file (no serialised copy) and checksums it on
-    the way. Wider dtypes first, so every tensor's offset stays aligned for zero-copy reads.
+    Moves each tensor's memory straight to the file (no serialised copy) in parallel ``O_DIRECT``
+    blocks, checksummed on another thread (``zfunc.checkpoint_io``). The header is padded with
+    spaces so the data starts at byte 4096; wider dtypes first, so every tensor's offset stays
+    aligned for zero-copy reads, and within a width the tensors whose size is a multiple of 4096
+    first, so those start 4096-aligned and move without a staging copy.
     """
-    names = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    for n, t in tensors.items():
+        if t.dtype not in ST_DTYPES:
+            raise CheckpointError(f"state: leaf {n} has dtype {t.dtype}, which safetensors cannot hold")
+    nbytes = {n: t.numel() * t.element_size() for n, t in tensors.items()}
+    names = sorted(tensors, key=lambda n: (-tensors[n].element_size(), nbytes[n] % ALIGN != 0, n))
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for n in names:
         t = tensors[n]
-        if t.dtype not in ST_DTYPES:
-            raise CheckpointError(f"state: leaf {n} has dtype {t.dtype}, which safetensors cannot hold")
-        size = t.numel() * t.element_size()
-        header[n] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
-        offset += size
+        header[n] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes[n]]}
+        offset += nbytes[n]
     blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    prefix = struct.pack("<Q", len(blob)) + blob
-    checksum = _Crc32()
-    with open(path, "wb") as f:
-        for data in [memoryview(prefix)] + [_bytes_of(tensors[n]) for n in names]:
-            for block in _blocks(data):
-                f.write(block)
-                checksum.update(block)  # on a helper thread, overlapping the next write
-            checksum.cut()
-        f.flush()
-        os.fsync(f.fileno())
-    return dict(zip([HEADER, *names], checksum.spans()))
+    blob += b" " * (-(8 + len(blob)) % ALIGN)
+    prefix = torch.frombuffer(bytearray(struct.pack("<Q", len(blob)) + blob), dtype=torch.uint8)
+    crcs = write_file(path, [prefix] + [flat_bytes(tensors[n]) for n in names])
+    return dict(zip([HEADER, *names], crcs))
 
 
 _BLOCK = 64 << 20
@@ -130,7 +127,7 @@ class _Crc32:
         self._last = None
 
     def _step(self, block: memoryview) -> None:
-        self._crc = zlib.crc32(block, self._crc)
+        self._crc = crc32(block, self._crc)
 
     def _cut(self) -> None:
         self._spans.append(self._crc)
@@ -175,6 +172,7 @@ class RankFiles:
     def __init__(self, directory: Path, manifest: dict, verify: bool):
         self.directory, self.manifest, self.verify = directory, manifest, verify
         self.opened: dict[int, tuple] = {}  # rank -> (file, path, header, data offset)
+        self.readers: dict[int, Reader] = {}  # rank -> its file, for tensors' bytes
         self.checksum = _Crc32()
         self.pending: list[tuple[int, int, Path, str]] = []  # (span, expected crc32, file, what)
         self.cuts = 0
@@ -189,6 +187,8 @@ class RankFiles:
         finally:
             for f, *_ in self.opened.values():
                 f.close()
+            for reader in self.readers.values():
+                reader.close()
             self.checksum.close()
 
     def check(self) -> None:
@@ -257,5 +257,13 @@ class RankFiles:
         out = hostmem.empty(meta["shape"], _TORCH_DTYPES[meta["dtype"]])
         if out.numel() * out.element_size() != stop - start:
             raise CheckpointError(f"{path}: tensor {name} has {stop - start} bytes for shape {meta['shape']}")
-        self._read_checked(f, base + start, _bytes_of(out), path, crc, f"tensor {name}")
+        if rank not in self.readers:
+            self.readers[rank] = Reader(path)
+        if self.readers[rank].read_into(base + start, flat_bytes(out)) < stop - start:
+            raise CheckpointError(f"{path}: file ended inside tensor {name} (bytes {base + start}-{base + stop})")
+        if self.verify and crc is not None:  # checked on the helper thread while the next tensor is read
+            self.checksum.update(_bytes_of(out))
+            self.checksum.cut()
+            self.pending.append((self.cuts, crc, path, f"tensor {name}"))
+            self.cuts += 1
         return out

@@ -214,11 +214,11 @@ def add_checksums(entries: list[dict], crcs: list[dict[str, int]]) -> None:
             piece["crc"] = crcs[piece["file"]][entry["path"]]
 
 
-def all_gather(obj: Any, world: int) -> list[Any]:
+def all_gather(obj: Any, world: int, group: Any = None) -> list[Any]:
     if world == 1:
         return [obj]
     out = [None] * world
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 

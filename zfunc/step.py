@@ -54,6 +54,10 @@ class NonFiniteError(FloatingPointError):
 
 
 _FIELDS = ("params", "opt_state", "step", "rng", "loss_scale", "buffers")
+# Called before a donating step first writes into any state's buffers: a background
+# ``zf.checkpoint.save`` registers one that waits until it has copied the state it is saving
+# (``zfunc.checkpoint_async``), so donation stays safe while a save is under way.
+before_consume: list[Callable[[], None]] = []
 
 
 class TrainState:
@@ -70,7 +74,7 @@ class TrainState:
     ``shard.ShardSpec`` saying how ``params`` and ``opt_state`` are split over ranks.
     """
 
-    __slots__ = ("_values", "_consumed", "sharding")
+    __slots__ = ("_values", "_taken", "sharding")
 
     def __init__(self, params: PyTree, opt_state: PyTree, step: int = 0, rng: int = 0, loss_scale=None,
                  sharding: Any = None, *, buffers: dict[str, Any] | None = None):
@@ -94,6 +98,17 @@ class TrainState:
     rng = property(lambda self: self._get(3), doc="base seed of the step's random numbers")
     loss_scale = property(lambda self: self._get(4), doc="precision.LossScale (and the skips in a row)")
     buffers = property(lambda self: self._get(5), doc="module buffers training updates: dict name -> tensor")
+
+    @property
+    def _consumed(self) -> bool:
+        return self._taken
+
+    @_consumed.setter
+    def _consumed(self, value: bool) -> None:
+        if value:  # a step is about to write into the state's buffers
+            for wait in before_consume:
+                wait()
+        self._taken = value
 
     @property
     def consumed(self) -> bool:

@@ -1,0 +1,182 @@
+"""checkpoint_async: a background save writes the state as it was at the call, while training goes
+on; its errors reach the caller; a crash during it leaves the previous checkpoint."""
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+import zfunc as zf
+from zfunc import checkpoint as ck, checkpoint_async as ca, checkpoint_files as cf
+from test_checkpoint import run
+from test_shard import batches, make  # noqa: E402  (tests/ is on sys.path)
+
+
+def big_step():
+    """A plain AdamW step over leaves above ``EAGER_BYTES``: copied by the writer thread."""
+    torch.manual_seed(0)
+    params = {"w": torch.randn(600, 600), "b": torch.randn(600)}
+
+    def loss_fn(p, x):
+        return ((x @ p["w"]).tanh() + p["b"]).square().mean()
+
+    step = zf.train_step(loss_fn, zf.optim.adamw(1e-2))
+    return step, step.init(params)
+
+
+def test_background_save_writes_the_state_of_the_call_while_steps_go_on(tmp_path, monkeypatch):
+    step, state = big_step()
+    xs = [torch.randn(8, 600, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    state, _ = step(state, xs[0])
+    ck.save(state, tmp_path / "blocking")
+    take = ca.Snapshot.take
+    monkeypatch.setattr(ca.Snapshot, "take", lambda self: time.sleep(0.5) or take(self))  # a slow copy
+    handle = ck.save(state, tmp_path / "background", blocking=False)
+    assert isinstance(handle, ck.SaveHandle) and not handle.done()
+    for x in xs[1:]:  # the first step waits for the copy before it writes into the state
+        state, _ = step(state, x)
+    assert handle.wait() == tmp_path / "background" and handle.done()
+    blocking, background = ck.load(tmp_path / "blocking", step), ck.load(tmp_path / "background", step)
+    for a, b in zip(zf.tree.leaves(blocking), zf.tree.leaves(background)):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+    assert ck.latest(tmp_path) == tmp_path / "background"
+
+
+def test_the_next_save_waits_for_the_previous_and_errors_reach_the_caller(tmp_path, monkeypatch):
+    step, state = big_step()
+    write = cf.write_safetensors
+    started = threading.Event()
+
+    def slow(path, tensors):
+        started.set()
+        time.sleep(0.3)
+        return write(path, tensors)
+
+    monkeypatch.setattr(cf, "write_safetensors", slow)
+    first = ck.save(state, tmp_path / "000001", blocking=False)
+    assert started.wait(10)
+    ck.save(state, tmp_path / "000002")  # waits for 000001 to be in place
+    assert first.done() and ck.latest(tmp_path) == tmp_path / "000002"
+
+    def broken(path, tensors):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cf, "write_safetensors", broken)
+    failed = ck.save(state, tmp_path / "000003", blocking=False)
+    with pytest.raises(OSError, match="No space"):
+        failed.wait()
+    assert failed.done() and ck.latest(tmp_path) == tmp_path / "000002"
+    unseen = ck.save(state, tmp_path / "000004", blocking=False)  # nobody waits for this one's error ...
+    while not unseen.done():
+        time.sleep(0.01)
+    monkeypatch.setattr(cf, "write_safetensors", write)
+    with pytest.raises(OSError, match="No space"):  # ... so the next save raises it
+        ck.save(state, tmp_path / "000005")
+    ck.save(state, tmp_path / "000005", blocking=False).wait()
+    assert ck.latest(tmp_path) == tmp_path / "000005"
+    with pytest.raises(TypeError, match="blocking"):
+        ck.save(state, tmp_path / "000006", blocking="no")
+
+
+KILLED_MID_BACKGROUND_SAVE = textwrap.dedent("""
+    import sys, time, torch
+    sys.path[:0] = {paths!r}
+    from zfunc import checkpoint as ck, checkpoint_files as cf
+    from test_checkpoint_async import big_step
+    step, state = big_step()
+    ck.save(state, {root!r} + "/000001")
+    write = cf.write_safetensors
+    def stuck(path, tensors):   # mid-save: the rank file is written, the manifest is not
+        write(path, tensors)
+        print("mid-save", flush=True)
+        time.sleep(60)
+    cf.write_safetensors = stuck
+    handle = ck.save(state, {root!r} + "/000002", blocking=False)
+    while True:  # training goes on until the kill
+        state, _ = step(state, torch.randn(8, 600))
+""")
+
+
+def test_a_kill_during_a_background_save_leaves_the_previous_checkpoint(tmp_path):
+    code = KILLED_MID_BACKGROUND_SAVE.format(paths=sys.path, root=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "mid-save"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert ck.latest(tmp_path) == tmp_path / "000001"
+    step, state = big_step()
+    loaded = ck.load(ck.latest(tmp_path), step)
+    assert torch.equal(loaded.params["w"], state.params["w"])
+    assert not (tmp_path / "000002").exists() and (tmp_path / ".000002.tmp").is_dir()
+    ck.save(state, tmp_path / "000002", blocking=False).wait()  # the next save clears the scratch
+    assert ck.latest(tmp_path) == tmp_path / "000002" and not (tmp_path / ".000002.tmp").exists()
+
+
+def sharded_worker(rank, world, stage, directory):
+    """Training straight vs saved in the background mid-way (training's collectives run during
+    the save's), loaded, and trained on: the same params."""
+    ca.EAGER_BYTES = 0  # every leaf copied by the writer thread, while the steps go on
+    mesh = zf.Mesh(dp=world)
+    data = batches(world, 8)
+    step, state = make(stage, mesh)
+    straight = ck.full_params(run(step, state, data, rank, world), mesh)
+    step, state = make(stage, mesh)
+    state = run(step, state, data[:4], rank, world)
+    handle = ck.save(state, directory, extra={"at": 4}, blocking=False)
+    run(step, state, data[4:], rank, world)
+    handle.wait()
+    state = ck.load(directory, step)
+    resumed = ck.full_params(run(step, state, data[4:], rank, world), mesh)
+    return all(torch.equal(resumed[n], straight[n]) for n in straight)
+
+
+@pytest.mark.parametrize("stage", [3, pytest.param(1, marks=pytest.mark.slow)])
+def test_a_sharded_background_save_resumes_bit_exact(tmp_path, stage):
+    directory = str(tmp_path / "ckpt")
+    assert zf.dist.spawn(sharded_worker, 2, 2, stage, directory) == [True, True]
+    assert ck.read_manifest(directory)["extra"] == {"at": 4}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_state_is_snapshotted_before_save_returns(tmp_path):
+    step, state = big_step()
+    state = ck.load(ck.save(state, tmp_path / "a"), step, device="cuda")
+    want = zf.tree.map(lambda x: x.cpu() if isinstance(x, torch.Tensor) else x, state)
+    handle = ck.save(state, tmp_path / "b", blocking=False)
+    for i in range(3):
+        state, _ = step(state, torch.randn(8, 600, device="cuda"))
+    handle.wait()
+    got = ck.load(tmp_path / "b", step)
+    for a, b in zip(zf.tree.leaves(want), zf.tree.leaves(got)):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def failing_rank_worker(rank, world, directory):
+    """Rank 1's write fails in the background: every rank's handle raises, naming rank 1, and the
+    checkpoint saved before stays the latest."""
+    mesh = zf.Mesh(dp=world)
+    step, state = make(3, mesh)
+    ck.save(state, f"{directory}/000001")
+    if rank == 1:
+        def broken(path, tensors):
+            raise OSError(28, "No space left on device")
+        cf.write_safetensors = broken
+    handle = ck.save(state, f"{directory}/000002", blocking=False)
+    try:
+        handle.wait()
+    except (OSError, ck.CheckpointError) as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.slow
+def test_a_rank_whose_background_write_fails_fails_the_save_on_every_rank(tmp_path):
+    errors = zf.dist.spawn(failing_rank_worker, 2, 2, str(tmp_path))
+    assert all(e and "rank 1 could not write its file" in e and "No space" in e for e in errors), errors
+    assert ck.latest(tmp_path) == tmp_path / "000001"

@@ -1,0 +1,209 @@
+"""Background checkpoint saves: the state's snapshot, the writer thread, and the handle a caller
+waits on. (Split from ``checkpoint.py``, which says what a save writes and guarantees.)
+
+``zf.checkpoint.save(state, path, blocking=False)`` does on the calling thread what needs the
+caller: the argument checks, the collectives that decide who writes what, the claim of ``path``
+(rank 0's lock), and it starts the snapshot. It returns a ``SaveHandle`` while one thread per
+process copies, writes, and -- with several ranks -- gathers the checksums, writes the manifest
+and puts the checkpoint in place, on a process group of its own (gloo, made once by every rank
+on its first background save), so its collectives never interleave with training's.
+
+**The snapshot.** What is written is the state as it was when ``save`` was called:
+
+- CUDA tensors are copied into pinned host buffers before ``save`` returns, enqueued on the
+  current stream (the training's later kernels, in place or not, run after the copy).
+- CPU tensors are copied into host buffers by the writer thread, and a donating step waits for
+  that copy before it first writes into any state (``zfunc.step.before_consume``). This is the
+  donation rule doing the protecting: a step writes into a state only once it consumes it, so the
+  forward and backward of the next step overlap the copy, and training is blocked only when the
+  copy takes longer than they do. A copy rather than writing from the state's own memory: the
+  copy runs at memory speed (several GB/s), the write at disk speed, so a step waiting for the
+  copy waits a fraction of what it would wait for the write. Module buffers (``state.buffers``,
+  which the forward updates before the state is consumed) and small leaves are copied before
+  ``save`` returns.
+- The host buffers are kept for the next save of the same sizes (no page faults the second
+  time): a background save holds a second copy of this rank's state in host memory.
+
+So between ``save`` and the step that consumes the state, the state must not be changed by other
+means (an in-place edit by hand): the copy may not have been taken yet. ``handle.wait()`` returns
+once the checkpoint is in place on every rank (and re-raises the writer's error);
+``handle.done()`` says whether it has finished. The next ``save`` waits for the previous one; an
+error nobody waited for is raised by the next ``save``. A crash or ``kill -9`` during a
+background save leaves what a crash during a blocking save leaves: the previous checkpoint, whole.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from zfunc import step as step_module
+from zfunc.swap import aligned_empty
+
+EAGER_BYTES = 1 << 20  # leaves smaller than this are copied before save returns
+
+
+class SaveHandle:
+    """A save under way in the background: ``wait()`` (the directory, or the writer's error) and
+    ``done()``."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+        self._reported = False
+
+    def done(self) -> bool:
+        """True once the save has finished, in place or failed."""
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> Path:
+        """Block until the checkpoint is in place (on every rank); return its directory. Raises
+        the writer's error, or ``TimeoutError`` when ``timeout`` seconds pass first."""
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"zf.checkpoint.save of {self.directory}: not finished after {timeout} s")
+        if self._error is not None:
+            self._reported = True
+            raise self._error
+        return self.directory
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error is not None else "done" if self.done() else "running"
+        return f"SaveHandle({str(self.directory)!r}, {state})"
+
+
+_previous: SaveHandle | None = None
+_previous_lock = threading.Lock()
+
+
+def wait_for_previous() -> None:
+    """Wait for this process's last background save; raise its error if nobody has seen it."""
+    with _previous_lock:
+        handle = _previous
+    if handle is None:
+        return
+    handle._finished.wait()
+    if handle._error is not None and not handle._reported:
+        handle._reported = True
+        raise handle._error
+
+
+# ----------------------------------------------------------------------------- snapshot
+
+_free: dict[tuple[int, bool], list[torch.Tensor]] = {}  # host buffers of the last save, by (bytes, pinned)
+_free_lock = threading.Lock()
+_copying: set[threading.Event] = set()  # snapshots whose CPU copies are not taken yet
+
+
+def _wait_for_copies() -> None:
+    for copied in list(_copying):
+        copied.wait()
+
+
+step_module.before_consume.append(_wait_for_copies)
+
+
+def _host_buffer(like: torch.Tensor, pinned: bool) -> torch.Tensor:
+    nbytes = like.numel() * like.element_size()
+    with _free_lock:
+        kept = _free.get((nbytes, pinned))
+        raw = kept.pop() if kept else None
+    if raw is None:
+        raw = aligned_empty(nbytes, pin=pinned)[:nbytes]
+    return raw.view(like.dtype).view(like.shape)
+
+
+class Snapshot:
+    """Host copies of the tensors one rank writes, taken as the module docstring says."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], eager: Callable[[str], bool]):
+        self.copies: dict[str, torch.Tensor] = {}
+        self._later: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._event = None
+        for name, x in tensors.items():
+            x = x.detach()
+            on_cuda = x.device.type == "cuda"
+            out = self.copies[name] = _host_buffer(x, pinned=on_cuda)
+            if on_cuda:
+                out.copy_(x, non_blocking=True)
+            elif eager(name) or x.numel() * x.element_size() < EAGER_BYTES or not x.is_contiguous():
+                out.copy_(x)
+            else:
+                self._later.append((out, x))
+        if any(x.device.type == "cuda" for x in tensors.values()):
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self.copied = threading.Event()
+        if self._later:
+            _copying.add(self.copied)
+        else:
+            self.copied.set()
+
+    def take(self) -> dict[str, torch.Tensor]:
+        """On the writer thread: finish the copies (CPU ones by memcpy, without the GIL or torch's
+        intra-op threads, which training uses); then steps may write into the state again."""
+        try:
+            for out, x in self._later:
+                np.copyto(out.reshape(-1).view(torch.uint8).numpy(), x.reshape(-1).view(torch.uint8).numpy())
+            if self._event is not None:
+                self._event.synchronize()
+        finally:
+            self.release_state()
+        return self.copies
+
+    def release_state(self) -> None:
+        self.copied.set()
+        _copying.discard(self.copied)
+
+    def recycle(self) -> None:
+        """Keep the host buffers for the next save (only the last save's are kept)."""
+        kept: dict[tuple[int, bool], list[torch.Tensor]] = {}
+        for t in self.copies.values():
+            kept.setdefault((t.numel() * t.element_size(), t.is_pinned()), []).append(t.reshape(-1).view(torch.uint8))
+        with _free_lock:
+            _free.clear()
+            _free.update(kept)
+
+
+# ----------------------------------------------------------------------------- the writer thread
+
+_groups: dict[tuple, object] = {}
+
+
+def background_group(world: int):
+    """The gloo process group the writer threads' collectives run on (made by every rank, once)."""
+    key = (id(dist.group.WORLD), world)
+    if key not in _groups:
+        _groups[key] = dist.new_group(backend="gloo")
+    return _groups[key]
+
+
+def start(directory: Path, snapshot: Snapshot, write: Callable[[dict[str, torch.Tensor]], None],
+          cleanup: Callable[[], None]) -> SaveHandle:
+    """Run ``write(snapshot.take())`` on a new thread, then ``cleanup()``; the handle."""
+    global _previous
+    handle = SaveHandle(directory)
+
+    def run() -> None:
+        try:
+            write(snapshot.take())
+        except BaseException as e:  # noqa: BLE001 - handed to the handle
+            handle._error = e
+        finally:
+            snapshot.release_state()
+            try:
+                cleanup()
+            except BaseException as e:  # noqa: BLE001
+                handle._error = handle._error or e
+            snapshot.recycle()
+            handle._finished.set()
+
+    with _previous_lock:
+        _previous = handle
+    # not a daemon: an interpreter that exits waits for the save to finish
+    threading.Thread(target=run, name=f"zf.checkpoint.save {directory}", daemon=False).start()
+    return handle
