@@ -75,7 +75,7 @@ import torch
 import torch.distributed as dist
 
 import zfunc
-from zfunc import checkpoint_files as cf, checkpoint_layout as cl, tree
+from zfunc import checkpoint_files as cf, checkpoint_layout as cl, compose, tree
 from zfunc.checkpoint_files import LATEST, CheckpointError, read_manifest
 from zfunc.checkpoint_folder import (checkpoint_path, claim, default_run, latest, locked, prune, put_in_place, scratch,
                                      write_text_atomic)
@@ -243,8 +243,6 @@ def _model(manifest: dict, step: Step, params: Any) -> tuple[Any, str]:
 def _template(manifest: dict, step_or_template: Any, params: Any) -> tuple[TrainState, str, Any]:
     """The state to fill (a step's: on the meta device), where its model came from, and the
     model's meta params (None for a template state)."""
-    from zfunc.offload import OffloadedStep
-    from zfunc.pipeline import PipelineStep
     from zfunc.store import OnDisk
 
     if isinstance(step_or_template, TrainState):
@@ -263,12 +261,12 @@ def _template(manifest: dict, step_or_template: Any, params: Any) -> tuple[Train
     if not isinstance(step_or_template, Step):
         raise TypeError(f"step_or_template: expected a Step or a TrainState, got {type(step_or_template).__name__}")
     model, source = _model(manifest, step_or_template, params)
-    if isinstance(step_or_template, OffloadedStep):
+    if compose.applied(step_or_template, "offload"):
         template = step_or_template.init_meta(model)
     else:
         template = step_or_template.init(model)
     buffers = _saved_buffers(manifest, "meta")
-    if isinstance(step_or_template, PipelineStep):
+    if compose.applied(step_or_template, "pipeline"):
         buffers = step_or_template.own_buffers(buffers)
     return template.replace(buffers=buffers), source, model
 
@@ -338,8 +336,6 @@ def load(directory: str | os.PathLike, step_or_template: Step | TrainState, *, p
     were read into (no copies). Into an offloaded step, at most one leaf (param piece and its
     optimizer state) is in RAM at once, besides the step's writes in flight.
     """
-    from zfunc.offload import OffloadedStep
-
     directory = checkpoint_path(directory)
     manifest = read_manifest(directory)
     template, source, model = _template(manifest, step_or_template, params)
@@ -351,7 +347,7 @@ def load(directory: str | os.PathLike, step_or_template: Step | TrainState, *, p
         cl.check_leaf(directory, saved[slot.path], slot, like)
     with cf.RankFiles(directory, manifest, verify) as files:
         lazy = tree.unflatten(treespec, [_reader(files, saved[s.path], s, x) for s, x in zip(slots, leaves)])
-        if isinstance(step_or_template, OffloadedStep):
+        if compose.applied(step_or_template, "offload"):
             return _restore(step_or_template, lazy, model, device)
         return tree.map(lambda read, like: _to(read(), like, device), lazy, template)
 

@@ -64,7 +64,7 @@ from typing import Any
 
 import torch
 
-from zfunc import optim, precision as mp, tree
+from zfunc import compose, optim, precision as mp, tree
 from zfunc.dist import Mesh
 from zfunc.ops import hostmem
 from zfunc.shard import FlatUnit, GradSlices, ShardedStep, ShardSpec, _leaf_names, local_piece
@@ -112,6 +112,7 @@ class OffloadedStep(ShardedStep):
     def __init__(self, base: Step, mesh: Mesh, stage: int, units, prefetch: int, bucket_elems: int, verify: bool,
                  optimizer: str, params: str | None, path: str | None, chunk_bytes: int, overlap: bool | None):
         super().__init__(base, mesh, stage, units, prefetch, bucket_elems, verify)
+        self.layers = (*base.layers, "offload")
         self.where_optimizer, self.where_params, self.path = optimizer, params, path
         self.chunk_bytes = chunk_bytes
         self.overlap = _overlap_allowed(base, overlap)
@@ -482,10 +483,7 @@ def offload(step: Step, optimizer: str = "cpu", params: str | None = None, *, pa
     Law and cost: the module docstring. Needs ``donate=True`` (the default): the state is updated
     where it lives, in RAM or in its files.
     """
-    if isinstance(step, OffloadedStep):
-        raise ValueError("step: already offloaded; offload the plain or sharded step once")
-    if not isinstance(step, Step):
-        raise TypeError(f"step: expected a Step from zf.train_step or zf.shard, got {type(step).__name__}")
+    compose.check("offload", step)
     if optimizer not in PLACES:
         raise ValueError(f"optimizer: expected one of {PLACES}, got {optimizer!r}")
     if params not in (None, *PLACES):
@@ -497,10 +495,7 @@ def offload(step: Step, optimizer: str = "cpu", params: str | None = None, *, pa
     if not step.donate:
         raise ValueError("step: offload updates the state where it lives (RAM or files), so it needs a donating "
                          "step; build it with train_step(..., donate=True)")
-    if isinstance(step, ShardedStep):
-        if step.stage == 0:
-            raise ValueError("step: offloading a stage-0 (replicated) step is not supported yet; offload a plain "
-                             "step on one rank, or zf.shard(step, mesh, stage) with stage 1, 2 or 3")
+    if compose.applied(step, "shard"):
         if params is not None and step.stage != 3:
             raise ValueError(f"params: offloading params needs stage 3 (units fetched just in time), the step is "
                              f"stage {step.stage}")

@@ -78,10 +78,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from zfunc import optim, precision as mp, tree
+from zfunc import compose, optim, precision as mp, tree
 from zfunc.dist import Mesh
 from zfunc.module import BufferScope, carrying, run_by
-from zfunc.shard import GradSlices, ShardedStep, ShardSpec, _buckets, _gather_whole, average_buffers, average_order
+from zfunc.shard import GradSlices, ShardSpec, _buckets, _gather_whole, average_buffers, average_order
 from zfunc.step import (Step, TrainState, _cuda_devices, _split_batch, _step_seed, require_train_state, seeded,
                         split_loss)
 from zfunc.units import Selector
@@ -387,7 +387,7 @@ class _Run:
         run = _StageRun(self.ps.model, self.ps.layout, self.s, self.p, act_in)
         try:
             with torch.enable_grad(), run_by(run):
-                out = self.ps._loss(self.params, micro)
+                out = self.ps.loss_fn(self.params, micro)
         except _StageOutput as stop:
             return stop.output
         run.check_complete()
@@ -456,20 +456,12 @@ class PipelineStep(Step):
     def __init__(self, base: Step, model: nn.Module, layout: Layout, microbatches: int, schedule: str, mesh: Mesh):
         super().__init__(base.loss_fn, base.optimizer, base.precision, 1, base.donate, base.has_aux, base.seed,
                          base.max_skips)
-        self.base = base if isinstance(base, ShardedStep) else None
+        self.layers = (*base.layers, "pipeline")
+        self.base = base if compose.applied(base, "shard") else None
         self.model, self.layout, self.mesh = model, layout, mesh
         self.stages, self.stage, self.microbatches, self.schedule = mesh.pp, mesh.pp_rank, microbatches, schedule
         self.peak_live_microbatches, self.timings = 0, {}
         self._bucket_cache: list | None = None
-
-    def _refuse(self):
-        raise AttributeError("a pipelined step cannot be wrapped by another transformation (zf.shard(zf.pipeline(..."
-                             "))): apply zf.pipeline last, e.g. zf.pipeline(zf.shard(step, mesh, stage=1), ...)")
-
-    def _keep(self, fn) -> None:
-        self._loss = fn
-
-    loss_fn = property(_refuse, _keep, doc="refused: the pipeline must be the outermost transformation")
 
     def init(self, params: PyTree) -> TrainState:
         """This stage's fp32 params (split over the dp ranks if the step is sharded) and their
@@ -689,12 +681,7 @@ def pipeline(step: Step, stages: int, microbatches: int, schedule: str = "1f1b",
       mesh: default ``Mesh(pp=stages)``; a sharded step brings its own.
     Every rank of a pipeline calls the step with the same batch. Law and cost: module docstring.
     """
-    if isinstance(step, PipelineStep):
-        raise ValueError("step: already pipelined; pipeline the plain or sharded step once")
-    if not isinstance(step, Step):
-        raise TypeError(f"step: expected a Step from zf.train_step (or zf.shard), got {type(step).__name__}")
-    if isinstance(step, ShardedStep) and step.stage != 1:
-        raise ValueError(f"step: pipeline composes with ZeRO stage 1 over the dp axis, got stage {step.stage}")
+    compose.check("pipeline", step)
     if step.accum != 1:
         raise ValueError(f"step: accum={step.accum}; the pipeline splits the batch into microbatches itself, "
                          "build the step with accum=1")
@@ -706,12 +693,13 @@ def pipeline(step: Step, stages: int, microbatches: int, schedule: str = "1f1b",
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected the torch.nn.Module the loss runs, got {type(model).__name__}")
     layout = make_layout(model, units, stages, split)
+    compose.check_pipeline_units(model, layout.units)
     mesh = _pick_mesh(step, stages, mesh)
     return PipelineStep(step, model, layout, microbatches, schedule, mesh)
 
 
 def _pick_mesh(step: Step, stages: int, mesh: Mesh | None) -> Mesh:
-    if isinstance(step, ShardedStep):
+    if compose.applied(step, "shard"):
         if mesh is not None and mesh is not step.mesh:
             raise ValueError("mesh: a sharded step pipelines over its own mesh; leave mesh out")
         mesh = step.mesh
@@ -720,7 +708,7 @@ def _pick_mesh(step: Step, stages: int, mesh: Mesh | None) -> Mesh:
         raise TypeError(f"mesh: expected a zf.Mesh, got {type(mesh).__name__}")
     if mesh.pp != stages:
         raise ValueError(f"stages: {stages} stages, but the mesh has pp={mesh.pp} (build it as zf.Mesh(pp={stages}))")
-    if mesh.dp > 1 and not isinstance(step, ShardedStep):
+    if mesh.dp > 1 and not compose.applied(step, "shard"):
         raise ValueError(f"mesh: dp={mesh.dp}; shard the step over the dp axis first: "
                          "zf.pipeline(zf.shard(step, mesh, stage=1), ...)")
     return mesh

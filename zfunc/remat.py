@@ -39,6 +39,8 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
+from zfunc import compose
+
 
 def _to_host(x: Any) -> Any:
     """A CPU copy of a device tensor (pinned, so the way back can be asynchronous), kept in the
@@ -100,6 +102,7 @@ def remat(fn: Callable[..., Any], offload: bool = False) -> Callable[..., Any]:
     """
     if not callable(fn):
         raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
+    compose.check_model_level("remat", fn)
     if not isinstance(offload, bool):
         raise TypeError(f"offload: expected a bool, got {type(offload).__name__}")
     module = _owner(fn)
@@ -151,4 +154,5 @@ def remat(fn: Callable[..., Any], offload: bool = False) -> Callable[..., Any]:
 
         return checkpoint(on_device, *state, *[_to_host(x) for x in args], use_reentrant=False)
 
+    rematerialized.zfunc_transform = "remat"  # what zfunc.compose looks for (a pipeline unit refuses it)
     return rematerialized

@@ -79,7 +79,7 @@ from typing import Any
 import optree
 import torch
 
-from zfunc import optim, precision as mp, tree
+from zfunc import compose, optim, precision as mp, tree
 from zfunc.dist import Mesh
 from zfunc.materialize import Materializer, leaf as materialize_leaf
 from zfunc.module import BufferScope, carrying, run_by
@@ -473,6 +473,7 @@ class ShardedStep(Step):
                  fit_buckets: bool = False):
         super().__init__(base.loss_fn, base.optimizer, base.precision, base.accum, base.donate, base.has_aux,
                          base.seed, base.max_skips)
+        self.layers = (*base.layers, "shard")
         self.mesh, self.stage, self.units_selector = mesh, stage, units
         self.prefetch, self.bucket_elems, self.verify = prefetch, bucket_elems, verify
         self.order: list[int] = []  # stage 3: units' run order, recorded on the first step
@@ -901,10 +902,7 @@ def shard(step: Step, mesh: Mesh, stage: int, units: Selector | None = None, *, 
     Law, layout and cost: see the module docstring. The loss must be a mean over the rank's batch;
     under stage 3 the model's params must reach it only through ``zf.functionalize``'s ``apply``.
     """
-    if isinstance(step, ShardedStep):
-        raise ValueError("step: already sharded; shard the plain step once")
-    if not isinstance(step, Step):
-        raise TypeError(f"step: expected a Step from zf.train_step, got {type(step).__name__}")
+    compose.check("shard", step)
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh: expected a zf.Mesh, got {type(mesh).__name__}")
     if stage not in (0, 1, 2, 3):

@@ -228,6 +228,8 @@ class Step:
     steps taken, skipped ones included).
     """
 
+    layers: tuple[str, ...] = ("train_step",)  # the transformations that built it (``zfunc.compose``)
+
     def __init__(self, loss_fn, optimizer, precision, accum, donate, has_aux, seed, max_skips=None):
         self.loss_fn, self.optimizer, self.precision = loss_fn, optimizer, precision
         self.accum, self.donate, self.has_aux, self.seed = accum, donate, has_aux, seed
