@@ -24,7 +24,7 @@ FLOPs), plus a host round trip of the inputs with ``offload`` (overlapped on CUD
 
 Implemented with the non-reentrant ``torch.utils.checkpoint``, which works under
 ``torch.autograd.grad`` and ``backward`` (what zfunc's steps use) but not under ``torch.func.grad``
-(DESIGN section 4). The reentrant variant would compute param grads into ``.grad`` behind
+(docs/design.md, section 1). The reentrant variant would compute param grads into ``.grad`` behind
 ``autograd.grad``'s back, so it is not used.
 """
 from __future__ import annotations
