@@ -131,17 +131,9 @@ def optimizer_step(mparams: float, path: str) -> None:
                       path=path, chunk_bytes=64 << 20)
     state = step.init(params)
     timed = []
-    original = step._update_leaves
-
-    def timed_update(order, grads):
-        t = time.perf_counter()
-        original(order, grads)
-        step._wait_writes(None)
-        timed.append(time.perf_counter() - t)
-
-    step._update_leaves = timed_update
     for _ in range(3):
         state, _ = step(state, torch.tensor(1.0))
+        timed.append(step.update_s)  # the update alone (leaf by leaf, writes included)
     ours = min(timed)
     # CPU-Adam on the same params in RAM
     p, g, m, v = (torch.randn(leaf) for _ in range(4))

@@ -252,10 +252,10 @@ def sharded_worker(rank, world, path, configs):
     return out
 
 
-SHARDED = [(2, "nvme", None, True), (2, "cpu", None, False), (3, "nvme", "nvme", False), (3, "cpu", "cpu", True)]
+SHARDED = [(1, "cpu", None, True), (2, "nvme", None, True), (2, "cpu", None, False), (3, "nvme", "nvme", False), (3, "cpu", "cpu", True)]
 
 
-def test_offload_composes_with_shard_stages_2_and_3(tmp_path):
+def test_offload_composes_with_shard_stages_1_2_and_3(tmp_path):
     results = zf.dist.spawn(sharded_worker, 2, 2, str(tmp_path), SHARDED)
     for k, (stage, where, params, clip) in enumerate(SHARDED):
         ref_state, ref_losses, ref_norms = run(*make(clip), world=2)
@@ -317,7 +317,7 @@ def test_bad_arguments_are_named(tmp_path):
         offload(step, "cpu", overlap=True)
     with pytest.raises(ValueError, match="donating step"):
         offload(zf.train_step(step.loss_fn, step.optimizer, donate=False), "cpu")
-    with pytest.raises(ValueError, match="already offloaded"):
+    with pytest.raises(ValueError, match="offloaded already"):
         offload(offload(step, "cpu"), "cpu")
     with pytest.raises(ValueError, match="params: offloading params needs stage 3"):
         offload(zf.shard(step, zf.Mesh(), 2), "cpu", "cpu")

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zfunc as zf
-from zfunc.shard import FlatUnit, GradAllReducer, GradReducer, LeafShard, ShardSpec, full_params, local_piece
+from zfunc.shard import FlatGroup, GradAllReducer, GradReducer, LeafShard, ShardSpec, full_params, local_piece
 
 STEPS = 5
 
@@ -236,7 +236,7 @@ def test_packing_writes_every_element_padding_as_zeros(world):
     shapes = [(5, 3), (7,), (), (2, 2)]
     wholes = [torch.randn(shape) for shape in shapes]
     leaves = tuple(LeafShard(shape, -(-(shape[0] if shape else 1) // world)) for shape in shapes)
-    unit = FlatUnit("u", list(range(len(leaves))), leaves)
+    unit = FlatGroup("u", list(range(len(leaves))), leaves)
     grads = [*wholes[:-1], None]  # the last param got no grad: reduced as zeros
     full = torch.full((world, unit.segment), float("nan"))
     unit.pack_full(grads, leaves, world, full)
@@ -474,7 +474,7 @@ def test_shard_argument_checks():
         zf.shard(step, mesh, 2, units=zf.units.by_class(Block))
     with pytest.raises(ValueError, match="prefetch"):
         zf.shard(step, mesh, 3, prefetch=-1)
-    with pytest.raises(ValueError, match="already sharded"):
+    with pytest.raises(ValueError, match=r"zf.shard\(zf.shard\(step\)\) is refused: .* sharded already"):
         zf.shard(zf.shard(step, mesh, 1), mesh, 1)
     with pytest.raises(ValueError, match="dp: the mesh has 2 ranks"):
         zf.Mesh(dp=2)

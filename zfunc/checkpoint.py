@@ -79,7 +79,7 @@ import torch
 import torch.distributed as dist
 
 import zfunc
-from zfunc import checkpoint_async as ca, checkpoint_files as cf, checkpoint_layout as cl, tree
+from zfunc import checkpoint_async as ca, checkpoint_files as cf, checkpoint_layout as cl, compose, tree
 from zfunc.checkpoint_async import SaveHandle
 from zfunc.checkpoint_files import LATEST, CheckpointError, read_manifest
 from zfunc.checkpoint_folder import (checkpoint_path, claim, default_run, latest, locked, prune, put_in_place, scratch,
@@ -292,8 +292,6 @@ def _model(manifest: dict, step: Step, params: Any) -> tuple[Any, str]:
 def _template(manifest: dict, step_or_template: Any, params: Any) -> tuple[TrainState, str, Any]:
     """The state to fill (a step's: on the meta device), where its model came from, and the
     model's meta params (None for a template state)."""
-    from zfunc.offload import OffloadedStep
-    from zfunc.pipeline import PipelineStep
     from zfunc.store import OnDisk
 
     if isinstance(step_or_template, TrainState):
@@ -312,12 +310,12 @@ def _template(manifest: dict, step_or_template: Any, params: Any) -> tuple[Train
     if not isinstance(step_or_template, Step):
         raise TypeError(f"step_or_template: expected a Step or a TrainState, got {type(step_or_template).__name__}")
     model, source = _model(manifest, step_or_template, params)
-    if isinstance(step_or_template, OffloadedStep):
+    if compose.applied(step_or_template, "offload"):
         template = step_or_template.init_meta(model)
     else:
         template = step_or_template.init(model)
     buffers = _saved_buffers(manifest, "meta")
-    if isinstance(step_or_template, PipelineStep):
+    if compose.applied(step_or_template, "pipeline"):
         buffers = step_or_template.own_buffers(buffers)
     return template.replace(buffers=buffers), source, model
 
@@ -388,7 +386,6 @@ def load(directory: str | os.PathLike, step_or_template: Step | TrainState, *, p
     optimizer state) is in RAM at once, besides the step's writes in flight.
     """
     from zfunc.checkpoint_import import foreign_format, load_foreign
-    from zfunc.offload import OffloadedStep
 
     directory = checkpoint_path(directory)
     if foreign_format(directory):  # a DeepSpeed or torch DCP checkpoint: zfunc.checkpoint_import
@@ -403,7 +400,7 @@ def load(directory: str | os.PathLike, step_or_template: Step | TrainState, *, p
         cl.check_leaf(directory, saved[slot.path], slot, like)
     with cf.RankFiles(directory, manifest, verify) as files:
         lazy = tree.unflatten(treespec, [_reader(files, saved[s.path], s, x) for s, x in zip(slots, leaves)])
-        if isinstance(step_or_template, OffloadedStep):
+        if compose.applied(step_or_template, "offload"):
             return _restore(step_or_template, lazy, model, device)
         return tree.map(lambda read, like: _to(read(), like, device), lazy, template)
 

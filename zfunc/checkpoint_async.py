@@ -13,7 +13,7 @@ on its first background save), so its collectives never interleave with training
 - CUDA tensors are copied into pinned host buffers before ``save`` returns, enqueued on the
   current stream (the training's later kernels, in place or not, run after the copy).
 - CPU tensors are copied into host buffers by the writer thread, and a donating step waits for
-  that copy before it first writes into any state (``zfunc.step.before_consume``). This is the
+  that copy before it first writes into any state (``zfunc.state.before_consume``). This is the
   donation rule doing the protecting: a step writes into a state only once it consumes it, so the
   forward and backward of the next step overlap the copy, and training is blocked only when the
   copy takes longer than they do. A copy rather than writing from the state's own memory: the
@@ -41,7 +41,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from zfunc import step as step_module
+from zfunc import state as state_module
 from zfunc.swap import aligned_empty
 
 EAGER_BYTES = 1 << 20  # leaves smaller than this are copied before save returns
@@ -104,7 +104,7 @@ def _wait_for_copies() -> None:
         copied.wait()
 
 
-step_module.before_consume.append(_wait_for_copies)
+state_module.before_consume.append(_wait_for_copies)
 
 
 def _host_buffer(like: torch.Tensor, pinned: bool) -> torch.Tensor:

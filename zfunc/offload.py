@@ -59,10 +59,14 @@ gather as before.
 
 Not yet: grads cross PCIe as fp32 on CUDA, and masters kept on the GPU (``params=None``) cross
 it as fp32 both ways for the update.
+
+Over 400 lines for a reason: the step, its run object (``OffloadRun``) and the leaf-by-leaf update
+are one mechanism; ``_Stores``/``OffloadRun``/``_Updating`` can move to a module of their own.
 """
 from __future__ import annotations
 
 import math
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -72,11 +76,12 @@ from typing import Any
 
 import torch
 
-from zfunc import optim, precision as mp, tree
+from zfunc import compose, optim, precision as mp, tree
 from zfunc.dist import Mesh
 from zfunc.ops import hostmem
-from zfunc.shard import FlatUnit, GradSlices, ShardedStep, ShardSpec, _leaf_names, local_piece
-from zfunc.step import _FIELDS, NonFiniteError, Step, TrainState, require_train_state
+from zfunc.shard import FlatGroup, GradSlices, ShardedStep, ShardSpec, _leaf_names, local_piece
+from zfunc.shard_run import ShardRun
+from zfunc.step import _FIELDS, NonFiniteError, Step, TrainState, Transformed, require_train_state
 from zfunc.store import All, OnDisk, ReadAhead, Store
 
 PyTree = Any
@@ -147,12 +152,42 @@ class ComputeCopies:
         by_id[key] = (weakref.ref(master, lambda _: by_id.pop(key, None)), master._version, copy)
 
 
-class OffloadedStep(ShardedStep):
-    """The step ``offload`` returns (see the module docstring)."""
+class _Stores:
+    """Where one call (an ``init`` or a step) puts leaves: the optimizer's and the params' stores,
+    and the writes in flight (at most ``2 * chunk_bytes``)."""
 
-    def __init__(self, base: Step, mesh: Mesh, stage: int, units, prefetch: int, bucket_elems: int, verify: bool,
-                 optimizer: str, params: str | None, path: str | None, chunk_bytes: int, overlap: bool | None):
-        super().__init__(base, mesh, stage, units, prefetch, bucket_elems, verify)
+    def __init__(self, step: OffloadedStep, device: torch.device):
+        pin = device.type == "cuda"
+        self.chunk_bytes = step.chunk_bytes
+        self._writes: deque = deque()
+        self._opt_store = Store(step.engine if step.where_optimizer == "nvme" else None, pin, self._track)
+        self._param_store = Store(step.engine if step.where_params == "nvme" else None, pin, self._track)
+
+    def _track(self, write: Future | None, nbytes: int) -> None:
+        if write is None:
+            return
+        self._writes.append((write, nbytes))
+        self._wait_writes(2 * self.chunk_bytes)
+
+    def _wait_writes(self, budget: int | None) -> None:
+        """Wait for the oldest writes until at most ``budget`` bytes are in flight (all: None)."""
+        writes = self._writes
+        while writes and (budget is None or sum(n for _, n in writes) > budget):
+            writes.popleft()[0].result()
+
+
+class OffloadedStep(Transformed):
+    """The step ``offload`` returns (see the module docstring). It wraps a ``ShardedStep``
+    (``sharded``: the sharded step it was given, or, for a plain step, one over a one-process mesh)
+    and replaces three of its roles in its run (``OffloadRun``): params come from the stores, grads
+    go to an updating or holding sink, the update runs leaf by leaf from the stores."""
+
+    def __init__(self, base: Step, sharded: ShardedStep, optimizer: str, params: str | None, path: str | None,
+                 chunk_bytes: int, overlap: bool | None):
+        super().__init__(sharded, "offload")
+        self.layers = (*base.layers, "offload")  # what the user built: a plain step's shard is internal
+        self.sharded = sharded
+        self.peak_gathered_bytes = self.peak_whole_grad_bytes = 0  # what the last call measured
         self.where_optimizer, self.where_params, self.path = optimizer, params, path
         self.chunk_bytes = chunk_bytes
         self.overlap = _overlap_allowed(base, overlap)
@@ -160,6 +195,7 @@ class OffloadedStep(ShardedStep):
         self._fetch_order: list[int] = []  # params' read order in the last step (forward/backward)
         self.compute_copies = ComputeCopies()
         self._update_order: list[int] = []  # leaves' update order in the last step
+        self.update_s = 0.0  # the last step's held update (not overlapped with backward), writes included
 
     # ------------------------------------------------------------------ init
     def init(self, params: PyTree, materialize: Callable[[str, torch.Tensor], torch.Tensor] | None = None
@@ -217,16 +253,17 @@ class OffloadedStep(ShardedStep):
                device: torch.device) -> TrainState:
         """Each leaf's piece and optimizer state from ``leaf(i)``, put where the step keeps them."""
         self._swap(spec)
-        self._stores(device)
+        stores = _Stores(self, device)
         masters, states = [], []
         for i in range(len(spec.leaves)):
             piece, state = leaf(i)
             s_leaves, s_spec = tree.flatten(state)
-            states.append(tree.unflatten(s_spec, [self._opt_store.put(f"p{i}.s{j}", t) if _is_stored(t) else t
+            states.append(tree.unflatten(s_spec, [stores._opt_store.put(f"p{i}.s{j}", t) if _is_stored(t) else t
                                                   for j, t in enumerate(s_leaves)]))
-            masters.append(piece.to(device) if self.where_params is None else self._param_store.put(f"p{i}.master", piece))
+            masters.append(piece.to(device) if self.where_params is None
+                           else stores._param_store.put(f"p{i}.master", piece))
             del piece, state, s_leaves
-        self._wait_writes(None)
+        stores._wait_writes(None)
         path = self.path if self.engine is None else str(self.engine.path)  # this rank's files
         off = OffloadSpec(*_shard_fields(spec), self.where_optimizer, self.where_params, path, device)
         return TrainState(tree.unflatten(treespec, masters), tuple(states), 0, self.seed,
@@ -246,15 +283,9 @@ class OffloadedStep(ShardedStep):
             # benchmarks/capacity.py no longer fit in 1 GiB
             self.engine = SwapEngine(rank_dir(self.path), files=files, threads=4)
 
-    def _stores(self, device: torch.device) -> None:
-        pin = device.type == "cuda"
-        self._writes: deque = deque()
-        self._opt_store = Store(self.engine if self.where_optimizer == "nvme" else None, pin, self._track)
-        self._param_store = Store(self.engine if self.where_params == "nvme" else None, pin, self._track)
-
     def _check_state(self, state: Any) -> None:
         require_train_state(state)
-        spec = state.sharding
+        spec = state.placement
         if not isinstance(spec, OffloadSpec):
             raise ValueError(f"state: this state is not offloaded ({spec or 'a plain state'}); build it with "
                              "this offloaded step's init(params)")
@@ -264,21 +295,56 @@ class OffloadedStep(ShardedStep):
                              f"(rank {self.mesh.rank}) with optimizer on {self.where_optimizer}, params on "
                              f"{self.where_params or 'the compute device'}")
 
-    # ------------------------------------------------------------------ forward and backward
+    def memory(self, state: TrainState) -> dict[str, Any]:
+        """Bytes of the state by place: "device" (masters kept where compute happens), "cpu" (host
+        RAM), "nvme" (swap files); the peak of whole params in the last step and its communication."""
+        self._check_state(state)
+        where = {"device": 0, "cpu": 0, "nvme": 0}
+        ram = "device" if self.where_params is None else "cpu"
+        for leaves, in_ram in ((tree.leaves(state.params), ram), (tree.leaves(state.opt_state), "cpu")):
+            for x in leaves:
+                if isinstance(x, OnDisk):
+                    where["nvme"] += x.nbytes
+                elif isinstance(x, torch.Tensor):
+                    where[in_ram] += x.numel() * x.element_size()
+        return {**where, "whole_params": self.peak_gathered_bytes, "comm": self.mesh.comm_bytes()}
+
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         self._check_state(state)
-        self._stores(state.sharding.device)
+        run = OffloadRun(self, state)  # all per-call state lives there
+        try:
+            return run.execute(state, batch)
+        finally:
+            self.peak_gathered_bytes, self.peak_whole_grad_bytes = run.peak_gathered_bytes, run.peak_whole_grad_bytes
+            self.update_s = run.update_s
+
+
+class OffloadRun(_Stores, ShardRun):
+    """One call of an ``OffloadedStep``: a ``ShardRun`` whose params come from the stores (read
+    ahead in the order the last step read them), whose grads go to an updating sink (overlap) or
+    are held, and whose update runs leaf by leaf from the stores, writing back as it goes."""
+
+    def __init__(self, step: OffloadedStep, state: TrainState):
+        ShardRun.__init__(self, step, state)
+        _Stores.__init__(self, step, state.placement.device)
         self._state_in_use, self._fields = state, tuple(getattr(state, f) for f in _FIELDS)
         self._masters, self._param_names = tree.leaves(state.params), _leaf_names(state.params)
         self._opt_states = list(state.opt_state)
         self._reader = ReadAhead(lambda i: self._param_store.fetch(self._masters[i]), self._leaf_bytes,
-                                 self._fetch_order, self.chunk_bytes)
+                                 step._fetch_order, self.chunk_bytes)
         self._sq_norm = torch.zeros((), dtype=torch.float64)
         self._new: dict[int, tuple[Any, Any]] = {}
+        self._skip_updates = False
+        self._update_seen: list[int] | None = None  # leaves in the order an overlapped update met them
+        self.update_s = 0.0  # seconds in the held (not overlapped) update, writes included
+
+    def execute(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         try:
-            return super().__call__(state, batch)
+            return super().execute(state, batch)
         finally:
-            self._fetch_order = self._reader.seen
+            self.step._fetch_order = self._reader.seen  # learned: the next step reads ahead in this order
+            if self._update_seen is not None:
+                self.step._update_order = self._update_seen
             self._wait_writes(None)
 
     def _leaf_bytes(self, i: int) -> int:
@@ -340,12 +406,15 @@ class OffloadedStep(ShardedStep):
         masters = [self._new.get(i, (m, None))[0] for i, m in enumerate(self._masters)]
         states = tuple(self._new.get(i, (None, s))[1] for i, s in enumerate(self._opt_states))
         new_params = tree.unflatten(tree.structure(params), masters)
-        return TrainState(new_params, states, step + 1, rng, loss_scale, state.sharding), metrics
+        return TrainState(new_params, states, step + 1, rng, loss_scale, state.placement), metrics
 
     def _update_leaves(self, order: list[int], grads: list[torch.Tensor]) -> None:
+        start = time.perf_counter()
         reader = ReadAhead(self._fetch_leaf, self._update_bytes, order, self.chunk_bytes)
         for i in order:
             self._update_leaf(i, grads[i], reader)
+        self._wait_writes(None)
+        self.update_s += time.perf_counter() - start
 
     def _fetch_leaf(self, i: int) -> All:
         """Pending ``[master, *state tensors]`` of leaf ``i``, all reads started."""
@@ -394,33 +463,6 @@ class OffloadedStep(ShardedStep):
                 new_leaves.append(new)
         self._new[i] = (handle, tree.unflatten(s_spec, new_leaves))
 
-    def _track(self, write: Future | None, nbytes: int) -> None:
-        if write is None:
-            return
-        self._writes.append((write, nbytes))
-        self._wait_writes(2 * self.chunk_bytes)
-
-    def _wait_writes(self, budget: int | None) -> None:
-        """Wait for the oldest writes until at most ``budget`` bytes are in flight (all: None)."""
-        writes = self._writes
-        while writes and (budget is None or sum(n for _, n in writes) > budget):
-            writes.popleft()[0].result()
-
-    def memory(self, state: TrainState) -> dict[str, Any]:
-        """Bytes of the state by place: "device" (masters kept where compute happens), "cpu" (host
-        RAM), "nvme" (swap files); the peak of whole params in the last step and its communication."""
-        self._check_state(state)
-        where = {"device": 0, "cpu": 0, "nvme": 0}
-        ram = "device" if self.where_params is None else "cpu"
-        for leaves, in_ram in ((tree.leaves(state.params), ram), (tree.leaves(state.opt_state), "cpu")):
-            for x in leaves:
-                if isinstance(x, OnDisk):
-                    where["nvme"] += x.nbytes
-                elif isinstance(x, torch.Tensor):
-                    where[in_ram] += x.numel() * x.element_size()
-        return {**where, "whole_params": self.peak_gathered_bytes, "comm": self.mesh.comm_bytes()}
-
-
 def _is_stored(t: Any) -> bool:
     return isinstance(t, (torch.Tensor, OnDisk))
 
@@ -430,7 +472,7 @@ class _Updating:
 
     early = True
 
-    def __init__(self, step: OffloadedStep):
+    def __init__(self, step: OffloadRun):
         self.step = step
         order = step._update_order
         self.reader = ReadAhead(step._fetch_leaf, step._update_bytes, order, step.chunk_bytes)
@@ -438,7 +480,7 @@ class _Updating:
         self.produced: set[int] = set()  # leaves backward produced a grad for, as far as read
         self.read = 0  # how much of the reducer's ``arrived`` list is in ``produced``
 
-    def deliver(self, unit: FlatUnit, slices: list[torch.Tensor]) -> None:
+    def deliver(self, unit: FlatGroup, slices: list[torch.Tensor]) -> None:
         step = self.step
         divisor = step._grad_divisor()
         for i, g in zip(unit.indices, slices):
@@ -461,7 +503,7 @@ class _Updating:
         return i in self.produced
 
     def result(self):
-        self.step._update_order = self.seen
+        self.step._update_seen = self.seen  # the run's step learns it at the end of the call
         return None
 
 
@@ -484,7 +526,7 @@ def in_ram(state: TrainState) -> TrainState:
     """``state`` with every leaf kept in a swap file read back into (new) CPU tensors; the state
     itself is not consumed. What ``zf.checkpoint.save`` and ``full_params`` read an offloaded
     state through (so they need RAM for this rank's whole state)."""
-    spec = state.sharding
+    spec = state.placement
     if not isinstance(spec, OffloadSpec) or spec.path is None:
         return state
     from zfunc.swap import SwapEngine
@@ -521,10 +563,7 @@ def offload(step: Step, optimizer: str = "cpu", params: str | None = None, *, pa
     Law and cost: the module docstring. Needs ``donate=True`` (the default): the state is updated
     where it lives, in RAM or in its files.
     """
-    if isinstance(step, OffloadedStep):
-        raise ValueError("step: already offloaded; offload the plain or sharded step once")
-    if not isinstance(step, Step):
-        raise TypeError(f"step: expected a Step from zf.train_step or zf.shard, got {type(step).__name__}")
+    compose.check("offload", step)
     if optimizer not in PLACES:
         raise ValueError(f"optimizer: expected one of {PLACES}, got {optimizer!r}")
     if params not in (None, *PLACES):
@@ -536,21 +575,16 @@ def offload(step: Step, optimizer: str = "cpu", params: str | None = None, *, pa
     if not step.donate:
         raise ValueError("step: offload updates the state where it lives (RAM or files), so it needs a donating "
                          "step; build it with train_step(..., donate=True)")
-    if isinstance(step, ShardedStep):
-        if step.stage == 0:
-            raise ValueError("step: offloading a stage-0 (replicated) step is not supported yet; offload a plain "
-                             "step on one rank, or zf.shard(step, mesh, stage) with stage 1, 2 or 3")
+    if compose.applied(step, "shard"):
         if params is not None and step.stage != 3:
             raise ValueError(f"params: offloading params needs stage 3 (units fetched just in time), the step is "
                              f"stage {step.stage}")
         if units is not None:
             raise ValueError("units: a sharded step brings its own units; pass them to zf.shard")
-        mesh, stage, selector = step.mesh, step.stage, step.units_selector
-        prefetch, bucket_elems, verify = step.prefetch, step.bucket_elems, step.verify
-    else:
+        sharded = step
+    else:  # a plain step is sharded over one process: its machinery fetches units and delivers grads
         from zfunc import units as units_mod
 
-        mesh, stage, selector = Mesh.alone(), 3 if params is not None else 2, units or units_mod.auto()
-        bucket_elems, verify = 25 << 18, False
-    return OffloadedStep(step, mesh, stage, selector, prefetch, bucket_elems, verify, optimizer, params, path,
-                         chunk_bytes, overlap)
+        sharded = ShardedStep(step, Mesh.alone(), 3 if params is not None else 2, units or units_mod.auto(),
+                              prefetch, 25 << 18, verify=False)
+    return OffloadedStep(step, sharded, optimizer, params, path, chunk_bytes, overlap)

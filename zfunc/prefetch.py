@@ -6,7 +6,7 @@ each param's whole shape (compute dtype, ``requires_grad``) whose storage is emp
 ``zfunc.module.run_by``), forward hooks on each unit's modules fill the
 unit's storages by an all-gather just before the unit's forward and empty them after it.
 Autograd keeps referring to the same storages; a saved-tensor hook notices when backward is about
-to use a freed one and gathers the unit again (DESIGN section 4: ``torch.autograd.grad`` and
+to use a freed one and gathers the unit again (docs/design.md, section 1: ``torch.autograd.grad`` and
 ``backward`` allow these hooks where ``torch.func`` does not). The grad reducer releases a unit for
 good once all its grads are in.
 
@@ -42,7 +42,7 @@ class Gatherer:
 
     Args:
       comm: the mesh's ``Comm``. pieces: this rank's param pieces, leaf order. placeholders:
-      whole-shape leaves handed to the loss. flat_units: callable ``module -> list[FlatUnit]`` with
+      whole-shape leaves handed to the loss. flat_units: callable ``module -> list[FlatGroup]`` with
       their ``users``. order: units' run order from an earlier step (``[]`` to record it).
       depth: units to prefetch. step: the step number, for errors. verify: check the ranks agree
       on each collective before issuing it.

@@ -24,7 +24,7 @@ FLOPs), plus a host round trip of the inputs with ``offload`` (overlapped on CUD
 
 Implemented with the non-reentrant ``torch.utils.checkpoint``, which works under
 ``torch.autograd.grad`` and ``backward`` (what zfunc's steps use) but not under ``torch.func.grad``
-(DESIGN section 4). The reentrant variant would compute param grads into ``.grad`` behind
+(docs/design.md, section 1). The reentrant variant would compute param grads into ``.grad`` behind
 ``autograd.grad``'s back, so it is not used.
 """
 from __future__ import annotations
@@ -38,6 +38,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
+
+from zfunc import compose
 
 
 def _to_host(x: Any) -> Any:
@@ -100,6 +102,7 @@ def remat(fn: Callable[..., Any], offload: bool = False) -> Callable[..., Any]:
     """
     if not callable(fn):
         raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
+    compose.check_model_level("remat", fn)
     if not isinstance(offload, bool):
         raise TypeError(f"offload: expected a bool, got {type(offload).__name__}")
     module = _owner(fn)
@@ -151,4 +154,5 @@ def remat(fn: Callable[..., Any], offload: bool = False) -> Callable[..., Any]:
 
         return checkpoint(on_device, *state, *[_to_host(x) for x in args], use_reentrant=False)
 
+    rematerialized.zfunc_transform = "remat"  # what zfunc.compose looks for (a pipeline unit refuses it)
     return rematerialized

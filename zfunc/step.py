@@ -13,7 +13,7 @@ written to.
 
 Gradients use ``torch.autograd.grad`` over ``torch.func.functional_call`` with detached leaves
 that require grad: it supports saved-tensor hooks and non-reentrant checkpointing, which
-``torch.func.grad`` refuses (DESIGN section 4), and costs the same as ``loss.backward()``. A param
+``torch.func.grad`` refuses (docs/design.md, section 1), and costs the same as ``loss.backward()``. A param
 the loss never uses gets no grad (``None``), and the optimizer leaves it alone, as torch does.
 
 Non-finite steps: when the loss or the grads hold an inf or a nan, the step does not update. It
@@ -41,108 +41,13 @@ import torch
 
 from zfunc import module, optim, precision as mp, tree
 from zfunc.ops import hostmem
+from zfunc.state import _FIELDS, ConsumedStateError, TrainState, require_train_state  # noqa: F401
 
 PyTree = Any
 
 
-class ConsumedStateError(RuntimeError):
-    """A ``TrainState`` was read after a donating step consumed it."""
-
-
 class NonFiniteError(FloatingPointError):
     """More non-finite steps (loss or grads inf/nan) in a row than ``train_step(max_skips=)``."""
-
-
-_FIELDS = ("params", "opt_state", "step", "rng", "loss_scale", "buffers")
-# Called before a donating step first writes into any state's buffers: a background
-# ``zf.checkpoint.save`` registers one that waits until it has copied the state it is saving
-# (``zfunc.checkpoint_async``), so donation stays safe while a save is under way.
-before_consume: list[Callable[[], None]] = []
-
-
-class TrainState:
-    """Everything a training run carries from step to step; an optree node (namespace "zfunc").
-
-    Fields: ``params`` (pytree of fp32 master tensors), ``opt_state`` (the optimizer's state),
-    ``step`` (int, steps taken), ``rng`` (int, the base seed; step ``k`` seeds torch's RNG from
-    ``(rng, k)``), ``loss_scale`` (``precision.LossScale``: fp16's dynamic scale, a fixed 1.0 for
-    fp32/bf16; in all three it also counts the non-finite steps skipped in a row), ``buffers``
-    (keyword; dict name -> tensor: the module buffers the forward updates in training, BatchNorm's
-    running statistics; empty until a step first writes one, see ``zfunc.module``; whole, never
-    split, on every rank of a sharded state).
-    ``sharding`` is static metadata, not a pytree child: ``None`` for a plain state, else the
-    ``shard.ShardSpec`` saying how ``params`` and ``opt_state`` are split over ranks.
-    """
-
-    __slots__ = ("_values", "_taken", "sharding")
-
-    def __init__(self, params: PyTree, opt_state: PyTree, step: int = 0, rng: int = 0, loss_scale=None,
-                 sharding: Any = None, *, buffers: dict[str, Any] | None = None):
-        if buffers is not None and not isinstance(buffers, dict):
-            raise TypeError(f"buffers: expected a dict[str, Tensor] (name -> module buffer), got {type(buffers).__name__}")
-        self._values = (params, opt_state, step, rng, loss_scale, {} if buffers is None else buffers)
-        self._consumed = False
-        self.sharding = sharding
-
-    def _get(self, i: int) -> Any:
-        if self._consumed:
-            raise ConsumedStateError(
-                "this TrainState was consumed by a step (its buffers may have been updated in place); "
-                "use the state that step returned, or build the step with train_step(..., donate=False)"
-            )
-        return self._values[i]
-
-    params = property(lambda self: self._get(0), doc="pytree of fp32 master params")
-    opt_state = property(lambda self: self._get(1), doc="the optimizer's state")
-    step = property(lambda self: self._get(2), doc="number of steps taken (skipped ones included)")
-    rng = property(lambda self: self._get(3), doc="base seed of the step's random numbers")
-    loss_scale = property(lambda self: self._get(4), doc="precision.LossScale (and the skips in a row)")
-    buffers = property(lambda self: self._get(5), doc="module buffers training updates: dict name -> tensor")
-
-    @property
-    def _consumed(self) -> bool:
-        return self._taken
-
-    @_consumed.setter
-    def _consumed(self, value: bool) -> None:
-        if value:  # a step is about to write into the state's buffers
-            for wait in before_consume:
-                wait()
-        self._taken = value
-
-    @property
-    def consumed(self) -> bool:
-        """True once a donating step has taken this state."""
-        return self._consumed
-
-    def replace(self, **changes: Any) -> TrainState:
-        """A new state with ``changes`` applied (``dataclasses.replace``-style)."""
-        unknown = changes.keys() - set(_FIELDS)
-        if unknown:
-            raise TypeError(f"replace: unknown fields {sorted(unknown)}; expected some of {_FIELDS}")
-        values = dict(zip(_FIELDS, (self._get(i) for i in range(len(_FIELDS)))))
-        return TrainState(**{**values, **changes}, sharding=self.sharding)
-
-    def __repr__(self) -> str:
-        if self._consumed:
-            return "TrainState(<consumed>)"
-        n = tree.numel(self._values[0])
-        buffers = f", buffers={len(self._values[5])}" if self._values[5] else ""
-        return f"TrainState(step={self._values[2]}, params={n} elements{buffers}, loss_scale={self._values[4]})"
-
-
-optree.register_pytree_node(
-    TrainState,
-    lambda s: (tuple(s._get(i) for i in range(len(_FIELDS))), s.sharding, _FIELDS),
-    lambda sharding, children: TrainState(*children[:-1], sharding=sharding, buffers=children[-1]),
-    namespace=tree.NAMESPACE,
-)
-
-
-def require_train_state(state: Any) -> None:
-    """Raise a ``TypeError`` naming what was passed unless ``state`` is a ``TrainState``."""
-    if not isinstance(state, TrainState):
-        raise TypeError(f"state: expected a TrainState from step.init(params), got {type(state).__name__}")
 
 
 def split_loss(out: Any, has_aux: bool) -> tuple[torch.Tensor, Any]:
@@ -247,6 +152,8 @@ class Step:
     steps taken, skipped ones included).
     """
 
+    layers: tuple[str, ...] = ("train_step",)  # the transformations that built it (``zfunc.compose``)
+
     def __init__(self, loss_fn, optimizer, precision, accum, donate, has_aux, seed, max_skips=None, grad_norm=True):
         self.loss_fn, self.optimizer, self.precision = loss_fn, optimizer, precision
         self.accum, self.donate, self.has_aux, self.seed = accum, donate, has_aux, seed
@@ -271,8 +178,8 @@ class Step:
 
     def _check_state(self, state: Any) -> None:
         require_train_state(state)
-        if state.sharding is not None:
-            raise ValueError(f"state: this state is sharded ({state.sharding}); feed it to the sharded step "
+        if state.placement is not None:
+            raise ValueError(f"state: this state is sharded ({state.placement}); feed it to the sharded step "
                              "it came from, not to the plain step")
 
     def _update(self, state: TrainState, grads: PyTree, loss: torch.Tensor, aux: Any):
@@ -295,7 +202,7 @@ class Step:
                 params, opt_state = optim.apply(self.optimizer, grads, opt_state, params)
         loss_scale = mp.next_loss_scale(loss_scale, finite)
         metrics = self._metrics(loss, norm, lr, finite, step, loss_scale, aux)
-        return TrainState(params, opt_state, step + 1, rng, loss_scale, state.sharding), metrics
+        return TrainState(params, opt_state, step + 1, rng, loss_scale, state.placement), metrics
 
     def _needs_norm(self) -> bool:
         """Whether this step computes the global grad norm: asked for (``train_step(grad_norm=)``),
@@ -352,6 +259,28 @@ class Step:
             torch._foreach_mul_(tensors, 1.0 / divisor)
         loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
         return loss, (auxes[0] if self.accum == 1 else auxes), tree.unflatten(tree.structure(params), acc)
+
+
+class Transformed(Step):
+    """Base of the steps that transformations return: it *wraps* ``inner``, the step it was given,
+    keeps the roles its transformation owns (where params come from, where grads go, how the
+    update runs, the microbatch schedule; docs/design.md) and reads everything else from ``inner``:
+    the loss, the optimizer, precision, accumulation, donation, seed and skip policy, and what the
+    inner transformation learned. Nothing is copied, so a chain of wrappers has one source for
+    each field. ``layers`` records the transformation (``zfunc.compose``).
+
+    Attribute lookup falls through to ``inner`` only for names this step does not have; setting
+    one (``step.loss_fn = ...``) sets it on this step only.
+    """
+
+    def __init__(self, inner: Step, layer: str):  # no Step.__init__: its fields are inner's
+        self.inner = inner
+        self.layers = (*inner.layers, layer)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner" or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
 
 def _cause(loss: torch.Tensor, norm: torch.Tensor, loss_scale) -> str:

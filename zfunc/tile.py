@@ -65,6 +65,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
+from zfunc import compose
+
 _LAYERS = (nn.Linear, nn.Embedding)
 
 
@@ -447,6 +449,7 @@ def tile(module_or_fn: nn.Module | Callable, *, tiles: int, dim: int = 0, reduce
     if not callable(module_or_fn):
         raise TypeError(f"module_or_fn: expected an nn.Linear, nn.Embedding, a model or a callable, "
                         f"got {type(module_or_fn).__name__}")
+    compose.check_model_level("tile", module_or_fn)
     if modules is not None:
         raise ValueError("modules: only a model's layers can be named; got a function")
     if reduce not in (None, "sum", "mean"):

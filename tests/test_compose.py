@@ -1,0 +1,287 @@
+"""compose: every refused order of transformations says so up front, naming both and the order
+that works; every allowed order trains as the plain step.
+
+Allowed orders and where their law is tested against the plain step:
+- shard 0-3: test_shard.test_sharded_step_equals_plain_step (1, 2, 4 ranks)
+- offload(step): test_offload.test_offloaded_step_equals_the_plain_step
+- offload(shard 1-3): test_offload.test_offload_composes_with_shard_stages_1_2_and_3
+- pipeline(step), pipeline(shard 1): test_pipeline.test_pipelined_step_equals_plain_step,
+  test_pipeline.test_dp2_x_pp2_with_shard_stage_1_equals_plain_step
+- remat / tile inside plain, shard 3, offload and pipeline steps: below (and test_remat, test_tile)
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zfunc as zf
+from tests.test_shard import Block, Tiny, assert_same_training, batches, local
+from zfunc import compose
+from zfunc.offload import in_ram
+from zfunc.shard import full_params
+
+
+def plain_step(**kw):
+    torch.manual_seed(0)
+    apply, params = zf.functionalize(Tiny(**kw))
+
+    def loss_fn(p, batch):
+        return F.cross_entropy(apply(p, batch[0]).flatten(0, 1), batch[1].flatten())
+
+    return zf.train_step(loss_fn, zf.optim.adamw(1e-2)), params
+
+
+def pipelined(step, mesh):
+    return zf.pipeline(step, stages=mesh.pp, microbatches=2, model=nn.Sequential(Block(2), Block(2)),
+                       units=zf.units.by_class(Block), mesh=None if compose.applied(step, "shard") else mesh)
+
+
+# ------------------------------------------------------------------------------------ refused orders
+
+def remat_units():
+    model = nn.Sequential(Block(2), Block(2))
+    for b in model:
+        b.forward = zf.remat(b.forward)
+    return model
+
+
+def refused_cases(mesh):
+    """(what, build, error type, pattern) of every refused order on a one-rank mesh."""
+    step, _ = plain_step()
+    shard1 = zf.shard(step, mesh, 1)
+    return [
+        ("shard(shard)", lambda: zf.shard(shard1, mesh, 1), ValueError,
+         r"zf.shard\(zf.shard\(step\)\) is refused: zf.shard cannot wrap zf.shard: the step is sharded already; "
+         r"the order that works: shard the plain step once"),
+        ("shard(offload)", lambda: zf.shard(zf.offload(step), mesh, 1), ValueError,
+         r"zf.shard\(zf.offload\(step\)\) is refused: zf.shard cannot wrap zf.offload: .*"
+         r"the order that works: zf.offload\(zf.shard\(step, mesh, stage\), ...\)"),
+        ("shard(pipeline)", lambda: zf.shard(pipelined(step, mesh), mesh, 1), ValueError,
+         r"zf.shard\(zf.pipeline\(step\)\) is refused: zf.shard cannot wrap zf.pipeline: .* must be applied last; "
+         r"the order that works: zf.pipeline\(zf.shard\(step, zf.Mesh\(dp=d, pp=p\), stage=1\), ...\)"),
+        ("offload(offload)", lambda: zf.offload(zf.offload(step)), ValueError,
+         r"zf.offload\(zf.offload\(step\)\) is refused: .* offloaded already; the order that works: offload the "
+         r"plain or sharded step once"),
+        ("offload(pipeline)", lambda: zf.offload(pipelined(step, mesh)), ValueError,
+         r"zf.offload\(zf.pipeline\(step\)\) is refused: .* must be applied last"),
+        ("offload(shard 0)", lambda: zf.offload(zf.shard(step, mesh, 0)), ValueError,
+         r"zf.offload\(zf.shard\(step\)\) is refused: .*offloading a stage-0 \(replicated\) step is not supported "
+         r"yet.*the order that works: zf.offload\(step, ...\) of a plain step on one rank, or .*stage 1, 2 or 3"),
+        ("pipeline(pipeline)", lambda: pipelined(pipelined(step, mesh), mesh), ValueError,
+         r"zf.pipeline\(zf.pipeline\(step\)\) is refused: .* pipelined already"),
+        ("pipeline(offload)", lambda: pipelined(zf.offload(step), mesh), ValueError,
+         r"zf.pipeline\(zf.offload\(step\)\) is refused: zf.pipeline cannot wrap zf.offload: .*offloading a "
+         r"stage's state is not supported; the order that works: zf.pipeline\(zf.shard\(step, .*without zf.offload"),
+        ("pipeline(shard 3)", lambda: pipelined(zf.shard(step, mesh, 3), mesh), ValueError,
+         r"zf.pipeline\(zf.shard\(step\)\) is refused: .*pipeline composes with ZeRO stage 1 over the dp axis, "
+         r"got stage 3; the order that works: zf.pipeline\(zf.shard\(step, zf.Mesh\(dp=d, pp=p\), stage=1\)"),
+        ("remat(step)", lambda: zf.remat(step), ValueError,
+         r"fn: zf.remat\(step\) is refused: zf.remat wraps a model's function or layer, not a step"),
+        ("tile(step)", lambda: zf.tile(zf.shard(step, mesh, 2), tiles=2), ValueError,
+         r"module_or_fn: zf.tile\(zf.shard\(step\)\) is refused: zf.tile wraps a model's function or layer"),
+        ("pipeline of remat'ed units", lambda: zf.pipeline(step, 1, 2, model=remat_units(), units=["0", "1"]),
+         ValueError, r"model: zf.pipeline of a model whose pipeline unit '0' runs zf.remat\(forward\) is refused: "
+         r".*the order that works: remat the unit's submodules"),
+        ("shard(function)", lambda: zf.shard(zf.remat(lambda x: x), mesh, 1), TypeError,
+         r"step: zf.shard transforms a Step from zf.train_step .* got function"),
+    ]
+
+
+def test_every_refused_order_names_both_transformations_and_the_order_that_works():
+    for what, build, error, pattern in refused_cases(zf.Mesh()):
+        with pytest.raises(error, match=pattern):
+            build()
+        print(what, "refused")
+
+
+def test_the_table_has_a_verdict_for_every_pair():
+    for outer in compose.STEP_TRANSFORMS:
+        for inner in ("train_step", *compose.STEP_TRANSFORMS):
+            assert (outer, inner) in compose.TABLE, (outer, inner)
+
+
+def issue_worker(rank, world):
+    """The issue's case: pipeline(offload(shard(step, Mesh(dp=1, pp=2), stage=1))) is refused at
+    construction on every rank, before any step runs."""
+    step, _ = plain_step()
+    mesh = zf.Mesh(dp=1, pp=2)
+    try:
+        zf.pipeline(zf.offload(zf.shard(step, mesh, stage=1)), stages=2, microbatches=2,
+                    model=nn.Sequential(Block(2), Block(2)), units=zf.units.by_class(Block))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_pipeline_of_an_offloaded_sharded_step_is_refused_up_front():
+    for message in zf.dist.spawn(issue_worker, 2, 2):
+        assert message is not None and message.startswith(
+            "step: zf.pipeline(zf.offload(zf.shard(step))) is refused: zf.pipeline cannot wrap zf.offload")
+
+
+def test_layers_record_how_a_step_was_built():
+    step, _ = plain_step()
+    mesh = zf.Mesh()
+    assert compose.layers(step) == ("train_step",)
+    assert compose.layers(zf.offload(zf.shard(step, mesh, 3))) == ("train_step", "shard", "offload")
+    assert compose.layers(zf.offload(step)) == ("train_step", "offload")
+    assert compose.layers(pipelined(zf.shard(step, mesh, 1), mesh)) == ("train_step", "shard", "pipeline")
+    assert compose.spelled(zf.offload(zf.shard(step, mesh, 3))) == "zf.offload(zf.shard(step))"
+
+
+# ------------------------------------------------------------------------------------ remat and tile inside steps
+
+def model_step(remat_blocks: bool, tile_head: bool, inside=False):
+    """The untied Tiny with its blocks (``inside``: their fc) rematerialized and its head tiled (or
+    not), and its step."""
+    torch.manual_seed(0)
+    model = Tiny(tie=False)
+    if tile_head:
+        zf.tile(model, tiles=2, modules=["head"])
+    if remat_blocks:
+        for b in model.blocks:
+            m = b.fc if inside else b
+            m.forward = zf.remat(m.forward)
+    apply, params = zf.functionalize(model)
+
+    def loss_fn(p, batch):
+        return F.cross_entropy(apply(p, batch[0]).flatten(0, 1), batch[1].flatten())
+
+    tx = zf.optim.chain(zf.optim.clip_by_global_norm(0.1), zf.optim.adamw(1e-2, weight_decay=0.1))
+    return model, zf.train_step(loss_fn, tx), params
+
+
+def untile(params):
+    """``head.tiles.i.weight`` concatenated back into ``head.weight`` (tiles over rows)."""
+    out = {}
+    for name, p in params.items():
+        head, sep, rest = name.partition(".tiles.")
+        out.setdefault(f"{head}.{rest.partition('.')[2]}" if sep else name, []).append(p)
+    return {n: torch.cat(ps) for n, ps in out.items()}
+
+
+def train(step, state, data):
+    losses, norms = [], []
+    for batch in data:
+        state, m = step(state, batch)
+        losses.append(m["loss"].item())
+        norms.append(m["grad_norm"].item())
+    return state, losses, norms
+
+
+def reference(world, n=3):
+    _, step, params = model_step(False, False)
+    state, losses, norms = train(step, step.init(params), batches(world, n))
+    return losses, norms, state.params
+
+
+def inside_worker(rank, world):
+    """remat'ed blocks and a tiled head under stage 3, offload(stage 2) and a 2-stage pipeline."""
+    out = {}
+    mesh = zf.Mesh(dp=world)
+    for what in ("shard 3", "offload(shard 2)"):
+        model, step, params = model_step(True, True)
+        step = zf.shard(step, mesh, 3 if what == "shard 3" else 2,
+                        units=zf.units.by_class(Block) if what == "shard 3" else None)
+        step = zf.offload(step, "cpu") if what.startswith("offload") else step
+        data = [local(b, rank, world) for b in batches(world, 3)]
+        state, losses, norms = train(step, step.init(params), data)
+        out[what] = (losses, norms, untile(full_params(in_ram(state), mesh)))
+    return out
+
+
+def pipeline_worker(rank, world):
+    model, step, params = model_step(True, True, inside=True)  # a remat'ed unit is refused (above)
+    mesh = zf.Mesh(pp=world)
+    step = zf.pipeline(step, stages=world, microbatches=2, model=model, units=zf.units.by_class(Block))
+    state, losses, norms = train(step, step.init(params), batches(1, 3) * 1)
+    return losses, norms, untile(zf.checkpoint.full_params(state))
+
+
+def test_remat_and_tile_inside_plain_and_offloaded_steps_train_as_the_plain_step():
+    ref1 = reference(1)
+    model, step, params = model_step(True, True)
+    state, losses, norms = train(step, step.init(params), batches(1, 3))
+    assert_same_training((losses, norms, untile(state.params)), ref1, "plain, remat + tile")
+    model, step, params = model_step(True, True)
+    step = zf.offload(step, "cpu")
+    state, losses, norms = train(step, step.init(params), batches(1, 3))
+    assert_same_training((losses, norms, untile(in_ram(state).params)), ref1, "offload, remat + tile")
+
+
+def test_remat_and_tile_inside_sharded_and_offloaded_sharded_steps_train_as_the_plain_step():
+    ref2 = reference(2)
+    for rank, got in enumerate(zf.dist.spawn(inside_worker, 2, 2)):
+        for what, result in got.items():
+            assert_same_training(result, ref2, f"{what}, remat + tile, rank {rank}")
+
+
+@pytest.mark.slow
+def test_remat_and_tile_inside_a_pipelined_step_train_as_the_plain_step():
+    ref1 = reference(1)
+    for rank, got in enumerate(zf.dist.spawn(pipeline_worker, 2, 2)):
+        assert_same_training(got, ref1, f"pipeline, remat + tile, rank {rank}")
+
+
+# ------------------------------------------------------------------------------------ one step object, many states
+
+def two_states(build, rank=0, world=1, n=3):
+    """Two independent trainings (different initial params, different batches) through one step
+    object alternated step by step, and through two step objects: ``(alternated, separate)``,
+    each a pair of ``(losses, params)``."""
+    def start(step, seed):
+        _, params = plain_step()
+        params = {k: v + 0.01 * seed for k, v in params.items()}  # another model's starting point
+        return step.init(params)
+
+    data = [[local(b, rank, world) for b in batches(world, n)], [local(b, rank, world) for b in batches(world, 2 * n)][n:]]
+
+    def result(step, state, losses):
+        return losses, full_params(in_ram(state), step.mesh) if compose.applied(step, "shard") else state.params
+
+    one = build()
+    states, losses = [start(one, 0), start(one, 1)], [[], []]
+    for k in range(n):
+        for j in (0, 1):
+            states[j], m = one(states[j], data[j][k])
+            losses[j].append(m["loss"].item())
+    alternated = [result(one, s, l) for s, l in zip(states, losses)]
+    separate = []
+    for j in (0, 1):
+        own = build()
+        state, ls = start(own, j), []
+        for k in range(n):
+            state, m = own(state, data[j][k])
+            ls.append(m["loss"].item())
+        separate.append(result(own, state, ls))
+    return alternated, separate
+
+
+def assert_identical(alternated, separate, what):
+    for (la, pa), (ls, ps) in zip(alternated, separate):
+        assert la == ls, what
+        for name in ps:
+            assert torch.equal(pa[name], ps[name]), f"{what}: {name}"
+
+
+def offloaded(params_on, clip):
+    step, _ = plain_step()
+    if clip:
+        step = zf.train_step(step.loss_fn, zf.optim.chain(zf.optim.clip_by_global_norm(0.1), zf.optim.adamw(1e-2)))
+    return zf.offload(step, "cpu", params_on, units=zf.units.by_class(Block) if params_on else None)
+
+
+def test_one_step_object_drives_two_states_alternately_as_two_step_objects_do():
+    assert_identical(*two_states(lambda: plain_step()[0]), "plain")
+    for params_on, clip in ((None, True), ("cpu", False)):  # held update; overlapped, params fetched
+        assert_identical(*two_states(lambda: offloaded(params_on, clip)), f"offload, params {params_on}, clip {clip}")
+
+
+def alternate_worker(rank, world):
+    mesh = zf.Mesh(dp=world)
+    return two_states(lambda: zf.shard(plain_step()[0], mesh, 3, units=zf.units.by_class(Block)), rank, world)
+
+
+def test_one_stage_3_step_object_drives_two_states_alternately_on_2_ranks():
+    for rank, (alternated, separate) in enumerate(zf.dist.spawn(alternate_worker, 2, 2)):
+        assert_identical(alternated, separate, f"stage 3, rank {rank}")
