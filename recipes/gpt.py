@@ -44,7 +44,7 @@ MAY_CHANGE_ON_RESUME = loop.MAY_CHANGE_ON_RESUME
 _AT_LEAST_1 = loop.AT_LEAST_1
 RULES = dict(n_layer=_AT_LEAST_1, n_head=_AT_LEAST_1, n_embd=_AT_LEAST_1, **loop.TRAIN_RULES,
              dropout=(lambda v: 0 <= v < 1, "a number in [0, 1)"), **loop.SAMPLE_RULES)
-FLAG_TO_FIELD = dict(n_layer="n_layer", n_head="n_head", n_embd="n_embd", block_size="block_size", dropout="dropout")
+FLAG_TO_FIELD = dict(n_layer="n_layer", n_head="n_head", n_embd="n_embd", dropout="dropout")
 
 
 # ----------------------------------------------------------------------------- model
@@ -191,7 +191,8 @@ def build(args: argparse.Namespace, vocab_size: int) -> loop.Built:
     """The GPT the flags (or --flavor, or --hf-config) ask for, on the current (meta) device."""
     if args.hf_config is not None:
         return hf.built(args, vocab_size, "causal-lm")
-    kwargs = loop.model_kwargs(args, flavors.gpt_flavor(args.flavor) if args.flavor else {}, FLAG_TO_FIELD)
+    kwargs = loop.model_kwargs(args, flavors.gpt_flavor(args.flavor) if args.flavor else {}, FLAG_TO_FIELD,
+                              "block_size")
     if kwargs.setdefault("vocab_size", vocab_size) < vocab_size:
         raise ValueError(f"--flavor {args.flavor}: its vocabulary of {kwargs['vocab_size']} is smaller than the "
                          f"data's {vocab_size} (expected --tokenizer with at most {kwargs['vocab_size']} tokens)")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import math
 import os
 import sys
@@ -108,9 +109,11 @@ class Built:
 class Task:
     """What is trained on the windows: the batch made of them, its loss, the eval and the closing words.
 
-    ``batch(data, batch_size, block_size, generator)``: the global batch (a tuple of tensors split by rows).
-    ``loss(out, batch)``: the loss of the model's output ``out``. ``evaluate(forward, val, args, gen)``:
-    {"val_loss": ..., and more}. ``baseline(val, vocab_size)``: (what, value) of the guess to beat.
+    ``batch(data, batch_size, block_size, generator, vocab_size)``: the global batch (a tuple of tensors
+    split by rows; ``vocab_size``: the data's). ``loss(out, batch)``: the loss of the model's output
+    ``out``. ``evaluate(forward, val, args, generator, vocab_size)``: {"val_loss": ..., and more};
+    ``forward(batch)`` is the loss, ``forward.logits(batch)`` the logits. ``baseline(val, vocab_size)``:
+    {name: value} of the guesses to beat.
     """
 
     name: str
@@ -144,7 +147,7 @@ def _causal_loss(out, batch):
     return F.cross_entropy(logits_of(out).flatten(0, 1).float(), batch[1].flatten())
 
 
-def _causal_eval(forward, val, args, gen) -> dict:
+def _causal_eval(forward, val, args, gen, vocab_size) -> dict:
     total = 0.0
     for _ in range(args.eval_batches):
         batch = data_mod.get_batch(val, args.batch_size, args.block_size, gen)
@@ -156,7 +159,7 @@ def _causal_report(metrics: dict, baseline: dict, unit: str) -> str:
     return f"val loss {metrics['val_loss']:.3f} nats/{unit} (unigram baseline {baseline['unigram_entropy']:.3f})"
 
 
-CAUSAL = Task("causal-lm", lambda data, B, T, gen: data_mod.get_batch(data, B, T, gen), _causal_loss, _causal_eval,
+CAUSAL = Task("causal-lm", lambda data, B, T, gen, vocab_size: data_mod.get_batch(data, B, T, gen), _causal_loss, _causal_eval,
               unigram_entropy, _causal_report)
 
 
@@ -313,14 +316,19 @@ def check_resume(recipe: Recipe, args: argparse.Namespace, ckpt_root: Path, plan
                         f"resumed: nothing to train (pass --steps above {manifest['step']})")
 
 
-def model_kwargs(args: argparse.Namespace, flavor_kwargs: dict, flag_to_field: dict[str, str]) -> dict:
+def model_kwargs(args: argparse.Namespace, flavor_kwargs: dict, flag_to_field: dict[str, str],
+                 context: str) -> dict:
     """Config keyword arguments: the flavor's (if --flavor), the model flags' otherwise; a model flag
-    given on the command line beside --flavor overrides the flavor's value."""
+    given on the command line beside --flavor overrides the flavor's value. The model's ``context``
+    field is --block-size without a flavor, the flavor's own with one (--block-size is then the
+    window trained on, at most that)."""
     given = getattr(args, "given", frozenset())
     out = dict(flavor_kwargs)
     for name, field_name in flag_to_field.items():
         if not flavor_kwargs or name in given:
             out[field_name] = getattr(args, name)
+    if not flavor_kwargs:
+        out[context] = args.block_size
     return out
 
 
@@ -474,7 +482,10 @@ def train(recipe: Recipe, args: argparse.Namespace) -> dict:
     model = built.module
     if built.units != recipe.units:
         plan, args = layout.resolve(args, launch.world, built.units, notices=False)
-    zf.parallelize.prepare(model, plan)  # tile the head, remat the units: before functionalize
+    try:  # tile the head, remat the units: before functionalize
+        zf.parallelize.prepare(model, plan)
+    except ValueError as e:
+        raise FlagError(layout._name_flags(str(e))) from None
     apply, params = zf.functionalize(model)
     for line in describe(args, plan, launch, built, device, params):
         say(line)
@@ -510,7 +521,8 @@ def train(recipe: Recipe, args: argparse.Namespace) -> dict:
                 return logits_of(apply(params, batch[0].to(device)))
 
         forward.logits = logits
-        out = task.evaluate(forward, corpus.val, args, torch.Generator().manual_seed(0))  # the same batches every time
+        # the same batches every time
+        out = task.evaluate(forward, corpus.val, args, torch.Generator().manual_seed(0), corpus.vocab_size)
         model.train()
         return out
 
@@ -531,7 +543,7 @@ def train(recipe: Recipe, args: argparse.Namespace) -> dict:
     for i in watch.progress(range(first, args.steps), first, args.steps):
         # Step i's batch depends on (seed, i) alone, so a resumed run, in any layout, sees the same data.
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + i)
-        batch = my_rows(task.batch(corpus.train, args.batch_size, args.block_size, gen))
+        batch = my_rows(task.batch(corpus.train, args.batch_size, args.block_size, gen, corpus.vocab_size))
         state, metrics = step(state, batch)
         n = i + 1
         do_eval = (args.eval_every and n % args.eval_every == 0) or n == args.steps
@@ -560,8 +572,9 @@ def train(recipe: Recipe, args: argparse.Namespace) -> dict:
     tokens_per_s = (args.steps - first) * tokens_per_step / max(train_time, 1e-9)
     peak = peak_flops(device)
     mfu = built.flops_per_token * tokens_per_s / (peak * launch.world) if peak else None
-    say(f"final {task.report(evals, baseline, unit)} after {args.steps} steps; {tokens_per_s:,.0f} tokens/s; "
-        f"elapsed {time.time() - t_start:.0f} s")
+    if launch.rank == 0:  # the one that evaluated
+        say(f"final {task.report(evals, baseline, unit)} after {args.steps} steps; {tokens_per_s:,.0f} tokens/s; "
+            f"elapsed {time.time() - t_start:.0f} s")
     if device.type == "cuda":
         say(f"MFU {mfu:.1%} of {peak / 1e12:.0f} TFLOP/s bf16 peak per GPU" if mfu is not None else
             f"MFU unknown: no peak FLOP/s on record for {torch.cuda.get_device_name(device)}")
@@ -592,3 +605,58 @@ def main(recipe: Recipe, argv=None) -> dict:
     except FlagError as e:
         print(f"python -m recipes.{recipe.name}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from e
+
+
+# ----------------------------------------------------------------------------- weak scaling
+def weak_scaling(recipe: Recipe, worlds: str, argv: list[str], steps: int = 30, per_rank: int = 8) -> list[dict]:
+    """The weak-scaling table: for each world size N in ``worlds`` ("1,2"), ``torchrun --standalone
+    --nproc_per_node N -m recipes.NAME`` with the flags ``argv`` (the recipe's default layout) and a
+    global batch of ``per_rank`` x N (``--batch-size`` in ``argv``: the per-rank batch), one CPU thread
+    per rank (``OMP_NUM_THREADS=1``: a rank is one core, as one accelerator), ``--steps`` (default
+    ``steps``), no eval or checkpoint before the last step. Throughput: the median over OUT/metrics.jsonl's
+    intervals of ``--log-every`` steps, the first (warm-up) left out; sequences/s = tokens/s / block size.
+    Efficiency: per-rank sequences/s at N over that at the smallest N. Prints the table; returns its rows."""
+    import statistics
+    import subprocess
+    import tempfile
+
+    try:
+        sizes = [int(w) for w in worlds.split(",")]
+        if not sizes or min(sizes) < 1:
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"python -m recipes.{recipe.name}: error: --scaling: expected world sizes such as 1,2, "
+                         f"got {worlds!r}") from None
+    args = parse_args(recipe, argv)
+    per_rank = args.batch_size if "batch_size" in args.given else per_rank
+    steps = args.steps if "steps" in args.given else steps
+    log_every = args.log_every if "log_every" in args.given else 5
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [str(root)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in sizes:
+            out = Path(tmp) / f"world{n}"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
+                   "-m", f"recipes.{recipe.name}", *argv, "--batch-size", str(per_rank * n), "--steps", str(steps),
+                   "--log-every", str(log_every), "--eval-every", "0", "--ckpt-every", "0", "--eval-batches", "1",
+                   "--out", str(out)]
+            done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise SystemExit(f"--scaling: {' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+            logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            rates = [r["tokens_per_s"] for r in logged[1:]] or [logged[-1]["tokens_per_s"]]
+            seqs = statistics.median(rates) / args.block_size
+            rows.append(dict(ranks=n, global_batch=per_rank * n, sequences_per_s=seqs, per_rank=seqs / n))
+    base = rows[0]["per_rank"]
+    for row in rows:
+        row["efficiency"] = row["per_rank"] / base
+    print(f"weak scaling, python -m recipes.{recipe.name} {' '.join(argv)}: {per_rank} sequences x "
+          f"{args.block_size} per rank per step, {steps} steps, 1 thread per rank")
+    print("| ranks | global batch | sequences/s | per rank | scaling efficiency |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['ranks']} | {row['global_batch']} | {row['sequences_per_s']:.2f} | {row['per_rank']:.2f} | "
+              f"{row['efficiency']:.1%} |")
+    return rows
