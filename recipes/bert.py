@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from recipes import data as data_mod
-from recipes import hf, layout, loop
+from recipes import hf, layout, loop, scaling
 from recipes.flavors import lookup
 
 # Byte-level vocabulary: 256 bytes, then the special tokens (none of them a byte).
@@ -349,13 +349,13 @@ RECIPE = loop.Recipe("bert", __doc__.split("\n\n")[0], DEFAULTS, HELP, RULES, bu
 
 def main(argv=None):
     """The command line (recipes/loop.py); ``--scaling 1,2`` runs the weak-scaling table instead
-    (loop.weak_scaling, with the other flags given). Flags that cannot work exit with status 2."""
+    (recipes/scaling.py, with the other flags given). Flags that cannot work exit with status 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    scaling = argparse.ArgumentParser(add_help=False)
-    scaling.add_argument("--scaling", type=str, default=None)
-    known, rest = scaling.parse_known_args(argv)
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--scaling", type=str, default=None)
+    known, rest = first.parse_known_args(argv)
     if known.scaling is not None:
-        return loop.weak_scaling(RECIPE, known.scaling, rest)
+        return scaling.weak_scaling(RECIPE, known.scaling, rest)
     return loop.main(RECIPE, argv)
 
 

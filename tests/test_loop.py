@@ -76,7 +76,9 @@ def cli(recipe, out, argv, procs=1):
     return done
 
 
-@pytest.mark.parametrize("recipe", ["llama", "bert"])
+# llama's step under ZeRO-3 + offload on 2 ranks is also tests/test_llama.py's (in CI); bert's loss
+# normalization by the global batch is only here
+@pytest.mark.parametrize("recipe", [pytest.param("llama", marks=pytest.mark.slow), "bert"])
 def test_zero3_with_cpu_offload_on_2_ranks_trains_as_1_process(recipe, tmp_path, text_file):
     """The law of the command line, for the new recipes: the same flags on 2 torchrun ranks under
     --zero 3 --offload-optimizer cpu give the single process's losses (fp32, 1e-5 relative). BERT's
