@@ -292,8 +292,9 @@ MASKED = loop.Task("masked-lm", masked_batch, masked_loss, masked_eval, unigram_
 
 
 # ----------------------------------------------------------------------------- the recipe
-# Sized for ~5 minutes on a 2-core CPU (README, Results): in bf16 a step costs about the GPT recipe's (1.06x
-# its tokens/s over 16 interleaved steps, loaded machine), so 600 steps. The seed's layout: ZeRO-1 + bf16.
+# Sized for at most ~5 minutes on a 2-core CPU (README, Results): in bf16 a step costs at most the GPT
+# recipe's (1.06x its tokens/s over 16 interleaved steps, two threads each; 1.84x side by side with one
+# thread each; loaded machine both times), so 600 steps. The seed's layout: ZeRO-1 + bf16.
 MODEL_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=192, ffn_dim=768, block_size=128, dropout=0.0)
 DEFAULTS = dict(**MODEL_DEFAULTS, **loop.MODEL_SOURCE_DEFAULTS,
                 **{**loop.TRAIN_DEFAULTS, "out": "out/bert", "precision": "bf16", "lr": 1e-3, "end_lr": 1e-4,

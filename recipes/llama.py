@@ -240,10 +240,12 @@ class Llama(nn.Module):
 # ----------------------------------------------------------------------------- the recipe
 # Sized, like the GPT recipe's default, for ~5 minutes on a 2-core CPU (README, Results).
 MODEL_DEFAULTS = dict(n_layer=4, n_head=4, n_kv_head=2, n_embd=192, ffn_dim=512, block_size=128)
-# A step costs ~1.8x the GPT recipe's on CPU (0.51 and 0.61 of its tokens/s in two interleaved rounds of 16
-# steps, loaded machine): 330 steps take the time of its 600.
+# A step costs ~1.2x the GPT recipe's on CPU: 0.81 of its tokens/s (1,037 vs 1,285, medians over the first
+# 50-80 steps) with both default runs side by side, one thread each, on a loaded machine; so 490 steps take
+# the time of its 600. (Two threads each on a loaded machine gave 0.51-0.61: OpenMP waits hit Llama's many
+# small elementwise ops harder; the lead re-times on a quiet machine.)
 DEFAULTS = dict(**MODEL_DEFAULTS, **loop.MODEL_SOURCE_DEFAULTS,
-                **{**loop.TRAIN_DEFAULTS, "out": "out/llama", "steps": 330},
+                **{**loop.TRAIN_DEFAULTS, "out": "out/llama", "steps": 490},
                 **loop.SAMPLE_DEFAULTS, **layout.LAYOUT_DEFAULTS)
 UNITS = "class:Block"
 HELP = {**loop.TRAIN_HELP, **loop.SAMPLE_HELP, "block_size": "context length in bytes (tokens with --tokenizer)",
