@@ -1,8 +1,11 @@
-"""BERT for masked-LM pretraining in plain torch, and the 15% / 80-10-10 masking that feeds it.
+"""Pretrain BERT (masked LM) with zfunc: `python -m recipes.bert` (`--help` for flags).
 
-The model part of the BERT recipe: the flavors, the config, the model (post-LN encoder, learned
-positions, optional token types, an MLM head tied to the word embeddings, an optional NSP head), the
-masking function and the loss. It knows nothing of zfunc.
+The flavors, the config, the model (post-LN encoder, learned positions, optional token types, an MLM
+head tied to the word embeddings, an optional NSP head), the 15% / 80-10-10 masking and the loss in
+plain torch (the model knows nothing of zfunc), then the recipe: recipes/loop.py's loop, every flag of
+the front door, with the masked task (eval: MLM loss and masked-token accuracy). Its default layout is
+the seed's: ZeRO stage 1 + bf16. `python -m recipes.bert --scaling 1,2` prints the weak-scaling table.
+The recipe trains MLM alone (NSP needs sentence pairs; the model has the head, a flavor drops it).
 
 Flavors (``--flavor``), each a published config:
   debug  not a published model: the smallest shape with every part (bytes + 4 special tokens).
@@ -18,13 +21,17 @@ The published ones were pretrained with next-sentence prediction, so their flavo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import argparse
+import sys
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from recipes import data as data_mod
+from recipes import hf, layout, loop, scaling
 from recipes.flavors import lookup
 
 # Byte-level vocabulary: 256 bytes, then the special tokens (none of them a byte).
@@ -231,3 +238,127 @@ def masked_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, in
     """(correct, selected): argmax predictions that equal the original token, over selected tokens."""
     selected = labels.ne(IGNORE)
     return int((logits.argmax(-1).eq(labels) & selected).sum()), int(selected.sum())
+
+
+# ----------------------------------------------------------------------------- the masked task
+# The data's ids come first; PAD, CLS, SEP, MASK follow them (bytes: 256..259, as above).
+def specials(data_vocab: int) -> tuple[int, int, int, int]:
+    return data_vocab, data_vocab + 1, data_vocab + 2, data_vocab + 3
+
+
+def masked_batch(data, batch_size: int, block_size: int, generator, vocab_size: int):
+    """(inputs, labels, scale): random windows masked by ``mask_tokens``. ``scale`` (one value per
+    row) is batch_size / (masked tokens in the whole batch), so that the mean over any split of the
+    rows of sum(CE) * scale / rows is the global batch's mean MLM loss: the same on any layout."""
+    x, _ = data_mod.get_batch(data, batch_size, block_size, generator)
+    ids = specials(vocab_size)
+    inputs, labels = mask_tokens(x, generator, mask_id=ids[3], vocab_size=vocab_size + 4, special_ids=ids)
+    scale = batch_size / labels.ne(IGNORE).sum().clamp(min=1).double()
+    return inputs, labels, torch.full((batch_size,), float(scale))
+
+
+def masked_loss(out, batch):
+    logits, labels, scale = loop.logits_of(out), batch[1], batch[2]
+    total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    return total * scale[0] / labels.shape[0]
+
+
+def masked_eval(forward, val, args, generator, vocab_size) -> dict:
+    """MLM loss (mean over every masked token) and masked-token accuracy over --eval-batches."""
+    loss, correct, selected = 0.0, 0, 0
+    for _ in range(args.eval_batches):
+        inputs, labels, _ = masked_batch(val, args.batch_size, args.block_size, generator, vocab_size)
+        logits = forward.logits((inputs,)).float().cpu()
+        n = int(labels.ne(IGNORE).sum())
+        loss += mlm_loss(logits, labels).item() * n
+        c, s = masked_accuracy(logits, labels)
+        correct, selected = correct + c, selected + s
+    return {"val_loss": loss / max(selected, 1), "val_accuracy": correct / max(selected, 1)}
+
+
+def unigram_guess(data, vocab_size: int) -> dict:
+    """The guesses to beat: always the most common token (accuracy), and the unigram entropy (loss)."""
+    counts = loop.token_counts(data, vocab_size)
+    return {"unigram_accuracy": float(counts.max() / counts.sum()), **loop.unigram_entropy(data, vocab_size)}
+
+
+def masked_report(metrics: dict, baseline: dict, unit: str) -> str:
+    return (f"val MLM loss {metrics['val_loss']:.3f} nats/{unit} (unigram {baseline['unigram_entropy']:.3f}), "
+            f"masked-token accuracy {metrics['val_accuracy']:.1%} (unigram guess {baseline['unigram_accuracy']:.1%})")
+
+
+MASKED = loop.Task("masked-lm", masked_batch, masked_loss, masked_eval, unigram_guess, masked_report, sample=False,
+                   hf_task="masked-lm")
+
+
+# ----------------------------------------------------------------------------- the recipe
+# Sized for at most ~5 minutes on a 2-core CPU (README, Results): in bf16 a step costs at most the GPT
+# recipe's (1.06x its tokens/s over 16 interleaved steps, two threads each; 1.84x side by side with one
+# thread each; loaded machine both times), so 600 steps. The seed's layout: ZeRO-1 + bf16.
+MODEL_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=192, ffn_dim=768, block_size=128, dropout=0.0)
+DEFAULTS = dict(**MODEL_DEFAULTS, **loop.MODEL_SOURCE_DEFAULTS,
+                **{**loop.TRAIN_DEFAULTS, "out": "out/bert", "precision": "bf16", "lr": 1e-3, "end_lr": 1e-4,
+                   "weight_decay": 0.01},
+                **{**layout.LAYOUT_DEFAULTS, "zero": 1})
+UNITS = "class:Layer"
+HELP = {**loop.TRAIN_HELP, "block_size": "sequence length in bytes (tokens with --tokenizer)",
+        "ffn_dim": "MLP hidden width", "precision": "the seed's bf16 by default",
+        "zero": "ZeRO stage (default 1, the seed's): " + layout.LAYOUT_HELP["zero"],
+        "flavor": "a published BERT size (module docstring): " + ", ".join(FLAVORS) + "; trained without its NSP head"}
+RULES = dict(n_layer=loop.AT_LEAST_1, n_head=loop.AT_LEAST_1, n_embd=loop.AT_LEAST_1, ffn_dim=loop.AT_LEAST_1,
+             dropout=(lambda v: 0 <= v < 1, "a number in [0, 1)"), **loop.TRAIN_RULES)
+FLAG_TO_FIELD = dict(n_layer="n_layers", n_head="n_heads", n_embd="dim", ffn_dim="ffn_dim",
+                     dropout="dropout")
+
+
+def _check_model_flags(args: argparse.Namespace) -> list[str]:
+    if args.n_head >= 1 and args.n_embd % args.n_head:
+        return [f"--n-embd: expected a multiple of --n-head {args.n_head}, got {args.n_embd}"]
+    return []
+
+
+def materializer(seed: int):
+    """BERT's init as zf.materialize rules: LayerNorms 1 and 0, biases 0, every matrix N(0, 0.02)."""
+    import zfunc as zf
+
+    zero = zf.materialize.constant(0.0)
+    return zf.materialize.by_name({"*norm.weight": zf.materialize.constant(1.0), "*norm.bias": zero, "*bias": zero,
+                                   "*": zf.materialize.normal(0.02, seed)})
+
+
+def build(args: argparse.Namespace, vocab_size: int) -> loop.Built:
+    """The BERT the flags (or --flavor, or --hf-config) ask for, on the current (meta) device;
+    ``vocab_size``: the data's ids and the 4 special ones."""
+    if args.hf_config is not None:
+        return hf.built(args, vocab_size, "masked-lm")
+    flavor = {**lookup(FLAVORS, args.flavor, "bert"), "nsp": False} if args.flavor else {}
+    kwargs = loop.model_kwargs(args, flavor, FLAG_TO_FIELD, "max_seq_len")
+    if kwargs.setdefault("vocab_size", vocab_size) < vocab_size:
+        raise ValueError(f"--flavor {args.flavor}: its vocabulary of {kwargs['vocab_size']} is smaller than the "
+                         f"data's {vocab_size} with the 4 special tokens (expected --tokenizer with at most "
+                         f"{kwargs['vocab_size'] - 4} tokens)")
+    cfg = BertConfig(**kwargs)
+    model = Bert(cfg)
+    flops = 6 * model.num_params() + 12 * cfg.n_layers * args.block_size * cfg.dim
+    return loop.Built(model, asdict(cfg), cfg.max_seq_len, materialize=materializer, units=UNITS,
+                      flops_per_token=flops)
+
+
+RECIPE = loop.Recipe("bert", __doc__.split("\n\n")[0], DEFAULTS, HELP, RULES, build, task=MASKED, units=UNITS,
+                     check=_check_model_flags, extra_vocab=4, flavors=lambda name: lookup(FLAVORS, name, "bert"))
+
+
+def main(argv=None):
+    """The command line (recipes/loop.py); ``--scaling 1,2`` runs the weak-scaling table instead
+    (recipes/scaling.py, with the other flags given). Flags that cannot work exit with status 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--scaling", type=str, default=None)
+    known, rest = first.parse_known_args(argv)
+    if known.scaling is not None:
+        return scaling.weak_scaling(RECIPE, known.scaling, rest)
+    return loop.main(RECIPE, argv)
+
+
+if __name__ == "__main__":
+    main()

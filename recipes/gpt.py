@@ -1,7 +1,8 @@
 """Train a small byte-level GPT with zfunc: `python -m recipes.gpt` (`--help` for flags).
 
-nanoGPT in one file: the config, the model (plain torch, no zfunc), the data, and a flat training
-loop driven by a zfunc Step. With no flags it trains on the Python standard library's own source
+nanoGPT-style: the config and the model (plain torch, no zfunc) here; the flat training loop driven
+by a zfunc Step, its flags and the data are shared with the Llama and BERT recipes (recipes/loop.py,
+recipes/data.py). With no flags it trains on the Python standard library's own source
 (bytes, vocab 256) and reaches val loss <= 2.4 nats/byte in about 5 minutes on a 2-core CPU.
 On a GPU the same command uses it and reports MFU.
 
@@ -14,62 +15,34 @@ OUT/metrics.jsonl and OUT/loss.png (recipes/watch.py).
 from __future__ import annotations
 
 import argparse
-import inspect
 import math
-import os
-import sys
-import time
-import warnings
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from recipes import layout
+from recipes import flavors, hf, layout, loop
 from recipes.data import MAX_CORPUS_BYTES, VAL_PERCENT, get_batch, is_val as _is_val, load_bytes as load_corpus  # noqa: F401
-from recipes import watch as watch_mod
-from recipes.layout import FlagError
+from recipes.layout import FlagError  # noqa: F401 -- recipes.gpt.FlagError, as before
 
 # ----------------------------------------------------------------------------- config
 # Tuned for ~5 minutes on a 2-core CPU; every key is also a flag (n_layer -> --n-layer).
+MODEL_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=192, block_size=128, dropout=0.0)  # 1.85M params
 DEFAULTS = dict(
-    n_layer=4, n_head=4, n_embd=192, block_size=128, dropout=0.0,  # 1.85M params
-    steps=600, batch_size=32, accum=1,  # 4,096 tokens per step
-    lr=3e-3, end_lr=3e-4, warmup=40, weight_decay=0.1, grad_clip=1.0,  # AdamW(0.9, 0.95), cosine
-    precision=None, device=None, data=None, out="out/gpt", seed=1337,
-    eval_every=100, eval_batches=20, ckpt_every=200, keep_last=2, resume=False, log_every=10,
-    sample_len=300, temperature=0.8, top_k=40,
+    **MODEL_DEFAULTS, **loop.MODEL_SOURCE_DEFAULTS,
+    **{**loop.TRAIN_DEFAULTS, "out": "out/gpt"},  # 600 steps x 32 x 128 tokens; AdamW(0.9, 0.95), cosine 3e-3 -> 3e-4
+    **loop.SAMPLE_DEFAULTS,
     **layout.LAYOUT_DEFAULTS,  # --zero, --offload-*, --remat, --pp, --deepspeed, ...: how, not what
 )
 UNITS = "class:Block"  # ZeRO-3 gathers, remat and pipeline stages go block by block
-HELP = dict(
-    block_size="context length in bytes",
-    batch_size="global batch: sequences per optimizer step, over all processes; split over the data-parallel "
-               "ranks, then into --accum (with --pp: --microbatches) microbatches, so the same flags train the "
-               "same on any number of processes and layout",
-    accum="gradient accumulation: microbatches each rank's share of the batch is cut into",
-    lr="peak learning rate (after linear warmup)",
-    end_lr="learning rate at the end of the cosine decay", warmup="linear warmup steps (at most half of --steps)",
-    grad_clip="max global grad norm", precision="default: bf16 on CUDA, fp32 on CPU",
-    device="default: cuda if available, else cpu", out="output dir (checkpoints in OUT/ckpt)",
-    eval_every="evaluate every N steps; 0: never (the last step always evaluates)",
-    ckpt_every="save a checkpoint every N steps; 0: never (the last step always saves)",
-    keep_last="checkpoints to keep (>= 1)",
-    resume="continue from OUT/ckpt/latest: the flags that shape training must be those it was saved with; "
-           "--steps (above the checkpoint's step; the cosine is laid over the new total), --device, "
-           "--out, the eval, log, checkpoint and sample flags and the layout (--zero, --offload-*, --remat, --pp, "
-           "--microbatches, --accum, --deepspeed, the number of processes) may change",
-    log_every="log a line to OUT/metrics.jsonl (and the bar) every N steps (eval steps always)",
-    **layout.LAYOUT_HELP,
-    data="text file or folder (default: the Python stdlib's .py files)",
-    sample_len="bytes to generate at the end", top_k="sample from the k likeliest bytes (256: all)",
-)
-# A resumed run may change these; every other flag shapes the training, is saved in each checkpoint,
-# and must match it (else --resume names each difference).
-MAY_CHANGE_ON_RESUME = ("steps", "device", "out", "resume", "eval_every", "eval_batches", "ckpt_every",
-                        "keep_last", "log_every", "sample_len", "temperature", "top_k", *layout.MAY_CHANGE_ON_RESUME)
+HELP = {**loop.TRAIN_HELP, **loop.SAMPLE_HELP, "block_size": "context length in bytes (tokens with --tokenizer)",
+        "flavor": "a published GPT-2/3 size (recipes/flavors.py): " + ", ".join(flavors.GPT_FLAVORS)}
+MAY_CHANGE_ON_RESUME = loop.MAY_CHANGE_ON_RESUME
+_AT_LEAST_1 = loop.AT_LEAST_1
+RULES = dict(n_layer=_AT_LEAST_1, n_head=_AT_LEAST_1, n_embd=_AT_LEAST_1, **loop.TRAIN_RULES,
+             dropout=(lambda v: 0 <= v < 1, "a number in [0, 1)"), **loop.SAMPLE_RULES)
+FLAG_TO_FIELD = dict(n_layer="n_layer", n_head="n_head", n_embd="n_embd", dropout="dropout")
 
 
 # ----------------------------------------------------------------------------- model
@@ -166,6 +139,13 @@ class GPT(nn.Module):
                                       slice(start + mine.start, start + mine.stop))
         return zf.materialize.leaf(self._rule(owner, kind, seed), name, like, rows)
 
+    def materializer(self, seed: int):
+        """``initial_value`` for ``seed`` as a ``zf.materialize`` materializer ``(name, like, rows=None)``."""
+        def materialize(name: str, like: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
+            return self.initial_value(name, like, seed, rows)
+
+        return materialize
+
     def _rule(self, owner: str, kind: str, seed: int):
         """The materializer of a param of submodule ``owner`` (GPT-2's init)."""
         import zfunc as zf
@@ -211,319 +191,63 @@ def unigram_entropy(data: torch.Tensor) -> float:
 
 
 # ----------------------------------------------------------------------------- training
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12}  # dense
+# The loop, its flags and their checks are recipes/loop.py's, shared with the Llama and BERT recipes.
+peak_flops = loop.peak_flops
 
 
-def peak_flops(device) -> float | None:
-    if torch.device(device).type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+def _check_model_flags(args: argparse.Namespace) -> list[str]:
+    if args.n_head >= 1 and args.n_embd % args.n_head:
+        return [f"--n-embd: expected a multiple of --n-head {args.n_head}, got {args.n_embd}"]
+    return []
 
 
-def _parser(with_defaults: bool = True) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m recipes.gpt", description=__doc__.split("\n\n")[0],
-                                argument_default=None if with_defaults else argparse.SUPPRESS)
-    for name, default in DEFAULTS.items():
-        kw = {} if with_defaults else {"default": argparse.SUPPRESS}
-        if isinstance(default, bool):
-            p.add_argument(_flag(name), action="store_true", help=HELP.get(name), **kw)
-            continue
-        choices = ["fp32", "bf16", "fp16"] if name == "precision" else layout.CHOICES.get(name)
-        p.add_argument(_flag(name), type=str if default is None else type(default), choices=choices,
-                       **({"default": default} if with_defaults else kw),
-                       help=f"{HELP.get(name, '')} (default: %(default)s)".lstrip())
-    return p
+def build(args: argparse.Namespace, vocab_size: int) -> loop.Built:
+    """The GPT the flags (or --flavor, or --hf-config) ask for, on the current (meta) device."""
+    if args.hf_config is not None:
+        return hf.built(args, vocab_size, "causal-lm")
+    kwargs = loop.model_kwargs(args, flavors.gpt_flavor(args.flavor) if args.flavor else {}, FLAG_TO_FIELD,
+                              "block_size")
+    if kwargs.setdefault("vocab_size", vocab_size) < vocab_size:
+        raise ValueError(f"--flavor {args.flavor}: its vocabulary of {kwargs['vocab_size']} is smaller than the "
+                         f"data's {vocab_size} (expected --tokenizer with at most {kwargs['vocab_size']} tokens)")
+    cfg = GPTConfig(**kwargs)
+    model = GPT(cfg)
+    flops = 6 * model.num_params() + 12 * cfg.n_layer * args.block_size * cfg.n_embd
+    return loop.Built(model, asdict(cfg), cfg.block_size, materialize=model.materializer, units=UNITS,
+                      flops_per_token=flops)
+
+
+RECIPE = loop.Recipe("gpt", __doc__.split("\n\n")[0], DEFAULTS, HELP, RULES, build, units=UNITS,
+                     check=_check_model_flags, flavors=flavors.gpt_flavor)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     """Every key of DEFAULTS is a flag: n_layer -> --n-layer (their values are checked by check_args);
     ``args.given`` names the flags given on the command line (a --deepspeed config's values yield to them)."""
-    args = _parser().parse_args(argv)
-    args.given = frozenset(vars(_parser(with_defaults=False).parse_args(argv)))
-    return args
-
-
-_AT_LEAST_1, _AT_LEAST_0 = (lambda v: v >= 1, "an int >= 1"), (lambda v: v >= 0, "an int >= 0")
-_FINITE_AT_LEAST_0 = (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
-RULES = dict(  # flag: (test, what is expected)
-    n_layer=_AT_LEAST_1, n_head=_AT_LEAST_1, n_embd=_AT_LEAST_1, block_size=_AT_LEAST_1, steps=_AT_LEAST_1,
-    batch_size=_AT_LEAST_1, accum=_AT_LEAST_1, eval_batches=_AT_LEAST_1, keep_last=_AT_LEAST_1, top_k=_AT_LEAST_1,
-    log_every=_AT_LEAST_1, warmup=_AT_LEAST_0, eval_every=_AT_LEAST_0, ckpt_every=_AT_LEAST_0, sample_len=_AT_LEAST_0,
-    seed=(lambda v: 0 <= v < 2**32, "an int in [0, 2**32)"), dropout=(lambda v: 0 <= v < 1, "a number in [0, 1)"),
-    lr=_FINITE_AT_LEAST_0, end_lr=_FINITE_AT_LEAST_0, weight_decay=_FINITE_AT_LEAST_0,
-    grad_clip=(lambda v: v > 0, "a number > 0"), temperature=(lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
-)
-_flag = layout.flag
-
-
-def device_of(args: argparse.Namespace) -> torch.device:
-    return layout.Launch.from_env().device(args.device)
-
-
-def with_precision(args: argparse.Namespace) -> argparse.Namespace:
-    """``args`` with --precision resolved (bf16 on CUDA, fp32 on CPU when not given)."""
-    precision = args.precision or ("bf16" if device_of(args).type == "cuda" else "fp32")
-    return argparse.Namespace(**{**vars(args), "precision": precision})
-
-
-def training_flags(args: argparse.Namespace, plan=None) -> dict:
-    """The flags that shape the training, as saved in every checkpoint (precision, data and a
-    --deepspeed config's optimizer resolved)."""
-    flags = {k: getattr(args, k) for k in DEFAULTS if k not in MAY_CHANGE_ON_RESUME}
-    flags["precision"] = with_precision(args).precision
-    flags["data"] = args.data and str(Path(args.data).resolve())
-    flags["deepspeed_optimizer"] = layout.deepspeed_optimizer(plan) if plan is not None else None
-    return flags
+    return loop.parse_args(RECIPE, argv)
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Check every flag before anything is built: each value (RULES), the layout flags and the
-    global batch's split over the processes (recipes/layout.py, a --deepspeed config included),
-    --data, --device, that --out is writable (creating OUT/ckpt), and that --resume finds a
-    checkpoint saved with these training_flags at a step below --steps. Raises FlagError naming
-    each flag, its value and what was expected."""
-    launch = layout.Launch.from_env()
-    errors = [f"{_flag(k)}: expected {want}, got {getattr(args, k)!r}"
-              for k, (ok, want) in RULES.items() if not ok(getattr(args, k))]
-    if args.n_head >= 1 and args.n_embd % args.n_head:
-        errors.append(f"--n-embd: expected a multiple of --n-head {args.n_head}, got {args.n_embd}")
-    errors += layout.check_layout_args(args, launch.world)
-    if args.data is not None and not Path(args.data).exists():
-        errors.append(f"--data: path {args.data!r} does not exist")
-    try:
-        device = device_of(args)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            errors.append(f"--device: {args.device!r} asked for, but CUDA is not available")
-    except RuntimeError as e:
-        errors.append(f"--device: expected a torch device such as cpu or cuda:0, got {args.device!r} ({e})")
-    if errors:
-        raise FlagError("\n".join(errors))
-    plan, args = layout.resolve(with_precision(args), launch.world, UNITS, notices=False)
-    ckpt_root = Path(args.out) / "ckpt"
-    try:  # now, not at the first save after all the training
-        ckpt_root.mkdir(parents=True, exist_ok=True)
-        probe = ckpt_root / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise FlagError(f"--out: cannot write checkpoints under {str(ckpt_root)!r} ({e})") from e
-    if args.resume:
-        check_resume(args, ckpt_root, plan)
+    """Every flag checked before anything is built (recipes/loop.py's check_args); FlagError names each."""
+    loop.check_args(RECIPE, args)
 
 
-def check_resume(args: argparse.Namespace, ckpt_root: Path, plan=None) -> None:
-    import zfunc as zf
-
-    latest = zf.checkpoint.latest(ckpt_root)
-    if latest is None:
-        raise FlagError(f"--resume: no checkpoint under {ckpt_root}")
-    manifest = zf.checkpoint.read_manifest(latest)
-    extra = manifest.get("extra", {})
-    saved = extra.get("flags") or extra.get("config", {})  # "config" alone: a checkpoint from before flags were saved
-    given = training_flags(args, plan)
-    name = lambda k: _flag(k) if k in DEFAULTS else "the optimizer and scheduler of --deepspeed"  # noqa: E731
-    differ = [f"  {name(k)}: {saved[k]!r} in the checkpoint, {given[k]!r} given"
-              for k in sorted(saved) if k in given and saved[k] != given[k]]
-    if differ:
-        raise FlagError(f"--resume: {latest} was saved by a run with other flags; pass its flags (or another "
-                        "--out to start afresh):\n" + "\n".join(differ))
-    if args.steps <= manifest["step"]:
-        raise FlagError(f"--steps: {args.steps} is not beyond step {manifest['step']} of the checkpoint {latest} "
-                        f"resumed: nothing to train (pass --steps above {manifest['step']})")
+with_precision = loop.with_precision
 
 
-def make_optimizer(args: argparse.Namespace, plan):
-    """AdamW(0.9, 0.95) on a warmup-cosine, decaying matrices only; a --deepspeed config's optimizer
-    and scheduler when it names them (a config without a scheduler keeps its lr constant, as in
-    DeepSpeed). Clipping at the plan's gradient_clipping (--grad-clip, or the config's; 0: none)."""
-    import zfunc as zf
-
-    if plan.optimizer is not None:
-        return zf.config.optimizer(plan, args.steps, mask=zf.optim.decay_mask)
-    lr = (zf.config.schedule(plan, args.steps) if plan.scheduler is not None else
-          zf.optim.warmup_cosine(args.lr, min(args.warmup, args.steps // 2), args.steps, end_value=args.end_lr))
-    adamw = zf.optim.adamw(lr, b1=0.9, b2=0.95, eps=1e-8, weight_decay=args.weight_decay, mask=zf.optim.decay_mask)
-    if plan.gradient_clipping > 0:
-        return zf.optim.chain(zf.optim.clip_by_global_norm(plan.gradient_clipping), adamw)
-    return adamw
-
-
-def first_state(args: argparse.Namespace, step, model: GPT, params: dict, plan, device: torch.device):
-    """The state to train from: OUT/ckpt/latest loaded into this layout (--resume), or a fresh one
-    from meta-device ``params``. A step that can materialize leaf by leaf (offload; ZeRO-3) makes
-    each rank's rows one leaf at a time, never the whole model; the others get whole params."""
-    import zfunc as zf
-
-    if args.resume:
-        latest = zf.checkpoint.latest(Path(args.out) / "ckpt")
-        if latest is None:
-            raise FlagError(f"--resume: no checkpoint under {Path(args.out) / 'ckpt'}")  # removed since check_args
-        try:  # zf.checkpoint.load checks the model's params against the checkpoint's
-            return zf.checkpoint.load(latest, step, params=params, device=device), latest
-        except zf.checkpoint.CheckpointError as e:
-            raise FlagError(f"--resume: {e}") from e
-
-    def materialize(name: str, like: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
-        return model.initial_value(name, like, args.seed, rows)
-
-    if "materialize" in inspect.signature(step.init).parameters:
-        state = step.init(params, materialize=materialize)
-    else:
-        state = step.init({name: materialize(name, like).to(device) for name, like in params.items()})
-    if plan.precision == "fp16":  # the plan's (a DeepSpeed config's) loss-scale rule
-        state = state.replace(loss_scale=zf.precision.deepspeed_loss_scale(
-            plan.initial_scale_power, plan.loss_scale_window, plan.hysteresis, plan.min_loss_scale,
-            plan.consecutive_hysteresis))
-    return state, None
-
-
-def describe(args, plan, launch, cfg: GPTConfig, model: GPT, device) -> list[str]:
-    """What rank 0 says about the model and the layout before training."""
-    lines = [f"model: {model.num_params(non_embedding=False) / 1e6:.2f}M params {asdict(cfg)}; device {device}, "
-             f"precision {plan.precision}; {args.steps} steps x {args.batch_size * cfg.block_size:,} tokens",
-             f"layout: {launch.world} process{'es' * (launch.world > 1)}, dp={plan.dp} pp={plan.pp}, ZeRO "
-             f"{plan.zero_stage}, offload optimizer {plan.offload_optimizer} params {plan.offload_params}, remat "
-             f"{plan.remat}; per rank {args.batch_size // plan.dp} sequences in "
-             f"{plan.microbatches if plan.pp > 1 else plan.accum} microbatches"]
-    return lines
+def training_flags(args: argparse.Namespace, plan=None) -> dict:
+    return loop.training_flags(RECIPE, args, plan)
 
 
 def train(args: argparse.Namespace) -> dict:
     """Train per `args` (from parse_args); returns the final numbers, sample and checkpoint path
     (on rank 0; the other ranks return what they know)."""
-    import zfunc as zf  # the model and data above are plain torch; only training needs zfunc
-
-    check_args(args)  # before anything is built
-    t_start = time.time()
-    launch = layout.Launch.from_env()
-    plan, args = layout.resolve(with_precision(args), launch.world, UNITS, notices=launch.rank == 0)
-    say = print if launch.rank == 0 else (lambda *a, **k: None)
-    if launch.rank != 0:
-        warnings.simplefilter("ignore")  # other ranks print nothing but errors
-    launch.start()
-    device, flags, precision = launch.device(args.device), training_flags(args, plan), plan.precision
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-
-    corpus = load_corpus(args.data)
-    baseline = unigram_entropy(corpus.val)
-    say(f"data: {corpus.source}: {corpus.n_files} files, {len(corpus.train):,} train / "
-        f"{len(corpus.val):,} val bytes; unigram entropy of val {baseline:.3f} nats/byte")
-    for split, data in (("train", corpus.train), ("val", corpus.val)):
-        if len(data) <= args.block_size + 1:  # found now, not at the first batch or eval
-            raise FlagError(f"--block-size: {args.block_size} needs more than {args.block_size + 1} bytes, the "
-                            f"{split} split of --data {corpus.source!r} has {len(data)}")
-
-    cfg = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
-                    n_embd=args.n_embd, dropout=args.dropout)
-    with torch.device("meta"):  # no memory yet: each leaf is made once, where the layout keeps it
-        model = GPT(cfg)
-    for line in describe(args, plan, launch, cfg, model, device):
-        say(line)
-    zf.parallelize.prepare(model, plan)  # tile the head, remat the blocks: before functionalize
-    apply, params = zf.functionalize(model)
-
-    def loss_fn(params, batch):
-        x, y = batch
-        logits = apply(params, x)
-        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-
-    step = zf.train_step(loss_fn, make_optimizer(args, plan), precision=precision, accum=plan.accum, seed=args.seed)
-    mesh = zf.Mesh(dp=plan.dp, pp=plan.pp)
-    step = zf.parallelize(step, model, plan, mesh)  # shard -> offload -> pipeline, as the plan says
-    state, resumed = first_state(args, step, model, params, plan, device)
-    if resumed is not None:
-        say(f"resumed from {resumed} at step {state.step}")
-    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-
-    @torch.no_grad()
-    def evaluate(params) -> float:
-        model.eval()
-        gen, total = torch.Generator().manual_seed(0), 0.0  # the same val batches every time
-        for _ in range(args.eval_batches):
-            x, y = get_batch(corpus.val, args.batch_size, cfg.block_size, gen, device)
-            with torch.autocast(device.type, autocast_dtype, enabled=autocast_dtype is not None):
-                total += loss_fn(params, (x, y)).item()
-        model.train()
-        return total / args.eval_batches
-
-    def save(n: int, val_loss: float):
-        return zf.checkpoint.save(state, Path(args.out) / "ckpt" / f"{n:06d}", keep_last=args.keep_last,
-                                  extra={"config": asdict(cfg), "flags": flags, "val_loss": val_loss})
-
-    def my_rows(batch):  # this rank's share of the global batch: its dp slice (a pipeline's stages: the same)
-        per_rank = args.batch_size // plan.dp
-        return tuple(t[mesh.rank * per_rank:(mesh.rank + 1) * per_rank].to(device) for t in batch)
-
-    first, tokens_per_step = state.step, args.batch_size * cfg.block_size
-    flops_per_token = 6 * model.num_params() + 12 * cfg.n_layer * cfg.block_size * cfg.n_embd
-    watch = watch_mod.Watch(Path(args.out), launch.rank, first if args.resume else None,
-                            flops_per_token=flops_per_token, peak_flops=peak_flops(device), world=launch.world)
-    history, train_time, loss, val_loss, whole = [], 0.0, float("nan"), float("nan"), None
-    last_logged, log_time = first, 0.0
-    t0 = time.time()
-    for i in watch.progress(range(first, args.steps), first, args.steps):
-        # Step i's batch depends on (seed, i) alone, so a resumed run, in any layout, sees the same data.
-        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + i)
-        batch = my_rows(get_batch(corpus.train, args.batch_size, cfg.block_size, gen))
-        state, metrics = step(state, batch)
-        n = i + 1
-        do_eval = (args.eval_every and n % args.eval_every == 0) or n == args.steps
-        if n % args.log_every == 0 or do_eval:  # .item() syncs the GPU: read metrics only now and then
-            loss = metrics["loss"].item()
-            elapsed = time.time() - t0
-            train_time, log_time = train_time + elapsed, log_time + elapsed
-            tokens_per_s = (n - last_logged) * tokens_per_step / max(log_time, 1e-9)
-            peak_mem = watch_mod.every_rank(watch_mod.peak_memory_bytes(device), launch.world)
-            if do_eval:
-                whole = layout.whole_params(state, mesh)  # every rank takes part; rank 0 evaluates
-                if launch.rank == 0:
-                    val_loss = evaluate(whole)
-                    history.append((n, val_loss))
-            watch.record(n, metrics, tokens_per_s, peak_mem, val_loss if do_eval else None)
-            if do_eval:
-                watch.say(f"step {n}: train loss {loss:.3f}, val loss {val_loss:.3f} ({time.time() - t_start:.0f} s)")
-            last_logged, log_time, t0 = n, 0.0, time.time()
-        if args.ckpt_every and n % args.ckpt_every == 0 and n != args.steps:
-            save(n, val_loss)
-            t0 = time.time()
-    watch.close()
-
-    tokens_per_s = (args.steps - first) * tokens_per_step / max(train_time, 1e-9)
-    peak = peak_flops(device)
-    mfu = flops_per_token * tokens_per_s / (peak * launch.world) if peak else None
-    say(f"final val loss {val_loss:.3f} nats/byte (unigram baseline {baseline:.3f}) after "
-        f"{args.steps} steps; {tokens_per_s:,.0f} tokens/s; elapsed {time.time() - t_start:.0f} s")
-    if device.type == "cuda":
-        say(f"MFU {mfu:.1%} of {peak / 1e12:.0f} TFLOP/s bf16 peak per GPU" if mfu is not None else
-            f"MFU unknown: no peak FLOP/s on record for {torch.cuda.get_device_name(device)}")
-
-    ckpt = save(args.steps, val_loss)
-    if ckpt is not None:
-        say(f"saved {ckpt}")
-
-    sample = b""
-    if launch.rank == 0:
-        model.eval()
-        sample = generate(lambda idx: apply(whole, idx), b"def ", args.sample_len, cfg.block_size, args.temperature,
-                          args.top_k, torch.Generator().manual_seed(args.seed), device)
-        say("sample:\n" + (b"def " + sample).decode("utf-8", errors="replace"))
-    return dict(val_loss=val_loss, train_loss=loss, unigram_entropy=baseline, history=history,
-                steps=args.steps, n_params=model.num_params(non_embedding=False), tokens_per_s=tokens_per_s, mfu=mfu,
-                elapsed_s=time.time() - t_start, checkpoint=str(ckpt) if ckpt is not None else None, sample=sample,
-                rank=launch.rank)
+    return loop.train(RECIPE, args)
 
 
 def main(argv=None) -> dict:
     """The command line; flags that cannot work exit with status 2 and their message, as argparse's do."""
-    args = parse_args(argv)
-    try:
-        return train(args)
-    except FlagError as e:
-        print(f"python -m recipes.gpt: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from e
+    return loop.main(RECIPE, argv)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 TASKS = ("causal-lm", "masked-lm")
@@ -97,3 +99,44 @@ class HFModel(nn.Module):
         wanted = set(getattr(self.model, "_no_split_modules", None) or ())
         found = {type(m) for m in self.model.modules() if type(m).__name__ in wanted}
         return tuple(sorted(found, key=lambda c: c.__name__))
+
+
+@contextmanager
+def params_on_meta():
+    """Parameters made inside go to the meta device as they are registered (one at a time on the CPU
+    first: the largest param is the peak); buffers stay where they are made, as accelerate's
+    ``init_empty_weights(include_buffers=False)``: a model's computed buffers keep their values."""
+    register = nn.Module.register_parameter
+
+    def to_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = to_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def built(args, vocab_size: int, task: str):
+    """``--hf-config`` for a recipe: the model (built under the caller's device context: the meta
+    device) as a ``recipes.loop.Built``, its vocabulary widened to ``vocab_size`` when the config's is
+    smaller (the data's ids must fit), initialized by the model's own ``_init_weights`` per submodule
+    (``zf.materialize.from_module``), its units transformers' repeated blocks."""
+    import zfunc as zf
+    from recipes import loop
+
+    cfg = read_config(args.hf_config)
+    overrides = {} if cfg.get("vocab_size", 0) >= vocab_size else {"vocab_size": vocab_size}
+    with torch.device("cpu"), params_on_meta():  # buffers (rotary inv_freq, position ids) stay real
+        model = build(cfg, task, **overrides)
+    config = model.config
+    context = next((getattr(config, k) for k in ("max_position_embeddings", "n_positions", "n_ctx")
+                    if isinstance(getattr(config, k, None), int)), 1 << 30)
+    units = "class:" + ",".join(c.__name__ for c in model.layer_classes()) if model.layer_classes() else None
+    n = loop.n_params(model)
+    return loop.Built(model, {**cfg, **overrides}, context,
+                      materialize=lambda seed: zf.materialize.from_module(model, seed, init=model.model._init_weights),
+                      units=units, flops_per_token=6 * n)

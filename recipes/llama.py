@@ -1,8 +1,11 @@
-"""A Llama-3-style decoder in plain torch: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention.
+"""Train a Llama-3-style decoder with zfunc: `python -m recipes.llama` (`--help` for flags).
 
-The model part of the Llama recipe, read top to bottom like nanoGPT: the flavors (published sizes),
-the config, the model. It knows nothing of zfunc; the recipe applies zfunc's transformations to it.
-``forward(idx) -> logits`` as the GPT recipe's model, so the same data and loop drive both.
+RMSNorm, rotary embeddings, SwiGLU, grouped-query attention, an untied head, in plain torch, read top
+to bottom like nanoGPT: the flavors (published sizes), the config, the model, then the recipe. The
+model knows nothing of zfunc; the recipe (the last section) hands it to recipes/loop.py, the loop
+the GPT recipe runs, with every flag of the front door (--zero, --offload-*, --remat, --pp,
+--deepspeed, --flavor, --hf-config, --tokenizer, --resume, ...). With no flags it trains on the
+Python standard library's source (bytes) in about 5 minutes on a 2-core CPU (README, Results).
 
 Flavors (``--flavor``), each a published config (HF config.json of the named checkpoint):
   debug  not a published model: the smallest shape with every part (GQA 4 heads over 2 kv heads).
@@ -18,14 +21,16 @@ Llama 3 has no model under 1B; SmolLM is the published Llama-architecture model 
 """
 from __future__ import annotations
 
+import argparse
 import math
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from recipes import hf, layout, loop
 from recipes.flavors import lookup
 
 _LLAMA3 = dict(vocab_size=128256, norm_eps=1e-5, rope_theta=500000.0)
@@ -204,9 +209,9 @@ class Llama(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)  # the name zf.tile's --tile-lm-head tiles
         if cfg.tie_embeddings:
-            self.head.weight = self.embed.weight
+            self.lm_head.weight = self.embed.weight
         for name, p in self.named_parameters():
             if p.dim() == 2:  # every matrix N(0, 0.02); residual outputs scaled by depth (GPT-2's rule)
                 deep = name.endswith(("attn.o.weight", "mlp.down.weight"))
@@ -223,10 +228,83 @@ class Llama(nn.Module):
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin)
-        return self.head(self.norm(x))
+        return self.lm_head(self.norm(x))
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameters; ``non_embedding`` leaves out the input table (a lookup, not a matmul) unless it is
         also the head: the count FLOPs per token are 6x of."""
         n = sum(p.numel() for p in self.parameters())
         return n - self.embed.weight.numel() if non_embedding and not self.cfg.tie_embeddings else n
+
+
+# ----------------------------------------------------------------------------- the recipe
+# Sized, like the GPT recipe's default, for ~5 minutes on a 2-core CPU (README, Results).
+MODEL_DEFAULTS = dict(n_layer=4, n_head=4, n_kv_head=2, n_embd=192, ffn_dim=512, block_size=128)
+# A step costs ~1.2x the GPT recipe's on CPU: 0.81 of its tokens/s (1,037 vs 1,285, medians over the first
+# 50-80 steps) with both default runs side by side, one thread each, on a loaded machine; so 490 steps take
+# the time of its 600. (Two threads each on a loaded machine gave 0.51-0.61: OpenMP waits hit Llama's many
+# small elementwise ops harder; the lead re-times on a quiet machine.)
+DEFAULTS = dict(**MODEL_DEFAULTS, **loop.MODEL_SOURCE_DEFAULTS,
+                **{**loop.TRAIN_DEFAULTS, "out": "out/llama", "steps": 490},
+                **loop.SAMPLE_DEFAULTS, **layout.LAYOUT_DEFAULTS)
+UNITS = "class:Block"
+HELP = {**loop.TRAIN_HELP, **loop.SAMPLE_HELP, "block_size": "context length in bytes (tokens with --tokenizer)",
+        "n_kv_head": "key/value heads (grouped-query attention; a divisor of --n-head)",
+        "ffn_dim": "SwiGLU hidden width", "flavor": "a published Llama size (module docstring): " + ", ".join(FLAVORS)}
+RULES = dict(n_layer=loop.AT_LEAST_1, n_head=loop.AT_LEAST_1, n_kv_head=loop.AT_LEAST_1, n_embd=loop.AT_LEAST_1,
+             ffn_dim=loop.AT_LEAST_1, **loop.TRAIN_RULES, **loop.SAMPLE_RULES)
+FLAG_TO_FIELD = dict(n_layer="n_layers", n_head="n_heads", n_kv_head="n_kv_heads", n_embd="dim", ffn_dim="ffn_dim")
+
+
+def _check_model_flags(args: argparse.Namespace) -> list[str]:
+    errors = []
+    if args.n_head >= 1 and args.n_embd % args.n_head:
+        errors.append(f"--n-embd: expected a multiple of --n-head {args.n_head}, got {args.n_embd}")
+    elif args.n_head >= 1 and (args.n_embd // args.n_head) % 2:
+        errors.append(f"--n-embd: rotary embeddings need an even head dim (--n-embd / --n-head), got "
+                      f"{args.n_embd} / {args.n_head}")
+    if args.n_kv_head >= 1 and args.n_head % args.n_kv_head:
+        errors.append(f"--n-kv-head: expected a divisor of --n-head {args.n_head}, got {args.n_kv_head}")
+    return errors
+
+
+def materializer(cfg: LlamaConfig, seed: int):
+    """The init ``Llama.__init__`` draws, as zf.materialize rules (row-deterministic, any layout):
+    norms 1, residual outputs N(0, 0.02 / sqrt(2 n_layers)), every other matrix N(0, 0.02)."""
+    import zfunc as zf
+
+    return zf.materialize.by_name({
+        "*norm.weight": zf.materialize.constant(1.0),
+        "*attn.o.weight": zf.materialize.normal(0.02 / math.sqrt(2 * cfg.n_layers), seed),
+        "*mlp.down.weight": zf.materialize.normal(0.02 / math.sqrt(2 * cfg.n_layers), seed),
+        "*": zf.materialize.normal(0.02, seed),
+    })
+
+
+def build(args: argparse.Namespace, vocab_size: int) -> loop.Built:
+    """The Llama the flags (or --flavor, or --hf-config) ask for, on the current (meta) device."""
+    if args.hf_config is not None:
+        return hf.built(args, vocab_size, "causal-lm")
+    flavor = lookup(FLAVORS, args.flavor, "llama") if args.flavor else {}
+    kwargs = loop.model_kwargs(args, flavor, FLAG_TO_FIELD, "max_seq_len")
+    if kwargs.setdefault("vocab_size", vocab_size) < vocab_size:
+        raise ValueError(f"--flavor {args.flavor}: its vocabulary of {kwargs['vocab_size']} is smaller than the "
+                         f"data's {vocab_size} (expected --tokenizer with at most {kwargs['vocab_size']} tokens)")
+    cfg = LlamaConfig(**kwargs)
+    model = Llama(cfg)
+    flops = 6 * model.num_params() + 12 * cfg.n_layers * args.block_size * cfg.dim
+    return loop.Built(model, asdict(cfg), cfg.max_seq_len, materialize=lambda seed: materializer(cfg, seed),
+                      units=UNITS, flops_per_token=flops)
+
+
+RECIPE = loop.Recipe("llama", __doc__.split("\n\n")[0], DEFAULTS, HELP, RULES, build, units=UNITS,
+                     check=_check_model_flags, flavors=lambda name: lookup(FLAVORS, name, "llama"))
+
+
+def main(argv=None) -> dict:
+    """The command line (recipes/loop.py); flags that cannot work exit with status 2, naming each."""
+    return loop.main(RECIPE, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -87,8 +87,9 @@ class Watch:
             self.bar = None
 
     def record(self, step: int, metrics: dict, tokens_per_s: float, peak_mem: list[int],
-               val_loss: float | None = None) -> dict:
-        """Log one step (every rank calls it; rank 0 writes); returns the record."""
+               val_loss: float | None = None, extra: dict | None = None) -> dict:
+        """Log one step (every rank calls it; rank 0 writes); returns the record. ``extra``: more
+        eval numbers for the record (BERT's val_accuracy)."""
         row = {"step": step, "loss": float(metrics["loss"]), "lr": metrics["lr"],
                "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_per_s,
                "peak_mem_mb": [round(b / 2**20, 1) for b in peak_mem]}
@@ -98,6 +99,7 @@ class Watch:
             row["loss_scale"], row["skipped"] = metrics["loss_scale"], bool(metrics["skipped"])
         if val_loss is not None:
             row["val_loss"] = val_loss
+        row.update(extra or {})
         if not self.writes:
             return row
         with open(self.metrics, "a") as f:

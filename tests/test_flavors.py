@@ -5,6 +5,19 @@ import torch
 from recipes import bert, flavors, llama
 from recipes.gpt import GPT, GPTConfig
 
+# Spot-checked 2026-11-24 with the reference search (pages), beyond the sources named per row:
+#  - GPT-3 175B: 96 layers, d_model 12288, 96 heads, n_params 175.0B, context 2048 (Table 2.1 as quoted in
+#    "Transformers for NLP" ch. 7, fliphtml5.com/zroi/xrui/.../224/, and labindex.ai/outputs/openai/gpt-3).
+#  - Llama 3 8B: 32 layers, hidden 4096, 32 heads, 8 kv heads, 8k context, ~128K vocabulary
+#    (apxml.com/models/llama-3-8b; Meta's model card: "8B and 70B sizes", GQA in both).
+#  - BERT-Small = L=4 / H=512 and BERT-Base = L=12 / H=768 (google-research/bert README, "Smaller BERT
+#    Models", and the google/bert_uncased_L-*_H-*_A-* model cards).
+#  - Megatron-BERT "345M" (promptlayer.com/models/megatron-bert-cased-345m: 24 layers, 16 heads, hidden
+#    1024): the BERT-Large shape under a rounded name; the 336M of the row below is not contradicted, not
+#    confirmed. NVIDIA's blog "State-of-the-Art Language Modeling Using Megatron on the NVIDIA A100 GPU"
+#    names a 3.9B Megatron-BERT (not a flavor here).
+#  Not found by the search (kept as written, from the sources named): the exact 29.1M of BERT-Small, 8.03B and
+#  70.6B for Llama 3 (the model pages' safetensors counts).
 # (published parameter count, relative tolerance, source). 1% where the source states the count to
 # 3 significant digits or more; where it rounds coarser, the tolerance is that rounding (written beside).
 GPT_PUBLISHED = {

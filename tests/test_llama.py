@@ -43,7 +43,7 @@ def test_forward_is_causal_and_shaped():
 
 def test_tied_flavors_share_the_head_with_the_embedding():
     tied = llama.Llama(llama.flavor("debug", tie_embeddings=True))
-    assert tied.head.weight is tied.embed.weight
+    assert tied.lm_head.weight is tied.embed.weight
     assert tied.num_params(non_embedding=True) == tied.num_params(non_embedding=False)
     untied = llama.Llama(llama.flavor("debug"))
     assert untied.num_params(False) - untied.num_params(True) == 256 * 64
@@ -52,7 +52,7 @@ def test_tied_flavors_share_the_head_with_the_embedding():
 HF_NAMES = [("embed.", "model.embed_tokens."), ("layers.", "model.layers."), ("attn_norm", "input_layernorm"),
             ("mlp_norm", "post_attention_layernorm"), ("attn.q", "self_attn.q_proj"), ("attn.k", "self_attn.k_proj"),
             ("attn.v", "self_attn.v_proj"), ("attn.o", "self_attn.o_proj"), ("mlp.gate", "mlp.gate_proj"),
-            ("mlp.up", "mlp.up_proj"), ("mlp.down", "mlp.down_proj"), ("head.", "lm_head.")]
+            ("mlp.up", "mlp.up_proj"), ("mlp.down", "mlp.down_proj")]
 
 
 def to_hf(state_dict):

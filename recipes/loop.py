@@ -1,0 +1,610 @@
+"""The training loop every recipe shares (GPT, Llama, BERT): its flags, their checks, the loop itself.
+
+A recipe (recipes/gpt.py, llama.py, bert.py) is its model plus a ``Recipe``: the flags that shape
+its model (``--n-layer``, ...), a ``build(args, vocab_size) -> Built`` that makes the model on the
+meta device, and a ``Task`` (``CAUSAL``: next-token loss, val loss, a sample; bert's masked task:
+MLM loss and masked-token accuracy). Everything else is here, once: every flag of the front door
+(``TRAIN_DEFAULTS`` and recipes/layout.py's layout flags), their checks before anything is built,
+``--flavor`` / ``--hf-config`` / ``--tokenizer``, the corpus (recipes/data.py), the zfunc step laid
+out by the plan, eval, checkpoints and ``--resume``, the progress bar, OUT/metrics.jsonl and
+OUT/loss.png (recipes/watch.py), and the final sample. ``--dry-run`` stops after printing the model
+and the plan's bytes per rank (zfunc.plan's accounting of the meta-device leaves): nothing allocated.
+
+Why one module over 400 lines: the flags, their checks and the loop are the GPT recipe's former
+train() and flag code moved whole, one concept (what `python -m recipes.NAME` does); the models,
+the data, the layout flags (recipes/layout.py) and the weak-scaling runs (recipes/scaling.py) live apart.
+
+The law every recipe keeps: step i's batch depends on (--seed, i) alone and is split over the
+ranks by rows, so the same flags train the same on any layout and number of processes (a masked
+task's loss is normalized by the global batch's count of masked tokens for that reason).
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import math
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from recipes import data as data_mod
+from recipes import layout
+from recipes import watch as watch_mod
+from recipes.layout import FlagError, flag
+
+# Every recipe's training flags (a recipe may change a default); its model flags come first.
+TRAIN_DEFAULTS = dict(
+    steps=600, batch_size=32, accum=1,
+    lr=3e-3, end_lr=3e-4, warmup=40, weight_decay=0.1, grad_clip=1.0,
+    precision=None, device=None, data=None, out="out/run", seed=1337,
+    eval_every=100, eval_batches=20, ckpt_every=200, keep_last=2, resume=False, log_every=10,
+)
+MODEL_SOURCE_DEFAULTS = dict(flavor=None, hf_config=None, tokenizer=None, dry_run=False)
+TRAIN_HELP = dict(
+    batch_size="global batch: sequences per optimizer step, over all processes; split over the data-parallel "
+               "ranks, then into --accum (with --pp: --microbatches) microbatches, so the same flags train the "
+               "same on any number of processes and layout",
+    accum="gradient accumulation: microbatches each rank's share of the batch is cut into",
+    lr="peak learning rate (after linear warmup)",
+    end_lr="learning rate at the end of the cosine decay", warmup="linear warmup steps (at most half of --steps)",
+    grad_clip="max global grad norm", precision="default: bf16 on CUDA, fp32 on CPU",
+    device="default: cuda if available, else cpu", out="output dir (checkpoints in OUT/ckpt)",
+    eval_every="evaluate every N steps; 0: never (the last step always evaluates)",
+    ckpt_every="save a checkpoint every N steps; 0: never (the last step always saves)",
+    keep_last="checkpoints to keep (>= 1)",
+    resume="continue from OUT/ckpt/latest: the flags that shape training must be those it was saved with; "
+           "--steps (above the checkpoint's step; the cosine is laid over the new total), --device, "
+           "--out, the eval, log, checkpoint and sample flags and the layout (--zero, --offload-*, --remat, --pp, "
+           "--microbatches, --accum, --deepspeed, the number of processes) may change",
+    log_every="log a line to OUT/metrics.jsonl (and the bar) every N steps (eval steps always)",
+    data="text file or folder (default: the Python stdlib's .py files)",
+    flavor="a named published size (the model flags given beside it override its values)",
+    hf_config="a transformers config (config.json, a folder holding one, or a JSON string): that model, "
+              "randomly initialized, in place of the recipe's own (needs transformers)",
+    tokenizer="a local tokenizer.json (or a folder holding one): train on its tokens, cached as a memory-mapped "
+              "file under OUT/tokens; default: bytes",
+    dry_run="print the model and the plan (bytes per rank), then stop before anything is allocated",
+    **layout.LAYOUT_HELP,
+)
+MAY_CHANGE_ON_RESUME = ("steps", "device", "out", "resume", "eval_every", "eval_batches", "ckpt_every",
+                        "keep_last", "log_every", "sample_len", "temperature", "top_k", "dry_run",
+                        *layout.MAY_CHANGE_ON_RESUME)
+AT_LEAST_1, AT_LEAST_0 = (lambda v: v >= 1, "an int >= 1"), (lambda v: v >= 0, "an int >= 0")
+FINITE_AT_LEAST_0 = (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
+TRAIN_RULES = dict(  # flag: (test, what is expected)
+    block_size=AT_LEAST_1, steps=AT_LEAST_1, batch_size=AT_LEAST_1, accum=AT_LEAST_1, eval_batches=AT_LEAST_1,
+    keep_last=AT_LEAST_1, log_every=AT_LEAST_1, warmup=AT_LEAST_0, eval_every=AT_LEAST_0, ckpt_every=AT_LEAST_0,
+    seed=(lambda v: 0 <= v < 2**32, "an int in [0, 2**32)"),
+    lr=FINITE_AT_LEAST_0, end_lr=FINITE_AT_LEAST_0, weight_decay=FINITE_AT_LEAST_0,
+    grad_clip=(lambda v: v > 0, "a number > 0"),
+)
+SAMPLE_DEFAULTS = dict(sample_len=300, temperature=0.8, top_k=40)
+SAMPLE_HELP = dict(sample_len="tokens (bytes) to generate at the end", top_k="sample from the k likeliest tokens")
+SAMPLE_RULES = dict(sample_len=AT_LEAST_0, top_k=AT_LEAST_1,
+                    temperature=(lambda v: math.isfinite(v) and v > 0, "a finite number > 0"))
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12}  # dense
+
+
+# ----------------------------------------------------------------------------- what a recipe brings
+@dataclass
+class Built:
+    """A model built on the meta device, with what the loop needs to know of it."""
+
+    module: nn.Module
+    config: dict  # saved in every checkpoint as extra["config"]
+    context: int  # the longest window it takes (--block-size must not exceed it)
+    materialize: Callable[[int], Callable]  # seed -> zf.materialize materializer of every param
+    units: str | None = None  # the plan's units (ZeRO-3 gathers, remat, pipeline stages)
+    flops_per_token: float = 0.0
+    first_state: Callable | None = None  # (args, step, params, plan, device) -> (state, resumed): the recipe's own
+
+
+@dataclass(frozen=True)
+class Task:
+    """What is trained on the windows: the batch made of them, its loss, the eval and the closing words.
+
+    ``batch(data, batch_size, block_size, generator, vocab_size)``: the global batch (a tuple of tensors
+    split by rows; ``vocab_size``: the data's). ``loss(out, batch)``: the loss of the model's output
+    ``out``. ``evaluate(forward, val, args, generator, vocab_size)``: {"val_loss": ..., and more};
+    ``forward(batch)`` is the loss, ``forward.logits(batch)`` the logits. ``baseline(val, vocab_size)``:
+    {name: value} of the guesses to beat.
+    """
+
+    name: str
+    batch: Callable
+    loss: Callable
+    evaluate: Callable
+    baseline: Callable
+    report: Callable[[dict, dict, str], str]  # (eval metrics, baseline, unit) -> the final numbers in words
+    sample: bool = True
+    hf_task: str = "causal-lm"
+
+
+def logits_of(out):
+    """A model's logits: our models return them (BERT: with the NSP logits beside them)."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+def token_counts(data, vocab_size: int) -> torch.Tensor:
+    values = data.long() if isinstance(data, torch.Tensor) else torch.from_numpy(np.asarray(data, dtype=np.int64))
+    return torch.bincount(values, minlength=vocab_size).double()
+
+
+def unigram_entropy(data, vocab_size: int = 256) -> dict:
+    """Entropy of the token histogram in nats/token: the loss of a model that ignores context."""
+    p = token_counts(data, vocab_size)
+    p = p[p > 0] / p.sum()
+    return {"unigram_entropy": float(-(p * p.log()).sum())}
+
+
+def _causal_loss(out, batch):
+    return F.cross_entropy(logits_of(out).flatten(0, 1).float(), batch[1].flatten())
+
+
+def _causal_eval(forward, val, args, gen, vocab_size) -> dict:
+    total = 0.0
+    for _ in range(args.eval_batches):
+        batch = data_mod.get_batch(val, args.batch_size, args.block_size, gen)
+        total += forward(batch).item()
+    return {"val_loss": total / args.eval_batches}
+
+
+def _causal_report(metrics: dict, baseline: dict, unit: str) -> str:
+    return f"val loss {metrics['val_loss']:.3f} nats/{unit} (unigram baseline {baseline['unigram_entropy']:.3f})"
+
+
+CAUSAL = Task("causal-lm", lambda data, B, T, gen, vocab_size: data_mod.get_batch(data, B, T, gen), _causal_loss, _causal_eval,
+              unigram_entropy, _causal_report)
+
+
+@dataclass
+class Recipe:
+    """A recipe's part of the command line: its name (``python -m recipes.NAME``), its flags, how it
+    builds its model, and its task. ``check`` adds the model flags' own cross-checks (errors as lines)."""
+
+    name: str
+    description: str
+    defaults: dict
+    help: dict
+    rules: dict
+    build: Callable[[argparse.Namespace, int], Built]
+    task: Task = CAUSAL
+    units: str | None = None  # before the model is built (the plan's checks)
+    check: Callable[[argparse.Namespace], list[str]] = lambda args: []
+    extra_vocab: int = 0  # ids the task adds after the data's (BERT: PAD, CLS, SEP, MASK)
+    may_change_on_resume: tuple = MAY_CHANGE_ON_RESUME
+    flavors: Callable[[str], Any] | None = None  # name -> config kwargs (raises ValueError for a bad name)
+
+
+# ----------------------------------------------------------------------------- flags
+def parser(recipe: Recipe, with_defaults: bool = True) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m recipes.{recipe.name}", description=recipe.description,
+                                argument_default=None if with_defaults else argparse.SUPPRESS)
+    for name, default in recipe.defaults.items():
+        kw = {} if with_defaults else {"default": argparse.SUPPRESS}
+        if isinstance(default, bool):
+            p.add_argument(flag(name), action="store_true", help=recipe.help.get(name), **kw)
+            continue
+        choices = ["fp32", "bf16", "fp16"] if name == "precision" else layout.CHOICES.get(name)
+        p.add_argument(flag(name), type=str if default is None else type(default), choices=choices,
+                       **({"default": default} if with_defaults else kw),
+                       help=f"{recipe.help.get(name, '')} (default: %(default)s)".lstrip())
+    return p
+
+
+def parse_args(recipe: Recipe, argv=None) -> argparse.Namespace:
+    """Every key of the recipe's defaults is a flag: n_layer -> --n-layer (values checked by check_args);
+    ``args.given`` names the flags given on the command line (a --deepspeed config's values yield to them)."""
+    args = parser(recipe).parse_args(argv)
+    args.given = frozenset(vars(parser(recipe, with_defaults=False).parse_args(argv)))
+    return args
+
+
+def device_of(args: argparse.Namespace) -> torch.device:
+    return layout.Launch.from_env().device(args.device)
+
+
+def with_precision(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with --precision resolved (bf16 on CUDA, fp32 on CPU when not given)."""
+    precision = args.precision or ("bf16" if device_of(args).type == "cuda" else "fp32")
+    return argparse.Namespace(**{**vars(args), "precision": precision})
+
+
+def _resolved(path: str | None) -> str | None:
+    if path is None or path.lstrip().startswith("{"):
+        return path
+    return str(Path(path).resolve())
+
+
+def training_flags(recipe: Recipe, args: argparse.Namespace, plan=None) -> dict:
+    """The flags that shape the training, as saved in every checkpoint (precision, paths and a
+    --deepspeed config's optimizer resolved)."""
+    flags = {k: getattr(args, k) for k in recipe.defaults if k not in recipe.may_change_on_resume}
+    flags["precision"] = with_precision(args).precision
+    for name in ("data", "tokenizer", "hf_config"):
+        if name in flags:
+            flags[name] = _resolved(flags[name])
+    flags["deepspeed_optimizer"] = layout.deepspeed_optimizer(plan) if plan is not None else None
+    return flags
+
+
+def _source_errors(recipe: Recipe, args: argparse.Namespace) -> list[str]:
+    """--flavor, --hf-config, --tokenizer: each readable, and not two model sources at once."""
+    errors = []
+    flavor, hf_config, tokenizer = (getattr(args, k, None) for k in ("flavor", "hf_config", "tokenizer"))
+    if flavor is not None and hf_config is not None:
+        errors.append(f"--flavor {flavor!r} and --hf-config: expected one model source, got both")
+    if flavor is not None and recipe.flavors is not None:
+        try:
+            recipe.flavors(flavor)
+        except ValueError as e:
+            errors.append(str(e))
+    if hf_config is not None:
+        from recipes import hf
+
+        try:
+            hf.read_config(hf_config)
+        except (ValueError, FileNotFoundError) as e:
+            errors.append(str(e))
+    if tokenizer is not None:
+        try:
+            data_mod.load_tokenizer(tokenizer)
+        except (ValueError, FileNotFoundError, ImportError) as e:
+            errors.append(str(e))
+    return errors
+
+
+def check_args(recipe: Recipe, args: argparse.Namespace) -> None:
+    """Check every flag before anything is built: each value (the recipe's rules), the model source
+    flags, the layout flags and the global batch's split over the processes (recipes/layout.py, a
+    --deepspeed config included), --data, --device, that --out is writable (creating OUT/ckpt), and
+    that --resume finds a checkpoint saved with these training_flags at a step below --steps.
+    Raises FlagError naming each flag, its value and what was expected."""
+    launch = layout.Launch.from_env()
+    errors = [f"{flag(k)}: expected {want}, got {getattr(args, k)!r}"
+              for k, (ok, want) in recipe.rules.items() if not ok(getattr(args, k))]
+    errors += recipe.check(args)
+    errors += layout.check_layout_args(args, launch.world)
+    if args.data is not None and not Path(args.data).exists():
+        errors.append(f"--data: path {args.data!r} does not exist")
+    errors += _source_errors(recipe, args)
+    try:
+        device = device_of(args)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            errors.append(f"--device: {args.device!r} asked for, but CUDA is not available")
+    except RuntimeError as e:
+        errors.append(f"--device: expected a torch device such as cpu or cuda:0, got {args.device!r} ({e})")
+    if errors:
+        raise FlagError("\n".join(errors))
+    plan, args = layout.resolve(with_precision(args), launch.world, recipe.units, notices=False)
+    ckpt_root = Path(args.out) / "ckpt"
+    try:  # now, not at the first save after all the training
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        probe = ckpt_root / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise FlagError(f"--out: cannot write checkpoints under {str(ckpt_root)!r} ({e})") from e
+    if args.resume:
+        check_resume(recipe, args, ckpt_root, plan)
+
+
+def check_resume(recipe: Recipe, args: argparse.Namespace, ckpt_root: Path, plan=None) -> None:
+    import zfunc as zf
+
+    latest = zf.checkpoint.latest(ckpt_root)
+    if latest is None:
+        raise FlagError(f"--resume: no checkpoint under {ckpt_root}")
+    manifest = zf.checkpoint.read_manifest(latest)
+    extra = manifest.get("extra", {})
+    saved = extra.get("flags") or extra.get("config", {})  # "config" alone: a checkpoint from before flags were saved
+    given = training_flags(recipe, args, plan)
+    name = lambda k: flag(k) if k in recipe.defaults else "the optimizer and scheduler of --deepspeed"  # noqa: E731
+    differ = [f"  {name(k)}: {saved[k]!r} in the checkpoint, {given[k]!r} given"
+              for k in sorted(saved) if k in given and saved[k] != given[k]]
+    if differ:
+        raise FlagError(f"--resume: {latest} was saved by a run with other flags; pass its flags (or another "
+                        "--out to start afresh):\n" + "\n".join(differ))
+    if args.steps <= manifest["step"]:
+        raise FlagError(f"--steps: {args.steps} is not beyond step {manifest['step']} of the checkpoint {latest} "
+                        f"resumed: nothing to train (pass --steps above {manifest['step']})")
+
+
+def model_kwargs(args: argparse.Namespace, flavor_kwargs: dict, flag_to_field: dict[str, str],
+                 context: str) -> dict:
+    """Config keyword arguments: the flavor's (if --flavor), the model flags' otherwise; a model flag
+    given on the command line beside --flavor overrides the flavor's value. The model's ``context``
+    field is --block-size without a flavor, the flavor's own with one (--block-size is then the
+    window trained on, at most that)."""
+    given = getattr(args, "given", frozenset())
+    out = dict(flavor_kwargs)
+    for name, field_name in flag_to_field.items():
+        if not flavor_kwargs or name in given:
+            out[field_name] = getattr(args, name)
+    if not flavor_kwargs:
+        out[context] = args.block_size
+    return out
+
+
+# ----------------------------------------------------------------------------- the parts of a run
+def make_optimizer(args: argparse.Namespace, plan):
+    """AdamW(0.9, 0.95) on a warmup-cosine, decaying matrices only; a --deepspeed config's optimizer
+    and scheduler when it names them (a config without a scheduler keeps its lr constant, as in
+    DeepSpeed). Clipping at the plan's gradient_clipping (--grad-clip, or the config's; 0: none)."""
+    import zfunc as zf
+
+    if plan.optimizer is not None:
+        return zf.config.optimizer(plan, args.steps, mask=zf.optim.decay_mask)
+    lr = (zf.config.schedule(plan, args.steps) if plan.scheduler is not None else
+          zf.optim.warmup_cosine(args.lr, min(args.warmup, args.steps // 2), args.steps, end_value=args.end_lr))
+    adamw = zf.optim.adamw(lr, b1=0.9, b2=0.95, eps=1e-8, weight_decay=args.weight_decay, mask=zf.optim.decay_mask)
+    if plan.gradient_clipping > 0:
+        return zf.optim.chain(zf.optim.clip_by_global_norm(plan.gradient_clipping), adamw)
+    return adamw
+
+
+def first_state(args: argparse.Namespace, step, built: Built, params: dict, plan, device: torch.device):
+    """The state to train from: OUT/ckpt/latest loaded into this layout (--resume), or a fresh one
+    from meta-device ``params`` by ``built.materialize`` (a step that can materialize leaf by leaf --
+    offload, ZeRO-3 -- makes each rank's rows one leaf at a time, never the whole model)."""
+    import zfunc as zf
+
+    if args.resume:
+        latest = zf.checkpoint.latest(Path(args.out) / "ckpt")
+        if latest is None:
+            raise FlagError(f"--resume: no checkpoint under {Path(args.out) / 'ckpt'}")  # removed since check_args
+        try:  # zf.checkpoint.load checks the model's params against the checkpoint's
+            return zf.checkpoint.load(latest, step, params=params, device=device), latest
+        except zf.checkpoint.CheckpointError as e:
+            raise FlagError(f"--resume: {e}") from e
+    materialize = built.materialize(args.seed)
+    if "materialize" in inspect.signature(step.init).parameters:
+        state = step.init(params, materialize=materialize)
+    else:
+        state = step.init({name: zf.materialize.leaf(materialize, name, like).to(device)
+                           for name, like in params.items()})
+    if plan.precision == "fp16":  # the plan's (a DeepSpeed config's) loss-scale rule
+        state = state.replace(loss_scale=zf.precision.deepspeed_loss_scale(
+            plan.initial_scale_power, plan.loss_scale_window, plan.hysteresis, plan.min_loss_scale,
+            plan.consecutive_hysteresis))
+    return state, None
+
+
+def n_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+
+
+def plan_bytes(params: dict, plan) -> dict[str, int]:
+    """Bytes the busiest rank (rank 0) keeps by place -- "device", "cpu", "nvme" -- after a step, in
+    zfunc.plan's accounting of these exact leaves (what step.memory(state) would report; stage 3's
+    gathered units on top, bounded by zp.working_bound). Computed from shapes alone: nothing allocated."""
+    from zfunc import plan as zp
+
+    leaves = [tuple(p.shape) for p in params.values()]
+    engine = zp.engine_bytes(leaves, plan.dp, 0, plan.zero_stage, precision=plan.precision, accum=plan.accum)
+    where = {"device": sum(engine.values()), "cpu": 0, "nvme": 0}
+    if plan.offload_optimizer != "none":
+        off = zp.offload_bytes(leaves, plan.dp, 0, optimizer=plan.offload_optimizer,
+                               params=None if plan.offload_params == "none" else plan.offload_params)
+        where["device"] -= engine["params"] + engine["optimizer"]  # they live where offload keeps them
+        for place, n in off.items():
+            where[place] += n
+    return where
+
+
+def describe(args, plan, launch, built: Built, device, params: dict) -> list[str]:
+    """What rank 0 says about the model, the layout and the plan's bytes per rank before training."""
+    gb = lambda n: f"{n / 1e9:.3g} GB"  # noqa: E731
+    where = plan_bytes(params, plan)
+    return [f"model: {n_params(built.module) / 1e6:.2f}M params {built.config}; device {device}, "
+            f"precision {plan.precision}; {args.steps} steps x {args.batch_size * args.block_size:,} tokens",
+            f"layout: {launch.world} process{'es' * (launch.world > 1)}, dp={plan.dp} pp={plan.pp}, ZeRO "
+            f"{plan.zero_stage}, offload optimizer {plan.offload_optimizer} params {plan.offload_params}, remat "
+            f"{plan.remat}; per rank {args.batch_size // plan.dp} sequences in "
+            f"{plan.microbatches if plan.pp > 1 else plan.accum} microbatches",
+            f"plan (zfunc.plan, rank 0 of {plan.dp}, model states after a step): device {gb(where['device'])}, "
+            f"cpu {gb(where['cpu'])}, nvme {gb(where['nvme'])}"]
+
+
+def peak_flops(device) -> float | None:
+    if torch.device(device).type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+@torch.no_grad()
+def generate_ids(model_fn, prompt: list[int], length: int, block_size: int, temperature=0.8, top_k=40,
+                 generator=None, device="cpu") -> list[int]:
+    """Sample ``length`` ids after ``prompt``; model_fn(idx) -> logits (recipes/gpt.py's generate, on ids)."""
+    idx = torch.tensor(prompt or [10], dtype=torch.long, device=device)[None]
+    for _ in range(length):
+        logits = logits_of(model_fn(idx[:, -block_size:]))[:, -1, :].float() / max(temperature, 1e-6)
+        if top_k:
+            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        nxt = torch.multinomial(F.softmax(logits, dim=-1).cpu(), 1, generator=generator).to(device)
+        idx = torch.cat([idx, nxt], dim=1)
+    return idx[0, -length:].tolist() if length else []
+
+
+def load_data(args: argparse.Namespace) -> data_mod.Corpus:
+    """Bytes (no --tokenizer), else the tokens cached under OUT/tokens."""
+    return data_mod.load(args.data, args.tokenizer, cache_dir=Path(args.out) / "tokens")
+
+
+# ----------------------------------------------------------------------------- the run
+def train(recipe: Recipe, args: argparse.Namespace) -> dict:
+    """Train per ``args`` (from parse_args); returns the final numbers, sample and checkpoint path
+    (on rank 0; the other ranks return what they know)."""
+    import zfunc as zf  # the models and data are plain torch; only training needs zfunc
+
+    check_args(recipe, args)  # before anything is built
+    t_start = time.time()
+    launch = layout.Launch.from_env()
+    plan, args = layout.resolve(with_precision(args), launch.world, recipe.units, notices=launch.rank == 0)
+    say = print if launch.rank == 0 else (lambda *a, **k: None)
+    if launch.rank != 0:
+        warnings.simplefilter("ignore")  # other ranks print nothing but errors
+    launch.start()
+    device, flags, precision = launch.device(args.device), training_flags(recipe, args, plan), plan.precision
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    task = recipe.task
+
+    corpus = load_data(args)
+    unit = "byte" if args.tokenizer is None else "token"
+    baseline = task.baseline(corpus.val, corpus.vocab_size)
+    say(f"data: {corpus.source}: {corpus.n_files} files, {len(corpus.train):,} train / "
+        f"{len(corpus.val):,} val {unit}s; " + ", ".join(f"{k.replace('_', ' ')} of val {v:.3f}"
+                                                        for k, v in baseline.items())
+        + (" nats/byte" if unit == "byte" and "unigram_entropy" in baseline else ""))
+    for split, data in (("train", corpus.train), ("val", corpus.val)):
+        if len(data) <= args.block_size + 1:  # found now, not at the first batch or eval
+            raise FlagError(f"--block-size: {args.block_size} needs more than {args.block_size + 1} {unit}s, the "
+                            f"{split} split of --data {corpus.source!r} has {len(data)}")
+
+    with torch.device("meta"):  # no memory yet: each leaf is made once, where the layout keeps it
+        try:
+            built = recipe.build(args, corpus.vocab_size + recipe.extra_vocab)
+        except ValueError as e:
+            raise FlagError(str(e)) from None
+    if args.block_size > built.context:
+        raise FlagError(f"--block-size: {args.block_size} exceeds the model's context of {built.context} "
+                        "(expected at most that)")
+    model = built.module
+    if built.units != recipe.units:
+        plan, args = layout.resolve(args, launch.world, built.units, notices=False)
+    try:  # tile the head, remat the units: before functionalize
+        zf.parallelize.prepare(model, plan)
+    except ValueError as e:
+        raise FlagError(layout._name_flags(str(e))) from None
+    apply, params = zf.functionalize(model)
+    for line in describe(args, plan, launch, built, device, params):
+        say(line)
+    if args.dry_run:
+        return dict(rank=launch.rank, n_params=n_params(model), plan_bytes=plan_bytes(params, plan),
+                    config=built.config)
+
+    def loss_fn(params, batch):
+        return task.loss(apply(params, batch[0]), batch)
+
+    step = zf.train_step(loss_fn, make_optimizer(args, plan), precision=precision, accum=plan.accum, seed=args.seed)
+    mesh = zf.Mesh(dp=plan.dp, pp=plan.pp)
+    step = zf.parallelize(step, model, plan, mesh)  # shard -> offload -> pipeline, as the plan says
+    if built.first_state is not None:
+        state, resumed = built.first_state(args, step, params, plan, device)
+    else:
+        state, resumed = first_state(args, step, built, params, plan, device)
+    if resumed is not None:
+        say(f"resumed from {resumed} at step {state.step}")
+    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
+    @torch.no_grad()
+    def evaluate(params) -> dict:
+        model.eval()
+
+        def forward(batch):
+            batch = tuple(t.to(device) for t in batch)
+            with torch.autocast(device.type, autocast_dtype, enabled=autocast_dtype is not None):
+                return loss_fn(params, batch)
+
+        def logits(batch):
+            with torch.autocast(device.type, autocast_dtype, enabled=autocast_dtype is not None):
+                return logits_of(apply(params, batch[0].to(device)))
+
+        forward.logits = logits
+        # the same batches every time
+        out = task.evaluate(forward, corpus.val, args, torch.Generator().manual_seed(0), corpus.vocab_size)
+        model.train()
+        return out
+
+    def save(n: int, metrics: dict):
+        return zf.checkpoint.save(state, Path(args.out) / "ckpt" / f"{n:06d}", keep_last=args.keep_last,
+                                  extra={"config": built.config, "flags": flags, **metrics})
+
+    def my_rows(batch):  # this rank's share of the global batch: its dp slice (a pipeline's stages: the same)
+        per_rank = args.batch_size // plan.dp
+        return tuple(t[mesh.rank * per_rank:(mesh.rank + 1) * per_rank].to(device) for t in batch)
+
+    first, tokens_per_step = state.step, args.batch_size * args.block_size
+    watch = watch_mod.Watch(Path(args.out), launch.rank, first if args.resume else None,
+                            flops_per_token=built.flops_per_token, peak_flops=peak_flops(device), world=launch.world)
+    history, train_time, loss, evals, whole = [], 0.0, float("nan"), {"val_loss": float("nan")}, None
+    last_logged, log_time = first, 0.0
+    t0 = time.time()
+    for i in watch.progress(range(first, args.steps), first, args.steps):
+        # Step i's batch depends on (seed, i) alone, so a resumed run, in any layout, sees the same data.
+        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + i)
+        batch = my_rows(task.batch(corpus.train, args.batch_size, args.block_size, gen, corpus.vocab_size))
+        state, metrics = step(state, batch)
+        n = i + 1
+        do_eval = (args.eval_every and n % args.eval_every == 0) or n == args.steps
+        if n % args.log_every == 0 or do_eval:  # .item() syncs the GPU: read metrics only now and then
+            loss = metrics["loss"].item()
+            elapsed = time.time() - t0
+            train_time, log_time = train_time + elapsed, log_time + elapsed
+            tokens_per_s = (n - last_logged) * tokens_per_step / max(log_time, 1e-9)
+            peak_mem = watch_mod.every_rank(watch_mod.peak_memory_bytes(device), launch.world)
+            if do_eval:
+                whole = layout.whole_params(state, mesh)  # every rank takes part; rank 0 evaluates
+                if launch.rank == 0:
+                    evals = evaluate(whole)
+                    history.append((n, evals["val_loss"]))
+            more = {k: v for k, v in evals.items() if k != "val_loss"} if do_eval else None
+            watch.record(n, metrics, tokens_per_s, peak_mem, evals["val_loss"] if do_eval else None, extra=more)
+            if do_eval:
+                shown = ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in evals.items())
+                watch.say(f"step {n}: train loss {loss:.3f}, {shown} ({time.time() - t_start:.0f} s)")
+            last_logged, log_time, t0 = n, 0.0, time.time()
+        if args.ckpt_every and n % args.ckpt_every == 0 and n != args.steps:
+            save(n, evals)
+            t0 = time.time()
+    watch.close()
+
+    tokens_per_s = (args.steps - first) * tokens_per_step / max(train_time, 1e-9)
+    peak = peak_flops(device)
+    mfu = built.flops_per_token * tokens_per_s / (peak * launch.world) if peak else None
+    if launch.rank == 0:  # the one that evaluated
+        say(f"final {task.report(evals, baseline, unit)} after {args.steps} steps; {tokens_per_s:,.0f} tokens/s; "
+            f"elapsed {time.time() - t_start:.0f} s")
+    if device.type == "cuda":
+        say(f"MFU {mfu:.1%} of {peak / 1e12:.0f} TFLOP/s bf16 peak per GPU" if mfu is not None else
+            f"MFU unknown: no peak FLOP/s on record for {torch.cuda.get_device_name(device)}")
+
+    ckpt = save(args.steps, evals)
+    if ckpt is not None:
+        say(f"saved {ckpt}")
+
+    sample = b""
+    if launch.rank == 0 and task.sample:
+        model.eval()
+        codec = data_mod.codec(args.tokenizer)
+        ids = generate_ids(lambda idx: apply(whole, idx), codec.encode("def "), args.sample_len, args.block_size,
+                           args.temperature, args.top_k, torch.Generator().manual_seed(args.seed), device)
+        sample = bytes(ids) if args.tokenizer is None else codec.decode(ids)
+        text = (b"def " + sample).decode("utf-8", errors="replace") if isinstance(sample, bytes) else "def " + sample
+        say("sample:\n" + text)
+    return dict(**evals, train_loss=loss, **baseline, history=history, steps=args.steps, n_params=n_params(model),
+                tokens_per_s=tokens_per_s, mfu=mfu, elapsed_s=time.time() - t_start,
+                checkpoint=str(ckpt) if ckpt is not None else None, sample=sample, rank=launch.rank)
+
+
+def main(recipe: Recipe, argv=None) -> dict:
+    """The command line; flags that cannot work exit with status 2 and their message, as argparse's do."""
+    args = parse_args(recipe, argv)
+    try:
+        return train(recipe, args)
+    except FlagError as e:
+        print(f"python -m recipes.{recipe.name}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from e

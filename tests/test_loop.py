@@ -1,0 +1,189 @@
+"""recipes/loop.py: the loop every recipe runs. Llama and BERT train through it with the GPT recipe's
+features (eval, checkpoint + resume, metrics.jsonl, sample), the same flags on 2 ranks under ZeRO-3 +
+CPU offload train as 1 process, --hf-config / --tokenizer / --flavor work on every recipe, and bad
+ones exit 2 naming the problem before anything is built."""
+import json
+import math
+import resource
+import subprocess
+import sys
+
+import pytest
+
+import zfunc as zf
+from recipes import bert, gpt, llama, loop
+from tests.test_recipe_gpt import ROOT, assert_same_losses, metrics
+
+RECIPES = {"gpt": gpt.main, "llama": llama.main, "bert": bert.main}
+TINY = {  # a 1-block model, fp32 (the laws compare 1e-5 relative), 32-byte windows
+    "gpt": ["--n-layer", "1", "--n-head", "2", "--n-embd", "32"],
+    "llama": ["--n-layer", "1", "--n-head", "4", "--n-kv-head", "2", "--n-embd", "32", "--ffn-dim", "64"],
+    "bert": ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--ffn-dim", "64"],
+}
+COMMON = ["--block-size", "32", "--batch-size", "8", "--lr", "1e-2", "--warmup", "2", "--eval-batches", "2",
+          "--seed", "0", "--precision", "fp32"]
+
+
+def flags(recipe, *more):
+    sample = ["--sample-len", "8"] if recipe != "bert" else []
+    return TINY[recipe] + COMMON + sample + list(more)
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_bytes(b"the quick brown fox jumps over the lazy dog.\n" * 400)
+    return path
+
+
+def exits_2(capsys, recipe, argv) -> str:
+    with pytest.raises(SystemExit) as exc:
+        RECIPES[recipe](argv)
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and "model:" not in out, (out, err)
+    return err
+
+
+@pytest.mark.parametrize("recipe", ["llama", "bert"])
+def test_the_recipe_trains_evaluates_checkpoints_and_resumes_exactly(recipe, tmp_path, text_file):
+    base = flags(recipe, "--data", str(text_file), "--eval-every", "3", "--log-every", "1", "--ckpt-every", "3")
+    straight = RECIPES[recipe](base + ["--steps", "6", "--out", str(tmp_path / "a")])
+    losses = [v for _, v in straight["history"]]
+    assert [s for s, _ in straight["history"]] == [3, 6] and losses[-1] < losses[0]
+    rows = metrics(tmp_path / "a")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and (tmp_path / "a" / "loss.png").is_file()
+    if recipe == "bert":  # MLM eval: loss and masked-token accuracy, logged and beside the unigram guess
+        assert 0 < straight["val_accuracy"] <= 1 and rows[-1]["val_accuracy"] == straight["val_accuracy"]
+        assert 0 < straight["unigram_accuracy"] < 1 and straight["sample"] == b""
+    else:
+        assert len(straight["sample"]) == 8
+    manifest = zf.checkpoint.read_manifest(straight["checkpoint"])
+    assert manifest["extra"]["val_loss"] == pytest.approx(straight["val_loss"])
+    # as if the run had died after step 3: resumed, it logs the same losses from there on
+    ckpt = tmp_path / "a" / "ckpt"
+    (ckpt / "000006").rename(tmp_path / "moved")
+    (ckpt / "latest").write_text("000003")
+    RECIPES[recipe](base + ["--steps", "6", "--out", str(tmp_path / "a"), "--resume"])
+    assert_same_losses(metrics(tmp_path / "a"), rows, f"{recipe} resumed")
+
+
+def cli(recipe, out, argv, procs=1):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs)]
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([*launcher, "-m", f"recipes.{recipe}", *argv, "--out", str(out)], cwd=ROOT, text=True,
+                          env={**__import__("os").environ, **env}, capture_output=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done
+
+
+# llama's step under ZeRO-3 + offload on 2 ranks is also tests/test_llama.py's (in CI); bert's loss
+# normalization by the global batch is only here
+@pytest.mark.parametrize("recipe", [pytest.param("llama", marks=pytest.mark.slow), "bert"])
+def test_zero3_with_cpu_offload_on_2_ranks_trains_as_1_process(recipe, tmp_path, text_file):
+    """The law of the command line, for the new recipes: the same flags on 2 torchrun ranks under
+    --zero 3 --offload-optimizer cpu give the single process's losses (fp32, 1e-5 relative). BERT's
+    too: its loss is normalized by the global batch's masked-token count, not each rank's."""
+    argv = flags(recipe, "--data", str(text_file), "--steps", "3", "--eval-every", "3", "--log-every", "1")
+    RECIPES[recipe](argv + ["--out", str(tmp_path / "one")])
+    cli(recipe, tmp_path / "two", argv + ["--zero", "3", "--offload-optimizer", "cpu"], procs=2)
+    assert_same_losses(metrics(tmp_path / "two"), metrics(tmp_path / "one"), f"{recipe} zero 3 + cpu offload")
+
+
+HF = {
+    "gpt": dict(model_type="gpt2", n_layer=1, n_embd=32, n_head=2, n_positions=64, vocab_size=256, bos_token_id=0,
+                eos_token_id=0),
+    "llama": dict(model_type="llama", num_hidden_layers=1, hidden_size=32, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64, vocab_size=256),
+    "bert": dict(model_type="bert", num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                 max_position_embeddings=64, vocab_size=64, pad_token_id=0),  # 64 < 260: widened to the data's
+}
+
+
+@pytest.mark.parametrize("recipe", ["gpt", "llama", "bert"])
+def test_hf_config_trains_through_the_recipe_and_its_loss_falls(recipe, tmp_path, text_file):
+    pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(HF[recipe]))
+    result = RECIPES[recipe](flags(recipe, "--hf-config", str(path), "--data", str(text_file), "--steps", "8",
+                                   "--eval-every", "4", "--lr", "3e-3", "--out", str(tmp_path / "out")))
+    losses = [v for _, v in result["history"]]
+    assert losses[-1] < losses[0] < math.log(256) + 1, losses
+    manifest = zf.checkpoint.read_manifest(result["checkpoint"])
+    assert manifest["extra"]["config"]["model_type"] == HF[recipe]["model_type"]
+    assert manifest["extra"]["flags"]["hf_config"] == str(path.resolve())
+
+
+def test_a_tokenizer_trains_the_recipe_on_its_cached_tokens(tmp_path, text_file):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train([str(text_file)], trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    argv = flags("llama", "--tokenizer", str(tmp_path / "tokenizer.json"), "--data", str(text_file), "--steps", "4",
+                 "--eval-every", "2", "--block-size", "16", "--out", str(tmp_path / "out"))
+    result = llama.main(argv)
+    assert (tmp_path / "out" / "tokens").is_dir() and isinstance(result["sample"], str)
+    assert zf.checkpoint.read_manifest(result["checkpoint"])["extra"]["config"]["vocab_size"] == tok.get_vocab_size()
+    again = bert.main(flags("bert", "--tokenizer", str(tmp_path), "--data", str(text_file), "--steps", "2",
+                            "--block-size", "16", "--out", str(tmp_path / "out")))  # the same cache, reused
+    assert math.isfinite(again["val_loss"])
+
+
+@pytest.mark.parametrize("recipe, flavor", [("gpt", "70B"), ("llama", "70B"), ("bert", "1.5B")])
+def test_a_flavor_on_the_meta_device_prints_its_plan_before_allocating_anything(recipe, flavor, tmp_path, capsys):
+    """--flavor 70B --zero 3 --offload-* nvme --dry-run: the model (70B params, 280 GB in fp32) stays on
+    the meta device; the plan's bytes per rank are printed, and the process never holds a GB."""
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    result = RECIPES[recipe](["--flavor", flavor, "--zero", "3", "--offload-optimizer", "nvme", "--offload-params",
+                              "nvme", "--nvme-path", str(tmp_path / "swap"), "--dry-run", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "plan (zfunc.plan, rank 0 of 1" in out and "nvme " in out
+    n = result["n_params"]
+    assert n > 1e9 and result["plan_bytes"]["nvme"] == 12 * n and result["plan_bytes"]["device"] <= 4 * n  # the fp32 grad slice
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 2**20  # KiB: under 1 GiB more
+    assert not (tmp_path / "swap").exists() or not any((tmp_path / "swap").rglob("*.bin"))
+
+
+BAD = [
+    ("llama", ["--flavor", "9B"], "--flavor: the llama recipe has no flavor '9B'; expected one of: debug"),
+    ("bert", ["--flavor", "7B"], "--flavor: the bert recipe has no flavor '7B'"),
+    ("gpt", ["--flavor", "huge"], "--flavor: the gpt recipe has no flavor 'huge'"),
+    ("llama", ["--flavor", "debug", "--hf-config", "{}"], "expected one model source, got both"),
+    ("gpt", ["--hf-config", "{\"n_layer\": 2}"], "--hf-config: the config has no \"model_type\""),
+    ("bert", ["--hf-config", "no/such/config.json"], "--hf-config: expected a config.json path"),
+    ("llama", ["--tokenizer", "no/such/tokenizer.json"], "--tokenizer: expected a tokenizer.json file"),
+    ("llama", ["--n-kv-head", "3"], "--n-kv-head: expected a divisor of --n-head 4, got 3"),
+    ("llama", ["--n-embd", "36", "--n-head", "12"], "--n-embd: rotary embeddings need an even head dim"),
+    ("bert", ["--n-embd", "33"], "--n-embd: expected a multiple of --n-head 4, got 33"),
+    ("bert", ["--dropout", "1"], "--dropout: expected a number in [0, 1), got 1.0"),
+]
+
+
+@pytest.mark.parametrize("recipe, argv, message", BAD, ids=[" ".join(a) for _, a, _ in BAD])
+def test_bad_flavors_and_configs_exit_2_naming_the_problem(recipe, argv, message, tmp_path, capsys):
+    assert message in exits_2(capsys, recipe, argv + ["--steps", "1", "--out", str(tmp_path)])
+
+
+def test_a_flavor_too_short_for_the_windows_or_without_an_lm_head_is_named(tmp_path, text_file, capsys):
+    err = exits_2(capsys, "llama", flags("llama", "--flavor", "debug", "--block-size", "256", "--data",
+                                         str(text_file), "--steps", "1", "--out", str(tmp_path)))
+    assert "--block-size: 256 exceeds the model's context of 128" in err
+    err = exits_2(capsys, "bert", flags("bert", "--tile-lm-head", "2", "--data", str(text_file), "--steps", "1",
+                                        "--out", str(tmp_path)))
+    assert "--tile-lm-head" in err and "lm_head" in err
+
+
+def test_model_flags_beside_a_flavor_override_it():
+    args = loop.parse_args(llama.RECIPE, ["--flavor", "8B", "--n-layer", "2"])
+    kwargs = loop.model_kwargs(args, llama.FLAVORS["8B"], llama.FLAG_TO_FIELD, "max_seq_len")
+    assert kwargs["n_layers"] == 2 and kwargs["dim"] == 4096 and kwargs["n_kv_heads"] == 8
+    assert kwargs["max_seq_len"] == 8192  # the flavor's context; --block-size is the window
+    plain = loop.model_kwargs(loop.parse_args(llama.RECIPE, []), {}, llama.FLAG_TO_FIELD, "max_seq_len")
+    assert plain == dict(n_layers=4, n_heads=4, n_kv_heads=2, dim=192, ffn_dim=512, max_seq_len=128)
+
+
+def test_weak_scaling_table_parses_its_world_sizes():
+    with pytest.raises(SystemExit, match="--scaling: expected world sizes such as 1,2, got '1,x'"):
+        bert.main(["--scaling", "1,x"])
