@@ -105,7 +105,6 @@ class Built:
     materialize: Callable[[int], Callable]  # seed -> zf.materialize materializer of every param
     units: str | None = None  # the plan's units (ZeRO-3 gathers, remat, pipeline stages)
     flops_per_token: float = 0.0
-    first_state: Callable | None = None  # (args, step, params, plan, device) -> (state, resumed): the recipe's own
 
 
 @dataclass(frozen=True)
@@ -502,10 +501,7 @@ def train(recipe: Recipe, args: argparse.Namespace) -> dict:
     step = zf.train_step(loss_fn, make_optimizer(args, plan), precision=precision, accum=plan.accum, seed=args.seed)
     mesh = zf.Mesh(dp=plan.dp, pp=plan.pp)
     step = zf.parallelize(step, model, plan, mesh)  # shard -> offload -> pipeline, as the plan says
-    if built.first_state is not None:
-        state, resumed = built.first_state(args, step, params, plan, device)
-    else:
-        state, resumed = first_state(args, step, built, params, plan, device)
+    state, resumed = first_state(args, step, built, params, plan, device)
     if resumed is not None:
         say(f"resumed from {resumed} at step {state.step}")
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
