@@ -599,8 +599,13 @@ def train(recipe: Recipe, args: argparse.Namespace) -> dict:
 def main(recipe: Recipe, argv=None) -> dict:
     """The command line; flags that cannot work exit with status 2 and their message, as argparse's do."""
     args = parse_args(recipe, argv)
+    started = torch.distributed.is_available() and torch.distributed.is_initialized()
     try:
         return train(recipe, args)
     except FlagError as e:
         print(f"python -m recipes.{recipe.name}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from e
+    finally:  # a process group this run started (torchrun) is closed here, its threads joined, not at
+        # interpreter teardown (where gloo's threads have aborted a rank that had finished its work)
+        if not started and torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
