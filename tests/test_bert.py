@@ -8,7 +8,7 @@ import torch
 import zfunc as zf
 from recipes import bert
 from recipes.bert import CLS, IGNORE, MASK, PAD, SEP
-from tests.test_shard import assert_same_training, local
+from tests.test_shard import assert_same_training, train_on
 from zfunc.offload import in_ram
 from zfunc.shard import full_params
 
@@ -184,12 +184,7 @@ def make(mesh=None, accum=1):
 
 
 def run(step, state, world, rank=0, shards=1):
-    losses, norms = [], []
-    for batch in mlm_batches(world):
-        state, m = step(state, local(batch, rank, shards))
-        losses.append(m["loss"].item())
-        norms.append(m["grad_norm"].item())
-    return state, losses, norms
+    return train_on(step, state, mlm_batches(world), rank, shards)
 
 
 def zero3_offload_worker(rank, world):

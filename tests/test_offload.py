@@ -4,7 +4,6 @@ import subprocess
 import sys
 import re
 import textwrap
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import zfunc as zf
-from tests.test_shard import Block, Tiny, assert_same_training, batches, local, tree_equal, with_faults
+from tests.test_shard import Block, Tiny, assert_same_training, batches, local, tree_equal, train_on, with_faults
 from zfunc.offload import ComputeCopies, OffloadRun, OffloadSpec, in_ram, offload
 from zfunc.shard import full_params
 from zfunc.swap import SwapInUseError, SwapPathError
@@ -42,12 +41,7 @@ def make(clip=True, precision="fp32", accum=1, where=None, params=None, path=Non
 def run(step, state, world=1, rank=0, n=5, shards=1):
     """``n`` steps on the batches of a ``world``-rank run, this process taking its share of
     ``shards`` (1: the whole batch, as the plain reference does)."""
-    losses, norms = [], []
-    for batch in batches(world, n):
-        state, m = step(state, local(batch, rank, shards))
-        losses.append(m["loss"].item())
-        norms.append(m["grad_norm"].item())
-    return state, losses, norms
+    return train_on(step, state, batches(world, n), rank, shards)
 
 
 @pytest.mark.parametrize("where, params", PLACES)

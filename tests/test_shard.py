@@ -72,6 +72,17 @@ def local(batch, rank, world):
     return tuple(t[rank * b:(rank + 1) * b] for t in batch)
 
 
+def train_on(step, state, batches, rank=0, shards=1):
+    """Step through ``batches``, this process taking its share ``rank`` of ``shards`` of each
+    (1: the whole batch, as a plain reference does): ``(state, losses, grad norms)``."""
+    losses, norms = [], []
+    for batch in batches:
+        state, m = step(state, local(batch, rank, shards))
+        losses.append(m["loss"].item())
+        norms.append(m["grad_norm"].item())
+    return state, losses, norms
+
+
 CONFIGS = [(stage, accum, clip) for stage in (0, 1, 2, 3) for accum, clip in ((1, True), (2, False))]
 
 
