@@ -19,13 +19,17 @@ import argparse
 import copy
 import math
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-import zfunc as zf
-from recipes.gpt import DEFAULTS, GPT, GPTConfig, get_batch, load_corpus
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import zfunc as zf  # noqa: E402
+from recipes.gpt import DEFAULTS, GPT, GPTConfig, get_batch, load_corpus  # noqa: E402
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
