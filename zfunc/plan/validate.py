@@ -1,20 +1,28 @@
 """``--validate``: the step-time model against this machine's own benchmarks, after calibration.
 
 Runs small configurations of the repository's benchmarks (from its root: they import ``benchmarks/``
-and ``recipes/``) and prints predicted beside measured step times, with the load average. On a
-shared machine the constants drift within seconds, so each benchmark's ranks measure the per-rank
-rates (``calibrate.rates_now``: matmul, copy, attention, GELU; the offload row: CPU-Adam and the
-swap engine's disk bandwidth) right after their timed steps, in the same processes, and the
-prediction uses those; the collectives come from the calibration file.
+and ``recipes/``) and prints predicted beside measured step times, with the load average.
 - ``benchmarks/shard.py``'s trainers (its ``build``: GPT 1.85M, 8 x 128 tokens per rank, fp32,
   clip + AdamW) on 2 gloo ranks: zfunc stages 1-3 and DDP for stage 0 (the same algorithm:
   bucketed fp32 all-reduce during backward), interleaved, each step started by a barrier as
   ``benchmarks/pipeline.py`` does (the shard benchmark's own back-to-back timing charges a step
   with the wait for the other rank's previous one, which load inflates);
 - ``benchmarks/capacity.py``'s offloaded optimizer step alone (16 leaves, moments on NVMe, masters
-  in RAM, clip: the update after backward), at 50M params (its 200M takes minutes to set up here);
-- ``benchmarks/pipeline.py``'s zfunc GPipe and 1F1B on 2 ranks (GPT 1.85M, batch 16 x 128) at 2, 4
-  and 8 microbatches (its ``worker``).
+  in RAM, clip: the update after backward), at 50M params (its 200M takes minutes to set up here),
+  after two warm-up steps (the first writes allocate the swap files and their spares; capacity.py's
+  best of its first three steps includes them);
+- ``benchmarks/pipeline.py``'s zfunc GPipe and 1F1B trainers on 2 ranks (GPT 1.85M, batch 16 x
+  128) at 2, 4 and 8 microbatches, each step started by a barrier (its ``worker``'s loop, without
+  the torch trainers it compares with).
+
+**Load** (``calibrate``'s module docstring). The ranks measure, in the same processes, their
+single-thread rates (in CPU time: what a step's kernels cost with a core) right after their timed
+steps, and their share of a core (``calibrate.cpu_share``) after every step; the prediction is the
+model's at those rates, its CPU-bound parts divided by the median share (the smaller of the two
+ranks' each time: a step waits for the slower). The offloaded update is timed in wall clock beside
+its CPU-Adam, first-touch, copy and disk rates, each measured (median of 3) right after each timed
+step. Every figure is a median over steps, measured and predicted alike. On a quiet machine the
+share is 1 and the prediction is the calibrated one.
 Target: predicted within +-25% of measured.
 """
 from __future__ import annotations
@@ -30,6 +38,7 @@ import torch
 
 from zfunc.plan import calibrate
 from zfunc.plan.core import plan
+from zfunc.plan.cost import offload_update_parts
 from zfunc.plan.model import from_module, from_params
 from zfunc.plan.strategy import Strategy
 
@@ -53,7 +62,8 @@ TRAINERS = {"ddp": 0, "zf-1": 1, "zf-2": 2, "zf-3": 3}
 
 
 def _shard_worker(rank: int, world: int, cfg, batch: int, rounds: int):
-    """Per trainer, this rank's step times (s), each step started by a barrier; then its rates."""
+    """Per trainer, this rank's step times (s), each step started by a barrier and followed by a
+    probe of this rank's share of a core; then its rates (CPU time)."""
     import zfunc as zf
     from benchmarks.shard import batches, build
     from recipes.gpt import GPT
@@ -66,15 +76,16 @@ def _shard_worker(rank: int, world: int, cfg, batch: int, rounds: int):
     for run in trainers.values():  # warm-up: JIT, allocator, bucket order, unit order
         run(data[0]).item()
         run(data[1]).item()
-    times = {k: [] for k in trainers}
+    times, shares = {k: [] for k in trainers}, []
     for r in range(rounds):
         for k, run in trainers.items():
             torch.distributed.barrier()
             t = time.perf_counter()
             run(data[r % len(data)]).item()
             times[k].append(time.perf_counter() - t)
+            shares.append(calibrate.cpu_share())
     torch.distributed.barrier()
-    return times, calibrate.rates_now()
+    return times, calibrate.rates_now(), shares
 
 
 def _slowest(results, key, at=0) -> float:
@@ -87,23 +98,40 @@ def _rates(results, at=1) -> dict:
     return {k: min(r[at][k] for r in results) for k in results[0][at]}
 
 
+def _share(results, at=2) -> float:
+    """Median over probes of the smaller share of the ranks (probes taken together, after each step)."""
+    return statistics.median(min(r[at][i] for r in results) for i in range(len(results[0][at])))
+
+
 def shard_rows(cal: dict, rounds: int = 10, batch: int = 8, world: int = 2) -> list[tuple]:
     import zfunc as zf
 
     cfg = _config()
     results = zf.dist.spawn(_shard_worker, world, world, cfg, batch, rounds, timeout_s=3600)
-    model, cluster = _gpt(cfg), calibrate.cluster_from(cal, world, rates=_rates(results))
+    share = _share(results)
+    model, rates = _gpt(cfg), _rates(results)
+    cluster, quiet = (calibrate.cluster_from(cal, world, rates=rates, share=x) for x in (share, 1.0))
     rows = []
     for trainer, stage in TRAINERS.items():
         s = Strategy(zero=stage, micro_batch=batch, seq=cfg.block_size, precision="fp32", clip=True)
         p = plan(model, cluster, s)
         label = "DDP (stage 0's algorithm)" if stage == 0 else f"zfunc stage {stage}"
         rows.append(("benchmarks/shard.py", f"{label}, {world} ranks, {batch}x{cfg.block_size}/rank", p.step_time,
-                     _slowest(results, trainer), p.time))
+                     _slowest(results, trainer), p.time, share, plan(model, quiet, s).step_time))
     return rows
 
 
-def offload_rows(cal: dict, mparams: float = 50.0, path: str | None = None) -> list[tuple]:
+def _median_wall(fn, repeats: int = 3) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def offload_rows(cal: dict, mparams: float = 50.0, path: str | None = None, steps: int = 5) -> list[tuple]:
     import zfunc as zf
 
     n_leaves = 16
@@ -114,28 +142,61 @@ def offload_rows(cal: dict, mparams: float = 50.0, path: str | None = None) -> l
     step = zf.offload(zf.train_step(lambda p, b: sum(w[:4].sum() for w in p.values()) * b, tx), "nvme", path=root,
                       chunk_bytes=64 << 20)
     state = step.init(params)
-    timed = []
-    for _ in range(3):
-        state, _ = step(state, torch.tensor(1.0))
-        timed.append(step.update_s)  # the update alone (leaf by leaf, writes included)
-    measured = min(timed)
-    step.engine.close()  # the swap files' lock, before they go
-    shutil.rmtree(root, ignore_errors=True)
-    now = dict(cal, disk=calibrate.disk(path),  # the disk and CPU-Adam as they are now
-               cpu_adam_params_per_s=dict(cal["cpu_adam_params_per_s"], all=calibrate.cpu_adam_rate()))
     model = from_params(n_leaves * leaf)
     s = Strategy(zero=1, offload_optimizer="nvme", micro_batch=1, seq=1, precision="fp32", clip=True)
-    p = plan(model, calibrate.cluster_from(now, 1), s)
+    measured, predicted = [], []
+    for i in range(2 + steps):
+        state, _ = step(state, torch.tensor(1.0))
+        if i < 2:
+            continue
+        measured.append(step.update_s)  # the update alone (leaf by leaf, writes included)
+        now = {name: dict(cal[name], all=rate(_median_wall)) for name, rate in
+               (("cpu_adam_params_per_s", calibrate.cpu_adam_rate), ("first_touch_bw", calibrate.first_touch_bw),
+                ("copy_bw", calibrate.copy_bw))}
+        now = dict(cal, disk=calibrate.disk(path, nbytes=32 << 20, timer=_median_wall), **now)
+        cluster = calibrate.cluster_from(now, 1)
+        pl = plan(model, cluster, s)
+        predicted.append((pl.time["update"], offload_update_parts(model, pl.strategy, cluster)))
+    step.engine.close()  # the swap files' lock, before they go
+    shutil.rmtree(root, ignore_errors=True)
+    p = statistics.median(t for t, _ in predicted)
+    parts = {f"{k} (CPU-Adam and grad passes)" if k == "host" else k: statistics.median(d[k] for _, d in predicted)
+             for k in predicted[0][1]}
     return [("benchmarks/capacity.py", f"offloaded optimizer step alone, {mparams:g}M params, moments on NVMe",
-             p.time["update"], measured, {"update": p.time["update"]})]
+             p, statistics.median(measured), {"update": p, **parts}, None, None)]
+
+
+SCHEDULES = ("gpipe", "1f1b")
 
 
 def _pipeline_worker(rank: int, p: int, cfg, ms: list[int], batch: int, steps: int, rounds: int):
-    from benchmarks.pipeline import worker
+    """``benchmarks/pipeline.py``'s ``worker`` loop over its zfunc trainers, each step followed by a
+    probe of this rank's share of a core; then its rates (CPU time)."""
+    import copy
 
-    out = worker(rank, p, cfg, ms, batch, steps, rounds)
+    import zfunc as zf
+    from benchmarks.pipeline import zfunc_trainer
+    from recipes.gpt import GPT
+
+    mesh = zf.Mesh(pp=p)
+    torch.manual_seed(0)
+    base = GPT(cfg)
+    g = torch.Generator().manual_seed(7)
+    data = [torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=g) for _ in range(steps)]
+    trainers = {(s, m): zfunc_trainer(copy.deepcopy(base), mesh, m, s)[0] for m in ms for s in SCHEDULES}
+    for run in trainers.values():  # warm-up: shapes, allocator
+        run(data[0])
+    times, shares = {k: [] for k in trainers}, []
+    for _ in range(rounds):
+        for k, run in trainers.items():
+            for tokens in data:
+                torch.distributed.barrier()  # every trainer starts its step together on all ranks
+                t0 = time.perf_counter()
+                run(tokens)
+                times[k].append(time.perf_counter() - t0)
+                shares.append(calibrate.cpu_share())
     torch.distributed.barrier()
-    return out[0], calibrate.rates_now()
+    return times, calibrate.rates_now(), shares
 
 
 def pipeline_rows(cal: dict, ms=(2, 4, 8), batch: int = 16, steps: int = 3, rounds: int = 3) -> list[tuple]:
@@ -143,15 +204,18 @@ def pipeline_rows(cal: dict, ms=(2, 4, 8), batch: int = 16, steps: int = 3, roun
 
     cfg, p = _config(), 2
     results = zf.dist.spawn(_pipeline_worker, p, p, cfg, list(ms), batch, steps, rounds, timeout_s=3600)
-    model, cluster = _gpt(cfg), calibrate.cluster_from(cal, p, rates=_rates(results))
+    share = _share(results)
+    model, rates = _gpt(cfg), _rates(results)
+    cluster, quiet = (calibrate.cluster_from(cal, p, rates=rates, share=x) for x in (share, 1.0))
     rows = []
     for m in ms:
-        for schedule in ("gpipe", "1f1b"):
+        for schedule in SCHEDULES:
             s = Strategy(zero=0, pp=p, accum=m, micro_batch=batch // m, seq=cfg.block_size, precision="fp32",
                          clip=False, schedule=schedule)
             pl = plan(model, cluster, s)
             rows.append(("benchmarks/pipeline.py", f"{schedule}, 2 stages, m={m}, {batch}x{cfg.block_size}",
-                         pl.step_time, _slowest(results, ("zfunc", schedule, m)), pl.time))
+                         pl.step_time, _slowest(results, (schedule, m)), pl.time, share,
+                         plan(model, quiet, s).step_time))
     return rows
 
 
@@ -163,25 +227,35 @@ def main(calibration: str | None = None, mparams: float = 50.0) -> int:
         return 2
     try:
         cal = calibrate.load(calibration)
-    except OSError:
-        print("no calibration yet: measuring this machine first", flush=True)
+    except (OSError, ValueError) as e:
+        print(f"{e}\nmeasuring this machine first", flush=True)
         cal = calibrate.measure()
         print(f"wrote {calibrate.save(cal, calibration)}")
     print(calibrate.describe(cal))
-    before = os.getloadavg()[0]
+    before, start = os.getloadavg()[0], time.perf_counter()
     rows = shard_rows(cal) + offload_rows(cal, mparams) + pipeline_rows(cal)
-    print(f"\nload average {before:.1f} before, {os.getloadavg()[0]:.1f} after ({os.cpu_count()} cores)\n")
-    print("| benchmark | configuration | predicted ms | measured ms | measured / predicted | within 25% |")
-    print("|---|---|---|---|---|---|")
+    print(f"\nload average {before:.1f} before, {os.getloadavg()[0]:.1f} after ({os.cpu_count()} cores), "
+          f"{time.perf_counter() - start:.0f} s\n")
+    print(table(rows))
+    print("\npredicted parts (ms, at the share): ")
+    for bench, config, _, _, parts, *_ in rows:
+        print(f"  {config}: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in parts.items()))
+    return 0
+
+
+def table(rows: list[tuple]) -> str:
+    """The markdown table of ``rows`` (benchmark, configuration, predicted s, measured s, parts, share,
+    predicted s at a whole core; the last two None where the rates were taken in wall clock) and how
+    many are within the tolerance."""
+    lines = ["| benchmark | configuration | share of a core | predicted ms (quiet) | predicted ms | measured ms "
+             "| measured / predicted | within 25% |", "|---|---|---|---|---|---|---|---|"]
     inside = 0
-    for bench, config, predicted, measured, _ in rows:
+    for bench, config, predicted, measured, _, share, quiet in rows:
         ratio = measured / predicted
         ok = abs(ratio - 1) <= TOLERANCE
         inside += ok
-        print(f"| `{bench}` | {config} | {predicted * 1e3:.1f} | {measured * 1e3:.1f} | {ratio:.2f} | "
-              f"{'yes' if ok else 'no'} |")
-    print(f"\n{inside} of {len(rows)} within +-{TOLERANCE:.0%}")
-    print("\npredicted parts (ms): ")
-    for bench, config, _, _, parts in rows:
-        print(f"  {config}: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in parts.items()))
-    return 0
+        share, quiet = ("-", "-") if share is None else (f"{share:.2f}", f"{quiet * 1e3:.1f}")
+        lines.append(f"| `{bench}` | {config} | {share} | {quiet} | {predicted * 1e3:.1f} | {measured * 1e3:.1f} "
+                     f"| {ratio:.2f} | {'yes' if ok else 'no'} |")
+    lines.append(f"\n{inside} of {len(rows)} within +-{TOLERANCE:.0%}")
+    return "\n".join(lines)
