@@ -127,15 +127,20 @@ def cpu_adam_rate(timer=_best, n: int = 8 << 20) -> float:
     return n / timer(lambda: cpu_adam.adamw_(p, g, m, v, step=1, lr=1e-4))
 
 
-def cpu_share(n: int = 384, repeats: int = 8) -> float:
+def cpu_share(n: int = 384, repeats: int = 8, then=None) -> float:
     """The fraction of a core this thread gets now: a fixed GEMM loop's thread CPU time over its
-    wall time (1 on a quiet machine; ~0.5 at a load average of 6-8 on 2 cores here)."""
+    wall time (1 on a quiet machine; ~0.5 at a load average of 6-8 on 2 cores here). ``then``: a
+    call (a barrier) whose wait counts in the wall time, so that ranks that synchronize measure
+    the share of the slower of them, as their steps do."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     out = torch.empty(n, n)
     wall, cpu = time.perf_counter(), time.thread_time()
     for _ in range(repeats):
         torch.mm(a, b, out=out)
-    wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+    cpu = time.thread_time() - cpu
+    if then is not None:
+        then()
+    wall = time.perf_counter() - wall
     return min(1.0, cpu / wall) if wall > 0 else 1.0
 
 

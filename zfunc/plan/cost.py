@@ -23,6 +23,8 @@ overlaps (read in ``zfunc.shard``, ``prefetch``, ``offload``, ``pipeline``):
 - stages 1/2: the param all-gather before the forward is exposed; reduce-scatters overlap
   backward (stage 1 with accumulation reduces once after the last microbatch: exposed);
 - stage 3: gathers are prefetched during forward, re-gathers and reduce-scatters during backward;
+  it runs one of each per unit (a layer, and the root's remainder), and on a CPU device, where
+  nothing hides them, each pays its latency;
 - the optimizer runs after backward on the device (28 B/param, +12 with a global-norm clip);
 - offload: per leaf the grad and the master cross PCIe (fp32) and CPU-Adam updates it in the
   same thread, while the swap engine reads and writes in parallel: ``max(PCIe + CPU-Adam, disk)``;
@@ -127,6 +129,14 @@ def collective_time(cluster: Cluster, kind: str, units: float, members: int, str
         alpha, beta = cluster.collectives[kind]
         return alpha * (members - 1) + wire / beta
     return cluster.latency * (members - 1) + wire / group_bandwidth(cluster, members, stride)
+
+
+def collective_latency(cluster: Cluster, kind: str, members: int) -> float:
+    """Seconds one collective of ``kind`` costs beyond its bytes: its latency per hop, ``members - 1`` hops."""
+    if members <= 1:
+        return 0.0
+    alpha = cluster.collectives[kind][0] if kind in cluster.collectives else cluster.latency
+    return alpha * (members - 1)
 
 
 def comm_bytes(model: ModelSpec, s: Strategy) -> dict[str, float]:

@@ -33,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -43,6 +44,22 @@ from zfunc.plan.model import from_module, from_params
 from zfunc.plan.strategy import Strategy
 
 TOLERANCE = 0.25
+
+
+@dataclass(frozen=True)
+class Row:
+    """One benchmark configuration: predicted and measured step seconds (medians), the predicted
+    parts; for the spawned benchmarks also the ranks' share of a core, the prediction at a whole
+    core, and the slower rank's CPU seconds per step (its process: main thread and gloo's)."""
+
+    bench: str
+    config: str
+    predicted: float
+    measured: float
+    parts: dict
+    share: float | None = None
+    quiet: float | None = None
+    cpu: float | None = None
 
 
 def _gpt(cfg):
@@ -76,16 +93,17 @@ def _shard_worker(rank: int, world: int, cfg, batch: int, rounds: int):
     for run in trainers.values():  # warm-up: JIT, allocator, bucket order, unit order
         run(data[0]).item()
         run(data[1]).item()
-    times, shares = {k: [] for k in trainers}, []
+    times, cpu, shares = {k: [] for k in trainers}, {k: [] for k in trainers}, []
     for r in range(rounds):
         for k, run in trainers.items():
             torch.distributed.barrier()
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             run(data[r % len(data)]).item()
             times[k].append(time.perf_counter() - t)
-            shares.append(calibrate.cpu_share())
+            cpu[k].append(time.process_time() - c)
+            shares.append(calibrate.cpu_share(then=torch.distributed.barrier))
     torch.distributed.barrier()
-    return times, calibrate.rates_now(), shares
+    return times, calibrate.rates_now(), shares, cpu
 
 
 def _slowest(results, key, at=0) -> float:
@@ -116,8 +134,9 @@ def shard_rows(cal: dict, rounds: int = 10, batch: int = 8, world: int = 2) -> l
         s = Strategy(zero=stage, micro_batch=batch, seq=cfg.block_size, precision="fp32", clip=True)
         p = plan(model, cluster, s)
         label = "DDP (stage 0's algorithm)" if stage == 0 else f"zfunc stage {stage}"
-        rows.append(("benchmarks/shard.py", f"{label}, {world} ranks, {batch}x{cfg.block_size}/rank", p.step_time,
-                     _slowest(results, trainer), p.time, share, plan(model, quiet, s).step_time))
+        rows.append(Row("benchmarks/shard.py", f"{label}, {world} ranks, {batch}x{cfg.block_size}/rank", p.step_time,
+                        _slowest(results, trainer), p.time, share, plan(model, quiet, s).step_time,
+                        _slowest(results, trainer, at=3)))
     return rows
 
 
@@ -162,8 +181,8 @@ def offload_rows(cal: dict, mparams: float = 50.0, path: str | None = None, step
     p = statistics.median(t for t, _ in predicted)
     parts = {f"{k} (CPU-Adam and grad passes)" if k == "host" else k: statistics.median(d[k] for _, d in predicted)
              for k in predicted[0][1]}
-    return [("benchmarks/capacity.py", f"offloaded optimizer step alone, {mparams:g}M params, moments on NVMe",
-             p, statistics.median(measured), {"update": p, **parts}, None, None)]
+    return [Row("benchmarks/capacity.py", f"offloaded optimizer step alone, {mparams:g}M params, moments on NVMe",
+                p, statistics.median(measured), {"update": p, **parts})]
 
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -186,17 +205,18 @@ def _pipeline_worker(rank: int, p: int, cfg, ms: list[int], batch: int, steps: i
     trainers = {(s, m): zfunc_trainer(copy.deepcopy(base), mesh, m, s)[0] for m in ms for s in SCHEDULES}
     for run in trainers.values():  # warm-up: shapes, allocator
         run(data[0])
-    times, shares = {k: [] for k in trainers}, []
+    times, cpu, shares = {k: [] for k in trainers}, {k: [] for k in trainers}, []
     for _ in range(rounds):
         for k, run in trainers.items():
             for tokens in data:
                 torch.distributed.barrier()  # every trainer starts its step together on all ranks
-                t0 = time.perf_counter()
+                t0, c = time.perf_counter(), time.process_time()
                 run(tokens)
                 times[k].append(time.perf_counter() - t0)
-                shares.append(calibrate.cpu_share())
+                cpu[k].append(time.process_time() - c)
+                shares.append(calibrate.cpu_share(then=torch.distributed.barrier))
     torch.distributed.barrier()
-    return times, calibrate.rates_now(), shares
+    return times, calibrate.rates_now(), shares, cpu
 
 
 def pipeline_rows(cal: dict, ms=(2, 4, 8), batch: int = 16, steps: int = 3, rounds: int = 3) -> list[tuple]:
@@ -213,9 +233,9 @@ def pipeline_rows(cal: dict, ms=(2, 4, 8), batch: int = 16, steps: int = 3, roun
             s = Strategy(zero=0, pp=p, accum=m, micro_batch=batch // m, seq=cfg.block_size, precision="fp32",
                          clip=False, schedule=schedule)
             pl = plan(model, cluster, s)
-            rows.append(("benchmarks/pipeline.py", f"{schedule}, 2 stages, m={m}, {batch}x{cfg.block_size}",
-                         pl.step_time, _slowest(results, (schedule, m)), pl.time, share,
-                         plan(model, quiet, s).step_time))
+            rows.append(Row("benchmarks/pipeline.py", f"{schedule}, 2 stages, m={m}, {batch}x{cfg.block_size}",
+                            pl.step_time, _slowest(results, (schedule, m)), pl.time, share,
+                            plan(model, quiet, s).step_time, _slowest(results, (schedule, m), at=3)))
     return rows
 
 
@@ -238,24 +258,26 @@ def main(calibration: str | None = None, mparams: float = 50.0) -> int:
           f"{time.perf_counter() - start:.0f} s\n")
     print(table(rows))
     print("\npredicted parts (ms, at the share): ")
-    for bench, config, _, _, parts, *_ in rows:
-        print(f"  {config}: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in parts.items()))
+    for row in rows:
+        print(f"  {row.config}: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in row.parts.items()))
     return 0
 
 
-def table(rows: list[tuple]) -> str:
-    """The markdown table of ``rows`` (benchmark, configuration, predicted s, measured s, parts, share,
-    predicted s at a whole core; the last two None where the rates were taken in wall clock) and how
-    many are within the tolerance."""
-    lines = ["| benchmark | configuration | share of a core | predicted ms (quiet) | predicted ms | measured ms "
-             "| measured / predicted | within 25% |", "|---|---|---|---|---|---|---|---|"]
+def table(rows: list[Row]) -> str:
+    """The markdown table of ``rows`` and how many are within the tolerance (wall clock); beside
+    it, the slower rank's CPU time per step against the prediction at a whole core, which load
+    barely moves."""
+    lines = ["| benchmark | configuration | share of a core | predicted ms | measured ms | measured / predicted "
+             "| within 25% | predicted at a whole core ms | measured CPU ms | CPU / whole-core prediction |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     inside = 0
-    for bench, config, predicted, measured, _, share, quiet in rows:
-        ratio = measured / predicted
+    for r in rows:
+        ratio = r.measured / r.predicted
         ok = abs(ratio - 1) <= TOLERANCE
         inside += ok
-        share, quiet = ("-", "-") if share is None else (f"{share:.2f}", f"{quiet * 1e3:.1f}")
-        lines.append(f"| `{bench}` | {config} | {share} | {quiet} | {predicted * 1e3:.1f} | {measured * 1e3:.1f} "
-                     f"| {ratio:.2f} | {'yes' if ok else 'no'} |")
+        cpu = ("- | - | -" if r.cpu is None else
+               f"{r.quiet * 1e3:.1f} | {r.cpu * 1e3:.1f} | {r.cpu / r.quiet:.2f}")
+        lines.append(f"| `{r.bench}` | {r.config} | {'-' if r.share is None else f'{r.share:.2f}'} | "
+                     f"{r.predicted * 1e3:.1f} | {r.measured * 1e3:.1f} | {ratio:.2f} | {'yes' if ok else 'no'} | {cpu} |")
     lines.append(f"\n{inside} of {len(rows)} within +-{TOLERANCE:.0%}")
     return "\n".join(lines)
