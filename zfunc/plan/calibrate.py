@@ -17,7 +17,9 @@ Measured (times are wall clock, best of a few repeats, except where "CPU time" s
   (1 thread each here), what ``zf.dist.spawn``'s runs see: they share caches and memory bandwidth;
 - ``collectives``: zfunc's own ``dist.Comm`` all-gather, reduce-scatter and all-reduce and a
   ``P2P`` send/recv between 2 spawned gloo ranks on loopback, at 64 KiB and 16 MiB: ``[alpha,
-  beta]`` with ``t = alpha + wire / beta`` (``wire``: the ring's ``(N-1)/N`` of the Comm bytes);
+  beta]`` with ``t = alpha + wire / beta`` (``wire``: the ring's ``(N-1)/N`` of the Comm bytes),
+  best of 21 repeats at 64 KiB (a loaded machine delays a rank's wake-up by milliseconds: best of
+  7 once read 2 ms for a 0.3 ms gather) and of 7 at 16 MiB;
 - ``disk``: the swap engine (``zfunc.swap``, O_DIRECT) writing then reading 4 files of 64 MiB.
 
 **Load.** Single-thread rates (the ``"1"`` entries, ``per_rank_of_2``, ``rates_now``) are timed in
@@ -177,7 +179,7 @@ def _collective_worker(rank: int, sizes: tuple[int, ...], repeats: int) -> dict[
                 def op(t=t):
                     work = line.p2p.send(t, 1, "calibrate") if rank == 0 else line.p2p.recv(t, 0, "calibrate")
                     work.wait()
-            times.append(_best(op, repeats))
+            times.append(_best(op, repeats * 3 if nbytes < 1 << 20 else repeats))  # small ones: cheap, noisier
         out[kind] = times
     return out
 
