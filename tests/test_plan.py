@@ -321,3 +321,14 @@ def test_stage3_on_a_cpu_pays_a_latency_per_unit():
     one = lambda units: 300e-6 + units / 2 / 2e9  # noqa: E731  (2 ranks: half the Comm bytes on the wire)
     expected = 2 * one(4 * P) + one(4 * P) + 4 * 3 * 300e-6 + one(24)
     assert t == pytest.approx(expected, rel=1e-3)
+
+
+def test_a_loaded_pipeline_runs_its_fill_and_drain_at_the_share_of_one_rank():
+    from zfunc.plan.validate import loaded_pipeline
+
+    whole = {"compute": 5.0, "pp_shared": 0.5, "update": 0.5, "step": 6.0}  # m=4, p=2: 5 slots of 1 s
+    same = loaded_pipeline(whole, 4, 2, 0.5, 0.5)
+    assert same["step"] == pytest.approx(12.0)  # one share: everything twice as long
+    parts = loaded_pipeline(whole, 4, 2, 0.5, 1.0)
+    assert parts["compute (steady)"] == pytest.approx(3 / 0.5) and parts["compute (fill and drain)"] == pytest.approx(2.0)
+    assert parts["step"] == pytest.approx(6 + 2 + 2)
