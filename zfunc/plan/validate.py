@@ -19,11 +19,12 @@ and ``recipes/``) and prints predicted beside measured step times, with the load
 
 **Load** (``calibrate``'s module docstring). The ranks measure, in the same processes, their
 single-thread rates (in CPU time: what a step's kernels cost with a core) right after their timed
-steps, and their share of a core (``calibrate.cpu_share``) after every step; the prediction is the
-model's at those rates, its CPU-bound parts divided by the median share (the smaller of the two
-ranks' each time: a step waits for the slower). The offloaded update is timed in wall clock beside
-its CPU-Adam, first-touch, copy and disk rates, each measured (median of 3) right after each timed
-step. Every figure is a median over steps, measured and predicted alike. Linux here schedules by
+steps, and their share of a core (``calibrate.cpu_share``) after every step (the smaller of the
+two ranks' each time: a step waits for the slower); the prediction is the model's at those rates,
+its CPU-bound parts divided by the share. The ratio is paired, the median over steps of each step's
+time over the prediction at the share probed right after it; the predicted column is at the median
+share. The offloaded update is timed in wall clock beside its CPU-Adam, first-touch, copy and disk
+rates, each measured (median of 3) right after each timed step. Every figure is a median over steps. Linux here schedules by
 session (autogroup: each session gets its part of the CPU, split among its runnable threads), so a
 rank computing while the other waits gets more than when both compute: the pipeline ranks also
 measure that share ("alone"), which its fill and drain run at (``loaded_pipeline``). On a quiet
