@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import zfunc as zf
 from tests.test_shard import Block, Tiny, batches, local
 from zfunc import plan as zp
+from zfunc.plan import calibrate, cost
 
 STAGES = (0, 1, 2, 3)
 # (optimizer, params) placements; params offload needs stage 3 on more than one rank
@@ -257,3 +258,77 @@ def test_the_module_runs_as_a_command():
     out = subprocess.run([sys.executable, "-m", "zfunc.plan", "--params", "1e9", "--gpus", "2", "--search", "--top",
                           "1"], capture_output=True, text=True, check=True).stdout
     assert out.startswith("1. dp=")
+
+
+# ---------------------------------------------------------------------- time on a calibrated CPU
+def fake_calibration() -> dict:
+    """A calibration file's content with round numbers (what ``calibrate.measure`` writes)."""
+    rate = lambda x: {"1": x, "all": 2 * x}  # noqa: E731
+    per_rank = {"matmul_flops": 100e9, "copy_bw": 40e9, "attention_flops": 40e9, "activation_rate": 2e9,
+                "first_touch_bw": 2e9}
+    return {"version": calibrate.VERSION, "date": "2026-11-24", "host": "test", "threads": 2, "ram_bytes": 16e9,
+            "load_average": [0.0, 0.0, 0.0], **{k: rate(v) for k, v in per_rank.items()},
+            "cpu_adam_params_per_s": rate(1e9), "per_rank_of_2": per_rank,
+            "collectives": {k: [300e-6, 2e9] for k in ("all_gather", "reduce_scatter", "all_reduce", "send")},
+            "disk": {"read_bw": 1.5e9, "write_bw": 4e9}}
+
+
+def test_cpu_timer_and_share_see_load_not_sleep():
+    """A rate timed in CPU time ignores time the thread did not run; the share counts it."""
+    import time
+
+    assert calibrate._cpu_seconds(lambda: time.sleep(0.02), repeats=2) < 0.01
+    assert 0 < calibrate.cpu_share() <= 1
+    assert calibrate.cpu_share(then=lambda: time.sleep(0.2)) < 0.5  # a wait after the probe counts
+
+
+def test_share_scales_the_cpu_and_loopback_not_the_disk():
+    cal = fake_calibration()
+    whole, half = calibrate.cluster_from(cal, 2), calibrate.cluster_from(cal, 2, share=0.5)
+    assert half.device.flops("fp32") == whole.device.flops("fp32") / 2 == 50e9
+    assert half.device.first_touch_bw == whole.device.first_touch_bw / 2
+    assert half.collectives["all_gather"] == (600e-6, 1e9)
+    assert (half.node.nvme_read_bw, half.node.nvme_write_bw) == (whole.node.nvme_read_bw, whole.node.nvme_write_bw)
+    with pytest.raises(ValueError, match="share"):
+        calibrate.cluster_from(cal, 2, share=1.5)
+
+
+@pytest.mark.parametrize("clip", [True, False])
+def test_offloaded_update_on_a_cpu_device(clip):
+    """A CPU device: first write of the fp32 grad slices (4 B/param at first-touch speed), the clip's
+    in-place pass (8 B/param at copy speed), CPU-Adam, then the disk, one after the other."""
+    n = 16_000_000
+    model = zp.from_params(n)
+    s = zp.Strategy(zero=1, offload_optimizer="nvme", micro_batch=1, seq=1, precision="fp32", clip=clip)
+    cluster = calibrate.cluster_from(fake_calibration(), 1)  # one process: the "all" rates
+    update = zp.plan(model, cluster, s).time["update"]
+    host = model.total_params * (1 / 2e9 + 4 / 4e9 + (8 / 80e9 if clip else 0))
+    disk = model.total_params * 8 * (1 / 1.5e9 + 1 / 4e9)
+    assert update == pytest.approx(host + disk)
+    gpu = zp.cluster("A100-80GB", 8)  # a GPU node: the disk runs beside CPU-Adam, no page faults
+    resolved = zp.plan(model, gpu, s).strategy
+    parts = cost.offload_update_parts(model, resolved, gpu)
+    assert cost.update_time(model, resolved, gpu) == pytest.approx(max(parts["host"], parts["disk"]))
+
+
+def test_stage3_on_a_cpu_pays_a_latency_per_unit():
+    """Stage 3 runs a gather (forward), a re-gather and a reduce-scatter per unit; nothing hides them."""
+    model = zp.from_shape(4, 192, 4, vocab=256)
+    cluster = calibrate.cluster_from(fake_calibration(), 2)
+    s = zp.Strategy(zero=3, micro_batch=8, seq=128, precision="fp32")
+    t = zp.plan(model, cluster, s).time["dp_comm"]
+    P = model.total_params
+    one = lambda units: 300e-6 + units / 2 / 2e9  # noqa: E731  (2 ranks: half the Comm bytes on the wire)
+    expected = 2 * one(4 * P) + one(4 * P) + 4 * 3 * 300e-6 + one(24)
+    assert t == pytest.approx(expected, rel=1e-3)
+
+
+def test_a_loaded_pipeline_runs_its_fill_and_drain_at_the_share_of_one_rank():
+    from zfunc.plan.validate import loaded_pipeline
+
+    whole = {"compute": 5.0, "pp_shared": 0.5, "update": 0.5, "step": 6.0}  # m=4, p=2: 5 slots of 1 s
+    same = loaded_pipeline(whole, 4, 2, 0.5, 0.5)
+    assert same["step"] == pytest.approx(12.0)  # one share: everything twice as long
+    parts = loaded_pipeline(whole, 4, 2, 0.5, 1.0)
+    assert parts["compute (steady)"] == pytest.approx(3 / 0.5) and parts["compute (fill and drain)"] == pytest.approx(2.0)
+    assert parts["step"] == pytest.approx(6 + 2 + 2)

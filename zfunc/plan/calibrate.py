@@ -1,18 +1,36 @@
 """``--calibrate``: this machine's constants, measured, into a small JSON file; and a cluster from them.
 
-Measured (best of a few repeats each; times are wall clock, so a loaded machine measures low):
+Measured (times are wall clock, best of a few repeats, except where "CPU time" says otherwise):
 - ``matmul_flops``: fp32 ``torch.mm`` of 1024 x 1024 matrices, on 1 thread and on all of them
-  (and bf16 8192^3 on CUDA when there is a GPU, beside its datasheet peak: the GEMM efficiency);
+  (and bf16 8192^3 on CUDA when there is a GPU, beside its datasheet peak: the GEMM efficiency).
+  In CPU time, the GEMMs of ``benchmarks/``' GPT (1024 x 192 x 576 ... 192 x 1024 x 768, forward and
+  both backward products, 128-1024 tokens) run within 5% of this square one (115 vs 109 GFLOP/s on
+  one core here): the shapes need no table of their own;
 - ``copy_bw``: ``copy_`` of 128 MiB, counted as read + write, on 1 thread and on all;
 - ``attention_flops``: causal ``scaled_dot_product_attention`` (8 x 8 heads x 256 x 64), counting the
   half the mask keeps; ``activation_rate``: ``F.gelu`` elements per second (both 1 / all threads);
+- ``first_touch_bw``: bytes/s of ``torch.zeros`` of 64 MiB then written once: memory fresh from the
+  OS faults on each page's first write and the kernel clears it (~2 us per 4 KiB page on this VM,
+  ten times a copy); the engine's per-step fp32 grad slices pay it (``cost.update_time``);
 - ``cpu_adam_params_per_s``: zfunc's CPU-Adam kernel (``zf.ops.cpu_adam.adamw_``) on 8M fp32 params;
-- ``per_rank_of_2``: the four rates above in each of 2 spawned ranks computing at once (1 thread
-  each here), what ``zf.dist.spawn``'s runs see: they share caches and memory bandwidth;
+- ``per_rank_of_2``: the single-thread rates above in each of 2 spawned ranks computing at once
+  (1 thread each here), what ``zf.dist.spawn``'s runs see: they share caches and memory bandwidth;
 - ``collectives``: zfunc's own ``dist.Comm`` all-gather, reduce-scatter and all-reduce and a
   ``P2P`` send/recv between 2 spawned gloo ranks on loopback, at 64 KiB and 16 MiB: ``[alpha,
-  beta]`` with ``t = alpha + wire / beta`` (``wire``: the ring's ``(N-1)/N`` of the Comm bytes);
+  beta]`` with ``t = alpha + wire / beta`` (``wire``: the ring's ``(N-1)/N`` of the Comm bytes),
+  best of 21 repeats at 64 KiB (a loaded machine delays a rank's wake-up by milliseconds: best of
+  7 once read 2 ms for a 0.3 ms gather) and of 7 at 16 MiB;
 - ``disk``: the swap engine (``zfunc.swap``, O_DIRECT) writing then reading 4 files of 64 MiB.
+
+**Load.** Single-thread rates (the ``"1"`` entries, ``per_rank_of_2``, ``rates_now``) are timed in
+the thread's CPU time (``time.thread_time``, median of the repeats): what the kernel costs while it
+has a core, which other processes on a shared machine barely change (GEMM: 108-115 GFLOP/s at
+loads 5-14 on 2 cores, where wall-clock best-of-5 read 42-68). How much of a core a process gets
+now is a separate measurement, ``cpu_share()``: a fixed GEMM's CPU time over its wall time. A
+prediction under load divides the CPU-bound parts by that share (``cluster_from(..., share=)``);
+on a quiet machine it is 1. Multi-threaded rates (``"all"``), the collectives and the disk stay in
+wall clock: OpenMP's spinning threads and the kernel's I/O and loopback work are not one thread's
+CPU time.
 
 ``cluster_from(cal, ranks)`` makes the ``Cluster`` of ``ranks`` processes on this machine (the way
 ``zf.dist.spawn`` runs them, ``cpu_count // ranks`` threads each): the CPU is the "device", its
@@ -26,6 +44,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -36,6 +55,7 @@ from zfunc.plan.hardware import GB, Cluster, Device, Node
 
 DEFAULT_PATH = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "zfunc" / "plan_calibration.json"
 SIZES = (64 << 10, 16 << 20)  # bytes of the collectives' tensors (Comm units: output / input / tensor)
+VERSION = 3  # 3: single-thread rates in CPU time, first_touch_bw
 
 
 def _best(fn, repeats: int = 5) -> float:
@@ -48,50 +68,86 @@ def _best(fn, repeats: int = 5) -> float:
     return min(times)
 
 
-def _on_threads(n: int, fn):
+def _cpu_seconds(fn, repeats: int = 5) -> float:
+    """Median thread CPU seconds of ``fn()`` after a warm-up (module docstring: Load)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.thread_time()
+        fn()
+        times.append(time.thread_time() - t)
+    return statistics.median(times)
+
+
+def _on_threads(n: int, rate):
+    """``rate(timer)`` on ``n`` threads: timed in CPU time on one thread, in wall clock on more."""
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
-        return fn()
+        return rate(_cpu_seconds if n == 1 else _best)
     finally:
         torch.set_num_threads(before)
 
 
-def matmul_flops(n: int = 1024) -> float:
+def matmul_flops(timer=_best, n: int = 1024) -> float:
     a, b = torch.randn(n, n), torch.randn(n, n)
     out = torch.empty(n, n)
-    return 2 * n**3 / _best(lambda: torch.mm(a, b, out=out))
+    return 2 * n**3 / timer(lambda: torch.mm(a, b, out=out))
 
 
-def attention_flops(b: int = 8, heads: int = 8, seq: int = 256, d: int = 64) -> float:
+def attention_flops(timer=_best, b: int = 8, heads: int = 8, seq: int = 256, d: int = 64) -> float:
     """Causal ``scaled_dot_product_attention`` forward, FLOP/s counting the half a causal mask keeps
     (``2 b s^2 heads d``), as ``cost.compute_times`` counts it."""
     q, k, v = (torch.randn(b, heads, seq, d) for _ in range(3))
     fn = torch.nn.functional.scaled_dot_product_attention
-    return 2 * b * seq * seq * heads * d / _best(lambda: fn(q, k, v, is_causal=True))
+    return 2 * b * seq * seq * heads * d / timer(lambda: fn(q, k, v, is_causal=True))
 
 
-def activation_rate(n: int = 1 << 22) -> float:
+def activation_rate(timer=_best, n: int = 1 << 22) -> float:
     """``F.gelu`` elements per second (erf: bound by arithmetic on a CPU, not by memory)."""
     x = torch.randn(n)
-    return n / _best(lambda: torch.nn.functional.gelu(x))
+    return n / timer(lambda: torch.nn.functional.gelu(x))
 
 
-def copy_bw(nbytes: int = 128 << 20) -> float:
+def copy_bw(timer=_best, nbytes: int = 128 << 20) -> float:
     src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
-    return 2 * nbytes / _best(lambda: dst.copy_(src))
+    return 2 * nbytes / timer(lambda: dst.copy_(src))
 
 
-def cpu_adam_rate(n: int = 8 << 20) -> float:
+def first_touch_bw(timer=_best, nbytes: int = 64 << 20) -> float:
+    """Bytes/s of the first write into fresh memory: ``torch.zeros`` (zero pages, mapped on demand)
+    then ``fill_``, counted once. Large blocks come from the OS on every allocation (glibc maps
+    them), so each repeat faults anew."""
+    return nbytes / timer(lambda: torch.zeros(nbytes // 4).fill_(1.0))
+
+
+def cpu_adam_rate(timer=_best, n: int = 8 << 20) -> float:
     from zfunc.ops import cpu_adam
 
     p, g, m, v = (torch.randn(n) for _ in range(4))
     v.abs_()
-    return n / _best(lambda: cpu_adam.adamw_(p, g, m, v, step=1, lr=1e-4))
+    return n / timer(lambda: cpu_adam.adamw_(p, g, m, v, step=1, lr=1e-4))
+
+
+def cpu_share(n: int = 384, repeats: int = 8, then=None) -> float:
+    """The fraction of a core this thread gets now: a fixed GEMM loop's thread CPU time over its
+    wall time (1 on a quiet machine; ~0.5 at a load average of 6-8 on 2 cores here). ``then``: a
+    call (a barrier) whose wait counts in the wall time, so that ranks that synchronize measure
+    the share of the slower of them, as their steps do."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = torch.empty(n, n)
+    wall, cpu = time.perf_counter(), time.thread_time()
+    for _ in range(repeats):
+        torch.mm(a, b, out=out)
+    cpu = time.thread_time() - cpu
+    if then is not None:
+        then()
+    wall = time.perf_counter() - wall
+    return min(1.0, cpu / wall) if wall > 0 else 1.0
 
 
 RATES = {"matmul_flops": matmul_flops, "copy_bw": copy_bw, "attention_flops": attention_flops,
-         "activation_rate": activation_rate}
+         "activation_rate": activation_rate, "first_touch_bw": first_touch_bw}
 
 
 def _collective_worker(rank: int, sizes: tuple[int, ...], repeats: int) -> dict[str, list[float]]:
@@ -103,7 +159,7 @@ def _collective_worker(rank: int, sizes: tuple[int, ...], repeats: int) -> dict[
     out = {}
     for name, rate in RATES.items():  # both ranks at once, as spawned runs compute: the per-rank rates
         dist.barrier()
-        out[name] = [rate()]
+        out[name] = [rate(_cpu_seconds if torch.get_num_threads() == 1 else _best)]
     for kind in ("all_gather", "reduce_scatter", "all_reduce", "send"):
         times = []
         for nbytes in sizes:
@@ -123,7 +179,7 @@ def _collective_worker(rank: int, sizes: tuple[int, ...], repeats: int) -> dict[
                 def op(t=t):
                     work = line.p2p.send(t, 1, "calibrate") if rank == 0 else line.p2p.recv(t, 0, "calibrate")
                     work.wait()
-            times.append(_best(op, repeats))
+            times.append(_best(op, repeats * 3 if nbytes < 1 << 20 else repeats))  # small ones: cheap, noisier
         out[kind] = times
     return out
 
@@ -145,8 +201,10 @@ def collectives(sizes: tuple[int, ...] = SIZES, repeats: int = 7) -> dict[str, l
 
 
 def rates_now() -> dict[str, float]:
-    """The four per-rank rates of ``RATES``, measured now in this process (with its threads)."""
-    return {name: rate() for name, rate in RATES.items()}
+    """The per-rank rates of ``RATES``, measured now in this process (with its threads; in CPU time
+    on one thread, as the calibration's)."""
+    timer = _cpu_seconds if torch.get_num_threads() == 1 else _best
+    return {name: rate(timer) for name, rate in RATES.items()}
 
 
 def _split(measured: dict) -> dict:
@@ -156,8 +214,10 @@ def _split(measured: dict) -> dict:
     return {"collectives": measured, "per_rank_of_2": per_rank}
 
 
-def disk(path: str | None = None, files: int = 4, nbytes: int = 64 << 20) -> dict[str, float]:
-    """Swap-engine write and read bandwidth (bytes/s) in a scratch folder under ``path``."""
+def disk(path: str | None = None, files: int = 4, nbytes: int = 64 << 20, timer=_best) -> dict[str, float]:
+    """Swap-engine write and read bandwidth (bytes/s) in a scratch folder under ``path``: ``files``
+    files of ``nbytes``, all written (then all read) at once; the first write, which allocates the
+    files, is a warm-up, as the swap engine's spare files spare a long run those allocations."""
     from zfunc.swap import SwapEngine, aligned_empty
 
     root = Path(tempfile.mkdtemp(prefix="zfunc-calibrate-", dir=path))
@@ -175,8 +235,8 @@ def disk(path: str | None = None, files: int = 4, nbytes: int = 64 << 20) -> dic
                 for f in [engine.read(f"f{i}", b) for i, b in enumerate(bufs)]:
                     f.result()
 
-            w = _best(write, 3)
-            r = _best(read, 3)
+            w = timer(write, 3)
+            r = timer(read, 3)
         return {"write_bw": files * nbytes / w, "read_bw": files * nbytes / r}
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -200,13 +260,14 @@ def measure(disk_path: str | None = None) -> dict:
     threads = torch.get_num_threads()
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return {
-        "version": 2, "date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
+        "version": VERSION, "date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
         "torch": torch.__version__, "threads": threads, "ram_bytes": ram,
         "load_average": os.getloadavg(),
         "matmul_flops": {"1": _on_threads(1, matmul_flops), "all": _on_threads(threads, matmul_flops)},
         "copy_bw": {"1": _on_threads(1, copy_bw), "all": _on_threads(threads, copy_bw)},
         "attention_flops": {"1": _on_threads(1, attention_flops), "all": _on_threads(threads, attention_flops)},
         "activation_rate": {"1": _on_threads(1, activation_rate), "all": _on_threads(threads, activation_rate)},
+        "first_touch_bw": {"1": _on_threads(1, first_touch_bw), "all": _on_threads(threads, first_touch_bw)},
         "cpu_adam_params_per_s": {"1": _on_threads(1, cpu_adam_rate), "all": _on_threads(threads, cpu_adam_rate)},
         **_split(collectives()),
         "disk": disk(disk_path),
@@ -226,8 +287,9 @@ def load(path: str | os.PathLike | None = None) -> dict:
     if not path.exists():
         raise OSError(f"no calibration at {path}: run python -m zfunc.plan --calibrate first")
     cal = json.loads(path.read_text())
-    if cal.get("version") != 2:
-        raise ValueError(f"{path}: not a zfunc.plan calibration (version {cal.get('version')!r})")
+    if cal.get("version") != VERSION:
+        raise ValueError(f"{path}: not a zfunc.plan calibration of version {VERSION} (found "
+                         f"{cal.get('version')!r}): run python -m zfunc.plan --calibrate again")
     return cal
 
 
@@ -239,9 +301,14 @@ def _per_rank(table: dict, threads: int, total: int) -> float:
     return one + (full - one) * (threads - 1) / (total - 1)
 
 
-def cluster_from(cal: dict, ranks: int = 1, threads: int | None = None, rates: dict | None = None) -> Cluster:
+def cluster_from(cal: dict, ranks: int = 1, threads: int | None = None, rates: dict | None = None,
+                 share: float = 1.0) -> Cluster:
     """``ranks`` processes on the calibrated machine, ``threads`` each (default ``cpus // ranks``);
-    ``rates`` (``rates_now()`` of the ranks themselves) replace the calibrated per-rank rates."""
+    ``rates`` (``rates_now()`` of the ranks themselves) replace the calibrated per-rank rates.
+    ``share``: the fraction of a core each rank gets (``cpu_share()``; module docstring: Load); the
+    CPU's rates and the loopback collectives, which are CPU work, are scaled by it, the disk not."""
+    if not 0 < share <= 1:
+        raise ValueError(f"share: expected a fraction of a core in (0, 1], got {share!r}")
     total = cal["threads"]
     threads = threads or max(1, total // ranks)
     if rates is not None:
@@ -250,14 +317,14 @@ def cluster_from(cal: dict, ranks: int = 1, threads: int | None = None, rates: d
         rate = cal["per_rank_of_2"].get
     else:
         rate = lambda name: _per_rank(cal[name], threads, total)  # noqa: E731
-    flops, bw = rate("matmul_flops"), rate("copy_bw")
-    attention = rate("attention_flops")
+    flops, bw = share * rate("matmul_flops"), share * rate("copy_bw")
+    attention = share * rate("attention_flops")
     device = Device("this machine (calibrated)", {"fp32": flops, "bf16": None, "fp16": None},
                     cal["ram_bytes"] / ranks, bw, matmul_efficiency=1.0, attention_efficiency=attention / flops,
                     memory_efficiency=1.0, kind="cpu", source=f"calibrated {cal['date']} on {cal['host']}",
-                    activation_rate=rate("activation_rate"))
+                    activation_rate=share * rate("activation_rate"), first_touch_bw=share * rate("first_touch_bw"))
     adam_bytes = 36 * cal["cpu_adam_params_per_s"]["all"]
-    colls = {k: tuple(v) for k, v in cal["collectives"].items()}
+    colls = {k: (v[0] / share, v[1] * share) for k, v in cal["collectives"].items()}
     node = Node(ranks, colls["all_gather"][1], colls["all_gather"][1], bw, cal["ram_bytes"], cal["copy_bw"]["all"],
                 shutil.disk_usage(tempfile.gettempdir()).free, cal["disk"]["read_bw"], cal["disk"]["write_bw"],
                 "this machine")
@@ -271,9 +338,10 @@ def describe(cal: dict) -> str:
             f"{cal['matmul_flops']['1'] / GB:.1f} / {cal['matmul_flops']['all'] / GB:.1f} GFLOP/s (1 / "
             f"{cal['threads']} threads), copy {cal['copy_bw']['1'] / GB:.1f} / {cal['copy_bw']['all'] / GB:.1f} GB/s, "
             f"attention {cal['attention_flops']['1'] / GB:.1f} GFLOP/s, GELU {cal['activation_rate']['1'] / 1e9:.2f} "
-            f"Gelem/s (1 thread), CPU-Adam {cal['cpu_adam_params_per_s']['all'] / 1e6:.0f} Mparam/s, "
+            f"Gelem/s, first touch {cal['first_touch_bw']['1'] / GB:.2f} / {cal['first_touch_bw']['all'] / GB:.2f} "
+            f"GB/s (1 thread in CPU time / all in wall), CPU-Adam {cal['cpu_adam_params_per_s']['all'] / 1e6:.0f} Mparam/s, "
             + ", ".join(f"{k} {v[0] * 1e6:.0f} us + {v[1] / GB:.2f} GB/s" for k, v in c.items())
             + f", disk write {cal['disk']['write_bw'] / GB:.2f} / read {cal['disk']['read_bw'] / GB:.2f} GB/s; "
             f"per rank of 2 at once: matmul {cal['per_rank_of_2']['matmul_flops'] / GB:.1f} GFLOP/s, copy "
             f"{cal['per_rank_of_2']['copy_bw'] / GB:.1f} GB/s, attention {cal['per_rank_of_2']['attention_flops'] / GB:.1f}"
-            f" GFLOP/s, GELU {cal['per_rank_of_2']['activation_rate'] / 1e9:.2f} Gelem/s")
+            f" GFLOP/s, GELU {cal['per_rank_of_2']['activation_rate'] / 1e9:.2f} Gelem/s (CPU time)")

@@ -182,8 +182,14 @@ def step_times(model: ModelSpec, s: Strategy, cluster: Cluster) -> dict[str, flo
                 exposed += n * (rs if cpu else max(rs - micro.backward, 0) + rs * bucket_frac)
         else:
             ag, rs = coll("all_gather", e * P), coll("reduce_scatter", 4 * P)
-            per = (2 * ag + rs) if cpu else (max(ag - micro.forward, 0) + ag * unit_frac
-                                            + max(ag + rs - micro.backward, 0) + rs * unit_frac)
+            if cpu:  # per unit (layers + the root) a gather in forward and backward and a reduce-scatter,
+                # each with its latency: 2 ag + rs pay one each, the other ``layers`` units' come on top
+                more = model.layers * (2 * cost.collective_latency(cluster, "all_gather", N)
+                                       + cost.collective_latency(cluster, "reduce_scatter", N))
+                per = 2 * ag + rs + more
+            else:
+                per = (max(ag - micro.forward, 0) + ag * unit_frac + max(ag + rs - micro.backward, 0)
+                       + rs * unit_frac)
             exposed = m * per
         exposed += coll("all_reduce", 24)  # the loss / grad-norm all-reduce: its latency
     out["dp_comm"] = exposed

@@ -23,15 +23,24 @@ overlaps (read in ``zfunc.shard``, ``prefetch``, ``offload``, ``pipeline``):
 - stages 1/2: the param all-gather before the forward is exposed; reduce-scatters overlap
   backward (stage 1 with accumulation reduces once after the last microbatch: exposed);
 - stage 3: gathers are prefetched during forward, re-gathers and reduce-scatters during backward;
+  it runs one of each per unit (a layer, and the root's remainder), and on a CPU device, where
+  nothing hides them, each pays its latency;
 - the optimizer runs after backward on the device (28 B/param, +12 with a global-norm clip);
 - offload: per leaf the grad and the master cross PCIe (fp32) and CPU-Adam updates it in the
   same thread, while the swap engine reads and writes in parallel: ``max(PCIe + CPU-Adam, disk)``;
+  on a CPU device the thread also writes the step's fresh grad slices for the first time (page
+  faults) and scales them for the clip before CPU-Adam (``cpu_grad_passes``);
   it runs after backward, or during it when the engine updates on arrival (no clip, no fp16,
   accum 1); params offload fetches each unit's fp32 piece twice per microbatch, read ahead;
 - a pipeline's schedule takes ``sum_s t_s + (m - 1) max_s t_s`` (p stages, m microbatches), each
   microbatch slot paying its activation's point-to-point transfer;
 - on a CPU device collectives do not overlap compute (gloo's loopback transfers are CPU copies that
-  compete with it for the cores); disk I/O (O_DIRECT, DMA) still runs beside CPU-Adam.
+  compete with it for the cores), and the offloaded update's disk traffic does not overlap its CPU
+  work either: CPU-Adam's thread team takes every core, and the swap engine's threads, which issue
+  each next transfer, wait for one. Measured (``benchmarks/capacity.py``'s step, 50M params, 6
+  interleaved rounds at load ~8 on 2 cores): the update with moments on NVMe took 0.94x the sum of
+  the same update with moments in RAM and the swap engine moving its bytes alone (median; 0.69-1.21),
+  1.71x their max. On a GPU node the CPU has cores to spare and the disk runs beside CPU-Adam.
 Exposed overlapped traffic is ``max(traffic - compute, 0)`` plus the last piece, which nothing hides.
 """
 from __future__ import annotations
@@ -122,6 +131,14 @@ def collective_time(cluster: Cluster, kind: str, units: float, members: int, str
     return cluster.latency * (members - 1) + wire / group_bandwidth(cluster, members, stride)
 
 
+def collective_latency(cluster: Cluster, kind: str, members: int) -> float:
+    """Seconds one collective of ``kind`` costs beyond its bytes: its latency per hop, ``members - 1`` hops."""
+    if members <= 1:
+        return 0.0
+    alpha = cluster.collectives[kind][0] if kind in cluster.collectives else cluster.latency
+    return alpha * (members - 1)
+
+
 def comm_bytes(model: ModelSpec, s: Strategy) -> dict[str, float]:
     """Bytes per rank per step by collective, in ``dist.Comm`` units (module docstring)."""
     P, shared = partition_params(model, s)
@@ -183,20 +200,46 @@ def offload_traffic(model: ModelSpec, s: Strategy) -> dict[str, float]:
 def update_time(model: ModelSpec, s: Strategy, cluster: Cluster) -> float:
     """Seconds of the optimizer update: on the device, or offloaded (module docstring)."""
     P, _ = partition_params(model, s)
-    traffic = offload_traffic(model, s)
-    local = traffic["updated"]
-    if not local:
+    if not offload_traffic(model, s)["updated"]:
         local = P if s.zero == 0 else math.ceil(P / s.dp)
         per_param = 28 + (12 if s.clip else 0)
         return local * per_param / (cluster.device.hbm_bw * cluster.device.memory_efficiency)
+    parts = offload_update_parts(model, s, cluster)
+    if cluster.device.kind == "cpu":  # CPU-Adam's team takes every core: the swap threads wait (cost docstring)
+        return parts["host"] + parts["disk"]
+    return max(parts["host"], parts["disk"])  # O_DIRECT transfers need no CPU: the disk runs beside CPU-Adam
+
+
+def offload_update_parts(model: ModelSpec, s: Strategy, cluster: Cluster) -> dict[str, float]:
+    """An offloaded update's two streams, in seconds: ``host`` (PCIe and the CPU's work in the
+    updating thread) and ``disk`` (the swap engine's reads and writes beside it)."""
+    traffic = offload_traffic(model, s)
+    local = traffic["updated"]
     node = cluster.node
     ranks = cluster.gpus_per_node  # CPU-Adam of every rank of a node shares its memory bandwidth
     adam = local * CPU_ADAM_BYTES * ranks / (node.cpu_mem_bw * cluster.cpu_adam_efficiency)
     pcie = 0.0 if cluster.device.kind == "cpu" else (8 * local) / node.pcie_bw
+    if cluster.device.kind == "cpu":
+        adam += cpu_grad_passes(local, s, cluster)
     disk_r = traffic["nvme_read"] - (4 * local * 2 * s.accum if s.offload_params == "nvme" else 0)
     disk_w = traffic["nvme_write"]
     disk = ranks * (disk_r / node.nvme_read_bw + disk_w / node.nvme_write_bw)
-    return max(pcie + adam, disk)  # O_DIRECT transfers need no CPU: the disk runs beside CPU-Adam
+    return {"host": pcie + adam, "disk": disk}
+
+
+def cpu_grad_passes(local: float, s: Strategy, cluster: Cluster) -> float:
+    """Seconds a CPU device spends on the fp32 grad slices of an offloaded update before CPU-Adam
+    reads them, in the same thread: their first write (the engine allocates them zeroed every step,
+    and fresh pages fault: ``first_touch_bw``, 4 B/param) and, with a clip, the scaling pass
+    (``clip_by_global_norm`` multiplies every grad in place: 8 B/param at copy bandwidth). Measured
+    in ``benchmarks/capacity.py``'s offloaded step (50M params, one profile): the in-place multiply
+    took as long as CPU-Adam itself (169 vs 171 ms), nearly all of it page faults (11 ms on pages
+    already written). On a GPU the slices come from the caching allocator (no faults) and cross PCIe,
+    which ``update_time`` counts apart."""
+    dev = cluster.device
+    touch = 4 * local / dev.first_touch_bw if dev.first_touch_bw else 0.0
+    scale = 8 * local / (dev.hbm_bw * dev.memory_efficiency) if s.clip else 0.0
+    return touch + scale
 
 
 def fetch_time(model: ModelSpec, s: Strategy, cluster: Cluster) -> float:

@@ -47,7 +47,9 @@ class Device:
     reaches; ``attention_efficiency`` the same for fused attention; ``memory_efficiency`` the fraction
     of ``hbm_bw`` elementwise kernels reach. ``activation_rate``: elements per second of the MLP's
     activation function where it is bound by arithmetic (a CPU's erf/exp), None where by memory (a
-    GPU). ``source``: where the numbers come from.
+    GPU). ``first_touch_bw``: bytes per second of the first write into memory fresh from the
+    allocator (a CPU: each new page faults and the kernel clears it); None where the allocator caches
+    (a GPU). ``source``: where the numbers come from.
     """
 
     name: str
@@ -60,6 +62,7 @@ class Device:
     kind: str = "cuda"  # "cuda": compute overlaps communication and host traffic; "cpu": it does not
     source: str = ""
     activation_rate: float | None = None  # GELU/SiLU elements per second; None: bound by memory bandwidth
+    first_touch_bw: float | None = None  # bytes/s of first writes to fresh pages; None: no page faults (a GPU)
 
     def flops(self, precision: str) -> float:
         """Peak FLOP/s for ``precision``; raises if the device has no such arithmetic."""
