@@ -589,7 +589,11 @@ def adamw_many_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
             small.setdefault((type(g_tag), type(out_tag)), [g_tag, out_tag]).append(
                 (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), 0 if o is None else o.data_ptr(), n))
     for g_tag, out_tag, *rows in small.values():
-        _run(_adamw_table, None, 1, (np.array(rows, dtype=np.int64), g_tag, out_tag) + consts, g_tag, out_tag)
+        if len(rows) == 1:  # one leaf: no table to build (~1 us)
+            p, g, m, v, o, n = rows[0]
+            _run(_adamw_block, None, 1, (0, n, p, g, m, v, o, g_tag, out_tag, False) + consts, g_tag, out_tag)
+        else:
+            _run(_adamw_table, None, 1, (np.array(rows, dtype=np.int64), g_tag, out_tag) + consts, g_tag, out_tag)
 
 
 def lion_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *, lr: float,
