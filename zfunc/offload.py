@@ -24,7 +24,11 @@ state, ``optimizer.init({name: piece})``, so a leaf can be updated alone):
 - overlap with backward: when the optimizer does not need the global grad norm (its
   ``needs_global_norm`` declaration is False: no ``clip_by_global_norm``), there is no fp16 overflow check and ``accum == 1``, a unit is updated as
   soon as its reduced grads exist, during the rest of backward. Otherwise all grad slices (fp32,
-  4 B/param/N) are held until backward ends and the norm is known.
+  4 B/param/N) are held until backward ends and the norm is known. The grad norm, where wanted
+  (``train_step(grad_norm=True)``, clipping, fp16), is then summed from the squares CPU-Adam
+  computes in its own pass over each grad (``optim.apply(squares=)``): the grads are read once.
+  With ``train_step(grad_norm=False)`` and nothing else needing it, no norm is computed at all,
+  held or overlapped, and only the loss is checked (the plain step's rule).
 
 **Non-finite steps** (``zfunc.step``'s rules): without overlap the update waits for the grad norm,
 so a step whose loss or grads are inf/nan writes nothing: the state comes back unchanged and
@@ -332,7 +336,8 @@ class OffloadRun(_Stores, ShardRun):
         self._opt_states = list(state.opt_state)
         self._reader = ReadAhead(lambda i: self._param_store.fetch(self._masters[i]), self._leaf_bytes,
                                  step._fetch_order, self.chunk_bytes)
-        self._sq_norm = torch.zeros((), dtype=torch.float64)
+        self._sq_norm = torch.zeros((), dtype=torch.float64)  # overlap: the grads' sum of squares so far
+        self._wants_norm = self._needs_norm()  # train_step(grad_norm=), clipping or fp16; else no norm at all
         self._new: dict[int, tuple[Any, Any]] = {}
         self._skip_updates = False
         self._update_seen: list[int] | None = None  # leaves in the order an overlapped update met them
@@ -381,8 +386,12 @@ class OffloadRun(_Stores, ShardRun):
 
     def _update(self, state: TrainState, grads: PyTree, loss: torch.Tensor, aux: Any):
         params, opt_state, step, rng, loss_scale, _ = self._fields  # the state may be consumed by now
-        if grads is not None:  # held until now: the norm first, then every leaf
+        if grads is not None:
             g_leaves = tree.leaves(grads)
+        if not self._wants_norm:  # nothing reads it: only the loss is checked, as in the plain step
+            self._sum_over_ranks(torch.zeros(()))  # the step's one sync still sums the loss and grads-produced flags
+            norm = None
+        elif grads is not None:  # held until now: the norm first, then every leaf
             norm = optim.global_norm(g_leaves)  # inside summing_across: over all ranks
         else:
             norm = self._sum_over_ranks(self._sq_norm.float()).sqrt()
@@ -397,9 +406,12 @@ class OffloadRun(_Stores, ShardRun):
         state._consumed = True
         if grads is not None and finite:
             g_leaves = self._without_missing_grads(g_leaves)
-            total_sq = (norm.double() ** 2).float()
-            with optim.summing_across(lambda local_sq: total_sq):
+            if norm is None:
                 self._update_leaves(list(range(len(g_leaves))), g_leaves)
+            else:
+                total_sq = (norm.double() ** 2).float()
+                with optim.summing_across(lambda local_sq: total_sq):
+                    self._update_leaves(list(range(len(g_leaves))), g_leaves)
         self._wait_writes(None)
         loss_scale = mp.next_loss_scale(loss_scale, finite)
         metrics = self._metrics(loss, norm, lr, finite, step, loss_scale, aux)
@@ -425,10 +437,11 @@ class OffloadRun(_Stores, ShardRun):
     def _update_bytes(self, i: int) -> int:
         return self._leaf_bytes(i) * (1 + sum(_is_stored(t) for t in tree.leaves(self._opt_states[i])))
 
-    def _update_leaf(self, i: int, grad: torch.Tensor | None, reader: ReadAhead) -> None:
+    def _update_leaf(self, i: int, grad: torch.Tensor | None, reader: ReadAhead, squares: list | None = None) -> None:
         """Read leaf ``i``'s master and state, apply the optimizer on the CPU, write them back.
         ``grad`` None: no grad; the optimizer leaves the param alone but advances its count, as
-        the plain step's does for all params together."""
+        the plain step's does for all params together. ``squares``: as in ``optim.apply`` (the
+        kernel appends the grad's sum of squares where it computes it in its pass)."""
         self._state_in_use._consumed = True  # its files or tensors change from here on
         master, *tensors = reader.get(i)
         name = self._param_names[i]  # the key its optimizer state was made with
@@ -444,7 +457,7 @@ class OffloadRun(_Stores, ShardRun):
         if in_ram and self.compute_dtype is not torch.float32:
             out = self.compute_copies.buffer(self._masters[i], self.compute_dtype, self._param_store.pin)
         new_p, new_state = optim.apply(self.optimizer, {name: grad}, state, {name: p_cpu},
-                                       out=None if out is None else {name: out})
+                                       out=None if out is None else {name: out}, squares=squares)
         new_p = new_p[name]
         if on_device.type != "cpu":
             master.copy_(new_p)
@@ -481,16 +494,21 @@ class _Updating:
         self.read = 0  # how much of the reducer's ``arrived`` list is in ``produced``
 
     def deliver(self, unit: FlatGroup, slices: list[torch.Tensor]) -> None:
+        """Update each leaf of ``unit`` with its reduced grad slice; where the norm is wanted,
+        add the slice's sum of squares, which the optimizer's kernel computes in its own pass
+        (``optim.apply(squares=)``), so the grads are read once."""
         step = self.step
-        divisor = step._grad_divisor()
+        divisor, wants = step._grad_divisor(), step._wants_norm
         for i, g in zip(unit.indices, slices):
             if divisor != 1.0:
                 g = g / divisor
-            step._sq_norm += torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
             self.seen.append(i)
-            if step._skip_updates:  # a non-finite loss: the step will be skipped
-                continue
-            step._update_leaf(i, g if self._produced(i) else None, self.reader)
+            produced = not step._skip_updates and self._produced(i)
+            squares = [] if wants and produced else None
+            if not step._skip_updates:  # else a non-finite loss: the step will be skipped
+                step._update_leaf(i, g if produced else None, self.reader, squares)
+            if wants:  # the kernel's sum, or (another kernel; a leaf with no grad: zeros) the slice's norm
+                step._sq_norm += squares[0] if squares else torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
 
     def _produced(self, i: int) -> bool:
         """Whether leaf ``i`` has a grad. Alone, exact: a unit is delivered once its grads are all
