@@ -173,8 +173,9 @@ class Step:
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         self._check_state(state)
-        with module.carrying(state.buffers) as carried:  # apply reads and updates the state's buffers
-            loss, aux, grads = self._loss_and_grads(state.params, batch, state.step, state.rng, state.loss_scale)
+        params, _, step, rng, loss_scale, buffers = _values(state)
+        with module.carrying(buffers) as carried:  # apply reads and updates the state's buffers
+            loss, aux, grads = self._loss_and_grads(params, batch, step, rng, loss_scale)
         return self._update(state, grads, loss, aux, carried.buffers)
 
     def _check_state(self, state: Any) -> None:
