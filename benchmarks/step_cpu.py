@@ -19,7 +19,7 @@ is faster). Memory: ~16 B/param per trainer (param, grad, two moments) plus ``w0
 ``--one-at-a-time`` params (default 5e7) each trainer is built for its own sample and dropped
 after it (building and one warm-up step untimed), so only one is held: ~3.5 GB at 1e8.
 
-What a step costs beyond its kernel (1e3 params, CPU time, under load): zfunc 49 us (73 before
+What a step costs beyond its kernel (1e3 params, CPU time, under load): zfunc 47 us (73 before
 the per-step work was cut: seeding by a class, one flatten, no state replace, the moments read
 along the params' treespec), DeepSpeed's loop 33 us. The kernel itself matches DeepSpeed's at 1M
 params once its data has left the cache (what a step's forward and backward do to it).
