@@ -1,27 +1,39 @@
 """A whole CPU train step that is all optimizer: zfunc's step vs torch AdamW(fused=True) and DeepSpeedCPUAdam.
 
-    python benchmarks/step_cpu.py [--sizes 1e6 2e7] [--rounds 15] [--steps 0] [--no-deepspeed]
-                                  [--offload-params 2e7] [--threads 0]
+    python benchmarks/step_cpu.py [--sizes 1e6 2e7 1e8] [--rounds 15] [--steps 0] [--no-deepspeed]
+                                  [--offload-params 2e7] [--threads 0] [--one-at-a-time 5e7]
 
 Each trainer trains one fp32 param vector ``w`` of ``n`` elements on the loss ``(w * c).sum()``
 (``c`` fixed): forward and backward are two cheap elementwise passes, so the step time is the
 optimizer's plus the engine's own work per step. The trainers:
-- zfunc: ``zf.train_step(loss, zf.optim.adamw(...))`` on a CPU state (the backend "auto" picks
-  zfunc's Numba CPU-Adam there), ``state, metrics = step(state, c)``;
+- zfunc: ``zf.train_step(loss, zf.optim.adamw(...), grad_norm=False)`` on a CPU state (the backend
+  "auto" picks zfunc's Numba CPU-Adam there), ``state, metrics = step(state, c)``; every check
+  stays on (donation, the loss's finiteness, the RNG seeded from the state);
 - torch: ``opt.zero_grad(set_to_none=True); loss.backward(); opt.step()`` with
   ``torch.optim.AdamW(fused=True)``;
 - DeepSpeed: the same loop with ``deepspeed.ops.adam.DeepSpeedCPUAdam`` (``DS_ACCELERATOR=cpu``,
   set here; its C++ extension JIT-builds on first use).
 Rounds are interleaved (each round runs every trainer for ``--steps`` steps, the order rotating);
 the ratio printed is the median over rounds of peer time / zfunc time (paired medians; > 1: zfunc
-is faster). Memory: ~16 B/param per trainer (param, grad, two moments) plus ``c``: ~5 GB in all
-at 1e8.
+is faster). Memory: ~16 B/param per trainer (param, grad, two moments) plus ``w0`` and ``c``; from
+``--one-at-a-time`` params (default 5e7) each trainer is built for its own sample and dropped
+after it (building and one warm-up step untimed), so only one is held: ~3.5 GB at 1e8.
+
+What a step costs beyond its kernel (1e3 params, CPU time, under load): zfunc 47 us (73 before
+the per-step work was cut: seeding by a class, one flatten, no state replace, the moments read
+along the params' treespec), DeepSpeed's loop 33 us. The kernel itself matches DeepSpeed's at 1M
+params once its data has left the cache (what a step's forward and backward do to it).
 
 ``--offload-params N`` adds the optimizer phase of a bf16 offloaded step over GPT-shaped leaves
-of N params in all: the current two-pass path (torch's fused AdamW on each leaf, then the bf16
-compute copy cast from the master, what offload did before the fused pass was wired in) against
-the one pass offload runs now (``optim.apply(..., out=)``: zfunc's kernel writes the bf16 copy
-while it updates), interleaved likewise.
+of N params in all, the grads arriving in bf16, interleaved likewise:
+- two passes: what offload ran before the fused pass: the grads upcast to fp32 (the one-rank
+  reducer's pack), torch's fused AdamW on each leaf, then the bf16 compute copy cast from the
+  master;
+- one pass, fp32 grads: what an offloaded step runs today: the upcast, then zfunc's kernel
+  writing the bf16 copy while it updates (``optim.apply(..., out=)``);
+- one pass, bf16 grads: the kernel reading the bf16 grads themselves (``optim.apply`` accepts
+  them; the offloaded step's reducer still upcasts them, so this is the phase once grads reach
+  the update in the compute dtype).
 """
 from __future__ import annotations
 
@@ -72,16 +84,24 @@ def deepspeed_adam(params):
     return DeepSpeedCPUAdam(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True)
 
 
-def interleaved(trainers: dict, rounds: int, steps: int) -> dict[str, list[float]]:
-    """Seconds per step of each trainer, one sample per round, the order rotating each round."""
-    for run in trainers.values():
-        run(2)  # warm up: JIT load, page faults, lazy state
+def interleaved(trainers: dict, rounds: int, steps: int, one_at_a_time: bool = False) -> dict[str, list[float]]:
+    """Seconds per step of each trainer, one sample per round, the order rotating each round.
+    ``one_at_a_time``: ``trainers`` are factories, each trainer built for its sample and dropped
+    after it (only one trainer's memory at once; building and a warm-up step are not timed)."""
+    if not one_at_a_time:
+        for run in trainers.values():
+            run(2)  # warm up: JIT load, page faults, lazy state
     names, times = list(trainers), {name: [] for name in trainers}
     for r in range(rounds):
         for name in names[r % len(names):] + names[: r % len(names)]:
+            run = trainers[name]
+            if one_at_a_time:
+                run = run()
+                run(1)
             t0 = time.perf_counter()
-            trainers[name](steps)
+            run(steps)
             times[name].append((time.perf_counter() - t0) / steps)
+            del run
     return times
 
 
@@ -89,18 +109,22 @@ def paired(peer: list[float], ours: list[float]) -> float:
     return statistics.median(p / o for p, o in zip(peer, ours))
 
 
-def step_rows(n: int, rounds: int, steps: int, with_deepspeed: bool) -> None:
+def step_rows(n: int, rounds: int, steps: int, with_deepspeed: bool, one_at_a_time: bool) -> None:
     gen = torch.Generator().manual_seed(0)
     w0, c = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-2
-    trainers = {"zfunc": zfunc_trainer(w0, c),
-                "torch AdamW(fused=True)": torch_loop(
-                    lambda ps: torch.optim.AdamW(ps, LR, BETAS, EPS, WD, fused=True), w0, c)}
+    factories = {"zfunc": lambda: zfunc_trainer(w0, c),
+                 "torch AdamW(fused=True)": lambda: torch_loop(
+                     lambda ps: torch.optim.AdamW(ps, LR, BETAS, EPS, WD, fused=True), w0, c)}
     if with_deepspeed:
-        trainers["DeepSpeedCPUAdam"] = torch_loop(deepspeed_adam, w0, c)
+        factories["DeepSpeedCPUAdam"] = lambda: torch_loop(deepspeed_adam, w0, c)
     steps = steps or max(1, 2 * 10**7 // n)
-    times = interleaved(trainers, rounds, steps)
+    if one_at_a_time:
+        times = interleaved(factories, rounds, steps, one_at_a_time=True)
+    else:
+        times = interleaved({name: make() for name, make in factories.items()}, rounds, steps)
     ours = times["zfunc"]
-    print(f"n={n:.0e}: {rounds} rounds x {steps} steps, {torch.get_num_threads()} threads; "
+    print(f"n={n:.0e}: {rounds} rounds x {steps} steps, {torch.get_num_threads()} threads"
+          f"{', trainers built one at a time' if one_at_a_time else ''}; "
           f"zfunc {statistics.median(ours) * 1e3:.3f} ms/step (median)")
     for name, t in times.items():
         if name != "zfunc":
@@ -119,51 +143,59 @@ def gpt_leaf_shapes(total: int, d: int = 768) -> list[tuple[int, ...]]:
 
 
 def offload_rows(total: int, rounds: int) -> None:
-    """The optimizer phase of a bf16 offloaded step, leaf by leaf as offload runs it."""
+    """The optimizer phase of a bf16 offloaded step, leaf by leaf as offload runs it, the grads
+    arriving in bf16 (the compute dtype): three paths (module docstring)."""
     shapes = gpt_leaf_shapes(total)
     gen = torch.Generator().manual_seed(0)
     leaves = []
     for i, s in enumerate(shapes):
         p = torch.randn(s, generator=gen)
-        leaves.append((f"p{i}", p, torch.randn(s, generator=gen) * 1e-2, torch.empty(s, dtype=torch.bfloat16)))
-    two_pass, one_pass = optim.adamw(LR, *BETAS, EPS, weight_decay=WD, backend="torch"), optim.adamw(
-        LR, *BETAS, EPS, weight_decay=WD)
-    states = {id(tx): [tx.init({name: p}) for name, p, _, _ in leaves] for tx in (two_pass, one_pass)}
-    masters = {id(tx): [p.clone() for _, p, _, _ in leaves] for tx in (two_pass, one_pass)}
+        g = (torch.randn(s, generator=gen) * 1e-2).to(torch.bfloat16)
+        leaves.append((f"p{i}", p, g, torch.empty(s, dtype=torch.bfloat16)))
+    tx_torch, tx_zfunc = (optim.adamw(LR, *BETAS, EPS, weight_decay=WD, backend=b) for b in ("torch", "auto"))
+    paths = {"two passes": tx_torch, "one pass, fp32 grads": tx_zfunc, "one pass, bf16 grads": tx_zfunc}
+    states = {path: [tx.init({name: p}) for name, p, _, _ in leaves] for path, tx in paths.items()}
+    masters = {path: [p.clone() for _, p, _, _ in leaves] for path in paths}
 
-    def phase(tx, fused: bool):
+    def phase(path: str):
+        tx, upcast, fused = paths[path], path != "one pass, bf16 grads", path != "two passes"
+
         def run(k: int) -> None:
             for _ in range(k):
                 for j, (name, _, g, out) in enumerate(leaves):
-                    p = masters[id(tx)][j]
+                    p, st = masters[path][j], states[path][j]
+                    g = g.float() if upcast else g  # the upcast the one-rank reducer does today
                     if fused:
-                        _, states[id(tx)][j] = optim.apply(tx, {name: g}, states[id(tx)][j], {name: p}, out={name: out})
+                        _, states[path][j] = optim.apply(tx, {name: g}, st, {name: p}, out={name: out})
                     else:
-                        _, states[id(tx)][j] = optim.apply(tx, {name: g}, states[id(tx)][j], {name: p})
+                        _, states[path][j] = optim.apply(tx, {name: g}, st, {name: p})
                         out.copy_(p)  # the compute copy, cast in a second pass
         return run
 
-    times = interleaved({"one pass": phase(one_pass, True), "two passes": phase(two_pass, False)}, rounds, 1)
+    times = interleaved({path: phase(path) for path in paths}, rounds, 1)
+    base = times["two passes"]
     print(f"bf16 offload optimizer phase, {sum(torch.Size(s).numel() for s in shapes):.2e} params in "
-          f"{len(shapes)} GPT leaves, {rounds} rounds: one pass {statistics.median(times['one pass']) * 1e3:.1f} ms, "
-          f"two passes {statistics.median(times['two passes']) * 1e3:.1f} ms; "
-          f"speedup {paired(times['two passes'], times['one pass']):.2f}x")
+          f"{len(shapes)} GPT leaves, bf16 grads, {rounds} rounds: two passes {statistics.median(base) * 1e3:.1f} ms")
+    for path in ("one pass, fp32 grads", "one pass, bf16 grads"):
+        print(f"  {path:<22} {statistics.median(times[path]) * 1e3:8.1f} ms   speedup {paired(base, times[path]):.2f}x")
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", type=float, nargs="*", default=[1e6, 2e7], help="params per run; none: the offload phase only")
+    ap.add_argument("--sizes", type=float, nargs="*", default=[1e6, 2e7, 1e8], help="params per run; none: the offload phase only")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--steps", type=int, default=0, help="steps per sample (0: ~2e7 params' worth)")
     ap.add_argument("--no-deepspeed", action="store_true")
     ap.add_argument("--offload-params", type=float, default=2e7, help="0: skip the offload phase")
+    ap.add_argument("--one-at-a-time", type=float, default=5e7, help="sizes from this many params build each trainer "
+                    "for its own sample, so only one trainer's memory (~20 B/param) is held at once")
     ap.add_argument("--threads", type=int, default=0, help="torch (and so zfunc's kernel) threads; 0: torch's default. "
                     "On a loaded machine 1 is steadier: a team of threads waits for its slowest")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     for n in args.sizes:
-        step_rows(int(n), args.rounds, args.steps, not args.no_deepspeed)
+        step_rows(int(n), args.rounds, args.steps, not args.no_deepspeed, n >= args.one_at_a_time)
     if args.offload_params:
         offload_rows(int(args.offload_params), args.rounds)
 

@@ -401,3 +401,60 @@ def test_many_leaves_name_what_is_wrong():
         cpu_adam.adamw_many_([p], [g.t()], [torch.zeros(4, 4)], [torch.zeros(4, 4)], step=1, lr=1e-3)
     with pytest.raises(ValueError, match="exp_avg has 15 elements, expected 16"):
         cpu_adam.adamw_many_([p], [g], [torch.zeros(15)], [torch.zeros(4, 4)], step=1, lr=1e-3)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [7, 1000, BIG])
+def test_grad_sq_is_the_squared_norm_of_the_grads_read_and_changes_nothing_else(n, grad_dtype):
+    """grad_sq=True returns sum((grad * grad_scale)**2) (what global_norm squares), read in the
+    update's own pass: the update and param_out are bit-equal to a call without it, on one or
+    two threads, streamed or not."""
+    gen = torch.Generator().manual_seed(1)
+    g = (torch.randn(n, generator=gen) * 10).to(grad_dtype)
+    p0 = torch.randn(n, generator=gen)
+    ref = torch.linalg.vector_norm(g.double() * 0.25).item() ** 2
+    runs = []
+    for grad_sq in (True, False):
+        p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+        out = torch.empty(n, dtype=torch.bfloat16)
+        sq = cpu_adam.adamw_(p, g, m, v, step=1, lr=1e-2, weight_decay=0.1, grad_scale=0.25, param_out=out,
+                             grad_sq=grad_sq)
+        runs.append((p, m, v, out))
+        if grad_sq:
+            assert sq == pytest.approx(ref, rel=1e-6)
+        else:
+            assert sq is None
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_many_leaves_grad_sq_sums_every_leaf():
+    shapes = [(3, 5), (cpu_adam._PARALLEL_MIN + 3,), (1,), (0,), (40, 40)]
+    gen = torch.Generator().manual_seed(2)
+    grads = [torch.randn(s, generator=gen).to(torch.bfloat16 if i % 2 else torch.float32) for i, s in enumerate(shapes)]
+    ps = [torch.randn(s, generator=gen) for s in shapes]
+    ms, vs = [torch.zeros(s) for s in shapes], [torch.zeros(s) for s in shapes]
+    sq = cpu_adam.adamw_many_(ps, grads, ms, vs, step=1, lr=1e-3, grad_scale=2.0, grad_sq=True)
+    ref = sum(torch.linalg.vector_norm(g.double() * 2.0).item() ** 2 for g in grads)
+    assert sq == pytest.approx(ref, rel=1e-6)
+    assert cpu_adam.adamw_many_(ps, grads, ms, vs, step=2, lr=1e-3) is None
+
+
+@pytest.mark.parametrize("grad_dtype,out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)])
+def test_low_precision_grads_unscaled_into_the_update_equal_torchs_adamw_then_cast(grad_dtype, out_dtype):
+    """The fused pass an offloaded bf16/fp16 step runs: compute-dtype grads in, the unscale (and a
+    clip factor) applied, fp32 masters and moments updated, the compute copy written -- equals
+    torch's path: upcast, multiply, torch.optim.AdamW, cast (p within TOL, the copy the cast of p)."""
+    n, factor = 100_003, 0.37 / 1024  # an unscale by 1024 times a clip factor
+    gen = torch.Generator().manual_seed(3)
+    p0 = torch.randn(n, generator=gen)
+    grads = [(torch.randn(n, generator=gen) * 1024).to(grad_dtype) for _ in range(5)]
+    q, state = _run_torch(torch.optim.AdamW, p0, [g.float() * factor for g in grads], lr=1e-2, weight_decay=0.1)
+    p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+    out = torch.empty(n, dtype=out_dtype)
+    for t, g in enumerate(grads, 1):
+        cpu_adam.adamw_many_([p], [g], [m], [v], step=t, lr=1e-2, weight_decay=0.1, grad_scale=factor,
+                             param_outs=[out])
+    torch.testing.assert_close(p, q, **TOL)
+    torch.testing.assert_close(m, state["exp_avg"], rtol=0, atol=0)
+    assert torch.equal(out.view(torch.int16), p.to(out_dtype).view(torch.int16))

@@ -19,7 +19,8 @@ from zfunc.swap import SwapInUseError, SwapPathError
 PLACES = [("cpu", None), ("nvme", None), ("cpu", "cpu"), ("nvme", "nvme")]
 
 
-def make(clip=True, precision="fp32", accum=1, where=None, params=None, path=None, mesh=None, stage=None, **kw):
+def make(clip=True, precision="fp32", accum=1, where=None, params=None, path=None, mesh=None, stage=None,
+         grad_norm=True, **kw):
     torch.manual_seed(0)
     apply, p = zf.functionalize(Tiny())
 
@@ -29,7 +30,7 @@ def make(clip=True, precision="fp32", accum=1, where=None, params=None, path=Non
 
     txs = [zf.optim.clip_by_global_norm(0.1)] if clip else []
     tx = zf.optim.chain(*txs, zf.optim.adamw(1e-2, weight_decay=0.1, mask=zf.optim.decay_mask, backend="numba"))
-    step = zf.train_step(loss_fn, tx, precision, accum)
+    step = zf.train_step(loss_fn, tx, precision, accum, grad_norm=grad_norm)
     if stage:
         step = zf.shard(step, mesh, stage, units=zf.units.by_class(Block) if stage == 3 else None)
     if where:
@@ -58,6 +59,47 @@ def test_offloaded_step_equals_the_plain_step(tmp_path, where, params, clip, pre
     placed = step.memory(state)
     assert (placed["nvme"] > 0) == ("nvme" in (where, params))
     assert (placed["device"] > 0) == (params is None)
+
+
+@pytest.mark.parametrize("where, params", [("cpu", None), ("nvme", "nvme")])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_grad_norm_false_offloaded_reads_no_norm_and_trains_as_the_plain_step(tmp_path, monkeypatch, where, params,
+                                                                             overlap):
+    """train_step(grad_norm=False) under offload, held or overlapped: no norm is computed (no
+    global_norm, no per-slice norm), metrics["grad_norm"] is None, and the training is the plain
+    grad_norm=False step's."""
+    ref_step, ref = make(False, grad_norm=False)
+    step, state = make(False, "fp32", 1, where, params, tmp_path, grad_norm=False, overlap=overlap)
+    norms = []
+    monkeypatch.setattr(zf.optim, "global_norm", lambda *a: norms.append(a) or torch.zeros(()))
+    vector_norm = torch.linalg.vector_norm
+    monkeypatch.setattr(torch.linalg, "vector_norm", lambda *a, **k: norms.append(a) or vector_norm(*a, **k))
+    for batch in batches(1, 3):
+        ref, m_ref = ref_step(ref, batch)
+        state, m = step(state, batch)
+        assert m["grad_norm"] is None and m_ref["grad_norm"] is None and m["loss"] == m_ref["loss"]
+    assert norms == []
+    got = zf.checkpoint.full_params(state)
+    for name, want in ref.params.items():
+        torch.testing.assert_close(got[name], want, rtol=1e-6, atol=0)
+
+
+def test_overlapped_update_takes_the_grad_norm_from_the_kernels_pass(monkeypatch):
+    """With overlap the norm's sum of squares comes out of CPU-Adam's own pass over each grad
+    (``optim.apply(squares=)``): no second read of the grads, and the norm the plain step's."""
+    ref_step, ref = make(False)
+    step, state = make(False, "fp32", 1, "cpu", None)
+    assert step.overlap
+    reads = []
+    vector_norm = torch.linalg.vector_norm
+    monkeypatch.setattr(torch.linalg, "vector_norm", lambda *a, **k: reads.append(a) or vector_norm(*a, **k))
+    for batch in batches(1, 2):
+        state, m = step(state, batch)
+        assert reads == []
+        with monkeypatch.context() as undo:
+            undo.setattr(torch.linalg, "vector_norm", vector_norm)
+            ref, m_ref = ref_step(ref, batch)
+        assert m["grad_norm"].item() == pytest.approx(m_ref["grad_norm"].item(), rel=1e-6)
 
 
 def test_fp16_overflow_skips_the_offloaded_update_like_the_plain_step(tmp_path):

@@ -24,7 +24,11 @@ state, ``optimizer.init({name: piece})``, so a leaf can be updated alone):
 - overlap with backward: when the optimizer does not need the global grad norm (its
   ``needs_global_norm`` declaration is False: no ``clip_by_global_norm``), there is no fp16 overflow check and ``accum == 1``, a unit is updated as
   soon as its reduced grads exist, during the rest of backward. Otherwise all grad slices (fp32,
-  4 B/param/N) are held until backward ends and the norm is known.
+  4 B/param/N) are held until backward ends and the norm is known. The grad norm, where wanted
+  (``train_step(grad_norm=True)``, clipping, fp16), is then summed from the squares CPU-Adam
+  computes in its own pass over each grad (``optim.apply(squares=)``): the grads are read once.
+  With ``train_step(grad_norm=False)`` and nothing else needing it, no norm is computed at all,
+  held or overlapped, and only the loss is checked (the plain step's rule).
 
 **Non-finite steps** (``zfunc.step``'s rules): without overlap the update waits for the grad norm,
 so a step whose loss or grads are inf/nan writes nothing: the state comes back unchanged and
@@ -60,29 +64,28 @@ gather as before.
 Not yet: grads cross PCIe as fp32 on CUDA, and masters kept on the GPU (``params=None``) cross
 it as fp32 both ways for the update.
 
-Over 400 lines for a reason: the step, its run object (``OffloadRun``) and the leaf-by-leaf update
-are one mechanism; ``_Stores``/``OffloadRun``/``_Updating`` can move to a module of their own.
+The step and its placement (``init``, ``restore``, ``memory``) are here; one call's run, its
+stores and the leaf-by-leaf update (``OffloadRun``, ``ComputeCopies``) are in ``zfunc.offload_run``
+(both names are importable from here too).
 """
 from __future__ import annotations
 
 import math
-import time
-import weakref
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
-from zfunc import compose, optim, precision as mp, tree
+from zfunc import compose, precision as mp, tree
 from zfunc.dist import Mesh
+from zfunc.offload_run import ComputeCopies, OffloadRun, _is_stored, _Stores
 from zfunc.ops import hostmem
-from zfunc.shard import FlatGroup, GradSlices, ShardedStep, ShardSpec, _leaf_names, local_piece
-from zfunc.shard_run import ShardRun
-from zfunc.step import _FIELDS, NonFiniteError, Step, TrainState, Transformed, require_train_state
-from zfunc.store import All, OnDisk, ReadAhead, Store
+from zfunc.shard import ShardedStep, ShardSpec, _leaf_names, local_piece
+from zfunc.step import Step, TrainState, Transformed, require_train_state
+from zfunc.store import OnDisk, Store
+
+__all__ = ["ComputeCopies", "OffloadRun", "OffloadSpec", "OffloadedStep", "in_ram", "offload"]
 
 PyTree = Any
 PLACES = ("cpu", "nvme")
@@ -104,76 +107,6 @@ class OffloadSpec(ShardSpec):
 
 def _shard_fields(spec: ShardSpec) -> tuple:
     return tuple(getattr(spec, f.name) for f in fields(ShardSpec))
-
-
-class _Pieces:
-    """The param pieces, as ``shard``'s gatherers index them: a leaf's compute copy where the
-    last update wrote one (``copies[i]``), else its master, read from the store on access."""
-
-    def __init__(self, masters: list, reader: ReadAhead, copies: list):
-        self.masters, self.reader, self.copies = masters, reader, copies
-
-    def __len__(self) -> int:
-        return len(self.masters)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        copy = self.copies[i]
-        return self.reader.get(i) if copy is None else copy
-
-
-class ComputeCopies:
-    """Each RAM master's compute-dtype copy (bf16/fp16), written by the update in the kernel's own
-    pass, so that the next forward gathers it instead of casting the master (a second pass over
-    it, 6 B/param). A copy is used only for the very master tensor it was written from, unchanged
-    since (same object, same version counter); it is dropped when that tensor dies. Keyed by
-    tensor, not held by a step's run: one step object may drive several states. Cost: 2 B/param
-    of host RAM (pinned with a GPU) for every offloaded master in RAM trained in bf16/fp16."""
-
-    def __init__(self):
-        self._by_id: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
-
-    def of(self, master: Any) -> torch.Tensor | None:
-        """The copy written from ``master`` as it is now, or None."""
-        entry = self._by_id.get(id(master))
-        if entry is None or entry[0]() is not master or entry[1] != master._version:
-            return None
-        return entry[2]
-
-    def buffer(self, master: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-        """Where ``master``'s next copy goes: its old copy's storage, or a new tensor."""
-        entry = self._by_id.get(id(master))
-        if entry is not None and entry[0]() is master and entry[2].dtype == dtype:
-            return entry[2]
-        return torch.empty(master.shape, dtype=dtype, pin_memory=pin)
-
-    def written(self, master: torch.Tensor, copy: torch.Tensor) -> None:
-        """``copy`` now equals ``master`` cast (the version counter read after the write)."""
-        key, by_id = id(master), self._by_id
-        by_id[key] = (weakref.ref(master, lambda _: by_id.pop(key, None)), master._version, copy)
-
-
-class _Stores:
-    """Where one call (an ``init`` or a step) puts leaves: the optimizer's and the params' stores,
-    and the writes in flight (at most ``2 * chunk_bytes``)."""
-
-    def __init__(self, step: OffloadedStep, device: torch.device):
-        pin = device.type == "cuda"
-        self.chunk_bytes = step.chunk_bytes
-        self._writes: deque = deque()
-        self._opt_store = Store(step.engine if step.where_optimizer == "nvme" else None, pin, self._track)
-        self._param_store = Store(step.engine if step.where_params == "nvme" else None, pin, self._track)
-
-    def _track(self, write: Future | None, nbytes: int) -> None:
-        if write is None:
-            return
-        self._writes.append((write, nbytes))
-        self._wait_writes(2 * self.chunk_bytes)
-
-    def _wait_writes(self, budget: int | None) -> None:
-        """Wait for the oldest writes until at most ``budget`` bytes are in flight (all: None)."""
-        writes = self._writes
-        while writes and (budget is None or sum(n for _, n in writes) > budget):
-            writes.popleft()[0].result()
 
 
 class OffloadedStep(Transformed):
@@ -317,194 +250,6 @@ class OffloadedStep(Transformed):
         finally:
             self.peak_gathered_bytes, self.peak_whole_grad_bytes = run.peak_gathered_bytes, run.peak_whole_grad_bytes
             self.update_s = run.update_s
-
-
-class OffloadRun(_Stores, ShardRun):
-    """One call of an ``OffloadedStep``: a ``ShardRun`` whose params come from the stores (read
-    ahead in the order the last step read them), whose grads go to an updating sink (overlap) or
-    are held, and whose update runs leaf by leaf from the stores, writing back as it goes."""
-
-    def __init__(self, step: OffloadedStep, state: TrainState):
-        ShardRun.__init__(self, step, state)
-        _Stores.__init__(self, step, state.placement.device)
-        self._state_in_use, self._fields = state, tuple(getattr(state, f) for f in _FIELDS)
-        self._masters, self._param_names = tree.leaves(state.params), _leaf_names(state.params)
-        self._opt_states = list(state.opt_state)
-        self._reader = ReadAhead(lambda i: self._param_store.fetch(self._masters[i]), self._leaf_bytes,
-                                 step._fetch_order, self.chunk_bytes)
-        self._sq_norm = torch.zeros((), dtype=torch.float64)
-        self._new: dict[int, tuple[Any, Any]] = {}
-        self._skip_updates = False
-        self._update_seen: list[int] | None = None  # leaves in the order an overlapped update met them
-        self.update_s = 0.0  # seconds in the held (not overlapped) update, writes included
-
-    def execute(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
-        try:
-            return super().execute(state, batch)
-        finally:
-            self.step._fetch_order = self._reader.seen  # learned: the next step reads ahead in this order
-            if self._update_seen is not None:
-                self.step._update_order = self._update_seen
-            self._wait_writes(None)
-
-    def _leaf_bytes(self, i: int) -> int:
-        return 4 * math.prod(self._state_spec.leaves[i].local_shape(self._state_spec.rank))
-
-    def _device(self, pieces) -> torch.device:
-        return self._state_spec.device
-
-    def _pieces(self, params) -> tuple[Any, Any]:
-        masters, treespec = tree.flatten(params)
-        copies = [self.compute_copies.of(m) for m in masters]
-        if self.where_params is None:
-            return [m if c is None else c for m, c in zip(masters, copies)], treespec
-        return _Pieces(masters, self._reader, copies), treespec
-
-    def _grad_sink(self, pieces):
-        self._skip_updates = False
-        if self.overlap:
-            return _Updating(self)
-        spec = self._state_spec
-        return GradSlices(lambda i: torch.zeros(spec.leaves[i].local_shape(spec.rank), dtype=torch.float32,
-                                                device=spec.device), len(spec.leaves), self._grad_divisor())
-
-    # ------------------------------------------------------------------ the update
-    def _before_backward(self, loss: torch.Tensor) -> None:
-        """With overlap, updates start during backward: a non-finite loss (summed over the ranks,
-        so all decide alike) turns them off for this step, which ``_update`` then skips."""
-        if not self.overlap:
-            return
-        total = loss.detach().float().reshape(1).clone()
-        if self.mesh.dp > 1:
-            self.mesh.comm.all_reduce(total, label="loss all-reduce before an overlapped backward")
-        self._skip_updates = not bool(torch.isfinite(total))
-
-    def _update(self, state: TrainState, grads: PyTree, loss: torch.Tensor, aux: Any):
-        params, opt_state, step, rng, loss_scale, _ = self._fields  # the state may be consumed by now
-        if grads is not None:  # held until now: the norm first, then every leaf
-            g_leaves = tree.leaves(grads)
-            norm = optim.global_norm(g_leaves)  # inside summing_across: over all ranks
-        else:
-            norm = self._sum_over_ranks(self._sq_norm.float()).sqrt()
-            if not self._skip_updates and not bool(torch.isfinite(norm)):
-                raise NonFiniteError(
-                    f"step: non-finite grads (grad norm {norm.item()}) at state.step={step} behind a finite loss, "
-                    "with offload's overlap: the leaves were updated during backward, before the norm was "
-                    "known, so the state passed in is consumed. Restart from a checkpoint; with "
-                    "offload(..., overlap=False) such a step is skipped instead")
-        finite = self._finite(loss, norm, step, loss_scale)  # may raise: nothing written yet
-        lr = optim.learning_rate(self.optimizer, self._opt_states[0])
-        state._consumed = True
-        if grads is not None and finite:
-            g_leaves = self._without_missing_grads(g_leaves)
-            total_sq = (norm.double() ** 2).float()
-            with optim.summing_across(lambda local_sq: total_sq):
-                self._update_leaves(list(range(len(g_leaves))), g_leaves)
-        self._wait_writes(None)
-        loss_scale = mp.next_loss_scale(loss_scale, finite)
-        metrics = self._metrics(loss, norm, lr, finite, step, loss_scale, aux)
-        masters = [self._new.get(i, (m, None))[0] for i, m in enumerate(self._masters)]
-        states = tuple(self._new.get(i, (None, s))[1] for i, s in enumerate(self._opt_states))
-        new_params = tree.unflatten(tree.structure(params), masters)
-        return TrainState(new_params, states, step + 1, rng, loss_scale, state.placement), metrics
-
-    def _update_leaves(self, order: list[int], grads: list[torch.Tensor]) -> None:
-        start = time.perf_counter()
-        reader = ReadAhead(self._fetch_leaf, self._update_bytes, order, self.chunk_bytes)
-        for i in order:
-            self._update_leaf(i, grads[i], reader)
-        self._wait_writes(None)
-        self.update_s += time.perf_counter() - start
-
-    def _fetch_leaf(self, i: int) -> All:
-        """Pending ``[master, *state tensors]`` of leaf ``i``, all reads started."""
-        parts = [self._param_store.fetch(self._masters[i])]
-        parts += [self._opt_store.fetch(t) for t in tree.leaves(self._opt_states[i]) if _is_stored(t)]
-        return All(parts)
-
-    def _update_bytes(self, i: int) -> int:
-        return self._leaf_bytes(i) * (1 + sum(_is_stored(t) for t in tree.leaves(self._opt_states[i])))
-
-    def _update_leaf(self, i: int, grad: torch.Tensor | None, reader: ReadAhead) -> None:
-        """Read leaf ``i``'s master and state, apply the optimizer on the CPU, write them back.
-        ``grad`` None: no grad; the optimizer leaves the param alone but advances its count, as
-        the plain step's does for all params together."""
-        self._state_in_use._consumed = True  # its files or tensors change from here on
-        master, *tensors = reader.get(i)
-        name = self._param_names[i]  # the key its optimizer state was made with
-        on_device = master.device
-        state_leaves, s_spec = tree.flatten(self._opt_states[i])
-        it = iter(tensors)
-        state = tree.unflatten(s_spec, [next(it).to("cpu") if _is_stored(t) else t for t in state_leaves])
-        p_cpu = master.to("cpu")
-        grad = None if grad is None else grad.to("cpu", torch.float32)
-        # A master kept in RAM gets its compute copy in the update's own pass (ComputeCopies)
-        in_ram = isinstance(self._masters[i], torch.Tensor) and self._masters[i].device.type == "cpu"
-        out = None
-        if in_ram and self.compute_dtype is not torch.float32:
-            out = self.compute_copies.buffer(self._masters[i], self.compute_dtype, self._param_store.pin)
-        new_p, new_state = optim.apply(self.optimizer, {name: grad}, state, {name: p_cpu},
-                                       out=None if out is None else {name: out})
-        new_p = new_p[name]
-        if on_device.type != "cpu":
-            master.copy_(new_p)
-            new_p = master
-        handle, write = self._param_store.store_back(self._masters[i], new_p)
-        self._track(write, self._leaf_bytes(i))
-        if out is not None:
-            self.compute_copies.written(handle, out)
-        new_leaves = []
-        for old, new in zip(state_leaves, tree.leaves(new_state)):
-            if _is_stored(old):
-                kept, write = self._opt_store.store_back(old, new)
-                self._track(write, new.numel() * new.element_size())
-                new_leaves.append(kept)
-            else:
-                new_leaves.append(new)
-        self._new[i] = (handle, tree.unflatten(s_spec, new_leaves))
-
-def _is_stored(t: Any) -> bool:
-    return isinstance(t, (torch.Tensor, OnDisk))
-
-
-class _Updating:
-    """A grad sink that updates each unit's leaves as soon as their reduced grads arrive."""
-
-    early = True
-
-    def __init__(self, step: OffloadRun):
-        self.step = step
-        order = step._update_order
-        self.reader = ReadAhead(step._fetch_leaf, step._update_bytes, order, step.chunk_bytes)
-        self.seen: list[int] = []
-        self.produced: set[int] = set()  # leaves backward produced a grad for, as far as read
-        self.read = 0  # how much of the reducer's ``arrived`` list is in ``produced``
-
-    def deliver(self, unit: FlatGroup, slices: list[torch.Tensor]) -> None:
-        step = self.step
-        divisor = step._grad_divisor()
-        for i, g in zip(unit.indices, slices):
-            if divisor != 1.0:
-                g = g / divisor
-            step._sq_norm += torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
-            self.seen.append(i)
-            if step._skip_updates:  # a non-finite loss: the step will be skipped
-                continue
-            step._update_leaf(i, g if self._produced(i) else None, self.reader)
-
-    def _produced(self, i: int) -> bool:
-        """Whether leaf ``i`` has a grad. Alone, exact: a unit is delivered once its grads are all
-        in, or backward has ended. Over N > 1 ranks, other ranks' grads are unknown: True."""
-        if self.step.mesh.dp > 1:
-            return True
-        arrived = self.step._arrived  # grows as backward runs (accum is 1 with overlap: one list)
-        self.produced.update(arrived[self.read :])
-        self.read = len(arrived)
-        return i in self.produced
-
-    def result(self):
-        self.step._update_seen = self.seen  # the run's step learns it at the end of the call
-        return None
 
 
 def _overlap_allowed(step: Step, overlap: bool | None) -> bool:

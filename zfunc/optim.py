@@ -62,7 +62,10 @@ class GradientTransformation(NamedTuple):
     overlap is off) and the step computes the norm. ``writes_out``: ``apply`` takes a keyword
     ``out`` (a pytree of tensors shaped like the params, e.g. their bf16 compute copy) and writes
     the new params, cast to each ``out`` leaf's dtype, into it in the same pass as the update
-    (see ``apply``).
+    (see ``apply``). ``sums_squares``: ``apply`` takes a keyword ``squares`` (a list) and appends
+    to it the sum of the squares of the grads its kernel read (a float: ``global_norm(grads)**2``
+    up to rounding), when its kernel computed it in the update's own pass; nothing where it
+    could not (see ``apply``).
     """
 
     init: Callable[[PyTree], PyTree]
@@ -72,6 +75,7 @@ class GradientTransformation(NamedTuple):
     update_: Callable[[PyTree, PyTree, PyTree | None], tuple[PyTree, PyTree]] | None = None
     needs_global_norm: bool = False
     writes_out: bool = False
+    sums_squares: bool = False
 
 
 class EmptyState(NamedTuple):
@@ -88,7 +92,7 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
 
 
 def apply(tx: GradientTransformation, grads: PyTree, state: PyTree, params: PyTree,
-          out: PyTree | None = None) -> tuple[PyTree, PyTree]:
+          out: PyTree | None = None, squares: list[float] | None = None) -> tuple[PyTree, PyTree]:
     """Run ``tx``'s whole update, consuming ``grads``, ``state`` and ``params``.
 
     Uses ``tx.apply`` when it has one; otherwise ``tx.update`` and an in-place add into ``params``.
@@ -98,7 +102,12 @@ def apply(tx: GradientTransformation, grads: PyTree, state: PyTree, params: PyTr
     update's own pass where ``tx.writes_out`` and its kernel can (zfunc's CPU-Adam writes a bf16 or
     fp16 copy while it updates, 2 B/param more written instead of a 6 B/param cast pass), else by
     a copy after it. Leaves whose param had no grad are written too (the param unchanged).
+    ``squares``: a list to which the sum of the squares of ``grads`` is appended where ``tx``
+    computes it in its own pass (``tx.sums_squares`` and a kernel that can: zfunc's CPU-Adam);
+    left as it was otherwise, for the caller to compute the norm itself (the grads are unchanged).
     """
+    if squares is not None and tx.sums_squares:
+        return tx.apply(grads, state, params, out=out, squares=squares)
     if out is None:
         return tx.apply(grads, state, params) if tx.apply is not None else _update_in_place(tx.update, grads, state, params)
     if tx.writes_out:
@@ -336,17 +345,19 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
     def update_(grads, state, params=None):
         return run(grads, state, params, consuming=True)
 
-    def apply_(grads, state, params, out=None):  # owns grads: each transformation may write into them
+    def apply_(grads, state, params, out=None, squares=None):  # owns grads: each transformation may write into them
         grads, new_state = update_(grads, state[:-1], params)  # zip stops at the last tx
-        params, last = apply(txs[-1], grads, state[-1], params, out)
+        params, last = apply(txs[-1], grads, state[-1], params, out, squares if len(txs) == 1 else None)
         return params, (*new_state, last)
 
     def learning_rate_(state):
         rates = [learning_rate(tx, s) for tx, s in zip(txs, state)]
         return next((r for r in reversed(rates) if r is not None), None)
 
+    # sums_squares only for a chain of one: a transformation before the last may change the grads it reads
     return GradientTransformation(init, update, apply_ if txs else None, learning_rate_, update_,
-                                  needs_global_norm=any(tx.needs_global_norm for tx in txs), writes_out=bool(txs))
+                                  needs_global_norm=any(tx.needs_global_norm for tx in txs), writes_out=bool(txs),
+                                  sums_squares=len(txs) == 1 and txs[0].sums_squares)
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
@@ -421,58 +432,87 @@ def _adam_update(grads, state, params, *, lr, b1, b2, eps, weight_decay, decoupl
     return unflat(updates), AdamState(count, unflat(mus), unflat(nus))
 
 
-def _adam_apply_fused(grads, state, params, *, lr, b1, b2, eps, weight_decay, decoupled, mask, backend, out=None):
+def _adam_apply_fused(grads, state, params, *, lr, b1, b2, eps, weight_decay, decoupled, mask, backend, out=None,
+                      squares=None):
     """In-place Adam/AdamW: one fused kernel call per (device, dtype, decays?) group (torch's
     multi-tensor kernel, or zfunc's CPU-Adam over the group's leaves: ``adamw_many_``); ``out``
-    as in ``apply``."""
+    and ``squares`` (CPU-Adam only) as in ``apply``."""
     p_leaves, treespec = tree.flatten(params)
     backend = _resolve_backend(backend, p_leaves)
     g_leaves = treespec.flatten_up_to(grads)
-    m_leaves, v_leaves = tree.leaves(state.mu), tree.leaves(state.nu)
+    m_leaves, v_leaves = _leaves_like(treespec, state.mu), _leaves_like(treespec, state.nu)
     o_leaves = None if out is None else treespec.flatten_up_to(out)
-    decay = [True] * len(p_leaves) if mask is None else _mask_leaves(mask, params, len(p_leaves))
+    decay = None if mask is None else _mask_leaves(mask, params, len(p_leaves))
     count = state.count + 1
     step_lr = float(lr(state.count))
+    if backend == "numba":  # updated in place: the same trees
+        sq = _numba_adam(p_leaves, g_leaves, m_leaves, v_leaves, o_leaves, decay, count, step_lr, b1, b2, eps,
+                         weight_decay, decoupled, squares is not None)
+        if squares is not None:
+            squares.append(sq)
+        return params, AdamState(count, state.mu, state.nu)
     groups: dict[tuple, list[int]] = {}
-    for i, (p, g, d) in enumerate(zip(p_leaves, g_leaves, decay)):
+    for i, (p, g) in enumerate(zip(p_leaves, g_leaves)):
         if g is not None:  # a param without grad is left alone
-            groups.setdefault((d,) if backend == "numba" else (p.device, p.dtype, d), []).append(i)
+            groups.setdefault((p.device, p.dtype, decay is None or decay[i]), []).append(i)
         elif o_leaves is not None and o_leaves[i] is not None:
             o_leaves[i].copy_(p)
     for key, idx in groups.items():
         wd = weight_decay if key[-1] else 0.0
-        ps, ms, vs = ([xs[i] for i in idx] for xs in (p_leaves, m_leaves, v_leaves))
-        os_ = [None] * len(idx) if o_leaves is None else [o_leaves[i] for i in idx]
-        if backend == "numba":
-            _numba_adam(ps, [g_leaves[i] for i in idx], ms, vs, os_, count, step_lr, b1, b2, eps, wd, decoupled)
-            continue
+        ps, ms, vs = [p_leaves[i] for i in idx], [m_leaves[i] for i in idx], [v_leaves[i] for i in idx]
         gs = [g_leaves[i].to(ps[0].dtype) for i in idx]
         steps = [torch.tensor(float(count), device=key[0])] * len(ps)
         kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
         kernel(ps, gs, ms, vs, [], steps, lr=step_lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
                amsgrad=False, maximize=False)
-        _copy_pairs(ps, os_)
-    if backend == "numba":
-        return params, AdamState(count, state.mu, state.nu)  # updated in place: the same trees
+        _copy_pairs(ps, [None] * len(idx) if o_leaves is None else [o_leaves[i] for i in idx])
     mu, nu = tree.unflatten(treespec, m_leaves), tree.unflatten(treespec, v_leaves)
     return tree.unflatten(treespec, p_leaves), AdamState(count, mu, nu)
+
+
+def _leaves_like(treespec: optree.PyTreeSpec, moments: PyTree) -> list[Any]:
+    """The leaves of ``moments``, a tree shaped like the params (``treespec``): read along that
+    treespec (~10x cheaper than a flatten), or flattened where its containers differ."""
+    try:
+        return treespec.flatten_up_to(moments)
+    except ValueError:
+        return tree.leaves(moments)
 
 
 _LOW = (torch.bfloat16, torch.float16)  # the dtypes the kernel writes as param_out
 _GRAD_DTYPES = (torch.float32, *_LOW)  # the grad dtypes it reads
 
 
-def _numba_adam(ps, gs, ms, vs, outs, count, lr, b1, b2, eps, wd, decoupled):
+def _numba_adam(ps, gs, ms, vs, outs, decay, count, lr, b1, b2, eps, weight_decay, decoupled, grad_sq=False):
     """The leaves through zfunc's CPU-Adam (``adamw_many_``: big leaves threaded, small ones in one
-    call); an ``out`` leaf is written in the same pass where the kernel can write it (a contiguous
-    bf16/fp16 CPU tensor), else copied after."""
+    call), in two groups where ``decay`` (per-leaf flags; None: all decay) differs; a leaf whose
+    grad is None is left alone. An ``out`` leaf is written in the same pass where the kernel can
+    write it (a contiguous bf16/fp16 CPU tensor), else copied after. ``grad_sq``: returns the sum
+    of the squares of the grads read (else None)."""
     from zfunc.ops import cpu_adam
 
-    gs = [g if g.dtype in _GRAD_DTYPES and g.is_contiguous() else g.float().contiguous() for g in gs]
-    fused = [o if o is not None and o.dtype in _LOW and o.is_cpu and o.is_contiguous() else None for o in outs]
-    cpu_adam.adamw_many_(ps, gs, ms, vs, step=count, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd,
-                         decoupled=decoupled, param_outs=fused)
-    _copy_pairs(ps, [o if f is None else None for o, f in zip(outs, fused)])
+    n = len(ps)
+    outs = [None] * n if outs is None else outs
+    plain = decay is None and all(g is not None and g.dtype in _GRAD_DTYPES and g.is_contiguous() for g in gs)
+    if plain and all(o is None for o in outs):  # the common case: one group, nothing to fix up
+        return cpu_adam.adamw_many_(ps, gs, ms, vs, step=count, lr=lr, beta1=b1, beta2=b2, eps=eps,
+                                    weight_decay=weight_decay, decoupled=decoupled, grad_sq=grad_sq)
+    total = 0.0
+    for flag in (True, False):
+        idx = [i for i in range(n) if gs[i] is not None and (decay is None or decay[i]) is flag]
+        if not idx:
+            continue
+        g_ = [gs[i] if gs[i].dtype in _GRAD_DTYPES and gs[i].is_contiguous() else gs[i].float().contiguous()
+              for i in idx]
+        o_ = [outs[i] for i in idx]
+        fused = [o if o is not None and o.dtype in _LOW and o.is_cpu and o.is_contiguous() else None for o in o_]
+        sq = cpu_adam.adamw_many_([ps[i] for i in idx], g_, [ms[i] for i in idx], [vs[i] for i in idx], step=count,
+                                  lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=weight_decay if flag else 0.0,
+                                  decoupled=decoupled, param_outs=fused, grad_sq=grad_sq)
+        total += sq or 0.0
+        _copy_pairs([ps[i] for i in idx], [o if f is None else None for o, f in zip(o_, fused)])
+    _copy_pairs(ps, [o if g is None else None for o, g in zip(outs, gs)])  # no grad: the param unchanged
+    return total if grad_sq else None
 
 
 def _copy_pairs(ps: list[torch.Tensor], outs: list[torch.Tensor | None]) -> None:
@@ -530,10 +570,11 @@ def _adam_family(learning_rate, b1, b2, eps, weight_decay, mask, backend, decoup
     def update(grads, state, params=None):
         return _adam_update(grads, state, params, **hyper)
 
-    def apply_(grads, state, params, out=None):
-        return _adam_apply_fused(grads, state, params, backend=backend, out=out, **hyper)
+    def apply_(grads, state, params, out=None, squares=None):
+        return _adam_apply_fused(grads, state, params, backend=backend, out=out, squares=squares, **hyper)
 
-    return GradientTransformation(init, update, apply_, lambda state: hyper["lr"](state.count), writes_out=True)
+    return GradientTransformation(init, update, apply_, lambda state: hyper["lr"](state.count), writes_out=True,
+                                  sums_squares=True)
 
 
 def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,

@@ -123,8 +123,8 @@ def next_loss_scale(loss_scale: LossScale | None, finite: bool) -> LossScale | N
         if ls.tolerance > 1:  # DeepSpeed's hysteresis: this overflow is tolerated
             return ls._replace(tolerance=ls.tolerance - 1)
         return ls._replace(scale=max(ls.scale / 2.0, ls.min_scale))
-    if not loss_scale.dynamic:
-        return loss_scale._replace(good_steps=0)
+    if not loss_scale.dynamic:  # a fixed scale: the same (immutable) one unless a run of skips ends
+        return loss_scale if loss_scale.good_steps == 0 else loss_scale._replace(good_steps=0)
     ls = loss_scale._replace(tolerance=loss_scale.hysteresis) if loss_scale.consecutive_hysteresis else loss_scale
     good = max(ls.good_steps, 0) + 1
     if good >= ls.growth_interval:

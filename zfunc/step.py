@@ -33,7 +33,6 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
-from contextlib import contextmanager
 from typing import Any
 
 import optree
@@ -60,16 +59,19 @@ def split_loss(out: Any, has_aux: bool) -> tuple[torch.Tensor, Any]:
 
 
 def _grad_leaves(params: PyTree, loss_fn: Callable, args: tuple, scale: float | None, has_aux: bool):
-    """``(loss, aux, grads)`` of ``loss_fn(params, *args)``; grads a list in leaf order, ``None``
-    for a leaf that is not floating or that the loss did not use."""
+    """``(loss, aux, grads, treespec)`` of ``loss_fn(params, *args)``; grads a list in leaf order
+    (``params``' ``treespec``), ``None`` for a leaf that is not floating or that the loss did not use."""
     leaves, treespec = tree.flatten(params)
-    diff = [x.detach().requires_grad_() if _differentiable(x) else x for x in leaves]
+    flags = [isinstance(x, torch.Tensor) and x.is_floating_point() for x in leaves]
+    diff = [x.detach().requires_grad_() if f else x for x, f in zip(leaves, flags)]
     with torch.enable_grad():
         loss, aux = split_loss(loss_fn(tree.unflatten(treespec, diff), *args), has_aux)
-        wrt = [x for x in diff if _differentiable(x)]
+        wrt = diff if all(flags) else [x for x, f in zip(diff, flags) if f]
         grads = torch.autograd.grad(loss * scale if scale is not None else loss, wrt, allow_unused=True)
-    grads = iter(grads)
-    return loss.detach(), aux, [next(grads) if _differentiable(x) else None for x in diff]
+    if len(grads) != len(diff):
+        it = iter(grads)
+        grads = [next(it) if f else None for f in flags]
+    return loss.detach(), aux, list(grads), treespec
 
 
 def _differentiable(x: Any) -> bool:
@@ -90,10 +92,10 @@ def value_and_grad(fn: Callable[..., Any], has_aux: bool = False) -> Callable[..
     """
 
     def wrapped(params: PyTree, *args: Any):
-        loss, aux, grads = _grad_leaves(params, fn, args, None, has_aux)
+        loss, aux, grads, treespec = _grad_leaves(params, fn, args, None, has_aux)
         leaves = tree.leaves(params)
         grads = [_or_zeros(g, x) if _differentiable(x) else None for g, x in zip(grads, leaves)]
-        grads = tree.unflatten(tree.structure(params), grads)
+        grads = tree.unflatten(treespec, grads)
         return ((loss, aux) if has_aux else loss), grads
 
     return wrapped
@@ -171,10 +173,10 @@ class Step:
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         self._check_state(state)
-        with module.carrying(state.buffers) as carried:  # apply reads and updates the state's buffers
-            loss, aux, grads = self._loss_and_grads(state.params, batch, state.step, state.rng, state.loss_scale)
-        new_state, metrics = self._update(state, grads, loss, aux)
-        return new_state.replace(buffers=carried.buffers), metrics
+        params, _, step, rng, loss_scale, buffers = _values(state)
+        with module.carrying(buffers) as carried:  # apply reads and updates the state's buffers
+            loss, aux, grads = self._loss_and_grads(params, batch, step, rng, loss_scale)
+        return self._update(state, grads, loss, aux, carried.buffers)
 
     def _check_state(self, state: Any) -> None:
         require_train_state(state)
@@ -182,10 +184,10 @@ class Step:
             raise ValueError(f"state: this state is sharded ({state.placement}); feed it to the sharded step "
                              "it came from, not to the plain step")
 
-    def _update(self, state: TrainState, grads: PyTree, loss: torch.Tensor, aux: Any):
+    def _update(self, state: TrainState, grads: PyTree, loss: torch.Tensor, aux: Any, buffers: dict | None = None):
         """Apply the optimizer to ``state`` with fp32, unscaled ``grads`` unless the step is not
-        finite; the new state and metrics."""
-        params, opt_state, step, rng, loss_scale = state.params, state.opt_state, state.step, state.rng, state.loss_scale
+        finite; the new state (holding ``buffers``, None: empty) and metrics."""
+        params, opt_state, step, rng, loss_scale, _ = _values(state)
         # sharded: the all-reduce that also sums the loss
         norm = optim.global_norm(grads) if self._needs_norm() else None
         finite = self._finite(loss, norm, step, loss_scale)  # may raise: nothing written yet
@@ -202,7 +204,7 @@ class Step:
                 params, opt_state = optim.apply(self.optimizer, grads, opt_state, params)
         loss_scale = mp.next_loss_scale(loss_scale, finite)
         metrics = self._metrics(loss, norm, lr, finite, step, loss_scale, aux)
-        return TrainState(params, opt_state, step + 1, rng, loss_scale, state.placement), metrics
+        return TrainState(params, opt_state, step + 1, rng, loss_scale, state.placement, buffers=buffers), metrics
 
     def _needs_norm(self) -> bool:
         """Whether this step computes the global grad norm: asked for (``train_step(grad_norm=)``),
@@ -244,21 +246,23 @@ class Step:
     def _loss_and_grads(self, params, batch, step, rng, loss_scale):
         """Mean loss over microbatches and the fp32, unscaled, averaged grads (a pytree)."""
         # fp32: the masters themselves (fp32 by construction), not a copy made by a tree map
-        compute = params if self.compute_dtype is torch.float32 else mp.cast_floating(params, self.compute_dtype)
+        dtype = self.compute_dtype
+        compute = params if dtype is torch.float32 else mp.cast_floating(params, dtype)
         scale = mp.scale_of(loss_scale)
         losses, auxes, acc = [], [], None
         with seeded(_step_seed(rng, step), _cuda_devices(params)):
-            for micro in _split_batch(mp.cast_floating(batch, self.compute_dtype), self.accum):
-                loss, aux, grads = _grad_leaves(compute, self.loss_fn, (micro,), scale, self.has_aux)
-                losses.append(loss.float())
+            for micro in _split_batch(_cast_batch(batch, dtype), self.accum):
+                loss, aux, grads, treespec = _grad_leaves(compute, self.loss_fn, (micro,), scale, self.has_aux)
+                losses.append(loss if loss.dtype is torch.float32 else loss.float())
                 auxes.append(aux)
                 acc = _accumulate(acc, grads)
         divisor = self.accum * (scale or 1.0)
-        tensors = [g for g in acc if g is not None]
-        if divisor != 1.0 and tensors:
-            torch._foreach_mul_(tensors, 1.0 / divisor)
+        if divisor != 1.0:
+            tensors = [g for g in acc if g is not None]
+            if tensors:
+                torch._foreach_mul_(tensors, 1.0 / divisor)
         loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
-        return loss, (auxes[0] if self.accum == 1 else auxes), tree.unflatten(tree.structure(params), acc)
+        return loss, (auxes[0] if self.accum == 1 else auxes), tree.unflatten(treespec, acc)
 
 
 class Transformed(Step):
@@ -283,6 +287,12 @@ class Transformed(Step):
         return getattr(self.inner, name)
 
 
+def _values(state: TrainState) -> tuple:
+    """``state``'s fields in ``_FIELDS`` order, read at once (raises ``ConsumedStateError`` as each field would)."""
+    state.step  # noqa: B018 - the consumed check
+    return state._values
+
+
 def _cause(loss: torch.Tensor, norm: torch.Tensor, loss_scale) -> str:
     """Why a step is not finite, in words."""
     if not torch.isfinite(loss):
@@ -300,8 +310,8 @@ def _master_copy(p: Any, device: torch.device) -> Any:
 def _accumulate(acc: list | None, grads: list) -> list:
     """Sum per-microbatch grads in fp32; the first fp32 grad of a leaf is used as it is. ``None``
     (no grad in this microbatch) adds nothing; a leaf stays ``None`` until some microbatch has one."""
-    if acc is None:
-        acc = [None] * len(grads)
+    if acc is None:  # the first microbatch (the only one without accumulation)
+        return [_fp32(g) for g in grads]
     pairs = [(a, g) for a, g in zip(acc, grads) if a is not None and g is not None]
     if pairs:
         torch._foreach_add_([a for a, _ in pairs], [g for _, g in pairs])
@@ -316,26 +326,42 @@ def _step_seed(rng: int, step: int) -> int:
     return (rng * 1_000_003 + step) % (2**63)
 
 
-@contextmanager
-def seeded(seed: int, cuda_devices: list[int]):
+class seeded:  # noqa: N801 - used as a function: ``with seeded(seed, devices):``
     """Run the block with torch's CPU generator (and those of ``cuda_devices``) seeded by ``seed``,
     restoring their states after: the step's randomness is a function of the state alone.
-    Cheaper than ``fork_rng`` + ``manual_seed``, which also seed every other backend."""
-    cpu = torch.get_rng_state()
-    cuda = [torch.cuda.get_rng_state(d) for d in cuda_devices]
-    torch.default_generator.manual_seed(seed)
-    for d in cuda_devices:
-        torch.cuda.default_generators[d].manual_seed(seed)
-    try:
-        yield
-    finally:
-        torch.set_rng_state(cpu)
-        for d, st in zip(cuda_devices, cuda):
+    Cheaper than ``fork_rng`` + ``manual_seed``, which also seed every other backend; a class,
+    not a generator-based context manager, which costs ~1 us more per step."""
+
+    __slots__ = ("seed", "cuda_devices", "cpu", "cuda")
+
+    def __init__(self, seed: int, cuda_devices: list[int]):
+        self.seed, self.cuda_devices = seed, cuda_devices
+
+    def __enter__(self) -> None:
+        cpu = torch.default_generator
+        self.cpu = cpu.get_state()
+        self.cuda = [torch.cuda.get_rng_state(d) for d in self.cuda_devices]
+        cpu.manual_seed(self.seed)
+        for d in self.cuda_devices:
+            torch.cuda.default_generators[d].manual_seed(self.seed)
+
+    def __exit__(self, *exc) -> None:
+        torch.default_generator.set_state(self.cpu)
+        for d, st in zip(self.cuda_devices, self.cuda):
             torch.cuda.set_rng_state(st, d)
 
 
 def _cuda_devices(params: PyTree) -> list[int]:
+    if not torch.cuda.is_initialized():  # no CUDA tensor can exist yet: skip the walk over the leaves
+        return []
     return sorted({t.device.index or 0 for t in tree.tensors(params) if t.device.type == "cuda"})
+
+
+def _cast_batch(batch: PyTree, dtype: torch.dtype) -> PyTree:
+    """``batch`` with its floating tensors cast to ``dtype`` (a lone tensor checked without a tree walk)."""
+    if isinstance(batch, torch.Tensor) and (batch.dtype is dtype or not batch.is_floating_point()):
+        return batch
+    return mp.cast_floating(batch, dtype)
 
 
 def train_step(
@@ -373,8 +399,8 @@ def train_step(
         before the update): ``metrics["grad_norm"]``, and a step with non-finite grads is skipped.
         False: computed only where the update needs it anyway (the optimizer's
         ``needs_global_norm``, e.g. clipping; fp16's overflow check), else ``metrics["grad_norm"]``
-        is None and only a non-finite loss skips a step. The plain step honours False; the
-        steps ``shard``, ``offload`` and ``pipeline`` build compute the norm every step (sharded,
+        is None and only a non-finite loss skips a step. The plain step and ``offload`` honour
+        False; the steps ``shard`` and ``pipeline`` build compute the norm every step (sharded,
         its all-reduce is the step's one sync, which also sums the loss).
     Memory: params 4 B/param (fp32 masters) + the optimizer's state + grads 4 B/param (+ the compute
     copy: 2 B/param for bf16/fp16).

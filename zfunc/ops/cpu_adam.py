@@ -179,6 +179,49 @@ def _store_impl(out, i, x):
 
 
 _F32 = np.float32(0)
+_F64 = np.float64(0)
+
+
+@intrinsic
+def _add_square(typingctx, acc, x):
+    """``acc + x*x`` in fp32 with the add marked reassociable, which lets LLVM vectorize a loop
+    that sums it (a partial sum per lane, added at the end) at the loop's own width: the sum of
+    squares costs an fma per element. (Summed in fp64 the loop ran at the doubles' width, half,
+    and the whole update 1.5x slower.) Only this add is reassociated; the update's own arithmetic
+    is untouched. Callers sum at most ``_SQ_BLOCK`` elements so, then add that in fp64."""
+    def codegen(context, builder, sig, args):
+        return builder.fadd(args[0], builder.fmul(args[1], args[1]), flags=("reassoc", "nsz"))
+    return types.float32(types.float32, types.float32), codegen
+
+
+# Elements per fp32 partial sum of squares: per lane (8 or 16) at most 128 adds, <= 8e-6 relative
+# error however the grads are spread, ~1e-7 typically; the partials are summed in fp64.
+_SQ_BLOCK = 1024
+
+
+def _sum_square(sq, acc, x):
+    raise NotImplementedError  # jitted code only: ``acc + x*x`` where ``sq`` is a buffer, else ``acc``
+
+
+def _put(sq, at, acc):
+    raise NotImplementedError  # jitted code only: ``sq[at] = acc`` where ``sq`` is a buffer
+
+
+@overload(_sum_square)
+def _sum_square_impl(sq, acc, x):
+    if isinstance(sq, types.NoneType):
+        return lambda sq, acc, x: acc
+    return lambda sq, acc, x: _add_square(acc, x)
+
+
+@overload(_put)
+def _put_impl(sq, at, acc):
+    if isinstance(sq, types.NoneType):
+        return lambda sq, at, acc: None
+
+    def put(sq, at, acc):
+        sq[at] = acc
+    return put
 
 
 # ---- the sweep: each kernel is an element update ``one(i, args) -> new param``, run over
@@ -225,28 +268,49 @@ def _fence(typingctx):
 
 
 def _sweep_of(one):
-    """``sweep(lo, hi, out, out_at, stream, args)``: ``one(i, args)`` for i in [lo, hi), each
-    result stored to ``out[i]`` (None: nowhere), streamed or not (above). A factory, not a
-    function taking ``one``: Numba cannot cache code that receives a function as an argument."""
-    def sweep(lo, hi, out, out_at, stream, args):
+    """``sweep(lo, hi, out, out_at, stream, sq, args) -> float64``: ``pi, gi = one(i, args)`` for
+    i in [lo, hi), each ``pi`` stored to ``out[i]`` (None: nowhere), streamed or not (above);
+    returns the sum of ``gi**2`` where ``sq`` is a buffer (0.0 for None: not computed). A
+    factory, not a function taking ``one``: Numba cannot cache code that receives a function as
+    an argument."""
+    def sweep(lo, hi, out, out_at, stream, sq, args):
         lo, hi = np.uintp(lo), np.uintp(hi)  # unsigned: no wraparound check, so loops vectorize
+        acc = np.float64(0.0)
         if out is None or not stream:
-            for i in range(lo, hi):
-                _store(out, i, one(i, args))
-            return
+            for a in range(lo, hi, np.uintp(_SQ_BLOCK)):
+                part = np.float32(0.0)
+                for i in range(a, min(a + np.uintp(_SQ_BLOCK), hi)):
+                    pi, gi = one(i, args)
+                    _store(out, i, pi)
+                    part = _sum_square(sq, part, gi)
+                acc += np.float64(part)
+            return acc
         head = min(hi, lo + np.uintp((-(out_at + 2 * lo) % 64) // 2))  # to out's first line boundary
+        part = np.float32(0.0)
         for i in range(lo, head):
-            _store(out, i, one(i, args))
+            pi, gi = one(i, args)
+            _store(out, i, pi)
+            part = _sum_square(sq, part, gi)
+        acc += np.float64(part)
         line = _line_buffer(out)
         lines = (hi - head) // np.uintp(_LINE)
         for b in range(lines):
             at = head + b * np.uintp(_LINE)
+            part = np.float32(0.0)
             for j in range(np.uintp(_LINE)):
-                _store(line, j, one(at + j, args))
+                pi, gi = one(at + j, args)
+                _store(line, j, pi)
+                part = _sum_square(sq, part, gi)
+            acc += np.float64(part)
             _stream_line(out, at, line)
+        part = np.float32(0.0)
         for i in range(head + lines * np.uintp(_LINE), hi):
-            _store(out, i, one(i, args))
+            pi, gi = one(i, args)
+            _store(out, i, pi)
+            part = _sum_square(sq, part, gi)
+        acc += np.float64(part)
         _fence()
+        return acc
     return njit(**_JIT)(sweep)
 
 
@@ -254,7 +318,8 @@ def _sweep_of(one):
 @njit(inline="always")
 def _adamw_one(i, args):
     p, g, m, v, scale, decay, l2, use_l2, small, coeff, b2, omb2, inv_bc2s, eps, neg_step = args
-    gi = _load(g, i) * scale
+    read = _load(g, i) * scale
+    gi = read
     pi = p[i] * decay
     if use_l2:
         gi = _fma(pi, l2, gi)
@@ -265,15 +330,18 @@ def _adamw_one(i, args):
     p[i] = pi
     m[i] = mi
     v[i] = vi
-    return pi
+    return pi, read
 
 
 _adamw_sweep = _sweep_of(_adamw_one)
 
 
 @njit(**_JIT)
-def _adamw_block(lo, hi, p_at, g_at, m_at, v_at, out_at, g_tag, out_tag, stream,
+def _adamw_block(lo, hi, p_at, g_at, m_at, v_at, out_at, g_tag, out_tag, stream, sq_at, sq_tag, lo0, per,
                  scale, decay, l2, w, b2, omb2, bc2s, eps, neg_step):
+    """AdamW on [lo, hi); where ``sq_tag`` is float64, the sum of squares of the grads read
+    (times ``scale``) goes to ``sq[(lo - lo0) // per]``: one slot per chunk of a team's range
+    [lo0, ...) cut every ``per`` elements, summed by the caller in a fixed order."""
     p, m, v = _ptr(p_at, _F32), _ptr(m_at, _F32), _ptr(v_at, _F32)
     g, out = _ptr(g_at, g_tag), _ptr(out_at, out_tag)
     # float64 -> float32 once, as torch rounds Python scalars to the tensor dtype.
@@ -285,17 +353,22 @@ def _adamw_block(lo, hi, p_at, g_at, m_at, v_at, out_at, g_tag, out_tag, stream,
     eps, neg_step = np.float32(eps), np.float32(neg_step)
     small = abs(w) < np.float32(0.5)  # torch's lerp picks its formula by this
     coeff = w if small else w - np.float32(1.0)
-    _adamw_sweep(lo, hi, out, out_at, stream, (p, g, m, v, scale, decay, l2, l2 != np.float32(0.0),
-                                               small, coeff, b2, omb2, inv_bc2s, eps, neg_step))
+    acc = _adamw_sweep(lo, hi, out, out_at, stream, _ptr(sq_at, sq_tag),
+                       (p, g, m, v, scale, decay, l2, l2 != np.float32(0.0), small, coeff, b2, omb2, inv_bc2s, eps,
+                        neg_step))
+    if hi > lo:  # an empty chunk (a team's range cut short) owns no slot
+        _put(_ptr(sq_at, sq_tag), (lo - lo0) // per, acc)
 
 
 @njit(**_JIT)
-def _adamw_table(table, g_tag, out_tag, scale, decay, l2, w, b2, omb2, bc2s, eps, neg_step):
+def _adamw_table(table, g_tag, out_tag, sq_at, sq_tag, scale, decay, l2, w, b2, omb2, bc2s, eps, neg_step):
     """``_adamw_block`` over each row ``(p, g, m, v, out, n)`` of ``table`` (addresses, 0 for no
-    out; n elements each), on the calling thread: many small leaves in one call."""
+    out; n elements each), on the calling thread: many small leaves in one call; row r's sum of
+    squares (``sq_tag`` float64) to ``sq[r]``."""
     for r in range(table.shape[0]):
         _adamw_block(0, table[r, 5], table[r, 0], table[r, 1], table[r, 2], table[r, 3], table[r, 4], g_tag, out_tag,
-                     False, scale, decay, l2, w, b2, omb2, bc2s, eps, neg_step)
+                     False, sq_at + 8 * r, sq_tag, 0, max(table[r, 5], 1), scale, decay, l2, w, b2, omb2, bc2s, eps,
+                     neg_step)
 
 
 @njit(inline="always")
@@ -308,7 +381,7 @@ def _lion_one(i, args):
     pi = _fma(s, neg_lr, p[i] * decay)
     p[i] = pi
     m[i] = _fma(gi, omb2, mi * b2)
-    return pi
+    return pi, gi
 
 
 _lion_sweep = _sweep_of(_lion_one)
@@ -320,7 +393,7 @@ def _lion_block(lo, hi, p_at, g_at, m_at, out_at, g_tag, out_tag, stream,
     p, m, g, out = _ptr(p_at, _F32), _ptr(m_at, _F32), _ptr(g_at, g_tag), _ptr(out_at, out_tag)
     consts = (np.float32(scale), np.float32(decay), np.float32(neg_lr), np.float32(b1), np.float32(omb1),
               np.float32(b2), np.float32(omb2))
-    _lion_sweep(lo, hi, out, out_at, stream, (p, g, m) + consts)
+    _lion_sweep(lo, hi, out, out_at, stream, None, (p, g, m) + consts)
 
 
 @njit(inline="always")
@@ -336,7 +409,7 @@ def _sgd_one(i, args):
         gi = _fma(bi, mom, gi) if nesterov else bi
     pi = _fma(gi, neg_lr, pi)
     p[i] = pi
-    return pi
+    return pi, gi
 
 
 _sgd_sweep = _sweep_of(_sgd_one)
@@ -347,7 +420,7 @@ def _sgd_block(lo, hi, p_at, g_at, buf_at, out_at, g_tag, out_tag, stream,
                scale, neg_lr, wd, mom, omd, nesterov, first):
     p, buf, g, out = _ptr(p_at, _F32), _ptr(buf_at, _F32), _ptr(g_at, g_tag), _ptr(out_at, out_tag)
     wd, mom = np.float32(wd), np.float32(mom)
-    _sgd_sweep(lo, hi, out, out_at, stream, (p, g, buf, np.float32(scale), np.float32(neg_lr), wd,
+    _sgd_sweep(lo, hi, out, out_at, stream, None, (p, g, buf, np.float32(scale), np.float32(neg_lr), wd,
                                              wd != np.float32(0.0), mom, np.float32(omd),
                                              mom != np.float32(0.0), nesterov, first))
 
@@ -489,7 +562,7 @@ def _prepare(fn: str, names: tuple, param, grad, m, v, param_out, start, end):
 _entry_points: dict = {}  # (kernel, grad tag type, param_out tag type) -> compiled entry point
 
 
-def _run(block, threaded, k: int, args: tuple, g_tag, out_tag) -> None:
+def _run(block, threaded, k: int, args: tuple, g_tag, out_tag, sq_tag=None) -> None:
     """``block(*args)`` if k == 1, else ``threaded(k, args)``.
 
     Numba's dispatcher types every argument on every call (~0.5 us for the ~18 here); once the
@@ -497,7 +570,7 @@ def _run(block, threaded, k: int, args: tuple, g_tag, out_tag) -> None:
     are the only arguments whose types vary (the rest are always ints, floats, bools and tuples
     of them), so the kernel and their types pick the entry point."""
     kernel, args = (block, args) if k == 1 else (threaded, (k, args))
-    key = (kernel, type(g_tag), type(out_tag))
+    key = (kernel, type(g_tag), type(out_tag), type(sq_tag))
     entry = _entry_points.get(key)
     if entry is not None:
         entry(*args)
@@ -512,7 +585,8 @@ def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
            exp_avg_sq: torch.Tensor, *, step: int, lr: float, beta1: float = 0.9,
            beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
            decoupled: bool = True, grad_scale: float = 1.0,
-           param_out: torch.Tensor | None = None, start: int = 0, end: int | None = None) -> None:
+           param_out: torch.Tensor | None = None, start: int = 0, end: int | None = None,
+           grad_sq: bool = False) -> float | None:
     """One AdamW (``decoupled=True``) or Adam-with-L2 (``decoupled=False``) step, in place.
 
     param, exp_avg, exp_avg_sq: fp32 [n]; grad: fp32/bf16/fp16 [n]; param_out: bf16/fp16 [n] or
@@ -520,6 +594,9 @@ def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         p *= 1 - lr*wd (decoupled)  |  g += wd*p (L2);   m = lerp(m, g, 1 - beta1)
         v = beta2*v + (1 - beta2)*g*g;   p -= lr/(1 - beta1^step) * m / (sqrt(v / (1 - beta2^step)) + eps)
         param_out = p.to(param_out.dtype)
+    ``grad_sq``: return the sum of the squares of g (grad * grad_scale, in fp64) over the
+    elements updated, read in the same pass (``global_norm``'s square, without a second read of
+    the grads); else None.
     """
     k, lo, hi, p, g, m, v, out, g_tag, out_tag = _prepare(
         "adamw_", ("exp_avg", "exp_avg_sq"), param, grad, exp_avg, exp_avg_sq, param_out, start,
@@ -530,10 +607,28 @@ def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     # float() first, because an int or numpy scalar would make Numba compile another signature.
     lr, beta1, beta2, wd = float(lr), float(beta1), float(beta2), float(weight_decay)
     decay, l2 = (1.0 - lr * wd, 0.0) if decoupled else (1.0, wd)
-    args = (lo, hi, p, g, m, v, out, g_tag, out_tag, hi - lo >= _STREAM_MIN, float(grad_scale), decay, l2, 1.0 - beta1,
-            beta2, 1.0 - beta2, (1.0 - beta2 ** step) ** 0.5, float(eps),
+    sq, sq_at, sq_tag, per = _squares(grad_sq, k, lo, hi)
+    args = (lo, hi, p, g, m, v, out, g_tag, out_tag, hi - lo >= _STREAM_MIN, sq_at, sq_tag, lo, per,
+            float(grad_scale), decay, l2, 1.0 - beta1, beta2, 1.0 - beta2, (1.0 - beta2 ** step) ** 0.5, float(eps),
             -(lr / (1.0 - beta1 ** step)))
-    _run(_adamw_block, _adamw_team, k, args, g_tag, out_tag)
+    _run(_adamw_block, _adamw_team, k, args, g_tag, out_tag, sq_tag)
+    return None if sq is None else float(sq.sum())
+
+
+def _slots(wanted: bool, rows: int) -> tuple:
+    """``_squares``' answer for a table: a float64 slot per row."""
+    slots = np.zeros(rows, dtype=np.float64) if wanted else None
+    return slots, 0 if slots is None else slots.ctypes.data, _F64 if wanted else None, 1
+
+
+def _squares(wanted: bool, k: int, lo: int, hi: int) -> tuple:
+    """``(slots, address, tag, per)`` for a call over [lo, hi) on k threads: a float64 slot per
+    chunk (``gomp.chunk_length``) when the sum of squares is ``wanted``, else nothing to write."""
+    per = max(((hi - lo + k - 1) // k + gomp.ALIGN - 1) // gomp.ALIGN * gomp.ALIGN if k > 1 else hi - lo, 1)
+    if not wanted:
+        return None, 0, None, per
+    slots = np.zeros(k, dtype=np.float64)
+    return slots, slots.ctypes.data, _F64, per
 
 
 def _adamw_scalars(step, lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale) -> tuple:
@@ -556,7 +651,8 @@ def _leaf_ok(t, n: int, dtypes) -> bool:
 def adamw_many_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                 exp_avg_sqs: list[torch.Tensor], *, step: int, lr: float, beta1: float = 0.9,
                 beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0, decoupled: bool = True,
-                grad_scale: float = 1.0, param_outs: list[torch.Tensor | None] | None = None) -> None:
+                grad_scale: float = 1.0, param_outs: list[torch.Tensor | None] | None = None,
+                grad_sq: bool = False) -> float | None:
     """``adamw_`` on every leaf of the lists, with the same hyperparameters: the multi-tensor form.
 
     Leaves may have any shape (each is updated as its flat elements) but must be contiguous CPU
@@ -565,6 +661,8 @@ def adamw_many_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
     ``adamw_`` leaf by leaf. Cost: leaves of ``_PARALLEL_MIN`` elements or more run one threaded
     call each; all smaller ones run in one call on the calling thread, over a table of their
     addresses, so a model's many biases and norms cost ~0.1 us each instead of ~3 us.
+    ``grad_sq``: return the sum of squares of all the grads read (times ``grad_scale``, fp64,
+    summed leaf by leaf in list order for the big leaves, then the small ones), else None.
     """
     outs = [None] * len(params) if param_outs is None else param_outs
     if not len(params) == len(grads) == len(exp_avgs) == len(exp_avg_sqs) == len(outs):
@@ -572,6 +670,7 @@ def adamw_many_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
                          f"exp_avgs {len(exp_avgs)}, exp_avg_sqs {len(exp_avg_sqs)}, param_outs {len(outs)}")
     consts = _adamw_scalars(step, lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale)
     small: dict[tuple, list] = {}  # (grad tag type, out tag type) -> rows of small leaves
+    total = 0.0
     for p, g, m, v, o in zip(params, grads, exp_avgs, exp_avg_sqs, outs):
         n = p.numel()
         g_tag, out_tag = _GRAD.get(g.dtype), None if o is None else _OUT.get(o.dtype)
@@ -582,14 +681,27 @@ def adamw_many_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
             _prepare("adamw_many_", ("exp_avg", "exp_avg_sq"), *flat, 0, None)  # raises, naming the culprit
         if n >= _PARALLEL_MIN:
             k = min(_num_threads or torch.get_num_threads(), _POOL_SIZE)
+            sq, sq_at, sq_tag, per = _squares(grad_sq, k, 0, n)
             args = (0, n, p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), 0 if o is None else o.data_ptr(),
-                    g_tag, out_tag, n >= _STREAM_MIN) + consts
-            _run(_adamw_block, _adamw_team, k, args, g_tag, out_tag)
+                    g_tag, out_tag, n >= _STREAM_MIN, sq_at, sq_tag, 0, per) + consts
+            _run(_adamw_block, _adamw_team, k, args, g_tag, out_tag, sq_tag)
+            if grad_sq:
+                total += float(sq.sum())
         elif n:
             small.setdefault((type(g_tag), type(out_tag)), [g_tag, out_tag]).append(
                 (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), 0 if o is None else o.data_ptr(), n))
     for g_tag, out_tag, *rows in small.values():
-        _run(_adamw_table, None, 1, (np.array(rows, dtype=np.int64), g_tag, out_tag) + consts, g_tag, out_tag)
+        sq, sq_at, sq_tag, _ = _squares(grad_sq, 1, 0, 0) if len(rows) == 1 else _slots(grad_sq, len(rows))
+        if len(rows) == 1:  # one leaf: no table to build (~1 us)
+            p, g, m, v, o, n = rows[0]
+            args = (0, n, p, g, m, v, o, g_tag, out_tag, False, sq_at, sq_tag, 0, max(n, 1)) + consts
+            _run(_adamw_block, None, 1, args, g_tag, out_tag, sq_tag)
+        else:
+            args = (np.array(rows, dtype=np.int64), g_tag, out_tag, sq_at, sq_tag) + consts
+            _run(_adamw_table, None, 1, args, g_tag, out_tag, sq_tag)
+        if grad_sq:
+            total += float(sq.sum())
+    return total if grad_sq else None
 
 
 def lion_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *, lr: float,
