@@ -5,82 +5,11 @@ import signal
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import zfunc as zf
+from tests.models import (Block, Tiny, assert_same_training, batches, hf_model, local, make, train_on,
+                          tree_equal, with_faults)
 from zfunc.shard import FlatGroup, GradAllReducer, GradReducer, LeafShard, ShardSpec, full_params, local_piece
-
-STEPS = 5
-
-
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.ln = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, d)
-
-    def forward(self, x):
-        return x + F.gelu(self.fc(self.ln(x)))
-
-
-class Tiny(nn.Module):
-    """Embedding tied to the head, uneven row counts (13, 6) so shards are padded."""
-
-    def __init__(self, vocab=13, d=6, n=3, tie=True):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
-        self.ln_f = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        if tie:
-            self.head.weight = self.emb.weight
-
-    def forward(self, idx, skip=None):
-        x = self.emb(idx)
-        for i, b in enumerate(self.blocks):
-            if i != skip:
-                x = b(x)
-        return self.head(self.ln_f(x))
-
-
-def make(stage=None, mesh=None, accum=1, clip=True, model_kw=None, prefetch=1, vocab=13, bucket_mb=25.0,
-         precision="fp32"):
-    torch.manual_seed(0)
-    apply, params = zf.functionalize(Tiny(vocab=vocab, **(model_kw or {})))
-
-    def loss_fn(p, batch):
-        x, y, *skip = batch
-        return F.cross_entropy(apply(p, x, skip[0] if skip else None).flatten(0, 1), y.flatten())
-
-    txs = [zf.optim.clip_by_global_norm(0.1)] if clip else []
-    tx = zf.optim.chain(*txs, zf.optim.adamw(1e-2, weight_decay=0.1, mask=zf.optim.decay_mask))
-    step = zf.train_step(loss_fn, tx, precision, accum=accum)
-    if stage is not None:
-        units = zf.units.by_class(Block) if stage == 3 else None
-        step = zf.shard(step, mesh, stage, units=units, prefetch=prefetch if stage == 3 else 1, bucket_mb=bucket_mb)
-    return step, step.init(params)
-
-
-def batches(world, n=STEPS, b=4, vocab=13):
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, vocab, (world * b, 5), generator=g), torch.randint(0, vocab, (world * b, 5), generator=g))
-            for _ in range(n)]
-
-
-def local(batch, rank, world):
-    b = batch[0].shape[0] // world
-    return tuple(t[rank * b:(rank + 1) * b] for t in batch)
-
-
-def train_on(step, state, batches, rank=0, shards=1):
-    """Step through ``batches``, this process taking its share ``rank`` of ``shards`` of each
-    (1: the whole batch, as a plain reference does): ``(state, losses, grad norms)``."""
-    losses, norms = [], []
-    for batch in batches:
-        state, m = step(state, local(batch, rank, shards))
-        losses.append(m["loss"].item())
-        norms.append(m["grad_norm"].item())
-    return state, losses, norms
 
 
 CONFIGS = [(stage, accum, clip) for stage in (0, 1, 2, 3) for accum, clip in ((1, True), (2, False))]
@@ -92,22 +21,14 @@ def law_worker(rank, world, configs, precision="fp32"):
     for stage, accum, clip in configs:
         # about a bucket per leaf, reordered after step 1
         step, state = make(stage, mesh, accum, clip, bucket_mb=1e-4, precision=precision)
-        losses, norms = [], []
-        for batch in batches(world):
-            state, m = step(state, local(batch, rank, world))
-            losses.append(m["loss"].item())
-            norms.append(m["grad_norm"].item())
+        state, losses, norms = train_on(step, state, batches(world), rank, world)
         out.append((losses, norms, full_params(state, mesh)))
     return out
 
 
 def reference(world, accum, clip, precision="fp32"):
     step, state = make(accum=accum, clip=clip, precision=precision)
-    losses, norms = [], []
-    for batch in batches(world):
-        state, m = step(state, batch)
-        losses.append(m["loss"].item())
-        norms.append(m["grad_norm"].item())
+    state, losses, norms = train_on(step, state, batches(world))
     return losses, norms, state.params
 
 
@@ -145,17 +66,6 @@ def test_stage_0_in_bf16_equals_the_plain_step_with_the_ranks_as_microbatches(wo
     for k, ((stage, accum, clip), ref) in enumerate(zip(configs, refs)):
         for rank in range(world):
             assert_same_training(results[rank][k], ref, f"bf16, accum {accum}, clip {clip}, rank {rank}")
-
-
-def assert_same_training(got, ref, what: str, names=None) -> None:
-    """``got`` and ``ref``: ``(losses, grad norms, params)`` of two trainings. Losses and norms agree
-    per step (fp32: rtol 1e-5, atol 1e-6), and so do the params named in ``names`` (default: all of
-    ``ref``'s), at atol 1e-5: Adam turns rounding in near-zero grads into +-lr steps."""
-    (losses, norms, params), (ref_losses, ref_norms, ref_params) = got, ref
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6, msg=what)
-    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=1e-6, msg=what)
-    for name in ref_params if names is None else names:
-        torch.testing.assert_close(params[name], ref_params[name], rtol=1e-5, atol=1e-5, msg=f"{what}: {name}")
 
 
 def launch_worker(rank, world):
@@ -332,28 +242,6 @@ def test_memory_and_comm_accounting(world):
 
 
 # ------------------------------------------------------------------------------------ non-finite steps, unused params
-
-
-def inject(loss, fault):
-    """``loss`` with ``fault``: "nan_loss", "inf_grads" (finite loss, inf grads) or None."""
-    from tests.test_step import PoisonGrad
-
-    if fault == "nan_loss":
-        return loss * float("nan")
-    return PoisonGrad.apply(loss) if fault == "inf_grads" else loss
-
-
-def with_faults(step, attribute="loss_fn"):
-    """``step`` reading a fault to inject from its batch's third element (see ``inject``)."""
-    inner = getattr(step, attribute)
-    setattr(step, attribute, lambda p, b: inject(inner(p, b[:2]), b[2] if len(b) > 2 else None))
-    return step
-
-
-def tree_equal(a, b) -> bool:
-    la, lb = zf.tree.leaves(a), zf.tree.leaves(b)
-    return len(la) == len(lb) and all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
-                                      for x, y in zip(la, lb))
 
 
 def nonfinite_worker(rank, world):
@@ -545,26 +433,6 @@ def test_a_rank_dying_mid_step_fails_the_others_with_a_clear_error():
     assert "CollectiveError" in report and "gather of unit 'emb' at step 1" in report, report
 
 
-def hf_model(kind):
-    if kind == "recipe-gpt":
-        from recipes.gpt import GPT, Block as GPTBlock, GPTConfig
-
-        torch.manual_seed(0)
-        return GPT(GPTConfig(vocab_size=61, block_size=16, n_layer=2, n_head=2, n_embd=32)), GPTBlock
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-    torch.manual_seed(0)
-    if kind == "gpt2":
-        cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=61, n_positions=16, bos_token_id=0, eos_token_id=0,
-                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # dropout masks depend on the batch split
-        return GPT2LMHeadModel(cfg), GPT2Block
-    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=48, num_attention_heads=2,
-                      num_key_value_heads=1, vocab_size=61, max_position_embeddings=16, bos_token_id=0, eos_token_id=0)
-    return LlamaForCausalLM(cfg), LlamaDecoderLayer
-
-
 def hf_run(kind, mesh=None, rank=0, world=1):
     model, block = hf_model(kind)
     apply, params = zf.functionalize(model)
@@ -603,7 +471,7 @@ def test_our_gpt_and_hugging_face_models_train_unchanged_under_stage_3():
 
 
 def batchnorm_worker(rank, world, configs):
-    from tests.test_module import BNNet, bn_batches, bn_step
+    from tests.models import BNNet, bn_batches, bn_step
 
     mesh = zf.Mesh(dp=world)
     out = []
@@ -624,7 +492,7 @@ def test_batchnorm_statistics_are_averaged_over_ranks():
     written floating buffers are averaged over the ranks after each step: torch's loop on 2
     replicas whose buffers are averaged after each step gives the same params and statistics, and
     the ranks hold identical buffers."""
-    from tests.test_module import BNNet, assert_trained_like, bn_batches, torch_train
+    from tests.models import BNNet, assert_trained_like, bn_batches, torch_train
 
     configs = [(0, 1), (1, 1), (2, 1), (3, 1), (0, 2), (2, 2)]
     results = zf.dist.spawn(batchnorm_worker, 2, 2, configs)
