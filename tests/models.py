@@ -53,7 +53,7 @@ class Tiny(nn.Module):
 
 
 def make(stage=None, mesh=None, accum=1, clip=True, model_kw=None, prefetch=1, vocab=13, bucket_mb=25.0,
-         precision="fp32"):
+         precision="fp32", grad_norm=True):
     torch.manual_seed(0)
     apply, params = zf.functionalize(Tiny(vocab=vocab, **(model_kw or {})))
 
@@ -63,7 +63,7 @@ def make(stage=None, mesh=None, accum=1, clip=True, model_kw=None, prefetch=1, v
 
     txs = [zf.optim.clip_by_global_norm(0.1)] if clip else []
     tx = zf.optim.chain(*txs, zf.optim.adamw(1e-2, weight_decay=0.1, mask=zf.optim.decay_mask))
-    step = zf.train_step(loss_fn, tx, precision, accum=accum)
+    step = zf.train_step(loss_fn, tx, precision, accum=accum, grad_norm=grad_norm)
     if stage is not None:
         units = zf.units.by_class(Block) if stage == 3 else None
         step = zf.shard(step, mesh, stage, units=units, prefetch=prefetch if stage == 3 else 1, bucket_mb=bucket_mb)
@@ -139,6 +139,36 @@ def tree_equal(a, b) -> bool:
     la, lb = zf.tree.leaves(a), zf.tree.leaves(b)
     return len(la) == len(lb) and all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
                                       for x, y in zip(la, lb))
+
+
+class NormSpy:
+    """Within ``with NormSpy(mesh) as spy``: ``spy.norms`` counts the calls of ``zf.optim.global_norm``
+    and ``spy.labels`` lists the labels of the all-reduces ``mesh``'s comms issue."""
+
+    def __init__(self, mesh):
+        self.comms = {id(c): c for c in (mesh.comm, mesh.reduce_comm, mesh.pp_comm)}.values()
+        self.norms, self.labels = 0, []
+
+    def __enter__(self):
+        self._global_norm = zf.optim.global_norm
+
+        def counted(grads):
+            self.norms += 1
+            return self._global_norm(grads)
+
+        zf.optim.global_norm = counted
+        for comm in self.comms:
+            def all_reduce(t, label="", async_op=False, _inner=comm.all_reduce):
+                self.labels.append(label)
+                return _inner(t, label=label, async_op=async_op)
+
+            comm.all_reduce = all_reduce
+        return self
+
+    def __exit__(self, *exc):
+        zf.optim.global_norm = self._global_norm
+        for comm in self.comms:
+            del comm.all_reduce
 
 
 # ------------------------------------------------------------------------------ faults

@@ -5,13 +5,13 @@ import torch.nn.functional as F
 
 import zfunc as zf
 from tests.models import PIPE_VOCAB as VOCAB, PipeTiny as Tiny, pipe_batches as batches  # this file's model and data
-from tests.models import (Block, NormStack, NormUnit, assert_same_training, assert_trained_like, bn_batches, bn_step,
+from tests.models import (Block, NormSpy, NormStack, NormUnit, assert_same_training, assert_trained_like, bn_batches, bn_step,
                           norm_step, torch_train, train_on, tree_equal, with_faults)
 from recipes import gpt
 from zfunc.shard import full_params
 
 
-def make(pipe=None, mesh=None, shard=False, model="tiny", **model_kw):
+def make(pipe=None, mesh=None, shard=False, model="tiny", clip=True, grad_norm=True, **model_kw):
     """``(step, state)``: the plain step, or pipelined with ``pipe = (schedule, microbatches, split)``."""
     torch.manual_seed(0)
     if model == "gpt":  # the recipe's GPT, unchanged: tied wte/lm_head, positions, final norm
@@ -25,8 +25,8 @@ def make(pipe=None, mesh=None, shard=False, model="tiny", **model_kw):
         return F.cross_entropy(apply(p, x).flatten(0, 1), y.flatten())
 
     adamw = zf.optim.adamw(1e-2, weight_decay=0.1, mask=zf.optim.decay_mask)
-    tx = zf.optim.chain(zf.optim.clip_by_global_norm(0.1), adamw)
-    step = zf.train_step(loss_fn, tx)
+    tx = zf.optim.chain(zf.optim.clip_by_global_norm(0.1), adamw) if clip else adamw
+    step = zf.train_step(loss_fn, tx, grad_norm=grad_norm)
     if pipe is not None:
         schedule, m, split = pipe
         step = zf.shard(step, mesh, stage=1) if shard else step
@@ -104,6 +104,38 @@ def test_dp2_x_pp2_with_shard_stage_1_equals_plain_step():
     ref = train_on(*make(), batches())
     for dp_rank in (0, 1):  # each replica's two stages hold the whole model between them
         check_equal([results[dp_rank][:3], results[2 + dp_rank][:3]], ref, f"dp rank {dp_rank}")
+
+
+def no_norm_worker(rank, world):
+    """Per layout (the plain step or stage 1 under the pipeline) and ``grad_norm``: this stage's
+    params after the steps, the metrics' grad norms, ``global_norm`` calls and all-reduce labels."""
+    mesh = zf.Mesh(pp=world)
+    out = {}
+    for shard in (False, True):
+        for grad_norm in (True, False):
+            step, state = make(("1f1b", 2, None), mesh, shard=shard, clip=False, grad_norm=grad_norm)
+            norms = []
+            with NormSpy(mesh) as spy:
+                for batch in batches(n=2):
+                    state, m = step(state, batch)
+                    norms.append(m["grad_norm"])
+            out[shard, grad_norm] = (dict(state.params), norms, spy.norms, spy.labels)
+    return out
+
+
+def test_grad_norm_false_computes_no_norm_and_sums_none_yet_trains_alike():
+    """``train_step(grad_norm=False)`` without clipping, pipelined (over the plain step and over
+    stage 1): no norm computed, no all-reduce for it, the metrics' grad norm None, the same params."""
+    for rank, out in enumerate(zf.dist.spawn(no_norm_worker, 2, 2)):
+        for shard in (False, True):
+            (params, norms, calls, labels), (ref, ref_norms, ref_calls, ref_labels) = out[shard, False], out[shard, True]
+            what = f"shard {shard}, rank {rank}"
+            assert (calls, norms) == (0, [None, None]) and ref_calls == 2, (what, calls, norms, ref_calls)
+            assert all(n is not None for n in ref_norms), what
+            assert not any("grad-norm" in label for label in labels), (what, labels)
+            assert any("grad-norm" in label for label in ref_labels), (what, ref_labels)
+            for name in ref:
+                torch.testing.assert_close(params[name], ref[name], rtol=0, atol=0, msg=f"{what}: {name}")
 
 
 def nonfinite_worker(rank, world):

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import zfunc as zf
-from tests.models import (Block, Tiny, assert_same_training, batches, hf_model, local, make, train_on,
+from tests.models import (Block, NormSpy, Tiny, assert_same_training, batches, hf_model, local, make, train_on,
                           tree_equal, with_faults)
 from zfunc.shard import FlatGroup, GradAllReducer, GradReducer, LeafShard, ShardSpec, full_params, local_piece
 
@@ -387,6 +387,44 @@ def test_single_process_mesh_equals_plain(stage):
         state, m = step(state, batch)
     for name in ref[2]:
         torch.testing.assert_close(state.params[name], ref[2][name], rtol=1e-5, atol=1e-6)
+
+
+def no_norm_worker(rank, world):
+    """Per stage and ``grad_norm``: the whole params after 2 steps, the metrics' grad norms, the
+    number of ``global_norm`` calls and the labels of the all-reduces."""
+    mesh = zf.Mesh(dp=world)
+    data = [(*local(b, rank, world), 1 if k == 0 else None) for k, b in enumerate(batches(world, n=2))]
+    out = {}
+    for stage in (0, 1, 2, 3):
+        for grad_norm in (True, False):
+            step, state = make(stage, mesh, clip=False, grad_norm=grad_norm)
+            losses, norms = [], []
+            with NormSpy(mesh) as spy:
+                for batch in data:  # the first skips block 1 on every rank: its params are left alone
+                    state, m = step(state, batch)
+                    losses.append(m["loss"].item())
+                    norms.append(m["grad_norm"])
+            out[stage, grad_norm] = (full_params(state, mesh), losses, norms, spy.norms, spy.labels)
+    return out
+
+
+def test_grad_norm_false_computes_no_norm_and_sums_none_yet_trains_alike():
+    """``train_step(grad_norm=False)`` without clipping: no norm computed at any stage, no
+    all-reduce for it (stages 1-3 sum the loss and grads-produced flags alone), the metrics'
+    grad norm None, and the same params as with the norm (a param no rank produced a grad for
+    left alone: the flags that say so are summed without the norm)."""
+    for rank, out in enumerate(zf.dist.spawn(no_norm_worker, 2, 2)):
+        for stage in (0, 1, 2, 3):
+            (params, losses, norms, calls, labels), (ref, ref_losses, _, ref_calls, ref_labels) = \
+                out[stage, False], out[stage, True]
+            what = f"stage {stage}, rank {rank}"
+            assert calls == 0 and ref_calls == 2, (what, calls, ref_calls)
+            assert norms == [None] * 2 and all(n is not None for n in out[stage, True][2]), what
+            assert not any("grad-norm" in label for label in labels), (what, labels)
+            assert stage == 0 or any("grad-norm" in label for label in ref_labels), (what, ref_labels)
+            assert losses == ref_losses, what
+            for name in ref:
+                torch.testing.assert_close(params[name], ref[name], rtol=0, atol=0, msg=f"{what}: {name}")
 
 
 def divergence_worker(rank, world):

@@ -63,15 +63,13 @@ class ShardRun:
             # loss was summed over the ranks with the last grad bucket)
             new_state, metrics = self._update(state, grads, loss, aux)
         else:
-            self._to_sum = (loss, self._produced)  # summed by the grad norm's all-reduce, the step's one sync
+            # summed by the grad norm's all-reduce, the step's one sync; without a norm, alone (``_finite``)
+            self._to_sum = (loss, self._produced)
             try:
                 with optim.summing_across(self._sum_over_ranks):
                     new_state, metrics = self._update(state, grads, loss, aux)
             finally:
-                self._produced = None  # counts of this step only
-            if self._to_sum is not None:  # no norm was summed
-                self.mesh.comm.all_reduce(loss, label=f"loss all-reduce at step {step}")
-                self._to_sum = None
+                self._produced, self._to_sum = None, None  # this step's only
         loss.div_(state.placement.world)  # metrics["loss"]: the mean over ranks
         return new_state.replace(buffers=buffers), metrics
 
@@ -88,6 +86,24 @@ class ShardRun:
         loss.copy_(both[1])
         produced.copy_(both[2:])
         return both[0]
+
+    def _sum_loss_and_produced(self) -> None:
+        """The step's loss and grads-produced flags summed over the ranks in one all-reduce: what
+        ``_sum_over_ranks`` does with the norm's, for a step that computes no norm."""
+        loss, produced = self._to_sum
+        self._to_sum = None
+        both = torch.cat([loss.reshape(1).float(), produced.to(loss.device, torch.float32)])
+        self.mesh.comm.all_reduce(both, label="loss and grads-produced all-reduce")
+        loss.copy_(both[0])
+        produced.copy_(both[1:])
+
+    def _finite(self, loss: torch.Tensor, norm: torch.Tensor | None, step: int, loss_scale) -> bool:
+        """The step's finite check (``Step._finite``) on the loss summed over the ranks, so every
+        rank decides alike: a step without a norm (``train_step(grad_norm=False)``, no clipping, not
+        fp16) sums it here, with the grads-produced flags, in the step's one all-reduce."""
+        if self._to_sum is not None:
+            self._sum_loss_and_produced()
+        return self.step._finite(loss, norm, step, loss_scale)
 
     def _without_missing_grads(self, grads: PyTree) -> PyTree:
         """``grads`` with ``None`` for the params no rank produced a grad for (their slices are
