@@ -83,7 +83,7 @@ def launch_worker(rank, world):
     for batch in batches(world, n=3):
         launches.append([])
         state, _ = step(state, local(batch, rank, world))
-    return launches, len(step._flat_units)
+    return launches, len(step._flat_groups)
 
 
 def test_reduce_scatters_overlap_backward_once_buckets_follow_the_grads():
@@ -114,7 +114,7 @@ def all_reduce_launch_worker(rank, world, accum):
     for batch in batches(world, n=3):
         launches.append([])
         state, _ = step(state, local(batch, rank, world))
-    return launches, len(step._flat_units), step.memory(state)
+    return launches, len(step._flat_groups), step.memory(state)
 
 
 @pytest.mark.parametrize("accum", [1, 2])
@@ -185,7 +185,7 @@ def accounting_worker(rank, world, precision):
                         units=step.units_selector if stage == 3 else None, bucket_mb=1e-4)
         state = step.init(full_params(state, mesh))
         state, _ = step(state, local(batches(world, 1, vocab=16)[0], rank, world))
-        unit_elems = [u.segment * world for u in step._flat_units]
+        unit_elems = [u.segment * world for u in step._flat_groups]
         out[stage] = dict(step.memory(state), largest_unit=max(unit_elems), units=len(unit_elems))
     for depth in (0, 2):  # stage 3's prefetch depth bounds the whole params held at once
         step = zf.shard(zf.train_step(step.loss_fn, step.optimizer, precision), mesh, 3,

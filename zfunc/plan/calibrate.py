@@ -35,7 +35,7 @@ import torch
 from zfunc.plan.hardware import GB, Cluster, Device, Node
 
 DEFAULT_PATH = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "zfunc" / "plan_calibration.json"
-SIZES = (64 << 10, 16 << 20)  # bytes of the collectives' tensors (Comm units: output / input / tensor)
+SIZES = (64 << 10, 16 << 20)  # bytes of the collectives' tensors (as Comm counts bytes: output / input / tensor)
 
 
 def _best(fn, repeats: int = 5) -> float:
