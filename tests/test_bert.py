@@ -8,7 +8,7 @@ import torch
 import zfunc as zf
 from recipes import bert
 from recipes.bert import CLS, IGNORE, MASK, PAD, SEP
-from tests.test_shard import assert_same_training, train_on
+from tests.models import assert_same_training, train_on
 from zfunc.offload import in_ram
 from zfunc.shard import full_params
 

@@ -11,27 +11,7 @@ from safetensors.torch import load_file
 
 import zfunc as zf
 from zfunc import checkpoint as ck
-from test_shard import Tiny, batches, local, make  # noqa: E402  (tests/ is on sys.path)
-
-
-def run(step, state, data, rank=0, world=1):
-    for batch in data:
-        state, _ = step(state, local(batch, rank, world))
-    return state
-
-
-def fp16_dropout_step():
-    """A plain step with everything resume must carry: fp16 loss scale, dropout RNG, Adam moments."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Embedding(13, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 13))
-    apply, params = zf.functionalize(model)
-
-    def loss_fn(p, batch):
-        x, y = batch
-        return F.cross_entropy(apply(p, x).float().flatten(0, 1), y.flatten())
-
-    step = zf.train_step(loss_fn, zf.optim.adamw(1e-2), precision="fp16", seed=3)
-    return step, step.init(params).replace(loss_scale=zf.precision.LossScale(2.0**10, 0, growth_interval=3))
+from tests.models import Tiny, batches, fp16_dropout_step, local, make, run
 
 
 def resume_plain(directory):
@@ -257,7 +237,7 @@ def test_bad_arguments(tmp_path):
 def test_export_loads_with_hugging_face_from_pretrained(tmp_path):
     pytest.importorskip("transformers")
     from transformers import GPT2LMHeadModel
-    from test_shard import hf_model
+    from tests.models import hf_model
 
     model, _ = hf_model("gpt2")
     apply, params = zf.functionalize(model)
@@ -272,9 +252,9 @@ def test_export_loads_with_hugging_face_from_pretrained(tmp_path):
 
 
 def bn_sharded_worker(rank, world, directory, phase):
-    """Stage 3 over ``world`` ranks of test_module's BatchNorm model: 3 steps straight, or 2 saved
+    """Stage 3 over ``world`` ranks of the shared BatchNorm model (tests.models.BNNet): 3 steps straight, or 2 saved
     and then 1 after loading; returns the whole params and the buffers."""
-    from test_module import BNNet, bn_batches, bn_step
+    from tests.models import BNNet, bn_batches, bn_step
 
     mesh = zf.Mesh(dp=world)
     torch.manual_seed(0)
@@ -290,7 +270,7 @@ def bn_sharded_worker(rank, world, directory, phase):
 
 
 def test_module_buffers_round_trip_plain_and_sharded(tmp_path):
-    from test_module import BN_STATS, BNNet, bn_batches, bn_step
+    from tests.models import BN_STATS, BNNet, bn_batches, bn_step
 
     # plain: saved after 2 steps, loaded by the step or into a state from init, the 3rd step equal
     torch.manual_seed(0)
@@ -658,10 +638,10 @@ K, N = 2, 4  # steps before the save, steps in all
 
 
 def layout_step(layout, world):
-    """``(step, state, mesh)`` of test_pipeline's model (tied embedding and head, 4 blocks) in
+    """``(step, state, mesh)`` of the pipeline's model (tests.models.PipeTiny: tied embedding and head, 4 blocks) in
     ``layout = (pp, zero)``: a pipeline of ``pp`` stages (0: none) over a step sharded at ZeRO
     stage ``zero`` (0: plain) over the other ``world / pp`` ranks."""
-    from test_pipeline import Block, Tiny as PipeTiny  # its Block: the class its Tiny is built of
+    from tests.models import Block, PipeTiny  # its Block: the class PipeTiny is built of
 
     pp, zero = layout
     torch.manual_seed(0)
@@ -688,7 +668,7 @@ def layout_worker(rank, world, plan):
     ``layout`` starts from ``load_from`` (or init), trains on batches [start, stop) (each dp rank its
     share) and saves to ``save_to``. Returns, per entry, the losses, grad norms, whole params and
     the rank files the load opened."""
-    from test_pipeline import batches as pipe_batches
+    from tests.models import pipe_batches
     from zfunc.checkpoint_files import RankFiles
 
     out, opened, open_file = [], set(), RankFiles._open
@@ -832,10 +812,10 @@ def test_a_format_1_checkpoint_still_loads_and_is_checked_whole(tmp_path):
 
 
 def bn_pipeline_worker(rank, world, directory):
-    """test_pipeline's BatchNorm stack on 2 stages: 2 steps saved; loaded by a fresh pipelined step,
+    """The BatchNorm stack (tests.models.NormStack) on 2 stages: 2 steps saved; loaded by a fresh pipelined step,
     each stage gets back its own units' statistics, and the 3rd step equals the uninterrupted one."""
-    from test_module import bn_batches
-    from test_pipeline import norm_step
+    from tests.models import bn_batches
+    from tests.models import norm_step
 
     step, state = norm_step(zf.Mesh(pp=world))
     for batch in bn_batches()[:2]:
@@ -852,7 +832,7 @@ def bn_pipeline_worker(rank, world, directory):
 
 
 def test_a_pipelined_state_keeps_each_stage_batchnorm_statistics(tmp_path):
-    from test_pipeline import norm_step
+    from tests.models import norm_step
 
     directory = str(tmp_path / "000002")
     stages = zf.dist.spawn(bn_pipeline_worker, 2, 2, directory)

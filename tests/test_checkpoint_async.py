@@ -11,8 +11,7 @@ import torch
 
 import zfunc as zf
 from zfunc import checkpoint as ck, checkpoint_async as ca, checkpoint_files as cf
-from test_checkpoint import run
-from test_shard import batches, make  # noqa: E402  (tests/ is on sys.path)
+from tests.models import batches, make, run
 
 
 def big_step():

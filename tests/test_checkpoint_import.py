@@ -34,7 +34,7 @@ def fixture(stage: int) -> dict:
 
 
 def make(stage=None, offload=False, world=1):
-    from test_shard import Block
+    from tests.models import Block
 
     net = model()
     apply, params = zf.functionalize(net)
@@ -160,7 +160,7 @@ def test_deepspeed_run_continues_with_its_own_config():
 
 
 def test_deepspeed_model_mismatch_names_missing_unexpected_and_misshaped():
-    from test_shard import Tiny
+    from tests.models import Tiny
 
     apply, params = zf.functionalize(Tiny(vocab=13, d=5, n=3, tie=False))
     step = zf.train_step(lambda p, b: apply(p, b[0]).sum(), zf.optim.adamw(1e-2))
@@ -210,7 +210,7 @@ def fsdp_worker(rank, world, path):
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.fsdp import fully_shard
 
-    from test_shard import Block
+    from tests.models import Block
 
     net = model()
     for m in net.modules():

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zfunc as zf
-from tests.test_shard import Block, Tiny, assert_same_training, batches, local
+from tests.models import Block, Tiny, assert_same_training, batches, local, train_on, untile
 from zfunc import compose
 from zfunc.offload import in_ram
 from zfunc.shard import full_params
@@ -151,27 +151,9 @@ def model_step(remat_blocks: bool, tile_head: bool, inside=False):
     return model, zf.train_step(loss_fn, tx), params
 
 
-def untile(params):
-    """``head.tiles.i.weight`` concatenated back into ``head.weight`` (tiles over rows)."""
-    out = {}
-    for name, p in params.items():
-        head, sep, rest = name.partition(".tiles.")
-        out.setdefault(f"{head}.{rest.partition('.')[2]}" if sep else name, []).append(p)
-    return {n: torch.cat(ps) for n, ps in out.items()}
-
-
-def train(step, state, data):
-    losses, norms = [], []
-    for batch in data:
-        state, m = step(state, batch)
-        losses.append(m["loss"].item())
-        norms.append(m["grad_norm"].item())
-    return state, losses, norms
-
-
 def reference(world, n=3):
     _, step, params = model_step(False, False)
-    state, losses, norms = train(step, step.init(params), batches(world, n))
+    state, losses, norms = train_on(step, step.init(params), batches(world, n))
     return losses, norms, state.params
 
 
@@ -185,7 +167,7 @@ def inside_worker(rank, world):
                         units=zf.units.by_class(Block) if what == "shard 3" else None)
         step = zf.offload(step, "cpu") if what.startswith("offload") else step
         data = [local(b, rank, world) for b in batches(world, 3)]
-        state, losses, norms = train(step, step.init(params), data)
+        state, losses, norms = train_on(step, step.init(params), data)
         out[what] = (losses, norms, untile(full_params(in_ram(state), mesh)))
     return out
 
@@ -194,18 +176,18 @@ def pipeline_worker(rank, world):
     model, step, params = model_step(True, True, inside=True)  # a remat'ed unit is refused (above)
     mesh = zf.Mesh(pp=world)
     step = zf.pipeline(step, stages=world, microbatches=2, model=model, units=zf.units.by_class(Block))
-    state, losses, norms = train(step, step.init(params), batches(1, 3) * 1)
+    state, losses, norms = train_on(step, step.init(params), batches(1, 3) * 1)
     return losses, norms, untile(zf.checkpoint.full_params(state))
 
 
 def test_remat_and_tile_inside_plain_and_offloaded_steps_train_as_the_plain_step():
     ref1 = reference(1)
     model, step, params = model_step(True, True)
-    state, losses, norms = train(step, step.init(params), batches(1, 3))
+    state, losses, norms = train_on(step, step.init(params), batches(1, 3))
     assert_same_training((losses, norms, untile(state.params)), ref1, "plain, remat + tile")
     model, step, params = model_step(True, True)
     step = zf.offload(step, "cpu")
-    state, losses, norms = train(step, step.init(params), batches(1, 3))
+    state, losses, norms = train_on(step, step.init(params), batches(1, 3))
     assert_same_training((losses, norms, untile(in_ram(state).params)), ref1, "offload, remat + tile")
 
 

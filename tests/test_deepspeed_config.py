@@ -11,50 +11,12 @@ import torch
 
 from zfunc import config as C
 from zfunc import deepspeed_config as D
+from tests.recipe_runs import HF_ZERO2, HF_ZERO3
 from zfunc import optim
 
 # Hugging Face's example configs (transformers tests/deepspeed/ds_config_zero2.json and
 # ds_config_zero3.json, as in its DeepSpeed guide): ZeRO-2 with every value "auto" and the
 # optimizer offloaded to CPU; ZeRO-3 with fp16 and optimizer and params offloaded to CPU.
-HF_ZERO2 = {
-    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
-             "hysteresis": 2, "min_loss_scale": 1},
-    "bf16": {"enabled": "auto"},
-    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                 "warmup_num_steps": "auto"}},
-    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
-                          "allgather_partitions": True, "allgather_bucket_size": 2e8, "overlap_comm": True,
-                          "reduce_scatter": True, "reduce_bucket_size": 2e8, "contiguous_gradients": True},
-    "gradient_accumulation_steps": "auto",
-    "gradient_clipping": "auto",
-    "steps_per_print": 2000,
-    "train_batch_size": "auto",
-    "train_micro_batch_size_per_gpu": "auto",
-    "wall_clock_breakdown": False,
-}
-HF_ZERO3 = {
-    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
-             "hysteresis": 2, "min_loss_scale": 1},
-    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                 "warmup_num_steps": "auto"}},
-    "zero_optimization": {
-        "stage": 3,
-        "offload_optimizer": {"device": "cpu", "pin_memory": True},
-        "offload_param": {"device": "cpu", "pin_memory": True},
-        "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
-        "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
-        "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
-        "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True,
-    },
-    "gradient_accumulation_steps": "auto",
-    "gradient_clipping": "auto",
-    "steps_per_print": 2000,
-    "train_batch_size": "auto",
-    "train_micro_batch_size_per_gpu": "auto",
-    "wall_clock_breakdown": False,
-}
 # The Trainer's values for the "auto"s above (TrainingArguments: learning_rate, adam_beta1/2, ...).
 HF_AUTO = dict(lr=3e-4, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.1, warmup_num_steps=100,
                train_micro_batch_size_per_gpu=8, gradient_accumulation_steps=4, gradient_clipping=1.0)

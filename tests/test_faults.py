@@ -22,10 +22,8 @@ from safetensors.torch import load_file
 import zfunc as zf
 from recipes import gpt
 from zfunc import checkpoint as ck
-from test_checkpoint import fp16_dropout_step
-from test_offload import make as make_offloaded
-from test_recipe_gpt import TINY
-from test_shard import batches
+from tests.models import batches, fp16_dropout_step, make_offloaded
+from tests.recipe_runs import TINY
 
 STEPS, TARGET, KEEP = 6, 4, 2  # the step or save killed is TARGET's; the saves before it already prune
 REPO = Path(__file__).resolve().parents[1]

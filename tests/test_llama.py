@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import zfunc as zf
 from recipes import llama
-from tests.test_shard import assert_same_training, train_on
+from tests.models import assert_same_training, train_on
 from zfunc.offload import in_ram
 from zfunc.shard import full_params
 

@@ -12,7 +12,7 @@ import pytest
 
 import zfunc as zf
 from recipes import bert, gpt, llama, loop
-from tests.test_recipe_gpt import ROOT, assert_same_losses, metrics
+from tests.recipe_runs import ROOT, assert_same_losses, metrics
 
 RECIPES = {"gpt": gpt.main, "llama": llama.main, "bert": bert.main}
 TINY = {  # a 1-block model, fp32 (the laws compare 1e-5 relative), 32-byte windows

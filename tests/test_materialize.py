@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zfunc as zf
-from tests.test_shard import Block, Tiny, assert_same_training, batches, local
+from tests.models import Block, Tiny, assert_same_training, batches, local
 from zfunc import materialize as M
 
 

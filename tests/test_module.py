@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zfunc as zf
+from tests.models import BN_STATS, BNNet, assert_trained_like, bn_batches, bn_step, torch_train
 
 
 class Tied(nn.Module):
@@ -91,82 +92,6 @@ def test_bad_inputs():
 
 
 # ----------------------------------------------------------------------------- buffers a step carries
-# BNNet, bn_batches and torch_train are shared with the transformations' tests (shard, offload,
-# checkpoint, pipeline, remat).
-
-BN_STATS = {"bn.running_mean", "bn.running_var", "bn.num_batches_tracked"}
-
-
-class BNNet(nn.Module):
-    """A tiny MLP with BatchNorm1d; ``mask`` adds a persistent buffer no forward writes."""
-
-    def __init__(self, d_in=3, d=5, d_out=2, mask=False):
-        super().__init__()
-        self.fc1, self.bn, self.fc2 = nn.Linear(d_in, d), nn.BatchNorm1d(d), nn.Linear(d, d_out)
-        if mask:
-            self.register_buffer("mask", torch.tensor([1.0, 0.0, 1.0, 1.0, 0.5]))
-
-    def forward(self, x):
-        h = F.relu(self.bn(self.fc1(x)))
-        return self.fc2(h * self.mask if hasattr(self, "mask") else h)
-
-
-def bn_batches(n=3, b=8, d_in=3, d_out=2, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(b, d_in, generator=g), torch.randn(b, d_out, generator=g)) for _ in range(n)]
-
-
-def bn_step(model, accum=1, **kw):
-    """``(apply, step)``: SGD with momentum on the mean squared error of ``model``."""
-    apply, _ = zf.functionalize(model)
-    step = zf.train_step(lambda p, batch: F.mse_loss(apply(p, batch[0]), batch[1]), zf.optim.sgd(0.1, momentum=0.9),
-                         accum=accum, **kw)
-    return apply, step
-
-
-def torch_train(model, data, accum=1, ranks=1):
-    """torch's own loop in train mode, SGD with momentum, on a copy of ``model``: ``ranks``
-    replicas each on its slice of every batch, ``accum`` microbatches each, grads averaged; after
-    each step the replicas' floating buffers are averaged (``zf.shard``'s law; DDP without
-    SyncBatchNorm for the forward). Returns the trained replica 0."""
-    replicas = [copy.deepcopy(model) for _ in range(ranks)]
-    main = replicas[0]
-    opt = torch.optim.SGD(main.parameters(), lr=0.1, momentum=0.9)
-    for x, y in data:
-        opt.zero_grad()
-        for r, rep in enumerate(replicas):
-            with torch.no_grad():
-                for mine, theirs in zip(rep.parameters(), main.parameters()):
-                    mine.copy_(theirs)
-            rep.zero_grad() if r else None
-            for xc, yc in zip(x.chunk(ranks)[r].chunk(accum), y.chunk(ranks)[r].chunk(accum)):
-                (F.mse_loss(rep(xc), yc) / (accum * ranks)).backward()
-            if r:
-                for mine, theirs in zip(main.parameters(), rep.parameters()):
-                    mine.grad += theirs.grad
-        opt.step()
-        with torch.no_grad():
-            for name, b in main.named_buffers():
-                if b.is_floating_point():
-                    b.copy_(torch.stack([rep.get_buffer(name) for rep in replicas]).double().mean(0))
-            for rep in replicas[1:]:
-                for name, b in rep.named_buffers():
-                    b.copy_(main.get_buffer(name))
-    return main
-
-
-def assert_trained_like(state_params, state_buffers, ref, rtol=1e-6, atol=1e-6, names=None):
-    """``state_params`` / ``state_buffers`` equal ``ref``'s (only ``names`` of them, if given)."""
-    for n, p in ref.named_parameters():
-        if names is None or n in names:
-            torch.testing.assert_close(state_params[n], p.detach(), rtol=rtol, atol=atol, msg=n)
-    for n, b in ref.named_buffers():
-        if names is None or n in names:
-            if b.is_floating_point():
-                torch.testing.assert_close(state_buffers[n], b, rtol=rtol, atol=atol, msg=n)
-            else:
-                assert torch.equal(state_buffers[n], b), (n, state_buffers[n], b)
-
 
 @pytest.mark.parametrize("accum", [1, 2])
 def test_batchnorm_trains_like_torch(accum):

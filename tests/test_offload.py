@@ -11,32 +11,13 @@ import torch
 import torch.nn.functional as F
 
 import zfunc as zf
-from tests.test_shard import Block, Tiny, assert_same_training, batches, local, tree_equal, train_on, with_faults
+from tests.models import Block, Tiny, assert_same_training, batches, local, tree_equal, train_on, with_faults
+from tests.models import make_offloaded as make  # this file's step: Tiny, offloaded or not
 from zfunc.offload import ComputeCopies, OffloadRun, OffloadSpec, in_ram, offload
 from zfunc.shard import full_params
 from zfunc.swap import SwapInUseError, SwapPathError
 
 PLACES = [("cpu", None), ("nvme", None), ("cpu", "cpu"), ("nvme", "nvme")]
-
-
-def make(clip=True, precision="fp32", accum=1, where=None, params=None, path=None, mesh=None, stage=None,
-         grad_norm=True, **kw):
-    torch.manual_seed(0)
-    apply, p = zf.functionalize(Tiny())
-
-    def loss_fn(p, batch):
-        x, y, *skip = batch  # skip: a block the model leaves out (its params get no grad)
-        return F.cross_entropy(apply(p, x, skip[0] if skip else None).flatten(0, 1).float(), y.flatten())
-
-    txs = [zf.optim.clip_by_global_norm(0.1)] if clip else []
-    tx = zf.optim.chain(*txs, zf.optim.adamw(1e-2, weight_decay=0.1, mask=zf.optim.decay_mask, backend="numba"))
-    step = zf.train_step(loss_fn, tx, precision, accum, grad_norm=grad_norm)
-    if stage:
-        step = zf.shard(step, mesh, stage, units=zf.units.by_class(Block) if stage == 3 else None)
-    if where:
-        units = zf.units.by_class(Block) if params and not stage else None
-        step = offload(step, where, params, path=path, units=units, **kw)
-    return step, step.init(p)
 
 
 def run(step, state, world=1, rank=0, n=5, shards=1):
@@ -121,7 +102,7 @@ def test_fp16_overflow_skips_the_offloaded_update_like_the_plain_step(tmp_path):
 
 
 def faulty_run(step, state, faults):
-    """Run ``step`` on batches carrying ``faults`` (see ``test_shard.inject``); per step, whether
+    """Run ``step`` on batches carrying ``faults`` (see ``tests.models.inject``); per step, whether
     it was skipped and whether params and optimizer state came back as they went in."""
     with_faults(step)
     report = []
@@ -567,7 +548,7 @@ def test_a_second_run_on_a_path_in_use_is_refused_and_a_later_one_starts_there(t
 
 @pytest.mark.parametrize("where, params, accum", [("cpu", None, 1), ("cpu", "cpu", 1), ("nvme", "nvme", 2)])
 def test_offloaded_step_carries_batchnorm_statistics_like_torch(tmp_path, where, params, accum):
-    from tests.test_module import BN_STATS, BNNet, assert_trained_like, bn_batches, bn_step, torch_train
+    from tests.models import BN_STATS, BNNet, assert_trained_like, bn_batches, bn_step, torch_train
 
     torch.manual_seed(0)
     model = BNNet()

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zfunc as zf
-from tests.test_shard import Tiny, assert_same_training, batches, local
+from tests.models import Tiny, assert_same_training, batches, local
 from zfunc.offload import OffloadedStep
 from zfunc.shard import ShardedStep
 from zfunc.tile import TiledLinear

@@ -2,42 +2,16 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import zfunc as zf
-from tests.test_shard import Block, assert_same_training, tree_equal, with_faults
+from tests.models import PIPE_VOCAB as VOCAB, PipeTiny as Tiny, pipe_batches as batches  # this file's model and data
+from tests.models import (Block, NormSpy, NormStack, NormUnit, assert_same_training, assert_trained_like, bn_batches, bn_step,
+                          norm_step, torch_train, train_on, tree_equal, with_faults)
 from recipes import gpt
 from zfunc.shard import full_params
 
-STEPS = 3
-VOCAB = 13
 
-
-class Tiny(nn.Module):
-    """Embedding tied to the head (a param of both end stages), blocks in an nn.ModuleList.
-    ``order`` runs the blocks out of module order; ``between`` scales x between blocks 1 and 2;
-    ``reuse`` reads a block's param in the head: three things a pipeline must refuse."""
-
-    def __init__(self, d=6, n=4, order=None, between=False, reuse=False):
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
-        self.ln_f = nn.LayerNorm(d)
-        self.head = nn.Linear(d, VOCAB, bias=False)
-        self.head.weight = self.emb.weight
-        self.order, self.between, self.reuse = order or list(range(n)), between, reuse
-
-    def forward(self, idx):
-        x = self.emb(idx)
-        for i in self.order:
-            x = self.blocks[i](x)
-            if self.between and i == 1:
-                x = 2 * x
-        x = self.ln_f(x)
-        return self.head(x * self.blocks[0].ln.weight if self.reuse else x)
-
-
-def make(pipe=None, mesh=None, shard=False, model="tiny", **model_kw):
+def make(pipe=None, mesh=None, shard=False, model="tiny", clip=True, grad_norm=True, **model_kw):
     """``(step, state)``: the plain step, or pipelined with ``pipe = (schedule, microbatches, split)``."""
     torch.manual_seed(0)
     if model == "gpt":  # the recipe's GPT, unchanged: tied wte/lm_head, positions, final norm
@@ -51,32 +25,14 @@ def make(pipe=None, mesh=None, shard=False, model="tiny", **model_kw):
         return F.cross_entropy(apply(p, x).flatten(0, 1), y.flatten())
 
     adamw = zf.optim.adamw(1e-2, weight_decay=0.1, mask=zf.optim.decay_mask)
-    tx = zf.optim.chain(zf.optim.clip_by_global_norm(0.1), adamw)
-    step = zf.train_step(loss_fn, tx)
+    tx = zf.optim.chain(zf.optim.clip_by_global_norm(0.1), adamw) if clip else adamw
+    step = zf.train_step(loss_fn, tx, grad_norm=grad_norm)
     if pipe is not None:
         schedule, m, split = pipe
         step = zf.shard(step, mesh, stage=1) if shard else step
         step = zf.pipeline(step, stages=mesh.pp, microbatches=m, schedule=schedule, model=model,
                            units=zf.units.by_class(block), split=split, mesh=None if shard else mesh)
     return step, step.init(params)
-
-
-def batches(b=8, n=STEPS):
-    g = torch.Generator().manual_seed(1)
-
-    def tokens():
-        return torch.randint(0, VOCAB, (b, 5), generator=g)
-
-    return [(tokens(), tokens()) for _ in range(n)]
-
-
-def train(step, state, data):
-    losses, norms = [], []
-    for batch in data:
-        state, m = step(state, batch)
-        losses.append(m["loss"].item())
-        norms.append(m["grad_norm"].item())
-    return state, losses, norms
 
 
 def check_equal(results, ref, what):
@@ -103,7 +59,7 @@ def law_worker(rank, world, configs):
     out = []
     for model, *pipe in configs:
         step, state = make(pipe, mesh, model=model)
-        state, losses, norms = train(step, state, batches())
+        state, losses, norms = train_on(step, state, batches())
         out.append((losses, norms, dict(state.params), step.peak_live_microbatches, mesh.comm_bytes()))
     return out
 
@@ -111,7 +67,7 @@ def law_worker(rank, world, configs):
 @pytest.mark.parametrize("world", [2, 4])
 def test_pipelined_step_equals_plain_step(world):
     results = zf.dist.spawn(law_worker, world, world, CONFIGS[world])
-    refs = {model: train(*make(model=model), batches()) for model in ("tiny", "gpt")}
+    refs = {model: train_on(*make(model=model), batches()) for model in ("tiny", "gpt")}
     for k, (model, schedule, m, split) in enumerate(CONFIGS[world]):
         what = f"{model}, {schedule}, m={m}, split={split}, p={world}"
         check_equal([r[k][:3] for r in results], refs[model], what)
@@ -137,7 +93,7 @@ def dp_pp_worker(rank, world):
     mesh = zf.Mesh(dp=2, pp=2)
     step, state = make(("1f1b", 2, None), mesh, shard=True)
     local = [tuple(t[mesh.rank * 4 : (mesh.rank + 1) * 4] for t in batch) for batch in batches()]
-    state, losses, norms = train(step, state, local)
+    state, losses, norms = train_on(step, state, local)
     stage_state = zf.TrainState(state.params, state.opt_state, sharding=state.sharding.inner)
     return losses, norms, full_params(stage_state, mesh), (mesh.rank, mesh.pp_rank)
 
@@ -145,9 +101,41 @@ def dp_pp_worker(rank, world):
 def test_dp2_x_pp2_with_shard_stage_1_equals_plain_step():
     results = zf.dist.spawn(dp_pp_worker, 4, 4)
     assert [r[3] for r in results] == [(0, 0), (1, 0), (0, 1), (1, 1)]  # rank = pp_rank * dp + dp_rank
-    ref = train(*make(), batches())
+    ref = train_on(*make(), batches())
     for dp_rank in (0, 1):  # each replica's two stages hold the whole model between them
         check_equal([results[dp_rank][:3], results[2 + dp_rank][:3]], ref, f"dp rank {dp_rank}")
+
+
+def no_norm_worker(rank, world):
+    """Per layout (the plain step or stage 1 under the pipeline) and ``grad_norm``: this stage's
+    params after the steps, the metrics' grad norms, ``global_norm`` calls and all-reduce labels."""
+    mesh = zf.Mesh(pp=world)
+    out = {}
+    for shard in (False, True):
+        for grad_norm in (True, False):
+            step, state = make(("1f1b", 2, None), mesh, shard=shard, clip=False, grad_norm=grad_norm)
+            norms = []
+            with NormSpy(mesh) as spy:
+                for batch in batches(n=2):
+                    state, m = step(state, batch)
+                    norms.append(m["grad_norm"])
+            out[shard, grad_norm] = (dict(state.params), norms, spy.norms, spy.labels)
+    return out
+
+
+def test_grad_norm_false_computes_no_norm_and_sums_none_yet_trains_alike():
+    """``train_step(grad_norm=False)`` without clipping, pipelined (over the plain step and over
+    stage 1): no norm computed, no all-reduce for it, the metrics' grad norm None, the same params."""
+    for rank, out in enumerate(zf.dist.spawn(no_norm_worker, 2, 2)):
+        for shard in (False, True):
+            (params, norms, calls, labels), (ref, ref_norms, ref_calls, ref_labels) = out[shard, False], out[shard, True]
+            what = f"shard {shard}, rank {rank}"
+            assert (calls, norms) == (0, [None, None]) and ref_calls == 2, (what, calls, norms, ref_calls)
+            assert all(n is not None for n in ref_norms), what
+            assert not any("grad-norm" in label for label in labels), (what, labels)
+            assert any("grad-norm" in label for label in ref_labels), (what, ref_labels)
+            for name in ref:
+                torch.testing.assert_close(params[name], ref[name], rtol=0, atol=0, msg=f"{what}: {name}")
 
 
 def nonfinite_worker(rank, world):
@@ -215,8 +203,8 @@ def test_schedules_run_every_microbatch_once_and_bound_the_live_ones(p, m):
 
 def test_one_stage_equals_plain_step_with_accumulation():
     step, state = make(("1f1b", 4, None), zf.Mesh())
-    state, losses, norms = train(step, state, batches())
-    check_equal([(losses, norms, dict(state.params))], train(*make(), batches()), "one stage")
+    state, losses, norms = train_on(step, state, batches())
+    check_equal([(losses, norms, dict(state.params))], train_on(*make(), batches()), "one stage")
     assert step.peak_live_microbatches == 1 and step.timings["wait_s"] == 0 < step.timings["compute_s"]
     assert [op[:2] for op in step.timings["ops"]] == [(kind, i) for i in range(4) for kind in "FB"]
 
@@ -224,7 +212,7 @@ def test_one_stage_equals_plain_step_with_accumulation():
 def test_a_pipelined_state_saves_loads_and_gathers_its_params(tmp_path):
     """What each stage holds (tests/test_checkpoint.py reshards p stages x d ranks): here one stage."""
     step, state = make(("1f1b", 2, None), zf.Mesh())
-    state, _, _ = train(step, state, batches())
+    state, _, _ = train_on(step, state, batches())
     whole = zf.checkpoint.full_params(state)
     assert list(whole) == sorted(state.params) and all(torch.equal(whole[n], state.params[n]) for n in whole)
     directory = zf.checkpoint.save(state, tmp_path / "000003")
@@ -270,46 +258,7 @@ def test_bad_input():
 # ------------------------------------------------------------------------------------ module buffers
 
 
-class NormUnit(nn.Module):
-    def __init__(self, d=5):
-        super().__init__()
-        self.fc, self.bn = nn.Linear(d, d), nn.BatchNorm1d(d)
-
-    def forward(self, x):
-        return x + self.bn(self.fc(x))
-
-
-class NormStack(nn.Module):
-    """Pipeline units with BatchNorm; ``stem`` or ``head`` adds one outside the units."""
-
-    def __init__(self, d=5, n=2, stem=False, head=False):
-        super().__init__()
-        self.inp, self.out = nn.Linear(3, d), nn.Linear(d, 2)
-        self.stem = nn.BatchNorm1d(d) if stem else nn.Identity()
-        self.blocks = nn.ModuleList(NormUnit(d) for _ in range(n))
-        self.head = nn.BatchNorm1d(d) if head else nn.Identity()
-
-    def forward(self, x):
-        x = self.stem(self.inp(x))
-        for b in self.blocks:
-            x = b(x)
-        return self.out(self.head(x))
-
-
-def norm_step(mesh=None, schedule="gpipe", **model_kw):
-    from tests.test_module import bn_step
-
-    torch.manual_seed(0)
-    model = NormStack(**model_kw)
-    _, step = bn_step(model, accum=1 if mesh else 2)
-    if mesh:
-        step = zf.pipeline(step, stages=mesh.pp, microbatches=2, schedule=schedule, model=model,
-                           units=zf.units.by_class(NormUnit))
-    return step, step.init(zf.functionalize(model)[1])
-
-
 def norm_worker(rank, world, schedule, model_kw):
-    from tests.test_module import bn_batches
 
     step, state = norm_step(zf.Mesh(pp=world), schedule, **model_kw)
     try:
@@ -324,7 +273,6 @@ def norm_worker(rank, world, schedule, model_kw):
 def test_each_stage_carries_its_units_batchnorm_statistics(schedule):
     """The pipelined step updates each unit's statistics once per microbatch, as the plain step
     with accum=m: each stage holds its own units' buffers, equal to the plain step's."""
-    from tests.test_module import bn_batches
 
     results = zf.dist.spawn(norm_worker, 2, 2, schedule, {})
     step, ref = norm_step()
@@ -349,7 +297,6 @@ def test_a_buffer_written_outside_the_units_is_refused_on_every_stage(where):
 
 
 def norm_dp_pp_worker(rank, world):
-    from tests.test_module import bn_batches, bn_step
 
     mesh = zf.Mesh(dp=2, pp=2)
     torch.manual_seed(0)
@@ -364,7 +311,6 @@ def norm_dp_pp_worker(rank, world):
 
 
 def test_dp2_x_pp2_averages_each_stage_statistics_over_its_dp_ranks():
-    from tests.test_module import assert_trained_like, bn_batches, torch_train
 
     results = zf.dist.spawn(norm_dp_pp_worker, 4, 4)
     torch.manual_seed(0)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import zfunc as zf
-from tests.test_shard import Block, Tiny, batches, local
+from tests.models import Block, Tiny, batches, local
 from zfunc import plan as zp
 from zfunc.plan import calibrate, cost
 

@@ -14,10 +14,7 @@ from safetensors.torch import load_file
 
 import zfunc as zf
 from recipes import gpt, layout
-
-TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
-        "--batch-size", "8", "--lr", "1e-2", "--warmup", "5", "--eval-batches", "2",
-        "--sample-len", "16", "--seed", "0"]
+from tests.recipe_runs import HF_ZERO2, HF_ZERO3, ROOT, TINY, assert_same_losses, metrics
 
 
 def exits_2(capsys, argv) -> str:
@@ -304,12 +301,7 @@ def test_resume_from_a_checkpoint_without_flags_still_checks_the_model(tmp_path,
 # The law of the command line: the same flags in any layout (ZeRO stage, offload, pipeline, remat,
 # tiling, accumulation, number of processes) train as the single-process run: the same losses in
 # OUT/metrics.jsonl (fp32, 1e-5 relative). Two-process runs go through torchrun, as a user's would.
-ROOT = Path(__file__).resolve().parents[1]
 LAW = TINY + ["--n-layer", "2", "--steps", "4", "--eval-every", "2", "--log-every", "1", "--precision", "fp32"]
-
-
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def cli(out: Path, flags: list[str], procs: int = 1, torchrun: list[str] = ()) -> subprocess.CompletedProcess:
@@ -322,14 +314,6 @@ def cli(out: Path, flags: list[str], procs: int = 1, torchrun: list[str] = ()) -
                           timeout=600)
     assert done.returncode == 0, f"{' '.join(launcher + flags)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done
-
-
-def assert_same_losses(rows: list[dict], want: list[dict], what: str) -> None:
-    assert [r["step"] for r in rows] == [r["step"] for r in want], what
-    for key in ("loss", "val_loss"):
-        got, ref = [r[key] for r in rows if key in r], [r[key] for r in want if key in r]
-        assert len(got) == len(ref) and got, (what, key)
-        torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=0, msg=f"{what}: {key}")
 
 
 @pytest.fixture(scope="module")
@@ -489,7 +473,6 @@ def test_resume_from_zero3_on_two_processes_to_a_pipeline_to_one_process(tmp_pat
 
 
 # ----------------------------------------------------------------------------- --deepspeed
-from tests.test_deepspeed_config import HF_ZERO2, HF_ZERO3  # noqa: E402  (Hugging Face's test configs)
 
 
 def write_config(tmp_path: Path, config: dict, name="ds_config.json") -> str:

@@ -5,82 +5,11 @@ import signal
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import zfunc as zf
+from tests.models import (Block, NormSpy, Tiny, assert_same_training, batches, hf_model, local, make, train_on,
+                          tree_equal, with_faults)
 from zfunc.shard import FlatGroup, GradAllReducer, GradReducer, LeafShard, ShardSpec, full_params, local_piece
-
-STEPS = 5
-
-
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.ln = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, d)
-
-    def forward(self, x):
-        return x + F.gelu(self.fc(self.ln(x)))
-
-
-class Tiny(nn.Module):
-    """Embedding tied to the head, uneven row counts (13, 6) so shards are padded."""
-
-    def __init__(self, vocab=13, d=6, n=3, tie=True):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
-        self.ln_f = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        if tie:
-            self.head.weight = self.emb.weight
-
-    def forward(self, idx, skip=None):
-        x = self.emb(idx)
-        for i, b in enumerate(self.blocks):
-            if i != skip:
-                x = b(x)
-        return self.head(self.ln_f(x))
-
-
-def make(stage=None, mesh=None, accum=1, clip=True, model_kw=None, prefetch=1, vocab=13, bucket_mb=25.0,
-         precision="fp32"):
-    torch.manual_seed(0)
-    apply, params = zf.functionalize(Tiny(vocab=vocab, **(model_kw or {})))
-
-    def loss_fn(p, batch):
-        x, y, *skip = batch
-        return F.cross_entropy(apply(p, x, skip[0] if skip else None).flatten(0, 1), y.flatten())
-
-    txs = [zf.optim.clip_by_global_norm(0.1)] if clip else []
-    tx = zf.optim.chain(*txs, zf.optim.adamw(1e-2, weight_decay=0.1, mask=zf.optim.decay_mask))
-    step = zf.train_step(loss_fn, tx, precision, accum=accum)
-    if stage is not None:
-        units = zf.units.by_class(Block) if stage == 3 else None
-        step = zf.shard(step, mesh, stage, units=units, prefetch=prefetch if stage == 3 else 1, bucket_mb=bucket_mb)
-    return step, step.init(params)
-
-
-def batches(world, n=STEPS, b=4, vocab=13):
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, vocab, (world * b, 5), generator=g), torch.randint(0, vocab, (world * b, 5), generator=g))
-            for _ in range(n)]
-
-
-def local(batch, rank, world):
-    b = batch[0].shape[0] // world
-    return tuple(t[rank * b:(rank + 1) * b] for t in batch)
-
-
-def train_on(step, state, batches, rank=0, shards=1):
-    """Step through ``batches``, this process taking its share ``rank`` of ``shards`` of each
-    (1: the whole batch, as a plain reference does): ``(state, losses, grad norms)``."""
-    losses, norms = [], []
-    for batch in batches:
-        state, m = step(state, local(batch, rank, shards))
-        losses.append(m["loss"].item())
-        norms.append(m["grad_norm"].item())
-    return state, losses, norms
 
 
 CONFIGS = [(stage, accum, clip) for stage in (0, 1, 2, 3) for accum, clip in ((1, True), (2, False))]
@@ -92,22 +21,14 @@ def law_worker(rank, world, configs, precision="fp32"):
     for stage, accum, clip in configs:
         # about a bucket per leaf, reordered after step 1
         step, state = make(stage, mesh, accum, clip, bucket_mb=1e-4, precision=precision)
-        losses, norms = [], []
-        for batch in batches(world):
-            state, m = step(state, local(batch, rank, world))
-            losses.append(m["loss"].item())
-            norms.append(m["grad_norm"].item())
+        state, losses, norms = train_on(step, state, batches(world), rank, world)
         out.append((losses, norms, full_params(state, mesh)))
     return out
 
 
 def reference(world, accum, clip, precision="fp32"):
     step, state = make(accum=accum, clip=clip, precision=precision)
-    losses, norms = [], []
-    for batch in batches(world):
-        state, m = step(state, batch)
-        losses.append(m["loss"].item())
-        norms.append(m["grad_norm"].item())
+    state, losses, norms = train_on(step, state, batches(world))
     return losses, norms, state.params
 
 
@@ -147,17 +68,6 @@ def test_stage_0_in_bf16_equals_the_plain_step_with_the_ranks_as_microbatches(wo
             assert_same_training(results[rank][k], ref, f"bf16, accum {accum}, clip {clip}, rank {rank}")
 
 
-def assert_same_training(got, ref, what: str, names=None) -> None:
-    """``got`` and ``ref``: ``(losses, grad norms, params)`` of two trainings. Losses and norms agree
-    per step (fp32: rtol 1e-5, atol 1e-6), and so do the params named in ``names`` (default: all of
-    ``ref``'s), at atol 1e-5: Adam turns rounding in near-zero grads into +-lr steps."""
-    (losses, norms, params), (ref_losses, ref_norms, ref_params) = got, ref
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6, msg=what)
-    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=1e-6, msg=what)
-    for name in ref_params if names is None else names:
-        torch.testing.assert_close(params[name], ref_params[name], rtol=1e-5, atol=1e-5, msg=f"{what}: {name}")
-
-
 def launch_worker(rank, world):
     """Per step, how many grads backward had produced when each reduce-scatter was launched."""
     mesh = zf.Mesh(dp=world)
@@ -173,7 +83,7 @@ def launch_worker(rank, world):
     for batch in batches(world, n=3):
         launches.append([])
         state, _ = step(state, local(batch, rank, world))
-    return launches, len(step._flat_units)
+    return launches, len(step._flat_groups)
 
 
 def test_reduce_scatters_overlap_backward_once_buckets_follow_the_grads():
@@ -204,7 +114,7 @@ def all_reduce_launch_worker(rank, world, accum):
     for batch in batches(world, n=3):
         launches.append([])
         state, _ = step(state, local(batch, rank, world))
-    return launches, len(step._flat_units), step.memory(state)
+    return launches, len(step._flat_groups), step.memory(state)
 
 
 @pytest.mark.parametrize("accum", [1, 2])
@@ -275,7 +185,7 @@ def accounting_worker(rank, world, precision):
                         units=step.units_selector if stage == 3 else None, bucket_mb=1e-4)
         state = step.init(full_params(state, mesh))
         state, _ = step(state, local(batches(world, 1, vocab=16)[0], rank, world))
-        unit_elems = [u.segment * world for u in step._flat_units]
+        unit_elems = [u.segment * world for u in step._flat_groups]
         out[stage] = dict(step.memory(state), largest_unit=max(unit_elems), units=len(unit_elems))
     for depth in (0, 2):  # stage 3's prefetch depth bounds the whole params held at once
         step = zf.shard(zf.train_step(step.loss_fn, step.optimizer, precision), mesh, 3,
@@ -332,28 +242,6 @@ def test_memory_and_comm_accounting(world):
 
 
 # ------------------------------------------------------------------------------------ non-finite steps, unused params
-
-
-def inject(loss, fault):
-    """``loss`` with ``fault``: "nan_loss", "inf_grads" (finite loss, inf grads) or None."""
-    from tests.test_step import PoisonGrad
-
-    if fault == "nan_loss":
-        return loss * float("nan")
-    return PoisonGrad.apply(loss) if fault == "inf_grads" else loss
-
-
-def with_faults(step, attribute="loss_fn"):
-    """``step`` reading a fault to inject from its batch's third element (see ``inject``)."""
-    inner = getattr(step, attribute)
-    setattr(step, attribute, lambda p, b: inject(inner(p, b[:2]), b[2] if len(b) > 2 else None))
-    return step
-
-
-def tree_equal(a, b) -> bool:
-    la, lb = zf.tree.leaves(a), zf.tree.leaves(b)
-    return len(la) == len(lb) and all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
-                                      for x, y in zip(la, lb))
 
 
 def nonfinite_worker(rank, world):
@@ -501,6 +389,44 @@ def test_single_process_mesh_equals_plain(stage):
         torch.testing.assert_close(state.params[name], ref[2][name], rtol=1e-5, atol=1e-6)
 
 
+def no_norm_worker(rank, world):
+    """Per stage and ``grad_norm``: the whole params after 2 steps, the metrics' grad norms, the
+    number of ``global_norm`` calls and the labels of the all-reduces."""
+    mesh = zf.Mesh(dp=world)
+    data = [(*local(b, rank, world), 1 if k == 0 else None) for k, b in enumerate(batches(world, n=2))]
+    out = {}
+    for stage in (0, 1, 2, 3):
+        for grad_norm in (True, False):
+            step, state = make(stage, mesh, clip=False, grad_norm=grad_norm)
+            losses, norms = [], []
+            with NormSpy(mesh) as spy:
+                for batch in data:  # the first skips block 1 on every rank: its params are left alone
+                    state, m = step(state, batch)
+                    losses.append(m["loss"].item())
+                    norms.append(m["grad_norm"])
+            out[stage, grad_norm] = (full_params(state, mesh), losses, norms, spy.norms, spy.labels)
+    return out
+
+
+def test_grad_norm_false_computes_no_norm_and_sums_none_yet_trains_alike():
+    """``train_step(grad_norm=False)`` without clipping: no norm computed at any stage, no
+    all-reduce for it (stages 1-3 sum the loss and grads-produced flags alone), the metrics'
+    grad norm None, and the same params as with the norm (a param no rank produced a grad for
+    left alone: the flags that say so are summed without the norm)."""
+    for rank, out in enumerate(zf.dist.spawn(no_norm_worker, 2, 2)):
+        for stage in (0, 1, 2, 3):
+            (params, losses, norms, calls, labels), (ref, ref_losses, _, ref_calls, ref_labels) = \
+                out[stage, False], out[stage, True]
+            what = f"stage {stage}, rank {rank}"
+            assert calls == 0 and ref_calls == 2, (what, calls, ref_calls)
+            assert norms == [None] * 2 and all(n is not None for n in out[stage, True][2]), what
+            assert not any("grad-norm" in label for label in labels), (what, labels)
+            assert stage == 0 or any("grad-norm" in label for label in ref_labels), (what, ref_labels)
+            assert losses == ref_losses, what
+            for name in ref:
+                torch.testing.assert_close(params[name], ref[name], rtol=0, atol=0, msg=f"{what}: {name}")
+
+
 def divergence_worker(rank, world):
     mesh = zf.Mesh(dp=world)
     step, state = make(3, mesh)
@@ -545,26 +471,6 @@ def test_a_rank_dying_mid_step_fails_the_others_with_a_clear_error():
     assert "CollectiveError" in report and "gather of unit 'emb' at step 1" in report, report
 
 
-def hf_model(kind):
-    if kind == "recipe-gpt":
-        from recipes.gpt import GPT, Block as GPTBlock, GPTConfig
-
-        torch.manual_seed(0)
-        return GPT(GPTConfig(vocab_size=61, block_size=16, n_layer=2, n_head=2, n_embd=32)), GPTBlock
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-    torch.manual_seed(0)
-    if kind == "gpt2":
-        cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=61, n_positions=16, bos_token_id=0, eos_token_id=0,
-                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # dropout masks depend on the batch split
-        return GPT2LMHeadModel(cfg), GPT2Block
-    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=48, num_attention_heads=2,
-                      num_key_value_heads=1, vocab_size=61, max_position_embeddings=16, bos_token_id=0, eos_token_id=0)
-    return LlamaForCausalLM(cfg), LlamaDecoderLayer
-
-
 def hf_run(kind, mesh=None, rank=0, world=1):
     model, block = hf_model(kind)
     apply, params = zf.functionalize(model)
@@ -603,7 +509,7 @@ def test_our_gpt_and_hugging_face_models_train_unchanged_under_stage_3():
 
 
 def batchnorm_worker(rank, world, configs):
-    from tests.test_module import BNNet, bn_batches, bn_step
+    from tests.models import BNNet, bn_batches, bn_step
 
     mesh = zf.Mesh(dp=world)
     out = []
@@ -624,7 +530,7 @@ def test_batchnorm_statistics_are_averaged_over_ranks():
     written floating buffers are averaged over the ranks after each step: torch's loop on 2
     replicas whose buffers are averaged after each step gives the same params and statistics, and
     the ranks hold identical buffers."""
-    from tests.test_module import BNNet, assert_trained_like, bn_batches, torch_train
+    from tests.models import BNNet, assert_trained_like, bn_batches, torch_train
 
     configs = [(0, 1), (1, 1), (2, 1), (3, 1), (0, 2), (2, 2)]
     results = zf.dist.spawn(batchnorm_worker, 2, 2, configs)

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 import zfunc as zf
+from tests.models import PoisonGrad
 from zfunc import optim
 
 
@@ -261,18 +262,6 @@ def test_train_state_is_a_pytree_and_replace_checks_fields():
 
 
 # ------------------------------------------------------------------------------ non-finite steps
-
-
-class PoisonGrad(torch.autograd.Function):
-    """The identity in forward; backward sends inf: a finite loss with non-finite grads."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * float("inf")
 
 
 def guarded_step(precision="fp32", **kw):

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zfunc as zf
+from tests.models import untile
 from zfunc.shard import full_params
 
 
@@ -221,15 +222,6 @@ CONFIGS = ("plain", "tiled", "tiled-tied")
 def stage3_worker(rank, world):
     mesh = zf.Mesh(dp=world)
     return {config: gpt_run(config, mesh, rank, world) for config in CONFIGS}
-
-
-def untile(params):
-    """``x.tiles.i.weight`` entries concatenated into ``x.weight`` (tiles over rows, dim 0)."""
-    out = {}
-    for name, p in params.items():
-        head, sep, rest = name.partition(".tiles.")
-        out.setdefault(f"{head}.{rest.partition('.')[2]}" if sep else name, []).append(p)
-    return {n: torch.cat(ps) for n, ps in out.items()}
 
 
 def test_tiled_head_under_stage_3_trains_like_the_plain_untiled_model_and_is_never_whole():

@@ -15,8 +15,8 @@ grads averaged, not against the plain step on the concatenated batch. After back
 floating buffer a forward wrote is replaced by its mean over the ranks, so all ranks hold the same
 buffers (a momentum update thus uses the mean of the ranks' batch statistics). Integer buffers
 (``num_batches_tracked``) stay each rank's count: equal, as the ranks run the same forwards. Cost:
-one all-reduce of the written floating buffers per step, in fp64 (16 bytes per element in
-``dist.Comm`` units); none for a model without such buffers.
+one all-reduce of the written floating buffers per step, in fp64 (16 bytes per element as
+``dist.Comm`` counts bytes); none for a model without such buffers.
 
 **Layout (stages 1-3 alike).** Every parameter is split along dim 0 in ``torch.chunk`` style:
 ``chunk = ceil(rows / N)`` rows per rank, the last ranks holding fewer or none (0-d params count as
@@ -57,7 +57,7 @@ checkpoint is written once, by rank 0, and reshards to and from the other stages
 the fp32 grad buckets (4 Psi) and, below fp32, the compute copy of the params (2 Psi); stages 1/2
 hold whole compute params (2 or 4 Psi); stage 1 whole fp32 grads (4 Psi); stage 2 at most one unit
 of whole grads; stage 3 at most ``(1 + prefetch)`` units of whole params. Communication per step,
-in ``dist.Comm`` units (DDP = 2 Psi): stage 0 all-reduces Psi fp32 grads = 2 Psi, as DDP; stages 1/2
+as ``dist.Comm`` counts bytes (DDP = 2 Psi): stage 0 all-reduces Psi fp32 grads = 2 Psi, as DDP; stages 1/2
 all-gather Psi + reduce-scatter Psi = 2 Psi (at the gather dtype and fp32 grads); stage 3 gathers
 twice: 3 Psi. The issue text says "grads all-reduced" for stage 1:
 a reduce-scatter gives each rank the slice it updates for half the bytes, so stage 1 uses it.
@@ -104,7 +104,7 @@ class ShardedStep(Transformed):
         self.mesh, self.stage, self.units_selector = mesh, stage, units
         self.prefetch, self.bucket_elems, self.verify = prefetch, bucket_elems, verify
         self.order: list[int] = []  # stage 3: units' run order, recorded on the first step
-        self._flat_units: list[FlatGroup] | None = None
+        self._flat_groups: list[FlatGroup] | None = None  # stages 0-2: the buckets; 3: the units
         # Stages 1/2: the order the first step's backward produced the grads in, until the
         # buckets are rebuilt in it (``_order_buckets``); then None.
         self._grad_order: list[int] | None = None
@@ -218,13 +218,14 @@ class ShardedStep(Transformed):
         self._buffer_names = names
         return average_buffers(carried.buffers, names, self.mesh.comm, self.mesh.dp, f"buffer all-reduce at step {step}")
 
-    def _backward_order(self, units: list[FlatGroup]) -> list[int]:
-        """Units in the order their grads complete: stage 3 reverses the recorded forward order
-        (units that did not run go last); stages 1/2's buckets are already in backward order."""
+    def _backward_order(self, groups: list[FlatGroup]) -> list[int]:
+        """The groups (buckets or units) in the order their grads complete: stage 3 reverses the
+        recorded forward order of its units (those that did not run go last); stages 1/2's buckets
+        are already in backward order."""
         if self.stage < 3:
-            return list(range(len(units)))
+            return list(range(len(groups)))
         ran = self.order[::-1]
-        return ran + [u for u in range(len(units)) if u not in ran]
+        return ran + [u for u in range(len(groups)) if u not in ran]
 
     def memory(self, state: TrainState) -> dict[str, Any]:
         """Accounted bytes on this rank, and the last step's communication.
@@ -258,10 +259,10 @@ class ShardedStep(Transformed):
         return _gather_whole(pieces, spec, self._buckets(spec), self.mesh.comm, self.compute_dtype, device, label)
 
     def _buckets(self, spec: ShardSpec) -> list[FlatGroup]:
-        if self._flat_units is None:
+        if self._flat_groups is None:
             size, first = self._bucket_sizes(spec)
-            self._flat_units = _buckets(spec.leaves, size, first_elems=first)
-        return self._flat_units
+            self._flat_groups = _buckets(spec.leaves, size, first_elems=first)
+        return self._flat_groups
 
     def _bucket_sizes(self, spec: ShardSpec) -> tuple[int, int | None]:
         """``(elements per bucket, elements in the first)`` (None: as the others). Stage 0 caps its
@@ -294,11 +295,11 @@ class ShardedStep(Transformed):
         everyone = torch.empty(spec.world * order.numel(), dtype=order.dtype)
         self.mesh.comm.all_gather(everyone, order, label=f"bucket order at step {step}")
         size, first = self._bucket_sizes(spec)
-        self._flat_units = _buckets(spec.leaves, size, everyone[: order.numel()].tolist(), first)
+        self._flat_groups = _buckets(spec.leaves, size, everyone[: order.numel()].tolist(), first)
         self._grad_order, self._buckets_ordered = None, True
 
     def _stage3_units(self, module, spec: ShardSpec) -> list[FlatGroup]:
-        if self._flat_units is None:
+        if self._flat_groups is None:
             index = {name: i for i, name in enumerate(self._names)}
             flat = []
             for unit in self.units_selector(module):
@@ -309,8 +310,8 @@ class ShardedStep(Transformed):
             missing = [self._names[i] for i in range(len(self._names)) if i not in covered]
             if missing:
                 raise ValueError(f"units: params {missing[:5]} are in no unit of the model run by the loss")
-            self._flat_units = flat
-        return self._flat_units
+            self._flat_groups = flat
+        return self._flat_groups
 
 
 def shard(step: Step, mesh: Mesh, stage: int, units: Selector | None = None, *, prefetch: int = 1,

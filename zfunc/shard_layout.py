@@ -83,7 +83,7 @@ class FlatGroup:
 
     def gather_buffer(self, pieces: list[torch.Tensor], dtype: torch.dtype, device, world: int,
                       rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, seg)``: a ``(world * segment,)`` buffer in ``dtype`` for this unit's all-gather,
+        """``(out, seg)``: a ``(world * segment,)`` buffer in ``dtype`` for this group's all-gather,
         and ``seg``, this rank's segment of it, holding ``pieces`` (in ``indices`` order) padded."""
         out = torch.empty(world * self.segment, dtype=dtype, device=device)
         seg = out[rank * self.segment : (rank + 1) * self.segment]
@@ -164,10 +164,10 @@ def _gather_whole(pieces, spec: ShardSpec, buckets: list[FlatGroup], comm, dtype
     """Every param whole, in ``dtype`` on ``device``, from every rank's ``pieces`` (leaf order):
     one all-gather per bucket, labelled ``... at {label}``."""
     whole: list[torch.Tensor | None] = [None] * len(pieces)
-    for unit in buckets:
-        out, seg = unit.gather_buffer([pieces[i] for i in unit.indices], dtype, device, spec.world, spec.rank)
-        comm.all_gather(out, seg, label=f"param all-gather of {unit.name} at {label}")
-        for i, w in zip(unit.indices, unit.unpack_gathered(out, spec.leaves, spec.world)):
+    for bucket in buckets:
+        out, seg = bucket.gather_buffer([pieces[i] for i in bucket.indices], dtype, device, spec.world, spec.rank)
+        comm.all_gather(out, seg, label=f"param all-gather of {bucket.name} at {label}")
+        for i, w in zip(bucket.indices, bucket.unpack_gathered(out, spec.leaves, spec.world)):
             whole[i] = w
     return whole
 

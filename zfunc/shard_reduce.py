@@ -18,35 +18,35 @@ from zfunc.shard_layout import FlatGroup, LeafShard, ShardSpec
 
 class GradReducer:
     """Reduce-scatters whole grads, a group at a time (a ``FlatGroup``: a bucket at stages 1/2, a
-    unit at stage 3; "unit" below means either), and hands this rank's fp32 slice of each to
+    unit at stage 3; "group" below means either), and hands this rank's fp32 slice of each to
     ``deliver(group, slices)`` (the run's grad sink).
 
-    ``eager``: a unit is reduced as soon as backward has produced all its grads (overlapping the
-    rest of backward), and ``on_unit_done(u)`` is called (stage 3 frees the unit's params). Units
+    ``eager``: a group is reduced as soon as backward has produced all its grads (overlapping the
+    rest of backward), and ``on_group_done(u)`` is called (stage 3 frees the unit's params). Groups
     are launched strictly in the order ``sequence()`` gives (the backward order), so every rank
-    issues the same reduce-scatters in the same order whatever order its grads arrive in (a unit
+    issues the same reduce-scatters in the same order whatever order its grads arrive in (a group
     with an unused param waits for the end of backward, and the ones after it with it): on the
     mesh's ``reduce_comm`` nothing needs checking. ``keep_whole`` (stage 1): whole grads stay held
     for the step, as ZeRO-1 defines. Not eager (stage 1 with accumulation): whole grads are summed
-    over microbatches and reduced by ``reduce_accumulated``. ``deliver_early``: deliver each unit
+    over microbatches and reduced by ``reduce_accumulated``. ``deliver_early``: deliver each group
     as soon as the next one is launched (offload's overlapped updates) instead of at the end.
     """
 
-    def __init__(self, comm, spec: ShardSpec, units: Callable[[], list[FlatGroup]],
+    def __init__(self, comm, spec: ShardSpec, groups: Callable[[], list[FlatGroup]],
                  deliver: Callable[[FlatGroup, list[torch.Tensor]], None], device: torch.device,
                  eager: bool, step: int, sequence: Callable[[], list[int]],
-                 on_unit_done: Callable[[int], None] | None = None, keep_whole: bool = False,
+                 on_group_done: Callable[[int], None] | None = None, keep_whole: bool = False,
                  deliver_early: bool = False):
-        self.comm, self.spec, self.units, self.deliver, self.eager = comm, spec, units, deliver, eager
+        self.comm, self.spec, self.groups, self.deliver, self.eager = comm, spec, groups, deliver, eager
         self.device, self.deliver_early = device, deliver_early
         self.label, self._sequence_fn, self._sequence = f"step {step}", sequence, None
-        self.on_unit_done, self.keep_whole = on_unit_done, keep_whole
+        self.on_group_done, self.keep_whole = on_group_done, keep_whole
         self.ready: dict[int, dict[int, torch.Tensor]] = {}  # complete units waiting for their turn
         self.launched = 0  # how many units of sequence() have been launched
         self.pending: dict[int, dict[int, torch.Tensor]] = {}
         self.whole: dict[int, torch.Tensor] = {}
         self.works: list = []
-        self._unit_of: dict[int, int] | None = None
+        self._group_of: dict[int, int] | None = None
         self.held_bytes = self.peak_bytes = 0  # whole grads held at once (accounting)
         self.arrived: list[int] = []  # leaf indices in the order backward produced their grads
 
@@ -56,10 +56,10 @@ class GradReducer:
             self._sequence = self._sequence_fn()
         return self._sequence
 
-    def unit_of(self, i: int) -> int:
-        if self._unit_of is None:
-            self._unit_of = {i: u for u, unit in enumerate(self.units()) for i in unit.indices}
-        return self._unit_of[i]
+    def group_of(self, i: int) -> int:
+        if self._group_of is None:
+            self._group_of = {i: u for u, group in enumerate(self.groups()) for i in group.indices}
+        return self._group_of[i]
 
     def hook(self, leaves: list[torch.Tensor]) -> list:
         """Register the grad-ready hooks on ``leaves``; returns the handles."""
@@ -84,13 +84,13 @@ class GradReducer:
                 self.whole[i].add_(grad)
                 self._held(-grad.numel() * grad.element_size())
             return
-        self._collect(self.unit_of(i), i, grad)
+        self._collect(self.group_of(i), i, grad)
 
     def _collect(self, u: int, i: int, grad: torch.Tensor | None) -> None:
-        """Leaf ``i``'s grad is in: launch unit ``u`` (and those waiting for it) once it is complete."""
+        """Leaf ``i``'s grad is in: launch group ``u`` (and those waiting for it) once it is complete."""
         got = self.pending.setdefault(u, {})
         got[i] = grad
-        if len(got) == len(self.units()[u].indices):
+        if len(got) == len(self.groups()[u].indices):
             self.ready[u] = self.pending.pop(u)
             self._launch_ready()
 
@@ -106,18 +106,18 @@ class GradReducer:
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 
     def _reduce(self, u: int, grads: dict[int, torch.Tensor]) -> None:
-        unit, world = self.units()[u], self.spec.world
-        what = f"reduce-scatter of {unit.name} at {self.label}"
+        group, world = self.groups()[u], self.spec.world
+        what = f"reduce-scatter of {group.name} at {self.label}"
         device = self.device
-        full = torch.empty(world, unit.segment, dtype=torch.float32, device=device)
-        unit.pack_full([grads.get(i) for i in unit.indices], self.spec.leaves, world, full)
+        full = torch.empty(world, group.segment, dtype=torch.float32, device=device)
+        group.pack_full([grads.get(i) for i in group.indices], self.spec.leaves, world, full)
         if not self.keep_whole:
             self._held(-sum(g.numel() * g.element_size() for g in grads.values() if g is not None))
-        out = torch.empty(unit.segment, dtype=torch.float32, device=device)
+        out = torch.empty(group.segment, dtype=torch.float32, device=device)
         work = self.comm.reduce_scatter(out, full.view(-1), label=what, async_op=True)
         self.works.append((work, out, u))
-        if self.on_unit_done is not None:
-            self.on_unit_done(u)
+        if self.on_group_done is not None:
+            self.on_group_done(u)
         if self.deliver_early:  # the one just launched overlaps what comes next; the others are due
             self._wait(keep_last=True)
 
@@ -130,21 +130,21 @@ class GradReducer:
         self._wait()
 
     def reduce_accumulated(self) -> None:
-        """Stage 1: reduce the whole grads summed over microbatches, every unit, then wait."""
+        """Stage 1: reduce the whole grads summed over microbatches, every group, then wait."""
         for u in self.sequence():
-            self._reduce(u, {i: self.whole.pop(i, None) for i in self.units()[u].indices})
+            self._reduce(u, {i: self.whole.pop(i, None) for i in self.groups()[u].indices})
         self._wait()
 
     def _wait(self, keep_last: bool = False) -> None:
         due = self.works[:-1] if keep_last else self.works
         for work, out, u in due:
-            work.wait()  # raises CollectiveError naming the unit and step
-            self.deliver(self.units()[u], self._slices(u, out))
+            work.wait()  # raises CollectiveError naming the group and step
+            self.deliver(self.groups()[u], self._slices(u, out))
         self.works = self.works[len(due):]
 
     def _slices(self, u: int, out: torch.Tensor) -> list[torch.Tensor]:
-        """This rank's grad slices of unit ``u``, from its reduced ``out``."""
-        return self.units()[u].local_views(out, self.spec.leaves, self.spec.rank)
+        """This rank's grad slices of group ``u``, from its reduced ``out``."""
+        return self.groups()[u].local_views(out, self.spec.leaves, self.spec.rank)
 
     def forward_done(self, loss: torch.Tensor) -> None:
         """A microbatch's loss is computed (its backward is next)."""
@@ -159,12 +159,12 @@ class Buckets:
     ones, no more than DDP.
     """
 
-    def __init__(self, units: list[FlatGroup], leaves: tuple[LeafShard, ...], device: torch.device):
-        self.units, self.device = units, device
-        self.flat = [torch.empty(unit.segment + (u == len(units) - 1), dtype=torch.float32, device=device)
-                     for u, unit in enumerate(units)]
-        self.views = [unit.local_views(self.flat[u][: unit.segment], leaves, 0) for u, unit in enumerate(units)]
-        self.place = {i: (u, k) for u, unit in enumerate(units) for k, i in enumerate(unit.indices)}
+    def __init__(self, groups: list[FlatGroup], leaves: tuple[LeafShard, ...], device: torch.device):
+        self.groups, self.device = groups, device
+        self.flat = [torch.empty(group.segment + (u == len(groups) - 1), dtype=torch.float32, device=device)
+                     for u, group in enumerate(groups)]
+        self.views = [group.local_views(self.flat[u][: group.segment], leaves, 0) for u, group in enumerate(groups)]
+        self.place = {i: (u, k) for u, group in enumerate(groups) for k, i in enumerate(group.indices)}
 
 
 class GradAllReducer(GradReducer):
@@ -183,8 +183,8 @@ class GradAllReducer(GradReducer):
 
     def __init__(self, comm, spec: ShardSpec, buckets: Buckets, deliver: Callable[[FlatGroup, list[torch.Tensor]], None],
                  step: int, divisor: float):
-        super().__init__(comm, spec, lambda: buckets.units, deliver, buckets.device, eager=False, step=step,
-                         sequence=lambda: list(range(len(buckets.units))))
+        super().__init__(comm, spec, lambda: buckets.groups, deliver, buckets.device, eager=False, step=step,
+                         sequence=lambda: list(range(len(buckets.groups))))
         self.buckets, self.scale = buckets, 1.0 / divisor
         self.written: set[int] = set()  # leaves some microbatch produced a grad for
         self.loss = torch.zeros((), dtype=torch.float32, device=buckets.device)
@@ -205,17 +205,17 @@ class GradAllReducer(GradReducer):
             self._collect(u, i, None)
 
     def _reduce(self, u: int, grads: dict) -> None:
-        unit, flat = self.units()[u], self.buckets.flat[u]
-        for i, view in zip(unit.indices, self.buckets.views[u]):
+        group, flat = self.groups()[u], self.buckets.flat[u]
+        for i, view in zip(group.indices, self.buckets.views[u]):
             if i not in self.written:  # no microbatch reached this param: its grad is zero
                 view.zero_()
-        if flat.numel() > unit.segment:
-            flat[unit.segment :].copy_(self.loss)
-        work = self.comm.all_reduce(flat, label=f"grad all-reduce of {unit.name} at {self.label}", async_op=True)
+        if flat.numel() > group.segment:
+            flat[group.segment :].copy_(self.loss)
+        work = self.comm.all_reduce(flat, label=f"grad all-reduce of {group.name} at {self.label}", async_op=True)
         self.works.append((work, flat, u))
 
     def _slices(self, u: int, out: torch.Tensor) -> list[torch.Tensor]:
-        segment = self.units()[u].segment
+        segment = self.groups()[u].segment
         out[:segment].mul_(self.scale)  # while the all-reduce's output is still in the cache
         if out.numel() > segment:
             self.loss.copy_(out[segment])
@@ -228,7 +228,7 @@ class GradSlices:
     ``zeros(i)`` makes leaf i's zero slice, for a leaf nothing was delivered to. The first slice
     delivered for a leaf is kept as it is (a view into the reduce-scatter's output, which nothing
     else holds) and later ones are added into it: no zero-filled accumulators. ``early`` (False
-    here) asks the reducer to deliver each unit as soon as it can, for sinks that consume grads
+    here) asks the reducer to deliver each group as soon as it can, for sinks that consume grads
     during backward (offload's overlapped updates).
     """
 
@@ -238,8 +238,8 @@ class GradSlices:
         self.zeros, self.divisor = zeros, divisor
         self.acc: list[torch.Tensor | None] = [None] * n
 
-    def deliver(self, unit: FlatGroup, slices: list[torch.Tensor]) -> None:
-        for i, piece in zip(unit.indices, slices):
+    def deliver(self, group: FlatGroup, slices: list[torch.Tensor]) -> None:
+        for i, piece in zip(group.indices, slices):
             if self.acc[i] is None:
                 self.acc[i] = piece
             else:

@@ -54,7 +54,7 @@ class ShardRun:
     def execute(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         """The step on ``state`` (already checked by the step): the new state and the metrics."""
         params, step, rng, loss_scale = state.params, state.step, state.rng, state.loss_scale
-        if self.stage == 3 and self._flat_units is None:  # unit binding maps param names to leaves
+        if self.stage == 3 and self._flat_groups is None:  # unit binding maps param names to leaves
             self.sharded._names = _leaf_names(params)
         with carrying(state.buffers) as carried:
             loss, aux, grads = self._loss_and_grads(params, batch, step, rng, loss_scale)
@@ -63,15 +63,13 @@ class ShardRun:
             # loss was summed over the ranks with the last grad bucket)
             new_state, metrics = self._update(state, grads, loss, aux)
         else:
-            self._to_sum = (loss, self._produced)  # summed by the grad norm's all-reduce, the step's one sync
+            # summed by the grad norm's all-reduce, the step's one sync; without a norm, alone (``_finite``)
+            self._to_sum = (loss, self._produced)
             try:
                 with optim.summing_across(self._sum_over_ranks):
                     new_state, metrics = self._update(state, grads, loss, aux)
             finally:
-                self._produced = None  # counts of this step only
-            if self._to_sum is not None:  # no norm was summed
-                self.mesh.comm.all_reduce(loss, label=f"loss all-reduce at step {step}")
-                self._to_sum = None
+                self._produced, self._to_sum = None, None  # this step's only
         loss.div_(state.placement.world)  # metrics["loss"]: the mean over ranks
         return new_state.replace(buffers=buffers), metrics
 
@@ -88,6 +86,24 @@ class ShardRun:
         loss.copy_(both[1])
         produced.copy_(both[2:])
         return both[0]
+
+    def _sum_loss_and_produced(self) -> None:
+        """The step's loss and grads-produced flags summed over the ranks in one all-reduce: what
+        ``_sum_over_ranks`` does with the norm's, for a step that computes no norm."""
+        loss, produced = self._to_sum
+        self._to_sum = None
+        both = torch.cat([loss.reshape(1).float(), produced.to(loss.device, torch.float32)])
+        self.mesh.comm.all_reduce(both, label="loss and grads-produced all-reduce")
+        loss.copy_(both[0])
+        produced.copy_(both[1:])
+
+    def _finite(self, loss: torch.Tensor, norm: torch.Tensor | None, step: int, loss_scale) -> bool:
+        """The step's finite check (``Step._finite``) on the loss summed over the ranks, so every
+        rank decides alike: a step without a norm (``train_step(grad_norm=False)``, no clipping, not
+        fp16) sums it here, with the grads-produced flags, in the step's one all-reduce."""
+        if self._to_sum is not None:
+            self._sum_loss_and_produced()
+        return self.step._finite(loss, norm, step, loss_scale)
 
     def _without_missing_grads(self, grads: PyTree) -> PyTree:
         """``grads`` with ``None`` for the params no rank produced a grad for (their slices are
@@ -116,11 +132,11 @@ class ShardRun:
         eager = self.stage > 1 or self.accum == 1
         with seeded(_step_seed(rng, step), _cuda_devices(params)):
             for micro in _split_batch(mp.cast_floating(batch, self.compute_dtype), self.accum):
-                leaves, gatherer, units = self._microbatch_leaves(spec, pieces, whole, step, device)
+                leaves, gatherer, groups = self._microbatch_leaves(spec, pieces, whole, step, device)
                 if reducer is None or eager:  # stage 1 with accum sums whole grads over microbatches
-                    reducer = GradReducer(self.mesh.reduce_comm, spec, units, sink.deliver, device, eager, step,
-                                          lambda units=units: self._backward_order(units()),
-                                          on_unit_done=gatherer.release if gatherer else None,
+                    reducer = GradReducer(self.mesh.reduce_comm, spec, groups, sink.deliver, device, eager, step,
+                                          lambda groups=groups: self._backward_order(groups()),
+                                          on_group_done=gatherer.release if gatherer else None,
                                           keep_whole=self.stage == 1, deliver_early=sink.early)
                     self._arrived = reducer.arrived  # leaves with a grad so far (offload's overlapped updates)
                 loss, aux = self._backward(tree.unflatten(treespec, leaves), micro, leaves, gatherer, reducer, scale)
@@ -149,9 +165,10 @@ class ShardRun:
         compute = [p.to(self.compute_dtype) for p in pieces]
         self.peak_gathered_bytes = sum(c.numel() * c.element_size() for c, p in zip(compute, pieces) if c is not p)
         self.peak_whole_grad_bytes = 0
-        units, device = self._buckets(spec), self._device(pieces)
-        if self._bucket_buffers is None or (self._bucket_buffers.units, self._bucket_buffers.device) != (units, device):
-            self.sharded._bucket_buffers = Buckets(units, spec.leaves, device)  # new order or place: kept
+        buckets, device = self._buckets(spec), self._device(pieces)
+        kept = self._bucket_buffers
+        if kept is None or (kept.groups, kept.device) != (buckets, device):
+            self.sharded._bucket_buffers = Buckets(buckets, spec.leaves, device)  # new order or place: kept
         reducer = GradAllReducer(self.mesh.reduce_comm, ShardSpec(0, 1, 0, spec.leaves), self._bucket_buffers,
                                  sink.deliver, step, self._grad_divisor())
         auxes = []
@@ -185,8 +202,9 @@ class ShardRun:
         return pieces[0].device
 
     def _microbatch_leaves(self, spec: ShardSpec, pieces, whole, step: int, device: torch.device):
-        """``(leaves, gatherer, units)`` for one microbatch: stages 1/2 differentiate the gathered
-        params; stage 3 hands out storage-less placeholders that its ``Gatherer`` fills per unit."""
+        """``(leaves, gatherer, groups)`` for one microbatch (``groups()``: what the reducer
+        reduces by, the buckets or stage 3's units): stages 1/2 differentiate the gathered params;
+        stage 3 hands out storage-less placeholders that its ``Gatherer`` fills per unit."""
         if self.stage < 3:
             return [w.detach().requires_grad_() for w in whole], None, lambda: self._buckets(spec)
         leaves = [_placeholder(leaf.shape, self.compute_dtype, device) for leaf in spec.leaves]

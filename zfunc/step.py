@@ -399,9 +399,8 @@ def train_step(
         before the update): ``metrics["grad_norm"]``, and a step with non-finite grads is skipped.
         False: computed only where the update needs it anyway (the optimizer's
         ``needs_global_norm``, e.g. clipping; fp16's overflow check), else ``metrics["grad_norm"]``
-        is None and only a non-finite loss skips a step. The plain step and ``offload`` honour
-        False; the steps ``shard`` and ``pipeline`` build compute the norm every step (sharded,
-        its all-reduce is the step's one sync, which also sums the loss).
+        is None and only a non-finite loss skips a step. Every step honours False: plain, sharded
+        (the loss is then summed in an all-reduce of its own, with no norm), pipelined and offloaded.
     Memory: params 4 B/param (fp32 masters) + the optimizer's state + grads 4 B/param (+ the compute
     copy: 2 B/param for bf16/fp16).
     """

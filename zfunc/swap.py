@@ -4,9 +4,14 @@
         swap.write("opt.group0", buf)          # -> Future; don't touch buf until it completes
         swap.read("opt.group0", out).result()  # -> SwapHeader; out holds what was written
 
-One directory, one file per name (``<quoted name>.swap``): a 4096-byte header block (magic, format,
-version counter, dtype, shape, nbytes, crc32 of the payload, crc32 of the header itself), then the
-payload zero-padded to 4096, so every O_DIRECT transfer has an aligned offset and length.
+One directory, one file per name (``<quoted name>.swap``), in the format of ``zfunc.swap_format``
+(a 4096-byte checked header, then the payload padded to 4096). The engine is in four modules, one
+concept each, and every public name is importable from here:
+
+    swap_format.py    the file format, aligned memory, crc32 and its combine, the errors
+    swap_dir.py       the directory: room checks, the one-engine lock, rank_dir, raw pread/pwrite
+    swap_transfer.py  one file's transfer cut into blocks on the thread pool
+    swap.py           the engine: names, versions, ordering per name, spares, write and read
 
 **Law.** ``read(name, out)`` fills ``out`` with exactly the bytes of the last completed
 ``write(name, ...)``. Operations on one name run one at a time in issue order (the engine queues
@@ -24,23 +29,16 @@ writes ~1.5x faster here (ext4 mounted with ``discard``: freeing a 1 GiB file to
 the disk space. Rename rather than two slots per name with the header's version deciding: a rename
 never exposes a torn file and data and header need no ordering.
 
-**One engine per directory.** An engine holds an exclusive ``flock`` on the directory's
-``.zfunc-swap.lock`` for its lifetime; a second engine on the directory, in this process or another,
-is refused with ``SwapInUseError`` naming the directory and the holder's pid (two writers of one name
-would overwrite each other's versions and spares). The kernel drops the lock when the engine closes
-or its process dies, ``kill -9`` included, so the next run on the directory (a resumed one) starts.
+**One engine per directory.** An engine holds an exclusive ``flock`` on the directory for its
+lifetime; a second engine on it is refused with ``SwapInUseError`` (``zfunc.swap_dir``).
 ``lock=False`` takes no lock, for a reader beside the holder (``zfunc.offload.in_ram`` between
 steps); a reader that keeps a file open across two writes of its name would see its spare
 overwritten (``spare=False`` gives such readers the version they opened). Ranks of one job given
-one path use ``rank_dir(path)``: ``path/rank00003/`` for global rank 3, ``path`` itself for a
-process alone.
+one path use ``rank_dir(path)``.
 
-**Checked.** Each worker crc32s the block it moved; block crcs combine (``crc32_combine``) into the
-payload's crc32. A bad header, a truncated file or a payload mismatch raises ``SwapChecksumError``
-naming the file (``out`` is then unspecified). zlib's crc32 runs ~4 GB/s per core: on this loaded
-2-core machine verify halved write GB/s (1.5 vs 3.0, benchmarks/swap.py). With ``isal`` installed
-its crc32 (the same values, ~50 GB/s) is used and verify costs little (3.9-4.7 vs 4.9 GB/s in one
-run). ``verify=False`` skips it (the header then holds no crc, and readers check none).
+**Checked.** Block crc32s combine into the payload's. A bad header, a truncated file or a payload
+mismatch raises ``SwapChecksumError`` naming the file (``out`` is then unspecified); ``verify=False``
+skips it (the header then holds no crc, and readers check none). Cost of verify: ``zfunc.swap_format``.
 
 **Cost.** A write or read moves ``file_nbytes(nbytes)`` = 4096 + nbytes rounded up to 4096; on disk
 the file takes ``disk_bytes(nbytes, block)``, that rounded up to the file system's block. A
@@ -53,431 +51,34 @@ staging buffers of ``block_bytes``, allocated on first need.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
-import gc
 import itertools
-import json
 import os
 import queue
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from urllib.parse import quote
 
 import torch
 
-try:  # same crc32 as zlib, ~10x faster (carry-less multiply)
-    from isal.isal_zlib import crc32
-except ImportError:
-    from zlib import crc32
+# the engine's parts, re-exported: ``zfunc.swap.X`` is where users find every public name
+from zfunc.swap_dir import (LOCK_FILE, _O_DIRECT, _hold_directory, _o_direct_works, _pread_all,  # noqa: F401
+                            _pwrite_all, _release_directory, _remove_stale_temporaries, _reserve, _spare,
+                            check_path, fsync_dir, rank_dir)
+from zfunc.swap_format import (ALIGN, FORMAT, MAGIC, SwapChecksumError, SwapError, SwapHeader,  # noqa: F401
+                               SwapInUseError, SwapMismatchError, SwapPathError, _mv, _pack_header, _pad,
+                               _unpack_header, _version_on_disk, aligned_empty, aligned_like, crc32, crc32_combine,
+                               disk_bytes, file_nbytes)
+from zfunc.swap_transfer import _Transfer
 
-ALIGN = 4096
-FORMAT = 1
-MAGIC = b"ZFSWAP\x00\x01"
 FSYNC = ("never", "write")
-LOCK_FILE = ".zfunc-swap.lock"
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
 
-
-class SwapError(OSError):
-    """A swap file or directory is unusable; the message names it."""
-
-
-class SwapPathError(SwapError):
-    """The swap directory cannot be created, written or locked, or has too little free space."""
-
-
-class SwapInUseError(SwapPathError):
-    """Another live engine (this process or another) holds the swap directory."""
-
-
-class SwapChecksumError(SwapError):
-    """A swap file is truncated or corrupt (header or payload crc32 mismatch)."""
-
-
-class SwapMismatchError(SwapError, ValueError):
-    """A read's ``out`` does not have the dtype and shape the file holds."""
-
-
-@dataclass(frozen=True)
-class SwapHeader:
-    """What a swap file holds; ``crc32`` is None for files written with ``verify=False``."""
-
-    version: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    nbytes: int
-    crc32: int | None
-
-
-# ----------------------------------------------------------------------------- aligned memory
-
-
-def _pad(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def file_nbytes(nbytes: int) -> int:
-    """Bytes of a swap file holding ``nbytes`` of payload (header + padded payload)."""
-    return ALIGN + _pad(nbytes)
-
-
-def disk_bytes(nbytes: int, block: int = ALIGN) -> int:
-    """Room a swap file holding ``nbytes`` of payload takes on a file system that allocates whole
-    ``block``-byte blocks: ``file_nbytes(nbytes)`` rounded up to ``block`` (file metadata aside)."""
-    return -(-file_nbytes(nbytes) // block) * block
-
-
-def aligned_empty(nbytes: int, *, pin: bool = False) -> torch.Tensor:
-    """An uninitialised uint8 CPU tensor at a 4096-aligned address, its length rounded up to 4096.
-
-    ``pin``: page-locked (for fast host<->GPU copies) when CUDA is available, else ignored.
-    """
-    if not isinstance(nbytes, int) or nbytes < 0:
-        raise ValueError(f"nbytes: expected an int >= 0, got {nbytes!r}")
-    size = _pad(nbytes)
-    base = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
-    skip = -base.data_ptr() % ALIGN
-    return base[skip : skip + size]
-
-
-def aligned_like(t: torch.Tensor, *, pin: bool = False) -> torch.Tensor:
-    """An uninitialised tensor with ``t``'s dtype and shape whose data is 4096-aligned."""
-    nbytes = t.numel() * t.element_size()
-    return aligned_empty(nbytes, pin=pin)[:nbytes].view(t.dtype).view(t.shape)
-
-
-def _mv(t: torch.Tensor) -> memoryview:
-    return memoryview(t.numpy())
-
-
-# ----------------------------------------------------------------------------- crc32_combine
-
-
-def _gf2_times(mat: list[int], vec: int) -> int:
-    out, i = 0, 0
-    while vec:
-        if vec & 1:
-            out ^= mat[i]
-        vec, i = vec >> 1, i + 1
-    return out
-
-
-_ZEROS: list[list[int]] = []  # _ZEROS[k]: the operator that runs 2**k zero bytes through a crc32
-_ZEROS_LOCK = threading.Lock()
-
-
-def _zeros_operator(k: int) -> list[int]:
-    with _ZEROS_LOCK:
-        if not _ZEROS:
-            op = [0xEDB88320] + [1 << n for n in range(31)]  # one zero bit (reflected polynomial)
-            for _ in range(3):
-                op = [_gf2_times(op, col) for col in op]
-            _ZEROS.append(op)
-        while len(_ZEROS) <= k:
-            _ZEROS.append([_gf2_times(_ZEROS[-1], col) for col in _ZEROS[-1]])
-        return _ZEROS[k]
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """``crc32(a + b)`` from ``crc32(a)``, ``crc32(b)`` and ``len(b)`` (zlib's crc32_combine)."""
-    k = 0
-    while len2:
-        if len2 & 1:
-            crc1 = _gf2_times(_zeros_operator(k), crc1)
-        len2, k = len2 >> 1, k + 1
-    return crc1 ^ crc2
-
-
-# ----------------------------------------------------------------------------- header
-
-
-def _pack_header(h: SwapHeader) -> bytes:
-    body = json.dumps({"format": FORMAT, "version": h.version, "dtype": str(h.dtype).removeprefix("torch."),
-                       "shape": list(h.shape), "nbytes": h.nbytes, "crc32": h.crc32}).encode()
-    head = MAGIC + len(body).to_bytes(4, "little") + crc32(body).to_bytes(4, "little") + body
-    if len(head) > ALIGN:
-        raise ValueError(f"tensor: shape {list(h.shape)} has too many dims for a {ALIGN}-byte header")
-    return head.ljust(ALIGN, b"\0")
-
-
-def _unpack_header(raw: bytes, file: Path) -> SwapHeader:
-    if raw[:8] != MAGIC:
-        raise SwapChecksumError(f"{file}: not a swap file, or its header is corrupt (bad magic)")
-    n, crc = int.from_bytes(raw[8:12], "little"), int.from_bytes(raw[12:16], "little")
-    if n > ALIGN - 16 or crc32(raw[16 : 16 + n]) != crc:
-        raise SwapChecksumError(f"{file}: header checksum mismatch, the file is corrupt")
-    meta = json.loads(raw[16 : 16 + n])
-    if meta["format"] != FORMAT:
-        raise SwapError(f"{file}: swap format {meta['format']}, this zfunc reads format {FORMAT}")
-    return SwapHeader(meta["version"], getattr(torch, meta["dtype"]), tuple(meta["shape"]), meta["nbytes"],
-                      meta["crc32"])
-
-
-def _version_on_disk(file: Path) -> int:
-    """The version ``file`` holds (0 if missing or unreadable), to go on counting from."""
-    try:
-        with open(file, "rb") as f:
-            return _unpack_header(f.read(ALIGN), file).version
-    except (OSError, ValueError, KeyError):
-        return 0
-
-
-# ----------------------------------------------------------------------------- paths and files
-
-
-def rank_dir(path: str | os.PathLike, rank: int | None = None, world: int | None = None) -> Path:
-    """The directory under ``path`` for the swap files of process ``rank`` of ``world``: ``path``
-    itself for a process alone (``world == 1``), else ``path/rank{rank:05d}``, so the ranks of a job
-    given one path never write one file. Default: the global rank and world size of
-    ``torch.distributed`` (alone when it is not initialised)."""
-    if (rank is None) != (world is None):
-        raise ValueError(f"rank, world: pass both or neither, got rank={rank!r}, world={world!r}")
-    if rank is None:
-        import torch.distributed as dist
-
-        on = dist.is_available() and dist.is_initialized()
-        rank, world = (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
-    if not isinstance(world, int) or world < 1 or not isinstance(rank, int) or not 0 <= rank < world:
-        raise ValueError(f"rank, world: expected ints with 0 <= rank < world, got rank={rank!r}, world={world!r}")
-    return Path(path) if world == 1 else Path(path) / f"rank{rank:05d}"
-
-
-def check_path(path: str | os.PathLike, need_bytes: int = 0, files: Iterable[int] = ()) -> Path:
-    """Create ``path`` if needed; check files can be written there and there is room for
-    ``need_bytes`` plus swap files holding ``files`` (payload bytes each): ``disk_bytes(n, block)``
-    each, ``block`` being the file system's allocation unit (``statvfs``'s ``f_frsize``, the unit
-    free space is counted in), so many small files are not undercounted.
-
-    Raises ``SwapPathError`` naming the path otherwise. Call it before training starts.
-    """
-    p = Path(path)
-    try:
-        p.mkdir(parents=True, exist_ok=True)
-        probe = p / f".probe.{os.getpid()}.{threading.get_ident()}.tmp"
-        probe.write_bytes(bytes(ALIGN))
-        probe.unlink()
-    except OSError as e:
-        raise SwapPathError(f"path: swap directory {p} cannot be created or written ({e})") from e
-    st = os.statvfs(p)
-    block = st.f_frsize or ALIGN
-    free, sizes = st.f_bavail * block, list(files)
-    need = need_bytes + sum(disk_bytes(n, block) for n in sizes)
-    if need > free:
-        raise SwapPathError(f"path: swap directory {p} has {free / 2**30:.2f} GiB free, needs "
-                            f"{need / 2**30:.2f} GiB (need_bytes={need_bytes} + {len(sizes)} files "
-                            f"in {block}-byte blocks)")
-    return p
-
-
-def _hold_directory(directory: Path) -> int:
-    """Hold ``directory``'s lock file (``flock``, exclusive, not waiting): its fd, the holder's pid
-    written in it. The kernel drops the lock with the fd's last close or the process's death."""
-    file, collected = directory / LOCK_FILE, False
-    while True:
-        try:
-            fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise SwapPathError(f"path: swap directory {directory} cannot be locked ({e})") from e
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _holder_pid(fd)
-            os.close(fd)
-            if holder == os.getpid() and not collected:
-                # the engine of a dropped step may be waiting in a reference cycle: collecting it
-                # runs its finalizer, which releases the lock
-                gc.collect()
-                collected = True
-                continue
-            who = "pid unknown" if holder is None else f"pid {holder}"
-            who += ", this process" if holder == os.getpid() else ""
-            raise SwapInUseError(f"path: swap directory {directory} is in use by another live SwapEngine ({who}); "
-                                 "two engines on one directory overwrite each other's files: give each run its "
-                                 "own path, or close the engine (drop the step) holding it") from None
-        except OSError as e:
-            os.close(fd)
-            raise SwapPathError(f"path: swap directory {directory} cannot be locked ({e}); its file system must "
-                                "support flock") from e
-        if _is_file(fd, file):
-            break
-        os.close(fd)  # its holder removed it between our open and flock: lock the one there now
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
-
-
-def _release_directory(fd: int, file: Path) -> None:
-    """Remove the lock file while still holding it (a waiter that opened it then sees it gone, see
-    ``_hold_directory``), then release it."""
-    try:
-        if _is_file(fd, file):
-            file.unlink()
-    except OSError:
-        pass  # left behind, harmless: the next engine locks it
-    finally:
-        os.close(fd)
-
-
-def _is_file(fd: int, file: Path) -> bool:
-    """Whether ``fd`` is the file at ``file`` now."""
-    try:
-        a, b = os.fstat(fd), os.stat(file)
-    except FileNotFoundError:
-        return False
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
-
-
-def _holder_pid(fd: int) -> int | None:
-    """The pid the lock file's holder wrote (None if not yet written)."""
-    try:
-        return int(os.pread(fd, 32, 0))
-    except ValueError:
-        return None
-
-
-def _o_direct_works(directory: Path) -> bool:
-    """Whether the filesystem takes O_DIRECT opens and aligned writes (some refuse with EINVAL)."""
-    probe = directory / f".probe.{os.getpid()}.{threading.get_ident()}.tmp"
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | _O_DIRECT, 0o600)
-        try:
-            os.pwritev(fd, [_mv(aligned_empty(ALIGN).zero_())], 0)
-        finally:
-            os.close(fd)
-        return bool(_O_DIRECT)
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            raise SwapPathError(f"path: swap directory {directory} cannot be written ({e})") from e
-        return False
-    finally:
-        probe.unlink(missing_ok=True)
-
-
-def _remove_stale_temporaries(directory: Path) -> None:
-    """Remove the ``.<file>.<pid>.<seq>.tmp`` of writers that died mid-write."""
-    for tmp in directory.glob(".*.tmp"):
-        try:
-            os.kill(int(tmp.name.rsplit(".", 3)[1]), 0)
-        except ProcessLookupError:
-            tmp.unlink(missing_ok=True)
-        except (ValueError, IndexError, PermissionError):
-            pass  # not ours, or its writer is alive
-
-
-def _reserve(fd: int, size: int, file: Path) -> None:
-    """Allocate the file's blocks up front: a full disk fails here, before any data moves."""
-    try:
-        if os.fstat(fd).st_size > size:  # a spare from a bigger tensor
-            os.ftruncate(fd, size)
-        os.posix_fallocate(fd, 0, size)
-    except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise SwapPathError(f"{file}: no space left for {size} bytes") from e
-        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            raise
-        os.ftruncate(fd, size)
-
-
-def _spare(file: Path) -> Path:
-    return file.with_name(f".{file.name}.spare")
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a directory's entries (a rename, a new file) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _pwrite_all(fd: int, data: memoryview, pos: int) -> None:
-    done = 0
-    while done < len(data):
-        done += os.pwritev(fd, [data[done:]], pos + done)
-
-
-def _pread_all(fd: int, data: memoryview, pos: int, file: Path) -> None:
-    n = os.preadv(fd, [data], pos)  # a regular file reads short only at its end (blocks are <= 1 GiB)
-    if n < len(data):
-        raise SwapChecksumError(f"{file}: truncated, ends at byte {pos + n}, expected {pos + len(data)}")
-
-
-# ----------------------------------------------------------------------------- one transfer
-
-
-class _Transfer:
-    """One file's blocks, at most ``depth`` in flight on ``pool``; then ``finish(crc)`` or ``cleanup()``.
-
-    A finished block submits the next, so no worker waits on another (no deadlock at any pool size)
-    and the blocks of concurrent transfers interleave in the pool's queue. ``fd`` is closed at the
-    end, after ``finish`` or ``cleanup``; the future gets finish's value or a ``SwapError`` naming
-    ``file`` and saying ``what`` failed.
-    """
-
-    def __init__(self, pool: ThreadPoolExecutor, depth: int, nbytes: int, block: int, fd: int, file: Path,
-                 what: str, move: Callable[[int, int], int], finish: Callable[[int], object],
-                 cleanup: Callable[[], None], fut: Future):
-        self.pool, self.fd, self.file, self.what, self.fut = pool, fd, file, what, fut
-        self.move, self.finish, self.cleanup = move, finish, cleanup
-        self.blocks = [(off, min(block, nbytes - off)) for off in range(0, nbytes, block)]
-        self.crcs = [0] * len(self.blocks)
-        self.lock = threading.Lock()
-        self.error: BaseException | None = None
-        self.next = self.running = min(depth, len(self.blocks))
-
-    def start(self) -> None:
-        if not self.blocks:
-            return self._end()
-        for i in range(self.next):
-            self.pool.submit(self._run, i)
-
-    def _run(self, i: int) -> None:
-        try:
-            self.crcs[i] = self.move(*self.blocks[i])
-        except BaseException as e:  # noqa: BLE001 - handed to the future
-            with self.lock:
-                self.error = self.error or e
-        with self.lock:
-            j = self.next if self.error is None and self.next < len(self.blocks) else None
-            self.next += j is not None
-            self.running -= j is None
-            last = self.running == 0
-        if j is not None:
-            self.pool.submit(self._run, j)
-        elif last:
-            self._end()
-
-    def _end(self) -> None:
-        try:
-            try:
-                if self.error is not None:
-                    raise self.error
-                result = self.finish(self._crc())
-            finally:
-                os.close(self.fd)
-        except BaseException as e:  # noqa: BLE001 - never leave the future pending
-            with contextlib.suppress(BaseException):
-                self.cleanup()
-            if isinstance(e, OSError) and not isinstance(e, SwapError):
-                e = SwapError(f"{self.file}: {self.what} ({e})")
-            self.fut.set_exception(e)
-        else:
-            self.fut.set_result(result)
-
-    def _crc(self) -> int:
-        total = self.crcs[0] if self.crcs else 0
-        for crc, (_, n) in zip(self.crcs[1:], self.blocks[1:], strict=True):
-            total = crc32_combine(total, crc, n)
-        return total
-
-
-# ----------------------------------------------------------------------------- the engine
+__all__ = ["ALIGN", "FORMAT", "FSYNC", "LOCK_FILE", "MAGIC", "SwapChecksumError", "SwapEngine", "SwapError",
+           "SwapHeader", "SwapInUseError", "SwapMismatchError", "SwapPathError", "aligned_empty", "aligned_like",
+           "check_path", "crc32", "crc32_combine", "disk_bytes", "file_nbytes", "fsync_dir", "rank_dir"]
 
 
 class SwapEngine:

@@ -54,7 +54,7 @@ import torch
 from zfunc.plan.hardware import GB, Cluster, Device, Node
 
 DEFAULT_PATH = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "zfunc" / "plan_calibration.json"
-SIZES = (64 << 10, 16 << 20)  # bytes of the collectives' tensors (Comm units: output / input / tensor)
+SIZES = (64 << 10, 16 << 20)  # bytes of the collectives' tensors (as Comm counts bytes: output / input / tensor)
 VERSION = 3  # 3: single-thread rates in CPU time, first_touch_bw
 
 

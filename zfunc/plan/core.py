@@ -133,7 +133,7 @@ class Plan:
         lines.append(f"model states: params {j['params_gb']:.3f} + grads {j['grads_gb']:.3f} + optimizer "
                      f"{j['optimizer_gb']:.3f} = {j['model_states_gb']:.3f} GB")
         lines.append("")
-        lines.append("communication per rank per step (GB, dist.Comm units): " + ", ".join(
+        lines.append("communication per rank per step (GB, as dist.Comm counts bytes): " + ", ".join(
             f"{k} {v:.3f}" for k, v in j["comm_gb_by_collective"].items()))
         lines.append("step time (s): " + ", ".join(f"{k} {v:.4g}" for k, v in self.time.items()))
         lines.append(f"throughput: {self.tokens_per_step / self.step_time:,.0f} tokens/s, "
@@ -165,7 +165,7 @@ def step_times(model: ModelSpec, s: Strategy, cluster: Cluster) -> dict[str, flo
         out["compute"] = m * (micro.forward + micro.backward)
     else:
         out["compute"] = _pipeline_compute(model, s, cluster, micro)
-    coll = lambda kind, units: cost.collective_time(cluster, kind, units, N, s.tp)  # noqa: E731
+    coll = lambda kind, nbytes: cost.collective_time(cluster, kind, nbytes, N, s.tp)  # noqa: E731
     e = s.elem
     exposed = 0.0
     if N > 1:

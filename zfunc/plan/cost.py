@@ -1,6 +1,6 @@
 """Communication per step and the step time: a roofline over compute, collectives and offload traffic.
 
-**Communication** per rank and step, in ``dist.Comm``'s units (all-gather: its output; reduce-scatter:
+**Communication** per rank and step, in bytes as ``dist.Comm`` counts them (all-gather: its output; reduce-scatter:
 its input; all-reduce: twice its tensor; send/recv: each tensor), ``P`` params of the rank's
 partition, ``N = dp``, ``m`` microbatches, ``e`` the compute dtype's bytes (``zfunc.shard``):
 stage 0 all-reduces fp32 grads once (``8P``); stages 1/2 all-gather ``eP`` once and reduce-scatter
@@ -9,7 +9,7 @@ reduce-scatters ``4P`` every microbatch. A pipeline sends each microbatch's boun
 forward and its grad back, and lends the shared params (``eP_sh`` out, ``4P_sh`` back). Tensor
 parallelism (modelled as Megatron-LM: 2 all-reduces of ``T h e`` per layer in forward, 2 in
 backward, 2 more with remat) stays inside a node when it can. On the wire a ring moves
-``(N-1)/N`` of the Comm units, at the link of the group: NVLink inside a node, else the node's
+``(N-1)/N`` of those bytes, at the link of the group: NVLink inside a node, else the node's
 network shared by the ``gpus_per_node / members_per_node`` groups crossing it.
 
 **Time** (seconds). Compute per microbatch is a roofline per op: each GEMM takes
@@ -120,11 +120,11 @@ def group_bandwidth(cluster: Cluster, members: int, stride: int) -> float:
     return min(node.intra_bw, node.inter_bw * per_node / gpn) * eff
 
 
-def collective_time(cluster: Cluster, kind: str, units: float, members: int, stride: int = 1) -> float:
-    """Seconds for a collective of ``units`` bytes (``dist.Comm``'s count) over ``members`` ranks."""
-    if members <= 1 or units <= 0:
+def collective_time(cluster: Cluster, kind: str, nbytes: float, members: int, stride: int = 1) -> float:
+    """Seconds for a collective of ``nbytes`` (``dist.Comm``'s count) over ``members`` ranks."""
+    if members <= 1 or nbytes <= 0:
         return 0.0
-    wire = units * (members - 1) / members
+    wire = nbytes * (members - 1) / members
     if kind in cluster.collectives:  # calibrated on this machine: alpha per hop, wire bytes/s
         alpha, beta = cluster.collectives[kind]
         return alpha * (members - 1) + wire / beta

@@ -1,0 +1,209 @@
+"""The swap directory: path checks, the one-engine lock, and the raw file operations (used by
+``zfunc.swap``).
+
+**One engine per directory.** An engine holds an exclusive ``flock`` on the directory's
+``.zfunc-swap.lock`` for its lifetime (``_hold_directory``); a second engine on the directory, in
+this process or another, is refused with ``SwapInUseError`` naming the directory and the holder's
+pid (two writers of one name would overwrite each other's versions and spares). The kernel drops the
+lock when the engine closes or its process dies, ``kill -9`` included, so the next run on the
+directory (a resumed one) starts. Ranks of one job given one path use ``rank_dir(path)``:
+``path/rank00003/`` for global rank 3, ``path`` itself for a process alone.
+
+**Room.** ``check_path`` counts each file in the file system's allocation blocks, so many small
+files are not undercounted; ``_reserve`` allocates a file's blocks before any data moves, so a full
+disk fails before the previous version is touched. Temporaries of writers that died mid-write
+(``.<file>.<pid>.<seq>.tmp``) are removed by the next engine (``_remove_stale_temporaries``).
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import gc
+import os
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+
+from zfunc.swap_format import ALIGN, SwapChecksumError, SwapInUseError, SwapPathError, _mv, aligned_empty, disk_bytes
+
+LOCK_FILE = ".zfunc-swap.lock"
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def rank_dir(path: str | os.PathLike, rank: int | None = None, world: int | None = None) -> Path:
+    """The directory under ``path`` for the swap files of process ``rank`` of ``world``: ``path``
+    itself for a process alone (``world == 1``), else ``path/rank{rank:05d}``, so the ranks of a job
+    given one path never write one file. Default: the global rank and world size of
+    ``torch.distributed`` (alone when it is not initialised)."""
+    if (rank is None) != (world is None):
+        raise ValueError(f"rank, world: pass both or neither, got rank={rank!r}, world={world!r}")
+    if rank is None:
+        import torch.distributed as dist
+
+        on = dist.is_available() and dist.is_initialized()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
+    if not isinstance(world, int) or world < 1 or not isinstance(rank, int) or not 0 <= rank < world:
+        raise ValueError(f"rank, world: expected ints with 0 <= rank < world, got rank={rank!r}, world={world!r}")
+    return Path(path) if world == 1 else Path(path) / f"rank{rank:05d}"
+
+
+def check_path(path: str | os.PathLike, need_bytes: int = 0, files: Iterable[int] = ()) -> Path:
+    """Create ``path`` if needed; check files can be written there and there is room for
+    ``need_bytes`` plus swap files holding ``files`` (payload bytes each): ``disk_bytes(n, block)``
+    each, ``block`` being the file system's allocation unit (``statvfs``'s ``f_frsize``, the unit
+    free space is counted in), so many small files are not undercounted.
+
+    Raises ``SwapPathError`` naming the path otherwise. Call it before training starts.
+    """
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / f".probe.{os.getpid()}.{threading.get_ident()}.tmp"
+        probe.write_bytes(bytes(ALIGN))
+        probe.unlink()
+    except OSError as e:
+        raise SwapPathError(f"path: swap directory {p} cannot be created or written ({e})") from e
+    st = os.statvfs(p)
+    block = st.f_frsize or ALIGN
+    free, sizes = st.f_bavail * block, list(files)
+    need = need_bytes + sum(disk_bytes(n, block) for n in sizes)
+    if need > free:
+        raise SwapPathError(f"path: swap directory {p} has {free / 2**30:.2f} GiB free, needs "
+                            f"{need / 2**30:.2f} GiB (need_bytes={need_bytes} + {len(sizes)} files "
+                            f"in {block}-byte blocks)")
+    return p
+
+
+def _hold_directory(directory: Path) -> int:
+    """Hold ``directory``'s lock file (``flock``, exclusive, not waiting): its fd, the holder's pid
+    written in it. The kernel drops the lock with the fd's last close or the process's death."""
+    file, collected = directory / LOCK_FILE, False
+    while True:
+        try:
+            fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise SwapPathError(f"path: swap directory {directory} cannot be locked ({e})") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder_pid(fd)
+            os.close(fd)
+            if holder == os.getpid() and not collected:
+                # the engine of a dropped step may be waiting in a reference cycle: collecting it
+                # runs its finalizer, which releases the lock
+                gc.collect()
+                collected = True
+                continue
+            who = "pid unknown" if holder is None else f"pid {holder}"
+            who += ", this process" if holder == os.getpid() else ""
+            raise SwapInUseError(f"path: swap directory {directory} is in use by another live SwapEngine ({who}); "
+                                 "two engines on one directory overwrite each other's files: give each run its "
+                                 "own path, or close the engine (drop the step) holding it") from None
+        except OSError as e:
+            os.close(fd)
+            raise SwapPathError(f"path: swap directory {directory} cannot be locked ({e}); its file system must "
+                                "support flock") from e
+        if _is_file(fd, file):
+            break
+        os.close(fd)  # its holder removed it between our open and flock: lock the one there now
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _release_directory(fd: int, file: Path) -> None:
+    """Remove the lock file while still holding it (a waiter that opened it then sees it gone, see
+    ``_hold_directory``), then release it."""
+    try:
+        if _is_file(fd, file):
+            file.unlink()
+    except OSError:
+        pass  # left behind, harmless: the next engine locks it
+    finally:
+        os.close(fd)
+
+
+def _is_file(fd: int, file: Path) -> bool:
+    """Whether ``fd`` is the file at ``file`` now."""
+    try:
+        a, b = os.fstat(fd), os.stat(file)
+    except FileNotFoundError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _holder_pid(fd: int) -> int | None:
+    """The pid the lock file's holder wrote (None if not yet written)."""
+    try:
+        return int(os.pread(fd, 32, 0))
+    except ValueError:
+        return None
+
+
+def _o_direct_works(directory: Path) -> bool:
+    """Whether the filesystem takes O_DIRECT opens and aligned writes (some refuse with EINVAL)."""
+    probe = directory / f".probe.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | _O_DIRECT, 0o600)
+        try:
+            os.pwritev(fd, [_mv(aligned_empty(ALIGN).zero_())], 0)
+        finally:
+            os.close(fd)
+        return bool(_O_DIRECT)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise SwapPathError(f"path: swap directory {directory} cannot be written ({e})") from e
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def _remove_stale_temporaries(directory: Path) -> None:
+    """Remove the ``.<file>.<pid>.<seq>.tmp`` of writers that died mid-write."""
+    for tmp in directory.glob(".*.tmp"):
+        try:
+            os.kill(int(tmp.name.rsplit(".", 3)[1]), 0)
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except (ValueError, IndexError, PermissionError):
+            pass  # not ours, or its writer is alive
+
+
+def _reserve(fd: int, size: int, file: Path) -> None:
+    """Allocate the file's blocks up front: a full disk fails here, before any data moves."""
+    try:
+        if os.fstat(fd).st_size > size:  # a spare from a bigger tensor
+            os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise SwapPathError(f"{file}: no space left for {size} bytes") from e
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        os.ftruncate(fd, size)
+
+
+def _spare(file: Path) -> Path:
+    return file.with_name(f".{file.name}.spare")
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a rename, a new file) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pwrite_all(fd: int, data: memoryview, pos: int) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwritev(fd, [data[done:]], pos + done)
+
+
+def _pread_all(fd: int, data: memoryview, pos: int, file: Path) -> None:
+    n = os.preadv(fd, [data], pos)  # a regular file reads short only at its end (blocks are <= 1 GiB)
+    if n < len(data):
+        raise SwapChecksumError(f"{file}: truncated, ends at byte {pos + n}, expected {pos + len(data)}")
+
