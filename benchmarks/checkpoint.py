@@ -8,8 +8,8 @@
 computed on the way), ``torch.save`` of the same tensors followed by an fsync, and
 ``torch.distributed.checkpoint.save`` (DCP, one process, its ``FileSystemWriter`` fsyncs). Loads:
 ``zf.checkpoint.load`` (checks every crc32), ``torch.load``, ``dcp.load`` into freshly allocated
-tensors (allocation counted, as the other two allocate). Cold cache: before every load its files
-are dropped from the page cache with ``posix_fadvise(DONTNEED)`` (this benchmark runs as root
+tensors (allocation counted, as the other two allocate). Cold cache: before every load all the
+round's files are dropped from the page cache with ``posix_fadvise(DONTNEED)`` (this benchmark runs as root
 here, but ``/proc/sys/vm/drop_caches`` would drop the other users' caches on this shared
 machine, so it is not used). Every round writes fresh files and deletes the last round's first,
 then ``sync``s and waits a second: the file system (ext4 mounted with ``discard``) frees blocks
@@ -17,14 +17,28 @@ in the background for a while after a delete, and that must not land on the next
 are interleaved and the writers' order rotates each round; the table shows each one's median
 GB/s and the median over rounds of the paired ratio (zfunc over the peer, same round).
 
-Two loads per round. "First read after the save" is what a resume right after a save sees. On
-this VM it depends on how the file was written, not on the reader: a file written through the
-guest's page cache (``torch.save``, DCP) is read back at 1.5-2.5 GB/s with the guest's cache
-dropped, while a file written with ``O_DIRECT`` (zfunc) is read at 0.2-0.3 GB/s the first time
-and at 2+ GB/s from then on; ``dd`` showed the same on the raw files (2.2 s vs 0.3 s first, 0.2 s
-each after). Our reading (not proven): the hypervisor's cache keeps what the guest wrote through
-its page cache and not what it wrote with ``O_DIRECT``, and 0.2-0.3 GB/s is this disk uncached. So "files read once
-before" compares the readers on an equal footing (guest cache dropped, host cache warm for all).
+Two loads per round, each with the page cache of every file dropped first, so they differ only in
+the memory they land in. On this VM (Firecracker, guest kernel booted with free page reporting,
+``page_reporting.page_reporting_order``) memory the guest has freed is handed back to the host a
+couple of seconds later, and touching it again costs a host fault per page: 600 MiB of fresh
+transparent huge pages faulted in 1.5-2.1 s after sitting free 3 s, against 0.07-0.3 s when
+touched again at once (4 KiB pages: 0.5-0.7 s either way, taken from the free fragments the host
+was not given); every loader allocates what it reads into, so its time swings with this.
+
+- "memory warm": just before each load, 1.5x the state's bytes are touched and freed, so every
+  loader finds recently used memory, as on a machine without free page reporting.
+- "memory cold": the last round's and the last load's memory has sat free 3 s, as a fresh process
+  on this VM finds it. zfunc reads into huge pages (``zfunc.ops.hostmem``, where init puts state:
+  every optimizer step runs on them), which cost the most to fault here; ``torch.load`` reads into
+  4 KiB pages.
+
+What this replaces (measured 2026-11-24): the old "first read after the save" row dropped each
+loader's own files just before it ran, so ``torch.load`` and DCP got the memory their file's page
+cache had just held, and zfunc, whose ``O_DIRECT``-written files leave nothing in the page cache,
+got cold memory: 0.3x ``torch.load``. It was not the disk: read straight after being written,
+600 MiB files came back at 1.6 GB/s whether written with ``O_DIRECT`` or not (``checkpoint_io``).
+The host caches what the guest writes: a fresh file's first read comes from that cache in both
+rows; a file the host has not seen (here, an old 0.7 GB one) read at 0.15 GB/s the first time.
 (``dd`` of ``/dev/zero``, the old disk reference here, is not one: zeros are cheap to the host.)
 
 **Background save.** A training step of ``--async-mparams`` million params (an MLP of 8 square
@@ -37,6 +51,7 @@ compare within a run.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import statistics
@@ -52,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zfunc as zf  # noqa: E402
 from zfunc import checkpoint as ck, step as step_module  # noqa: E402
+from zfunc.ops import hostmem  # noqa: E402
 
 
 def make_state(mparams: float) -> tuple[zf.Step, zf.TrainState]:
@@ -74,6 +90,11 @@ def drop_cache(path: Path) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def warm_memory(nbytes: int) -> None:
+    """Touch and free ``nbytes`` of huge-page memory: the next allocations find it recently used."""
+    hostmem.empty(nbytes, torch.uint8).fill_(0)
 
 
 def timed(fn) -> float:
@@ -122,7 +143,7 @@ def save_load(mparams: float, rounds: int, root: Path, verbose: bool = False) ->
     step, state = make_state(mparams)
     nbytes = zf.tree.nbytes(state)
     like = dcp_state(state)
-    times: dict[str, list[float]] = {f"{lib} {op}": [] for op in ("save", "load", "reload")
+    times: dict[str, list[float]] = {f"{lib} {op}": [] for op in ("save", "warm", "cold")
                                      for lib in ("zf", "torch", "dcp")}
     last: list[Path] = []
     for r in range(rounds):
@@ -139,11 +160,15 @@ def save_load(mparams: float, rounds: int, root: Path, verbose: bool = False) ->
             times[f"{name} save"].append(timed(save))
             os.sync()
         settle()  # the saves' write-back, before any load
-        for op in ("load", "reload"):  # the first read of the files, then another (see the docstring)
+        for op in ("warm", "cold"):  # the memory each load lands in (see the docstring)
             for name, _ in order:
-                path, load = readers[name]
-                drop_cache(path)
-                times[f"{name} {op}"].append(timed(load))
+                drop_cache(root)
+                if op == "warm":
+                    warm_memory(int(1.5 * nbytes))
+                else:
+                    gc.collect()
+                    time.sleep(3.0)
+                times[f"{name} {op}"].append(timed(readers[name][1]))
     settle(*last)
     med = {k: statistics.median(v) for k, v in times.items()}
     if verbose:
@@ -156,8 +181,8 @@ def save_load(mparams: float, rounds: int, root: Path, verbose: bool = False) ->
     print(f"\n{mparams:g}M params, AdamW: {nbytes / 1e9:.2f} GB, {rounds} interleaved rounds, cold cache, fsynced\n")
     print("| operation | zfunc GB/s | torch GB/s | DCP GB/s | zfunc vs torch | zfunc vs DCP |")
     print("|---|---|---|---|---|---|")
-    for op, what in (("save", "save (fsynced)"), ("load", "load, first read after the save"),
-                     ("reload", "load, files read once before")):
+    for op, what in (("save", "save (fsynced)"), ("warm", "load, memory warm"),
+                     ("cold", "load, memory cold (this VM)")):
         gbs = [nbytes / med[f"{lib} {op}"] / 1e9 for lib in ("zf", "torch", "dcp")]
         print(f"| {what} | {gbs[0]:.2f} | {gbs[1]:.2f} | {gbs[2]:.2f} | {ratio(f'zf {op}', f'torch {op}'):.2f}x | "
               f"{ratio(f'zf {op}', f'dcp {op}'):.2f}x |")
