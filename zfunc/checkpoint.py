@@ -403,6 +403,9 @@ def load(directory: str | os.PathLike, step_or_template: Step | TrainState, *, p
         lazy = tree.unflatten(treespec, [_reader(files, saved[s.path], s, x) for s, x in zip(slots, leaves)])
         if compose.applied(step_or_template, "offload"):
             return _restore(step_or_template, lazy, model, device)
+        files.plan([r for s, x in zip(slots, leaves) if isinstance(x, torch.Tensor)  # read ahead, in this order
+                    for r in cl.planned_reads(saved[s.path], manifest,
+                                              None if saved[s.path]["split_like"] is None else s.rows)])
         return tree.map(lambda read, like: _to(read(), like, device), lazy, template)
 
 

@@ -179,7 +179,8 @@ def _reserve(fd: int, size: int) -> None:
 
 class Reader:
     """One file open for reading: ``O_DIRECT`` blocks in parallel where the bytes' file offset and
-    memory address line up, else ``pread`` through the page cache. Close it (or use ``with``)."""
+    memory address line up, else ``pread`` through the page cache. Several threads may read at
+    once (their blocks share the pool). Close it (or use ``with``)."""
 
     def __init__(self, path: Path, *, threads: int = READ_THREADS):
         self.path = path
@@ -187,6 +188,7 @@ class Reader:
         self.direct_fd: int | None = None
         self.threads = threads
         self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()  # the lazily opened fd and pool
 
     def close(self) -> None:
         os.close(self.fd)
@@ -219,21 +221,23 @@ class Reader:
         return got + (_pread_all(self.fd, _mv(out[head + body :]), offset + head + body, self.path) if rest else 0)
 
     def _direct(self) -> bool:
-        if self.direct_fd is None and _O_DIRECT:
-            try:
-                self.direct_fd = os.open(self.path, os.O_RDONLY | _O_DIRECT)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                self.direct_fd = -1
+        with self._lock:
+            if self.direct_fd is None and _O_DIRECT:
+                try:
+                    self.direct_fd = os.open(self.path, os.O_RDONLY | _O_DIRECT)
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    self.direct_fd = -1
         return self.direct_fd is not None and self.direct_fd >= 0
 
     def _parallel(self, fd: int, offset: int, out: torch.Tensor) -> int:
         n = out.numel()
         if n <= BLOCK:
             return _pread_all(fd, _mv(out), offset, self.path)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads)
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads)
         jobs = [self._pool.submit(_pread_all, fd, _mv(out[p : p + BLOCK]), offset + p, self.path)
                 for p in range(0, n, BLOCK)]
         got = [j.result() for j in jobs]
