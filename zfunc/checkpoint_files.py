@@ -172,7 +172,8 @@ class RankFiles:
     """The rank files of one checkpoint, read tensor by tensor: each file's header once (parsed
     and checked), then only the bytes of the tensors asked for, each checked against its crc32
     when ``verify``. Format 1 files, which have one crc32 each, are checked whole when opened.
-    Use as a context manager (it holds the files open)."""
+    ``plan`` the reads to come and they are read ahead. Use as a context manager (it holds the
+    files open)."""
 
     def __init__(self, directory: Path, manifest: dict, verify: bool):
         self.directory, self.manifest, self.verify = directory, manifest, verify
