@@ -1,7 +1,8 @@
 """Checkpoint save/load vs torch.save/torch.load and torch DCP, and a background save's cost to training.
 
     python benchmarks/checkpoint.py [--mparams 50 200] [--rounds 5] [--dir /tmp/zfunc-ckpt-bench]
-                                    [--async-mparams 50] [--no-async] [--verbose] [--buffered-writes]
+                                    [--async-mparams 50] [--no-async] [--no-save-load] [--verbose]
+                                    [--buffered-writes]
 
 **Save and load.** The state is an AdamW ``TrainState`` of ``--mparams`` million fp32 params
 (params + two moments: 12 bytes/param). Writers: ``zf.checkpoint.save`` (crc32 of every tensor,
@@ -67,7 +68,7 @@ import torch.distributed.checkpoint as dcp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zfunc as zf  # noqa: E402
-from zfunc import checkpoint as ck, step as step_module  # noqa: E402
+from zfunc import checkpoint as ck, state as state_module  # noqa: E402
 from zfunc.ops import hostmem  # noqa: E402
 
 
@@ -209,7 +210,7 @@ def mlp_step(mparams: float) -> tuple[zf.Step, zf.TrainState, torch.Tensor]:
 def background(mparams: float, root: Path, steps: int = 6) -> None:
     step, state, x = mlp_step(mparams)
     waited = [0.0]
-    inner = list(step_module.before_consume)
+    inner = list(state_module.before_consume)
 
     def timed_wait() -> None:  # what a step waits for the save's copy
         t0 = time.perf_counter()
@@ -217,7 +218,7 @@ def background(mparams: float, root: Path, steps: int = 6) -> None:
             wait()
         waited[0] += time.perf_counter() - t0
 
-    step_module.before_consume[:] = [timed_wait]
+    state_module.before_consume[:] = [timed_wait]
     try:
         for _ in range(2):  # warm up
             state, _ = step(state, x)
@@ -244,7 +245,7 @@ def background(mparams: float, root: Path, steps: int = 6) -> None:
             handle.wait()
             blocked.append(call + waited[0])
     finally:
-        step_module.before_consume[:] = inner
+        state_module.before_consume[:] = inner
     nbytes = zf.tree.nbytes(state)
     p, d = statistics.median(plain), statistics.mean(during)
     b, s = statistics.median(blocked), statistics.median(blocking)
@@ -262,6 +263,7 @@ def main(argv=None) -> None:
     p.add_argument("--mparams", type=float, nargs="+", default=[50.0])
     p.add_argument("--async-mparams", type=float, default=50.0)
     p.add_argument("--no-async", action="store_true")
+    p.add_argument("--no-save-load", action="store_true", help="only the background save")
     p.add_argument("--dir", default="/tmp/zfunc-ckpt-bench")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--verbose", action="store_true", help="print every round's times")
@@ -277,7 +279,7 @@ def main(argv=None) -> None:
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     try:
-        for m in args.mparams:
+        for m in [] if args.no_save_load else args.mparams:
             save_load(m, args.rounds, root, args.verbose)
         if not args.no_async:
             background(args.async_mparams, root)

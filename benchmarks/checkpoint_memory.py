@@ -17,8 +17,10 @@ A file of ``--mib`` random bytes is written by ``zfunc.checkpoint_io.write_file`
 Then the fault cost alone: fresh huge-page (``zfunc.ops.hostmem``) and 4 KiB (``torch.empty``)
 memory touched after sitting free 3 s, and again at once. Prints median seconds per case and
 every round's. (Measured 2026-11-24, under load, 600 MiB, 3 rounds: the same ``O_DIRECT``-written
-file read in 0.16-0.28 s into recently freed memory and 0.5-1.1 s into memory free 3 s; 600 MiB of
-cold huge pages faulted in 0.9-1.6 s, of recently freed ones in 0.07-0.3 s.)
+file read in 0.16-0.33 s into recently freed memory in most rounds and 0.5-2.4 s into memory free
+3 s, where a file written through the page cache, read right after the drop, took 0.17-0.21 s;
+600 MiB of cold huge pages faulted in 0.9-2.2 s, of recently freed ones in 0.07-0.3 s in most
+rounds. ``--rounds 3`` prints a table in 2-3 minutes.)
 """
 from __future__ import annotations
 

@@ -11,9 +11,10 @@ the segments.
 **Why.** Measured on this 2-core VM (ext4 on virtio, 50M-param AdamW state, 0.6 GB, under load):
 one buffered stream of 64 MiB ``write`` calls ran at 0.3-0.8 GB/s, throttled by the page cache's
 write-back (``balance_dirty_pages``); ``O_DIRECT`` blocks, ``THREADS`` in flight, 2.0-3.4 GB/s
-(``benchmarks/checkpoint.py``: 5-14x ``torch.save``). ``O_DIRECT`` skips the page cache (no copy
-into it, no dirty throttling) and the blocks in flight keep the virtio queue busy; the file's
-blocks are allocated up front (``posix_fallocate``) so the parallel writers leave it in order.
+(``benchmarks/checkpoint.py``: 10-12x ``torch.save`` at 50M params). ``O_DIRECT`` skips the page
+cache (no copy into it, no dirty throttling) and the blocks in flight keep the virtio queue busy;
+the file's blocks are allocated up front (``posix_fallocate``) so the parallel writers leave it in
+order.
 
 How a file is written does not change how fast it reads back. 600 MiB files, each read with the
 page cache dropped right after it was written and fsynced (``O_DIRECT`` reads, 8 threads, into a
@@ -24,17 +25,21 @@ fsync 0.30 / 1.67 / 5; ``torch.save`` 1.13 / 1.63 / 6; parallel buffered ``pwrit
 ``sync_file_range`` + fdatasync + ``DONTNEED`` 0.31 / 1.62 / 11-31; stores into a shared
 ``mmap`` 0.55 / 1.64 / 5-6. What made ``O_DIRECT``-written checkpoints look slow to load (0.2-0.3
 GB/s, "the first read after the save") is the memory the read lands in: on this VM the guest
-hands freed memory back to the host after ~2 s (free page reporting), and faulting it in again
-costs 0.9-2.2 s per 600 MiB of huge pages (0.5-0.7 s of 4 KiB pages), against 0.07-0.3 s for
-memory freed just before. A benchmark that dropped each file from the page cache right before
+hands freed memory back to the host within ~2 s (free page reporting), and faulting it in again
+costs 0.9-2.2 s (once 6.7 s) per 600 MiB of huge pages (0.5-0.8 s of 4 KiB pages), against
+0.07-0.3 s, in most rounds, for memory freed just before. A benchmark that dropped each file from the page cache right before
 reading it gave files written through the page cache freshly freed memory and ours cold memory:
 the same ``O_DIRECT``-written file read in 0.16-0.28 s into recently freed memory and 0.5-1.1 s
 (up to 3.3 s) into memory free 3 s (``benchmarks/checkpoint_memory.py``). ``DIRECT_WRITES =
 False`` writes through the page cache instead (same blocks and threads): for file systems that
 refuse or punish ``O_DIRECT``.
-Reads: ``READ_THREADS`` ``O_DIRECT`` blocks straight into the tensors' buffers, ~2x ``torch.load``
-in the same memory (0.23-0.27 vs 0.52-0.66 s for the 0.6 GB state, warm memory); they skip one
-copy and keep a cold checkpoint from evicting the training's page cache.
+Reads: ``READ_THREADS`` ``O_DIRECT`` blocks straight into the tensors' buffers, with the next
+tensors read ahead (``checkpoint_files.RankFiles.plan``): the 0.6 GB state loaded in 0.21-0.38 s
+against ``torch.load``'s 0.57-0.97 s in the same (warm) memory, 2.6x; the file itself, read whole
+into touched memory, takes 0.15-0.20 s. They skip one copy and keep a cold checkpoint from
+evicting the training's page cache. Into memory that sat free (cold, on this VM) the huge pages
+the tensors land in (``zfunc.ops.hostmem``) cost more to fault than the reads: 1.8-2.9 s against
+``torch.load``'s 2.3-3.6 s on 4 KiB pages.
 
 **Cost.** A block whose file offset and memory address are both 4096-aligned moves straight from
 the tensor's memory (no copy): ``write_safetensors`` starts the data at 4096 and puts tensors
@@ -60,7 +65,7 @@ from zfunc.swap import ALIGN, aligned_empty, crc32
 
 THREADS = 4  # blocks written in flight per file
 # False: write through the page cache (pwrite), same blocks and threads: on this VM saves ran at
-# ~1.1-1.3x torch.save instead of 5-14x, and the files read back no faster (module docstring).
+# ~1.1-1.3x torch.save instead of 10x, and the files read back no faster (module docstring).
 DIRECT_WRITES = True
 READ_THREADS = 8  # blocks read in flight: 8 vs 4 vs 2 read a 0.6 GB state in 0.22 / 0.29 / 0.26 s (medians of 5)
 BLOCK = 8 << 20
