@@ -1,15 +1,16 @@
 """Checkpoint save/load vs torch.save/torch.load and torch DCP, and a background save's cost to training.
 
     python benchmarks/checkpoint.py [--mparams 50 200] [--rounds 5] [--dir /tmp/zfunc-ckpt-bench]
-                                    [--async-mparams 50] [--no-async] [--verbose] [--buffered-writes]
+                                    [--async-mparams 50] [--no-async] [--no-save-load] [--verbose]
+                                    [--buffered-writes]
 
 **Save and load.** The state is an AdamW ``TrainState`` of ``--mparams`` million fp32 params
 (params + two moments: 12 bytes/param). Writers: ``zf.checkpoint.save`` (crc32 of every tensor,
 computed on the way), ``torch.save`` of the same tensors followed by an fsync, and
 ``torch.distributed.checkpoint.save`` (DCP, one process, its ``FileSystemWriter`` fsyncs). Loads:
 ``zf.checkpoint.load`` (checks every crc32), ``torch.load``, ``dcp.load`` into freshly allocated
-tensors (allocation counted, as the other two allocate). Cold cache: before every load its files
-are dropped from the page cache with ``posix_fadvise(DONTNEED)`` (this benchmark runs as root
+tensors (allocation counted, as the other two allocate). Cold cache: before every load all the
+round's files are dropped from the page cache with ``posix_fadvise(DONTNEED)`` (this benchmark runs as root
 here, but ``/proc/sys/vm/drop_caches`` would drop the other users' caches on this shared
 machine, so it is not used). Every round writes fresh files and deletes the last round's first,
 then ``sync``s and waits a second: the file system (ext4 mounted with ``discard``) frees blocks
@@ -17,26 +18,42 @@ in the background for a while after a delete, and that must not land on the next
 are interleaved and the writers' order rotates each round; the table shows each one's median
 GB/s and the median over rounds of the paired ratio (zfunc over the peer, same round).
 
-Two loads per round. "First read after the save" is what a resume right after a save sees. On
-this VM it depends on how the file was written, not on the reader: a file written through the
-guest's page cache (``torch.save``, DCP) is read back at 1.5-2.5 GB/s with the guest's cache
-dropped, while a file written with ``O_DIRECT`` (zfunc) is read at 0.2-0.3 GB/s the first time
-and at 2+ GB/s from then on; ``dd`` showed the same on the raw files (2.2 s vs 0.3 s first, 0.2 s
-each after). Our reading (not proven): the hypervisor's cache keeps what the guest wrote through
-its page cache and not what it wrote with ``O_DIRECT``, and 0.2-0.3 GB/s is this disk uncached. So "files read once
-before" compares the readers on an equal footing (guest cache dropped, host cache warm for all).
+Two loads per round, each with the page cache of every file dropped first, so they differ only in
+the memory they land in. On this VM (Firecracker, guest kernel booted with free page reporting,
+``page_reporting.page_reporting_order``) memory the guest has freed is handed back to the host a
+couple of seconds later, and touching it again costs a host fault per page: 600 MiB of fresh
+transparent huge pages faulted in 1.5-2.1 s after sitting free 3 s, against 0.07-0.3 s when
+touched again at once (4 KiB pages: 0.5-0.7 s either way, taken from the free fragments the host
+was not given); every loader allocates what it reads into, so its time swings with this.
+
+- "memory warm": just before each load, 1.5x the state's bytes are touched and freed, so every
+  loader finds recently used memory, as on a machine without free page reporting.
+- "memory cold": the last round's and the last load's memory has sat free 3 s, as a fresh process
+  on this VM finds it. zfunc reads into huge pages (``zfunc.ops.hostmem``, where init puts state:
+  every optimizer step runs on them), which cost the most to fault here; ``torch.load`` reads into
+  4 KiB pages.
+
+What this replaces (measured 2026-11-24): the old "first read after the save" row dropped each
+loader's own files just before it ran, so ``torch.load`` and DCP got the memory their file's page
+cache had just held, and zfunc, whose ``O_DIRECT``-written files leave nothing in the page cache,
+got cold memory: 0.3x ``torch.load``. It was not the disk: read straight after being written,
+600 MiB files came back at 1.6 GB/s whether written with ``O_DIRECT`` or not (``checkpoint_io``).
+The host caches what the guest writes: a fresh file's first read comes from that cache in both
+rows; a file the host has not seen (here, an old 0.7 GB one) read at 0.15 GB/s the first time.
 (``dd`` of ``/dev/zero``, the old disk reference here, is not one: zeros are cheap to the host.)
 
 **Background save.** A training step of ``--async-mparams`` million params (an MLP of 8 square
 layers, fp32, AdamW, a batch whose forward and backward take a few hundred ms here): the median
 step time alone, the mean step time of the steps taken while a ``save(blocking=False)`` runs, and
 the time the save blocks training (the ``save`` call plus what the next step waits for the copy)
-against a blocking ``save`` of the same state. Disk and CPU timings swing on this shared machine:
-compare within a run.
+against a blocking ``save`` of the same state. Each background save copies into fresh host
+buffers, freed when it finishes (``checkpoint_async.KEEP_BYTES = 0``, the default). Disk and CPU
+timings swing on this shared machine: compare within a run.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import statistics
@@ -51,7 +68,8 @@ import torch.distributed.checkpoint as dcp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zfunc as zf  # noqa: E402
-from zfunc import checkpoint as ck, step as step_module  # noqa: E402
+from zfunc import checkpoint as ck, state as state_module  # noqa: E402
+from zfunc.ops import hostmem  # noqa: E402
 
 
 def make_state(mparams: float) -> tuple[zf.Step, zf.TrainState]:
@@ -74,6 +92,11 @@ def drop_cache(path: Path) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def warm_memory(nbytes: int) -> None:
+    """Touch and free ``nbytes`` of huge-page memory: the next allocations find it recently used."""
+    hostmem.empty(nbytes, torch.uint8).fill_(0)
 
 
 def timed(fn) -> float:
@@ -122,7 +145,7 @@ def save_load(mparams: float, rounds: int, root: Path, verbose: bool = False) ->
     step, state = make_state(mparams)
     nbytes = zf.tree.nbytes(state)
     like = dcp_state(state)
-    times: dict[str, list[float]] = {f"{lib} {op}": [] for op in ("save", "load", "reload")
+    times: dict[str, list[float]] = {f"{lib} {op}": [] for op in ("save", "warm", "cold")
                                      for lib in ("zf", "torch", "dcp")}
     last: list[Path] = []
     for r in range(rounds):
@@ -139,11 +162,15 @@ def save_load(mparams: float, rounds: int, root: Path, verbose: bool = False) ->
             times[f"{name} save"].append(timed(save))
             os.sync()
         settle()  # the saves' write-back, before any load
-        for op in ("load", "reload"):  # the first read of the files, then another (see the docstring)
+        for op in ("warm", "cold"):  # the memory each load lands in (see the docstring)
             for name, _ in order:
-                path, load = readers[name]
-                drop_cache(path)
-                times[f"{name} {op}"].append(timed(load))
+                drop_cache(root)
+                if op == "warm":
+                    warm_memory(int(1.5 * nbytes))
+                else:
+                    gc.collect()
+                    time.sleep(3.0)
+                times[f"{name} {op}"].append(timed(readers[name][1]))
     settle(*last)
     med = {k: statistics.median(v) for k, v in times.items()}
     if verbose:
@@ -156,8 +183,8 @@ def save_load(mparams: float, rounds: int, root: Path, verbose: bool = False) ->
     print(f"\n{mparams:g}M params, AdamW: {nbytes / 1e9:.2f} GB, {rounds} interleaved rounds, cold cache, fsynced\n")
     print("| operation | zfunc GB/s | torch GB/s | DCP GB/s | zfunc vs torch | zfunc vs DCP |")
     print("|---|---|---|---|---|---|")
-    for op, what in (("save", "save (fsynced)"), ("load", "load, first read after the save"),
-                     ("reload", "load, files read once before")):
+    for op, what in (("save", "save (fsynced)"), ("warm", "load, memory warm"),
+                     ("cold", "load, memory cold (this VM)")):
         gbs = [nbytes / med[f"{lib} {op}"] / 1e9 for lib in ("zf", "torch", "dcp")]
         print(f"| {what} | {gbs[0]:.2f} | {gbs[1]:.2f} | {gbs[2]:.2f} | {ratio(f'zf {op}', f'torch {op}'):.2f}x | "
               f"{ratio(f'zf {op}', f'dcp {op}'):.2f}x |")
@@ -183,7 +210,7 @@ def mlp_step(mparams: float) -> tuple[zf.Step, zf.TrainState, torch.Tensor]:
 def background(mparams: float, root: Path, steps: int = 6) -> None:
     step, state, x = mlp_step(mparams)
     waited = [0.0]
-    inner = list(step_module.before_consume)
+    inner = list(state_module.before_consume)
 
     def timed_wait() -> None:  # what a step waits for the save's copy
         t0 = time.perf_counter()
@@ -191,9 +218,9 @@ def background(mparams: float, root: Path, steps: int = 6) -> None:
             wait()
         waited[0] += time.perf_counter() - t0
 
-    step_module.before_consume[:] = [timed_wait]
+    state_module.before_consume[:] = [timed_wait]
     try:
-        for _ in range(2):  # warm up (and the save's host buffers)
+        for _ in range(2):  # warm up
             state, _ = step(state, x)
         ck.save(state, root / "bg-warm", blocking=False).wait()
         plain, during, blocked, blocking = [], [], [], []
@@ -218,7 +245,7 @@ def background(mparams: float, root: Path, steps: int = 6) -> None:
             handle.wait()
             blocked.append(call + waited[0])
     finally:
-        step_module.before_consume[:] = inner
+        state_module.before_consume[:] = inner
     nbytes = zf.tree.nbytes(state)
     p, d = statistics.median(plain), statistics.mean(during)
     b, s = statistics.median(blocked), statistics.median(blocking)
@@ -236,6 +263,7 @@ def main(argv=None) -> None:
     p.add_argument("--mparams", type=float, nargs="+", default=[50.0])
     p.add_argument("--async-mparams", type=float, default=50.0)
     p.add_argument("--no-async", action="store_true")
+    p.add_argument("--no-save-load", action="store_true", help="only the background save")
     p.add_argument("--dir", default="/tmp/zfunc-ckpt-bench")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--verbose", action="store_true", help="print every round's times")
@@ -251,7 +279,7 @@ def main(argv=None) -> None:
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     try:
-        for m in args.mparams:
+        for m in [] if args.no_save_load else args.mparams:
             save_load(m, args.rounds, root, args.verbose)
         if not args.no_async:
             background(args.async_mparams, root)

@@ -841,3 +841,23 @@ def test_a_pipelined_state_keeps_each_stage_batchnorm_statistics(tmp_path):
     assert plain.buffers.keys() == stages[0].keys() | stages[1].keys()
     for buffers in stages:
         assert all(torch.equal(plain.buffers[n], b) for n, b in buffers.items())
+
+
+def test_reads_ahead_follow_the_plan_and_any_other_order_reads_the_same(tmp_path, monkeypatch):
+    from zfunc import checkpoint_files as cf
+
+    monkeypatch.setattr(cf, "AHEAD_BYTES", 1)  # one tensor read ahead past the first
+    tensors = {f"t{i}": torch.randn(1000 + i) for i in range(5)}
+    cf.write_safetensors(tmp_path / cf.rank_file(0), tensors)
+    crcs = cf.write_safetensors(tmp_path / "again", tensors)
+    manifest = {"format": 2, "world": 1, "files": {cf.rank_file(0): crcs[cf.HEADER]}}
+    with cf.RankFiles(tmp_path, manifest, verify=True) as files:
+        files.plan([(0, "t0"), (0, "t1"), (0, "t1"), (0, "nope"), (0, "t4")])
+        for name in ["t0", "t3", "t1", "t1", "t2"]:  # off the plan at t3: read when asked
+            assert torch.equal(files.read(0, name, crcs[name]), tensors[name])
+        with pytest.raises(ck.CheckpointError, match="tensor nope missing"):
+            files.read(0, "nope")
+    with pytest.raises(ck.CheckpointError, match="checksum mismatch"), cf.RankFiles(tmp_path, manifest, True) as files:
+        files.plan([(0, "t0"), (0, "t1")])
+        files.read(0, "t0", crcs["t1"])
+        files.read(0, "t1", crcs["t1"])

@@ -179,3 +179,31 @@ def test_a_rank_whose_background_write_fails_fails_the_save_on_every_rank(tmp_pa
     errors = zf.dist.spawn(failing_rank_worker, 2, 2, str(tmp_path))
     assert all(e and "rank 1 could not write its file" in e and "No space" in e for e in errors), errors
     assert ck.latest(tmp_path) == tmp_path / "000001"
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_a_background_save_frees_its_host_buffers_when_it_finishes(tmp_path, monkeypatch):
+    params = {"w": torch.randn(2048, 4096)}  # 32 MB, and 64 more of moments: copied to host buffers
+    step = zf.train_step(lambda p, x: (x @ p["w"]).square().mean(), zf.optim.adamw(1e-3))
+    state = step.init(params)
+    snapshots = []
+    init = ca.Snapshot.__init__
+    monkeypatch.setattr(ca.Snapshot, "__init__", lambda self, *a, **k: snapshots.append(self) or init(self, *a, **k))
+    before = _rss()
+    handle = ck.save(state, tmp_path / "000001", blocking=False)
+    handle.wait()
+    assert len(snapshots) == 1 and snapshots[0].copies == {} and ca.kept_bytes() == 0
+    assert _rss() - before < 32 << 20  # the 96 MB of copies are gone (torch returns them to the OS)
+    monkeypatch.setattr(ca, "KEEP_BYTES", 80 << 20)  # bounded reuse: two of the three 32 MB buffers fit
+    ck.save(state, tmp_path / "000002", blocking=False).wait()
+    assert ca.kept_bytes() == 64 << 20
+    ptrs = {t.data_ptr() for ts in ca._free.values() for t in ts}
+    ck.save(state, tmp_path / "000003", blocking=False).wait()  # takes the kept ones, keeps them again
+    assert ptrs == {t.data_ptr() for ts in ca._free.values() for t in ts}
+    ca.free_buffers()
+    assert ca.kept_bytes() == 0
+    assert torch.equal(ck.load(tmp_path / "000003", step).params["w"], params["w"])

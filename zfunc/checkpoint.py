@@ -150,7 +150,8 @@ def save(state: TrainState, directory: str | os.PathLike, *, keep_last: int | No
     rank owns (parallel ``O_DIRECT`` blocks, checksummed on another thread:
     ``zfunc.checkpoint_io``) and an fsync; with several ranks also a store round trip checking
     every rank called it and two all-gathers of a few bytes per leaf (who writes what, the
-    checksums). In the background: a copy of those bytes in host memory, kept for the next save.
+    checksums). In the background: a copy of those bytes in host memory while the save runs
+    (``checkpoint_async.KEEP_BYTES`` keeps some for the next one).
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"state: expected a TrainState, got {type(state).__name__}")
@@ -381,9 +382,10 @@ def load(directory: str | os.PathLike, step_or_template: Step | TrainState, *, p
     Raises ``CheckpointError`` naming what differs: params the model has and the checkpoint lacks
     or the reverse, whole shapes or dtypes, another optimizer structure, a missing or corrupt file.
     The checkpoint is never modified. Reads only the saved pieces holding rows this rank needs,
-    one at a time; where the layout is unchanged, the state's CPU tensors are the buffers they
-    were read into (no copies). Into an offloaded step, at most one leaf (param piece and its
-    optimizer state) is in RAM at once, besides the step's writes in flight.
+    one at a time, the next two read ahead (``RankFiles.plan``); where the layout is unchanged,
+    the state's CPU tensors are the buffers they were read into (no copies). Into an offloaded
+    step, at most one leaf (param piece and its optimizer state) is in RAM at once, besides the
+    step's writes in flight (nothing is read ahead there).
     """
     from zfunc.checkpoint_import import foreign_format, load_foreign
 
@@ -402,6 +404,9 @@ def load(directory: str | os.PathLike, step_or_template: Step | TrainState, *, p
         lazy = tree.unflatten(treespec, [_reader(files, saved[s.path], s, x) for s, x in zip(slots, leaves)])
         if compose.applied(step_or_template, "offload"):
             return _restore(step_or_template, lazy, model, device)
+        files.plan([r for s, x in zip(slots, leaves) if isinstance(x, torch.Tensor)  # read ahead, in this order
+                    for r in cl.planned_reads(saved[s.path], manifest,
+                                              None if saved[s.path]["split_like"] is None else s.rows)])
         return tree.map(lambda read, like: _to(read(), like, device), lazy, template)
 
 

@@ -15,7 +15,8 @@ import json
 import os
 import re
 import struct
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -105,6 +106,10 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str,
 
 
 _BLOCK = 64 << 20
+# Bytes of planned tensors read ahead (``RankFiles.plan``), besides the one being read. Two tensors
+# in flight keep the disk's queue full across tensor ends, where one at a time drained it.
+AHEAD_BYTES = 256 << 20
+AHEAD_TENSORS = 2
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -167,7 +172,8 @@ class RankFiles:
     """The rank files of one checkpoint, read tensor by tensor: each file's header once (parsed
     and checked), then only the bytes of the tensors asked for, each checked against its crc32
     when ``verify``. Format 1 files, which have one crc32 each, are checked whole when opened.
-    Use as a context manager (it holds the files open)."""
+    ``plan`` the reads to come and they are read ahead. Use as a context manager (it holds the
+    files open)."""
 
     def __init__(self, directory: Path, manifest: dict, verify: bool):
         self.directory, self.manifest, self.verify = directory, manifest, verify
@@ -176,6 +182,10 @@ class RankFiles:
         self.checksum = _Crc32()
         self.pending: list[tuple[int, int, Path, str]] = []  # (span, expected crc32, file, what)
         self.cuts = 0
+        self._plan: deque[tuple[int, str]] = deque()
+        self._ahead: dict[tuple[int, str], deque[tuple[Future, int]]] = {}  # reads under way, by tensor
+        self._ahead_bytes = 0
+        self._issuers: ThreadPoolExecutor | None = None
 
     def __enter__(self) -> RankFiles:
         return self
@@ -185,6 +195,11 @@ class RankFiles:
             if kind is None:
                 self.check()
         finally:
+            for queued in self._ahead.values():  # reads ahead nobody asked for: let them land first
+                for future, _ in queued:
+                    future.exception()
+            if self._issuers is not None:
+                self._issuers.shutdown(wait=True)
             for f, *_ in self.opened.values():
                 f.close()
             for reader in self.readers.values():
@@ -246,9 +261,29 @@ class RankFiles:
             raise CheckpointError(f"{path}: not a safetensors file ({e})") from e
         return header, 8 + n_header
 
-    def read(self, rank: int, name: str, crc: int | None = None) -> torch.Tensor:
-        """Tensor ``name`` of rank ``rank``'s file, in a buffer of its own (on huge pages where
-        large, as init places state: ``zfunc.ops.hostmem``); ``crc``: its crc32 (format 2)."""
+    def plan(self, reads: list[tuple[int, str]]) -> None:
+        """The ``(rank, tensor)`` reads to come, in order: while ``read`` is called for them, up to
+        ``AHEAD_TENSORS`` of them (``AHEAD_BYTES``, past the first) are read in the background into
+        their buffers. A read not in the plan is read when asked."""
+        self._plan.extend(reads)
+        if self._issuers is None:
+            self._issuers = ThreadPoolExecutor(AHEAD_TENSORS)
+        self._fill()
+
+    def _fill(self) -> None:
+        while self._plan and self._ahead_bytes < AHEAD_BYTES and sum(map(len, self._ahead.values())) < AHEAD_TENSORS:
+            rank, name = self._plan.popleft()
+            try:
+                where = self._locate(rank, name)
+            except CheckpointError:  # read() raises it when the tensor is asked for
+                self._plan.clear()
+                return
+            nbytes = where[-1].numel() * where[-1].element_size()
+            self._ahead.setdefault((rank, name), deque()).append((self._issuers.submit(self._fetch, *where), nbytes))
+            self._ahead_bytes += nbytes
+
+    def _locate(self, rank: int, name: str) -> tuple:
+        """Where tensor ``name`` of rank ``rank``'s file lies, and a buffer of its own for it."""
         f, path, header, base = self._open(rank)
         if name not in header:
             raise CheckpointError(f"{path}: tensor {name} missing")
@@ -259,11 +294,30 @@ class RankFiles:
             raise CheckpointError(f"{path}: tensor {name} has {stop - start} bytes for shape {meta['shape']}")
         if rank not in self.readers:
             self.readers[rank] = Reader(path)
-        if self.readers[rank].read_into(base + start, flat_bytes(out)) < stop - start:
-            raise CheckpointError(f"{path}: file ended inside tensor {name} (bytes {base + start}-{base + stop})")
+        return self.readers[rank], path, name, base + start, out
+
+    @staticmethod
+    def _fetch(reader: Reader, path: Path, name: str, offset: int, out: torch.Tensor) -> torch.Tensor:
+        if reader.read_into(offset, flat_bytes(out)) < out.numel() * out.element_size():
+            raise CheckpointError(f"{path}: file ended inside tensor {name} (bytes from {offset})")
+        return out
+
+    def read(self, rank: int, name: str, crc: int | None = None) -> torch.Tensor:
+        """Tensor ``name`` of rank ``rank``'s file, in a buffer of its own (on huge pages where
+        large, as init places state: ``zfunc.ops.hostmem``); ``crc``: its crc32 (format 2)."""
+        queued = self._ahead.get((rank, name))
+        if queued:  # planned: read ahead, or under way
+            future, nbytes = queued.popleft()
+            if not queued:
+                del self._ahead[(rank, name)]
+            self._ahead_bytes -= nbytes
+            self._fill()
+            out = future.result()
+        else:
+            out = self._fetch(*self._locate(rank, name))
         if self.verify and crc is not None:  # checked on the helper thread while the next tensor is read
             self.checksum.update(_bytes_of(out))
             self.checksum.cut()
-            self.pending.append((self.cuts, crc, path, f"tensor {name}"))
+            self.pending.append((self.cuts, crc, self.opened[rank][1], f"tensor {name}"))
             self.cuts += 1
         return out

@@ -10,17 +10,36 @@ the segments.
 
 **Why.** Measured on this 2-core VM (ext4 on virtio, 50M-param AdamW state, 0.6 GB, under load):
 one buffered stream of 64 MiB ``write`` calls ran at 0.3-0.8 GB/s, throttled by the page cache's
-write-back (``balance_dirty_pages``); ``O_DIRECT`` blocks, ``THREADS`` in flight, 2.0-2.6 GB/s
-(``benchmarks/checkpoint.py``: 3-4x ``torch.save``). ``O_DIRECT`` skips the page cache (no copy
-into it, no dirty throttling) and the blocks in flight keep the virtio queue busy; the file's
-blocks are allocated up front (``posix_fallocate``) so the parallel writers leave it in order. The
-price on this VM: a file written with ``O_DIRECT`` read back at 0.17-0.3 GB/s for a while after
-the save (``dd`` too), where ``torch.save``'s files came back at 0.6-2 GB/s; our reading (not
-proven) is that the host caches what the guest writes through its page cache and not these
-writes (see the benchmark; ``DIRECT_WRITES`` below).
-Reads: ``READ_THREADS`` ``O_DIRECT`` blocks straight into the tensors' buffers, ~2x ``torch.load``
-on files the host has cached (0.22 vs 0.55 s for the 0.6 GB state); they skip one copy and keep
-a cold checkpoint from evicting the training's page cache.
+write-back (``balance_dirty_pages``); ``O_DIRECT`` blocks, ``THREADS`` in flight, 2.0-3.4 GB/s
+(``benchmarks/checkpoint.py``: 10-12x ``torch.save`` at 50M params). ``O_DIRECT`` skips the page
+cache (no copy into it, no dirty throttling) and the blocks in flight keep the virtio queue busy;
+the file's blocks are allocated up front (``posix_fallocate``) so the parallel writers leave it in
+order.
+
+How a file is written does not change how fast it reads back. 600 MiB files, each read with the
+page cache dropped right after it was written and fsynced (``O_DIRECT`` reads, 8 threads, into a
+buffer touched before; 3 rounds, 2026-11-24, under load), write GB/s / first read GB/s / extents:
+``O_DIRECT`` + ``posix_fallocate`` (this module) 3.36 / 1.63 / 5; ``O_DIRECT`` without it 2.94 /
+1.64 / 6-12; one thread of 64 MiB ``O_DIRECT`` blocks 3.27 / 1.64 / 5-6; one buffered stream +
+fsync 0.30 / 1.67 / 5; ``torch.save`` 1.13 / 1.63 / 6; parallel buffered ``pwrite`` +
+``sync_file_range`` + fdatasync + ``DONTNEED`` 0.31 / 1.62 / 11-31; stores into a shared
+``mmap`` 0.55 / 1.64 / 5-6. What made ``O_DIRECT``-written checkpoints look slow to load (0.2-0.3
+GB/s, "the first read after the save") is the memory the read lands in: on this VM the guest
+hands freed memory back to the host within ~2 s (free page reporting), and faulting it in again
+costs 0.9-2.2 s (once 6.7 s) per 600 MiB of huge pages (0.5-0.8 s of 4 KiB pages), against
+0.07-0.3 s, in most rounds, for memory freed just before. A benchmark that dropped each file from the page cache right before
+reading it gave files written through the page cache freshly freed memory and ours cold memory:
+the same ``O_DIRECT``-written file read in 0.16-0.28 s into recently freed memory and 0.5-1.1 s
+(up to 3.3 s) into memory free 3 s (``benchmarks/checkpoint_memory.py``). ``DIRECT_WRITES =
+False`` writes through the page cache instead (same blocks and threads): for file systems that
+refuse or punish ``O_DIRECT``.
+Reads: ``READ_THREADS`` ``O_DIRECT`` blocks straight into the tensors' buffers, with the next
+tensors read ahead (``checkpoint_files.RankFiles.plan``): the 0.6 GB state loaded in 0.21-0.38 s
+against ``torch.load``'s 0.57-0.97 s in the same (warm) memory, 2.6x; the file itself, read whole
+into touched memory, takes 0.15-0.20 s. They skip one copy and keep a cold checkpoint from
+evicting the training's page cache. Into memory that sat free (cold, on this VM) the huge pages
+the tensors land in (``zfunc.ops.hostmem``) cost more to fault than the reads: 1.8-2.9 s against
+``torch.load``'s 2.3-3.6 s on 4 KiB pages.
 
 **Cost.** A block whose file offset and memory address are both 4096-aligned moves straight from
 the tensor's memory (no copy): ``write_safetensors`` starts the data at 4096 and puts tensors
@@ -45,10 +64,8 @@ import torch
 from zfunc.swap import ALIGN, aligned_empty, crc32
 
 THREADS = 4  # blocks written in flight per file
-# False: write through the page cache (pwrite), same blocks and threads. On this VM that made saves
-# ~1.3x torch.save instead of 3-7x, and the first read after the save 1.35x torch.load instead of ~0.4x
-# (the host caches page-cache writes only; see the module docstring). O_DIRECT is the default for
-# the save's speed, what blocks training; resumes are rare and usually long after the save.
+# False: write through the page cache (pwrite), same blocks and threads: on this VM saves ran at
+# ~1.1-1.3x torch.save instead of 10x, and the files read back no faster (module docstring).
 DIRECT_WRITES = True
 READ_THREADS = 8  # blocks read in flight: 8 vs 4 vs 2 read a 0.6 GB state in 0.22 / 0.29 / 0.26 s (medians of 5)
 BLOCK = 8 << 20
@@ -167,7 +184,8 @@ def _reserve(fd: int, size: int) -> None:
 
 class Reader:
     """One file open for reading: ``O_DIRECT`` blocks in parallel where the bytes' file offset and
-    memory address line up, else ``pread`` through the page cache. Close it (or use ``with``)."""
+    memory address line up, else ``pread`` through the page cache. Several threads may read at
+    once (their blocks share the pool). Close it (or use ``with``)."""
 
     def __init__(self, path: Path, *, threads: int = READ_THREADS):
         self.path = path
@@ -175,6 +193,7 @@ class Reader:
         self.direct_fd: int | None = None
         self.threads = threads
         self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()  # the lazily opened fd and pool
 
     def close(self) -> None:
         os.close(self.fd)
@@ -207,21 +226,23 @@ class Reader:
         return got + (_pread_all(self.fd, _mv(out[head + body :]), offset + head + body, self.path) if rest else 0)
 
     def _direct(self) -> bool:
-        if self.direct_fd is None and _O_DIRECT:
-            try:
-                self.direct_fd = os.open(self.path, os.O_RDONLY | _O_DIRECT)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                self.direct_fd = -1
+        with self._lock:
+            if self.direct_fd is None and _O_DIRECT:
+                try:
+                    self.direct_fd = os.open(self.path, os.O_RDONLY | _O_DIRECT)
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    self.direct_fd = -1
         return self.direct_fd is not None and self.direct_fd >= 0
 
     def _parallel(self, fd: int, offset: int, out: torch.Tensor) -> int:
         n = out.numel()
         if n <= BLOCK:
             return _pread_all(fd, _mv(out), offset, self.path)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads)
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads)
         jobs = [self._pool.submit(_pread_all, fd, _mv(out[p : p + BLOCK]), offset + p, self.path)
                 for p in range(0, n, BLOCK)]
         got = [j.result() for j in jobs]

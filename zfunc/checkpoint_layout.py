@@ -299,6 +299,16 @@ def read_rows(files: RankFiles, entry: dict, start: int, stop: int) -> torch.Ten
     return torch.cat(parts)
 
 
+def planned_reads(entry: dict, manifest: dict, rows: tuple[int, int] | None) -> list[tuple[int, str]]:
+    """The ``(file, tensor)`` reads, in order, of ``read_rows(files, entry, *rows)``, or with
+    ``rows`` None of ``read_whole`` of an unsplit leaf (for ``RankFiles.plan``)."""
+    if rows is None:
+        return [(pieces(entry, manifest)[0]["file"], entry["path"])]
+    start, stop = rows
+    return [(p["file"], entry["path"]) for p in pieces(entry, manifest)
+            if max(start, p["rows"][0]) < min(stop, p["rows"][1])]
+
+
 def read_whole(files: RankFiles, entry: dict, manifest: dict) -> torch.Tensor:
     """A leaf whole: all rows of a split one (in its whole shape), else the one saved tensor."""
     if entry.get("split_like") is None:
