@@ -20,9 +20,7 @@ from __future__ import annotations
 import datetime
 import io
 import os
-import shutil
 import socket
-import tempfile
 import time
 import traceback
 import zlib
@@ -478,15 +476,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, store_path: str, timeout_s: float, fn: Callable, args: tuple,
-            results) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
+def _worker(rank: int, world_size: int, port: int, timeout_s: float, fn: Callable, args: tuple, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
-        # The ranks meet through a file, not a TCP port: a port "free a moment ago" can be taken by
-        # another run starting at the same time (parallel test runs failed so, now and then).
-        dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
-                                world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         results.put((rank, True, _to_bytes(fn(rank, *args))))
     except BaseException:  # report every failure to the parent, which raises it
         results.put((rank, False, traceback.format_exc()))
@@ -504,8 +500,7 @@ def _to_bytes(value: Any) -> bytes:
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
-    """Run ``fn(rank, *args)`` on ``world_size`` gloo ranks (they meet through a ``FileStore`` in a
-    temporary directory, removed afterwards; gloo then talks over loopback); return results by rank.
+    """Run ``fn(rank, *args)`` on ``world_size`` gloo ranks over loopback; return results by rank.
 
     ``fn`` and ``args`` must be picklable (a module-level function). Each rank gets
     ``cpu_count // world_size`` threads. If a rank raises, the others are stopped and a
@@ -516,10 +511,13 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
         raise ValueError(f"world_size: expected an int >= 1, got {world_size!r}")
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    meeting = tempfile.mkdtemp(prefix="zfunc-spawn-")
     collective_timeout = max(5.0, timeout_s / 2)
-    procs = [ctx.Process(target=_worker, args=(r, world_size, os.path.join(meeting, "store"), collective_timeout, fn,
-                                               args, results), daemon=True)
+    # The ranks meet at a store this process serves on a port the OS picked and that stays bound
+    # until the run ends: a port "free a moment ago" could be taken by a run starting beside this one.
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=collective_timeout))
+    procs = [ctx.Process(target=_worker, args=(r, world_size, store.port, collective_timeout, fn, args, results),
+                         daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -530,7 +528,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
             if p.is_alive():
                 p.kill()
             p.join(timeout=5)
-        shutil.rmtree(meeting, ignore_errors=True)
+        del store
 
 
 def _collect(procs, results, world_size: int, timeout_s: float) -> list[Any]:
