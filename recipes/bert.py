@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -276,6 +277,75 @@ def masked_eval(forward, val, args, generator, vocab_size) -> dict:
     return {"val_loss": loss / max(selected, 1), "val_accuracy": correct / max(selected, 1)}
 
 
+# ----------------------------------------------------------------------------- next-sentence prediction
+def _windows(data, starts: torch.Tensor, length: int) -> torch.Tensor:
+    """data[s:s + length] for each start, int64 (rows, length); ``data``: a tensor or an array / memmap."""
+    offsets = starts[:, None] + torch.arange(length)
+    if isinstance(data, torch.Tensor):
+        return data[offsets].long()
+    return torch.from_numpy(np.asarray(data)[offsets.numpy()].astype(np.int64))
+
+
+def sentence_pairs(data, batch_size: int, block_size: int, generator, vocab_size: int):
+    """(tokens, token_types, is_random): BERT's NSP pairs ``[CLS] A [SEP] B [SEP]``, ``block_size`` long.
+
+    A is a window of (block_size - 3) // 2 tokens; B, the rest, is the window that follows A (label 0,
+    "IsNext") or, with probability 1/2, a window drawn anywhere in ``data`` (label 1, "NotNext"). On
+    a corpus without sentence marks the "sentences" are these windows (bytes: cut mid-line). Types:
+    0 for [CLS] A [SEP], 1 for B [SEP]. A pure function of the generator (a fixed amount of
+    randomness per row: 3 numbers)."""
+    n_a = (block_size - 3) // 2
+    n_b = block_size - 3 - n_a
+    if n_a < 1 or len(data) <= n_a + n_b:
+        raise ValueError(f"--block-size: NSP pairs need at least 5 tokens and a split longer than the pair, "
+                         f"got {block_size} over {len(data)}")
+    a_start = torch.randint(len(data) - n_a - n_b, (batch_size,), generator=generator)
+    other = torch.randint(len(data) - n_b, (batch_size,), generator=generator)
+    is_random = (torch.rand(batch_size, generator=generator) < 0.5).long()
+    b_start = torch.where(is_random.bool(), other, a_start + n_a)
+    _, cls, sep, _ = specials(vocab_size)
+    column = lambda v: torch.full((batch_size, 1), v, dtype=torch.long)  # noqa: E731
+    tokens = torch.cat([column(cls), _windows(data, a_start, n_a), column(sep), _windows(data, b_start, n_b),
+                        column(sep)], dim=1)
+    types = torch.zeros_like(tokens)
+    types[:, n_a + 2:] = 1
+    return tokens, types, is_random
+
+
+def nsp_batch(data, batch_size: int, block_size: int, generator, vocab_size: int):
+    """(inputs, token_types, labels, scale, is_random): ``sentence_pairs`` masked by ``mask_tokens``
+    ([CLS] and [SEP] never selected); ``scale`` as ``masked_batch``'s."""
+    tokens, types, is_random = sentence_pairs(data, batch_size, block_size, generator, vocab_size)
+    ids = specials(vocab_size)
+    inputs, labels = mask_tokens(tokens, generator, mask_id=ids[3], vocab_size=vocab_size + 4, special_ids=ids)
+    scale = batch_size / labels.ne(IGNORE).sum().clamp(min=1).double()
+    return inputs, types, labels, torch.full((batch_size,), float(scale)), is_random
+
+
+def nsp_loss(out, batch):
+    """MLM loss (``masked_loss``'s normalization) + the mean NSP cross-entropy over the rows."""
+    mlm, nsp = out
+    _, _, labels, scale, is_random = batch
+    return masked_loss(mlm, (None, labels, scale)) + F.cross_entropy(nsp.float(), is_random)
+
+
+def nsp_eval(forward, val, args, generator, vocab_size) -> dict:
+    """``masked_eval``'s MLM loss and accuracy on NSP pairs, with the NSP loss and accuracy (chance: 1/2)."""
+    loss, correct, selected, nsp_loss_sum, nsp_correct, rows = 0.0, 0, 0, 0.0, 0, 0
+    for _ in range(args.eval_batches):
+        batch = nsp_batch(val, args.batch_size, args.block_size, generator, vocab_size)
+        mlm, nsp = (t.float().cpu() for t in forward.outputs(batch))
+        labels, is_random = batch[2], batch[4]
+        n = int(labels.ne(IGNORE).sum())
+        loss += mlm_loss(mlm, labels).item() * n
+        c, s = masked_accuracy(mlm, labels)
+        correct, selected = correct + c, selected + s
+        nsp_loss_sum += F.cross_entropy(nsp, is_random, reduction="sum").item()
+        nsp_correct, rows = nsp_correct + int(nsp.argmax(-1).eq(is_random).sum()), rows + len(is_random)
+    return {"val_loss": loss / max(selected, 1), "val_accuracy": correct / max(selected, 1),
+            "val_nsp_loss": nsp_loss_sum / rows, "val_nsp_accuracy": nsp_correct / rows}
+
+
 def unigram_guess(data, vocab_size: int) -> dict:
     """The guesses to beat: always the most common token (accuracy), and the unigram entropy (loss)."""
     counts = loop.token_counts(data, vocab_size)
@@ -283,12 +353,16 @@ def unigram_guess(data, vocab_size: int) -> dict:
 
 
 def masked_report(metrics: dict, baseline: dict, unit: str) -> str:
+    nsp = f", NSP accuracy {metrics['val_nsp_accuracy']:.1%} (chance 50%)" if "val_nsp_accuracy" in metrics else ""
     return (f"val MLM loss {metrics['val_loss']:.3f} nats/{unit} (unigram {baseline['unigram_entropy']:.3f}), "
-            f"masked-token accuracy {metrics['val_accuracy']:.1%} (unigram guess {baseline['unigram_accuracy']:.1%})")
+            f"masked-token accuracy {metrics['val_accuracy']:.1%} (unigram guess {baseline['unigram_accuracy']:.1%})"
+            + nsp)
 
 
 MASKED = loop.Task("masked-lm", masked_batch, masked_loss, masked_eval, unigram_guess, masked_report, sample=False,
                    hf_task="masked-lm")
+MASKED_NSP = loop.Task("masked-lm+nsp", nsp_batch, nsp_loss, nsp_eval, unigram_guess, masked_report, sample=False,
+                       hf_task="masked-lm", inputs=2)
 
 
 # ----------------------------------------------------------------------------- the recipe
@@ -296,7 +370,7 @@ MASKED = loop.Task("masked-lm", masked_batch, masked_loss, masked_eval, unigram_
 # recipe's (1.06x its tokens/s over 16 interleaved steps, two threads each; 1.84x side by side with one
 # thread each; loaded machine both times), so 600 steps. The seed's layout: ZeRO-1 + bf16.
 MODEL_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=192, ffn_dim=768, block_size=128, dropout=0.0)
-DEFAULTS = dict(**MODEL_DEFAULTS, **loop.MODEL_SOURCE_DEFAULTS,
+DEFAULTS = dict(**MODEL_DEFAULTS, nsp=False, **loop.MODEL_SOURCE_DEFAULTS,
                 **{**loop.TRAIN_DEFAULTS, "out": "out/bert", "precision": "bf16", "lr": 1e-3, "end_lr": 1e-4,
                    "weight_decay": 0.01},
                 **{**layout.LAYOUT_DEFAULTS, "zero": 1})
@@ -304,17 +378,29 @@ UNITS = "class:Layer"
 HELP = {**loop.TRAIN_HELP, "block_size": "sequence length in bytes (tokens with --tokenizer)",
         "ffn_dim": "MLP hidden width", "precision": "the seed's bf16 by default",
         "zero": "ZeRO stage (default 1, the seed's): " + layout.LAYOUT_HELP["zero"],
-        "flavor": "a published BERT size (module docstring): " + ", ".join(FLAVORS) + "; trained without its NSP head"}
+        "nsp": "also train next-sentence prediction: [CLS] A [SEP] B [SEP] pairs, B the next window or (1/2) a "
+               "random one, a classifier on [CLS]; eval adds the NSP accuracy",
+        "flavor": "a published BERT size (module docstring): " + ", ".join(FLAVORS) + "; its NSP head only with --nsp"}
 RULES = dict(n_layer=loop.AT_LEAST_1, n_head=loop.AT_LEAST_1, n_embd=loop.AT_LEAST_1, ffn_dim=loop.AT_LEAST_1,
              dropout=(lambda v: 0 <= v < 1, "a number in [0, 1)"), **loop.TRAIN_RULES)
 FLAG_TO_FIELD = dict(n_layer="n_layers", n_head="n_heads", n_embd="dim", ffn_dim="ffn_dim",
                      dropout="dropout")
 
 
-def _check_model_flags(args: argparse.Namespace) -> list[str]:
+def _check_model_flags(args: argparse.Namespace, nsp: bool = False) -> list[str]:
+    """The model flags' cross-checks, and --nsp's: ``nsp`` is whether the recipe trains the NSP task."""
+    errors = []
     if args.n_head >= 1 and args.n_embd % args.n_head:
-        return [f"--n-embd: expected a multiple of --n-head {args.n_head}, got {args.n_embd}"]
-    return []
+        errors.append(f"--n-embd: expected a multiple of --n-head {args.n_head}, got {args.n_embd}")
+    if args.nsp != nsp:  # bert.main picks the recipe by --nsp; a caller of loop.main must too
+        errors.append(f"--nsp: {args.nsp}, but this Recipe trains {'MLM + NSP' if nsp else 'MLM alone'} "
+                      f"(expected bert.{'RECIPE_NSP' if args.nsp else 'RECIPE'}, as bert.main picks)")
+    if args.nsp and args.hf_config is not None:
+        errors.append("--nsp: trains the recipe's own BERT; --hf-config builds a transformers masked LM, which has "
+                      "no NSP head (expected one of the two)")
+    if args.nsp and args.block_size < 5:
+        errors.append(f"--block-size: --nsp needs [CLS] A [SEP] B [SEP], at least 5 tokens, got {args.block_size}")
+    return errors
 
 
 def materializer(seed: int):
@@ -331,8 +417,11 @@ def build(args: argparse.Namespace, vocab_size: int) -> loop.Built:
     ``vocab_size``: the data's ids and the 4 special ones."""
     if args.hf_config is not None:
         return hf.built(args, vocab_size, "masked-lm")
-    flavor = {**lookup(FLAVORS, args.flavor, "bert"), "nsp": False} if args.flavor else {}
+    flavor = lookup(FLAVORS, args.flavor, "bert") if args.flavor else {}
     kwargs = loop.model_kwargs(args, flavor, FLAG_TO_FIELD, "max_seq_len")
+    kwargs["nsp"] = args.nsp  # the head, and sentence A / B embeddings, only when the task trains them
+    if args.nsp:
+        kwargs["type_vocab_size"] = max(2, kwargs.get("type_vocab_size", 0))
     if kwargs.setdefault("vocab_size", vocab_size) < vocab_size:
         raise ValueError(f"--flavor {args.flavor}: its vocabulary of {kwargs['vocab_size']} is smaller than the "
                          f"data's {vocab_size} with the 4 special tokens (expected --tokenizer with at most "
@@ -346,6 +435,7 @@ def build(args: argparse.Namespace, vocab_size: int) -> loop.Built:
 
 RECIPE = loop.Recipe("bert", __doc__.split("\n\n")[0], DEFAULTS, HELP, RULES, build, task=MASKED, units=UNITS,
                      check=_check_model_flags, extra_vocab=4, flavors=lambda name: lookup(FLAVORS, name, "bert"))
+RECIPE_NSP = replace(RECIPE, task=MASKED_NSP, check=lambda args: _check_model_flags(args, nsp=True))
 
 
 def main(argv=None):
@@ -355,9 +445,12 @@ def main(argv=None):
     first = argparse.ArgumentParser(add_help=False)
     first.add_argument("--scaling", type=str, default=None)
     known, rest = first.parse_known_args(argv)
+    task = argparse.ArgumentParser(add_help=False)
+    task.add_argument("--nsp", action="store_true")
+    recipe = RECIPE_NSP if task.parse_known_args(argv)[0].nsp else RECIPE
     if known.scaling is not None:
-        return scaling.weak_scaling(RECIPE, known.scaling, rest)
-    return loop.main(RECIPE, argv)
+        return scaling.weak_scaling(recipe, known.scaling, rest)
+    return loop.main(recipe, argv)
 
 
 if __name__ == "__main__":
