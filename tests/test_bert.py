@@ -248,3 +248,14 @@ def test_nsp_trains_and_evaluates_through_the_recipe(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bert.main(argv + ["--hf-config", '{"model_type": "bert"}'])
     assert "--nsp: trains the recipe's own BERT; --hf-config" in capsys.readouterr().err
+
+
+def test_init_std_sets_every_matrix_in_the_model_and_the_materializer():
+    cfg = bert.flavor("debug", init_std=0.05)
+    model = bert.Bert(cfg)
+    assert abs(float(model.layers[0].mlp[0].weight.detach().std()) - 0.05) < 0.005
+    like = torch.empty(256, 64, device="meta")
+    drawn = bert.materializer(0, cfg.init_std)("layers.0.mlp.0.weight", like)
+    assert abs(float(drawn.std()) - 0.05) < 0.005 and bert.flavor("base").init_std == 0.02
+    with pytest.raises(ValueError, match="BertConfig.init_std: expected a number > 0, got 0"):
+        bert.flavor("debug", init_std=0)
