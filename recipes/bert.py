@@ -10,10 +10,14 @@ A or, half the time, a random one; the NSP loss added to the MLM loss; eval: NSP
 
 The default run (no flags) beats the unigram guess by far in ~5 minutes on 2 cores (README, Results)
 because of two choices, both found by short runs (the same model stayed on the MLM plateau, ~35%
-masked-token accuracy against the guess's 29%, for 600 steps of 32 x 128 bytes): 32-byte windows,
+masked-token accuracy against the guess's 29%, for 600 steps of 32 windows x 128 bytes): 32-byte windows,
 128 of them a step (the same bytes a step; attention spread over 32 positions, not 128, finds the
 neighbours that predict a masked byte sooner), and matrices drawn N(0, 0.05) (``--init-std``;
 BERT's 0.02 escapes the plateau later). Post-LN, lr 1e-3 -> 1e-4 and ZeRO-1 + bf16 as before.
+900 steps: 60.4% masked-token accuracy against the unigram guess's 29.0% (measured under load).
+
+Why one module over 400 lines: BERT, its two pretraining tasks (masked LM, next-sentence prediction)
+and the recipe read top to bottom in one file, as nanoGPT's model and training do; each part is small.
 
 Flavors (``--flavor``), each a published config:
   debug  not a published model: the smallest shape with every part (bytes + 4 special tokens).
@@ -25,7 +29,7 @@ Flavors (``--flavor``), each a published config:
          moves the LayerNorms off the residual stream: ``pre_ln=True`` here.    alias: 1B
 No BERT was published at 7B, 13B or 70B: those names are refused with the list of flavors.
 The published ones were pretrained with next-sentence prediction, so their flavors carry the NSP head
-(pooler + classifier); pass ``nsp=False`` to drop it.
+(pooler + classifier); pass ``nsp=False`` to drop it (the recipe trains it only with ``--nsp``).
 """
 from __future__ import annotations
 
