@@ -112,10 +112,11 @@ class Task:
     """What is trained on the windows: the batch made of them, its loss, the eval and the closing words.
 
     ``batch(data, batch_size, block_size, generator, vocab_size)``: the global batch (a tuple of tensors
-    split by rows; ``vocab_size``: the data's). ``loss(out, batch)``: the loss of the model's output
-    ``out``. ``evaluate(forward, val, args, generator, vocab_size)``: {"val_loss": ..., and more};
-    ``forward(batch)`` is the loss, ``forward.logits(batch)`` the logits. ``baseline(val, vocab_size)``:
-    {name: value} of the guesses to beat.
+    split by rows; ``vocab_size``: the data's); its first ``inputs`` tensors are the model's arguments.
+    ``loss(out, batch)``: the loss of the model's output ``out``. ``evaluate(forward, val, args,
+    generator, vocab_size)``: {"val_loss": ..., and more}; ``forward(batch)`` is the loss,
+    ``forward.logits(batch)`` the logits, ``forward.outputs(batch)`` the model's whole output.
+    ``baseline(val, vocab_size)``: {name: value} of the guesses to beat.
     """
 
     name: str
@@ -126,6 +127,7 @@ class Task:
     report: Callable[[dict, dict, str], str]  # (eval metrics, baseline, unit) -> the final numbers in words
     sample: bool = True
     hf_task: str = "causal-lm"
+    inputs: int = 1  # leading batch tensors the model takes (BERT with NSP: the ids and the token types)
 
 
 def logits_of(out):
@@ -496,7 +498,7 @@ def train(recipe: Recipe, args: argparse.Namespace) -> dict:
                     config=built.config)
 
     def loss_fn(params, batch):
-        return task.loss(apply(params, batch[0]), batch)
+        return task.loss(apply(params, *batch[:task.inputs]), batch)
 
     step = zf.train_step(loss_fn, make_optimizer(args, plan), precision=precision, accum=plan.accum, seed=args.seed)
     mesh = zf.Mesh(dp=plan.dp, pp=plan.pp)
@@ -515,11 +517,11 @@ def train(recipe: Recipe, args: argparse.Namespace) -> dict:
             with torch.autocast(device.type, autocast_dtype, enabled=autocast_dtype is not None):
                 return loss_fn(params, batch)
 
-        def logits(batch):
+        def outputs(batch):
             with torch.autocast(device.type, autocast_dtype, enabled=autocast_dtype is not None):
-                return logits_of(apply(params, batch[0].to(device)))
+                return apply(params, *(t.to(device) for t in batch[:task.inputs]))
 
-        forward.logits = logits
+        forward.outputs, forward.logits = outputs, lambda batch: logits_of(outputs(batch))
         # the same batches every time
         out = task.evaluate(forward, corpus.val, args, torch.Generator().manual_seed(0), corpus.vocab_size)
         model.train()

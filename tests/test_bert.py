@@ -1,12 +1,13 @@
 """recipes/bert.py: BERT's masking (15%, 80/10/10, specials untouched), the model (equal to transformers'
 BERT on the same weights), and training through zfunc unchanged, in one process and over 2 ranks."""
 import copy
+import json
 
 import pytest
 import torch
 
 import zfunc as zf
-from recipes import bert
+from recipes import bert, loop
 from recipes.bert import CLS, IGNORE, MASK, PAD, SEP
 from tests.models import assert_same_training, train_on
 from zfunc.offload import in_ram
@@ -200,3 +201,61 @@ def test_zero3_with_cpu_offload_on_2_ranks_equals_one_process():
     ref_state, ref_losses, ref_norms = run(*make(accum=2), world=2)
     for rank, got in enumerate(zf.dist.spawn(zero3_offload_worker, 2, 2)):
         assert_same_training(got, (ref_losses, ref_norms, ref_state.params), f"bert debug, rank {rank}")
+
+
+# ----------------------------------------------------------------------------- next-sentence prediction
+def test_sentence_pairs_are_cls_a_sep_b_sep_with_half_of_b_random():
+    data = torch.arange(10_000) % 256  # B follows A exactly when its first byte is A's last + 1 (mod 256)
+    tokens, types, is_random = bert.sentence_pairs(data, 400, 21, torch.Generator().manual_seed(0), 256)
+    n_a = (21 - 3) // 2
+    assert tokens.shape == types.shape == (400, 21) and is_random.shape == (400,)
+    assert (tokens[:, 0] == CLS).all() and (tokens[:, n_a + 1] == SEP).all() and (tokens[:, -1] == SEP).all()
+    assert (types[:, :n_a + 2] == 0).all() and (types[:, n_a + 2:] == 1).all()
+    a, b = tokens[:, 1:n_a + 1], tokens[:, n_a + 2:-1]
+    assert torch.equal((a[:, 1:] - a[:, :-1]) % 256, torch.ones(400, n_a - 1, dtype=torch.long))  # windows
+    follows = (b[:, 0] - a[:, -1]) % 256 == 1
+    assert torch.equal(follows[is_random == 0], torch.ones(int((is_random == 0).sum()), dtype=torch.bool))
+    assert follows[is_random == 1].float().mean() < 0.05  # a random window follows A by chance: 1/256
+    assert abs(is_random.float().mean() - 0.5) < 0.1  # 4 standard deviations over 400 rows
+    again = bert.sentence_pairs(data, 400, 21, torch.Generator().manual_seed(0), 256)
+    assert all(torch.equal(x, y) for x, y in zip((tokens, types, is_random), again))
+    inputs, types2, labels, scale, is_random2 = bert.nsp_batch(data, 400, 21, torch.Generator().manual_seed(0), 256)
+    assert torch.equal(types2, types) and torch.equal(is_random2, is_random)
+    assert not (labels[:, [0, n_a + 1, -1]] != IGNORE).any()  # [CLS] and [SEP] are never masked
+    with pytest.raises(ValueError, match="--block-size: NSP pairs need at least 5 tokens"):
+        bert.sentence_pairs(data, 2, 4, torch.Generator(), 256)
+
+
+def test_nsp_trains_and_evaluates_through_the_recipe(tmp_path, capsys):
+    """--nsp: the model gets the NSP head and segment embeddings, the loss (MLM + NSP) falls, and eval
+    logs the NSP accuracy; --nsp on the MLM-only Recipe, or with --hf-config, exits 2 naming it."""
+    text = tmp_path / "corpus.txt"
+    text.write_bytes(b"the quick brown fox jumps over the lazy dog.\n" * 400)
+    argv = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--ffn-dim", "64", "--block-size", "32",
+            "--batch-size", "8", "--lr", "1e-2", "--warmup", "2", "--eval-batches", "2", "--seed", "0",
+            "--precision", "fp32", "--data", str(text), "--steps", "12", "--eval-every", "4", "--log-every", "1",
+            "--out", str(tmp_path / "out"), "--nsp"]
+    result = bert.main(argv)
+    assert result["history"][-1][1] < result["history"][0][1]  # val MLM loss
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r["loss"] for r in rows[-3:]) < sum(r["loss"] for r in rows[:3])  # MLM + NSP
+    assert 0 <= result["val_nsp_accuracy"] <= 1 and rows[-1]["val_nsp_accuracy"] == result["val_nsp_accuracy"]
+    assert result["val_nsp_loss"] > 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        loop.main(bert.RECIPE, argv)
+    assert "--nsp: True, but this Recipe trains MLM alone" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bert.main(argv + ["--hf-config", '{"model_type": "bert"}'])
+    assert "--nsp: trains the recipe's own BERT; --hf-config" in capsys.readouterr().err
+
+
+def test_init_std_sets_every_matrix_in_the_model_and_the_materializer():
+    cfg = bert.flavor("debug", init_std=0.05)
+    model = bert.Bert(cfg)
+    assert abs(float(model.layers[0].mlp[0].weight.detach().std()) - 0.05) < 0.005
+    like = torch.empty(256, 64, device="meta")
+    drawn = bert.materializer(0, cfg.init_std)("layers.0.mlp.0.weight", like)
+    assert abs(float(drawn.std()) - 0.05) < 0.005 and bert.flavor("base").init_std == 0.02
+    with pytest.raises(ValueError, match="BertConfig.init_std: expected a number > 0, got 0"):
+        bert.flavor("debug", init_std=0)

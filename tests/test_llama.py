@@ -138,3 +138,22 @@ def test_zero3_with_cpu_offload_on_2_ranks_equals_one_process():
     ref_state, ref_losses, ref_norms = run(*make(), world=2)
     for rank, got in enumerate(zf.dist.spawn(zero3_offload_worker, 2, 2)):
         assert_same_training(got, (ref_losses, ref_norms, ref_state.params), f"llama debug, rank {rank}")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_tiles_rows_are_the_rows_of_the_untiled_head(tied):
+    """--tile-lm-head starts from the untiled model's weights: each tile's init is its rows of lm_head's."""
+    cfg = llama.flavor("debug", tie_embeddings=tied)
+    with torch.device("meta"):
+        model = llama.Llama(cfg)
+    head = "embed.weight" if tied else "lm_head.weight"
+    whole = llama.materializer(cfg, 5, model)(head, model.lm_head.weight)
+    zf.tile(model, tiles=3, modules=["lm_head"])
+    materialize = llama.materializer(cfg, 5, model)
+    tiles = [(name, p) for name, p in model.named_parameters() if ".tiles." in name]
+    assert [name for name, _ in tiles] == [f"{head.split('.')[0]}.tiles.{i}.weight" for i in range(3)]
+    assert torch.equal(torch.cat([materialize(name, p) for name, p in tiles]), whole)
+    name, p = tiles[1]
+    assert torch.equal(materialize(name, p, slice(1, 3)), materialize(name, p)[1:3])
+    assert torch.equal(materialize("layers.0.attn.o.weight", model.layers[0].attn.o.weight),
+                       llama.materializer(cfg, 5)("layers.0.attn.o.weight", model.layers[0].attn.o.weight))
