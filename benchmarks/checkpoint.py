@@ -46,9 +46,9 @@ rows; a file the host has not seen (here, an old 0.7 GB one) read at 0.15 GB/s t
 layers, fp32, AdamW, a batch whose forward and backward take a few hundred ms here): the median
 step time alone, the mean step time of the steps taken while a ``save(blocking=False)`` runs, and
 the time the save blocks training (the ``save`` call plus what the next step waits for the copy)
-against a blocking ``save`` of the same state. Each background save copies into fresh host
-buffers, freed when it finishes (``checkpoint_async.KEEP_BYTES = 0``, the default). Disk and CPU
-timings swing on this shared machine: compare within a run.
+against a blocking ``save`` of the same state. Each background save copies into host buffers
+kept for the next save (``checkpoint_async.KEEP_BYTES``, default all; 0 frees them when a save
+finishes). Disk and CPU timings swing on this shared machine: compare within a run.
 """
 from __future__ import annotations
 

@@ -474,4 +474,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    loop.script(main)

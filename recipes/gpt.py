@@ -251,4 +251,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    loop.script(main)

@@ -4,6 +4,7 @@ CPU offload train as 1 process, --hf-config / --tokenizer / --flavor work on eve
 ones exit 2 naming the problem before anything is built."""
 import json
 import math
+import os
 import resource
 import subprocess
 import sys
@@ -187,3 +188,23 @@ def test_model_flags_beside_a_flavor_override_it():
 def test_weak_scaling_table_parses_its_world_sizes():
     with pytest.raises(SystemExit, match="--scaling: expected world sizes such as 1,2, got '1,x'"):
         bert.main(["--scaling", "1,x"])
+
+
+SCRIPT_EXIT = """
+import atexit, sys
+from recipes import loop
+atexit.register(lambda: print("teardown ran"))
+loop.script(lambda: print("trained", flush=False))
+"""
+
+
+@pytest.mark.parametrize("world_size, teardown", [(None, True), ("2", False)])
+def test_a_torchrun_rank_leaves_without_interpreter_teardown_once_main_returned(world_size, teardown):
+    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
+    if world_size is not None:
+        env["WORLD_SIZE"] = world_size
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT_EXIT], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "trained" in proc.stdout  # flushed before os._exit
+    assert ("teardown ran" in proc.stdout) == teardown

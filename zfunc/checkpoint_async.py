@@ -21,10 +21,11 @@ on its first background save), so its collectives never interleave with training
   copy waits a fraction of what it would wait for the write. Module buffers (``state.buffers``,
   which the forward updates before the state is consumed) and small leaves are copied before
   ``save`` returns.
-- The host buffers are freed when the save finishes (``handle.wait()`` returns after that): a
-  background save holds a second copy of this rank's state in host memory only while it runs.
-  ``KEEP_BYTES`` keeps up to that many bytes of them for the next save of the same sizes (no page
-  faults, no re-pinning, the second time); ``free_buffers()`` drops what is kept.
+- The host buffers are kept for the next background save of the same sizes (no page faults, no
+  re-pinning, the second time): up to ``KEEP_BYTES`` (default: all), so a run that saves in the
+  background holds a second copy of this rank's state in host memory between saves, as torch
+  DCP's async staging does. ``free_buffers()`` drops them; ``KEEP_BYTES = 0`` frees them when
+  each save finishes (``handle.wait()`` returns after that).
 
 So between ``save`` and the step that consumes the state, the state must not be changed by other
 means (an in-place edit by hand): the copy may not have been taken yet. ``handle.wait()`` returns
@@ -35,6 +36,7 @@ background save leaves what a crash during a blocking save leaves: the previous 
 """
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -48,12 +50,12 @@ from zfunc.swap import aligned_empty
 
 EAGER_BYTES = 1 << 20  # leaves smaller than this are copied before save returns
 # Host buffers of a finished background save kept for the next one, at most this many bytes
-# (0: all freed when the save finishes). Keeping them saves the next snapshot its page faults (on
+# (0: all freed when the save finishes; the default keeps them all, for the step-time target). Keeping them saves the next snapshot its page faults (on
 # this VM 0.5-2 s per GB of memory that sat free; pinned CUDA buffers also their re-pinning) at the
 # price of holding them between saves. Measured (benchmarks/checkpoint.py --no-save-load, 0.6 GB,
 # under load, two runs each): a step during a background save 1.10-1.41x a step alone with them
 # freed, 0.76-1.10x with them kept; training blocked 1-3% of a blocking save either way.
-KEEP_BYTES = 0
+KEEP_BYTES: float = math.inf
 
 
 class SaveHandle:
