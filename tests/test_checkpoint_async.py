@@ -1,5 +1,6 @@
 """checkpoint_async: a background save writes the state as it was at the call, while training goes
 on; its errors reach the caller; a crash during it leaves the previous checkpoint."""
+import os
 import subprocess
 import sys
 import textwrap
@@ -209,3 +210,21 @@ def test_a_background_save_frees_its_host_buffers_when_it_finishes(tmp_path, mon
     ca.free_buffers()
     assert ca.kept_bytes() == 0
     assert torch.equal(ck.load(tmp_path / "000003", step).params["w"], params["w"])
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority") or not hasattr(threading, "get_native_id"),
+                    reason="no per-thread priority here")
+def test_the_writer_gives_way_to_training_once_its_copies_are_taken(monkeypatch):
+    monkeypatch.setattr(ca, "WRITER_NICE", 7)
+    seen = []
+
+    def writer():
+        ca._yield_to_training()
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    t = threading.Thread(target=writer)
+    t.start()
+    t.join()
+    assert seen == [max(7, before)]  # never less nice than it was
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # that thread only
