@@ -58,25 +58,25 @@ SIZES = (64 << 10, 16 << 20)  # bytes of the collectives' tensors (as Comm count
 VERSION = 3  # 3: single-thread rates in CPU time, first_touch_bw
 
 
-def _best(fn, repeats: int = 5) -> float:
+def _timed(fn, repeats: int, clock, pick) -> float:
+    """``pick`` (min, median) of ``repeats`` timings of ``fn()`` on ``clock``, after a warm-up."""
     fn()  # warm-up
     times = []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t = clock()
         fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+        times.append(clock() - t)
+    return pick(times)
+
+
+def _best(fn, repeats: int = 5) -> float:
+    """Fastest wall seconds of ``fn()`` after a warm-up."""
+    return _timed(fn, repeats, time.perf_counter, min)
 
 
 def _cpu_seconds(fn, repeats: int = 5) -> float:
     """Median thread CPU seconds of ``fn()`` after a warm-up (module docstring: Load)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.thread_time()
-        fn()
-        times.append(time.thread_time() - t)
-    return statistics.median(times)
+    return _timed(fn, repeats, time.thread_time, statistics.median)
 
 
 def _on_threads(n: int, rate):

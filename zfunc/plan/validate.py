@@ -156,13 +156,8 @@ def shard_rows(cal: dict, rounds: int = 20, batch: int = 8, world: int = 2) -> l
 
 
 def _median_wall(fn, repeats: int = 3) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    """Median wall seconds of ``fn()`` after a warm-up."""
+    return calibrate._timed(fn, repeats, time.perf_counter, statistics.median)
 
 
 def offload_rows(cal: dict, mparams: float = 50.0, path: str | None = None, steps: int = 5) -> list[Row]:
