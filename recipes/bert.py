@@ -437,14 +437,11 @@ def build(args: argparse.Namespace, vocab_size: int) -> loop.Built:
     if args.hf_config is not None:
         return hf.built(args, vocab_size, "masked-lm")
     flavor = lookup(FLAVORS, args.flavor, "bert") if args.flavor else {}
-    kwargs = loop.model_kwargs(args, flavor, FLAG_TO_FIELD, "max_seq_len")
+    kwargs = loop.model_kwargs(args, flavor, FLAG_TO_FIELD, "max_seq_len", vocab_size,
+                               special=len((PAD, CLS, SEP, MASK)))
     kwargs["nsp"] = args.nsp  # the head, and sentence A / B embeddings, only when the task trains them
     if args.nsp:
         kwargs["type_vocab_size"] = max(2, kwargs.get("type_vocab_size", 0))
-    if kwargs.setdefault("vocab_size", vocab_size) < vocab_size:
-        raise ValueError(f"--flavor {args.flavor}: its vocabulary of {kwargs['vocab_size']} is smaller than the "
-                         f"data's {vocab_size} with the 4 special tokens (expected --tokenizer with at most "
-                         f"{kwargs['vocab_size'] - 4} tokens)")
     cfg = BertConfig(**kwargs)
     model = Bert(cfg)
     flops = 6 * model.num_params() + 12 * cfg.n_layers * args.block_size * cfg.dim

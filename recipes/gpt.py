@@ -206,10 +206,7 @@ def build(args: argparse.Namespace, vocab_size: int) -> loop.Built:
     if args.hf_config is not None:
         return hf.built(args, vocab_size, "causal-lm")
     kwargs = loop.model_kwargs(args, flavors.gpt_flavor(args.flavor) if args.flavor else {}, FLAG_TO_FIELD,
-                              "block_size")
-    if kwargs.setdefault("vocab_size", vocab_size) < vocab_size:
-        raise ValueError(f"--flavor {args.flavor}: its vocabulary of {kwargs['vocab_size']} is smaller than the "
-                         f"data's {vocab_size} (expected --tokenizer with at most {kwargs['vocab_size']} tokens)")
+                              "block_size", vocab_size)
     cfg = GPTConfig(**kwargs)
     model = GPT(cfg)
     flops = 6 * model.num_params() + 12 * cfg.n_layer * args.block_size * cfg.n_embd

@@ -311,10 +311,7 @@ def build(args: argparse.Namespace, vocab_size: int) -> loop.Built:
     if args.hf_config is not None:
         return hf.built(args, vocab_size, "causal-lm")
     flavor = lookup(FLAVORS, args.flavor, "llama") if args.flavor else {}
-    kwargs = loop.model_kwargs(args, flavor, FLAG_TO_FIELD, "max_seq_len")
-    if kwargs.setdefault("vocab_size", vocab_size) < vocab_size:
-        raise ValueError(f"--flavor {args.flavor}: its vocabulary of {kwargs['vocab_size']} is smaller than the "
-                         f"data's {vocab_size} (expected --tokenizer with at most {kwargs['vocab_size']} tokens)")
+    kwargs = loop.model_kwargs(args, flavor, FLAG_TO_FIELD, "max_seq_len", vocab_size)
     cfg = LlamaConfig(**kwargs)
     model = Llama(cfg)
     flops = 6 * model.num_params() + 12 * cfg.n_layers * args.block_size * cfg.dim

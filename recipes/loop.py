@@ -321,11 +321,13 @@ def check_resume(recipe: Recipe, args: argparse.Namespace, ckpt_root: Path, plan
 
 
 def model_kwargs(args: argparse.Namespace, flavor_kwargs: dict, flag_to_field: dict[str, str],
-                 context: str) -> dict:
+                 context: str, vocab_size: int | None = None, special: int = 0) -> dict:
     """Config keyword arguments: the flavor's (if --flavor), the model flags' otherwise; a model flag
     given on the command line beside --flavor overrides the flavor's value. The model's ``context``
     field is --block-size without a flavor, the flavor's own with one (--block-size is then the
-    window trained on, at most that)."""
+    window trained on, at most that). ``vocab_size`` (the data's ids, ``special`` of them the
+    model's own tokens; None: left out) unless the flavor names one, which must hold them
+    (ValueError otherwise)."""
     given = getattr(args, "given", frozenset())
     out = dict(flavor_kwargs)
     for name, field_name in flag_to_field.items():
@@ -333,6 +335,11 @@ def model_kwargs(args: argparse.Namespace, flavor_kwargs: dict, flag_to_field: d
             out[field_name] = getattr(args, name)
     if not flavor_kwargs:
         out[context] = args.block_size
+    if vocab_size is not None and out.setdefault("vocab_size", vocab_size) < vocab_size:
+        with_special = f" with the {special} special tokens" if special else ""
+        raise ValueError(f"--flavor {args.flavor}: its vocabulary of {out['vocab_size']} is smaller than the "
+                         f"data's {vocab_size}{with_special} (expected --tokenizer with at most "
+                         f"{out['vocab_size'] - special} tokens)")
     return out
 
 

@@ -185,6 +185,17 @@ def test_model_flags_beside_a_flavor_override_it():
     assert plain == dict(n_layers=4, n_heads=4, n_kv_heads=2, dim=192, ffn_dim=512, max_seq_len=128)
 
 
+def test_a_flavor_whose_vocabulary_cannot_hold_the_data_is_refused_naming_both():
+    args = loop.parse_args(gpt.RECIPE, ["--flavor", "small"])
+    assert loop.model_kwargs(args, {"vocab_size": 50257}, gpt.FLAG_TO_FIELD, "block_size", 300)["vocab_size"] == 50257
+    with pytest.raises(ValueError, match=r"--flavor small: its vocabulary of 50257 is smaller than the data's 60000 "
+                                         r"\(expected --tokenizer with at most 50257 tokens\)"):
+        loop.model_kwargs(args, {"vocab_size": 50257}, gpt.FLAG_TO_FIELD, "block_size", 60000)
+    with pytest.raises(ValueError, match=r"data's 60000 with the 4 special tokens \(expected --tokenizer with "
+                                         r"at most 50253 tokens\)"):
+        loop.model_kwargs(args, {"vocab_size": 50257}, gpt.FLAG_TO_FIELD, "block_size", 60000, special=4)
+
+
 def test_weak_scaling_table_parses_its_world_sizes():
     with pytest.raises(SystemExit, match="--scaling: expected world sizes such as 1,2, got '1,x'"):
         bert.main(["--scaling", "1,x"])
