@@ -12,6 +12,8 @@
 - ``untile`` (tiled params back to whole ones), ``hf_model`` (our GPT and Hugging Face models).
 """
 import copy
+import subprocess
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -397,3 +399,26 @@ def hf_model(kind):
     cfg = LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=48, num_attention_heads=2,
                       num_key_value_heads=1, vocab_size=61, max_position_embeddings=16, bos_token_id=0, eos_token_id=0)
     return LlamaForCausalLM(cfg), LlamaDecoderLayer
+
+
+# A script's lines that make the next checkpoint save stall once its rank file is written (before
+# the manifest) and print "mid-save": where ``kill_mid_save`` kills it. The script imports
+# ``time`` and ``zfunc.checkpoint_files as cf``.
+STALL_MID_SAVE = """
+write = cf.write_safetensors
+def stuck(path, tensors):   # mid-save: the rank file is written, the manifest is not
+    write(path, tensors)
+    print("mid-save", flush=True)
+    time.sleep(60)
+cf.write_safetensors = stuck
+"""
+
+
+def kill_mid_save(code: str) -> None:
+    """Run ``code`` in a fresh interpreter until it prints "mid-save", then kill it (SIGKILL)."""
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "mid-save"
+    finally:
+        proc.kill()
+        proc.wait()

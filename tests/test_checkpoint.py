@@ -1,6 +1,5 @@
 """checkpoint: resume is bit-exact, any layout reshards into any other, faults are caught."""
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -11,7 +10,7 @@ from safetensors.torch import load_file
 
 import zfunc as zf
 from zfunc import checkpoint as ck
-from tests.models import Tiny, batches, fp16_dropout_step, local, make, run
+from tests.models import STALL_MID_SAVE, Tiny, batches, fp16_dropout_step, kill_mid_save, local, make, run
 
 
 def resume_plain(directory):
@@ -154,24 +153,13 @@ KILLED_MID_SAVE = textwrap.dedent("""
     from zfunc import checkpoint as ck, checkpoint_files as cf
     state = zf.TrainState({{"w": torch.ones(1000)}}, (), 0, 0, None)
     ck.save(state, {root!r} + "/000001")
-    write = cf.write_safetensors
-    def stuck(path, tensors):   # mid-save: the rank file is written, the manifest is not
-        write(path, tensors)
-        print("mid-save", flush=True)
-        time.sleep(60)
-    cf.write_safetensors = stuck
-    ck.save(state.replace(step=2), {root!r} + "/000002")
-""")
+""") + STALL_MID_SAVE + """
+ck.save(state.replace(step=2), {root!r} + "/000002")
+"""
 
 
 def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path):
-    code = KILLED_MID_SAVE.format(paths=sys.path, root=str(tmp_path))
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "mid-save"
-    finally:
-        proc.kill()
-        proc.wait()
+    kill_mid_save(KILLED_MID_SAVE.format(paths=sys.path, root=str(tmp_path)))
     assert ck.latest(tmp_path) == tmp_path / "000001"
     template = zf.TrainState({"w": torch.zeros(1000)}, (), 0, 0, None)
     assert ck.load(ck.latest(tmp_path), template).params["w"].sum() == 1000

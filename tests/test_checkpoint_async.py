@@ -1,7 +1,6 @@
 """checkpoint_async: a background save writes the state as it was at the call, while training goes
 on; its errors reach the caller; a crash during it leaves the previous checkpoint."""
 import os
-import subprocess
 import sys
 import textwrap
 import threading
@@ -12,7 +11,7 @@ import torch
 
 import zfunc as zf
 from zfunc import checkpoint as ck, checkpoint_async as ca, checkpoint_files as cf
-from tests.models import batches, make, run
+from tests.models import STALL_MID_SAVE, batches, kill_mid_save, make, run
 
 
 def big_step():
@@ -88,26 +87,15 @@ KILLED_MID_BACKGROUND_SAVE = textwrap.dedent("""
     from test_checkpoint_async import big_step
     step, state = big_step()
     ck.save(state, {root!r} + "/000001")
-    write = cf.write_safetensors
-    def stuck(path, tensors):   # mid-save: the rank file is written, the manifest is not
-        write(path, tensors)
-        print("mid-save", flush=True)
-        time.sleep(60)
-    cf.write_safetensors = stuck
-    handle = ck.save(state, {root!r} + "/000002", blocking=False)
-    while True:  # training goes on until the kill
-        state, _ = step(state, torch.randn(8, 600))
-""")
+""") + STALL_MID_SAVE + """
+handle = ck.save(state, {root!r} + "/000002", blocking=False)
+while True:  # training goes on until the kill
+    state, _ = step(state, torch.randn(8, 600))
+"""
 
 
 def test_a_kill_during_a_background_save_leaves_the_previous_checkpoint(tmp_path):
-    code = KILLED_MID_BACKGROUND_SAVE.format(paths=sys.path, root=str(tmp_path))
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "mid-save"
-    finally:
-        proc.kill()
-        proc.wait()
+    kill_mid_save(KILLED_MID_BACKGROUND_SAVE.format(paths=sys.path, root=str(tmp_path)))
     assert ck.latest(tmp_path) == tmp_path / "000001"
     step, state = big_step()
     loaded = ck.load(ck.latest(tmp_path), step)
