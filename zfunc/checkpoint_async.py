@@ -46,7 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from zfunc import state as state_module
+from zfunc import env, state as state_module
 from zfunc.swap import aligned_empty
 
 EAGER_BYTES = 1 << 20  # leaves smaller than this are copied before save returns
@@ -209,7 +209,7 @@ _groups: dict[tuple, object] = {}
 # (benchmarks/checkpoint.py --no-save-load, 0.6 GB, quiet 2-core VM, runs alternated): a step
 # during a background save 1.30x / 1.34x a step alone at 19, 1.41x / 1.51x at 0; the save spans
 # ~11 steps instead of ~6. Set it here or with ZFUNC_WRITER_NICE.
-WRITER_NICE = int(os.environ.get("ZFUNC_WRITER_NICE", "19"))
+WRITER_NICE = env.number("ZFUNC_WRITER_NICE", 19, int, lambda n: -20 <= n <= 19, "a niceness, an int in [-20, 19]")
 
 
 def _taken(snapshot: Snapshot) -> dict[str, torch.Tensor]:

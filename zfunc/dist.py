@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from zfunc import env
+
 
 class CollectiveError(RuntimeError):
     """A collective failed: a peer died, timed out, or the ranks issued different collectives."""
@@ -148,7 +150,7 @@ class Comm:
 # How long ``all_arrive`` waits for the other ranks: long enough for a rank that reaches the call
 # late in normal training (rank 0 evaluating or logging first), far shorter than the process
 # group's 30 min. Set it here or with ZFUNC_ARRIVAL_TIMEOUT_S.
-ARRIVAL_TIMEOUT_S = float(os.environ.get("ZFUNC_ARRIVAL_TIMEOUT_S", "300"))
+ARRIVAL_TIMEOUT_S = env.number("ZFUNC_ARRIVAL_TIMEOUT_S", 300.0, float, lambda s: s > 0, "seconds > 0")
 _calls: Counter = Counter()  # per group: how many all_arrive calls this rank has made
 
 

@@ -1,0 +1,19 @@
+"""zfunc.env: settings from environment variables, with errors naming the variable."""
+import pytest
+
+from zfunc import env
+
+
+def test_unset_gives_the_default_and_a_good_value_is_cast(monkeypatch):
+    monkeypatch.delenv("ZFUNC_TEST_N", raising=False)
+    assert env.number("ZFUNC_TEST_N", 19, int, lambda n: n >= 0, "an int >= 0") == 19
+    monkeypatch.setenv("ZFUNC_TEST_N", "7")
+    assert env.number("ZFUNC_TEST_N", 19, int, lambda n: n >= 0, "an int >= 0") == 7
+
+
+@pytest.mark.parametrize("raw", ["high", "", "-1", "nan", "inf", "1.5"])
+def test_a_bad_value_is_refused_naming_the_variable_and_the_value(monkeypatch, raw):
+    monkeypatch.setenv("ZFUNC_TEST_N", raw)
+    cast = float if raw in ("nan", "inf") else int
+    with pytest.raises(ValueError, match=f"environment variable ZFUNC_TEST_N: expected an int >= 0, got {raw!r}"):
+        env.number("ZFUNC_TEST_N", 19, cast, lambda n: n >= 0, "an int >= 0")
