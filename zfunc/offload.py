@@ -80,11 +80,11 @@ import torch
 from zfunc import compose, precision as mp, tree
 from zfunc.dist import Mesh
 from zfunc.offload_run import (ComputeCopies, HeldSlices, LeafUpdate, OffloadRun, StoredPieces,  # noqa: F401
-                                _is_stored, _Stores, _Updating)
+                                UpdateOnArrival, _is_stored, _Stores)
 from zfunc.ops import hostmem
 from zfunc.roles import Roles
 from zfunc.shard import ShardedStep, ShardSpec, _leaf_names, local_piece
-from zfunc.shard_run import ShardRun
+from zfunc.shard_run import StepRun
 from zfunc.step import Step, TrainState, Transformed, require_train_state
 from zfunc.store import OnDisk, Store
 
@@ -247,19 +247,19 @@ class OffloadedStep(Transformed):
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         self._check_state(state)
-        run = ShardRun(self, state)  # all per-call state lives there, and in its roles
+        run = StepRun(self, state)  # all per-call state lives there, and in its roles
         try:
             return run.execute(state, batch)
         finally:
             self.peak_gathered_bytes, self.peak_whole_grad_bytes = run.peak_gathered_bytes, run.peak_whole_grad_bytes
             self.update_s = run.roles.update.update_s
 
-    def roles(self, run: ShardRun, state: TrainState) -> Roles:
+    def roles(self, run: StepRun, state: TrainState) -> Roles:
         """The roles of one call (``zfunc.roles``): the sharded step's, with the three offload owns
         replaced: params from the stores (``StoredPieces``), grads updated on arrival (overlap:
         ``UpdateOnArrival``) or held (``HeldSlices``), the update leaf by leaf (``LeafUpdate``)."""
         update = LeafUpdate(run, state)
-        grads = _Updating(run, update) if self.overlap else HeldSlices(run)
+        grads = UpdateOnArrival(run, update) if self.overlap else HeldSlices(run)
         return self.sharded.roles(run, state).replace(params=StoredPieces(run, update), grads=grads, update=update)
 
 

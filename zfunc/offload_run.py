@@ -1,8 +1,8 @@
 """One call of an offloaded step (``zfunc.offload``): its stores, its run and its update on arrival.
 
-``OffloadedStep.__call__`` makes an ``OffloadRun`` for each call: a ``ShardRun`` (``zfunc.shard_run``)
+``OffloadedStep.__call__`` makes an ``OffloadRun`` for each call: a ``StepRun`` (``zfunc.shard_run``)
 whose three roles are replaced -- params come from the stores (``_Pieces``: a leaf's compute copy,
-else its master read ahead from RAM or its swap file), grads go to an updating sink (``_Updating``,
+else its master read ahead from RAM or its swap file), grads go to an updating sink (``UpdateOnArrival``,
 with overlap) or are held, and the update runs leaf by leaf from the stores (``_update_leaf``),
 writing back as it goes (``_Stores``: at most ``2 * chunk_bytes`` of writes in flight).
 ``ComputeCopies`` keeps each RAM master's bf16/fp16 copy that the update wrote in its own pass.
@@ -24,7 +24,7 @@ import torch
 from zfunc import optim, precision as mp, tree
 from zfunc.roles import Role
 from zfunc.shard import FlatGroup, GradSlices, _leaf_names
-from zfunc.shard_run import ReducedSlices, ShardRun
+from zfunc.shard_run import ReducedSlices, StepRun
 from zfunc.step import _FIELDS, NonFiniteError, TrainState
 from zfunc.store import All, OnDisk, ReadAhead, Store
 
@@ -109,7 +109,7 @@ class StoredPieces(Role):
     (``ComputeCopies``), else its master, kept where compute happens (``params=None``) or read
     from the params' store ahead of use, in the order the last step read them (``ReadAhead``)."""
 
-    def __init__(self, run: ShardRun, update: LeafUpdate):
+    def __init__(self, run: StepRun, update: LeafUpdate):
         self.run = run
         self.compute_copies, self.where_params = run.compute_copies, run.where_params
         self._reader = ReadAhead(lambda i: update._param_store.fetch(update._masters[i]), update._leaf_bytes,
@@ -144,11 +144,12 @@ class LeafUpdate(_Stores, Role):
     ahead, updated by the optimizer's CPU kernel, written back, at most ``2 * chunk_bytes`` of
     writes in flight); the grads held until now, or (``UpdateOnArrival``) consumed as they came."""
 
-    def __init__(self, run: ShardRun, state: TrainState):
+    def __init__(self, run: StepRun, state: TrainState):
         step = run.step
         _Stores.__init__(self, step, state.placement.device)
         self.run, self._state_spec = run, run._state_spec
-        self.optimizer, self.compute_dtype, self.compute_copies = step.optimizer, step.compute_dtype, step.compute_copies
+        self.optimizer, self.compute_dtype = step.optimizer, step.compute_dtype
+        self.compute_copies = step.compute_copies
         self._state_in_use, self._fields = state, tuple(getattr(state, f) for f in _FIELDS)
         self._masters, self._param_names = tree.leaves(state.params), _leaf_names(state.params)
         self._opt_states = list(state.opt_state)
@@ -260,23 +261,23 @@ class LeafUpdate(_Stores, Role):
                 new_leaves.append(new)
         self._new[i] = (handle, tree.unflatten(s_spec, new_leaves))
 
-OffloadRun = ShardRun  # the one run class; an offloaded step's roles make it an offloaded call
+OffloadRun = StepRun  # the one run class; an offloaded step's roles make it an offloaded call
 
 
 def _is_stored(t: Any) -> bool:
     return isinstance(t, (torch.Tensor, OnDisk))
 
 
-class _Updating(Role):
+class UpdateOnArrival(Role):
     """Grad sink of an offloaded step with overlap: it updates each unit's leaves as soon as their
     reduced grads arrive (``LeafUpdate``'s leaf update), during backward."""
 
     early = True
 
-    def __init__(self, run: ShardRun, update: LeafUpdate):
+    def __init__(self, run: StepRun, update: LeafUpdate):
         self.run, self.update = run, update
 
-    def open(self, pieces) -> _Updating:
+    def open(self, pieces) -> UpdateOnArrival:
         update = self.update
         self.reader = ReadAhead(update._fetch_leaf, update._update_bytes, self.run.step._update_order,
                                 update.chunk_bytes)

@@ -86,7 +86,7 @@ from zfunc.shard_layout import (FlatGroup, FlatUnit, LeafShard, ShardSpec, _buck
 from zfunc.shard_reduce import (Buckets, GradAllReducer, GradReducer, GradSlices,  # noqa: F401
                                 average_buffers, average_order)
 from zfunc.roles import Accumulation, Roles
-from zfunc.shard_run import LocalPieces, PlainUpdate, ReducedSlices, ShardRun
+from zfunc.shard_run import LocalPieces, PlainUpdate, ReducedSlices, StepRun
 from zfunc.step import Step, TrainState, Transformed, _check_single_device, require_train_state
 from zfunc.units import Selector
 
@@ -194,17 +194,17 @@ class ShardedStep(Transformed):
     # ------------------------------------------------------------------ the step
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         self._check_state(state)
-        run = ShardRun(self, state)  # all per-call state lives there, and in its roles
+        run = StepRun(self, state)  # all per-call state lives there, and in its roles
         try:
             return run.execute(state, batch)
         finally:
             self._record(run)
 
-    def _record(self, run: ShardRun) -> None:
+    def _record(self, run: StepRun) -> None:
         """Keep what the last call measured, for ``memory``."""
         self.peak_gathered_bytes, self.peak_whole_grad_bytes = run.peak_gathered_bytes, run.peak_whole_grad_bytes
 
-    def roles(self, run: ShardRun, state: TrainState) -> Roles:
+    def roles(self, run: StepRun, state: TrainState) -> Roles:
         """The roles of one call (``zfunc.roles``), made for ``run``: params are this rank's own
         pieces, reduced grads are summed into fp32 slices, the update is the plain step's rule on
         them, and the schedule is the inner step's accumulation."""

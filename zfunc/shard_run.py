@@ -1,6 +1,6 @@
 """One call of a sharded step: everything that lives for one ``step(state, batch)`` and no longer.
 
-A ``ShardRun`` is made by ``ShardedStep.__call__`` for each call: it holds the state's layout and
+A ``StepRun`` is made by ``ShardedStep.__call__`` for each call: it holds the state's layout and
 loss scale, the loss and per-leaf "produced a grad" flags that the step's one all-reduce sums,
 the leaves whose grads arrived, and the peaks it measured; it runs forward and backward with the
 step's reducers and sinks and applies the update. The step object keeps only its configuration
@@ -29,7 +29,7 @@ from zfunc.step import Step, TrainState, _cuda_devices, _step_seed, seeded, spli
 PyTree = Any
 
 
-class ShardRun:
+class StepRun:
     """One call of a ``ShardedStep`` (see the module docstring)."""
 
     def __init__(self, step: Any, state: TrainState):
@@ -136,7 +136,7 @@ class ShardRun:
         whole = self._gather_all(pieces, spec, f"step {step}", device) if self.stage < 3 else None
         self.peak_gathered_bytes, self.peak_whole_grad_bytes = (tree.nbytes(whole) if whole else 0), 0
         reducer, losses, auxes = None, [], []
-        eager = self.stage > 1 or self.accum == 1
+        eager = self.stage > 1 or self.roles.schedule.count == 1
         with seeded(_step_seed(rng, step), _cuda_devices(params)):
             for micro in self.roles.schedule.split(mp.cast_floating(batch, self.compute_dtype)):
                 leaves, gatherer, groups = self._microbatch_leaves(spec, pieces, whole, step, device)
@@ -156,7 +156,7 @@ class ShardRun:
             self.sharded._grad_order = reducer.arrived  # learned once
         grads = sink.result()
         loss = torch.stack(losses).mean()  # this rank's; the caller averages it over the ranks
-        return loss, (auxes[0] if self.accum == 1 else auxes), grads and tree.unflatten(treespec, grads)
+        return loss, (auxes[0] if self.roles.schedule.count == 1 else auxes), grads and tree.unflatten(treespec, grads)
 
     def _replicated_loss_and_grads(self, params, batch, step, rng, loss_scale):
         """Stage 0: the loss summed over the ranks (of each rank's mean over its microbatches), and
@@ -189,8 +189,8 @@ class ShardRun:
                 auxes.append(aux)
         if not self._buckets_ordered:
             self.sharded._grad_order = reducer.arrived  # learned once
-        loss = reducer.loss / self.accum  # summed over the ranks; the caller divides by them
-        return loss, (auxes[0] if self.accum == 1 else auxes), tree.unflatten(treespec, sink.result())
+        loss = reducer.loss / self.roles.schedule.count  # summed over the ranks; the caller divides by them
+        return loss, (auxes[0] if self.roles.schedule.count == 1 else auxes), tree.unflatten(treespec, sink.result())
 
     def _pieces(self, params) -> tuple[Any, Any]:
         """``(pieces, treespec)``: this rank's param pieces, indexable in leaf order (the params source's)."""
@@ -202,7 +202,7 @@ class ShardRun:
 
     def _grad_divisor(self) -> float:
         """Reduced grads are sums over ranks and microbatches of scaled losses' grads."""
-        return self._state_spec.world * self.accum * (self._loss_scale or 1.0)
+        return self._state_spec.world * self.roles.schedule.count * (self._loss_scale or 1.0)
 
     def _device(self, pieces) -> torch.device:
         """Where the step computes (the params source says)."""
@@ -264,7 +264,7 @@ class ReducedSlices(Role):
     """Grad sink: the reduced fp32 grad slices, summed into accumulators shaped like the pieces
     and averaged at the end (``GradSlices``)."""
 
-    def __init__(self, run: ShardRun):
+    def __init__(self, run: StepRun):
         self.run = run
 
     def open(self, pieces) -> GradSlices:
@@ -279,7 +279,7 @@ class PlainUpdate(Role):
     """Update: the plain step's rule (``Step._update``) on this rank's pieces, with the run's
     finite check and grads-produced flags (summed over the ranks with the grad norm)."""
 
-    def __init__(self, run: ShardRun):
+    def __init__(self, run: StepRun):
         self.run = run
 
     def apply(self, state: TrainState, grads: PyTree, loss: torch.Tensor, aux: Any):
