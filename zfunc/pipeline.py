@@ -78,10 +78,9 @@ from torch import nn
 from zfunc import compose, optim, precision as mp, tree
 from zfunc.dist import Mesh
 from zfunc.module import BufferScope, carrying
-from zfunc.pipeline_stage import _Run, _digest, schedule_ops  # noqa: F401  (schedule_ops: public here too)
+from zfunc.pipeline_stage import PipelineSchedule, _Run, _digest, schedule_ops  # noqa: F401  (schedule_ops: public)
 from zfunc.shard import GradSlices, ShardSpec, _buckets, _gather_whole, average_buffers, average_order
-from zfunc.step import (Step, TrainState, Transformed, _cuda_devices, _split_batch, _step_seed, require_train_state,
-                        seeded)
+from zfunc.step import Step, TrainState, Transformed, _cuda_devices, _step_seed, require_train_state, seeded
 from zfunc.units import Selector
 
 PyTree = Any
@@ -140,7 +139,8 @@ class PipelineStep(Transformed):
         super().__init__(base, "pipeline")  # the loss, optimizer, precision: base's (accum is 1)
         self.base = base if compose.applied(base, "shard") else None
         self.model, self.layout, self.mesh = model, layout, mesh
-        self.stages, self.stage, self.microbatches, self.schedule = mesh.pp, mesh.pp_rank, microbatches, schedule
+        self.stages, self.stage, self.microbatches = mesh.pp, mesh.pp_rank, microbatches
+        self.schedule = PipelineSchedule(schedule, microbatches)  # the schedule role: GPipe or 1F1B
         self.peak_live_microbatches, self.timings = 0, {}
         self._bucket_cache: list | None = None
 
@@ -216,7 +216,7 @@ class PipelineStep(Transformed):
         scale = mp.scale_of(loss_scale)
         self.mesh.clear_comm_bytes()
         whole = self._whole_params(pieces, spec, step)
-        micro = self._microbatches(mp.cast_floating(batch, self.compute_dtype))
+        micro = self.schedule.split(mp.cast_floating(batch, self.compute_dtype))
         run = _Run(self, spec, whole, step, scale, _digest(batch))
         with seeded(_step_seed(rng, step), _cuda_devices(params)):
             run.execute(micro)
@@ -243,14 +243,6 @@ class PipelineStep(Transformed):
         if self._bucket_cache is None:
             self._bucket_cache = _buckets(inner.leaves, self.base.bucket_elems)
         return self._bucket_cache
-
-    def _microbatches(self, batch: PyTree) -> list[PyTree]:
-        m = self.microbatches
-        for x in tree.leaves(batch):
-            if isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[0] % m):
-                raise ValueError(f"batch: microbatches={m} must divide the leading dim of every batch tensor, got a "
-                                 f"tensor of shape {tuple(x.shape)}")
-        return _split_batch(batch, m)
 
     def _mean_loss(self, losses: list[torch.Tensor], spec: PipelineSpec, step: int, device,
                    stray: list[str]) -> torch.Tensor:
