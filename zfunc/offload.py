@@ -64,9 +64,11 @@ gather as before.
 Not yet: grads cross PCIe as fp32 on CUDA, and masters kept on the GPU (``params=None``) cross
 it as fp32 both ways for the update.
 
-The step and its placement (``init``, ``restore``, ``memory``) are here; one call's run, its
-stores and the leaf-by-leaf update (``OffloadRun``, ``ComputeCopies``) are in ``zfunc.offload_run``
-(both names are importable from here too).
+The step and its placement (``init``, ``restore``, ``memory``) are here; the roles of one call
+(``StoredPieces``, ``HeldSlices``, ``UpdateOnArrival``, ``LeafUpdate``: params from the stores,
+grads held or updated on arrival, the leaf-by-leaf update), its stores and ``ComputeCopies`` are
+in ``zfunc.offload_run`` (importable from here too); the run that drives them is shard's
+(``zfunc.shard_run.StepRun``).
 """
 from __future__ import annotations
 
@@ -115,8 +117,8 @@ def _shard_fields(spec: ShardSpec) -> tuple:
 class OffloadedStep(Transformed):
     """The step ``offload`` returns (see the module docstring). It wraps a ``ShardedStep``
     (``sharded``: the sharded step it was given, or, for a plain step, one over a one-process mesh)
-    and replaces three of its roles in its run (``OffloadRun``): params come from the stores, grads
-    go to an updating or holding sink, the update runs leaf by leaf from the stores."""
+    and replaces three of its roles (``roles``): params come from the stores, grads go to an
+    updating or holding sink, the update runs leaf by leaf from the stores."""
 
     def __init__(self, base: Step, sharded: ShardedStep, optimizer: str, params: str | None, path: str | None,
                  chunk_bytes: int, overlap: bool | None):

@@ -1,14 +1,16 @@
-"""One call of an offloaded step (``zfunc.offload``): its stores, its run and its update on arrival.
+"""Offload's roles (``zfunc.roles``) for one call of an offloaded step, and its stores.
 
-``OffloadedStep.__call__`` makes an ``OffloadRun`` for each call: a ``StepRun`` (``zfunc.shard_run``)
-whose three roles are replaced -- params come from the stores (``_Pieces``: a leaf's compute copy,
-else its master read ahead from RAM or its swap file), grads go to an updating sink (``UpdateOnArrival``,
-with overlap) or are held, and the update runs leaf by leaf from the stores (``_update_leaf``),
-writing back as it goes (``_Stores``: at most ``2 * chunk_bytes`` of writes in flight).
+``OffloadedStep.roles`` gives each call's run (``shard_run.StepRun``, the one run class; its old
+name ``OffloadRun`` stays an alias) the sharded step's roles with three replaced: params come from
+the stores (``StoredPieces``: a leaf's compute copy, else its master read ahead from RAM or its
+swap file, ``_Pieces``), grads go to a sink that updates each leaf as its grad arrives
+(``UpdateOnArrival``, with overlap) or are held (``HeldSlices``), and the update runs leaf by leaf
+from the stores (``LeafUpdate``, ``_update_leaf``), writing back as it goes (``_Stores``: at most
+``2 * chunk_bytes`` of writes in flight). The schedule stays the sharded step's accumulation.
 ``ComputeCopies`` keeps each RAM master's bf16/fp16 copy that the update wrote in its own pass.
-Everything here lives for one call, except ``ComputeCopies`` and the read orders, which the step
-object keeps (``docs/design.md``, "Run objects"). The law, the cost and the rules for non-finite
-steps are ``zfunc.offload``'s.
+Everything here lives for one call, except ``ComputeCopies`` and the read and update orders,
+which the roles write back to the step object in their ``finish`` (``docs/design.md``, "Run
+objects"). The law, the cost and the rules for non-finite steps are ``zfunc.offload``'s.
 """
 from __future__ import annotations
 

@@ -55,7 +55,11 @@ it ("send", "recv"). Compute: the pre-unit code (embeddings) also runs, discarde
 shards each stage's params and optimizer state over its dp group: whole stage params are
 all-gathered at the start of the step, whole grads summed over microbatches and reduce-scattered
 at the end (stage 1 costs: ``2 Psi_s`` per rank per step). ZeRO 2/3 and ``shard(pipeline(...))``
-are rejected: the pipeline must be the outermost transformation.
+are rejected: the pipeline must be the outermost transformation (docs/design.md, section 3, says
+why: its schedule keeps several microbatches live, which stage 2/3's per-microbatch gathers and
+reducers do not allow, and it changes what a state and a loss are for whatever would wrap it).
+The schedule is a role object (``zfunc.roles``), ``step.schedule``: a ``PipelineSchedule``
+(``pipeline_stage``) with accumulation's interface, ``split(batch)`` and ``ops(stages, stage)``.
 
 **Why this shape.** Shared params have one owner rather than a copy on both end stages
 (DeepSpeed's tied layers): the optimizer state exists once, the grad norm counts each param once,
@@ -128,7 +132,8 @@ class PipelineStep(Transformed):
     """The step ``pipeline`` returns: same call and ``init`` as ``Step``; this rank runs one stage.
 
     Metrics are the same on every rank, except ``aux`` (``has_aux``): the loss function's aux per
-    microbatch on the last stage, which alone computes the loss; ``None`` elsewhere. After each
+    microbatch on the last stage, which alone computes the loss; ``None`` elsewhere. ``schedule``
+    is the schedule role (``PipelineSchedule``; ``str()`` gives "gpipe" or "1f1b"). After each
     call, ``peak_live_microbatches`` is the most microbatches whose activations this stage held at
     once, and ``timings`` has the schedule's wall time ``step_s``, the time spent blocked on peers
     ``wait_s``, forward + backward compute ``compute_s``, and ``ops``: each op's ``(kind,

@@ -1,4 +1,7 @@
-"""One pipeline stage's schedule for one step (``zf.pipeline``'s run objects).
+"""One pipeline stage's schedule for one step (``zf.pipeline``'s schedule role and run objects).
+
+``PipelineSchedule`` is the schedule role (``zfunc.roles``): GPipe or 1F1B over ``m`` microbatches,
+``split(batch)`` and each stage's ``ops`` (``schedule_ops``).
 
 ``_StageRun`` holds the hooks a stage puts on the model for one microbatch's forward (other
 stages' units become the identity, the first local unit takes the received activation, a

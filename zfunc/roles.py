@@ -24,16 +24,26 @@ Each role is a small object with one job; what the run asks of it:
   ``offload_run.LeafUpdate`` (leaf by leaf from the stores, writes in flight).
 - **schedule** (``schedule``): how a batch becomes microbatches: ``count``, ``split(batch)`` and
   ``ops(stages, stage)``, the order of forwards ``("F", i)`` and backwards ``("B", i)`` on one
-  stage. ``Accumulation`` here; the pipeline's ``zfunc.pipeline_stage.Pipelined`` (GPipe, 1F1B).
-  Accumulation is 1F1B on one stage: each microbatch's backward follows its forward.
+  stage. ``Accumulation`` here; the pipeline's ``pipeline_stage.PipelineSchedule`` (GPipe,
+  1F1B). Accumulation is 1F1B on one stage: each microbatch's backward follows its forward, and
+  ``StepRun`` runs the two together; the pipeline's own run drives its schedule (docs/design.md,
+  section 3: why the pipeline stays the outermost transformation).
 
-Every role has ``finish()``, called once after the call (also when it failed): what it learned
-for the next call is written back to the step there (the read and update orders).
+Every role has ``finish()`` (``Role``); the run calls those of the params source, the grad sink
+and the update once after the call, also when it failed: what they learned for the next call is
+written back to the step there (offload's read and update orders), and writes in flight end.
 
-To swap a role, replace the step's ``roles`` provider, no subclass needed::
+To swap a role, replace the step's ``roles`` provider on the step object; no subclass needed::
 
     default = step.roles
-    step.roles = lambda run, state: default(run, state).replace(grads=MySink(default(run, state).grads))
+
+    def mine(run, state):
+        roles = default(run, state)
+        return roles.replace(grads=MySink(roles.grads))  # MySink wraps the default grad sink
+
+    step.roles = mine
+
+Cost: four small objects per call (offload's roles also open its stores, as its run did before).
 """
 from __future__ import annotations
 

@@ -96,8 +96,9 @@ FIRST_BUCKET_ELEMS = 1 << 18  # stage 0's first bucket: 1 MiB of fp32, DDP's fir
 
 class ShardedStep(Transformed):
     """The step ``shard`` returns: same call and ``init`` as ``Step``, state split over the mesh.
-    Wraps the plain step it is given (``inner``) and owns the params source, the grad sink and
-    the layout; the loss, optimizer and precision are ``inner``'s."""
+    Wraps the plain step it is given (``inner``) and owns the layout and the roles of each call
+    (``roles``: params source, grad sink, update, schedule), which a ``StepRun`` drives; the loss,
+    optimizer, precision and accumulation are ``inner``'s."""
 
     def __init__(self, base: Step, mesh: Mesh, stage: int, units, prefetch: int, bucket_elems: int, verify: bool,
                  fit_buckets: bool = False):

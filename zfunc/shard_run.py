@@ -1,15 +1,20 @@
-"""One call of a sharded step: everything that lives for one ``step(state, batch)`` and no longer.
+"""One call of a sharded or offloaded step: everything that lives for one ``step(state, batch)``.
 
-A ``StepRun`` is made by ``ShardedStep.__call__`` for each call: it holds the state's layout and
-loss scale, the loss and per-leaf "produced a grad" flags that the step's one all-reduce sums,
-the leaves whose grads arrived, and the peaks it measured; it runs forward and backward with the
-step's reducers and sinks and applies the update. The step object keeps only its configuration
-and what it learned once (stage 3's units and their run order, stages 0-2's bucket order, stage
-0's bucket buffers), so one step object can drive any number of states (docs/design.md, "Run
-objects"). Configuration and learned state are read from the step by delegation; a run writes
-learned state only through ``self.sharded``, the ``ShardedStep`` (the step itself, or the one an
-offloaded step wraps). ``zfunc.offload``'s ``OffloadRun`` replaces three roles
-of this one: where params come from (``_pieces``), where grads go (``_grad_sink``) and the update.
+A ``StepRun`` is made by ``ShardedStep.__call__`` and ``OffloadedStep.__call__`` for each call. It
+asks the step for this call's roles (``step.roles(run, state)``, ``zfunc.roles``): where params
+come from, where grads go, how the update runs and the microbatch schedule; then it drives them
+with ZeRO's machinery, which stays here: the gathers (stages 1/2: whole by bucket; stage 3: per
+unit, ``prefetch.Gatherer``), the grad reducers and the step's one all-reduce (the loss, the grad
+norm and per-leaf "produced a grad" flags). It holds the state's layout and loss scale, the
+leaves whose grads arrived and the peaks it measured. Shard's own roles are here too:
+``LocalPieces``, ``ReducedSlices``, ``PlainUpdate``; offload's are in ``zfunc.offload_run``.
+
+The step object keeps only its configuration and what it learned once (stage 3's units and their
+run order, stages 0-2's bucket order, stage 0's bucket buffers), so one step object can drive any
+number of states (docs/design.md, "Run objects"). Configuration and learned state are read from
+the step by delegation; a run writes learned state only through ``self.sharded``, the
+``ShardedStep`` (the step itself, or the one an offloaded step wraps), and its roles write theirs
+in their ``finish``.
 """
 from __future__ import annotations
 
@@ -30,7 +35,8 @@ PyTree = Any
 
 
 class StepRun:
-    """One call of a ``ShardedStep`` (see the module docstring)."""
+    """One call of a ``ShardedStep`` or an ``OffloadedStep``, driving the roles the step gives it
+    (see the module docstring)."""
 
     def __init__(self, step: Any, state: TrainState):
         self.step = step  # the step called: its configuration (and an offloaded step's roles)
