@@ -165,8 +165,11 @@ class Step:
 
     def init(self, params: PyTree) -> TrainState:
         """A fresh state: fp32 copies of ``params`` (the caller's tensors are never aliased), the
-        optimizer's initial state, step 0, ``rng = seed`` and fp16's initial loss scale."""
+        optimizer's initial state, step 0, ``rng = seed`` and fp16's initial loss scale. On the
+        CPU, also ``hostmem.reuse_freed_memory()`` (the process keeps freed heap memory)."""
         device = _check_single_device(params)
+        if device.type == "cpu":  # each step's grads and temporaries reuse the last one's memory
+            hostmem.reuse_freed_memory()
         self.initialized_with = tree.map(lambda x: x.to("meta") if torch.is_tensor(x) else x, params)  # for load
         master = tree.map(lambda p: _master_copy(p, device), params)
         return TrainState(master, self.optimizer.init(master), 0, self.seed, mp.init_loss_scale(self.precision))
