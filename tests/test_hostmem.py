@@ -121,7 +121,7 @@ def _faults_of(fn) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
-@pytest.mark.skipif(not hostmem.reuse_freed_memory(), reason="not glibc, or ZFUNC_TRIM_HEAP set")
+@pytest.mark.skipif(not hostmem.reuse_freed_memory(), reason="not glibc, or ZFUNC_HEAP_REUSE=off")
 def test_reuse_freed_memory_keeps_a_step_s_freed_tensors_for_the_next():
     # 8 tensors of 4 MiB (2048 pages each) touched, freed, then allocated and touched again: glibc's
     # default would give them back (unmapped, or trimmed off the top of the heap) and fault all
@@ -140,3 +140,9 @@ def test_a_cpu_step_applies_reuse_freed_memory(monkeypatch):
     monkeypatch.setattr(hostmem, "reuse_freed_memory", lambda: calls.append(1))
     zf.train_step(lambda p, b: (p["w"] * b).sum(), zf.optim.sgd(0.1)).init({"w": torch.ones(3)})
     assert calls == [1]
+
+
+def test_zfunc_heap_reuse_refuses_an_unknown_mode(monkeypatch):
+    monkeypatch.setenv("ZFUNC_HEAP_REUSE", "most")
+    with pytest.raises(ValueError, match=r"ZFUNC_HEAP_REUSE: expected one of \('small', 'all', 'off'\), got 'most'"):
+        hostmem._heap_reuse_mode()
