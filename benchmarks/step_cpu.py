@@ -84,23 +84,28 @@ def deepspeed_adam(params):
     return DeepSpeedCPUAdam(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True)
 
 
-def interleaved(trainers: dict, rounds: int, steps: int, one_at_a_time: bool = False) -> dict[str, list[float]]:
+def interleaved(trainers: dict, rounds: int, steps: int, one_at_a_time: bool = False,
+                cpu: dict | None = None) -> dict[str, list[float]]:
     """Seconds per step of each trainer, one sample per round, the order rotating each round.
     ``one_at_a_time``: ``trainers`` are factories, each trainer built for its sample and dropped
-    after it (only one trainer's memory at once; building and a warm-up step are not timed)."""
+    after it (only one trainer's memory at once; building and a warm-up step are not timed).
+    ``cpu``: a dict that receives the process's CPU seconds per step likewise (steadier than the
+    wall clock on a loaded machine, where a sample's wall time is mostly when it was scheduled)."""
     if not one_at_a_time:
         for run in trainers.values():
             run(2)  # warm up: JIT load, page faults, lazy state
     names, times = list(trainers), {name: [] for name in trainers}
+    cpu = {} if cpu is None else cpu
     for r in range(rounds):
         for name in names[r % len(names):] + names[: r % len(names)]:
             run = trainers[name]
             if one_at_a_time:
                 run = run()
                 run(1)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             run(steps)
             times[name].append((time.perf_counter() - t0) / steps)
+            cpu.setdefault(name, []).append((time.process_time() - c0) / steps)
             del run
     return times
 
@@ -118,17 +123,22 @@ def step_rows(n: int, rounds: int, steps: int, with_deepspeed: bool, one_at_a_ti
     if with_deepspeed:
         factories["DeepSpeedCPUAdam"] = lambda: torch_loop(deepspeed_adam, w0, c)
     steps = steps or max(1, 2 * 10**7 // n)
+    cpu: dict[str, list[float]] = {}
     if one_at_a_time:
-        times = interleaved(factories, rounds, steps, one_at_a_time=True)
+        times = interleaved(factories, rounds, steps, one_at_a_time=True, cpu=cpu)
     else:
-        times = interleaved({name: make() for name, make in factories.items()}, rounds, steps)
+        times = interleaved({name: make() for name, make in factories.items()}, rounds, steps, cpu=cpu)
     ours = times["zfunc"]
     print(f"n={n:.0e}: {rounds} rounds x {steps} steps, {torch.get_num_threads()} threads"
           f"{', trainers built one at a time' if one_at_a_time else ''}; "
-          f"zfunc {statistics.median(ours) * 1e3:.3f} ms/step (median)")
+          f"zfunc {statistics.median(ours) * 1e3:.3f} ms/step (median), {statistics.median(cpu['zfunc']) * 1e3:.3f} "
+          "ms CPU")
     for name, t in times.items():
         if name != "zfunc":
-            print(f"  vs {name:<24} {statistics.median(t) * 1e3:8.3f} ms/step   zfunc speedup {paired(t, ours):.3f}x")
+            ratios = sorted(p / o for p, o in zip(t, ours))
+            print(f"  vs {name:<24} {statistics.median(t) * 1e3:8.3f} ms/step   zfunc speedup {paired(t, ours):.3f}x "
+                  f"(rounds {ratios[0]:.2f}-{ratios[-1]:.2f}); CPU time {statistics.median(cpu[name]) * 1e3:.3f} ms, "
+                  f"speedup {paired(cpu[name], cpu['zfunc']):.3f}x")
 
 
 def gpt_leaf_shapes(total: int, d: int = 768) -> list[tuple[int, ...]]:
