@@ -52,7 +52,14 @@ DeepSpeed (0.62-1.41), CPU 0.997x. Three more 1M runs before the CPU column: 1.1
 1.004x; 1.009x DeepSpeed, CPU 1.005x. 100M, 7 rounds: 0.839x torch (0.49-1.18), CPU 0.995x; 0.811x
 DeepSpeed (0.54-1.97), CPU 1.018x -- the wall clock there is mostly when the scheduler ran each
 sample. ``--threads 0`` (2 threads on 2 loaded cores, a team waiting for its slowest thread):
-1M 0.590x torch / 0.639x DeepSpeed (rounds 0.06-4.80), 20M 1.000x / 0.920x.
+1M 0.590x torch / 0.639x DeepSpeed (rounds 0.06-4.80), 20M 1.000x / 0.920x. The reference command
+(``--threads 1``, 15 rounds, load 4-6): 1M 1.168x torch (0.98-2.22), CPU 1.167x; 1.006x DeepSpeed
+(0.78-1.44), CPU 1.006x. 20M 1.001x / 0.978x (0.96-1.03), CPU 1.000x / 0.993x. 100M 1.018x /
+1.020x, CPU 0.992x / 0.985x. bf16 offload phase: one pass on bf16 grads 1.56x the two passes. A
+20M rerun: 0.967x / 0.929x wall, CPU 0.983x / 0.978x. At 20M zfunc's step takes 1-2.5% more CPU
+than DeepSpeed's loop (84.0 against 81.6 ms in five rounds, the same 39K faults each), not in the
+kernel (8.8 against 9.3 ms) nor in forward and backward measured alone (70.5-71.8 ms all four
+ways, THP master or not): not found by the deadline.
 
 ``--offload-params N`` adds the optimizer phase of a bf16 offloaded step over GPT-shaped leaves
 of N params in all, the grads arriving in bf16, interleaved likewise:
