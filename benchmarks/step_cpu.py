@@ -19,10 +19,47 @@ is faster). Memory: ~16 B/param per trainer (param, grad, two moments) plus ``w0
 ``--one-at-a-time`` params (default 5e7) each trainer is built for its own sample and dropped
 after it (building and one warm-up step untimed), so only one is held: ~3.5 GB at 1e8.
 
-What a step costs beyond its kernel (1e3 params, CPU time, under load): zfunc 47 us (73 before
-the per-step work was cut: seeding by a class, one flatten, no state replace, the moments read
-along the params' treespec), DeepSpeed's loop 33 us. The kernel itself matches DeepSpeed's at 1M
-params once its data has left the cache (what a step's forward and backward do to it).
+Where a step's time goes (2026-11-24, this 2-core VM under load 6-10: CPU time per step from
+``time.thread_time`` around the pieces, trainers interleaved; one thread):
+- 1M params: forward + backward zfunc 468 us, DeepSpeed's loop 483, torch's 501 (the same two
+  elementwise passes and a fresh 4 MB grad); the update: zfunc's kernel 340 us, DeepSpeed's
+  ``step`` 424 (kernel and Python), torch's fused 527; step in all: zfunc 934, DeepSpeed 930.
+- The kernel: one pass (p, g, m, v read once; p, m, v written once, in place: donation; with
+  ``grad_norm=False`` no norm, the loss alone checked), AVX-512 (16 lanes; a sqrt and a division
+  per vector, as DeepSpeed's). Alone on one thread, its data evicted first (1M): 472-487 us
+  against DeepSpeed's 500-521 (1.04-1.09x); warm, at parity. Tried, not kept: tiles of 64
+  elements of constant trip count, unrolled like DeepSpeed's tiled loop (1.00-1.02x: noise).
+- The engine's own work (1e3 params): warm 43.6 us a step against DeepSpeed's loop's 40.2 and
+  torch's 53.8 (same run); after 64 MB have streamed through the cache, as every step's arrays
+  do, 391 against 452 and 472: Python runs from DRAM after each step, and zfunc's path is the
+  shortest. This round: torch's autograd engine called directly on a CPU-only process (6 us of
+  ``torch.autograd.grad``'s 16), the buffer scope a class (1.8 us): 53 -> 38-44 us, same load.
+- What lost: page faults. glibc returns the top of its heap to the OS once more than twice its
+  largest freed block lies free there, and the next step faults it back in: 145-470 faults a
+  step (0.15-0.6 ms of ~0.9), in whichever trainer the heap's layout put on that boundary
+  (zfunc's in most of the runs looked at; torch's or DeepSpeed's in others). A CPU step's ``init``
+  now sets glibc to keep freed memory (``zfunc.ops.hostmem.reuse_freed_memory``): 0 faults, for
+  every trainer of the process.
+- 20M and 100M: blocks of 32 MiB or more (the fresh grad, the forward's product) are mapped and
+  unmapped by glibc on every step, in every trainer: at 20M 39K faults, 80-90 of a step's ~100
+  CPU-ms; at 100M 195K faults, ~300 of ~400 CPU-ms (zfunc and torch alike). ``ZFUNC_HEAP_REUSE=all``
+  serves them from the heap too: 20M 22-30 CPU-ms, 0 faults; 100M 159 (opt-in: freed blocks below
+  the heap's top are never returned to the OS; peak RSS at 100M 2.6 -> 4.2 GB).
+Results, same day, same load (``--threads 1 --offload-params 0``; wall-clock paired medians,
+the rounds' spread, then CPU time): 1M, 15 rounds: 1.333x torch (0.97-2.20), CPU 1.190x; 1.113x
+DeepSpeed (0.62-1.41), CPU 0.997x. Three more 1M runs before the CPU column: 1.137 / 1.060 /
+0.959x torch, 1.059 / 0.969 / 0.783x DeepSpeed (load 9-10). 20M, 15 rounds: 1.038x torch, CPU
+1.004x; 1.009x DeepSpeed, CPU 1.005x. 100M, 7 rounds: 0.839x torch (0.49-1.18), CPU 0.995x; 0.811x
+DeepSpeed (0.54-1.97), CPU 1.018x -- the wall clock there is mostly when the scheduler ran each
+sample. ``--threads 0`` (2 threads on 2 loaded cores, a team waiting for its slowest thread):
+1M 0.590x torch / 0.639x DeepSpeed (rounds 0.06-4.80), 20M 1.000x / 0.920x. The reference command
+(``--threads 1``, 15 rounds, load 4-6): 1M 1.168x torch (0.98-2.22), CPU 1.167x; 1.006x DeepSpeed
+(0.78-1.44), CPU 1.006x. 20M 1.001x / 0.978x (0.96-1.03), CPU 1.000x / 0.993x. 100M 1.018x /
+1.020x, CPU 0.992x / 0.985x. bf16 offload phase: one pass on bf16 grads 1.56x the two passes. A
+20M rerun: 0.967x / 0.929x wall, CPU 0.983x / 0.978x. At 20M zfunc's step takes 1-2.5% more CPU
+than DeepSpeed's loop (84.0 against 81.6 ms in five rounds, the same 39K faults each), not in the
+kernel (8.8 against 9.3 ms) nor in forward and backward measured alone (70.5-71.8 ms all four
+ways, THP master or not): not found by the deadline.
 
 ``--offload-params N`` adds the optimizer phase of a bf16 offloaded step over GPT-shaped leaves
 of N params in all, the grads arriving in bf16, interleaved likewise:
@@ -84,23 +121,28 @@ def deepspeed_adam(params):
     return DeepSpeedCPUAdam(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True)
 
 
-def interleaved(trainers: dict, rounds: int, steps: int, one_at_a_time: bool = False) -> dict[str, list[float]]:
+def interleaved(trainers: dict, rounds: int, steps: int, one_at_a_time: bool = False,
+                cpu: dict | None = None) -> dict[str, list[float]]:
     """Seconds per step of each trainer, one sample per round, the order rotating each round.
     ``one_at_a_time``: ``trainers`` are factories, each trainer built for its sample and dropped
-    after it (only one trainer's memory at once; building and a warm-up step are not timed)."""
+    after it (only one trainer's memory at once; building and a warm-up step are not timed).
+    ``cpu``: a dict that receives the process's CPU seconds per step likewise (steadier than the
+    wall clock on a loaded machine, where a sample's wall time is mostly when it was scheduled)."""
     if not one_at_a_time:
         for run in trainers.values():
             run(2)  # warm up: JIT load, page faults, lazy state
     names, times = list(trainers), {name: [] for name in trainers}
+    cpu = {} if cpu is None else cpu
     for r in range(rounds):
         for name in names[r % len(names):] + names[: r % len(names)]:
             run = trainers[name]
             if one_at_a_time:
                 run = run()
                 run(1)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             run(steps)
             times[name].append((time.perf_counter() - t0) / steps)
+            cpu.setdefault(name, []).append((time.process_time() - c0) / steps)
             del run
     return times
 
@@ -118,17 +160,22 @@ def step_rows(n: int, rounds: int, steps: int, with_deepspeed: bool, one_at_a_ti
     if with_deepspeed:
         factories["DeepSpeedCPUAdam"] = lambda: torch_loop(deepspeed_adam, w0, c)
     steps = steps or max(1, 2 * 10**7 // n)
+    cpu: dict[str, list[float]] = {}
     if one_at_a_time:
-        times = interleaved(factories, rounds, steps, one_at_a_time=True)
+        times = interleaved(factories, rounds, steps, one_at_a_time=True, cpu=cpu)
     else:
-        times = interleaved({name: make() for name, make in factories.items()}, rounds, steps)
+        times = interleaved({name: make() for name, make in factories.items()}, rounds, steps, cpu=cpu)
     ours = times["zfunc"]
     print(f"n={n:.0e}: {rounds} rounds x {steps} steps, {torch.get_num_threads()} threads"
           f"{', trainers built one at a time' if one_at_a_time else ''}; "
-          f"zfunc {statistics.median(ours) * 1e3:.3f} ms/step (median)")
+          f"zfunc {statistics.median(ours) * 1e3:.3f} ms/step (median), {statistics.median(cpu['zfunc']) * 1e3:.3f} "
+          "ms CPU")
     for name, t in times.items():
         if name != "zfunc":
-            print(f"  vs {name:<24} {statistics.median(t) * 1e3:8.3f} ms/step   zfunc speedup {paired(t, ours):.3f}x")
+            ratios = sorted(p / o for p, o in zip(t, ours))
+            print(f"  vs {name:<24} {statistics.median(t) * 1e3:8.3f} ms/step   zfunc speedup {paired(t, ours):.3f}x "
+                  f"(rounds {ratios[0]:.2f}-{ratios[-1]:.2f}); CPU time {statistics.median(cpu[name]) * 1e3:.3f} ms, "
+                  f"speedup {paired(cpu[name], cpu['zfunc']):.3f}x")
 
 
 def gpt_leaf_shapes(total: int, d: int = 768) -> list[tuple[int, ...]]:

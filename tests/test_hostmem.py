@@ -111,3 +111,38 @@ def test_a_loaded_checkpoint_lands_in_host_memory(tmp_path):
     loaded = zf.checkpoint.load(tmp_path / "ckpt", step)
     for t in (loaded.params["w"], loaded.opt_state.mu["w"]):
         assert "hg" in _vma_of(t.data_ptr())["VmFlags"].split()
+
+
+def _faults_of(fn) -> int:
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    fn()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+@pytest.mark.skipif(not hostmem.reuse_freed_memory(), reason="not glibc, or ZFUNC_HEAP_REUSE=off")
+def test_reuse_freed_memory_keeps_a_step_s_freed_tensors_for_the_next():
+    # 8 tensors of 4 MiB (2048 pages each) touched, freed, then allocated and touched again: glibc's
+    # default would give them back (unmapped, or trimmed off the top of the heap) and fault all
+    # 8192 pages in again; kept, the second round reuses them.
+    def round_():
+        ts = [torch.ones(1 << 20) for _ in range(8)]
+        del ts
+    for _ in range(3):  # the heap settles (small blocks carved from the freed ones at first)
+        round_()
+    assert _faults_of(round_) < 1000
+    assert hostmem.reuse_freed_memory() is True  # once per process: the answer is cached
+
+
+def test_a_cpu_step_applies_reuse_freed_memory(monkeypatch):
+    calls = []
+    monkeypatch.setattr(hostmem, "reuse_freed_memory", lambda: calls.append(1))
+    zf.train_step(lambda p, b: (p["w"] * b).sum(), zf.optim.sgd(0.1)).init({"w": torch.ones(3)})
+    assert calls == [1]
+
+
+def test_zfunc_heap_reuse_refuses_an_unknown_mode(monkeypatch):
+    monkeypatch.setenv("ZFUNC_HEAP_REUSE", "most")
+    with pytest.raises(ValueError, match=r"ZFUNC_HEAP_REUSE: expected one of \('small', 'all', 'off'\), got 'most'"):
+        hostmem._heap_reuse_mode()

@@ -121,13 +121,21 @@ class BufferScope:
 _SCOPE: contextvars.ContextVar[BufferScope | None] = contextvars.ContextVar("zfunc_module_buffers", default=None)
 
 
-@contextmanager
-def _scoped(scope: BufferScope) -> Iterator[BufferScope]:
-    token = _SCOPE.set(scope)
-    try:
-        yield scope
-    finally:
-        _SCOPE.reset(token)
+class _scoped:  # noqa: N801 - used as a function: ``with _scoped(scope) as scope:``
+    """Run the block with ``scope`` as the current one. A class, not a generator-based context
+    manager, which costs ~1.5 us more (every step enters one)."""
+
+    __slots__ = ("scope", "token")
+
+    def __init__(self, scope: BufferScope):
+        self.scope = scope
+
+    def __enter__(self) -> BufferScope:
+        self.token = _SCOPE.set(self.scope)
+        return self.scope
+
+    def __exit__(self, *exc) -> None:
+        _SCOPE.reset(self.token)
 
 
 def carrying(buffers: Mapping[str, torch.Tensor]) -> AbstractContextManager[BufferScope]:

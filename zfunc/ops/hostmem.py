@@ -18,17 +18,26 @@ all start on a huge-page boundary make a kernel's streams collide in the caches 
 which cost more than the huge pages gained. Below ``HUGE_MIN`` bytes, where THP is ``never`` or
 on systems without it, ``empty`` is plain ``torch.empty``. Nothing here is required for
 correctness: whatever pages a tensor has, the kernels compute the same values.
+
+``reuse_freed_memory``: a train step frees and allocates tensors of the same sizes every step (the
+grads, the forward's temporaries). glibc gives the top of its heap back to the OS once more than
+``M_TRIM_THRESHOLD`` bytes lie free there (by default twice the largest block it has freed, so
+two 4 MiB grads freed together), and the next step faults the same bytes in again, ~1 us per 4 KiB
+page: measured, 145-470 faults per step of a 1M-param CPU step (0.15-0.6 ms of 0.8), in whichever
+trainer of a process the heap's layout happened to put on the boundary. Kept, they are reused.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import mmap
+import os
 import random
 
 import torch
 
-__all__ = ["HUGE_MIN", "copy_to", "empty", "huge_pages_available", "zeros_like"]
+__all__ = ["HUGE_MIN", "copy_to", "empty", "huge_pages_available", "reuse_freed_memory", "zeros_like"]
 
 HUGE = 2 << 20  # bytes in a huge page (x86-64 and aarch64 with 4 KiB base pages)
 # Smaller tensors: torch.empty. Huge pages pay where a kernel's streams outgrow the last-level
@@ -115,3 +124,53 @@ def copy_to(t: torch.Tensor, device: torch.device | str, dtype: torch.dtype | No
 def _check_tensor(t) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"t: expected a torch.Tensor, got {type(t).__name__}")
+
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
+# Freed memory kept at the top of the heap: a step's transient tensors up to this size in all are
+# reused, not returned; more is (a process that once held much more gives most of it back).
+KEEP_FREED = 1 << 30
+# Blocks from this size are mmapped and unmapped one by one (glibc's largest allowed threshold,
+# which its default also reaches after the first free of a block that size); smaller ones come
+# from the heap, where freed ones are reused.
+_MMAP_MIN = 32 << 20
+_MODES = ("small", "all", "off")
+
+
+def _heap_reuse_mode() -> str:
+    mode = os.environ.get("ZFUNC_HEAP_REUSE", "small")
+    if mode not in _MODES:
+        raise ValueError(f"environment variable ZFUNC_HEAP_REUSE: expected one of {_MODES}, got {mode!r}")
+    return mode
+
+
+HEAP_REUSE = _heap_reuse_mode()  # checked at import, as zfunc.env's settings
+
+
+@functools.cache
+def reuse_freed_memory() -> bool:
+    """Keep up to ``KEEP_FREED`` bytes of freed heap memory for reuse instead of returning it to the
+    OS (glibc ``mallopt``; once per process, for the whole process). True where applied; False
+    where the C library is not glibc or ``ZFUNC_HEAP_REUSE=off`` keeps glibc's defaults.
+
+    ``ZFUNC_HEAP_REUSE``: ``small`` (default): blocks under 32 MiB come from the heap, where freed
+    ones are reused; larger ones are mapped and unmapped one by one as before, so their faults stay
+    (a fresh 80 MB grad faults ~20K pages every step, in torch as here). ``all``: every block of
+    the main thread comes from the heap (``M_MMAP_MAX`` 0): measured, a 20M-param CPU step 80 -> 22
+    ms of CPU (39K faults -> 0), 100M 400 -> 159 ms; but a freed block below the top of the heap is
+    never returned, so the resident size stays at the high-water mark and grows with fragmentation
+    (100M: peak 2.6 -> 4.2 GB; a background checkpoint's host copies stay resident after the save). Cost of either: the resident size does not shrink below the heap's
+    high-water mark minus ``KEEP_FREED``.
+    """
+    if HEAP_REUSE == "off":
+        return False
+    try:
+        if not os.confstr("CS_GNU_LIBC_VERSION"):
+            return False
+        mallopt = ctypes.CDLL(None).mallopt
+    except (AttributeError, OSError, ValueError):
+        return False
+    # Setting either threshold stops glibc's own adjustment of both, so both are set.
+    ok = bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_MIN)) and bool(mallopt(_M_TRIM_THRESHOLD, KEEP_FREED))
+    return ok and (HEAP_REUSE == "small" or bool(mallopt(_M_MMAP_MAX, 0)))
