@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from zfunc import env, state as state_module
+from zfunc.checkpoint_io import Pace
 from zfunc.swap import aligned_empty
 
 EAGER_BYTES = 1 << 20  # leaves smaller than this are copied before save returns
@@ -63,8 +64,9 @@ class SaveHandle:
     """A save under way in the background: ``wait()`` (the directory, or the writer's error) and
     ``done()``."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, pace: Pace | None = None):
         self.directory = directory
+        self._pace = pace
         self._finished = threading.Event()
         self._error: BaseException | None = None
         self._reported = False
@@ -75,13 +77,20 @@ class SaveHandle:
 
     def wait(self, timeout: float | None = None) -> Path:
         """Block until the checkpoint is in place (on every rank); return its directory. Raises
-        the writer's error, or ``TimeoutError`` when ``timeout`` seconds pass first."""
+        the writer's error, or ``TimeoutError`` when ``timeout`` seconds pass first. The rest of
+        the write goes at full speed (``SAVE_DUTY`` paces it only while nobody waits)."""
+        self.hurry()
         if not self._finished.wait(timeout):
             raise TimeoutError(f"zf.checkpoint.save of {self.directory}: not finished after {timeout} s")
         if self._error is not None:
             self._reported = True
             raise self._error
         return self.directory
+
+    def hurry(self) -> None:
+        """Write the rest at full speed: someone waits for it."""
+        if self._pace is not None:
+            self._pace.hurry()
 
     def __repr__(self) -> str:
         state = "failed" if self._error is not None else "done" if self.done() else "running"
@@ -98,6 +107,7 @@ def wait_for_previous() -> None:
         handle = _previous
     if handle is None:
         return
+    handle.hurry()
     handle._finished.wait()
     if handle._error is not None and not handle._reported:
         handle._reported = True
@@ -212,6 +222,17 @@ _groups: dict[tuple, object] = {}
 WRITER_NICE = env.number("ZFUNC_WRITER_NICE", 19, int, lambda n: -20 <= n <= 19, "a niceness, an int in [-20, 19]")
 
 
+# The share of the wall time each of a background save's I/O threads spends writing
+# (``checkpoint_io.Pace``) until someone waits for the save (``handle.wait()``, the next save),
+# which lifts it. 1: no pacing. Set it here or with ZFUNC_SAVE_DUTY.
+SAVE_DUTY = env.number("ZFUNC_SAVE_DUTY", 1.0, float, lambda d: 0 < d <= 1, "a fraction in (0, 1]")
+
+
+def pace() -> Pace:
+    """A new background save's pace (``SAVE_DUTY``)."""
+    return Pace(SAVE_DUTY)
+
+
 def _taken(snapshot: Snapshot) -> dict[str, torch.Tensor]:
     """The snapshot's copies, taken at training's priority (the next step may be waiting for them);
     then this thread gives way to training for the write."""
@@ -238,10 +259,11 @@ def background_group(world: int):
 
 
 def start(directory: Path, snapshot: Snapshot, write: Callable[[dict[str, torch.Tensor]], None],
-          cleanup: Callable[[], None]) -> SaveHandle:
-    """Run ``write(snapshot.take())`` on a new thread, then ``cleanup()``; the handle."""
+          cleanup: Callable[[], None], pace: Pace | None = None) -> SaveHandle:
+    """Run ``write(snapshot.take())`` on a new thread, then ``cleanup()``; the handle (whose
+    ``wait()`` hurries ``pace``, the write's)."""
     global _previous
-    handle = SaveHandle(directory)
+    handle = SaveHandle(directory, pace)
 
     def run() -> None:
         try:
