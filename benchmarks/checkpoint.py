@@ -2,7 +2,8 @@
 
     python benchmarks/checkpoint.py [--mparams 50 200] [--rounds 5] [--dir /tmp/zfunc-ckpt-bench]
                                     [--async-mparams 50] [--no-async] [--no-save-load] [--verbose]
-                                    [--buffered-writes]
+                                    [--buffered-writes] [--async-rounds 3] [--step-threads N]
+                                    [--variant module.NAME=value[,...] ...]
 
 **Save and load.** The state is an AdamW ``TrainState`` of ``--mparams`` million fp32 params
 (params + two moments: 12 bytes/param). Writers: ``zf.checkpoint.save`` (crc32 of every tensor,
@@ -43,12 +44,26 @@ rows; a file the host has not seen (here, an old 0.7 GB one) read at 0.15 GB/s t
 (``dd`` of ``/dev/zero``, the old disk reference here, is not one: zeros are cheap to the host.)
 
 **Background save.** A training step of ``--async-mparams`` million params (an MLP of 8 square
-layers, fp32, AdamW, a batch whose forward and backward take a few hundred ms here): the median
-step time alone, the mean step time of the steps taken while a ``save(blocking=False)`` runs, and
-the time the save blocks training (the ``save`` call plus what the next step waits for the copy)
-against a blocking ``save`` of the same state. Each background save copies into host buffers
-kept for the next save (``checkpoint_async.KEEP_BYTES``, default all; 0 frees them when a save
-finishes). Disk and CPU timings swing on this shared machine: compare within a run.
+layers, fp32, AdamW, a batch whose forward and backward take ~135 ms here on a quiet machine).
+Each of ``--async-rounds`` rounds takes one blocking ``save`` of the state, then for each variant
+(``--variant``, order rotating by round): 3 plain steps, a ``save(blocking=False)`` with steps
+taken until it is done, 3 plain steps. Per variant it prints the median over rounds of the mean
+step during the save over the median of the plain steps around it (paired in time, as load
+swings here; min-max beside it), how many steps and seconds the save spans, the time the save
+blocks training (the ``save`` call plus what the next step waits for the copy) against the
+blocking save, and the CPU seconds of the save's own threads; and, over all variants, the
+training threads' CPU time per step during a save against alone (>1: the save slows the step's
+own work, e.g. memory bandwidth, rather than taking its cores). Each background save copies into
+host buffers kept for the next save (``checkpoint_async.KEEP_BYTES``) and writes at the pace
+``checkpoint_async.SAVE_DUTY`` sets.
+
+``--variant checkpoint_async.SAVE_DUTY=1.0 --variant checkpoint_async.SAVE_DUTY=0.25`` compares
+settings (any ``zfunc`` module attribute, a Python literal) alternated in one run;
+``--step-threads 1`` runs the step on one intra-op thread. Under load (other processes taking the
+cores) the 2-thread step's ratio says little: its plain steps spin in OpenMP barriers while a
+thread waits for a core (their CPU time per step doubles), and steps during a save ran faster
+than the plain ones around them (0.5-0.9x); a 1-thread step showed neither. Disk and CPU timings
+swing on this shared machine: compare within a run.
 """
 from __future__ import annotations
 
@@ -330,7 +345,8 @@ def background(mparams: float, root: Path, rounds: int = 3, variants: list[str] 
         state_module.before_consume[:] = inner
     nbytes = zf.tree.nbytes(state)
     s = statistics.median(blocking)
-    print(f"\nbackground save, {mparams:g}M-param MLP step (AdamW, {nbytes / 1e9:.2f} GB state), {rounds} rounds; "
+    print(f"\nbackground save, {mparams:g}M-param MLP step (AdamW, {nbytes / 1e9:.2f} GB state, "
+          f"{torch.get_num_threads()} intra-op threads), {rounds} rounds; "
           f"blocking save {s * 1e3:.0f} ms (median)\n")
     print("| variant | step during a save / step alone (median, min-max) | save spans (steps, s) "
           "| training blocked (ms, share of a blocking save) | save threads' CPU (s) |")
@@ -358,6 +374,8 @@ def main(argv=None) -> None:
                    help="background save: zfunc settings of one variant, e.g. checkpoint_async.SAVE_DUTY=0.25 "
                         "(repeat to compare, alternated in each round; '' is the defaults)")
     p.add_argument("--async-rounds", type=int, default=3)
+    p.add_argument("--step-threads", type=int, default=None,
+                   help="background save: torch's intra-op threads for the step (default: torch's, 2 here)")
     p.add_argument("--buffered-writes", action="store_true",
                    help="zfunc writes through the page cache (checkpoint_io.DIRECT_WRITES = False)")
     args = p.parse_args(argv)
@@ -373,6 +391,8 @@ def main(argv=None) -> None:
         for m in [] if args.no_save_load else args.mparams:
             save_load(m, args.rounds, root, args.verbose)
         if not args.no_async:
+            if args.step_threads:
+                torch.set_num_threads(args.step_threads)
             background(args.async_mparams, root, args.async_rounds, args.variant, verbose=args.verbose)
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -151,7 +151,8 @@ def save(state: TrainState, directory: str | os.PathLike, *, keep_last: int | No
     ``zfunc.checkpoint_io``) and an fsync; with several ranks also a store round trip checking
     every rank called it and two all-gathers of a few bytes per leaf (who writes what, the
     checksums). In the background: a copy of those bytes in host memory while the save runs
-    (``checkpoint_async.KEEP_BYTES`` keeps some for the next one).
+    (``checkpoint_async.KEEP_BYTES`` keeps some for the next one), and a write paced to
+    ``checkpoint_async.SAVE_DUTY`` of the disk's time until someone waits for it.
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"state: expected a TrainState, got {type(state).__name__}")

@@ -27,6 +27,11 @@ on its first background save), so its collectives never interleave with training
   DCP's async staging does. ``free_buffers()`` drops them; ``KEEP_BYTES = 0`` frees them when
   each save finishes (``handle.wait()`` returns after that).
 
+**The write** runs at ``WRITER_NICE`` and is paced (``SAVE_DUTY``, ``checkpoint_io.Pace``): each
+I/O thread writes at most that share of the wall time, so the save spans more steps and costs
+each of them less, until someone waits for it -- ``handle.wait()`` or the next ``save`` -- and the
+rest goes at full speed. (An interpreter that exits waits for a save still under way, at its pace.)
+
 So between ``save`` and the step that consumes the state, the state must not be changed by other
 means (an in-place edit by hand): the copy may not have been taken yet. ``handle.wait()`` returns
 once the checkpoint is in place on every rank (and re-raises the writer's error);
@@ -224,8 +229,13 @@ WRITER_NICE = env.number("ZFUNC_WRITER_NICE", 19, int, lambda n: -20 <= n <= 19,
 
 # The share of the wall time each of a background save's I/O threads spends writing
 # (``checkpoint_io.Pace``) until someone waits for the save (``handle.wait()``, the next save),
-# which lifts it. 1: no pacing. Set it here or with ZFUNC_SAVE_DUTY.
-SAVE_DUTY = env.number("ZFUNC_SAVE_DUTY", 1.0, float, lambda d: 0 < d <= 1, "a fraction in (0, 1]")
+# which lifts it. 1: no pacing. A save costs training a roughly fixed amount (its ~0.14 s of CPU
+# for 0.6 GB, the copy, the host's side of the I/O), so spreading it over more steps costs each
+# step less: on the quiet 2-core VM unpaced it spanned ~11 steps at 1.32x a step alone. Measured
+# under load (benchmarks/checkpoint.py --no-save-load --async-rounds 6 --step-threads 1, 0.6 GB,
+# rounds alternated): a step during a save 1.07x (0.83-1.66) unpaced over 7.5 steps, 1.08x
+# (0.97-1.24) at 0.4 over 11.5, 1.04x (0.86-1.11) at 0.25 over 19. Set it here or with ZFUNC_SAVE_DUTY.
+SAVE_DUTY = env.number("ZFUNC_SAVE_DUTY", 0.25, float, lambda d: 0 < d <= 1, "a fraction in (0, 1]")
 
 
 def pace() -> Pace:
