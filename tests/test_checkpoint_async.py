@@ -231,3 +231,34 @@ def test_a_paced_background_save_writes_at_full_speed_once_waited_for(tmp_path, 
     assert time.perf_counter() - t0 < 10
     for d in ("000001", "000002"):
         assert torch.equal(ck.load(tmp_path / d, step).params["w"], state.params["w"])
+
+
+def test_the_exit_hook_finishes_the_last_save_at_full_speed(tmp_path, monkeypatch):
+    step, state = big_step()
+    monkeypatch.setattr(ca, "SAVE_DUTY", 1e-4)  # unhurried: minutes per block
+    monkeypatch.setattr(cio, "BLOCK", 64 << 10)
+    handle = ck.save(state, tmp_path / "000001", blocking=False)
+    t0 = time.perf_counter()
+    ca._finish_at_exit()  # what threading runs at exit, before concurrent.futures refuses new work
+    assert handle.done() and time.perf_counter() - t0 < 10
+    assert ck.latest(tmp_path) == tmp_path / "000001"
+
+
+@pytest.mark.slow
+def test_an_exiting_interpreter_finishes_a_paced_save_at_full_speed(tmp_path):
+    import subprocess
+
+    script = textwrap.dedent(f"""
+        import torch, zfunc as zf
+        from zfunc import checkpoint as ck, checkpoint_async as ca, checkpoint_io as cio
+        ca.SAVE_DUTY, cio.BLOCK = 1e-4, 64 << 10  # unhurried: minutes per block
+        step = zf.train_step(lambda p, x: (x @ p["w"]).sum(), zf.optim.adamw(1e-3))
+        ck.save(step.init({{"w": torch.ones(600, 600)}}), {str(tmp_path / "000001")!r}, blocking=False)
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=60)
+    assert time.perf_counter() - t0 < 30
+    step = zf.train_step(lambda p, x: (x @ p["w"]).sum(), zf.optim.adamw(1e-3))
+    assert torch.equal(ck.load(tmp_path / "000001", step).params["w"], torch.ones(600, 600))

@@ -30,7 +30,7 @@ on its first background save), so its collectives never interleave with training
 **The write** runs at ``WRITER_NICE`` and is paced (``SAVE_DUTY``, ``checkpoint_io.Pace``): each
 I/O thread writes at most that share of the wall time, so the save spans more steps and costs
 each of them less, until someone waits for it -- ``handle.wait()`` or the next ``save`` -- and the
-rest goes at full speed. (An interpreter that exits waits for a save still under way, at its pace.)
+rest goes at full speed; so does a save under way when the interpreter exits, which waits for it.
 
 So between ``save`` and the step that consumes the state, the state must not be changed by other
 means (an in-place edit by hand): the copy may not have been taken yet. ``handle.wait()`` returns
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -241,6 +242,30 @@ SAVE_DUTY = env.number("ZFUNC_SAVE_DUTY", 0.25, float, lambda d: 0 < d <= 1, "a 
 def pace() -> Pace:
     """A new background save's pace (``SAVE_DUTY``)."""
     return Pace(SAVE_DUTY)
+
+
+def _finish_at_exit() -> None:
+    """An exiting interpreter's last background save, finished at full speed (an error nobody
+    saw goes to stderr)."""
+    with _previous_lock:
+        handle = _previous
+    if handle is None:
+        return
+    handle.hurry()
+    handle._finished.wait()
+    if handle._error is not None and not handle._reported:
+        e = handle._error
+        print(f"zf.checkpoint.save of {handle.directory} (in the background) failed: {type(e).__name__}: {e}",
+              file=sys.stderr)
+
+
+# The interpreter runs threading's exit hooks, last registered first, before it joins the threads
+# left; concurrent.futures' hook (registered when checkpoint_io imported it, before this one)
+# refuses new work from then on, which failed a save still under way at exit ("cannot schedule
+# new futures after interpreter shutdown"). So the save is finished first. (A private hook: where
+# it is missing, a save under way at exit may fail so; the previous checkpoint stays.)
+if hasattr(threading, "_register_atexit"):
+    threading._register_atexit(_finish_at_exit)
 
 
 def _taken(snapshot: Snapshot) -> dict[str, torch.Tensor]:
