@@ -235,7 +235,9 @@ WRITER_NICE = env.number("ZFUNC_WRITER_NICE", 19, int, lambda n: -20 <= n <= 19,
 # step less: on the quiet 2-core VM unpaced it spanned ~11 steps at 1.32x a step alone. Measured
 # under load (benchmarks/checkpoint.py --no-save-load --async-rounds 6 --step-threads 1, 0.6 GB,
 # rounds alternated): a step during a save 1.07x (0.83-1.66) unpaced over 7.5 steps, 1.08x
-# (0.97-1.24) at 0.4 over 11.5, 1.04x (0.86-1.11) at 0.25 over 19. Set it here or with ZFUNC_SAVE_DUTY.
+# (0.97-1.24) at 0.4 over 11.5, 1.04x (0.86-1.11) at 0.25 over 19; in a later, less loaded run
+# 1.17x (1.10-1.49) unpaced over 5.5 steps, 1.05x (0.96-1.08) at 0.25 over 16.5 (3.8 s).
+# Set it here or with ZFUNC_SAVE_DUTY.
 SAVE_DUTY = env.number("ZFUNC_SAVE_DUTY", 0.25, float, lambda d: 0 < d <= 1, "a fraction in (0, 1]")
 
 
