@@ -2,7 +2,8 @@
 
     python benchmarks/checkpoint.py [--mparams 50 200] [--rounds 5] [--dir /tmp/zfunc-ckpt-bench]
                                     [--async-mparams 50] [--no-async] [--no-save-load] [--verbose]
-                                    [--buffered-writes]
+                                    [--buffered-writes] [--async-rounds 3] [--step-threads N]
+                                    [--variant module.NAME=value[,...] ...]
 
 **Save and load.** The state is an AdamW ``TrainState`` of ``--mparams`` million fp32 params
 (params + two moments: 12 bytes/param). Writers: ``zf.checkpoint.save`` (crc32 of every tensor,
@@ -43,18 +44,33 @@ rows; a file the host has not seen (here, an old 0.7 GB one) read at 0.15 GB/s t
 (``dd`` of ``/dev/zero``, the old disk reference here, is not one: zeros are cheap to the host.)
 
 **Background save.** A training step of ``--async-mparams`` million params (an MLP of 8 square
-layers, fp32, AdamW, a batch whose forward and backward take a few hundred ms here): the median
-step time alone, the mean step time of the steps taken while a ``save(blocking=False)`` runs, and
-the time the save blocks training (the ``save`` call plus what the next step waits for the copy)
-against a blocking ``save`` of the same state. Each background save copies into host buffers
-kept for the next save (``checkpoint_async.KEEP_BYTES``, default all; 0 frees them when a save
-finishes). Disk and CPU timings swing on this shared machine: compare within a run.
+layers, fp32, AdamW, a batch whose forward and backward take ~135 ms here on a quiet machine).
+Each of ``--async-rounds`` rounds takes one blocking ``save`` of the state, then for each variant
+(``--variant``, order rotating by round): 3 plain steps, a ``save(blocking=False)`` with steps
+taken until it is done, 3 plain steps. Per variant it prints the median over rounds of the mean
+step during the save over the median of the plain steps around it (paired in time, as load
+swings here; min-max beside it), how many steps and seconds the save spans, the time the save
+blocks training (the ``save`` call plus what the next step waits for the copy) against the
+blocking save, and the CPU seconds of the save's own threads; and, over all variants, the
+training threads' CPU time per step during a save against alone (>1: the save slows the step's
+own work, e.g. memory bandwidth, rather than taking its cores). Each background save copies into
+host buffers kept for the next save (``checkpoint_async.KEEP_BYTES``) and writes at the pace
+``checkpoint_async.SAVE_DUTY`` sets.
+
+``--variant checkpoint_async.SAVE_DUTY=1.0 --variant checkpoint_async.SAVE_DUTY=0.25`` compares
+settings (any ``zfunc`` module attribute, a Python literal) alternated in one run;
+``--step-threads 1`` runs the step on one intra-op thread. Under load (other processes taking the
+cores) the 2-thread step's ratio says little: its plain steps spin in OpenMP barriers while a
+thread waits for a core (their CPU time per step doubles), and steps during a save ran faster
+than the plain ones around them (0.5-0.9x); a 1-thread step showed neither. Disk and CPU timings
+swing on this shared machine: compare within a run.
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -207,10 +223,67 @@ def mlp_step(mparams: float) -> tuple[zf.Step, zf.TrainState, torch.Tensor]:
     return step, step.init(params), torch.randn(32, d)
 
 
-def background(mparams: float, root: Path, steps: int = 6) -> None:
+def _setting(assignment: str) -> tuple[object, str, object]:
+    """``"module.NAME=value"`` (a module of zfunc, a Python literal) as ``(module, NAME, value)``."""
+    import ast
+    import importlib
+
+    where, _, raw = assignment.partition("=")
+    module, _, name = where.rpartition(".")
+    target = importlib.import_module(f"zfunc.{module}")
+    if not hasattr(target, name) or not raw:
+        raise SystemExit(f"--variant: expected zfunc module.NAME=value with NAME in that module, got {assignment!r}")
+    return target, name, ast.literal_eval(raw)
+
+
+class _Variant:
+    """Module settings applied for one variant's saves (``--variant``), restored after."""
+
+    def __init__(self, spec: str):
+        self.label = spec or "defaults"
+        self.settings = [_setting(a) for a in spec.split(",") if a]
+        self.saved: list = []
+
+    def __enter__(self):
+        self.saved = [(m, n, getattr(m, n)) for m, n, _ in self.settings]
+        for m, n, v in self.settings:
+            setattr(m, n, v)
+
+    def __exit__(self, *exc):
+        for m, n, v in self.saved:
+            setattr(m, n, v)
+
+
+def _cpu_seconds() -> tuple[float, dict[int, float]]:
+    """CPU seconds this process has run so far, all threads (those gone too), and each live
+    thread's (``/proc/self/task/*/schedstat``)."""
+    threads = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                threads[int(tid)] = int(f.read().split()[0]) / 1e9
+        except (FileNotFoundError, ProcessLookupError, ValueError):
+            pass
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime, threads
+
+
+def _save_cpu(before: tuple[float, dict[int, float]], after: tuple[float, dict[int, float]]) -> float:
+    """CPU seconds run between the two readings by threads other than those live at ``before``
+    (the training's): the save's writer and I/O threads."""
+    training = sum(after[1].get(tid, t) - t for tid, t in before[1].items())
+    return after[0] - before[0] - training
+
+
+def background(mparams: float, root: Path, rounds: int = 3, variants: list[str] | None = None,
+               plain_steps: int = 3, verbose: bool = False) -> None:
+    """Each round, for each variant (order rotating): ``plain_steps`` steps, a background save with
+    steps until it is done, ``plain_steps`` steps; the round's ratio is the mean step during the
+    save over the median of the plain steps around it (paired in time, as load swings)."""
     step, state, x = mlp_step(mparams)
     waited = [0.0]
     inner = list(state_module.before_consume)
+    variants = [_Variant(v) for v in variants or [""]]
 
     def timed_wait() -> None:  # what a step waits for the save's copy
         t0 = time.perf_counter()
@@ -218,44 +291,74 @@ def background(mparams: float, root: Path, steps: int = 6) -> None:
             wait()
         waited[0] += time.perf_counter() - t0
 
-    state_module.before_consume[:] = [timed_wait]
-    try:
-        for _ in range(2):  # warm up
+    training: list[int] = []  # the training's threads (live after the warm-up)
+    cpu = {"plain": [], "during": []}
+
+    def steps(n: int, times: list[float], what: str = "plain") -> None:
+        nonlocal state
+        for _ in range(n):
+            c = _cpu_seconds()[1]
+            t = time.perf_counter()
             state, _ = step(state, x)
-        ck.save(state, root / "bg-warm", blocking=False).wait()
-        plain, during, blocked, blocking = [], [], [], []
-        for r in range(3):
-            for _ in range(steps):
-                t = time.perf_counter()
-                state, _ = step(state, x)
-                plain.append(time.perf_counter() - t)
-            settle(root / "bg-a", root / "bg-b")
+            times.append(time.perf_counter() - t)
+            c1 = _cpu_seconds()[1]
+            cpu[what].append(sum(c1.get(tid, 0.0) - c.get(tid, 0.0) for tid in training))
+
+    state_module.before_consume[:] = [timed_wait]
+    runs = {v.label: {"ratio": [], "steps": [], "blocked": [], "cpu": [], "seconds": []} for v in variants}
+    blocking = []
+    try:
+        steps(2, [])  # warm up
+        training[:] = _cpu_seconds()[1]
+        for v in variants:
+            with v:
+                ck.save(state, root / "bg-warm", blocking=False).wait()
+        for r in range(rounds):
+            settle(root / "bg-a")
             blocking.append(timed(lambda: ck.save(state, root / "bg-a")))
-            os.sync()
-            waited[0] = 0.0
-            t0 = time.perf_counter()
-            handle = ck.save(state, root / "bg-b", blocking=False)
-            call = time.perf_counter() - t0
-            n = 0
-            while not handle.done() or n == 0:
-                t = time.perf_counter()
-                state, _ = step(state, x)
-                during.append(time.perf_counter() - t)
-                n += 1
-            handle.wait()
-            blocked.append(call + waited[0])
+            for v in variants[r % len(variants):] + variants[: r % len(variants)]:
+                settle(root / "bg-b")
+                plain, during = [], []
+                steps(plain_steps, plain)
+                with v:
+                    waited[0] = 0.0
+                    before = _cpu_seconds()
+                    t0 = time.perf_counter()
+                    handle = ck.save(state, root / "bg-b", blocking=False)
+                    call = time.perf_counter() - t0
+                    while not handle.done() or not during:
+                        steps(1, during, "during")
+                    handle.wait()
+                    seconds = time.perf_counter() - t0
+                    after = _cpu_seconds()
+                steps(plain_steps, plain)
+                run = runs[v.label]
+                run["ratio"].append(statistics.mean(during) / statistics.median(plain))
+                run["steps"].append(len(during))
+                run["blocked"].append(call + waited[0])
+                run["seconds"].append(seconds)
+                run["cpu"].append(_save_cpu(before, after))
+                if verbose:
+                    print(f"{v.label}: plain " + " ".join(f"{t * 1e3:.0f}" for t in plain) + " ms; during "
+                          + " ".join(f"{t * 1e3:.0f}" for t in during) + " ms", flush=True)
     finally:
         state_module.before_consume[:] = inner
     nbytes = zf.tree.nbytes(state)
-    p, d = statistics.median(plain), statistics.mean(during)
-    b, s = statistics.median(blocked), statistics.median(blocking)
-    print(f"\nbackground save, {mparams:g}M-param MLP step (AdamW, {nbytes / 1e9:.2f} GB state), 3 rounds\n")
-    print("| measure | value |\n|---|---|")
-    print(f"| step alone (median) | {p * 1e3:.0f} ms |")
-    print(f"| step while a background save runs (mean of {len(during)}) | {d * 1e3:.0f} ms ({d / p:.2f}x) |")
-    print(f"| blocking save | {s * 1e3:.0f} ms |")
-    print(f"| training blocked by a background save (call + wait for the copy) | {b * 1e3:.0f} ms "
-          f"({b / s:.0%} of a blocking save) |")
+    s = statistics.median(blocking)
+    print(f"\nbackground save, {mparams:g}M-param MLP step (AdamW, {nbytes / 1e9:.2f} GB state, "
+          f"{torch.get_num_threads()} intra-op threads), {rounds} rounds; "
+          f"blocking save {s * 1e3:.0f} ms (median)\n")
+    print("| variant | step during a save / step alone (median, min-max) | save spans (steps, s) "
+          "| training blocked (ms, share of a blocking save) | save threads' CPU (s) |")
+    print("|---|---|---|---|---|")
+    for label, run in runs.items():
+        ratio, b = run["ratio"], statistics.median(run["blocked"])
+        print(f"| {label} | {statistics.median(ratio):.2f}x ({min(ratio):.2f}-{max(ratio):.2f}) | "
+              f"{statistics.median(run['steps']):g}, {statistics.median(run['seconds']):.1f} | "
+              f"{b * 1e3:.0f}, {b / s:.0%} | {statistics.median(run['cpu']):.2f} |")
+    c = statistics.median(cpu["during"]) / statistics.median(cpu["plain"])
+    print(f"\ntraining threads' CPU time per step (medians, all variants): {c:.2f}x during a save; >1 is the save "
+          "slowing the step's own work (memory bandwidth, caches), not taking its cores")
 
 
 def main(argv=None) -> None:
@@ -267,6 +370,12 @@ def main(argv=None) -> None:
     p.add_argument("--dir", default="/tmp/zfunc-ckpt-bench")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--verbose", action="store_true", help="print every round's times")
+    p.add_argument("--variant", action="append", default=None, metavar="module.NAME=value[,...]",
+                   help="background save: zfunc settings of one variant, e.g. checkpoint_async.SAVE_DUTY=0.25 "
+                        "(repeat to compare, alternated in each round; '' is the defaults)")
+    p.add_argument("--async-rounds", type=int, default=3)
+    p.add_argument("--step-threads", type=int, default=None,
+                   help="background save: torch's intra-op threads for the step (default: torch's, 2 here)")
     p.add_argument("--buffered-writes", action="store_true",
                    help="zfunc writes through the page cache (checkpoint_io.DIRECT_WRITES = False)")
     args = p.parse_args(argv)
@@ -282,7 +391,9 @@ def main(argv=None) -> None:
         for m in [] if args.no_save_load else args.mparams:
             save_load(m, args.rounds, root, args.verbose)
         if not args.no_async:
-            background(args.async_mparams, root)
+            if args.step_threads:
+                torch.set_num_threads(args.step_threads)
+            background(args.async_mparams, root, args.async_rounds, args.variant, verbose=args.verbose)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -406,8 +406,8 @@ def hf_model(kind):
 # ``time`` and ``zfunc.checkpoint_files as cf``.
 STALL_MID_SAVE = """
 write = cf.write_safetensors
-def stuck(path, tensors):   # mid-save: the rank file is written, the manifest is not
-    write(path, tensors)
+def stuck(path, tensors, *pace):   # mid-save: the rank file is written, the manifest is not
+    write(path, tensors, *pace)
     print("mid-save", flush=True)
     time.sleep(60)
 cf.write_safetensors = stuck

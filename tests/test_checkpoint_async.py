@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import zfunc as zf
-from zfunc import checkpoint as ck, checkpoint_async as ca, checkpoint_files as cf
+from zfunc import checkpoint as ck, checkpoint_async as ca, checkpoint_files as cf, checkpoint_io as cio
 from tests.models import STALL_MID_SAVE, batches, kill_mid_save, make, run
 
 
@@ -49,10 +49,10 @@ def test_the_next_save_waits_for_the_previous_and_errors_reach_the_caller(tmp_pa
     write = cf.write_safetensors
     started = threading.Event()
 
-    def slow(path, tensors):
+    def slow(path, tensors, *pace):
         started.set()
         time.sleep(0.3)
-        return write(path, tensors)
+        return write(path, tensors, *pace)
 
     monkeypatch.setattr(cf, "write_safetensors", slow)
     first = ck.save(state, tmp_path / "000001", blocking=False)
@@ -60,7 +60,7 @@ def test_the_next_save_waits_for_the_previous_and_errors_reach_the_caller(tmp_pa
     ck.save(state, tmp_path / "000002")  # waits for 000001 to be in place
     assert first.done() and ck.latest(tmp_path) == tmp_path / "000002"
 
-    def broken(path, tensors):
+    def broken(path, tensors, *pace):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(cf, "write_safetensors", broken)
@@ -152,7 +152,7 @@ def failing_rank_worker(rank, world, directory):
     step, state = make(3, mesh)
     ck.save(state, f"{directory}/000001")
     if rank == 1:
-        def broken(path, tensors):
+        def broken(path, tensors, *pace):
             raise OSError(28, "No space left on device")
         cf.write_safetensors = broken
     handle = ck.save(state, f"{directory}/000002", blocking=False)
@@ -216,3 +216,49 @@ def test_the_writer_gives_way_to_training_once_its_copies_are_taken(monkeypatch)
     t.join()
     assert seen == [max(7, before)]  # never less nice than it was
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # that thread only
+
+
+def test_a_paced_background_save_writes_at_full_speed_once_waited_for(tmp_path, monkeypatch):
+    step, state = big_step()
+    monkeypatch.setattr(ca, "SAVE_DUTY", 1e-4)  # unhurried: minutes per block
+    monkeypatch.setattr(cio, "BLOCK", 64 << 10)
+    t0 = time.perf_counter()
+    first = ck.save(state, tmp_path / "000001", blocking=False)
+    time.sleep(0.2)
+    assert not first.done()  # still pacing
+    second = ck.save(state, tmp_path / "000002", blocking=False)  # hurries the first, waits for it
+    assert first.done() and second.wait() == tmp_path / "000002"
+    assert time.perf_counter() - t0 < 10
+    for d in ("000001", "000002"):
+        assert torch.equal(ck.load(tmp_path / d, step).params["w"], state.params["w"])
+
+
+def test_the_exit_hook_finishes_the_last_save_at_full_speed(tmp_path, monkeypatch):
+    step, state = big_step()
+    monkeypatch.setattr(ca, "SAVE_DUTY", 1e-4)  # unhurried: minutes per block
+    monkeypatch.setattr(cio, "BLOCK", 64 << 10)
+    handle = ck.save(state, tmp_path / "000001", blocking=False)
+    t0 = time.perf_counter()
+    ca._finish_at_exit()  # what threading runs at exit, before concurrent.futures refuses new work
+    assert handle.done() and time.perf_counter() - t0 < 10
+    assert ck.latest(tmp_path) == tmp_path / "000001"
+
+
+@pytest.mark.slow
+def test_an_exiting_interpreter_finishes_a_paced_save_at_full_speed(tmp_path):
+    import subprocess
+
+    script = textwrap.dedent(f"""
+        import torch, zfunc as zf
+        from zfunc import checkpoint as ck, checkpoint_async as ca, checkpoint_io as cio
+        ca.SAVE_DUTY, cio.BLOCK = 1e-4, 64 << 10  # unhurried: minutes per block
+        step = zf.train_step(lambda p, x: (x @ p["w"]).sum(), zf.optim.adamw(1e-3))
+        ck.save(step.init({{"w": torch.ones(600, 600)}}), {str(tmp_path / "000001")!r}, blocking=False)
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=60)
+    assert time.perf_counter() - t0 < 30
+    step = zf.train_step(lambda p, x: (x @ p["w"]).sum(), zf.optim.adamw(1e-3))
+    assert torch.equal(ck.load(tmp_path / "000001", step).params["w"], torch.ones(600, 600))

@@ -47,3 +47,39 @@ def test_reader_reads_any_range_and_stops_at_the_end(tmp_path, monkeypatch, dire
         aligned = cio.aligned_empty(4096 * 80)  # O_DIRECT straight into it, then short at the end
         assert reader.read_into(4096 * 30, aligned) == data.numel() - 4096 * 30
         assert torch.equal(aligned[: data.numel() - 4096 * 30], data[4096 * 30 :])
+
+
+def test_a_pace_keeps_a_thread_busy_its_duty_share_of_the_time_until_hurried():
+    import threading
+    import time
+
+    pace = cio.Pace(0.5)
+    t0 = time.perf_counter()
+    pace.block(time.sleep, 0.05)  # busy 0.05 s, then idle as long
+    assert time.perf_counter() - t0 >= 0.095
+    slow = cio.Pace(0.001)  # 0.02 s busy: ~20 s idle, unless hurried
+    done = threading.Event()
+    t = threading.Thread(target=lambda: slow.block(time.sleep, 0.02) or done.set())
+    t0 = time.perf_counter()
+    t.start()
+    time.sleep(0.1)
+    slow.hurry()
+    assert done.wait(5) and time.perf_counter() - t0 < 2
+    t1 = time.perf_counter()
+    slow.block(time.sleep, 0.02)  # hurried for good
+    assert time.perf_counter() - t1 < 1
+    t.join()
+
+
+@pytest.mark.parametrize("duty", [0, -0.5, 1.5])
+def test_a_pace_refuses_a_duty_outside_0_1(duty):
+    with pytest.raises(ValueError, match=f"duty: expected a fraction in \\(0, 1\\], got {duty!r}"):
+        cio.Pace(duty)
+
+
+def test_a_paced_write_holds_the_same_bytes(tmp_path, monkeypatch):
+    monkeypatch.setattr(cio, "BLOCK", 64 << 10)
+    segments = _segments([300 << 10, 5000])
+    crcs = cio.write_file(tmp_path / "f", segments, pace=cio.Pace(0.5))
+    assert (tmp_path / "f").read_bytes() == b"".join(s.numpy().tobytes() for s in segments)
+    assert crcs == [zlib.crc32(s.numpy().tobytes()) for s in segments]

@@ -151,7 +151,8 @@ def save(state: TrainState, directory: str | os.PathLike, *, keep_last: int | No
     ``zfunc.checkpoint_io``) and an fsync; with several ranks also a store round trip checking
     every rank called it and two all-gathers of a few bytes per leaf (who writes what, the
     checksums). In the background: a copy of those bytes in host memory while the save runs
-    (``checkpoint_async.KEEP_BYTES`` keeps some for the next one).
+    (``checkpoint_async.KEEP_BYTES`` keeps some for the next one), and a write paced to
+    ``checkpoint_async.SAVE_DUTY`` of the disk's time until someone waits for it.
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"state: expected a TrainState, got {type(state).__name__}")
@@ -188,21 +189,23 @@ def save(state: TrainState, directory: str | os.PathLike, *, keep_last: int | No
         for slot, x in zip(slots, leaves):
             if slot.path in writes[rank] and slot.path not in tensors:  # an offloaded state's first copy
                 tensors[slot.path] = x
-        finish = functools.partial(_write_and_publish, tmp, final, manifest, world, rank, group, keep_last)
+        pace = None if blocking else ca.pace()
+        finish = functools.partial(_write_and_publish, tmp, final, manifest, world, rank, group, keep_last, pace)
         if blocking:
             finish({p: x.detach().contiguous().cpu() for p, x in tensors.items()})
         else:
             snapshot = ca.Snapshot(tensors, eager=lambda path: path.startswith(BUFFERS))
-            return ca.start(final, snapshot, finish, held.pop_all().close)
+            return ca.start(final, snapshot, finish, held.pop_all().close, pace)
     return final
 
 
 def _write_and_publish(tmp: Path, final: Path, manifest: dict, world: int, rank: int, group: Any,
-                       keep_last: int | None, tensors: dict[str, torch.Tensor]) -> None:
-    """Write this rank's file; gather the checksums; rank 0 writes the manifest and puts the
-    checkpoint in place; every rank learns the outcome (the last collective: a barrier)."""
+                       keep_last: int | None, pace: Any, tensors: dict[str, torch.Tensor]) -> None:
+    """Write this rank's file (at ``pace``: ``checkpoint_io.Pace`` or None); gather the checksums;
+    rank 0 writes the manifest and puts the checkpoint in place; every rank learns the outcome
+    (the last collective: a barrier)."""
     try:
-        crcs = cf.write_safetensors(tmp / cf.rank_file(rank), tensors)
+        crcs = cf.write_safetensors(tmp / cf.rank_file(rank), tensors, pace)
     except Exception as e:
         if world == 1:
             raise

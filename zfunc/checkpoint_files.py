@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from zfunc.checkpoint_io import Reader, flat_bytes, write_file
+from zfunc.checkpoint_io import Pace, Reader, flat_bytes, write_file
 from zfunc.ops import hostmem
 from zfunc.swap import ALIGN, crc32
 
@@ -78,7 +78,7 @@ ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", t
 _TORCH_DTYPES = {v: k for k, v in ST_DTYPES.items()}
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], pace: Pace | None = None) -> dict[str, int]:
     """Write ``tensors`` (contiguous, CPU) as a safetensors file, fsynced; returns the crc32 of
     each tensor's bytes by name, and of the header (length and JSON) under ``HEADER``.
 
@@ -86,7 +86,8 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str,
     blocks, checksummed on another thread (``zfunc.checkpoint_io``). The header is padded with
     spaces so the data starts at byte 4096; wider dtypes first, so every tensor's offset stays
     aligned for zero-copy reads, and within a width the tensors whose size is a multiple of 4096
-    first, so those start 4096-aligned and move without a staging copy.
+    first, so those start 4096-aligned and move without a staging copy. ``pace``: how fast
+    (``checkpoint_io.Pace``; default full speed).
     """
     for n, t in tensors.items():
         if t.dtype not in ST_DTYPES:
@@ -101,7 +102,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str,
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-(8 + len(blob)) % ALIGN)
     prefix = torch.frombuffer(bytearray(struct.pack("<Q", len(blob)) + blob), dtype=torch.uint8)
-    crcs = write_file(path, [prefix] + [flat_bytes(tensors[n]) for n in names])
+    crcs = write_file(path, [prefix] + [flat_bytes(tensors[n]) for n in names], pace=pace)
     return dict(zip([HEADER, *names], crcs))
 
 
