@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import zfunc as zf
+from zfunc import env
 from zfunc.ops import hostmem
 
 BIG = hostmem.HUGE_MIN // 4 + 1000  # fp32 elements: past the threshold, not a multiple of a page
@@ -145,4 +146,4 @@ def test_a_cpu_step_applies_reuse_freed_memory(monkeypatch):
 def test_zfunc_heap_reuse_refuses_an_unknown_mode(monkeypatch):
     monkeypatch.setenv("ZFUNC_HEAP_REUSE", "most")
     with pytest.raises(ValueError, match=r"ZFUNC_HEAP_REUSE: expected one of \('small', 'all', 'off'\), got 'most'"):
-        hostmem._heap_reuse_mode()
+        env.choice("ZFUNC_HEAP_REUSE", "small", hostmem._MODES)

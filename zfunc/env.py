@@ -24,3 +24,11 @@ def number(name: str, default: float, cast: Callable[[str], float], ok: Callable
     if value is None or not math.isfinite(value) or not ok(value):
         raise ValueError(f"environment variable {name}: expected {expected}, got {raw!r}")
     return value
+
+
+def choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    """``os.environ[name]`` where set, else ``default``; it must be one of ``choices``."""
+    value = os.environ.get(name, default)
+    if value not in choices:
+        raise ValueError(f"environment variable {name}: expected one of {choices}, got {value!r}")
+    return value

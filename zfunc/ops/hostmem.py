@@ -37,6 +37,8 @@ import random
 
 import torch
 
+from zfunc import env
+
 __all__ = ["HUGE_MIN", "copy_to", "empty", "huge_pages_available", "reuse_freed_memory", "zeros_like"]
 
 HUGE = 2 << 20  # bytes in a huge page (x86-64 and aarch64 with 4 KiB base pages)
@@ -138,14 +140,7 @@ _MMAP_MIN = 32 << 20
 _MODES = ("small", "all", "off")
 
 
-def _heap_reuse_mode() -> str:
-    mode = os.environ.get("ZFUNC_HEAP_REUSE", "small")
-    if mode not in _MODES:
-        raise ValueError(f"environment variable ZFUNC_HEAP_REUSE: expected one of {_MODES}, got {mode!r}")
-    return mode
-
-
-HEAP_REUSE = _heap_reuse_mode()  # checked at import, as zfunc.env's settings
+HEAP_REUSE = env.choice("ZFUNC_HEAP_REUSE", "small", _MODES)  # checked at import
 
 
 @functools.cache
