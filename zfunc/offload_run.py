@@ -121,7 +121,7 @@ class OffloadRun(_Stores, ShardRun):
         self._new: dict[int, tuple[Any, Any]] = {}
         self._skip_updates = False
         self._update_seen: list[int] | None = None  # leaves in the order an overlapped update met them
-        self.update_s = 0.0  # seconds in the held (not overlapped) update, writes included
+        self.update_s = 0.0  # seconds in the leaf updates, held or overlapped with backward, writes included
 
     def execute(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         try:
@@ -151,7 +151,7 @@ class OffloadRun(_Stores, ShardRun):
             return _Updating(self)
         spec = self._state_spec
         return GradSlices(lambda i: torch.zeros(spec.leaves[i].local_shape(spec.rank), dtype=torch.float32,
-                                                device=spec.device), len(spec.leaves), self._grad_divisor())
+                                                device=spec.device), len(spec.leaves), self._grad_divisor(), own=True)
 
     # ------------------------------------------------------------------ the update
     def _before_backward(self, loss: torch.Tensor) -> None:
@@ -165,14 +165,19 @@ class OffloadRun(_Stores, ShardRun):
         self._skip_updates = not bool(torch.isfinite(total))
 
     def _update(self, state: TrainState, grads: PyTree, loss: torch.Tensor, aux: Any):
+        """The held grads (or, with overlap, None: the leaves are updated) arrive unscaled (sums
+        over ranks and microbatches of the scaled loss's grads; at one rank autograd's own, in the
+        compute dtype): the kernel multiplies them by ``1 / _grad_divisor()`` in its pass."""
         params, opt_state, step, rng, loss_scale, _ = self._fields  # the state may be consumed by now
+        scale = 1.0 / self._grad_divisor()
         if grads is not None:
             g_leaves = tree.leaves(grads)
         if not self._wants_norm:  # nothing reads it: only the loss is checked, as in the plain step
             self._sum_over_ranks(torch.zeros(()))  # the step's one sync still sums the loss and grads-produced flags
             norm = None
         elif grads is not None:  # held until now: the norm first, then every leaf
-            norm = optim.global_norm(g_leaves)  # inside summing_across: over all ranks
+            raw = optim.global_norm(g_leaves)  # inside summing_across: over all ranks; fp32 from bf16/fp16
+            norm = raw * scale
         else:
             norm = self._sum_over_ranks(self._sq_norm.float()).sqrt()
             if not self._skip_updates and not bool(torch.isfinite(norm)):
@@ -187,11 +192,12 @@ class OffloadRun(_Stores, ShardRun):
         if grads is not None and finite:
             g_leaves = self._without_missing_grads(g_leaves)
             if norm is None:
-                self._update_leaves(list(range(len(g_leaves))), g_leaves)
-            else:
-                total_sq = (norm.double() ** 2).float()
+                self._update_leaves(list(range(len(g_leaves))), g_leaves, scale)
+            else:  # a clip in the optimizer reads the global norm: of the grads as it sees them
+                seen = raw if self.optimizer.scales_grads else norm  # (unscaled in the kernel, or before: apply)
+                total_sq = (seen.double() ** 2).float()
                 with optim.summing_across(lambda local_sq: total_sq):
-                    self._update_leaves(list(range(len(g_leaves))), g_leaves)
+                    self._update_leaves(list(range(len(g_leaves))), g_leaves, scale)
         self._wait_writes(None)
         loss_scale = mp.next_loss_scale(loss_scale, finite)
         metrics = self._metrics(loss, norm, lr, finite, step, loss_scale, aux)
@@ -200,11 +206,11 @@ class OffloadRun(_Stores, ShardRun):
         new_params = tree.unflatten(tree.structure(params), masters)
         return TrainState(new_params, states, step + 1, rng, loss_scale, state.placement), metrics
 
-    def _update_leaves(self, order: list[int], grads: list[torch.Tensor]) -> None:
+    def _update_leaves(self, order: list[int], grads: list[torch.Tensor], scale: float) -> None:
         start = time.perf_counter()
         reader = ReadAhead(self._fetch_leaf, self._update_bytes, order, self.chunk_bytes)
         for i in order:
-            self._update_leaf(i, grads[i], reader)
+            self._update_leaf(i, grads[i], reader, grad_scale=scale)
         self._wait_writes(None)
         self.update_s += time.perf_counter() - start
 
@@ -217,11 +223,13 @@ class OffloadRun(_Stores, ShardRun):
     def _update_bytes(self, i: int) -> int:
         return self._leaf_bytes(i) * (1 + sum(_is_stored(t) for t in tree.leaves(self._opt_states[i])))
 
-    def _update_leaf(self, i: int, grad: torch.Tensor | None, reader: ReadAhead, squares: list | None = None) -> None:
+    def _update_leaf(self, i: int, grad: torch.Tensor | None, reader: ReadAhead, squares: list | None = None,
+                     grad_scale: float = 1.0) -> None:
         """Read leaf ``i``'s master and state, apply the optimizer on the CPU, write them back.
         ``grad`` None: no grad; the optimizer leaves the param alone but advances its count, as
-        the plain step's does for all params together. ``squares``: as in ``optim.apply`` (the
-        kernel appends the grad's sum of squares where it computes it in its pass)."""
+        the plain step's does for all params together. ``squares`` and ``grad_scale``: as in
+        ``optim.apply`` (the kernel unscales the grad, in whatever dtype it came, in its pass and
+        appends the unscaled grad's sum of squares where it computes it)."""
         self._state_in_use._consumed = True  # its files or tensors change from here on
         master, *tensors = reader.get(i)
         name = self._param_names[i]  # the key its optimizer state was made with
@@ -230,14 +238,15 @@ class OffloadRun(_Stores, ShardRun):
         it = iter(tensors)
         state = tree.unflatten(s_spec, [next(it).to("cpu") if _is_stored(t) else t for t in state_leaves])
         p_cpu = master.to("cpu")
-        grad = None if grad is None else grad.to("cpu", torch.float32)
+        grad = None if grad is None else grad.to("cpu")
         # A master kept in RAM gets its compute copy in the update's own pass (ComputeCopies)
         in_ram = isinstance(self._masters[i], torch.Tensor) and self._masters[i].device.type == "cpu"
         out = None
         if in_ram and self.compute_dtype is not torch.float32:
             out = self.compute_copies.buffer(self._masters[i], self.compute_dtype, self._param_store.pin)
         new_p, new_state = optim.apply(self.optimizer, {name: grad}, state, {name: p_cpu},
-                                       out=None if out is None else {name: out}, squares=squares)
+                                       out=None if out is None else {name: out}, squares=squares,
+                                       grad_scale=grad_scale)
         new_p = new_p[name]
         if on_device.type != "cpu":
             master.copy_(new_p)
@@ -261,9 +270,11 @@ def _is_stored(t: Any) -> bool:
 
 
 class _Updating:
-    """A grad sink that updates each unit's leaves as soon as their reduced grads arrive."""
+    """A grad sink that updates each unit's leaves as soon as their reduced grads arrive (over one
+    rank: autograd's own grads, in the compute dtype; unscaled in the kernel's pass)."""
 
     early = True
+    own = True
 
     def __init__(self, step: OffloadRun):
         self.step = step
@@ -278,17 +289,19 @@ class _Updating:
         add the slice's sum of squares, which the optimizer's kernel computes in its own pass
         (``optim.apply(squares=)``), so the grads are read once."""
         step = self.step
-        divisor, wants = step._grad_divisor(), step._wants_norm
+        scale, wants = 1.0 / step._grad_divisor(), step._wants_norm
+        start = time.perf_counter()
         for i, g in zip(unit.indices, slices):
-            if divisor != 1.0:
-                g = g / divisor
             self.seen.append(i)
-            produced = not step._skip_updates and self._produced(i)
+            produced = not step._skip_updates and g is not None and self._produced(i)
             squares = [] if wants and produced else None
             if not step._skip_updates:  # else a non-finite loss: the step will be skipped
-                step._update_leaf(i, g if produced else None, self.reader, squares)
-            if wants:  # the kernel's sum, or (another kernel; a leaf with no grad: zeros) the slice's norm
-                step._sq_norm += squares[0] if squares else torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
+                step._update_leaf(i, g if produced else None, self.reader, squares, scale)
+            if squares:  # the kernel's sum of the unscaled grad's squares
+                step._sq_norm += squares[0]
+            elif wants and g is not None:  # another kernel, or a leaf with no grad (zeros): the slice's norm
+                step._sq_norm += (torch.linalg.vector_norm(g, dtype=torch.float32).double() * scale) ** 2
+        step.update_s += time.perf_counter() - start
 
     def _produced(self, i: int) -> bool:
         """Whether leaf ``i`` has a grad. Alone, exact: a unit is delivered once its grads are all
