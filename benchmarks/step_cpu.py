@@ -142,7 +142,7 @@ def gpt_leaf_shapes(total: int, d: int = 768) -> list[tuple[int, ...]]:
     return shapes
 
 
-def offload_rows(total: int, rounds: int) -> None:
+def offload_rows(total: int, rounds: int, real_step: bool = True) -> None:
     """The optimizer phase of a bf16 offloaded step, leaf by leaf as offload runs it, the grads
     arriving in bf16 (the compute dtype): three paths (module docstring)."""
     shapes = gpt_leaf_shapes(total)
@@ -172,12 +172,54 @@ def offload_rows(total: int, rounds: int) -> None:
                         out.copy_(p)  # the compute copy, cast in a second pass
         return run
 
-    times = interleaved({path: phase(path) for path in paths}, rounds, 1)
+    trainers = {path: phase(path) for path in paths}
+    updates: dict[str, list[float]] = {}
+    if real_step:
+        for name, old in (("offloaded step", False), ("offloaded step, old grads", True)):
+            updates[name] = []
+            trainers[name] = offloaded_step(shapes, old, updates[name])
+    times = interleaved(trainers, rounds, 1)
     base = times["two passes"]
     print(f"bf16 offload optimizer phase, {sum(torch.Size(s).numel() for s in shapes):.2e} params in "
-          f"{len(shapes)} GPT leaves, bf16 grads, {rounds} rounds: two passes {statistics.median(base) * 1e3:.1f} ms")
+          f"{len(shapes)} GPT leaves, bf16 grads, {rounds} rounds, {torch.get_num_threads()} threads: "
+          f"two passes {statistics.median(base) * 1e3:.1f} ms")
     for path in ("one pass, fp32 grads", "one pass, bf16 grads"):
-        print(f"  {path:<22} {statistics.median(times[path]) * 1e3:8.1f} ms   speedup {paired(base, times[path]):.2f}x")
+        print(f"  {path:<26} {statistics.median(times[path]) * 1e3:8.1f} ms   speedup {paired(base, times[path]):.2f}x")
+    if real_step:
+        for name, upd in updates.items():
+            print(f"  {name + ' (update_s)':<38} {statistics.median(upd[2:]) * 1e3:8.1f} ms   speedup "
+                  f"{paired(base, upd[2:]):.2f}x")  # the 2 warm-up steps' updates are not paired
+        new, old = times["offloaded step"], times["offloaded step, old grads"]
+        print(f"  whole offloaded step: {statistics.median(new) * 1e3:.1f} ms, with the old grads "
+              f"{statistics.median(old) * 1e3:.1f} ms: speedup {paired(old, new):.2f}x")
+
+
+def offloaded_step(shapes: list[tuple[int, ...]], old: bool, updates: list[float]):
+    """A real bf16 offloaded step (optimizer state in RAM, one process, overlap on) whose loss is
+    ``sum((p * c).sum())`` over leaves of ``shapes``: its ``run(k)`` appends each step's
+    ``update_s`` (the leaf updates' seconds) to ``updates``. ``old``: the grads reach the update as
+    before ``GradReducer(own_grads=)``: packed into fresh fp32 copies (the sink's ``own`` off)."""
+    from zfunc import offload_run
+
+    gen = torch.Generator().manual_seed(1)
+    params = {f"p{i:03d}": torch.randn(s, generator=gen) for i, s in enumerate(shapes)}
+    consts = {k: (torch.randn(p.shape, generator=gen) * 1e-2).to(torch.bfloat16) for k, p in params.items()}
+    loss = lambda p, c: sum((p[k] * c[k]).float().sum() for k in p)  # noqa: E731
+    step = zf.offload(zf.train_step(loss, optim.adamw(LR, *BETAS, EPS, weight_decay=WD), "bf16", grad_norm=False),
+                      "cpu")
+    box = [step.init(params)]
+
+    def run(k: int) -> None:
+        offload_run._Updating.own = not old
+        try:
+            state = box[0]
+            for _ in range(k):
+                state, _ = step(state, consts)
+                updates.append(step.update_s)
+            box[0] = state
+        finally:
+            offload_run._Updating.own = True
+    return run
 
 
 def main(argv=None) -> None:
@@ -187,6 +229,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=0, help="steps per sample (0: ~2e7 params' worth)")
     ap.add_argument("--no-deepspeed", action="store_true")
     ap.add_argument("--offload-params", type=float, default=2e7, help="0: skip the offload phase")
+    ap.add_argument("--no-offload-step", action="store_true", help="the offload phase without the real offloaded steps")
     ap.add_argument("--one-at-a-time", type=float, default=5e7, help="sizes from this many params build each trainer "
                     "for its own sample, so only one trainer's memory (~20 B/param) is held at once")
     ap.add_argument("--threads", type=int, default=0, help="torch (and so zfunc's kernel) threads; 0: torch's default. "
@@ -197,7 +240,7 @@ def main(argv=None) -> None:
     for n in args.sizes:
         step_rows(int(n), args.rounds, args.steps, not args.no_deepspeed, n >= args.one_at_a_time)
     if args.offload_params:
-        offload_rows(int(args.offload_params), args.rounds)
+        offload_rows(int(args.offload_params), args.rounds, not args.no_offload_step)
 
 
 if __name__ == "__main__":

@@ -76,6 +76,10 @@ class ComputeCopies:
     def written(self, master: torch.Tensor, copy: torch.Tensor) -> None:
         """``copy`` now equals ``master`` cast (the version counter read after the write)."""
         key, by_id = id(master), self._by_id
+        entry = by_id.get(key)
+        if entry is not None and entry[0]() is master:  # the same master again (each step, in RAM): no new weakref
+            by_id[key] = (entry[0], master._version, copy)
+            return
         by_id[key] = (weakref.ref(master, lambda _: by_id.pop(key, None)), master._version, copy)
 
 
@@ -208,11 +212,18 @@ class OffloadRun(_Stores, ShardRun):
 
     def _update_leaves(self, order: list[int], grads: list[torch.Tensor], scale: float) -> None:
         start = time.perf_counter()
-        reader = ReadAhead(self._fetch_leaf, self._update_bytes, order, self.chunk_bytes)
+        reader = self._leaf_reader(order)
         for i in order:
             self._update_leaf(i, grads[i], reader, grad_scale=scale)
         self._wait_writes(None)
         self.update_s += time.perf_counter() - start
+
+    def _leaf_reader(self, order: list[int]) -> ReadAhead | None:
+        """Reads of the leaves' masters and states ahead of their updates, along ``order``; None
+        where nothing is on disk (all in RAM: nothing to wait for, ~0.1 ms a leaf saved)."""
+        if "nvme" not in (self.where_optimizer, self.where_params):
+            return None
+        return ReadAhead(self._fetch_leaf, self._update_bytes, order, self.chunk_bytes)
 
     def _fetch_leaf(self, i: int) -> All:
         """Pending ``[master, *state tensors]`` of leaf ``i``, all reads started."""
@@ -223,7 +234,7 @@ class OffloadRun(_Stores, ShardRun):
     def _update_bytes(self, i: int) -> int:
         return self._leaf_bytes(i) * (1 + sum(_is_stored(t) for t in tree.leaves(self._opt_states[i])))
 
-    def _update_leaf(self, i: int, grad: torch.Tensor | None, reader: ReadAhead, squares: list | None = None,
+    def _update_leaf(self, i: int, grad: torch.Tensor | None, reader: ReadAhead | None, squares: list | None = None,
                      grad_scale: float = 1.0) -> None:
         """Read leaf ``i``'s master and state, apply the optimizer on the CPU, write them back.
         ``grad`` None: no grad; the optimizer leaves the param alone but advances its count, as
@@ -231,10 +242,13 @@ class OffloadRun(_Stores, ShardRun):
         ``optim.apply`` (the kernel unscales the grad, in whatever dtype it came, in its pass and
         appends the unscaled grad's sum of squares where it computes it)."""
         self._state_in_use._consumed = True  # its files or tensors change from here on
-        master, *tensors = reader.get(i)
+        state_leaves, s_spec = tree.flatten(self._opt_states[i])
+        if reader is None:  # all in RAM
+            master, tensors = self._masters[i], [t for t in state_leaves if _is_stored(t)]
+        else:
+            master, *tensors = reader.get(i)
         name = self._param_names[i]  # the key its optimizer state was made with
         on_device = master.device
-        state_leaves, s_spec = tree.flatten(self._opt_states[i])
         it = iter(tensors)
         state = tree.unflatten(s_spec, [next(it).to("cpu") if _is_stored(t) else t for t in state_leaves])
         p_cpu = master.to("cpu")
@@ -279,7 +293,7 @@ class _Updating:
     def __init__(self, step: OffloadRun):
         self.step = step
         order = step._update_order
-        self.reader = ReadAhead(step._fetch_leaf, step._update_bytes, order, step.chunk_bytes)
+        self.reader = step._leaf_reader(order)
         self.seen: list[int] = []
         self.produced: set[int] = set()  # leaves backward produced a grad for, as far as read
         self.read = 0  # how much of the reducer's ``arrived`` list is in ``produced``
