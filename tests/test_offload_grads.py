@@ -63,11 +63,11 @@ def test_one_rank_hands_autograd_grads_to_the_kernel_unscaled_in_its_pass(monkey
     assert updated >= 2 and multiplies == []  # neither the unscale nor the clip made a pass of its own
 
 
-def two_rank_worker(rank, world, path):
+def two_rank_worker(rank, world, path, configs):
     """Per config: (the sharded step's training, the offloaded one's), each (losses, norms, params)."""
     mesh = zf.Mesh(dp=world)
     out = []
-    for stage, where, params, clip, precision in TWO_RANKS:
+    for stage, where, params, clip, precision in configs:
         pair = []
         for kw in ({}, dict(where=where, params=params, path=f"{path}/{stage}-{clip}-{rank}")):
             step, state = make(clip, precision, mesh=mesh, stage=stage, **kw)
@@ -77,15 +77,16 @@ def two_rank_worker(rank, world, path):
     return out
 
 
-TWO_RANKS = [(2, "cpu", None, False, "bf16"), (3, "nvme", "nvme", True, "fp16"), (2, "cpu", None, True, "bf16")]
-
-
-def test_low_precision_offload_over_two_ranks_trains_as_the_sharded_step(tmp_path):
+@pytest.mark.parametrize("configs", [
+    [(2, "cpu", None, False, "bf16")],
+    [(3, "nvme", "nvme", True, "fp16"), (2, "cpu", None, True, "bf16")],
+], ids=["bf16 overlapped", "fp16 stage 3 clip, bf16 clip"])
+def test_low_precision_offload_over_two_ranks_trains_as_the_sharded_step(tmp_path, configs):
     """Two ranks: fp32 reduce-scatters (the sums need them), unscaled in the kernel's pass; the
     reference is the same sharded step without offload (whose bf16 grads of half batches differ
     from the plain step's of whole ones by bf16 rounding, 2e-3)."""
-    results = zf.dist.spawn(two_rank_worker, 2, 2, str(tmp_path))
-    for k in range(len(TWO_RANKS)):
+    results = zf.dist.spawn(two_rank_worker, 2, 2, str(tmp_path), configs)
+    for k in range(len(configs)):
         for rank in range(2):
             (ref_losses, ref_norms, ref), (losses, norms, got) = results[rank][k]
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
