@@ -9,6 +9,8 @@ Allowed orders and where their law is tested against the plain step:
   test_pipeline.test_dp2_x_pp2_with_shard_stage_1_equals_plain_step
 - remat / tile inside plain, shard 3, offload and pipeline steps: below (and test_remat, test_tile)
 """
+import collections
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -267,3 +269,70 @@ def alternate_worker(rank, world):
 def test_one_stage_3_step_object_drives_two_states_alternately_on_2_ranks():
     for rank, (alternated, separate) in enumerate(zf.dist.spawn(alternate_worker, 2, 2)):
         assert_identical(alternated, separate, f"stage 3, rank {rank}")
+
+
+# ------------------------------------------------------------------------------------ roles swapped without subclassing
+
+class Counted:
+    """Test-only role wrapping ``inner`` (a role, or the sink a grad sink opens): each method call is
+    counted in ``counts[f"{name}.{method}"]`` and passed on; a grad sink's ``open`` returns its sink
+    wrapped too, so the reducer's deliveries are counted."""
+
+    def __init__(self, inner, counts, name):
+        self.inner, self.counts, self.name = inner, counts, name
+
+    def __getattr__(self, attr):
+        value = getattr(self.inner, attr)
+        if not callable(value):
+            return value
+
+        def counted(*args, **kwargs):
+            self.counts[f"{self.name}.{attr}"] += 1
+            out = value(*args, **kwargs)
+            return Counted(out, self.counts, "sink") if attr == "open" else out
+
+        return counted
+
+
+@pytest.mark.parametrize("what", ["shard 2", "offload"])
+def test_a_role_is_swapped_without_subclassing_and_the_step_trains_the_same(what):
+    """A step's roles come from its ``roles(run, state)`` provider: replacing it on one step object
+    with roles that wrap the default params source and grad sink (and count their calls) leaves
+    every bit of the training as it was; no class is subclassed."""
+    def build():
+        step, params = plain_step()
+        if what == "shard 2":
+            return zf.shard(step, zf.Mesh.alone(), 2), params
+        return zf.offload(step, "cpu", "cpu", units=zf.units.by_class(Block)), params
+
+    counts = collections.Counter()
+    step, params = build()
+    default = step.roles
+
+    def counting(run, state):
+        roles = default(run, state)
+        return roles.replace(params=Counted(roles.params, counts, "params"), grads=Counted(roles.grads, counts, "grads"))
+
+    step.roles = counting
+    state, losses, norms = train_on(step, step.init(params), batches(1, 3))
+    ref_step, ref_params = build()
+    ref_state, ref_losses, ref_norms = train_on(ref_step, ref_step.init(ref_params), batches(1, 3))
+    assert (losses, norms) == (ref_losses, ref_norms)
+    got, ref = in_ram(state).params, in_ram(ref_state).params
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
+    assert counts["params.pieces"] == counts["grads.open"] == counts["sink.result"] == 3
+    assert counts["params.finish"] == counts["grads.finish"] == 3 and counts["sink.deliver"] >= 3
+
+
+def test_the_schedules_are_roles_with_one_interface_and_1f1b_on_one_stage_is_accumulation():
+    from zfunc.pipeline_stage import PipelineSchedule
+    from zfunc.roles import Accumulation
+
+    batch = torch.arange(12.0).reshape(6, 2)
+    for m in (1, 3):
+        acc, gpipe, one_f_one_b = Accumulation(m), PipelineSchedule("gpipe", m), PipelineSchedule("1f1b", m)
+        assert acc.ops() == one_f_one_b.ops(1, 0) and sorted(gpipe.ops(1, 0)) == sorted(acc.ops())
+        assert all(torch.equal(a, b) for a, b in zip(acc.split(batch), one_f_one_b.split(batch)))
+    assert PipelineSchedule("1f1b", 2).ops(2, 0) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+    with pytest.raises(ValueError, match="microbatches=4 must divide"):
+        PipelineSchedule("1f1b", 4).split(batch)

@@ -19,7 +19,8 @@ pipeline       yes           stage 1             no [4]          no (once)
 
 [1] offload places the state shard splits: ``zf.offload(zf.shard(step, mesh, stage), ...)``.
 [2] the pipeline runs the whole step of a stage and must come last:
-    ``zf.pipeline(zf.shard(step, Mesh(dp=d, pp=p), stage=1), ...)``.
+    ``zf.pipeline(zf.shard(step, Mesh(dp=d, pp=p), stage=1), ...)`` (docs/design.md, section 3:
+    its schedule keeps several microbatches live, and it changes what a state and a loss are).
 [3] stage 0 keeps every param whole on every rank; its replicas would each update a whole copy
     on the host: offload a plain step on one rank, or a stage 1-3 step.
 [4] a pipeline stage differentiates and updates its own params in place on its device; it has no

@@ -70,9 +70,11 @@ gather as before.
 Not yet: over ranks grads cross PCIe as fp32 on CUDA (alone, in the compute dtype), and masters
 kept on the GPU (``params=None``) cross it as fp32 both ways for the update.
 
-The step and its placement (``init``, ``restore``, ``memory``) are here; one call's run, its
-stores and the leaf-by-leaf update (``OffloadRun``, ``ComputeCopies``) are in ``zfunc.offload_run``
-(both names are importable from here too).
+The step and its placement (``init``, ``restore``, ``memory``) are here; the roles of one call
+(``StoredPieces``, ``HeldSlices``, ``UpdateOnArrival``, ``LeafUpdate``: params from the stores,
+grads held or updated on arrival, the leaf-by-leaf update), its stores and ``ComputeCopies`` are
+in ``zfunc.offload_run`` (importable from here too); the run that drives them is shard's
+(``zfunc.shard_run.StepRun``).
 """
 from __future__ import annotations
 
@@ -85,9 +87,12 @@ import torch
 
 from zfunc import compose, precision as mp, tree
 from zfunc.dist import Mesh
-from zfunc.offload_run import ComputeCopies, OffloadRun, _is_stored, _Stores
+from zfunc.offload_run import (ComputeCopies, HeldSlices, LeafUpdate, OffloadRun, StoredPieces,  # noqa: F401
+                                UpdateOnArrival, _is_stored, _Stores)
 from zfunc.ops import hostmem
+from zfunc.roles import Roles
 from zfunc.shard import ShardedStep, ShardSpec, _leaf_names, local_piece
+from zfunc.shard_run import StepRun
 from zfunc.step import Step, TrainState, Transformed, require_train_state
 from zfunc.store import OnDisk, Store
 
@@ -118,8 +123,8 @@ def _shard_fields(spec: ShardSpec) -> tuple:
 class OffloadedStep(Transformed):
     """The step ``offload`` returns (see the module docstring). It wraps a ``ShardedStep``
     (``sharded``: the sharded step it was given, or, for a plain step, one over a one-process mesh)
-    and replaces three of its roles in its run (``OffloadRun``): params come from the stores, grads
-    go to an updating or holding sink, the update runs leaf by leaf from the stores."""
+    and replaces three of its roles (``roles``): params come from the stores, grads go to an
+    updating or holding sink, the update runs leaf by leaf from the stores."""
 
     def __init__(self, base: Step, sharded: ShardedStep, optimizer: str, params: str | None, path: str | None,
                  chunk_bytes: int, overlap: bool | None):
@@ -134,7 +139,7 @@ class OffloadedStep(Transformed):
         self._fetch_order: list[int] = []  # params' read order in the last step (forward/backward)
         self.compute_copies = ComputeCopies()
         self._update_order: list[int] = []  # leaves' update order in the last step
-        self.update_s = 0.0  # the last step's held update (not overlapped with backward), writes included
+        self.update_s = 0.0  # the last step's leaf updates (held, or overlapped with backward), writes included
 
     # ------------------------------------------------------------------ init
     def init(self, params: PyTree, materialize: Callable[[str, torch.Tensor], torch.Tensor] | None = None
@@ -250,12 +255,20 @@ class OffloadedStep(Transformed):
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         self._check_state(state)
-        run = OffloadRun(self, state)  # all per-call state lives there
+        run = StepRun(self, state)  # all per-call state lives there, and in its roles
         try:
             return run.execute(state, batch)
         finally:
             self.peak_gathered_bytes, self.peak_whole_grad_bytes = run.peak_gathered_bytes, run.peak_whole_grad_bytes
-            self.update_s = run.update_s
+            self.update_s = run.roles.update.update_s
+
+    def roles(self, run: StepRun, state: TrainState) -> Roles:
+        """The roles of one call (``zfunc.roles``): the sharded step's, with the three offload owns
+        replaced: params from the stores (``StoredPieces``), grads updated on arrival (overlap:
+        ``UpdateOnArrival``) or held (``HeldSlices``), the update leaf by leaf (``LeafUpdate``)."""
+        update = LeafUpdate(run, state)
+        grads = UpdateOnArrival(run, update) if self.overlap else HeldSlices(run)
+        return self.sharded.roles(run, state).replace(params=StoredPieces(run, update), grads=grads, update=update)
 
 
 def _overlap_allowed(step: Step, overlap: bool | None) -> bool:

@@ -1,14 +1,16 @@
-"""One call of an offloaded step (``zfunc.offload``): its stores, its run and its update on arrival.
+"""Offload's roles (``zfunc.roles``) for one call of an offloaded step, and its stores.
 
-``OffloadedStep.__call__`` makes an ``OffloadRun`` for each call: a ``ShardRun`` (``zfunc.shard_run``)
-whose three roles are replaced -- params come from the stores (``_Pieces``: a leaf's compute copy,
-else its master read ahead from RAM or its swap file), grads go to an updating sink (``_Updating``,
-with overlap) or are held, and the update runs leaf by leaf from the stores (``_update_leaf``),
-writing back as it goes (``_Stores``: at most ``2 * chunk_bytes`` of writes in flight).
+``OffloadedStep.roles`` gives each call's run (``shard_run.StepRun``, the one run class; its old
+name ``OffloadRun`` stays an alias) the sharded step's roles with three replaced: params come from
+the stores (``StoredPieces``: a leaf's compute copy, else its master read ahead from RAM or its
+swap file, ``_Pieces``), grads go to a sink that updates each leaf as its grad arrives
+(``UpdateOnArrival``, with overlap) or are held (``HeldSlices``), and the update runs leaf by leaf
+from the stores (``LeafUpdate``, ``_update_leaf``), writing back as it goes (``_Stores``: at most
+``2 * chunk_bytes`` of writes in flight). The schedule stays the sharded step's accumulation.
 ``ComputeCopies`` keeps each RAM master's bf16/fp16 copy that the update wrote in its own pass.
-Everything here lives for one call, except ``ComputeCopies`` and the read orders, which the step
-object keeps (``docs/design.md``, "Run objects"). The law, the cost and the rules for non-finite
-steps are ``zfunc.offload``'s.
+Everything here lives for one call, except ``ComputeCopies`` and the read and update orders,
+which the roles write back to the step object in their ``finish`` (``docs/design.md``, "Run
+objects"). The law, the cost and the rules for non-finite steps are ``zfunc.offload``'s.
 """
 from __future__ import annotations
 
@@ -22,8 +24,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zfunc import optim, precision as mp, tree
+from zfunc.roles import Role
 from zfunc.shard import FlatGroup, GradSlices, _leaf_names
-from zfunc.shard_run import ShardRun
+from zfunc.shard_run import ReducedSlices, StepRun
 from zfunc.step import _FIELDS, NonFiniteError, TrainState
 from zfunc.store import All, OnDisk, ReadAhead, Store
 
@@ -107,96 +110,98 @@ class _Stores:
             writes.popleft()[0].result()
 
 
-class OffloadRun(_Stores, ShardRun):
-    """One call of an ``OffloadedStep``: a ``ShardRun`` whose params come from the stores (read
-    ahead in the order the last step read them), whose grads go to an updating sink (overlap) or
-    are held, and whose update runs leaf by leaf from the stores, writing back as it goes."""
+class StoredPieces(Role):
+    """Params source of an offloaded step: a leaf's compute copy where the last update wrote one
+    (``ComputeCopies``), else its master, kept where compute happens (``params=None``) or read
+    from the params' store ahead of use, in the order the last step read them (``ReadAhead``)."""
 
-    def __init__(self, step: OffloadedStep, state: TrainState):
-        ShardRun.__init__(self, step, state)
-        _Stores.__init__(self, step, state.placement.device)
-        self._state_in_use, self._fields = state, tuple(getattr(state, f) for f in _FIELDS)
-        self._masters, self._param_names = tree.leaves(state.params), _leaf_names(state.params)
-        self._opt_states = list(state.opt_state)
-        self._reader = ReadAhead(lambda i: self._param_store.fetch(self._masters[i]), self._leaf_bytes,
-                                 step._fetch_order, self.chunk_bytes)
-        self._sq_norm = torch.zeros((), dtype=torch.float64)  # overlap: the grads' sum of squares so far
-        self._wants_norm = self._needs_norm()  # train_step(grad_norm=), clipping or fp16; else no norm at all
-        self._new: dict[int, tuple[Any, Any]] = {}
-        self._skip_updates = False
-        self._update_seen: list[int] | None = None  # leaves in the order an overlapped update met them
-        self.update_s = 0.0  # seconds in the leaf updates, held or overlapped with backward, writes included
-        # read for every leaf: held here, not looked up through the steps' delegation (~10 us a leaf)
-        self.optimizer, self.compute_dtype, self.compute_copies = step.optimizer, step.compute_dtype, step.compute_copies
+    def __init__(self, run: StepRun, update: LeafUpdate):
+        self.run = run
+        self.compute_copies, self.where_params = run.compute_copies, run.where_params
+        self._reader = ReadAhead(lambda i: update._param_store.fetch(update._masters[i]), update._leaf_bytes,
+                                 run.step._fetch_order, update.chunk_bytes)
 
-    def execute(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
-        try:
-            return super().execute(state, batch)
-        finally:
-            self.step._fetch_order = self._reader.seen  # learned: the next step reads ahead in this order
-            if self._update_seen is not None:
-                self.step._update_order = self._update_seen
-            self._wait_writes(None)
+    def finish(self) -> None:
+        self.run.step._fetch_order = self._reader.seen  # learned: the next step reads ahead in this order
 
-    def _leaf_bytes(self, i: int) -> int:
-        return 4 * math.prod(self._state_spec.leaves[i].local_shape(self._state_spec.rank))
+    def device(self, pieces) -> torch.device:
+        return self.run._state_spec.device
 
-    def _device(self, pieces) -> torch.device:
-        return self._state_spec.device
-
-    def _pieces(self, params) -> tuple[Any, Any]:
+    def pieces(self, params) -> tuple[Any, Any]:
         masters, treespec = tree.flatten(params)
         copies = [self.compute_copies.of(m) for m in masters]
         if self.where_params is None:
             return [m if c is None else c for m, c in zip(masters, copies)], treespec
         return _Pieces(masters, self._reader, copies), treespec
 
-    def _grad_sink(self, pieces):
-        self._skip_updates = False
-        if self.overlap:
-            return _Updating(self)
-        spec = self._state_spec
+
+class HeldSlices(ReducedSlices):
+    """Grad sink of an offloaded step without overlap: the reduced fp32 slices held (where the
+    state's spec says the step computes) until the update reads them all."""
+
+    def open(self, pieces) -> GradSlices:
+        spec = self.run._state_spec
         return GradSlices(lambda i: torch.zeros(spec.leaves[i].local_shape(spec.rank), dtype=torch.float32,
-                                                device=spec.device), len(spec.leaves), self._grad_divisor(), own=True)
+                                                device=spec.device), len(spec.leaves), self.run._grad_divisor(), own=True)
+
+
+class LeafUpdate(_Stores, Role):
+    """Update of an offloaded step: leaf by leaf from the stores (each leaf's master and state read
+    ahead, updated by the optimizer's CPU kernel, written back, at most ``2 * chunk_bytes`` of
+    writes in flight); the grads held until now, or (``UpdateOnArrival``) consumed as they came."""
+
+    def __init__(self, run: StepRun, state: TrainState):
+        step = run.step
+        _Stores.__init__(self, step, state.placement.device)
+        self.run, self._state_spec = run, run._state_spec
+        self.optimizer, self.compute_dtype = step.optimizer, step.compute_dtype
+        self.compute_copies = step.compute_copies
+        self._state_in_use, self._fields = state, tuple(getattr(state, f) for f in _FIELDS)
+        self._masters, self._param_names = tree.leaves(state.params), _leaf_names(state.params)
+        self._opt_states = list(state.opt_state)
+        self._sq_norm = torch.zeros((), dtype=torch.float64)  # overlap: the grads' sum of squares so far
+        self._wants_norm = step._needs_norm()  # train_step(grad_norm=), clipping or fp16; else no norm at all
+        self._new: dict[int, tuple[Any, Any]] = {}
+        self._skip_updates = False
+        self._update_seen: list[int] | None = None  # leaves in the order an overlapped update met them
+        self.update_s = 0.0  # seconds in the leaf updates, held or overlapped with backward, writes included
+
+    def finish(self) -> None:
+        if self._update_seen is not None:
+            self.run.step._update_order = self._update_seen
+        self._wait_writes(None)
+
+    def _leaf_bytes(self, i: int) -> int:
+        return 4 * math.prod(self._state_spec.leaves[i].local_shape(self._state_spec.rank))
 
     # ------------------------------------------------------------------ the update
-    def _before_backward(self, loss: torch.Tensor) -> None:
-        """With overlap, updates start during backward: a non-finite loss (summed over the ranks,
-        so all decide alike) turns them off for this step, which ``_update`` then skips."""
-        if not self.overlap:
-            return
-        total = loss.detach().float().reshape(1).clone()
-        if self.mesh.dp > 1:
-            self.mesh.comm.all_reduce(total, label="loss all-reduce before an overlapped backward")
-        self._skip_updates = not bool(torch.isfinite(total))
-
-    def _update(self, state: TrainState, grads: PyTree, loss: torch.Tensor, aux: Any):
+    def apply(self, state: TrainState, grads: PyTree, loss: torch.Tensor, aux: Any):
         """The held grads (or, with overlap, None: the leaves are updated) arrive unscaled (sums
         over ranks and microbatches of the scaled loss's grads; at one rank autograd's own, in the
         compute dtype): the kernel multiplies them by ``1 / _grad_divisor()`` in its pass."""
         params, opt_state, step, rng, loss_scale, _ = self._fields  # the state may be consumed by now
-        scale = 1.0 / self._grad_divisor()
+        scale = 1.0 / self.run._grad_divisor()
         if grads is not None:
             g_leaves = tree.leaves(grads)
         if not self._wants_norm:  # nothing reads it: only the loss is checked, as in the plain step
-            self._sum_over_ranks(torch.zeros(()))  # the step's one sync still sums the loss and grads-produced flags
+            self.run._sum_over_ranks(torch.zeros(()))  # the step's one sync still sums the loss and grads-produced flags
             norm = None
         elif grads is not None:  # held until now: the norm first, then every leaf
             raw = optim.global_norm(g_leaves)  # inside summing_across: over all ranks; fp32 from bf16/fp16
             norm = raw * scale
         else:
-            norm = self._sum_over_ranks(self._sq_norm.float()).sqrt()
+            norm = self.run._sum_over_ranks(self._sq_norm.float()).sqrt()
             if not self._skip_updates and not bool(torch.isfinite(norm)):
                 raise NonFiniteError(
                     f"step: non-finite grads (grad norm {norm.item()}) at state.step={step} behind a finite loss, "
                     "with offload's overlap: the leaves were updated during backward, before the norm was "
                     "known, so the state passed in is consumed. Restart from a checkpoint; with "
                     "offload(..., overlap=False) such a step is skipped instead")
-        finite = self._finite(loss, norm, step, loss_scale)  # may raise: nothing written yet
+        finite = self.run._finite(loss, norm, step, loss_scale)  # may raise: nothing written yet
         lr = optim.learning_rate(self.optimizer, self._opt_states[0])
         state._consumed = True
         if grads is not None and finite:
-            g_leaves = self._without_missing_grads(g_leaves)
+            g_leaves = self.run._without_missing_grads(g_leaves)
             if norm is None:
                 self._update_leaves(list(range(len(g_leaves))), g_leaves, scale)
             else:  # a clip in the optimizer reads the global norm: of the grads as it sees them
@@ -206,7 +211,7 @@ class OffloadRun(_Stores, ShardRun):
                     self._update_leaves(list(range(len(g_leaves))), g_leaves, scale)
         self._wait_writes(None)
         loss_scale = mp.next_loss_scale(loss_scale, finite)
-        metrics = self._metrics(loss, norm, lr, finite, step, loss_scale, aux)
+        metrics = self.run._metrics(loss, norm, lr, finite, step, loss_scale, aux)
         masters = [self._new.get(i, (m, None))[0] for i, m in enumerate(self._masters)]
         states = tuple(self._new.get(i, (None, s))[1] for i, s in enumerate(self._opt_states))
         new_params = tree.unflatten(tree.structure(params), masters)
@@ -223,7 +228,7 @@ class OffloadRun(_Stores, ShardRun):
     def _leaf_reader(self, order: list[int]) -> ReadAhead | None:
         """Reads of the leaves' masters and states ahead of their updates, along ``order``; None
         where nothing is on disk (all in RAM: nothing to wait for, ~0.1 ms a leaf saved)."""
-        if "nvme" not in (self.where_optimizer, self.where_params):
+        if self._opt_store.engine is None and self._param_store.engine is None:
             return None
         return ReadAhead(self._fetch_leaf, self._update_bytes, order, self.chunk_bytes)
 
@@ -281,31 +286,47 @@ class OffloadRun(_Stores, ShardRun):
                 new_leaves.append(new)
         self._new[i] = (handle, tree.unflatten(s_spec, new_leaves))
 
+OffloadRun = StepRun  # the one run class; an offloaded step's roles make it an offloaded call
+
+
 def _is_stored(t: Any) -> bool:
     return isinstance(t, (torch.Tensor, OnDisk))
 
 
-class _Updating:
-    """A grad sink that updates each unit's leaves as soon as their reduced grads arrive (over one
-    rank: autograd's own grads, in the compute dtype; unscaled in the kernel's pass)."""
+class UpdateOnArrival(Role):
+    """Grad sink of an offloaded step with overlap: it updates each unit's leaves as soon as their
+    reduced grads arrive (``LeafUpdate``'s leaf update), during backward (over one rank:
+    autograd's own grads, in the compute dtype; unscaled in the kernel's pass)."""
 
     early = True
     own = True
 
-    def __init__(self, step: OffloadRun):
-        self.step = step
-        order = step._update_order
-        self.reader = step._leaf_reader(order)
+    def __init__(self, run: StepRun, update: LeafUpdate):
+        self.run, self.update = run, update
+
+    def open(self, pieces) -> UpdateOnArrival:
+        update = self.update
+        self.reader = update._leaf_reader(self.run.step._update_order)
         self.seen: list[int] = []
         self.produced: set[int] = set()  # leaves backward produced a grad for, as far as read
         self.read = 0  # how much of the reducer's ``arrived`` list is in ``produced``
+        return self
+
+    def before_backward(self, loss: torch.Tensor) -> None:
+        """Updates start during backward: a non-finite loss (summed over the ranks, so all decide
+        alike) turns them off for this step, which ``LeafUpdate.apply`` then skips."""
+        mesh = self.run.mesh
+        total = loss.detach().float().reshape(1).clone()
+        if mesh.dp > 1:
+            mesh.comm.all_reduce(total, label="loss all-reduce before an overlapped backward")
+        self.update._skip_updates = not bool(torch.isfinite(total))
 
     def deliver(self, unit: FlatGroup, slices: list[torch.Tensor]) -> None:
         """Update each leaf of ``unit`` with its reduced grad slice; where the norm is wanted,
         add the slice's sum of squares, which the optimizer's kernel computes in its own pass
         (``optim.apply(squares=)``), so the grads are read once."""
-        step = self.step
-        scale, wants = 1.0 / step._grad_divisor(), step._wants_norm
+        step = self.update
+        scale, wants = 1.0 / self.run._grad_divisor(), step._wants_norm
         start = time.perf_counter()
         for i, g in zip(unit.indices, slices):
             self.seen.append(i)
@@ -322,13 +343,13 @@ class _Updating:
     def _produced(self, i: int) -> bool:
         """Whether leaf ``i`` has a grad. Alone, exact: a unit is delivered once its grads are all
         in, or backward has ended. Over N > 1 ranks, other ranks' grads are unknown: True."""
-        if self.step.mesh.dp > 1:
+        if self.run.mesh.dp > 1:
             return True
-        arrived = self.step._arrived  # grows as backward runs (accum is 1 with overlap: one list)
+        arrived = self.run._arrived  # grows as backward runs (accum is 1 with overlap: one list)
         self.produced.update(arrived[self.read :])
         self.read = len(arrived)
         return i in self.produced
 
     def result(self):
-        self.step._update_seen = self.seen  # the run's step learns it at the end of the call
+        self.update._update_seen = self.seen  # the run's step learns it at the end of the call
         return None

@@ -55,7 +55,11 @@ it ("send", "recv"). Compute: the pre-unit code (embeddings) also runs, discarde
 shards each stage's params and optimizer state over its dp group: whole stage params are
 all-gathered at the start of the step, whole grads summed over microbatches and reduce-scattered
 at the end (stage 1 costs: ``2 Psi_s`` per rank per step). ZeRO 2/3 and ``shard(pipeline(...))``
-are rejected: the pipeline must be the outermost transformation.
+are rejected: the pipeline must be the outermost transformation (docs/design.md, section 3, says
+why: its schedule keeps several microbatches live, which stage 2/3's per-microbatch gathers and
+reducers do not allow, and it changes what a state and a loss are for whatever would wrap it).
+The schedule is a role object (``zfunc.roles``), ``step.schedule``: a ``PipelineSchedule``
+(``pipeline_stage``) with accumulation's interface, ``split(batch)`` and ``ops(stages, stage)``.
 
 **Why this shape.** Shared params have one owner rather than a copy on both end stages
 (DeepSpeed's tied layers): the optimizer state exists once, the grad norm counts each param once,
@@ -78,10 +82,9 @@ from torch import nn
 from zfunc import compose, optim, precision as mp, tree
 from zfunc.dist import Mesh
 from zfunc.module import BufferScope, carrying
-from zfunc.pipeline_stage import _Run, _digest, schedule_ops  # noqa: F401  (schedule_ops: public here too)
+from zfunc.pipeline_stage import PipelineSchedule, _Run, _digest, schedule_ops  # noqa: F401  (schedule_ops: public)
 from zfunc.shard import GradSlices, ShardSpec, _buckets, _gather_whole, average_buffers, average_order
-from zfunc.step import (Step, TrainState, Transformed, _cuda_devices, _split_batch, _step_seed, require_train_state,
-                        seeded)
+from zfunc.step import Step, TrainState, Transformed, _cuda_devices, _step_seed, require_train_state, seeded
 from zfunc.units import Selector
 
 PyTree = Any
@@ -129,7 +132,8 @@ class PipelineStep(Transformed):
     """The step ``pipeline`` returns: same call and ``init`` as ``Step``; this rank runs one stage.
 
     Metrics are the same on every rank, except ``aux`` (``has_aux``): the loss function's aux per
-    microbatch on the last stage, which alone computes the loss; ``None`` elsewhere. After each
+    microbatch on the last stage, which alone computes the loss; ``None`` elsewhere. ``schedule``
+    is the schedule role (``PipelineSchedule``; ``str()`` gives "gpipe" or "1f1b"). After each
     call, ``peak_live_microbatches`` is the most microbatches whose activations this stage held at
     once, and ``timings`` has the schedule's wall time ``step_s``, the time spent blocked on peers
     ``wait_s``, forward + backward compute ``compute_s``, and ``ops``: each op's ``(kind,
@@ -140,7 +144,8 @@ class PipelineStep(Transformed):
         super().__init__(base, "pipeline")  # the loss, optimizer, precision: base's (accum is 1)
         self.base = base if compose.applied(base, "shard") else None
         self.model, self.layout, self.mesh = model, layout, mesh
-        self.stages, self.stage, self.microbatches, self.schedule = mesh.pp, mesh.pp_rank, microbatches, schedule
+        self.stages, self.stage, self.microbatches = mesh.pp, mesh.pp_rank, microbatches
+        self.schedule = PipelineSchedule(schedule, microbatches)  # the schedule role: GPipe or 1F1B
         self.peak_live_microbatches, self.timings = 0, {}
         self._bucket_cache: list | None = None
 
@@ -216,7 +221,7 @@ class PipelineStep(Transformed):
         scale = mp.scale_of(loss_scale)
         self.mesh.clear_comm_bytes()
         whole = self._whole_params(pieces, spec, step)
-        micro = self._microbatches(mp.cast_floating(batch, self.compute_dtype))
+        micro = self.schedule.split(mp.cast_floating(batch, self.compute_dtype))
         run = _Run(self, spec, whole, step, scale, _digest(batch))
         with seeded(_step_seed(rng, step), _cuda_devices(params)):
             run.execute(micro)
@@ -243,14 +248,6 @@ class PipelineStep(Transformed):
         if self._bucket_cache is None:
             self._bucket_cache = _buckets(inner.leaves, self.base.bucket_elems)
         return self._bucket_cache
-
-    def _microbatches(self, batch: PyTree) -> list[PyTree]:
-        m = self.microbatches
-        for x in tree.leaves(batch):
-            if isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[0] % m):
-                raise ValueError(f"batch: microbatches={m} must divide the leading dim of every batch tensor, got a "
-                                 f"tensor of shape {tuple(x.shape)}")
-        return _split_batch(batch, m)
 
     def _mean_loss(self, losses: list[torch.Tensor], spec: PipelineSpec, step: int, device,
                    stray: list[str]) -> torch.Tensor:

@@ -1,4 +1,7 @@
-"""One pipeline stage's schedule for one step (``zf.pipeline``'s run objects).
+"""One pipeline stage's schedule for one step (``zf.pipeline``'s schedule role and run objects).
+
+``PipelineSchedule`` is the schedule role (``zfunc.roles``): GPipe or 1F1B over ``m`` microbatches,
+``split(batch)`` and each stage's ``ops`` (``schedule_ops``).
 
 ``_StageRun`` holds the hooks a stage puts on the model for one microbatch's forward (other
 stages' units become the identity, the first local unit takes the received activation, a
@@ -20,7 +23,8 @@ from torch import nn
 
 from zfunc import tree
 from zfunc.module import run_by
-from zfunc.step import split_loss
+from zfunc.roles import Role
+from zfunc.step import _split_batch, split_loss
 
 if TYPE_CHECKING:
     from zfunc.pipeline import Layout, PipelineSpec, PipelineStep
@@ -52,6 +56,31 @@ def schedule_ops(schedule: str, stages: int, stage: int, microbatches: int) -> l
     for i in range(m - warm):
         ops += [("F", warm + i), ("B", i)]
     return ops + [("B", i) for i in range(m - warm, m)]
+
+
+class PipelineSchedule(Role):
+    """The pipeline's schedule role (``zfunc.roles``): ``kind`` ("gpipe" or "1f1b") over ``count``
+    microbatches, with accumulation's interface (``roles.Accumulation``): ``split(batch)``, and
+    ``ops(stages, stage)``, the stage's ``schedule_ops``. On one stage 1F1B is accumulation."""
+
+    def __init__(self, kind: str, count: int):
+        self.kind, self.count = kind, count
+
+    def __str__(self) -> str:
+        return self.kind
+
+    def split(self, batch: PyTree) -> list[PyTree]:
+        """``count`` microbatches of ``batch``, whose every tensor's leading dim they must divide."""
+        m = self.count
+        for x in tree.leaves(batch):
+            if isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[0] % m):
+                raise ValueError(f"batch: microbatches={m} must divide the leading dim of every batch tensor, got a "
+                                 f"tensor of shape {tuple(x.shape)}")
+        return _split_batch(batch, m)
+
+    def ops(self, stages: int, stage: int) -> list[tuple[str, int]]:
+        """Stage ``stage``'s forwards and backwards, in order (``schedule_ops``)."""
+        return schedule_ops(self.kind, stages, stage, self.count)
 
 
 # ----------------------------------------------------------------------------- the stage's hooks
@@ -178,7 +207,7 @@ class _Run:
     def execute(self, micro: list[PyTree]) -> None:
         t0 = time.perf_counter()
         self._start_shared()
-        ops = schedule_ops(self.ps.schedule, self.p, self.s, self.m)
+        ops = self.ps.schedule.ops(self.p, self.s)
         for k, (kind, i) in enumerate(ops):
             for op in ops[k : k + 2]:  # post this op's receive and the next one's: transfers overlap compute
                 self._post(op)

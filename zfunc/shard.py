@@ -85,7 +85,8 @@ from zfunc.shard_layout import (FlatGroup, FlatUnit, LeafShard, ShardSpec, _buck
                                 _leaf_names, _placeholder, _row_blocks, local_piece)
 from zfunc.shard_reduce import (Buckets, GradAllReducer, GradReducer, GradSlices,  # noqa: F401
                                 average_buffers, average_order)
-from zfunc.shard_run import ShardRun
+from zfunc.roles import Accumulation, Roles
+from zfunc.shard_run import LocalPieces, PlainUpdate, ReducedSlices, StepRun
 from zfunc.step import Step, TrainState, Transformed, _check_single_device, require_train_state
 from zfunc.units import Selector
 
@@ -95,8 +96,9 @@ FIRST_BUCKET_ELEMS = 1 << 18  # stage 0's first bucket: 1 MiB of fp32, DDP's fir
 
 class ShardedStep(Transformed):
     """The step ``shard`` returns: same call and ``init`` as ``Step``, state split over the mesh.
-    Wraps the plain step it is given (``inner``) and owns the params source, the grad sink and
-    the layout; the loss, optimizer and precision are ``inner``'s."""
+    Wraps the plain step it is given (``inner``) and owns the layout and the roles of each call
+    (``roles``: params source, grad sink, update, schedule), which a ``StepRun`` drives; the loss,
+    optimizer, precision and accumulation are ``inner``'s."""
 
     def __init__(self, base: Step, mesh: Mesh, stage: int, units, prefetch: int, bucket_elems: int, verify: bool,
                  fit_buckets: bool = False):
@@ -193,19 +195,21 @@ class ShardedStep(Transformed):
     # ------------------------------------------------------------------ the step
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         self._check_state(state)
-        run = self._new_run(state)  # all per-call state lives there
+        run = StepRun(self, state)  # all per-call state lives there, and in its roles
         try:
             return run.execute(state, batch)
         finally:
             self._record(run)
 
-    def _record(self, run: ShardRun) -> None:
+    def _record(self, run: StepRun) -> None:
         """Keep what the last call measured, for ``memory``."""
         self.peak_gathered_bytes, self.peak_whole_grad_bytes = run.peak_gathered_bytes, run.peak_whole_grad_bytes
 
-    def _new_run(self, state: TrainState) -> ShardRun:
-        """The run object of one call (``zfunc.shard_run``); offload makes its own."""
-        return ShardRun(self, state)
+    def roles(self, run: StepRun, state: TrainState) -> Roles:
+        """The roles of one call (``zfunc.roles``), made for ``run``: params are this rank's own
+        pieces, reduced grads are summed into fp32 slices, the update is the plain step's rule on
+        them, and the schedule is the inner step's accumulation."""
+        return Roles(LocalPieces(), ReducedSlices(run), PlainUpdate(run), Accumulation(self.accum))
 
     def _average_buffers(self, carried: BufferScope, step: int) -> dict[str, torch.Tensor]:
         """The step's module buffers, those a forward wrote averaged over the ranks (module

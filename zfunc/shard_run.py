@@ -1,15 +1,20 @@
-"""One call of a sharded step: everything that lives for one ``step(state, batch)`` and no longer.
+"""One call of a sharded or offloaded step: everything that lives for one ``step(state, batch)``.
 
-A ``ShardRun`` is made by ``ShardedStep.__call__`` for each call: it holds the state's layout and
-loss scale, the loss and per-leaf "produced a grad" flags that the step's one all-reduce sums,
-the leaves whose grads arrived, and the peaks it measured; it runs forward and backward with the
-step's reducers and sinks and applies the update. The step object keeps only its configuration
-and what it learned once (stage 3's units and their run order, stages 0-2's bucket order, stage
-0's bucket buffers), so one step object can drive any number of states (docs/design.md, "Run
-objects"). Configuration and learned state are read from the step by delegation; a run writes
-learned state only through ``self.sharded``, the ``ShardedStep`` (the step itself, or the one an
-offloaded step wraps). ``zfunc.offload``'s ``OffloadRun`` replaces three roles
-of this one: where params come from (``_pieces``), where grads go (``_grad_sink``) and the update.
+A ``StepRun`` is made by ``ShardedStep.__call__`` and ``OffloadedStep.__call__`` for each call. It
+asks the step for this call's roles (``step.roles(run, state)``, ``zfunc.roles``): where params
+come from, where grads go, how the update runs and the microbatch schedule; then it drives them
+with ZeRO's machinery, which stays here: the gathers (stages 1/2: whole by bucket; stage 3: per
+unit, ``prefetch.Gatherer``), the grad reducers and the step's one all-reduce (the loss, the grad
+norm and per-leaf "produced a grad" flags). It holds the state's layout and loss scale, the
+leaves whose grads arrived and the peaks it measured. Shard's own roles are here too:
+``LocalPieces``, ``ReducedSlices``, ``PlainUpdate``; offload's are in ``zfunc.offload_run``.
+
+The step object keeps only its configuration and what it learned once (stage 3's units and their
+run order, stages 0-2's bucket order, stage 0's bucket buffers), so one step object can drive any
+number of states (docs/design.md, "Run objects"). Configuration and learned state are read from
+the step by delegation; a run writes learned state only through ``self.sharded``, the
+``ShardedStep`` (the step itself, or the one an offloaded step wraps), and its roles write theirs
+in their ``finish``.
 """
 from __future__ import annotations
 
@@ -21,15 +26,17 @@ import torch
 from zfunc import optim, precision as mp, tree
 from zfunc.module import carrying, run_by
 from zfunc.prefetch import Gatherer
+from zfunc.roles import Role
 from zfunc.shard_layout import ShardSpec, _leaf_names, _placeholder
 from zfunc.shard_reduce import Buckets, GradAllReducer, GradReducer, GradSlices
-from zfunc.step import Step, TrainState, _cuda_devices, _split_batch, _step_seed, seeded, split_loss
+from zfunc.step import Step, TrainState, _cuda_devices, _step_seed, seeded, split_loss
 
 PyTree = Any
 
 
-class ShardRun:
-    """One call of a ``ShardedStep`` (see the module docstring)."""
+class StepRun:
+    """One call of a ``ShardedStep`` or an ``OffloadedStep``, driving the roles the step gives it
+    (see the module docstring)."""
 
     def __init__(self, step: Any, state: TrainState):
         self.step = step  # the step called: its configuration (and an offloaded step's roles)
@@ -42,17 +49,23 @@ class ShardRun:
         self._arrived: list[int] = []  # the current microbatch's leaves whose grads backward produced
         self.peak_gathered_bytes = 0  # most whole-param bytes held at once
         self.peak_whole_grad_bytes = 0  # most whole-grad bytes held at once
+        self.roles = step.roles(self, state)  # this call's params source, grad sink, update and schedule
 
     def __getattr__(self, name: str) -> Any:
         """The step's configuration and learned state (only called for what the run lacks)."""
-        if name in ("step", "sharded"):
+        if name in ("step", "sharded", "roles"):
             raise AttributeError(name)
         return getattr(self.step, name)
 
-    _update = Step._update  # the plain step's update, with this run's grads-produced flags
-
     def execute(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
-        """The step on ``state`` (already checked by the step): the new state and the metrics."""
+        """The step on ``state`` (already checked by the step): the new state and the metrics.
+        The roles finish after it, also when it fails (they write back what they learned)."""
+        try:
+            return self._execute(state, batch)
+        finally:
+            self.roles.finish()
+
+    def _execute(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         params, step, rng, loss_scale = state.params, state.step, state.rng, state.loss_scale
         if self.stage == 3 and self._flat_groups is None:  # unit binding maps param names to leaves
             self.sharded._names = _leaf_names(params)
@@ -61,13 +74,13 @@ class ShardRun:
         buffers = self.sharded._average_buffers(carried, step)
         if self.stage == 0:  # grads whole and equal on every rank: the norm is taken locally (the
             # loss was summed over the ranks with the last grad bucket)
-            new_state, metrics = self._update(state, grads, loss, aux)
+            new_state, metrics = self.roles.update.apply(state, grads, loss, aux)
         else:
             # summed by the grad norm's all-reduce, the step's one sync; without a norm, alone (``_finite``)
             self._to_sum = (loss, self._produced)
             try:
                 with optim.summing_across(self._sum_over_ranks):
-                    new_state, metrics = self._update(state, grads, loss, aux)
+                    new_state, metrics = self.roles.update.apply(state, grads, loss, aux)
             finally:
                 self._produced, self._to_sum = None, None  # this step's only
         loss.div_(state.placement.world)  # metrics["loss"]: the mean over ranks
@@ -129,9 +142,9 @@ class ShardRun:
         whole = self._gather_all(pieces, spec, f"step {step}", device) if self.stage < 3 else None
         self.peak_gathered_bytes, self.peak_whole_grad_bytes = (tree.nbytes(whole) if whole else 0), 0
         reducer, losses, auxes = None, [], []
-        eager = self.stage > 1 or self.accum == 1
+        eager = self.stage > 1 or self.roles.schedule.count == 1
         with seeded(_step_seed(rng, step), _cuda_devices(params)):
-            for micro in _split_batch(mp.cast_floating(batch, self.compute_dtype), self.accum):
+            for micro in self.roles.schedule.split(mp.cast_floating(batch, self.compute_dtype)):
                 leaves, gatherer, groups = self._microbatch_leaves(spec, pieces, whole, step, device)
                 if reducer is None or eager:  # stage 1 with accum sums whole grads over microbatches
                     reducer = GradReducer(self.mesh.reduce_comm, spec, groups, sink.deliver, device, eager, step,
@@ -150,7 +163,7 @@ class ShardRun:
             self.sharded._grad_order = reducer.arrived  # learned once
         grads = sink.result()
         loss = torch.stack(losses).mean()  # this rank's; the caller averages it over the ranks
-        return loss, (auxes[0] if self.accum == 1 else auxes), grads and tree.unflatten(treespec, grads)
+        return loss, (auxes[0] if self.roles.schedule.count == 1 else auxes), grads and tree.unflatten(treespec, grads)
 
     def _replicated_loss_and_grads(self, params, batch, step, rng, loss_scale):
         """Stage 0: the loss summed over the ranks (of each rank's mean over its microbatches), and
@@ -175,7 +188,7 @@ class ShardRun:
         auxes = []
         scale = mp.scale_of(loss_scale)
         with seeded(_step_seed(rng, step), _cuda_devices(params)):
-            micros = _split_batch(mp.cast_floating(batch, self.compute_dtype), self.accum)
+            micros = self.roles.schedule.split(mp.cast_floating(batch, self.compute_dtype))
             for k, micro in enumerate(micros):
                 reducer.eager = k == len(micros) - 1  # DDP's no_sync before the last microbatch
                 leaves = [c.detach().requires_grad_() for c in compute]
@@ -183,24 +196,24 @@ class ShardRun:
                 auxes.append(aux)
         if not self._buckets_ordered:
             self.sharded._grad_order = reducer.arrived  # learned once
-        loss = reducer.loss / self.accum  # summed over the ranks; the caller divides by them
-        return loss, (auxes[0] if self.accum == 1 else auxes), tree.unflatten(treespec, sink.result())
+        loss = reducer.loss / self.roles.schedule.count  # summed over the ranks; the caller divides by them
+        return loss, (auxes[0] if self.roles.schedule.count == 1 else auxes), tree.unflatten(treespec, sink.result())
 
     def _pieces(self, params) -> tuple[Any, Any]:
-        """``(pieces, treespec)``: this rank's param pieces, indexable in leaf order."""
-        return tree.flatten(params)
+        """``(pieces, treespec)``: this rank's param pieces, indexable in leaf order (the params source's)."""
+        return self.roles.params.pieces(params)
 
-    def _grad_sink(self, pieces) -> GradSlices:
-        """Where the reduced grad slices go: fp32 accumulators shaped like ``pieces``."""
-        return GradSlices(lambda i: torch.zeros_like(pieces[i]), len(pieces), self._grad_divisor())
+    def _grad_sink(self, pieces):
+        """This call's grad sink (the grad sink role's)."""
+        return self.roles.grads.open(pieces)
 
     def _grad_divisor(self) -> float:
         """Reduced grads are sums over ranks and microbatches of scaled losses' grads."""
-        return self._state_spec.world * self.accum * (self._loss_scale or 1.0)
+        return self._state_spec.world * self.roles.schedule.count * (self._loss_scale or 1.0)
 
     def _device(self, pieces) -> torch.device:
-        """Where the step computes: where the pieces live."""
-        return pieces[0].device
+        """Where the step computes (the params source says)."""
+        return self.roles.params.device(pieces)
 
     def _microbatch_leaves(self, spec: ShardSpec, pieces, whole, step: int, device: torch.device):
         """``(leaves, gatherer, groups)`` for one microbatch (``groups()``: what the reducer
@@ -235,4 +248,47 @@ class ShardRun:
         return loss.detach().float(), aux
 
     def _before_backward(self, loss: torch.Tensor) -> None:
-        """Each microbatch's loss, between its forward and its backward (offload checks it there)."""
+        """Each microbatch's loss, between its forward and its backward (the grad sink sees it)."""
+        self.roles.grads.before_backward(loss)
+
+
+# ----------------------------------------------------------------------------- shard's roles
+
+
+class LocalPieces(Role):
+    """Params source: this rank's pieces are the state's own tensors, where the compute happens."""
+
+    def pieces(self, params) -> tuple[Any, Any]:
+        """``(pieces, treespec)``: this rank's param pieces, indexable in leaf order."""
+        return tree.flatten(params)
+
+    def device(self, pieces) -> torch.device:
+        """Where the step computes: where the pieces live."""
+        return pieces[0].device
+
+
+class ReducedSlices(Role):
+    """Grad sink: the reduced fp32 grad slices, summed into accumulators shaped like the pieces
+    and averaged at the end (``GradSlices``)."""
+
+    def __init__(self, run: StepRun):
+        self.run = run
+
+    def open(self, pieces) -> GradSlices:
+        """Where the reduced grad slices go: fp32 accumulators shaped like ``pieces``."""
+        return GradSlices(lambda i: torch.zeros_like(pieces[i]), len(pieces), self.run._grad_divisor())
+
+    def before_backward(self, loss: torch.Tensor) -> None:
+        """Nothing to check before backward."""
+
+
+class PlainUpdate(Role):
+    """Update: the plain step's rule (``Step._update``) on this rank's pieces, with the run's
+    finite check and grads-produced flags (summed over the ranks with the grad norm)."""
+
+    def __init__(self, run: StepRun):
+        self.run = run
+
+    def apply(self, state: TrainState, grads: PyTree, loss: torch.Tensor, aux: Any):
+        """The new state and the metrics."""
+        return Step._update(self.run, state, grads, loss, aux)
