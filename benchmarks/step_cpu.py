@@ -41,8 +41,10 @@ of N params in all, the grads arriving in bf16, interleaved likewise:
   with the sink's ``own`` off, so the reducer packs fresh fp32 copies as before (its update_s
   leaves the pack out: the whole-step line shows it). ``--no-offload-step`` skips both.
 Under load (2 cores, ~6 busy processes), ``--sizes --offload-params 2e7 --rounds 41 --threads 1``,
-two runs: one pass bf16 grads 1.59x / 1.56x, the real step's update 1.37x / 1.52x, the whole
-offloaded step 1.82x / 2.07x faster than with the old grads. Use ``--threads 1`` on a loaded
+eight runs: one pass bf16 grads 1.54-1.59x, the real step's update 1.37-1.52x (1.42x, 1.43x in
+the last two), the whole offloaded step 1.82-2.47x faster than with the old grads. The real
+step's update trails the bare kernel by its per-leaf engine work (~30 us a leaf against
+``optim.apply``'s ~12) and its freshly allocated grads. Use ``--threads 1`` on a loaded
 machine: a 2-thread team there ran every path 3-5x slower and paired ratios drifted.
 """
 from __future__ import annotations
@@ -220,7 +222,7 @@ def offloaded_step(shapes: list[tuple[int, ...]], old: bool, updates: list[float
     box = [step.init(params)]
 
     def run(k: int) -> None:
-        offload_run._Updating.own = not old
+        offload_run.UpdateOnArrival.own = not old
         try:
             state = box[0]
             for _ in range(k):
@@ -228,7 +230,7 @@ def offloaded_step(shapes: list[tuple[int, ...]], old: bool, updates: list[float
                 updates.append(step.update_s)
             box[0] = state
         finally:
-            offload_run._Updating.own = True
+            offload_run.UpdateOnArrival.own = True
     return run
 
 
