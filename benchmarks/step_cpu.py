@@ -1,7 +1,8 @@
 """A whole CPU train step that is all optimizer: zfunc's step vs torch AdamW(fused=True) and DeepSpeedCPUAdam.
 
     python benchmarks/step_cpu.py [--sizes 1e6 2e7 1e8] [--rounds 15] [--steps 0] [--no-deepspeed]
-                                  [--offload-params 2e7] [--threads 0] [--one-at-a-time 5e7]
+                                  [--offload-params 2e7] [--no-offload-step] [--threads 0]
+                                  [--one-at-a-time 5e7]
 
 Each trainer trains one fp32 param vector ``w`` of ``n`` elements on the loss ``(w * c).sum()``
 (``c`` fixed): forward and backward are two cheap elementwise passes, so the step time is the
@@ -65,12 +66,23 @@ ways, THP master or not): not found by the deadline.
 of N params in all, the grads arriving in bf16, interleaved likewise:
 - two passes: what offload ran before the fused pass: the grads upcast to fp32 (the one-rank
   reducer's pack), torch's fused AdamW on each leaf, then the bf16 compute copy cast from the
-  master;
-- one pass, fp32 grads: what an offloaded step runs today: the upcast, then zfunc's kernel
-  writing the bf16 copy while it updates (``optim.apply(..., out=)``);
-- one pass, bf16 grads: the kernel reading the bf16 grads themselves (``optim.apply`` accepts
-  them; the offloaded step's reducer still upcasts them, so this is the phase once grads reach
-  the update in the compute dtype).
+  master (the baseline every speedup below is paired against);
+- one pass, fp32 grads: what an offloaded step ran before autograd's own grads reached the
+  update: the upcast, then zfunc's kernel writing the bf16 copy while it updates
+  (``optim.apply(..., out=)``);
+- one pass, bf16 grads: the kernel reading the bf16 grads themselves, the phase alone;
+- offloaded step (update_s): a real ``zf.offload(zf.train_step(..., "bf16", grad_norm=False),
+  "cpu")`` step (one process, state in RAM, overlap on, loss ``sum((p * c).sum())`` over the same
+  shapes), its own ``update_s`` (the leaf updates during backward: reads, CPU-Adam, writes),
+  which now reads autograd's bf16 grads (``GradReducer(own_grads=)``); "old grads": the same step
+  with the sink's ``own`` off, so the reducer packs fresh fp32 copies as before (its update_s
+  leaves the pack out: the whole-step line shows it). ``--no-offload-step`` skips both.
+Under load (2 cores, ~6 busy processes), ``--sizes --offload-params 2e7 --rounds 41 --threads 1``,
+eight runs: one pass bf16 grads 1.54-1.59x, the real step's update 1.37-1.52x (1.42x, 1.43x in
+the last two), the whole offloaded step 1.82-2.47x faster than with the old grads. The real
+step's update trails the bare kernel by its per-leaf engine work (~30 us a leaf against
+``optim.apply``'s ~12) and its freshly allocated grads. Use ``--threads 1`` on a loaded
+machine: a 2-thread team there ran every path 3-5x slower and paired ratios drifted.
 """
 from __future__ import annotations
 
@@ -189,7 +201,7 @@ def gpt_leaf_shapes(total: int, d: int = 768) -> list[tuple[int, ...]]:
     return shapes
 
 
-def offload_rows(total: int, rounds: int) -> None:
+def offload_rows(total: int, rounds: int, real_step: bool = True) -> None:
     """The optimizer phase of a bf16 offloaded step, leaf by leaf as offload runs it, the grads
     arriving in bf16 (the compute dtype): three paths (module docstring)."""
     shapes = gpt_leaf_shapes(total)
@@ -219,12 +231,54 @@ def offload_rows(total: int, rounds: int) -> None:
                         out.copy_(p)  # the compute copy, cast in a second pass
         return run
 
-    times = interleaved({path: phase(path) for path in paths}, rounds, 1)
+    trainers = {path: phase(path) for path in paths}
+    updates: dict[str, list[float]] = {}
+    if real_step:
+        for name, old in (("offloaded step", False), ("offloaded step, old grads", True)):
+            updates[name] = []
+            trainers[name] = offloaded_step(shapes, old, updates[name])
+    times = interleaved(trainers, rounds, 1)
     base = times["two passes"]
     print(f"bf16 offload optimizer phase, {sum(torch.Size(s).numel() for s in shapes):.2e} params in "
-          f"{len(shapes)} GPT leaves, bf16 grads, {rounds} rounds: two passes {statistics.median(base) * 1e3:.1f} ms")
+          f"{len(shapes)} GPT leaves, bf16 grads, {rounds} rounds, {torch.get_num_threads()} threads: "
+          f"two passes {statistics.median(base) * 1e3:.1f} ms")
     for path in ("one pass, fp32 grads", "one pass, bf16 grads"):
-        print(f"  {path:<22} {statistics.median(times[path]) * 1e3:8.1f} ms   speedup {paired(base, times[path]):.2f}x")
+        print(f"  {path:<26} {statistics.median(times[path]) * 1e3:8.1f} ms   speedup {paired(base, times[path]):.2f}x")
+    if real_step:
+        for name, upd in updates.items():
+            print(f"  {name + ' (update_s)':<38} {statistics.median(upd[2:]) * 1e3:8.1f} ms   speedup "
+                  f"{paired(base, upd[2:]):.2f}x")  # the 2 warm-up steps' updates are not paired
+        new, old = times["offloaded step"], times["offloaded step, old grads"]
+        print(f"  whole offloaded step: {statistics.median(new) * 1e3:.1f} ms, with the old grads "
+              f"{statistics.median(old) * 1e3:.1f} ms: speedup {paired(old, new):.2f}x")
+
+
+def offloaded_step(shapes: list[tuple[int, ...]], old: bool, updates: list[float]):
+    """A real bf16 offloaded step (optimizer state in RAM, one process, overlap on) whose loss is
+    ``sum((p * c).sum())`` over leaves of ``shapes``: its ``run(k)`` appends each step's
+    ``update_s`` (the leaf updates' seconds) to ``updates``. ``old``: the grads reach the update as
+    before ``GradReducer(own_grads=)``: packed into fresh fp32 copies (the sink's ``own`` off)."""
+    from zfunc import offload_run
+
+    gen = torch.Generator().manual_seed(1)
+    params = {f"p{i:03d}": torch.randn(s, generator=gen) for i, s in enumerate(shapes)}
+    consts = {k: (torch.randn(p.shape, generator=gen) * 1e-2).to(torch.bfloat16) for k, p in params.items()}
+    loss = lambda p, c: sum((p[k] * c[k]).float().sum() for k in p)  # noqa: E731
+    step = zf.offload(zf.train_step(loss, optim.adamw(LR, *BETAS, EPS, weight_decay=WD), "bf16", grad_norm=False),
+                      "cpu")
+    box = [step.init(params)]
+
+    def run(k: int) -> None:
+        offload_run.UpdateOnArrival.own = not old
+        try:
+            state = box[0]
+            for _ in range(k):
+                state, _ = step(state, consts)
+                updates.append(step.update_s)
+            box[0] = state
+        finally:
+            offload_run.UpdateOnArrival.own = True
+    return run
 
 
 def main(argv=None) -> None:
@@ -234,6 +288,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=0, help="steps per sample (0: ~2e7 params' worth)")
     ap.add_argument("--no-deepspeed", action="store_true")
     ap.add_argument("--offload-params", type=float, default=2e7, help="0: skip the offload phase")
+    ap.add_argument("--no-offload-step", action="store_true", help="the offload phase without the real offloaded steps")
     ap.add_argument("--one-at-a-time", type=float, default=5e7, help="sizes from this many params build each trainer "
                     "for its own sample, so only one trainer's memory (~20 B/param) is held at once")
     ap.add_argument("--threads", type=int, default=0, help="torch (and so zfunc's kernel) threads; 0: torch's default. "
@@ -244,7 +299,7 @@ def main(argv=None) -> None:
     for n in args.sizes:
         step_rows(int(n), args.rounds, args.steps, not args.no_deepspeed, n >= args.one_at_a_time)
     if args.offload_params:
-        offload_rows(int(args.offload_params), args.rounds)
+        offload_rows(int(args.offload_params), args.rounds, not args.no_offload_step)
 
 
 if __name__ == "__main__":

@@ -526,3 +526,44 @@ def test_apply_out_holds_the_new_params_cast_bit_for_bit(make, dtype):
     new, _ = optim.apply(tx, grads, tx.init(params), {k: p.clone() for k, p in params.items()}, out=out)
     for k in params:
         assert torch.equal(new[k], ref_params[k]) and torch.equal(out[k], new[k].to(dtype)), k
+
+
+def _leaves(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(40, 30, generator=g), "b": torch.randn(30, generator=g)}
+
+
+@pytest.mark.parametrize("tx", [
+    lambda: optim.adamw(1e-2, weight_decay=0.1, backend="numba"),
+    lambda: optim.adamw(1e-2, weight_decay=0.1, backend="torch"),
+    lambda: optim.chain(optim.clip_by_global_norm(0.5), optim.adamw(1e-2, weight_decay=0.1, backend="numba")),
+    lambda: optim.sgd(1e-2, momentum=0.9),
+    lambda: optim.chain(optim.clip_by_global_norm(0.5), optim.sgd(1e-2, momentum=0.9)),
+], ids=["adamw numba", "adamw torch", "clip, adamw", "sgd", "clip, sgd"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_apply_with_a_grad_scale_equals_apply_on_the_scaled_fp32_grads(tx, dtype):
+    """``apply(grad_scale=s)`` on bf16/fp16/fp32 grads is ``apply`` on ``grads.float() * s``: in
+    the kernel's pass where the optimizer scales grads (a clip in front folded into it), else
+    by a multiply first; ``squares`` is the scaled grads' sum of squares."""
+    tx = tx()
+    params, ref = _leaves(0), _leaves(0)
+    state, ref_state = tx.init(params), tx.init(ref)
+    for k in range(3):
+        raw = {n: (t * 1e3).to(dtype) for n, t in _leaves(k + 1).items()}
+        scale = 1.0 / 1024
+        scaled = {n: g.float() * scale for n, g in raw.items()}
+        squares = []
+        params, state = optim.apply(tx, raw, state, params, squares=squares, grad_scale=scale)
+        ref, ref_state = optim.apply(tx, scaled, ref_state, ref)
+        for n in ref:
+            torch.testing.assert_close(params[n], ref[n], rtol=1e-6, atol=1e-7)
+        if squares:
+            want = sum(float((g.double() ** 2).sum()) for g in scaled.values())
+            assert squares[0] == pytest.approx(want, rel=1e-6)
+
+
+def test_a_chain_folds_grad_factors_only_in_front_of_a_kernel_that_scales_grads():
+    clip, adamw, sgd = optim.clip_by_global_norm(1.0), optim.adamw(1e-3, backend="numba"), optim.sgd(1e-2)
+    assert optim.chain(clip, adamw).scales_grads and optim.chain(adamw).scales_grads
+    assert not optim.chain(clip, sgd).scales_grads and not sgd.scales_grads
+    assert not optim.chain(optim.lion(1e-3), adamw).scales_grads  # lion is no mere grad factor

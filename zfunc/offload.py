@@ -24,7 +24,13 @@ state, ``optimizer.init({name: piece})``, so a leaf can be updated alone):
 - overlap with backward: when the optimizer does not need the global grad norm (its
   ``needs_global_norm`` declaration is False: no ``clip_by_global_norm``), there is no fp16 overflow check and ``accum == 1``, a unit is updated as
   soon as its reduced grads exist, during the rest of backward. Otherwise all grad slices (fp32,
-  4 B/param/N) are held until backward ends and the norm is known. The grad norm, where wanted
+  4 B/param/N; alone, autograd's own grads in the compute dtype) are held until backward ends and the norm is known.
+- grads reach CPU-Adam unscaled: it multiplies them by 1/(loss scale x ranks x microbatches), and by
+  a ``clip_by_global_norm`` factor in front of it, in its own pass (``optim.apply(grad_scale=)``).
+  Alone (one rank) nothing is reduced, so the grads are autograd's own, in the compute dtype
+  (bf16/fp16, read as such by the kernel): no fp32 copy is packed per step (fresh pages, which
+  fault on a CPU device) and no separate unscale or clip pass runs. Over ranks the reduce-scatter
+  stays fp32 (the sums need it). The grad norm, where wanted
   (``train_step(grad_norm=True)``, clipping, fp16), is then summed from the squares CPU-Adam
   computes in its own pass over each grad (``optim.apply(squares=)``): the grads are read once.
   With ``train_step(grad_norm=False)`` and nothing else needing it, no norm is computed at all,
@@ -61,8 +67,8 @@ gathered by the next forward instead of the master: no cast pass, and half the b
 (across PCIe with a GPU, for ``params="cpu"``). Masters on NVMe, or on the GPU, are cast at the
 gather as before.
 
-Not yet: grads cross PCIe as fp32 on CUDA, and masters kept on the GPU (``params=None``) cross
-it as fp32 both ways for the update.
+Not yet: over ranks grads cross PCIe as fp32 on CUDA (alone, in the compute dtype), and masters
+kept on the GPU (``params=None``) cross it as fp32 both ways for the update.
 
 The step and its placement (``init``, ``restore``, ``memory``) are here; the roles of one call
 (``StoredPieces``, ``HeldSlices``, ``UpdateOnArrival``, ``LeafUpdate``: params from the stores,
@@ -133,7 +139,7 @@ class OffloadedStep(Transformed):
         self._fetch_order: list[int] = []  # params' read order in the last step (forward/backward)
         self.compute_copies = ComputeCopies()
         self._update_order: list[int] = []  # leaves' update order in the last step
-        self.update_s = 0.0  # the last step's held update (not overlapped with backward), writes included
+        self.update_s = 0.0  # the last step's leaf updates (held, or overlapped with backward), writes included
 
     # ------------------------------------------------------------------ init
     def init(self, params: PyTree, materialize: Callable[[str, torch.Tensor], torch.Tensor] | None = None

@@ -79,6 +79,10 @@ class ComputeCopies:
     def written(self, master: torch.Tensor, copy: torch.Tensor) -> None:
         """``copy`` now equals ``master`` cast (the version counter read after the write)."""
         key, by_id = id(master), self._by_id
+        entry = by_id.get(key)
+        if entry is not None and entry[0]() is master:  # the same master again (each step, in RAM): no new weakref
+            by_id[key] = (entry[0], master._version, copy)
+            return
         by_id[key] = (weakref.ref(master, lambda _: by_id.pop(key, None)), master._version, copy)
 
 
@@ -138,7 +142,7 @@ class HeldSlices(ReducedSlices):
     def open(self, pieces) -> GradSlices:
         spec = self.run._state_spec
         return GradSlices(lambda i: torch.zeros(spec.leaves[i].local_shape(spec.rank), dtype=torch.float32,
-                                                device=spec.device), len(spec.leaves), self.run._grad_divisor())
+                                                device=spec.device), len(spec.leaves), self.run._grad_divisor(), own=True)
 
 
 class LeafUpdate(_Stores, Role):
@@ -160,7 +164,7 @@ class LeafUpdate(_Stores, Role):
         self._new: dict[int, tuple[Any, Any]] = {}
         self._skip_updates = False
         self._update_seen: list[int] | None = None  # leaves in the order an overlapped update met them
-        self.update_s = 0.0  # seconds in the held (not overlapped) update, writes included
+        self.update_s = 0.0  # seconds in the leaf updates, held or overlapped with backward, writes included
 
     def finish(self) -> None:
         if self._update_seen is not None:
@@ -172,14 +176,19 @@ class LeafUpdate(_Stores, Role):
 
     # ------------------------------------------------------------------ the update
     def apply(self, state: TrainState, grads: PyTree, loss: torch.Tensor, aux: Any):
+        """The held grads (or, with overlap, None: the leaves are updated) arrive unscaled (sums
+        over ranks and microbatches of the scaled loss's grads; at one rank autograd's own, in the
+        compute dtype): the kernel multiplies them by ``1 / _grad_divisor()`` in its pass."""
         params, opt_state, step, rng, loss_scale, _ = self._fields  # the state may be consumed by now
+        scale = 1.0 / self.run._grad_divisor()
         if grads is not None:
             g_leaves = tree.leaves(grads)
         if not self._wants_norm:  # nothing reads it: only the loss is checked, as in the plain step
             self.run._sum_over_ranks(torch.zeros(()))  # the step's one sync still sums the loss and grads-produced flags
             norm = None
         elif grads is not None:  # held until now: the norm first, then every leaf
-            norm = optim.global_norm(g_leaves)  # inside summing_across: over all ranks
+            raw = optim.global_norm(g_leaves)  # inside summing_across: over all ranks; fp32 from bf16/fp16
+            norm = raw * scale
         else:
             norm = self.run._sum_over_ranks(self._sq_norm.float()).sqrt()
             if not self._skip_updates and not bool(torch.isfinite(norm)):
@@ -194,11 +203,12 @@ class LeafUpdate(_Stores, Role):
         if grads is not None and finite:
             g_leaves = self.run._without_missing_grads(g_leaves)
             if norm is None:
-                self._update_leaves(list(range(len(g_leaves))), g_leaves)
-            else:
-                total_sq = (norm.double() ** 2).float()
+                self._update_leaves(list(range(len(g_leaves))), g_leaves, scale)
+            else:  # a clip in the optimizer reads the global norm: of the grads as it sees them
+                seen = raw if self.optimizer.scales_grads else norm  # (unscaled in the kernel, or before: apply)
+                total_sq = (seen.double() ** 2).float()
                 with optim.summing_across(lambda local_sq: total_sq):
-                    self._update_leaves(list(range(len(g_leaves))), g_leaves)
+                    self._update_leaves(list(range(len(g_leaves))), g_leaves, scale)
         self._wait_writes(None)
         loss_scale = mp.next_loss_scale(loss_scale, finite)
         metrics = self.run._metrics(loss, norm, lr, finite, step, loss_scale, aux)
@@ -207,13 +217,20 @@ class LeafUpdate(_Stores, Role):
         new_params = tree.unflatten(tree.structure(params), masters)
         return TrainState(new_params, states, step + 1, rng, loss_scale, state.placement), metrics
 
-    def _update_leaves(self, order: list[int], grads: list[torch.Tensor]) -> None:
+    def _update_leaves(self, order: list[int], grads: list[torch.Tensor], scale: float) -> None:
         start = time.perf_counter()
-        reader = ReadAhead(self._fetch_leaf, self._update_bytes, order, self.chunk_bytes)
+        reader = self._leaf_reader(order)
         for i in order:
-            self._update_leaf(i, grads[i], reader)
+            self._update_leaf(i, grads[i], reader, grad_scale=scale)
         self._wait_writes(None)
         self.update_s += time.perf_counter() - start
+
+    def _leaf_reader(self, order: list[int]) -> ReadAhead | None:
+        """Reads of the leaves' masters and states ahead of their updates, along ``order``; None
+        where nothing is on disk (all in RAM: nothing to wait for, ~0.1 ms a leaf saved)."""
+        if self._opt_store.engine is None and self._param_store.engine is None:
+            return None
+        return ReadAhead(self._fetch_leaf, self._update_bytes, order, self.chunk_bytes)
 
     def _fetch_leaf(self, i: int) -> All:
         """Pending ``[master, *state tensors]`` of leaf ``i``, all reads started."""
@@ -224,27 +241,33 @@ class LeafUpdate(_Stores, Role):
     def _update_bytes(self, i: int) -> int:
         return self._leaf_bytes(i) * (1 + sum(_is_stored(t) for t in tree.leaves(self._opt_states[i])))
 
-    def _update_leaf(self, i: int, grad: torch.Tensor | None, reader: ReadAhead, squares: list | None = None) -> None:
+    def _update_leaf(self, i: int, grad: torch.Tensor | None, reader: ReadAhead | None, squares: list | None = None,
+                     grad_scale: float = 1.0) -> None:
         """Read leaf ``i``'s master and state, apply the optimizer on the CPU, write them back.
         ``grad`` None: no grad; the optimizer leaves the param alone but advances its count, as
-        the plain step's does for all params together. ``squares``: as in ``optim.apply`` (the
-        kernel appends the grad's sum of squares where it computes it in its pass)."""
+        the plain step's does for all params together. ``squares`` and ``grad_scale``: as in
+        ``optim.apply`` (the kernel unscales the grad, in whatever dtype it came, in its pass and
+        appends the unscaled grad's sum of squares where it computes it)."""
         self._state_in_use._consumed = True  # its files or tensors change from here on
-        master, *tensors = reader.get(i)
+        state_leaves, s_spec = tree.flatten(self._opt_states[i])
+        if reader is None:  # all in RAM
+            master, tensors = self._masters[i], [t for t in state_leaves if _is_stored(t)]
+        else:
+            master, *tensors = reader.get(i)
         name = self._param_names[i]  # the key its optimizer state was made with
         on_device = master.device
-        state_leaves, s_spec = tree.flatten(self._opt_states[i])
         it = iter(tensors)
         state = tree.unflatten(s_spec, [next(it).to("cpu") if _is_stored(t) else t for t in state_leaves])
         p_cpu = master.to("cpu")
-        grad = None if grad is None else grad.to("cpu", torch.float32)
+        grad = None if grad is None else grad.to("cpu")
         # A master kept in RAM gets its compute copy in the update's own pass (ComputeCopies)
         in_ram = isinstance(self._masters[i], torch.Tensor) and self._masters[i].device.type == "cpu"
         out = None
         if in_ram and self.compute_dtype is not torch.float32:
             out = self.compute_copies.buffer(self._masters[i], self.compute_dtype, self._param_store.pin)
         new_p, new_state = optim.apply(self.optimizer, {name: grad}, state, {name: p_cpu},
-                                       out=None if out is None else {name: out}, squares=squares)
+                                       out=None if out is None else {name: out}, squares=squares,
+                                       grad_scale=grad_scale)
         new_p = new_p[name]
         if on_device.type != "cpu":
             master.copy_(new_p)
@@ -272,17 +295,18 @@ def _is_stored(t: Any) -> bool:
 
 class UpdateOnArrival(Role):
     """Grad sink of an offloaded step with overlap: it updates each unit's leaves as soon as their
-    reduced grads arrive (``LeafUpdate``'s leaf update), during backward."""
+    reduced grads arrive (``LeafUpdate``'s leaf update), during backward (over one rank:
+    autograd's own grads, in the compute dtype; unscaled in the kernel's pass)."""
 
     early = True
+    own = True
 
     def __init__(self, run: StepRun, update: LeafUpdate):
         self.run, self.update = run, update
 
     def open(self, pieces) -> UpdateOnArrival:
         update = self.update
-        self.reader = ReadAhead(update._fetch_leaf, update._update_bytes, self.run.step._update_order,
-                                update.chunk_bytes)
+        self.reader = update._leaf_reader(self.run.step._update_order)
         self.seen: list[int] = []
         self.produced: set[int] = set()  # leaves backward produced a grad for, as far as read
         self.read = 0  # how much of the reducer's ``arrived`` list is in ``produced``
@@ -302,17 +326,19 @@ class UpdateOnArrival(Role):
         add the slice's sum of squares, which the optimizer's kernel computes in its own pass
         (``optim.apply(squares=)``), so the grads are read once."""
         step = self.update
-        divisor, wants = self.run._grad_divisor(), step._wants_norm
+        scale, wants = 1.0 / self.run._grad_divisor(), step._wants_norm
+        start = time.perf_counter()
         for i, g in zip(unit.indices, slices):
-            if divisor != 1.0:
-                g = g / divisor
             self.seen.append(i)
-            produced = not step._skip_updates and self._produced(i)
+            produced = not step._skip_updates and g is not None and self._produced(i)
             squares = [] if wants and produced else None
             if not step._skip_updates:  # else a non-finite loss: the step will be skipped
-                step._update_leaf(i, g if produced else None, self.reader, squares)
-            if wants:  # the kernel's sum, or (another kernel; a leaf with no grad: zeros) the slice's norm
-                step._sq_norm += squares[0] if squares else torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
+                step._update_leaf(i, g if produced else None, self.reader, squares, scale)
+            if squares:  # the kernel's sum of the unscaled grad's squares
+                step._sq_norm += squares[0]
+            elif wants and g is not None:  # another kernel, or a leaf with no grad (zeros): the slice's norm
+                step._sq_norm += (torch.linalg.vector_norm(g, dtype=torch.float32).double() * scale) ** 2
+        step.update_s += time.perf_counter() - start
 
     def _produced(self, i: int) -> bool:
         """Whether leaf ``i`` has a grad. Alone, exact: a unit is delivered once its grads are all

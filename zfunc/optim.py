@@ -13,7 +13,10 @@ is contiguous fp32 in CPU RAM (``backend="auto"``: the placement picks), else ``
 from ``update`` (see ``apply``). The step only ever calls
 ``apply`` on state it owns. Likewise ``update_`` (optional) is an ``update`` allowed to write into
 the grads it is given; ``chain``'s ``apply`` uses it, so ``clip_by_global_norm`` scales the grads
-in place there instead of allocating a second copy of them.
+in place there instead of allocating a second copy of them. Given ``apply(..., grad_scale=)`` (an
+unscale: offload hands CPU-Adam autograd's own bf16/fp16 grads), ``chain(clip_by_global_norm(c),
+adamw(...))`` does not even do that: the clip's factor joins the kernel's ``grad_scale``
+(``GradientTransformation``'s ``grad_factor`` and ``scales_grads`` declarations).
 
 Learning rates are floats or schedules ``count -> float``, where ``count`` is the number of updates
 already applied (0 on the first step). Step counts are Python ints in the state. Hyperparameters are

@@ -60,10 +60,11 @@ def _adam_update(grads, state, params, *, lr, b1, b2, eps, weight_decay, decoupl
 
 
 def _adam_apply_fused(grads, state, params, *, lr, b1, b2, eps, weight_decay, decoupled, mask, backend, out=None,
-                      squares=None):
+                      squares=None, grad_scale=None):
     """In-place Adam/AdamW: one fused kernel call per (device, dtype, decays?) group (torch's
-    multi-tensor kernel, or zfunc's CPU-Adam over the group's leaves: ``adamw_many_``); ``out``
-    and ``squares`` (CPU-Adam only) as in ``apply``."""
+    multi-tensor kernel, or zfunc's CPU-Adam over the group's leaves: ``adamw_many_``); ``out``,
+    ``squares`` (CPU-Adam only) and ``grad_scale`` (CPU-Adam: in its pass; torch: a multiply of
+    the grads cast to the params' dtype) as in ``apply``."""
     p_leaves, treespec = tree.flatten(params)
     backend = _resolve_backend(backend, p_leaves)
     g_leaves = treespec.flatten_up_to(grads)
@@ -74,7 +75,7 @@ def _adam_apply_fused(grads, state, params, *, lr, b1, b2, eps, weight_decay, de
     step_lr = float(lr(state.count))
     if backend == "numba":  # updated in place: the same trees
         sq = _numba_adam(p_leaves, g_leaves, m_leaves, v_leaves, o_leaves, decay, count, step_lr, b1, b2, eps,
-                         weight_decay, decoupled, squares is not None)
+                         weight_decay, decoupled, squares is not None, 1.0 if grad_scale is None else grad_scale)
         if squares is not None:
             squares.append(sq)
         return params, AdamState(count, state.mu, state.nu)
@@ -88,6 +89,8 @@ def _adam_apply_fused(grads, state, params, *, lr, b1, b2, eps, weight_decay, de
         wd = weight_decay if key[-1] else 0.0
         ps, ms, vs = [p_leaves[i] for i in idx], [m_leaves[i] for i in idx], [v_leaves[i] for i in idx]
         gs = [g_leaves[i].to(ps[0].dtype) for i in idx]
+        if grad_scale is not None and grad_scale != 1.0:
+            torch._foreach_mul_(gs, grad_scale)  # apply owns the grads: in place where the cast kept them
         steps = [torch.tensor(float(count), device=key[0])] * len(ps)
         kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
         kernel(ps, gs, ms, vs, [], steps, lr=step_lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
@@ -121,11 +124,12 @@ def _adam_family(learning_rate, b1, b2, eps, weight_decay, mask, backend, decoup
     def update(grads, state, params=None):
         return _adam_update(grads, state, params, **hyper)
 
-    def apply_(grads, state, params, out=None, squares=None):
-        return _adam_apply_fused(grads, state, params, backend=backend, out=out, squares=squares, **hyper)
+    def apply_(grads, state, params, out=None, squares=None, grad_scale=None):
+        return _adam_apply_fused(grads, state, params, backend=backend, out=out, squares=squares,
+                                 grad_scale=grad_scale, **hyper)
 
     return GradientTransformation(init, update, apply_, lambda state: hyper["lr"](state.count), writes_out=True,
-                                  sums_squares=True)
+                                  sums_squares=True, scales_grads=True)
 
 
 def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,

@@ -40,7 +40,12 @@ class GradientTransformation(NamedTuple):
     (see ``apply``). ``sums_squares``: ``apply`` takes a keyword ``squares`` (a list) and appends
     to it the sum of the squares of the grads its kernel read (a float: ``global_norm(grads)**2``
     up to rounding), when its kernel computed it in the update's own pass; nothing where it
-    could not (see ``apply``).
+    could not (see ``apply``). ``scales_grads``: ``apply`` takes a keyword ``grad_scale`` (a
+    float) and updates with ``grads * grad_scale``, reading fp32, bf16 or fp16 grads as they are
+    (the multiply in its kernel's pass, not a pass of its own). ``grad_factor``: the
+    transformation only multiplies every grad by one scalar (``clip_by_global_norm``);
+    ``grad_factor(grads, grad_scale)`` returns it for the grads ``grads * grad_scale``, so that a
+    ``chain`` can fold it into the last transformation's ``grad_scale`` instead of a pass over the grads.
     """
 
     init: Callable[[PyTree], PyTree]
@@ -51,6 +56,8 @@ class GradientTransformation(NamedTuple):
     needs_global_norm: bool = False
     writes_out: bool = False
     sums_squares: bool = False
+    scales_grads: bool = False
+    grad_factor: Callable[[PyTree, float], Any] | None = None
 
 
 class EmptyState(NamedTuple):
@@ -64,7 +71,8 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
 
 
 def apply(tx: GradientTransformation, grads: PyTree, state: PyTree, params: PyTree,
-          out: PyTree | None = None, squares: list[float] | None = None) -> tuple[PyTree, PyTree]:
+          out: PyTree | None = None, squares: list[float] | None = None,
+          grad_scale: float | None = None) -> tuple[PyTree, PyTree]:
     """Run ``tx``'s whole update, consuming ``grads``, ``state`` and ``params``.
 
     Uses ``tx.apply`` when it has one; otherwise ``tx.update`` and an in-place add into ``params``.
@@ -77,7 +85,17 @@ def apply(tx: GradientTransformation, grads: PyTree, state: PyTree, params: PyTr
     ``squares``: a list to which the sum of the squares of ``grads`` is appended where ``tx``
     computes it in its own pass (``tx.sums_squares`` and a kernel that can: zfunc's CPU-Adam);
     left as it was otherwise, for the caller to compute the norm itself (the grads are unchanged).
+    ``grad_scale`` (None: the grads as given): update with ``grads * grad_scale`` (an unscale by
+    1/loss scale and ranks: ``squares`` then sums the squares of the product), the grads fp32,
+    bf16 or fp16 (offload hands over autograd's own). Where ``tx.scales_grads``, the multiply (and
+    the read of low-precision grads) happens in its kernel's pass; else the grads are first made
+    fp32 and multiplied (in place where they are fp32 already), then updated as above.
     """
+    if grad_scale is not None and (grad_scale != 1.0 or _low_precision(grads)):
+        if tx.scales_grads and (out is None or tx.writes_out):
+            return tx.apply(grads, state, params, out=out, squares=squares if tx.sums_squares else None,
+                            grad_scale=float(grad_scale))
+        grads = _scaled_fp32(grads, float(grad_scale))
     if squares is not None and tx.sums_squares:
         return tx.apply(grads, state, params, out=out, squares=squares)
     if out is None:
@@ -87,6 +105,20 @@ def apply(tx: GradientTransformation, grads: PyTree, state: PyTree, params: PyTr
     params, state = apply(tx, grads, state, params)
     _copy_out(params, out)
     return params, state
+
+
+def _low_precision(grads: PyTree) -> bool:
+    return any(g.dtype in (torch.bfloat16, torch.float16) for g in tree.tensors(grads))
+
+
+def _scaled_fp32(grads: PyTree, scale: float) -> PyTree:
+    """``grads * scale`` as fp32 tensors: fp32 grads multiplied in place (``apply`` owns them)."""
+    def one(g):
+        if g.dtype != torch.float32:
+            g = g.float()
+        return g.mul_(scale) if scale != 1.0 else g
+
+    return tree.map(one, grads)
 
 
 def _copy_out(params: PyTree, out: PyTree, only: set[int] | None = None) -> None:
@@ -138,7 +170,13 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
     def update_(grads, state, params=None):
         return run(grads, state, params, consuming=True)
 
-    def apply_(grads, state, params, out=None, squares=None):  # owns grads: each transformation may write into them
+    def apply_(grads, state, params, out=None, squares=None, grad_scale=None):  # owns grads: each may write into them
+        if grad_scale is not None:  # only when every tx but the last is a grad_factor (``folds``)
+            for tx in txs[:-1]:
+                grad_scale *= float(tx.grad_factor(grads, grad_scale))
+            params, last = apply(txs[-1], grads, state[-1], params, out, squares if len(txs) == 1 else None,
+                                 grad_scale)
+            return params, (*state[:-1], last)
         grads, new_state = update_(grads, state[:-1], params)  # zip stops at the last tx
         params, last = apply(txs[-1], grads, state[-1], params, out, squares if len(txs) == 1 else None)
         return params, (*new_state, last)
@@ -147,10 +185,13 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
         rates = [learning_rate(tx, s) for tx, s in zip(txs, state)]
         return next((r for r in reversed(rates) if r is not None), None)
 
-    # sums_squares only for a chain of one: a transformation before the last may change the grads it reads
+    # sums_squares only for a chain of one: a transformation before the last may change the grads it reads.
+    # A chain of grad factors (clipping) and a last tx that scales grads in its kernel folds the factors
+    # into that kernel's grad_scale (apply(grad_scale=)): no pass of their own over the grads.
+    folds = bool(txs) and txs[-1].scales_grads and all(tx.grad_factor is not None for tx in txs[:-1])
     return GradientTransformation(init, update, apply_ if txs else None, learning_rate_, update_,
                                   needs_global_norm=any(tx.needs_global_norm for tx in txs), writes_out=bool(txs),
-                                  sums_squares=len(txs) == 1 and txs[0].sums_squares)
+                                  sums_squares=len(txs) == 1 and txs[0].sums_squares, scales_grads=folds)
 
 
 def _grad_leaves(grads: PyTree, params: PyTree | None) -> tuple[list[Any], optree.PyTreeSpec]:

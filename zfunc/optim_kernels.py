@@ -23,12 +23,14 @@ _LOW = (torch.bfloat16, torch.float16)  # the dtypes the kernel writes as param_
 _GRAD_DTYPES = (torch.float32, *_LOW)  # the grad dtypes it reads
 
 
-def _numba_adam(ps, gs, ms, vs, outs, decay, count, lr, b1, b2, eps, weight_decay, decoupled, grad_sq=False):
+def _numba_adam(ps, gs, ms, vs, outs, decay, count, lr, b1, b2, eps, weight_decay, decoupled, grad_sq=False,
+                grad_scale=1.0):
     """The leaves through zfunc's CPU-Adam (``adamw_many_``: big leaves threaded, small ones in one
     call), in two groups where ``decay`` (per-leaf flags; None: all decay) differs; a leaf whose
     grad is None is left alone. An ``out`` leaf is written in the same pass where the kernel can
     write it (a contiguous bf16/fp16 CPU tensor), else copied after. ``grad_sq``: returns the sum
-    of the squares of the grads read (else None)."""
+    of the squares of the grads read (else None). ``grad_scale``: the kernel updates with (and
+    sums the squares of) ``grad * grad_scale``, multiplied in its pass."""
     from zfunc.ops import cpu_adam
 
     n = len(ps)
@@ -36,7 +38,8 @@ def _numba_adam(ps, gs, ms, vs, outs, decay, count, lr, b1, b2, eps, weight_deca
     plain = decay is None and all(g is not None and g.dtype in _GRAD_DTYPES and g.is_contiguous() for g in gs)
     if plain and all(o is None for o in outs):  # the common case: one group, nothing to fix up
         return cpu_adam.adamw_many_(ps, gs, ms, vs, step=count, lr=lr, beta1=b1, beta2=b2, eps=eps,
-                                    weight_decay=weight_decay, decoupled=decoupled, grad_sq=grad_sq)
+                                    weight_decay=weight_decay, decoupled=decoupled, grad_sq=grad_sq,
+                                    grad_scale=grad_scale)
     total = 0.0
     for flag in (True, False):
         idx = [i for i in range(n) if gs[i] is not None and (decay is None or decay[i]) is flag]
@@ -48,7 +51,7 @@ def _numba_adam(ps, gs, ms, vs, outs, decay, count, lr, b1, b2, eps, weight_deca
         fused = [o if o is not None and o.dtype in _LOW and o.is_cpu and o.is_contiguous() else None for o in o_]
         sq = cpu_adam.adamw_many_([ps[i] for i in idx], g_, [ms[i] for i in idx], [vs[i] for i in idx], step=count,
                                   lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=weight_decay if flag else 0.0,
-                                  decoupled=decoupled, param_outs=fused, grad_sq=grad_sq)
+                                  decoupled=decoupled, param_outs=fused, grad_sq=grad_sq, grad_scale=grad_scale)
         total += sq or 0.0
         _copy_pairs([ps[i] for i in idx], [o if f is None else None for o, f in zip(o_, fused)])
     _copy_pairs(ps, [o if g is None else None for o, g in zip(outs, gs)])  # no grad: the param unchanged

@@ -66,7 +66,10 @@ def global_norm(grads: PyTree) -> torch.Tensor:
     if known is not None:
         return known
     device = leaves[0].device if leaves else torch.device("cpu")
-    norms = [n.to(device, torch.float32) for n in torch._foreach_norm(leaves)] if leaves else []
+    # bf16/fp16 grads (offload hands over autograd's own): their norms accumulated and returned in fp32
+    low = any(t.dtype in (torch.bfloat16, torch.float16) for t in leaves)
+    norms = (torch._foreach_norm(leaves, 2, dtype=torch.float32) if low else torch._foreach_norm(leaves)) if leaves else []
+    norms = [n.to(device, torch.float32) for n in norms]
     norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=device)
     sum_fn = _SUM_ACROSS_RANKS.get()
     return norm if sum_fn is None else sum_fn(norm * norm).sqrt()
@@ -77,8 +80,9 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     (in place in ``update_``, which ``chain``'s ``apply`` uses)."""
     _check_number("max_norm", max_norm, "a finite float > 0", lambda x: x > 0)
 
-    def coefficient(grads):
-        return torch.clamp(max_norm / (global_norm(grads) + 1e-6), max=1.0)
+    def coefficient(grads, grad_scale=1.0):
+        norm = global_norm(grads)
+        return torch.clamp(max_norm / ((norm if grad_scale == 1.0 else norm * grad_scale) + 1e-6), max=1.0)
 
     def update(grads, state, params=None):
         leaves, treespec = tree.flatten(grads)  # None grads (no grad) are no leaves: kept as they are
@@ -92,4 +96,5 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
             torch._foreach_mul_(tensors, coefficient(grads))
         return grads, state
 
-    return GradientTransformation(lambda params: EmptyState(), update, update_=update_, needs_global_norm=True)
+    return GradientTransformation(lambda params: EmptyState(), update, update_=update_, needs_global_norm=True,
+                                  grad_factor=coefficient)

@@ -30,15 +30,20 @@ class GradReducer:
     for the step, as ZeRO-1 defines. Not eager (stage 1 with accumulation): whole grads are summed
     over microbatches and reduced by ``reduce_accumulated``. ``deliver_early``: deliver each group
     as soon as the next one is launched (offload's overlapped updates) instead of at the end.
+    ``own_grads`` (a sink that takes them: offload's) over one rank: nothing to sum, so no fp32
+    copy is packed and "reduced" (a fresh buffer per group, its pages faulting on a CPU device,
+    then a copy of it): the sink gets autograd's own grads, in the compute dtype, shaped as the
+    rank's slices; the accounting of whole grads held is the same.
     """
 
     def __init__(self, comm, spec: ShardSpec, groups: Callable[[], list[FlatGroup]],
                  deliver: Callable[[FlatGroup, list[torch.Tensor]], None], device: torch.device,
                  eager: bool, step: int, sequence: Callable[[], list[int]],
                  on_group_done: Callable[[int], None] | None = None, keep_whole: bool = False,
-                 deliver_early: bool = False):
+                 deliver_early: bool = False, own_grads: bool = False):
         self.comm, self.spec, self.groups, self.deliver, self.eager = comm, spec, groups, deliver, eager
         self.device, self.deliver_early = device, deliver_early
+        self.own_grads = own_grads and spec.world == 1
         self.label, self._sequence_fn, self._sequence = f"step {step}", sequence, None
         self.on_group_done, self.keep_whole = on_group_done, keep_whole
         self.ready: dict[int, dict[int, torch.Tensor]] = {}  # complete units waiting for their turn
@@ -107,6 +112,9 @@ class GradReducer:
 
     def _reduce(self, u: int, grads: dict[int, torch.Tensor]) -> None:
         group, world = self.groups()[u], self.spec.world
+        if self.own_grads:
+            self._hand_over(u, grads)
+            return
         what = f"reduce-scatter of {group.name} at {self.label}"
         device = self.device
         full = torch.empty(world, group.segment, dtype=torch.float32, device=device)
@@ -120,6 +128,16 @@ class GradReducer:
             self.on_group_done(u)
         if self.deliver_early:  # the one just launched overlaps what comes next; the others are due
             self._wait(keep_last=True)
+
+    def _hand_over(self, u: int, grads: dict[int, torch.Tensor]) -> None:
+        """One rank, ``own_grads``: deliver group ``u``'s grads as autograd made them (None: no grad)."""
+        group, leaves = self.groups()[u], self.spec.leaves
+        if not self.keep_whole:
+            self._held(-sum(g.numel() * g.element_size() for g in grads.values() if g is not None))
+        if self.on_group_done is not None:
+            self.on_group_done(u)
+        self.deliver(group, [None if grads.get(i) is None else grads[i].reshape(leaves[i].local_shape(0))
+                             for i in group.indices])
 
     def finish_microbatch(self) -> None:
         """Reduce units some of whose params got no grad (unused this time), then wait for all."""
@@ -230,24 +248,34 @@ class GradSlices:
     else holds) and later ones are added into it: no zero-filled accumulators. ``early`` (False
     here) asks the reducer to deliver each group as soon as it can, for sinks that consume grads
     during backward (offload's overlapped updates).
+
+    ``own=True`` (offload's held update): over one rank the reducer delivers autograd's own grads
+    (``GradReducer(own_grads=)``: compute dtype, None for a leaf without one), summed over
+    microbatches in fp32 (a low-precision first is upcast when the second arrives: the same sums
+    as fp32 slices give); and the result is left undivided, for the update to multiply by
+    ``1 / divisor`` in its own pass (``optim.apply(grad_scale=)``).
     """
 
     early = False
 
-    def __init__(self, zeros: Callable[[int], torch.Tensor], n: int, divisor: float):
-        self.zeros, self.divisor = zeros, divisor
+    def __init__(self, zeros: Callable[[int], torch.Tensor], n: int, divisor: float, own: bool = False):
+        self.zeros, self.divisor, self.own = zeros, divisor, own
         self.acc: list[torch.Tensor | None] = [None] * n
 
-    def deliver(self, group: FlatGroup, slices: list[torch.Tensor]) -> None:
+    def deliver(self, group: FlatGroup, slices: list[torch.Tensor | None]) -> None:
         for i, piece in zip(group.indices, slices):
+            if piece is None:
+                continue
             if self.acc[i] is None:
                 self.acc[i] = piece
             else:
+                if self.acc[i].dtype != torch.float32:
+                    self.acc[i] = self.acc[i].float()
                 self.acc[i].add_(piece)
 
     def result(self) -> list[torch.Tensor]:
         self.acc = [self.zeros(i) if a is None else a for i, a in enumerate(self.acc)]
-        if self.divisor != 1.0:
+        if self.divisor != 1.0 and not self.own:
             torch._foreach_mul_(self.acc, 1.0 / self.divisor)
         return self.acc
 

@@ -150,7 +150,8 @@ class StepRun:
                     reducer = GradReducer(self.mesh.reduce_comm, spec, groups, sink.deliver, device, eager, step,
                                           lambda groups=groups: self._backward_order(groups()),
                                           on_group_done=gatherer.release if gatherer else None,
-                                          keep_whole=self.stage == 1, deliver_early=sink.early)
+                                          keep_whole=self.stage == 1, deliver_early=sink.early,
+                                          own_grads=sink.own)
                     self._arrived = reducer.arrived  # leaves with a grad so far (offload's overlapped updates)
                 loss, aux = self._backward(tree.unflatten(treespec, leaves), micro, leaves, gatherer, reducer, scale)
                 self._produced[torch.tensor(reducer.arrived, dtype=torch.long)] = 1.0

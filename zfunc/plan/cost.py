@@ -28,8 +28,8 @@ overlaps (read in ``zfunc.shard``, ``prefetch``, ``offload``, ``pipeline``):
 - the optimizer runs after backward on the device (28 B/param, +12 with a global-norm clip);
 - offload: per leaf the grad and the master cross PCIe (fp32) and CPU-Adam updates it in the
   same thread, while the swap engine reads and writes in parallel: ``max(PCIe + CPU-Adam, disk)``;
-  on a CPU device the thread also writes the step's fresh grad slices for the first time (page
-  faults) and scales them for the clip before CPU-Adam (``cpu_grad_passes``);
+  on a CPU device the thread also pays first writes of fresh memory (page faults,
+  ``cpu_grad_passes``); the clip's factor and the unscale are folded into CPU-Adam's own pass;
   it runs after backward, or during it when the engine updates on arrival (no clip, no fp16,
   accum 1); params offload fetches each unit's fp32 piece twice per microbatch, read ahead;
 - a pipeline's schedule takes ``sum_s t_s + (m - 1) max_s t_s`` (p stages, m microbatches), each
@@ -228,18 +228,19 @@ def offload_update_parts(model: ModelSpec, s: Strategy, cluster: Cluster) -> dic
 
 
 def cpu_grad_passes(local: float, s: Strategy, cluster: Cluster) -> float:
-    """Seconds a CPU device spends on the fp32 grad slices of an offloaded update before CPU-Adam
-    reads them, in the same thread: their first write (the engine allocates them zeroed every step,
-    and fresh pages fault: ``first_touch_bw``, 4 B/param) and, with a clip, the scaling pass
-    (``clip_by_global_norm`` multiplies every grad in place: 8 B/param at copy bandwidth). Measured
-    in ``benchmarks/capacity.py``'s offloaded step (50M params, one profile): the in-place multiply
-    took as long as CPU-Adam itself (169 vs 171 ms), nearly all of it page faults (11 ms on pages
-    already written). On a GPU the slices come from the caching allocator (no faults) and cross PCIe,
-    which ``update_time`` counts apart."""
+    """Seconds a CPU device spends, in the updating thread, on first writes of fresh memory per
+    step (page faults: ``first_touch_bw``, 4 B/param). Measured in ``benchmarks/capacity.py``'s
+    offloaded step (50M params, one profile), when the engine still packed every grad into a
+    zeroed fp32 slice and the clip multiplied them in place: that multiply took as long as
+    CPU-Adam itself (169 vs 171 ms), nearly all of it page faults (11 ms on pages already
+    written). Since, at one rank the update reads autograd's own grads and the clip's factor
+    rides in CPU-Adam's ``grad_scale`` (no pass of its own: the 8 B/param scaling term is gone),
+    yet the validate row's measured update did not move beyond the noise under load (measured /
+    predicted, 50M params, moments on NVMe: 1.14, 1.17 before; 1.19, 1.07, 1.17 after, and 1.10,
+    1.14 with the scaling term dropped): the first-touch term stays, as what the measurement shows. On a GPU the slices come from the
+    caching allocator (no faults) and cross PCIe, which ``update_time`` counts apart."""
     dev = cluster.device
-    touch = 4 * local / dev.first_touch_bw if dev.first_touch_bw else 0.0
-    scale = 8 * local / (dev.hbm_bw * dev.memory_efficiency) if s.clip else 0.0
-    return touch + scale
+    return 4 * local / dev.first_touch_bw if dev.first_touch_bw else 0.0
 
 
 def fetch_time(model: ModelSpec, s: Strategy, cluster: Cluster) -> float:
