@@ -13,7 +13,8 @@ import torch.nn.functional as F
 import zfunc as zf
 from tests.models import Block, Tiny, assert_same_training, batches, local, tree_equal, train_on, with_faults
 from tests.models import make_offloaded as make  # this file's step: Tiny, offloaded or not
-from zfunc.offload import ComputeCopies, OffloadRun, OffloadSpec, in_ram, offload
+from zfunc.offload import ComputeCopies, OffloadSpec, in_ram, offload
+from zfunc.shard_run import StepRun
 from zfunc.shard import full_params
 from zfunc.swap import SwapInUseError, SwapPathError
 
@@ -143,7 +144,7 @@ def test_the_compute_copy_written_in_the_update_pass_equals_the_cast_at_the_gath
             copies = [step.compute_copies.of(m) for m in masters]
             assert all(c is not None and c.dtype == step.compute_dtype for c in copies)
             assert all(torch.equal(c, m.to(c.dtype)) for c, m in zip(copies, masters))
-            pieces, _ = OffloadRun(step, state)._pieces(state.params)  # what the next forward gathers: the copies
+            pieces, _ = StepRun(step, state)._pieces(state.params)  # what the next forward gathers: the copies
             assert all(pieces[i] is c for i, c in enumerate(copies))
         runs.append((losses, norms, {k: v.clone() for k, v in state.params.items()}))
     (l1, n1, p1), (l2, n2, p2) = runs

@@ -87,7 +87,7 @@ import torch
 
 from zfunc import compose, precision as mp, tree
 from zfunc.dist import Mesh
-from zfunc.offload_run import (ComputeCopies, HeldSlices, LeafUpdate, OffloadRun, StoredPieces,  # noqa: F401
+from zfunc.offload_run import (ComputeCopies, HeldSlices, LeafUpdate, StoredPieces,  # noqa: F401
                                 UpdateOnArrival, _is_stored, _Stores)
 from zfunc.ops import hostmem
 from zfunc.roles import Roles
@@ -96,7 +96,7 @@ from zfunc.shard_run import StepRun
 from zfunc.step import Step, TrainState, Transformed, require_train_state
 from zfunc.store import OnDisk, Store
 
-__all__ = ["ComputeCopies", "OffloadRun", "OffloadSpec", "OffloadedStep", "in_ram", "offload"]
+__all__ = ["OffloadSpec", "OffloadedStep", "in_ram", "offload"]
 
 PyTree = Any
 PLACES = ("cpu", "nvme")

@@ -1,16 +1,16 @@
 """Offload's roles (``zfunc.roles``) for one call of an offloaded step, and its stores.
 
-``OffloadedStep.roles`` gives each call's run (``shard_run.StepRun``, the one run class; its old
-name ``OffloadRun`` stays an alias) the sharded step's roles with three replaced: params come from
-the stores (``StoredPieces``: a leaf's compute copy, else its master read ahead from RAM or its
-swap file, ``_Pieces``), grads go to a sink that updates each leaf as its grad arrives
-(``UpdateOnArrival``, with overlap) or are held (``HeldSlices``), and the update runs leaf by leaf
-from the stores (``LeafUpdate``, ``_update_leaf``), writing back as it goes (``_Stores``: at most
-``2 * chunk_bytes`` of writes in flight). The schedule stays the sharded step's accumulation.
-``ComputeCopies`` keeps each RAM master's bf16/fp16 copy that the update wrote in its own pass.
-Everything here lives for one call, except ``ComputeCopies`` and the read and update orders,
-which the roles write back to the step object in their ``finish`` (``docs/design.md``, "Run
-objects"). The law, the cost and the rules for non-finite steps are ``zfunc.offload``'s.
+``OffloadedStep.roles`` gives each call's run (``shard_run.StepRun``, the one run class) the sharded
+step's roles with three replaced: params come from the stores (``StoredPieces``: a leaf's compute
+copy, else its master read ahead from RAM or its swap file, ``_Pieces``), grads go to a sink that
+updates each leaf as its grad arrives (``UpdateOnArrival``, with overlap) or are held
+(``HeldSlices``), and the update runs leaf by leaf from the stores (``LeafUpdate``,
+``_update_leaf``), writing back as it goes (``_Stores``: at most ``2 * chunk_bytes`` of writes in
+flight). The schedule stays the sharded step's accumulation. ``ComputeCopies`` keeps each RAM
+master's bf16/fp16 copy that the update wrote in its own pass. Everything here lives for one call,
+except ``ComputeCopies`` and the read and update orders, which the roles write back to the step
+object in their ``finish`` (``docs/design.md``, "Run objects"). The law, the cost and the rules for
+non-finite steps are ``zfunc.offload``'s.
 """
 from __future__ import annotations
 
@@ -285,8 +285,6 @@ class LeafUpdate(_Stores, Role):
             else:
                 new_leaves.append(new)
         self._new[i] = (handle, tree.unflatten(s_spec, new_leaves))
-
-OffloadRun = StepRun  # the one run class; an offloaded step's roles make it an offloaded call
 
 
 def _is_stored(t: Any) -> bool:
