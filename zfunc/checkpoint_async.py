@@ -232,13 +232,14 @@ WRITER_NICE = env.number("ZFUNC_WRITER_NICE", 19, int, lambda n: -20 <= n <= 19,
 # (``checkpoint_io.Pace``) until someone waits for the save (``handle.wait()``, the next save),
 # which lifts it. 1: no pacing. A save costs training a roughly fixed amount (its ~0.14 s of CPU
 # for 0.6 GB, the copy, the host's side of the I/O), so spreading it over more steps costs each
-# step less: on the quiet 2-core VM unpaced it spanned ~11 steps at 1.32x a step alone. Measured
-# under load (benchmarks/checkpoint.py --no-save-load --async-rounds 6 --step-threads 1, 0.6 GB,
-# rounds alternated): a step during a save 1.07x (0.83-1.66) unpaced over 7.5 steps, 1.08x
-# (0.97-1.24) at 0.4 over 11.5, 1.04x (0.86-1.11) at 0.25 over 19; in a later, less loaded run
-# 1.17x (1.10-1.49) unpaced over 5.5 steps, 1.05x (0.96-1.08) at 0.25 over 16.5 (3.8 s).
+# step less. Quiet 2-core VM, 2026-11-24 (benchmarks/checkpoint.py --no-save-load --async-rounds 7
+# --variant ..., 0.6 GB, 110 ms steps, variants alternated in one run; two runs): a step during a
+# save 1.25x / 1.22x a step alone at 0.25 (the save spanning 7-8 steps, 0.8-1.0 s), 1.21x at
+# 0.15, 1.14x / 1.15x at 0.1 (13-14 steps, 1.5-1.6 s: ~400 MB/s), 1.08x at 0.05 (32 steps,
+# 3.6 s). A save that takes 1/duty times as long is still done long before the next one is due
+# (saves are minutes apart), and a save someone waits for runs at full speed.
 # Set it here or with ZFUNC_SAVE_DUTY.
-SAVE_DUTY = env.number("ZFUNC_SAVE_DUTY", 0.25, float, lambda d: 0 < d <= 1, "a fraction in (0, 1]")
+SAVE_DUTY = env.number("ZFUNC_SAVE_DUTY", 0.1, float, lambda d: 0 < d <= 1, "a fraction in (0, 1]")
 
 
 def pace() -> Pace:
