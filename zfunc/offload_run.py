@@ -249,17 +249,18 @@ class LeafUpdate(_Stores, Role):
         ``optim.apply`` (the kernel unscales the grad, in whatever dtype it came, in its pass and
         appends the unscaled grad's sum of squares where it computes it)."""
         self._state_in_use._consumed = True  # its files or tensors change from here on
-        state_leaves, s_spec = tree.flatten(self._opt_states[i])
-        if reader is None:  # all in RAM
-            master, tensors = self._masters[i], [t for t in state_leaves if _is_stored(t)]
+        if reader is None:  # all in RAM: the state's own tensors, nothing to read or write back
+            master, state, state_leaves = self._masters[i], self._opt_states[i], None
         else:
+            state_leaves, s_spec = tree.flatten(self._opt_states[i])
             master, *tensors = reader.get(i)
+            it = iter(tensors)
+            state = tree.unflatten(s_spec, [next(it).to("cpu") if _is_stored(t) else t for t in state_leaves])
         name = self._param_names[i]  # the key its optimizer state was made with
         on_device = master.device
-        it = iter(tensors)
-        state = tree.unflatten(s_spec, [next(it).to("cpu") if _is_stored(t) else t for t in state_leaves])
-        p_cpu = master.to("cpu")
-        grad = None if grad is None else grad.to("cpu")
+        p_cpu = master if on_device.type == "cpu" else master.to("cpu")
+        if grad is not None and grad.device.type != "cpu":
+            grad = grad.to("cpu")
         # A master kept in RAM gets its compute copy in the update's own pass (ComputeCopies)
         in_ram = isinstance(self._masters[i], torch.Tensor) and self._masters[i].device.type == "cpu"
         out = None
@@ -273,9 +274,13 @@ class LeafUpdate(_Stores, Role):
             master.copy_(new_p)
             new_p = master
         handle, write = self._param_store.store_back(self._masters[i], new_p)
-        self._track(write, self._leaf_bytes(i))
+        if write is not None:
+            self._track(write, self._leaf_bytes(i))
         if out is not None:
             self.compute_copies.written(handle, out)
+        if state_leaves is None:  # in RAM: the new state is kept as it is
+            self._new[i] = (handle, new_state)
+            return
         new_leaves = []
         for old, new in zip(state_leaves, tree.leaves(new_state)):
             if _is_stored(old):
