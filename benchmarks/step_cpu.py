@@ -60,7 +60,11 @@ sample. ``--threads 0`` (2 threads on 2 loaded cores, a team waiting for its slo
 20M rerun: 0.967x / 0.929x wall, CPU 0.983x / 0.978x. At 20M zfunc's step takes 1-2.5% more CPU
 than DeepSpeed's loop (84.0 against 81.6 ms in five rounds, the same 39K faults each), not in the
 kernel (8.8 against 9.3 ms) nor in forward and backward measured alone (70.5-71.8 ms all four
-ways, THP master or not): not found by the deadline.
+ways, THP master or not): not found by the deadline. Quiet (load 1-2, 2026-11-24, the reference
+command): 1M 1.225x torch / 1.004x DeepSpeed, 20M 1.011x / 0.999x (a second run 1.042x /
+1.025x), 100M 0.968x / 0.974x (a second run 0.970x / 0.971x; alone, ``--sizes 1e8``, 1.009x /
+1.008x: what earlier rows leave in the heap moves it; built one at a time outside this harness,
+zfunc 367.5 ms against 369.6 and 367.8, the same 195,314 faults per step each).
 
 ``--offload-params N`` adds the optimizer phase of a bf16 offloaded step over GPT-shaped leaves
 of N params in all, the grads arriving in bf16, interleaved likewise:
@@ -80,8 +84,10 @@ of N params in all, the grads arriving in bf16, interleaved likewise:
 Under load (2 cores, ~6 busy processes), ``--sizes --offload-params 2e7 --rounds 41 --threads 1``,
 eight runs: one pass bf16 grads 1.54-1.59x, the real step's update 1.37-1.52x (1.42x, 1.43x in
 the last two), the whole offloaded step 1.82-2.47x faster than with the old grads. The real
-step's update trails the bare kernel by its per-leaf engine work (~30 us a leaf against
-``optim.apply``'s ~12) and its freshly allocated grads. Use ``--threads 1`` on a loaded
+step's update trails the bare kernel by its per-leaf engine work: ~30 us a leaf against
+``optim.apply``'s ~12, now ~11 more than ``optim.apply`` (be68a32: a state all in RAM is used as
+it is). Quiet, three runs with ``--rounds 31``: the kernel alone 1.53-1.62x, the real step's update
+1.46 / 1.49 / 1.51x, the whole offloaded step 2.22x faster than with the old grads. Use ``--threads 1`` on a loaded
 machine: a 2-thread team there ran every path 3-5x slower and paired ratios drifted.
 """
 from __future__ import annotations
