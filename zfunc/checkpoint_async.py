@@ -107,15 +107,21 @@ _previous: SaveHandle | None = None
 _previous_lock = threading.Lock()
 
 
-def wait_for_previous() -> None:
-    """Wait for this process's last background save; raise its error if nobody has seen it."""
+def _finished_previous() -> SaveHandle | None:
+    """This process's last background save, hurried (no longer paced) and waited for; None if
+    there was none."""
     with _previous_lock:
         handle = _previous
-    if handle is None:
-        return
-    handle.hurry()
-    handle._finished.wait()
-    if handle._error is not None and not handle._reported:
+    if handle is not None:
+        handle.hurry()
+        handle._finished.wait()
+    return handle
+
+
+def wait_for_previous() -> None:
+    """Wait for this process's last background save; raise its error if nobody has seen it."""
+    handle = _finished_previous()
+    if handle is not None and handle._error is not None and not handle._reported:
         handle._reported = True
         raise handle._error
 
@@ -250,13 +256,8 @@ def pace() -> Pace:
 def _finish_at_exit() -> None:
     """An exiting interpreter's last background save, finished at full speed (an error nobody
     saw goes to stderr)."""
-    with _previous_lock:
-        handle = _previous
-    if handle is None:
-        return
-    handle.hurry()
-    handle._finished.wait()
-    if handle._error is not None and not handle._reported:
+    handle = _finished_previous()
+    if handle is not None and handle._error is not None and not handle._reported:
         e = handle._error
         print(f"zf.checkpoint.save of {handle.directory} (in the background) failed: {type(e).__name__}: {e}",
               file=sys.stderr)
