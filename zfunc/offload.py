@@ -22,9 +22,10 @@ state, ``optimizer.init({name: piece})``, so a leaf can be updated alone):
   updated by the optimizer's fused kernel on the CPU, and written back asynchronously: disk reads,
   CPU work and disk writes of consecutive leaves overlap (a 3-deep pipeline).
 - overlap with backward: when the optimizer does not need the global grad norm (its
-  ``needs_global_norm`` declaration is False: no ``clip_by_global_norm``), there is no fp16 overflow check and ``accum == 1``, a unit is updated as
-  soon as its reduced grads exist, during the rest of backward. Otherwise all grad slices (fp32,
-  4 B/param/N; alone, autograd's own grads in the compute dtype) are held until backward ends and the norm is known.
+  ``needs_global_norm`` declaration is False: no ``clip_by_global_norm``), there is no fp16
+  overflow check and ``accum == 1``, a unit is updated as soon as its reduced grads exist, during
+  the rest of backward. Otherwise all grad slices (fp32, 4 B/param/N; alone, autograd's own grads
+  in the compute dtype) are held until backward ends and the norm is known.
 - grads reach CPU-Adam unscaled: it multiplies them by 1/(loss scale x ranks x microbatches), and by
   a ``clip_by_global_norm`` factor in front of it, in its own pass (``optim.apply(grad_scale=)``).
   Alone (one rank) nothing is reduced, so the grads are autograd's own, in the compute dtype
