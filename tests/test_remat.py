@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zfunc as zf
+from tests.models import NormUnit
 from zfunc.remat import remat
 
 
@@ -145,15 +146,6 @@ def test_remat_of_a_module_recomputes_with_the_params_functional_call_swapped_in
         torch.testing.assert_close(rematted[1][name], plain[1][name], rtol=1e-6, atol=1e-7)
 
 
-class NormBlock(nn.Module):
-    def __init__(self, d=5):
-        super().__init__()
-        self.fc, self.bn = nn.Linear(d, d), nn.BatchNorm1d(d)
-
-    def forward(self, x):
-        return x + self.bn(self.fc(x))
-
-
 def test_torch_checkpoint_updates_batchnorm_statistics_twice():
     """The fact zf.remat departs from: torch's non-reentrant checkpoint recomputes the forward in
     backward, BatchNorm's running statistics included."""
@@ -168,7 +160,7 @@ def test_torch_checkpoint_updates_batchnorm_statistics_twice():
 def test_remat_updates_batchnorm_statistics_once_like_the_plain_step(offload):
     def run(use_remat):
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(3, 5), NormBlock(), NormBlock(), nn.Linear(5, 2))
+        model = nn.Sequential(nn.Linear(3, 5), NormUnit(), NormUnit(), nn.Linear(5, 2))
         if use_remat:
             for b in (model[1], model[2]):
                 b.forward = remat(b.forward, offload=offload)
