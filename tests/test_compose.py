@@ -336,3 +336,11 @@ def test_the_schedules_are_roles_with_one_interface_and_1f1b_on_one_stage_is_acc
     assert PipelineSchedule("1f1b", 2).ops(2, 0) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
     with pytest.raises(ValueError, match="microbatches=4 must divide"):
         PipelineSchedule("1f1b", 4).split(batch)
+
+
+def test_replacing_an_unknown_role_names_it_and_the_roles_there_are():
+    from zfunc.roles import Accumulation, Roles
+
+    roles = Roles(None, None, None, Accumulation(1))
+    with pytest.raises(TypeError, match="unknown role 'grad'; expected params, grads, update or schedule"):
+        roles.replace(grad=object())

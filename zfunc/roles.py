@@ -47,7 +47,7 @@ Cost: four small objects per call (offload's roles also open its stores, as its 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from zfunc.step import _split_batch
@@ -73,6 +73,9 @@ class Roles:
 
     def replace(self, **roles: Any) -> Roles:
         """These roles with some replaced (``params=``, ``grads=``, ``update=``, ``schedule=``)."""
+        unknown = sorted(set(roles) - {f.name for f in fields(self)})
+        if unknown:
+            raise TypeError(f"Roles.replace: unknown role {unknown[0]!r}; expected params, grads, update or schedule")
         return replace(self, **roles)
 
     def finish(self) -> None:
