@@ -8,8 +8,10 @@ modification times), the byte cap and the tokenizer file's SHA-256, and read bac
 a batch touches only its own windows, so a corpus larger than RAM trains.
 
 Split rule (both paths): a folder's files go to val by a stable hash of their relative path
-(VAL_PERCENT%); when that leaves no train split or a val split under 2% of the corpus, everything
-is cut by position instead (bytes: at 90% of the bytes; tokens: at 90% of the tokens).
+(VAL_PERCENT%); when that leaves a split empty or val under 2% of the corpus, everything is cut by
+position instead (bytes: at 90% of the bytes; tokens: at 90% of the tokens). Files are walked in
+sorted path order and read only up to the cap: a reader stops at it, however large the files or
+many the folders after it.
 ``get_batch`` draws the same windows as recipes/gpt.py's for the same generator, from either form.
 
 Cost of building the cache: one pass over the corpus (read, tokenize, write 2 or 4 bytes per token),
@@ -22,10 +24,11 @@ import json
 import os
 import shutil
 import sysconfig
+import uuid
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -46,34 +49,58 @@ def looks_binary(head: bytes) -> bool:
     return b"\x00" in head[:4096]
 
 
-def corpus_files(path: str | os.PathLike | None) -> tuple[Path, list[Path], str]:
-    """(root, files in sorted order, description) of a text file or folder (recursively, hidden
-    entries skipped), or by default the Python stdlib's *.py files (site-packages left out)."""
+def walk(root: Path, keep: Callable[[str, bool], bool]) -> Iterator[Path]:
+    """The files under ``root``, lazily, in sorted path order (that of ``sorted(root.rglob("*"))``: a
+    folder's entries by name, a subfolder's files at the place of its name), reading a folder only
+    when the walk reaches it. ``keep(name, is_dir)``: whether an entry (a folder: its whole subtree) is walked.
+    Symbolic links to files are files; links to folders are not followed (as rglob); unreadable
+    folders are skipped."""
+    try:
+        with os.scandir(root) as it:
+            entries = sorted(it, key=lambda e: e.name)
+    except OSError:
+        return
+    for e in entries:
+        try:
+            is_dir = e.is_dir(follow_symlinks=False)
+            is_file = not is_dir and e.is_file()
+        except OSError:
+            continue
+        if (is_dir or is_file) and keep(e.name, is_dir):
+            if is_dir:
+                yield from walk(Path(e.path), keep)
+            else:
+                yield Path(e.path)
+
+
+def corpus_files(path: str | os.PathLike | None) -> tuple[Path, Iterator[Path], str]:
+    """(root, its files in sorted path order, description) of a text file or folder (recursively,
+    hidden entries skipped), or by default the Python stdlib's *.py files (site-packages left out).
+    The files are walked lazily (``walk``): a reader that stops early lists no further folders."""
     if path is None:
         root = Path(sysconfig.get_paths()["stdlib"])
-        files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts)
+        files = walk(root, lambda name, is_dir: name != "site-packages" and (is_dir or name.endswith(".py")))
         return root, files, f"Python stdlib source ({root})"
     root = Path(path)
     if not root.exists():
         raise FileNotFoundError(f"--data: path {str(path)!r} does not exist")
     if root.is_file():
-        return root, [root], str(root)
-    files = sorted(p for p in root.rglob("*") if p.is_file()
-                   and not any(part.startswith(".") for part in p.relative_to(root).parts))
-    return root, files, str(root)
+        return root, iter([root]), str(root)
+    return root, walk(root, lambda name, is_dir: not name.startswith(".")), str(root)
 
 
 def _rel(root: Path, f: Path) -> str:
     return f.name if f == root else str(f.relative_to(root))
 
 
-def iter_documents(root: Path, files: list[Path], max_bytes: int | None) -> Iterator[tuple[str, Path, int]]:
+def iter_documents(root: Path, files: Iterable[Path], max_bytes: int | None) -> Iterator[tuple[str, Path, int]]:
     """(relative path, file, bytes to read) of each readable, non-empty, non-binary file, in order,
-    until ``max_bytes`` in all (the last one cut short); None: no cap."""
+    until ``max_bytes`` in all (the last one cut short); None: no cap. Once the cap is reached no
+    further file is taken from ``files``."""
+    if max_bytes is not None and max_bytes <= 0:
+        return
     total = 0
     for f in files:
-        if max_bytes is not None and total >= max_bytes:
-            return
         try:
             size = f.stat().st_size
             with open(f, "rb") as fh:
@@ -85,6 +112,8 @@ def iter_documents(root: Path, files: list[Path], max_bytes: int | None) -> Iter
         n = size if max_bytes is None else min(size, max_bytes - total)
         total += n
         yield _rel(root, f), f, n
+        if max_bytes is not None and total >= max_bytes:
+            return
 
 
 @dataclass
@@ -108,7 +137,8 @@ def load_bytes(path: str | os.PathLike | None = None, max_bytes: int = MAX_CORPU
     n_files = 0
     for rel, f, n in iter_documents(root, files, max_bytes):
         try:
-            data = f.read_bytes()[:n]
+            with open(f, "rb") as fh:  # the first n bytes, not the whole file
+                data = fh.read(n)
         except OSError:
             continue
         parts[is_val(rel)].append(data)
@@ -116,12 +146,25 @@ def load_bytes(path: str | os.PathLike | None = None, max_bytes: int = MAX_CORPU
     if n_files == 0:
         raise ValueError(f"--data: no text data found in {source!r}")
     train, val = b"\n".join(parts[False]), b"\n".join(parts[True])
-    if not train or len(val) < (len(train) + len(val)) // 50:  # one file, or too few: cut by position
+    if cut_by_position(len(train), len(val)):
         everything = b"\n".join(parts[False] + parts[True])
         cut = len(everything) * (100 - VAL_PERCENT) // 100
         train, val = everything[:cut], everything[cut:]
-    as_tensor = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8)
+    as_tensor = lambda b: (torch.frombuffer(bytearray(b), dtype=torch.uint8) if b  # frombuffer refuses b""
+                           else torch.empty(0, dtype=torch.uint8))
     return Corpus(as_tensor(train), as_tensor(val), 256, source, n_files)
+
+
+def cut_by_position(n_train: int, n_val: int) -> bool:
+    """Whether a corpus whose files' hash split gave ``n_train`` and ``n_val`` is cut by position
+    instead: one split empty (one file), or val under 2% of the whole."""
+    return not n_train or not n_val or n_val < (n_train + n_val) // 50
+
+
+def min_corpus(block_size: int) -> int:
+    """The fewest bytes (tokens) of a corpus cut by position whose splits both hold a window of
+    ``block_size`` and its next token (more than ``block_size + 1``): val is VAL_PERCENT%, rounded up."""
+    return 100 * (block_size + 1) // VAL_PERCENT + 1
 
 
 def get_batch(data: torch.Tensor | np.ndarray, batch_size: int, block_size: int, generator=None, device="cpu"):
@@ -249,10 +292,20 @@ def _build(path, tok, out: Path, max_bytes: int | None, dtype) -> dict:
     n_train, n_val = counts[False], counts[True]
     total = n_train + n_val
     cut = n_train
-    if not n_train or n_val < total // 50:  # as the bytes path: one file, or too few in val
+    if cut_by_position(n_train, n_val):  # as the bytes path
         cut = total * (100 - VAL_PERCENT) // 100
     return dict(version=CACHE_VERSION, source=source, n_files=n_files, n_tokens=total, cut=cut,
                 dtype=np.dtype(dtype).name, vocab_size=tok.get_vocab_size())
+
+
+def _cache_folder(cache_dir: str | os.PathLike, key: str) -> Path:
+    return Path(cache_dir) / key[:24]
+
+
+def is_cached(path: str | os.PathLike | None, tokenizer: str | os.PathLike, cache_dir: str | os.PathLike,
+              max_bytes: int | None = None) -> bool:
+    """Whether ``load_tokens`` would reuse a cache under ``cache_dir`` (and so write nothing there)."""
+    return (_cache_folder(cache_dir, cache_key(path, tokenizer, max_bytes)) / "meta.json").is_file()
 
 
 def load_tokens(path: str | os.PathLike | None, tokenizer: str | os.PathLike, cache_dir: str | os.PathLike,
@@ -268,12 +321,12 @@ def load_tokens(path: str | os.PathLike | None, tokenizer: str | os.PathLike, ca
     vocab = tok.get_vocab_size()
     dtype = np.uint16 if vocab <= 2**16 else np.uint32
     key = cache_key(path, tokenizer, max_bytes)
-    final = Path(cache_dir) / key[:24]
+    final = _cache_folder(cache_dir, key)
     reused = (final / "meta.json").is_file()
     if not reused:
         Path(cache_dir).mkdir(parents=True, exist_ok=True)
-        tmp = Path(cache_dir) / f".{key[:24]}.{os.getpid()}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
+        # a folder of its own: ranks on two machines sharing OUT may have the same pid
+        tmp = Path(cache_dir) / f".{key[:24]}.{uuid.uuid4().hex}.tmp"
         tmp.mkdir()
         try:
             meta = _build(path, tok, tmp, max_bytes, dtype)

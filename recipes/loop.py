@@ -7,12 +7,15 @@ MLM loss and masked-token accuracy). Everything else is here, once: every flag o
 (``TRAIN_DEFAULTS`` and recipes/layout.py's layout flags), their checks before anything is built,
 ``--flavor`` / ``--hf-config`` / ``--tokenizer``, the corpus (recipes/data.py), the zfunc step laid
 out by the plan, eval, checkpoints and ``--resume``, the progress bar, OUT/metrics.jsonl and
-OUT/loss.png (recipes/watch.py), and the final sample. ``--dry-run`` stops after printing the model
-and the plan's bytes per rank (zfunc.plan's accounting of the meta-device leaves): nothing allocated.
+OUT/loss.png (recipes/watch.py), and the final sample. OUT holds one run at a time, and a previous
+run in it is continued (``--resume``) or moved aside (``--overwrite``), never overwritten
+(recipes/rundir.py). ``--dry-run`` stops after printing the model and the plan's bytes per rank
+(zfunc.plan's accounting of the meta-device leaves): nothing allocated, nothing created in OUT.
 
 Why one module over 400 lines: the flags, their checks and the loop are the GPT recipe's former
 train() and flag code moved whole, one concept (what `python -m recipes.NAME` does); the models,
-the data, the layout flags (recipes/layout.py) and the weak-scaling runs (recipes/scaling.py) live apart.
+the data, the layout flags (recipes/layout.py), the run folder (recipes/rundir.py) and the weak-scaling
+runs (recipes/scaling.py) live apart.
 
 The law every recipe keeps: step i's batch depends on (--seed, i) alone and is split over the
 ranks by rows, so the same flags train the same on any layout and number of processes (a masked
@@ -21,15 +24,17 @@ task's loss is normalized by the global batch's count of masked tokens for that 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import math
 import os
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -37,7 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from recipes import data as data_mod
-from recipes import layout
+from recipes import layout, rundir
 from recipes import watch as watch_mod
 from recipes.layout import FlagError, flag
 
@@ -46,7 +51,7 @@ TRAIN_DEFAULTS = dict(
     steps=600, batch_size=32, accum=1,
     lr=3e-3, end_lr=3e-4, warmup=40, weight_decay=0.1, grad_clip=1.0,
     precision=None, device=None, data=None, out="out/run", seed=1337,
-    eval_every=100, eval_batches=20, ckpt_every=200, keep_last=2, resume=False, log_every=10,
+    eval_every=100, eval_batches=20, ckpt_every=200, keep_last=2, resume=False, overwrite=False, log_every=10,
 )
 MODEL_SOURCE_DEFAULTS = dict(flavor=None, hf_config=None, tokenizer=None, dry_run=False)
 TRAIN_HELP = dict(
@@ -57,7 +62,9 @@ TRAIN_HELP = dict(
     lr="peak learning rate (after linear warmup)",
     end_lr="learning rate at the end of the cosine decay", warmup="linear warmup steps (at most half of --steps)",
     grad_clip="max global grad norm", precision="default: bf16 on CUDA, fp32 on CPU",
-    device="default: cuda if available, else cpu", out="output dir (checkpoints in OUT/ckpt)",
+    device="default: cuda if available, else cpu",
+    out="output dir (checkpoints in OUT/ckpt); one run at a time (OUT/run.lock), and a previous run in it is "
+        "continued (--resume) or moved aside (--overwrite), never overwritten",
     eval_every="evaluate every N steps; 0: never (the last step always evaluates)",
     ckpt_every="save a checkpoint every N steps; 0: never (the last step always saves)",
     keep_last="checkpoints to keep (>= 1)",
@@ -65,6 +72,9 @@ TRAIN_HELP = dict(
            "--steps (above the checkpoint's step; the cosine is laid over the new total), --device, "
            "--out, the eval, log, checkpoint and sample flags and the layout (--zero, --offload-*, --remat, --pp, "
            "--microbatches, --accum, --deepspeed, the number of processes) may change",
+    overwrite="start afresh in an --out that holds a previous run (its metrics.jsonl, loss.png and ckpt), "
+              "first moving that run aside into OUT/previous-<time>/ (nothing is deleted); without it (or "
+              "--resume) such an --out is refused",
     log_every="log a line to OUT/metrics.jsonl (and the bar) every N steps (eval steps always)",
     data="text file or folder (default: the Python stdlib's .py files)",
     flavor="a named published size (the model flags given beside it override its values)",
@@ -75,7 +85,7 @@ TRAIN_HELP = dict(
     dry_run="print the model and the plan (bytes per rank), then stop before anything is allocated",
     **layout.LAYOUT_HELP,
 )
-MAY_CHANGE_ON_RESUME = ("steps", "device", "out", "resume", "eval_every", "eval_batches", "ckpt_every",
+MAY_CHANGE_ON_RESUME = ("steps", "device", "out", "resume", "overwrite", "eval_every", "eval_batches", "ckpt_every",
                         "keep_last", "log_every", "sample_len", "temperature", "top_k", "dry_run",
                         *layout.MAY_CHANGE_ON_RESUME)
 AT_LEAST_1, AT_LEAST_0 = (lambda v: v >= 1, "an int >= 1"), (lambda v: v >= 0, "an int >= 0")
@@ -267,7 +277,8 @@ def _source_errors(recipe: Recipe, args: argparse.Namespace) -> list[str]:
 def check_args(recipe: Recipe, args: argparse.Namespace) -> None:
     """Check every flag before anything is built: each value (the recipe's rules), the model source
     flags, the layout flags and the global batch's split over the processes (recipes/layout.py, a
-    --deepspeed config included), --data, --device, that --out is writable (creating OUT/ckpt), and
+    --deepspeed config included), --data, --device, --resume or --overwrite, that --out is writable
+    (creating OUT/ckpt; with --dry-run, creating nothing: its nearest existing folder is writable), and
     that --resume finds a checkpoint saved with these training_flags at a step below --steps.
     Raises FlagError naming each flag, its value and what was expected."""
     launch = layout.Launch.from_env()
@@ -278,6 +289,9 @@ def check_args(recipe: Recipe, args: argparse.Namespace) -> None:
     if args.data is not None and not Path(args.data).exists():
         errors.append(f"--data: path {args.data!r} does not exist")
     errors += _source_errors(recipe, args)
+    if args.resume and args.overwrite:
+        errors.append("--overwrite: expected either --resume or --overwrite, got both (--resume continues the run "
+                      "in --out, --overwrite moves it aside and starts afresh)")
     try:
         device = device_of(args)
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -288,15 +302,29 @@ def check_args(recipe: Recipe, args: argparse.Namespace) -> None:
         raise FlagError("\n".join(errors))
     plan, args = layout.resolve(with_precision(args), launch.world, recipe.units, notices=False)
     ckpt_root = Path(args.out) / "ckpt"
+    if args.dry_run:
+        _check_writable(ckpt_root)
+        return
     try:  # now, not at the first save after all the training
         ckpt_root.mkdir(parents=True, exist_ok=True)
-        probe = ckpt_root / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        # a new file of its own (ranks on two machines sharing OUT may have the same pid), removed on close
+        with tempfile.NamedTemporaryFile(dir=ckpt_root, prefix=".write-test-"):
+            pass
     except OSError as e:
         raise FlagError(f"--out: cannot write checkpoints under {str(ckpt_root)!r} ({e})") from e
     if args.resume:
         check_resume(recipe, args, ckpt_root, plan)
+
+
+def _check_writable(path: Path) -> None:
+    """--out for a dry run: the nearest folder of ``path`` that exists is one this process may write
+    in (nothing is created)."""
+    there = path
+    while not os.path.lexists(there) and there != there.parent:
+        there = there.parent
+    if not there.is_dir() or not os.access(there, os.W_OK | os.X_OK):
+        raise FlagError(f"--out: cannot write checkpoints under {str(path)!r} ({str(there)!r} is not a writable "
+                        "folder)")
 
 
 def check_resume(recipe: Recipe, args: argparse.Namespace, ckpt_root: Path, plan=None) -> None:
@@ -446,16 +474,62 @@ def generate_ids(model_fn, prompt: list[int], length: int, block_size: int, temp
 
 
 def load_data(args: argparse.Namespace) -> data_mod.Corpus:
-    """Bytes (no --tokenizer), else the tokens cached under OUT/tokens."""
-    return data_mod.load(args.data, args.tokenizer, cache_dir=Path(args.out) / "tokens")
+    """Bytes (no --tokenizer), else the tokens cached under OUT/tokens; a dry run that finds no cache
+    there tokenizes into a temporary folder, removed before it returns (the memory maps stay valid)."""
+    cache = Path(args.out) / "tokens"
+    if args.dry_run and args.tokenizer is not None and not data_mod.is_cached(args.data, args.tokenizer, cache):
+        with tempfile.TemporaryDirectory(prefix="zfunc-dry-run-tokens-") as tmp:
+            return data_mod.load(args.data, args.tokenizer, cache_dir=tmp)
+    return data_mod.load(args.data, args.tokenizer, cache_dir=cache)
+
+
+def check_windows(corpus: data_mod.Corpus, block_size: int, unit: str) -> None:
+    """Both splits of ``corpus`` hold a window of ``block_size`` and its next token, found before any
+    batch or eval; FlagError naming --block-size, the split, --data, its size and the minimum."""
+    for split, data in (("train", corpus.train), ("val", corpus.val)):
+        if len(data) <= block_size + 1:
+            total = len(corpus.train) + len(corpus.val)
+            raise FlagError(f"--block-size: {block_size} needs more than {block_size + 1} {unit}s, the {split} "
+                            f"split of --data {corpus.source!r} has {len(data)}; the corpus holds {total} {unit}s, "
+                            f"too few to split into train and val windows: expected at least "
+                            f"{data_mod.min_corpus(block_size)} {unit}s for --block-size {block_size} (val is "
+                            f"{data_mod.VAL_PERCENT}%), or a smaller --block-size")
+
+
+@contextlib.contextmanager
+def claimed_out(args: argparse.Namespace, launch: layout.Launch) -> Iterator[rundir.RunLock | None]:
+    """OUT held for this run (recipes/rundir.py): rank 0 locks it, refuses it if another run holds it
+    or a fresh start would overwrite a previous run, and moves that run aside for --overwrite; every
+    rank then raises rank 0's refusal (a collective), so a torchrun job's ranks share one verdict and
+    never lock against each other. A dry run writes nothing in OUT and claims nothing."""
+    if args.dry_run:
+        yield None
+        return
+    lock, refusal = None, None
+    if launch.rank == 0:
+        try:
+            lock = rundir.claim(Path(args.out), resume=args.resume, overwrite=args.overwrite)
+        except rundir.RunDirError as e:
+            refusal = str(e)
+        except OSError as e:
+            refusal = f"--out: cannot lock {str(Path(args.out) / rundir.LOCK)!r} ({e})"
+    refusal = watch_mod.every_rank(refusal, launch.world)[0]
+    if refusal is not None:
+        raise FlagError(refusal)
+    try:
+        if lock is not None and lock.moved is not None:
+            print(f"--overwrite: moved the previous run ({', '.join(sorted(p.name for p in lock.moved.iterdir()))}) "
+                  f"to {lock.moved}")
+        yield lock
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 # ----------------------------------------------------------------------------- the run
 def train(recipe: Recipe, args: argparse.Namespace) -> dict:
     """Train per ``args`` (from parse_args); returns the final numbers, sample and checkpoint path
     (on rank 0; the other ranks return what they know)."""
-    import zfunc as zf  # the models and data are plain torch; only training needs zfunc
-
     check_args(recipe, args)  # before anything is built
     t_start = time.time()
     launch = layout.Launch.from_env()
@@ -464,23 +538,30 @@ def train(recipe: Recipe, args: argparse.Namespace) -> dict:
     if launch.rank != 0:
         warnings.simplefilter("ignore")  # other ranks print nothing but errors
     launch.start()
-    device, flags, precision = launch.device(args.device), training_flags(recipe, args, plan), plan.precision
-    if device.type == "cuda":
+    device = launch.device(args.device)
+    if device.type == "cuda":  # before the first collective (NCCL's objects go through this GPU)
         torch.cuda.set_device(device)
+    with claimed_out(args, launch):  # before anything is written in OUT, held to the end
+        return _train(recipe, args, plan, launch, device, say, t_start)
+
+
+def _train(recipe: Recipe, args: argparse.Namespace, plan, launch: layout.Launch, device: torch.device,
+           say: Callable, t_start: float) -> dict:
+    """``train`` once its flags are checked, its process group joined and OUT claimed."""
+    import zfunc as zf  # the models and data are plain torch; only training needs zfunc
+
+    flags, precision = training_flags(recipe, args, plan), plan.precision
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     task = recipe.task
 
     corpus = load_data(args)
     unit = "byte" if args.tokenizer is None else "token"
+    check_windows(corpus, args.block_size, unit)  # now, not at the first batch or eval
     baseline = task.baseline(corpus.val, corpus.vocab_size)
     say(f"data: {corpus.source}: {corpus.n_files} files, {len(corpus.train):,} train / "
         f"{len(corpus.val):,} val {unit}s; " + ", ".join(f"{k.replace('_', ' ')} of val {v:.3f}"
                                                         for k, v in baseline.items())
         + (" nats/byte" if unit == "byte" and "unigram_entropy" in baseline else ""))
-    for split, data in (("train", corpus.train), ("val", corpus.val)):
-        if len(data) <= args.block_size + 1:  # found now, not at the first batch or eval
-            raise FlagError(f"--block-size: {args.block_size} needs more than {args.block_size + 1} {unit}s, the "
-                            f"{split} split of --data {corpus.source!r} has {len(data)}")
 
     with torch.device("meta"):  # no memory yet: each leaf is made once, where the layout keeps it
         try:

@@ -5,7 +5,8 @@ The bar shows loss, tokens/s, MFU (on a GPU with a known peak) and each rank's p
 ``tokens_per_s``, ``peak_mem_mb`` per rank, ``mfu`` when known; an eval step adds ``val_loss``);
 ``loss.png`` plots train and val loss against step, redrawn at each eval (matplotlib, an optional
 extra: ``pip install 'zfunc[plot]'``; without it one notice and no png). A resumed run keeps the
-lines up to its checkpoint's step and appends. Ranks other than 0 print nothing.
+lines up to its checkpoint's step and appends; lines a crash tore (cut mid-write, or not UTF-8) are set
+aside in ``metrics.jsonl.torn-<UTC time>``, named in a warning. Ranks other than 0 print nothing.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import json
 import math
 import os
 import resource
+import time
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -38,6 +41,35 @@ def every_rank(value: Any, world: int) -> list[Any]:
     return out
 
 
+def split_log(raw: bytes, resumed_at: int) -> tuple[list[bytes], list[bytes]]:
+    """(lines to keep, lines to set aside) of a metrics log's bytes, each ending in a newline: a
+    record of a step up to ``resumed_at`` is kept, a later one dropped (the resumed run logs it
+    again); a line that is not UTF-8 JSON of a record with a numeric step is set aside."""
+    kept, torn = [], []
+    for line in raw.split(b"\n"):
+        if not line.strip():
+            continue
+        try:
+            step = json.loads(line.decode("utf-8"))["step"]
+            if not isinstance(step, (int, float)):
+                raise TypeError(step)
+        except (ValueError, KeyError, TypeError):  # UnicodeDecodeError is a ValueError
+            torn.append(line + b"\n")
+            continue
+        if step <= resumed_at:
+            kept.append(line + b"\n")
+    return kept, torn
+
+
+def _unused(path: Path) -> Path:
+    """``path``, or ``path-2``, ``path-3``, ... : the first name not taken."""
+    n, candidate = 1, path
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}-{n}")
+    return candidate
+
+
 def _mem(mb: list[float]) -> str:
     if len(mb) <= 4:
         return "/".join(f"{m:,.0f}" for m in mb) + "M"
@@ -58,17 +90,20 @@ class Watch:
             self._start_log(resumed_at)
 
     def _start_log(self, resumed_at: int | None) -> None:
-        """A fresh run starts the log; a resumed one keeps what happened up to its checkpoint."""
-        kept = []
+        """A fresh run starts the log; a resumed one keeps what happened up to its checkpoint, and sets
+        lines it cannot read (cut by a crash mid-write, or not UTF-8) aside in a file it names."""
+        kept: list[bytes] = []
         if resumed_at is not None and self.metrics.exists():
-            for line in self.metrics.read_text().splitlines():
-                try:
-                    if json.loads(line)["step"] <= resumed_at:
-                        kept.append(line + "\n")
-                except (ValueError, KeyError, TypeError):
-                    continue  # a line cut by a crash
+            kept, torn = split_log(self.metrics.read_bytes(), resumed_at)
+            if torn:
+                stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+                aside = _unused(self.metrics.with_name(f"{self.metrics.name}.torn-{stamp}"))
+                aside.write_bytes(b"".join(torn))
+                warnings.warn(f"{self.metrics}: {len(torn)} unreadable line{'s' * (len(torn) > 1)} (a write cut by a "
+                              f"crash) set aside in {aside}; the log keeps its {len(kept)} whole lines up to "
+                              f"step {resumed_at}", stacklevel=2)
         tmp = self.metrics.with_name(f".{self.metrics.name}.tmp")
-        tmp.write_text("".join(kept))
+        tmp.write_bytes(b"".join(kept))
         os.replace(tmp, self.metrics)
 
     def say(self, message: str) -> None:

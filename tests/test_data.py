@@ -162,3 +162,64 @@ def test_the_cache_records_what_it_holds(corpus, tokenizer, tmp_path):
     assert meta["vocab_size"] == 300 and meta["dtype"] == "uint16" and meta["n_files"] == 40
     assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")]
     assert os.path.getsize(built.cache / "tokens.bin") == 2 * meta["n_tokens"]
+
+
+# ----------------------------------------------------------------------------- small and large corpora
+def test_a_corpus_too_small_for_a_val_split_is_cut_by_position_not_left_without_one(tmp_path, tokenizer):
+    tiny = tmp_path / "tiny.txt"  # its name hashes to train: under 50 bytes its val share rounded to 0
+    tiny.write_bytes(b"the quick brown fox jumps over the lazy dog.\n")
+    assert not data.is_val(tiny.name)
+    got = data.load(tiny)
+    assert (len(got.train), len(got.val)) == (40, 5)
+    assert bytes(got.train.tolist()) + bytes(got.val.tolist()) == tiny.read_bytes()
+    tokens = data.load(tiny, tokenizer, tmp_path / "cache")
+    assert len(tokens.val) > 0 and len(tokens.train) > 0
+    one = tmp_path / "one.txt"
+    one.write_bytes(b"x")
+    assert (len(data.load(one).train), len(data.load(one).val)) == (0, 1)  # empty tensors, no crash
+    assert data.min_corpus(32) == 331  # both splits more than 33: val is 10%, rounded up
+
+
+def test_a_large_file_is_read_only_up_to_the_cap(tmp_path):
+    import tracemalloc
+
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as f:  # 64 MiB, sparse: text first, then a hole
+        f.write(b"some text\n" * 1000)
+        f.truncate(64 * 2**20)
+    tracemalloc.start()
+    try:
+        got = data.load_bytes(big, max_bytes=1000)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(got.train) + len(got.val) == 1000 and peak < 8 * 2**20, peak
+
+
+def test_the_walk_stops_once_the_cap_is_reached(tmp_path, monkeypatch):
+    for name in ("a", "b", "c"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "doc.txt").write_text(text(ord(name)))
+    listed = []
+    scandir = os.scandir
+    monkeypatch.setattr(os, "scandir", lambda p=".": listed.append(os.fspath(p)) or scandir(p))
+    got = data.load_bytes(tmp_path, max_bytes=100)
+    assert got.n_files == 1 and not {str(tmp_path / "b"), str(tmp_path / "c")} & set(listed), listed
+
+
+def test_the_default_corpus_is_the_stdlib_in_sorted_path_order():
+    """The walk gives sorted(rglob)'s files: the default run's bytes stay the same."""
+    root, files, _ = data.corpus_files(None)
+    want = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts and p.is_file())
+    assert list(files) == want
+
+
+def test_a_cache_built_by_another_process_with_our_pid_is_left_alone(corpus, tokenizer, tmp_path):
+    """Ranks on two machines sharing OUT may have the same pid; each builds in a folder of its own."""
+    cache = tmp_path / "cache"
+    key = data.cache_key(corpus, tokenizer, None)
+    theirs = cache / f".{key[:24]}.{os.getpid()}.tmp"
+    theirs.mkdir(parents=True)
+    (theirs / "train.part").write_bytes(b"being written")
+    got = data.load(corpus, tokenizer, cache)
+    assert not got.reused and (theirs / "train.part").read_bytes() == b"being written"

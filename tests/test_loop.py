@@ -114,7 +114,7 @@ def test_hf_config_trains_through_the_recipe_and_its_loss_falls(recipe, tmp_path
     assert manifest["extra"]["flags"]["hf_config"] == str(path.resolve())
 
 
-def test_a_tokenizer_trains_the_recipe_on_its_cached_tokens(tmp_path, text_file):
+def test_a_tokenizer_trains_the_recipe_on_its_cached_tokens(tmp_path, text_file, capsys):
     tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import models, pre_tokenizers, trainers
 
@@ -128,8 +128,13 @@ def test_a_tokenizer_trains_the_recipe_on_its_cached_tokens(tmp_path, text_file)
     assert (tmp_path / "out" / "tokens").is_dir() and isinstance(result["sample"], str)
     assert zf.checkpoint.read_manifest(result["checkpoint"])["extra"]["config"]["vocab_size"] == tok.get_vocab_size()
     again = bert.main(flags("bert", "--tokenizer", str(tmp_path), "--data", str(text_file), "--steps", "2",
-                            "--block-size", "16", "--out", str(tmp_path / "out")))  # the same cache, reused
+                            "--block-size", "16", "--out", str(tmp_path / "out"), "--overwrite"))  # the same cache
     assert math.isfinite(again["val_loss"])
+    moved = [p for p in (tmp_path / "out").iterdir() if p.name.startswith("previous-")]  # llama's run, whole
+    assert len(moved) == 1 and (moved[0] / "ckpt" / "000004").is_dir()
+    assert [r["step"] for r in metrics(moved[0])] == [2, 4] and [r["step"] for r in metrics(tmp_path / "out")] == [2]
+    printed = capsys.readouterr().out
+    assert "--overwrite: moved the previous run" in printed and str(moved[0]) in printed
 
 
 @pytest.mark.parametrize("recipe, flavor", [("gpt", "70B"), ("llama", "70B"), ("bert", "1.5B")])
@@ -219,3 +224,20 @@ def test_a_torchrun_rank_leaves_without_interpreter_teardown_once_main_returned(
     assert proc.returncode == 0, proc.stderr
     assert "trained" in proc.stdout  # flushed before os._exit
     assert ("teardown ran" in proc.stdout) == teardown
+
+
+def test_a_corpus_too_small_for_the_windows_is_refused_naming_its_size_and_the_minimum(tmp_path, capsys):
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_bytes(b"the quick brown fox jumps over the lazy dog\n")  # 44 bytes
+    err = exits_2(capsys, "gpt", flags("gpt", "--data", str(tiny), "--steps", "1", "--out", str(tmp_path / "out")))
+    assert f"--data {str(tiny)!r} has" in err and "the corpus holds 44 bytes" in err
+    assert "expected at least 331 bytes for --block-size 32" in err
+
+
+def test_the_out_probe_leaves_another_process_probe_alone(tmp_path):
+    """Ranks on two machines sharing OUT may have the same pid: each probes --out with a file of its own."""
+    theirs = tmp_path / "out" / "ckpt" / f".write-test-{os.getpid()}"
+    theirs.parent.mkdir(parents=True)
+    theirs.write_bytes(b"")
+    loop.check_args(gpt.RECIPE, gpt.parse_args(["--out", str(tmp_path / "out")]))
+    assert theirs.exists()
