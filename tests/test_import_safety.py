@@ -178,6 +178,96 @@ def test_every_deepspeed_file_through_every_load_path(tmp_path, stage, file, pat
     assert refused(e, file, name), str(e.value)
 
 
+# ----------------------------------------------------------------------------- DCP
+
+
+@pytest.fixture(scope="module")
+def dcp_checkpoint(tmp_path_factory) -> Path:
+    """The fixtures' model, saved alone with ``dcp.save`` in this process."""
+    import torch.distributed.checkpoint as dcp
+
+    path = tmp_path_factory.mktemp("dcp") / "weights"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "single process" warning of no_dist
+        dcp.save(dict(model().state_dict()), checkpoint_id=str(path), no_dist=True)
+    return path
+
+
+def dcp_copy(src: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "dcp"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def load_dcp_weights(path: Path, how: str):
+    step, params = make()
+    if how == "load_dcp":
+        return zf.checkpoint.load_dcp(path, step, params=params, model_key=None, optimizer=False)
+    return (zf.checkpoint.load if how == "load" else load_foreign)(path, step, params=params)
+
+
+def test_dcp_loads_from_a_copy(dcp_checkpoint, tmp_path):
+    state = load_dcp_weights(dcp_copy(dcp_checkpoint, tmp_path), "load_dcp")
+    assert torch.equal(state.params["emb.weight"], model().emb.weight)
+
+
+@pytest.mark.parametrize("kind", ["posix.system", "getattr chain", "numpy runstring"])
+@pytest.mark.parametrize("how", ["load", "load_dcp", "load_foreign"])
+def test_dcp_metadata_payloads_are_refused(dcp_checkpoint, tmp_path, kind, how):
+    make_payload, name = PAYLOADS[kind]
+    marker = tmp_path / "pwned"
+    path = dcp_copy(dcp_checkpoint, tmp_path)
+    meta = path / ".metadata"
+    meta.write_bytes(with_payload(meta.read_bytes(), make_payload(marker)))
+    with pytest.raises(CheckpointError) as e:
+        load_dcp_weights(path, how)
+    assert not marker.exists()
+    assert refused(e, ".metadata", name), str(e.value)
+
+
+def _rewrite_metadata(path: Path, change) -> None:
+    meta = path / ".metadata"
+    metadata = pickle.loads(meta.read_bytes())  # the test's own file: trusted
+    change(metadata)
+    meta.write_bytes(pickle.dumps(metadata))
+
+
+@pytest.mark.parametrize("where", ["../outside.distcp", "/etc/hostname", "sub/../../outside.distcp"])
+def test_dcp_storage_outside_the_checkpoint_is_refused(dcp_checkpoint, tmp_path, where):
+    """A ``.metadata`` naming a file outside the checkpoint's directory is not followed."""
+    path = dcp_copy(dcp_checkpoint, tmp_path)
+    (tmp_path / "outside.distcp").write_bytes((path / "__0_0.distcp").read_bytes())
+
+    def elsewhere(metadata):
+        for info in metadata.storage_data.values():
+            info.relative_path = where
+
+    _rewrite_metadata(path, elsewhere)
+    with pytest.raises(CheckpointError, match=r"\.metadata: .*" + re.escape(where)):
+        load_dcp_weights(path, "load_dcp")
+
+
+def test_dcp_chunk_payload_is_refused(dcp_checkpoint, tmp_path):
+    """A tensor's chunk holding a pickle payload: refused (torch's weights_only unpickler reads the
+    chunks), as a ``CheckpointError`` naming the tensor."""
+    path = dcp_copy(dcp_checkpoint, tmp_path)
+    marker = tmp_path / "pwned"
+    evil = path / "__0_1.distcp"
+    payload = glob("posix", "system") + text(shell(marker)) + TUPLE1 + REDUCE
+    torch.save(torch.zeros(12, 5), evil)
+    inject_pt(evil, payload)
+
+    def point_at_evil(metadata):
+        for index, info in metadata.storage_data.items():
+            if index.fqn == "emb.weight":
+                info.relative_path, info.offset, info.length = evil.name, 0, evil.stat().st_size
+
+    _rewrite_metadata(path, point_at_evil)
+    with pytest.raises(CheckpointError, match="emb.weight"):
+        load_dcp_weights(path, "load_dcp")
+    assert not marker.exists()
+
+
 # ----------------------------------------------------------------------------- the unpickler itself
 
 
