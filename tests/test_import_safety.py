@@ -178,6 +178,18 @@ def test_every_deepspeed_file_through_every_load_path(tmp_path, stage, file, pat
     assert refused(e, file, name), str(e.value)
 
 
+@pytest.mark.parametrize("named", ["../elsewhere/global_step3", "/tmp", "global_step3/..", "\udcff"])
+def test_deepspeed_latest_naming_a_directory_elsewhere_is_refused(tmp_path, named):
+    """``latest`` names a tag: a directory beside it, not one reached through ``..`` or from ``/``."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "zero1", tmp_path / "elsewhere")
+    root.mkdir()
+    (root / "latest").write_bytes(named.encode("utf-8", "surrogateescape"))
+    step, params = make()
+    with pytest.raises(CheckpointError, match=r"latest names .*expected the name of a directory in"):
+        zf.checkpoint.load_deepspeed(root, step, params=params)
+
+
 # ----------------------------------------------------------------------------- DCP
 
 

@@ -48,11 +48,10 @@ def detect(path: str | os.PathLike) -> str:
         return "zfunc"
     if (d / ".metadata").is_file():
         return "dcp"
-    from zfunc.checkpoint_import.deepspeed_zero import MODEL_GLOB, OPTIM_GLOB
+    from zfunc.checkpoint_import.deepspeed_zero import MODEL_GLOB, OPTIM_GLOB, named_tag
 
-    latest = d / "latest"
-    inner = d / latest.read_text().strip() if latest.is_file() else d
-    if inner.is_dir() and (any(inner.glob(OPTIM_GLOB)) or any(inner.glob(MODEL_GLOB))):
+    inner = d / (named_tag(d) or "")
+    if any(inner.glob(OPTIM_GLOB)) or any(inner.glob(MODEL_GLOB)):
         return "deepspeed"
     raise CheckpointError(f"{d}: not a checkpoint zfunc knows: no {MANIFEST} (zfunc), no .metadata "
                           f"(torch.distributed.checkpoint), no {OPTIM_GLOB} files or 'latest' naming a directory "

@@ -92,16 +92,32 @@ def _natural(p: Path) -> list:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)]
 
 
+def named_tag(root: Path) -> str | None:
+    """The tag ``root/latest`` names (None without a ``latest``): the name of a directory in
+    ``root``, never a path leading out of it (``..``, ``/x``), else a ``CheckpointError``."""
+    latest = root / "latest"
+    if not latest.is_file():
+        return None
+    raw = latest.read_bytes()
+    try:
+        named = raw.decode().strip()
+    except UnicodeDecodeError:
+        named = raw[:80]
+    if not (isinstance(named, str) and named not in ("", ".", "..") and not re.search(r"[/\\\0]", named)
+            and (root / named).is_dir()):
+        raise CheckpointError(f"{latest} names {named!r}; expected the name of a directory in {root} (a tag such "
+                              "as 'global_step100')")
+    return named
+
+
 def find_tag_dir(root: Path, tag: str | None) -> Path:
     """The directory holding the ``*_optim_states.pt`` files: ``root/tag``, ``root/<latest>``, or root."""
     if tag is not None:
         if not (root / tag).is_dir():
             raise CheckpointError(f"tag: {root / tag} is not a directory")
         return root / tag
-    if (root / "latest").is_file():
-        named = (root / "latest").read_text().strip()
-        if not named or not (root / named).is_dir():
-            raise CheckpointError(f"{root / 'latest'} names {named!r}, which is not a directory in {root}")
+    named = named_tag(root)
+    if named is not None:
         return root / named
     if any(root.glob(OPTIM_GLOB)):
         return root
