@@ -294,3 +294,22 @@ def test_deepspeed_classes_are_inert_stand_ins_and_look_alikes_are_refused():
     with pytest.raises(su.Refused, match="'_codecs.encode'.*latin1"):  # only protocol 2's bytes: no codec lookup
         su.loads(b"\x80\x02" + glob("_codecs", "encode") + text("x") + text("rot13") + TUPLE2 + REDUCE + b".",
                  su.DEEPSPEED)
+
+
+# ----------------------------------------------------------------------------- zfunc's own checkpoints
+
+
+def test_zfunc_checkpoints_hold_no_pickle(tmp_path, monkeypatch):
+    """zfunc's checkpoints are JSON and safetensors: a load unpickles nothing."""
+    step, params = make()
+    state = step.init(params)
+    zf.checkpoint.save(state, tmp_path / "000003")
+
+    def no_pickle(*args, **kwargs):
+        raise AssertionError("a zfunc checkpoint load unpickled something")
+
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, no_pickle)
+    monkeypatch.setattr(torch, "load", no_pickle)
+    assert sorted(p.name for p in (tmp_path / "000003").iterdir()) == ["manifest.json", "rank00000.safetensors"]
+    assert zf.checkpoint.load(tmp_path / "000003", step, params=params).step == 0
