@@ -49,6 +49,9 @@ What is guaranteed (the files: ``zfunc.checkpoint_files``; ownership, locks, rep
   and shape/dtype differences, then any other difference of structure or dtype; the crc32 of
   each file header and tensor is checked as it is read (``verify=True``). Loads never write the
   checkpoint.
+- **No code in the files.** A checkpoint is JSON and safetensors: a load unpickles nothing, so
+  loading one from someone else runs none of its code (DeepSpeed's and DCP's checkpoints hold
+  pickles: ``zfunc.checkpoint_import`` reads them through an allowlist).
 
 **Resharding.** A checkpoint is the same logical thing whatever wrote it: the plain state's
 leaves, whole params and optimizer state (``zfunc.checkpoint_layout``). Every split zfunc makes is

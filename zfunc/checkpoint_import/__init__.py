@@ -18,6 +18,17 @@ checkpoint the slices of the ranks' flat partitions holding them (memory-mapped:
 are read); from DCP the saved chunks overlapping them. No rank ever holds the whole model unless
 its layout does (DeepSpeed issue #4025's pain: ``zero_to_fp32`` gathers everything in one process).
 
+**From someone else.** Loading a checkpoint never runs code from it. Its pickles (DeepSpeed's
+``.pt`` files, DCP's ``.metadata``) are read by ``safe_unpickle``: tensors, containers, DCP's
+metadata classes, and DeepSpeed's own classes as inert stand-ins; any other global (``os.system``,
+``exec``, ``getattr``, numpy's, another framework's) is a ``CheckpointError`` naming the file and
+the global, raised before anything can call it. DCP's chunks are read by torch's
+``weights_only`` unpickler. Every file a checkpoint names (DeepSpeed's ``latest``, DCP's data
+files) is a plain name in its own directory. So a checkpoint from someone else can give the
+state any values of the shapes the model has, make the load fail with a ``CheckpointError``, and
+take memory and time as its size does; it cannot run code, import a module, write a file or make
+the load read a path outside its directory (a symlink placed in it is followed, as any file is).
+
 Names are the model's ``named_parameters()`` names; a ``module.`` prefix (DDP, DeepSpeed's engine)
 or ``_orig_mod.`` (``torch.compile``) on every name is dropped. Errors are ``CheckpointError``
 naming the path and what differs: not a checkpoint, an unknown format, params missing, unexpected
@@ -48,11 +59,10 @@ def detect(path: str | os.PathLike) -> str:
         return "zfunc"
     if (d / ".metadata").is_file():
         return "dcp"
-    from zfunc.checkpoint_import.deepspeed_zero import MODEL_GLOB, OPTIM_GLOB
+    from zfunc.checkpoint_import.deepspeed_zero import MODEL_GLOB, OPTIM_GLOB, named_tag
 
-    latest = d / "latest"
-    inner = d / latest.read_text().strip() if latest.is_file() else d
-    if inner.is_dir() and (any(inner.glob(OPTIM_GLOB)) or any(inner.glob(MODEL_GLOB))):
+    inner = d / (named_tag(d) or "")
+    if any(inner.glob(OPTIM_GLOB)) or any(inner.glob(MODEL_GLOB)):
         return "deepspeed"
     raise CheckpointError(f"{d}: not a checkpoint zfunc knows: no {MANIFEST} (zfunc), no .metadata "
                           f"(torch.distributed.checkpoint), no {OPTIM_GLOB} files or 'latest' naming a directory "

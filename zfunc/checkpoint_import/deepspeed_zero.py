@@ -26,11 +26,14 @@ elements: each file is opened with ``torch.load(mmap=True)``, so only its pickle
 metadata) and the pages of the slices read come from disk, and they are given back once copied
 (``release``), so a rank's RSS grows by what it keeps, not also by the file pages it read.
 
-The pickles are read by an unpickler that builds torch's, numpy's and the standard containers'
-objects as usual and every other class (DeepSpeed's enums, its loss scaler, whatever else a config
-put there) as an inert stand-in (``Opaque``), so deepspeed need not be installed and none of its
-code (or another package's) runs. It is not a sandbox: as with ``torch.load``, load checkpoints
-you trust.
+Their pickles are read by ``safe_unpickle.DEEPSPEED``, never by a bare ``pickle`` or
+``torch.load``: tensors, torch's containers and sizes are built as usual, DeepSpeed's own classes
+(its enums, its loss scaler, ``fragment_address``) as inert stand-ins (``Opaque``), so deepspeed
+need not be installed and none of its code runs; any other global (``os.system``, ``exec``,
+``getattr``, numpy's, another framework's ``client_state`` objects such as an
+``argparse.Namespace``) is a ``CheckpointError`` naming the file and the global, raised before
+anything can call it. A checkpoint from someone else can give wrong values, which the reader
+checks against each other (sizes, partition counts), but cannot run code.
 
 Not read: tensor-parallel checkpoints (``mp_rank_01``: refused), frozen params (refused, naming
 them), the loss scaler (fp16 runs restart from zfunc's scale), the LR scheduler and the RNG.
@@ -40,7 +43,6 @@ from __future__ import annotations
 import ctypes
 import math
 import mmap
-import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -48,61 +50,21 @@ from typing import Any
 import torch
 
 from zfunc.checkpoint_files import CheckpointError
+from zfunc.checkpoint_import import safe_unpickle
+from zfunc.checkpoint_import.safe_unpickle import Opaque
 
 OPTIM_GLOB = "*_optim_states.pt"
 MODEL_GLOB = "*_model_states.pt"
-_ALLOWED = ("torch", "collections", "numpy", "_codecs", "copyreg")
-_BUILTINS = {"dict", "list", "tuple", "set", "frozenset", "slice", "complex", "int", "float", "bool", "str",
-             "bytes", "bytearray", "object", "range", "getattr"}
-
-
-class Opaque:
-    """An object of a class this reader does not import (a DeepSpeed enum, its loss scaler): it
-    keeps what the pickle gave it and runs no code. ``value`` is an enum's value."""
-
-    _name = "?"
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args, self.kwargs, self.state = args, kwargs, None
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-    def __reduce__(self):
-        raise TypeError(f"{self._name}: a stand-in for a class the checkpoint reader did not import")
-
-    @property
-    def value(self) -> Any:
-        return self.args[0] if self.args else None
-
-    def __repr__(self) -> str:
-        return f"<{self._name} {self.args}>"
-
-
-def _opaque(module: str, name: str) -> type:
-    return type(name, (Opaque,), {"_name": f"{module}.{name}"})
-
-
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "builtins" and name in _BUILTINS:
-            return super().find_class(module, name)
-        if module.split(".")[0] in _ALLOWED:
-            return super().find_class(module, name)
-        return _opaque(module, name)
-
-
-class _PickleModule:
-    """``torch.load``'s ``pickle_module``: torch wraps ``Unpickler`` and calls its ``find_class``."""
-
-    Unpickler = _Unpickler
-    load = staticmethod(lambda f, **kw: _Unpickler(f, **kw).load())
 
 
 def torch_load(path: Path) -> dict:
-    """A DeepSpeed ``.pt`` file, memory-mapped (tensors are read when sliced), without deepspeed."""
+    """A DeepSpeed ``.pt`` file, memory-mapped (tensors are read when sliced), without deepspeed,
+    through ``safe_unpickle.DEEPSPEED``: a global it does not hold is a ``CheckpointError`` naming it."""
     try:
-        out = torch.load(path, map_location="cpu", mmap=True, weights_only=False, pickle_module=_PickleModule)
+        out = torch.load(path, map_location="cpu", mmap=True, weights_only=False,
+                         pickle_module=safe_unpickle.pickle_module(safe_unpickle.DEEPSPEED))
+    except safe_unpickle.Refused as e:
+        raise CheckpointError(f"{path}: {e}") from None
     except Exception as e:  # noqa: BLE001  (torch raises many kinds on a file that is not its own)
         raise CheckpointError(f"{path}: not a readable torch checkpoint file ({type(e).__name__}: {e})") from None
     if not isinstance(out, dict):
@@ -130,16 +92,32 @@ def _natural(p: Path) -> list:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)]
 
 
+def named_tag(root: Path) -> str | None:
+    """The tag ``root/latest`` names (None without a ``latest``): the name of a directory in
+    ``root``, never a path leading out of it (``..``, ``/x``), else a ``CheckpointError``."""
+    latest = root / "latest"
+    if not latest.is_file():
+        return None
+    raw = latest.read_bytes()
+    try:
+        named = raw.decode().strip()
+    except UnicodeDecodeError:
+        named = raw[:80]
+    if not (isinstance(named, str) and named not in ("", ".", "..") and not re.search(r"[/\\\0]", named)
+            and (root / named).is_dir()):
+        raise CheckpointError(f"{latest} names {named!r}; expected the name of a directory in {root} (a tag such "
+                              "as 'global_step100')")
+    return named
+
+
 def find_tag_dir(root: Path, tag: str | None) -> Path:
     """The directory holding the ``*_optim_states.pt`` files: ``root/tag``, ``root/<latest>``, or root."""
     if tag is not None:
         if not (root / tag).is_dir():
             raise CheckpointError(f"tag: {root / tag} is not a directory")
         return root / tag
-    if (root / "latest").is_file():
-        named = (root / "latest").read_text().strip()
-        if not named or not (root / named).is_dir():
-            raise CheckpointError(f"{root / 'latest'} names {named!r}, which is not a directory in {root}")
+    named = named_tag(root)
+    if named is not None:
         return root / named
     if any(root.glob(OPTIM_GLOB)):
         return root
