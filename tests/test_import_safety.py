@@ -296,6 +296,23 @@ def test_deepspeed_classes_are_inert_stand_ins_and_look_alikes_are_refused():
                  su.DEEPSPEED)
 
 
+def test_megatron_deepspeed_client_state_loads_as_stand_ins(tmp_path):
+    """Megatron-DeepSpeed saves its args (a Namespace) and numpy's RNG state beside the weights."""
+    import argparse
+
+    import numpy as np
+
+    from zfunc.checkpoint_import import deepspeed_zero
+
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    torch.save({"module": {"w": torch.ones(2)}, "args": argparse.Namespace(hidden_size=8),
+                "np_rng_state": np.random.RandomState(0).get_state()}, path)
+    sd = deepspeed_zero.torch_load(path)
+    assert torch.equal(sd["module"]["w"], torch.ones(2))
+    assert type(sd["args"]).__name__ == "Namespace" and sd["args"].state == {"hidden_size": 8}
+    assert sd["np_rng_state"][0] == "MT19937"
+
+
 # ----------------------------------------------------------------------------- zfunc's own checkpoints
 
 

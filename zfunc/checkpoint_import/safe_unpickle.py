@@ -26,7 +26,9 @@ The allowlists hold what the formats need and no more:
   ``frozenset``, ``bytearray``, ``bytes``, ``complex``, and ``_codecs.encode`` for protocol 2's
   ``bytes`` (only its ``"latin1"``: another codec's lookup may import a module). Storages are
   torch's own (``torch.load`` gives a ``StorageType`` for every ``*Storage`` name).
-- ``DEEPSPEED``: ``TENSORS`` and stand-ins for ``deepspeed.*``.
+- ``DEEPSPEED``: ``TENSORS``, stand-ins for ``deepspeed.*``, and stand-ins for exactly the
+  objects Megatron-DeepSpeed keeps in a checkpoint's client state (``CLIENT_STATE``: its
+  ``argparse.Namespace`` of args, numpy's RNG state as arrays and dtypes).
 - ``dcp_metadata()``: a ``torch.distributed.checkpoint`` ``.metadata``: DCP's metadata
   dataclasses (``Metadata``, ``TensorStorageMetadata``, ``ChunkStorageMetadata``,
   ``TensorProperties``, ``MetadataIndex``, ``StorageMeta``, the filesystem's ``_StorageInfo``;
@@ -184,10 +186,22 @@ def _tensor_globals() -> dict[str, Any]:
     return {**out, **_dtypes()}
 
 
+# Megatron-DeepSpeed's client state: ``args`` (a Namespace) and ``np.random.get_state()`` (an array,
+# rebuilt through numpy's ``_reconstruct``, ``ndarray`` and ``dtype``; ``numpy._core`` from numpy 2 on).
+CLIENT_STATE = ("argparse.Namespace",
+                *(f"numpy.{core}.multiarray.{n}" for core in ("core", "_core") for n in ("_reconstruct", "scalar")),
+                "numpy.ndarray", "numpy.dtype")
+
+
+def _stand_ins(names: tuple[str, ...]) -> dict[str, type]:
+    return {full: stand_in(*full.rsplit(".", 1)) for full in names}
+
+
 TENSORS = Allowlist("a torch file", "tensors and containers", types.MappingProxyType(_tensor_globals()))
 DEEPSPEED = Allowlist("a DeepSpeed checkpoint file",
-                      "tensors, containers and DeepSpeed's own classes (read as inert stand-ins)",
-                      TENSORS.globals, ("deepspeed",))
+                      "tensors, containers, DeepSpeed's own classes and Megatron-DeepSpeed's client state "
+                      "(read as inert stand-ins)",
+                      types.MappingProxyType({**TENSORS.globals, **_stand_ins(CLIENT_STATE)}), ("deepspeed",))
 
 
 @functools.lru_cache(maxsize=None)
