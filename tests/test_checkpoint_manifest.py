@@ -146,11 +146,11 @@ BROKEN = {  # name: (how the manifest is broken, what the error says)
     "piece crc a str": (edit_piece(crc="x"), W + r"pieces\[0\]\.crc is 'x', expected a crc32"),
     "piece crc missing": (lambda m: w(m)["pieces"][0].pop("crc"), W + r"pieces\[0\]\.crc is missing"),
     "piece rows huge": (edit_piece(rows=[0, 10**20]), W + r"pieces\[0\]\.rows is \[0, 100000000000000000000\], "
-                                                          r"expected \[0, b\] with 0 < b <= 10"),
+                                                          r"expected \[a, b\] with 0 <= a < b <= 10"),
     "piece rows negative": (edit_piece(rows=[-5, 10]), W + r"pieces\[0\]\.rows is \[-5, 10\]"),
-    "piece rows short": (edit_piece(rows=[0, 5]), W + r"pieces is .*expected pieces covering rows \[0, 10\), they end "
-                                                      r"at row 5"),
-    "pieces overlapping": (two_pieces([0, 6], [4, 10]), W + r"pieces\[1\]\.rows is \[4, 10\], expected \[6, b\]"),
+    "piece rows short": (edit_piece(rows=[0, 5]), W + r"pieces is .*expected pieces whose rows partition \[0, 10\)"),
+    "pieces overlapping": (two_pieces([4, 10], [0, 6]), W + r"pieces is .*expected pieces whose rows partition"),
+    "pieces with a gap": (two_pieces([6, 10], [0, 5]), W + r"pieces is .*expected pieces whose rows partition"),
 }
 
 

@@ -15,7 +15,9 @@ the value and what was expected, before any tensor file is opened. The laws it e
   ``chunk`` an int >= 0); a params leaf is split.
 - a leaf's ``pieces`` (format 2; implied by ``chunk`` and ``world`` in format 1): each names a
   ``file`` (a rank in ``[0, world)``) and a ``crc`` (a crc32); an unsplit leaf has one piece,
-  ``rows`` None; a split leaf's ``rows`` ``[a, b]`` partition ``[0, full_shape[0])`` in order.
+  ``rows`` None; a split leaf's ``rows`` ``[a, b]`` partition ``[0, full_shape[0])``.
+
+Other keys are ignored: zfunc never reads them.
 
 A manifest names no paths: rank files are named by rank (``rank_file``), so none lies outside
 the checkpoint's directory; ``inside`` refuses a file there that is a link to somewhere else.
@@ -94,7 +96,7 @@ def _check_leaf(field: _Fields, at: str, entry: Any, fmt: int, world: int, seen:
     leaf = field.within(f"{at} ({path})", entry)
     if ("value" in entry) == ("dtype" in entry):
         leaf.fail_field("value/dtype", {k: entry[k] for k in ("value", "dtype") if k in entry},
-                  "either a value or a dtype (a tensor), not both or neither")
+                        "either a value or a dtype (a tensor), not both or neither")
     if "value" in entry:
         leaf("value", lambda v: v is None or isinstance(v, (bool, int, float, str)), "None, a bool, a number or a str")
         return
@@ -109,8 +111,8 @@ def _check_leaf(field: _Fields, at: str, entry: Any, fmt: int, world: int, seen:
         full = leaf("full_shape", lambda v: _shape(v, itemsize), _SHAPE)
         rows = full[0] if full else 1
         if fmt == 1:  # the pieces are implied: every rank's chunk of rows
-            leaf("chunk", lambda v: _int(v) and (v >= 1 and v * world >= rows or rows == 0),
-                 f"an int >= 1 whose {world} ranks' chunks cover the {rows} rows")
+            leaf("chunk", lambda v: _int(v) and v >= 0 and (rows == 0 or v >= 1 and v * world >= rows),
+                 f"an int whose {world} ranks' chunks cover the {rows} rows")
         else:
             leaf("chunk", lambda v: _int(v) and v >= 0, "an int >= 0")
     if fmt > 1 or "pieces" in entry:
@@ -119,10 +121,10 @@ def _check_leaf(field: _Fields, at: str, entry: Any, fmt: int, world: int, seen:
 
 
 def _check_pieces(field: _Fields, at: str, pieces: list, world: int, rows: int | None) -> None:
-    """Each piece names a rank's file and a crc32; split rows partition ``[0, rows)`` in order."""
+    """Each piece names a rank's file and a crc32; split rows partition ``[0, rows)``."""
     if rows is None and len(pieces) != 1:
         field.fail(at, pieces, "one piece: an unsplit leaf is written once")
-    stop = 0
+    spans = []
     for j, piece in enumerate(pieces):
         field.at(f"{at}[{j}]", piece, lambda v: isinstance(v, dict), "an object")
         one = field.within(f"{at}[{j}]", piece)
@@ -131,12 +133,11 @@ def _check_pieces(field: _Fields, at: str, pieces: list, world: int, rows: int |
         if rows is None:
             one("rows", lambda v: v is None, "None (an unsplit leaf)")
         else:
-            a, b = one("rows", lambda v: isinstance(v, list) and len(v) == 2 and all(map(_int, v))
-                       and v[0] == stop and v[0] < v[1] <= rows,
-                       f"[{stop}, b] with {stop} < b <= {rows}: the pieces cover the leaf's rows in order")
-            stop = b
-    if rows is not None and stop != rows:
-        field.fail(at, pieces, f"pieces covering rows [0, {rows}), they end at row {stop}")
+            spans.append(one("rows", lambda v: isinstance(v, list) and len(v) == 2 and all(map(_int, v))
+                             and 0 <= v[0] < v[1] <= rows, f"[a, b] with 0 <= a < b <= {rows} (the leaf's rows)"))
+    ends = [0] + [b for _, b in sorted(spans)]
+    if rows is not None and ([a for a, _ in sorted(spans)] != ends[:-1] or ends[-1] != rows):
+        field.fail(at, pieces, f"pieces whose rows partition [0, {rows}): no gap, no overlap")
 
 
 _SHAPE = f"a list of at most 64 ints in [0, {MAX_DIM}] of at most {MAX_TENSOR_BYTES} bytes"
