@@ -1,4 +1,8 @@
 """dist: spawn on loopback, the byte-counting Comm, and the mesh's checks."""
+import datetime
+import ipaddress
+import os
+
 import pytest
 import torch
 
@@ -123,3 +127,74 @@ def test_p2p_failure_names_the_transfer():
     with pytest.raises(RuntimeError, match="rank 1 of 2 failed:(.|\n)*CollectiveError: recv failed during recv of the "
                                            "activation of microbatch 0 from stage 0 to 1 at step 0"):
         zf.dist.spawn(lonely_recv, 2, timeout_s=20)
+
+
+def listening_addresses(pid):
+    """The addresses of the TCP sockets process ``pid`` listens on, read from /proc (Linux)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            next(f)
+            for line in f:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                    address, port = cols[1].split(":")
+                    raw = bytes.fromhex(address)  # 32-bit words in host (little-endian) order
+                    ip = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+                    found.append((getattr(ip, "ipv4_mapped", None) or ip, int(port, 16)))
+    return found
+
+
+def report_listeners(rank):
+    mesh = zf.Mesh(dp=2)  # the default group and the reduce group: gloo devices of their own
+    t = torch.ones(1)
+    mesh.comm.all_reduce(t)
+    mesh.reduce_comm.all_reduce(t)
+    return listening_addresses(os.getpid()), listening_addresses(os.getppid()), int(os.environ["MASTER_PORT"])
+
+
+def non_loopback_interface():
+    """The interface of the default route, or None."""
+    try:
+        with open("/proc/net/route") as f:
+            routes = [line.split() for line in f][1:]
+    except OSError:
+        return None
+    return next((cols[0] for cols in routes if cols[1] == "00000000"), None)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads the listening sockets from Linux's /proc")
+@pytest.mark.parametrize("gloo_ifname", [None, "default route's"])
+def test_spawn_listens_on_loopback_only(gloo_ifname, monkeypatch):
+    """The parent's store and every rank's gloo sockets accept connections from this machine only,
+    whatever the hostname resolves to or GLOO_SOCKET_IFNAME says."""
+    if gloo_ifname:
+        gloo_ifname = non_loopback_interface()
+        if gloo_ifname is None:
+            pytest.skip("no interface besides loopback")
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", gloo_ifname)
+    for rank, (own, parent, store_port) in enumerate(zf.dist.spawn(report_listeners, 2)):
+        assert own, f"rank {rank}: gloo listens on nothing?"
+        assert store_port in [port for _, port in parent], parent
+        for ip, port in own + parent:
+            assert ip.is_loopback, f"rank {rank} or its parent listens on {ip} port {port}"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="counts open fds in Linux's /proc")
+def test_a_store_that_fails_to_start_leaves_no_socket_open(monkeypatch):
+    def refuse(*args, master_listen_fd, **kwargs):
+        raise zf.dist.dist.DistNetworkError(f"refused fd {master_listen_fd}")
+
+    before = sorted(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(zf.dist.dist, "TCPStore", refuse)
+    with pytest.raises(zf.dist.dist.DistNetworkError, match="refused fd"):
+        zf.dist._loopback_store(datetime.timedelta(seconds=5))
+    assert sorted(os.listdir("/proc/self/fd")) == before

@@ -84,7 +84,8 @@ import torch.distributed as dist
 import zfunc
 from zfunc import checkpoint_async as ca, checkpoint_files as cf, checkpoint_layout as cl, compose, tree
 from zfunc.checkpoint_async import SaveHandle
-from zfunc.checkpoint_files import LATEST, CheckpointError, read_manifest
+from zfunc.checkpoint_files import LATEST, CheckpointError
+from zfunc.checkpoint_manifest import read_manifest
 from zfunc.checkpoint_folder import (checkpoint_path, claim, default_run, latest, locked, prune, put_in_place, scratch,
                                      write_text_atomic)
 from zfunc.checkpoint_layout import BUFFERS, PARAMS, Slot

@@ -2,8 +2,10 @@
 (Split from ``checkpoint.py``, which says what a saved state means, so that each stays readable.)
 
 Each rank's tensors are one safetensors file, ``rank{r:05d}.safetensors``, streamed from the
-tensors' memory and checksummed (crc32) on the way; ``manifest.json`` describes them. These two
-kinds of file are all a checkpoint directory holds.
+tensors' memory and checksummed (crc32) on the way; ``manifest.json`` describes them (read, and
+every field checked, by ``zfunc.checkpoint_manifest``). These two kinds of file are all a
+checkpoint directory holds; a loader opens only regular files within it (``inside``) and checks
+each safetensors header entry before it allocates the tensor's buffer.
 
 Format 2 checksums each file's header and each tensor on its own (the manifest holds the crc32s),
 so a loader reads, and checks, only the tensors it needs, one at a time (``RankFiles``). Format 1
@@ -12,12 +14,14 @@ so a loader reads, and checks, only the tensors it needs, one at a time (``RankF
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,7 +30,7 @@ from zfunc.ops import hostmem
 from zfunc.swap import ALIGN, crc32
 
 FORMAT = 2
-FORMATS = (1, 2)  # what read_manifest accepts
+FORMATS = (1, 2)  # what checkpoint_manifest.read_manifest accepts
 HEADER = "__header__"  # write_safetensors' key for the crc32 of the file's header
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -45,21 +49,14 @@ def rank_file(rank: int) -> str:
 # ----------------------------------------------------------------------------- manifest
 
 
-def read_manifest(directory: str | os.PathLike) -> dict:
-    """The checkpoint's manifest (a dict); raises ``CheckpointError`` naming the file if it is
-    missing, not JSON, or of another format."""
-    path = Path(directory) / MANIFEST
-    if not path.is_file():
-        raise CheckpointError(f"directory: no checkpoint at {directory} ({MANIFEST} missing)")
-    try:
-        with open(path, "rb") as f:
-            manifest = json.loads(f.read())
-    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
-        raise CheckpointError(f"{path}: not a zfunc manifest, it does not parse as JSON ({e})") from e
-    if not isinstance(manifest, dict) or manifest.get("format") not in FORMATS:
-        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise CheckpointError(f"{path}: format {got!r}, expected one of {FORMATS}")
-    return manifest
+def inside(directory: Path, path: Path) -> None:
+    """Refuse ``path`` (a file of ``directory``) unless it is a regular file within ``directory``
+    once links are followed: a checkpoint must not make zfunc read another file (or block on a pipe)."""
+    real, home = os.path.realpath(path), os.path.realpath(directory)
+    if os.path.commonpath([real, home]) != home:
+        raise CheckpointError(f"{path}: a link to {real}, outside the checkpoint's directory {home}; refused")
+    if not os.path.isfile(real):
+        raise CheckpointError(f"{path}: not a regular file")
 
 
 def write_manifest(directory: Path, manifest: dict) -> None:
@@ -169,6 +166,27 @@ def _read_into(f, offset: int, out: memoryview, path: Path, checksum: _Crc32 | N
             checksum.update(block)  # checksums block k while block k+1 is read
 
 
+def _tensor_meta(path: Path, name: str, meta: Any, data_bytes: int) -> tuple[torch.dtype, list[int], int, int]:
+    """``(dtype, shape, start, stop)`` of tensor ``name`` from its safetensors header entry, checked
+    before a buffer is allocated for it: a known dtype, a shape of ints >= 0 whose bytes are
+    ``stop - start``, offsets within the file's ``data_bytes``."""
+    def refuse(expected: str) -> CheckpointError:
+        return CheckpointError(f"{path}: tensor {name}'s header entry {str(meta)[:200]!r}: expected {expected}")
+
+    if not isinstance(meta, dict) or meta.get("dtype") not in _TORCH_DTYPES:
+        raise refuse(f"an object with a dtype in {sorted(_TORCH_DTYPES)}")
+    shape, offsets = meta.get("shape"), meta.get("data_offsets")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise refuse("a shape: a list of ints >= 0")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1] <= data_bytes):
+        raise refuse(f"data_offsets [start, stop] with 0 <= start <= stop <= {data_bytes} (the file's data bytes)")
+    dtype = _TORCH_DTYPES[meta["dtype"]]
+    if math.prod(shape) * dtype.itemsize != offsets[1] - offsets[0]:
+        raise refuse("as many bytes between its data_offsets as its shape and dtype take")
+    return dtype, shape, offsets[0], offsets[1]
+
+
 class RankFiles:
     """The rank files of one checkpoint, read tensor by tensor: each file's header once (parsed
     and checked), then only the bytes of the tensors asked for, each checked against its crc32
@@ -178,7 +196,7 @@ class RankFiles:
 
     def __init__(self, directory: Path, manifest: dict, verify: bool):
         self.directory, self.manifest, self.verify = directory, manifest, verify
-        self.opened: dict[int, tuple] = {}  # rank -> (file, path, header, data offset)
+        self.opened: dict[int, tuple] = {}  # rank -> (file, path, header, data offset, data bytes)
         self.readers: dict[int, Reader] = {}  # rank -> its file, for tensors' bytes
         self.checksum = _Crc32()
         self.pending: list[tuple[int, int, Path, str]] = []  # (span, expected crc32, file, what)
@@ -221,9 +239,10 @@ class RankFiles:
         if rank not in self.opened:
             name = rank_file(rank)
             path = self.directory / name
-            if not path.exists():
+            if not os.path.lexists(path):
                 raise CheckpointError(f"{path}: shard file missing (the checkpoint was written by "
                                       f"{self.manifest['world']} ranks)")
+            inside(self.directory, path)
             f = open(path, "rb", buffering=0)
             try:
                 self.opened[rank] = (f, path, *self._header(f, path, self.manifest["files"].get(name)))
@@ -244,8 +263,8 @@ class RankFiles:
         if wait:
             self.check()
 
-    def _header(self, f, path: Path, crc: int | None) -> tuple[dict, int]:
-        size = path.stat().st_size
+    def _header(self, f, path: Path, crc: int | None) -> tuple[dict, int, int]:
+        size = os.fstat(f.fileno()).st_size
         if self.manifest["format"] == 1:  # one crc32 for the whole file
             self._read_checked(f, 0, memoryview(bytearray(size)), path, crc, "the whole file", wait=True)
         try:
@@ -258,9 +277,13 @@ class RankFiles:
             self._read_checked(f, 0, whole, path, crc if self.manifest["format"] > 1 else None, "its header",
                                wait=True)
             header = json.loads(bytes(whole[8:]))
+            if not isinstance(header, dict):
+                raise ValueError(f"its header is {type(header).__name__}, not an object")
         except (struct.error, ValueError) as e:
             raise CheckpointError(f"{path}: not a safetensors file ({e})") from e
-        return header, 8 + n_header
+        except RecursionError:
+            raise CheckpointError(f"{path}: not a safetensors file (its header nests too deeply)") from None
+        return header, 8 + n_header, size - 8 - n_header
 
     def plan(self, reads: list[tuple[int, str]]) -> None:
         """The ``(rank, tensor)`` reads to come, in order: while ``read`` is called for them, up to
@@ -285,14 +308,11 @@ class RankFiles:
 
     def _locate(self, rank: int, name: str) -> tuple:
         """Where tensor ``name`` of rank ``rank``'s file lies, and a buffer of its own for it."""
-        f, path, header, base = self._open(rank)
-        if name not in header:
+        f, path, header, base, data_bytes = self._open(rank)
+        if name not in header or name == "__metadata__":
             raise CheckpointError(f"{path}: tensor {name} missing")
-        meta = header[name]
-        start, stop = meta["data_offsets"]
-        out = hostmem.empty(meta["shape"], _TORCH_DTYPES[meta["dtype"]])
-        if out.numel() * out.element_size() != stop - start:
-            raise CheckpointError(f"{path}: tensor {name} has {stop - start} bytes for shape {meta['shape']}")
+        dtype, shape, start, stop = _tensor_meta(path, name, header[name], data_bytes)
+        out = hostmem.empty(shape, dtype)
         if rank not in self.readers:
             self.readers[rank] = Reader(path)
         return self.readers[rank], path, name, base + start, out

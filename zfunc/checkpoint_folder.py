@@ -26,7 +26,8 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-from zfunc.checkpoint_files import LATEST, MANIFEST, RANK_FILE, CheckpointError, read_manifest
+from zfunc.checkpoint_files import LATEST, MANIFEST, RANK_FILE, CheckpointError
+from zfunc.checkpoint_manifest import read_manifest
 from zfunc.swap import fsync_dir
 
 
@@ -66,7 +67,7 @@ def foreign(path: Path, kind: str) -> str | None:
         if kind == "lock":
             return f"is a file of {size} bytes, not zfunc's empty lock file" if size else None
         text = path.read_bytes()[:256].decode(errors="replace").strip() if size <= 256 else ""
-        ok = text and "\n" not in text and "/" not in text
+        ok = text and "\n" not in text and "/" not in text and "\0" not in text and text not in (".", "..")
         return None if ok else "is not zfunc's pointer file (one line naming a checkpoint beside it)"
     if not path.is_dir():
         return "is a file, not a directory"
