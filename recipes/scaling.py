@@ -14,6 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import zfunc as zf
 from recipes import loop
 
 def weak_scaling(recipe: loop.Recipe, worlds: str, argv: list[str], steps: int = 30, per_rank: int = 8) -> list[dict]:
@@ -36,7 +37,9 @@ def weak_scaling(recipe: loop.Recipe, worlds: str, argv: list[str], steps: int =
     steps = args.steps if "steps" in args.given else steps
     log_every = args.log_every if "log_every" in args.given else 5
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+    # GLOO_SOCKET_IFNAME: the ranks' gloo sockets on loopback, as zf.dist.spawn's (one machine here)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": zf.dist.loopback_interface(),
+           "PYTHONPATH": os.pathsep.join(
         [str(root)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

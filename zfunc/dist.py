@@ -481,7 +481,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _loopback_interface() -> str:
+def loopback_interface() -> str:
     """The name of this machine's loopback interface ("lo" on Linux, "lo0" on macOS and the BSDs).
 
     Raises ``RuntimeError`` naming the interfaces there are when neither exists: a run that would
@@ -569,7 +569,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     collective_timeout = max(5.0, timeout_s / 2)
-    loopback = _loopback_interface()
+    loopback = loopback_interface()
     store = _loopback_store(datetime.timedelta(seconds=collective_timeout))
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(r, world_size, store.port, collective_timeout, fn, args, results, loopback))
