@@ -50,3 +50,13 @@ def test_hf_config_is_checked_as_the_recipes_check_it(capsys, tmp_path):
     assert "--hf-config: auto_map: a config from a file never runs code" in refused(capsys, ["--hf-config", str(path)])
     path.write_text('{"model_type": "llama", "a": ' + "[" * 100_000 + "]" * 100_000 + "}")
     assert re.search(r"--hf-config: nested more than \d+ levels deep", refused(capsys, ["--hf-config", str(path)]))
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"version": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested more than 32 levels deep"),
+    ("[1, 2]", "expected a JSON object written by python -m zfunc.plan --calibrate"),
+], ids=["deep", "a list"])
+def test_a_calibration_file_out_of_bounds_is_refused_naming_it(capsys, tmp_path, text, message):
+    path = tmp_path / "calibration.json"
+    path.write_text(text)
+    assert f"--calibration: {path}: {message}" in refused(capsys, ["--params", "1e9", "--calibration", str(path)])

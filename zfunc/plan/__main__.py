@@ -15,6 +15,7 @@ import math
 import re
 import sys
 
+from zfunc import json_file
 from zfunc.plan import core, hardware, model as model_mod
 from zfunc.plan.search import search as search_plans
 from zfunc.plan.strategy import PLACES, PRECISIONS, REMATS, SCHEDULES, OPTIMIZER_STATE_BYTES, Strategy
@@ -139,6 +140,8 @@ def build_cluster(args, p: argparse.ArgumentParser) -> hardware.Cluster:
         from zfunc.plan import calibrate
 
         try:
+            if not isinstance(json_file.read(args.calibration), dict):  # its bounds first: load trusts the file
+                raise ValueError("expected a JSON object written by python -m zfunc.plan --calibrate")
             return calibrate.cluster_from(calibrate.load(args.calibration), args.gpus)
         except (OSError, ValueError, KeyError) as e:
             p.error(f"--calibration: {args.calibration}: {e}")
