@@ -106,6 +106,47 @@ def write(tmp_path, cfg, name="config.json"):
     return path
 
 
+# Published configs as the Hub has them (Llama 3.2 1B, GPT-2, BERT base, Mistral 7B v0.3, Qwen2 0.5B
+# Instruct): extra keys, lists of eos ids, rope scaling, a bf16 dtype; each must pass the checks.
+LLAMA3 = {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 8192, "max_position_embeddings": 131072,
+    "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 16,
+    "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.45.0.dev0", "use_cache": True, "vocab_size": 128256}
+GPT2 = {"activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"], "attn_pdrop": 0.1,
+    "bos_token_id": 50256, "embd_pdrop": 0.1, "eos_token_id": 50256, "initializer_range": 0.02,
+    "layer_norm_epsilon": 1e-05, "model_type": "gpt2", "n_ctx": 1024, "n_embd": 768, "n_head": 12, "n_layer": 12,
+    "n_positions": 1024, "resid_pdrop": 0.1, "summary_activation": None, "summary_first_dropout": 0.1,
+    "summary_proj_to_labels": True, "summary_type": "cls_index", "summary_use_proj": True,
+    "task_specific_params": {"text-generation": {"do_sample": True, "max_length": 50}}, "vocab_size": 50257}
+BERT = {"architectures": ["BertForMaskedLM"], "attention_probs_dropout_prob": 0.1, "gradient_checkpointing": False,
+    "hidden_act": "gelu", "hidden_dropout_prob": 0.1, "hidden_size": 768, "initializer_range": 0.02,
+    "intermediate_size": 3072, "layer_norm_eps": 1e-12, "max_position_embeddings": 512, "model_type": "bert",
+    "num_attention_heads": 12, "num_hidden_layers": 12, "pad_token_id": 0, "position_embedding_type": "absolute",
+    "transformers_version": "4.6.0.dev0", "type_vocab_size": 2, "use_cache": True, "vocab_size": 30522}
+MISTRAL = {"architectures": ["MistralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+    "max_position_embeddings": 32768, "model_type": "mistral", "num_attention_heads": 32, "num_hidden_layers": 32,
+    "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.42.0.dev0", "use_cache": True,
+    "vocab_size": 32768}
+QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": 896, "initializer_range": 0.02,
+    "intermediate_size": 4864, "max_position_embeddings": 32768, "max_window_layers": 21, "model_type": "qwen2",
+    "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.1", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936}
+
+
+@pytest.mark.parametrize("cfg", [LLAMA3, GPT2, BERT, MISTRAL, QWEN2], ids=lambda c: c["model_type"])
+def test_published_configs_pass_the_checks(cfg):
+    assert hf.read_config(cfg) == cfg
+
+
 BAD_VALUES = [  # (model, key, value, what is expected): keys as each model type spells them
     ("gpt2", "n_layer", -1, "an int >= 1"),
     ("gpt2", "n_layer", 0, "an int >= 1"),
@@ -175,7 +216,16 @@ def test_llama_and_bert_values_that_do_not_fit_together_are_named(tmp_path):
         hf.build(TINY["bert"], "masked-lm", num_hidden_layers=0)  # overrides are checked too
 
 
-def test_the_default_of_a_key_left_out_passes_and_the_config_dtype_does_not_change_the_model(tmp_path):
+def test_a_key_left_out_takes_its_default_which_is_checked_too():
+    llama = {k: v for k, v in TINY["llama"].items() if k != "num_key_value_heads"}
+    assert hf.build(llama).config.num_key_value_heads == 4  # llama's default: one kv head per head
+    with pytest.raises(ValueError, match=re.escape("--hf-config: num_key_value_heads (the default): expected a divisor "
+                                                   "of num_attention_heads = 4 (each kv head serves a whole group of "
+                                                   "heads), got 8")):
+        hf.read_config(dict(llama, model_type="mistral"))  # mistral's default: 8 kv heads
+
+
+def test_the_config_dtype_does_not_change_the_model():
     model = hf.build(dict(TINY["llama"], torch_dtype="bfloat16"))
     assert {p.dtype for p in model.parameters()} == {torch.float32}  # the trainer's --precision decides
 

@@ -4,16 +4,17 @@ and nothing in it able to run code.
 ``read(spec)`` gives the config as a dict: ``spec`` is a dict, a JSON object string, a config.json
 path, or a folder holding one (``zfunc.json_file``'s bounds: nesting, size, duplicate keys, NaN).
 ``checked(cfg, where)`` gives the ``transformers`` config it makes, each value checked:
-- Type, for every key the model type's own config also has: the type of that config's default
-  (a bool default takes a bool, an int default an int and never a bool, a float default a number,
-  a str default a str).
-- Range, by the standard attribute names every model type maps its keys to (gpt2's ``n_layer`` is
+- Type and range, for the keys in the table below; type alone for every other key the model
+  type's own config has: the type of that config's default (a bool default takes a bool, an int
+  default an int and never a bool, a float default a number, a str default a str). A key that
+  names a method of the config class (``to_dict``) is refused.
+- The table goes by the standard attribute names every model type maps its keys to (gpt2's ``n_layer`` is
   ``num_hidden_layers``), so one table serves gpt2, llama, mistral, bert and the rest: layers,
   heads, hidden size, vocabulary >= 1; positions, intermediate size, kv heads, head dim >= 1 where
   the model has them; dropouts in [0, 1]; epsilons and rope theta > 0; the activation one
   transformers has; token ids >= 0, the padding id inside the vocabulary.
-- Together: the heads divide the hidden size (unless the config gives ``head_dim``), the kv heads
-  divide the heads.
+- Together, with transformers' defaults for the keys left out: the heads divide the hidden size
+  (unless the config gives ``head_dim``), the kv heads divide the heads.
 Errors are ``ValueError("<key>: expected ..., got <value> (<where>)")``, the key as the config
 spells it (``n_layer`` for gpt2), "(the default)" where the value is transformers' own.
 
@@ -22,8 +23,8 @@ pointer to a model's own Python, run under ``trust_remote_code``) and a true
 ``trust_remote_code`` are refused, as are attention or experts implementations other than
 transformers' built-in ones (a name such as ``kernels-community/flash-attn`` fetches a kernel from
 the Hub and runs it). Callers build with ``trust_remote_code=False``. ``dtype``/``torch_dtype``
-must name a float type and are dropped: the trainer's precision decides, and the model is built
-in fp32. Cost: one JSON parse, one default config of the model type, one config.
+must name a float type and are left out of the config: the trainer's precision decides, and the
+model is built in fp32. Cost: one JSON parse, one default config of the model type, one config.
 """
 from __future__ import annotations
 
@@ -189,51 +190,54 @@ def checked(cfg: dict[str, Any], at: str = "in the config dict"):
             raise ValueError(f"{key}: names an attribute of {config_class.__name__} itself, not a setting; got "
                              f"{value!r} ({at})")
         default = getattr(defaults, key, _MISSING)
-        _check(key, value, _type_rule(default), at)
         name = standard.get(key, key)
-        _check(key, value, _rule(name), at, required=name in COUNTS)
+        rule = _rule(name)  # a named rule says what the key takes; else its default's type does
+        _check(key, value, rule or _type_rule(default), at, required=name in COUNTS)
         if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)  # JSON's 1 for a float setting; transformers' strict configs want 1.0
         if key not in ("dtype", "torch_dtype"):  # the trainer's precision decides; built in fp32
             kwargs[key] = value
-    _check_together(lambda name: _given_or_default(name, cfg, defaults, config_class.attribute_map), cfg,
-                    config_class.attribute_map, at)
+    # what the config gives, before transformers' own checks can answer first; then all, defaults included
+    _check_together(lambda name: _given(name, cfg, config_class.attribute_map), cfg, config_class.attribute_map, at,
+                    complete=False)
     try:
         config = transformers.AutoConfig.for_model(model_type, **kwargs)
     except Exception as e:  # transformers' own checks raise ValueError, TypeError or its validation errors
         raise ValueError(f"transformers {transformers.__version__} refuses the {model_type} config: "
                          f"{' '.join(str(e).split())} ({at})") from None
-    _check_together(lambda name: getattr(config, name, None), cfg, config_class.attribute_map, at)
+    _check_together(lambda name: getattr(config, name, None), cfg, config_class.attribute_map, at, complete=True)
     return config
 
 
-def _given_or_default(name: str, cfg: dict, defaults: Any, attribute_map: dict[str, str]) -> Any:
-    """Standard attribute ``name`` as ``cfg`` gives it (by its own key or the standard one), else its default."""
+def _given(name: str, cfg: dict, attribute_map: dict[str, str]) -> Any:
+    """Standard attribute ``name`` as ``cfg`` gives it (by its own key or the standard one), else None."""
     for key in (attribute_map.get(name, name), name):
         if key in cfg:
             return cfg[key]
-    return getattr(defaults, name, None)
+    return None
 
 
-def _check_together(value: Callable[[str], Any], cfg: dict, attribute_map: dict[str, str], at: str) -> None:
-    """The standard attributes (``value(name)``; defaults included) each in range, and fitting together."""
+def _check_together(value: Callable[[str], Any], cfg: dict, attribute_map: dict[str, str], at: str,
+                    complete: bool) -> None:
+    """The standard attributes (``value(name)``, None where unknown) each in range and fitting
+    together; ``complete``: every model has the COUNTS, so None there is an error."""
     def key_of(name: str) -> str:
         key = attribute_map.get(name, name)
         return key if key in cfg or name in cfg else f"{key} (the default)"
 
     for name in COUNTS + OPTIONAL_COUNTS:
-        _check(key_of(name), value(name), (_count, "an int >= 1"), at, required=name in COUNTS)
+        _check(key_of(name), value(name), (_count, "an int >= 1"), at, required=complete and name in COUNTS)
     heads, hidden, kv = value("num_attention_heads"), value("hidden_size"), value("num_key_value_heads")
-    if "head_dim" not in cfg and hidden % heads:
+    if "head_dim" not in cfg and None not in (hidden, heads) and hidden % heads:
         raise ValueError(f"{key_of('hidden_size')}, {key_of('num_attention_heads')}: expected heads that divide the "
                          f"hidden size (or an explicit head_dim), got {hidden} and {heads} ({at})")
-    if kv is not None and heads % kv:
+    if None not in (heads, kv) and heads % kv:
         raise ValueError(f"{key_of('num_key_value_heads')}: expected a divisor of {key_of('num_attention_heads')} = "
                          f"{heads} (each kv head serves a whole group of heads), got {kv} ({at})")
-    pad = value("pad_token_id")
-    if isinstance(pad, int) and not pad < value("vocab_size"):
+    pad, vocab = value("pad_token_id"), value("vocab_size")
+    if isinstance(pad, int) and isinstance(vocab, int) and not pad < vocab:
         raise ValueError(f"{key_of('pad_token_id')}: expected an id inside the vocabulary, below "
-                         f"{key_of('vocab_size')} = {value('vocab_size')}, got {pad} ({at})")
+                         f"{key_of('vocab_size')} = {vocab}, got {pad} ({at})")
     rope = value("rope_parameters")
     if isinstance(rope, dict) and "rope_theta" in rope:
         _check(f"{key_of('rope_parameters')}.rope_theta", rope["rope_theta"], _rule("rope_theta"), at)
