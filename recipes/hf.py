@@ -6,75 +6,59 @@ optional extra: it is imported only inside these functions, when the flag is use
 """
 from __future__ import annotations
 
-import json
 import os
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
+
+from zfunc import hf_config
 
 TASKS = ("causal-lm", "masked-lm")
 
 
 def read_config(spec: str | os.PathLike | dict) -> dict[str, Any]:
     """The config as a dict, from a dict, a JSON object string, a config.json path, or a folder holding
-    one. Raises ValueError / FileNotFoundError naming --hf-config, what was given and what was expected."""
-    if isinstance(spec, dict):
-        cfg = dict(spec)
-    elif isinstance(spec, str) and spec.lstrip().startswith("{"):
-        try:
-            cfg = json.loads(spec)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--hf-config: the JSON string does not parse ({e}): {spec[:80]!r}") from e
-    else:
-        p = Path(spec)
-        if p.is_dir():
-            p = p / "config.json"
-        if not p.is_file():
-            raise FileNotFoundError(f"--hf-config: expected a config.json path, a folder holding one, or a JSON "
-                                    f"object string, got {str(spec)!r} (no such file: {str(p)!r})")
-        try:
-            cfg = json.loads(p.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"--hf-config: {str(p)!r} is not a JSON file ({e})") from e
-    if not isinstance(cfg, dict):
-        raise ValueError(f"--hf-config: expected a JSON object, got a {type(cfg).__name__}")
-    if "model_type" not in cfg:
-        raise ValueError(f"--hf-config: the config has no \"model_type\" (such as \"gpt2\", \"llama\", \"bert\"); "
-                         f"keys given: {sorted(cfg)}")
+    one, every value checked and nothing in it able to run code (``zfunc.hf_config``). Raises
+    ValueError / FileNotFoundError naming --hf-config, where the config came from, the key, its value
+    and what was expected."""
+    try:
+        cfg = hf_config.read(spec)
+        hf_config.checked(cfg, hf_config.where(spec))
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"--hf-config: {e}") from None
+    except (ValueError, ImportError) as e:
+        raise ValueError(f"--hf-config: {e}") from None
     return cfg
 
 
 def build(spec: str | os.PathLike | dict, task: str = "causal-lm", **overrides) -> "HFModel":
     """A randomly initialized `transformers` model of ``task`` from config ``spec`` (see read_config),
-    with ``overrides`` set on the config (e.g. ``vocab_size=256``), wrapped as an ``HFModel``.
+    with ``overrides`` set on the config (e.g. ``vocab_size=256``), wrapped as an ``HFModel``: fp32
+    whatever the config's ``dtype``, and never with remote code (``trust_remote_code=False``).
 
     Raises ValueError naming the model type and task when transformers has no such model.
     """
     if task not in TASKS:
         raise ValueError(f"task: expected one of {TASKS}, got {task!r}")
-    cfg = {**read_config(spec), **overrides}
     try:
         import transformers
     except ImportError as e:
         raise ImportError("--hf-config needs the `transformers` package (pip install transformers)") from e
-    model_type = cfg.pop("model_type")
-    cfg.pop("architectures", None)  # the config's own head choice; the task decides here
+    cfg = read_config(spec)  # the config's own values, checked before overrides can hide one
     try:
-        config = transformers.AutoConfig.for_model(model_type, **cfg)
+        config = hf_config.checked({**cfg, **overrides}, hf_config.where(spec))
     except ValueError as e:
-        raise ValueError(f"--hf-config: transformers {transformers.__version__} knows no model_type "
-                         f"{model_type!r} ({e})") from e
+        raise ValueError(f"--hf-config: {e}") from None
     if task == "causal-lm":
         config.use_cache = False  # training: no key/value cache in the outputs
     auto = transformers.AutoModelForCausalLM if task == "causal-lm" else transformers.AutoModelForMaskedLM
     try:
-        model = auto.from_config(config)
+        model = auto.from_config(config, trust_remote_code=False)
     except ValueError as e:
         raise ValueError(f"--hf-config: transformers {transformers.__version__} has no {task} model for "
-                         f"model_type {model_type!r} ({str(e).splitlines()[0]})") from e
+                         f"model_type {config.model_type!r} ({str(e).splitlines()[0]})") from e
     return HFModel(model)
 
 
@@ -128,7 +112,7 @@ def built(args, vocab_size: int, task: str):
     import zfunc as zf
     from recipes import loop
 
-    cfg = read_config(args.hf_config)
+    cfg = read_config(args.hf_config)  # checked: a vocab_size given is an int >= 1
     overrides = {} if cfg.get("vocab_size", 0) >= vocab_size else {"vocab_size": vocab_size}
     with torch.device("cpu"), params_on_meta():  # buffers (rotary inv_freq, position ids) stay real
         model = build(cfg, task, **overrides)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import warnings
 from dataclasses import dataclass
@@ -44,8 +43,8 @@ LAYOUT_HELP = dict(
     pp="pipeline stages (the world size must be a multiple; dp = world size / pp)",
     microbatches="with --pp: microbatches each rank's batch is cut into (in place of --accum)",
     schedule="pipeline schedule",
-    deepspeed="a DeepSpeed JSON config; its 'auto' values come from these flags, and a flag given that "
-              "contradicts it is an error",
+    deepspeed="a DeepSpeed JSON config; its 'auto' values (and its batch sizes, if it gives none) come from these "
+              "flags, and a flag given that contradicts it is an error",
 )
 # The layout may change on --resume: a checkpoint loads into any stage, offload or world size.
 MAY_CHANGE_ON_RESUME = ("zero", "offload_optimizer", "offload_params", "nvme_path", "remat", "remat_offload",
@@ -79,10 +78,14 @@ class Launch:
         if "WORLD_SIZE" not in os.environ:
             return cls()
         try:
-            values = [int(os.environ.get(k, "0")) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK")]
+            world, rank, local_rank = (int(os.environ.get(k, "0")) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"))
         except ValueError as e:
             raise FlagError(f"torchrun environment: WORLD_SIZE, RANK, LOCAL_RANK must be ints ({e})") from None
-        return cls(*values)
+        shown = f"WORLD_SIZE={world}, RANK={rank}, LOCAL_RANK={local_rank}"
+        if world < 1 or not 0 <= rank < world or not 0 <= local_rank < world:
+            raise FlagError(f"torchrun environment: expected WORLD_SIZE >= 1 and RANK, LOCAL_RANK in [0, WORLD_SIZE), "
+                            f"got {shown}")
+        return cls(world, rank, local_rank)
 
     def start(self) -> None:
         """Join the process group (torchrun's rendezvous; gloo on CPU, NCCL on CUDA)."""
@@ -213,6 +216,27 @@ def _flag_values(args: argparse.Namespace, dp: int, config: dict) -> dict[str, A
     return values
 
 
+def _batch_from_flags(args: argparse.Namespace, dp: int, config: dict) -> tuple[dict, str]:
+    """``(config, what was filled)``: a config that gives neither train_batch_size nor
+    train_micro_batch_size_per_gpu (Hugging Face's leave them to the Trainer) takes the batch from
+    --batch-size, and its accumulation, where it gives none, from --accum (--microbatches with
+    --pp), as if they said "auto"; a config that gives a size is unchanged ("")."""
+    if "train_batch_size" in config or "train_micro_batch_size_per_gpu" in config:
+        return config, ""
+    name = "microbatches" if args.pp > 1 else "accum"
+    filled = f"train_batch_size is --batch-size {args.batch_size}"
+    accum = config.get("gradient_accumulation_steps", "auto")
+    if "gradient_accumulation_steps" not in config:
+        filled += f" and gradient_accumulation_steps is {flag(name)} {getattr(args, name)}"
+    split = getattr(args, name) if accum == "auto" else accum
+    if isinstance(split, int) and not isinstance(split, bool) and split >= 1:  # else the reader names it
+        errors = check_batch_split(argparse.Namespace(**{**vars(args), name: split}), dp)
+        if errors:
+            where = "" if accum == "auto" else f" (gradient_accumulation_steps = {accum} in {args.deepspeed})"
+            raise FlagError(errors[0] + where)
+    return {**config, "train_batch_size": "auto", "gradient_accumulation_steps": accum}, filled
+
+
 # flag -> (where the DeepSpeed config says it, the plan's value of it)
 _CONTRADICTIONS = dict(
     zero=("zero_optimization.stage", lambda p: p.zero_stage),
@@ -233,14 +257,16 @@ _CONTRADICTIONS = dict(
 def _read_deepspeed(args: argparse.Namespace, dp: int, notices: bool) -> tuple[Any, argparse.Namespace]:
     """The config's plan, and ``args`` with its values; a given flag that differs is an error."""
     import zfunc as zf
+    from zfunc import deepspeed_config
 
     path = args.deepspeed
     try:
-        config = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise FlagError(f"--deepspeed: cannot read {path!r} as JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise FlagError(f"--deepspeed {path}: expected a JSON object at the top, got {type(config).__name__}")
+        config = deepspeed_config.load(path)
+    except (OSError, ValueError) as e:
+        raise FlagError(f"--deepspeed {path}: {e}") from None
+    config, filled = _batch_from_flags(args, dp, config)
+    if filled and notices:
+        print(f"--deepspeed {path}: the config gives no batch size, so {filled}")
     values = _flag_values(args, dp, config)
     given = getattr(args, "given", frozenset())
     # "auto" takes the flags' values; an explicit value wins over a flag left at its default

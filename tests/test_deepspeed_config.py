@@ -11,6 +11,7 @@ import torch
 
 from zfunc import config as C
 from zfunc import deepspeed_config as D
+from zfunc import json_file
 from tests.recipe_runs import HF_ZERO2, HF_ZERO3
 from zfunc import optim
 
@@ -170,7 +171,8 @@ def test_batch_disagreements_name_all_three_values_and_the_world_size(given, wor
 
 
 @pytest.mark.parametrize("key, value", [("train_batch_size", 0), ("train_micro_batch_size_per_gpu", -2),
-                                        ("gradient_accumulation_steps", 2.5), ("train_batch_size", "8")])
+                                        ("gradient_accumulation_steps", 2.5), ("train_batch_size", "8"),
+                                        ("train_micro_batch_size_per_gpu", True), ("gradient_accumulation_steps", [2])])
 def test_bad_batch_values_name_their_key(key, value):
     with pytest.raises(ValueError, match=re.escape(f"{key}: expected an int >= 1, got {value!r}")):
         read(with_(SMALL, **{key: value}))
@@ -226,6 +228,26 @@ def test_bad_batch_values_name_their_key(key, value):
     ({"optimizer": {"type": "Adam"}, "scheduler": {"type": "WarmupLR", "params": {"last_batch_iteration": 5}}},
      "scheduler.params.last_batch_iteration", 5),
     ({"activation_checkpointing": {"cpu_checkpointing": "yes"}}, "activation_checkpointing.cpu_checkpointing", "yes"),
+    # every value read is typed and in range, whether or not its section is on
+    ({"optimizer": {"type": "AdamW", "params": {"eps": 0}}}, "optimizer.params.eps", 0),
+    ({"optimizer": {"type": "Adam", "params": {"bias_correction": 1}}}, "optimizer.params.bias_correction", 1),
+    ({"optimizer": {"type": "SGD", "params": {"maximize": 0}}}, "optimizer.params.maximize", 0),
+    ({"optimizer": {"type": "Adam", "params": []}}, "optimizer.params", []),
+    ({"optimizer": {"type": "Adam", "params": 0}}, "optimizer.params", 0),
+    ({"optimizer": {"type": "Adam"}, "scheduler": {"type": "WarmupLR", "params": [1]}}, "scheduler.params", [1]),
+    ({"optimizer": {"type": "Adam"}, "scheduler": {"type": "WarmupCosineLR", "params": {
+        "total_num_steps": 10, "cos_min_ratio": 5}}}, "scheduler.params.cos_min_ratio", 5),
+    ({"optimizer": {"type": "Adam"}, "scheduler": {"type": "WarmupCosineLR", "params": {
+        "total_num_steps": 10, "warmup_min_ratio": 1.5}}}, "scheduler.params.warmup_min_ratio", 1.5),
+    ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "nvme_path": 5}}},
+     "zero_optimization.offload_optimizer.nvme_path", 5),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "none", "nvme_path": ["/a"]}}},
+     "zero_optimization.offload_param.nvme_path", ["/a"]),
+    ({"fp16": {"enabled": False, "loss_scale": "dynamic"}}, "fp16.loss_scale", "dynamic"),
+    ({"fp16": {"enabled": False, "hysteresis": -3}}, "fp16.hysteresis", -3),
+    ({"fp16": {"enabled": False, "min_loss_scale": 0}}, "fp16.min_loss_scale", 0),
+    ({"fp16": {"enabled": True, "initial_scale_power": 200}}, "fp16.initial_scale_power", 200),
+    ({"fp16": {"enabled": True, "consecutive_hysteresis": 1}}, "fp16.consecutive_hysteresis", 1),
 ])
 def test_refusals_name_the_key_path_and_value(config, path, value):
     with pytest.raises(ValueError) as e:
@@ -353,3 +375,67 @@ def test_bad_files_give_errors_naming_the_file(tmp_path):
         read(twice)
     with pytest.raises(TypeError, match="config: expected a path to a JSON file or a dict, got int"):
         read(3)
+
+
+def test_a_deeply_nested_config_is_refused_naming_the_file_and_the_limit(tmp_path):
+    limit = f"nested more than {json_file.MAX_DEPTH} levels deep"
+    for levels in (json_file.MAX_DEPTH + 1, 100_000):  # past the limit; past Python's recursion limit
+        path = tmp_path / f"deep{levels}.json"
+        path.write_text('{"train_micro_batch_size_per_gpu": 2, "aio": ' + '{"a": ' * levels + "1" + "}" * (levels + 1))
+        with pytest.raises(ValueError, match=re.escape(f"{path}: {limit}")):
+            read(path)
+    path.write_text('{"a": ' * (json_file.MAX_DEPTH - 1) + "1" + "}" * (json_file.MAX_DEPTH - 1))  # at the limit
+    with pytest.raises(ValueError, match=re.escape(f"{path}: a: not a key zfunc knows")):
+        read(path)
+    deep = inner = {}
+    for _ in range(5000):  # a dict from a caller: refused before it is copied
+        inner["a"] = inner = {}
+    with pytest.raises(ValueError, match=re.escape(f"config: {limit}")):
+        read(deep)
+
+
+def test_json_that_is_not_json_is_refused_naming_the_file(tmp_path):
+    path = tmp_path / "nan.json"
+    path.write_text('{"train_micro_batch_size_per_gpu": 2, "gradient_clipping": NaN}')
+    with pytest.raises(ValueError, match=re.escape(f"{path}: NaN is not a JSON number")):
+        read(path)
+    path.write_bytes(b'{"train_micro_batch_size_per_gpu": 2, "steps_per_print": "\xff"}')
+    with pytest.raises(ValueError, match=re.escape(f"{path}: not UTF-8 text")):
+        read(path)
+
+
+# ----------------------------------------------------------------------------- a recipe's --deepspeed
+
+
+def resolve(tmp_path, config, *flags, notices=False):
+    """``recipes.layout.resolve`` of the tiny GPT's flags with ``config`` as --deepspeed, on 1 process."""
+    from recipes import gpt, layout
+    from tests.recipe_runs import TINY
+
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    args = gpt.parse_args(TINY + ["--deepspeed", str(path), *flags])
+    return layout.resolve(gpt.with_precision(args), 1, gpt.UNITS, notices=notices)
+
+
+def test_a_config_without_batch_sizes_takes_them_from_the_flags_and_says_so_once(tmp_path, capsys):
+    no_sizes = {k: v for k, v in HF_ZERO2.items() if k not in D._BATCH_KEYS}  # left to the Trainer, as HF's
+    plan, args = resolve(tmp_path, no_sizes, "--batch-size", "16", "--accum", "2", "--precision", "bf16",
+                         notices=True)
+    assert (plan.global_batch, plan.micro_batch, plan.accum, args.batch_size, args.accum) == (16, 8, 2, 16, 2)
+    said = capsys.readouterr().out.splitlines()
+    told = [line for line in said if "no batch size" in line]
+    assert told == [f"--deepspeed {tmp_path / 'ds_config.json'}: the config gives no batch size, so "
+                    "train_batch_size is --batch-size 16 and gradient_accumulation_steps is --accum 2"]
+    resolve(tmp_path, no_sizes, "--precision", "bf16")  # the recipe's later calls print nothing
+    assert "no batch size" not in capsys.readouterr().out
+    plan, args = resolve(tmp_path, dict(no_sizes, gradient_accumulation_steps=4), "--precision", "bf16")
+    assert (plan.global_batch, plan.micro_batch, plan.accum, args.accum) == (8, 2, 4, 4)  # TINY's --batch-size 8
+    from recipes.layout import FlagError
+
+    with pytest.raises(FlagError, match=re.escape("--batch-size: the global batch of 6 sequences must split over 1 "
+                                                  "data-parallel rank x 4 accumulation steps")):
+        resolve(tmp_path, dict(no_sizes, gradient_accumulation_steps=4), "--precision", "bf16", "--batch-size", "6")
+    with pytest.raises(FlagError, match=re.escape("--batch-size: the global batch of 6 sequences must split over 1 "
+                                                  "data-parallel rank x 4 accumulation steps")):
+        resolve(tmp_path, no_sizes, "--precision", "bf16", "--batch-size", "6", "--accum", "4")

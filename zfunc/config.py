@@ -74,6 +74,20 @@ def _check_number(name: str, value: Any, minimum: float = 0.0, below: float | No
     return float(value)
 
 
+def _check_positive(name: str, value: Any) -> float:
+    _check_number(name, value)
+    if value <= 0:
+        raise ValueError(f"{name}: expected a number > 0, got {value!r}")
+    return float(value)
+
+
+def _check_fraction(name: str, value: Any) -> float:
+    _check_number(name, value)
+    if value > 1:
+        raise ValueError(f"{name}: expected a number in [0, 1], got {value!r}")
+    return float(value)
+
+
 def _check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name}: expected true or false, got {value!r}")
@@ -93,11 +107,11 @@ def _check_betas(name: str, value: Any) -> list[float]:
 
 
 _PARAM_CHECKS: dict[str, Callable[[str, Any], Any]] = {
-    "lr": _check_number, "eps": _check_number, "weight_decay": _check_number, "betas": _check_betas,
+    "lr": _check_number, "eps": _check_positive, "weight_decay": _check_number, "betas": _check_betas,
     "momentum": lambda n, v: _check_number(n, v, 0.0, 1.0), "dampening": lambda n, v: _check_number(n, v, 0.0, 1.0),
     "nesterov": _check_bool,
-    "warmup_min_lr": _check_number, "warmup_max_lr": _check_number, "warmup_min_ratio": _check_number,
-    "cos_min_ratio": _check_number, "warmup_num_steps": lambda n, v: _check_int(n, v, 1),
+    "warmup_min_lr": _check_number, "warmup_max_lr": _check_number, "warmup_min_ratio": _check_fraction,
+    "cos_min_ratio": _check_fraction, "warmup_num_steps": lambda n, v: _check_int(n, v, 1),
     "total_num_steps": lambda n, v: _check_int(n, v, 1), "warmup_type": lambda n, v: _check_choice(n, v, WARMUP_TYPES),
 }
 

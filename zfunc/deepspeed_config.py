@@ -55,6 +55,12 @@ Choices where DeepSpeed leaves room, each stated once:
   (bools: ``fp16.enabled``, ``bf16.enabled``). An "auto" batch size with no value is worked out by
   the batch rule; any other "auto" with no value is an error naming its key. As in HF, a value given
   for a key the config sets explicitly must agree with it, and values for absent keys are unused.
+- Values: a file is read within ``zfunc.json_file``'s bounds (nesting, size, no duplicate keys, no
+  NaN), a dict is refused past the same nesting. Every value read is typed and in range, in a
+  section that is off too (fp16's loss-scale values with fp16 disabled): batch sizes, accum and
+  fp16 counts ints >= 1 (never bools), stage in 0..3, lr, weight decay and clip >= 0 and finite,
+  betas in [0, 1), eps > 0, cosine ratios in [0, 1], offload devices "none"/"cpu"/"nvme", an
+  nvme_path a non-empty string; errors name the dotted key path (and the file).
 - Tuning knobs with no meaning here (bucket sizes, overlap_comm, pin_memory, aio, logging,
   monitors, ...) are accepted, recorded in ``plan.ignored`` and named in one ``IgnoredKeysWarning``.
   A feature zfunc lacks (LAMB/1-bit/Muon optimizers, MoE/expert parallel, tensor or sequence
@@ -65,13 +71,13 @@ Choices where DeepSpeed leaves room, each stated once:
 from __future__ import annotations
 
 import copy
-import json
 import os
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from zfunc import json_file
 from zfunc.config import (OPTIMIZER_DEFAULTS, PLACES, SCHEDULER_DEFAULTS, SCHEDULERS, Plan, _check_bool,
                           _check_choice, _check_int, _check_number, _optimizer_params, _scheduler_params)
 
@@ -360,12 +366,15 @@ def _read_offload(r: _Reader, z: Mapping, key: str, legacy: str) -> tuple[str, s
     device = r.value(section, "device", f"{path}.device", "none")
     _check_choice(f"{path}.device", device, PLACES)
     nvme_path = r.value(section, "nvme_path", f"{path}.nvme_path", None)
+    if nvme_path is not None and not (isinstance(nvme_path, str) and nvme_path):
+        raise ValueError(f"{path}.nvme_path: expected the directory for the swap files, a non-empty string, got "
+                         f"{nvme_path!r}")
     if device != "nvme":
         if nvme_path is not None:
             r.ignored.append(f"{path}.nvme_path")
         return device, None
-    if not isinstance(nvme_path, str) or not nvme_path:
-        raise ValueError(f"{path}.nvme_path: device 'nvme' needs the directory for its swap files, got {nvme_path!r}")
+    if nvme_path is None:
+        raise ValueError(f"{path}.nvme_path: device 'nvme' needs the directory for its swap files, got None")
     return device, nvme_path
 
 
@@ -380,24 +389,31 @@ def _read_precision(r: _Reader, config: dict) -> dict:
     bf16_on = r.bool_value(bf16, "enabled", f"{bf16_key}.enabled", False)
     if fp16_on and bf16_on:
         raise ValueError("fp16.enabled, bf16.enabled: both true; DeepSpeed refuses the two at once")
+    scaling = _read_loss_scaling(r, fp16)  # checked even when fp16 is off: a bad value is a bad config
     if not fp16_on:
         return {"precision": "bf16" if bf16_on else "fp32"}
-    static = r.value(fp16, "loss_scale", "fp16.loss_scale", 0)
-    _check_number("fp16.loss_scale", static)
+    static = scaling.pop("loss_scale")
     if static != 0:
         raise ValueError(f"fp16.loss_scale: zfunc's fp16 scales the loss dynamically; a static scale is refused "
                          f"(0 = dynamic, starting at 2**initial_scale_power), got {static!r}")
-    out = {"precision": "fp16",
+    return {"precision": "fp16", **scaling}
+
+
+def _read_loss_scaling(r: _Reader, fp16: Mapping) -> dict:
+    """The fp16 section's loss-scale values, each typed and in range, DeepSpeed's defaults for the absent."""
+    out = {"loss_scale": _check_number("fp16.loss_scale", r.value(fp16, "loss_scale", "fp16.loss_scale", 0)),
            "initial_scale_power": r.int_value(fp16, "initial_scale_power", "fp16.initial_scale_power", 16, 0),
            "loss_scale_window": r.int_value(fp16, "loss_scale_window", "fp16.loss_scale_window", 1000, 1),
            "hysteresis": r.int_value(fp16, "hysteresis", "fp16.hysteresis", 2, 1),
            "consecutive_hysteresis": r.bool_value(fp16, "consecutive_hysteresis", "fp16.consecutive_hysteresis",
-                                                  False)}
-    min_scale = r.value(fp16, "min_loss_scale", "fp16.min_loss_scale", 1)
-    _check_number("fp16.min_loss_scale", min_scale)
-    if min_scale <= 0:
-        raise ValueError(f"fp16.min_loss_scale: expected a number > 0, got {min_scale!r}")
-    return {**out, "min_loss_scale": float(min_scale)}
+                                                  False),
+           "min_loss_scale": _check_number("fp16.min_loss_scale", r.value(fp16, "min_loss_scale",
+                                                                          "fp16.min_loss_scale", 1))}
+    if out["initial_scale_power"] > 127:  # 2**128 is inf in fp32
+        raise ValueError(f"fp16.initial_scale_power: expected an int in [0, 127], got {out['initial_scale_power']}")
+    if out["min_loss_scale"] <= 0:
+        raise ValueError(f"fp16.min_loss_scale: expected a number > 0, got {fp16.get('min_loss_scale')!r}")
+    return out
 
 
 def _read_optimizer(r: _Reader, config: dict) -> dict:
@@ -413,7 +429,7 @@ def _read_optimizer(r: _Reader, config: dict) -> dict:
         what = f"{lacking}, a DeepSpeed optimizer zfunc does not have" if lacking else "not an optimizer zfunc has"
         raise ValueError(f"optimizer.type: {what}; zfunc maps Adam, AdamW, SGD and Lion, got {name!r}")
     fixed = _OPTIMIZER_PARAM_FIXED[kind]
-    params = dict(r.sort(section.get("params") or {}, "optimizer.params", set(OPTIMIZER_DEFAULTS[kind]) |
+    params = dict(r.sort(_params(section), "optimizer.params", set(OPTIMIZER_DEFAULTS[kind]) |
                          {"adam_w_mode", "torch_adam", "max_grad_norm", *fixed}, _OPTIMIZER_PARAM_KNOBS, {}))
     for key in _OPTIMIZER_PARAM_KNOBS:
         params.pop(key, None)
@@ -421,9 +437,12 @@ def _read_optimizer(r: _Reader, config: dict) -> dict:
         raise ValueError(f"optimizer.params.max_grad_norm: not an optimizer param in DeepSpeed; use the top-level "
                          f"gradient_clipping, got {params['max_grad_norm']!r}")
     for key, required in fixed.items():
-        if key in params and params.pop(key) != required:
-            raise ValueError(f"optimizer.params.{key}: zfunc's optimizers have only {key}={required}, got "
-                             f"{section['params'][key]!r}")
+        if key in params:
+            given = params.pop(key)
+            _check_bool(f"optimizer.params.{key}", given)
+            if given != required:
+                raise ValueError(f"optimizer.params.{key}: zfunc's optimizers have only {key}={required}, got "
+                                 f"{given!r}")
     if kind in ("adam", "adamw"):
         adam_w_mode = params.pop("adam_w_mode", True)
         torch_adam = params.pop("torch_adam", False)
@@ -437,6 +456,12 @@ def _read_optimizer(r: _Reader, config: dict) -> dict:
     return {"optimizer": kind, "optimizer_params": _optimizer_params(kind, params, "optimizer.params")}
 
 
+def _params(section: Mapping) -> Any:
+    """An optimizer's or scheduler's ``params``: absent or null is no params (DeepSpeed's defaults)."""
+    params = section.get("params")
+    return {} if params is None else params
+
+
 def _read_scheduler(r: _Reader, config: dict, fields: dict) -> dict:
     if "scheduler" not in config:
         return {}
@@ -446,7 +471,7 @@ def _read_scheduler(r: _Reader, config: dict, fields: dict) -> dict:
     if kind is None:
         raise ValueError(f"scheduler.type: zfunc maps DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR "
                          f"(not LRRangeTest, OneCycle or torch schedulers), got {name!r}")
-    given = dict(r.sort(section.get("params") or {}, "scheduler.params",
+    given = dict(r.sort(_params(section), "scheduler.params",
                         set(SCHEDULER_DEFAULTS[kind]) | {"last_batch_iteration"}, set(), {}))
     if given.pop("last_batch_iteration", -1) != -1:
         raise ValueError(f"scheduler.params.last_batch_iteration: zfunc counts from the state's own step; expected -1, "
@@ -485,28 +510,26 @@ def from_deepspeed(config: str | os.PathLike | Mapping[str, Any], *, world_size:
     if isinstance(config, (str, os.PathLike)):
         path = Path(config)
         try:
-            return _read(_load_json(path), world_size, auto)
+            return _read(load(path), world_size, auto)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
     if not isinstance(config, Mapping):
         raise TypeError(f"config: expected a path to a JSON file or a dict, got {type(config).__name__}")
+    try:
+        json_file.check_depth(config)  # before the copy, which recurses
+    except ValueError as e:
+        raise ValueError(f"config: {e}") from None
     return _read(copy.deepcopy(dict(config)), world_size, auto)
 
 
-def _load_json(path: Path) -> dict:
-    def no_duplicates(pairs):  # DeepSpeed refuses duplicate keys too
-        keys = [k for k, _ in pairs]
-        dup = sorted({k for k in keys if keys.count(k) > 1})
-        if dup:
-            raise ValueError(f"duplicate keys {dup}")
-        return dict(pairs)
-
+def load(path: str | os.PathLike) -> dict:
+    """The JSON object in the DeepSpeed config file at ``path``, read within ``zfunc.json_file``'s
+    bounds (nesting, size, no duplicate keys, no NaN). ``FileNotFoundError`` names the path;
+    ``ValueError`` says what is wrong (the caller adds the path)."""
+    path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config: no DeepSpeed config file at {str(path)!r}")
-    try:
-        data = json.loads(path.read_text(), object_pairs_hook=no_duplicates)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    data = json_file.read(path)
     if not isinstance(data, dict):
         raise ValueError(f"expected a JSON object at the top, got {type(data).__name__}")
     return data

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 
+from zfunc import json_file
 from zfunc.plan import core, hardware, model as model_mod
 from zfunc.plan.search import search as search_plans
 from zfunc.plan.strategy import PLACES, PRECISIONS, REMATS, SCHEDULES, OPTIMIZER_STATE_BYTES, Strategy
@@ -74,6 +76,33 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+# flag -> (holds for a value given, what is expected); a flag left out (None) is not checked
+_COUNT = (lambda v: v >= 1, "an int >= 1")
+_POSITIVE = (lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
+NUMBER_FLAGS = {
+    **{name: _COUNT for name in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "gpus", "gpus_per_node",
+                                 "dp", "pp", "tp", "micro_batch", "accum", "seq", "tiles", "top", "global_batch")},
+    **{name: _POSITIVE for name in ("intra_bw", "inter_bw", "pcie_bw", "cpu_ram", "cpu_mem_bw", "nvme_read_bw",
+                                    "nvme_write_bw")},
+    "params": (lambda v: math.isfinite(v) and v >= 1, "a finite count >= 1"),
+    "nvme": (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0 (0: no NVMe)"),
+    "matmul_efficiency": (lambda v: 0 < v <= 1, "a fraction in (0, 1]"),
+}
+
+
+def check_numbers(args, p: argparse.ArgumentParser) -> None:
+    """Every number flag given in its range (argparse checks only that it parses: 'nan' is a float),
+    and an explicit shape's heads fitting its width; ``p.error`` names the flag, value and range."""
+    for name, (ok, expected) in NUMBER_FLAGS.items():
+        value = getattr(args, name)
+        if value is not None and not ok(value):
+            p.error(f"--{name.replace('_', '-')}: expected {expected}, got {value!r}")
+    if args.layers is not None and args.hidden is not None and args.heads is not None and args.hidden % args.heads:
+        p.error(f"--heads: expected a divisor of --hidden {args.hidden}, got {args.heads}")
+    if args.kv_heads is not None and args.heads is not None and args.heads % args.kv_heads:
+        p.error(f"--kv-heads: expected a divisor of --heads {args.heads}, got {args.kv_heads}")
+
+
 def build_model(args, p: argparse.ArgumentParser) -> model_mod.ModelSpec:
     given = [f for f in ("params", "flavor", "hf_config", "layers") if getattr(args, f) is not None]
     if len(given) != 1:
@@ -84,7 +113,7 @@ def build_model(args, p: argparse.ArgumentParser) -> model_mod.ModelSpec:
         if args.flavor is not None:
             return model_mod.from_flavor(args.flavor, args.recipe)
         if args.hf_config is not None:
-            return model_mod.from_hf_config(args.hf_config)
+            return model_mod.from_hf_config(checked_hf_config(args.hf_config, p))
         if args.hidden is None or args.heads is None:
             p.error("--layers: an explicit shape needs --hidden and --heads too")
         return model_mod.from_shape(args.layers, args.hidden, args.heads, kind=args.kind, vocab=args.vocab,
@@ -93,11 +122,26 @@ def build_model(args, p: argparse.ArgumentParser) -> model_mod.ModelSpec:
         p.error(_flagged(e))
 
 
+def checked_hf_config(spec: str, p: argparse.ArgumentParser) -> dict:
+    """--hf-config read and checked as the recipes check it (``zfunc.hf_config``: bounded JSON, every
+    value in range, nothing that runs code), as a dict."""
+    from zfunc import hf_config
+
+    try:
+        cfg = hf_config.read(spec)
+        hf_config.checked(cfg, hf_config.where(spec))
+    except (OSError, ValueError, ImportError) as e:
+        p.error(f"--hf-config: {e}")
+    return cfg
+
+
 def build_cluster(args, p: argparse.ArgumentParser) -> hardware.Cluster:
     if args.calibration:
         from zfunc.plan import calibrate
 
         try:
+            if not isinstance(json_file.read(args.calibration), dict):  # its bounds first: load trusts the file
+                raise ValueError("expected a JSON object written by python -m zfunc.plan --calibrate")
             return calibrate.cluster_from(calibrate.load(args.calibration), args.gpus)
         except (OSError, ValueError, KeyError) as e:
             p.error(f"--calibration: {args.calibration}: {e}")
@@ -107,9 +151,9 @@ def build_cluster(args, p: argparse.ArgumentParser) -> hardware.Cluster:
               "cpu_mem_bw": args.cpu_mem_bw, "nvme_bytes": args.nvme, "nvme_read_bw": args.nvme_read_bw,
               "nvme_write_bw": args.nvme_write_bw}
     overrides = {k: v * GB for k, v in scaled.items() if v is not None}
-    if args.gpus_per_node:
+    if args.gpus_per_node is not None:
         overrides["gpus_per_node"] = args.gpus_per_node
-    if args.matmul_efficiency:
+    if args.matmul_efficiency is not None:
         overrides["matmul_efficiency"] = args.matmul_efficiency
     try:
         return hardware.cluster(args.gpu, args.gpus, **overrides)
@@ -153,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(papers.table())
         return 0
+    check_numbers(args, p)
     model = build_model(args, p)
     cluster = build_cluster(args, p)
     strategy = build_strategy(args, cluster.device)

@@ -1,0 +1,62 @@
+"""python -m zfunc.plan: every number flag is checked (argparse only parses them), and --hf-config is
+read and checked as the recipes read it; each error names the flag, the value and what was expected."""
+import json
+import re
+
+import pytest
+
+from zfunc.plan.__main__ import main
+
+
+def refused(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--params", "nan"], "--params: expected a finite count >= 1, got nan"),
+    (["--params", "inf"], "--params: expected a finite count >= 1, got inf"),
+    (["--params", "1e9", "--top", "0", "--search"], "--top: expected an int >= 1, got 0"),
+    (["--params", "1e9", "--gpus-per-node", "0"], "--gpus-per-node: expected an int >= 1, got 0"),
+    (["--params", "1e9", "--gpus-per-node", "-4"], "--gpus-per-node: expected an int >= 1, got -4"),
+    (["--params", "1e9", "--matmul-efficiency", "0"], "--matmul-efficiency: expected a fraction in (0, 1], got 0.0"),
+    (["--params", "1e9", "--matmul-efficiency", "nan"], "--matmul-efficiency: expected a fraction in (0, 1], got nan"),
+    (["--params", "1e9", "--intra-bw", "-1"], "--intra-bw: expected a finite number > 0, got -1.0"),
+    (["--params", "1e9", "--cpu-ram", "inf"], "--cpu-ram: expected a finite number > 0, got inf"),
+    (["--params", "1e9", "--nvme", "-1"], "--nvme: expected a finite number >= 0 (0: no NVMe), got -1.0"),
+    (["--params", "1e9", "--seq", "0"], "--seq: expected an int >= 1, got 0"),
+    (["--params", "1e9", "--pp", "0"], "--pp: expected an int >= 1, got 0"),
+    (["--params", "1e9", "--global-batch", "0", "--search"], "--global-batch: expected an int >= 1, got 0"),
+    (["--layers", "2", "--hidden", "64", "--heads", "3"], "--heads: expected a divisor of --hidden 64, got 3"),
+    (["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "3"],
+     "--kv-heads: expected a divisor of --heads 4, got 3"),
+    (["--layers", "2", "--hidden", "64", "--heads", "4", "--ffn", "-1"], "--ffn: expected an int >= 1, got -1"),
+])
+def test_a_number_flag_out_of_range_is_refused_naming_it(capsys, flags, message):
+    assert message in refused(capsys, flags)
+
+
+def test_hf_config_is_checked_as_the_recipes_check_it(capsys, tmp_path):
+    pytest.importorskip("transformers")
+    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": -1,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    err = refused(capsys, ["--hf-config", str(path)])
+    assert f"--hf-config: num_hidden_layers: expected an int >= 1, got -1 (in {str(path)!r})" in err
+    path.write_text(json.dumps(dict(cfg, num_hidden_layers=2, auto_map={"AutoModelForCausalLM": "evil.Model"})))
+    assert "--hf-config: auto_map: a config from a file never runs code" in refused(capsys, ["--hf-config", str(path)])
+    path.write_text('{"model_type": "llama", "a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    assert re.search(r"--hf-config: nested more than \d+ levels deep", refused(capsys, ["--hf-config", str(path)]))
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"version": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested more than 32 levels deep"),
+    ("[1, 2]", "expected a JSON object written by python -m zfunc.plan --calibrate"),
+], ids=["deep", "a list"])
+def test_a_calibration_file_out_of_bounds_is_refused_naming_it(capsys, tmp_path, text, message):
+    path = tmp_path / "calibration.json"
+    path.write_text(text)
+    assert f"--calibration: {path}: {message}" in refused(capsys, ["--params", "1e9", "--calibration", str(path)])
