@@ -60,3 +60,17 @@ def test_a_calibration_file_out_of_bounds_is_refused_naming_it(capsys, tmp_path,
     path = tmp_path / "calibration.json"
     path.write_text(text)
     assert f"--calibration: {path}: {message}" in refused(capsys, ["--params", "1e9", "--calibration", str(path)])
+
+
+def test_the_library_readers_check_as_the_cli_does(tmp_path):
+    """zf.plan's own readers, called without the CLI: the same bounds and checks."""
+    from zfunc.plan import calibrate, model
+
+    with pytest.raises(ValueError, match=r"n_layer: expected .*got -1"):
+        model.from_hf_config({"model_type": "gpt2", "n_layer": -1})
+    with pytest.raises(ValueError, match="auto_map"):
+        model.from_hf_config({"model_type": "gpt2", "auto_map": {"AutoModel": "evil.Model"}})
+    deep = tmp_path / "cal.json"
+    deep.write_text("[" * 100 + "]" * 100)
+    with pytest.raises(ValueError, match="nest"):
+        calibrate.load(deep)

@@ -51,6 +51,7 @@ from pathlib import Path
 
 import torch
 
+from zfunc import json_file
 from zfunc.plan.hardware import GB, Cluster, Device, Node
 
 DEFAULT_PATH = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "zfunc" / "plan_calibration.json"
@@ -286,7 +287,9 @@ def load(path: str | os.PathLike | None = None) -> dict:
     path = Path(path or DEFAULT_PATH)
     if not path.exists():
         raise OSError(f"no calibration at {path}: run python -m zfunc.plan --calibrate first")
-    cal = json.loads(path.read_text())
+    cal = json_file.read(path)  # bounded: nesting, size, duplicate keys
+    if not isinstance(cal, dict):
+        raise ValueError(f"{path}: expected a JSON object (a zfunc.plan calibration), got a {type(cal).__name__}")
     if cal.get("version") != VERSION:
         raise ValueError(f"{path}: not a zfunc.plan calibration of version {VERSION} (found "
                          f"{cal.get('version')!r}): run python -m zfunc.plan --calibrate again")

@@ -24,9 +24,7 @@ layer's input (``2 s b h``) stays, plus one layer's full activations during its 
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -249,29 +247,22 @@ def from_module(module, *, kind: str = "gpt", config: Any = None, name: str = ""
 
 
 def from_hf_config(path_or_json: str | dict) -> ModelSpec:
-    """A ``transformers`` model from its config (a JSON file, a JSON string or a dict), built on the
-    meta device: no weights, no downloads. Needs ``transformers``."""
-    if isinstance(path_or_json, dict):
-        raw = path_or_json
-    elif os.path.exists(path_or_json):
-        with open(path_or_json) as f:
-            raw = json.load(f)
-    else:
-        try:
-            raw = json.loads(path_or_json)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"hf_config: {path_or_json!r} is neither a file nor JSON ({e})") from None
+    """A ``transformers`` model from its config (a JSON file, a folder holding one, a JSON string or
+    a dict), built on the meta device: no weights, no downloads, no code from the config
+    (``zfunc.hf_config``: bounded JSON, every value checked, remote code refused). Needs
+    ``transformers``; a bad config is a ValueError naming the key."""
+    from zfunc import hf_config
+
     try:
         import torch
         import transformers
     except ImportError as e:
         raise ValueError(f"hf_config: needs the transformers package ({e})") from None
-    if "model_type" not in raw:
-        raise ValueError("hf_config: the config has no model_type")
-    config = transformers.AutoConfig.for_model(**raw)
+    raw = hf_config.read(path_or_json)
+    config = hf_config.checked(raw, hf_config.where(path_or_json))
     auto = transformers.AutoModelForMaskedLM if _kind_of(raw, "gpt") == "bert" else transformers.AutoModelForCausalLM
     with torch.device("meta"):
-        module = auto.from_config(config)
+        module = auto.from_config(config, trust_remote_code=False)
     return from_module(module, config=raw, name=f"{raw['model_type']} (transformers config)")
 
 
