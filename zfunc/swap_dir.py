@@ -11,8 +11,11 @@ directory (a resumed one) starts. Ranks of one job given one path use ``rank_dir
 
 **Room.** ``check_path`` counts each file in the file system's allocation blocks, so many small
 files are not undercounted; ``_reserve`` allocates a file's blocks before any data moves, so a full
-disk fails before the previous version is touched. Temporaries of writers that died mid-write
-(``.<file>.<pid>.<seq>.tmp``) are removed by the next engine (``_remove_stale_temporaries``).
+disk fails before the previous version is touched. A write that finds no room (ENOSPC, EDQUOT)
+fails with ``no_room``'s ``SwapPathError``: the directory, its free bytes and the bytes needed,
+its ``errno`` the cause's. Temporaries of writers that died mid-write (``.<file>.<pid>.<seq>.tmp``)
+are removed by the next engine (``_remove_stale_temporaries``). ``check_readable`` checks a
+directory for a reader, writing nothing: a full disk still reads.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from pathlib import Path
 from zfunc.swap_format import ALIGN, SwapChecksumError, SwapInUseError, SwapPathError, _mv, aligned_empty, disk_bytes
 
 LOCK_FILE = ".zfunc-swap.lock"
+ROOM_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # a write finds no room: the disk is full, or a quota
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
@@ -62,6 +66,8 @@ def check_path(path: str | os.PathLike, need_bytes: int = 0, files: Iterable[int
         probe.write_bytes(bytes(ALIGN))
         probe.unlink()
     except OSError as e:
+        if e.errno in ROOM_ERRNOS:
+            raise no_room(p, ALIGN, "path", e) from e
         raise SwapPathError(f"path: swap directory {p} cannot be created or written ({e})") from e
     st = os.statvfs(p)
     block = st.f_frsize or ALIGN
@@ -72,6 +78,38 @@ def check_path(path: str | os.PathLike, need_bytes: int = 0, files: Iterable[int
                             f"{need / 2**30:.2f} GiB (need_bytes={need_bytes} + {len(sizes)} files "
                             f"in {block}-byte blocks)")
     return p
+
+
+def check_readable(path: str | os.PathLike) -> Path:
+    """``path`` if it is a directory this process can read; ``SwapPathError`` naming it otherwise.
+    Creates and writes nothing, so a reader works on a full or read-only file system."""
+    p = Path(path)
+    if not p.is_dir():
+        raise SwapPathError(f"path: swap directory {p} does not exist or is not a directory")
+    if not os.access(p, os.R_OK | os.X_OK):
+        raise SwapPathError(f"path: swap directory {p} cannot be read (permission denied)")
+    return p
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes free for this process in ``path``'s file system (``statvfs``: blocks free to non-root)."""
+    st = os.statvfs(path)
+    return st.f_bavail * (st.f_frsize or ALIGN)
+
+
+def no_room(directory: Path, need: int, what: str, cause: OSError | None = None) -> SwapPathError:
+    """The error for ``what`` (a write, a reservation) finding no room in ``directory``: its free
+    bytes and the ``need`` bytes, the cause (ENOSPC; EDQUOT: a quota, which free space does not
+    show) kept as ``errno``, ``__cause__`` once raised ``from`` it."""
+    quota = cause is not None and cause.errno == errno.EDQUOT
+    try:
+        free = f"{free_bytes(directory)} bytes free"
+    except OSError:
+        free = "free space unknown"
+    err = SwapPathError(f"{what}: swap directory {directory} {'is over its disk quota' if quota else 'is full'}: "
+                        f"{free}, needs {need} bytes{f' ({cause})' if cause is not None else ''}")
+    err.errno = errno.ENOSPC if cause is None else cause.errno
+    return err
 
 
 def _hold_directory(directory: Path) -> int:
@@ -151,6 +189,8 @@ def _o_direct_works(directory: Path) -> bool:
             os.close(fd)
         return bool(_O_DIRECT)
     except OSError as e:
+        if e.errno in ROOM_ERRNOS:
+            raise no_room(directory, ALIGN, "path", e) from e
         if e.errno != errno.EINVAL:
             raise SwapPathError(f"path: swap directory {directory} cannot be written ({e})") from e
         return False
@@ -169,18 +209,25 @@ def _remove_stale_temporaries(directory: Path) -> None:
             pass  # not ours, or its writer is alive
 
 
-def _reserve(fd: int, size: int, file: Path) -> None:
-    """Allocate the file's blocks up front: a full disk fails here, before any data moves."""
+def _reserve(fd: int, size: int, file: Path, what: str) -> None:
+    """Allocate the file's ``size`` bytes of blocks up front: a full disk fails here, before any
+    data moves, with ``no_room``'s error naming ``file``'s directory (``what``: the operation).
+    Blocks the file holds already are kept: reserving them again needs no room."""
     try:
         if os.fstat(fd).st_size > size:  # a spare from a bigger tensor
             os.ftruncate(fd, size)
         os.posix_fallocate(fd, 0, size)
     except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise SwapPathError(f"{file}: no space left for {size} bytes") from e
+        if e.errno in ROOM_ERRNOS:
+            raise no_room(file.parent, size, what, e) from e
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
             raise
         os.ftruncate(fd, size)
+
+
+def _allocated(st: os.stat_result) -> int:
+    """Bytes of blocks a file holds."""
+    return st.st_blocks * 512
 
 
 def _spare(file: Path) -> Path:
@@ -197,9 +244,14 @@ def fsync_dir(path: Path) -> None:
 
 
 def _pwrite_all(fd: int, data: memoryview, pos: int) -> None:
+    """Write all of ``data`` at ``pos``, going on after short writes; a write of nothing (which
+    would loop forever) raises OSError(EIO)."""
     done = 0
     while done < len(data):
-        done += os.pwritev(fd, [data[done:]], pos + done)
+        n = os.pwritev(fd, [data[done:]], pos + done)
+        if n <= 0:
+            raise OSError(errno.EIO, f"short write: {done} of {len(data)} bytes at offset {pos} written, then none")
+        done += n
 
 
 def _pread_all(fd: int, data: memoryview, pos: int, file: Path) -> None:
