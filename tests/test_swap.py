@@ -219,6 +219,17 @@ def test_not_enough_space(tmp_path):
     check_path(tmp_path, need_bytes=1 << 20)
 
 
+def test_a_full_disk_at_start_is_named_and_leaves_no_probe_file(tmp_path, monkeypatch):
+    def full(path, data):  # as a full disk does it: the file is created, its bytes do not fit
+        open(path, "wb").close()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+    with pytest.raises(SwapPathError, match=f"path: swap directory {tmp_path} is full: [0-9]+ bytes free") as info:
+        SwapEngine(tmp_path)
+    assert info.value.errno == errno.ENOSPC and list(tmp_path.iterdir()) == []
+
+
 def test_disk_full_during_write_keeps_previous_version(engine, monkeypatch):
     engine.write("s", torch.ones(1 << 20)).result()
     real = swap._pwrite_all
@@ -307,7 +318,7 @@ def test_reserve_allocates_the_next_writes_room_or_says_how_much_is_missing(tmp_
         real = os.statvfs
         monkeypatch.setattr(os, "statvfs", lambda p: os.statvfs_result((*real(p)[:3], 0, 1, *real(p)[5:])))
         with pytest.raises(SwapPathError, match=f"path: swap directory {tmp_path} has [0-9]+ bytes free, needs "
-                                                "[0-9]+ more: the room of the next write of 1 files \\(a\\)") as info:
+                                                "[0-9]+ more: the room of the next write of 1 swap file \\(a\\.swap\\)") as info:
             e.reserve({"a": 400_000, "b": 40})
         assert info.value.errno == errno.ENOSPC and os.path.samefile(spare, e.file("a"))  # nothing allocated
         monkeypatch.undo()

@@ -49,6 +49,21 @@ skipped too. A param no rank produced a grad for is left alone by the optimizer,
 overlap on N > 1 ranks, where it is updated with a zero grad (no rank can know before its update
 that the others produced none: weight decay applies to it).
 
+**A full or failing swap disk.** ``init`` (and ``zf.checkpoint.load``) allocates beside each swap
+file the room of its next version (its spare, ``zfunc.swap``), and each step first makes sure of it
+(``SwapEngine.reserve``: a stat per file; where room is missing, ``SwapPathError`` naming the
+folder, its free bytes and the bytes needed, raised before the state is touched). On a file system
+that overwrites in place (ext4, xfs) a step on a full disk then allocates nothing and trains on. A
+swap read or write that fails anyway (an I/O error, a short write; no room on a copy-on-write file
+system) fails the step with the engine's ``SwapError`` (no room: ``SwapPathError``, ``errno``
+ENOSPC or EDQUOT) once every file the step rewrote is back to its version before it
+(``SwapEngine.restore``). With ``optimizer="nvme", params="nvme"`` the state passed in is then
+whole and not consumed: save it, or call the step again once there is room. Other placements update
+their RAM leaves in place, so the state stays consumed and the error says so: restart from a
+checkpoint. Over several ranks only the failing rank raises (the others may wait in a collective):
+restart them all from a checkpoint. ``zf.checkpoint.save`` and ``full_params`` read the swap files
+without writing in their folder (``in_ram``), so a full swap disk does not stop a save elsewhere.
+
 **Cost** per rank, Psi params over N ranks (fp32 masters, Adam): RAM between steps holds nothing of
 what is offloaded to "nvme"; ``optimizer="cpu"`` holds 8 Psi/N of moments in host RAM, ``params``
 4 Psi/N of masters. Disk traffic per step with both on NVMe: reads 4 Psi/N per forward/backward
@@ -269,7 +284,7 @@ class OffloadedStep(Transformed):
         try:
             return run.execute(state, batch)
         except OSError as e:  # a swap read or write failed: the files go back to their versions before the step
-            raise _saying(e, run.roles.update.put_back(state)) from e
+            raise _saying(e, run.roles.update.undo(state)) from e
         finally:
             self.peak_gathered_bytes, self.peak_whole_grad_bytes = run.peak_gathered_bytes, run.peak_whole_grad_bytes
             self.update_s = run.roles.update.update_s

@@ -97,6 +97,7 @@ class _Stores:
         self._writes: deque = deque()
         self._in_flight = 0  # bytes of ``_writes``
         self._rewritten: list[str] = []  # the files whose new versions this call issued
+        self._in_place = (step.where_optimizer, step.where_params) != ("nvme", "nvme")  # leaves in RAM
         self._opt_store = Store(step.engine if step.where_optimizer == "nvme" else None, pin, self._track)
         self._param_store = Store(step.engine if step.where_params == "nvme" else None, pin, self._track)
 
@@ -126,11 +127,11 @@ class _Stores:
             with contextlib.suppress(Exception):
                 self._wait_writes(None)
 
-    def _put_back(self, state: TrainState, in_place: bool) -> str:
+    def undo(self, state: TrainState) -> str:
         """After a failed call: every write waited for and every file the call rewrote put back
         to its version before it (``SwapEngine.restore``); ``state`` (the one the call took) usable
-        again where that leaves it whole, i.e. nothing of it was updated in place in RAM
-        (``in_place``). Says which, for the error."""
+        again where that leaves it whole: nothing of it lives in RAM, where an update works in
+        place. Says which, for the error."""
         self._drain()
         if not state.consumed:
             return "the state passed in is unchanged"
@@ -142,7 +143,7 @@ class _Stores:
                         "unsupported on the swap disk?); restart from a checkpoint")
         except OSError as e:
             return f"{lost}: putting its files back failed ({e}); restart from a checkpoint"
-        if in_place:
+        if self._in_place:
             return (f"{lost}: its leaves in RAM were updated in place before the failure (the files written are back "
                     "to their versions before the step, but only optimizer='nvme' with params='nvme' keeps a failed "
                     "step's input whole); restart from a checkpoint")
@@ -211,12 +212,6 @@ class LeafUpdate(_Stores, Role):
         if self._update_seen is not None:
             self.run.step._update_order = self._update_seen
         self._drain()
-
-    def put_back(self, state: TrainState) -> str:
-        """After a failed step: its files back to their versions before it, ``state`` usable
-        again if nothing of it was updated in place in RAM (``_Stores._put_back``)."""
-        step = self.run.step
-        return self._put_back(state, in_place=(step.where_optimizer, step.where_params) != ("nvme", "nvme"))
 
     def _leaf_bytes(self, i: int) -> int:
         return 4 * math.prod(self._state_spec.leaves[i].local_shape(self._state_spec.rank))

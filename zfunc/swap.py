@@ -76,9 +76,10 @@ from urllib.parse import quote
 import torch
 
 # the engine's parts, re-exported: ``zfunc.swap.X`` is where users find every public name
-from zfunc.swap_dir import (LOCK_FILE, _O_DIRECT, ROOM_ERRNOS, _allocated, _hold_directory,  # noqa: F401
-                            _o_direct_works, _pread_all, _pwrite_all, _release_directory, _remove_stale_temporaries,
-                            _reserve, _spare, check_path, check_readable, free_bytes, fsync_dir, no_room, rank_dir)
+from zfunc.swap_dir import (LOCK_FILE, _O_DIRECT, ROOM_ERRNOS, _hold_directory, _o_direct_works,  # noqa: F401
+                            _open_target, _pread_all, _put_back, _pwrite_all, _release_directory,
+                            _remove_stale_temporaries, _reserve, _spare, _spare_back, check_path, check_readable,
+                            fsync_dir, no_room, rank_dir, reserve_spares)
 from zfunc.swap_format import (ALIGN, FORMAT, MAGIC, SwapChecksumError, SwapError, SwapHeader,  # noqa: F401
                                SwapInUseError, SwapMismatchError, SwapPathError, _mv, _pack_header, _pad,
                                _unpack_header, _version_on_disk, aligned_empty, aligned_like, crc32, crc32_combine,
@@ -211,14 +212,7 @@ class SwapEngine:
             before = self._before.pop(name, None)
             self._versions.pop(name, None)  # the next write counts on from the file's
             if before == "spare":
-                newer = file.with_name(f".{file.name}.{os.getpid()}.{next(self._seq)}.tmp")
-                try:
-                    os.link(file, newer)  # the newer version's blocks, kept as the next write's target
-                except OSError:
-                    newer = None
-                os.replace(_spare(file), file)  # the commit point: the previous version is the file again
-                if newer is not None:
-                    os.replace(newer, _spare(file))
+                _spare_back(file, file.with_name(f".{file.name}.{os.getpid()}.{next(self._seq)}.tmp"))
                 if self.fsync == "write":
                     fsync_dir(self.path)
             fut.set_result(before is not None)
@@ -240,36 +234,7 @@ class SwapEngine:
         with self._lock:
             earlier = [self._last[n] for n in sizes if n in self._last]
         wait(earlier)
-        block = os.statvfs(self.path).f_frsize or ALIGN
-        short = {}  # name -> (its spare aliases the live file, bytes of blocks to allocate)
-        for name, nbytes in sizes.items():
-            file = self.file(name)
-            try:
-                st = os.stat(_spare(file))
-            except FileNotFoundError:
-                short[name] = (False, disk_bytes(nbytes, block))
-                continue
-            alias = file.exists() and os.path.samefile(_spare(file), file)  # a crash between link and replace
-            missing = disk_bytes(nbytes, block) - (0 if alias else _allocated(st))
-            if missing > 0:
-                short[name] = (alias, missing)
-        need = sum(n for _, n in short.values())
-        if need and need > free_bytes(self.path):
-            few = ", ".join(sorted(short)[:3]) + (", ..." if len(short) > 3 else "")
-            err = SwapPathError(f"path: swap directory {self.path} has {free_bytes(self.path)} bytes free, needs "
-                                f"{need} more: the room of the next write of {len(short)} files ({few}). Free "
-                                "space there, or move the swap files to a disk with room")
-            err.errno = errno.ENOSPC
-            raise err
-        for name, (alias, _) in short.items():
-            spare = _spare(self.file(name))
-            if alias:
-                spare.unlink()
-            fd = os.open(spare, os.O_WRONLY | os.O_CREAT, 0o644)
-            try:
-                _reserve(fd, file_nbytes(sizes[name]), spare, f"path: reserving room for {name!r}")
-            finally:
-                os.close(fd)
+        reserve_spares(self.path, {self.file(name): file_nbytes(n) for name, n in sizes.items()})
 
     def close(self) -> None:
         """Wait for every operation issued, stop the workers, release the directory (idempotent)."""
@@ -335,12 +300,12 @@ class SwapEngine:
 
         fd = None
         try:
-            fd = self._open_target(file, tmp)
+            fd = _open_target(file, tmp, self.spare, self._direct)
             _reserve(fd, file_nbytes(header.nbytes), file, failed)
         except BaseException as e:
             if fd is not None:
                 os.close(fd)
-            self._put_back(tmp, file)
+            _put_back(tmp, file, self.spare)
             if isinstance(e, OSError) and not isinstance(e, SwapError):
                 raise error(e) from e
             raise
@@ -370,29 +335,7 @@ class SwapEngine:
 
         _Transfer(self._pool, self.queue_depth, header.nbytes, self.block_bytes, fd, file, error,
                   lambda off, n: self._move(fd, src[off : off + n], ALIGN + off, file, write=True),
-                  finish, lambda: self._put_back(tmp, file), fut).start()
-
-    def _put_back(self, tmp: Path, file: Path) -> None:
-        """A failed write's temporary becomes the spare (garbage, but its blocks stay allocated:
-        the room is kept), or is removed without spares. Gone already if the commit happened."""
-        if self.spare:
-            with contextlib.suppress(FileNotFoundError):
-                os.replace(tmp, _spare(file))
-        else:
-            tmp.unlink(missing_ok=True)
-
-    def _open_target(self, file: Path, tmp: Path) -> int:
-        """Open ``tmp`` for the next version: the spare renamed (overwritten in place), else a new file."""
-        if self.spare:
-            try:
-                os.replace(_spare(file), tmp)
-            except FileNotFoundError:
-                pass
-            else:  # a crash between link and replace leaves the spare a second name of the live file
-                if not (file.exists() and os.path.samefile(tmp, file)):
-                    return os.open(tmp, os.O_WRONLY | self._direct)
-                tmp.unlink()
-        return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._direct, 0o644)
+                  finish, lambda: _put_back(tmp, file, self.spare), fut).start()
 
     def _read(self, name: str, file: Path, out: torch.Tensor, dst: torch.Tensor, fut: Future) -> None:
         try:

@@ -19,12 +19,13 @@ directory for a reader, writing nothing: a full disk still reads.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import gc
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from zfunc.swap_format import ALIGN, SwapChecksumError, SwapInUseError, SwapPathError, _mv, aligned_empty, disk_bytes
@@ -60,11 +61,13 @@ def check_path(path: str | os.PathLike, need_bytes: int = 0, files: Iterable[int
     Raises ``SwapPathError`` naming the path otherwise. Call it before training starts.
     """
     p = Path(path)
+    probe = p / f".probe.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
         p.mkdir(parents=True, exist_ok=True)
-        probe = p / f".probe.{os.getpid()}.{threading.get_ident()}.tmp"
-        probe.write_bytes(bytes(ALIGN))
-        probe.unlink()
+        try:
+            probe.write_bytes(bytes(ALIGN))
+        finally:  # created, then the write failed (a full disk): not left behind
+            probe.unlink(missing_ok=True)
     except OSError as e:
         if e.errno in ROOM_ERRNOS:
             raise no_room(p, ALIGN, "path", e) from e
@@ -225,13 +228,92 @@ def _reserve(fd: int, size: int, file: Path, what: str) -> None:
         os.ftruncate(fd, size)
 
 
-def _allocated(st: os.stat_result) -> int:
-    """Bytes of blocks a file holds."""
-    return st.st_blocks * 512
+def reserve_spares(directory: Path, files: Mapping[Path, int]) -> None:
+    """Make each file's spare (``_spare``) hold ``files[file]`` bytes of allocated blocks: created,
+    or grown, where missing or short, or where it names the live file (a crash between a commit's
+    link and rename). ``SwapPathError`` (``errno`` ENOSPC) naming ``directory``, its free bytes and
+    the bytes needed when they do not fit, before anything is allocated. Cost: two stats per file."""
+    block = os.statvfs(directory).f_frsize or ALIGN
+    short = {}  # file -> (its spare is the live file, bytes of blocks to allocate)
+    for file, size in files.items():
+        try:
+            st = os.stat(_spare(file))
+        except FileNotFoundError:
+            short[file] = (False, -(-size // block) * block)
+            continue
+        alias = _same_file(st, file)
+        missing = -(-size // block) * block - (0 if alias else st.st_blocks * 512)
+        if missing > 0:
+            short[file] = (alias, missing)
+    need, free = sum(n for _, n in short.values()), free_bytes(directory)
+    if need > free:
+        few = ", ".join(sorted(f.name for f in short)[:3]) + (", ..." if len(short) > 3 else "")
+        files = f"{len(short)} swap file{'s' if len(short) > 1 else ''}"
+        err = SwapPathError(f"path: swap directory {directory} has {free} bytes free, needs {need} more: the room "
+                            f"of the next write of {files} ({few}). Free space there, or move the swap files to a "
+                            "disk with room")
+        err.errno = errno.ENOSPC
+        raise err
+    for file, (alias, _) in short.items():
+        spare = _spare(file)
+        if alias:
+            spare.unlink()
+        fd = os.open(spare, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            _reserve(fd, files[file], file, f"path: reserving room for {file.name}")
+        finally:
+            os.close(fd)
+
+
+def _same_file(st: os.stat_result, file: Path) -> bool:
+    try:
+        other = os.stat(file)
+    except FileNotFoundError:
+        return False
+    return (st.st_dev, st.st_ino) == (other.st_dev, other.st_ino)
+
+
+def _spare_back(file: Path, tmp: Path) -> None:
+    """Make ``file``'s spare the file again; the file it replaces becomes the spare (through
+    ``tmp``, a hard link: its blocks stay allocated), or is freed without hard links. At every
+    moment ``file`` names one complete version."""
+    try:
+        os.link(file, tmp)
+    except OSError:
+        tmp = None
+    os.replace(_spare(file), file)  # the commit point
+    if tmp is not None:
+        os.replace(tmp, _spare(file))
 
 
 def _spare(file: Path) -> Path:
     return file.with_name(f".{file.name}.spare")
+
+
+def _open_target(file: Path, tmp: Path, spare: bool, direct: int) -> int:
+    """Open ``tmp`` for ``file``'s next version: the spare renamed (overwritten in place; with
+    ``spare``), else a new file; ``direct``: O_DIRECT or 0."""
+    if spare:
+        try:
+            os.replace(_spare(file), tmp)
+        except FileNotFoundError:
+            pass
+        else:  # a crash between link and replace leaves the spare a second name of the live file
+            if not (file.exists() and os.path.samefile(tmp, file)):
+                return os.open(tmp, os.O_WRONLY | direct)
+            tmp.unlink()
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | direct, 0o644)
+
+
+def _put_back(tmp: Path, file: Path, spare: bool) -> None:
+    """A failed write's temporary becomes ``file``'s spare (garbage, but its blocks stay
+    allocated: the room is kept), or is removed without ``spare``. Gone already if the commit
+    happened, or the target was never opened."""
+    if spare:
+        with contextlib.suppress(FileNotFoundError):
+            os.replace(tmp, _spare(file))
+    else:
+        tmp.unlink(missing_ok=True)
 
 
 def fsync_dir(path: Path) -> None:
