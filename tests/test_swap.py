@@ -500,6 +500,10 @@ def test_falls_back_when_o_direct_is_refused(tmp_path, monkeypatch):
         out = torch.empty_like(t)
         e.read("f", out).result()
     assert same_bytes(out, t)
+    with SwapEngine(tmp_path, read_only=True) as reader:  # probes nothing: its first read finds out
+        out = torch.empty_like(t)
+        reader.read("f", out).result()
+        assert reader.o_direct is False and same_bytes(out, t)
 
 
 @pytest.mark.parametrize("where", ["tmp", "shm"])

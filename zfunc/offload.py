@@ -51,7 +51,7 @@ that the others produced none: weight decay applies to it).
 
 **A full or failing swap disk.** ``init`` (and ``zf.checkpoint.load``) allocates beside each swap
 file the room of its next version (its spare, ``zfunc.swap``), and each step first makes sure of it
-(``SwapEngine.reserve``: a stat per file; where room is missing, ``SwapPathError`` naming the
+(``SwapEngine.reserve``: two stats per file; where room is missing, ``SwapPathError`` naming the
 folder, its free bytes and the bytes needed, raised before the state is touched). On a file system
 that overwrites in place (ext4, xfs) a step on a full disk then allocates nothing and trains on. A
 swap read or write that fails anyway (an I/O error, a short write; no room on a copy-on-write file

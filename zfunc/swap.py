@@ -204,7 +204,7 @@ class SwapEngine:
         renamed back over the file; the newer file's blocks become the spare), nothing to do if it
         failed. A Future of whether that version was there to restore: False where it is not kept
         (``spare=False``, a file system without hard links, a restore or remove since, or no write
-        of ``name`` by this engine). Cost: three renames and a hard link, no data moved."""
+        of ``name`` by this engine). Cost: a hard link and two renames, no data moved."""
         self._writable("restore")
         file = self.file(name)
 
@@ -225,7 +225,7 @@ class SwapEngine:
         system that overwrites in place; a copy-on-write one needs new blocks for every write).
         Waits for the operations on these names issued before; do not issue more until it returns.
         Raises ``SwapPathError`` naming the directory, its free bytes and the bytes needed before
-        allocating anything when they do not fit. Cost: a stat per name; blocks allocated only
+        allocating anything when they do not fit. Cost: two stats per name; blocks allocated only
         where a spare is missing or short (after ``init``'s first writes, a ``restore`` without
         hard links, a crash). With ``spare=False`` there is nothing to hold the room: no-op."""
         self._writable("reserve")

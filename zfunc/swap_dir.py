@@ -248,9 +248,9 @@ def reserve_spares(directory: Path, files: Mapping[Path, int]) -> None:
     need, free = sum(n for _, n in short.values()), free_bytes(directory)
     if need > free:
         few = ", ".join(sorted(f.name for f in short)[:3]) + (", ..." if len(short) > 3 else "")
-        files = f"{len(short)} swap file{'s' if len(short) > 1 else ''}"
+        count = f"{len(short)} swap file{'s' if len(short) > 1 else ''}"
         err = SwapPathError(f"path: swap directory {directory} has {free} bytes free, needs {need} more: the room "
-                            f"of the next write of {files} ({few}). Free space there, or move the swap files to a "
+                            f"of the next write of {count} ({few}). Free space there, or move the swap files to a "
                             "disk with room")
         err.errno = errno.ENOSPC
         raise err
