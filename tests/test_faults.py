@@ -7,6 +7,10 @@ save or step, it prints "killme" and waits there, before the call, for the paren
 kill lands at a chosen point: between any two file changes of a save (its rank file written, the
 manifest, the directory renamed, ``latest`` replaced, the oldest checkpoint half pruned) or of an
 offloaded step's swap writes (some leaves' new versions committed, others not).
+
+A full swap disk (``FullDisk``: the os calls the swap engine writes through, failing with ENOSPC
+for its folder only) fails the step that needed room, naming the folder, before the state passed in
+is lost: it still saves (to another disk) and, once there is room, trains on as if never stopped.
 """
 import errno
 import os
