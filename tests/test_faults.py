@@ -7,7 +7,12 @@ save or step, it prints "killme" and waits there, before the call, for the paren
 kill lands at a chosen point: between any two file changes of a save (its rank file written, the
 manifest, the directory renamed, ``latest`` replaced, the oldest checkpoint half pruned) or of an
 offloaded step's swap writes (some leaves' new versions committed, others not).
+
+A full swap disk (``FullDisk``: the os calls the swap engine writes through, failing with ENOSPC
+for its folder only) fails the step that needed room, naming the folder, before the state passed in
+is lost: it still saves (to another disk) and, once there is room, trains on as if never stopped.
 """
+import errno
 import os
 import subprocess
 import sys
@@ -22,7 +27,7 @@ from safetensors.torch import load_file
 import zfunc as zf
 from recipes import gpt
 from zfunc import checkpoint as ck
-from tests.models import batches, fp16_dropout_step, make_offloaded
+from tests.models import batches, fp16_dropout_step, make_offloaded, tree_equal
 from tests.recipe_runs import TINY
 
 STEPS, TARGET, KEEP = 6, 4, 2  # the step or save killed is TARGET's; the saves before it already prune
@@ -194,3 +199,171 @@ def test_a_recipe_run_killed_mid_save_resumes_to_the_same_val_loss(tmp_path):
     mine = load_file(zf.checkpoint.export(got["checkpoint"], tmp_path / "resumed.safetensors"))
     theirs = load_file(zf.checkpoint.export(want["checkpoint"], tmp_path / "straight.safetensors"))
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+
+# ----------------------------------------------------------------------------- the swap disk full
+
+
+class FullDisk:
+    """The file system of ``folder`` full, as the swap engine meets it (``os.pwritev``,
+    ``os.posix_fallocate``, ``Path.write_bytes`` and ``os.statvfs`` patched, for files under
+    ``folder`` only: a checkpoint saved elsewhere writes as usual). ``statvfs`` says 0 bytes are
+    free there, and no new block can be had: allocating past
+    the blocks a file holds, writing past them, or writing a new file fails with ENOSPC; a write
+    into blocks a file holds goes through. ``cow``: a copy-on-write file system instead, where
+    every write needs new blocks: writes fail once ``cow`` more bytes are written (the write that
+    crosses it is short: the 4096-byte pages that fit)."""
+
+    def __init__(self, monkeypatch, folder: Path, cow: int | None = None):
+        self.folder, self.room = str(folder.resolve()) + os.sep, cow
+        pwritev, fallocate, write_bytes, statvfs = os.pwritev, os.posix_fallocate, Path.write_bytes, os.statvfs
+
+        def full_pwritev(fd, buffers, pos, *flags):
+            if not self.ours(os.readlink(f"/proc/self/fd/{fd}")):
+                return pwritev(fd, buffers, pos, *flags)
+            data = memoryview(buffers[0]).cast("B")
+            assert len(buffers) == 1
+            if self.room is None:
+                if pos + len(data) > os.fstat(fd).st_blocks * 512:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                return pwritev(fd, buffers, pos, *flags)
+            fits = min(len(data), self.room) // 4096 * 4096
+            if not fits:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self.room -= fits
+            return pwritev(fd, [data[:fits]], pos, *flags)
+
+        def full_fallocate(fd, offset, length):
+            if self.ours(os.readlink(f"/proc/self/fd/{fd}")) and offset + length > os.fstat(fd).st_blocks * 512:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return fallocate(fd, offset, length)
+
+        def full_write_bytes(path, data):
+            if self.ours(str(Path(path).resolve())) and data:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            return write_bytes(path, data)
+
+        def full_statvfs(path):
+            st = statvfs(path)
+            if isinstance(path, int) or not self.ours(str(Path(path).resolve()) + os.sep):
+                return st
+            return os.statvfs_result((st.f_bsize, st.f_frsize, st.f_blocks, 0, 0, *st[5:]))
+
+        monkeypatch.setattr(os, "statvfs", full_statvfs)
+        monkeypatch.setattr(os, "pwritev", full_pwritev)
+        monkeypatch.setattr(os, "posix_fallocate", full_fallocate)
+        monkeypatch.setattr(Path, "write_bytes", full_write_bytes)
+
+    def ours(self, path: str) -> bool:
+        return path.startswith(self.folder)
+
+
+def nvme(tmp_path: Path, name: str = "swap", params: str | None = "nvme", overlap=None):
+    """Tiny offloaded to swap files under ``tmp_path / name``: the optimizer state, and the
+    masters where ``params`` is "nvme" (else they stay in RAM); ``(step, state, its folder)``."""
+    step, state = make_offloaded(False, where="nvme", params=params, path=tmp_path / name, overlap=overlap)
+    return step, state, tmp_path / name
+
+
+def saved(state, directory: Path):
+    """``state`` saved to ``directory`` (another disk than the swap files'), loaded back into the
+    plain step: its params, optimizer state and step."""
+    plain, _ = make_offloaded(False)
+    back = ck.load(ck.save(state, directory), plain)
+    return back.params, back.opt_state, back.step
+
+
+@pytest.mark.parametrize("overlap", [None, False], ids=["updates-overlapped", "updates-after-backward"])
+@pytest.mark.parametrize("room", [0.0, 0.5], ids=["first-write", "mid-step"])
+def test_a_full_swap_disk_fails_the_step_naming_it_and_the_state_before_saves_whole(tmp_path, monkeypatch, overlap,
+                                                                                    room):
+    from zfunc.swap import SwapPathError
+
+    step, state, swap = nvme(tmp_path, overlap=overlap)
+    data = batches(1, 3)
+    for batch in data[:2]:
+        state, _ = step(state, batch)
+    before = saved(state, tmp_path / "before" / "000002")
+    written = sum(f.stat().st_size for f in swap.glob("*.swap"))  # what a step writes: every file
+    FullDisk(monkeypatch, swap, cow=int(room * written) // 4096 * 4096)
+    committed = step.engine.bytes_written
+    with pytest.raises(SwapPathError, match=f"swap directory {swap} is full: 0 bytes free, needs [0-9]+ bytes") as failed:
+        step(state, data[2])
+    assert (step.engine.bytes_written > committed) == (room > 0)  # mid-step: some files had their new versions
+    assert failed.value.errno == errno.ENOSPC and "the state passed in is unchanged" in str(failed.value)
+    assert not state.consumed and not list(swap.glob(".*.tmp"))
+    assert tree_equal(saved(state, tmp_path / "after" / "000002"), before)
+
+
+def test_a_checkpoint_of_the_current_state_saves_while_the_swap_disk_is_full(tmp_path, monkeypatch):
+    step, state, swap = nvme(tmp_path)
+    for batch in batches(1, 2):
+        state, _ = step(state, batch)
+    want = ck.full_params(state)
+    FullDisk(monkeypatch, swap)
+    got = saved(state, tmp_path / "ckpt" / "000002")  # reading the swap files back writes nothing there
+    assert got[0].keys() == want.keys() and all(torch.equal(got[0][n], want[n]) for n in want)
+    state, _ = step(state, batches(1, 3)[2])  # the files' room was allocated: training goes on
+    assert state.step == 3
+
+
+@pytest.mark.parametrize("overlap", [None, False], ids=["updates-overlapped", "updates-after-backward"])
+def test_once_the_swap_disk_has_room_again_training_goes_on_from_the_state_before_the_failed_step(
+        tmp_path, monkeypatch, overlap):
+    from zfunc.swap import SwapPathError
+
+    data = batches(1, 4)
+    step, state, swap = nvme(tmp_path, overlap=overlap)
+    for i, batch in enumerate(data):
+        if i == 2:
+            full = FullDisk(monkeypatch, swap, cow=64 << 10)
+            with pytest.raises(SwapPathError, match=str(swap)):
+                step(state, batch)
+            monkeypatch.undo()  # room again
+            assert full.room == 0
+        state, _ = step(state, batch)
+    ref, ref_state, _ = nvme(tmp_path, "unfaulted", overlap=overlap)
+    for batch in data:
+        ref_state, _ = ref(ref_state, batch)
+    got, want = ck.full_params(state), ck.full_params(ref_state)
+    assert state.step == len(data) and all(torch.equal(got[n], want[n]) for n in want)
+    assert tree_equal(saved(state, tmp_path / "a" / "000004"), saved(ref_state, tmp_path / "b" / "000004"))
+
+
+def test_a_step_whose_files_lack_room_fails_before_it_touches_the_state(tmp_path, monkeypatch):
+    """Masters in RAM are updated in place: the step allocates its files' room (each file's
+    spare) before it starts, so a full disk stops it there, the state untouched."""
+    from zfunc.swap import SwapPathError
+
+    step, state, swap = nvme(tmp_path, params=None)
+    state, _ = step(state, batches(1, 1)[0])
+    before = saved(state, tmp_path / "before" / "000001")
+    spares = list(swap.glob(".*.spare"))
+    assert spares
+    for spare in spares[: len(spares) // 2]:  # their room is gone (a crash between a link and a rename, say)
+        spare.unlink()
+    FullDisk(monkeypatch, swap)
+    with pytest.raises(SwapPathError, match=f"swap directory {swap} has 0 bytes free, needs [0-9]+ more"):
+        step(state, batches(1, 2)[1])
+    assert not state.consumed and tree_equal(saved(state, tmp_path / "after" / "000001"), before)
+
+
+def test_a_full_swap_disk_after_init_trains_on_in_the_room_init_allocated(tmp_path, monkeypatch):
+    for params in (None, "nvme"):
+        step, state, swap = nvme(tmp_path, f"swap-{params}", params=params)
+        FullDisk(monkeypatch, swap)
+        for batch in batches(1, 3):
+            state, _ = step(state, batch)
+        monkeypatch.undo()
+
+
+def test_where_ram_leaves_were_updated_in_place_a_failed_write_says_the_state_is_consumed(tmp_path, monkeypatch):
+    from zfunc.swap import SwapPathError
+
+    step, state, swap = nvme(tmp_path, params=None)
+    for batch in batches(1, 2):
+        state, _ = step(state, batch)
+    FullDisk(monkeypatch, swap, cow=64 << 10)  # a copy-on-write disk: even the reserved room takes new blocks
+    with pytest.raises(SwapPathError, match="the state passed in is consumed.*restart from a checkpoint"):
+        step(state, batches(1, 3)[2])
+    assert state.consumed and not list(swap.glob(".*.tmp"))

@@ -219,6 +219,17 @@ def test_not_enough_space(tmp_path):
     check_path(tmp_path, need_bytes=1 << 20)
 
 
+def test_a_full_disk_at_start_is_named_and_leaves_no_probe_file(tmp_path, monkeypatch):
+    def full(path, data):  # as a full disk does it: the file is created, its bytes do not fit
+        open(path, "wb").close()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+    with pytest.raises(SwapPathError, match=f"path: swap directory {tmp_path} is full: [0-9]+ bytes free") as info:
+        SwapEngine(tmp_path)
+    assert info.value.errno == errno.ENOSPC and list(tmp_path.iterdir()) == []
+
+
 def test_disk_full_during_write_keeps_previous_version(engine, monkeypatch):
     engine.write("s", torch.ones(1 << 20)).result()
     real = swap._pwrite_all
@@ -229,13 +240,119 @@ def test_disk_full_during_write_keeps_previous_version(engine, monkeypatch):
         return real(fd, data, pos)
 
     monkeypatch.setattr(swap, "_pwrite_all", full)
-    message = f"{engine.file('s')}: writing 's' failed, its previous version is unchanged .*No space left"
-    with pytest.raises(SwapError, match=message):
+    need = swap.file_nbytes(4 << 20)
+    message = (f"{engine.file('s')}: writing 's' failed, its previous version is unchanged: swap directory "
+               f"{engine.path} is full: [0-9]+ bytes free, needs {need} bytes .*No space left")
+    with pytest.raises(SwapPathError, match=message) as failed:
         engine.write("s", torch.zeros(1 << 20)).result(timeout=10)
+    assert failed.value.errno == errno.ENOSPC and isinstance(failed.value.__cause__, OSError)
     monkeypatch.undo()
     out = torch.empty(1 << 20)
     assert engine.read("s", out).result(timeout=10).version == 1 and bool((out == 1).all())
     assert not list(engine.path.glob(".*.tmp"))
+    spare = engine.path / ".s.swap.spare"  # the failed write's blocks, kept for the next one
+    assert spare.stat().st_blocks * 512 >= need and spare.stat().st_ino != engine.file("s").stat().st_ino
+
+
+def test_a_write_failing_for_other_causes_names_the_file_and_keeps_its_errno(engine, monkeypatch):
+    engine.write("e", torch.ones(1 << 20)).result()
+    calls = [0]
+
+    def broken(fd, buffers, pos, *flags):  # every write moves nothing: a loop on it would spin forever
+        calls[0] += 1
+        if calls[0] > 100:
+            raise OSError(errno.EIO, "Input/output error")
+        return 0
+
+    monkeypatch.setattr(os, "pwritev", broken)
+    with pytest.raises(SwapError, match=f"{engine.file('e')}: writing 'e' failed, its previous version is "
+                                        "unchanged .*short write: 0 of [0-9]+ bytes") as failed:
+        engine.write("e", torch.zeros(1 << 20)).result(timeout=10)
+    assert failed.value.errno == errno.EIO and not isinstance(failed.value, SwapPathError) and calls[0] <= 4  # a block each
+    monkeypatch.setattr(os, "pwritev", lambda *a: (_ for _ in ()).throw(OSError(errno.EDQUOT, "Disk quota exceeded")))
+    with pytest.raises(SwapPathError, match=f"swap directory {engine.path} is over its disk quota") as failed:
+        engine.write("e", torch.zeros(1 << 20)).result(timeout=10)
+    assert failed.value.errno == errno.EDQUOT
+    monkeypatch.undo()
+    out = torch.empty(1 << 20)
+    assert engine.read("e", out).result(timeout=10).version == 1 and bool((out == 1).all())
+    assert not list(engine.path.glob(".*.tmp"))
+
+
+def test_restore_goes_back_to_the_version_before_the_last_write(engine, monkeypatch):
+    def version(name):
+        out = torch.empty(1000)
+        engine.read(name, out).result(timeout=10)
+        return int(out[0])
+
+    for v in (1, 2, 3):
+        engine.write("a", torch.full((1000,), float(v)))
+    assert engine.restore("a").result(timeout=10) and version("a") == 2  # the last write undone
+    assert not engine.restore("a").result(timeout=10) and version("a") == 2  # one step back only
+    spare = engine.path / ".a.swap.spare"  # the undone version's blocks: the next write's target
+    assert spare.stat().st_ino != engine.file("a").stat().st_ino and spare.stat().st_blocks > 0
+    assert engine.write("a", torch.full((1000,), 4.0)).result(timeout=10).version == 3 and version("a") == 4
+    monkeypatch.setattr(os, "pwritev", lambda *a: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error")))
+    with pytest.raises(SwapError):
+        engine.write("a", torch.full((1000,), 5.0)).result(timeout=10)
+    monkeypatch.undo()
+    assert engine.restore("a").result(timeout=10) and version("a") == 4  # a failed write: nothing to undo
+    assert not engine.restore("never").result(timeout=10)
+    with SwapEngine(engine.path / "no-spares", spare=False) as plain:
+        plain.write("b", torch.ones(3))
+        plain.write("b", torch.zeros(3))
+        assert not plain.restore("b").result(timeout=10)  # the previous version is gone
+
+
+def test_reserve_allocates_the_next_writes_room_or_says_how_much_is_missing(tmp_path, monkeypatch):
+    with SwapEngine(tmp_path, block_bytes=1 << 20) as e:
+        e.write("a", torch.ones(100_000))
+        e.write("b", torch.ones(10))
+        e.reserve({"a": 400_000, "b": 40})
+        for name, n in (("a", 400_000), ("b", 40)):
+            spare = tmp_path / f".{name}.swap.spare"
+            assert spare.stat().st_blocks * 512 >= swap.file_nbytes(n) and spare.stat().st_ino != e.file(name).stat().st_ino
+        spare = tmp_path / ".a.swap.spare"
+        spare.unlink()
+        os.link(e.file("a"), spare)  # a crash between link and rename: the spare is the live file
+        real = os.statvfs
+        monkeypatch.setattr(os, "statvfs", lambda p: os.statvfs_result((*real(p)[:3], 0, 1, *real(p)[5:])))
+        with pytest.raises(SwapPathError, match=f"path: swap directory {tmp_path} has [0-9]+ bytes free, needs "
+                                                "[0-9]+ more: the room of the next write of 1 swap file \\(a\\.swap\\)") as info:
+            e.reserve({"a": 400_000, "b": 40})
+        assert info.value.errno == errno.ENOSPC and os.path.samefile(spare, e.file("a"))  # nothing allocated
+        monkeypatch.undo()
+        e.reserve({"a": 400_000, "b": 40})
+        assert not os.path.samefile(spare, e.file("a")) and spare.stat().st_blocks * 512 >= swap.file_nbytes(400_000)
+        assert e.write("a", torch.full((400_000,), 2.0)).result(timeout=10).version == 2
+        out = torch.empty(400_000)
+        e.read("a", out).result(timeout=10)
+        assert bool((out == 2).all())
+
+
+def test_a_read_only_engine_creates_writes_and_removes_nothing(tmp_path, monkeypatch):
+    with SwapEngine(tmp_path) as holder:
+        holder.write("r", torch.arange(5000.0)).result()
+        (tmp_path / ".r.swap.999999999.0.tmp").write_bytes(b"a dead writer's")
+        before = sorted(p.name for p in tmp_path.iterdir())
+        real_open = os.open
+
+        def no_writes(path, flags, *args):
+            assert not flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT), f"opened {path} to write"
+            return real_open(path, flags, *args)
+
+        monkeypatch.setattr(os, "open", no_writes)
+        with SwapEngine(tmp_path, read_only=True) as reader:
+            out = torch.empty(5000)
+            assert reader.read("r", out).result(timeout=10).version == 1 and torch.equal(out, torch.arange(5000.0))
+            for op, call in (("write", lambda: reader.write("r", out)), ("remove", lambda: reader.remove("r")),
+                             ("restore", lambda: reader.restore("r")), ("reserve", lambda: reader.reserve({"r": 4}))):
+                with pytest.raises(SwapError, match=f"{op} on a read-only swap engine"):
+                    call()
+        monkeypatch.undo()
+        assert sorted(p.name for p in tmp_path.iterdir()) == before
+    with pytest.raises(SwapPathError, match=f"{tmp_path / 'missing'} does not exist"):
+        SwapEngine(tmp_path / "missing", read_only=True)
 
 
 def test_free_space_counts_each_file_in_whole_blocks(tmp_path, monkeypatch):
@@ -383,6 +500,10 @@ def test_falls_back_when_o_direct_is_refused(tmp_path, monkeypatch):
         out = torch.empty_like(t)
         e.read("f", out).result()
     assert same_bytes(out, t)
+    with SwapEngine(tmp_path, read_only=True) as reader:  # probes nothing: its first read finds out
+        out = torch.empty_like(t)
+        reader.read("f", out).result()
+        assert reader.o_direct is False and same_bytes(out, t)
 
 
 @pytest.mark.parametrize("where", ["tmp", "shm"])

@@ -49,6 +49,21 @@ skipped too. A param no rank produced a grad for is left alone by the optimizer,
 overlap on N > 1 ranks, where it is updated with a zero grad (no rank can know before its update
 that the others produced none: weight decay applies to it).
 
+**A full or failing swap disk.** ``init`` (and ``zf.checkpoint.load``) allocates beside each swap
+file the room of its next version (its spare, ``zfunc.swap``), and each step first makes sure of it
+(``SwapEngine.reserve``: two stats per file; where room is missing, ``SwapPathError`` naming the
+folder, its free bytes and the bytes needed, raised before the state is touched). On a file system
+that overwrites in place (ext4, xfs) a step on a full disk then allocates nothing and trains on. A
+swap read or write that fails anyway (an I/O error, a short write; no room on a copy-on-write file
+system) fails the step with the engine's ``SwapError`` (no room: ``SwapPathError``, ``errno``
+ENOSPC or EDQUOT) once every file the step rewrote is back to its version before it
+(``SwapEngine.restore``). With ``optimizer="nvme", params="nvme"`` the state passed in is then
+whole and not consumed: save it, or call the step again once there is room. Other placements update
+their RAM leaves in place, so the state stays consumed and the error says so: restart from a
+checkpoint. Over several ranks only the failing rank raises (the others may wait in a collective):
+restart them all from a checkpoint. ``zf.checkpoint.save`` and ``full_params`` read the swap files
+without writing in their folder (``in_ram``), so a full swap disk does not stop a save elsewhere.
+
 **Cost** per rank, Psi params over N ranks (fp32 masters, Adam): RAM between steps holds nothing of
 what is offloaded to "nvme"; ``optimizer="cpu"`` holds 8 Psi/N of moments in host RAM, ``params``
 4 Psi/N of masters. Disk traffic per step with both on NVMe: reads 4 Psi/N per forward/backward
@@ -209,6 +224,7 @@ class OffloadedStep(Transformed):
                            else stores._param_store.put(f"p{i}.master", piece))
             del piece, state, s_leaves
         stores._wait_writes(None)
+        self._reserve(masters, states)  # the room of the first step's writes, held from now on
         path = self.path if self.engine is None else str(self.engine.path)  # this rank's files
         off = OffloadSpec(*_shard_fields(spec), self.where_optimizer, self.where_params, path, device)
         return TrainState(tree.unflatten(treespec, masters), tuple(states), 0, self.seed,
@@ -227,6 +243,13 @@ class OffloadedStep(Transformed):
             # RAM (an allocator arena, a staging buffer): at 8 the 403M-param GPT of
             # benchmarks/capacity.py no longer fit in 1 GiB
             self.engine = SwapEngine(rank_dir(self.path), files=files, threads=4)
+
+    def _reserve(self, params: PyTree, opt_state: PyTree) -> None:
+        """Allocate the room of the next write of each swap file of the state (``SwapEngine.reserve``,
+        a stat per file once held): ``SwapPathError`` naming the folder, its free and the needed
+        bytes if it is not there."""
+        if self.engine is not None:
+            self.engine.reserve({x.name: x.nbytes for x in tree.leaves((params, opt_state)) if isinstance(x, OnDisk)})
 
     def _check_state(self, state: Any) -> None:
         require_train_state(state)
@@ -256,9 +279,12 @@ class OffloadedStep(Transformed):
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         self._check_state(state)
+        self._reserve(state.params, state.opt_state)  # no room: fails here, the state untouched
         run = StepRun(self, state)  # all per-call state lives there, and in its roles
         try:
             return run.execute(state, batch)
+        except OSError as e:  # a swap read or write failed: the files go back to their versions before the step
+            raise _saying(e, run.roles.update.undo(state)) from e
         finally:
             self.peak_gathered_bytes, self.peak_whole_grad_bytes = run.peak_gathered_bytes, run.peak_whole_grad_bytes
             self.update_s = run.roles.update.update_s
@@ -287,16 +313,29 @@ def _overlap_allowed(step: Step, overlap: bool | None) -> bool:
     return not reasons if overlap is None else overlap
 
 
+def _saying(e: OSError, outcome: str) -> OSError:
+    """``e`` with ``outcome`` (what became of the state) added to its message, same type and errno."""
+    from zfunc.swap import SwapError
+
+    if not isinstance(e, SwapError):
+        e.add_note(outcome)
+        return e
+    told = type(e)(f"{e}; {outcome}")
+    told.errno = e.errno
+    return told
+
+
 def in_ram(state: TrainState) -> TrainState:
     """``state`` with every leaf kept in a swap file read back into (new) CPU tensors; the state
     itself is not consumed. What ``zf.checkpoint.save`` and ``full_params`` read an offloaded
-    state through (so they need RAM for this rank's whole state)."""
+    state through (so they need RAM for this rank's whole state). It writes nothing in the swap
+    folder (a read-only engine): a state saves while that disk is full."""
     spec = state.placement
-    if not isinstance(spec, OffloadSpec) or spec.path is None:
-        return state
+    if not isinstance(spec, OffloadSpec) or "nvme" not in (spec.optimizer, spec.params):
+        return state  # nothing in files (the path is kept, but no folder was made)
     from zfunc.swap import SwapEngine
 
-    with SwapEngine(spec.path, lock=False) as engine:  # a reader beside the step's engine, between steps
+    with SwapEngine(spec.path, read_only=True) as engine:  # a reader beside the step's engine, between steps
         store = Store(engine)
         futures = tree.map(store.fetch, (state.params, state.opt_state))  # RAM leaves come back as they are
         params, opt_state = tree.map(lambda f: f.result(), futures)

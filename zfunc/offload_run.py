@@ -14,6 +14,7 @@ non-finite steps are ``zfunc.offload``'s.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import weakref
@@ -88,26 +89,67 @@ class ComputeCopies:
 
 class _Stores:
     """Where one call (an ``init`` or a step) puts leaves: the optimizer's and the params' stores,
-    and the writes in flight (at most ``2 * chunk_bytes``)."""
+    the writes in flight (at most ``2 * chunk_bytes``) and the files the call rewrote."""
 
     def __init__(self, step: OffloadedStep, device: torch.device):
         pin = device.type == "cuda"
-        self.chunk_bytes = step.chunk_bytes
+        self.chunk_bytes, self.engine = step.chunk_bytes, step.engine
         self._writes: deque = deque()
+        self._in_flight = 0  # bytes of ``_writes``
+        self._rewritten: list[str] = []  # the files whose new versions this call issued
+        self._in_place = (step.where_optimizer, step.where_params) != ("nvme", "nvme")  # leaves in RAM
         self._opt_store = Store(step.engine if step.where_optimizer == "nvme" else None, pin, self._track)
         self._param_store = Store(step.engine if step.where_params == "nvme" else None, pin, self._track)
 
-    def _track(self, write: Future | None, nbytes: int) -> None:
+    def _track(self, write: Future | None, nbytes: int, name: str | None = None) -> None:
+        """Count ``write`` in flight (``name``: a file the call rewrites, put back if it fails)."""
         if write is None:
             return
+        if name is not None:
+            self._rewritten.append(name)
         self._writes.append((write, nbytes))
+        self._in_flight += nbytes
         self._wait_writes(2 * self.chunk_bytes)
 
     def _wait_writes(self, budget: int | None) -> None:
-        """Wait for the oldest writes until at most ``budget`` bytes are in flight (all: None)."""
+        """Wait for the oldest writes until at most ``budget`` bytes are in flight (all: None);
+        the first that failed raises (the rest stay counted, for ``_drain``)."""
         writes = self._writes
-        while writes and (budget is None or sum(n for _, n in writes) > budget):
-            writes.popleft()[0].result()
+        while writes and (budget is None or self._in_flight > budget):
+            write, nbytes = writes.popleft()
+            self._in_flight -= nbytes
+            write.result()
+
+    def _drain(self) -> None:
+        """Wait for every write in flight, their errors dropped: only a call that has failed
+        already has writes left at its end (a step waits for all of its own before it returns)."""
+        while self._writes:
+            with contextlib.suppress(Exception):
+                self._wait_writes(None)
+
+    def undo(self, state: TrainState) -> str:
+        """After a failed call: every write waited for and every file the call rewrote put back
+        to its version before it (``SwapEngine.restore``); ``state`` (the one the call took) usable
+        again where that leaves it whole: nothing of it lives in RAM, where an update works in
+        place. Says which, for the error."""
+        self._drain()
+        if not state.consumed:
+            return "the state passed in is unchanged"
+        lost = "the state passed in is consumed"
+        try:
+            kept = [self.engine.restore(name) for name in self._rewritten] if self._rewritten else []
+            if not all(k.result() for k in kept):
+                return (f"{lost}: the previous versions of its files were not kept (no spare files: hard links "
+                        "unsupported on the swap disk?); restart from a checkpoint")
+        except OSError as e:
+            return f"{lost}: putting its files back failed ({e}); restart from a checkpoint"
+        if self._in_place:
+            return (f"{lost}: its leaves in RAM were updated in place before the failure (the files written are back "
+                    "to their versions before the step, but only optimizer='nvme' with params='nvme' keeps a failed "
+                    "step's input whole); restart from a checkpoint")
+        state._consumed = False
+        return ("the state passed in is unchanged: the step's files are back to their versions before it (save it, "
+                "or make room and call the step again)")
 
 
 class StoredPieces(Role):
@@ -169,7 +211,7 @@ class LeafUpdate(_Stores, Role):
     def finish(self) -> None:
         if self._update_seen is not None:
             self.run.step._update_order = self._update_seen
-        self._wait_writes(None)
+        self._drain()
 
     def _leaf_bytes(self, i: int) -> int:
         return 4 * math.prod(self._state_spec.leaves[i].local_shape(self._state_spec.rank))
@@ -274,8 +316,7 @@ class LeafUpdate(_Stores, Role):
             master.copy_(new_p)
             new_p = master
         handle, write = self._param_store.store_back(self._masters[i], new_p)
-        if write is not None:
-            self._track(write, self._leaf_bytes(i))
+        self._track(write, self._leaf_bytes(i), getattr(handle, "name", None))
         if out is not None:
             self.compute_copies.written(handle, out)
         if state_leaves is None:  # in RAM: the new state is kept as it is
@@ -285,7 +326,7 @@ class LeafUpdate(_Stores, Role):
         for old, new in zip(state_leaves, tree.leaves(new_state)):
             if _is_stored(old):
                 kept, write = self._opt_store.store_back(old, new)
-                self._track(write, new.numel() * new.element_size())
+                self._track(write, new.numel() * new.element_size(), getattr(kept, "name", None))
                 new_leaves.append(kept)
             else:
                 new_leaves.append(new)

@@ -29,12 +29,22 @@ writes ~1.5x faster here (ext4 mounted with ``discard``: freeing a 1 GiB file to
 the disk space. Rename rather than two slots per name with the header's version deciding: a rename
 never exposes a torn file and data and header need no ordering.
 
+**Failures.** A write that cannot complete (no room: ENOSPC or EDQUOT, an I/O error, a short
+write) fails its future with a ``SwapError`` naming the file (no room: a ``SwapPathError`` naming
+the directory, its free bytes and the bytes needed, ``errno`` the cause's), and the previous
+version stays the file; the temporary goes back to being the spare, so its blocks stay allocated.
+``restore(name)`` goes back to the version before ``name``'s last write (the spare renamed over the
+file): a caller that wrote several names and met a failure puts them all back. ``reserve(sizes)``
+allocates the room of the next write of each name ahead (its spare): with the room held, a full
+disk fails nothing later on a file system that overwrites in place (not copy-on-write ones).
+
 **One engine per directory.** An engine holds an exclusive ``flock`` on the directory for its
 lifetime; a second engine on it is refused with ``SwapInUseError`` (``zfunc.swap_dir``).
-``lock=False`` takes no lock, for a reader beside the holder (``zfunc.offload.in_ram`` between
-steps); a reader that keeps a file open across two writes of its name would see its spare
-overwritten (``spare=False`` gives such readers the version they opened). Ranks of one job given
-one path use ``rank_dir(path)``.
+``read_only=True`` takes no lock and creates, writes and removes nothing (so it reads a full
+disk), for a reader beside the holder (``zfunc.offload.in_ram`` between steps); ``lock=False``, a
+writer taking no lock, for tests. A reader that keeps a file open across two writes of its name
+would see its spare overwritten (``spare=False`` gives such readers the version they opened). Ranks
+of one job given one path use ``rank_dir(path)``.
 
 **Checked.** Block crc32s combine into the payload's. A bad header, a truncated file or a payload
 mismatch raises ``SwapChecksumError`` naming the file (``out`` is then unspecified); ``verify=False``
@@ -51,12 +61,13 @@ staging buffers of ``block_bytes``, allocated on first need.
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import os
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 from pathlib import Path
@@ -65,9 +76,10 @@ from urllib.parse import quote
 import torch
 
 # the engine's parts, re-exported: ``zfunc.swap.X`` is where users find every public name
-from zfunc.swap_dir import (LOCK_FILE, _O_DIRECT, _hold_directory, _o_direct_works, _pread_all,  # noqa: F401
-                            _pwrite_all, _release_directory, _remove_stale_temporaries, _reserve, _spare,
-                            check_path, fsync_dir, rank_dir)
+from zfunc.swap_dir import (LOCK_FILE, _O_DIRECT, ROOM_ERRNOS, _hold_directory, _o_direct_works,  # noqa: F401
+                            _open_target, _pread_all, _put_back, _pwrite_all, _release_directory,
+                            _remove_stale_temporaries, _reserve, _spare, _spare_back, check_path, check_readable,
+                            fsync_dir, no_room, rank_dir, reserve_spares)
 from zfunc.swap_format import (ALIGN, FORMAT, MAGIC, SwapChecksumError, SwapError, SwapHeader,  # noqa: F401
                                SwapInUseError, SwapMismatchError, SwapPathError, _mv, _pack_header, _pad,
                                _unpack_header, _version_on_disk, aligned_empty, aligned_like, crc32, crc32_combine,
@@ -102,13 +114,16 @@ class SwapEngine:
         system's blocks (``check_path``), twice with ``spare`` (each file and its spare), else
         plus the largest (one new version beside its old).
       lock: hold the directory's lock while open (``SwapInUseError`` if another engine holds it);
-        False only for a reader beside the holder, which must not write while the holder does.
+        False: none, for a writer that knows no other engine writes there.
+      read_only: read only, beside the holder (which must not write meanwhile): no lock, no room
+        checked, nothing created, written or removed in ``path`` (which must exist), so it reads a
+        full or read-only disk; ``write``, ``remove``, ``reserve`` and ``restore`` raise SwapError.
     """
 
     def __init__(self, path: str | os.PathLike, *, threads: int = 8, block_bytes: int = 8 << 20,
                  queue_depth: int | None = None, o_direct: bool = True, fsync: str = "never",
                  verify: bool = True, spare: bool = True, need_bytes: int = 0, files: Iterable[int] = (),
-                 lock: bool = True):
+                 lock: bool = True, read_only: bool = False):
         for arg, value in (("threads", threads), ("queue_depth", threads if queue_depth is None else queue_depth)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{arg}: expected an int >= 1, got {value!r}")
@@ -117,20 +132,28 @@ class SwapEngine:
         if fsync not in FSYNC:
             raise ValueError(f"fsync: expected one of {FSYNC}, got {fsync!r}")
         files = list(files)
-        self.path = check_path(path, need_bytes, files * 2 if spare else files + [max(files, default=0)])
-        # closing the lock's fd releases it: on close(), or when an unclosed engine is collected
-        self._unlock = (weakref.finalize(self, _release_directory, _hold_directory(self.path), self.path / LOCK_FILE)
-                        if lock else lambda: None)
-        self.o_direct = bool(o_direct) and _o_direct_works(self.path)
+        self.read_only = bool(read_only)
+        if self.read_only:  # O_DIRECT where reads take it (``_open_for_read`` falls back)
+            self.path, self._unlock = check_readable(path), lambda: None
+            self.o_direct = bool(o_direct) and bool(_O_DIRECT)
+        else:
+            self.path = check_path(path, need_bytes, files * 2 if spare else files + [max(files, default=0)])
+            # closing the lock's fd releases it: on close(), or when an unclosed engine is collected
+            self._unlock = (weakref.finalize(self, _release_directory, _hold_directory(self.path),
+                                             self.path / LOCK_FILE) if lock else lambda: None)
+            self.o_direct = bool(o_direct) and _o_direct_works(self.path)
+            _remove_stale_temporaries(self.path)
         self.threads, self.block_bytes, self.queue_depth = threads, block_bytes, queue_depth or threads
         self.fsync, self.verify, self.spare = fsync, verify, spare
         self.bytes_written = self.bytes_read = 0  # payload bytes of completed transfers
-        _remove_stale_temporaries(self.path)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="zfunc-swap")
         self._lock = threading.Lock()
         self._last: dict[str, Future] = {}  # the last operation issued on each name
         self._pending: set[Future] = set()
         self._versions: dict[str, int] = {}
+        # where the version before each name's last write is: "file" (that write failed before its
+        # commit), "spare" (it committed, the spare is the old file); absent: not kept (restore: False)
+        self._before: dict[str, str] = {}
         self._staging: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         self._seq = itertools.count()
         self._closed = False
@@ -147,6 +170,7 @@ class SwapEngine:
         Returns a Future of the new file's ``SwapHeader``; don't modify ``tensor`` until it is done.
         If it fails (``SwapError`` naming the file), the previous version of ``name`` is unchanged.
         """
+        self._writable("write")
         file, src = self.file(name), _flat_bytes("tensor", tensor)
         header = SwapHeader(0, tensor.dtype, tuple(tensor.shape), src.numel(), None)
         return self._after(name, lambda fut: self._write(name, file, header, src, fut))
@@ -162,15 +186,55 @@ class SwapEngine:
 
     def remove(self, name: str) -> bool:
         """Delete ``name``'s file (and spare) once the operations on it issued before end; whether it existed."""
+        self._writable("remove")
         file = self.file(name)
 
         def unlink(fut: Future) -> None:
             existed = file.exists()
             file.unlink(missing_ok=True)
             _spare(file).unlink(missing_ok=True)
+            self._before.pop(name, None)
             fut.set_result(existed)
 
         return self._after(name, unlink).result()
+
+    def restore(self, name: str) -> Future:
+        """Make the version ``name`` had before its last write (issued before this call) its
+        version again, once that write ends: undone if it completed (its spare, the previous file,
+        renamed back over the file; the newer file's blocks become the spare), nothing to do if it
+        failed. A Future of whether that version was there to restore: False where it is not kept
+        (``spare=False``, a file system without hard links, a restore or remove since, or no write
+        of ``name`` by this engine). Cost: a hard link and two renames, no data moved."""
+        self._writable("restore")
+        file = self.file(name)
+
+        def back(fut: Future) -> None:
+            before = self._before.pop(name, None)
+            self._versions.pop(name, None)  # the next write counts on from the file's
+            if before == "spare":
+                _spare_back(file, file.with_name(f".{file.name}.{os.getpid()}.{next(self._seq)}.tmp"))
+                if self.fsync == "write":
+                    fsync_dir(self.path)
+            fut.set_result(before is not None)
+
+        return self._after(name, back)
+
+    def reserve(self, sizes: Mapping[str, int]) -> None:
+        """Allocate now the room of the next write of each name (name -> payload bytes): its
+        spare, created or grown to ``file_nbytes``, so that write allocates no block (on a file
+        system that overwrites in place; a copy-on-write one needs new blocks for every write).
+        Waits for the operations on these names issued before; do not issue more until it returns.
+        Raises ``SwapPathError`` naming the directory, its free bytes and the bytes needed before
+        allocating anything when they do not fit. Cost: two stats per name; blocks allocated only
+        where a spare is missing or short (after ``init``'s first writes, a ``restore`` without
+        hard links, a crash). With ``spare=False`` there is nothing to hold the room: no-op."""
+        self._writable("reserve")
+        if not self.spare or not sizes:
+            return
+        with self._lock:
+            earlier = [self._last[n] for n in sizes if n in self._last]
+        wait(earlier)
+        reserve_spares(self.path, {self.file(name): file_nbytes(n) for name, n in sizes.items()})
 
     def close(self) -> None:
         """Wait for every operation issued, stop the workers, release the directory (idempotent)."""
@@ -207,6 +271,10 @@ class SwapEngine:
         submit() if before is None else before.add_done_callback(submit)
         return fut
 
+    def _writable(self, op: str) -> None:
+        if self.read_only:
+            raise SwapError(f"{self.path}: {op} on a read-only swap engine (read_only=True)")
+
     def _forget(self, name: str, fut: Future) -> None:
         with self._lock:
             self._pending.discard(fut)
@@ -218,9 +286,29 @@ class SwapEngine:
     def _write(self, name: str, file: Path, header: SwapHeader, src: torch.Tensor, fut: Future) -> None:
         version = (self._versions.get(name) or _version_on_disk(file)) + 1
         self._versions[name] = version  # operations on one name run one at a time
+        self._before[name] = "file"  # until the commit, the previous version is the file
         _pack_header(header)  # a shape too long for the header fails here, before any file exists
         tmp = file.with_name(f".{file.name}.{os.getpid()}.{next(self._seq)}.tmp")
-        fd = self._open_target(file, tmp)
+        failed = f"{file}: writing {name!r} failed, its previous version is unchanged"
+
+        def error(e: OSError) -> SwapError:
+            if e.errno in ROOM_ERRNOS:
+                return no_room(self.path, file_nbytes(header.nbytes), failed, e)
+            err = SwapError(f"{failed} ({e})")
+            err.errno = e.errno
+            return err
+
+        fd = None
+        try:
+            fd = _open_target(file, tmp, self.spare, self._direct)
+            _reserve(fd, file_nbytes(header.nbytes), file, failed)
+        except BaseException as e:
+            if fd is not None:
+                os.close(fd)
+            _put_back(tmp, file, self.spare)
+            if isinstance(e, OSError) and not isinstance(e, SwapError):
+                raise error(e) from e
+            raise
 
         def finish(crc: int) -> SwapHeader:
             done = replace(header, version=version, crc32=crc if self.verify else None)
@@ -229,43 +317,29 @@ class SwapEngine:
                 _pwrite_all(fd, _mv(buf), 0)
             if self.fsync == "write":
                 os.fsync(fd)
+            kept = False
             if self.spare:  # the version being replaced becomes the next write's target
                 with contextlib.suppress(OSError):  # none yet, or no hard links here: no spare
                     os.link(file, _spare(file))
+                    kept = True
             os.replace(tmp, file)  # the commit point
+            if kept:
+                self._before[name] = "spare"
+            else:
+                del self._before[name]
             if self.fsync == "write":
                 fsync_dir(self.path)
             with self._lock:
                 self.bytes_written += header.nbytes
             return done
 
-        try:
-            _reserve(fd, file_nbytes(header.nbytes), tmp)
-        except BaseException:
-            os.close(fd)
-            tmp.unlink(missing_ok=True)
-            raise
-        _Transfer(self._pool, self.queue_depth, header.nbytes, self.block_bytes, fd, file,
-                  f"writing {name!r} failed, its previous version is unchanged",
+        _Transfer(self._pool, self.queue_depth, header.nbytes, self.block_bytes, fd, file, error,
                   lambda off, n: self._move(fd, src[off : off + n], ALIGN + off, file, write=True),
-                  finish, lambda: tmp.unlink(missing_ok=True), fut).start()
-
-    def _open_target(self, file: Path, tmp: Path) -> int:
-        """Open ``tmp`` for the next version: the spare renamed (overwritten in place), else a new file."""
-        if self.spare:
-            try:
-                os.replace(_spare(file), tmp)
-            except FileNotFoundError:
-                pass
-            else:  # a crash between link and replace leaves the spare a second name of the live file
-                if not (file.exists() and os.path.samefile(tmp, file)):
-                    return os.open(tmp, os.O_WRONLY | self._direct)
-                tmp.unlink()
-        return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._direct, 0o644)
+                  finish, lambda: _put_back(tmp, file, self.spare), fut).start()
 
     def _read(self, name: str, file: Path, out: torch.Tensor, dst: torch.Tensor, fut: Future) -> None:
         try:
-            fd = os.open(file, os.O_RDONLY | self._direct)
+            fd = self._open_for_read(file)
         except FileNotFoundError as e:
             raise SwapError(f"{file}: no swap file for {name!r} (never written, or removed)") from e
         try:
@@ -281,9 +355,21 @@ class SwapEngine:
                 self.bytes_read += header.nbytes
             return header
 
-        _Transfer(self._pool, self.queue_depth, header.nbytes, self.block_bytes, fd, file, f"reading {name!r} failed",
+        _Transfer(self._pool, self.queue_depth, header.nbytes, self.block_bytes, fd, file,
+                  lambda e: SwapError(f"{file}: reading {name!r} failed ({e})"),
                   lambda off, n: self._move(fd, dst[off : off + n], ALIGN + off, file, write=False),
                   finish, lambda: None, fut).start()
+
+    def _open_for_read(self, file: Path) -> int:
+        """``file`` opened for reading, with O_DIRECT while the file system takes it (a read-only
+        engine has not probed it: the first refusal turns it off)."""
+        try:
+            return os.open(file, os.O_RDONLY | self._direct)
+        except OSError as e:
+            if e.errno != errno.EINVAL or not self._direct:
+                raise
+            self.o_direct = False
+            return os.open(file, os.O_RDONLY)
 
     def _check_header(self, fd: int, file: Path, out: torch.Tensor) -> SwapHeader:
         with self._staged(ALIGN) as buf:

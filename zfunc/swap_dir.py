@@ -11,22 +11,27 @@ directory (a resumed one) starts. Ranks of one job given one path use ``rank_dir
 
 **Room.** ``check_path`` counts each file in the file system's allocation blocks, so many small
 files are not undercounted; ``_reserve`` allocates a file's blocks before any data moves, so a full
-disk fails before the previous version is touched. Temporaries of writers that died mid-write
-(``.<file>.<pid>.<seq>.tmp``) are removed by the next engine (``_remove_stale_temporaries``).
+disk fails before the previous version is touched. A write that finds no room (ENOSPC, EDQUOT)
+fails with ``no_room``'s ``SwapPathError``: the directory, its free bytes and the bytes needed,
+its ``errno`` the cause's. Temporaries of writers that died mid-write (``.<file>.<pid>.<seq>.tmp``)
+are removed by the next engine (``_remove_stale_temporaries``). ``check_readable`` checks a
+directory for a reader, writing nothing: a full disk still reads.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import gc
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from zfunc.swap_format import ALIGN, SwapChecksumError, SwapInUseError, SwapPathError, _mv, aligned_empty, disk_bytes
 
 LOCK_FILE = ".zfunc-swap.lock"
+ROOM_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # a write finds no room: the disk is full, or a quota
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
@@ -56,12 +61,16 @@ def check_path(path: str | os.PathLike, need_bytes: int = 0, files: Iterable[int
     Raises ``SwapPathError`` naming the path otherwise. Call it before training starts.
     """
     p = Path(path)
+    probe = p / f".probe.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
         p.mkdir(parents=True, exist_ok=True)
-        probe = p / f".probe.{os.getpid()}.{threading.get_ident()}.tmp"
-        probe.write_bytes(bytes(ALIGN))
-        probe.unlink()
+        try:
+            probe.write_bytes(bytes(ALIGN))
+        finally:  # created, then the write failed (a full disk): not left behind
+            probe.unlink(missing_ok=True)
     except OSError as e:
+        if e.errno in ROOM_ERRNOS:
+            raise no_room(p, ALIGN, "path", e) from e
         raise SwapPathError(f"path: swap directory {p} cannot be created or written ({e})") from e
     st = os.statvfs(p)
     block = st.f_frsize or ALIGN
@@ -72,6 +81,38 @@ def check_path(path: str | os.PathLike, need_bytes: int = 0, files: Iterable[int
                             f"{need / 2**30:.2f} GiB (need_bytes={need_bytes} + {len(sizes)} files "
                             f"in {block}-byte blocks)")
     return p
+
+
+def check_readable(path: str | os.PathLike) -> Path:
+    """``path`` if it is a directory this process can read; ``SwapPathError`` naming it otherwise.
+    Creates and writes nothing, so a reader works on a full or read-only file system."""
+    p = Path(path)
+    if not p.is_dir():
+        raise SwapPathError(f"path: swap directory {p} does not exist or is not a directory")
+    if not os.access(p, os.R_OK | os.X_OK):
+        raise SwapPathError(f"path: swap directory {p} cannot be read (permission denied)")
+    return p
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes free for this process in ``path``'s file system (``statvfs``: blocks free to non-root)."""
+    st = os.statvfs(path)
+    return st.f_bavail * (st.f_frsize or ALIGN)
+
+
+def no_room(directory: Path, need: int, what: str, cause: OSError | None = None) -> SwapPathError:
+    """The error for ``what`` (a write, a reservation) finding no room in ``directory``: its free
+    bytes and the ``need`` bytes, the cause (ENOSPC; EDQUOT: a quota, which free space does not
+    show) kept as ``errno``, ``__cause__`` once raised ``from`` it."""
+    quota = cause is not None and cause.errno == errno.EDQUOT
+    try:
+        free = f"{free_bytes(directory)} bytes free"
+    except OSError:
+        free = "free space unknown"
+    err = SwapPathError(f"{what}: swap directory {directory} {'is over its disk quota' if quota else 'is full'}: "
+                        f"{free}, needs {need} bytes{f' ({cause})' if cause is not None else ''}")
+    err.errno = errno.ENOSPC if cause is None else cause.errno
+    return err
 
 
 def _hold_directory(directory: Path) -> int:
@@ -151,6 +192,8 @@ def _o_direct_works(directory: Path) -> bool:
             os.close(fd)
         return bool(_O_DIRECT)
     except OSError as e:
+        if e.errno in ROOM_ERRNOS:
+            raise no_room(directory, ALIGN, "path", e) from e
         if e.errno != errno.EINVAL:
             raise SwapPathError(f"path: swap directory {directory} cannot be written ({e})") from e
         return False
@@ -169,22 +212,108 @@ def _remove_stale_temporaries(directory: Path) -> None:
             pass  # not ours, or its writer is alive
 
 
-def _reserve(fd: int, size: int, file: Path) -> None:
-    """Allocate the file's blocks up front: a full disk fails here, before any data moves."""
+def _reserve(fd: int, size: int, file: Path, what: str) -> None:
+    """Allocate the file's ``size`` bytes of blocks up front: a full disk fails here, before any
+    data moves, with ``no_room``'s error naming ``file``'s directory (``what``: the operation).
+    Blocks the file holds already are kept: reserving them again needs no room."""
     try:
         if os.fstat(fd).st_size > size:  # a spare from a bigger tensor
             os.ftruncate(fd, size)
         os.posix_fallocate(fd, 0, size)
     except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise SwapPathError(f"{file}: no space left for {size} bytes") from e
+        if e.errno in ROOM_ERRNOS:
+            raise no_room(file.parent, size, what, e) from e
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
             raise
         os.ftruncate(fd, size)
 
 
+def reserve_spares(directory: Path, files: Mapping[Path, int]) -> None:
+    """Make each file's spare (``_spare``) hold ``files[file]`` bytes of allocated blocks: created,
+    or grown, where missing or short, or where it names the live file (a crash between a commit's
+    link and rename). ``SwapPathError`` (``errno`` ENOSPC) naming ``directory``, its free bytes and
+    the bytes needed when they do not fit, before anything is allocated. Cost: two stats per file."""
+    block = os.statvfs(directory).f_frsize or ALIGN
+    short = {}  # file -> (its spare is the live file, bytes of blocks to allocate)
+    for file, size in files.items():
+        try:
+            st = os.stat(_spare(file))
+        except FileNotFoundError:
+            short[file] = (False, -(-size // block) * block)
+            continue
+        alias = _same_file(st, file)
+        missing = -(-size // block) * block - (0 if alias else st.st_blocks * 512)
+        if missing > 0:
+            short[file] = (alias, missing)
+    need, free = sum(n for _, n in short.values()), free_bytes(directory)
+    if need > free:
+        few = ", ".join(sorted(f.name for f in short)[:3]) + (", ..." if len(short) > 3 else "")
+        count = f"{len(short)} swap file{'s' if len(short) > 1 else ''}"
+        err = SwapPathError(f"path: swap directory {directory} has {free} bytes free, needs {need} more: the room "
+                            f"of the next write of {count} ({few}). Free space there, or move the swap files to a "
+                            "disk with room")
+        err.errno = errno.ENOSPC
+        raise err
+    for file, (alias, _) in short.items():
+        spare = _spare(file)
+        if alias:
+            spare.unlink()
+        fd = os.open(spare, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            _reserve(fd, files[file], file, f"path: reserving room for {file.name}")
+        finally:
+            os.close(fd)
+
+
+def _same_file(st: os.stat_result, file: Path) -> bool:
+    try:
+        other = os.stat(file)
+    except FileNotFoundError:
+        return False
+    return (st.st_dev, st.st_ino) == (other.st_dev, other.st_ino)
+
+
+def _spare_back(file: Path, tmp: Path) -> None:
+    """Make ``file``'s spare the file again; the file it replaces becomes the spare (through
+    ``tmp``, a hard link: its blocks stay allocated), or is freed without hard links. At every
+    moment ``file`` names one complete version."""
+    try:
+        os.link(file, tmp)
+    except OSError:
+        tmp = None
+    os.replace(_spare(file), file)  # the commit point
+    if tmp is not None:
+        os.replace(tmp, _spare(file))
+
+
 def _spare(file: Path) -> Path:
     return file.with_name(f".{file.name}.spare")
+
+
+def _open_target(file: Path, tmp: Path, spare: bool, direct: int) -> int:
+    """Open ``tmp`` for ``file``'s next version: the spare renamed (overwritten in place; with
+    ``spare``), else a new file; ``direct``: O_DIRECT or 0."""
+    if spare:
+        try:
+            os.replace(_spare(file), tmp)
+        except FileNotFoundError:
+            pass
+        else:  # a crash between link and replace leaves the spare a second name of the live file
+            if not (file.exists() and os.path.samefile(tmp, file)):
+                return os.open(tmp, os.O_WRONLY | direct)
+            tmp.unlink()
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | direct, 0o644)
+
+
+def _put_back(tmp: Path, file: Path, spare: bool) -> None:
+    """A failed write's temporary becomes ``file``'s spare (garbage, but its blocks stay
+    allocated: the room is kept), or is removed without ``spare``. Gone already if the commit
+    happened, or the target was never opened."""
+    if spare:
+        with contextlib.suppress(FileNotFoundError):
+            os.replace(tmp, _spare(file))
+    else:
+        tmp.unlink(missing_ok=True)
 
 
 def fsync_dir(path: Path) -> None:
@@ -197,9 +326,14 @@ def fsync_dir(path: Path) -> None:
 
 
 def _pwrite_all(fd: int, data: memoryview, pos: int) -> None:
+    """Write all of ``data`` at ``pos``, going on after short writes; a write of nothing (which
+    would loop forever) raises OSError(EIO)."""
     done = 0
     while done < len(data):
-        done += os.pwritev(fd, [data[done:]], pos + done)
+        n = os.pwritev(fd, [data[done:]], pos + done)
+        if n <= 0:
+            raise OSError(errno.EIO, f"short write: {done} of {len(data)} bytes at offset {pos} written, then none")
+        done += n
 
 
 def _pread_all(fd: int, data: memoryview, pos: int, file: Path) -> None:

@@ -22,14 +22,14 @@ class _Transfer:
 
     A finished block submits the next, so no worker waits on another (no deadlock at any pool size)
     and the blocks of concurrent transfers interleave in the pool's queue. ``fd`` is closed at the
-    end, after ``finish`` or ``cleanup``; the future gets finish's value or a ``SwapError`` naming
-    ``file`` and saying ``what`` failed.
+    end, after ``finish`` or ``cleanup``; the future gets finish's value or a ``SwapError``:
+    ``error(e)`` for an OSError ``e`` that is not one already (it names the file and what failed).
     """
 
     def __init__(self, pool: ThreadPoolExecutor, depth: int, nbytes: int, block: int, fd: int, file: Path,
-                 what: str, move: Callable[[int, int], int], finish: Callable[[int], object],
-                 cleanup: Callable[[], None], fut: Future):
-        self.pool, self.fd, self.file, self.what, self.fut = pool, fd, file, what, fut
+                 error: Callable[[OSError], SwapError], move: Callable[[int, int], int],
+                 finish: Callable[[int], object], cleanup: Callable[[], None], fut: Future):
+        self.pool, self.fd, self.file, self.error_of, self.fut = pool, fd, file, error, fut
         self.move, self.finish, self.cleanup = move, finish, cleanup
         self.blocks = [(off, min(block, nbytes - off)) for off in range(0, nbytes, block)]
         self.crcs = [0] * len(self.blocks)
@@ -71,7 +71,7 @@ class _Transfer:
             with contextlib.suppress(BaseException):
                 self.cleanup()
             if isinstance(e, OSError) and not isinstance(e, SwapError):
-                e = SwapError(f"{self.file}: {self.what} ({e})")
+                e = _caused(self.error_of(e), e)
             self.fut.set_exception(e)
         else:
             self.fut.set_result(result)
@@ -82,3 +82,8 @@ class _Transfer:
             total = crc32_combine(total, crc, n)
         return total
 
+
+
+def _caused(err: SwapError, cause: OSError) -> SwapError:
+    err.__cause__ = cause
+    return err
