@@ -39,6 +39,23 @@ functionalized modules with buffers (a teacher) must give the other explicit buf
 ``apply, (params, buffers) = functionalize(module, with_buffers=True)`` and
 ``out, new_buffers = apply(params, buffers, *args)``, which never reads or writes a step's state.
 
+**The module stays as it was.** ``apply`` runs the module it was given: its code, its submodules,
+and, where the dict it passes does not override them, its tensors (a tie torch finds at call time,
+a tensor kept as a plain attribute). So the module must keep, while ``apply`` is in use, every
+parameter, buffer and submodule ``functionalize`` found, on the same storage, with the same
+``requires_grad``. Each ``apply`` call checks, before it runs anything, that no slot of the module
+tree (``_parameters``, ``_buffers``, ``_modules`` of every submodule) was replaced, deleted or added,
+that no tensor's data moved in place (``module.to``/``.cuda``/``.half`` swap a parameter's data
+under the same object), and that no parameter's ``requires_grad`` flipped; a change raises
+``ModuleChangedError`` naming the first tensor or submodule and what changed. ``train()``/``eval()``,
+hooks, a ``forward`` replaced on an instance (``zf.remat``) and in-place writes of values are no
+change. Transformations of the module (``zf.tile``, ``zf.parallelize.prepare``,
+``zf.materialize``'s meta-device build) come before ``functionalize``.
+Cost: per call, four C-level passes over the slots (no Python loop): the identity of each slot's
+object, the size of each slot dict, each tensor's ``data_ptr`` and each parameter's
+``requires_grad`` -- ~0.05 us per slot, a small part of what ``functional_call`` already spends per
+call swapping every tensor in and out.
+
 **Who runs the module now.** ``run_by(runner)`` registers, for the duration of a block, an object
 whose ``running(module)`` context manager every ``apply`` enters around the module's call: ZeRO-3
 gathers units around their forwards, a pipeline stage runs only its units. That registry is all
@@ -47,6 +64,7 @@ gathers units around their forwards, a pipeline stage runs only its units. That 
 from __future__ import annotations
 
 import contextvars
+import operator
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
@@ -186,6 +204,111 @@ def _check_params(params: Any, expected: frozenset[str]) -> None:
         )
 
 
+class ModuleChangedError(RuntimeError):
+    """The module an ``apply`` runs no longer holds what ``functionalize`` found (module docstring)."""
+
+
+_REMEDY = ("apply runs the module as zf.functionalize found it, so nothing ran. Keep the module as it is "
+           "while apply is in use (apply and params hold its tensors already: moving it frees no memory), or "
+           "change it first (zf.tile, zf.parallelize.prepare, requires_grad, .to()) and call zf.functionalize "
+           "again. To start a model without memory, build it on the meta device before zf.functionalize and "
+           "give init a materializer (zf.materialize, as the README shows).")
+_KINDS = ("parameter", "buffer", "submodule")
+_requires_grad = operator.attrgetter("requires_grad")
+
+
+def _data_ptr(t: torch.Tensor) -> int | None:
+    try:
+        return t.data_ptr()
+    except RuntimeError:  # sparse, or a subclass without storage: its identity is checked
+        return None
+
+
+def _a(name: str) -> str:
+    return f"an {name}" if name[:1].lower() in "aeiou" else f"a {name}"
+
+
+class _Held:
+    """The slots of a module tree as ``functionalize`` found them: ``check()`` compares, in C-level
+    passes, what the module holds now (law and cost: module docstring) and names what differs."""
+
+    def __init__(self, module: nn.Module):
+        self.dicts: list[tuple[str, str, dict]] = []  # (module prefix, kind, slot dict)
+        self.slots: list[tuple[str, str, dict, str, Any]] = []  # (qualified name, kind, dict, key, object)
+        for prefix, m in module.named_modules():  # each module once; a shared child is a slot of each parent
+            for kind, d in zip(_KINDS, (m._parameters, m._buffers, m._modules)):
+                self.dicts.append((prefix, kind, d))
+                self.slots += [(f"{prefix}.{k}" if prefix else k, kind, d, k, v) for k, v in d.items()]
+        tensors = {n: v for n, kind, _, _, v in self.slots if kind != "submodule" and v is not None}
+        self.was = {n: (t.device, t.dtype, tuple(t.shape), _data_ptr(t)) for n, t in tensors.items()}
+        self.flags = {n: p.requires_grad for n, kind, _, _, p in self.slots if kind == "parameter" and p is not None}
+        self._slot_dicts = [s[2] for s in self.slots]
+        self._slot_keys = [s[3] for s in self.slots]
+        self._dicts = [d for _, _, d in self.dicts]
+        self._tensors = [tensors[n] for n, w in self.was.items() if w[3] is not None]
+        self._params = [tensors[n] for n in self.flags]
+        self._fingerprint = self.fingerprint()
+
+    def fingerprint(self) -> tuple[tuple, ...]:
+        """``(ids of the slots' objects, sizes of the slot dicts, data_ptr of the tensors,
+        requires_grad of the params)``, each a C-level pass; the objects are held here, so no
+        other object takes their id."""
+        return (tuple(map(id, map(dict.get, self._slot_dicts, self._slot_keys))), tuple(map(len, self._dicts)),
+                tuple(map(torch.Tensor.data_ptr, self._tensors)), tuple(map(_requires_grad, self._params)))
+
+    def intact(self) -> bool:
+        try:
+            return self.fingerprint() == self._fingerprint
+        except RuntimeError:  # a tensor without storage now
+            return False
+
+    def check(self) -> None:
+        """Raise ``ModuleChangedError`` naming the first change, if the module changed."""
+        if not self.intact():
+            changes = self.changes() or ["its slots are not the ones it held"]
+            more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
+            raise ModuleChangedError(f"apply: the module changed since zf.functionalize: {changes[0]}{more}. {_REMEDY}")
+
+    def changes(self) -> list[str]:
+        """What differs, in module order: slots replaced or deleted, then added, then tensors whose
+        data moved in place, then flipped ``requires_grad`` flags."""
+        out = [f"{kind} {name!r} {self._replaced(name, obj, d.get(key, _MISSING))}"
+               for name, kind, d, key, obj in self.slots if d.get(key, _MISSING) is not obj]
+        known = {(id(d), key) for _, _, d, key, _ in self.slots}
+        for prefix, kind, d in self.dicts:
+            out += [f"{kind} {f'{prefix}.{key}' if prefix else key!r} was added"
+                    for key in d if (id(d), key) not in known]
+        for name, kind, d, key, obj in self.slots:
+            if kind == "submodule" or obj is None:
+                continue
+            device, dtype, _, ptr = self.was[name]
+            if (obj.device, obj.dtype, _data_ptr(obj)) != (device, dtype, ptr):
+                out.append(f"{kind} {name!r} had its data replaced in place: {obj.device} {obj.dtype} (was {device} "
+                           f"{dtype}), as module.to(), .cuda() or .half() do")
+            if kind == "parameter" and obj.requires_grad != self.flags[name]:
+                out.append(f"parameter {name!r} has requires_grad={obj.requires_grad} (was {self.flags[name]} at "
+                           "zf.functionalize, which decides what trains)")
+        return out
+
+    def _replaced(self, name: str, obj: Any, now: Any) -> str:
+        if now is _MISSING:
+            return "was deleted"
+        if now is None:
+            return "was set to None"
+        if obj is None:
+            return f"was None and now holds {_a(type(now).__name__)}"
+        if isinstance(obj, nn.Module):
+            return f"was replaced by {_a(type(now).__name__)} (was {_a(type(obj).__name__)})"
+        device, dtype, shape, _ = self.was[name]
+        if isinstance(now, torch.Tensor) and now.device != device:
+            return f"was replaced by a tensor on {now.device} (was {device}), as module.to({now.device.type!r}) does"
+        got = f"{now.device} {now.dtype} {tuple(now.shape)}" if isinstance(now, torch.Tensor) else type(now).__name__
+        return f"was replaced by another tensor ({got}; was {device} {dtype} {shape})"
+
+
+_MISSING = object()
+
+
 def functionalize(module: nn.Module, *, with_buffers: bool = False) -> tuple[Callable[..., Any], Any]:
     """Split ``module`` into a pure ``apply`` function and its parameters.
 
@@ -208,11 +331,13 @@ def functionalize(module: nn.Module, *, with_buffers: bool = False) -> tuple[Cal
     frozen = {n: p.detach() for n, p in module.named_parameters() if not p.requires_grad}
     names = frozenset(trainable)
     norms = _norm_stats(module)
+    held = _Held(module)
 
     def call(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], args, kwargs,
              done: Callable[[dict[str, torch.Tensor]], None]):
         """The module's output; ``done(written)`` gets the buffers the forward wrote, also when
         the forward stops by an exception (a pipeline stage ends its forward that way)."""
+        held.check()
         _check_params(params, names)
         copies = {n: b.clone() for n, b in buffers.items()}  # the forward may write them in place
         versions = {n: b._version for n, b in copies.items()}
