@@ -414,3 +414,30 @@ def test_what_does_not_change_the_module_is_accepted():
         model.head.register_forward_hook(lambda *a: None)
 
     assert losses(remat_and_hook) == losses(lambda m: None)
+
+
+def test_values_loaded_into_the_module_between_functionalize_and_init_are_the_ones_trained():
+    """``load_state_dict`` writes the module's tensors in place (no slot changes): apply reads the
+    loaded buffers as it reads the loaded frozen params, never a copy stale since functionalize."""
+    torch.manual_seed(0)
+    model, trained = BNNet(mask=True), BNNet(mask=True)
+    model.fc2.bias.requires_grad_(False)
+    trained.fc2.bias.requires_grad_(False)
+    for x, _ in bn_batches(3):
+        trained(x)  # running statistics of its own
+    with torch.no_grad():
+        trained.mask.mul_(2.0)
+    apply, step = bn_step(model)
+    _, params = zf.functionalize(model)
+    model.load_state_dict(trained.state_dict())
+    state = step.init(params)
+    x = torch.randn(8, 3)
+    model.eval(), trained.eval()
+    with zf.module.using(state):
+        torch.testing.assert_close(apply(state.params, x), trained(x))
+    model.train(), trained.train()
+    ref = copy.deepcopy(trained)
+    state, _ = step(state, bn_batches(1)[0])
+    ref(bn_batches(1)[0][0])
+    for name in BN_STATS:
+        torch.testing.assert_close(state.buffers[name], ref.get_buffer(name))

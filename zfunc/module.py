@@ -9,8 +9,8 @@ its own tensors are never written, now or when ``apply`` runs.
 **Buffers a step carries.** A forward in training mode updates some buffers (BatchNorm's running
 statistics and ``num_batches_tracked``, an EMA a module keeps). A training step (``zf.train_step``
 and its transformations) carries them in ``TrainState.buffers`` (name -> tensor): during the step
-``apply`` reads each buffer from the state (a buffer the state does not hold yet comes from a
-snapshot taken at ``functionalize`` time), runs the module on copies, and hands every buffer the
+``apply`` reads each buffer from the state (a buffer the state does not hold yet comes from the
+module, as it holds it at the call), runs the module on copies, and hands every buffer the
 forward wrote to the step, which puts it into the new state. So a step of ``k`` forwards
 (``accum=k``, or a loss that calls ``apply`` twice) updates them ``k`` times, in order, as torch's
 own loop does in train mode; ``model.eval()`` makes the forward read them without updating them.
@@ -22,17 +22,17 @@ a new tensor to it, or when it is the running statistics of a normalization laye
 them and is in training mode (``torch.nn.modules.batchnorm._NormBase``: BatchNorm*, SyncBatchNorm,
 InstanceNorm* with ``track_running_stats=True``), whose update inside ``F.batch_norm`` does not bump
 the version counter. Only those enter the state: buffers no forward writes (a causal mask, rotary
-tables) stay in ``apply``'s snapshot, out of the state and its checkpoints. A state from ``init``
+tables) stay in the module, out of the state and its checkpoints. A state from ``init``
 holds no buffers; they join it at the first step whose forward writes them.
 
-Cost: each ``apply`` clones the module's buffers (so neither the state nor the snapshot is ever
+Cost: each ``apply`` clones the module's buffers (so neither the state nor the module is ever
 written: a failed step leaves its state intact) -- the buffers' bytes, small next to the params.
 
 **Evaluation with the trained statistics**: ``with zf.module.using(state): out = apply(params, x)``
 (``state`` a ``TrainState`` or a dict of buffers; a sharded state's buffers are whole, its params
 come from ``zf.checkpoint.full_params``). After ``model.eval()`` the module normalizes with them,
 as torch does; updates a forward makes under ``using`` are discarded. Outside any step or
-``using``, ``apply`` reads the snapshot and discards updates.
+``using``, ``apply`` reads the module's buffers and discards updates.
 
 **One module per step.** The buffers of a step belong to one module: a loss that runs two
 functionalized modules with buffers (a teacher) must give the other explicit buffers:
@@ -40,21 +40,24 @@ functionalized modules with buffers (a teacher) must give the other explicit buf
 ``out, new_buffers = apply(params, buffers, *args)``, which never reads or writes a step's state.
 
 **The module stays as it was.** ``apply`` runs the module it was given: its code, its submodules,
-and, where the dict it passes does not override them, its tensors (a tie torch finds at call time,
-a tensor kept as a plain attribute). So the module must keep, while ``apply`` is in use, every
-parameter, buffer and submodule ``functionalize`` found, on the same storage, with the same
-``requires_grad``. Each ``apply`` call checks, before it runs anything, that no slot of the module
-tree (``_parameters``, ``_buffers``, ``_modules`` of every submodule) was replaced, deleted or added,
-that no tensor's data moved in place (``module.to``/``.cuda``/``.half`` swap a parameter's data
-under the same object), and that no parameter's ``requires_grad`` flipped; a change raises
-``ModuleChangedError`` naming the first tensor or submodule and what changed. ``train()``/``eval()``,
-hooks, a ``forward`` replaced on an instance (``zf.remat``) and in-place writes of values are no
-change. Transformations of the module (``zf.tile``, ``zf.parallelize.prepare``,
-``zf.materialize``'s meta-device build) come before ``functionalize``.
-Cost: per call, four C-level passes over the slots (no Python loop): the identity of each slot's
-object, the size of each slot dict, each tensor's ``data_ptr`` and each parameter's
-``requires_grad`` -- ~0.05 us per slot, a small part of what ``functional_call`` already spends per
-call swapping every tensor in and out.
+its frozen parameters and buffers (read at each call: values written in place, as
+``load_state_dict`` does, are seen), and whatever tensor the dict it passes does not override (a
+tie torch finds at call time, a tensor kept as a plain attribute). So while ``apply`` is in use the
+module keeps every parameter, buffer and submodule ``functionalize`` found, on the same storage,
+with the same ``requires_grad``. Each ``apply`` call checks, before it runs anything, that no slot
+of the module tree (``_parameters``, ``_buffers``, ``_modules`` of every submodule) was replaced,
+deleted or added, that no tensor's data moved in place (``module.to``/``.cuda``/``.half`` swap a
+parameter's data under the same object), and that no parameter's ``requires_grad`` flipped; a
+change raises ``ModuleChangedError`` naming the first tensor or submodule and what changed, and
+what to do. ``train()``/``eval()``, hooks, a ``forward`` set on an instance (``zf.remat``) and
+in-place writes of values are no change. Transformations of the module (``zf.tile``,
+``zf.parallelize.prepare``, a meta-device build for ``zf.materialize``) come before ``functionalize``.
+
+Cost of the check: per call, four passes over the module tree, each one C-level ``map`` (no Python
+loop): the identity of each slot's object, the size of each slot dict, each tensor's ``data_ptr``,
+each parameter's ``requires_grad``: O(slots) at tens of nanoseconds each, about 5% of what
+``functional_call`` itself spends per call swapping every tensor in and out, and nothing next to a
+forward.
 
 **Who runs the module now.** ``run_by(runner)`` registers, for the duration of a block, an object
 whose ``running(module)`` context manager every ``apply`` enters around the module's call: ZeRO-3
@@ -115,8 +118,8 @@ class BufferScope:
         self.written: dict[str, None] = {}
         self._owner: nn.Module | None = None
 
-    def read(self, module: nn.Module, snapshot: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Every buffer of ``module``: the scope's where it has one, else the snapshot's."""
+    def read(self, module: nn.Module, held: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every buffer of ``module``: the scope's where it has one, else ``held`` (the module's)."""
         if self._owner is None:
             self._owner = module
         elif self._owner is not module:
@@ -124,11 +127,11 @@ class BufferScope:
                 f"apply: this step already ran a {type(self._owner).__name__} with buffers, now a "
                 f"{type(module).__name__}; a step carries one module's buffers: functionalize the other "
                 "with with_buffers=True and pass its buffers explicitly")
-        unknown = self.buffers.keys() - snapshot.keys()
+        unknown = self.buffers.keys() - held.keys()
         if unknown:
             raise KeyError(f"state.buffers: names {sorted(unknown)[:5]} are not buffers of the "
-                           f"{type(module).__name__} being run (expected some of {sorted(snapshot)[:5]})")
-        return {**snapshot, **self.buffers}
+                           f"{type(module).__name__} being run (expected some of {sorted(held)[:5]})")
+        return {**held, **self.buffers}
 
     def write(self, updates: dict[str, torch.Tensor]) -> None:
         if self.record and updates:
@@ -323,7 +326,9 @@ def functionalize(module: nn.Module, *, with_buffers: bool = False) -> tuple[Cal
       and storage); parameters with ``requires_grad=False`` are frozen into ``apply`` instead.
       ``apply``'s ``params`` must hold every trainable name, else ``KeyError`` names the missing.
       Inside a step, ``apply`` reads and updates the step's ``TrainState.buffers`` (module
-      docstring); elsewhere it reads a snapshot of the buffers taken now and discards updates.
+      docstring); elsewhere it reads the module's buffers and discards updates. The module must
+      stay as it is: ``apply`` raises ``ModuleChangedError`` at its first call after a change
+      (module docstring); values written into its tensors in place (``load_state_dict``) are read.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
@@ -362,13 +367,13 @@ def functionalize(module: nn.Module, *, with_buffers: bool = False) -> tuple[Cal
 
         return apply_with_buffers, (trainable, _buffer_snapshot(module))
 
-    snapshot = _buffer_snapshot(module)
+    held_buffers = {n: b.detach() for n, b in module.named_buffers()}  # aliases: the values at each call
 
     def apply(params, *args, **kwargs):
         """The module's output for ``params``, with the step's buffers (module docstring)."""
         scope = _SCOPE.get()
-        if scope is None or not snapshot:
-            return call(params, snapshot, args, kwargs, lambda written: None)
-        return call(params, scope.read(module, snapshot), args, kwargs, scope.write)
+        if scope is None or not held_buffers:
+            return call(params, held_buffers, args, kwargs, lambda written: None)
+        return call(params, scope.read(module, held_buffers), args, kwargs, scope.write)
 
     return apply, trainable
