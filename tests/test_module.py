@@ -1,5 +1,6 @@
 """functionalize: the pure apply equals the module, the module is never mutated, a step carries the
-buffers training updates (BatchNorm statistics) as torch's own loop updates them, errors are clear."""
+buffers training updates (BatchNorm statistics) as torch's own loop updates them, a module changed
+after functionalize is refused before anything runs, errors are clear."""
 import copy
 
 import pytest
@@ -8,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import zfunc as zf
-from tests.models import BN_STATS, BNNet, assert_trained_like, bn_batches, bn_step, torch_train
+from tests.models import (BN_STATS, BNNet, Tiny, assert_trained_like, batches, bn_batches, bn_step, hf_model,
+                          torch_train)
 
 
 class Tied(nn.Module):
@@ -262,7 +264,7 @@ def test_apply_needs_every_trainable_param():
 # ------------------------------------------------------------------- a module changed after functionalize
 
 
-def _lm_step(model, opt=None):
+def _lm_step(model):
     """``(step, params)``: cross-entropy of a causal LM (an HF model's ``.logits`` or a plain one)."""
     apply, params = zf.functionalize(model)
 
@@ -270,7 +272,7 @@ def _lm_step(model, opt=None):
         out = apply(p, batch[0])
         return F.cross_entropy(getattr(out, "logits", out).flatten(0, 1), batch[1].flatten())
 
-    return zf.train_step(loss_fn, opt or zf.optim.adamw(1e-3)), params
+    return zf.train_step(loss_fn, zf.optim.adamw(1e-3)), params
 
 
 def _lm_batch(vocab, b=2, t=8, seed=0):
@@ -292,18 +294,18 @@ def _assert_untouched(state, before):
 
 @pytest.mark.parametrize("when", ["after init", "before init"])
 def test_an_hf_gpt2_moved_to_meta_after_functionalize_is_refused_before_the_state_changes(when):
-    """The module is what ``apply`` runs: moved to meta (its tied head read from meta storage), it
-    trained garbage in silence. The first step refuses it, naming the tensor and what to do."""
-    from tests.models import hf_model
-
+    """The module is what ``apply`` runs: moved to meta, its head (tied to the embedding, so not in
+    params) would be read from meta storage. The first step refuses it, naming the tensor and what
+    to do, whether the module moved before ``init`` or after a step."""
     model, _ = hf_model("gpt2")
     step, params = _lm_step(model)
     batch = _lm_batch(model.config.vocab_size)
     if when == "before init":
         model.to("meta")
     state = step.init(params)
-    state, _ = (state, None) if when == "before init" else step(state, batch)
-    model.to("meta")
+    if when == "after init":
+        state, _ = step(state, batch)
+        model.to("meta")
     before = _snapshot(state)
     with pytest.raises(zf.module.ModuleChangedError,
                        match=r"parameter 'transformer\.wte\.weight'.*meta \(was cpu.*(\n|.)*functionalize"
@@ -315,8 +317,6 @@ def test_an_hf_gpt2_moved_to_meta_after_functionalize_is_refused_before_the_stat
 def test_an_offloaded_step_refuses_a_module_moved_to_meta_and_keeps_its_state(tmp_path):
     """Under offload to nvme the same change raises the same error (not NonFiniteError) before any
     leaf is touched: the state stays usable."""
-    from tests.models import hf_model
-
     model, block = hf_model("gpt2")
     step, params = _lm_step(model)
     step = zf.offload(step, optimizer="nvme", params="nvme", path=tmp_path, units=zf.units.by_class(block))
@@ -340,7 +340,8 @@ CHANGES = {  # name -> (change made to a tests.models.Tiny, what the error says)
     "to meta": (lambda m: m.to("meta"), r"parameter 'emb\.weight' was replaced by a tensor on meta \(was cpu"),
     "to float64 in place": (lambda m: m.double(), r"parameter 'emb\.weight' had its data replaced in place: "
                                                   r"cpu torch\.float64 \(was cpu torch\.float32"),
-    "a part moved": (lambda m: _fc(m).to("meta"), r"parameter 'blocks\.0\.fc\.weight' was replaced by a tensor on meta"),
+    "a part moved": (lambda m: _fc(m).to("meta"),
+                     r"parameter 'blocks\.0\.fc\.weight' was replaced by a tensor on meta"),
     "param replaced": (lambda m: setattr(_fc(m), "bias", nn.Parameter(torch.zeros(6))),
                        r"parameter 'blocks\.0\.fc\.bias' was replaced by another tensor"),
     "param deleted": (lambda m: delattr(_fc(m), "bias"), r"parameter 'blocks\.0\.fc\.bias' was deleted"),
@@ -348,10 +349,11 @@ CHANGES = {  # name -> (change made to a tests.models.Tiny, what the error says)
                     r"parameter 'blocks\.0\.fc\.scale' was added"),
     "frozen": (lambda m: _fc(m).weight.requires_grad_(False),
                r"parameter 'blocks\.0\.fc\.weight' has requires_grad=False \(was True"),
-    "unfrozen": (lambda m: m.ln_f.bias.requires_grad_(True), r"parameter 'ln_f\.bias' has requires_grad=True \(was False"),
+    "unfrozen": (lambda m: m.ln_f.bias.requires_grad_(True),
+                 r"parameter 'ln_f\.bias' has requires_grad=True \(was False"),
     "tiled": (lambda m: zf.tile(m, tiles=2, modules=["head"]), r"submodule 'emb' was replaced by a TiledEmbedding"),
-    "layer swapped": (lambda m: setattr(m.blocks, "1", nn.Identity()), r"submodule 'blocks\.1' was replaced by a"
-                                                                        r"n Identity \(was a Block"),
+    "layer swapped": (lambda m: setattr(m.blocks, "1", nn.Identity()),
+                      r"submodule 'blocks\.1' was replaced by an Identity \(was a Block"),
 }
 
 
@@ -359,8 +361,6 @@ CHANGES = {  # name -> (change made to a tests.models.Tiny, what the error says)
 def test_apply_refuses_a_module_changed_after_functionalize(change):
     """Moved (meta, dtype), replaced, deleted, added, re-flagged, tiled or swapped after
     functionalize: apply's first call names the tensor and what changed; a step's state is untouched."""
-    from tests.models import Tiny, batches
-
     torch.manual_seed(0)
     model = Tiny()
     model.ln_f.bias.requires_grad_(False)
@@ -392,8 +392,6 @@ def test_apply_with_buffers_refuses_a_module_whose_buffer_was_replaced():
 def test_what_does_not_change_the_module_is_accepted():
     """train/eval, a remat set on a unit's forward, new hooks and in-place updates of values keep
     the tensors apply relies on: the same training as on the untouched module."""
-    from tests.models import Tiny, batches
-
     def losses(after):
         torch.manual_seed(0)
         model = Tiny()
