@@ -217,6 +217,7 @@ _REMEDY = ("apply runs the module as zf.functionalize found it, so nothing ran. 
            "again. To start a model without memory, build it on the meta device before zf.functionalize and "
            "give init a materializer (zf.materialize, as the README shows).")
 _KINDS = ("parameter", "buffer", "submodule")
+_MISSING = object()  # a slot deleted since functionalize
 _requires_grad = operator.attrgetter("requires_grad")
 
 
@@ -281,8 +282,9 @@ class _Held:
                for name, kind, d, key, obj in self.slots if d.get(key, _MISSING) is not obj]
         known = {(id(d), key) for _, _, d, key, _ in self.slots}
         for prefix, kind, d in self.dicts:
-            out += [f"{kind} {f'{prefix}.{key}' if prefix else key!r} was added"
-                    for key in d if (id(d), key) not in known]
+            for key in d:
+                if (id(d), key) not in known:
+                    out.append(f"{kind} {(f'{prefix}.{key}' if prefix else key)!r} was added")
         for name, kind, d, key, obj in self.slots:
             if kind == "submodule" or obj is None:
                 continue
@@ -309,9 +311,6 @@ class _Held:
             return f"was replaced by a tensor on {now.device} (was {device}), as module.to({now.device.type!r}) does"
         got = f"{now.device} {now.dtype} {tuple(now.shape)}" if isinstance(now, torch.Tensor) else type(now).__name__
         return f"was replaced by another tensor ({got}; was {device} {dtype} {shape})"
-
-
-_MISSING = object()
 
 
 def functionalize(module: nn.Module, *, with_buffers: bool = False) -> tuple[Callable[..., Any], Any]:
