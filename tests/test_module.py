@@ -1,5 +1,6 @@
 """functionalize: the pure apply equals the module, the module is never mutated, a step carries the
-buffers training updates (BatchNorm statistics) as torch's own loop updates them, errors are clear."""
+buffers training updates (BatchNorm statistics) as torch's own loop updates them, a module changed
+after functionalize is refused before anything runs, errors are clear."""
 import copy
 
 import pytest
@@ -8,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import zfunc as zf
-from tests.models import BN_STATS, BNNet, assert_trained_like, bn_batches, bn_step, torch_train
+from tests.models import (BN_STATS, BNNet, Tiny, assert_trained_like, batches, bn_batches, bn_step, hf_model,
+                          torch_train)
 
 
 class Tied(nn.Module):
@@ -257,3 +259,183 @@ def test_apply_needs_every_trainable_param():
     with pytest.raises(KeyError, match=r"params: 2 trainable parameters of the module are missing: "
                                        r"\['1.bias', '1.weight'\]"):
         apply(partial, torch.ones(1, 2))
+
+
+# ------------------------------------------------------------------- a module changed after functionalize
+
+
+def _lm_step(model):
+    """``(step, params)``: cross-entropy of a causal LM (an HF model's ``.logits`` or a plain one)."""
+    apply, params = zf.functionalize(model)
+
+    def loss_fn(p, batch):
+        out = apply(p, batch[0])
+        return F.cross_entropy(getattr(out, "logits", out).flatten(0, 1), batch[1].flatten())
+
+    return zf.train_step(loss_fn, zf.optim.adamw(1e-3)), params
+
+
+def _lm_batch(vocab, b=2, t=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (b, t), generator=g), torch.randint(0, vocab, (b, t), generator=g)
+
+
+def _snapshot(state):
+    return copy.deepcopy((state.params, state.opt_state, state.step, state.buffers))
+
+
+def _assert_untouched(state, before):
+    got = (state.params, state.opt_state, state.step, state.buffers)
+    flat_got, flat_want = torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(before)
+    assert len(flat_got) == len(flat_want)
+    for a, b in zip(flat_got, flat_want):
+        assert torch.equal(a, b) if torch.is_tensor(a) else a == b
+
+
+@pytest.mark.parametrize("when", ["after init", "before init"])
+def test_an_hf_gpt2_moved_to_meta_after_functionalize_is_refused_before_the_state_changes(when):
+    """The module is what ``apply`` runs: moved to meta, its head (tied to the embedding, so not in
+    params) would be read from meta storage. The first step refuses it, naming the tensor and what
+    to do, whether the module moved before ``init`` or after a step."""
+    model, _ = hf_model("gpt2")
+    step, params = _lm_step(model)
+    batch = _lm_batch(model.config.vocab_size)
+    if when == "before init":
+        model.to("meta")
+    state = step.init(params)
+    if when == "after init":
+        state, _ = step(state, batch)
+        model.to("meta")
+    before = _snapshot(state)
+    with pytest.raises(zf.module.ModuleChangedError,
+                       match=r"parameter 'transformer\.wte\.weight'.*meta \(was cpu.*(\n|.)*functionalize"
+                             r"(\n|.)*materialize"):
+        step(state, batch)
+    _assert_untouched(state, before)
+
+
+def test_an_offloaded_step_refuses_a_module_moved_to_meta_and_keeps_its_state(tmp_path):
+    """Under offload to nvme the same change raises the same error (not NonFiniteError) before any
+    leaf is touched: the state stays usable."""
+    model, block = hf_model("gpt2")
+    step, params = _lm_step(model)
+    step = zf.offload(step, optimizer="nvme", params="nvme", path=tmp_path, units=zf.units.by_class(block))
+    state = step.init(params)
+    batch = _lm_batch(model.config.vocab_size)
+    state, _ = step(state, batch)
+    before = zf.checkpoint.full_params(state)
+    model.to("meta")
+    with pytest.raises(zf.module.ModuleChangedError, match=r"'transformer\.wte\.weight'.*meta"):
+        step(state, batch)
+    assert not state.consumed
+    for name, want in before.items():
+        assert torch.equal(zf.checkpoint.full_params(state)[name], want), name
+
+
+def _fc(m):
+    return m.blocks[0].fc
+
+
+CHANGES = {  # name -> (change made to a tests.models.Tiny, what the error says)
+    "to meta": (lambda m: m.to("meta"), r"parameter 'emb\.weight' was replaced by a tensor on meta \(was cpu"),
+    "to float64 in place": (lambda m: m.double(), r"parameter 'emb\.weight' had its data replaced in place: "
+                                                  r"cpu torch\.float64 \(was cpu torch\.float32"),
+    "a part moved": (lambda m: _fc(m).to("meta"),
+                     r"parameter 'blocks\.0\.fc\.weight' was replaced by a tensor on meta"),
+    "param replaced": (lambda m: setattr(_fc(m), "bias", nn.Parameter(torch.zeros(6))),
+                       r"parameter 'blocks\.0\.fc\.bias' was replaced by another tensor"),
+    "param deleted": (lambda m: delattr(_fc(m), "bias"), r"parameter 'blocks\.0\.fc\.bias' was deleted"),
+    "param added": (lambda m: _fc(m).register_parameter("scale", nn.Parameter(torch.ones(6))),
+                    r"parameter 'blocks\.0\.fc\.scale' was added"),
+    "frozen": (lambda m: _fc(m).weight.requires_grad_(False),
+               r"parameter 'blocks\.0\.fc\.weight' has requires_grad=False \(was True"),
+    "unfrozen": (lambda m: m.ln_f.bias.requires_grad_(True),
+                 r"parameter 'ln_f\.bias' has requires_grad=True \(was False"),
+    "tiled": (lambda m: zf.tile(m, tiles=2, modules=["head"]), r"submodule 'emb' was replaced by a TiledEmbedding"),
+    "layer swapped": (lambda m: setattr(m.blocks, "1", nn.Identity()),
+                      r"submodule 'blocks\.1' was replaced by an Identity \(was a Block"),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_apply_refuses_a_module_changed_after_functionalize(change):
+    """Moved (meta, dtype), replaced, deleted, added, re-flagged, tiled or swapped after
+    functionalize: apply's first call names the tensor and what changed; a step's state is untouched."""
+    torch.manual_seed(0)
+    model = Tiny()
+    model.ln_f.bias.requires_grad_(False)
+    apply, params = zf.functionalize(model)
+    step = zf.train_step(lambda p, b: F.cross_entropy(apply(p, b[0]).flatten(0, 1), b[1].flatten()),
+                         zf.optim.adamw(1e-2))
+    state, _ = step(step.init(params), batches(1, 1)[0])
+    mutate, says = CHANGES[change]
+    mutate(model)
+    before = _snapshot(state)
+    with pytest.raises(zf.module.ModuleChangedError, match=says):
+        step(state, batches(1, 1)[0])
+    _assert_untouched(state, before)
+    with pytest.raises(zf.module.ModuleChangedError, match=says):  # and every later call, outside a step too
+        apply(params, batches(1, 1)[0][0])
+
+
+def test_apply_with_buffers_refuses_a_module_whose_buffer_was_replaced():
+    torch.manual_seed(0)
+    model = BNNet()
+    apply, (params, buffers) = zf.functionalize(model, with_buffers=True)
+    x = torch.randn(8, 3)
+    apply(params, buffers, x)
+    model.bn.running_mean = torch.zeros(5)
+    with pytest.raises(zf.module.ModuleChangedError, match=r"buffer 'bn\.running_mean' was replaced by another"):
+        apply(params, buffers, x)
+
+
+def test_what_does_not_change_the_module_is_accepted():
+    """train/eval, a remat set on a unit's forward, new hooks and in-place updates of values keep
+    the tensors apply relies on: the same training as on the untouched module."""
+    def losses(after):
+        torch.manual_seed(0)
+        model = Tiny()
+        apply, params = zf.functionalize(model)
+        after(model)
+        step = zf.train_step(lambda p, b: F.cross_entropy(apply(p, b[0]).flatten(0, 1), b[1].flatten()),
+                             zf.optim.adamw(1e-2))
+        state, out = step.init(params), []
+        for batch in batches(1, 3):
+            state, m = step(state, batch)
+            out.append(m["loss"].item())
+            model.eval(), model.train()
+        return out
+
+    def remat_and_hook(model):
+        for b in model.blocks:
+            b.forward = zf.remat(b.forward)
+        model.head.register_forward_hook(lambda *a: None)
+
+    assert losses(remat_and_hook) == losses(lambda m: None)
+
+
+def test_values_loaded_into_the_module_between_functionalize_and_init_are_the_ones_trained():
+    """``load_state_dict`` writes the module's tensors in place (no slot changes): apply reads the
+    loaded buffers as it reads the loaded frozen params, never a copy stale since functionalize."""
+    torch.manual_seed(0)
+    model, trained = BNNet(mask=True), BNNet(mask=True)
+    model.fc2.bias.requires_grad_(False)
+    trained.fc2.bias.requires_grad_(False)
+    for x, _ in bn_batches(3):
+        trained(x)  # running statistics of its own
+    with torch.no_grad():
+        trained.mask.mul_(2.0)
+    apply, step = bn_step(model)
+    _, params = zf.functionalize(model)
+    model.load_state_dict(trained.state_dict())
+    state = step.init(params)
+    x = torch.randn(8, 3)
+    model.eval(), trained.eval()
+    with zf.module.using(state):
+        torch.testing.assert_close(apply(state.params, x), trained(x))
+    model.train(), trained.train()
+    ref = copy.deepcopy(trained)
+    state, _ = step(state, bn_batches(1)[0])
+    ref(bn_batches(1)[0][0])
+    for name in BN_STATS:
+        torch.testing.assert_close(state.buffers[name], ref.get_buffer(name))
