@@ -7,7 +7,7 @@
 """
 from zfunc import checkpoint, config, dist, materialize, module, optim, plan, precision, tree, units
 from zfunc.dist import Mesh
-from zfunc.module import functionalize
+from zfunc.module import ModuleChangedError, functionalize
 from zfunc.offload import offload
 from zfunc.parallelize import parallelize
 from zfunc.pipeline import pipeline
@@ -21,6 +21,7 @@ __all__ = [
     "config",
     "ConsumedStateError",
     "Mesh",
+    "ModuleChangedError",
     "NonFiniteError",
     "dist",
     "Step",
