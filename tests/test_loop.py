@@ -30,13 +30,6 @@ def flags(recipe, *more):
     return TINY[recipe] + COMMON + sample + list(more)
 
 
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(b"the quick brown fox jumps over the lazy dog.\n" * 400)
-    return path
-
-
 def exits_2(capsys, recipe, argv) -> str:
     with pytest.raises(SystemExit) as exc:
         RECIPES[recipe](argv)

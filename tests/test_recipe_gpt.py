@@ -26,13 +26,6 @@ def exits_2(capsys, argv) -> str:
     return err
 
 
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(b"the quick brown fox jumps over the lazy dog.\n" * 400)
-    return path
-
-
 def test_tiny_run_trains_through_zfunc_and_saves_a_checkpoint(tmp_path, text_file):
     out = tmp_path / "out"
     result = gpt.main(TINY + ["--steps", "40", "--eval-every", "10", "--data", str(text_file),

@@ -18,13 +18,6 @@ from tests.recipe_runs import ROOT, TINY
 WATCH = dict(flops_per_token=0.0, peak_flops=None, world=1)
 
 
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(b"the quick brown fox jumps over the lazy dog.\n" * 400)
-    return path
-
-
 def exits_2(capsys, main, argv) -> str:
     with pytest.raises(SystemExit) as exc:
         main(argv)
