@@ -28,6 +28,7 @@ import contextlib
 import inspect
 import math
 import os
+import re
 import sys
 import tempfile
 import time
@@ -208,8 +209,17 @@ def parser(recipe: Recipe, with_defaults: bool = True) -> argparse.ArgumentParse
         choices = ["fp32", "bf16", "fp16"] if name == "precision" else layout.CHOICES.get(name)
         p.add_argument(flag(name), type=str if default is None else type(default), choices=choices,
                        **({"default": default} if with_defaults else kw),
-                       help=f"{recipe.help.get(name, '')} (default: %(default)s)".lstrip())
+                       help=_with_default(recipe.help.get(name), default))
     return p
+
+
+def _with_default(text: str | None, default: Any) -> str:
+    """A flag's help with "(default: X)" added, unless the help states its default itself or there
+    is none to state (None: the help says what its absence means)."""
+    text = text or ""
+    if default is None or re.search(r"\bdefault\b", text):
+        return text
+    return f"{text} (default: %(default)s)".lstrip()
 
 
 def parse_args(recipe: Recipe, argv=None) -> argparse.Namespace:
