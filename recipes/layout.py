@@ -26,7 +26,8 @@ class FlagError(ValueError):
 
 
 LAYOUT_DEFAULTS = dict(
-    zero=0, offload_optimizer="none", offload_params="none", nvme_path=None, remat=False, remat_offload=False,
+    zero=0, offload_optimizer="none", offload_params="none", nvme_path=None, keep_swap=False, remat=False,
+    remat_offload=False,
     tile_lm_head=0, pp=1, microbatches=1, schedule="1f1b", deepspeed=None,
 )
 CHOICES = dict(zero=[0, 1, 2, 3], offload_optimizer=["none", "cpu", "nvme"], offload_params=["none", "cpu", "nvme"],
@@ -36,7 +37,9 @@ LAYOUT_HELP = dict(
     offload_optimizer="keep the optimizer state (and fp32 masters' update) in CPU RAM or NVMe (ZeRO 1-3, or 1 rank)",
     offload_params="keep the fp32 params in CPU RAM or NVMe, fetched per unit (ZeRO 3, or 1 rank); needs "
                    "--offload-optimizer",
-    nvme_path="directory for the NVMe swap files (each rank uses its own folder in it)",
+    nvme_path="directory for the NVMe swap files (each rank uses its own folder in it); a run that ends cleanly "
+              "removes its files and the folders it made for them",
+    keep_swap="keep the NVMe swap files (and their spares) after the run ends",
     remat="recompute each unit's (block's) activations in backward (activation checkpointing)",
     remat_offload="with --remat: keep each unit's saved inputs in CPU RAM",
     tile_lm_head="compute the LM head (and an embedding tied to it) in this many tiles; 0: untiled",
@@ -47,8 +50,8 @@ LAYOUT_HELP = dict(
               "flags, and a flag given that contradicts it is an error",
 )
 # The layout may change on --resume: a checkpoint loads into any stage, offload or world size.
-MAY_CHANGE_ON_RESUME = ("zero", "offload_optimizer", "offload_params", "nvme_path", "remat", "remat_offload",
-                        "pp", "microbatches", "schedule", "deepspeed", "accum")
+MAY_CHANGE_ON_RESUME = ("zero", "offload_optimizer", "offload_params", "nvme_path", "keep_swap", "remat",
+                        "remat_offload", "pp", "microbatches", "schedule", "deepspeed", "accum")
 # Plan field -> the flag that sets it, to name flags in the plan's errors.
 FLAG_OF_FIELD = dict(dp="--pp", pp="--pp", zero_stage="--zero", offload_optimizer="--offload-optimizer",
                      offload_params="--offload-params", nvme_path="--nvme-path", remat="--remat",

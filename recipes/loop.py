@@ -691,6 +691,11 @@ def _train(recipe: Recipe, args: argparse.Namespace, plan, launch: layout.Launch
         sample = bytes(ids) if args.tokenizer is None else codec.decode(ids)
         text = (b"def " + sample).decode("utf-8", errors="replace") if isinstance(sample, bytes) else "def " + sample
         say("sample:\n" + text)
+    if not args.keep_swap:  # a clean end: nothing uses the swap files now (the checkpoint holds the state)
+        freed = zf.offload.release(step, state)
+        if freed:
+            mine = " on rank 0" if launch.world > 1 else ""
+            say(f"removed the swap files under {args.nvme_path} ({freed / 1e6:.3g} MB{mine}; --keep-swap keeps them)")
     return dict(**evals, train_loss=loss, **baseline, history=history, steps=args.steps, n_params=n_params(model),
                 tokens_per_s=tokens_per_s, mfu=mfu, elapsed_s=time.time() - t_start,
                 checkpoint=str(ckpt) if ckpt is not None else None, sample=sample, rank=launch.rank)

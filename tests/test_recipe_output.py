@@ -33,3 +33,17 @@ def test_help_states_each_options_default_at_most_once(recipe):
         assert "(default: None)" not in text, (action.option_strings, text)
     steps = next(a for a in parser._actions if "--steps" in a.option_strings)
     assert formatter._expand_help(steps) == f"(default: {RECIPES[recipe].defaults['steps']})"  # still stated
+
+
+# ----------------------------------------------------------------------------- swap files
+def test_a_clean_run_removes_its_swap_files_and_keep_swap_keeps_them(tmp_path, text_file, capsys):
+    run = TINY + ["--steps", "1", "--eval-batches", "1", "--sample-len", "1", "--data", str(text_file),
+                  "--offload-optimizer", "nvme"]
+    (tmp_path / "given").mkdir()
+    gpt.main(run + ["--nvme-path", str(tmp_path / "given"), "--out", str(tmp_path / "a")])
+    assert list((tmp_path / "given").iterdir()) == []  # a folder zfunc did not make stays, empty
+    assert "removed the swap files" in capsys.readouterr().out
+    gpt.main(run + ["--nvme-path", str(tmp_path / "made"), "--out", str(tmp_path / "b"), "--keep-swap"])
+    kept = [p.name for p in (tmp_path / "made").iterdir()]
+    assert any(n.endswith(".swap") for n in kept) and any(n.endswith(".spare") for n in kept)
+    assert "removed the swap files" not in capsys.readouterr().out
