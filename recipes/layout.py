@@ -179,6 +179,32 @@ def _name_flags(message: str) -> str:
     return message
 
 
+def engine_stage(plan: Any) -> int:
+    """The ZeRO stage of the engine ``zf.parallelize`` runs for ``plan``: its ``zero_stage``, except
+    an offloaded plain step (one process, stage 0), which ``zf.offload`` runs on a one-process
+    stage 2 (stage 3 with the params offloaded)."""
+    if plan.zero_stage == 0 and plan.dp == 1 and plan.offload_optimizer != "none":
+        return 3 if plan.offload_params != "none" else 2
+    return plan.zero_stage
+
+
+def rank0_params(model: Any, params: dict, plan: Any) -> dict:
+    """The params whose states rank 0 keeps: all of them, or with ``--pp`` those pipeline stage 0
+    owns (its units and the shared ones, as ``zf.pipeline`` lays them out). Raises FlagError naming
+    --pp when the model has fewer pipeline units than stages."""
+    if plan.pp == 1:
+        return params
+    import zfunc as zf
+    from zfunc.pipeline import make_layout
+
+    units = zf.config.selector(plan.units) if plan.units is not None else zf.units.auto()
+    try:
+        owner = make_layout(model, units, plan.pp, None).owner
+    except ValueError as e:
+        raise FlagError(f"--pp: {e}") from None
+    return {name: p for name, p in params.items() if owner.get(name, 0) == 0}
+
+
 # ----------------------------------------------------------------------------- --deepspeed
 
 

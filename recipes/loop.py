@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import inspect
 import math
 import os
@@ -429,14 +430,15 @@ def n_params(module: nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
 
 
-def plan_bytes(params: dict, plan) -> dict[str, int]:
+def plan_bytes(params: dict, plan, model: nn.Module | None = None) -> dict[str, int]:
     """Bytes the busiest rank (rank 0) keeps by place -- "device", "cpu", "nvme" -- after a step, in
     zfunc.plan's accounting of these exact leaves (what step.memory(state) would report; stage 3's
-    gathered units on top, bounded by zp.working_bound). Computed from shapes alone: nothing allocated."""
+    gathered units on top, bounded by zp.working_bound): with --pp, of the leaves pipeline stage 0
+    keeps (``model`` tells which). Computed from shapes alone: nothing allocated."""
     from zfunc import plan as zp
 
-    leaves = [tuple(p.shape) for p in params.values()]
-    engine = zp.engine_bytes(leaves, plan.dp, 0, plan.zero_stage, precision=plan.precision, accum=plan.accum)
+    leaves = [tuple(p.shape) for p in (params if model is None else layout.rank0_params(model, params, plan)).values()]
+    engine = _engine_bytes(leaves, plan)
     where = {"device": sum(engine.values()), "cpu": 0, "nvme": 0}
     if plan.offload_optimizer != "none":
         off = zp.offload_bytes(leaves, plan.dp, 0, optimizer=plan.offload_optimizer,
@@ -447,18 +449,47 @@ def plan_bytes(params: dict, plan) -> dict[str, int]:
     return where
 
 
+def _engine_bytes(leaves: list[tuple[int, ...]], plan) -> dict[str, int]:
+    """zp.engine_bytes of rank 0's leaves at the stage the engine runs (layout.engine_stage)."""
+    from zfunc import plan as zp
+
+    accum = plan.microbatches if plan.pp > 1 else plan.accum  # a pipeline sums its microbatches' grads
+    return zp.engine_bytes(leaves, plan.dp, 0, layout.engine_stage(plan), precision=plan.precision, accum=accum)
+
+
+def zero_alone(params: dict, plan) -> str:
+    """Why ZeRO 1 or 2 on one process holds more than ZeRO 0 ("" where it does not): it shards over
+    one rank, so nothing is split, and its step still gathers a whole copy of the params (ZeRO 0
+    computes on the fp32 masters themselves; below fp32 both make a compute copy) and keeps whole
+    grads beside the fp32 grad slice the optimizer reads (ZeRO 0 sums them straight into it)."""
+    if plan.dp > 1 or plan.pp > 1 or plan.zero_stage not in (1, 2):
+        return ""
+    zero0 = dataclasses.replace(plan, zero_stage=0)
+    extra = plan_bytes(params, plan)["device"] - plan_bytes(params, zero0)["device"]
+    leaves = [tuple(p.shape) for p in params.values()]
+    mine, theirs = _engine_bytes(leaves, plan), _engine_bytes(leaves, zero0)
+    held = [what for key, what in (("whole_params", "a whole copy of the params"),
+                                   ("whole_grads", "whole grads beside the fp32 grad slice"))
+            if mine.get(key, 0) > theirs.get(key, 0)]
+    if extra <= 0 or not held:
+        return ""
+    return (f"; ZeRO {plan.zero_stage} on one process shards nothing and holds {extra / 1e9:.3g} GB more than "
+            f"--zero 0: {' and '.join(held)} in each step")
+
+
 def describe(args, plan, launch, built: Built, device, params: dict) -> list[str]:
     """What rank 0 says about the model, the layout and the plan's bytes per rank before training."""
     gb = lambda n: f"{n / 1e9:.3g} GB"  # noqa: E731
-    where = plan_bytes(params, plan)
+    where = plan_bytes(params, plan, built.module)
+    ranks = f"rank 0 of {launch.world}" + (f", pipeline stage 0 of {plan.pp}" if plan.pp > 1 else "")
     return [f"model: {n_params(built.module) / 1e6:.2f}M params {built.config}; device {device}, "
             f"precision {plan.precision}; {args.steps} steps x {args.batch_size * args.block_size:,} tokens",
             f"layout: {launch.world} process{'es' * (launch.world > 1)}, dp={plan.dp} pp={plan.pp}, ZeRO "
             f"{plan.zero_stage}, offload optimizer {plan.offload_optimizer} params {plan.offload_params}, remat "
             f"{plan.remat}; per rank {args.batch_size // plan.dp} sequences in "
             f"{plan.microbatches if plan.pp > 1 else plan.accum} microbatches",
-            f"plan (zfunc.plan, rank 0 of {plan.dp}, model states after a step): device {gb(where['device'])}, "
-            f"cpu {gb(where['cpu'])}, nvme {gb(where['nvme'])}"]
+            f"plan (zfunc.plan, {ranks}, model states after a step): device {gb(where['device'])}, "
+            f"cpu {gb(where['cpu'])}, nvme {gb(where['nvme'])}" + zero_alone(params, plan)]
 
 
 def peak_flops(device) -> float | None:
@@ -592,7 +623,7 @@ def _train(recipe: Recipe, args: argparse.Namespace, plan, launch: layout.Launch
     for line in describe(args, plan, launch, built, device, params):
         say(line)
     if args.dry_run:
-        return dict(rank=launch.rank, n_params=n_params(model), plan_bytes=plan_bytes(params, plan),
+        return dict(rank=launch.rank, n_params=n_params(model), plan_bytes=plan_bytes(params, plan, model),
                     config=built.config)
 
     def loss_fn(params, batch):

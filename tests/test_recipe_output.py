@@ -47,3 +47,47 @@ def test_a_clean_run_removes_its_swap_files_and_keep_swap_keeps_them(tmp_path, t
     kept = [p.name for p in (tmp_path / "made").iterdir()]
     assert any(n.endswith(".swap") for n in kept) and any(n.endswith(".spare") for n in kept)
     assert "removed the swap files" not in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- the plan line
+def described(argv: list[str], world: int = 1, recipe=gpt):
+    """``(plan line, plan_bytes, meta params, model)`` of ``argv`` as rank 0 of ``world`` would say them."""
+    import torch
+
+    import zfunc as zf
+
+    args = recipe.parse_args(TINY + argv)
+    plan, args = layout.resolve(loop.with_precision(args), world, recipe.RECIPE.units)
+    with torch.device("meta"):
+        built = recipe.RECIPE.build(args, 256)
+    zf.parallelize.prepare(built.module, plan)
+    _, params = zf.functionalize(built.module)
+    lines = loop.describe(args, plan, layout.Launch(world, 0, 0), built, torch.device("cpu"), params)
+    return lines[-1], loop.plan_bytes(params, plan, built.module), params, built.module
+
+
+def test_a_pipelines_plan_line_counts_its_ranks_and_stage_0s_bytes():
+    import zfunc as zf
+    from zfunc import plan as zp
+    from zfunc.pipeline import make_layout
+
+    line, where, params, model = described(["--n-layer", "2", "--pp", "2", "--microbatches", "2"], world=2)
+    owner = make_layout(model, zf.units.by_class(gpt.Block), 2, None).owner
+    stage0 = [tuple(p.shape) for name, p in params.items() if owner[name] == 0]
+    assert "rank 0 of 2, pipeline stage 0 of 2" in line, line
+    assert where["device"] == sum(zp.engine_bytes(stage0, 1, 0, 0).values()) < 16 * sum(p.numel() for p in params.values())
+    line, where, _, _ = described(["--n-layer", "2", "--pp", "2", "--microbatches", "2", "--zero", "1"], world=4)
+    assert "rank 0 of 4, pipeline stage 0 of 2" in line, line  # dp=2 per stage: stage 0's rows of rank 0
+    assert where["device"] == sum(zp.engine_bytes(stage0, 2, 0, 1, accum=2).values())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_zero_1_and_2_on_one_process_say_what_they_hold_beyond_zero_0(precision):
+    zero0, bytes0, _, _ = described(["--precision", precision])
+    assert "ZeRO" not in zero0.partition("GB")[2], zero0
+    for stage in ("1", "2"):
+        line, where, _, _ = described(["--precision", precision, "--zero", stage])
+        extra = where["device"] - bytes0["device"]
+        assert extra > 0 and f"ZeRO {stage} on one process shards nothing" in line, line
+        assert f"{extra / 1e9:.3g} GB more than --zero 0" in line, line
+        assert ("a whole copy of the params" in line) == (precision == "fp32"), line  # bf16: ZeRO 0 has one too
