@@ -91,3 +91,9 @@ def test_zero_1_and_2_on_one_process_say_what_they_hold_beyond_zero_0(precision)
         assert extra > 0 and f"ZeRO {stage} on one process shards nothing" in line, line
         assert f"{extra / 1e9:.3g} GB more than --zero 0" in line, line
         assert ("a whole copy of the params" in line) == (precision == "fp32"), line  # bf16: ZeRO 0 has one too
+
+
+def test_an_offloaded_plain_step_is_accounted_as_the_stage_2_it_runs_on():
+    zero0, bytes0, _, _ = described(["--offload-optimizer", "cpu"])
+    zero2, bytes2, _, _ = described(["--offload-optimizer", "cpu", "--zero", "2"])  # zf.offload's engine, named
+    assert bytes0 == bytes2 and "shards nothing" not in zero2, zero2
