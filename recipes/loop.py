@@ -492,6 +492,25 @@ def describe(args, plan, launch, built: Built, device, params: dict) -> list[str
             f"cpu {gb(where['cpu'])}, nvme {gb(where['nvme'])}" + zero_alone(params, plan)]
 
 
+def vocab_note(args: argparse.Namespace, model: nn.Module, model_vocab: Any, data_vocab: int, unit: str,
+               special: int = 0) -> str:
+    """One line when the model has more token ids than the data (a --flavor or --hf-config made for
+    a tokenizer, trained on bytes): its embedding and head (their params, and bytes at 16 a param:
+    fp32 weights and grads, Adam's two moments), the logits per token, and how to shrink them; ""
+    otherwise. The model is kept as asked: its shape is the config's or the flavor's."""
+    if not isinstance(model_vocab, int) or model_vocab <= data_vocab:
+        return ""
+    unique = {id(p): p for p in model.parameters()}.values()  # a tied head is the embedding
+    rows = sum(p.numel() for p in unique if p.dim() and p.shape[0] == model_vocab)
+    what = f"{unit}s" + (f" and {special} special tokens" if special else "")
+    fix = (f'"vocab_size": {data_vocab} in the --hf-config shrinks them' if args.hf_config is not None else
+           f"a --tokenizer with {model_vocab:,} tokens uses them; the model flags in place of --flavor {args.flavor} "
+           "size them to the data")
+    return (f"vocab: the model has {model_vocab:,} token ids, the data {data_vocab:,} ({what}): its embedding and "
+            f"head ({rows / 1e6:.2f}M params, {16 * rows / 1e9:.3g} GB of weights, grads and Adam state) and "
+            f"{model_vocab:,} logits per token serve {model_vocab - data_vocab:,} ids the data never holds; {fix}")
+
+
 def peak_flops(device) -> float | None:
     if torch.device(device).type != "cuda":
         return None
@@ -613,6 +632,8 @@ def _train(recipe: Recipe, args: argparse.Namespace, plan, launch: layout.Launch
         raise FlagError(f"--block-size: {args.block_size} exceeds the model's context of {built.context} "
                         "(expected at most that)")
     model = built.module
+    vocab = vocab_note(args, model, built.config.get("vocab_size"), corpus.vocab_size + recipe.extra_vocab, unit,
+                       recipe.extra_vocab)  # before the head is tiled
     if built.units != recipe.units:
         plan, args = layout.resolve(args, launch.world, built.units, notices=False)
     try:  # tile the head, remat the units: before functionalize
@@ -620,7 +641,7 @@ def _train(recipe: Recipe, args: argparse.Namespace, plan, launch: layout.Launch
     except ValueError as e:
         raise FlagError(layout._name_flags(str(e))) from None
     apply, params = zf.functionalize(model)
-    for line in describe(args, plan, launch, built, device, params):
+    for line in describe(args, plan, launch, built, device, params) + ([vocab] if vocab else []):
         say(line)
     if args.dry_run:
         return dict(rank=launch.rank, n_params=n_params(model), plan_bytes=plan_bytes(params, plan, model),

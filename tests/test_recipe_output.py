@@ -97,3 +97,32 @@ def test_an_offloaded_plain_step_is_accounted_as_the_stage_2_it_runs_on():
     zero0, bytes0, _, _ = described(["--offload-optimizer", "cpu"])
     zero2, bytes2, _, _ = described(["--offload-optimizer", "cpu", "--zero", "2"])  # zf.offload's engine, named
     assert bytes0 == bytes2 and "shards nothing" not in zero2, zero2
+
+
+# ----------------------------------------------------------------------------- the vocabulary line
+def dry_run(recipe, argv, text_file, tmp_path, capsys) -> list[str]:
+    """The vocabulary lines a dry run of ``argv`` prints (32-byte windows, the recipe's model otherwise)."""
+    recipe.main(["--block-size", "32", "--batch-size", "8", "--data", str(text_file), "--dry-run",
+                 "--out", str(tmp_path / "out"), *argv])
+    return [line for line in capsys.readouterr().out.splitlines() if line.startswith("vocab:")]
+
+
+def test_an_hf_config_wider_than_the_bytes_is_named_with_its_cost_and_the_fix(tmp_path, text_file, capsys):
+    pytest.importorskip("transformers")
+    import json
+
+    config = dict(model_type="gpt2", n_layer=1, n_embd=32, n_head=2, n_positions=64, vocab_size=50257)
+    said = dry_run(gpt, ["--hf-config", json.dumps(config)], text_file, tmp_path, capsys)
+    rows = 50257 * 32  # the tied embedding and head
+    assert len(said) == 1, said
+    assert "50,257 token ids" in said[0] and "the data 256 (bytes)" in said[0], said
+    assert f"{rows / 1e6:.2f}M params" in said[0] and f"{16 * rows / 1e9:.3g} GB" in said[0], said
+    assert '"vocab_size": 256 in the --hf-config shrinks them' in said[0], said
+    assert dry_run(gpt, ["--hf-config", json.dumps({**config, "vocab_size": 256})], text_file, tmp_path, capsys) == []
+
+
+def test_a_flavor_wider_than_the_bytes_is_named_and_the_recipes_own_model_is_not(tmp_path, text_file, capsys):
+    said = dry_run(llama, ["--flavor", "125M"], text_file, tmp_path, capsys)
+    assert len(said) == 1 and "49,152 token ids" in said[0] and "--flavor 125M" in said[0], said
+    assert dry_run(llama, [], text_file, tmp_path, capsys) == []
+    assert dry_run(bert, [], text_file, tmp_path, capsys) == []  # 256 bytes + its 4 special tokens: all used
