@@ -27,8 +27,7 @@ class FlagError(ValueError):
 
 LAYOUT_DEFAULTS = dict(
     zero=0, offload_optimizer="none", offload_params="none", nvme_path=None, keep_swap=False, remat=False,
-    remat_offload=False,
-    tile_lm_head=0, pp=1, microbatches=1, schedule="1f1b", deepspeed=None,
+    remat_offload=False, tile_lm_head=0, pp=1, microbatches=1, schedule="1f1b", deepspeed=None,
 )
 CHOICES = dict(zero=[0, 1, 2, 3], offload_optimizer=["none", "cpu", "nvme"], offload_params=["none", "cpu", "nvme"],
                schedule=["1f1b", "gpipe"])

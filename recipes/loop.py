@@ -437,7 +437,8 @@ def plan_bytes(params: dict, plan, model: nn.Module | None = None) -> dict[str, 
     keeps (``model`` tells which). Computed from shapes alone: nothing allocated."""
     from zfunc import plan as zp
 
-    leaves = [tuple(p.shape) for p in (params if model is None else layout.rank0_params(model, params, plan)).values()]
+    mine = params if model is None else layout.rank0_params(model, params, plan)
+    leaves = [tuple(p.shape) for p in mine.values()]
     engine = _engine_bytes(leaves, plan)
     where = {"device": sum(engine.values()), "cpu": 0, "nvme": 0}
     if plan.offload_optimizer != "none":
