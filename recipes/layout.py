@@ -26,8 +26,8 @@ class FlagError(ValueError):
 
 
 LAYOUT_DEFAULTS = dict(
-    zero=0, offload_optimizer="none", offload_params="none", nvme_path=None, remat=False, remat_offload=False,
-    tile_lm_head=0, pp=1, microbatches=1, schedule="1f1b", deepspeed=None,
+    zero=0, offload_optimizer="none", offload_params="none", nvme_path=None, keep_swap=False, remat=False,
+    remat_offload=False, tile_lm_head=0, pp=1, microbatches=1, schedule="1f1b", deepspeed=None,
 )
 CHOICES = dict(zero=[0, 1, 2, 3], offload_optimizer=["none", "cpu", "nvme"], offload_params=["none", "cpu", "nvme"],
                schedule=["1f1b", "gpipe"])
@@ -36,7 +36,9 @@ LAYOUT_HELP = dict(
     offload_optimizer="keep the optimizer state (and fp32 masters' update) in CPU RAM or NVMe (ZeRO 1-3, or 1 rank)",
     offload_params="keep the fp32 params in CPU RAM or NVMe, fetched per unit (ZeRO 3, or 1 rank); needs "
                    "--offload-optimizer",
-    nvme_path="directory for the NVMe swap files (each rank uses its own folder in it)",
+    nvme_path="directory for the NVMe swap files (each rank uses its own folder in it); a run that ends cleanly "
+              "removes its files and the folders it made for them",
+    keep_swap="keep the NVMe swap files (and their spares) after the run ends",
     remat="recompute each unit's (block's) activations in backward (activation checkpointing)",
     remat_offload="with --remat: keep each unit's saved inputs in CPU RAM",
     tile_lm_head="compute the LM head (and an embedding tied to it) in this many tiles; 0: untiled",
@@ -47,8 +49,8 @@ LAYOUT_HELP = dict(
               "flags, and a flag given that contradicts it is an error",
 )
 # The layout may change on --resume: a checkpoint loads into any stage, offload or world size.
-MAY_CHANGE_ON_RESUME = ("zero", "offload_optimizer", "offload_params", "nvme_path", "remat", "remat_offload",
-                        "pp", "microbatches", "schedule", "deepspeed", "accum")
+MAY_CHANGE_ON_RESUME = ("zero", "offload_optimizer", "offload_params", "nvme_path", "keep_swap", "remat",
+                        "remat_offload", "pp", "microbatches", "schedule", "deepspeed", "accum")
 # Plan field -> the flag that sets it, to name flags in the plan's errors.
 FLAG_OF_FIELD = dict(dp="--pp", pp="--pp", zero_stage="--zero", offload_optimizer="--offload-optimizer",
                      offload_params="--offload-params", nvme_path="--nvme-path", remat="--remat",
@@ -174,6 +176,32 @@ def _name_flags(message: str) -> str:
     if sep and field in FLAG_OF_FIELD:
         return f"{FLAG_OF_FIELD[field]} (plan {field}): {why}"
     return message
+
+
+def engine_stage(plan: Any) -> int:
+    """The ZeRO stage of the engine ``zf.parallelize`` runs for ``plan``: its ``zero_stage``, except
+    an offloaded plain step (one process, stage 0), which ``zf.offload`` runs on a one-process
+    stage 2 (stage 3 with the params offloaded)."""
+    if plan.zero_stage == 0 and plan.dp == 1 and plan.offload_optimizer != "none":
+        return 3 if plan.offload_params != "none" else 2
+    return plan.zero_stage
+
+
+def rank0_params(model: Any, params: dict, plan: Any) -> dict:
+    """The params whose states rank 0 keeps: all of them, or with ``--pp`` those pipeline stage 0
+    owns (its units and the shared ones, as ``zf.pipeline`` lays them out). Raises FlagError naming
+    --pp when the model has fewer pipeline units than stages."""
+    if plan.pp == 1:
+        return params
+    import zfunc as zf
+    from zfunc.pipeline import make_layout
+
+    units = zf.config.selector(plan.units) if plan.units is not None else zf.units.auto()
+    try:
+        owner = make_layout(model, units, plan.pp, None).owner
+    except ValueError as e:
+        raise FlagError(f"--pp: {e}") from None
+    return {name: p for name, p in params.items() if owner.get(name, 0) == 0}
 
 
 # ----------------------------------------------------------------------------- --deepspeed

@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import inspect
 import math
 import os
+import re
 import sys
 import tempfile
 import time
@@ -208,8 +210,17 @@ def parser(recipe: Recipe, with_defaults: bool = True) -> argparse.ArgumentParse
         choices = ["fp32", "bf16", "fp16"] if name == "precision" else layout.CHOICES.get(name)
         p.add_argument(flag(name), type=str if default is None else type(default), choices=choices,
                        **({"default": default} if with_defaults else kw),
-                       help=f"{recipe.help.get(name, '')} (default: %(default)s)".lstrip())
+                       help=_with_default(recipe.help.get(name), default))
     return p
+
+
+def _with_default(text: str | None, default: Any) -> str:
+    """A flag's help with "(default: X)" added, unless the help states its default itself or there
+    is none to state (None: the help says what its absence means)."""
+    text = text or ""
+    if default is None or re.search(r"\bdefault\b", text):
+        return text
+    return f"{text} (default: %(default)s)".lstrip()
 
 
 def parse_args(recipe: Recipe, argv=None) -> argparse.Namespace:
@@ -419,14 +430,16 @@ def n_params(module: nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
 
 
-def plan_bytes(params: dict, plan) -> dict[str, int]:
+def plan_bytes(params: dict, plan, model: nn.Module | None = None) -> dict[str, int]:
     """Bytes the busiest rank (rank 0) keeps by place -- "device", "cpu", "nvme" -- after a step, in
     zfunc.plan's accounting of these exact leaves (what step.memory(state) would report; stage 3's
-    gathered units on top, bounded by zp.working_bound). Computed from shapes alone: nothing allocated."""
+    gathered units on top, bounded by zp.working_bound): with --pp, of the leaves pipeline stage 0
+    keeps (``model`` tells which). Computed from shapes alone: nothing allocated."""
     from zfunc import plan as zp
 
-    leaves = [tuple(p.shape) for p in params.values()]
-    engine = zp.engine_bytes(leaves, plan.dp, 0, plan.zero_stage, precision=plan.precision, accum=plan.accum)
+    mine = params if model is None else layout.rank0_params(model, params, plan)
+    leaves = [tuple(p.shape) for p in mine.values()]
+    engine = _engine_bytes(leaves, plan)
     where = {"device": sum(engine.values()), "cpu": 0, "nvme": 0}
     if plan.offload_optimizer != "none":
         off = zp.offload_bytes(leaves, plan.dp, 0, optimizer=plan.offload_optimizer,
@@ -437,18 +450,66 @@ def plan_bytes(params: dict, plan) -> dict[str, int]:
     return where
 
 
+def _engine_bytes(leaves: list[tuple[int, ...]], plan) -> dict[str, int]:
+    """zp.engine_bytes of rank 0's leaves at the stage the engine runs (layout.engine_stage)."""
+    from zfunc import plan as zp
+
+    accum = plan.microbatches if plan.pp > 1 else plan.accum  # a pipeline sums its microbatches' grads
+    return zp.engine_bytes(leaves, plan.dp, 0, layout.engine_stage(plan), precision=plan.precision, accum=accum)
+
+
+def zero_alone(params: dict, plan) -> str:
+    """Why ZeRO 1 or 2 on one process holds more than ZeRO 0 ("" where it does not): it shards over
+    one rank, so nothing is split, and its step still gathers a whole copy of the params (ZeRO 0
+    computes on the fp32 masters themselves; below fp32 both make a compute copy) and keeps whole
+    grads beside the fp32 grad slice the optimizer reads (ZeRO 0 sums them straight into it)."""
+    if plan.dp > 1 or plan.pp > 1 or plan.zero_stage not in (1, 2):
+        return ""
+    zero0 = dataclasses.replace(plan, zero_stage=0)
+    extra = plan_bytes(params, plan)["device"] - plan_bytes(params, zero0)["device"]
+    leaves = [tuple(p.shape) for p in params.values()]
+    mine, theirs = _engine_bytes(leaves, plan), _engine_bytes(leaves, zero0)
+    held = [what for key, what in (("whole_params", "a whole copy of the params"),
+                                   ("whole_grads", "whole grads beside the fp32 grad slice"))
+            if mine.get(key, 0) > theirs.get(key, 0)]
+    if extra <= 0 or not held:
+        return ""
+    return (f"; ZeRO {plan.zero_stage} on one process shards nothing and holds {extra / 1e9:.3g} GB more than "
+            f"--zero 0: {' and '.join(held)} in each step")
+
+
 def describe(args, plan, launch, built: Built, device, params: dict) -> list[str]:
     """What rank 0 says about the model, the layout and the plan's bytes per rank before training."""
     gb = lambda n: f"{n / 1e9:.3g} GB"  # noqa: E731
-    where = plan_bytes(params, plan)
+    where = plan_bytes(params, plan, built.module)
+    ranks = f"rank 0 of {launch.world}" + (f", pipeline stage 0 of {plan.pp}" if plan.pp > 1 else "")
     return [f"model: {n_params(built.module) / 1e6:.2f}M params {built.config}; device {device}, "
             f"precision {plan.precision}; {args.steps} steps x {args.batch_size * args.block_size:,} tokens",
             f"layout: {launch.world} process{'es' * (launch.world > 1)}, dp={plan.dp} pp={plan.pp}, ZeRO "
             f"{plan.zero_stage}, offload optimizer {plan.offload_optimizer} params {plan.offload_params}, remat "
             f"{plan.remat}; per rank {args.batch_size // plan.dp} sequences in "
             f"{plan.microbatches if plan.pp > 1 else plan.accum} microbatches",
-            f"plan (zfunc.plan, rank 0 of {plan.dp}, model states after a step): device {gb(where['device'])}, "
-            f"cpu {gb(where['cpu'])}, nvme {gb(where['nvme'])}"]
+            f"plan (zfunc.plan, {ranks}, model states after a step): device {gb(where['device'])}, "
+            f"cpu {gb(where['cpu'])}, nvme {gb(where['nvme'])}" + zero_alone(params, plan)]
+
+
+def vocab_note(args: argparse.Namespace, model: nn.Module, model_vocab: Any, data_vocab: int, unit: str,
+               special: int = 0) -> str:
+    """One line when the model has more token ids than the data (a --flavor or --hf-config made for
+    a tokenizer, trained on bytes): its embedding and head (their params, and bytes at 16 a param:
+    fp32 weights and grads, Adam's two moments), the logits per token, and how to shrink them; ""
+    otherwise. The model is kept as asked: its shape is the config's or the flavor's."""
+    if not isinstance(model_vocab, int) or model_vocab <= data_vocab:
+        return ""
+    unique = {id(p): p for p in model.parameters()}.values()  # a tied head is the embedding
+    rows = sum(p.numel() for p in unique if p.dim() and p.shape[0] == model_vocab)
+    what = f"{unit}s" + (f" and {special} special tokens" if special else "")
+    fix = (f'"vocab_size": {data_vocab} in the --hf-config shrinks them' if args.hf_config is not None else
+           f"a --tokenizer with {model_vocab:,} tokens uses them; the model flags in place of --flavor {args.flavor} "
+           "size them to the data")
+    return (f"vocab: the model has {model_vocab:,} token ids, the data {data_vocab:,} ({what}): its embedding and "
+            f"head ({rows / 1e6:.2f}M params, {16 * rows / 1e9:.3g} GB of weights, grads and Adam state) and "
+            f"{model_vocab:,} logits per token serve {model_vocab - data_vocab:,} ids the data never holds; {fix}")
 
 
 def peak_flops(device) -> float | None:
@@ -572,6 +633,8 @@ def _train(recipe: Recipe, args: argparse.Namespace, plan, launch: layout.Launch
         raise FlagError(f"--block-size: {args.block_size} exceeds the model's context of {built.context} "
                         "(expected at most that)")
     model = built.module
+    vocab = vocab_note(args, model, built.config.get("vocab_size"), corpus.vocab_size + recipe.extra_vocab, unit,
+                       recipe.extra_vocab)  # before the head is tiled
     if built.units != recipe.units:
         plan, args = layout.resolve(args, launch.world, built.units, notices=False)
     try:  # tile the head, remat the units: before functionalize
@@ -579,10 +642,10 @@ def _train(recipe: Recipe, args: argparse.Namespace, plan, launch: layout.Launch
     except ValueError as e:
         raise FlagError(layout._name_flags(str(e))) from None
     apply, params = zf.functionalize(model)
-    for line in describe(args, plan, launch, built, device, params):
+    for line in describe(args, plan, launch, built, device, params) + ([vocab] if vocab else []):
         say(line)
     if args.dry_run:
-        return dict(rank=launch.rank, n_params=n_params(model), plan_bytes=plan_bytes(params, plan),
+        return dict(rank=launch.rank, n_params=n_params(model), plan_bytes=plan_bytes(params, plan, model),
                     config=built.config)
 
     def loss_fn(params, batch):
@@ -681,6 +744,11 @@ def _train(recipe: Recipe, args: argparse.Namespace, plan, launch: layout.Launch
         sample = bytes(ids) if args.tokenizer is None else codec.decode(ids)
         text = (b"def " + sample).decode("utf-8", errors="replace") if isinstance(sample, bytes) else "def " + sample
         say("sample:\n" + text)
+    if not args.keep_swap:  # a clean end: nothing uses the swap files now (the checkpoint holds the state)
+        freed = zf.offload.release(step, state)
+        if freed:
+            mine = " on rank 0" if launch.world > 1 else ""
+            say(f"removed the swap files under {args.nvme_path} ({freed / 1e6:.3g} MB{mine}; --keep-swap keeps them)")
     return dict(**evals, train_loss=loss, **baseline, history=history, steps=args.steps, n_params=n_params(model),
                 tokens_per_s=tokens_per_s, mfu=mfu, elapsed_s=time.time() - t_start,
                 checkpoint=str(ckpt) if ckpt is not None else None, sample=sample, rank=launch.rank)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import zfunc as zf
 from tests.models import Block, Tiny, assert_same_training, batches, local, tree_equal, train_on, with_faults
 from tests.models import make_offloaded as make  # this file's step: Tiny, offloaded or not
-from zfunc.offload import ComputeCopies, OffloadSpec, in_ram, offload
+from zfunc.offload import ComputeCopies, OffloadSpec, in_ram, offload, release
 from zfunc.shard_run import StepRun
 from zfunc.shard import full_params
 from zfunc.swap import SwapInUseError, SwapPathError
@@ -545,6 +545,38 @@ def test_a_second_run_on_a_path_in_use_is_refused_and_a_later_one_starts_there(t
     del first, state  # the run ends: its engine goes with its step (collected, if in a reference cycle)
     step, state = make(False, where="nvme", path=tmp_path)  # the same path again, as a resumed run would
     assert run(step, state, n=2)[1] == run(*make(False), n=2)[1]
+
+
+def test_release_removes_the_swap_files_and_the_folders_init_made_and_nothing_else(tmp_path):
+    (tmp_path / "notes.txt").write_text("the user's")
+    path = tmp_path / "swap" / "run"  # neither folder exists: init makes both
+    step, state = make(False, where="nvme", params="nvme", path=path)
+    state, _ = step(state, batches(1, 1)[0])
+    files = [p for p in path.iterdir() if p.name.endswith((".swap", ".spare"))]
+    assert files and any(p.name.endswith(".spare") for p in files)
+    on_disk = sum(p.stat().st_size for p in files)
+    assert release(step, state) == on_disk
+    assert not (tmp_path / "swap").exists() and (tmp_path / "notes.txt").read_text() == "the user's"
+    with pytest.raises(zf.ConsumedStateError):  # its leaves were in the files removed
+        state.params
+    step, state = make(False, where="nvme", path=path)  # the path is free again: a new engine starts there
+    assert run(step, state, n=1)[1] == run(*make(False), n=1)[1]
+
+
+def test_release_leaves_a_folder_it_did_not_make_and_what_else_it_holds(tmp_path):
+    (tmp_path / "notes.txt").write_text("the user's")
+    step, state = make(False, where="nvme", path=tmp_path)
+    on_disk = sum(p.stat().st_size for p in tmp_path.iterdir() if p.name.endswith((".swap", ".spare")))
+    assert release(step, state) == on_disk > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    assert release(step, state) == 0  # released: nothing left to remove
+
+
+def test_release_of_a_step_without_swap_files_touches_nothing(tmp_path):
+    step, state = make(False, where="cpu")
+    assert release(step, state) == 0 and not state.consumed
+    plain, state = make(False)
+    assert release(plain, state) == 0 and not state.consumed
 
 
 @pytest.mark.parametrize("where, params, accum", [("cpu", None, 1), ("cpu", "cpu", 1), ("nvme", "nvme", 2)])

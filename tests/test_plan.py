@@ -124,6 +124,14 @@ def test_stage_0_is_accounted_when_the_tree_has_it(tmp_path, leaves):
     assert (got["params"], got["optimizer"]) == (want["params"], want["optimizer"])
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_stage_0_counts_its_compute_copy_of_the_params_below_fp32(tmp_path, leaves, precision):
+    got = memory_worker(0, 1, str(tmp_path), [(0, None, None, precision, 1)])[0]
+    want = zp.engine_bytes(leaves, 1, 0, 0, precision=precision)
+    assert {key: got[key] for key in want} == want  # fp32 computes on the masters: no copy
+    assert want["whole_params"] == (0 if precision == "fp32" else 2 * sum(math.prod(s) for s in leaves))
+
+
 # ---------------------------------------------------------------------- ZeRO paper, Figure 1
 def test_the_zero_papers_figure_1_per_device_memory():
     """7.5B params, 64 GPUs, K = 12: 120 GB, 31.4 GB (P_os), 16.6 GB (P_os+g), 1.9 GB (P_os+g+p)."""

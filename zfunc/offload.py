@@ -4,7 +4,8 @@
 that trains exactly like ``step`` (a plain step, or ``zf.shard(step, mesh, stage)``) while keeping,
 between steps, the optimizer state (``optimizer=``) and the fp32 master params (``params=``) in
 CPU RAM (pinned when there is a GPU) or in swap files under ``path`` (``zfunc.swap``), each process
-in its own folder (``path/rank00003/`` for global rank 3, ``path`` itself alone), locked while used.
+in its own folder (``path/rank00003/`` for global rank 3, ``path`` itself alone), locked while used;
+``zf.offload.release(step, state)`` removes the files, and the folders made for them, once done.
 
 **Law.** For the same optimizer and kernel (``backend="auto"`` runs zfunc's CPU-Adam on the
 offloaded leaves and on a plain step's state on the CPU; a plain step on a GPU runs torch's kernel,
@@ -97,6 +98,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -112,7 +114,7 @@ from zfunc.shard_run import StepRun
 from zfunc.step import Step, TrainState, Transformed, require_train_state
 from zfunc.store import OnDisk, Store
 
-__all__ = ["OffloadSpec", "OffloadedStep", "in_ram", "offload"]
+__all__ = ["OffloadSpec", "OffloadedStep", "in_ram", "offload", "release"]
 
 PyTree = Any
 PLACES = ("cpu", "nvme")
@@ -152,6 +154,7 @@ class OffloadedStep(Transformed):
         self.chunk_bytes = chunk_bytes
         self.overlap = _overlap_allowed(base, overlap)
         self.engine = None
+        self._made: list[Path] = []  # the folders the engine created for its files (``release``)
         self._fetch_order: list[int] = []  # params' read order in the last step (forward/backward)
         self.compute_copies = ComputeCopies()
         self._update_order: list[int] = []  # leaves' update order in the last step
@@ -242,7 +245,10 @@ class OffloadedStep(Transformed):
             # 4 I/O threads: enough to keep the disk busy under a CPU update, and every thread costs
             # RAM (an allocator arena, a staging buffer): at 8 the 403M-param GPT of
             # benchmarks/capacity.py no longer fit in 1 GiB
-            self.engine = SwapEngine(rank_dir(self.path), files=files, threads=4)
+            folder = rank_dir(self.path)
+            # the folders the engine is about to create (deepest first): ``release`` removes these alone
+            self._made = [d for d in (folder, *folder.parents) if not d.exists()]
+            self.engine = SwapEngine(folder, files=files, threads=4)
 
     def _reserve(self, params: PyTree, opt_state: PyTree) -> None:
         """Allocate the room of the next write of each swap file of the state (``SwapEngine.reserve``,
@@ -342,6 +348,39 @@ def in_ram(state: TrainState) -> TrainState:
     return state.replace(params=params, opt_state=opt_state)
 
 
+def release(step: Step, state: TrainState) -> int:
+    """Remove the swap files of ``state``, the state ``step`` last returned (or placed: ``init``,
+    ``zf.checkpoint.load``), their spares with them, then close the step's swap engine (its folder's
+    lock goes with it) and remove the folders it created for them, if nothing else is in them.
+    ``state`` is consumed: its leaves were those files (``ConsumedStateError`` if read). Returns the
+    bytes the files held; 0, touching nothing, for a step with no swap engine (not offloaded,
+    offloaded to "cpu", or released already). Files and folders zfunc did not write stay. The
+    step may ``init`` again afterwards, on a new engine. Cost: waits for the I/O issued on the
+    files, then an unlink per file and spare."""
+    from zfunc.swap import _spare
+
+    if not isinstance(step, OffloadedStep) or step.engine is None:
+        return 0
+    step._check_state(state)
+    engine = step.engine
+    names = [x.name for x in tree.leaves((state.params, state.opt_state)) if isinstance(x, OnDisk)]
+    state._consumed = True  # before anything goes: a background save of it finishes first
+    freed = 0
+    for name in names:  # under the engine's lock: no other engine writes here meanwhile
+        file = engine.file(name)
+        freed += sum(f.stat().st_size for f in (file, _spare(file)) if f.exists())
+        engine.remove(name)  # waits for the operations issued on it
+    engine.close()
+    step.engine = None
+    for folder in step._made:
+        try:
+            folder.rmdir()  # only empty: what else is there (another rank's folder) keeps it
+        except OSError:
+            break
+    step._made = []
+    return freed
+
+
 def offload(step: Step, optimizer: str = "cpu", params: str | None = None, *, path: str | None = None,
             chunk_bytes: int = 64 << 20, overlap: bool | None = None, units=None, prefetch: int = 1) -> OffloadedStep:
     """``step`` with its optimizer state (and optionally its fp32 master params) kept in CPU RAM or
@@ -392,3 +431,6 @@ def offload(step: Step, optimizer: str = "cpu", params: str | None = None, *, pa
         sharded = ShardedStep(step, Mesh.alone(), 3 if params is not None else 2, units or units_mod.auto(),
                               prefetch, 25 << 18, verify=False)
     return OffloadedStep(step, sharded, optimizer, params, path, chunk_bytes, overlap)
+
+
+offload.release = release  # zf.offload.release(step, state), as zf.parallelize.prepare

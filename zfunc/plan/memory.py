@@ -59,7 +59,8 @@ def engine_bytes(leaves: Sequence[tuple[int, ...]], world: int, rank: int, stage
                  accum: int = 1, optimizer_bytes: int = 8, bucket_mb: float = 25.0) -> dict[str, int]:
     """The bytes ``zf.shard(step, Mesh(dp=world), stage).memory(state)`` reports on ``rank`` after a
     step: ``params`` (fp32 masters), ``optimizer``, ``grad_shard``, and, at stages 0-2, the step's
-    ``whole_params`` and, at stage 1 and at stage 2 when all grads fit one bucket, ``whole_grads``
+    ``whole_params`` (stage 0: the compute copy, none at fp32, where it computes on the masters) and,
+    at stage 1 and at stage 2 when all grads fit one bucket, ``whole_grads``
     (stage 3's gathered peaks depend on the order units run in: ``working_bound`` bounds them).
     Stage 1 with accumulation holds the fp32 sums and, while one is added to, that leaf's new grad:
     exact at fp32, and below when the largest leaf's grad comes last (an embedding's does)."""
@@ -69,6 +70,8 @@ def engine_bytes(leaves: Sequence[tuple[int, ...]], world: int, rank: int, stage
     out = {"params": 4 * mine, "optimizer": optimizer_bytes * mine, "grad_shard": 4 * mine}
     if stage in (1, 2):
         out["whole_params"] = e * numel
+    elif stage == 0:
+        out["whole_params"] = e * numel if e < 4 else 0
     bucket = _bucket_elems(bucket_mb)
     segment = sum(-(-(s[0] if s else 1) // world) * (math.prod(s[1:]) if s else 1) for s in leaves)
     if stage == 1:  # with accumulation: fp32 sums, and the microbatch's grad being added in
