@@ -9,8 +9,9 @@ MLM loss and masked-token accuracy). Everything else is here, once: every flag o
 out by the plan, eval, checkpoints and ``--resume``, the progress bar, OUT/metrics.jsonl and
 OUT/loss.png (recipes/watch.py), and the final sample. OUT holds one run at a time, and a previous
 run in it is continued (``--resume``) or moved aside (``--overwrite``), never overwritten
-(recipes/rundir.py). ``--dry-run`` stops after printing the model and the plan's bytes per rank
-(zfunc.plan's accounting of the meta-device leaves): nothing allocated, nothing created in OUT.
+(recipes/rundir.py). ``--dry-run`` stops after printing the model, the plan's bytes per rank
+(zfunc.plan's accounting of the meta-device leaves) and the verdict on this machine (recipes/verdict.py:
+fits or not, what binds, a layout that fits): nothing allocated, nothing created in OUT.
 
 Why one module over 400 lines: the flags, their checks and the loop are the GPT recipe's former
 train() and flag code moved whole, one concept (what `python -m recipes.NAME` does); the models,
@@ -42,7 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from recipes import data as data_mod
-from recipes import layout, rundir
+from recipes import layout, rundir, verdict
 from recipes import watch as watch_mod
 from recipes.layout import FlagError, flag
 
@@ -82,7 +83,8 @@ TRAIN_HELP = dict(
               "randomly initialized, in place of the recipe's own (needs transformers)",
     tokenizer="a local tokenizer.json (or a folder holding one): train on its tokens, cached as a memory-mapped "
               "file under OUT/tokens; default: bytes",
-    dry_run="print the model and the plan (bytes per rank), then stop before anything is allocated",
+    dry_run="print the model, the plan (bytes per rank) and whether it fits this machine's RAM, disk under "
+            "--nvme-path and GPU (what binds; else a layout that fits), then stop before anything is allocated",
     **layout.LAYOUT_HELP,
 )
 MAY_CHANGE_ON_RESUME = ("steps", "device", "out", "resume", "overwrite", "eval_every", "eval_batches", "ckpt_every",
@@ -581,9 +583,12 @@ def _train(recipe: Recipe, args: argparse.Namespace, plan, launch: layout.Launch
     apply, params = zf.functionalize(model)
     for line in describe(args, plan, launch, built, device, params):
         say(line)
-    if args.dry_run:
+    if args.dry_run:  # rank 0 judges the plan against this machine
+        found = verdict.of_run(recipe.name, args, plan, built, device, launch.world) if launch.rank == 0 else None
+        for line in found.lines if found is not None else []:
+            say(line)
         return dict(rank=launch.rank, n_params=n_params(model), plan_bytes=plan_bytes(params, plan),
-                    config=built.config)
+                    config=built.config, fits=found.fits if found else None, needs=found.needs if found else None)
 
     def loss_fn(params, batch):
         return task.loss(apply(params, *batch[:task.inputs]), batch)
