@@ -43,7 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from recipes import data as data_mod
-from recipes import layout, rundir, verdict
+from recipes import layout, refusal, rundir, verdict
 from recipes import watch as watch_mod
 from recipes.layout import FlagError, flag
 
@@ -533,6 +533,7 @@ def train(recipe: Recipe, args: argparse.Namespace) -> dict:
     """Train per ``args`` (from parse_args); returns the final numbers, sample and checkpoint path
     (on rank 0; the other ranks return what they know)."""
     check_args(recipe, args)  # before anything is built
+    refusal.checked()  # rank 0 passed: another rank's refusal is its own
     t_start = time.time()
     launch = layout.Launch.from_env()
     plan, args = layout.resolve(with_precision(args), launch.world, recipe.units, notices=launch.rank == 0)
@@ -697,8 +698,10 @@ def script(main_fn: Callable[[], Any]) -> None:
     (checkpoints saved blocking, metrics appended and closed, the process group destroyed), and
     interpreter teardown is where gloo's C++ threads aborted ranks that had finished their work
     ("terminate called without an active exception": 3-4 of ~70 two-process test runs under load,
-    also after ``destroy_process_group``). An exception or a ``SystemExit`` (a bad flag) leaves as usual.
+    also after ``destroy_process_group``). An exception leaves as usual; a refusal (a bad flag) with
+    status 2, at once under torchrun (recipes/refusal.py).
     """
+    refusal.exit_at_once()  # a refusal under torchrun: os._exit with its status once said
     main_fn()
     if "WORLD_SIZE" in os.environ:
         sys.stdout.flush()
@@ -707,14 +710,14 @@ def script(main_fn: Callable[[], Any]) -> None:
 
 
 def main(recipe: Recipe, argv=None) -> dict:
-    """The command line; flags that cannot work exit with status 2 and their message, as argparse's do."""
-    args = parse_args(recipe, argv)
+    """The command line; flags that cannot work exit with status 2 and their message, as argparse's do,
+    said once by a torchrun job's ranks (recipes/refusal.py)."""
+    args = refusal.parsed(lambda: parse_args(recipe, argv))
     started = torch.distributed.is_available() and torch.distributed.is_initialized()
     try:
         return train(recipe, args)
     except FlagError as e:
-        print(f"python -m recipes.{recipe.name}: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from e
+        refusal.refuse(f"python -m recipes.{recipe.name}: error: {e}")
     finally:  # a process group this run started (torchrun) is closed here, its threads joined, not at
         # interpreter teardown (where gloo's threads have aborted a rank that had finished its work)
         if not started and torch.distributed.is_available() and torch.distributed.is_initialized():
