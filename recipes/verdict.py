@@ -154,8 +154,9 @@ def _parts(places: list[dict[str, float]], ranks: int) -> dict[str, float]:
     out = {"model states": 0.0, "activations": 0.0, "working memory": 0.0}
     for place in places:
         for name, n in place.items():
-            kind = "model states" if name in MODEL_STATES else "activations" if name in ACTIVATIONS else "working memory"
-            out[kind] += ranks * n
+            part = ("model states" if name in MODEL_STATES else "activations" if name in ACTIVATIONS
+                    else "working memory")
+            out[part] += ranks * n
     return {k: v for k, v in out.items() if v}
 
 

@@ -74,7 +74,8 @@ def test_on_a_datasheet_gpu_the_search_is_also_a_zfunc_plan_command_that_runs(ca
 
     m = machine(gpu_name="NVIDIA H100 80GB HBM3", gpu_bytes=80 * GB, local_ranks=8)
     assert verdict.gpu_key(m.gpu_name, m.gpu_bytes) == "H100-80GB"
-    assert verdict.gpu_key("NVIDIA A100-SXM4-40GB", 40 * GB) == "A100-40GB" and verdict.gpu_key("Tesla T4", 16 * GB) is None
+    assert verdict.gpu_key("NVIDIA A100-SXM4-40GB", 40 * GB) == "A100-40GB"
+    assert verdict.gpu_key("Tesla T4", 16 * GB) is None
     args = loop.parse_args(llama.RECIPE, ["--flavor", "debug", "--batch-size", "64"])
     line = verdict.plan_command("llama", args, m, 16, "bf16")
     assert line.startswith("python -m zfunc.plan --flavor debug --recipe llama --gpu H100-80GB --gpus 16 ")
@@ -128,7 +129,8 @@ def test_a_run_too_big_for_the_machine_gets_a_layout_that_fits_it(tmp_path, text
     suggested = shlex.split(command)[3:]
     assert "--dry-run" not in suggested
     given, kept = loop.parse_args(llama.RECIPE, argv), loop.parse_args(llama.RECIPE, suggested)
-    same = ("n_layer", "n_head", "n_kv_head", "n_embd", "ffn_dim", "block_size", "batch_size", "precision", "data", "out")
+    same = ("n_layer", "n_head", "n_kv_head", "n_embd", "ffn_dim", "block_size", "batch_size", "precision", "data",
+            "out")
     assert [getattr(kept, k) for k in same] == [getattr(given, k) for k in same]
     again = llama.main(suggested + ["--dry-run"])
     assert again["fits"] is True and again["needs"]["RAM"] <= 0.6 * need
@@ -150,8 +152,8 @@ def test_the_70b_plan_with_everything_on_nvme_names_ram_and_disk_and_the_leanest
                                                                                         monkeypatch):
     """The README's 70B dry run on a machine of 32 GB RAM and 100 GB of disk: nothing fits; both are named
     with how much they are over, and the leanest layout the search tries with what it needs."""
-    monkeypatch.setattr(verdict, "this_machine", lambda path, device: machine(ram_available=32 * GB,
-                                                                              disk_path=str(tmp_path), disk_free=100 * GB))
+    small = machine(ram_available=32 * GB, disk_path=str(tmp_path), disk_free=100 * GB)
+    monkeypatch.setattr(verdict, "this_machine", lambda path, device: small)
     swap = tmp_path / "zf"
     result = llama.main(["--flavor", "70B", "--zero", "3", "--offload-optimizer", "nvme", "--offload-params", "nvme",
                          "--nvme-path", str(swap), "--dry-run", "--out", str(tmp_path / "out")])
