@@ -9,8 +9,9 @@ MLM loss and masked-token accuracy). Everything else is here, once: every flag o
 out by the plan, eval, checkpoints and ``--resume``, the progress bar, OUT/metrics.jsonl and
 OUT/loss.png (recipes/watch.py), and the final sample. OUT holds one run at a time, and a previous
 run in it is continued (``--resume``) or moved aside (``--overwrite``), never overwritten
-(recipes/rundir.py). ``--dry-run`` stops after printing the model and the plan's bytes per rank
-(zfunc.plan's accounting of the meta-device leaves): nothing allocated, nothing created in OUT.
+(recipes/rundir.py). ``--dry-run`` stops after printing the model, the plan's bytes per rank
+(zfunc.plan's accounting of the meta-device leaves) and the verdict on this machine (recipes/verdict.py:
+fits or not, what binds, a layout that fits): nothing allocated, nothing created in OUT.
 
 Why one module over 400 lines: the flags, their checks and the loop are the GPT recipe's former
 train() and flag code moved whole, one concept (what `python -m recipes.NAME` does); the models,
@@ -44,7 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from recipes import data as data_mod
-from recipes import layout, rundir
+from recipes import layout, refusal, rundir, verdict
 from recipes import watch as watch_mod
 from recipes.layout import FlagError, flag
 
@@ -84,7 +85,8 @@ TRAIN_HELP = dict(
               "randomly initialized, in place of the recipe's own (needs transformers)",
     tokenizer="a local tokenizer.json (or a folder holding one): train on its tokens, cached as a memory-mapped "
               "file under OUT/tokens; default: bytes",
-    dry_run="print the model and the plan (bytes per rank), then stop before anything is allocated",
+    dry_run="print the model, the plan (bytes per rank) and whether it fits this machine's RAM, disk under "
+            "--nvme-path and GPU (what binds; else a layout that fits), then stop before anything is allocated",
     **layout.LAYOUT_HELP,
 )
 MAY_CHANGE_ON_RESUME = ("steps", "device", "out", "resume", "overwrite", "eval_every", "eval_batches", "ckpt_every",
@@ -592,6 +594,7 @@ def train(recipe: Recipe, args: argparse.Namespace) -> dict:
     """Train per ``args`` (from parse_args); returns the final numbers, sample and checkpoint path
     (on rank 0; the other ranks return what they know)."""
     check_args(recipe, args)  # before anything is built
+    refusal.checked()  # rank 0 passed: another rank's refusal is its own
     t_start = time.time()
     launch = layout.Launch.from_env()
     plan, args = layout.resolve(with_precision(args), launch.world, recipe.units, notices=launch.rank == 0)
@@ -644,9 +647,12 @@ def _train(recipe: Recipe, args: argparse.Namespace, plan, launch: layout.Launch
     apply, params = zf.functionalize(model)
     for line in describe(args, plan, launch, built, device, params) + ([vocab] if vocab else []):
         say(line)
-    if args.dry_run:
+    if args.dry_run:  # rank 0 judges the plan against this machine
+        found = verdict.of_run(recipe.name, args, plan, built, device, launch.world) if launch.rank == 0 else None
+        for line in found.lines if found is not None else []:
+            say(line)
         return dict(rank=launch.rank, n_params=n_params(model), plan_bytes=plan_bytes(params, plan, model),
-                    config=built.config)
+                    config=built.config, fits=found.fits if found else None, needs=found.needs if found else None)
 
     def loss_fn(params, batch):
         return task.loss(apply(params, *batch[:task.inputs]), batch)
@@ -760,8 +766,10 @@ def script(main_fn: Callable[[], Any]) -> None:
     (checkpoints saved blocking, metrics appended and closed, the process group destroyed), and
     interpreter teardown is where gloo's C++ threads aborted ranks that had finished their work
     ("terminate called without an active exception": 3-4 of ~70 two-process test runs under load,
-    also after ``destroy_process_group``). An exception or a ``SystemExit`` (a bad flag) leaves as usual.
+    also after ``destroy_process_group``). An exception leaves as usual; a refusal (a bad flag) with
+    status 2, at once under torchrun (recipes/refusal.py).
     """
+    refusal.exit_at_once()  # a refusal under torchrun: os._exit with its status once said
     main_fn()
     if "WORLD_SIZE" in os.environ:
         sys.stdout.flush()
@@ -770,14 +778,14 @@ def script(main_fn: Callable[[], Any]) -> None:
 
 
 def main(recipe: Recipe, argv=None) -> dict:
-    """The command line; flags that cannot work exit with status 2 and their message, as argparse's do."""
-    args = parse_args(recipe, argv)
+    """The command line; flags that cannot work exit with status 2 and their message, as argparse's do,
+    said once by a torchrun job's ranks (recipes/refusal.py)."""
+    args = refusal.parsed(lambda: parse_args(recipe, argv))
     started = torch.distributed.is_available() and torch.distributed.is_initialized()
     try:
         return train(recipe, args)
     except FlagError as e:
-        print(f"python -m recipes.{recipe.name}: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from e
+        refusal.refuse(f"python -m recipes.{recipe.name}: error: {e}")
     finally:  # a process group this run started (torchrun) is closed here, its threads joined, not at
         # interpreter teardown (where gloo's threads have aborted a rank that had finished its work)
         if not started and torch.distributed.is_available() and torch.distributed.is_initialized():
