@@ -42,7 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from recipes import data as data_mod
-from recipes import layout, rundir
+from recipes import data_cap, layout, rundir
 from recipes import watch as watch_mod
 from recipes.layout import FlagError, flag
 
@@ -52,6 +52,7 @@ TRAIN_DEFAULTS = dict(
     lr=3e-3, end_lr=3e-4, warmup=40, weight_decay=0.1, grad_clip=1.0,
     precision=None, device=None, data=None, out="out/run", seed=1337,
     eval_every=100, eval_batches=20, ckpt_every=200, keep_last=2, resume=False, overwrite=False, log_every=10,
+    data_cap=None,
 )
 MODEL_SOURCE_DEFAULTS = dict(flavor=None, hf_config=None, tokenizer=None, dry_run=False)
 TRAIN_HELP = dict(
@@ -77,6 +78,9 @@ TRAIN_HELP = dict(
               "--resume) such an --out is refused",
     log_every="log a line to OUT/metrics.jsonl (and the bar) every N steps (eval steps always)",
     data="text file or folder (default: the Python stdlib's .py files)",
+    data_cap="read at most this many bytes of --data: 16M, 1G (powers of 1024), a byte count, or none; not given: "
+             "all of --data, and of the default corpus (the stdlib, as bytes) its first 16M; the data line says "
+             "what the cap left out",
     flavor="a named published size (the model flags given beside it override its values)",
     hf_config="a transformers config (config.json, a folder holding one, or a JSON string): that model, "
               "randomly initialized, in place of the recipe's own (needs transformers)",
@@ -96,6 +100,7 @@ TRAIN_RULES = dict(  # flag: (test, what is expected)
     seed=(lambda v: 0 <= v < 2**32, "an int in [0, 2**32)"),
     lr=FINITE_AT_LEAST_0, end_lr=FINITE_AT_LEAST_0, weight_decay=FINITE_AT_LEAST_0,
     grad_clip=(lambda v: v > 0, "a number > 0"),
+    data_cap=(lambda v: data_cap.is_cap(v), "a byte count such as 16M or 1G (K, M, G, T: powers of 1024) or none"),
 )
 SAMPLE_DEFAULTS = dict(sample_len=300, temperature=0.8, top_k=40)
 SAMPLE_HELP = dict(sample_len="tokens (bytes) to generate at the end", top_k="sample from the k likeliest tokens")
@@ -244,6 +249,8 @@ def training_flags(recipe: Recipe, args: argparse.Namespace, plan=None) -> dict:
     for name in ("data", "tokenizer", "hf_config"):
         if name in flags:
             flags[name] = _resolved(flags[name])
+    if "data_cap" in flags:  # in bytes: 16M and the default corpus' default read the same
+        flags["data_cap"] = cap_of(args)
     flags["deepspeed_optimizer"] = layout.deepspeed_optimizer(plan) if plan is not None else None
     return flags
 
@@ -473,14 +480,20 @@ def generate_ids(model_fn, prompt: list[int], length: int, block_size: int, temp
     return idx[0, -length:].tolist() if length else []
 
 
+def cap_of(args: argparse.Namespace) -> int | None:
+    """--data-cap in bytes (None: none), its default resolved for this --data and --tokenizer."""
+    return data_cap.resolve_cap(data_cap.parse_cap(getattr(args, "data_cap", None)), args.data, args.tokenizer)
+
+
 def load_data(args: argparse.Namespace) -> data_mod.Corpus:
     """Bytes (no --tokenizer), else the tokens cached under OUT/tokens; a dry run that finds no cache
     there tokenizes into a temporary folder, removed before it returns (the memory maps stay valid)."""
-    cache = Path(args.out) / "tokens"
-    if args.dry_run and args.tokenizer is not None and not data_mod.is_cached(args.data, args.tokenizer, cache):
+    cache, cap = Path(args.out) / "tokens", data_cap.parse_cap(getattr(args, "data_cap", None))
+    if args.dry_run and args.tokenizer is not None and not data_mod.is_cached(args.data, args.tokenizer, cache,
+                                                                              cap_of(args)):
         with tempfile.TemporaryDirectory(prefix="zfunc-dry-run-tokens-") as tmp:
-            return data_mod.load(args.data, args.tokenizer, cache_dir=tmp)
-    return data_mod.load(args.data, args.tokenizer, cache_dir=cache)
+            return data_mod.load(args.data, args.tokenizer, cache_dir=tmp, max_bytes=cap)
+    return data_mod.load(args.data, args.tokenizer, cache_dir=cache, max_bytes=cap)
 
 
 def check_windows(corpus: data_mod.Corpus, block_size: int, unit: str) -> None:
@@ -558,7 +571,7 @@ def _train(recipe: Recipe, args: argparse.Namespace, plan, launch: layout.Launch
     unit = "byte" if args.tokenizer is None else "token"
     check_windows(corpus, args.block_size, unit)  # now, not at the first batch or eval
     baseline = task.baseline(corpus.val, corpus.vocab_size)
-    say(f"data: {corpus.source}: {corpus.n_files} files, {len(corpus.train):,} train / "
+    say(f"data: {data_cap.used(corpus)}; {len(corpus.train):,} train / "
         f"{len(corpus.val):,} val {unit}s; " + ", ".join(f"{k.replace('_', ' ')} of val {v:.3f}"
                                                         for k, v in baseline.items())
         + (" nats/byte" if unit == "byte" and "unigram_entropy" in baseline else ""))
