@@ -42,7 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from recipes import data as data_mod
-from recipes import data_cap, layout, rundir
+from recipes import data_cap, layout, lr_schedule, rundir
 from recipes import watch as watch_mod
 from recipes.layout import FlagError, flag
 
@@ -52,7 +52,7 @@ TRAIN_DEFAULTS = dict(
     lr=3e-3, end_lr=3e-4, warmup=40, weight_decay=0.1, grad_clip=1.0,
     precision=None, device=None, data=None, out="out/run", seed=1337,
     eval_every=100, eval_batches=20, ckpt_every=200, keep_last=2, resume=False, overwrite=False, log_every=10,
-    data_cap=None,
+    data_cap=None, extend_schedule=False,
 )
 MODEL_SOURCE_DEFAULTS = dict(flavor=None, hf_config=None, tokenizer=None, dry_run=False)
 TRAIN_HELP = dict(
@@ -70,12 +70,16 @@ TRAIN_HELP = dict(
     ckpt_every="save a checkpoint every N steps; 0: never (the last step always saves)",
     keep_last="checkpoints to keep (>= 1)",
     resume="continue from OUT/ckpt/latest: the flags that shape training must be those it was saved with; "
-           "--steps (above the checkpoint's step; the cosine is laid over the new total), --device, "
+           "--steps (above the checkpoint's step; the lr schedule stays the checkpoint's, its last lr held past "
+           "its end, unless --extend-schedule), --device, "
            "--out, the eval, log, checkpoint and sample flags and the layout (--zero, --offload-*, --remat, --pp, "
            "--microbatches, --accum, --deepspeed, the number of processes) may change",
     overwrite="start afresh in an --out that holds a previous run (its metrics.jsonl, loss.png and ckpt), "
               "first moving that run aside into OUT/previous-<time>/ (nothing is deleted); without it (or "
               "--resume) such an --out is refused",
+    extend_schedule="with --resume and another --steps: lay the lr schedule over the new --steps, as a fresh run "
+                    "of that many steps would (warmup and decay), not continue the checkpoint's (a warning says "
+                    "what changes)",
     log_every="log a line to OUT/metrics.jsonl (and the bar) every N steps (eval steps always)",
     data="text file or folder (default: the Python stdlib's .py files)",
     data_cap="read at most this many bytes of --data: 16M, 1G (powers of 1024), a byte count, or none; not given: "
@@ -91,6 +95,7 @@ TRAIN_HELP = dict(
 )
 MAY_CHANGE_ON_RESUME = ("steps", "device", "out", "resume", "overwrite", "eval_every", "eval_batches", "ckpt_every",
                         "keep_last", "log_every", "sample_len", "temperature", "top_k", "dry_run",
+                        "extend_schedule",  # the schedule a resumed run follows, not what it trains on
                         *layout.MAY_CHANGE_ON_RESUME)
 AT_LEAST_1, AT_LEAST_0 = (lambda v: v >= 1, "an int >= 1"), (lambda v: v >= 0, "an int >= 0")
 FINITE_AT_LEAST_0 = (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
@@ -345,6 +350,7 @@ def check_resume(recipe: Recipe, args: argparse.Namespace, ckpt_root: Path, plan
     saved = extra.get("flags") or extra.get("config", {})  # "config" alone: a checkpoint from before flags were saved
     given = training_flags(recipe, args, plan)
     name = lambda k: flag(k) if k in recipe.defaults else "the optimizer and scheduler of --deepspeed"  # noqa: E731
+    saved, given = lr_schedule.comparable(saved, args), lr_schedule.comparable(given, args)
     differ = [f"  {name(k)}: {saved[k]!r} in the checkpoint, {given[k]!r} given"
               for k in sorted(saved) if k in given and saved[k] != given[k]]
     if differ:
@@ -386,9 +392,8 @@ def make_optimizer(args: argparse.Namespace, plan):
     import zfunc as zf
 
     if plan.optimizer is not None:
-        return zf.config.optimizer(plan, args.steps, mask=zf.optim.decay_mask)
-    lr = (zf.config.schedule(plan, args.steps) if plan.scheduler is not None else
-          zf.optim.warmup_cosine(args.lr, min(args.warmup, args.steps // 2), args.steps, end_value=args.end_lr))
+        return zf.config.optimizer(plan, lr_schedule.spec(args, plan)["total_steps"], mask=zf.optim.decay_mask)
+    lr = lr_schedule.function(lr_schedule.spec(args, plan))  # laid over lr_schedule.total(args)
     adamw = zf.optim.adamw(lr, b1=0.9, b2=0.95, eps=1e-8, weight_decay=args.weight_decay, mask=zf.optim.decay_mask)
     if plan.gradient_clipping > 0:
         return zf.optim.chain(zf.optim.clip_by_global_norm(plan.gradient_clipping), adamw)
@@ -543,6 +548,7 @@ def claimed_out(args: argparse.Namespace, launch: layout.Launch) -> Iterator[run
 def train(recipe: Recipe, args: argparse.Namespace) -> dict:
     """Train per ``args`` (from parse_args); returns the final numbers, sample and checkpoint path
     (on rank 0; the other ranks return what they know)."""
+    args = lr_schedule.with_total(args)  # --resume: the checkpoint's schedule, read before the flags are checked
     check_args(recipe, args)  # before anything is built
     t_start = time.time()
     launch = layout.Launch.from_env()
@@ -605,8 +611,12 @@ def _train(recipe: Recipe, args: argparse.Namespace, plan, launch: layout.Launch
     mesh = zf.Mesh(dp=plan.dp, pp=plan.pp)
     step = zf.parallelize(step, model, plan, mesh)  # shard -> offload -> pipeline, as the plan says
     state, resumed = first_state(args, step, built, params, plan, device)
+    schedule = lr_schedule.spec(args, plan)  # saved in every checkpoint: --resume continues it
     if resumed is not None:
         say(f"resumed from {resumed} at step {state.step}")
+        notice = lr_schedule.on_resume(args, schedule, lr_schedule.saved_total(args.out), state.step)
+        if notice:
+            say(notice)
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
     @torch.no_grad()
@@ -630,7 +640,8 @@ def _train(recipe: Recipe, args: argparse.Namespace, plan, launch: layout.Launch
 
     def save(n: int, metrics: dict):
         return zf.checkpoint.save(state, Path(args.out) / "ckpt" / f"{n:06d}", keep_last=args.keep_last,
-                                  extra={"config": built.config, "flags": flags, **metrics})
+                                  extra={"config": built.config, "flags": flags, lr_schedule.KEY: schedule,
+                                         **metrics})
 
     def my_rows(batch):  # this rank's share of the global batch: its dp slice (a pipeline's stages: the same)
         per_rank = args.batch_size // plan.dp
