@@ -155,9 +155,18 @@ def logits_of(out):
     return out[0] if isinstance(out, tuple) else out
 
 
-def token_counts(data, vocab_size: int) -> torch.Tensor:
-    values = data.long() if isinstance(data, torch.Tensor) else torch.from_numpy(np.asarray(data, dtype=np.int64))
-    return torch.bincount(values, minlength=vocab_size).double()
+def token_counts(data, vocab_size: int, piece: int = 1 << 24) -> torch.Tensor:
+    """How often each id occurs in ``data`` (a tensor, or an array / np.memmap), float64, at least
+    ``vocab_size`` long; counted ``piece`` ids at a time, so it needs 8 bytes per id of a piece, not
+    of the whole split (a memmap's pages are read once)."""
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    for i in range(0, len(data), piece):
+        part = data[i:i + piece]
+        values = part.long() if isinstance(part, torch.Tensor) else torch.from_numpy(np.asarray(part, dtype=np.int64))
+        c = torch.bincount(values, minlength=vocab_size).double()
+        counts = F.pad(counts, (0, len(c) - len(counts))) if len(c) > len(counts) else counts  # ids past vocab_size
+        counts[:len(c)] += c
+    return counts
 
 
 def unigram_entropy(data, vocab_size: int = 256) -> dict:
