@@ -80,3 +80,12 @@ def used(corpus) -> str:
     return (text + f"{corpus.n_files:,} of {corpus.n_files + corpus.left_files:,} files, {corpus.n_bytes:,} of "
             f"{corpus.n_bytes + corpus.left_bytes:,} bytes read: {whose}--data-cap {format_cap(corpus.cap)} left "
             f"out {corpus.left_bytes:,} bytes ({corpus.left_files:,} files not read; --data-cap none reads all)")
+
+
+def saved_flags(flags: dict) -> dict:
+    """A checkpoint's training ``flags`` with the cap its run read under: one saved before
+    --data-cap was a flag read its --data up to MAX_CORPUS_BYTES as bytes, all of it as tokens (so
+    --resume on another cap is refused, not trained on other data); others as saved."""
+    if "data" not in flags or "data_cap" in flags:
+        return flags
+    return {**flags, "data_cap": MAX_CORPUS_BYTES if flags.get("tokenizer") is None else None}

@@ -359,7 +359,7 @@ def check_resume(recipe: Recipe, args: argparse.Namespace, ckpt_root: Path, plan
     saved = extra.get("flags") or extra.get("config", {})  # "config" alone: a checkpoint from before flags were saved
     given = training_flags(recipe, args, plan)
     name = lambda k: flag(k) if k in recipe.defaults else "the optimizer and scheduler of --deepspeed"  # noqa: E731
-    saved, given = lr_schedule.comparable(saved, args), lr_schedule.comparable(given, args)
+    saved, given = lr_schedule.comparable(data_cap.saved_flags(saved), args), lr_schedule.comparable(given, args)
     differ = [f"  {name(k)}: {saved[k]!r} in the checkpoint, {given[k]!r} given"
               for k in sorted(saved) if k in given and saved[k] != given[k]]
     if differ:

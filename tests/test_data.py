@@ -282,6 +282,15 @@ def test_the_recipes_data_line_says_what_the_cap_left_out(tmp_path, capsys):
     assert "--data-cap: expected a byte count such as 16M or 1G" in capsys.readouterr().err
 
 
+def test_a_checkpoint_saved_before_data_cap_resumes_only_on_the_bytes_it_trained_on():
+    """Its --data was read up to 16 MiB as bytes, in full as tokens: --resume compares that cap."""
+    old_bytes, old_tokens = {"data": "/c", "tokenizer": None}, {"data": "/c", "tokenizer": "/t.json"}
+    assert data_cap.saved_flags(old_bytes) == {**old_bytes, "data_cap": 16 * 2**20}
+    assert data_cap.saved_flags(old_tokens) == {**old_tokens, "data_cap": None}
+    assert data_cap.saved_flags({**old_bytes, "data_cap": None})["data_cap"] is None  # saved with it: as saved
+    assert data_cap.saved_flags({"n_layer": 4}) == {"n_layer": 4}  # a model config, not flags
+
+
 def _old_default_corpus():
     """The default corpus as the bytes path has always read it: the stdlib's .py files in sorted path
     order, each non-empty text file up to a 16 MiB cap in all, joined by newlines, split by path hash."""
