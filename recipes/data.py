@@ -1,21 +1,26 @@
-"""Data for the recipes: bytes as today, or tokens of a local tokenizer streamed from a cached file.
+"""Data for the recipes: bytes, or tokens of a local tokenizer streamed from a cached file.
 
-Without a tokenizer the corpus is bytes in RAM (vocab 256, at most MAX_CORPUS_BYTES), exactly as
-recipes/gpt.py's load_corpus reads it. With ``--tokenizer PATH`` (a ``tokenizers`` / Hugging Face
-``tokenizer.json``, or a folder holding one; read locally, nothing is downloaded) the corpus is
-tokenized once into a flat file of token ids, cached under a key of the corpus files (names, sizes,
-modification times), the byte cap and the tokenizer file's SHA-256, and read back with ``np.memmap``:
-a batch touches only its own windows, so a corpus larger than RAM trains.
+Without a tokenizer the corpus is bytes in RAM (vocab 256), read file by file straight into the one
+tensor that holds them (RAM: the text once), as recipes/gpt.py's load_corpus reads it. With
+``--tokenizer PATH`` (a ``tokenizers`` / Hugging Face ``tokenizer.json``, or a folder holding one;
+read locally, nothing is downloaded) the corpus is tokenized once into a flat file of token ids,
+cached under a key of the corpus files (names, sizes, modification times), the byte cap and the
+tokenizer file's SHA-256, and read back with ``np.memmap``: a batch touches only its own windows,
+so a corpus larger than RAM trains.
 
 Split rule (both paths): a folder's files go to val by a stable hash of their relative path
 (VAL_PERCENT%); when that leaves a split empty or val under 2% of the corpus, everything is cut by
 position instead (bytes: at 90% of the bytes; tokens: at 90% of the tokens). Files are walked in
-sorted path order and read only up to the cap: a reader stops at it, however large the files or
-many the folders after it.
+sorted path order and read only up to the cap (``--data-cap``, recipes/data_cap.py: default all of
+the corpus, but MAX_CORPUS_BYTES of the default corpus as bytes): no file after it is opened, however
+large; the rest is only listed (a stat per file) to say what the cap left out.
 ``get_batch`` draws the same windows as recipes/gpt.py's for the same generator, from either form.
 
 Cost of building the cache: one pass over the corpus (read, tokenize, write 2 or 4 bytes per token),
 file by file in pieces of PIECE_BYTES, so memory stays bounded by a piece whatever the corpus size.
+
+Why one module over 400 lines: both forms of the corpus share its walk, split rule and cap, and the
+cache's key is the walk's listing; the cap's own rules live in recipes/data_cap.py.
 """
 from __future__ import annotations
 
@@ -33,7 +38,8 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-MAX_CORPUS_BYTES = 16 * 2**20  # the bytes path's cap: the stdlib holds ~30 MB of .py; 16 MB loads fast
+from recipes.data_cap import DEFAULT_CAP, MAX_CORPUS_BYTES, Leftover, resolve_cap  # noqa: F401 (gpt's import)
+
 VAL_PERCENT = 10
 PIECE_BYTES = 4 * 2**20  # text tokenized at a time when building a cache
 CACHE_VERSION = 1  # part of the cache key: bump when the file layout or the split rule changes
@@ -93,13 +99,16 @@ def _rel(root: Path, f: Path) -> str:
     return f.name if f == root else str(f.relative_to(root))
 
 
-def iter_documents(root: Path, files: Iterable[Path], max_bytes: int | None) -> Iterator[tuple[str, Path, int]]:
+def iter_documents(root: Path, files: Iterable[Path], max_bytes: int | None,
+                   left: Leftover | None = None) -> Iterator[tuple[str, Path, int]]:
     """(relative path, file, bytes to read) of each readable, non-empty, non-binary file, in order,
     until ``max_bytes`` in all (the last one cut short); None: no cap. Once the cap is reached no
-    further file is taken from ``files``."""
+    further file is opened: without ``left`` none is taken from ``files`` either; with it the rest
+    of ``files`` is listed (a stat each) and what the cap left out added to it."""
     if max_bytes is not None and max_bytes <= 0:
         return
     total = 0
+    files = iter(files)
     for f in files:
         try:
             size = f.stat().st_size
@@ -113,7 +122,20 @@ def iter_documents(root: Path, files: Iterable[Path], max_bytes: int | None) -> 
         total += n
         yield _rel(root, f), f, n
         if max_bytes is not None and total >= max_bytes:
+            if left is not None:
+                left.bytes += size - n
+                _count_rest(files, left)
             return
+
+
+def _count_rest(files: Iterator[Path], left: Leftover) -> None:
+    for f in files:
+        try:
+            size = f.stat().st_size
+        except OSError:
+            continue
+        if size:
+            left.files, left.bytes = left.files + 1, left.bytes + size
 
 
 @dataclass
@@ -128,31 +150,66 @@ class Corpus:
     n_files: int
     cache: Path | None = None  # the cache folder (tokens only)
     reused: bool = False  # the cache was there already (tokens only)
+    n_bytes: int | None = None  # text bytes read (None: a token cache that does not record it)
+    cap: int | None = None  # the --data-cap in bytes it was read under (None: none)
+    cap_is_default: bool = False  # that cap is the default corpus' (no --data-cap given)
+    left_files: int = 0  # what the cap left out: files not read,
+    left_bytes: int = 0  # and bytes (theirs, and the rest of the file it cut)
 
 
-def load_bytes(path: str | os.PathLike | None = None, max_bytes: int = MAX_CORPUS_BYTES) -> Corpus:
-    """The corpus as bytes in RAM (vocab 256): the GPT recipe's ``load_corpus``."""
+def load_bytes(path: str | os.PathLike | None = None, max_bytes: int | None | str = DEFAULT_CAP) -> Corpus:
+    """The corpus as bytes in RAM (vocab 256): the GPT recipe's ``load_corpus``. ``max_bytes``: the
+    cap (None: none; DEFAULT_CAP: ``resolve_cap``'s). The train documents joined by newlines, a
+    newline, then the val ones, read file by file straight into one uint8 tensor sized from the
+    listing (RAM: the text read, once; no copy); train and val are views of it."""
+    cap = resolve_cap(max_bytes, path, None)
     root, files, source = corpus_files(path)
-    parts: dict[bool, list[bytes]] = {False: [], True: []}
-    n_files = 0
-    for rel, f, n in iter_documents(root, files, max_bytes):
-        try:
-            with open(f, "rb") as fh:  # the first n bytes, not the whole file
-                data = fh.read(n)
-        except OSError:
-            continue
-        parts[is_val(rel)].append(data)
-        n_files += 1
+    left = Leftover()
+    docs = list(iter_documents(root, files, cap, left))
+    buf = torch.empty(sum(n for _, _, n in docs) + len(docs), dtype=torch.uint8)  # + a newline each at most
+    view = memoryview(buf.numpy())
+    at, ends, n_files, n_bytes = 0, {}, 0, 0
+    for split in (False, True):
+        start, count = at, 0
+        for rel, f, n in docs:
+            if is_val(rel) != split:
+                continue
+            sep = 1 if count else 0
+            try:
+                got = _read_into(f, view[at + sep:at + sep + n])  # the first n bytes, not the whole file
+            except OSError:
+                continue
+            if sep:
+                view[at] = 10  # documents are joined by a newline
+            at, count, n_bytes = at + sep + got, count + 1, n_bytes + got
+        ends[split] = (start, at, count)
+        if not split and count:
+            view[at] = 10  # train and val joined, kept if val has documents (a cut by position reads it)
+            at += 1
+        n_files += count
     if n_files == 0:
         raise ValueError(f"--data: no text data found in {source!r}")
-    train, val = b"\n".join(parts[False]), b"\n".join(parts[True])
+    (_, train_end, _), (val_start, val_end, n_val) = ends[False], ends[True]
+    train, val = buf[:train_end], buf[val_start:val_end]
     if cut_by_position(len(train), len(val)):
-        everything = b"\n".join(parts[False] + parts[True])
+        everything = buf[:val_end if n_val else train_end]
         cut = len(everything) * (100 - VAL_PERCENT) // 100
         train, val = everything[:cut], everything[cut:]
-    as_tensor = lambda b: (torch.frombuffer(bytearray(b), dtype=torch.uint8) if b  # frombuffer refuses b""
-                           else torch.empty(0, dtype=torch.uint8))
-    return Corpus(as_tensor(train), as_tensor(val), 256, source, n_files)
+    return Corpus(train, val, 256, source, n_files, n_bytes=n_bytes, cap=cap,
+                  cap_is_default=cap is not None and max_bytes == DEFAULT_CAP, left_files=left.files,
+                  left_bytes=left.bytes)
+
+
+def _read_into(f: Path, out: memoryview) -> int:
+    """Read the first ``len(out)`` bytes of ``f`` into ``out``; the count read (fewer at its end)."""
+    got = 0
+    with open(f, "rb", buffering=0) as fh:
+        while got < len(out):
+            k = fh.readinto(out[got:])
+            if not k:
+                break
+            got += k
+    return got
 
 
 def cut_by_position(n_train: int, n_val: int) -> bool:
@@ -269,9 +326,9 @@ def _build(path, tok, out: Path, max_bytes: int | None, dtype) -> dict:
     """Tokenize the corpus into out/tokens.bin (train documents, then val documents); returns the meta."""
     root, files, source = corpus_files(path)
     sep = tok.encode("\n", add_special_tokens=False).ids  # documents are joined by a newline, as bytes are
-    counts, n_files = {False: 0, True: 0}, 0
+    counts, n_files, n_bytes, left = {False: 0, True: 0}, 0, 0, Leftover()
     with open(out / "train.part", "wb") as train_f, open(out / "val.part", "wb") as val_f:
-        for rel, f, n in iter_documents(root, files, max_bytes):
+        for rel, f, n in iter_documents(root, files, max_bytes, left):
             split = is_val(rel)
             sink = val_f if split else train_f
             if counts[split]:
@@ -281,7 +338,7 @@ def _build(path, tok, out: Path, max_bytes: int | None, dtype) -> dict:
                 ids = np.asarray(tok.encode(text, add_special_tokens=False).ids, dtype=dtype)
                 sink.write(ids.tobytes())
                 counts[split] += len(ids)
-            n_files += 1
+            n_files, n_bytes = n_files + 1, n_bytes + n
     if n_files == 0:
         raise ValueError(f"--data: no text data found in {source!r}")
     with open(out / "tokens.bin", "wb") as dst:
@@ -295,7 +352,8 @@ def _build(path, tok, out: Path, max_bytes: int | None, dtype) -> dict:
     if cut_by_position(n_train, n_val):  # as the bytes path
         cut = total * (100 - VAL_PERCENT) // 100
     return dict(version=CACHE_VERSION, source=source, n_files=n_files, n_tokens=total, cut=cut,
-                dtype=np.dtype(dtype).name, vocab_size=tok.get_vocab_size())
+                dtype=np.dtype(dtype).name, vocab_size=tok.get_vocab_size(), n_bytes=n_bytes, cap=max_bytes,
+                left_files=left.files, left_bytes=left.bytes)
 
 
 def _cache_folder(cache_dir: str | os.PathLike, key: str) -> Path:
@@ -349,18 +407,21 @@ def load_tokens(path: str | os.PathLike | None, tokenizer: str | os.PathLike, ca
                          f"({meta['n_tokens']} {meta['dtype']} tokens); delete the folder to rebuild it")
     tokens = np.memmap(final / "tokens.bin", dtype=meta["dtype"], mode="r", shape=(meta["n_tokens"],))
     cut = meta["cut"]
-    return Corpus(tokens[:cut], tokens[cut:], meta["vocab_size"], meta["source"], meta["n_files"], final, reused)
+    return Corpus(tokens[:cut], tokens[cut:], meta["vocab_size"], meta["source"], meta["n_files"], final, reused,
+                  n_bytes=meta.get("n_bytes"), cap=max_bytes, left_files=meta.get("left_files", 0),
+                  left_bytes=meta.get("left_bytes", 0))  # a cache built before these were recorded: unsaid
 
 
 def load(path: str | os.PathLike | None = None, tokenizer: str | os.PathLike | None = None,
-         cache_dir: str | os.PathLike | None = None, max_bytes: int | None = None) -> Corpus:
+         cache_dir: str | os.PathLike | None = None, max_bytes: int | None | str = DEFAULT_CAP) -> Corpus:
     """The recipes' one entry: bytes without a tokenizer, else cached tokens (``cache_dir`` required).
-    ``max_bytes`` caps the text read; None: MAX_CORPUS_BYTES for bytes (in RAM), no cap for tokens."""
+    ``max_bytes`` caps the text read (None: no cap); DEFAULT_CAP: ``resolve_cap``'s, all of the
+    corpus but MAX_CORPUS_BYTES of the default corpus as bytes."""
     if tokenizer is None:
-        return load_bytes(path, MAX_CORPUS_BYTES if max_bytes is None else max_bytes)
+        return load_bytes(path, max_bytes)
     if cache_dir is None:
         raise ValueError("cache_dir: a folder for the token cache is needed with a tokenizer")
-    return load_tokens(path, tokenizer, cache_dir, max_bytes)
+    return load_tokens(path, tokenizer, cache_dir, resolve_cap(max_bytes, path, tokenizer))
 
 
 # ----------------------------------------------------------------------------- text <-> ids

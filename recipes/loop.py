@@ -45,7 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from recipes import data as data_mod
-from recipes import layout, refusal, rundir, verdict
+from recipes import data_cap, layout, lr_schedule, refusal, rundir, verdict
 from recipes import watch as watch_mod
 from recipes.layout import FlagError, flag
 
@@ -55,6 +55,7 @@ TRAIN_DEFAULTS = dict(
     lr=3e-3, end_lr=3e-4, warmup=40, weight_decay=0.1, grad_clip=1.0,
     precision=None, device=None, data=None, out="out/run", seed=1337,
     eval_every=100, eval_batches=20, ckpt_every=200, keep_last=2, resume=False, overwrite=False, log_every=10,
+    data_cap=None, extend_schedule=False,
 )
 MODEL_SOURCE_DEFAULTS = dict(flavor=None, hf_config=None, tokenizer=None, dry_run=False)
 TRAIN_HELP = dict(
@@ -72,14 +73,21 @@ TRAIN_HELP = dict(
     ckpt_every="save a checkpoint every N steps; 0: never (the last step always saves)",
     keep_last="checkpoints to keep (>= 1)",
     resume="continue from OUT/ckpt/latest: the flags that shape training must be those it was saved with; "
-           "--steps (above the checkpoint's step; the cosine is laid over the new total), --device, "
+           "--steps (above the checkpoint's step; the lr schedule stays the checkpoint's, its last lr held past "
+           "its end, unless --extend-schedule), --device, "
            "--out, the eval, log, checkpoint and sample flags and the layout (--zero, --offload-*, --remat, --pp, "
            "--microbatches, --accum, --deepspeed, the number of processes) may change",
     overwrite="start afresh in an --out that holds a previous run (its metrics.jsonl, loss.png and ckpt), "
               "first moving that run aside into OUT/previous-<time>/ (nothing is deleted); without it (or "
               "--resume) such an --out is refused",
+    extend_schedule="with --resume and another --steps: lay the lr schedule over the new --steps, as a fresh run "
+                    "of that many steps would (warmup and decay), not continue the checkpoint's (a warning says "
+                    "what changes)",
     log_every="log a line to OUT/metrics.jsonl (and the bar) every N steps (eval steps always)",
     data="text file or folder (default: the Python stdlib's .py files)",
+    data_cap="read at most this many bytes of --data: 16M, 1G (powers of 1024), a byte count, or none; not given: "
+             "all of --data, and of the default corpus (the stdlib, as bytes) its first 16M; the data line says "
+             "what the cap left out",
     flavor="a named published size (the model flags given beside it override its values)",
     hf_config="a transformers config (config.json, a folder holding one, or a JSON string): that model, "
               "randomly initialized, in place of the recipe's own (needs transformers)",
@@ -91,6 +99,7 @@ TRAIN_HELP = dict(
 )
 MAY_CHANGE_ON_RESUME = ("steps", "device", "out", "resume", "overwrite", "eval_every", "eval_batches", "ckpt_every",
                         "keep_last", "log_every", "sample_len", "temperature", "top_k", "dry_run",
+                        "extend_schedule",  # the schedule a resumed run follows, not what it trains on
                         *layout.MAY_CHANGE_ON_RESUME)
 AT_LEAST_1, AT_LEAST_0 = (lambda v: v >= 1, "an int >= 1"), (lambda v: v >= 0, "an int >= 0")
 FINITE_AT_LEAST_0 = (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
@@ -100,6 +109,7 @@ TRAIN_RULES = dict(  # flag: (test, what is expected)
     seed=(lambda v: 0 <= v < 2**32, "an int in [0, 2**32)"),
     lr=FINITE_AT_LEAST_0, end_lr=FINITE_AT_LEAST_0, weight_decay=FINITE_AT_LEAST_0,
     grad_clip=(lambda v: v > 0, "a number > 0"),
+    data_cap=(lambda v: data_cap.is_cap(v), "a byte count such as 16M or 1G (K, M, G, T: powers of 1024) or none"),
 )
 SAMPLE_DEFAULTS = dict(sample_len=300, temperature=0.8, top_k=40)
 SAMPLE_HELP = dict(sample_len="tokens (bytes) to generate at the end", top_k="sample from the k likeliest tokens")
@@ -149,9 +159,18 @@ def logits_of(out):
     return out[0] if isinstance(out, tuple) else out
 
 
-def token_counts(data, vocab_size: int) -> torch.Tensor:
-    values = data.long() if isinstance(data, torch.Tensor) else torch.from_numpy(np.asarray(data, dtype=np.int64))
-    return torch.bincount(values, minlength=vocab_size).double()
+def token_counts(data, vocab_size: int, piece: int = 1 << 24) -> torch.Tensor:
+    """How often each id occurs in ``data`` (a tensor, or an array / np.memmap), float64, at least
+    ``vocab_size`` long; counted ``piece`` ids at a time, so it needs 8 bytes per id of a piece, not
+    of the whole split (a memmap's pages are read once)."""
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    for i in range(0, len(data), piece):
+        part = data[i:i + piece]
+        values = part.long() if isinstance(part, torch.Tensor) else torch.from_numpy(np.asarray(part, dtype=np.int64))
+        c = torch.bincount(values, minlength=vocab_size).double()
+        counts = F.pad(counts, (0, len(c) - len(counts))) if len(c) > len(counts) else counts  # ids past vocab_size
+        counts[:len(c)] += c
+    return counts
 
 
 def unigram_entropy(data, vocab_size: int = 256) -> dict:
@@ -257,6 +276,8 @@ def training_flags(recipe: Recipe, args: argparse.Namespace, plan=None) -> dict:
     for name in ("data", "tokenizer", "hf_config"):
         if name in flags:
             flags[name] = _resolved(flags[name])
+    if "data_cap" in flags:  # in bytes: 16M and the default corpus' default read the same
+        flags["data_cap"] = cap_of(args)
     flags["deepspeed_optimizer"] = layout.deepspeed_optimizer(plan) if plan is not None else None
     return flags
 
@@ -351,6 +372,7 @@ def check_resume(recipe: Recipe, args: argparse.Namespace, ckpt_root: Path, plan
     saved = extra.get("flags") or extra.get("config", {})  # "config" alone: a checkpoint from before flags were saved
     given = training_flags(recipe, args, plan)
     name = lambda k: flag(k) if k in recipe.defaults else "the optimizer and scheduler of --deepspeed"  # noqa: E731
+    saved, given = lr_schedule.comparable(data_cap.saved_flags(saved), args), lr_schedule.comparable(given, args)
     differ = [f"  {name(k)}: {saved[k]!r} in the checkpoint, {given[k]!r} given"
               for k in sorted(saved) if k in given and saved[k] != given[k]]
     if differ:
@@ -392,9 +414,8 @@ def make_optimizer(args: argparse.Namespace, plan):
     import zfunc as zf
 
     if plan.optimizer is not None:
-        return zf.config.optimizer(plan, args.steps, mask=zf.optim.decay_mask)
-    lr = (zf.config.schedule(plan, args.steps) if plan.scheduler is not None else
-          zf.optim.warmup_cosine(args.lr, min(args.warmup, args.steps // 2), args.steps, end_value=args.end_lr))
+        return zf.config.optimizer(plan, lr_schedule.spec(args, plan)["total_steps"], mask=zf.optim.decay_mask)
+    lr = lr_schedule.function(lr_schedule.spec(args, plan))  # laid over lr_schedule.total(args)
     adamw = zf.optim.adamw(lr, b1=0.9, b2=0.95, eps=1e-8, weight_decay=args.weight_decay, mask=zf.optim.decay_mask)
     if plan.gradient_clipping > 0:
         return zf.optim.chain(zf.optim.clip_by_global_norm(plan.gradient_clipping), adamw)
@@ -536,14 +557,20 @@ def generate_ids(model_fn, prompt: list[int], length: int, block_size: int, temp
     return idx[0, -length:].tolist() if length else []
 
 
+def cap_of(args: argparse.Namespace) -> int | None:
+    """--data-cap in bytes (None: none), its default resolved for this --data and --tokenizer."""
+    return data_cap.resolve_cap(data_cap.parse_cap(getattr(args, "data_cap", None)), args.data, args.tokenizer)
+
+
 def load_data(args: argparse.Namespace) -> data_mod.Corpus:
     """Bytes (no --tokenizer), else the tokens cached under OUT/tokens; a dry run that finds no cache
     there tokenizes into a temporary folder, removed before it returns (the memory maps stay valid)."""
-    cache = Path(args.out) / "tokens"
-    if args.dry_run and args.tokenizer is not None and not data_mod.is_cached(args.data, args.tokenizer, cache):
+    cache, cap = Path(args.out) / "tokens", data_cap.parse_cap(getattr(args, "data_cap", None))
+    if args.dry_run and args.tokenizer is not None and not data_mod.is_cached(args.data, args.tokenizer, cache,
+                                                                              cap_of(args)):
         with tempfile.TemporaryDirectory(prefix="zfunc-dry-run-tokens-") as tmp:
-            return data_mod.load(args.data, args.tokenizer, cache_dir=tmp)
-    return data_mod.load(args.data, args.tokenizer, cache_dir=cache)
+            return data_mod.load(args.data, args.tokenizer, cache_dir=tmp, max_bytes=cap)
+    return data_mod.load(args.data, args.tokenizer, cache_dir=cache, max_bytes=cap)
 
 
 def check_windows(corpus: data_mod.Corpus, block_size: int, unit: str) -> None:
@@ -593,6 +620,7 @@ def claimed_out(args: argparse.Namespace, launch: layout.Launch) -> Iterator[run
 def train(recipe: Recipe, args: argparse.Namespace) -> dict:
     """Train per ``args`` (from parse_args); returns the final numbers, sample and checkpoint path
     (on rank 0; the other ranks return what they know)."""
+    args = lr_schedule.with_total(args)  # --resume: the checkpoint's schedule, read before the flags are checked
     check_args(recipe, args)  # before anything is built
     refusal.checked()  # rank 0 passed: another rank's refusal is its own
     t_start = time.time()
@@ -622,7 +650,7 @@ def _train(recipe: Recipe, args: argparse.Namespace, plan, launch: layout.Launch
     unit = "byte" if args.tokenizer is None else "token"
     check_windows(corpus, args.block_size, unit)  # now, not at the first batch or eval
     baseline = task.baseline(corpus.val, corpus.vocab_size)
-    say(f"data: {corpus.source}: {corpus.n_files} files, {len(corpus.train):,} train / "
+    say(f"data: {data_cap.used(corpus)}; {len(corpus.train):,} train / "
         f"{len(corpus.val):,} val {unit}s; " + ", ".join(f"{k.replace('_', ' ')} of val {v:.3f}"
                                                         for k, v in baseline.items())
         + (" nats/byte" if unit == "byte" and "unigram_entropy" in baseline else ""))
@@ -661,8 +689,12 @@ def _train(recipe: Recipe, args: argparse.Namespace, plan, launch: layout.Launch
     mesh = zf.Mesh(dp=plan.dp, pp=plan.pp)
     step = zf.parallelize(step, model, plan, mesh)  # shard -> offload -> pipeline, as the plan says
     state, resumed = first_state(args, step, built, params, plan, device)
+    schedule = lr_schedule.spec(args, plan)  # saved in every checkpoint: --resume continues it
     if resumed is not None:
         say(f"resumed from {resumed} at step {state.step}")
+        notice = lr_schedule.on_resume(args, schedule, lr_schedule.saved_total(args.out), state.step)
+        if notice:
+            say(notice)
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
     @torch.no_grad()
@@ -686,7 +718,8 @@ def _train(recipe: Recipe, args: argparse.Namespace, plan, launch: layout.Launch
 
     def save(n: int, metrics: dict):
         return zf.checkpoint.save(state, Path(args.out) / "ckpt" / f"{n:06d}", keep_last=args.keep_last,
-                                  extra={"config": built.config, "flags": flags, **metrics})
+                                  extra={"config": built.config, "flags": flags, lr_schedule.KEY: schedule,
+                                         **metrics})
 
     def my_rows(batch):  # this rank's share of the global batch: its dp slice (a pipeline's stages: the same)
         per_rank = args.batch_size // plan.dp

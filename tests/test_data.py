@@ -1,4 +1,5 @@
-"""recipes/data.py: bytes exactly as recipes/gpt.py reads them; a local tokenizer's tokens cached once in
+"""recipes/data.py: bytes exactly as recipes/gpt.py reads them (read straight into their tensor, up to
+--data-cap, saying what it left out); a local tokenizer's tokens cached once in
 a memory-mapped file, streamed in pieces, reused while the corpus and tokenizer stay the same."""
 import json
 import os
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from recipes import data, gpt
+from recipes import data, data_cap, gpt
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
          "upsilon phi chi psi omega déjà vu naïve café").split()
@@ -68,6 +69,17 @@ def test_get_batch_draws_the_gpt_recipes_windows_from_tensors_and_arrays(corpus)
         assert x.dtype == torch.int64 and torch.equal(x, want[0]) and torch.equal(y, want[1])
     with pytest.raises(ValueError, match="split of 10 tokens is too short for block_size=16"):
         data.get_batch(np.zeros(10, np.uint16), 2, 16)
+
+
+def test_the_baseline_counts_a_split_in_pieces_as_it_would_whole():
+    from recipes import loop
+
+    ids = torch.randint(0, 250, (10_007,), generator=torch.Generator().manual_seed(0)).to(torch.uint8)
+    ids[5] = 255  # beyond the vocab asked for: counted, as bincount counts it
+    whole = torch.bincount(ids.long(), minlength=200).double()
+    for data in (ids, ids.numpy(), ids.numpy().astype(np.uint16)):
+        assert torch.equal(loop.token_counts(data, 200, piece=1000), whole)
+    assert torch.equal(loop.token_counts(ids[:0], 7), torch.zeros(7, dtype=torch.float64))
 
 
 # ----------------------------------------------------------------------------- tokens
@@ -164,6 +176,17 @@ def test_the_cache_records_what_it_holds(corpus, tokenizer, tmp_path):
     assert os.path.getsize(built.cache / "tokens.bin") == 2 * meta["n_tokens"]
 
 
+def test_tokens_say_what_the_cap_left_out_as_bytes_do(corpus, tokenizer, tmp_path):
+    as_bytes, tokens = data.load(corpus, max_bytes=1000), data.load(corpus, tokenizer, tmp_path / "c", max_bytes=1000)
+    again = data.load(corpus, tokenizer, tmp_path / "c", max_bytes=1000)  # from the cache's meta
+    for got in (tokens, again):
+        assert (got.n_files, got.n_bytes, got.cap, got.left_files, got.left_bytes) == (
+            as_bytes.n_files, 1000, 1000, as_bytes.left_files, as_bytes.left_bytes) and got.left_files > 0
+        assert data_cap.used(got) == data_cap.used(as_bytes)
+    whole = data.load(corpus, tokenizer, tmp_path / "c")  # tokens: all of it by default
+    assert whole.cap is None and whole.left_bytes == 0 and whole.n_files == 40
+
+
 # ----------------------------------------------------------------------------- small and large corpora
 def test_a_corpus_too_small_for_a_val_split_is_cut_by_position_not_left_without_one(tmp_path, tokenizer):
     tiny = tmp_path / "tiny.txt"  # its name hashes to train: under 50 bytes its val share rounded to 0
@@ -196,15 +219,121 @@ def test_a_large_file_is_read_only_up_to_the_cap(tmp_path):
     assert len(got.train) + len(got.val) == 1000 and peak < 8 * 2**20, peak
 
 
-def test_the_walk_stops_once_the_cap_is_reached(tmp_path, monkeypatch):
+def test_past_the_cap_files_are_counted_not_opened(tmp_path, monkeypatch):
+    sizes = {}
     for name in ("a", "b", "c"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "doc.txt").write_text(text(ord(name)))
-    listed = []
-    scandir = os.scandir
-    monkeypatch.setattr(os, "scandir", lambda p=".": listed.append(os.fspath(p)) or scandir(p))
+        sizes[name] = (tmp_path / name / "doc.txt").stat().st_size
+    (tmp_path / "c" / "empty.txt").write_bytes(b"")  # not a document: not counted
+    opened = []
+    real_open = open
+    monkeypatch.setattr(data, "open", lambda f, *a, **k: opened.append(str(f)) or real_open(f, *a, **k),
+                        raising=False)
     got = data.load_bytes(tmp_path, max_bytes=100)
-    assert got.n_files == 1 and not {str(tmp_path / "b"), str(tmp_path / "c")} & set(listed), listed
+    assert got.n_files == 1 and set(opened) == {str(tmp_path / "a" / "doc.txt")}, opened
+    assert (got.n_bytes, got.cap, got.left_files) == (100, 100, 2)
+    assert got.left_bytes == sizes["a"] - 100 + sizes["b"] + sizes["c"]
+    line = data_cap.used(got)
+    assert "1 of 3 files" in line and f"100 of {sum(sizes.values()):,} bytes" in line, line
+    assert f"--data-cap 100 left out {got.left_bytes:,} bytes" in line and "--data-cap none" in line, line
+
+
+# ----------------------------------------------------------------------------- --data-cap
+def test_data_cap_parses_sizes_in_powers_of_1024_and_none():
+    assert data_cap.parse_cap(None) == data_cap.DEFAULT_CAP
+    assert [data_cap.parse_cap(v) for v in ("1000", "16M", "16MiB", "1g", "2K", "1T")] == [
+        1000, 16 * 2**20, 16 * 2**20, 2**30, 2048, 2**40]
+    assert data_cap.parse_cap("none") is None and data_cap.parse_cap("ALL") is None
+    for bad in ("16MB", "0", "-1", "1.5G", "lots", ""):
+        with pytest.raises(ValueError, match=f"--data-cap: expected a byte count such as 16M or 1G .*got {bad!r}"):
+            data_cap.parse_cap(bad)
+    assert [data_cap.format_cap(n) for n in (16 * 2**20, 2**30, 1000, 1536)] == ["16M", "1G", "1000", "1536"]
+
+
+def test_a_users_data_is_read_whole_by_default_and_the_stdlib_up_to_16_mib(tmp_path):
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as f:  # 20 MiB, sparse: text first, then a hole of zeros (a text head: read)
+        f.write(b"some text\n" * 1000)
+        f.truncate(20 * 2**20)
+    whole = data.load(big)
+    assert len(whole.train) + len(whole.val) == 20 * 2**20 and whole.cap is None and whole.left_bytes == 0
+    capped = data.load(big, max_bytes=data_cap.parse_cap("1M"))
+    assert len(capped.train) + len(capped.val) == 2**20 and capped.left_bytes == 19 * 2**20
+    assert data_cap.resolve_cap(data_cap.DEFAULT_CAP, None, None) == data_cap.MAX_CORPUS_BYTES == 16 * 2**20
+    assert data_cap.resolve_cap(data_cap.DEFAULT_CAP, None, "tokenizer.json") is None  # tokens: all of it, as ever
+    assert data_cap.resolve_cap(data_cap.DEFAULT_CAP, big, None) is None and data_cap.resolve_cap(5, None, None) == 5
+
+
+def test_the_recipes_data_line_says_what_the_cap_left_out(tmp_path, capsys):
+    """--data-cap reaches the data, and the recipe's data line says what it read and left out (a
+    dry run: nothing trained)."""
+    text_file = tmp_path / "corpus.txt"
+    text_file.write_bytes(b"the quick brown fox jumps over the lazy dog.\n" * 40)
+    size, out = text_file.stat().st_size, str(tmp_path / "out")
+    gpt.main(["--block-size", "16", "--data", str(text_file), "--data-cap", "1K", "--dry-run", "--out", out])
+    printed = capsys.readouterr().out
+    assert f"corpus.txt: 1 of 1 files, 1,024 of {size:,} bytes read: --data-cap 1K left out {size - 1024:,} " \
+           "bytes" in printed, printed
+    gpt.main(["--block-size", "16", "--data", str(text_file), "--dry-run", "--out", out])
+    assert f"corpus.txt: 1 file, {size:,} bytes; " in capsys.readouterr().out  # a --data: all of it
+    with pytest.raises(SystemExit):
+        gpt.main(["--data-cap", "16MB", "--dry-run", "--out", out])
+    assert "--data-cap: expected a byte count such as 16M or 1G" in capsys.readouterr().err
+
+
+def test_a_checkpoint_saved_before_data_cap_resumes_only_on_the_bytes_it_trained_on():
+    """Its --data was read up to 16 MiB as bytes, in full as tokens: --resume compares that cap."""
+    old_bytes, old_tokens = {"data": "/c", "tokenizer": None}, {"data": "/c", "tokenizer": "/t.json"}
+    assert data_cap.saved_flags(old_bytes) == {**old_bytes, "data_cap": 16 * 2**20}
+    assert data_cap.saved_flags(old_tokens) == {**old_tokens, "data_cap": None}
+    assert data_cap.saved_flags({**old_bytes, "data_cap": None})["data_cap"] is None  # saved with it: as saved
+    assert data_cap.saved_flags({"n_layer": 4}) == {"n_layer": 4}  # a model config, not flags
+
+
+def _old_default_corpus():
+    """The default corpus as the bytes path has always read it: the stdlib's .py files in sorted path
+    order, each non-empty text file up to a 16 MiB cap in all, joined by newlines, split by path hash."""
+    root, files, _ = data.corpus_files(None)
+    parts, total = {False: [], True: []}, 0
+    for f in files:
+        raw = f.read_bytes()
+        if not raw or b"\x00" in raw[:4096]:
+            continue
+        raw = raw[:16 * 2**20 - total]
+        total += len(raw)
+        parts[data.is_val(str(f.relative_to(root)))].append(raw)
+        if total >= 16 * 2**20:
+            break
+    return b"\n".join(parts[False]), b"\n".join(parts[True])
+
+
+def test_the_default_corpus_keeps_its_bytes_and_says_what_the_cap_left_out():
+    train, val = _old_default_corpus()
+    got = data.load()
+    assert bytes(got.train.numpy()) == train and bytes(got.val.numpy()) == val
+    assert got.cap == 16 * 2**20 and got.n_bytes == 16 * 2**20 and got.left_files > 0
+    _, files, _ = data.corpus_files(None)
+    every = [f.stat().st_size for f in files if f.stat().st_size > 0]
+    assert got.n_files + got.left_files == len(every) and got.n_bytes + got.left_bytes == sum(every)
+    line = data_cap.used(got)
+    assert f"{got.n_files:,} of {len(every):,} files" in line and "the default corpus' --data-cap 16M" in line, line
+
+
+def test_bytes_are_read_into_the_tensor_not_through_python_copies(tmp_path):
+    """The corpus needs its own size in RAM once: the text is read straight into the tensor that
+    holds it, no Python bytes object of it is made (the peak Python allocation stays small)."""
+    import tracemalloc
+
+    for i in range(4):
+        (tmp_path / f"doc{i}.txt").write_bytes((b"%d some text\n" % i) * (2**20 // 12))  # ~1 MiB each
+    tracemalloc.start()
+    try:
+        got = data.load_bytes(tmp_path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(got.train) + len(got.val) > 4 * 10**6 and peak < 2**20, peak
 
 
 def test_the_default_corpus_is_the_stdlib_in_sorted_path_order():
