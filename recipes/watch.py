@@ -3,8 +3,8 @@
 The bar shows loss, tokens/s, MFU (on a GPU with a known peak) and each rank's peak memory.
 ``metrics.jsonl`` gets one JSON object per logged step (``step``, ``loss``, ``lr``, ``grad_norm``,
 ``tokens_per_s``, ``peak_mem_mb`` per rank, ``mfu`` when known; an eval step adds ``val_loss``);
-``loss.png`` plots train and val loss against step, redrawn at each eval (matplotlib, an optional
-extra: ``pip install 'zfunc[plot]'``; without it one notice and no png). A resumed run keeps the
+``loss.png`` plots train and val loss against step, redrawn at each eval (``recipes.plot``: numpy and
+zlib, nothing to install). A resumed run keeps the
 lines up to its checkpoint's step and appends; lines a crash tore (cut mid-write, or not UTF-8) are set
 aside in ``metrics.jsonl.torn-<UTC time>``, named in a warning. Ranks other than 0 print nothing.
 """
@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from recipes import plot as plot_mod
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -85,7 +87,7 @@ class Watch:
         self.writes = rank == 0
         self.metrics, self.png = Path(out) / "metrics.jsonl", Path(out) / "loss.png"
         self.flops_per_token, self.peak_flops, self.world = flops_per_token, peak_flops, world
-        self.bar, self._told = None, False
+        self.bar = None
         if self.writes:
             self._start_log(resumed_at)
 
@@ -150,29 +152,12 @@ class Watch:
 
     def plot(self) -> None:
         """Redraw OUT/loss.png from the whole log (a resumed run's earlier steps included)."""
-        try:
-            from matplotlib.backends.backend_agg import FigureCanvasAgg
-            from matplotlib.figure import Figure
-        except ImportError:
-            if not self._told:
-                self.say(f"{self.png.name}: not drawn, matplotlib is not installed (pip install 'zfunc[plot]')")
-                self._told = True
-            return
         rows = [json.loads(line) for line in self.metrics.read_text().splitlines() if line.strip()]
         train = [(r["step"], r["loss"]) for r in rows if math.isfinite(r.get("loss", math.nan))]
-        val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
-        fig = Figure(figsize=(7, 4.5), dpi=100)
-        FigureCanvasAgg(fig)
-        ax = fig.add_subplot()
-        if train:
-            ax.plot(*zip(*train), lw=1, label="train loss")
-        if val:
-            ax.plot(*zip(*val), "o-", label="val loss")
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
+        val = [(r["step"], r["val_loss"]) for r in rows if math.isfinite(r.get("val_loss", math.nan))]
+        lines = [plot_mod.Series(train, "train loss", plot_mod.BLUE),
+                 plot_mod.Series(val, "val loss", plot_mod.ORANGE, width=2.0, marker=3.5)]
+        rgb = plot_mod.chart(lines, xlabel="step", ylabel="loss")
         tmp = self.png.with_name(f".{self.png.name}.tmp")
-        fig.savefig(tmp, format="png")
+        tmp.write_bytes(plot_mod.png(rgb))
         os.replace(tmp, self.png)
