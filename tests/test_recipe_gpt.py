@@ -401,14 +401,18 @@ def test_metrics_jsonl_parses_and_loss_png_is_drawn(law):
     for r in rows:
         assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_mb"} <= r.keys()
         assert math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 and len(r["peak_mem_mb"]) == 1
+        assert 0 <= r["cpu_cores"] <= os.cpu_count() * 1.05  # its CPU time over wall time, per log
     assert [r["step"] for r in rows if "val_loss" in r] == [2, 4]
     assert read_png((out / "loss.png").read_bytes()).shape == (450, 720, 3)
 
 
-def test_the_default_install_draws_loss_png_without_matplotlib(tmp_path, text_file, capsys, monkeypatch):
+def test_the_default_install_draws_loss_png_and_the_final_line_counts_busy_cores(tmp_path, text_file, capsys,
+                                                                                  monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as a default install: importing it raises ImportError
     gpt.main(LAW + ["--data", str(text_file), "--out", str(tmp_path)])
-    assert "loss.png" not in capsys.readouterr().out  # drawn without a word
+    out = capsys.readouterr().out
+    assert "loss.png" not in out  # drawn without a word
+    assert re.search(rf"after 4 steps; [\d,]+ tokens/s on \d+\.\d\d of {torch.get_num_threads()} cores; elapsed", out)
     img = read_png((tmp_path / "loss.png").read_bytes())
     assert img.shape == (450, 720, 3) and near(img, plot.BLUE).sum() > 100 and near(img, plot.ORANGE).sum() > 50
 
