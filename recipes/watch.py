@@ -2,14 +2,13 @@
 
 The bar shows loss, tokens/s, MFU (on a GPU with a known peak), each rank's peak memory and, on a CPU,
 the cores rank 0 kept busy against the threads it computes on (``cpu=1.9/2``: its CPU time over wall
-time since the last log; a shared machine shows fewer, and tokens/s falls with them).
+time since the last log; on a shared machine fewer, and tokens/s falls faster than they do).
 ``metrics.jsonl`` gets one JSON object per logged step (``step``, ``loss``, ``lr``, ``grad_norm``,
 ``tokens_per_s``, ``peak_mem_mb`` per rank, ``mfu`` when known, ``cpu_cores`` on a CPU; an eval step
-adds ``val_loss``);
-``loss.png`` plots train and val loss against step, redrawn at each eval (``recipes.plot``: numpy and
-zlib, nothing to install). A resumed run keeps the
-lines up to its checkpoint's step and appends; lines a crash tore (cut mid-write, or not UTF-8) are set
-aside in ``metrics.jsonl.torn-<UTC time>``, named in a warning. Ranks other than 0 print nothing.
+adds ``val_loss``); ``loss.png`` plots train and val loss against step, redrawn at each eval
+(``recipes.plot``: numpy and zlib, nothing to install). A resumed run keeps the lines up to its
+checkpoint's step and appends; lines a crash tore (cut mid-write, or not UTF-8) are set aside in
+``metrics.jsonl.torn-<UTC time>``, named in a warning. Ranks other than 0 print nothing.
 """
 from __future__ import annotations
 
