@@ -727,7 +727,8 @@ def _train(recipe: Recipe, args: argparse.Namespace, plan, launch: layout.Launch
 
     first, tokens_per_step = state.step, args.batch_size * args.block_size
     watch = watch_mod.Watch(Path(args.out), launch.rank, first if args.resume else None,
-                            flops_per_token=built.flops_per_token, peak_flops=peak_flops(device), world=launch.world)
+                            flops_per_token=built.flops_per_token, peak_flops=peak_flops(device), world=launch.world,
+                            threads=torch.get_num_threads() if device.type == "cpu" else None)
     history, train_time, loss, evals, whole = [], 0.0, float("nan"), {"val_loss": float("nan")}, None
     last_logged, log_time = first, 0.0
     t0 = time.time()
@@ -764,8 +765,8 @@ def _train(recipe: Recipe, args: argparse.Namespace, plan, launch: layout.Launch
     peak = peak_flops(device)
     mfu = built.flops_per_token * tokens_per_s / (peak * launch.world) if peak else None
     if launch.rank == 0:  # the one that evaluated
-        say(f"final {task.report(evals, baseline, unit)} after {args.steps} steps; {tokens_per_s:,.0f} tokens/s; "
-            f"elapsed {time.time() - t_start:.0f} s")
+        say(f"final {task.report(evals, baseline, unit)} after {args.steps} steps; {tokens_per_s:,.0f} tokens/s"
+            f"{watch.cores()}; elapsed {time.time() - t_start:.0f} s")
     if device.type == "cuda":
         say(f"MFU {mfu:.1%} of {peak / 1e12:.0f} TFLOP/s bf16 peak per GPU" if mfu is not None else
             f"MFU unknown: no peak FLOP/s on record for {torch.cuda.get_device_name(device)}")

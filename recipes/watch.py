@@ -1,12 +1,14 @@
 """What a user watches while a recipe trains: rank 0's progress bar, OUT/metrics.jsonl, OUT/loss.png.
 
-The bar shows loss, tokens/s, MFU (on a GPU with a known peak) and each rank's peak memory.
+The bar shows loss, tokens/s, MFU (on a GPU with a known peak), each rank's peak memory and, on a CPU,
+the cores rank 0 kept busy against the threads it computes on (``cpu=1.9/2``: its CPU time over wall
+time since the last log; on a shared machine fewer, and tokens/s falls faster than they do).
 ``metrics.jsonl`` gets one JSON object per logged step (``step``, ``loss``, ``lr``, ``grad_norm``,
-``tokens_per_s``, ``peak_mem_mb`` per rank, ``mfu`` when known; an eval step adds ``val_loss``);
-``loss.png`` plots train and val loss against step, redrawn at each eval (matplotlib, an optional
-extra: ``pip install 'zfunc[plot]'``; without it one notice and no png). A resumed run keeps the
-lines up to its checkpoint's step and appends; lines a crash tore (cut mid-write, or not UTF-8) are set
-aside in ``metrics.jsonl.torn-<UTC time>``, named in a warning. Ranks other than 0 print nothing.
+``tokens_per_s``, ``peak_mem_mb`` per rank, ``mfu`` when known, ``cpu_cores`` on a CPU; an eval step
+adds ``val_loss``); ``loss.png`` plots train and val loss against step, redrawn at each eval
+(``recipes.plot``: numpy and zlib, nothing to install). A resumed run keeps the lines up to its
+checkpoint's step and appends; lines a crash tore (cut mid-write, or not UTF-8) are set aside in
+``metrics.jsonl.torn-<UTC time>``, named in a warning. Ranks other than 0 print nothing.
 """
 from __future__ import annotations
 
@@ -16,11 +18,13 @@ import os
 import resource
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from recipes import plot as plot_mod
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -77,15 +81,38 @@ def _mem(mb: list[float]) -> str:
     return f"max {mb[top]:,.0f}M (rank {top})"
 
 
+class BusyCores:
+    """How many cores this process keeps busy: the CPU time of all its threads over wall time, since it
+    was made (``total``) and since the last ``lap``. Cost: two clock reads each."""
+
+    def __init__(self, cpu_clock: Callable[[], float] = time.process_time,
+                 wall_clock: Callable[[], float] = time.perf_counter):
+        self.cpu_clock, self.wall_clock = cpu_clock, wall_clock
+        self.start = self.last = (cpu_clock(), wall_clock())
+
+    def _since(self, mark: tuple[float, float]) -> float:
+        cpu, wall = self.cpu_clock() - mark[0], self.wall_clock() - mark[1]
+        return cpu / wall if wall > 0 else 0.0
+
+    def lap(self) -> float:
+        busy, self.last = self._since(self.last), (self.cpu_clock(), self.wall_clock())
+        return busy
+
+    def total(self) -> float:
+        return self._since(self.start)
+
+
 class Watch:
-    """The bar, the metrics log and the plot of one run, on every rank (rank 0 writes)."""
+    """The bar, the metrics log and the plot of one run, on every rank (rank 0 writes). ``threads``: the
+    CPU threads the run computes on (torch.get_num_threads()), None on a GPU (no cores shown)."""
 
     def __init__(self, out: Path, rank: int, resumed_at: int | None, *, flops_per_token: float,
-                 peak_flops: float | None, world: int):
+                 peak_flops: float | None, world: int, threads: int | None = None):
         self.writes = rank == 0
         self.metrics, self.png = Path(out) / "metrics.jsonl", Path(out) / "loss.png"
         self.flops_per_token, self.peak_flops, self.world = flops_per_token, peak_flops, world
-        self.bar, self._told = None, False
+        self.threads, self.busy = threads, BusyCores()
+        self.bar = None
         if self.writes:
             self._start_log(resumed_at)
 
@@ -132,6 +159,8 @@ class Watch:
             row["mfu"] = self.flops_per_token * tokens_per_s / (self.peak_flops * self.world)
         if "loss_scale" in metrics:
             row["loss_scale"], row["skipped"] = metrics["loss_scale"], bool(metrics["skipped"])
+        if self.threads:
+            row["cpu_cores"] = round(self.busy.lap(), 2)
         if val_loss is not None:
             row["val_loss"] = val_loss
         row.update(extra or {})
@@ -143,36 +172,26 @@ class Watch:
             shown = dict(loss=f"{row['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}", mem=_mem(row["peak_mem_mb"]))
             if "mfu" in row:
                 shown["mfu"] = f"{row['mfu']:.1%}"
+            if "cpu_cores" in row:
+                shown["cpu"] = f"{row['cpu_cores']:.1f}/{self.threads}"
             self.bar.set_postfix(shown)
         if val_loss is not None:
             self.plot()
         return row
 
+    def cores(self) -> str:
+        """`` on 1.93 of 2 cores``: the cores kept busy over the whole run (its evals included) against
+        the threads it computes on, for the final line; empty on a GPU."""
+        return f" on {self.busy.total():.2f} of {self.threads} cores" if self.threads else ""
+
     def plot(self) -> None:
         """Redraw OUT/loss.png from the whole log (a resumed run's earlier steps included)."""
-        try:
-            from matplotlib.backends.backend_agg import FigureCanvasAgg
-            from matplotlib.figure import Figure
-        except ImportError:
-            if not self._told:
-                self.say(f"{self.png.name}: not drawn, matplotlib is not installed (pip install 'zfunc[plot]')")
-                self._told = True
-            return
         rows = [json.loads(line) for line in self.metrics.read_text().splitlines() if line.strip()]
         train = [(r["step"], r["loss"]) for r in rows if math.isfinite(r.get("loss", math.nan))]
-        val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
-        fig = Figure(figsize=(7, 4.5), dpi=100)
-        FigureCanvasAgg(fig)
-        ax = fig.add_subplot()
-        if train:
-            ax.plot(*zip(*train), lw=1, label="train loss")
-        if val:
-            ax.plot(*zip(*val), "o-", label="val loss")
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
+        val = [(r["step"], r["val_loss"]) for r in rows if math.isfinite(r.get("val_loss", math.nan))]
+        lines = [plot_mod.Series(train, "train loss", plot_mod.BLUE),
+                 plot_mod.Series(val, "val loss", plot_mod.ORANGE, width=2.0, marker=3.5)]
+        rgb = plot_mod.chart(lines, xlabel="step", ylabel="loss")
         tmp = self.png.with_name(f".{self.png.name}.tmp")
-        fig.savefig(tmp, format="png")
+        tmp.write_bytes(plot_mod.png(rgb))
         os.replace(tmp, self.png)

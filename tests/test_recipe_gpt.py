@@ -13,8 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 import zfunc as zf
-from recipes import gpt, layout
+from recipes import gpt, layout, plot
 from tests.recipe_runs import HF_ZERO2, HF_ZERO3, ROOT, TINY, assert_same_losses, metrics
+from tests.test_plot import near, read_png
 
 
 def exits_2(capsys, argv) -> str:
@@ -393,18 +394,20 @@ def test_metrics_jsonl_parses_and_loss_png_is_drawn(law):
     for r in rows:
         assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_mb"} <= r.keys()
         assert math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 and len(r["peak_mem_mb"]) == 1
+        assert 0 <= r["cpu_cores"] <= os.cpu_count() * 1.05  # its CPU time over wall time, per log
     assert [r["step"] for r in rows if "val_loss" in r] == [2, 4]
-    png = (out / "loss.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    assert read_png((out / "loss.png").read_bytes()).shape == (450, 720, 3)
 
 
-def test_without_matplotlib_the_png_is_skipped_with_one_notice(tmp_path, text_file, capsys, monkeypatch):
-    for name in ("matplotlib.figure", "matplotlib.backends.backend_agg"):  # their import now raises ImportError
-        monkeypatch.setitem(sys.modules, name, None)
+def test_the_default_install_draws_loss_png_and_the_final_line_counts_busy_cores(tmp_path, text_file, capsys,
+                                                                                  monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as a default install: importing it raises ImportError
     gpt.main(LAW + ["--data", str(text_file), "--out", str(tmp_path)])
     out = capsys.readouterr().out
-    assert out.count("loss.png: not drawn, matplotlib is not installed") == 1
-    assert not (tmp_path / "loss.png").exists() and len(metrics(tmp_path)) == 4
+    assert "loss.png" not in out  # drawn without a word
+    assert re.search(rf"after 4 steps; [\d,]+ tokens/s on \d+\.\d\d of {torch.get_num_threads()} cores; elapsed", out)
+    img = read_png((tmp_path / "loss.png").read_bytes())
+    assert img.shape == (450, 720, 3) and near(img, plot.BLUE).sum() > 100 and near(img, plot.ORANGE).sum() > 50
 
 
 def test_a_resumed_run_appends_to_the_log_from_its_checkpoint(tmp_path, law):
