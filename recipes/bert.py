@@ -4,7 +4,8 @@ The flavors, the config, the model (post-LN encoder, learned positions, optional
 head tied to the word embeddings, an optional NSP head), the 15% / 80-10-10 masking and the loss in
 plain torch (the model knows nothing of zfunc), then the recipe: recipes/loop.py's loop, every flag of
 the front door, with the masked task (eval: MLM loss and masked-token accuracy). Its default layout is
-the seed's: ZeRO stage 1 + bf16. `python -m recipes.bert --scaling 1,2` prints the weak-scaling table.
+the seed's ZeRO stage 1, in the machine's precision (recipes/precision.py: bf16 on CUDA and on a CPU
+with native bf16 units, fp32 elsewhere). `python -m recipes.bert --scaling 1,2` prints the weak-scaling table.
 `--nsp` adds next-sentence prediction (``sentence_pairs``: [CLS] A [SEP] B [SEP], B the window after
 A or, half the time, a random one; the NSP loss added to the MLM loss; eval: NSP accuracy too).
 
@@ -13,7 +14,7 @@ because of two choices, both found by short runs (the same model stayed on the M
 masked-token accuracy against the guess's 29%, for 600 steps of 32 windows x 128 bytes): 32-byte windows,
 128 of them a step (the same bytes a step; attention spread over 32 positions, not 128, finds the
 neighbours that predict a masked byte sooner), and matrices drawn N(0, 0.05) (``--init-std``;
-BERT's 0.02 escapes the plateau later). Post-LN, lr 1e-3 -> 1e-4 and ZeRO-1 + bf16 as before.
+BERT's 0.02 escapes the plateau later). Post-LN, lr 1e-3 -> 1e-4 and ZeRO-1 as before.
 1200 steps: 63.9% masked-token accuracy against the unigram guess's 29.0% (measured partly under load).
 
 Why one module over 400 lines: BERT, its two pretraining tasks (masked LM, next-sentence prediction)
@@ -385,16 +386,17 @@ MASKED_NSP = loop.Task("masked-lm+nsp", nsp_batch, nsp_loss, nsp_eval, unigram_g
 # Sized for ~5 minutes on a 2-core CPU (README, Results): a step (128 x 32 bytes, bf16) ran at 2.0x the
 # GPT recipe's tokens/s (30.0k vs 15.0k, medians of 10-step intervals, 40-step runs alternated twice, two
 # threads each, machine nearly quiet; 1.3-1.9x side by side with one thread each under load), so 1200
-# steps take about the time of GPT's 600 (the lead re-times on a quiet machine). Layout: ZeRO-1 + bf16.
+# steps take about the time of GPT's 600 (the lead re-times on a quiet machine). Layout: ZeRO-1, in the
+# machine's precision (recipes/precision.py), as every recipe.
 MODEL_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=192, ffn_dim=768, block_size=32, dropout=0.0, init_std=0.05)
 DEFAULTS = dict(**MODEL_DEFAULTS, nsp=False, **loop.MODEL_SOURCE_DEFAULTS,
-                **{**loop.TRAIN_DEFAULTS, "out": "out/bert", "precision": "bf16", "lr": 1e-3, "end_lr": 1e-4,
+                **{**loop.TRAIN_DEFAULTS, "out": "out/bert", "lr": 1e-3, "end_lr": 1e-4,
                    "weight_decay": 0.01, "batch_size": 128, "steps": 1200},
                 **{**layout.LAYOUT_DEFAULTS, "zero": 1})
 UNITS = "class:Layer"
 HELP = {**loop.TRAIN_HELP, "block_size": "sequence length in bytes (tokens with --tokenizer)",
         "init_std": "std of every matrix at init (BERT's initializer_range: 0.02; the flavors keep it)",
-        "ffn_dim": "MLP hidden width", "precision": "the seed's bf16 by default",
+        "ffn_dim": "MLP hidden width",
         "zero": "ZeRO stage (default 1, the seed's): " + layout.LAYOUT_HELP["zero"],
         "nsp": "also train next-sentence prediction: [CLS] A [SEP] B [SEP] pairs, B the next window or (1/2) a "
                "random one, a classifier on [CLS]; eval adds the NSP accuracy",

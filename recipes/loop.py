@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from recipes import data as data_mod
 from recipes import data_cap, layout, lr_schedule, refusal, rundir, verdict
+from recipes import precision as recipe_precision
 from recipes import watch as watch_mod
 from recipes.layout import FlagError, flag
 
@@ -65,7 +66,9 @@ TRAIN_HELP = dict(
     accum="gradient accumulation: microbatches each rank's share of the batch is cut into",
     lr="peak learning rate (after linear warmup)",
     end_lr="learning rate at the end of the cosine decay", warmup="linear warmup steps (at most half of --steps)",
-    grad_clip="max global grad norm", precision="default: bf16 on CUDA, fp32 on CPU",
+    grad_clip="max global grad norm",
+    precision="default: bf16 on CUDA and on a CPU with native bf16 matrix units (AMX, AVX512-BF16, Arm BF16), "
+              "else fp32; the recipe's first line says which and why",
     device="default: cuda if available, else cpu",
     out="output dir (checkpoints in OUT/ckpt); one run at a time (OUT/run.lock), and a previous run in it is "
         "continued (--resume) or moved aside (--overwrite), never overwritten",
@@ -257,8 +260,8 @@ def device_of(args: argparse.Namespace) -> torch.device:
 
 
 def with_precision(args: argparse.Namespace) -> argparse.Namespace:
-    """``args`` with --precision resolved (bf16 on CUDA, fp32 on CPU when not given)."""
-    precision = args.precision or ("bf16" if device_of(args).type == "cuda" else "fp32")
+    """``args`` with --precision resolved (when not given: recipes/precision.py's default for the device)."""
+    precision = args.precision or recipe_precision.default(device_of(args).type)[0]
     return argparse.Namespace(**{**vars(args), "precision": precision})
 
 
@@ -629,6 +632,11 @@ def train(recipe: Recipe, args: argparse.Namespace) -> dict:
     say = print if launch.rank == 0 else (lambda *a, **k: None)
     if launch.rank != 0:
         warnings.simplefilter("ignore")  # other ranks print nothing but errors
+    device_type = launch.device(args.device).type
+    say(recipe_precision.first_line(args, plan.precision, device_type))
+    slow = recipe_precision.emulation_warning(args, plan.precision, device_type)
+    if slow is not None and launch.rank == 0:
+        print(slow, file=sys.stderr)
     launch.start()
     device = launch.device(args.device)
     if device.type == "cuda":  # before the first collective (NCCL's objects go through this GPU)
