@@ -56,7 +56,8 @@ def described(argv: list[str], world: int = 1, recipe=gpt):
 
     import zfunc as zf
 
-    args = recipe.parse_args(TINY + argv)
+    pinned = [] if "--precision" in argv else ["--precision", "fp32"]  # the default depends on the CPU
+    args = recipe.parse_args(TINY + pinned + argv)
     plan, args = layout.resolve(loop.with_precision(args), world, recipe.RECIPE.units)
     with torch.device("meta"):
         built = recipe.RECIPE.build(args, 256)
