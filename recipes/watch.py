@@ -90,16 +90,24 @@ class BusyCores:
         self.cpu_clock, self.wall_clock = cpu_clock, wall_clock
         self.start = self.last = (cpu_clock(), wall_clock())
 
-    def _since(self, mark: tuple[float, float]) -> float:
-        cpu, wall = self.cpu_clock() - mark[0], self.wall_clock() - mark[1]
-        return cpu / wall if wall > 0 else 0.0
+    def _now(self) -> tuple[float, float]:
+        return self.cpu_clock(), self.wall_clock()
+
+    @staticmethod
+    def _between(mark: tuple[float, float], now: tuple[float, float]) -> float:
+        """CPU time over wall time, at most the cores this process may run on: the two clocks are
+        read one after the other, so over a short lap a preemption between them can push the ratio
+        past what the machine can do."""
+        cpu, wall = now[0] - mark[0], now[1] - mark[1]
+        return min(cpu / wall, float(len(os.sched_getaffinity(0)))) if wall > 0 else 0.0
 
     def lap(self) -> float:
-        busy, self.last = self._since(self.last), (self.cpu_clock(), self.wall_clock())
+        now = self._now()
+        busy, self.last = self._between(self.last, now), now
         return busy
 
     def total(self) -> float:
-        return self._since(self.start)
+        return self._between(self.start, self._now())
 
 
 class Watch:

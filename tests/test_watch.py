@@ -1,6 +1,7 @@
 """recipes/watch.py's busy cores: CPU time over wall time, per log interval on the bar and in metrics.jsonl,
 over the whole run on the final line; nothing of it on a GPU."""
 import itertools
+import os
 import time
 
 import pytest
@@ -15,12 +16,18 @@ def clocks(cpu_steps, wall_steps):
 
 
 def test_busy_cores_are_cpu_time_over_wall_time_per_lap_and_in_total():
-    # reads: start; lap 1 (since, then mark); lap 2 (since, then mark); total
-    cpu, wall = clocks([0, 3.8, 0, 1.0, 0, 0], [0, 2.0, 0, 2.0, 0, 0])
+    # reads: start; lap 1; lap 2; total
+    cpu, wall = clocks([0, 3.8, 1.0, 0], [0, 2.0, 2.0, 0])
     busy = watch_mod.BusyCores(cpu, wall)
-    assert busy.lap() == pytest.approx(1.9)  # two threads, nearly always running
+    assert busy.lap() == pytest.approx(min(1.9, len(os.sched_getaffinity(0))))  # two threads, nearly always running
     assert busy.lap() == pytest.approx(0.5)  # the machine shared: a quarter of two cores
     assert busy.total() == pytest.approx(4.8 / 4.0)
+
+
+def test_busy_cores_never_exceed_the_cores_this_process_may_run_on():
+    """Two clock reads in a row: a preemption between them over a short lap must not read as more cores."""
+    cpu, wall = clocks([0, 9.0], [0, 1.0])
+    assert watch_mod.BusyCores(cpu, wall).lap() == len(os.sched_getaffinity(0))
 
 
 def test_a_sleeping_process_keeps_no_core_busy():
