@@ -84,12 +84,13 @@ def test_without_an_agent_store_every_rank_says_its_refusal(capsys, monkeypatch,
 
 def test_a_bad_flag_under_torchrun_is_said_once_and_every_rank_exits_2(tmp_path):
     """Two ranks under torchrun, a flag refused before anything is built: the refusal appears once in
-    torchrun's combined output, and its summary lists both ranks with exit status 2."""
+    torchrun's combined output, and its summary lists both ranks with exit status 2 (whether or not
+    torchrun's SIGTERM reached the later rank before it left: its handler leaves with 2 too)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            "-m", "recipes.gpt", "--steps", "0", "--out", str(tmp_path / "out")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     both = done.stdout + done.stderr
     assert done.returncode != 0 and both.count("--steps: expected an int >= 1, got 0") == 1, both
-    assert both.count("exitcode  : 2 ") == 2 and "SIGTERM" not in both, both
+    assert both.count("exitcode  : 2 ") == 2 and "exitcode  : -" not in both, both
     assert not (tmp_path / "out").exists()
