@@ -54,7 +54,7 @@ def child(mode: str, layers: int, width: int, budget: int, path: str) -> None:
     apply, params = zf.functionalize(model)
     x = torch.randint(0, 256, (1, cfg.block_size))
     loss_fn = lambda p, b: torch.nn.functional.cross_entropy(apply(p, b).flatten(0, 1), b.flatten())  # noqa: E731
-    from zfunc.ops import cpu_adam  # compiled (or loaded from Numba's cache) before the cap, as in a long run
+    from zfunc.ops.cpu import adam as cpu_adam  # compiled (or loaded from Numba's cache) before the cap, as in a long run
 
     w = torch.zeros(8)
     cpu_adam.adamw_(w, w.clone(), w.clone(), w.clone(), step=1, lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8,
@@ -120,8 +120,8 @@ def optimizer_step(mparams: float, path: str) -> None:
     import torch
 
     import zfunc as zf
-    from zfunc.ops import cpu_adam
-    from zfunc.swap import SwapEngine, aligned_empty
+    from zfunc.ops.cpu import adam as cpu_adam
+    from zfunc.offloading.swap.engine import SwapEngine, aligned_empty
 
     n_leaves = 16
     leaf = int(mparams * 1e6) // n_leaves

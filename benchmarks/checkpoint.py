@@ -30,7 +30,7 @@ was not given); every loader allocates what it reads into, so its time swings wi
 - "memory warm": just before each load, 1.5x the state's bytes are touched and freed, so every
   loader finds recently used memory, as on a machine without free page reporting.
 - "memory cold": the last round's and the last load's memory has sat free 3 s, as a fresh process
-  on this VM finds it. zfunc reads into huge pages (``zfunc.ops.hostmem``, where init puts state:
+  on this VM finds it. zfunc reads into huge pages (``zfunc.ops.cpu.hostmem``, where init puts state:
   every optimizer step runs on them), which cost the most to fault here; ``torch.load`` reads into
   4 KiB pages.
 
@@ -84,8 +84,9 @@ import torch.distributed.checkpoint as dcp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zfunc as zf  # noqa: E402
-from zfunc import checkpoint as ck, state as state_module  # noqa: E402
-from zfunc.ops import hostmem  # noqa: E402
+from zfunc import checkpoint as ck
+from zfunc.core import state as state_module  # noqa: E402
+from zfunc.ops.cpu import hostmem  # noqa: E402
 
 
 def make_state(mparams: float) -> tuple[zf.Step, zf.TrainState]:
@@ -382,7 +383,7 @@ def main(argv=None) -> None:
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP in one process, on purpose
     root = Path(args.dir)
     if args.buffered_writes:
-        from zfunc import checkpoint_io
+        from zfunc.checkpoint import disk_io as checkpoint_io
 
         checkpoint_io.DIRECT_WRITES = False
     shutil.rmtree(root, ignore_errors=True)

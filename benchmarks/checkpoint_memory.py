@@ -2,7 +2,7 @@
 
     python benchmarks/checkpoint_memory.py [--mib 600] [--rounds 3] [--dir /tmp/zfunc-ckpt-memory]
 
-A file of ``--mib`` random bytes is written by ``zfunc.checkpoint_io.write_file`` with ``O_DIRECT``
+A file of ``--mib`` random bytes is written by ``zfunc.checkpoint.disk_io.write_file`` with ``O_DIRECT``
 (the default) and through the page cache (``DIRECT_WRITES = False``), fsynced, and read back by
 ``checkpoint_io.Reader`` (parallel ``O_DIRECT`` blocks) with the file dropped from the page cache
 (``posix_fadvise(DONTNEED)``) before each read, into:
@@ -14,7 +14,7 @@ A file of ``--mib`` random bytes is written by ``zfunc.checkpoint_io.write_file`
   the guest kernel reports free pages, ``page_reporting``);
 - a fresh buffer right after as many bytes were touched and freed.
 
-Then the fault cost alone: fresh huge-page (``zfunc.ops.hostmem``) and 4 KiB (``torch.empty``)
+Then the fault cost alone: fresh huge-page (``zfunc.ops.cpu.hostmem``) and 4 KiB (``torch.empty``)
 memory touched after sitting free 3 s, and again at once. Prints median seconds per case and
 every round's. (Measured 2026-11-24, under load, 600 MiB, 3 rounds: the same ``O_DIRECT``-written
 file read in 0.16-0.33 s into recently freed memory in most rounds and 0.5-2.4 s into memory free
@@ -36,8 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from zfunc import checkpoint_io as cio  # noqa: E402
-from zfunc.ops import hostmem  # noqa: E402
+from zfunc.checkpoint import disk_io as cio  # noqa: E402
+from zfunc.ops.cpu import hostmem  # noqa: E402
 
 
 def timed(fn) -> float:

@@ -9,7 +9,7 @@ which this script sets.
 
 Each implementation updates flat fp32 buffers (param, exp_avg, exp_avg_sq) allocated the way its
 owner allocates them: torch.optim's and DeepSpeed's state come from torch's allocator (4 KiB
-pages), zfunc's from ``zfunc.ops.hostmem`` (transparent huge pages: what zf.optim, shard and
+pages), zfunc's from ``zfunc.ops.cpu.hostmem`` (transparent huge pages: what zf.optim, shard and
 offload hold). The rows "... on torch's buffers" run our kernels on the peers' own buffers: the
 kernel alone, like for like. Grads and the bf16 param copy are torch tensors for everyone. Samples
 are interleaved (one sample of each implementation per round) and the best of ``--repeats``
@@ -42,7 +42,7 @@ import numba  # noqa: E402
 import torch  # noqa: E402
 from torch.optim.adam import adam as torch_adam  # noqa: E402
 
-from zfunc.ops import cpu_adam, hostmem  # noqa: E402
+from zfunc.ops.cpu import adam as cpu_adam, hostmem  # noqa: E402
 
 LR, BETAS, EPS, WD, SCALE = 1e-3, (0.9, 0.999), 1e-8, 0.1, 1.0 / 1024
 BYTES_PER_PARAM = 28
@@ -206,7 +206,7 @@ def report(n: int, samples: dict, impls: dict, ds_missing: str | None) -> None:
 JIT_PROBE = """
 import time, torch
 t0 = time.perf_counter()
-from zfunc.ops import cpu_adam
+from zfunc.ops.cpu import adam as cpu_adam
 t1 = time.perf_counter()
 for n in (1000, 100_000):  # the one-thread and the threaded kernel
     p, g, m, v = (torch.randn(n) for _ in range(4))
@@ -223,7 +223,7 @@ def jit_times() -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, NUMBA_CACHE_DIR=cache, PYTHONPATH=root)
-        print("\n### JIT: import zfunc.ops.cpu_adam, then first calls (fresh process each)\n")
+        print("\n### JIT: import zfunc.ops.cpu.adam, then first calls (fresh process each)\n")
         print("| cache | import s | first fp32 AdamW (1-thread + threaded kernels) s | "
               "first bf16-grad + bf16-out call s |")
         print("|---|---:|---:|---:|")

@@ -8,7 +8,7 @@ The precisions then run interleaved: each round times ``--steps`` steps of each,
 rotates from round to round, on the same batches (step i's batch depends on the seed and i alone).
 This machine is shared, so a precision's tokens/s is the median over its rounds, and each ratio
 to fp32 the median of the per-round ratios (paired: both sides of a ratio ran seconds apart).
-Prints the native units found (``zfunc.cpu_units.native_units``), a table and the ratios.
+Prints the native units found (``zfunc.ops.cpu.units.native_units``), a table and the ratios.
 ``--no-onednn`` with ``ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2`` in the environment runs
 the steps as a CPU with AVX2 alone does (bf16 and fp16 matmuls in ATen's kernels), on any x86 CPU.
 """
@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zfunc as zf  # noqa: E402
-from zfunc import cpu_units  # noqa: E402
+from zfunc.ops.cpu import units as cpu_units  # noqa: E402
 from recipes import bert, gpt, layout, llama, loop  # noqa: E402
 
 RECIPES = {"gpt": gpt.RECIPE, "llama": llama.RECIPE, "bert": bert.RECIPE}
@@ -56,7 +56,7 @@ def build_step(recipe: loop.Recipe, precision: str, corpus, out: str):
         built = recipe.build(args, corpus.vocab_size + recipe.extra_vocab)
     if built.units != recipe.units:
         plan, args = layout.resolve(args, 1, built.units, notices=False)
-    zf.parallelize.prepare(built.module, plan)
+    zf.config.prepare(built.module, plan)
     apply, params = zf.functionalize(built.module)
     task = recipe.task
 

@@ -39,7 +39,7 @@ Where a step's time goes (2026-11-24, this 2-core VM under load 6-10: CPU time p
   largest freed block lies free there, and the next step faults it back in: 145-470 faults a
   step (0.15-0.6 ms of ~0.9), in whichever trainer the heap's layout put on that boundary
   (zfunc's in most of the runs looked at; torch's or DeepSpeed's in others). A CPU step's ``init``
-  now sets glibc to keep freed memory (``zfunc.ops.hostmem.reuse_freed_memory``): 0 faults, for
+  now sets glibc to keep freed memory (``zfunc.ops.cpu.hostmem.reuse_freed_memory``): 0 faults, for
   every trainer of the process.
 - 20M and 100M: blocks of 32 MiB or more (the fresh grad, the forward's product) are mapped and
   unmapped by glibc on every step, in every trainer: at 20M 39K faults, 80-90 of a step's ~100
@@ -264,7 +264,7 @@ def offloaded_step(shapes: list[tuple[int, ...]], old: bool, updates: list[float
     ``sum((p * c).sum())`` over leaves of ``shapes``: its ``run(k)`` appends each step's
     ``update_s`` (the leaf updates' seconds) to ``updates``. ``old``: the grads reach the update as
     before ``GradReducer(own_grads=)``: packed into fresh fp32 copies (the sink's ``own`` off)."""
-    from zfunc import offload_run
+    from zfunc.offloading import run as offload_run
 
     gen = torch.Generator().manual_seed(1)
     params = {f"p{i:03d}": torch.randn(s, generator=gen) for i, s in enumerate(shapes)}

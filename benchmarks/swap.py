@@ -35,8 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from zfunc import swap  # noqa: E402
-from zfunc.swap import SwapEngine, aligned_empty  # noqa: E402
+from zfunc.offloading.swap import engine as swap  # noqa: E402
+from zfunc.offloading.swap.engine import SwapEngine, aligned_empty  # noqa: E402
 
 FIO_CONFIGS = [("libaio", 1, 1), ("libaio", 4, 1), ("libaio", 16, 1), ("psync", 1, 4)]  # engine, iodepth, jobs
 

@@ -11,7 +11,7 @@ Memory, per config in a fresh subprocess with glibc's mmap threshold fixed at 64
 buffers go back to the OS and RSS follows live memory), after a warm-up run and a reset of the
 peak (``/proc/self/clear_refs``):
 - LM head: peak RSS growth during one forward + backward, and the bytes
-  ``zf.tile.WorkingMemory`` accounts (storages the op allocates, forward and backward).
+  ``zf.tiling.WorkingMemory`` accounts (storages the op allocates, forward and backward).
 - Linear: what tiling shrinks is the layer's parameter working set under stage 3: the step's
   accounted peak of whole params gathered and of whole grads held (``step.memory``), on a mesh of
   one process with ``prefetch=0`` (each extra prefetch depth adds one tile), plus peak RSS growth
@@ -90,7 +90,7 @@ def head_case(args, kind: str):
     if kind == "head":
         loss = lambda: F.cross_entropy(hidden @ weight.T, targets)
     elif kind == "head-tiled":
-        loss = lambda: zf.tile.lm_head_loss(hidden, weight, targets, tiles=args.tiles)
+        loss = lambda: zf.tiling.lm_head_loss(hidden, weight, targets, tiles=args.tiles)
     else:  # the generic function form: checkpointed tiles, recomputed in backward
         tiled = zf.tile(ce_sum, tiles=args.tiles, argnums=(0, 1), reduce="sum")
         loss = lambda: tiled(hidden, targets) / targets.numel()
@@ -136,7 +136,7 @@ def measure_memory(args, config: str) -> dict[str, float]:
     base = reset_peak_rss()
     run()
     out = {"rss_growth": peak_rss_bytes() - base}
-    with zf.tile.WorkingMemory() as mem:
+    with zf.tiling.WorkingMemory() as mem:
         run()
     out["accounted"] = mem.peak_bytes
     return out

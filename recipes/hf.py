@@ -13,14 +13,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from zfunc import hf_config
+from zfunc.config import hf as hf_config
 
 TASKS = ("causal-lm", "masked-lm")
 
 
 def read_config(spec: str | os.PathLike | dict) -> dict[str, Any]:
     """The config as a dict, from a dict, a JSON object string, a config.json path, or a folder holding
-    one, every value checked and nothing in it able to run code (``zfunc.hf_config``). Raises
+    one, every value checked and nothing in it able to run code (``zfunc.config.hf``). Raises
     ValueError / FileNotFoundError naming --hf-config, where the config came from, the key, its value
     and what was expected."""
     try:

@@ -164,7 +164,7 @@ def resolve(args: argparse.Namespace, world: int, units: str | None, *, notices:
             plan = zf.config.Plan(**fields, optimizer=None)  # the recipe brings its own optimizer
         else:  # the config's optimizer, scheduler and fp16 scaling; the flags' layout
             plan = dataclasses.replace(ds_plan, **fields)
-        zf.parallelize.check(plan)
+        zf.config.check(plan)
     except ValueError as e:
         raise FlagError(_name_flags(str(e))) from None
     return plan, args
@@ -194,7 +194,7 @@ def rank0_params(model: Any, params: dict, plan: Any) -> dict:
     if plan.pp == 1:
         return params
     import zfunc as zf
-    from zfunc.pipeline import make_layout
+    from zfunc.pipelining.step import make_layout
 
     units = zf.config.selector(plan.units) if plan.units is not None else zf.units.auto()
     try:
@@ -210,7 +210,7 @@ def rank0_params(model: Any, params: dict, plan: Any) -> dict:
 def _auto_name(path: str) -> str | None:
     """The Hugging Face name of the value an "auto" at ``path`` takes (zf.config.from_deepspeed's
     auto names), or None where "auto" is a tuning knob's."""
-    from zfunc.deepspeed_config import AUTO_NAMES
+    from zfunc.config.deepspeed import AUTO_NAMES
 
     *parents, key = path.split(".")
     if key == "enabled" and parents:
@@ -285,7 +285,7 @@ _CONTRADICTIONS = dict(
 def _read_deepspeed(args: argparse.Namespace, dp: int, notices: bool) -> tuple[Any, argparse.Namespace]:
     """The config's plan, and ``args`` with its values; a given flag that differs is an error."""
     import zfunc as zf
-    from zfunc import deepspeed_config
+    from zfunc.config import deepspeed as deepspeed_config
 
     path = args.deepspeed
     try:

@@ -677,7 +677,7 @@ def _train(recipe: Recipe, args: argparse.Namespace, plan, launch: layout.Launch
     if built.units != recipe.units:
         plan, args = layout.resolve(args, launch.world, built.units, notices=False)
     try:  # tile the head, remat the units: before functionalize
-        zf.parallelize.prepare(model, plan)
+        zf.config.prepare(model, plan)
     except ValueError as e:
         raise FlagError(layout._name_flags(str(e))) from None
     apply, params = zf.functionalize(model)
@@ -793,7 +793,7 @@ def _train(recipe: Recipe, args: argparse.Namespace, plan, launch: layout.Launch
         text = (b"def " + sample).decode("utf-8", errors="replace") if isinstance(sample, bytes) else "def " + sample
         say("sample:\n" + text)
     if not args.keep_swap:  # a clean end: nothing uses the swap files now (the checkpoint holds the state)
-        freed = zf.offload.release(step, state)
+        freed = zf.offloading.release(step, state)
         if freed:
             mine = " on rank 0" if launch.world > 1 else ""
             say(f"removed the swap files under {args.nvme_path} ({freed / 1e6:.3g} MB{mine}; --keep-swap keeps them)")

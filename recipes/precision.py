@@ -2,7 +2,7 @@
 warning for a half precision this CPU emulates.
 
 Default: bf16 on CUDA; on a CPU, bf16 where it multiplies bf16 matrices natively
-(``zfunc.cpu_units``: AMX, AVX512-BF16, Arm BF16), fp32 elsewhere -- an emulated bf16 step is
+(``zfunc.ops.cpu.units``: AMX, AVX512-BF16, Arm BF16), fp32 elsewhere -- an emulated bf16 step is
 slower than fp32, never faster. A bf16 or fp16 asked for (``--precision``, or ``fp16.enabled`` /
 ``bf16.enabled`` in a ``--deepspeed`` config) on a CPU without native units for it trains as asked,
 after one warning naming the slowdown measured on such a CPU (``EMULATED_SLOWDOWN``).
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Iterable
 
-from zfunc import cpu_units
+from zfunc.ops.cpu import units as cpu_units
 
 # fp32 tokens/s over the precision's on a CPU that emulates it, the least and the most measured over
 # the recipes and layouts (README, Results: "precision on a CPU", its commands).

@@ -403,7 +403,7 @@ def hf_model(kind):
 
 # A script's lines that make the next checkpoint save stall once its rank file is written (before
 # the manifest) and print "mid-save": where ``kill_mid_save`` kills it. The script imports
-# ``time`` and ``zfunc.checkpoint_files as cf``.
+# ``time`` and ``zfunc.checkpoint.files as cf``.
 STALL_MID_SAVE = """
 write = cf.write_safetensors
 def stuck(path, tensors, *pace):   # mid-save: the rank file is written, the manifest is not

@@ -10,8 +10,8 @@ import zfunc as zf
 from recipes import bert, loop
 from recipes.bert import CLS, IGNORE, MASK, PAD, SEP
 from tests.models import assert_same_training, train_on
-from zfunc.offload import in_ram
-from zfunc.shard import full_params
+from zfunc.offloading.step import in_ram
+from zfunc.sharding.step import full_params
 
 STEPS = 4
 

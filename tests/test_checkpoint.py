@@ -150,7 +150,8 @@ KILLED_MID_SAVE = textwrap.dedent("""
     import os, sys, time, torch
     sys.path[:0] = {paths!r}
     import zfunc as zf
-    from zfunc import checkpoint as ck, checkpoint_files as cf
+    from zfunc import checkpoint as ck
+    from zfunc.checkpoint import files as cf
     state = zf.TrainState({{"w": torch.ones(1000)}}, (), 0, 0, None)
     ck.save(state, {root!r} + "/000001")
 """) + STALL_MID_SAVE + """
@@ -373,7 +374,7 @@ def test_save_replaces_its_own_checkpoint_and_fills_an_empty_directory(tmp_path)
 
 
 def test_save_replaces_with_two_renames_where_it_cannot_swap(tmp_path, monkeypatch):
-    from zfunc import checkpoint_folder
+    from zfunc.checkpoint import folder as checkpoint_folder
 
     monkeypatch.setattr(checkpoint_folder, "exchange", lambda a, b: False)  # e.g. NFS: no RENAME_EXCHANGE
     first = ck.save(small(1, 1.0), tmp_path / "000001")
@@ -560,7 +561,7 @@ def test_bad_extra_and_leaves_are_refused_before_anything_is_written(tmp_path):
 
 def arrival_worker(rank, world, directory):
     """Saves and gathers called on a subset of ranks fail fast on every rank that came."""
-    zf.dist.ARRIVAL_TIMEOUT_S = 2.0
+    zf.dist.mesh.ARRIVAL_TIMEOUT_S = 2.0
     store = torch.distributed.distributed_c10d._get_default_store()
     _, state = make(2, zf.Mesh(dp=world))
     errors = []
@@ -609,7 +610,7 @@ def test_a_collective_called_on_one_rank_fails_fast_naming_the_call(tmp_path):
 
 
 def test_prune_finishes_what_a_killed_prune_or_save_left(tmp_path):
-    from zfunc import checkpoint_folder
+    from zfunc.checkpoint import folder as checkpoint_folder
 
     first = ck.save(small(1), tmp_path / "000001")
     os.replace(first, tmp_path / ".000001.pruned")  # killed after the rename, before the delete
@@ -657,7 +658,7 @@ def layout_worker(rank, world, plan):
     share) and saves to ``save_to``. Returns, per entry, the losses, grad norms, whole params and
     the rank files the load opened."""
     from tests.models import pipe_batches
-    from zfunc.checkpoint_files import RankFiles
+    from zfunc.checkpoint.files import RankFiles
 
     out, opened, open_file = [], set(), RankFiles._open
     RankFiles._open = lambda files, r: opened.add(r) or open_file(files, r)
@@ -832,7 +833,7 @@ def test_a_pipelined_state_keeps_each_stage_batchnorm_statistics(tmp_path):
 
 
 def test_reads_ahead_follow_the_plan_and_any_other_order_reads_the_same(tmp_path, monkeypatch):
-    from zfunc import checkpoint_files as cf
+    from zfunc.checkpoint import files as cf
 
     monkeypatch.setattr(cf, "AHEAD_BYTES", 1)  # one tensor read ahead past the first
     tensors = {f"t{i}": torch.randn(1000 + i) for i in range(5)}

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import zfunc as zf
-from zfunc import checkpoint as ck, checkpoint_async as ca, checkpoint_files as cf, checkpoint_io as cio
+from zfunc import checkpoint as ck
+from zfunc.checkpoint import background as ca, files as cf, disk_io as cio
 from tests.models import STALL_MID_SAVE, batches, kill_mid_save, make, run
 
 
@@ -83,7 +84,8 @@ def test_the_next_save_waits_for_the_previous_and_errors_reach_the_caller(tmp_pa
 KILLED_MID_BACKGROUND_SAVE = textwrap.dedent("""
     import sys, time, torch
     sys.path[:0] = {paths!r}
-    from zfunc import checkpoint as ck, checkpoint_files as cf
+    from zfunc import checkpoint as ck
+    from zfunc.checkpoint import files as cf
     from test_checkpoint_async import big_step
     step, state = big_step()
     ck.save(state, {root!r} + "/000001")
@@ -250,7 +252,8 @@ def test_an_exiting_interpreter_finishes_a_paced_save_at_full_speed(tmp_path):
 
     script = textwrap.dedent(f"""
         import torch, zfunc as zf
-        from zfunc import checkpoint as ck, checkpoint_async as ca, checkpoint_io as cio
+        from zfunc import checkpoint as ck
+        from zfunc.checkpoint import background as ca, disk_io as cio
         ca.SAVE_DUTY, cio.BLOCK = 1e-4, 64 << 10  # unhurried: minutes per block
         step = zf.train_step(lambda p, x: (x @ p["w"]).sum(), zf.optim.adamw(1e-3))
         ck.save(step.init({{"w": torch.ones(600, 600)}}), {str(tmp_path / "000001")!r}, blocking=False)

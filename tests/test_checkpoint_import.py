@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import zfunc as zf
 from fixtures.make_deepspeed_checkpoints import ADAMW, MICRO, STEPS, batches, model
 from zfunc.checkpoint import CheckpointError
-from zfunc.checkpoint_import import detect, load_dcp, load_deepspeed
+from zfunc.checkpoint.importers import detect, load_dcp, load_deepspeed
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed"
 MORE = 3
@@ -108,7 +108,7 @@ def test_deepspeed_loads_into_every_layout():
 
 def two_rank_worker(rank, world):
     """ZeRO-2 fixture -> zfunc ZeRO-3, ZeRO-3 fixture -> zfunc ZeRO-1; and the rows the ZeRO-3 load read."""
-    from zfunc.checkpoint_import import deepspeed_zero
+    from zfunc.checkpoint.importers import deepspeed_zero
 
     asked, read = [], deepspeed_zero.DeepSpeedSource.read
     deepspeed_zero.DeepSpeedSource.read = lambda self, n, k, a, b: asked.append((n, k, a, b)) or read(self, n, k, a, b)

@@ -4,7 +4,7 @@ import zlib
 import pytest
 import torch
 
-from zfunc import checkpoint_io as cio
+from zfunc.checkpoint import disk_io as cio
 
 
 def _segments(sizes, misalign=0):

@@ -18,9 +18,9 @@ from torch import nn
 
 import zfunc as zf
 from tests.models import Block, Tiny, assert_same_training, batches, local, train_on, untile
-from zfunc import compose
-from zfunc.offload import in_ram
-from zfunc.shard import full_params
+from zfunc.core import compose
+from zfunc.offloading.step import in_ram
+from zfunc.sharding.step import full_params
 
 
 def plain_step(**kw):
@@ -325,8 +325,8 @@ def test_a_role_is_swapped_without_subclassing_and_the_step_trains_the_same(what
 
 
 def test_the_schedules_are_roles_with_one_interface_and_1f1b_on_one_stage_is_accumulation():
-    from zfunc.pipeline_stage import PipelineSchedule
-    from zfunc.roles import Accumulation
+    from zfunc.pipelining.stage import PipelineSchedule
+    from zfunc.core.roles import Accumulation
 
     batch = torch.arange(12.0).reshape(6, 2)
     for m in (1, 3):
@@ -339,7 +339,7 @@ def test_the_schedules_are_roles_with_one_interface_and_1f1b_on_one_stage_is_acc
 
 
 def test_replacing_an_unknown_role_names_it_and_the_roles_there_are():
-    from zfunc.roles import Accumulation, Roles
+    from zfunc.core.roles import Accumulation, Roles
 
     roles = Roles(None, None, None, Accumulation(1))
     with pytest.raises(TypeError, match="unknown role 'grad'; expected params, grads, update or schedule"):

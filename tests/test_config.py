@@ -12,7 +12,7 @@ from torch import nn
 
 import zfunc as zf
 from zfunc import config as C
-from zfunc import deepspeed_config as D
+from zfunc.config import deepspeed as D
 from zfunc import optim
 
 

@@ -1,4 +1,4 @@
-"""zfunc.ops.cpu_adam: the Numba kernels equal torch.optim's updates, casts and errors."""
+"""zfunc.ops.cpu.adam: the Numba kernels equal torch.optim's updates, casts and errors."""
 import math
 import os
 import subprocess
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from zfunc.ops import cpu_adam, gomp
+from zfunc.ops.cpu import adam as cpu_adam, gomp
 
 # Sizes: 1 and 7 are shorter than one vector (tail path only); 1000 mixes vector body and tail;
 # 1_000_003 is over the parallel threshold with an odd tail, so it runs the threaded chunking.
@@ -278,7 +278,7 @@ def test_a_team_smaller_than_asked_still_takes_every_chunk():
     # OMP_THREAD_LIMIT=1: libgomp runs every team on its caller alone, which must do both chunks.
     _python("""
         import ctypes, torch
-        from zfunc.ops import cpu_adam
+        from zfunc.ops.cpu import adam as cpu_adam
         assert ctypes.CDLL("libgomp.so.1").omp_get_thread_limit() == 1
         n = 300_007
         p0, g = torch.randn(n), torch.randn(n)
@@ -296,7 +296,7 @@ def test_a_forked_child_steps_on_one_thread():
     # for them forever (the subprocess timeout catches that).
     _python("""
         import os, torch
-        from zfunc.ops import cpu_adam
+        from zfunc.ops.cpu import adam as cpu_adam
         cpu_adam.set_num_threads(2)
         n = 300_007
         p, g, m, v = torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)
@@ -364,8 +364,8 @@ def test_bad_input_other_kernels():
 
 
 def test_importing_zfunc_ops_does_not_load_the_kernels():
-    code = ("import sys, zfunc.ops; assert 'zfunc.ops.cpu_adam' not in sys.modules; "
-            "zfunc.ops.cpu_adam.adamw_")
+    code = ("import sys, zfunc.ops; assert 'zfunc.ops.cpu.adam' not in sys.modules; "
+            "zfunc.ops.cpu.adam.adamw_")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

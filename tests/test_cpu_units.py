@@ -1,5 +1,5 @@
-"""zfunc.cpu_units: the native half-precision matrix units read from a CPU's feature flags."""
-from zfunc import cpu_units
+"""zfunc.ops.cpu.units: the native half-precision matrix units read from a CPU's feature flags."""
+from zfunc.ops.cpu import units as cpu_units
 
 X86_ZEN4 = """processor\t: 0
 vendor_id\t: AuthenticAMD

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from zfunc import config as C
-from zfunc import deepspeed_config as D
-from zfunc import json_file
+from zfunc.config import deepspeed as D
+from zfunc.config import json_file
 from tests.recipe_runs import HF_ZERO2, HF_ZERO3
 from zfunc import optim
 

@@ -191,10 +191,10 @@ def test_spawn_listens_on_loopback_only(gloo_ifname, monkeypatch):
 @pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="counts open fds in Linux's /proc")
 def test_a_store_that_fails_to_start_leaves_no_socket_open(monkeypatch):
     def refuse(*args, master_listen_fd, **kwargs):
-        raise zf.dist.dist.DistNetworkError(f"refused fd {master_listen_fd}")
+        raise torch.distributed.DistNetworkError(f"refused fd {master_listen_fd}")
 
     before = sorted(os.listdir("/proc/self/fd"))
-    monkeypatch.setattr(zf.dist.dist, "TCPStore", refuse)
-    with pytest.raises(zf.dist.dist.DistNetworkError, match="refused fd"):
-        zf.dist._loopback_store(datetime.timedelta(seconds=5))
+    monkeypatch.setattr(zf.dist.mesh.dist, "TCPStore", refuse)
+    with pytest.raises(torch.distributed.DistNetworkError, match="refused fd"):
+        zf.dist.mesh._loopback_store(datetime.timedelta(seconds=5))
     assert sorted(os.listdir("/proc/self/fd")) == before

@@ -1,7 +1,7 @@
-"""zfunc.env: settings from environment variables, with errors naming the variable."""
+"""zfunc.core.env: settings from environment variables, with errors naming the variable."""
 import pytest
 
-from zfunc import env
+from zfunc.core import env
 
 
 def test_unset_gives_the_default_and_a_good_value_is_cast(monkeypatch):

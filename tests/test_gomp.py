@@ -1,9 +1,9 @@
-"""zfunc.ops.gomp: libgomp teams cover a range exactly once, in whole-line chunks."""
+"""zfunc.ops.cpu.gomp: libgomp teams cover a range exactly once, in whole-line chunks."""
 import numpy as np
 import pytest
 from numba import njit
 
-from zfunc.ops import gomp
+from zfunc.ops.cpu import gomp
 
 
 @pytest.mark.parametrize("lo, hi, k", [(0, 1, 2), (0, 1000, 2), (3, 100_003, 3), (5, 5, 4), (0, 129, 7)])

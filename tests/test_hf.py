@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from recipes import bert, hf
-from zfunc import json_file
+from zfunc.config import json_file
 
 transformers = pytest.importorskip("transformers")
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import zfunc as zf
-from zfunc import env
-from zfunc.ops import hostmem
+from zfunc.core import env
+from zfunc.ops.cpu import hostmem
 
 BIG = hostmem.HUGE_MIN // 4 + 1000  # fp32 elements: past the threshold, not a multiple of a page
 

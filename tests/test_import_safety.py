@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import zfunc as zf
 from fixtures.make_deepspeed_checkpoints import ADAMW, model
 from zfunc.checkpoint import CheckpointError
-from zfunc.checkpoint_import import load_foreign
+from zfunc.checkpoint.importers import load_foreign
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed"
 
@@ -284,7 +284,7 @@ def test_dcp_chunk_payload_is_refused(dcp_checkpoint, tmp_path):
 
 
 def test_deepspeed_classes_are_inert_stand_ins_and_look_alikes_are_refused():
-    from zfunc.checkpoint_import import safe_unpickle as su
+    from zfunc.checkpoint.importers import safe_unpickle as su
 
     ran = glob("deepspeed.runtime.zero.config", "ZeroStageEnum") + b"K\x02" + TUPLE1 + REDUCE + b"."
     stand_in = su.loads(b"\x80\x02" + ran, su.DEEPSPEED)
@@ -302,7 +302,7 @@ def test_megatron_deepspeed_client_state_loads_as_stand_ins(tmp_path):
 
     import numpy as np
 
-    from zfunc.checkpoint_import import deepspeed_zero
+    from zfunc.checkpoint.importers import deepspeed_zero
 
     path = tmp_path / "mp_rank_00_model_states.pt"
     torch.save({"module": {"w": torch.ones(2)}, "args": argparse.Namespace(hidden_size=8),

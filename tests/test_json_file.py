@@ -1,9 +1,9 @@
-"""zfunc.json_file: JSON from someone else's file, read within bounds, each broken bound named."""
+"""zfunc.config.json_file: JSON from someone else's file, read within bounds, each broken bound named."""
 import re
 
 import pytest
 
-from zfunc import json_file
+from zfunc.config import json_file
 
 
 def test_depth_counts_containers_without_recursion():

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 import zfunc as zf
 from recipes import llama
 from tests.models import assert_same_training, train_on
-from zfunc.offload import in_ram
-from zfunc.shard import full_params
+from zfunc.offloading.step import in_ram
+from zfunc.sharding.step import full_params
 
 STEPS = 4
 

@@ -12,7 +12,7 @@ from torch import nn
 
 import zfunc as zf
 from tests.models import Block, Tiny, assert_same_training, batches, local
-from zfunc import materialize as M
+from zfunc.model import materialize as M
 
 
 # ---------------------------------------------------------------- the law, one process

@@ -123,16 +123,16 @@ def test_evaluation_uses_the_trained_statistics():
     ref = torch_train(model, bn_batches()).eval()
     x = torch.randn(4, 3)
     model.eval()
-    with zf.module.using(state):
+    with zf.functional.using(state):
         out = apply(state.params, x)
-    with zf.module.using(state.buffers):  # a dict of buffers works too
+    with zf.functional.using(state.buffers):  # a dict of buffers works too
         again = apply(state.params, x)
     untrained = apply(state.params, x)  # outside a step or ``using``: the snapshot's statistics
     model.train()
     torch.testing.assert_close(out, ref(x), rtol=1e-6, atol=1e-6)
     assert torch.equal(out, again)
     assert not torch.allclose(untrained, out)
-    with zf.module.using(state):  # train mode under ``using``: the update is discarded
+    with zf.functional.using(state):  # train mode under ``using``: the update is discarded
         apply(state.params, x)
     assert state.buffers["bn.num_batches_tracked"].item() == 3
 
@@ -223,7 +223,7 @@ def test_buffer_errors_are_clear():
     with pytest.raises(KeyError, match=r"state.buffers: names \['nope'\] are not buffers"):
         step(state, bn_batches(1)[0])
     with pytest.raises(TypeError, match="state_or_buffers: expected a TrainState or a dict"):
-        zf.module.using([1, 2])
+        zf.functional.using([1, 2])
     with pytest.raises(TypeError, match="buffers: expected a dict"):
         zf.TrainState({}, (), buffers=[torch.zeros(1)])
 
@@ -246,7 +246,7 @@ def test_run_by_registers_who_runs_the_module_now():
 
     m = nn.Linear(2, 1)
     apply, params = zf.functionalize(m)
-    with zf.module.run_by(Runner("outer")), zf.module.run_by(Runner("inner")):
+    with zf.functional.run_by(Runner("outer")), zf.functional.run_by(Runner("inner")):
         apply(params, torch.ones(1, 2))
     apply(params, torch.ones(1, 2))  # outside: nobody
     assert seen == [("outer", "Linear"), ("inner", "Linear"), ("inner", "done"), ("outer", "done")]
@@ -307,7 +307,7 @@ def test_an_hf_gpt2_moved_to_meta_after_functionalize_is_refused_before_the_stat
         state, _ = step(state, batch)
         model.to("meta")
     before = _snapshot(state)
-    with pytest.raises(zf.module.ModuleChangedError,
+    with pytest.raises(zf.functional.ModuleChangedError,
                        match=r"parameter 'transformer\.wte\.weight'.*meta \(was cpu.*(\n|.)*functionalize"
                              r"(\n|.)*materialize"):
         step(state, batch)
@@ -325,7 +325,7 @@ def test_an_offloaded_step_refuses_a_module_moved_to_meta_and_keeps_its_state(tm
     state, _ = step(state, batch)
     before = zf.checkpoint.full_params(state)
     model.to("meta")
-    with pytest.raises(zf.module.ModuleChangedError, match=r"'transformer\.wte\.weight'.*meta"):
+    with pytest.raises(zf.functional.ModuleChangedError, match=r"'transformer\.wte\.weight'.*meta"):
         step(state, batch)
     assert not state.consumed
     for name, want in before.items():
@@ -371,10 +371,10 @@ def test_apply_refuses_a_module_changed_after_functionalize(change):
     mutate, says = CHANGES[change]
     mutate(model)
     before = _snapshot(state)
-    with pytest.raises(zf.module.ModuleChangedError, match=says):
+    with pytest.raises(zf.functional.ModuleChangedError, match=says):
         step(state, batches(1, 1)[0])
     _assert_untouched(state, before)
-    with pytest.raises(zf.module.ModuleChangedError, match=says):  # and every later call, outside a step too
+    with pytest.raises(zf.functional.ModuleChangedError, match=says):  # and every later call, outside a step too
         apply(params, batches(1, 1)[0][0])
 
 
@@ -385,7 +385,7 @@ def test_apply_with_buffers_refuses_a_module_whose_buffer_was_replaced():
     x = torch.randn(8, 3)
     apply(params, buffers, x)
     model.bn.running_mean = torch.zeros(5)
-    with pytest.raises(zf.module.ModuleChangedError, match=r"buffer 'bn\.running_mean' was replaced by another"):
+    with pytest.raises(zf.functional.ModuleChangedError, match=r"buffer 'bn\.running_mean' was replaced by another"):
         apply(params, buffers, x)
 
 
@@ -431,7 +431,7 @@ def test_values_loaded_into_the_module_between_functionalize_and_init_are_the_on
     state = step.init(params)
     x = torch.randn(8, 3)
     model.eval(), trained.eval()
-    with zf.module.using(state):
+    with zf.functional.using(state):
         torch.testing.assert_close(apply(state.params, x), trained(x))
     model.train(), trained.train()
     ref = copy.deepcopy(trained)

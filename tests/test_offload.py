@@ -13,10 +13,10 @@ import torch.nn.functional as F
 import zfunc as zf
 from tests.models import Block, Tiny, assert_same_training, batches, local, tree_equal, train_on, with_faults
 from tests.models import make_offloaded as make  # this file's step: Tiny, offloaded or not
-from zfunc.offload import ComputeCopies, OffloadSpec, in_ram, offload, release
-from zfunc.shard_run import StepRun
-from zfunc.shard import full_params
-from zfunc.swap import SwapInUseError, SwapPathError
+from zfunc.offloading.step import ComputeCopies, OffloadSpec, in_ram, offload, release
+from zfunc.sharding.run import StepRun
+from zfunc.sharding.step import full_params
+from zfunc.offloading.swap.engine import SwapInUseError, SwapPathError
 
 PLACES = [("cpu", None), ("nvme", None), ("cpu", "cpu"), ("nvme", "nvme")]
 
@@ -316,7 +316,7 @@ def test_a_corrupted_swap_file_is_reported_by_name(tmp_path):
         byte = f.read(1)
         f.seek(4096 + 7)
         f.write(bytes([byte[0] ^ 0xFF]))
-    from zfunc.swap import SwapChecksumError
+    from zfunc.offloading.swap.engine import SwapChecksumError
 
     with pytest.raises(SwapChecksumError, match=victim.name):
         step(state, batches(1, 1)[0])
@@ -348,7 +348,7 @@ def test_bad_arguments_are_named(tmp_path):
 
 
 def test_an_unwritable_or_full_path_fails_at_init_before_training(tmp_path):
-    from zfunc.swap import SwapError
+    from zfunc.offloading.swap.engine import SwapError
 
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
@@ -464,7 +464,8 @@ def test_a_checkpoint_loads_straight_into_an_offloaded_step(tmp_path, where, par
 def test_loading_into_nvme_holds_one_leaf_at_a_time(tmp_path, monkeypatch):
     """Each leaf's values are read only once the previous leaf is handed to its swap files, and
     no read is larger than a leaf: the state never sits in RAM whole."""
-    from zfunc import checkpoint_files, store
+    from zfunc.checkpoint import files as checkpoint_files
+    from zfunc.offloading import store
 
     plain, state = make(False)
     directory = zf.checkpoint.save(state, tmp_path / "ckpt" / "000000")

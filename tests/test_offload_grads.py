@@ -6,10 +6,10 @@ import torch
 import zfunc as zf
 from tests.models import batches, local, train_on
 from tests.models import make_offloaded as make
-from zfunc.ops import cpu_adam
-from zfunc.shard import full_params
-from zfunc.shard_layout import FlatGroup
-from zfunc.offload import in_ram
+from zfunc.ops.cpu import adam as cpu_adam
+from zfunc.sharding.step import full_params
+from zfunc.sharding.layout import FlatGroup
+from zfunc.offloading.step import in_ram
 
 
 def same_training(step, state, clip, precision, accum=1, world=1, rank=0):

@@ -416,7 +416,7 @@ def test_numba_lion_matches_the_pure_update():
 
 
 def test_auto_backend_follows_where_the_state_lives(monkeypatch):
-    from zfunc.ops import cpu_adam
+    from zfunc.ops.cpu import adam as cpu_adam
 
     calls = []
     kernel = cpu_adam.adamw_many_

@@ -10,9 +10,9 @@ from torch import nn
 
 import zfunc as zf
 from tests.models import Tiny, assert_same_training, batches, local
-from zfunc.offload import OffloadedStep
-from zfunc.shard import ShardedStep
-from zfunc.tile import TiledLinear
+from zfunc.offloading.step import OffloadedStep
+from zfunc.sharding.step import ShardedStep
+from zfunc.model.tiling import TiledLinear
 
 STEPS = 3
 
@@ -37,7 +37,7 @@ def build(plan: zf.config.Plan, mesh=None, *, prepare=True):
     torch.manual_seed(0)
     model = Headed()
     if prepare:
-        zf.parallelize.prepare(model, plan)
+        zf.config.prepare(model, plan)
     apply, params = zf.functionalize(model)
 
     def loss_fn(p, batch):
@@ -106,14 +106,14 @@ def test_the_order_is_shard_then_offload_then_pipeline():
 
 
 def test_prepare_tiles_the_head_and_rematerializes_the_blocks_only():
-    model = zf.parallelize.prepare(Headed(), zf.config.Plan(tile_lm_head=3, remat=True, units="class:Block"))
+    model = zf.config.prepare(Headed(), zf.config.Plan(tile_lm_head=3, remat=True, units="class:Block"))
     assert isinstance(model.lm_head, TiledLinear) and len(model.lm_head.tiles) == 3
     assert all("forward" in vars(b) for b in model.blocks)
     assert not any("forward" in vars(m) for m in (model.emb, model.ln_f, model))
     with pytest.raises(ValueError, match="tiled already; prepare the model once"):
-        zf.parallelize.prepare(model, zf.config.Plan(tile_lm_head=3))
+        zf.config.prepare(model, zf.config.Plan(tile_lm_head=3))
     with pytest.raises(ValueError, match="remat applied"):
-        zf.parallelize.prepare(model, zf.config.Plan(remat=True, units="class:Block"))
+        zf.config.prepare(model, zf.config.Plan(remat=True, units="class:Block"))
 
 
 def test_a_model_not_prepared_for_the_plan_is_refused_naming_the_field():
@@ -122,7 +122,7 @@ def test_a_model_not_prepared_for_the_plan_is_refused_naming_the_field():
         with pytest.raises(ValueError, match=re.escape(field)):
             build(plan, prepare=False)
     with pytest.raises(ValueError, match="tile_lm_head: tiles the model's 'lm_head' nn.Linear, and the model has none"):
-        zf.parallelize.prepare(Tiny(), zf.config.Plan(tile_lm_head=2))
+        zf.config.prepare(Tiny(), zf.config.Plan(tile_lm_head=2))
 
 
 def test_the_step_must_be_plain_and_match_the_plan():
@@ -157,11 +157,11 @@ REFUSED = [  # (plan fields, the error naming them)
 def test_impossible_plans_are_refused_before_anything_is_built(fields, message):
     plan = zf.config.Plan(**fields)
     with pytest.raises(ValueError, match=re.escape(message)):
-        zf.parallelize.check(plan)
+        zf.config.check(plan)
     with pytest.raises(ValueError, match=re.escape(message)):
-        zf.parallelize.prepare(nn.Linear(2, 2), plan)
+        zf.config.prepare(nn.Linear(2, 2), plan)
     with pytest.raises(TypeError, match="plan: expected a zf.config.Plan"):
-        zf.parallelize.check(dict(fields))
+        zf.config.check(dict(fields))
 
 
 PLANS_2 = [  # two ranks: dp=2 sharded and offloaded, or a two-stage pipeline (plain or ZeRO-1)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from zfunc import precision as mp
+from zfunc.core import precision as mp
 
 
 def test_compute_dtype():

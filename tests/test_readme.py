@@ -58,7 +58,7 @@ RUN = [(line, code) for line, code, skipped in PYTHON if not skipped]
 
 
 def _resolve(dotted: str):
-    """The object ``zf.a.b`` names: attributes, else submodules (``zfunc.ops.cpu_adam``)."""
+    """The object ``zf.a.b`` names: attributes, else submodules (``zfunc.ops.cpu.adam``)."""
     head, *rest = dotted.split(".")
     obj, path = {"zf": zf, "zfunc": zf, "zp": zp}[head], {"zf": "zfunc", "zfunc": "zfunc", "zp": "zfunc.plan"}[head]
     for part in rest:

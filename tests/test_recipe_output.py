@@ -61,7 +61,7 @@ def described(argv: list[str], world: int = 1, recipe=gpt):
     plan, args = layout.resolve(loop.with_precision(args), world, recipe.RECIPE.units)
     with torch.device("meta"):
         built = recipe.RECIPE.build(args, 256)
-    zf.parallelize.prepare(built.module, plan)
+    zf.config.prepare(built.module, plan)
     _, params = zf.functionalize(built.module)
     lines = loop.describe(args, plan, layout.Launch(world, 0, 0), built, torch.device("cpu"), params)
     return lines[-1], loop.plan_bytes(params, plan, built.module), params, built.module
@@ -70,7 +70,7 @@ def described(argv: list[str], world: int = 1, recipe=gpt):
 def test_a_pipelines_plan_line_counts_its_ranks_and_stage_0s_bytes():
     import zfunc as zf
     from zfunc import plan as zp
-    from zfunc.pipeline import make_layout
+    from zfunc.pipelining.step import make_layout
 
     line, where, params, model = described(["--n-layer", "2", "--pp", "2", "--microbatches", "2"], world=2)
     owner = make_layout(model, zf.units.by_class(gpt.Block), 2, None).owner

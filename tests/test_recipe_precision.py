@@ -9,7 +9,7 @@ import pytest
 
 from recipes import bert, gpt, llama, loop
 from recipes import precision as rp
-from zfunc import cpu_units
+from zfunc.ops.cpu import units as cpu_units
 
 AVX2 = frozenset({"avx2", "fma", "f16c"})  # no native half precision
 ZEN4 = frozenset({"avx512f", "avx512_bf16"})  # bf16 dot products, no fp16

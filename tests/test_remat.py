@@ -6,7 +6,7 @@ from torch import nn
 
 import zfunc as zf
 from tests.models import NormUnit
-from zfunc.remat import remat
+from zfunc.model.rematerialize import remat
 
 
 class Block(nn.Module):

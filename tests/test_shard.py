@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import zfunc as zf
 from tests.models import (Block, NormSpy, Tiny, assert_same_training, batches, hf_model, local, make, train_on,
                           tree_equal, with_faults)
-from zfunc.shard import FlatGroup, GradAllReducer, GradReducer, LeafShard, ShardSpec, full_params, local_piece
+from zfunc.sharding.step import FlatGroup, GradAllReducer, GradReducer, LeafShard, ShardSpec, full_params, local_piece
 
 
 CONFIGS = [(stage, accum, clip) for stage in (0, 1, 2, 3) for accum, clip in ((1, True), (2, False))]

@@ -1,8 +1,8 @@
 """store: RAM and swap-file handles, and reads kept ahead of their use within a byte budget."""
 import torch
 
-from zfunc.store import OnDisk, ReadAhead, Store, done
-from zfunc.swap import SwapEngine
+from zfunc.offloading.store import OnDisk, ReadAhead, Store, done
+from zfunc.offloading.swap.engine import SwapEngine
 
 
 def test_read_ahead_follows_the_expected_order_within_its_budget():

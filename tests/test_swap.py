@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from zfunc import swap
-from zfunc.swap import (LOCK_FILE, SwapChecksumError, SwapEngine, SwapError, SwapInUseError, SwapMismatchError,
+from zfunc.offloading.swap import engine as swap
+from zfunc.offloading.swap.engine import (LOCK_FILE, SwapChecksumError, SwapEngine, SwapError, SwapInUseError, SwapMismatchError,
                         SwapPathError, aligned_empty, aligned_like, check_path, crc32_combine, disk_bytes, rank_dir)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
@@ -425,7 +425,7 @@ def test_a_second_engine_on_a_live_directory_is_refused_until_the_first_closes(t
 
 HOLDER = textwrap.dedent("""
     import sys
-    from zfunc.swap import SwapEngine
+    from zfunc.offloading.swap.engine import SwapEngine
     engine = SwapEngine(sys.argv[1])
     print("held", flush=True)
     if sys.stdin.readline().strip() == "close":
@@ -525,7 +525,7 @@ def test_roundtrip_with_and_without_o_direct(tmp_path, where):
 
 CHILD = textwrap.dedent("""
     import sys, time, torch
-    from zfunc.swap import SwapEngine
+    from zfunc.offloading.swap.engine import SwapEngine
     path, pause = sys.argv[1], sys.argv[2] == "pause"
     engine = SwapEngine(path, threads=2, block_bytes=1 << 20)
     t = torch.empty(2 << 20, dtype=torch.int64)  # 16 MiB

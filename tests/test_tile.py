@@ -8,7 +8,7 @@ from torch import nn
 
 import zfunc as zf
 from tests.models import untile
-from zfunc.shard import full_params
+from zfunc.sharding.step import full_params
 
 
 def assert_rel(actual, expected, rtol=1e-6, what=""):
@@ -71,7 +71,7 @@ def test_tied_head_is_refused_alone_and_tiled_consistently_through_the_model():
     both = zf.tile(TinyGPT(), tiles=4, modules=["wte", "lm_head"])  # the tie of the first is the second
     assert both.lm_head.tiles[0].weight is both.wte.tiles[0].weight
     untied = TinyGPT(tie=False)
-    assert isinstance(zf.tile(untied.lm_head, tiles=4), zf.tile.TiledLinear)  # nothing else holds it
+    assert isinstance(zf.tile(untied.lm_head, tiles=4), zf.tiling.TiledLinear)  # nothing else holds it
 
 
 # ------------------------------------------------------------------------------------ LM head + loss
@@ -90,25 +90,25 @@ def test_lm_head_loss_equals_cross_entropy_with_uneven_tiles_and_ignored_targets
         return F.cross_entropy((h @ w.T).flatten(0, 1), targets.flatten(), reduction=reduction)
 
     ref, ref_grads = grads_of(untiled, hidden, weight)
-    out, grads = grads_of(lambda h, w: zf.tile.lm_head_loss(h, w, targets, tiles=4, reduction=reduction),
+    out, grads = grads_of(lambda h, w: zf.tiling.lm_head_loss(h, w, targets, tiles=4, reduction=reduction),
                           hidden, weight)
     assert_rel(out, ref, what="loss")
     for g, r, what in zip(grads, ref_grads, ("hidden", "weight")):
         assert_rel(g, r, what=f"grad of {what}")
     with torch.no_grad():  # no grads wanted: only the loss is computed
-        assert_rel(zf.tile.lm_head_loss(hidden, weight, targets, tiles=4, reduction=reduction), ref)
+        assert_rel(zf.tiling.lm_head_loss(hidden, weight, targets, tiles=4, reduction=reduction), ref)
 
 
 def test_lm_head_loss_edge_cases_match_torch():
     torch.manual_seed(0)
     h, w = torch.randn(6, 4, requires_grad=True), torch.randn(9, 4, requires_grad=True)
     ignored = torch.full((6,), -100)
-    loss = zf.tile.lm_head_loss(h, w, ignored, tiles=6)  # every target ignored: nan, zero grads
+    loss = zf.tiling.lm_head_loss(h, w, ignored, tiles=6)  # every target ignored: nan, zero grads
     loss.backward()
     assert loss.isnan() and F.cross_entropy(h @ w.T, ignored).isnan()
     assert h.grad.abs().sum() == 0 and w.grad.abs().sum() == 0
     y = torch.randint(0, 9, (6,))  # torch.func.grad goes through the setup_context Function
-    g = torch.func.grad(lambda w: zf.tile.lm_head_loss(h.detach(), w, y, tiles=4))(w.detach())
+    g = torch.func.grad(lambda w: zf.tiling.lm_head_loss(h.detach(), w, y, tiles=4))(w.detach())
     assert_rel(g, torch.func.grad(lambda w: F.cross_entropy(h.detach() @ w.T, y))(w.detach()))
 
 
@@ -143,7 +143,7 @@ def test_function_form_concatenates_or_reduces_like_the_untiled_function():
 
 
 def working_bytes(fn, *inputs):
-    with zf.tile.WorkingMemory() as mem:
+    with zf.tiling.WorkingMemory() as mem:
         fn(*inputs).backward()
     return mem.peak_bytes
 
@@ -154,7 +154,7 @@ def test_accounted_working_memory_is_a_kth_of_untiled_plus_one_tile():
     hidden, weight = torch.randn(n, d, requires_grad=True), torch.randn(vocab, d, requires_grad=True)
     targets = torch.randint(0, vocab, (n,))
     untiled = working_bytes(lambda h, w: F.cross_entropy(h @ w.T, targets), hidden, weight)
-    tiled = working_bytes(lambda h, w: zf.tile.lm_head_loss(h, w, targets, tiles=k), hidden, weight)
+    tiled = working_bytes(lambda h, w: zf.tiling.lm_head_loss(h, w, targets, tiles=k), hidden, weight)
     logits_tile = n // k * vocab * 4
     assert untiled >= 3 * n * vocab * 4  # logits, log-softmax and their grad
     assert tiled <= untiled / k + logits_tile and tiled < n * vocab * 4  # never the whole logits
@@ -269,12 +269,12 @@ def test_bad_input_is_reported_clearly():
         (lambda: zf.tile(torch.sin, tiles=3)(x), ValueError, "tiles: 3 tiles but dim 0 of argument 0"),
         (lambda: zf.tile(torch.add, tiles=2, argnums=(0, 1))(x, x[:1]), ValueError, "argnums: argument 1 has 1 entries"),
         (lambda: zf.tile(torch.add, tiles=2, argnums=2)(x, x), ValueError, "argnums: argument 2 is not a tensor"),
-        (lambda: zf.tile.lm_head_loss(x, torch.randn(5, 3), torch.zeros(2, dtype=torch.long), tiles=2),
+        (lambda: zf.tiling.lm_head_loss(x, torch.randn(5, 3), torch.zeros(2, dtype=torch.long), tiles=2),
          ValueError, "weight: expected shape \\(vocab, 4\\)"),
-        (lambda: zf.tile.lm_head_loss(x, torch.randn(5, 4), torch.zeros(2), tiles=2), ValueError, "targets: expected integer"),
-        (lambda: zf.tile.lm_head_loss(x, torch.randn(5, 4), torch.zeros(2, dtype=torch.long), tiles=3),
+        (lambda: zf.tiling.lm_head_loss(x, torch.randn(5, 4), torch.zeros(2), tiles=2), ValueError, "targets: expected integer"),
+        (lambda: zf.tiling.lm_head_loss(x, torch.randn(5, 4), torch.zeros(2, dtype=torch.long), tiles=3),
          ValueError, "tiles: 3 tiles but hidden"),
-        (lambda: zf.tile.lm_head_loss(x, torch.randn(5, 4), torch.zeros(2, dtype=torch.long), tiles=2, reduction="none"),
+        (lambda: zf.tiling.lm_head_loss(x, torch.randn(5, 4), torch.zeros(2, dtype=torch.long), tiles=2, reduction="none"),
          ValueError, "reduction: expected 'mean' or 'sum'"),
     ]
     for fn, exc, match in cases:

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import zfunc as zf
-from zfunc import tree
+from zfunc.core import tree
 
 
 def sample():
@@ -60,7 +60,7 @@ def test_clone_shares_no_storage():
 
 
 def test_clone_of_big_cpu_tensors_goes_to_host_memory_equal_and_unshared():
-    from zfunc.ops import hostmem
+    from zfunc.ops.cpu import hostmem
 
     big = torch.randn(tree._FRESH_MAP_BYTES // 4 + 3)
     strided = torch.randn(6, 4).t()  # small and strided: torch's clone, strides kept

@@ -4,17 +4,24 @@
     step = zf.train_step(loss_fn, zf.optim.adamw(3e-4), precision="bf16", accum=4)
     state = step.init(params)
     state, metrics = step(state, batch)
+
+The packages: core/ (pytrees, the state, the pure step, precision, roles, the composition rulebook),
+optim/, sharding/ (``zf.shard``), offloading/ (``zf.offload``), pipelining/ (``zf.pipeline``), model/
+(``zf.functionalize``, ``zf.materialize``, ``zf.units``, ``zf.remat``, ``zf.tile``), checkpoint/,
+config/ (``zf.config``, ``zf.parallelize``), plan/ (the estimator), dist/, ops/ (kernels).
 """
-from zfunc import checkpoint, config, dist, materialize, module, optim, plan, precision, tree, units
+from zfunc import checkpoint, config, dist, offloading, ops, optim, plan
+from zfunc.config.apply import parallelize
+from zfunc.core import precision, tree
+from zfunc.core.step import ConsumedStateError, NonFiniteError, Step, TrainState, train_step, value_and_grad
 from zfunc.dist import Mesh
-from zfunc.module import ModuleChangedError, functionalize
-from zfunc.offload import offload
-from zfunc.parallelize import parallelize
-from zfunc.pipeline import pipeline
-from zfunc.remat import remat
-from zfunc.shard import shard
-from zfunc.step import ConsumedStateError, NonFiniteError, Step, TrainState, train_step, value_and_grad
-from zfunc.tile import tile
+from zfunc.model import functional, materialize, tiling, units
+from zfunc.model.functional import ModuleChangedError, functionalize
+from zfunc.model.rematerialize import remat
+from zfunc.model.tiling import tile
+from zfunc.offloading.step import offload
+from zfunc.pipelining.step import pipeline
+from zfunc.sharding.step import shard
 
 __all__ = [
     "checkpoint",
@@ -26,10 +33,12 @@ __all__ = [
     "dist",
     "Step",
     "TrainState",
+    "functional",
     "functionalize",
     "materialize",
-    "module",
     "offload",
+    "offloading",
+    "ops",
     "optim",
     "parallelize",
     "pipeline",
@@ -38,6 +47,7 @@ __all__ = [
     "remat",
     "shard",
     "tile",
+    "tiling",
     "train_step",
     "tree",
     "units",

@@ -15,7 +15,7 @@ import math
 import re
 import sys
 
-from zfunc import json_file
+from zfunc.config import json_file
 from zfunc.plan import core, hardware, model as model_mod
 from zfunc.plan.search import search as search_plans
 from zfunc.plan.strategy import PLACES, PRECISIONS, REMATS, SCHEDULES, OPTIMIZER_STATE_BYTES, Strategy
@@ -123,9 +123,9 @@ def build_model(args, p: argparse.ArgumentParser) -> model_mod.ModelSpec:
 
 
 def checked_hf_config(spec: str, p: argparse.ArgumentParser) -> dict:
-    """--hf-config read and checked as the recipes check it (``zfunc.hf_config``: bounded JSON, every
+    """--hf-config read and checked as the recipes check it (``zfunc.config.hf``: bounded JSON, every
     value in range, nothing that runs code), as a dict."""
-    from zfunc import hf_config
+    from zfunc.config import hf as hf_config
 
     try:
         cfg = hf_config.read(spec)

@@ -12,7 +12,7 @@ Measured (times are wall clock, best of a few repeats, except where "CPU time" s
 - ``first_touch_bw``: bytes/s of ``torch.zeros`` of 64 MiB then written once: memory fresh from the
   OS faults on each page's first write and the kernel clears it (~2 us per 4 KiB page on this VM,
   ten times a copy); the engine's per-step fp32 grad slices pay it (``cost.update_time``);
-- ``cpu_adam_params_per_s``: zfunc's CPU-Adam kernel (``zf.ops.cpu_adam.adamw_``) on 8M fp32 params;
+- ``cpu_adam_params_per_s``: zfunc's CPU-Adam kernel (``zf.ops.cpu.adam.adamw_``) on 8M fp32 params;
 - ``per_rank_of_2``: the single-thread rates above in each of 2 spawned ranks computing at once
   (1 thread each here), what ``zf.dist.spawn``'s runs see: they share caches and memory bandwidth;
 - ``collectives``: zfunc's own ``dist.Comm`` all-gather, reduce-scatter and all-reduce and a
@@ -20,7 +20,7 @@ Measured (times are wall clock, best of a few repeats, except where "CPU time" s
   beta]`` with ``t = alpha + wire / beta`` (``wire``: the ring's ``(N-1)/N`` of the Comm bytes),
   best of 21 repeats at 64 KiB (a loaded machine delays a rank's wake-up by milliseconds: best of
   7 once read 2 ms for a 0.3 ms gather) and of 7 at 16 MiB;
-- ``disk``: the swap engine (``zfunc.swap``, O_DIRECT) writing then reading 4 files of 64 MiB.
+- ``disk``: the swap engine (``zfunc.offloading.swap.engine``, O_DIRECT) writing then reading 4 files of 64 MiB.
 
 **Load.** Single-thread rates (the ``"1"`` entries, ``per_rank_of_2``, ``rates_now``) are timed in
 the thread's CPU time (``time.thread_time``, median of the repeats): what the kernel costs while it
@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from zfunc import json_file
+from zfunc.config import json_file
 from zfunc.plan.hardware import GB, Cluster, Device, Node
 
 DEFAULT_PATH = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "zfunc" / "plan_calibration.json"
@@ -123,7 +123,7 @@ def first_touch_bw(timer=_best, nbytes: int = 64 << 20) -> float:
 
 
 def cpu_adam_rate(timer=_best, n: int = 8 << 20) -> float:
-    from zfunc.ops import cpu_adam
+    from zfunc.ops.cpu import adam as cpu_adam
 
     p, g, m, v = (torch.randn(n) for _ in range(4))
     v.abs_()
@@ -219,7 +219,7 @@ def disk(path: str | None = None, files: int = 4, nbytes: int = 64 << 20, timer=
     """Swap-engine write and read bandwidth (bytes/s) in a scratch folder under ``path``: ``files``
     files of ``nbytes``, all written (then all read) at once; the first write, which allocates the
     files, is a warm-up, as the swap engine's spare files spare a long run those allocations."""
-    from zfunc.swap import SwapEngine, aligned_empty
+    from zfunc.offloading.swap.engine import SwapEngine, aligned_empty
 
     root = Path(tempfile.mkdtemp(prefix="zfunc-calibrate-", dir=path))
     try:

@@ -2,7 +2,7 @@
 
 **Communication** per rank and step, in bytes as ``dist.Comm`` counts them (all-gather: its output; reduce-scatter:
 its input; all-reduce: twice its tensor; send/recv: each tensor), ``P`` params of the rank's
-partition, ``N = dp``, ``m`` microbatches, ``e`` the compute dtype's bytes (``zfunc.shard``):
+partition, ``N = dp``, ``m`` microbatches, ``e`` the compute dtype's bytes (``zfunc.sharding.step``):
 stage 0 all-reduces fp32 grads once (``8P``); stages 1/2 all-gather ``eP`` once and reduce-scatter
 ``4P`` fp32 grads, once at stage 1, every microbatch at stage 2; stage 3 gathers ``2eP`` and
 reduce-scatters ``4P`` every microbatch. A pipeline sends each microbatch's boundary activation
@@ -18,7 +18,7 @@ at ``attention_efficiency`` (half its FLOPs when fused and causal), elementwise 
 activations, residuals, softmax when unfused, the loss) move their bytes at memory speed; backward
 is twice the forward (fused attention's 2.5 times: it recomputes the scores), remat adds one
 forward of the layers. What overlaps is what the engine
-overlaps (read in ``zfunc.shard``, ``prefetch``, ``offload``, ``pipeline``):
+overlaps (read in ``zfunc.sharding.step``, ``prefetch``, ``offload``, ``pipeline``):
 - stage 0: bucket all-reduces run during the last microbatch's backward;
 - stages 1/2: the param all-gather before the forward is exposed; reduce-scatters overlap
   backward (stage 1 with accumulation reduces once after the last microbatch: exposed);

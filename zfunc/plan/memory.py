@@ -1,6 +1,6 @@
 """Bytes per rank: model states as zfunc's engine holds them, activations, working memory, by place.
 
-**Model states, zfunc's layout** (what ``step.memory(state)`` reports; ``zfunc.shard``'s docstring),
+**Model states, zfunc's layout** (what ``step.memory(state)`` reports; ``zfunc.sharding.step``'s docstring),
 for a rank holding ``P`` params of its pipeline stage and tensor slice, ``N = dp``, ``e`` the
 compute dtype's bytes, ``k`` the optimizer's bytes per param (8 for Adam):
 
@@ -83,7 +83,7 @@ def engine_bytes(leaves: Sequence[tuple[int, ...]], world: int, rank: int, stage
 
 
 def working_bound(unit_numels: Sequence[int], precision: str = "fp32", prefetch: int = 1) -> int:
-    """Stage 3's bound on whole-param bytes held at once (``zfunc.prefetch``): ``(1 + prefetch)``
+    """Stage 3's bound on whole-param bytes held at once (``zfunc.sharding.prefetch``): ``(1 + prefetch)``
     times the largest unit, plus one more for a unit whose params a module outside it reads."""
     e = 4 if precision == "fp32" else 2
     largest = sorted(unit_numels, reverse=True)

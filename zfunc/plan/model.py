@@ -249,9 +249,9 @@ def from_module(module, *, kind: str = "gpt", config: Any = None, name: str = ""
 def from_hf_config(path_or_json: str | dict) -> ModelSpec:
     """A ``transformers`` model from its config (a JSON file, a folder holding one, a JSON string or
     a dict), built on the meta device: no weights, no downloads, no code from the config
-    (``zfunc.hf_config``: bounded JSON, every value checked, remote code refused). Needs
+    (``zfunc.config.hf``: bounded JSON, every value checked, remote code refused). Needs
     ``transformers``; a bad config is a ValueError naming the key."""
-    from zfunc import hf_config
+    from zfunc.config import hf as hf_config
 
     try:
         import torch

@@ -61,7 +61,7 @@ class Strategy:
         return self.remat != "none"
 
     def offload_overlaps(self) -> bool:
-        """Whether offload updates units during backward (zfunc.offload: no clip, no fp16, accum 1)."""
+        """Whether offload updates units during backward (zfunc.offloading.step: no clip, no fp16, accum 1)."""
         return not self.clip and self.precision != "fp16" and self.accum == 1 and self.pp == 1
 
     def describe(self) -> str:

@@ -1,0 +1,17 @@
+"""zf.checkpoint: sharded, atomic save and load of any ``TrainState``, resharding, export, and import.
+
+save_load.py saves and loads; layout.py maps a state's leaves onto a checkpoint; files.py, manifest.py
+and disk_io.py are its files on disk; folder.py owns a folder of checkpoints; background.py saves while
+training goes on; importers/ reads DeepSpeed and DCP checkpoints without running their code.
+"""
+from zfunc.checkpoint.background import SaveHandle
+from zfunc.checkpoint.files import CheckpointError
+from zfunc.checkpoint.files import LATEST
+from zfunc.checkpoint.folder import checkpoint_path, latest, prune
+from zfunc.checkpoint.importers import deepspeed_config, load_dcp, load_deepspeed
+from zfunc.checkpoint.layout import BUFFERS, PARAMS
+from zfunc.checkpoint.manifest import read_manifest
+from zfunc.checkpoint.save_load import export, full_params, load, save
+
+__all__ = ["BUFFERS", "CheckpointError", "LATEST", "PARAMS", "SaveHandle", "checkpoint_path", "deepspeed_config",
+           "export", "full_params", "latest", "load", "load_dcp", "load_deepspeed", "prune", "read_manifest", "save"]

@@ -1,0 +1,189 @@
+"""parallelize: a ``zf.config.Plan`` applied to a plain step, in the one order that works.
+
+    plan = zf.config.Plan(dp=2, zero_stage=3, offload_optimizer="cpu", remat=True, units="class:Block")
+    model = zf.config.prepare(model, plan)          # model transformations: before functionalize
+    apply, params = zf.functionalize(model)
+    step = zf.train_step(loss_fn, zf.config.optimizer(plan, total_steps), plan.precision, plan.accum)
+    step = zf.parallelize(step, model, plan)             # shard -> offload -> pipeline
+    state = step.init(params)
+
+**The order, and why it is the only one.**
+1. ``prepare(model, plan)``: the model transformations. ``zf.tile`` of the LM head replaces the
+   head (and a tied embedding) by tile modules, which renames their params
+   (``lm_head.tiles.3.weight``): it must come before ``zf.functionalize``, whose params dict names
+   them. ``zf.remat`` replaces each unit's ``forward`` and keeps the names; it goes here too, so
+   that the model the step runs is the one the plan describes.
+2. ``zf.shard(step, mesh, stage, units)``: ZeRO over the dp ranks. It takes only a plain step.
+3. ``zf.offload(step, optimizer, params, path)``: takes a plain or sharded step (it replaces the
+   update); params offload needs stage 3 (or a plain step on one rank).
+4. ``zf.pipeline(step, stages, microbatches, schedule)``: outermost; it takes a plain step or a
+   stage-1 sharded one, nothing else wraps it.
+
+**Law.** The returned step trains as the plain step on the global batch (each transformation's
+law, composed): a dp rank feeds it its ``1/dp`` slice of the global batch, every rank of a
+pipeline the same slice. The step brings its optimizer, precision and accumulation: those of the
+plan must be the step's (``zf.config.optimizer(plan, total_steps)`` builds the plan's optimizer,
+clipping included); precision and accumulation are checked.
+
+**Cost.** Nothing of its own: each transformation's cost, as its docstring states.
+
+``check(plan)`` refuses, before anything is built, the plans no order can run, one error per
+refusal naming the plan fields (``Plan`` itself refuses what is inconsistent as data):
+- ``offload_*`` with ``pp > 1``: a pipeline updates its stage's params where it computes.
+- ``offload_optimizer`` with ``zero_stage=0`` over ``dp > 1``: each rank offloads the shard it
+  updates (ZeRO 1-3), as DeepSpeed requires.
+- ``offload_params`` without ``offload_optimizer``: zf.offload keeps the optimizer state where
+  it updates, beside the masters.
+- ``pp > 1`` with ``dp > 1`` at ``zero_stage=0``: a pipeline shards each stage over its dp ranks
+  with ZeRO stage 1.
+- ``remat`` with ``pp > 1``: a pipeline checks that each unit runs once per microbatch, in order,
+  and remat's recomputation runs the unit's forward again in backward (measured: refused by
+  ``zf.pipeline`` as "units must run once each"), so the two do not compose yet.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from zfunc import config as config_mod
+from zfunc.model import units as units_mod
+from zfunc.dist import Mesh
+from zfunc.offloading.step import offload
+from zfunc.pipelining.step import pipeline
+from zfunc.model.rematerialize import remat
+from zfunc.sharding.step import shard
+from zfunc.core.step import Step
+from zfunc.model.tiling import TiledLinear, tile
+
+__all__ = ["parallelize", "prepare", "check"]
+
+LM_HEAD = "lm_head"  # the module ``tile_lm_head`` tiles (GPT's and Hugging Face's causal LMs' name)
+
+
+def check(plan: config_mod.Plan) -> None:
+    """Refuse a plan that no order of the transformations can run (see the module docstring);
+    ``ValueError`` naming the plan fields, their values and what would work."""
+    if not isinstance(plan, config_mod.Plan):
+        raise TypeError(f"plan: expected a zf.config.Plan, got {type(plan).__name__}")
+    offloaded = [f for f in ("offload_optimizer", "offload_params") if getattr(plan, f) != "none"]
+    if plan.pp > 1 and offloaded:
+        raise ValueError(f"{offloaded[0]}: a pipeline (pp={plan.pp}) updates each stage's params where it computes; "
+                         f"offload needs pp=1, got {offloaded[0]}={getattr(plan, offloaded[0])!r}")
+    if plan.offload_optimizer != "none" and plan.zero_stage == 0 and plan.dp > 1:
+        raise ValueError(f"offload_optimizer: over dp={plan.dp} ranks each rank offloads the shard it updates, which "
+                         f"needs zero_stage 1, 2 or 3 (as DeepSpeed); got {plan.offload_optimizer!r} with zero_stage=0")
+    if plan.offload_params != "none" and plan.offload_optimizer == "none":
+        raise ValueError(f"offload_params: zf.offload keeps the optimizer state beside the offloaded masters; expected "
+                         f"offload_optimizer 'cpu' or 'nvme' with offload_params={plan.offload_params!r}, got 'none'")
+    if plan.pp > 1 and plan.dp > 1 and plan.zero_stage == 0:
+        raise ValueError(f"zero_stage: a pipeline over dp={plan.dp} ranks per stage shards each stage with ZeRO stage "
+                         f"1 (zf.pipeline composes with zf.shard stage 1); expected 1 with pp={plan.pp}, got 0")
+    if plan.pp > 1 and plan.remat:
+        raise ValueError(f"remat: a pipeline runs each unit once per microbatch and remat runs it again in backward; "
+                         f"expected remat=False with pp={plan.pp}, got True")
+
+
+def _selector(plan: config_mod.Plan) -> units_mod.Selector:
+    return config_mod.selector(plan.units) if plan.units is not None else units_mod.auto()
+
+
+def _remat_modules(model: nn.Module, plan: config_mod.Plan) -> list[str]:
+    """The units worth recomputing: those that are more than one module's own params (the blocks,
+    not ``by_class``'s leftover embeddings and norms), as ``zf.pipeline`` counts its units; all of
+    them if every unit is a single module."""
+    found = _selector(plan)(model)
+    blocks = [u.name for u in found if not all(p.rpartition(".")[0] == u.name for p in u.params)]
+    return blocks or [u.name for u in found]
+
+
+def prepare(model: nn.Module, plan: config_mod.Plan) -> nn.Module:
+    """The plan's model transformations, applied in place before ``zf.functionalize``: the LM head
+    (``model.lm_head``, and an embedding tied to it) tiled into ``plan.tile_lm_head`` tiles
+    (``zf.tile``), then each unit's ``forward`` rematerialized (``zf.remat``, ``plan.remat_offload``).
+    Returns the model. A model prepared already is refused (its units would be wrapped twice)."""
+    check(plan)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    modules = dict(model.named_modules())
+    if plan.tile_lm_head:
+        head = modules.get(LM_HEAD)
+        if isinstance(head, TiledLinear):
+            raise ValueError(f"model: {LM_HEAD} is tiled already; prepare the model once")
+        if not isinstance(head, nn.Linear):
+            raise ValueError(f"tile_lm_head: tiles the model's {LM_HEAD!r} nn.Linear, and the model has "
+                             f"{'a ' + type(head).__name__ if head is not None else 'none'}; got tile_lm_head="
+                             f"{plan.tile_lm_head}")
+        tile(model, tiles=plan.tile_lm_head, modules=[LM_HEAD])
+    if plan.remat:
+        names = _remat_modules(model, plan)
+        modules = dict(model.named_modules())
+        if any("forward" in vars(modules[n]) for n in names):
+            raise ValueError("model: its units' forward is replaced already (remat applied?); prepare the model once")
+        for name in names:
+            unit = modules[name]
+            unit.forward = remat(unit.forward, offload=plan.remat_offload)
+    return model
+
+
+def _check_prepared(model: nn.Module, plan: config_mod.Plan) -> None:
+    modules = dict(model.named_modules())
+    head = modules.get(LM_HEAD)
+    tiles = len(head.tiles) if isinstance(head, TiledLinear) else 0
+    if tiles != plan.tile_lm_head:
+        raise ValueError(f"plan.tile_lm_head: {plan.tile_lm_head}, but the model's {LM_HEAD} has {tiles} tiles; build "
+                         "the step from zf.config.prepare(model, plan) (before zf.functionalize)")
+    if plan.remat and not all("forward" in vars(modules[n]) for n in _remat_modules(model, plan)):
+        raise ValueError("plan.remat: True, but the model's units run their own forward; build the step from "
+                         "zf.config.prepare(model, plan) (before zf.functionalize)")
+
+
+def _check_step(step: Step, plan: config_mod.Plan) -> None:
+    if type(step) is not Step:
+        raise TypeError(f"step: expected the plain step of zf.train_step (parallelize applies the transformations), "
+                        f"got {type(step).__name__}")
+    if step.precision != plan.precision:
+        raise ValueError(f"plan.precision: {plan.precision!r}, but the step computes in {step.precision!r}; build it "
+                         f"with zf.train_step(..., precision=plan.precision)")
+    if step.accum != plan.accum:
+        raise ValueError(f"plan.accum: {plan.accum}, but the step accumulates {step.accum} microbatches; build it with "
+                         "zf.train_step(..., accum=plan.accum)")
+
+
+def _mesh(plan: config_mod.Plan, mesh: Mesh | None) -> Mesh:
+    if mesh is None:
+        return Mesh(dp=plan.dp, pp=plan.pp)
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh: expected a zf.Mesh, got {type(mesh).__name__}")
+    if (mesh.dp, mesh.pp) != (plan.dp, plan.pp):
+        raise ValueError(f"mesh: dp={mesh.dp}, pp={mesh.pp}, but the plan says dp={plan.dp}, pp={plan.pp}")
+    return mesh
+
+
+def parallelize(step: Step, model: nn.Module, plan: config_mod.Plan, mesh: Mesh | None = None) -> Step:
+    """``step`` transformed as ``plan`` says: ``zf.shard`` (ZeRO ``plan.zero_stage`` over ``plan.dp``
+    ranks; stage 0 on one rank is the plain step), then ``zf.offload``, then ``zf.pipeline``.
+
+    Args:
+      step: the plain step of ``zf.train_step``, with the plan's precision and accum.
+      model: the module the loss runs (through ``zf.functionalize``'s apply), prepared by
+        ``prepare(model, plan)`` when the plan tiles or rematerializes (checked).
+      plan: a ``zf.config.Plan``; ``plan.units`` (default ``zf.units.auto()``) are the units of
+        ZeRO-3, params offload, remat and the pipeline.
+      mesh: default ``zf.Mesh(dp=plan.dp, pp=plan.pp)`` (``zf.dist`` initialised first when there
+        are several ranks); one given must have those sizes.
+    Law, cost and the refusals: the module docstring.
+    """
+    check(plan)
+    _check_step(step, plan)
+    _check_prepared(model, plan)
+    mesh, units = _mesh(plan, mesh), _selector(plan)
+    if plan.zero_stage > 0 or plan.dp > 1:
+        step = shard(step, mesh, plan.zero_stage, units=units if plan.zero_stage == 3 else None)
+    if plan.offload_optimizer != "none":
+        params = None if plan.offload_params == "none" else plan.offload_params
+        step = offload(step, optimizer=plan.offload_optimizer, params=params, path=plan.nvme_path,
+                       units=units if params is not None and plan.zero_stage == 0 else None)
+    if plan.pp > 1:
+        sharded = plan.zero_stage > 0 or plan.dp > 1
+        step = pipeline(step, plan.pp, plan.microbatches, plan.pipeline_schedule, model=model, units=units,
+                        mesh=None if sharded else mesh)
+    return step

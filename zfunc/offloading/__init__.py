@@ -1,0 +1,8 @@
+"""Optimizer state and params in CPU RAM or on NVMe, updated as grads arrive (``zf.offload``, step.py).
+
+run.py is one call of an offloaded step; store.py is where offloaded tensors live between steps;
+swap/ is the async file engine behind NVMe offload.
+"""
+from zfunc.offloading.step import release
+
+__all__ = ["release"]

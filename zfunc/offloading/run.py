@@ -1,0 +1,400 @@
+"""Offload's roles (``zfunc.core.roles``) for one call of an offloaded step, and its stores.
+
+``OffloadedStep.roles`` gives each call's run (``shard_run.StepRun``, the one run class) the sharded
+step's roles with three replaced: params come from the stores (``StoredPieces``: a leaf's compute
+copy, else its master read ahead from RAM or its swap file, ``_Pieces``), grads go to a sink that
+updates each leaf as its grad arrives (``UpdateOnArrival``, with overlap) or are held
+(``HeldSlices``), and the update runs leaf by leaf from the stores (``LeafUpdate``,
+``_update_leaf``), writing back as it goes (``_Stores``: at most ``2 * chunk_bytes`` of writes in
+flight). The schedule stays the sharded step's accumulation. ``ComputeCopies`` keeps each RAM
+master's bf16/fp16 copy that the update wrote in its own pass. Everything here lives for one call,
+except ``ComputeCopies`` and the read and update orders, which the roles write back to the step
+object in their ``finish`` (``docs/design.md``, "Run objects"). The law, the cost and the rules for
+non-finite steps are ``zfunc.offloading.step``'s.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import weakref
+from collections import deque
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from zfunc import optim
+from zfunc.core import precision as mp, tree
+from zfunc.core.roles import Role
+from zfunc.sharding.step import FlatGroup, GradSlices, _leaf_names
+from zfunc.sharding.run import ReducedSlices, StepRun
+from zfunc.core.step import _FIELDS, NonFiniteError, TrainState
+from zfunc.offloading.store import All, OnDisk, ReadAhead, Store
+
+if TYPE_CHECKING:
+    from zfunc.offloading.step import OffloadedStep
+
+PyTree = Any
+
+
+class _Pieces:
+    """The param pieces, as ``shard``'s gatherers index them: a leaf's compute copy where the
+    last update wrote one (``copies[i]``), else its master, read from the store on access."""
+
+    def __init__(self, masters: list, reader: ReadAhead, copies: list):
+        self.masters, self.reader, self.copies = masters, reader, copies
+
+    def __len__(self) -> int:
+        return len(self.masters)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        copy = self.copies[i]
+        return self.reader.get(i) if copy is None else copy
+
+
+class ComputeCopies:
+    """Each RAM master's compute-dtype copy (bf16/fp16), written by the update in the kernel's own
+    pass, so that the next forward gathers it instead of casting the master (a second pass over
+    it, 6 B/param). A copy is used only for the very master tensor it was written from, unchanged
+    since (same object, same version counter); it is dropped when that tensor dies. Keyed by
+    tensor, not held by a step's run: one step object may drive several states. Cost: 2 B/param
+    of host RAM (pinned with a GPU) for every offloaded master in RAM trained in bf16/fp16."""
+
+    def __init__(self):
+        self._by_id: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+
+    def of(self, master: Any) -> torch.Tensor | None:
+        """The copy written from ``master`` as it is now, or None."""
+        entry = self._by_id.get(id(master))
+        if entry is None or entry[0]() is not master or entry[1] != master._version:
+            return None
+        return entry[2]
+
+    def buffer(self, master: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        """Where ``master``'s next copy goes: its old copy's storage, or a new tensor."""
+        entry = self._by_id.get(id(master))
+        if entry is not None and entry[0]() is master and entry[2].dtype == dtype:
+            return entry[2]
+        return torch.empty(master.shape, dtype=dtype, pin_memory=pin)
+
+    def written(self, master: torch.Tensor, copy: torch.Tensor) -> None:
+        """``copy`` now equals ``master`` cast (the version counter read after the write)."""
+        key, by_id = id(master), self._by_id
+        entry = by_id.get(key)
+        if entry is not None and entry[0]() is master:  # the same master again (each step, in RAM): no new weakref
+            by_id[key] = (entry[0], master._version, copy)
+            return
+        by_id[key] = (weakref.ref(master, lambda _: by_id.pop(key, None)), master._version, copy)
+
+
+class _Stores:
+    """Where one call (an ``init`` or a step) puts leaves: the optimizer's and the params' stores,
+    the writes in flight (at most ``2 * chunk_bytes``) and the files the call rewrote."""
+
+    def __init__(self, step: OffloadedStep, device: torch.device):
+        pin = device.type == "cuda"
+        self.chunk_bytes, self.engine = step.chunk_bytes, step.engine
+        self._writes: deque = deque()
+        self._in_flight = 0  # bytes of ``_writes``
+        self._rewritten: list[str] = []  # the files whose new versions this call issued
+        self._in_place = (step.where_optimizer, step.where_params) != ("nvme", "nvme")  # leaves in RAM
+        self._opt_store = Store(step.engine if step.where_optimizer == "nvme" else None, pin, self._track)
+        self._param_store = Store(step.engine if step.where_params == "nvme" else None, pin, self._track)
+
+    def _track(self, write: Future | None, nbytes: int, name: str | None = None) -> None:
+        """Count ``write`` in flight (``name``: a file the call rewrites, put back if it fails)."""
+        if write is None:
+            return
+        if name is not None:
+            self._rewritten.append(name)
+        self._writes.append((write, nbytes))
+        self._in_flight += nbytes
+        self._wait_writes(2 * self.chunk_bytes)
+
+    def _wait_writes(self, budget: int | None) -> None:
+        """Wait for the oldest writes until at most ``budget`` bytes are in flight (all: None);
+        the first that failed raises (the rest stay counted, for ``_drain``)."""
+        writes = self._writes
+        while writes and (budget is None or self._in_flight > budget):
+            write, nbytes = writes.popleft()
+            self._in_flight -= nbytes
+            write.result()
+
+    def _drain(self) -> None:
+        """Wait for every write in flight, their errors dropped: only a call that has failed
+        already has writes left at its end (a step waits for all of its own before it returns)."""
+        while self._writes:
+            with contextlib.suppress(Exception):
+                self._wait_writes(None)
+
+    def undo(self, state: TrainState) -> str:
+        """After a failed call: every write waited for and every file the call rewrote put back
+        to its version before it (``SwapEngine.restore``); ``state`` (the one the call took) usable
+        again where that leaves it whole: nothing of it lives in RAM, where an update works in
+        place. Says which, for the error."""
+        self._drain()
+        if not state.consumed:
+            return "the state passed in is unchanged"
+        lost = "the state passed in is consumed"
+        try:
+            kept = [self.engine.restore(name) for name in self._rewritten] if self._rewritten else []
+            if not all(k.result() for k in kept):
+                return (f"{lost}: the previous versions of its files were not kept (no spare files: hard links "
+                        "unsupported on the swap disk?); restart from a checkpoint")
+        except OSError as e:
+            return f"{lost}: putting its files back failed ({e}); restart from a checkpoint"
+        if self._in_place:
+            return (f"{lost}: its leaves in RAM were updated in place before the failure (the files written are back "
+                    "to their versions before the step, but only optimizer='nvme' with params='nvme' keeps a failed "
+                    "step's input whole); restart from a checkpoint")
+        state._consumed = False
+        return ("the state passed in is unchanged: the step's files are back to their versions before it (save it, "
+                "or make room and call the step again)")
+
+
+class StoredPieces(Role):
+    """Params source of an offloaded step: a leaf's compute copy where the last update wrote one
+    (``ComputeCopies``), else its master, kept where compute happens (``params=None``) or read
+    from the params' store ahead of use, in the order the last step read them (``ReadAhead``)."""
+
+    def __init__(self, run: StepRun, update: LeafUpdate):
+        self.run = run
+        self.compute_copies, self.where_params = run.compute_copies, run.where_params
+        self._reader = ReadAhead(lambda i: update._param_store.fetch(update._masters[i]), update._leaf_bytes,
+                                 run.step._fetch_order, update.chunk_bytes)
+
+    def finish(self) -> None:
+        self.run.step._fetch_order = self._reader.seen  # learned: the next step reads ahead in this order
+
+    def device(self, pieces) -> torch.device:
+        return self.run._state_spec.device
+
+    def pieces(self, params) -> tuple[Any, Any]:
+        masters, treespec = tree.flatten(params)
+        copies = [self.compute_copies.of(m) for m in masters]
+        if self.where_params is None:
+            return [m if c is None else c for m, c in zip(masters, copies)], treespec
+        return _Pieces(masters, self._reader, copies), treespec
+
+
+class HeldSlices(ReducedSlices):
+    """Grad sink of an offloaded step without overlap: the reduced fp32 slices held (where the
+    state's spec says the step computes) until the update reads them all."""
+
+    def open(self, pieces) -> GradSlices:
+        spec = self.run._state_spec
+        return GradSlices(lambda i: torch.zeros(spec.leaves[i].local_shape(spec.rank), dtype=torch.float32,
+                                                device=spec.device), len(spec.leaves), self.run._grad_divisor(), own=True)
+
+
+class LeafUpdate(_Stores, Role):
+    """Update of an offloaded step: leaf by leaf from the stores (each leaf's master and state read
+    ahead, updated by the optimizer's CPU kernel, written back, at most ``2 * chunk_bytes`` of
+    writes in flight); the grads held until now, or (``UpdateOnArrival``) consumed as they came."""
+
+    def __init__(self, run: StepRun, state: TrainState):
+        step = run.step
+        _Stores.__init__(self, step, state.placement.device)
+        self.run, self._state_spec = run, run._state_spec
+        self.optimizer, self.compute_dtype = step.optimizer, step.compute_dtype
+        self.compute_copies = step.compute_copies
+        self._state_in_use, self._fields = state, tuple(getattr(state, f) for f in _FIELDS)
+        self._masters, self._param_names = tree.leaves(state.params), _leaf_names(state.params)
+        self._opt_states = list(state.opt_state)
+        self._sq_norm = torch.zeros((), dtype=torch.float64)  # overlap: the grads' sum of squares so far
+        self._wants_norm = step._needs_norm()  # train_step(grad_norm=), clipping or fp16; else no norm at all
+        self._new: dict[int, tuple[Any, Any]] = {}
+        self._skip_updates = False
+        self._update_seen: list[int] | None = None  # leaves in the order an overlapped update met them
+        self.update_s = 0.0  # seconds in the leaf updates, held or overlapped with backward, writes included
+
+    def finish(self) -> None:
+        if self._update_seen is not None:
+            self.run.step._update_order = self._update_seen
+        self._drain()
+
+    def _leaf_bytes(self, i: int) -> int:
+        return 4 * math.prod(self._state_spec.leaves[i].local_shape(self._state_spec.rank))
+
+    # ------------------------------------------------------------------ the update
+    def apply(self, state: TrainState, grads: PyTree, loss: torch.Tensor, aux: Any):
+        """The held grads (or, with overlap, None: the leaves are updated) arrive unscaled (sums
+        over ranks and microbatches of the scaled loss's grads; at one rank autograd's own, in the
+        compute dtype): the kernel multiplies them by ``1 / _grad_divisor()`` in its pass."""
+        params, opt_state, step, rng, loss_scale, _ = self._fields  # the state may be consumed by now
+        scale = 1.0 / self.run._grad_divisor()
+        if grads is not None:
+            g_leaves = tree.leaves(grads)
+        if not self._wants_norm:  # nothing reads it: only the loss is checked, as in the plain step
+            self.run._sum_over_ranks(torch.zeros(()))  # the step's one sync still sums the loss and grads-produced flags
+            norm = None
+        elif grads is not None:  # held until now: the norm first, then every leaf
+            raw = optim.global_norm(g_leaves)  # inside summing_across: over all ranks; fp32 from bf16/fp16
+            norm = raw * scale
+        else:
+            norm = self.run._sum_over_ranks(self._sq_norm.float()).sqrt()
+            if not self._skip_updates and not bool(torch.isfinite(norm)):
+                raise NonFiniteError(
+                    f"step: non-finite grads (grad norm {norm.item()}) at state.step={step} behind a finite loss, "
+                    "with offload's overlap: the leaves were updated during backward, before the norm was "
+                    "known, so the state passed in is consumed. Restart from a checkpoint; with "
+                    "offload(..., overlap=False) such a step is skipped instead")
+        finite = self.run._finite(loss, norm, step, loss_scale)  # may raise: nothing written yet
+        lr = optim.learning_rate(self.optimizer, self._opt_states[0])
+        state._consumed = True
+        if grads is not None and finite:
+            g_leaves = self.run._without_missing_grads(g_leaves)
+            if norm is None:
+                self._update_leaves(list(range(len(g_leaves))), g_leaves, scale)
+            else:  # a clip in the optimizer reads the global norm: of the grads as it sees them
+                seen = raw if self.optimizer.scales_grads else norm  # (unscaled in the kernel, or before: apply)
+                total_sq = (seen.double() ** 2).float()
+                with optim.summing_across(lambda local_sq: total_sq):
+                    self._update_leaves(list(range(len(g_leaves))), g_leaves, scale)
+        self._wait_writes(None)
+        loss_scale = mp.next_loss_scale(loss_scale, finite)
+        metrics = self.run._metrics(loss, norm, lr, finite, step, loss_scale, aux)
+        masters = [self._new.get(i, (m, None))[0] for i, m in enumerate(self._masters)]
+        states = tuple(self._new.get(i, (None, s))[1] for i, s in enumerate(self._opt_states))
+        new_params = tree.unflatten(tree.structure(params), masters)
+        return TrainState(new_params, states, step + 1, rng, loss_scale, state.placement), metrics
+
+    def _update_leaves(self, order: list[int], grads: list[torch.Tensor], scale: float) -> None:
+        start = time.perf_counter()
+        reader = self._leaf_reader(order)
+        for i in order:
+            self._update_leaf(i, grads[i], reader, grad_scale=scale)
+        self._wait_writes(None)
+        self.update_s += time.perf_counter() - start
+
+    def _leaf_reader(self, order: list[int]) -> ReadAhead | None:
+        """Reads of the leaves' masters and states ahead of their updates, along ``order``; None
+        where nothing is on disk (all in RAM: nothing to wait for, ~0.1 ms a leaf saved)."""
+        if self._opt_store.engine is None and self._param_store.engine is None:
+            return None
+        return ReadAhead(self._fetch_leaf, self._update_bytes, order, self.chunk_bytes)
+
+    def _fetch_leaf(self, i: int) -> All:
+        """Pending ``[master, *state tensors]`` of leaf ``i``, all reads started."""
+        parts = [self._param_store.fetch(self._masters[i])]
+        parts += [self._opt_store.fetch(t) for t in tree.leaves(self._opt_states[i]) if _is_stored(t)]
+        return All(parts)
+
+    def _update_bytes(self, i: int) -> int:
+        return self._leaf_bytes(i) * (1 + sum(_is_stored(t) for t in tree.leaves(self._opt_states[i])))
+
+    def _update_leaf(self, i: int, grad: torch.Tensor | None, reader: ReadAhead | None, squares: list | None = None,
+                     grad_scale: float = 1.0) -> None:
+        """Read leaf ``i``'s master and state, apply the optimizer on the CPU, write them back.
+        ``grad`` None: no grad; the optimizer leaves the param alone but advances its count, as
+        the plain step's does for all params together. ``squares`` and ``grad_scale``: as in
+        ``optim.apply`` (the kernel unscales the grad, in whatever dtype it came, in its pass and
+        appends the unscaled grad's sum of squares where it computes it)."""
+        self._state_in_use._consumed = True  # its files or tensors change from here on
+        if reader is None:  # all in RAM: the state's own tensors, nothing to read or write back
+            master, state, state_leaves = self._masters[i], self._opt_states[i], None
+        else:
+            state_leaves, s_spec = tree.flatten(self._opt_states[i])
+            master, *tensors = reader.get(i)
+            it = iter(tensors)
+            state = tree.unflatten(s_spec, [next(it).to("cpu") if _is_stored(t) else t for t in state_leaves])
+        name = self._param_names[i]  # the key its optimizer state was made with
+        on_device = master.device
+        p_cpu = master if on_device.type == "cpu" else master.to("cpu")
+        if grad is not None and grad.device.type != "cpu":
+            grad = grad.to("cpu")
+        # A master kept in RAM gets its compute copy in the update's own pass (ComputeCopies)
+        in_ram = isinstance(self._masters[i], torch.Tensor) and self._masters[i].device.type == "cpu"
+        out = None
+        if in_ram and self.compute_dtype is not torch.float32:
+            out = self.compute_copies.buffer(self._masters[i], self.compute_dtype, self._param_store.pin)
+        new_p, new_state = optim.apply(self.optimizer, {name: grad}, state, {name: p_cpu},
+                                       out=None if out is None else {name: out}, squares=squares,
+                                       grad_scale=grad_scale)
+        new_p = new_p[name]
+        if on_device.type != "cpu":
+            master.copy_(new_p)
+            new_p = master
+        handle, write = self._param_store.store_back(self._masters[i], new_p)
+        self._track(write, self._leaf_bytes(i), getattr(handle, "name", None))
+        if out is not None:
+            self.compute_copies.written(handle, out)
+        if state_leaves is None:  # in RAM: the new state is kept as it is
+            self._new[i] = (handle, new_state)
+            return
+        new_leaves = []
+        for old, new in zip(state_leaves, tree.leaves(new_state)):
+            if _is_stored(old):
+                kept, write = self._opt_store.store_back(old, new)
+                self._track(write, new.numel() * new.element_size(), getattr(kept, "name", None))
+                new_leaves.append(kept)
+            else:
+                new_leaves.append(new)
+        self._new[i] = (handle, tree.unflatten(s_spec, new_leaves))
+
+
+def _is_stored(t: Any) -> bool:
+    return isinstance(t, (torch.Tensor, OnDisk))
+
+
+class UpdateOnArrival(Role):
+    """Grad sink of an offloaded step with overlap: it updates each unit's leaves as soon as their
+    reduced grads arrive (``LeafUpdate``'s leaf update), during backward (over one rank:
+    autograd's own grads, in the compute dtype; unscaled in the kernel's pass)."""
+
+    early = True
+    own = True
+
+    def __init__(self, run: StepRun, update: LeafUpdate):
+        self.run, self.update = run, update
+
+    def open(self, pieces) -> UpdateOnArrival:
+        update = self.update
+        self.reader = update._leaf_reader(self.run.step._update_order)
+        self.seen: list[int] = []
+        self.produced: set[int] = set()  # leaves backward produced a grad for, as far as read
+        self.read = 0  # how much of the reducer's ``arrived`` list is in ``produced``
+        return self
+
+    def before_backward(self, loss: torch.Tensor) -> None:
+        """Updates start during backward: a non-finite loss (summed over the ranks, so all decide
+        alike) turns them off for this step, which ``LeafUpdate.apply`` then skips."""
+        mesh = self.run.mesh
+        total = loss.detach().float().reshape(1).clone()
+        if mesh.dp > 1:
+            mesh.comm.all_reduce(total, label="loss all-reduce before an overlapped backward")
+        self.update._skip_updates = not bool(torch.isfinite(total))
+
+    def deliver(self, unit: FlatGroup, slices: list[torch.Tensor]) -> None:
+        """Update each leaf of ``unit`` with its reduced grad slice; where the norm is wanted,
+        add the slice's sum of squares, which the optimizer's kernel computes in its own pass
+        (``optim.apply(squares=)``), so the grads are read once."""
+        step = self.update
+        scale, wants = 1.0 / self.run._grad_divisor(), step._wants_norm
+        start = time.perf_counter()
+        for i, g in zip(unit.indices, slices):
+            self.seen.append(i)
+            produced = not step._skip_updates and g is not None and self._produced(i)
+            squares = [] if wants and produced else None
+            if not step._skip_updates:  # else a non-finite loss: the step will be skipped
+                step._update_leaf(i, g if produced else None, self.reader, squares, scale)
+            if squares:  # the kernel's sum of the unscaled grad's squares
+                step._sq_norm += squares[0]
+            elif wants and g is not None:  # another kernel, or a leaf with no grad (zeros): the slice's norm
+                step._sq_norm += (torch.linalg.vector_norm(g, dtype=torch.float32).double() * scale) ** 2
+        step.update_s += time.perf_counter() - start
+
+    def _produced(self, i: int) -> bool:
+        """Whether leaf ``i`` has a grad. Alone, exact: a unit is delivered once its grads are all
+        in, or backward has ended. Over N > 1 ranks, other ranks' grads are unknown: True."""
+        if self.run.mesh.dp > 1:
+            return True
+        arrived = self.run._arrived  # grows as backward runs (accum is 1 with overlap: one list)
+        self.produced.update(arrived[self.read :])
+        self.read = len(arrived)
+        return i in self.produced
+
+    def result(self):
+        self.update._update_seen = self.seen  # the run's step learns it at the end of the call
+        return None

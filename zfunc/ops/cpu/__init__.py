@@ -1,0 +1,20 @@
+"""CPU kernels and the host facts they depend on.
+
+``adam``: Numba optimizer kernels for state in CPU RAM (AdamW/Adam, Lion, SGD), one memory pass per step;
+``gomp``: the libgomp thread teams they run on; ``hostmem``: CPU tensors on transparent huge pages, where
+the optimizer state lives (the kernels run up to 1.3x faster there); ``units``: which half precisions this
+CPU multiplies matrices in natively. Modules load on first attribute access (Numba's import is ~0.3 s).
+"""
+import importlib
+
+_MODULES = ("adam", "gomp", "hostmem", "units")
+
+
+def __getattr__(name: str):
+    if name in _MODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_MODULES])

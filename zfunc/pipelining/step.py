@@ -1,0 +1,393 @@
+"""pipeline: pipeline parallelism (GPipe, 1F1B) as a transformation of the step.
+
+``zf.pipeline(step, stages=p, microbatches=m, schedule="1f1b", model=model, units=zf.units.by_class(Block))``
+splits the model's consecutive *pipeline units* into ``p`` stages, one per rank of the mesh's pp
+axis; every rank of a pipeline calls the step with the same batch, which is cut into ``m``
+microbatches; activations travel forward and their grads backward point to point (``dist.P2P``).
+Loss and metrics come back on every rank.
+
+**How a stage runs the unchanged model.** The step runs the user's opaque ``loss_fn(params,
+batch)``; while ``zf.functionalize``'s ``apply`` runs the module it enters the stage's
+``running`` (registered with ``zfunc.model.functional.run_by``), which, for that one call, makes other
+stages' units the identity (their ``forward`` replaced), swaps the first local unit's input for
+the activation received from the previous stage (a forward pre-hook) and, on all but the last
+stage, stops the forward after the last local unit by raising a private ``BaseException``
+carrying its output. Code outside the units (embeddings, final
+norm, head, loss) runs wherever it is reached; its params (and those tied to them: GPT's
+``wte``/``lm_head``) are *shared*: owned by stage 0 and lent to the last stage each step. Params a
+stage neither owns nor borrows are zero-memory stand-ins (``zeros(()).expand(shape)``); that code
+on stages > 0 computes with them and its result is dropped at the first local unit.
+
+**Law.** For a loss that is a mean over the batch, the pipelined step on a batch equals the plain
+step on it (params, optimizer state, loss, grad norm), up to the order of float sums, whatever
+the schedule, split or ``p``: the microbatch grads are averaged as ``train_step(accum=m)`` does.
+Checked at run time, with an error instead of a wrong result: units run once each, in module
+order; a stage's first unit gets the previous unit's output unchanged (no code between units);
+stand-ins receive no grad. Dropout draws different masks than the plain step (test with 0).
+A step whose loss or grads are inf/nan is skipped on every rank alike, as the plain step skips it:
+the decision reads the loss and the grad norm, which are summed over all ranks anyway. Not yet: a
+param no microbatch produced a grad for gets a zero grad (the optimizer moves it by weight decay),
+where the plain step leaves it alone.
+
+**Module buffers** (BatchNorm statistics, ``zfunc.model.functional``): each stage carries, in its state, the
+buffers of its own units, updated by its forwards microbatch after microbatch (as
+``train_step(accum=m)`` does) and, when the step is sharded, averaged over the dp ranks as
+``zf.shard`` does. A forward that writes a buffer outside the pipeline units (a BatchNorm in the
+stem or the head, in training mode) is refused on every stage at the end of the schedule, before
+the update: that code runs on several stages, on stand-in params before the first unit, so no
+stage's copy would be right.
+
+**Cost** (per rank; ``Psi_s`` = params of stage s, ``Psi_sh`` = shared ones, ``A`` = bytes of one
+microbatch's activation at a stage boundary). Between steps: ``(4 + opt) Psi_s`` bytes (fp32
+masters + optimizer state, 8 for Adam; stage 0 also ``(4 + opt) Psi_sh``). During a step: the
+fp32 grad sums (``4 Psi_s``), a compute-dtype copy of the params unless fp32, the activations of
+at most ``p - s`` microbatches on stage s with 1F1B and of all ``m`` with GPipe
+(``step.peak_live_microbatches``), and on the last stage the lent params and their grads.
+Communication per step: each stage boundary carries ``m A`` forward (activations), ``m A`` back
+(their grads) and a 104-byte header (shape, step, a digest of the batch to check the
+stages got the same one); ``Psi_sh`` in the compute dtype goes from stage 0 to
+the last stage and ``4 Psi_sh`` of fp32 grads back (what all-reducing a replica's grads would
+cost); two scalar all-reduces over the pipeline (loss, grad norm). ``mesh.comm_bytes()`` counts
+it ("send", "recv"). Compute: the pre-unit code (embeddings) also runs, discarded, on stages
+> 0. Idle time: the bubble ``(p - 1) / (m + p - 1)`` of p equal stages (``step.timings``).
+
+**Composition** (3D, as DeepSpeed): ``zf.pipeline(zf.shard(step, Mesh(dp=d, pp=p), stage=1), ...)``
+shards each stage's params and optimizer state over its dp group: whole stage params are
+all-gathered at the start of the step, whole grads summed over microbatches and reduce-scattered
+at the end (stage 1 costs: ``2 Psi_s`` per rank per step). ZeRO 2/3 and ``shard(pipeline(...))``
+are rejected: the pipeline must be the outermost transformation (docs/design.md, section 3, says
+why: its schedule keeps several microbatches live, which stage 2/3's per-microbatch gathers and
+reducers do not allow, and it changes what a state and a loss are for whatever would wrap it).
+The schedule is a role object (``zfunc.core.roles``), ``step.schedule``: a ``PipelineSchedule``
+(``pipeline_stage``) with accumulation's interface, ``split(batch)`` and ``ops(stages, stage)``.
+
+**Why this shape.** Shared params have one owner rather than a copy on both end stages
+(DeepSpeed's tied layers): the optimizer state exists once, the grad norm counts each param once,
+and nobody needs to know whether a param outside the units is used before or after them (that
+would need a trace); sending the lent params costs what all-reducing a replica's grads would.
+Stage ownership must be known at ``init`` (the state holds only the stage's params), before the
+model ever runs, so ``pipeline`` takes the ``model``. Pipeline units are the selector's units
+except those made only of one module's own params (``by_class``'s leftovers: embeddings, norms,
+heads); if every unit is such a module (a stack of Linears), all are pipeline units.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from zfunc import optim
+from zfunc.core import compose, precision as mp, tree
+from zfunc.dist import Mesh
+from zfunc.model.functional import BufferScope, carrying
+from zfunc.pipelining.stage import PipelineSchedule, _Run, _digest, schedule_ops  # noqa: F401  (schedule_ops: public)
+from zfunc.sharding.step import GradSlices, ShardSpec, _buckets, _gather_whole, average_buffers, average_order
+from zfunc.core.step import Step, TrainState, Transformed, _cuda_devices, _step_seed, require_train_state, seeded
+from zfunc.model.units import Selector
+
+PyTree = Any
+SCHEDULES = ("1f1b", "gpipe")
+__all__ = ["Layout", "PipelineSpec", "PipelineStep", "make_layout", "pipeline", "schedule_ops"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which stage runs and owns what: ``units`` (pipeline units' module names, in order),
+    ``bounds[s]`` (first and last unit index of stage s), ``owner`` (param name -> stage; shared
+    params -> 0) and ``shared`` (params outside the units, lent to the last stage)."""
+
+    units: tuple[str, ...]
+    bounds: tuple[tuple[int, int], ...]
+    owner: dict[str, int]
+    shared: frozenset[str]
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """Static metadata of a pipelined state: the stage, the names and whole shapes of all params
+    (leaf order), the names this stage holds, and ``inner``, their dp split (``ShardSpec``).
+
+    A stage's state holds only what it owns, no stand-ins: ``params`` the fp32 masters of
+    ``owned`` (the shared params on stage 0), split over the dp ranks when ``inner`` is set, and
+    ``opt_state`` the optimizer's state for them, the counts and other unsplit leaves on every
+    stage; ``buffers`` those of its own units. Process ``stage * dp + dp rank`` (``zf.Mesh``)."""
+
+    stages: int
+    stage: int
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    owned: tuple[str, ...]
+    inner: ShardSpec | None = None
+
+    def __str__(self) -> str:
+        return f"pipeline stage {self.stage} of {self.stages}" + (f", {self.inner}" if self.inner else "")
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+class PipelineStep(Transformed):
+    """The step ``pipeline`` returns: same call and ``init`` as ``Step``; this rank runs one stage.
+
+    Metrics are the same on every rank, except ``aux`` (``has_aux``): the loss function's aux per
+    microbatch on the last stage, which alone computes the loss; ``None`` elsewhere. ``schedule``
+    is the schedule role (``PipelineSchedule``; ``str()`` gives "gpipe" or "1f1b"). After each
+    call, ``peak_live_microbatches`` is the most microbatches whose activations this stage held at
+    once, and ``timings`` has the schedule's wall time ``step_s``, the time spent blocked on peers
+    ``wait_s``, forward + backward compute ``compute_s``, and ``ops``: each op's ``(kind,
+    microbatch, start_s, end_s)`` from the schedule's start.
+    """
+
+    def __init__(self, base: Step, model: nn.Module, layout: Layout, microbatches: int, schedule: str, mesh: Mesh):
+        super().__init__(base, "pipeline")  # the loss, optimizer, precision: base's (accum is 1)
+        self.base = base if compose.applied(base, "shard") else None
+        self.model, self.layout, self.mesh = model, layout, mesh
+        self.stages, self.stage, self.microbatches = mesh.pp, mesh.pp_rank, microbatches
+        self.schedule = PipelineSchedule(schedule, microbatches)  # the schedule role: GPipe or 1F1B
+        self.peak_live_microbatches, self.timings = 0, {}
+        self._bucket_cache: list | None = None
+
+    def init(self, params: PyTree) -> TrainState:
+        """This stage's fp32 params (split over the dp ranks if the step is sharded) and their
+        optimizer state; ``placement`` is a ``PipelineSpec``."""
+        if not isinstance(params, dict) or not all(isinstance(k, str) for k in params):
+            raise TypeError("params: expected the dict[str, Tensor] of zf.functionalize(model), got "
+                            f"{type(params).__name__}")
+        unknown = sorted(params.keys() - self.layout.owner.keys())
+        if unknown:
+            raise ValueError(f"params: {unknown[:5]} are not parameters of the model given to zf.pipeline")
+        names = tuple(sorted(params))  # optree's leaf order for a dict
+        owned = {n: params[n] for n in names if self.layout.owner[n] == self.stage}
+        inner = self.base.init(owned) if self.base is not None else Step.init(self, owned)
+        self.initialized_with = tree.map(lambda x: x.to("meta"), params)  # the whole model: zf.checkpoint.load
+        spec = PipelineSpec(self.stages, self.stage, names, tuple(tuple(params[n].shape) for n in names),
+                            tuple(sorted(owned)), inner.placement)
+        return TrainState(inner.params, inner.opt_state, 0, self.seed, inner.loss_scale, spec)
+
+    def own_buffers(self, buffers: dict[str, Any]) -> dict[str, Any]:
+        """The module buffers of this stage's own units among ``buffers``: what its state carries."""
+        first, last = self.layout.bounds[self.stage]
+        mine = self.layout.units[first : last + 1]
+        return {n: b for n, b in buffers.items() if self._in_units(n, mine)}
+
+    def _check_state(self, state: Any) -> None:
+        require_train_state(state)
+        spec = state.placement
+        if not isinstance(spec, PipelineSpec):
+            raise ValueError(f"state: this state is not pipelined ({spec or 'a plain state'}); build it with this "
+                             "pipelined step's init(params)")
+        dp = (spec.inner.world, spec.inner.rank) if spec.inner else None
+        mine = (self.mesh.dp, self.mesh.rank) if self.base else None
+        if (spec.stages, spec.stage, dp) != (self.stages, self.stage, mine):
+            raise ValueError(f"state: it is {spec}, but this step runs pipeline stage {self.stage} of {self.stages}"
+                             + (f" sharded over {self.mesh.dp} ranks" if self.base else ""))
+
+    def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
+        self._check_state(state)
+        params, step, rng, loss_scale = state.params, state.step, state.rng, state.loss_scale
+        with carrying(state.buffers) as carried:
+            loss, aux, grads = self._loss_and_grads(state.placement, params, batch, step, rng, loss_scale, carried)
+        buffers = self._stage_buffers(carried, state.placement, step)
+        with optim.summing_across(self._sum_over_ranks):
+            new_state, metrics = self._update(state, grads, loss, aux)
+        return new_state.replace(buffers=buffers), metrics
+
+    def _in_units(self, name: str, units: Sequence[str]) -> bool:
+        return any(name.startswith(f"{u}.") for u in units)
+
+    def _stray_buffers(self, carried: BufferScope) -> list[str]:
+        """Buffers the forward wrote outside every pipeline unit (module docstring: refused)."""
+        return [n for n in carried.written if not self._in_units(n, self.layout.units)]
+
+    def _stage_buffers(self, carried: BufferScope, spec: PipelineSpec, step: int) -> dict[str, torch.Tensor]:
+        """The buffers of this stage's own units, those written averaged over the dp ranks."""
+        own = self.own_buffers(carried.buffers)
+        if spec.inner is None:
+            return own
+        names = [n for n in average_order(carried) if n in own]
+        return average_buffers(own, names, self.mesh.comm, spec.inner.world, f"buffer all-reduce at step {step}")
+
+    def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        if self.base is not None:
+            self.mesh.comm.all_reduce(t, label="grad-norm all-reduce over the dp ranks")
+        self.mesh.pp_comm.all_reduce(t, label="grad-norm all-reduce over the pipeline")
+        return t
+
+    def _loss_and_grads(self, spec: PipelineSpec, params, batch, step, rng, loss_scale, carried: BufferScope):
+        """Mean loss (on every rank) and this rank's fp32 grads, averaged over microbatches (and dp)."""
+        pieces, treespec = tree.flatten(params)
+        scale = mp.scale_of(loss_scale)
+        self.mesh.clear_comm_bytes()
+        whole = self._whole_params(pieces, spec, step)
+        micro = self.schedule.split(mp.cast_floating(batch, self.compute_dtype))
+        run = _Run(self, spec, whole, step, scale, _digest(batch))
+        with seeded(_step_seed(rng, step), _cuda_devices(params)):
+            run.execute(micro)
+        self.peak_live_microbatches = run.peak_live
+        self.timings = {"step_s": run.step_s, "wait_s": run.wait_s, "compute_s": run.compute_s, "ops": run.trace}
+        grads = [torch.zeros(w.shape, device=w.device) if g is None else g for g, w in zip(run.acc, whole)]
+        divisor = self.microbatches * (scale or 1.0)
+        if spec.inner is not None:
+            grads = _reduce_scatter(grads, pieces, spec.inner, self._buckets(spec.inner), self.mesh.reduce_comm, step,
+                                    divisor * spec.inner.world)
+        else:
+            torch._foreach_mul_(grads, 1.0 / divisor)
+        loss = self._mean_loss(run.losses, spec, step, run.device, self._stray_buffers(carried))
+        return loss, self._aux(run.auxes), tree.unflatten(treespec, grads)
+
+    def _whole_params(self, pieces: list[torch.Tensor], spec: PipelineSpec, step: int) -> list[torch.Tensor]:
+        """This stage's params whole, in the compute dtype (all-gathered over dp when sharded)."""
+        if spec.inner is None:
+            return [p.to(self.compute_dtype) for p in pieces]
+        return _gather_whole(pieces, spec.inner, self._buckets(spec.inner), self.mesh.comm, self.compute_dtype,
+                            pieces[0].device, f"step {step}")
+
+    def _buckets(self, inner: ShardSpec) -> list:
+        if self._bucket_cache is None:
+            self._bucket_cache = _buckets(inner.leaves, self.base.bucket_elems)
+        return self._bucket_cache
+
+    def _mean_loss(self, losses: list[torch.Tensor], spec: PipelineSpec, step: int, device,
+                   stray: list[str]) -> torch.Tensor:
+        """The last stage's mean loss, summed into every stage (the others add 0) and over dp.
+        The same all-reduce counts the ``stray`` buffers of every stage: if any stage has some,
+        every stage raises, before the update (a post-unit module runs on the last stage only)."""
+        loss = torch.stack(losses).mean() if losses else torch.zeros((), device=device)
+        both = torch.stack([loss, torch.tensor(float(len(stray)), device=loss.device)])
+        self.mesh.pp_comm.all_reduce(both, label=f"loss all-reduce over the pipeline at step {step}")
+        loss = both[0]
+        if both[1].item():
+            where = f"here: {stray[:5]}" if stray else "on another stage"
+            raise ValueError(f"pipeline: the forward wrote module buffers outside the pipeline units ({where}); a "
+                             "pipelined state carries only the buffers of each stage's own units (BatchNorm inside "
+                             "a unit is fine): move that module into a unit, or put it in eval mode")
+        if spec.inner is not None:
+            self.mesh.comm.all_reduce(loss, label=f"loss all-reduce over the dp ranks at step {step}")
+            loss = loss / spec.inner.world
+        return loss
+
+    def _aux(self, auxes: list) -> Any:
+        if not auxes:
+            return None  # aux comes from the loss, which only the last stage computes
+        return auxes[0] if self.microbatches == 1 else auxes
+
+
+def _reduce_scatter(grads, pieces, spec: ShardSpec, buckets, comm, step: int, divisor: float) -> list[torch.Tensor]:
+    """This rank's fp32 slices of the dp-summed whole ``grads`` divided by ``divisor`` (one
+    reduce-scatter per bucket)."""
+    sink = GradSlices(lambda i: torch.zeros_like(pieces[i], dtype=torch.float32), len(pieces), divisor)
+    works = []
+    for unit in buckets:
+        full = torch.empty(spec.world, unit.segment, dtype=torch.float32, device=pieces[0].device)
+        unit.pack_full([grads[i] for i in unit.indices], spec.leaves, spec.world, full)
+        out = torch.empty(unit.segment, dtype=torch.float32, device=full.device)
+        label = f"reduce-scatter of {unit.name} at step {step}"
+        works.append((comm.reduce_scatter(out, full.view(-1), label=label, async_op=True), out, unit))
+    for work, out, unit in works:
+        work.wait()
+        sink.deliver(unit, unit.local_views(out, spec.leaves, spec.rank))
+    return sink.result()
+
+
+# ----------------------------------------------------------------------------- construction
+
+
+def _pipeline_units(model: nn.Module, units: Selector | Sequence[str]) -> list[tuple[str, tuple[str, ...]]]:
+    """``(module name, canonical param names)`` of the pipeline units, in module order."""
+    modules = dict(model.named_modules())
+    if callable(units):
+        found = units(model)
+        blocks = [u for u in found if not all(p.rpartition(".")[0] == u.name for p in u.params)]
+        chosen = [(u.name, tuple(u.params)) for u in (blocks or found)]
+    else:
+        missing = [n for n in units if n not in modules]
+        if isinstance(units, str) or missing:
+            raise ValueError(f"units: expected a zf.units selector or module names of the model, got {units!r}")
+        canonical = {id(p): n for n, p in model.named_parameters()}
+        chosen = [(n, tuple(dict.fromkeys(canonical[id(p)] for p in modules[n].parameters()))) for n in units]
+    order = {name: k for k, name in enumerate(modules)}
+    return sorted(chosen, key=lambda u: order[u[0]])
+
+
+def _split_counts(n: int, stages: int, split: Sequence[int] | None) -> list[int]:
+    if split is None:  # even; the first n % stages stages take one more
+        base, extra = divmod(n, stages)
+        return [base + (s < extra) for s in range(stages)]
+    split = list(split)
+    if len(split) != stages or any(not isinstance(c, int) or c < 1 for c in split) or sum(split) != n:
+        raise ValueError(f"split: expected {stages} ints >= 1 (units per stage) summing to the model's {n} pipeline "
+                         f"units, got {split!r}")
+    return split
+
+
+def make_layout(model: nn.Module, units: Selector | Sequence[str], stages: int, split: Sequence[int] | None) -> Layout:
+    """Assign consecutive pipeline units to stages; everything else is shared (see the module docstring)."""
+    trunk = _pipeline_units(model, units)
+    if stages > len(trunk):
+        raise ValueError(f"stages: {stages} stages need at least {stages} pipeline units, the model has {len(trunk)}: "
+                         f"{[name for name, _ in trunk]}")
+    bounds, start = [], 0
+    for count in _split_counts(len(trunk), stages, split):
+        bounds.append((start, start + count - 1))
+        start += count
+    owner = {n: 0 for n, _ in model.named_parameters()}
+    in_units = set()
+    for s, (first, last) in enumerate(bounds):
+        for _, params in trunk[first : last + 1]:
+            owner.update(dict.fromkeys(params, s))
+            in_units.update(params)
+    return Layout(tuple(name for name, _ in trunk), tuple(bounds), owner, frozenset(owner.keys() - in_units))
+
+
+def pipeline(step: Step, stages: int, microbatches: int, schedule: str = "1f1b", *, model: nn.Module,
+             units: Selector | Sequence[str], split: Sequence[int] | None = None,
+             mesh: Mesh | None = None) -> PipelineStep:
+    """Pipeline ``step`` over ``stages`` ranks with ``microbatches`` microbatches per batch.
+
+    Args:
+      step: a plain ``Step`` from ``train_step`` (accum=1), or ``zf.shard(step, mesh, stage=1)``
+        over a ``Mesh(dp=d, pp=stages)`` to shard each stage over its dp ranks.
+      stages: pipeline stages, one per rank of the mesh's pp axis.
+      microbatches: the batch's leading dim is split into this many equal parts.
+      schedule: "1f1b" (at most ``stages - s`` live microbatches on stage s) or "gpipe" (all ``m``).
+      model: the module the loss runs through ``zf.functionalize``'s ``apply``, used unchanged.
+      units: the pipeline units: a ``zf.units`` selector (e.g. ``by_class(Block)``; see the module
+        docstring for which of its units count) or module names; consecutive ones form a stage.
+      split: units per stage (e.g. ``(1, 3)``); default even, earlier stages taking the remainder.
+      mesh: default ``Mesh(pp=stages)``; a sharded step brings its own.
+    Every rank of a pipeline calls the step with the same batch. Law and cost: module docstring.
+    """
+    compose.check("pipeline", step)
+    if step.accum != 1:
+        raise ValueError(f"step: accum={step.accum}; the pipeline splits the batch into microbatches itself, "
+                         "build the step with accum=1")
+    for name, value in (("stages", stages), ("microbatches", microbatches)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected the torch.nn.Module the loss runs, got {type(model).__name__}")
+    layout = make_layout(model, units, stages, split)
+    compose.check_pipeline_units(model, layout.units)
+    mesh = _pick_mesh(step, stages, mesh)
+    return PipelineStep(step, model, layout, microbatches, schedule, mesh)
+
+
+def _pick_mesh(step: Step, stages: int, mesh: Mesh | None) -> Mesh:
+    if compose.applied(step, "shard"):
+        if mesh is not None and mesh is not step.mesh:
+            raise ValueError("mesh: a sharded step pipelines over its own mesh; leave mesh out")
+        mesh = step.mesh
+    mesh = Mesh(pp=stages) if mesh is None else mesh
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh: expected a zf.Mesh, got {type(mesh).__name__}")
+    if mesh.pp != stages:
+        raise ValueError(f"stages: {stages} stages, but the mesh has pp={mesh.pp} (build it as zf.Mesh(pp={stages}))")
+    if mesh.dp > 1 and not compose.applied(step, "shard"):
+        raise ValueError(f"mesh: dp={mesh.dp}; shard the step over the dp axis first: "
+                         "zf.pipeline(zf.shard(step, mesh, stage=1), ...)")
+    return mesh

@@ -1,0 +1,188 @@
+"""The layout of a sharded state: how each param splits over ranks, and flat buffers for collectives.
+
+``LeafShard`` / ``ShardSpec`` describe the split (``torch.chunk`` style along dim 0, see
+``zfunc.sharding.step``); ``FlatGroup`` packs a group of leaves into one flat buffer per rank for an
+all-gather or a reduce-scatter: a stage-3 *unit* (gathered around its modules' forward) or a
+stage 0-2 *bucket* (grads reduced together), built by ``buckets``. Pure bookkeeping: no collective
+is issued here but by ``gather_whole``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+
+from zfunc.core import tree
+
+PyTree = Any
+
+
+@dataclass(frozen=True)
+class LeafShard:
+    """How one param is split: ``rows`` along dim 0 (1 for a 0-d param), ``chunk`` rows per rank."""
+
+    shape: tuple[int, ...]
+    chunk: int
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def rowsize(self) -> int:
+        return math.prod(self.shape[1:]) if self.shape else 1
+
+    def local_rows(self, rank: int) -> int:
+        return max(0, min(self.chunk, self.rows - rank * self.chunk))
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        return (self.local_rows(rank), *self.shape[1:])
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """The static description of a sharded state: stage, ranks, and each leaf's ``LeafShard``."""
+
+    stage: int
+    world: int
+    rank: int
+    leaves: tuple[LeafShard, ...]
+
+    def __str__(self) -> str:
+        return f"stage {self.stage} over {self.world} ranks"
+
+    @property
+    def split(self) -> tuple[int, int]:
+        """``(ranks, rank)`` of the layout ``leaves`` describe, the rank whose pieces this one holds:
+        ``(world, rank)``, but ``(1, 0)`` at stage 0, where every rank holds what one rank alone
+        would (every param whole; a checkpoint saves it once, as a plain state's)."""
+        return (1, 0) if self.stage == 0 else (self.world, self.rank)
+
+
+def local_piece(full: torch.Tensor, leaf: LeafShard, rank: int) -> torch.Tensor:
+    """This rank's rows of ``full`` (a view; 0-d params are seen as shape (1,))."""
+    flat = full.reshape(leaf.rows, *full.shape[1:]) if full.dim() else full.reshape(1)
+    start = min(rank * leaf.chunk, leaf.rows)
+    return flat[start : start + leaf.local_rows(rank)]
+
+
+class FlatGroup:
+    """A group of leaves communicated together -- a stage-3 *unit* or a stage 0-2 *bucket* -- and
+    the offsets of each leaf in a rank's padded segment of its flat buffer."""
+
+    def __init__(self, name: str, indices: list[int], leaves: tuple[LeafShard, ...], users: tuple[str, ...] = ()):
+        self.name, self.indices, self.users = name, indices, users  # users: modules that read them (stage 3)
+        self.offsets, size = [], 0
+        for i in indices:
+            self.offsets.append(size)
+            size += leaves[i].chunk * leaves[i].rowsize
+        self.segment = size
+
+    def gather_buffer(self, pieces: list[torch.Tensor], dtype: torch.dtype, device, world: int,
+                      rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, seg)``: a ``(world * segment,)`` buffer in ``dtype`` for this group's all-gather,
+        and ``seg``, this rank's segment of it, holding ``pieces`` (in ``indices`` order) padded."""
+        out = torch.empty(world * self.segment, dtype=dtype, device=device)
+        seg = out[rank * self.segment : (rank + 1) * self.segment]
+        for off, end, piece in zip(self.offsets, [*self.offsets[1:], self.segment], pieces):
+            seg[off : off + piece.numel()].copy_(piece.reshape(-1))
+            seg[off + piece.numel() : end].zero_()  # the padding of a rank short of a full chunk
+        return out, seg
+
+    def unpack_gathered(self, gathered: torch.Tensor, leaves: tuple[LeafShard, ...], world: int) -> list[torch.Tensor]:
+        """Whole params (new tensors) from an all-gathered ``(world * segment,)`` buffer."""
+        outs = [torch.empty(leaves[i].shape, dtype=gathered.dtype, device=gathered.device) for i in self.indices]
+        self.unpack_into(gathered, leaves, world, outs)
+        return outs
+
+    def unpack_into(self, gathered: torch.Tensor, leaves: tuple[LeafShard, ...], world: int,
+                    outs: list[torch.Tensor]) -> None:
+        """Copy the whole params out of an all-gathered buffer into ``outs`` (contiguous, whole
+        shape), padding dropped: one copy per param."""
+        by_rank = gathered.view(world, -1)
+        with torch.no_grad():
+            for i, off, out in zip(self.indices, self.offsets, outs):
+                for ranked, rows in _row_blocks(leaves[i], by_rank, off, out, world):
+                    rows.copy_(ranked)
+
+    def pack_full(self, fulls: list[torch.Tensor], leaves: tuple[LeafShard, ...], world: int, out: torch.Tensor) -> None:
+        """Fill ``out`` ``(world, segment)`` with whole grads so rank r's segment holds its rows;
+        padding, and a ``None`` grad (an unused param), are written as zeros."""
+        for i, off, g in zip(self.indices, self.offsets, fulls):
+            leaf = leaves[i]
+            ranked = out[:, off : off + leaf.chunk * leaf.rowsize].view(world, leaf.chunk, leaf.rowsize)
+            if g is None:
+                ranked.zero_()
+                continue
+            for dst, rows in _row_blocks(leaf, out, off, g, world):
+                dst.copy_(rows)
+            full, rest = divmod(leaf.rows, leaf.chunk)  # rows past the last one are padding
+            if full < world:
+                ranked[full, rest:].zero_()
+                ranked[full + 1 :].zero_()
+
+    def local_views(self, seg: torch.Tensor, leaves: tuple[LeafShard, ...], rank: int) -> list[torch.Tensor]:
+        """This rank's pieces as views into its ``segment``-element ``seg``."""
+        return [seg[off : off + leaves[i].local_rows(rank) * leaves[i].rowsize].view(leaves[i].local_shape(rank))
+                for i, off in zip(self.indices, self.offsets)]
+
+
+def _row_blocks(leaf: LeafShard, by_rank: torch.Tensor, offset: int, whole: torch.Tensor, world: int):
+    """Matching ``(ranked, rows)`` views: a leaf's rows in the ``(world, segment)`` buffer, where
+    rank r holds rows ``[r*chunk, (r+1)*chunk)`` at ``offset``, and in its whole tensor."""
+    ranked = by_rank[:, offset : offset + leaf.chunk * leaf.rowsize].view(world, leaf.chunk, leaf.rowsize)
+    rows = whole.reshape(leaf.rows, leaf.rowsize)
+    full = leaf.rows // leaf.chunk  # ranks whose chunk is complete; the next one may hold a remainder
+    blocks = [(ranked[:full], rows[: full * leaf.chunk].view(full, leaf.chunk, leaf.rowsize))]
+    if full < world and leaf.rows > full * leaf.chunk:
+        blocks.append((ranked[full, : leaf.rows - full * leaf.chunk], rows[full * leaf.chunk :]))
+    return blocks
+
+
+def _buckets(leaves: tuple[LeafShard, ...], bucket_elems: int, order: list[int] | None = None,
+             first_elems: int | None = None) -> list[FlatGroup]:
+    """Stage 0-2 communication groups of ~bucket_elems each (the first of ~first_elems, default the
+    same): consecutive leaves of ``order`` (every leaf index once; default: reversed leaf order, a
+    guess at the backward order)."""
+    groups, current, size = [], [], 0
+    for i in reversed(range(len(leaves))) if order is None else order:
+        current.append(i)
+        size += leaves[i].chunk * leaves[i].rowsize
+        if size >= (bucket_elems if groups or first_elems is None else first_elems):
+            groups.append(current)
+            current, size = [], 0
+    if current:
+        groups.append(current)
+    return [FlatGroup(f"bucket {k}", g, leaves) for k, g in enumerate(groups)]
+
+
+def _gather_whole(pieces, spec: ShardSpec, buckets: list[FlatGroup], comm, dtype: torch.dtype, device,
+                 label: str) -> list[torch.Tensor]:
+    """Every param whole, in ``dtype`` on ``device``, from every rank's ``pieces`` (leaf order):
+    one all-gather per bucket, labelled ``... at {label}``."""
+    whole: list[torch.Tensor | None] = [None] * len(pieces)
+    for bucket in buckets:
+        out, seg = bucket.gather_buffer([pieces[i] for i in bucket.indices], dtype, device, spec.world, spec.rank)
+        comm.all_gather(out, seg, label=f"param all-gather of {bucket.name} at {label}")
+        for i, w in zip(bucket.indices, bucket.unpack_gathered(out, spec.leaves, spec.world)):
+            whole[i] = w
+    return whole
+
+
+
+def _leaf_names(params: PyTree) -> list[str]:
+    paths, _, _ = optree.tree_flatten_with_path(params, namespace=tree.NAMESPACE)
+    return [".".join(map(str, p)) for p in paths]
+
+
+def _placeholder(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """A whole-shape leaf with no storage yet: stage 3 fills it when its unit is gathered."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    t.untyped_storage().resize_(0)
+    return t.requires_grad_()
+
+
+FlatUnit = FlatGroup  # its former name (it packs buckets as well as units)
