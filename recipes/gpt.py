@@ -125,18 +125,10 @@ class GPT(nn.Module):
         (``zf.materialize.normal``'s law): the same whatever the layout, the number of processes or the
         order leaves are made in, so a model built on the meta device can be materialized rank by rank
         (ZeRO-3: each rank draws only its rows; offload: leaf by leaf) and train exactly as one built
-        whole. A tile of a layer split along dim 0 (``zf.tile``) is its rows of the whole layer's value.
-        Cost: the rows asked for (plus at most two 1 MiB blocks being drawn)."""
+        whole. Cost: the rows asked for (plus at most two 1 MiB blocks being drawn)."""
         import zfunc as zf
 
         owner, _, kind = name.rpartition(".")
-        layer, _, index = owner.rpartition(".")
-        if layer.endswith(".tiles") and index.isdigit():  # a tile: its rows of the whole layer
-            sizes = [getattr(t, kind).shape[0] for t in self.get_submodule(layer)]
-            start, mine = sum(sizes[: int(index)]), rows or slice(0, sizes[int(index)])
-            whole = torch.empty((sum(sizes), *like.shape[1:]), dtype=like.dtype, device="meta")
-            return self.initial_value(f"{layer.removesuffix('.tiles')}.{kind}", whole, seed,
-                                      slice(start + mine.start, start + mine.stop))
         return zf.materialize.leaf(self._rule(owner, kind, seed), name, like, rows)
 
     def materializer(self, seed: int):

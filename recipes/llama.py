@@ -268,42 +268,17 @@ def _check_model_flags(args: argparse.Namespace) -> list[str]:
     return errors
 
 
-def materializer(cfg: LlamaConfig, seed: int, model: nn.Module | None = None):
+def materializer(cfg: LlamaConfig, seed: int):
     """The init ``Llama.__init__`` draws, as zf.materialize rules (row-deterministic, any layout):
-    norms 1, residual outputs N(0, 0.02 / sqrt(2 n_layers)), every other matrix N(0, 0.02).
-
-    With ``model`` (looked at when a leaf is asked for, so after ``zf.tile`` / ``--tile-lm-head``), a
-    tile of a layer split along dim 0 (``lm_head.tiles.3.weight``) gets its rows of the untiled layer's
-    value: tiled or not, the model starts from the same weights. Cost: the tile's rows, as untiled."""
+    norms 1, residual outputs N(0, 0.02 / sqrt(2 n_layers)), every other matrix N(0, 0.02)."""
     import zfunc as zf
 
-    rules = zf.materialize.by_name({
+    return zf.materialize.by_name({
         "*norm.weight": zf.materialize.constant(1.0),
         "*attn.o.weight": zf.materialize.normal(0.02 / math.sqrt(2 * cfg.n_layers), seed),
         "*mlp.down.weight": zf.materialize.normal(0.02 / math.sqrt(2 * cfg.n_layers), seed),
         "*": zf.materialize.normal(0.02, seed),
     })
-    return rules if model is None else untiled(rules, model)
-
-
-def untiled(materialize, model: nn.Module):
-    """``materialize`` with a tile's leaf (``LAYER.tiles.I.KIND``, from ``zf.tile`` along dim 0) made as
-    its rows of the whole layer's leaf ``LAYER.KIND``; every other leaf as ``materialize`` makes it.
-    The result is a materializer (zf.materialize's law kept: a value depends on seed, name and row)."""
-    import zfunc as zf
-
-    def rows_of_whole(name: str, like: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
-        owner, _, kind = name.rpartition(".")
-        layer, _, index = owner.rpartition(".")
-        if not layer.endswith(".tiles") or not index.isdigit():
-            return zf.materialize.leaf(materialize, name, like, rows)
-        sizes = [getattr(t, kind).shape[0] for t in model.get_submodule(layer)]
-        start, mine = sum(sizes[: int(index)]), rows or slice(0, sizes[int(index)])
-        whole = torch.empty((sum(sizes), *like.shape[1:]), dtype=like.dtype, device="meta")
-        return zf.materialize.leaf(materialize, f"{layer.removesuffix('.tiles')}.{kind}", whole,
-                                   slice(start + mine.start, start + mine.stop))
-
-    return rows_of_whole
 
 
 def build(args: argparse.Namespace, vocab_size: int) -> loop.Built:
@@ -315,7 +290,7 @@ def build(args: argparse.Namespace, vocab_size: int) -> loop.Built:
     cfg = LlamaConfig(**kwargs)
     model = Llama(cfg)
     flops = 6 * model.num_params() + 12 * cfg.n_layers * args.block_size * cfg.dim
-    return loop.Built(model, asdict(cfg), cfg.max_seq_len, materialize=lambda seed: materializer(cfg, seed, model),
+    return loop.Built(model, asdict(cfg), cfg.max_seq_len, materialize=lambda seed: materializer(cfg, seed),
                       units=UNITS, flops_per_token=flops)
 
 

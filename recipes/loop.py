@@ -439,7 +439,8 @@ def first_state(args: argparse.Namespace, step, built: Built, params: dict, plan
             return zf.checkpoint.load(latest, step, params=params, device=device), latest
         except zf.checkpoint.CheckpointError as e:
             raise FlagError(f"--resume: {e}") from e
-    materialize = built.materialize(args.seed)
+    # the init is written for the model untiled; --tile-lm-head (zf.tile) has split its head since
+    materialize = zf.materialize.tiled(built.materialize(args.seed), built.module)
     if "materialize" in inspect.signature(step.init).parameters:
         state = step.init(params, materialize=materialize)
     else:
