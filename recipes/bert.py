@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from recipes import data as data_mod
 from recipes import hf, layout, loop, scaling
+from recipes import task as task_mod
 from recipes.flavors import lookup
 
 # Byte-level vocabulary: 256 bytes, then the special tokens (none of them a byte).
@@ -276,7 +277,7 @@ def masked_batch(data, batch_size: int, block_size: int, generator, vocab_size: 
 
 
 def masked_loss(out, batch):
-    logits, labels, scale = loop.logits_of(out), batch[1], batch[2]
+    logits, labels, scale = task_mod.logits_of(out), batch[1], batch[2]
     total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
     return total * scale[0] / labels.shape[0]
 
@@ -365,8 +366,8 @@ def nsp_eval(forward, val, args, generator, vocab_size) -> dict:
 
 def unigram_guess(data, vocab_size: int) -> dict:
     """The guesses to beat: always the most common token (accuracy), and the unigram entropy (loss)."""
-    counts = loop.token_counts(data, vocab_size)
-    return {"unigram_accuracy": float(counts.max() / counts.sum()), **loop.unigram_entropy(data, vocab_size)}
+    counts = task_mod.token_counts(data, vocab_size)
+    return {"unigram_accuracy": float(counts.max() / counts.sum()), **task_mod.unigram_entropy(data, vocab_size)}
 
 
 def masked_report(metrics: dict, baseline: dict, unit: str) -> str:
@@ -376,9 +377,9 @@ def masked_report(metrics: dict, baseline: dict, unit: str) -> str:
             + nsp)
 
 
-MASKED = loop.Task("masked-lm", masked_batch, masked_loss, masked_eval, unigram_guess, masked_report, sample=False,
+MASKED = task_mod.Task("masked-lm", masked_batch, masked_loss, masked_eval, unigram_guess, masked_report, sample=False,
                    hf_task="masked-lm")
-MASKED_NSP = loop.Task("masked-lm+nsp", nsp_batch, nsp_loss, nsp_eval, unigram_guess, masked_report, sample=False,
+MASKED_NSP = task_mod.Task("masked-lm+nsp", nsp_batch, nsp_loss, nsp_eval, unigram_guess, masked_report, sample=False,
                        hf_task="masked-lm", inputs=2)
 
 

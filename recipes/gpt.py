@@ -154,34 +154,6 @@ class GPT(nn.Module):
         return n - self.wpe.weight.numel() if non_embedding else n
 
 
-@torch.no_grad()
-def generate(model_fn, prompt: bytes, length: int, block_size: int, temperature=0.8, top_k=40,
-             generator=None, device="cpu") -> bytes:
-    """Sample `length` bytes after `prompt`; model_fn(idx) -> logits (a model or a closure)."""
-    idx = torch.tensor(list(prompt or b"\n"), dtype=torch.long, device=device)[None]
-    for _ in range(length):
-        logits = model_fn(idx[:, -block_size:])[:, -1, :].float() / max(temperature, 1e-6)
-        if top_k:
-            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = F.softmax(logits, dim=-1)
-        nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(device)
-        idx = torch.cat([idx, nxt], dim=1)
-    return bytes(idx[0, -length:].tolist()) if length else b""
-
-
-# ----------------------------------------------------------------------------- data
-# Bytes (vocab 256) of a text file or folder, or by default the stdlib's *.py files, split into train/val by a
-# stable hash of each file's path; random windows of them. One implementation: recipes/data.py.
-
-
-def unigram_entropy(data: torch.Tensor) -> float:
-    """Entropy of the byte histogram in nats/byte: the loss of a model that ignores context."""
-    p = torch.bincount(data.long(), minlength=256).double()
-    p = p[p > 0] / p.sum()
-    return float(-(p * p.log()).sum())
-
-
 # ----------------------------------------------------------------------------- training
 # The loop, its flags and their checks are recipes/loop.py's, shared with the Llama and BERT recipes.
 peak_flops = loop.peak_flops

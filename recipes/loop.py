@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from recipes import data as data_mod
 from recipes import data_cap, layout, lr_schedule, refusal, rundir, verdict
+from recipes import task as task_mod
 from recipes import precision as recipe_precision
 from recipes import watch as watch_mod
 from recipes.layout import FlagError, flag
@@ -134,75 +135,6 @@ class Built:
     flops_per_token: float = 0.0
 
 
-@dataclass(frozen=True)
-class Task:
-    """What is trained on the windows: the batch made of them, its loss, the eval and the closing words.
-
-    ``batch(data, batch_size, block_size, generator, vocab_size)``: the global batch (a tuple of tensors
-    split by rows; ``vocab_size``: the data's); its first ``inputs`` tensors are the model's arguments.
-    ``loss(out, batch)``: the loss of the model's output ``out``. ``evaluate(forward, val, args,
-    generator, vocab_size)``: {"val_loss": ..., and more}; ``forward(batch)`` is the loss,
-    ``forward.logits(batch)`` the logits, ``forward.outputs(batch)`` the model's whole output.
-    ``baseline(val, vocab_size)``: {name: value} of the guesses to beat.
-    """
-
-    name: str
-    batch: Callable
-    loss: Callable
-    evaluate: Callable
-    baseline: Callable
-    report: Callable[[dict, dict, str], str]  # (eval metrics, baseline, unit) -> the final numbers in words
-    sample: bool = True
-    hf_task: str = "causal-lm"
-    inputs: int = 1  # leading batch tensors the model takes (BERT with NSP: the ids and the token types)
-
-
-def logits_of(out):
-    """A model's logits: our models return them (BERT: with the NSP logits beside them)."""
-    return out[0] if isinstance(out, tuple) else out
-
-
-def token_counts(data, vocab_size: int, piece: int = 1 << 24) -> torch.Tensor:
-    """How often each id occurs in ``data`` (a tensor, or an array / np.memmap), float64, at least
-    ``vocab_size`` long; counted ``piece`` ids at a time, so it needs 8 bytes per id of a piece, not
-    of the whole split (a memmap's pages are read once)."""
-    counts = torch.zeros(vocab_size, dtype=torch.float64)
-    for i in range(0, len(data), piece):
-        part = data[i:i + piece]
-        values = part.long() if isinstance(part, torch.Tensor) else torch.from_numpy(np.asarray(part, dtype=np.int64))
-        c = torch.bincount(values, minlength=vocab_size).double()
-        counts = F.pad(counts, (0, len(c) - len(counts))) if len(c) > len(counts) else counts  # ids past vocab_size
-        counts[:len(c)] += c
-    return counts
-
-
-def unigram_entropy(data, vocab_size: int = 256) -> dict:
-    """Entropy of the token histogram in nats/token: the loss of a model that ignores context."""
-    p = token_counts(data, vocab_size)
-    p = p[p > 0] / p.sum()
-    return {"unigram_entropy": float(-(p * p.log()).sum())}
-
-
-def _causal_loss(out, batch):
-    return F.cross_entropy(logits_of(out).flatten(0, 1).float(), batch[1].flatten())
-
-
-def _causal_eval(forward, val, args, gen, vocab_size) -> dict:
-    total = 0.0
-    for _ in range(args.eval_batches):
-        batch = data_mod.get_batch(val, args.batch_size, args.block_size, gen)
-        total += forward(batch).item()
-    return {"val_loss": total / args.eval_batches}
-
-
-def _causal_report(metrics: dict, baseline: dict, unit: str) -> str:
-    return f"val loss {metrics['val_loss']:.3f} nats/{unit} (unigram baseline {baseline['unigram_entropy']:.3f})"
-
-
-CAUSAL = Task("causal-lm", lambda data, B, T, gen, vocab_size: data_mod.get_batch(data, B, T, gen), _causal_loss, _causal_eval,
-              unigram_entropy, _causal_report)
-
-
 @dataclass
 class Recipe:
     """A recipe's part of the command line: its name (``python -m recipes.NAME``), its flags, how it
@@ -214,7 +146,7 @@ class Recipe:
     help: dict
     rules: dict
     build: Callable[[argparse.Namespace, int], Built]
-    task: Task = CAUSAL
+    task: task_mod.Task = task_mod.CAUSAL
     units: str | None = None  # before the model is built (the plan's checks)
     check: Callable[[argparse.Namespace], list[str]] = lambda args: []
     extra_vocab: int = 0  # ids the task adds after the data's (BERT: PAD, CLS, SEP, MASK)
@@ -546,21 +478,6 @@ def peak_flops(device) -> float | None:
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
 
-@torch.no_grad()
-def generate_ids(model_fn, prompt: list[int], length: int, block_size: int, temperature=0.8, top_k=40,
-                 generator=None, device="cpu") -> list[int]:
-    """Sample ``length`` ids after ``prompt``; model_fn(idx) -> logits (recipes/gpt.py's generate, on ids)."""
-    idx = torch.tensor(prompt or [10], dtype=torch.long, device=device)[None]
-    for _ in range(length):
-        logits = logits_of(model_fn(idx[:, -block_size:]))[:, -1, :].float() / max(temperature, 1e-6)
-        if top_k:
-            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        nxt = torch.multinomial(F.softmax(logits, dim=-1).cpu(), 1, generator=generator).to(device)
-        idx = torch.cat([idx, nxt], dim=1)
-    return idx[0, -length:].tolist() if length else []
-
-
 def cap_of(args: argparse.Namespace) -> int | None:
     """--data-cap in bytes (None: none), its default resolved for this --data and --tokenizer."""
     return data_cap.resolve_cap(data_cap.parse_cap(getattr(args, "data_cap", None)), args.data, args.tokenizer)
@@ -719,7 +636,7 @@ def _train(recipe: Recipe, args: argparse.Namespace, plan, launch: layout.Launch
             with torch.autocast(device.type, autocast_dtype, enabled=autocast_dtype is not None):
                 return apply(params, *(t.to(device) for t in batch[:task.inputs]))
 
-        forward.outputs, forward.logits = outputs, lambda batch: logits_of(outputs(batch))
+        forward.outputs, forward.logits = outputs, lambda batch: task_mod.logits_of(outputs(batch))
         # the same batches every time
         out = task.evaluate(forward, corpus.val, args, torch.Generator().manual_seed(0), corpus.vocab_size)
         model.train()
@@ -788,7 +705,7 @@ def _train(recipe: Recipe, args: argparse.Namespace, plan, launch: layout.Launch
     if launch.rank == 0 and task.sample:
         model.eval()
         codec = data_mod.codec(args.tokenizer)
-        ids = generate_ids(lambda idx: apply(whole, idx), codec.encode("def "), args.sample_len, args.block_size,
+        ids = task_mod.generate(lambda idx: apply(whole, idx), codec.encode("def "), args.sample_len, args.block_size,
                            args.temperature, args.top_k, torch.Generator().manual_seed(args.seed), device)
         sample = bytes(ids) if args.tokenizer is None else codec.decode(ids)
         text = (b"def " + sample).decode("utf-8", errors="replace") if isinstance(sample, bytes) else "def " + sample

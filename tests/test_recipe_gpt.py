@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import zfunc as zf
-from recipes import gpt, layout, plot
+from recipes import gpt, layout, plot, task
 from tests.recipe_runs import HF_ZERO2, HF_ZERO3, ROOT, TINY, assert_same_losses, metrics
 from tests.test_plot import near, read_png
 
@@ -67,17 +67,16 @@ def test_resume_without_a_checkpoint_says_so(tmp_path, text_file, capsys):
                                                                       "--out", str(tmp_path), "--resume"])
 
 
-def test_generate_returns_the_asked_number_of_bytes():
+def test_generate_returns_the_asked_number_of_tokens():
     torch.manual_seed(0)
     cfg = gpt.GPTConfig(block_size=8, n_layer=1, n_head=2, n_embd=16)
     model = gpt.GPT(cfg).eval()
-    out = gpt.generate(model, b"a prompt longer than the block", 20, cfg.block_size,
-                       generator=torch.Generator().manual_seed(0))
-    assert isinstance(out, bytes) and len(out) == 20
-    again = gpt.generate(model, b"a prompt longer than the block", 20, cfg.block_size,
-                         generator=torch.Generator().manual_seed(0))
+    prompt = list(b"a prompt longer than the block")
+    out = task.generate(model, prompt, 20, cfg.block_size, generator=torch.Generator().manual_seed(0))
+    assert len(out) == 20 and all(isinstance(i, int) and 0 <= i < 256 for i in out)
+    again = task.generate(model, prompt, 20, cfg.block_size, generator=torch.Generator().manual_seed(0))
     assert again == out
-    assert gpt.generate(model, b"", 0, cfg.block_size) == b""
+    assert task.generate(model, [], 0, cfg.block_size) == []
 
 
 def test_initial_values_are_gpt2s_init_and_any_rows_are_the_rows_of_the_whole():
@@ -139,7 +138,7 @@ def test_default_corpus_loads_and_splits_deterministically():
     assert total <= gpt.MAX_CORPUS_BYTES + a.n_files  # + the separators
     assert 0.03 < len(a.val) / total < 0.25
     assert b"def " in bytes(a.val[:100_000].tolist())
-    assert 2.5 < gpt.unigram_entropy(a.val) < math.log(256)
+    assert 2.5 < task.unigram_entropy(a.val)["unigram_entropy"] < math.log(256)
 
 
 def test_folder_is_split_by_file_and_single_file_by_position(tmp_path):
