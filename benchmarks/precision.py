@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import zfunc as zf  # noqa: E402
 from zfunc import cpu_units  # noqa: E402
 from recipes import bert, gpt, layout, llama, loop  # noqa: E402
+from recipes.recipe import Recipe  # noqa: E402
 
 RECIPES = {"gpt": gpt.RECIPE, "llama": llama.RECIPE, "bert": bert.RECIPE}
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -48,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_step(recipe: loop.Recipe, precision: str, corpus, out: str):
+def build_step(recipe: Recipe, precision: str, corpus, out: str):
     """``(step, state, batch_of)`` for ``recipe`` at its defaults in ``precision``, one process."""
     args = loop.parse_args(recipe, ["--precision", precision, "--out", out])
     plan, args = layout.resolve(args, 1, recipe.units, notices=False)

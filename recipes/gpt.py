@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from recipes import flavors, hf, layout, loop
+from recipes import flavors, hf, layout, loop, recipe
 from recipes.data import MAX_CORPUS_BYTES, VAL_PERCENT, get_batch, is_val as _is_val, load_bytes as load_corpus  # noqa: F401
 from recipes.layout import FlagError  # noqa: F401 -- recipes.gpt.FlagError, as before
 
@@ -30,18 +30,18 @@ from recipes.layout import FlagError  # noqa: F401 -- recipes.gpt.FlagError, as 
 # Tuned for ~5 minutes on a 2-core CPU; every key is also a flag (n_layer -> --n-layer).
 MODEL_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=192, block_size=128, dropout=0.0)  # 1.85M params
 DEFAULTS = dict(
-    **MODEL_DEFAULTS, **loop.MODEL_SOURCE_DEFAULTS,
-    **{**loop.TRAIN_DEFAULTS, "out": "out/gpt"},  # 600 steps x 32 x 128 tokens; AdamW(0.9, 0.95), cosine 3e-3 -> 3e-4
-    **loop.SAMPLE_DEFAULTS,
+    **MODEL_DEFAULTS, **recipe.MODEL_SOURCE_DEFAULTS,
+    **{**recipe.TRAIN_DEFAULTS, "out": "out/gpt"},  # 600 steps x 32 x 128 tokens; AdamW(0.9, 0.95), cosine 3e-3 -> 3e-4
+    **recipe.SAMPLE_DEFAULTS,
     **layout.LAYOUT_DEFAULTS,  # --zero, --offload-*, --remat, --pp, --deepspeed, ...: how, not what
 )
 UNITS = "class:Block"  # ZeRO-3 gathers, remat and pipeline stages go block by block
-HELP = {**loop.TRAIN_HELP, **loop.SAMPLE_HELP, "block_size": "context length in bytes (tokens with --tokenizer)",
+HELP = {**recipe.TRAIN_HELP, **recipe.SAMPLE_HELP, "block_size": "context length in bytes (tokens with --tokenizer)",
         "flavor": "a published GPT-2/3 size (recipes/flavors.py): " + ", ".join(flavors.GPT_FLAVORS)}
-MAY_CHANGE_ON_RESUME = loop.MAY_CHANGE_ON_RESUME
-_AT_LEAST_1 = loop.AT_LEAST_1
-RULES = dict(n_layer=_AT_LEAST_1, n_head=_AT_LEAST_1, n_embd=_AT_LEAST_1, **loop.TRAIN_RULES,
-             dropout=(lambda v: 0 <= v < 1, "a number in [0, 1)"), **loop.SAMPLE_RULES)
+MAY_CHANGE_ON_RESUME = recipe.MAY_CHANGE_ON_RESUME
+_AT_LEAST_1 = recipe.AT_LEAST_1
+RULES = dict(n_layer=_AT_LEAST_1, n_head=_AT_LEAST_1, n_embd=_AT_LEAST_1, **recipe.TRAIN_RULES,
+             dropout=(lambda v: 0 <= v < 1, "a number in [0, 1)"), **recipe.SAMPLE_RULES)
 FLAG_TO_FIELD = dict(n_layer="n_layer", n_head="n_head", n_embd="n_embd", dropout="dropout")
 
 
@@ -165,20 +165,20 @@ def _check_model_flags(args: argparse.Namespace) -> list[str]:
     return []
 
 
-def build(args: argparse.Namespace, vocab_size: int) -> loop.Built:
+def build(args: argparse.Namespace, vocab_size: int) -> recipe.Built:
     """The GPT the flags (or --flavor, or --hf-config) ask for, on the current (meta) device."""
     if args.hf_config is not None:
         return hf.built(args, vocab_size, "causal-lm")
-    kwargs = loop.model_kwargs(args, flavors.gpt_flavor(args.flavor) if args.flavor else {}, FLAG_TO_FIELD,
+    kwargs = recipe.model_kwargs(args, flavors.gpt_flavor(args.flavor) if args.flavor else {}, FLAG_TO_FIELD,
                               "block_size", vocab_size)
     cfg = GPTConfig(**kwargs)
     model = GPT(cfg)
     flops = 6 * model.num_params() + 12 * cfg.n_layer * args.block_size * cfg.n_embd
-    return loop.Built(model, asdict(cfg), cfg.block_size, materialize=model.materializer, units=UNITS,
+    return recipe.Built(model, asdict(cfg), cfg.block_size, materialize=model.materializer, units=UNITS,
                       flops_per_token=flops)
 
 
-RECIPE = loop.Recipe("gpt", __doc__.split("\n\n")[0], DEFAULTS, HELP, RULES, build, units=UNITS,
+RECIPE = recipe.Recipe("gpt", __doc__.split("\n\n")[0], DEFAULTS, HELP, RULES, build, units=UNITS,
                      check=_check_model_flags, flavors=flavors.gpt_flavor)
 
 

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import zfunc as zf
 from recipes import loop
+from recipes.recipe import Recipe
 
-def weak_scaling(recipe: loop.Recipe, worlds: str, argv: list[str], steps: int = 30, per_rank: int = 8) -> list[dict]:
+def weak_scaling(recipe: Recipe, worlds: str, argv: list[str], steps: int = 30, per_rank: int = 8) -> list[dict]:
     """The weak-scaling table: for each world size N in ``worlds`` ("1,2"), ``torchrun --standalone
     --nproc_per_node N -m recipes.NAME`` with the flags ``argv`` (the recipe's default layout) and a
     global batch of ``per_rank`` x N (``--batch-size`` in ``argv``: the per-rank batch), one CPU thread

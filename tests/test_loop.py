@@ -13,6 +13,7 @@ import pytest
 
 import zfunc as zf
 from recipes import bert, gpt, llama, loop
+from recipes.recipe import model_kwargs
 from tests.recipe_runs import ROOT, assert_same_losses, metrics
 
 RECIPES = {"gpt": gpt.main, "llama": llama.main, "bert": bert.main}
@@ -176,22 +177,22 @@ def test_a_flavor_too_short_for_the_windows_or_without_an_lm_head_is_named(tmp_p
 
 def test_model_flags_beside_a_flavor_override_it():
     args = loop.parse_args(llama.RECIPE, ["--flavor", "8B", "--n-layer", "2"])
-    kwargs = loop.model_kwargs(args, llama.FLAVORS["8B"], llama.FLAG_TO_FIELD, "max_seq_len")
+    kwargs = model_kwargs(args, llama.FLAVORS["8B"], llama.FLAG_TO_FIELD, "max_seq_len")
     assert kwargs["n_layers"] == 2 and kwargs["dim"] == 4096 and kwargs["n_kv_heads"] == 8
     assert kwargs["max_seq_len"] == 8192  # the flavor's context; --block-size is the window
-    plain = loop.model_kwargs(loop.parse_args(llama.RECIPE, []), {}, llama.FLAG_TO_FIELD, "max_seq_len")
+    plain = model_kwargs(loop.parse_args(llama.RECIPE, []), {}, llama.FLAG_TO_FIELD, "max_seq_len")
     assert plain == dict(n_layers=4, n_heads=4, n_kv_heads=2, dim=192, ffn_dim=512, max_seq_len=128)
 
 
 def test_a_flavor_whose_vocabulary_cannot_hold_the_data_is_refused_naming_both():
     args = loop.parse_args(gpt.RECIPE, ["--flavor", "small"])
-    assert loop.model_kwargs(args, {"vocab_size": 50257}, gpt.FLAG_TO_FIELD, "block_size", 300)["vocab_size"] == 50257
+    assert model_kwargs(args, {"vocab_size": 50257}, gpt.FLAG_TO_FIELD, "block_size", 300)["vocab_size"] == 50257
     with pytest.raises(ValueError, match=r"--flavor small: its vocabulary of 50257 is smaller than the data's 60000 "
                                          r"\(expected --tokenizer with at most 50257 tokens\)"):
-        loop.model_kwargs(args, {"vocab_size": 50257}, gpt.FLAG_TO_FIELD, "block_size", 60000)
+        model_kwargs(args, {"vocab_size": 50257}, gpt.FLAG_TO_FIELD, "block_size", 60000)
     with pytest.raises(ValueError, match=r"data's 60000 with the 4 special tokens \(expected --tokenizer with "
                                          r"at most 50253 tokens\)"):
-        loop.model_kwargs(args, {"vocab_size": 50257}, gpt.FLAG_TO_FIELD, "block_size", 60000, special=4)
+        model_kwargs(args, {"vocab_size": 50257}, gpt.FLAG_TO_FIELD, "block_size", 60000, special=4)
 
 
 def test_weak_scaling_table_parses_its_world_sizes():
