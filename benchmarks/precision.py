@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zfunc as zf  # noqa: E402
 from zfunc import cpu_units  # noqa: E402
-from recipes import bert, gpt, layout, llama, loop  # noqa: E402
+from recipes import bert, cli, gpt, layout, llama, loop  # noqa: E402
+from recipes.corpus import load_data  # noqa: E402
 from recipes.recipe import Recipe  # noqa: E402
 
 RECIPES = {"gpt": gpt.RECIPE, "llama": llama.RECIPE, "bert": bert.RECIPE}
@@ -51,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build_step(recipe: Recipe, precision: str, corpus, out: str):
     """``(step, state, batch_of)`` for ``recipe`` at its defaults in ``precision``, one process."""
-    args = loop.parse_args(recipe, ["--precision", precision, "--out", out])
+    args = cli.parse_args(recipe, ["--precision", precision, "--out", out])
     plan, args = layout.resolve(args, 1, recipe.units, notices=False)
     with torch.device("meta"):
         built = recipe.build(args, corpus.vocab_size + recipe.extra_vocab)
@@ -106,7 +107,7 @@ def main(argv=None) -> None:
     units = {p: ", ".join(cpu_units.native_units(p)) or "none" for p in ("bf16", "fp16")}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}, "
           f"oneDNN {'off' if opts.no_onednn else 'on'}; native units: bf16 {units['bf16']}, fp16 {units['fp16']}")
-    corpus = loop.load_data(loop.parse_args(RECIPES["gpt"], []))
+    corpus = load_data(cli.parse_args(RECIPES["gpt"], []))
     print("| recipe | " + " | ".join(f"{p} tokens/s" for p in opts.precisions) + " | "
           + " | ".join(f"fp32 / {p}" for p in opts.precisions if p != "fp32") + " |")
     for name in opts.recipes:

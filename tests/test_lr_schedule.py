@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 import zfunc as zf
-from recipes import gpt, layout, loop, lr_schedule
+from recipes import cli, gpt, layout, loop, lr_schedule
 from tests.recipe_runs import metrics
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "4",
@@ -83,7 +83,7 @@ def test_a_deepspeed_schedule_keeps_its_total_and_an_auto_one_follows_the_runs()
 
 def test_what_a_resume_says_of_its_schedule():
     args = lr_schedule.with_total(gpt.parse_args(["--steps", "8", "--warmup", "2"]))
-    plan, args = layout.resolve(loop.with_precision(args), 1, None, notices=False)
+    plan, args = layout.resolve(cli.with_precision(args), 1, None, notices=False)
     spec = lr_schedule.spec(args, plan)
     assert spec == dict(kind="warmup_cosine", total_steps=8, peak_lr=3e-3, end_lr=3e-4, warmup_steps=2)
     assert lr_schedule.on_resume(args, spec, 8, 4) is None  # the same --steps: nothing to say

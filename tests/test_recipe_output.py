@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from recipes import bert, gpt, layout, llama, loop
+from recipes import bert, cli, gpt, layout, llama, loop
 from tests.recipe_runs import TINY
 
 RECIPES = {"gpt": gpt.RECIPE, "llama": llama.RECIPE, "bert": bert.RECIPE}
@@ -23,7 +23,7 @@ def text_file(tmp_path_factory):
 # ----------------------------------------------------------------------------- --help
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_help_states_each_options_default_at_most_once(recipe):
-    parser = loop.parser(RECIPES[recipe])
+    parser = cli.parser(RECIPES[recipe])
     formatter = parser._get_formatter()
     for action in parser._actions:
         if not action.help or action.help == argparse.SUPPRESS:
@@ -58,7 +58,7 @@ def described(argv: list[str], world: int = 1, recipe=gpt):
 
     pinned = [] if "--precision" in argv else ["--precision", "fp32"]  # the default depends on the CPU
     args = recipe.parse_args(TINY + pinned + argv)
-    plan, args = layout.resolve(loop.with_precision(args), world, recipe.RECIPE.units)
+    plan, args = layout.resolve(cli.with_precision(args), world, recipe.RECIPE.units)
     with torch.device("meta"):
         built = recipe.RECIPE.build(args, 256)
     zf.parallelize.prepare(built.module, plan)
