@@ -402,8 +402,8 @@ HELP = {**recipe.TRAIN_HELP, "block_size": "sequence length in bytes (tokens wit
         "nsp": "also train next-sentence prediction: [CLS] A [SEP] B [SEP] pairs, B the next window or (1/2) a "
                "random one, a classifier on [CLS]; eval adds the NSP accuracy",
         "flavor": "a published BERT size (module docstring): " + ", ".join(FLAVORS) + "; its NSP head only with --nsp"}
-RULES = dict(n_layer=recipe.AT_LEAST_1, n_head=recipe.AT_LEAST_1, n_embd=recipe.AT_LEAST_1, ffn_dim=recipe.AT_LEAST_1,
-             dropout=(lambda v: 0 <= v < 1, "a number in [0, 1)"),
+RULES = dict(n_layer=recipe.AT_LEAST_1, n_head=recipe.AT_LEAST_1, n_embd=recipe.AT_LEAST_1,
+             ffn_dim=recipe.AT_LEAST_1, dropout=(lambda v: 0 <= v < 1, "a number in [0, 1)"),
              init_std=(lambda v: math.isfinite(v) and v > 0, "a finite number > 0"), **recipe.TRAIN_RULES)
 FLAG_TO_FIELD = dict(n_layer="n_layers", n_head="n_heads", n_embd="dim", ffn_dim="ffn_dim",
                      dropout="dropout", init_std="init_std")
@@ -441,20 +441,19 @@ def build(args: argparse.Namespace, vocab_size: int) -> recipe.Built:
         return hf.built(args, vocab_size, "masked-lm")
     flavor = lookup(FLAVORS, args.flavor, "bert") if args.flavor else {}
     kwargs = recipe.model_kwargs(args, flavor, FLAG_TO_FIELD, "max_seq_len", vocab_size,
-                               special=len((PAD, CLS, SEP, MASK)))
+                                 special=len((PAD, CLS, SEP, MASK)))
     kwargs["nsp"] = args.nsp  # the head, and sentence A / B embeddings, only when the task trains them
     if args.nsp:
         kwargs["type_vocab_size"] = max(2, kwargs.get("type_vocab_size", 0))
     cfg = BertConfig(**kwargs)
     model = Bert(cfg)
     flops = 6 * model.num_params() + 12 * cfg.n_layers * args.block_size * cfg.dim
-    return recipe.Built(model, asdict(cfg), cfg.max_seq_len, materialize=lambda seed: materializer(seed, cfg.init_std),
-                      units=UNITS,
-                      flops_per_token=flops)
+    return recipe.Built(model, asdict(cfg), cfg.max_seq_len,
+                        materialize=lambda seed: materializer(seed, cfg.init_std), units=UNITS, flops_per_token=flops)
 
 
 RECIPE = recipe.Recipe("bert", __doc__.split("\n\n")[0], DEFAULTS, HELP, RULES, build, task=MASKED, units=UNITS,
-                     check=_check_model_flags, extra_vocab=4, flavors=lambda name: lookup(FLAVORS, name, "bert"))
+                       check=_check_model_flags, extra_vocab=4, flavors=lambda name: lookup(FLAVORS, name, "bert"))
 RECIPE_NSP = replace(RECIPE, task=MASKED_NSP, check=lambda args: _check_model_flags(args, nsp=True))
 
 

@@ -23,8 +23,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from recipes import flavors, hf, layout, loop, recipe
-from recipes.data import MAX_CORPUS_BYTES, VAL_PERCENT, get_batch, is_val as _is_val, load_bytes as load_corpus  # noqa: F401
-from recipes.layout import FlagError  # noqa: F401 -- recipes.gpt.FlagError, as before
 
 # ----------------------------------------------------------------------------- config
 # Tuned for ~5 minutes on a 2-core CPU; every key is also a flag (n_layer -> --n-layer).
@@ -38,9 +36,7 @@ DEFAULTS = dict(
 UNITS = "class:Block"  # ZeRO-3 gathers, remat and pipeline stages go block by block
 HELP = {**recipe.TRAIN_HELP, **recipe.SAMPLE_HELP, "block_size": "context length in bytes (tokens with --tokenizer)",
         "flavor": "a published GPT-2/3 size (recipes/flavors.py): " + ", ".join(flavors.GPT_FLAVORS)}
-MAY_CHANGE_ON_RESUME = recipe.MAY_CHANGE_ON_RESUME
-_AT_LEAST_1 = recipe.AT_LEAST_1
-RULES = dict(n_layer=_AT_LEAST_1, n_head=_AT_LEAST_1, n_embd=_AT_LEAST_1, **recipe.TRAIN_RULES,
+RULES = dict(n_layer=recipe.AT_LEAST_1, n_head=recipe.AT_LEAST_1, n_embd=recipe.AT_LEAST_1, **recipe.TRAIN_RULES,
              dropout=(lambda v: 0 <= v < 1, "a number in [0, 1)"), **recipe.SAMPLE_RULES)
 FLAG_TO_FIELD = dict(n_layer="n_layer", n_head="n_head", n_embd="n_embd", dropout="dropout")
 
@@ -154,9 +150,7 @@ class GPT(nn.Module):
         return n - self.wpe.weight.numel() if non_embedding else n
 
 
-# ----------------------------------------------------------------------------- training
-# The loop, its flags and their checks are recipes/loop.py's, shared with the Llama and BERT recipes.
-peak_flops = loop.peak_flops
+# ----------------------------------------------------------------------------- the recipe
 
 
 def _check_model_flags(args: argparse.Namespace) -> list[str]:
@@ -170,44 +164,20 @@ def build(args: argparse.Namespace, vocab_size: int) -> recipe.Built:
     if args.hf_config is not None:
         return hf.built(args, vocab_size, "causal-lm")
     kwargs = recipe.model_kwargs(args, flavors.gpt_flavor(args.flavor) if args.flavor else {}, FLAG_TO_FIELD,
-                              "block_size", vocab_size)
+                                 "block_size", vocab_size)
     cfg = GPTConfig(**kwargs)
     model = GPT(cfg)
     flops = 6 * model.num_params() + 12 * cfg.n_layer * args.block_size * cfg.n_embd
     return recipe.Built(model, asdict(cfg), cfg.block_size, materialize=model.materializer, units=UNITS,
-                      flops_per_token=flops)
+                        flops_per_token=flops)
 
 
 RECIPE = recipe.Recipe("gpt", __doc__.split("\n\n")[0], DEFAULTS, HELP, RULES, build, units=UNITS,
-                     check=_check_model_flags, flavors=flavors.gpt_flavor)
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    """Every key of DEFAULTS is a flag: n_layer -> --n-layer (their values are checked by check_args);
-    ``args.given`` names the flags given on the command line (a --deepspeed config's values yield to them)."""
-    return loop.parse_args(RECIPE, argv)
-
-
-def check_args(args: argparse.Namespace) -> None:
-    """Every flag checked before anything is built (recipes/loop.py's check_args); FlagError names each."""
-    loop.check_args(RECIPE, args)
-
-
-with_precision = loop.with_precision
-
-
-def training_flags(args: argparse.Namespace, plan=None) -> dict:
-    return loop.training_flags(RECIPE, args, plan)
-
-
-def train(args: argparse.Namespace) -> dict:
-    """Train per `args` (from parse_args); returns the final numbers, sample and checkpoint path
-    (on rank 0; the other ranks return what they know)."""
-    return loop.train(RECIPE, args)
+                       check=_check_model_flags, flavors=flavors.gpt_flavor)
 
 
 def main(argv=None) -> dict:
-    """The command line; flags that cannot work exit with status 2 and their message, as argparse's do."""
+    """The command line (recipes/loop.py); flags that cannot work exit with status 2, naming each."""
     return loop.main(RECIPE, argv)
 
 

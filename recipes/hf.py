@@ -121,6 +121,7 @@ def built(args, vocab_size: int, task: str):
                     if isinstance(getattr(config, k, None), int)), 1 << 30)
     units = "class:" + ",".join(c.__name__ for c in model.layer_classes()) if model.layer_classes() else None
     n = recipe.n_params(model)
+    init = model.model._init_weights
     return recipe.Built(model, {**cfg, **overrides}, context,
-                      materialize=lambda seed: zf.materialize.from_module(model, seed, init=model.model._init_weights),
-                      units=units, flops_per_token=6 * n)
+                        materialize=lambda seed: zf.materialize.from_module(model, seed, init=init),
+                        units=units, flops_per_token=6 * n)

@@ -251,8 +251,8 @@ UNITS = "class:Block"
 HELP = {**recipe.TRAIN_HELP, **recipe.SAMPLE_HELP, "block_size": "context length in bytes (tokens with --tokenizer)",
         "n_kv_head": "key/value heads (grouped-query attention; a divisor of --n-head)",
         "ffn_dim": "SwiGLU hidden width", "flavor": "a published Llama size (module docstring): " + ", ".join(FLAVORS)}
-RULES = dict(n_layer=recipe.AT_LEAST_1, n_head=recipe.AT_LEAST_1, n_kv_head=recipe.AT_LEAST_1, n_embd=recipe.AT_LEAST_1,
-             ffn_dim=recipe.AT_LEAST_1, **recipe.TRAIN_RULES, **recipe.SAMPLE_RULES)
+RULES = dict(n_layer=recipe.AT_LEAST_1, n_head=recipe.AT_LEAST_1, n_kv_head=recipe.AT_LEAST_1,
+             n_embd=recipe.AT_LEAST_1, ffn_dim=recipe.AT_LEAST_1, **recipe.TRAIN_RULES, **recipe.SAMPLE_RULES)
 FLAG_TO_FIELD = dict(n_layer="n_layers", n_head="n_heads", n_kv_head="n_kv_heads", n_embd="dim", ffn_dim="ffn_dim")
 
 
@@ -291,11 +291,11 @@ def build(args: argparse.Namespace, vocab_size: int) -> recipe.Built:
     model = Llama(cfg)
     flops = 6 * model.num_params() + 12 * cfg.n_layers * args.block_size * cfg.dim
     return recipe.Built(model, asdict(cfg), cfg.max_seq_len, materialize=lambda seed: materializer(cfg, seed),
-                      units=UNITS, flops_per_token=flops)
+                        units=UNITS, flops_per_token=flops)
 
 
 RECIPE = recipe.Recipe("llama", __doc__.split("\n\n")[0], DEFAULTS, HELP, RULES, build, units=UNITS,
-                     check=_check_model_flags, flavors=lambda name: lookup(FLAVORS, name, "llama"))
+                       check=_check_model_flags, flavors=lambda name: lookup(FLAVORS, name, "llama"))
 
 
 def main(argv=None) -> dict:

@@ -83,8 +83,11 @@ def _causal_report(metrics: dict, baseline: dict, unit: str) -> str:
     return f"val loss {metrics['val_loss']:.3f} nats/{unit} (unigram baseline {baseline['unigram_entropy']:.3f})"
 
 
-CAUSAL = Task("causal-lm", lambda data, B, T, gen, vocab_size: data_mod.get_batch(data, B, T, gen), _causal_loss, _causal_eval,
-              unigram_entropy, _causal_report)
+def _causal_batch(data, batch_size, block_size, generator, vocab_size):
+    return data_mod.get_batch(data, batch_size, block_size, generator)
+
+
+CAUSAL = Task("causal-lm", _causal_batch, _causal_loss, _causal_eval, unigram_entropy, _causal_report)
 
 
 @torch.no_grad()

@@ -233,5 +233,5 @@ def test_the_out_probe_leaves_another_process_probe_alone(tmp_path):
     theirs = tmp_path / "out" / "ckpt" / f".write-test-{os.getpid()}"
     theirs.parent.mkdir(parents=True)
     theirs.write_bytes(b"")
-    cli.check_args(gpt.RECIPE, gpt.parse_args(["--out", str(tmp_path / "out")]))
+    cli.check_args(gpt.RECIPE, cli.parse_args(gpt.RECIPE, ["--out", str(tmp_path / "out")]))
     assert theirs.exists()
