@@ -25,9 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import zfunc as zf  # noqa: E402
 from zfunc import cpu_units  # noqa: E402
-from recipes import bert, cli, gpt, layout, llama, loop  # noqa: E402
+from recipes import bert, checkpoints, cli, engine, gpt, layout, llama  # noqa: E402
 from recipes.corpus import load_data  # noqa: E402
 from recipes.recipe import Recipe  # noqa: E402
 
@@ -54,21 +53,13 @@ def build_step(recipe: Recipe, precision: str, corpus, out: str):
     """``(step, state, batch_of)`` for ``recipe`` at its defaults in ``precision``, one process."""
     args = cli.parse_args(recipe, ["--precision", precision, "--out", out])
     plan, args = layout.resolve(args, 1, recipe.units, notices=False)
-    with torch.device("meta"):
-        built = recipe.build(args, corpus.vocab_size + recipe.extra_vocab)
+    built = engine.build_model(recipe, args, corpus.vocab_size + recipe.extra_vocab)
     if built.units != recipe.units:
         plan, args = layout.resolve(args, 1, built.units, notices=False)
-    zf.parallelize.prepare(built.module, plan)
-    apply, params = zf.functionalize(built.module)
+    apply, params = engine.functional(built.module, plan)
     task = recipe.task
-
-    def loss_fn(params, batch):
-        return task.loss(apply(params, *batch[:task.inputs]), batch)
-
-    step = zf.train_step(loss_fn, loop.make_optimizer(args, plan), precision=precision, accum=plan.accum,
-                         seed=args.seed)
-    step = zf.parallelize(step, built.module, plan, zf.Mesh(dp=1, pp=1))
-    state, _ = loop.first_state(args, step, built, params, plan, torch.device("cpu"))
+    step, _ = engine.build_step(engine.loss_fn(task, apply), built.module, args, plan)
+    state, _ = checkpoints.first_state(args, step, built, params, plan, torch.device("cpu"))
 
     def batch_of(i: int):
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + i)

@@ -2,7 +2,7 @@
 
 nanoGPT-style: the config and the model (plain torch, no zfunc) here; the flat training loop driven
 by a zfunc Step, its flags and the data are shared with the Llama and BERT recipes (recipes/loop.py,
-recipes/data.py). With no flags it trains on the Python standard library's own source
+recipes/cli.py, recipes/data.py). With no flags it trains on the Python standard library's own source
 (bytes, vocab 256) and reaches val loss <= 2.4 nats/byte in about 5 minutes on a 2-core CPU.
 On a GPU the same command uses it and reports MFU.
 

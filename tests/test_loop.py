@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import zfunc as zf
-from recipes import bert, cli, gpt, llama, loop
+from recipes import bert, cli, gpt, llama
 from recipes.recipe import model_kwargs
 from tests.recipe_runs import ROOT, assert_same_losses, metrics
 

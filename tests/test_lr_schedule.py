@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 import zfunc as zf
-from recipes import cli, gpt, layout, loop, lr_schedule
+from recipes import cli, engine, gpt, layout, lr_schedule
 from tests.recipe_runs import metrics
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "4",
@@ -72,7 +72,7 @@ def test_a_deepspeed_schedule_keeps_its_total_and_an_auto_one_follows_the_runs()
     assert spec["kind"] == "WarmupDecayLR" and spec["total_steps"] == 10  # the config's, not --steps
     ours, theirs = lr_schedule.function(spec), zf.config.schedule(plan)
     assert [ours(n) for n in range(14)] == [theirs(n) for n in range(14)] and ours(11) == ours(13) == 0.0
-    loop.make_optimizer(args, plan)  # the config's total: no ValueError for differing from --steps
+    engine.make_optimizer(args, plan)  # the config's total: no ValueError for differing from --steps
     resumed = lr_schedule.with_total(args)  # no --resume: laid over --steps
     assert lr_schedule.total(resumed) == 6
     flags = {"deepspeed_optimizer": {"scheduler_params": {"total_num_steps": 6, "warmup_num_steps": 2}}}

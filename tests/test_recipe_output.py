@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from recipes import bert, cli, gpt, layout, llama, loop
+from recipes import bert, cli, gpt, layout, llama, report
 from tests.recipe_runs import TINY
 
 RECIPES = {"gpt": gpt.RECIPE, "llama": llama.RECIPE, "bert": bert.RECIPE}
@@ -57,14 +57,14 @@ def described(argv: list[str], world: int = 1, recipe=gpt):
     import zfunc as zf
 
     pinned = [] if "--precision" in argv else ["--precision", "fp32"]  # the default depends on the CPU
-    args = recipe.parse_args(TINY + pinned + argv)
+    args = cli.parse_args(recipe.RECIPE, TINY + pinned + argv)
     plan, args = layout.resolve(cli.with_precision(args), world, recipe.RECIPE.units)
     with torch.device("meta"):
         built = recipe.RECIPE.build(args, 256)
     zf.parallelize.prepare(built.module, plan)
     _, params = zf.functionalize(built.module)
-    lines = loop.describe(args, plan, layout.Launch(world, 0, 0), built, torch.device("cpu"), params)
-    return lines[-1], loop.plan_bytes(params, plan, built.module), params, built.module
+    lines = report.describe(args, plan, layout.Launch(world, 0, 0), built, torch.device("cpu"), params)
+    return lines[-1], report.plan_bytes(params, plan, built.module), params, built.module
 
 
 def test_a_pipelines_plan_line_counts_its_ranks_and_stage_0s_bytes():
