@@ -95,7 +95,7 @@ class Built:
     module: nn.Module
     config: dict  # saved in every checkpoint as extra["config"]
     context: int  # the longest window it takes (--block-size must not exceed it)
-    materialize: Callable[[int], Callable]  # seed -> zf.materialize materializer of every param
+    materialize: Callable[[int], Callable]  # seed -> zf.materialize materializer of every param, the model untiled
     units: str | None = None  # the plan's units (ZeRO-3 gathers, remat, pipeline stages)
     flops_per_token: float = 0.0
 
