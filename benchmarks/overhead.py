@@ -29,7 +29,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zfunc as zf  # noqa: E402
-from recipes.gpt import DEFAULTS, GPT, GPTConfig, get_batch, load_corpus  # noqa: E402
+from recipes.data import get_batch, load_bytes as load_corpus  # noqa: E402
+from recipes.gpt import DEFAULTS, GPT, GPTConfig  # noqa: E402
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -25,9 +25,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import zfunc as zf  # noqa: E402
 from zfunc.ops.cpu import units as cpu_units  # noqa: E402
-from recipes import bert, gpt, layout, llama, loop  # noqa: E402
+from recipes import bert, checkpoints, cli, engine, gpt, layout, llama  # noqa: E402
+from recipes.corpus import load_data  # noqa: E402
+from recipes.recipe import Recipe  # noqa: E402
 
 RECIPES = {"gpt": gpt.RECIPE, "llama": llama.RECIPE, "bert": bert.RECIPE}
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -48,25 +49,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_step(recipe: loop.Recipe, precision: str, corpus, out: str):
+def build_step(recipe: Recipe, precision: str, corpus, out: str):
     """``(step, state, batch_of)`` for ``recipe`` at its defaults in ``precision``, one process."""
-    args = loop.parse_args(recipe, ["--precision", precision, "--out", out])
+    args = cli.parse_args(recipe, ["--precision", precision, "--out", out])
     plan, args = layout.resolve(args, 1, recipe.units, notices=False)
-    with torch.device("meta"):
-        built = recipe.build(args, corpus.vocab_size + recipe.extra_vocab)
+    built = engine.build_model(recipe, args, corpus.vocab_size + recipe.extra_vocab)
     if built.units != recipe.units:
         plan, args = layout.resolve(args, 1, built.units, notices=False)
-    zf.config.prepare(built.module, plan)
-    apply, params = zf.functionalize(built.module)
+    apply, params = engine.functional(built.module, plan)
     task = recipe.task
-
-    def loss_fn(params, batch):
-        return task.loss(apply(params, *batch[:task.inputs]), batch)
-
-    step = zf.train_step(loss_fn, loop.make_optimizer(args, plan), precision=precision, accum=plan.accum,
-                         seed=args.seed)
-    step = zf.parallelize(step, built.module, plan, zf.Mesh(dp=1, pp=1))
-    state, _ = loop.first_state(args, step, built, params, plan, torch.device("cpu"))
+    step, _ = engine.build_step(engine.loss_fn(task, apply), built.module, args, plan)
+    state, _ = checkpoints.first_state(args, step, built, params, plan, torch.device("cpu"))
 
     def batch_of(i: int):
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + i)
@@ -105,7 +98,7 @@ def main(argv=None) -> None:
     units = {p: ", ".join(cpu_units.native_units(p)) or "none" for p in ("bf16", "fp16")}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}, "
           f"oneDNN {'off' if opts.no_onednn else 'on'}; native units: bf16 {units['bf16']}, fp16 {units['fp16']}")
-    corpus = loop.load_data(loop.parse_args(RECIPES["gpt"], []))
+    corpus = load_data(cli.parse_args(RECIPES["gpt"], []))
     print("| recipe | " + " | ".join(f"{p} tokens/s" for p in opts.precisions) + " | "
           + " | ".join(f"fp32 / {p}" for p in opts.precisions if p != "fp32") + " |")
     for name in opts.recipes:

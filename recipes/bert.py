@@ -46,7 +46,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from recipes import data as data_mod
-from recipes import hf, layout, loop, scaling
+from recipes import hf, layout, loop, recipe, scaling
+from recipes import task as task_mod
 from recipes.flavors import lookup
 
 # Byte-level vocabulary: 256 bytes, then the special tokens (none of them a byte).
@@ -276,7 +277,7 @@ def masked_batch(data, batch_size: int, block_size: int, generator, vocab_size: 
 
 
 def masked_loss(out, batch):
-    logits, labels, scale = loop.logits_of(out), batch[1], batch[2]
+    logits, labels, scale = task_mod.logits_of(out), batch[1], batch[2]
     total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
     return total * scale[0] / labels.shape[0]
 
@@ -365,8 +366,8 @@ def nsp_eval(forward, val, args, generator, vocab_size) -> dict:
 
 def unigram_guess(data, vocab_size: int) -> dict:
     """The guesses to beat: always the most common token (accuracy), and the unigram entropy (loss)."""
-    counts = loop.token_counts(data, vocab_size)
-    return {"unigram_accuracy": float(counts.max() / counts.sum()), **loop.unigram_entropy(data, vocab_size)}
+    counts = task_mod.token_counts(data, vocab_size)
+    return {"unigram_accuracy": float(counts.max() / counts.sum()), **task_mod.unigram_entropy(data, vocab_size)}
 
 
 def masked_report(metrics: dict, baseline: dict, unit: str) -> str:
@@ -376,9 +377,9 @@ def masked_report(metrics: dict, baseline: dict, unit: str) -> str:
             + nsp)
 
 
-MASKED = loop.Task("masked-lm", masked_batch, masked_loss, masked_eval, unigram_guess, masked_report, sample=False,
+MASKED = task_mod.Task("masked-lm", masked_batch, masked_loss, masked_eval, unigram_guess, masked_report, sample=False,
                    hf_task="masked-lm")
-MASKED_NSP = loop.Task("masked-lm+nsp", nsp_batch, nsp_loss, nsp_eval, unigram_guess, masked_report, sample=False,
+MASKED_NSP = task_mod.Task("masked-lm+nsp", nsp_batch, nsp_loss, nsp_eval, unigram_guess, masked_report, sample=False,
                        hf_task="masked-lm", inputs=2)
 
 
@@ -389,21 +390,21 @@ MASKED_NSP = loop.Task("masked-lm+nsp", nsp_batch, nsp_loss, nsp_eval, unigram_g
 # steps take about the time of GPT's 600 (the lead re-times on a quiet machine). Layout: ZeRO-1, in the
 # machine's precision (recipes/precision.py), as every recipe.
 MODEL_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=192, ffn_dim=768, block_size=32, dropout=0.0, init_std=0.05)
-DEFAULTS = dict(**MODEL_DEFAULTS, nsp=False, **loop.MODEL_SOURCE_DEFAULTS,
-                **{**loop.TRAIN_DEFAULTS, "out": "out/bert", "lr": 1e-3, "end_lr": 1e-4,
+DEFAULTS = dict(**MODEL_DEFAULTS, nsp=False, **recipe.MODEL_SOURCE_DEFAULTS,
+                **{**recipe.TRAIN_DEFAULTS, "out": "out/bert", "lr": 1e-3, "end_lr": 1e-4,
                    "weight_decay": 0.01, "batch_size": 128, "steps": 1200},
                 **{**layout.LAYOUT_DEFAULTS, "zero": 1})
 UNITS = "class:Layer"
-HELP = {**loop.TRAIN_HELP, "block_size": "sequence length in bytes (tokens with --tokenizer)",
+HELP = {**recipe.TRAIN_HELP, "block_size": "sequence length in bytes (tokens with --tokenizer)",
         "init_std": "std of every matrix at init (BERT's initializer_range: 0.02; the flavors keep it)",
         "ffn_dim": "MLP hidden width",
         "zero": "ZeRO stage (default 1, the seed's): " + layout.LAYOUT_HELP["zero"],
         "nsp": "also train next-sentence prediction: [CLS] A [SEP] B [SEP] pairs, B the next window or (1/2) a "
                "random one, a classifier on [CLS]; eval adds the NSP accuracy",
         "flavor": "a published BERT size (module docstring): " + ", ".join(FLAVORS) + "; its NSP head only with --nsp"}
-RULES = dict(n_layer=loop.AT_LEAST_1, n_head=loop.AT_LEAST_1, n_embd=loop.AT_LEAST_1, ffn_dim=loop.AT_LEAST_1,
-             dropout=(lambda v: 0 <= v < 1, "a number in [0, 1)"),
-             init_std=(lambda v: math.isfinite(v) and v > 0, "a finite number > 0"), **loop.TRAIN_RULES)
+RULES = dict(n_layer=recipe.AT_LEAST_1, n_head=recipe.AT_LEAST_1, n_embd=recipe.AT_LEAST_1,
+             ffn_dim=recipe.AT_LEAST_1, dropout=(lambda v: 0 <= v < 1, "a number in [0, 1)"),
+             init_std=(lambda v: math.isfinite(v) and v > 0, "a finite number > 0"), **recipe.TRAIN_RULES)
 FLAG_TO_FIELD = dict(n_layer="n_layers", n_head="n_heads", n_embd="dim", ffn_dim="ffn_dim",
                      dropout="dropout", init_std="init_std")
 
@@ -433,27 +434,26 @@ def materializer(seed: int, std: float = 0.02):
                                    "*": zf.materialize.normal(std, seed)})
 
 
-def build(args: argparse.Namespace, vocab_size: int) -> loop.Built:
+def build(args: argparse.Namespace, vocab_size: int) -> recipe.Built:
     """The BERT the flags (or --flavor, or --hf-config) ask for, on the current (meta) device;
     ``vocab_size``: the data's ids and the 4 special ones."""
     if args.hf_config is not None:
         return hf.built(args, vocab_size, "masked-lm")
     flavor = lookup(FLAVORS, args.flavor, "bert") if args.flavor else {}
-    kwargs = loop.model_kwargs(args, flavor, FLAG_TO_FIELD, "max_seq_len", vocab_size,
-                               special=len((PAD, CLS, SEP, MASK)))
+    kwargs = recipe.model_kwargs(args, flavor, FLAG_TO_FIELD, "max_seq_len", vocab_size,
+                                 special=len((PAD, CLS, SEP, MASK)))
     kwargs["nsp"] = args.nsp  # the head, and sentence A / B embeddings, only when the task trains them
     if args.nsp:
         kwargs["type_vocab_size"] = max(2, kwargs.get("type_vocab_size", 0))
     cfg = BertConfig(**kwargs)
     model = Bert(cfg)
     flops = 6 * model.num_params() + 12 * cfg.n_layers * args.block_size * cfg.dim
-    return loop.Built(model, asdict(cfg), cfg.max_seq_len, materialize=lambda seed: materializer(seed, cfg.init_std),
-                      units=UNITS,
-                      flops_per_token=flops)
+    return recipe.Built(model, asdict(cfg), cfg.max_seq_len,
+                        materialize=lambda seed: materializer(seed, cfg.init_std), units=UNITS, flops_per_token=flops)
 
 
-RECIPE = loop.Recipe("bert", __doc__.split("\n\n")[0], DEFAULTS, HELP, RULES, build, task=MASKED, units=UNITS,
-                     check=_check_model_flags, extra_vocab=4, flavors=lambda name: lookup(FLAVORS, name, "bert"))
+RECIPE = recipe.Recipe("bert", __doc__.split("\n\n")[0], DEFAULTS, HELP, RULES, build, task=MASKED, units=UNITS,
+                       check=_check_model_flags, extra_vocab=4, flavors=lambda name: lookup(FLAVORS, name, "bert"))
 RECIPE_NSP = replace(RECIPE, task=MASKED_NSP, check=lambda args: _check_model_flags(args, nsp=True))
 
 
@@ -466,10 +466,10 @@ def main(argv=None):
     known, rest = first.parse_known_args(argv)
     task = argparse.ArgumentParser(add_help=False)
     task.add_argument("--nsp", action="store_true")
-    recipe = RECIPE_NSP if task.parse_known_args(argv)[0].nsp else RECIPE
+    chosen = RECIPE_NSP if task.parse_known_args(argv)[0].nsp else RECIPE
     if known.scaling is not None:
-        return scaling.weak_scaling(recipe, known.scaling, rest)
-    return loop.main(recipe, argv)
+        return scaling.weak_scaling(chosen, known.scaling, rest)
+    return loop.main(chosen, argv)
 
 
 if __name__ == "__main__":

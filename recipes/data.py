@@ -1,7 +1,7 @@
 """Data for the recipes: bytes, or tokens of a local tokenizer streamed from a cached file.
 
 Without a tokenizer the corpus is bytes in RAM (vocab 256), read file by file straight into the one
-tensor that holds them (RAM: the text once), as recipes/gpt.py's load_corpus reads it. With
+tensor that holds them (RAM: the text once; ``load_bytes``). With
 ``--tokenizer PATH`` (a ``tokenizers`` / Hugging Face ``tokenizer.json``, or a folder holding one;
 read locally, nothing is downloaded) the corpus is tokenized once into a flat file of token ids,
 cached under a key of the corpus files (names, sizes, modification times), the byte cap and the
@@ -14,7 +14,7 @@ position instead (bytes: at 90% of the bytes; tokens: at 90% of the tokens). Fil
 sorted path order and read only up to the cap (``--data-cap``, recipes/data_cap.py: default all of
 the corpus, but MAX_CORPUS_BYTES of the default corpus as bytes): no file after it is opened, however
 large; the rest is only listed (a stat per file) to say what the cap left out.
-``get_batch`` draws the same windows as recipes/gpt.py's for the same generator, from either form.
+``get_batch`` draws the same windows for the same generator from either form.
 
 Cost of building the cache: one pass over the corpus (read, tokenize, write 2 or 4 bytes per token),
 file by file in pieces of PIECE_BYTES, so memory stays bounded by a piece whatever the corpus size.
@@ -38,7 +38,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from recipes.data_cap import DEFAULT_CAP, MAX_CORPUS_BYTES, Leftover, resolve_cap  # noqa: F401 (gpt's import)
+from recipes.data_cap import DEFAULT_CAP, Leftover, resolve_cap
 
 VAL_PERCENT = 10
 PIECE_BYTES = 4 * 2**20  # text tokenized at a time when building a cache
@@ -225,9 +225,9 @@ def min_corpus(block_size: int) -> int:
 
 
 def get_batch(data: torch.Tensor | np.ndarray, batch_size: int, block_size: int, generator=None, device="cpu"):
-    """Random windows: x = data[i:i+T], y = data[i+1:i+T+1] as int64 (B, T); the same windows as
-    recipes/gpt.py's get_batch for the same generator. ``data``: a tensor, or an array / np.memmap (only
-    the windows drawn are read)."""
+    """Random windows: x = data[i:i+T], y = data[i+1:i+T+1] as int64 (B, T), the same windows for the
+    same generator whatever the form of ``data``: a tensor, or an array / np.memmap (only the windows
+    drawn are read)."""
     if len(data) <= block_size + 1:
         raise ValueError(f"split of {len(data)} tokens is too short for block_size={block_size}")
     ix = torch.randint(len(data) - block_size - 1, (batch_size,), generator=generator)

@@ -2,7 +2,7 @@
 
 nanoGPT-style: the config and the model (plain torch, no zfunc) here; the flat training loop driven
 by a zfunc Step, its flags and the data are shared with the Llama and BERT recipes (recipes/loop.py,
-recipes/data.py). With no flags it trains on the Python standard library's own source
+recipes/cli.py, recipes/data.py). With no flags it trains on the Python standard library's own source
 (bytes, vocab 256) and reaches val loss <= 2.4 nats/byte in about 5 minutes on a 2-core CPU.
 On a GPU the same command uses it and reports MFU.
 
@@ -22,26 +22,22 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from recipes import flavors, hf, layout, loop
-from recipes.data import MAX_CORPUS_BYTES, VAL_PERCENT, get_batch, is_val as _is_val, load_bytes as load_corpus  # noqa: F401
-from recipes.layout import FlagError  # noqa: F401 -- recipes.gpt.FlagError, as before
+from recipes import flavors, hf, layout, loop, recipe
 
 # ----------------------------------------------------------------------------- config
 # Tuned for ~5 minutes on a 2-core CPU; every key is also a flag (n_layer -> --n-layer).
 MODEL_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=192, block_size=128, dropout=0.0)  # 1.85M params
 DEFAULTS = dict(
-    **MODEL_DEFAULTS, **loop.MODEL_SOURCE_DEFAULTS,
-    **{**loop.TRAIN_DEFAULTS, "out": "out/gpt"},  # 600 steps x 32 x 128 tokens; AdamW(0.9, 0.95), cosine 3e-3 -> 3e-4
-    **loop.SAMPLE_DEFAULTS,
+    **MODEL_DEFAULTS, **recipe.MODEL_SOURCE_DEFAULTS,
+    **{**recipe.TRAIN_DEFAULTS, "out": "out/gpt"},  # 600 steps x 32 x 128 tokens; AdamW(0.9, 0.95), cosine 3e-3 -> 3e-4
+    **recipe.SAMPLE_DEFAULTS,
     **layout.LAYOUT_DEFAULTS,  # --zero, --offload-*, --remat, --pp, --deepspeed, ...: how, not what
 )
 UNITS = "class:Block"  # ZeRO-3 gathers, remat and pipeline stages go block by block
-HELP = {**loop.TRAIN_HELP, **loop.SAMPLE_HELP, "block_size": "context length in bytes (tokens with --tokenizer)",
+HELP = {**recipe.TRAIN_HELP, **recipe.SAMPLE_HELP, "block_size": "context length in bytes (tokens with --tokenizer)",
         "flavor": "a published GPT-2/3 size (recipes/flavors.py): " + ", ".join(flavors.GPT_FLAVORS)}
-MAY_CHANGE_ON_RESUME = loop.MAY_CHANGE_ON_RESUME
-_AT_LEAST_1 = loop.AT_LEAST_1
-RULES = dict(n_layer=_AT_LEAST_1, n_head=_AT_LEAST_1, n_embd=_AT_LEAST_1, **loop.TRAIN_RULES,
-             dropout=(lambda v: 0 <= v < 1, "a number in [0, 1)"), **loop.SAMPLE_RULES)
+RULES = dict(n_layer=recipe.AT_LEAST_1, n_head=recipe.AT_LEAST_1, n_embd=recipe.AT_LEAST_1, **recipe.TRAIN_RULES,
+             dropout=(lambda v: 0 <= v < 1, "a number in [0, 1)"), **recipe.SAMPLE_RULES)
 FLAG_TO_FIELD = dict(n_layer="n_layer", n_head="n_head", n_embd="n_embd", dropout="dropout")
 
 
@@ -125,18 +121,10 @@ class GPT(nn.Module):
         (``zf.materialize.normal``'s law): the same whatever the layout, the number of processes or the
         order leaves are made in, so a model built on the meta device can be materialized rank by rank
         (ZeRO-3: each rank draws only its rows; offload: leaf by leaf) and train exactly as one built
-        whole. A tile of a layer split along dim 0 (``zf.tile``) is its rows of the whole layer's value.
-        Cost: the rows asked for (plus at most two 1 MiB blocks being drawn)."""
+        whole. Cost: the rows asked for (plus at most two 1 MiB blocks being drawn)."""
         import zfunc as zf
 
         owner, _, kind = name.rpartition(".")
-        layer, _, index = owner.rpartition(".")
-        if layer.endswith(".tiles") and index.isdigit():  # a tile: its rows of the whole layer
-            sizes = [getattr(t, kind).shape[0] for t in self.get_submodule(layer)]
-            start, mine = sum(sizes[: int(index)]), rows or slice(0, sizes[int(index)])
-            whole = torch.empty((sum(sizes), *like.shape[1:]), dtype=like.dtype, device="meta")
-            return self.initial_value(f"{layer.removesuffix('.tiles')}.{kind}", whole, seed,
-                                      slice(start + mine.start, start + mine.stop))
         return zf.materialize.leaf(self._rule(owner, kind, seed), name, like, rows)
 
     def materializer(self, seed: int):
@@ -162,37 +150,7 @@ class GPT(nn.Module):
         return n - self.wpe.weight.numel() if non_embedding else n
 
 
-@torch.no_grad()
-def generate(model_fn, prompt: bytes, length: int, block_size: int, temperature=0.8, top_k=40,
-             generator=None, device="cpu") -> bytes:
-    """Sample `length` bytes after `prompt`; model_fn(idx) -> logits (a model or a closure)."""
-    idx = torch.tensor(list(prompt or b"\n"), dtype=torch.long, device=device)[None]
-    for _ in range(length):
-        logits = model_fn(idx[:, -block_size:])[:, -1, :].float() / max(temperature, 1e-6)
-        if top_k:
-            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = F.softmax(logits, dim=-1)
-        nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(device)
-        idx = torch.cat([idx, nxt], dim=1)
-    return bytes(idx[0, -length:].tolist()) if length else b""
-
-
-# ----------------------------------------------------------------------------- data
-# Bytes (vocab 256) of a text file or folder, or by default the stdlib's *.py files, split into train/val by a
-# stable hash of each file's path; random windows of them. One implementation: recipes/data.py.
-
-
-def unigram_entropy(data: torch.Tensor) -> float:
-    """Entropy of the byte histogram in nats/byte: the loss of a model that ignores context."""
-    p = torch.bincount(data.long(), minlength=256).double()
-    p = p[p > 0] / p.sum()
-    return float(-(p * p.log()).sum())
-
-
-# ----------------------------------------------------------------------------- training
-# The loop, its flags and their checks are recipes/loop.py's, shared with the Llama and BERT recipes.
-peak_flops = loop.peak_flops
+# ----------------------------------------------------------------------------- the recipe
 
 
 def _check_model_flags(args: argparse.Namespace) -> list[str]:
@@ -201,49 +159,25 @@ def _check_model_flags(args: argparse.Namespace) -> list[str]:
     return []
 
 
-def build(args: argparse.Namespace, vocab_size: int) -> loop.Built:
+def build(args: argparse.Namespace, vocab_size: int) -> recipe.Built:
     """The GPT the flags (or --flavor, or --hf-config) ask for, on the current (meta) device."""
     if args.hf_config is not None:
         return hf.built(args, vocab_size, "causal-lm")
-    kwargs = loop.model_kwargs(args, flavors.gpt_flavor(args.flavor) if args.flavor else {}, FLAG_TO_FIELD,
-                              "block_size", vocab_size)
+    kwargs = recipe.model_kwargs(args, flavors.gpt_flavor(args.flavor) if args.flavor else {}, FLAG_TO_FIELD,
+                                 "block_size", vocab_size)
     cfg = GPTConfig(**kwargs)
     model = GPT(cfg)
     flops = 6 * model.num_params() + 12 * cfg.n_layer * args.block_size * cfg.n_embd
-    return loop.Built(model, asdict(cfg), cfg.block_size, materialize=model.materializer, units=UNITS,
-                      flops_per_token=flops)
+    return recipe.Built(model, asdict(cfg), cfg.block_size, materialize=model.materializer, units=UNITS,
+                        flops_per_token=flops)
 
 
-RECIPE = loop.Recipe("gpt", __doc__.split("\n\n")[0], DEFAULTS, HELP, RULES, build, units=UNITS,
-                     check=_check_model_flags, flavors=flavors.gpt_flavor)
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    """Every key of DEFAULTS is a flag: n_layer -> --n-layer (their values are checked by check_args);
-    ``args.given`` names the flags given on the command line (a --deepspeed config's values yield to them)."""
-    return loop.parse_args(RECIPE, argv)
-
-
-def check_args(args: argparse.Namespace) -> None:
-    """Every flag checked before anything is built (recipes/loop.py's check_args); FlagError names each."""
-    loop.check_args(RECIPE, args)
-
-
-with_precision = loop.with_precision
-
-
-def training_flags(args: argparse.Namespace, plan=None) -> dict:
-    return loop.training_flags(RECIPE, args, plan)
-
-
-def train(args: argparse.Namespace) -> dict:
-    """Train per `args` (from parse_args); returns the final numbers, sample and checkpoint path
-    (on rank 0; the other ranks return what they know)."""
-    return loop.train(RECIPE, args)
+RECIPE = recipe.Recipe("gpt", __doc__.split("\n\n")[0], DEFAULTS, HELP, RULES, build, units=UNITS,
+                       check=_check_model_flags, flavors=flavors.gpt_flavor)
 
 
 def main(argv=None) -> dict:
-    """The command line; flags that cannot work exit with status 2 and their message, as argparse's do."""
+    """The command line (recipes/loop.py); flags that cannot work exit with status 2, naming each."""
     return loop.main(RECIPE, argv)
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from recipes import recipe
 from zfunc.config import hf as hf_config
 
 TASKS = ("causal-lm", "masked-lm")
@@ -106,11 +107,10 @@ def params_on_meta():
 
 def built(args, vocab_size: int, task: str):
     """``--hf-config`` for a recipe: the model (built under the caller's device context: the meta
-    device) as a ``recipes.loop.Built``, its vocabulary widened to ``vocab_size`` when the config's is
+    device) as a ``recipes.recipe.Built``, its vocabulary widened to ``vocab_size`` when the config's is
     smaller (the data's ids must fit), initialized by the model's own ``_init_weights`` per submodule
     (``zf.materialize.from_module``), its units transformers' repeated blocks."""
     import zfunc as zf
-    from recipes import loop
 
     cfg = read_config(args.hf_config)  # checked: a vocab_size given is an int >= 1
     overrides = {} if cfg.get("vocab_size", 0) >= vocab_size else {"vocab_size": vocab_size}
@@ -120,7 +120,8 @@ def built(args, vocab_size: int, task: str):
     context = next((getattr(config, k) for k in ("max_position_embeddings", "n_positions", "n_ctx")
                     if isinstance(getattr(config, k, None), int)), 1 << 30)
     units = "class:" + ",".join(c.__name__ for c in model.layer_classes()) if model.layer_classes() else None
-    n = loop.n_params(model)
-    return loop.Built(model, {**cfg, **overrides}, context,
-                      materialize=lambda seed: zf.materialize.from_module(model, seed, init=model.model._init_weights),
-                      units=units, flops_per_token=6 * n)
+    n = recipe.n_params(model)
+    init = model.model._init_weights
+    return recipe.Built(model, {**cfg, **overrides}, context,
+                        materialize=lambda seed: zf.materialize.from_module(model, seed, init=init),
+                        units=units, flops_per_token=6 * n)

@@ -166,11 +166,11 @@ def resolve(args: argparse.Namespace, world: int, units: str | None, *, notices:
             plan = dataclasses.replace(ds_plan, **fields)
         zf.config.check(plan)
     except ValueError as e:
-        raise FlagError(_name_flags(str(e))) from None
+        raise FlagError(name_flags(str(e))) from None
     return plan, args
 
 
-def _name_flags(message: str) -> str:
+def name_flags(message: str) -> str:
     """A plan error "field: why" as "--flag (plan field): why"."""
     field, sep, why = message.partition(": ")
     if sep and field in FLAG_OF_FIELD:

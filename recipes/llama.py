@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from recipes import hf, layout, loop
+from recipes import hf, layout, loop, recipe
 from recipes.flavors import lookup
 
 _LLAMA3 = dict(vocab_size=128256, norm_eps=1e-5, rope_theta=500000.0)
@@ -244,15 +244,15 @@ MODEL_DEFAULTS = dict(n_layer=4, n_head=4, n_kv_head=2, n_embd=192, ffn_dim=512,
 # 50-80 steps) with both default runs side by side, one thread each, on a loaded machine; so 490 steps take
 # the time of its 600. (Two threads each on a loaded machine gave 0.51-0.61: OpenMP waits hit Llama's many
 # small elementwise ops harder; the lead re-times on a quiet machine.)
-DEFAULTS = dict(**MODEL_DEFAULTS, **loop.MODEL_SOURCE_DEFAULTS,
-                **{**loop.TRAIN_DEFAULTS, "out": "out/llama", "steps": 490},
-                **loop.SAMPLE_DEFAULTS, **layout.LAYOUT_DEFAULTS)
+DEFAULTS = dict(**MODEL_DEFAULTS, **recipe.MODEL_SOURCE_DEFAULTS,
+                **{**recipe.TRAIN_DEFAULTS, "out": "out/llama", "steps": 490},
+                **recipe.SAMPLE_DEFAULTS, **layout.LAYOUT_DEFAULTS)
 UNITS = "class:Block"
-HELP = {**loop.TRAIN_HELP, **loop.SAMPLE_HELP, "block_size": "context length in bytes (tokens with --tokenizer)",
+HELP = {**recipe.TRAIN_HELP, **recipe.SAMPLE_HELP, "block_size": "context length in bytes (tokens with --tokenizer)",
         "n_kv_head": "key/value heads (grouped-query attention; a divisor of --n-head)",
         "ffn_dim": "SwiGLU hidden width", "flavor": "a published Llama size (module docstring): " + ", ".join(FLAVORS)}
-RULES = dict(n_layer=loop.AT_LEAST_1, n_head=loop.AT_LEAST_1, n_kv_head=loop.AT_LEAST_1, n_embd=loop.AT_LEAST_1,
-             ffn_dim=loop.AT_LEAST_1, **loop.TRAIN_RULES, **loop.SAMPLE_RULES)
+RULES = dict(n_layer=recipe.AT_LEAST_1, n_head=recipe.AT_LEAST_1, n_kv_head=recipe.AT_LEAST_1,
+             n_embd=recipe.AT_LEAST_1, ffn_dim=recipe.AT_LEAST_1, **recipe.TRAIN_RULES, **recipe.SAMPLE_RULES)
 FLAG_TO_FIELD = dict(n_layer="n_layers", n_head="n_heads", n_kv_head="n_kv_heads", n_embd="dim", ffn_dim="ffn_dim")
 
 
@@ -268,59 +268,34 @@ def _check_model_flags(args: argparse.Namespace) -> list[str]:
     return errors
 
 
-def materializer(cfg: LlamaConfig, seed: int, model: nn.Module | None = None):
+def materializer(cfg: LlamaConfig, seed: int):
     """The init ``Llama.__init__`` draws, as zf.materialize rules (row-deterministic, any layout):
-    norms 1, residual outputs N(0, 0.02 / sqrt(2 n_layers)), every other matrix N(0, 0.02).
-
-    With ``model`` (looked at when a leaf is asked for, so after ``zf.tile`` / ``--tile-lm-head``), a
-    tile of a layer split along dim 0 (``lm_head.tiles.3.weight``) gets its rows of the untiled layer's
-    value: tiled or not, the model starts from the same weights. Cost: the tile's rows, as untiled."""
+    norms 1, residual outputs N(0, 0.02 / sqrt(2 n_layers)), every other matrix N(0, 0.02)."""
     import zfunc as zf
 
-    rules = zf.materialize.by_name({
+    return zf.materialize.by_name({
         "*norm.weight": zf.materialize.constant(1.0),
         "*attn.o.weight": zf.materialize.normal(0.02 / math.sqrt(2 * cfg.n_layers), seed),
         "*mlp.down.weight": zf.materialize.normal(0.02 / math.sqrt(2 * cfg.n_layers), seed),
         "*": zf.materialize.normal(0.02, seed),
     })
-    return rules if model is None else untiled(rules, model)
 
 
-def untiled(materialize, model: nn.Module):
-    """``materialize`` with a tile's leaf (``LAYER.tiles.I.KIND``, from ``zf.tile`` along dim 0) made as
-    its rows of the whole layer's leaf ``LAYER.KIND``; every other leaf as ``materialize`` makes it.
-    The result is a materializer (zf.materialize's law kept: a value depends on seed, name and row)."""
-    import zfunc as zf
-
-    def rows_of_whole(name: str, like: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
-        owner, _, kind = name.rpartition(".")
-        layer, _, index = owner.rpartition(".")
-        if not layer.endswith(".tiles") or not index.isdigit():
-            return zf.materialize.leaf(materialize, name, like, rows)
-        sizes = [getattr(t, kind).shape[0] for t in model.get_submodule(layer)]
-        start, mine = sum(sizes[: int(index)]), rows or slice(0, sizes[int(index)])
-        whole = torch.empty((sum(sizes), *like.shape[1:]), dtype=like.dtype, device="meta")
-        return zf.materialize.leaf(materialize, f"{layer.removesuffix('.tiles')}.{kind}", whole,
-                                   slice(start + mine.start, start + mine.stop))
-
-    return rows_of_whole
-
-
-def build(args: argparse.Namespace, vocab_size: int) -> loop.Built:
+def build(args: argparse.Namespace, vocab_size: int) -> recipe.Built:
     """The Llama the flags (or --flavor, or --hf-config) ask for, on the current (meta) device."""
     if args.hf_config is not None:
         return hf.built(args, vocab_size, "causal-lm")
     flavor = lookup(FLAVORS, args.flavor, "llama") if args.flavor else {}
-    kwargs = loop.model_kwargs(args, flavor, FLAG_TO_FIELD, "max_seq_len", vocab_size)
+    kwargs = recipe.model_kwargs(args, flavor, FLAG_TO_FIELD, "max_seq_len", vocab_size)
     cfg = LlamaConfig(**kwargs)
     model = Llama(cfg)
     flops = 6 * model.num_params() + 12 * cfg.n_layers * args.block_size * cfg.dim
-    return loop.Built(model, asdict(cfg), cfg.max_seq_len, materialize=lambda seed: materializer(cfg, seed, model),
-                      units=UNITS, flops_per_token=flops)
+    return recipe.Built(model, asdict(cfg), cfg.max_seq_len, materialize=lambda seed: materializer(cfg, seed),
+                        units=UNITS, flops_per_token=flops)
 
 
-RECIPE = loop.Recipe("llama", __doc__.split("\n\n")[0], DEFAULTS, HELP, RULES, build, units=UNITS,
-                     check=_check_model_flags, flavors=lambda name: lookup(FLAVORS, name, "llama"))
+RECIPE = recipe.Recipe("llama", __doc__.split("\n\n")[0], DEFAULTS, HELP, RULES, build, units=UNITS,
+                       check=_check_model_flags, flavors=lambda name: lookup(FLAVORS, name, "llama"))
 
 
 def main(argv=None) -> dict:

@@ -5,7 +5,7 @@
   time). A second run into OUT is refused naming them. The kernel drops an ``flock`` with the last
   descriptor of its process, so a run killed (``kill -9`` included) blocks nothing: the file it
   leaves is rewritten by the next holder, and emptied by a holder that ends normally. Only rank 0
-  of a torchrun job locks (its other ranks share OUT and follow rank 0's verdict, recipes/loop.py).
+  of a torchrun job locks (its other ranks share OUT and follow rank 0's verdict: ``claimed``).
   On NFS, Linux turns ``flock`` into a POSIX lock the server holds.
 - **A previous run is kept.** A fresh start (no ``--resume``) into an OUT that holds a run's own
   files (RUN_FILES: ``metrics.jsonl``, ``loss.png``, checkpoints under ``ckpt``) is refused,
@@ -18,6 +18,8 @@ Costs: an open, an ``flock`` and a write of a few hundred bytes; the check lists
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
 import fcntl
 import json
 import os
@@ -26,6 +28,11 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
+
+from recipes import layout
+from recipes.layout import FlagError
+from recipes.watch import every_rank
 
 LOCK = "run.lock"
 RUN_FILES = ("ckpt", "loss.png", "metrics.jsonl")  # what a run writes in OUT (OUT/tokens is a cache)
@@ -162,3 +169,33 @@ def claim(out: str | os.PathLike, *, resume: bool, overwrite: bool) -> RunLock:
     except BaseException:
         lock.release()
         raise
+
+
+@contextlib.contextmanager
+def claimed(args: argparse.Namespace, launch: layout.Launch) -> Iterator[RunLock | None]:
+    """OUT held for this run (``claim``): rank 0 locks it, refuses it if another run holds it
+    or a fresh start would overwrite a previous run, and moves that run aside for --overwrite; every
+    rank then raises rank 0's refusal (a collective), so a torchrun job's ranks share one verdict and
+    never lock against each other. A dry run writes nothing in OUT and claims nothing."""
+    if args.dry_run:
+        yield None
+        return
+    lock, refused = None, None
+    if launch.rank == 0:
+        try:
+            lock = claim(Path(args.out), resume=args.resume, overwrite=args.overwrite)
+        except RunDirError as e:
+            refused = str(e)
+        except OSError as e:
+            refused = f"--out: cannot lock {str(Path(args.out) / LOCK)!r} ({e})"
+    refused = every_rank(refused, launch.world)[0]
+    if refused is not None:
+        raise FlagError(refused)
+    try:
+        if lock is not None and lock.moved is not None:
+            print(f"--overwrite: moved the previous run ({', '.join(sorted(p.name for p in lock.moved.iterdir()))}) "
+                  f"to {lock.moved}")
+        yield lock
+    finally:
+        if lock is not None:
+            lock.release()

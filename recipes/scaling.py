@@ -15,9 +15,10 @@ import tempfile
 from pathlib import Path
 
 import zfunc as zf
-from recipes import loop
+from recipes import cli
+from recipes.recipe import Recipe
 
-def weak_scaling(recipe: loop.Recipe, worlds: str, argv: list[str], steps: int = 30, per_rank: int = 8) -> list[dict]:
+def weak_scaling(recipe: Recipe, worlds: str, argv: list[str], steps: int = 30, per_rank: int = 8) -> list[dict]:
     """The weak-scaling table: for each world size N in ``worlds`` ("1,2"), ``torchrun --standalone
     --nproc_per_node N -m recipes.NAME`` with the flags ``argv`` (the recipe's default layout) and a
     global batch of ``per_rank`` x N (``--batch-size`` in ``argv``: the per-rank batch), one CPU thread
@@ -32,7 +33,7 @@ def weak_scaling(recipe: loop.Recipe, worlds: str, argv: list[str], steps: int =
     except ValueError:
         raise SystemExit(f"python -m recipes.{recipe.name}: error: --scaling: expected world sizes such as 1,2, "
                          f"got {worlds!r}") from None
-    args = loop.parse_args(recipe, argv)
+    args = cli.parse_args(recipe, argv)
     per_rank = args.batch_size if "batch_size" in args.given else per_rank
     steps = args.steps if "steps" in args.given else steps
     log_every = args.log_every if "log_every" in args.given else 5

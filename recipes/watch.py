@@ -110,6 +110,32 @@ class BusyCores:
         return self._between(self.start, self._now())
 
 
+class TrainClock:
+    """Wall time spent training, apart from what the loop does between steps: ``lap(n)`` at a log line
+    adds the time since the clock last started and returns the tokens/s since the last log line;
+    ``logged(n)`` starts it again once the line (and any eval) is done, ``restart()`` once a
+    checkpoint is saved. Cost: a clock read each."""
+
+    def __init__(self, first_step: int, tokens_per_step: int):
+        self.tokens_per_step, self.last_logged = tokens_per_step, first_step
+        self.train_time, self.since_log, self.t0 = 0.0, 0.0, time.time()
+
+    def lap(self, n: int) -> float:
+        elapsed = time.time() - self.t0
+        self.train_time, self.since_log = self.train_time + elapsed, self.since_log + elapsed
+        return (n - self.last_logged) * self.tokens_per_step / max(self.since_log, 1e-9)
+
+    def logged(self, n: int) -> None:
+        self.last_logged, self.since_log, self.t0 = n, 0.0, time.time()
+
+    def restart(self) -> None:
+        self.t0 = time.time()
+
+    def tokens_per_s(self, steps: int) -> float:
+        """Tokens/s over ``steps`` steps, in the training time laps counted."""
+        return steps * self.tokens_per_step / max(self.train_time, 1e-9)
+
+
 class Watch:
     """The bar, the metrics log and the plot of one run, on every rank (rank 0 writes). ``threads``: the
     CPU threads the run computes on (torch.get_num_threads()), None on a GPU (no cores shown)."""

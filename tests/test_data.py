@@ -55,7 +55,7 @@ def test_bytes_are_the_gpt_recipes_corpus(corpus, tmp_path):
     single = tmp_path / "one.txt"
     single.write_text(text(99, 200))
     for path in (corpus, single):
-        ours, theirs = data.load(path), gpt.load_corpus(path)
+        ours, theirs = data.load(path), data.load_bytes(path)
         assert torch.equal(ours.train, theirs.train) and torch.equal(ours.val, theirs.val)
         assert (ours.vocab_size, ours.n_files, ours.source) == (256, theirs.n_files, theirs.source)
     assert data.load(corpus).n_files == 40  # the binary and the hidden file are skipped
@@ -63,7 +63,7 @@ def test_bytes_are_the_gpt_recipes_corpus(corpus, tmp_path):
 
 def test_get_batch_draws_the_gpt_recipes_windows_from_tensors_and_arrays(corpus):
     train = data.load(corpus).train
-    want = gpt.get_batch(train, 4, 16, torch.Generator().manual_seed(5))
+    want = data.get_batch(train, 4, 16, torch.Generator().manual_seed(5))
     for source in (train, train.numpy(), np.asarray(train.numpy(), dtype=np.uint16)):
         x, y = data.get_batch(source, 4, 16, torch.Generator().manual_seed(5))
         assert x.dtype == torch.int64 and torch.equal(x, want[0]) and torch.equal(y, want[1])
@@ -72,14 +72,14 @@ def test_get_batch_draws_the_gpt_recipes_windows_from_tensors_and_arrays(corpus)
 
 
 def test_the_baseline_counts_a_split_in_pieces_as_it_would_whole():
-    from recipes import loop
+    from recipes import task
 
     ids = torch.randint(0, 250, (10_007,), generator=torch.Generator().manual_seed(0)).to(torch.uint8)
     ids[5] = 255  # beyond the vocab asked for: counted, as bincount counts it
     whole = torch.bincount(ids.long(), minlength=200).double()
     for data in (ids, ids.numpy(), ids.numpy().astype(np.uint16)):
-        assert torch.equal(loop.token_counts(data, 200, piece=1000), whole)
-    assert torch.equal(loop.token_counts(ids[:0], 7), torch.zeros(7, dtype=torch.float64))
+        assert torch.equal(task.token_counts(data, 200, piece=1000), whole)
+    assert torch.equal(task.token_counts(ids[:0], 7), torch.zeros(7, dtype=torch.float64))
 
 
 # ----------------------------------------------------------------------------- tokens

@@ -409,13 +409,13 @@ def test_json_that_is_not_json_is_refused_naming_the_file(tmp_path):
 
 def resolve(tmp_path, config, *flags, notices=False):
     """``recipes.layout.resolve`` of the tiny GPT's flags with ``config`` as --deepspeed, on 1 process."""
-    from recipes import gpt, layout
+    from recipes import cli, gpt, layout
     from tests.recipe_runs import TINY
 
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(config))
-    args = gpt.parse_args(TINY + ["--deepspeed", str(path), *flags])
-    return layout.resolve(gpt.with_precision(args), 1, gpt.UNITS, notices=notices)
+    args = cli.parse_args(gpt.RECIPE, TINY + ["--deepspeed", str(path), *flags])
+    return layout.resolve(cli.with_precision(args), 1, gpt.UNITS, notices=notices)
 
 
 def test_a_config_without_batch_sizes_takes_them_from_the_flags_and_says_so_once(tmp_path, capsys):

@@ -12,7 +12,8 @@ import sys
 import pytest
 
 import zfunc as zf
-from recipes import bert, gpt, llama, loop
+from recipes import bert, cli, gpt, llama
+from recipes.recipe import model_kwargs
 from tests.recipe_runs import ROOT, assert_same_losses, metrics
 
 RECIPES = {"gpt": gpt.main, "llama": llama.main, "bert": bert.main}
@@ -61,7 +62,7 @@ def test_the_recipe_trains_evaluates_checkpoints_and_resumes_exactly(recipe, tmp
     assert_same_losses(metrics(tmp_path / "a"), rows, f"{recipe} resumed")
 
 
-def cli(recipe, out, argv, procs=1):
+def run_cli(recipe, out, argv, procs=1):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs)]
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run([*launcher, "-m", f"recipes.{recipe}", *argv, "--out", str(out)], cwd=ROOT, text=True,
@@ -79,7 +80,7 @@ def test_zero3_with_cpu_offload_on_2_ranks_trains_as_1_process(recipe, tmp_path,
     too: its loss is normalized by the global batch's masked-token count, not each rank's."""
     argv = flags(recipe, "--data", str(text_file), "--steps", "3", "--eval-every", "3", "--log-every", "1")
     RECIPES[recipe](argv + ["--out", str(tmp_path / "one")])
-    cli(recipe, tmp_path / "two", argv + ["--zero", "3", "--offload-optimizer", "cpu"], procs=2)
+    run_cli(recipe, tmp_path / "two", argv + ["--zero", "3", "--offload-optimizer", "cpu"], procs=2)
     assert_same_losses(metrics(tmp_path / "two"), metrics(tmp_path / "one"), f"{recipe} zero 3 + cpu offload")
 
 
@@ -175,23 +176,23 @@ def test_a_flavor_too_short_for_the_windows_or_without_an_lm_head_is_named(tmp_p
 
 
 def test_model_flags_beside_a_flavor_override_it():
-    args = loop.parse_args(llama.RECIPE, ["--flavor", "8B", "--n-layer", "2"])
-    kwargs = loop.model_kwargs(args, llama.FLAVORS["8B"], llama.FLAG_TO_FIELD, "max_seq_len")
+    args = cli.parse_args(llama.RECIPE, ["--flavor", "8B", "--n-layer", "2"])
+    kwargs = model_kwargs(args, llama.FLAVORS["8B"], llama.FLAG_TO_FIELD, "max_seq_len")
     assert kwargs["n_layers"] == 2 and kwargs["dim"] == 4096 and kwargs["n_kv_heads"] == 8
     assert kwargs["max_seq_len"] == 8192  # the flavor's context; --block-size is the window
-    plain = loop.model_kwargs(loop.parse_args(llama.RECIPE, []), {}, llama.FLAG_TO_FIELD, "max_seq_len")
+    plain = model_kwargs(cli.parse_args(llama.RECIPE, []), {}, llama.FLAG_TO_FIELD, "max_seq_len")
     assert plain == dict(n_layers=4, n_heads=4, n_kv_heads=2, dim=192, ffn_dim=512, max_seq_len=128)
 
 
 def test_a_flavor_whose_vocabulary_cannot_hold_the_data_is_refused_naming_both():
-    args = loop.parse_args(gpt.RECIPE, ["--flavor", "small"])
-    assert loop.model_kwargs(args, {"vocab_size": 50257}, gpt.FLAG_TO_FIELD, "block_size", 300)["vocab_size"] == 50257
+    args = cli.parse_args(gpt.RECIPE, ["--flavor", "small"])
+    assert model_kwargs(args, {"vocab_size": 50257}, gpt.FLAG_TO_FIELD, "block_size", 300)["vocab_size"] == 50257
     with pytest.raises(ValueError, match=r"--flavor small: its vocabulary of 50257 is smaller than the data's 60000 "
                                          r"\(expected --tokenizer with at most 50257 tokens\)"):
-        loop.model_kwargs(args, {"vocab_size": 50257}, gpt.FLAG_TO_FIELD, "block_size", 60000)
+        model_kwargs(args, {"vocab_size": 50257}, gpt.FLAG_TO_FIELD, "block_size", 60000)
     with pytest.raises(ValueError, match=r"data's 60000 with the 4 special tokens \(expected --tokenizer with "
                                          r"at most 50253 tokens\)"):
-        loop.model_kwargs(args, {"vocab_size": 50257}, gpt.FLAG_TO_FIELD, "block_size", 60000, special=4)
+        model_kwargs(args, {"vocab_size": 50257}, gpt.FLAG_TO_FIELD, "block_size", 60000, special=4)
 
 
 def test_weak_scaling_table_parses_its_world_sizes():
@@ -232,5 +233,5 @@ def test_the_out_probe_leaves_another_process_probe_alone(tmp_path):
     theirs = tmp_path / "out" / "ckpt" / f".write-test-{os.getpid()}"
     theirs.parent.mkdir(parents=True)
     theirs.write_bytes(b"")
-    loop.check_args(gpt.RECIPE, gpt.parse_args(["--out", str(tmp_path / "out")]))
+    cli.check_args(gpt.RECIPE, cli.parse_args(gpt.RECIPE, ["--out", str(tmp_path / "out")]))
     assert theirs.exists()

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 import zfunc as zf
-from recipes import gpt, layout, loop, lr_schedule
+from recipes import cli, engine, gpt, layout, lr_schedule
 from tests.recipe_runs import metrics
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "4",
@@ -66,28 +66,28 @@ def test_a_deepspeed_schedule_keeps_its_total_and_an_auto_one_follows_the_runs()
     cfg = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
            "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3,
                                                             "warmup_num_steps": 2, "total_num_steps": 10}}}
-    args = gpt.parse_args(["--steps", "6"])
+    args = cli.parse_args(gpt.RECIPE, ["--steps", "6"])
     plan = zf.config.from_deepspeed(cfg)
     spec = lr_schedule.spec(args, plan)
     assert spec["kind"] == "WarmupDecayLR" and spec["total_steps"] == 10  # the config's, not --steps
     ours, theirs = lr_schedule.function(spec), zf.config.schedule(plan)
     assert [ours(n) for n in range(14)] == [theirs(n) for n in range(14)] and ours(11) == ours(13) == 0.0
-    loop.make_optimizer(args, plan)  # the config's total: no ValueError for differing from --steps
+    engine.make_optimizer(args, plan)  # the config's total: no ValueError for differing from --steps
     resumed = lr_schedule.with_total(args)  # no --resume: laid over --steps
     assert lr_schedule.total(resumed) == 6
     flags = {"deepspeed_optimizer": {"scheduler_params": {"total_num_steps": 6, "warmup_num_steps": 2}}}
-    extend = gpt.parse_args(["--extend-schedule"])
+    extend = cli.parse_args(gpt.RECIPE, ["--extend-schedule"])
     assert lr_schedule.comparable(flags, extend)["deepspeed_optimizer"]["scheduler_params"] == {"warmup_num_steps": 2}
     assert lr_schedule.comparable(flags, args) == flags
 
 
 def test_what_a_resume_says_of_its_schedule():
-    args = lr_schedule.with_total(gpt.parse_args(["--steps", "8", "--warmup", "2"]))
-    plan, args = layout.resolve(loop.with_precision(args), 1, None, notices=False)
+    args = lr_schedule.with_total(cli.parse_args(gpt.RECIPE, ["--steps", "8", "--warmup", "2"]))
+    plan, args = layout.resolve(cli.with_precision(args), 1, None, notices=False)
     spec = lr_schedule.spec(args, plan)
     assert spec == dict(kind="warmup_cosine", total_steps=8, peak_lr=3e-3, end_lr=3e-4, warmup_steps=2)
     assert lr_schedule.on_resume(args, spec, 8, 4) is None  # the same --steps: nothing to say
-    shorter = gpt.parse_args(["--steps", "6", "--warmup", "2"])
+    shorter = cli.parse_args(gpt.RECIPE, ["--steps", "6", "--warmup", "2"])
     assert "continues; training stops at step 6 (lr " in lr_schedule.on_resume(shorter, spec, 8, 4)
     with pytest.warns(lr_schedule.ScheduleWarning, match="records no lr schedule .* laid over --steps 8"):
         assert lr_schedule.on_resume(args, spec, None, 4) is None

@@ -104,6 +104,59 @@ def test_bad_materializers_are_named():
         M.normal(0.02, "0")
 
 
+class Headed(nn.Module):
+    """An embedding, a biased hidden layer and a head: the layers ``zf.tile`` splits."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.hidden, self.head = nn.Embedding(10, 6), nn.Linear(6, 6), nn.Linear(6, 10)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("layer", ["emb", "hidden", "head"])
+def test_tiled_makes_each_tile_its_part_of_the_untiled_layers_value(layer, dim):
+    """An init rule written for the plain model gives the tiled one the same values: a tile along
+    dim 0 is its rows of the whole layer's leaf, along dim 1 its columns (tile 0 holds the whole bias)."""
+    with torch.device("meta"):
+        model = Headed()
+    rule = M.by_name({"*.bias": M.uniform(-1.0, 1.0, 4), "*": M.normal(0.02, 4)})
+    whole = {n: rule(n, p) for n, p in model.named_parameters()}
+    zf.tile(model, tiles=3, modules=[layer], dim=dim)
+    made = M.tiled(rule, model)
+    parts = {n: made(n, p) for n, p in model.named_parameters()}
+    assert all(".tiles." in n for n in parts if n.startswith(f"{layer}."))
+    for kind in ("weight", "bias"):
+        tiles = [parts[n] for n in parts if n.startswith(f"{layer}.tiles.") and n.endswith(kind)]
+        if not tiles:
+            continue
+        joined = torch.cat(tiles, dim) if kind == "weight" or dim == 0 else tiles[0]
+        assert torch.equal(joined, whole[f"{layer}.{kind}"]), kind
+    for name, value in parts.items():
+        if not name.startswith(f"{layer}."):
+            assert torch.equal(value, whole[name]), name  # every other leaf as the rule makes it
+        like = dict(model.named_parameters())[name]
+        if like.shape[0] >= 3:  # any rows of a tile are those rows of the whole tile
+            assert torch.equal(M.leaf(made, name, like, slice(1, 3)), value[1:3]), name
+
+
+def test_tiled_gives_a_tied_head_and_embedding_one_value_and_passes_other_tiles_names_through():
+    with torch.device("meta"):
+        model = Headed()
+        model.head.weight = model.emb.weight
+    rule = M.normal(0.02, 9)
+    whole = rule("emb.weight", model.emb.weight)
+    zf.tile(model, tiles=4, modules=["head"])
+    apply, params = zf.functionalize(model)
+    made = M.tiled(rule, model)
+    assert torch.equal(torch.cat([made(f"emb.tiles.{i}.weight", params[f"emb.tiles.{i}.weight"]) for i in range(4)]),
+                       whole)
+    with torch.device("meta"):  # a submodule that happens to be called "tiles" is no tile: its own name
+        plain = nn.Module()
+        plain.tiles = nn.ModuleList([nn.Linear(2, 2)])
+    assert torch.equal(M.tiled(rule, plain)("tiles.0.weight", plain.tiles[0].weight),
+                       rule("tiles.0.weight", plain.tiles[0].weight))
+
+
 # ---------------------------------------------------------------- sharded init: N ranks == 1 process
 def meta_make(stage, mesh, materialize=None, seed=3):
     """Tiny (tied embedding, LayerNorms) built on the meta device, shard-initialized by ``materialize``

@@ -123,10 +123,10 @@ def _flags_of(target: str) -> set[str]:
         parser = importlib.import_module("zfunc.plan.__main__").parser()
         extra = set()
     else:
-        from recipes import loop
+        from recipes import cli
 
         recipe = importlib.import_module(target).RECIPE
-        parser = loop.parser(recipe)
+        parser = cli.parser(recipe)
         extra = {"--scaling", "--nsp"} if target == "recipes.bert" else set()  # read before the parser (bert.main)
     return set(parser._option_string_actions) | extra
 

@@ -13,7 +13,11 @@ import torch
 from safetensors.torch import load_file
 
 import zfunc as zf
-from recipes import gpt, layout, plot
+from recipes import gpt, layout, plot, task
+from recipes.cli import check_args, parse_args, with_precision
+from recipes.data import get_batch, is_val, load_bytes
+from recipes.data_cap import MAX_CORPUS_BYTES
+from recipes.layout import FlagError
 from tests.recipe_runs import HF_ZERO2, HF_ZERO3, ROOT, TINY, assert_same_losses, metrics
 from tests.test_plot import near, read_png
 
@@ -67,17 +71,16 @@ def test_resume_without_a_checkpoint_says_so(tmp_path, text_file, capsys):
                                                                       "--out", str(tmp_path), "--resume"])
 
 
-def test_generate_returns_the_asked_number_of_bytes():
+def test_generate_returns_the_asked_number_of_tokens():
     torch.manual_seed(0)
     cfg = gpt.GPTConfig(block_size=8, n_layer=1, n_head=2, n_embd=16)
     model = gpt.GPT(cfg).eval()
-    out = gpt.generate(model, b"a prompt longer than the block", 20, cfg.block_size,
-                       generator=torch.Generator().manual_seed(0))
-    assert isinstance(out, bytes) and len(out) == 20
-    again = gpt.generate(model, b"a prompt longer than the block", 20, cfg.block_size,
-                         generator=torch.Generator().manual_seed(0))
+    prompt = list(b"a prompt longer than the block")
+    out = task.generate(model, prompt, 20, cfg.block_size, generator=torch.Generator().manual_seed(0))
+    assert len(out) == 20 and all(isinstance(i, int) and 0 <= i < 256 for i in out)
+    again = task.generate(model, prompt, 20, cfg.block_size, generator=torch.Generator().manual_seed(0))
     assert again == out
-    assert gpt.generate(model, b"", 0, cfg.block_size) == b""
+    assert task.generate(model, [], 0, cfg.block_size) == []
 
 
 def test_initial_values_are_gpt2s_init_and_any_rows_are_the_rows_of_the_whole():
@@ -124,34 +127,35 @@ def test_a_tiles_rows_are_the_rows_of_the_untiled_layer():
     zf.tile(model, tiles=3, modules=["lm_head"])  # splits lm_head (and wte, tied) into tiles of rows
     tiles = [(name, p) for name, p in model.named_parameters() if ".tiles." in name]
     assert [name for name, _ in tiles] == [f"wte.tiles.{i}.weight" for i in range(3)]
-    got = torch.cat([model.initial_value(name, p, 5) for name, p in tiles])
+    materialize = zf.materialize.tiled(model.materializer(5), model)  # what the recipe's loop asks
+    got = torch.cat([materialize(name, p) for name, p in tiles])
     assert torch.equal(got, whole)
     name, p = tiles[1]
-    assert torch.equal(model.initial_value(name, p, 5, slice(1, 3)), model.initial_value(name, p, 5)[1:3])
+    assert torch.equal(materialize(name, p, slice(1, 3)), materialize(name, p)[1:3])
 
 
 def test_default_corpus_loads_and_splits_deterministically():
-    a, b = gpt.load_corpus(), gpt.load_corpus()
+    a, b = load_bytes(), load_bytes()
     assert a.n_files > 100 and "stdlib" in a.source
     assert torch.equal(a.train, b.train) and torch.equal(a.val, b.val)
     total = len(a.train) + len(a.val)
-    assert total <= gpt.MAX_CORPUS_BYTES + a.n_files  # + the separators
+    assert total <= MAX_CORPUS_BYTES + a.n_files  # + the separators
     assert 0.03 < len(a.val) / total < 0.25
     assert b"def " in bytes(a.val[:100_000].tolist())
-    assert 2.5 < gpt.unigram_entropy(a.val) < math.log(256)
+    assert 2.5 < task.unigram_entropy(a.val)["unigram_entropy"] < math.log(256)
 
 
 def test_folder_is_split_by_file_and_single_file_by_position(tmp_path):
     for i in range(40):
         (tmp_path / f"f{i:02d}.txt").write_bytes(f"file {i} ".encode() * 100)
     (tmp_path / "blob.bin").write_bytes(b"\x00\x01" * 500)  # binary: skipped
-    corpus = gpt.load_corpus(tmp_path)
+    corpus = load_bytes(tmp_path)
     assert corpus.n_files == 40
     val = bytes(corpus.val.tolist())
-    val_names = {f"f{i:02d}.txt" for i in range(40) if gpt._is_val(f"f{i:02d}.txt")}
+    val_names = {f"f{i:02d}.txt" for i in range(40) if is_val(f"f{i:02d}.txt")}
     for i in range(40):
         assert (f"file {i} ".encode() in val) == (f"f{i:02d}.txt" in val_names)
-    single = gpt.load_corpus(tmp_path / "f00.txt")
+    single = load_bytes(tmp_path / "f00.txt")
     assert len(single.val) == len(b"file 0 ") * 100 // 10 and single.n_files == 1
 
 
@@ -160,20 +164,20 @@ def test_missing_or_empty_data_path_names_it(tmp_path, capsys):
     err = exits_2(capsys, ["--data", str(missing), "--steps", "1", "--out", str(tmp_path)])
     assert f"--data: path {str(missing)!r} does not exist" in err
     with pytest.raises(FileNotFoundError, match="no_such_corpus"):
-        gpt.load_corpus(missing)
+        load_bytes(missing)
     empty = tmp_path / "empty_dir"
     empty.mkdir()
     with pytest.raises(ValueError, match="empty_dir"):
-        gpt.load_corpus(empty)
+        load_bytes(empty)
 
 
 def test_get_batch_targets_are_inputs_shifted_by_one():
     data = torch.arange(100, dtype=torch.uint8)
-    x, y = gpt.get_batch(data, 4, 10, torch.Generator().manual_seed(0))
+    x, y = get_batch(data, 4, 10, torch.Generator().manual_seed(0))
     assert x.shape == y.shape == (4, 10) and x.dtype == torch.long
     assert torch.equal(x[:, 1:], y[:, :-1]) and torch.equal(y - x, torch.ones_like(x))
     with pytest.raises(ValueError, match="block_size=200"):
-        gpt.get_batch(data, 4, 200)
+        get_batch(data, 4, 200)
 
 
 def test_help_exits_cleanly(capsys):
@@ -210,9 +214,9 @@ BAD_FLAGS = [  # (flags, the message naming the flag, the value and what was exp
 
 @pytest.mark.parametrize("flags, message", BAD_FLAGS, ids=[f[0] for f, _ in BAD_FLAGS])
 def test_check_args_names_each_bad_flag(tmp_path, flags, message):
-    args = gpt.parse_args(flags + ["--out", str(tmp_path / "out")])
-    with pytest.raises(gpt.FlagError, match=re.escape(message)):
-        gpt.check_args(args)
+    args = parse_args(gpt.RECIPE, flags + ["--out", str(tmp_path / "out")])
+    with pytest.raises(FlagError, match=re.escape(message)):
+        check_args(gpt.RECIPE, args)
     assert not (tmp_path / "out").exists()  # values are checked before --out is created
 
 
@@ -226,7 +230,7 @@ def test_an_unwritable_out_is_found_before_the_data_is_loaded(tmp_path, text_fil
     blocker.write_text("not a directory")
     err = exits_2(capsys, TINY + ["--data", str(text_file), "--out", str(blocker / "run")])
     assert "--out: cannot write checkpoints under" in err and "a_file" in err
-    assert gpt.check_args(gpt.parse_args(["--out", str(tmp_path / "new" / "run")])) is None
+    assert check_args(gpt.RECIPE, parse_args(gpt.RECIPE, ["--out", str(tmp_path / "new" / "run")])) is None
     assert (tmp_path / "new" / "run" / "ckpt").is_dir() and not any((tmp_path / "new" / "run" / "ckpt").iterdir())
 
 
@@ -553,7 +557,7 @@ def test_a_flag_contradicting_an_explicit_config_names_both_and_auto_takes_the_f
     assert f"--accum 4 contradicts gradient_accumulation_steps = 2 in --deepspeed {path}" in err
     assert "--lr 0.02 contradicts optimizer.params.lr = 0.001" in err
     # flags left at their defaults yield to the config's explicit values, fill its "auto"s
-    plan, args = layout.resolve(gpt.with_precision(gpt.parse_args(base + ["--weight-decay", "0.05"])), 1, gpt.UNITS,
+    plan, args = layout.resolve(with_precision(parse_args(gpt.RECIPE, base + ["--weight-decay", "0.05"])), 1, gpt.UNITS,
                                 notices=False)
     assert (args.accum, args.zero, args.offload_optimizer, plan.accum, plan.micro_batch) == (2, 2, "cpu", 2, 4)
     assert plan.optimizer_params["lr"] == 1e-3 and plan.optimizer_params["weight_decay"] == 0.05
@@ -595,9 +599,9 @@ def test_layout_flags_that_cannot_work_are_named_before_anything_is_built(tmp_pa
                                                                          message):
     if world > 1:  # as torchrun would set it; check_args reads it, nothing joins a process group
         monkeypatch.setenv("WORLD_SIZE", str(world))
-    args = gpt.parse_args(TINY + flags + ["--out", str(tmp_path / "out")])
-    with pytest.raises(gpt.FlagError, match=re.escape(message)):
-        gpt.check_args(args)
+    args = parse_args(gpt.RECIPE, TINY + flags + ["--out", str(tmp_path / "out")])
+    with pytest.raises(FlagError, match=re.escape(message)):
+        check_args(gpt.RECIPE, args)
     assert not (tmp_path / "out").exists()
 
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from recipes import bert, gpt, layout, llama, loop
+from recipes import bert, cli, gpt, layout, llama, report
 from tests.recipe_runs import TINY
 
 RECIPES = {"gpt": gpt.RECIPE, "llama": llama.RECIPE, "bert": bert.RECIPE}
@@ -23,7 +23,7 @@ def text_file(tmp_path_factory):
 # ----------------------------------------------------------------------------- --help
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_help_states_each_options_default_at_most_once(recipe):
-    parser = loop.parser(RECIPES[recipe])
+    parser = cli.parser(RECIPES[recipe])
     formatter = parser._get_formatter()
     for action in parser._actions:
         if not action.help or action.help == argparse.SUPPRESS:
@@ -57,14 +57,14 @@ def described(argv: list[str], world: int = 1, recipe=gpt):
     import zfunc as zf
 
     pinned = [] if "--precision" in argv else ["--precision", "fp32"]  # the default depends on the CPU
-    args = recipe.parse_args(TINY + pinned + argv)
-    plan, args = layout.resolve(loop.with_precision(args), world, recipe.RECIPE.units)
+    args = cli.parse_args(recipe.RECIPE, TINY + pinned + argv)
+    plan, args = layout.resolve(cli.with_precision(args), world, recipe.RECIPE.units)
     with torch.device("meta"):
         built = recipe.RECIPE.build(args, 256)
     zf.config.prepare(built.module, plan)
     _, params = zf.functionalize(built.module)
-    lines = loop.describe(args, plan, layout.Launch(world, 0, 0), built, torch.device("cpu"), params)
-    return lines[-1], loop.plan_bytes(params, plan, built.module), params, built.module
+    lines = report.describe(args, plan, layout.Launch(world, 0, 0), built, torch.device("cpu"), params)
+    return lines[-1], report.plan_bytes(params, plan, built.module), params, built.module
 
 
 def test_a_pipelines_plan_line_counts_its_ranks_and_stage_0s_bytes():

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from recipes import bert, gpt, llama, loop
+from recipes import bert, cli, gpt, llama
 from recipes import precision as rp
 from zfunc.ops.cpu import units as cpu_units
 
@@ -68,8 +68,8 @@ def test_a_half_precision_this_cpu_emulates_is_warned_about_with_the_measured_sl
 @pytest.mark.parametrize("flags,want", [(AVX2, "fp32"), (ZEN4, "bf16")])
 def test_every_recipe_bert_included_defaults_to_the_machines_precision(name, flags, want, monkeypatch):
     monkeypatch.setattr(cpu_units, "cpu_flags", lambda path=cpu_units.CPUINFO: flags)
-    args = loop.parse_args(RECIPES[name].RECIPE, ["--device", "cpu"])
-    assert loop.with_precision(args).precision == want
+    args = cli.parse_args(RECIPES[name].RECIPE, ["--device", "cpu"])
+    assert cli.with_precision(args).precision == want
 
 
 @pytest.fixture

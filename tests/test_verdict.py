@@ -6,7 +6,7 @@ import shlex
 
 import pytest
 
-from recipes import llama, loop, verdict
+from recipes import cli, llama, verdict
 
 GB = 10**9
 # zfunc.plan's bytes of one process by place and component (Plan.memory)
@@ -76,7 +76,7 @@ def test_on_a_datasheet_gpu_the_search_is_also_a_zfunc_plan_command_that_runs(ca
     assert verdict.gpu_key(m.gpu_name, m.gpu_bytes) == "H100-80GB"
     assert verdict.gpu_key("NVIDIA A100-SXM4-40GB", 40 * GB) == "A100-40GB"
     assert verdict.gpu_key("Tesla T4", 16 * GB) is None
-    args = loop.parse_args(llama.RECIPE, ["--flavor", "debug", "--batch-size", "64"])
+    args = cli.parse_args(llama.RECIPE, ["--flavor", "debug", "--batch-size", "64"])
     line = verdict.plan_command("llama", args, m, 16, "bf16")
     assert line.startswith("python -m zfunc.plan --flavor debug --recipe llama --gpu H100-80GB --gpus 16 ")
     assert "--gpus-per-node 8 --cpu-ram 20 --nvme 10 --seq 128 --global-batch 64" in line
@@ -128,7 +128,7 @@ def test_a_run_too_big_for_the_machine_gets_a_layout_that_fits_it(tmp_path, text
     command = re.search(r"fits instead \(.*\): (python -m recipes\.llama .*)", printed).group(1)
     suggested = shlex.split(command)[3:]
     assert "--dry-run" not in suggested
-    given, kept = loop.parse_args(llama.RECIPE, argv), loop.parse_args(llama.RECIPE, suggested)
+    given, kept = cli.parse_args(llama.RECIPE, argv), cli.parse_args(llama.RECIPE, suggested)
     same = ("n_layer", "n_head", "n_kv_head", "n_embd", "ffn_dim", "block_size", "batch_size", "precision", "data",
             "out")
     assert [getattr(kept, k) for k in same] == [getattr(given, k) for k in same]

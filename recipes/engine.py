@@ -1,0 +1,81 @@
+"""What trains: the recipe's model built on the meta device and prepared for the plan, and the zfunc
+step laid out by it.
+
+The model is built on the meta device (no memory: each leaf is made once, later, where the layout
+keeps it: recipes/checkpoints.py), prepared by ``zf.config.prepare`` (the LM head tiled, the
+units rematerialized) and functionalized; the step is ``zf.train_step`` of the task's loss with the
+recipe's optimizer, laid out by ``zf.parallelize`` (shard, offload, pipeline, as the plan says).
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from recipes import layout, lr_schedule
+from recipes.layout import FlagError
+from recipes.recipe import Built, Recipe
+from recipes.task import Task
+
+
+def build_model(recipe: Recipe, args: argparse.Namespace, vocab_size: int) -> Built:
+    """``recipe.build`` on the meta device for ``vocab_size`` ids; FlagError for a model the flags
+    cannot make, or whose context is shorter than --block-size."""
+    with torch.device("meta"):
+        try:
+            built = recipe.build(args, vocab_size)
+        except ValueError as e:
+            raise FlagError(str(e)) from None
+    if args.block_size > built.context:
+        raise FlagError(f"--block-size: {args.block_size} exceeds the model's context of {built.context} "
+                        "(expected at most that)")
+    return built
+
+
+def functional(model: nn.Module, plan) -> tuple[Callable, dict]:
+    """``zf.functionalize`` of ``model`` once the plan's model transformations are applied to it in
+    place (the head tiled, the units rematerialized: they rename params, so before functionalize);
+    FlagError naming the flags when the model cannot take them."""
+    import zfunc as zf
+
+    try:
+        zf.config.prepare(model, plan)
+    except ValueError as e:
+        raise FlagError(layout.name_flags(str(e))) from None
+    return zf.functionalize(model)
+
+
+def loss_fn(task: Task, apply: Callable) -> Callable:
+    """``loss(params, batch)``: the task's loss of the model's output on the batch's inputs."""
+    def loss(params: dict, batch: tuple) -> torch.Tensor:
+        return task.loss(apply(params, *batch[:task.inputs]), batch)
+
+    return loss
+
+
+def make_optimizer(args: argparse.Namespace, plan):
+    """AdamW(0.9, 0.95) on a warmup-cosine, decaying matrices only; a --deepspeed config's optimizer
+    and scheduler when it names them (a config without a scheduler keeps its lr constant, as in
+    DeepSpeed). Clipping at the plan's gradient_clipping (--grad-clip, or the config's; 0: none)."""
+    import zfunc as zf
+
+    if plan.optimizer is not None:
+        return zf.config.optimizer(plan, lr_schedule.spec(args, plan)["total_steps"], mask=zf.optim.decay_mask)
+    lr = lr_schedule.function(lr_schedule.spec(args, plan))  # laid over lr_schedule.total(args)
+    adamw = zf.optim.adamw(lr, b1=0.9, b2=0.95, eps=1e-8, weight_decay=args.weight_decay, mask=zf.optim.decay_mask)
+    if plan.gradient_clipping > 0:
+        return zf.optim.chain(zf.optim.clip_by_global_norm(plan.gradient_clipping), adamw)
+    return adamw
+
+
+def build_step(loss: Callable, model: nn.Module, args: argparse.Namespace, plan):
+    """The step that trains ``model`` on ``loss`` and the mesh it runs on: ``zf.train_step`` with
+    ``make_optimizer``'s optimizer, the plan's precision and accumulation and --seed, laid out by
+    ``zf.parallelize`` (shard -> offload -> pipeline)."""
+    import zfunc as zf
+
+    step = zf.train_step(loss, make_optimizer(args, plan), precision=plan.precision, accum=plan.accum, seed=args.seed)
+    mesh = zf.Mesh(dp=plan.dp, pp=plan.pp)
+    return zf.parallelize(step, model, plan, mesh), mesh
