@@ -20,7 +20,7 @@ import zfunc as zf
 from tests.models import Block, Tiny, assert_same_training, batches, local, train_on, untile
 from zfunc.core import compose
 from zfunc.offloading.step import in_ram
-from zfunc.sharding.step import full_params
+from zfunc.checkpoint import full_params
 
 
 def plain_step(**kw):

@@ -191,6 +191,17 @@ class Step:
         master = tree.map(lambda p: _master_copy(p, device), params)
         return TrainState(master, self.optimizer.init(master), 0, self.seed, mp.init_loss_scale(self.precision))
 
+    def init_meta(self, params: PyTree) -> TrainState:
+        """The state ``init(params)`` would return, on the meta device: its structure, shapes,
+        dtypes and placement, with no values (nothing allocated, no file written). What
+        ``zf.checkpoint.load`` reads a checkpoint into."""
+        return self.init(tree.map(lambda x: x.to("meta") if torch.is_tensor(x) else x, params))
+
+    def own_buffers(self, buffers: dict[str, Any]) -> dict[str, Any]:
+        """The module buffers among ``buffers`` that this step's state carries (all of them, but on
+        a pipeline stage: those of its own units)."""
+        return buffers
+
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         self._check_state(state)
         params, _, step, rng, loss_scale, buffers = _values(state)

@@ -83,6 +83,7 @@ from zfunc import optim
 from zfunc.core import compose, precision as mp, tree
 from zfunc.dist import Mesh
 from zfunc.model.functional import BufferScope, carrying
+from zfunc.pipelining.placement import PipelineSpec
 from zfunc.pipelining.stage import PipelineSchedule, _Run, _digest, schedule_ops  # noqa: F401  (schedule_ops: public)
 from zfunc.sharding.step import GradSlices, ShardSpec, _buckets, _gather_whole, average_buffers, average_order
 from zfunc.core.step import Step, TrainState, Transformed, _cuda_devices, _step_seed, require_train_state, seeded
@@ -103,27 +104,6 @@ class Layout:
     bounds: tuple[tuple[int, int], ...]
     owner: dict[str, int]
     shared: frozenset[str]
-
-
-@dataclass(frozen=True)
-class PipelineSpec:
-    """Static metadata of a pipelined state: the stage, the names and whole shapes of all params
-    (leaf order), the names this stage holds, and ``inner``, their dp split (``ShardSpec``).
-
-    A stage's state holds only what it owns, no stand-ins: ``params`` the fp32 masters of
-    ``owned`` (the shared params on stage 0), split over the dp ranks when ``inner`` is set, and
-    ``opt_state`` the optimizer's state for them, the counts and other unsplit leaves on every
-    stage; ``buffers`` those of its own units. Process ``stage * dp + dp rank`` (``zf.Mesh``)."""
-
-    stages: int
-    stage: int
-    names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    owned: tuple[str, ...]
-    inner: ShardSpec | None = None
-
-    def __str__(self) -> str:
-        return f"pipeline stage {self.stage} of {self.stages}" + (f", {self.inner}" if self.inner else "")
 
 
 # ----------------------------------------------------------------------------- the step
