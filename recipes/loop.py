@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import inspect
 import math
 import os
 import re
@@ -427,8 +426,8 @@ def make_optimizer(args: argparse.Namespace, plan):
 
 def first_state(args: argparse.Namespace, step, built: Built, params: dict, plan, device: torch.device):
     """The state to train from: OUT/ckpt/latest loaded into this layout (--resume), or a fresh one
-    from meta-device ``params`` by ``built.materialize`` (a step that can materialize leaf by leaf --
-    offload, ZeRO-3 -- makes each rank's rows one leaf at a time, never the whole model)."""
+    from meta-device ``params`` by ``built.materialize`` (every step's ``init`` makes one leaf at a time,
+    and a sharded one only its rank's rows: never the whole model at once)."""
     import zfunc as zf
 
     if args.resume:
@@ -439,12 +438,7 @@ def first_state(args: argparse.Namespace, step, built: Built, params: dict, plan
             return zf.checkpoint.load(latest, step, params=params, device=device), latest
         except zf.checkpoint.CheckpointError as e:
             raise FlagError(f"--resume: {e}") from e
-    materialize = built.materialize(args.seed)
-    if "materialize" in inspect.signature(step.init).parameters:
-        state = step.init(params, materialize=materialize)
-    else:
-        state = step.init({name: zf.materialize.leaf(materialize, name, like).to(device)
-                           for name, like in params.items()})
+    state = step.init(params, materialize=built.materialize(args.seed))
     if plan.precision == "fp16":  # the plan's (a DeepSpeed config's) loss-scale rule
         state = state.replace(loss_scale=zf.precision.deepspeed_loss_scale(
             plan.initial_scale_power, plan.loss_scale_window, plan.hysteresis, plan.min_loss_scale,
