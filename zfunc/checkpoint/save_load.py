@@ -262,8 +262,8 @@ def _publish(tmp: Path, final: Path, run: str, keep_last: int | None) -> None:
 
 def _manifest(state: TrainState, entries: list[dict], run: str, extra: dict) -> dict:
     """The manifest but for its checksums (``files`` and the pieces' ``crc``: after the write)."""
-    return {"format": cf.FORMAT, "zfunc": zfunc.__version__, **placement.of(state.placement).describe(state.placement),
-            "step": state.step,
+    layout = placement.of(state.placement).describe(state.placement)  # world, pipeline stages, ZeRO stage
+    return {"format": cf.FORMAT, "zfunc": zfunc.__version__, **layout, "step": state.step,
             "run": run, "rng": state.rng, "extra": extra, "files": {}, "leaves": entries}
 
 
