@@ -9,7 +9,6 @@ and number of processes (``zf.checkpoint.load`` reshards it).
 from __future__ import annotations
 
 import argparse
-import inspect
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,8 +23,7 @@ def first_state(args: argparse.Namespace, step, built: Built, params: dict, plan
                 device: torch.device) -> tuple[Any, Path | None]:
     """The state to train from and the checkpoint it was loaded from: OUT/ckpt/latest loaded into this
     layout (--resume), or a fresh state (None) from meta-device ``params`` by ``built.materialize``
-    (a step that can materialize leaf by leaf -- offload, ZeRO-3 -- makes each rank's rows one leaf at
-    a time, never the whole model). FlagError naming --resume when the checkpoint cannot be loaded."""
+    (``fresh_state``). FlagError naming --resume when the checkpoint cannot be loaded."""
     import zfunc as zf
 
     if args.resume:
@@ -38,7 +36,7 @@ def first_state(args: argparse.Namespace, step, built: Built, params: dict, plan
             raise FlagError(f"--resume: {e}") from e
     # the init is written for the model untiled; --tile-lm-head (zf.tile) has split its head since
     materialize = zf.materialize.tiled(built.materialize(args.seed), built.module)
-    state = fresh_state(step, params, materialize, device)
+    state = fresh_state(step, params, materialize)
     if plan.precision == "fp16":  # the plan's (a DeepSpeed config's) loss-scale rule
         state = state.replace(loss_scale=zf.precision.deepspeed_loss_scale(
             plan.initial_scale_power, plan.loss_scale_window, plan.hysteresis, plan.min_loss_scale,
@@ -46,17 +44,11 @@ def first_state(args: argparse.Namespace, step, built: Built, params: dict, plan
     return state, None
 
 
-def fresh_state(step, params: dict, materialize: Callable, device: torch.device):
+def fresh_state(step, params: dict, materialize: Callable):
     """``step.init`` of the meta-device ``params``, their values made by ``materialize``: the one
-    place a run initializes its step. ``zf.shard`` and ``zf.offload`` take the materializer and make
-    each leaf where they keep it (this rank's rows, one leaf at a time); the plain and pipelined
-    steps' ``init`` takes made params, so each leaf is made whole on ``device`` here."""
-    import zfunc as zf
-
-    # the one init call site: where every step's init takes materialize=, it is the first line alone
-    if "materialize" in inspect.signature(step.init).parameters:
-        return step.init(params, materialize=materialize)
-    return step.init({name: zf.materialize.leaf(materialize, name, like).to(device) for name, like in params.items()})
+    place a run initializes its step. Every step makes one leaf at a time where it keeps it (a
+    sharded or offloaded step only this rank's rows), never the whole model at once."""
+    return step.init(params, materialize=materialize)
 
 
 def saver(args: argparse.Namespace, config: dict, flags: dict, schedule: dict) -> Callable[..., Path]:

@@ -11,7 +11,7 @@ from recipes import bert, loop
 from recipes.bert import CLS, IGNORE, MASK, PAD, SEP
 from tests.models import assert_same_training, train_on
 from zfunc.offloading.step import in_ram
-from zfunc.sharding.step import full_params
+from zfunc.checkpoint import full_params
 
 STEPS = 4
 

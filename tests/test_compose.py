@@ -20,7 +20,7 @@ import zfunc as zf
 from tests.models import Block, Tiny, assert_same_training, batches, local, train_on, untile
 from zfunc.core import compose
 from zfunc.offloading.step import in_ram
-from zfunc.sharding.step import full_params
+from zfunc.checkpoint import full_params
 
 
 def plain_step(**kw):
@@ -100,6 +100,29 @@ def test_the_table_has_a_verdict_for_every_pair():
     for outer in compose.STEP_TRANSFORMS:
         for inner in ("train_step", *compose.STEP_TRANSFORMS):
             assert (outer, inner) in compose.TABLE, (outer, inner)
+
+
+def test_register_adds_a_row_and_a_column_and_refuses_what_it_leaves_out(monkeypatch):
+    monkeypatch.setattr(compose, "TABLE", dict(compose.TABLE))  # the registration ends with this test
+    monkeypatch.setattr(compose, "STEP_TRANSFORMS", compose.STEP_TRANSFORMS)
+    shard_first = ("it reads what shard delivers", "zf.sink(zf.shard(step, mesh, stage))")
+    compose.register("sink", may_wrap={"shard": None}, wrapped_by={"offload": shard_first})
+    assert "sink" in compose.STEP_TRANSFORMS
+    test_the_table_has_a_verdict_for_every_pair()
+    assert compose.TABLE[("sink", "shard")] is None and compose.TABLE[("offload", "sink")] == shard_first
+    assert compose.TABLE[("sink", "train_step")] == ("no rule lets zf.sink wrap zf.train_step",
+                                                     "zf.sink(zf.shard(step, ...), ...)")
+    assert compose.TABLE[("pipeline", "sink")] == ("no rule lets zf.pipeline wrap zf.sink",
+                                                   "zf.sink(zf.shard(step, ...), ...)")
+    step, _ = plain_step()
+    compose.check("sink", zf.shard(step, zf.Mesh(), 1))  # allowed: no error
+    with pytest.raises(ValueError, match=r"zf.sink\(step\) is refused: zf.sink cannot wrap zf.train_step: no rule "
+                                         r"lets zf.sink wrap zf.train_step; the order that works: zf.sink\(zf.shard"):
+        compose.check("sink", step)
+    with pytest.raises(ValueError, match=r"name: expected a new transformation's name, got 'shard'"):
+        compose.register("shard", may_wrap={})
+    with pytest.raises(ValueError, match=r"may_wrap: \['tile'\] are not step transformations"):
+        compose.register("other", may_wrap={"tile": None})
 
 
 def issue_worker(rank, world):

@@ -10,7 +10,7 @@ import zfunc as zf
 from recipes import llama
 from tests.models import assert_same_training, train_on
 from zfunc.offloading.step import in_ram
-from zfunc.sharding.step import full_params
+from zfunc.checkpoint import full_params
 
 STEPS = 4
 

@@ -234,6 +234,25 @@ def test_meta_params_without_materialize_give_a_template_and_bad_input_is_named(
         step.init(params, materialize="normal")
 
 
+def test_every_step_init_takes_params_and_materialize_and_holds_the_same_model():
+    """One signature, ``init(params, materialize=None)``: the plain, sharded, offloaded and pipelined
+    steps start from the same meta params and materializer, each holding the model made whole."""
+    with torch.device("meta"):
+        model = Tiny()
+    apply, params = zf.functionalize(model)
+    materialize = M.normal(0.02, 5)
+    want = {n: M.leaf(materialize, n, like) for n, like in params.items()}
+    plain = zf.train_step(lambda p, b: apply(p, b).sum(), zf.optim.adamw(1e-2))
+    steps = {"plain": plain, "shard": zf.shard(plain, zf.Mesh(), 2), "offload": zf.offload(plain),
+             "pipeline": zf.pipeline(plain, stages=1, microbatches=1, model=model, units=zf.units.by_class(Block))}
+    for name, step in steps.items():
+        state = step.init(params, materialize=materialize)
+        got = zf.checkpoint.full_params(state)
+        assert got.keys() == want.keys(), name
+        for n in want:
+            assert torch.equal(got[n], want[n]), f"{name}: {n}"
+
+
 # ---------------------------------------------------------------- memory: only one rank's share
 LAYERS, WIDTH = 24, 1024  # 25.2M params: 100 MB of fp32 params, 300 MB with Adam's moments
 PSI = LAYERS * WIDTH * WIDTH

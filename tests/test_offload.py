@@ -15,7 +15,7 @@ from tests.models import Block, Tiny, assert_same_training, batches, local, tree
 from tests.models import make_offloaded as make  # this file's step: Tiny, offloaded or not
 from zfunc.offloading.step import ComputeCopies, OffloadSpec, in_ram, offload, release
 from zfunc.sharding.run import StepRun
-from zfunc.sharding.step import full_params
+from zfunc.checkpoint import full_params
 from zfunc.offloading.swap.engine import SwapInUseError, SwapPathError
 
 PLACES = [("cpu", None), ("nvme", None), ("cpu", "cpu"), ("nvme", "nvme")]

@@ -7,7 +7,7 @@ import zfunc as zf
 from tests.models import batches, local, train_on
 from tests.models import make_offloaded as make
 from zfunc.ops.cpu import adam as cpu_adam
-from zfunc.sharding.step import full_params
+from zfunc.checkpoint import full_params
 from zfunc.sharding.layout import FlatGroup
 from zfunc.offloading.step import in_ram
 

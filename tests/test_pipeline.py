@@ -8,7 +8,7 @@ from tests.models import PIPE_VOCAB as VOCAB, PipeTiny as Tiny, pipe_batches as 
 from tests.models import (Block, NormSpy, NormStack, NormUnit, assert_same_training, assert_trained_like, bn_batches, bn_step,
                           norm_step, torch_train, train_on, tree_equal, with_faults)
 from recipes import gpt
-from zfunc.sharding.step import full_params
+from zfunc.checkpoint import full_params
 
 
 def make(pipe=None, mesh=None, shard=False, model="tiny", clip=True, grad_norm=True, **model_kw):

@@ -8,7 +8,7 @@ from torch import nn
 
 import zfunc as zf
 from tests.models import untile
-from zfunc.sharding.step import full_params
+from zfunc.checkpoint import full_params
 
 
 def assert_rel(actual, expected, rtol=1e-6, what=""):

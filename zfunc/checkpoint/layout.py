@@ -1,23 +1,25 @@
 """How a state's leaves map onto a checkpoint: the logical leaves every layout shares, and who
-writes which. (Split from ``checkpoint.py``, which says what saving and loading guarantee.)
+writes which (``zfunc.checkpoint.save_load`` says what saving and loading guarantee).
 
 A checkpoint holds one *logical* state whatever layout wrote it: the leaves of the plain state,
 named by their ``TrainState`` tree paths (``params/emb.weight``, ``opt_state/1/emb.weight``,
 ``opt_state/0``, ``buffers/bn.running_mean``, ``step``). A leaf split like a param (the param
 itself, and optimizer leaves shaped like its piece) is stored as *pieces* of rows of the whole
 leaf, in ``torch.chunk`` style along dim 0; any other leaf whole. For a state in any layout,
-``slots`` says which logical leaf each of its leaves is and which rows of it this rank holds:
+``slots`` says which logical leaf each of its leaves is and which rows of it this rank holds, as
+the state's placement answers (``zfunc.core.placement``: each transformation registers its own,
+beside its spec; nothing here knows a spec's type):
 
 - plain: one rank, every leaf whole.
-- ``zf.shard`` (``ShardSpec``): rank r holds rows ``[r * chunk, (r + 1) * chunk)`` of each split
-  leaf; the other leaves (counts, module buffers) are on every rank.
-- ``zf.offload`` (``OffloadSpec``): as shard, but the optimizer state is one state per param leaf,
-  ``opt_state/i/...``: its logical path drops ``i`` (and names the param by its tree path), and the
-  per-leaf copies of an unsplit leaf (Adam's count) are one logical leaf.
-- ``zf.pipeline`` (``PipelineSpec``): stage s holds only the params it owns (the shared ones on stage
-  0; no stand-ins) and their optimizer state, split over its dp ranks as a shard state, and its own
-  units' buffers; counts and the other unsplit optimizer leaves are on every stage. Its process
-  is global rank ``stage * dp + dp rank`` (``zf.Mesh``), which names its file.
+- ``zf.shard`` (``zfunc.sharding.layout.ShardPlacement``): rank r holds rows ``[r * chunk, (r + 1) * chunk)``
+  of each split leaf; the other leaves (counts, module buffers) are on every rank.
+- ``zf.offload`` (``zfunc.offloading.placement``): as shard, but the optimizer state is one state per
+  param leaf, ``opt_state/i/...``: its logical path drops ``i`` (and names the param by its tree
+  path), and the per-leaf copies of an unsplit leaf (Adam's count) are one logical leaf.
+- ``zf.pipeline`` (``zfunc.pipelining.placement``): stage s holds only the params it owns and their
+  optimizer state, split over its dp ranks as a shard state, and its own units' buffers; counts
+  and the other unsplit optimizer leaves are on every stage; the checkpoint's other params are
+  another stage's, not missing. Its process is global rank ``stage * dp + dp rank``.
 
 **Written once.** ``assign`` sees every rank's leaves (an all-gather of their descriptions, a few
 bytes per leaf): each piece of rows is written by the lowest rank holding it, an unsplit leaf or a
@@ -27,7 +29,7 @@ written. Each manifest entry lists its pieces: file, rows and crc32.
 **Read as needed.** A loader reads, for each leaf of its own layout, only the pieces holding the
 rows it needs (``read_rows``; a piece is read whole, to check its crc32): a rank of the layout that
 saved reads only its own pieces, a rank of another layout only the pieces overlapping its rows
-(none of another stage's params). ``gather_params`` is ``full_params`` for states whose ranks hold different params (pipelines).
+(none of another stage's params).
 """
 from __future__ import annotations
 
@@ -40,10 +42,9 @@ import optree
 import torch
 import torch.distributed as dist
 
-from zfunc.core import tree
+from zfunc.core import placement, tree
 from zfunc.checkpoint.files import CheckpointError, RankFiles
-from zfunc.sharding.step import LeafShard, ShardSpec, _leaf_names
-from zfunc.core.step import TrainState
+from zfunc.core.state import TrainState
 
 PARAMS = "params/"
 BUFFERS = "buffers/"  # TrainState.buffers: module buffers, never split
@@ -62,31 +63,6 @@ class Slot:
     rows: tuple[int, int] | None = None
 
 
-def place(spec: Any) -> tuple[int, int]:
-    """``(world, rank)`` of a state's process among those that save it (rank names its file)."""
-    from zfunc.pipelining.step import PipelineSpec
-
-    if spec is None:
-        return 1, 0
-    if isinstance(spec, ShardSpec):
-        return spec.world, spec.rank
-    if isinstance(spec, PipelineSpec):
-        dp, rank = (spec.inner.world, spec.inner.rank) if spec.inner else (1, 0)
-        return spec.stages * dp, spec.stage * dp + rank
-    raise CheckpointError(f"state: sharding {spec!r} is not a layout checkpoints know (expected None, a ShardSpec "
-                          "or a PipelineSpec)")
-
-
-def describe(spec: Any) -> dict:
-    """The layout, for the manifest: processes, pipeline stages, ZeRO stage (None: plain)."""
-    from zfunc.pipelining.step import PipelineSpec
-
-    world, _ = place(spec)
-    inner = spec.inner if isinstance(spec, PipelineSpec) else spec
-    return {"world": world, "pipeline": spec.stages if isinstance(spec, PipelineSpec) else None,
-            "stage": inner.stage if isinstance(inner, ShardSpec) else None}
-
-
 def param_keys(state: TrainState) -> list[str]:
     paths, _, _ = optree.tree_flatten_with_path(state.params, namespace=tree.NAMESPACE)
     return ["/".join(map(str, p)) for p in paths]
@@ -96,45 +72,15 @@ def _shape(x: Any) -> tuple[int, ...]:
     return tuple(x.shape) if len(x.shape) else (1,)
 
 
-def _param_rows(state: TrainState) -> dict[str, tuple[LeafShard, tuple[int, ...], tuple[int, int]]]:
-    """Param key -> (its whole ``LeafShard``, this rank's piece shape, the rows it holds)."""
-    from zfunc.pipelining.step import PipelineSpec
-
-    spec = state.sharding
-    dp = spec.inner if isinstance(spec, PipelineSpec) else spec
+def _param_rows(state: TrainState) -> dict[str, tuple[placement.Rows, tuple[int, ...]]]:
+    """Param key -> (its ``Rows``: whole shape, chunk and the rows held here; this rank's piece shape)."""
+    spec = state.placement
+    rule = placement.of(spec)
     out = {}
     for i, (key, p) in enumerate(zip(param_keys(state), tree.leaves(state.params))):
         if not hasattr(p, "shape"):  # a plain state's non-tensor leaf: saved as a value
             continue
-        if dp is None:
-            leaf = LeafShard(tuple(p.shape), p.shape[0] if len(p.shape) else 1)
-            rows = (0, leaf.rows)
-        else:
-            leaf, rank = dp.leaves[i], dp.split[1]  # stage 0: every rank holds what rank 0 of one would
-            start = min(rank * leaf.chunk, leaf.rows)
-            rows = (start, start + leaf.local_rows(rank))
-        out[key] = (leaf, _shape(p), rows)
-    return out
-
-
-def _logical(state: TrainState, paths: list[str]) -> list[str]:
-    """The plain state's path of each leaf: an offloaded state's ``opt_state/i/REST`` (leaf i's
-    own optimizer state, made for ``{name_i: piece}``) is ``opt_state/REST`` with the param named
-    by its tree path."""
-    from zfunc.offloading.step import OffloadSpec
-
-    if not isinstance(state.sharding, OffloadSpec):
-        return paths
-    keys, names = param_keys(state), _leaf_names(state.params)
-    out = []
-    for path in paths:
-        if path.startswith("opt_state/"):
-            _, i, *rest = path.split("/")
-            name, rest = names[int(i)], "/".join(rest)
-            if rest == name or rest.endswith("/" + name):
-                rest = rest[: len(rest) - len(name)] + keys[int(i)]
-            path = "/".join(["opt_state", rest]) if rest else "opt_state"
-        out.append(path)
+        out[key] = (rule.rows(spec, i, tuple(p.shape)), _shape(p))
     return out
 
 
@@ -142,8 +88,9 @@ def slots(state: TrainState) -> tuple[list[Slot], list[Any], Any]:
     """``(slots, leaves, treespec)``: each of the state's flattened leaves and its ``Slot``."""
     paths, leaves, treespec = optree.tree_flatten_with_path(state, namespace=tree.NAMESPACE)
     rows = _param_rows(state)
+    logical = placement.of(state.placement).logical_paths(state, ["/".join(map(str, p)) for p in paths])
     out = []
-    for path, x in zip(_logical(state, ["/".join(map(str, p)) for p in paths]), leaves):
+    for path, x in zip(logical, leaves):
         key = None
         if path.startswith(PARAMS):
             key = path[len(PARAMS):] if path[len(PARAMS):] in rows else None
@@ -154,8 +101,8 @@ def slots(state: TrainState) -> tuple[list[Slot], list[Any], Any]:
         if key is None:
             out.append(Slot(path))
         else:
-            leaf, _, held = rows[key]
-            out.append(Slot(path, key, leaf.shape, leaf.chunk, held))
+            held = rows[key][0]
+            out.append(Slot(path, key, held.shape, held.chunk, held.held))
     return out, leaves, treespec
 
 
@@ -227,9 +174,8 @@ def all_gather(obj: Any, world: int, group: Any = None) -> list[Any]:
 
 def check_structure(directory: Path, saved: dict[str, dict], slots: list[Slot], template: TrainState) -> None:
     """The checkpoint has every leaf of the state and, besides, only the leaves of params (and
-    module buffers) that other pipeline stages hold."""
-    from zfunc.pipelining.step import PipelineSpec
-
+    module buffers) that other processes hold, where the state holds part of the model (a
+    pipeline stage: ``Placement.model``)."""
     mine = {s.path for s in slots}
     held = set(param_keys(template))
 
@@ -237,9 +183,9 @@ def check_structure(directory: Path, saved: dict[str, dict], slots: list[Slot], 
         split_like = entry.get("split_like")
         return path.startswith(BUFFERS) or (split_like is not None and split_like not in held)
 
-    pipelined = isinstance(template.sharding, PipelineSpec)
+    partial = placement.of(template.placement).model(template.placement) is not None  # the rest is elsewhere
     missing = sorted(mine - saved.keys())
-    unexpected = sorted(p for p, e in saved.items() if p not in mine and not (pipelined and elsewhere(p, e)))
+    unexpected = sorted(p for p, e in saved.items() if p not in mine and not (partial and elsewhere(p, e)))
     if missing or unexpected:
         raise CheckpointError(f"{directory}: the state's structure differs from the checkpoint's: "
                               f"not in the checkpoint {missing[:5]}, only in the checkpoint {unexpected[:5]}")
@@ -316,38 +262,3 @@ def read_whole(files: RankFiles, entry: dict, manifest: dict) -> torch.Tensor:
         return files.read(piece["file"], entry["path"], piece.get("crc"))
     full = entry["full_shape"]
     return read_rows(files, entry, 0, full[0] if full else 1).reshape(full)
-
-
-# ----------------------------------------------------------------------------- whole params
-
-
-def gather_params(state: TrainState) -> dict[str, torch.Tensor]:
-    """Every param whole (fp32) on every rank, from a state whose ranks hold pieces of different
-    params (a pipelined one); every rank of the default process group calls it. Costs an
-    all-gather of the ranks' pieces, each padded to the largest rank's (fp32), and one of their
-    descriptions."""
-    world, _ = place(state.sharding)
-    held = [(s.split_like, s.rows, s.full_shape) for s in slots(state)[0] if s.path.startswith(PARAMS)]
-    pieces_ = [x.detach().float().reshape(-1) for x in tree.leaves(state.params)]
-    device = pieces_[0].device if pieces_ else torch.device("cpu")
-    flat = torch.cat(pieces_) if pieces_ else torch.zeros(0, device=device)
-    if world > 1 and dist.get_world_size() != world:
-        raise ValueError(f"state: it is one of {world} ranks, but the process group has {dist.get_world_size()}")
-    everyone = all_gather((held, flat.numel()), world)
-    size = max(n for _, n in everyone)
-    padded = torch.cat([flat, flat.new_zeros(size - flat.numel())])
-    gathered = [padded] if world == 1 else [torch.empty_like(padded) for _ in range(world)]
-    if world > 1:
-        dist.all_gather(gathered, padded)
-    out: dict[str, torch.Tensor] = {}
-    for (described, _), buffer in zip(everyone, gathered):
-        offset = 0
-        for key, (a, b), shape in described:
-            tail = tuple(shape[1:])
-            n = (b - a) * int(torch.Size(tail).numel())
-            if key not in out:
-                out[key] = torch.empty(shape, dtype=torch.float32, device=device)
-            out[key].reshape(-1, *tail)[a:b] = buffer[offset : offset + n].view(b - a, *tail)
-            offset += n
-    names = getattr(state.sharding, "names", None) or sorted(out)
-    return {k: out[k] for k in names}

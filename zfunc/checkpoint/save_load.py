@@ -36,10 +36,10 @@ What is guaranteed (the files: ``zfunc.checkpoint.files``; ownership, locks, rep
   write. A checkpoint's run is ``save``'s ``run=``, by default its name without trailing digits
   ("000100" -> "", "gpt-000100" -> "gpt-", "step8" -> "step"): runs sharing a folder need names
   that differ before their step digits, or ``run=``.
-- **Every rank or none.** A sharded or pipelined ``save`` and ``full_params`` first check that
-  every rank made the call (``zf.dist.all_arrive``, at most ``zfunc.dist.mesh.ARRIVAL_TIMEOUT_S``);
-  otherwise each rank that came raises ``CollectiveError`` naming the call and the missing ranks
-  instead of hanging in a collective.
+- **Every rank or none.** A sharded or pipelined ``save`` and ``full_params`` (``zfunc.core.placement``)
+  first check that every rank made the call (``zf.dist.all_arrive``, at most
+  ``zfunc.dist.mesh.ARRIVAL_TIMEOUT_S``); otherwise each rank that came raises ``CollectiveError``
+  naming the call and the missing ranks instead of hanging in a collective.
 - **In the background.** ``save(..., blocking=False)`` snapshots the state and returns a
   ``SaveHandle`` while a thread writes it; the guarantees above hold as for a blocking save
   (``zfunc.checkpoint.background``: the snapshot, the donation rule that protects it, the handle).
@@ -54,7 +54,8 @@ What is guaranteed (the files: ``zfunc.checkpoint.files``; ownership, locks, rep
   pickles: ``zfunc.checkpoint.importers`` reads them through an allowlist).
 
 **Resharding.** A checkpoint is the same logical thing whatever wrote it: the plain state's
-leaves, whole params and optimizer state (``zfunc.checkpoint.layout``). Every split zfunc makes is
+leaves, whole params and optimizer state (``zfunc.checkpoint.layout``, asking each state's placement:
+``zfunc.core.placement``). Every split zfunc makes is
 the same: dim 0 in ``torch.chunk`` style over a stage's dp ranks (``shard.ShardSpec``), whatever the
 ZeRO stage; a pipeline stage (``PipelineSpec``) holds only its own params and their optimizer
 state; an offloaded state has one optimizer state per param leaf, saved as the plain one;
@@ -83,20 +84,19 @@ import torch.distributed as dist
 
 import zfunc
 from zfunc.checkpoint import background as ca, files as cf, layout as cl
-from zfunc.core import compose, tree
+from zfunc.core import placement, tree
 from zfunc.checkpoint.background import SaveHandle
 from zfunc.checkpoint.files import LATEST, CheckpointError
 from zfunc.checkpoint.manifest import read_manifest
 from zfunc.checkpoint.folder import (checkpoint_path, claim, default_run, latest, locked, prune, put_in_place, scratch,
                                      write_text_atomic)
 from zfunc.checkpoint.layout import BUFFERS, PARAMS, Slot
-from zfunc.dist import all_arrive
 from zfunc.core.step import Step, TrainState
+from zfunc.dist.mesh import all_arrive
 from zfunc.offloading.swap.engine import fsync_dir
 
 
-__all__ = ["CheckpointError", "SaveHandle", "save", "load", "latest", "read_manifest", "full_params", "export",
-           "load_deepspeed", "load_dcp", "deepspeed_config"]
+__all__ = ["CheckpointError", "SaveHandle", "save", "load", "latest", "read_manifest", "export"]
 
 
 # ----------------------------------------------------------------------------- save
@@ -165,10 +165,9 @@ def save(state: TrainState, directory: str | os.PathLike, *, keep_last: int | No
         raise TypeError(f"blocking: expected a bool, got {type(blocking).__name__}")
     ca.wait_for_previous()
     final, run, extra = _check_save_args(directory, keep_last, extra, run)
-    world, rank = cl.place(state.sharding)
-    from zfunc.offloading.step import in_ram
-
-    state = in_ram(state)  # an offloaded state's swap files, read back
+    rule = placement.of(state.placement)
+    world, rank = rule.processes(state.placement)
+    state = rule.in_memory(state)  # e.g. an offloaded state's swap files, read back
     slots, leaves, _ = cl.slots(state)
     _check_leaves([s.path for s in slots], leaves)
     if world > 1:
@@ -263,7 +262,8 @@ def _publish(tmp: Path, final: Path, run: str, keep_last: int | None) -> None:
 
 def _manifest(state: TrainState, entries: list[dict], run: str, extra: dict) -> dict:
     """The manifest but for its checksums (``files`` and the pieces' ``crc``: after the write)."""
-    return {"format": cf.FORMAT, "zfunc": zfunc.__version__, **cl.describe(state.sharding), "step": state.step,
+    layout = placement.of(state.placement).describe(state.placement)  # world, pipeline stages, ZeRO stage
+    return {"format": cf.FORMAT, "zfunc": zfunc.__version__, **layout, "step": state.step,
             "run": run, "rng": state.rng, "extra": extra, "files": {}, "leaves": entries}
 
 
@@ -319,13 +319,8 @@ def _template(manifest: dict, step_or_template: Any, params: Any) -> tuple[Train
     if not isinstance(step_or_template, Step):
         raise TypeError(f"step_or_template: expected a Step or a TrainState, got {type(step_or_template).__name__}")
     model, source = _model(manifest, step_or_template, params)
-    if compose.applied(step_or_template, "offload"):
-        template = step_or_template.init_meta(model)
-    else:
-        template = step_or_template.init(model)
-    buffers = _saved_buffers(manifest, "meta")
-    if compose.applied(step_or_template, "pipeline"):
-        buffers = step_or_template.own_buffers(buffers)
+    template = step_or_template.init_meta(model)
+    buffers = step_or_template.own_buffers(_saved_buffers(manifest, "meta"))
     return template.replace(buffers=buffers), source, model
 
 
@@ -336,14 +331,12 @@ def _said(shape: tuple, dtype: str | None) -> str:
 def _check_model(directory: Path, manifest: dict, template: TrainState, slots: list[Slot], leaves: list,
                  source: str) -> None:
     """Every param of the model is in the checkpoint with its whole shape and dtype, and no other
-    (a pipeline stage holds some of the model's params: the others are checked by shape)."""
-    from zfunc.pipelining.step import PipelineSpec
-
+    (a pipeline stage holds some of the model's params: the others are checked by shape,
+    ``Placement.model``)."""
     saved = {e["path"][len(PARAMS):]: (tuple(e["full_shape"]), e["dtype"])
              for e in manifest["leaves"] if e["path"].startswith(PARAMS) and "dtype" in e}
-    spec, model = template.sharding, {}
-    if isinstance(spec, PipelineSpec):
-        model = {n: (tuple(shape), None) for n, shape in zip(spec.names, spec.shapes)}
+    whole_model = placement.of(template.placement).model(template.placement) or {}
+    model = {n: (tuple(shape), None) for n, shape in whole_model.items()}
     model.update({s.split_like: (s.full_shape, str(x.dtype).removeprefix("torch."))
                   for s, x in zip(slots, leaves) if s.path.startswith(PARAMS)})
     missing, unexpected = sorted(model.keys() - saved.keys()), sorted(saved.keys() - model.keys())
@@ -410,8 +403,9 @@ def load(directory: str | os.PathLike, step_or_template: Step | TrainState, *, p
         cl.check_leaf(directory, saved[slot.path], slot, like)
     with cf.RankFiles(directory, manifest, verify) as files:
         lazy = tree.unflatten(treespec, [_reader(files, saved[s.path], s, x) for s, x in zip(slots, leaves)])
-        if compose.applied(step_or_template, "offload"):
-            return _restore(step_or_template, lazy, model, device)
+        restored = _restored(step_or_template, template, lazy, model, device)
+        if restored is not None:
+            return restored
         files.plan([r for s, x in zip(slots, leaves) if isinstance(x, torch.Tensor)  # read ahead, in this order
                     for r in cl.planned_reads(saved[s.path], manifest,
                                               None if saved[s.path]["split_like"] is None else s.rows)])
@@ -424,39 +418,16 @@ def _to(value: Any, like: Any, device: str | torch.device) -> Any:
     return value.to(device if like.device.type == "meta" else like.device)
 
 
-def _restore(step: Any, lazy: TrainState, model: Any, device: str | torch.device) -> TrainState:
-    """The offloaded step's state, its leaves read and placed one at a time (``restore``)."""
-    masters = tree.leaves(lazy.params)
-    state = step.restore(model, lambda i: (masters[i](), tree.map(lambda read: read(), lazy.opt_state[i])), device)
-    return state.replace(step=lazy.step(), rng=lazy.rng(), loss_scale=tree.map(lambda read: read(), lazy.loss_scale),
-                         buffers={n: read().to(device) for n, read in lazy.buffers.items()})
+def _restored(step_or_template: Step | TrainState, template: TrainState, lazy: TrainState, model: Any,
+              device: str | torch.device) -> TrainState | None:
+    """The step's state as its placement puts a checkpoint's leaves in place (``Placement.restore``:
+    an offloaded step's, leaf by leaf into its stores), or None: the template is filled here."""
+    if not isinstance(step_or_template, Step):
+        return None
+    return placement.of(template.placement).restore(step_or_template, lazy, model, device)
 
 
 # ----------------------------------------------------------------------------- whole params
-
-
-def full_params(state: TrainState, mesh=None) -> dict:
-    """Every param whole (fp32 copies), on every rank, from any state: a collective when sharded
-    or pipelined, which every rank of the state must call (checked first, see ``zf.dist.all_arrive``)."""
-    if not isinstance(state, TrainState):
-        raise TypeError(f"state: expected a TrainState, got {type(state).__name__}")
-    if state.sharding is None:
-        return tree.clone(state.params)
-    from zfunc.dist import Mesh
-    from zfunc.offloading.step import in_ram
-    from zfunc.pipelining.step import PipelineSpec
-    from zfunc.sharding.step import ShardSpec, full_params as gather
-
-    if isinstance(state.sharding, ShardSpec) and state.sharding.split[0] == 1:  # stage 0: whole here, a copy
-        return gather(in_ram(state), mesh)
-    world, _ = cl.place(state.sharding)
-    if isinstance(state.sharding, PipelineSpec):  # each stage's params, from its dp ranks, on every rank
-        if world > 1:
-            all_arrive("zf.checkpoint.full_params", "state")
-        return cl.gather_params(state)
-    if world > 1:
-        all_arrive("zf.checkpoint.full_params", "state", mesh.comm.group if mesh is not None else None)
-    return gather(in_ram(state), mesh or Mesh(dp=world))
 
 
 def export(directory: str | os.PathLike, out: str | os.PathLike) -> Path:

@@ -33,6 +33,9 @@ unit's submodules instead (``block.fc.forward = zf.remat(block.fc.forward)``), w
 Every refusal is a ``ValueError`` naming both transformations (outer and inner) and the order
 that works. Options that depend on the inner step (``offload(params=...)`` needs stage 3) stay
 with the transformation that owns them.
+
+A new step transformation adds its row and column with ``register`` where it is defined; a pair it
+leaves out is refused, naming the orders its row allows.
 """
 from __future__ import annotations
 
@@ -80,6 +83,33 @@ def _pipeline_over_shard(step: Any) -> tuple[str, str] | None:
 
 
 _CONDITIONS = {("offload", "shard"): _offload_over_shard, ("pipeline", "shard"): _pipeline_over_shard}
+
+
+def register(name: str, may_wrap: dict[str, tuple[str, str] | None],
+             wrapped_by: dict[str, tuple[str, str] | None] | None = None) -> None:
+    """Add step transformation ``name`` to the table: its row ``may_wrap`` (inner -> None where
+    ``zf.<name>`` may wrap it, else ``(why, the order that works)``) and its column ``wrapped_by``
+    (outer -> the same, for the step transformations already in the table). A pair left out is
+    refused, naming the orders the row allows. Called once, beside the transformation's definition."""
+    global STEP_TRANSFORMS
+    if not isinstance(name, str) or not name.isidentifier() or name in ("train_step", *STEP_TRANSFORMS,
+                                                                         *MODEL_TRANSFORMS):
+        raise ValueError(f"name: expected a new transformation's name, got {name!r} (taken: train_step, "
+                         f"{', '.join(STEP_TRANSFORMS + MODEL_TRANSFORMS)})")
+    wrapped_by = wrapped_by or {}
+    inners, outers = ("train_step", *STEP_TRANSFORMS, name), (*STEP_TRANSFORMS, name)
+    for argument, given, known in (("may_wrap", may_wrap, inners), ("wrapped_by", wrapped_by, outers)):
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            raise ValueError(f"{argument}: {unknown} are not step transformations (expected some of {known})")
+    allowed = [inner for inner in inners if inner in may_wrap and may_wrap[inner] is None]
+    works = "; ".join(f"zf.{name}({'step' if inner == 'train_step' else f'zf.{inner}(step, ...)'}, ...)"
+                      for inner in allowed) or f"zf.{name} wraps no step transformation"
+    for inner in inners:
+        TABLE[(name, inner)] = may_wrap.get(inner, (f"no rule lets zf.{name} wrap zf.{inner}", works))
+    for outer in STEP_TRANSFORMS:
+        TABLE[(outer, name)] = wrapped_by.get(outer, (f"no rule lets zf.{outer} wrap zf.{name}", works))
+    STEP_TRANSFORMS = (*STEP_TRANSFORMS, name)
 
 
 def layers(step: Any) -> tuple[str, ...]:

@@ -1,7 +1,7 @@
 """The training step as a pure function: ``state, metrics = step(state, batch)``.
 
 ``train_step(loss_fn, optimizer, precision, accum)`` returns a ``Step``: a callable plus
-``init(params) -> TrainState``. One call computes the loss and grads of ``loss_fn(params, batch)``
+``init(params, materialize=None) -> TrainState``. One call computes the loss and grads of ``loss_fn(params, batch)``
 (in the compute dtype, over ``accum`` microbatches), unscales them, applies the optimizer to the
 fp32 master params and returns the new state with its metrics.
 
@@ -40,6 +40,7 @@ import torch
 
 from zfunc import optim
 from zfunc.model import functional as module
+from zfunc.model.materialize import Materializer, leaf as materialize_leaf
 from zfunc.core import precision as mp, tree
 from zfunc.ops.cpu import hostmem
 from zfunc.core.state import _FIELDS, ConsumedStateError, TrainState, require_train_state  # noqa: F401
@@ -180,16 +181,43 @@ class Step:
         self.compute_dtype = mp.compute_dtype(precision)
         self.max_skips = mp.default_max_skips(precision) if max_skips is None else max_skips
 
-    def init(self, params: PyTree) -> TrainState:
+    def init(self, params: PyTree, materialize: Materializer | None = None) -> TrainState:
         """A fresh state: fp32 copies of ``params`` (the caller's tensors are never aliased), the
         optimizer's initial state, step 0, ``rng = seed`` and fp16's initial loss scale. On the
-        CPU, also ``hostmem.reuse_freed_memory()`` (the process keeps freed heap memory)."""
+        CPU, also ``hostmem.reuse_freed_memory()`` (the process keeps freed heap memory).
+
+        ``materialize``: for params on the meta device (``with torch.device("meta"): model =
+        GPT(cfg)``), what makes each leaf's whole value (``zfunc.model.materialize``: ``leaf``),
+        one leaf at a time, its fp32 copy made before the next; the state then lives on CUDA when
+        there is a GPU, else on the CPU. Ignored for params not on the meta device; meta params
+        without it give a meta state, a template of shapes only (``init_meta``).
+        Every step's ``init`` takes these two arguments (``zf.shard``'s, ``zf.offload``'s and
+        ``zf.pipeline``'s say where the values they make go).
+        """
         device = _check_single_device(params)
+        make = device.type == "meta" and materialize is not None
+        if make:
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if device.type == "cpu":  # each step's grads and temporaries reuse the last one's memory
             hostmem.reuse_freed_memory()
         self.initialized_with = tree.map(lambda x: x.to("meta") if torch.is_tensor(x) else x, params)  # for load
-        master = tree.map(lambda p: _master_copy(p, device), params)
+        paths, leaves, treespec = optree.tree_flatten_with_path(params, namespace=tree.NAMESPACE)
+        master = tree.unflatten(treespec, [
+            _master_copy(materialize_leaf(materialize, ".".join(map(str, path)), x)
+                         if make and isinstance(x, torch.Tensor) else x, device)
+            for path, x in zip(paths, leaves)])
         return TrainState(master, self.optimizer.init(master), 0, self.seed, mp.init_loss_scale(self.precision))
+
+    def init_meta(self, params: PyTree) -> TrainState:
+        """The state ``init(params)`` would return, on the meta device: its structure, shapes,
+        dtypes and placement, with no values (nothing allocated, no file written). What
+        ``zf.checkpoint.load`` reads a checkpoint into."""
+        return self.init(tree.map(lambda x: x.to("meta") if torch.is_tensor(x) else x, params))
+
+    def own_buffers(self, buffers: dict[str, Any]) -> dict[str, Any]:
+        """The module buffers among ``buffers`` that this step's state carries (all of them, but on
+        a pipeline stage: those of its own units)."""
+        return buffers
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         self._check_state(state)

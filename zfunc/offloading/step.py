@@ -87,7 +87,8 @@ gather as before.
 Not yet: over ranks grads cross PCIe as fp32 on CUDA (alone, in the compute dtype), and masters
 kept on the GPU (``params=None``) cross it as fp32 both ways for the update.
 
-The step and its placement (``init``, ``restore``, ``memory``) are here; the roles of one call
+The step (``init``, ``restore``, ``memory``) is here; its placement (``OffloadSpec``, ``in_ram``, how a
+checkpoint saves and restores it) is in ``zfunc.offloading.placement``; the roles of one call
 (``StoredPieces``, ``HeldSlices``, ``UpdateOnArrival``, ``LeafUpdate``: params from the stores,
 grads held or updated on arrival, the leaf-by-leaf update), its stores and ``ComputeCopies`` are
 in ``zfunc.offloading.run`` (importable from here too); the run that drives them is shard's
@@ -97,7 +98,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -112,26 +113,13 @@ from zfunc.core.roles import Roles
 from zfunc.sharding.step import ShardedStep, ShardSpec, _leaf_names, local_piece
 from zfunc.sharding.run import StepRun
 from zfunc.core.step import Step, TrainState, Transformed, require_train_state
-from zfunc.offloading.store import OnDisk, Store
+from zfunc.offloading.placement import OffloadSpec, in_ram  # noqa: F401 - zfunc.offloading.step's public names
+from zfunc.offloading.store import OnDisk
 
 __all__ = ["OffloadSpec", "OffloadedStep", "in_ram", "offload", "release"]
 
 PyTree = Any
 PLACES = ("cpu", "nvme")
-
-
-@dataclass(frozen=True)
-class OffloadSpec(ShardSpec):
-    """A ``ShardSpec`` (a plain step's offload is sharded over one rank) plus where the state lives."""
-
-    optimizer: str = "cpu"
-    params: str | None = None
-    path: str | None = None
-    device: torch.device = torch.device("cpu")  # where forward and backward compute
-
-    def __str__(self) -> str:
-        return (f"stage {self.stage} over {self.world} ranks, optimizer on {self.optimizer}, params on "
-                f"{self.params or 'the compute device'}")
 
 
 def _shard_fields(spec: ShardSpec) -> tuple:
@@ -275,12 +263,12 @@ class OffloadedStep(Transformed):
         self._check_state(state)
         where = {"device": 0, "cpu": 0, "nvme": 0}
         ram = "device" if self.where_params is None else "cpu"
-        for leaves, in_ram in ((tree.leaves(state.params), ram), (tree.leaves(state.opt_state), "cpu")):
+        for leaves, kept in ((tree.leaves(state.params), ram), (tree.leaves(state.opt_state), "cpu")):
             for x in leaves:
                 if isinstance(x, OnDisk):
                     where["nvme"] += x.nbytes
                 elif isinstance(x, torch.Tensor):
-                    where[in_ram] += x.numel() * x.element_size()
+                    where[kept] += x.numel() * x.element_size()
         return {**where, "whole_params": self.peak_gathered_bytes, "comm": self.mesh.comm_bytes()}
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
@@ -329,23 +317,6 @@ def _saying(e: OSError, outcome: str) -> OSError:
     told = type(e)(f"{e}; {outcome}")
     told.errno = e.errno
     return told
-
-
-def in_ram(state: TrainState) -> TrainState:
-    """``state`` with every leaf kept in a swap file read back into (new) CPU tensors; the state
-    itself is not consumed. What ``zf.checkpoint.save`` and ``full_params`` read an offloaded
-    state through (so they need RAM for this rank's whole state). It writes nothing in the swap
-    folder (a read-only engine): a state saves while that disk is full."""
-    spec = state.placement
-    if not isinstance(spec, OffloadSpec) or "nvme" not in (spec.optimizer, spec.params):
-        return state  # nothing in files (the path is kept, but no folder was made)
-    from zfunc.offloading.swap.engine import SwapEngine
-
-    with SwapEngine(spec.path, read_only=True) as engine:  # a reader beside the step's engine, between steps
-        store = Store(engine)
-        futures = tree.map(store.fetch, (state.params, state.opt_state))  # RAM leaves come back as they are
-        params, opt_state = tree.map(lambda f: f.result(), futures)
-    return state.replace(params=params, opt_state=opt_state)
 
 
 def release(step: Step, state: TrainState) -> int:

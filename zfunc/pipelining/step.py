@@ -83,9 +83,11 @@ from zfunc import optim
 from zfunc.core import compose, precision as mp, tree
 from zfunc.dist import Mesh
 from zfunc.model.functional import BufferScope, carrying
+from zfunc.pipelining.placement import PipelineSpec
 from zfunc.pipelining.stage import PipelineSchedule, _Run, _digest, schedule_ops  # noqa: F401  (schedule_ops: public)
 from zfunc.sharding.step import GradSlices, ShardSpec, _buckets, _gather_whole, average_buffers, average_order
 from zfunc.core.step import Step, TrainState, Transformed, _cuda_devices, _step_seed, require_train_state, seeded
+from zfunc.model.materialize import Materializer
 from zfunc.model.units import Selector
 
 PyTree = Any
@@ -103,27 +105,6 @@ class Layout:
     bounds: tuple[tuple[int, int], ...]
     owner: dict[str, int]
     shared: frozenset[str]
-
-
-@dataclass(frozen=True)
-class PipelineSpec:
-    """Static metadata of a pipelined state: the stage, the names and whole shapes of all params
-    (leaf order), the names this stage holds, and ``inner``, their dp split (``ShardSpec``).
-
-    A stage's state holds only what it owns, no stand-ins: ``params`` the fp32 masters of
-    ``owned`` (the shared params on stage 0), split over the dp ranks when ``inner`` is set, and
-    ``opt_state`` the optimizer's state for them, the counts and other unsplit leaves on every
-    stage; ``buffers`` those of its own units. Process ``stage * dp + dp rank`` (``zf.Mesh``)."""
-
-    stages: int
-    stage: int
-    names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    owned: tuple[str, ...]
-    inner: ShardSpec | None = None
-
-    def __str__(self) -> str:
-        return f"pipeline stage {self.stage} of {self.stages}" + (f", {self.inner}" if self.inner else "")
 
 
 # ----------------------------------------------------------------------------- the step
@@ -150,9 +131,11 @@ class PipelineStep(Transformed):
         self.peak_live_microbatches, self.timings = 0, {}
         self._bucket_cache: list | None = None
 
-    def init(self, params: PyTree) -> TrainState:
+    def init(self, params: PyTree, materialize: Materializer | None = None) -> TrainState:
         """This stage's fp32 params (split over the dp ranks if the step is sharded) and their
-        optimizer state; ``placement`` is a ``PipelineSpec``."""
+        optimizer state; ``placement`` is a ``PipelineSpec``. ``materialize``: for params on the
+        meta device, what makes the values of the params this stage owns, as the inner step's
+        ``init`` asks for them (``zfunc.model.materialize``); no stage makes another's."""
         if not isinstance(params, dict) or not all(isinstance(k, str) for k in params):
             raise TypeError("params: expected the dict[str, Tensor] of zf.functionalize(model), got "
                             f"{type(params).__name__}")
@@ -161,7 +144,7 @@ class PipelineStep(Transformed):
             raise ValueError(f"params: {unknown[:5]} are not parameters of the model given to zf.pipeline")
         names = tuple(sorted(params))  # optree's leaf order for a dict
         owned = {n: params[n] for n in names if self.layout.owner[n] == self.stage}
-        inner = self.base.init(owned) if self.base is not None else Step.init(self, owned)
+        inner = self.base.init(owned, materialize) if self.base is not None else Step.init(self, owned, materialize)
         self.initialized_with = tree.map(lambda x: x.to("meta"), params)  # the whole model: zf.checkpoint.load
         spec = PipelineSpec(self.stages, self.stage, names, tuple(tuple(params[n].shape) for n in names),
                             tuple(sorted(owned)), inner.placement)

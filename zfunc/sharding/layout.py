@@ -1,10 +1,11 @@
 """The layout of a sharded state: how each param splits over ranks, and flat buffers for collectives.
 
 ``LeafShard`` / ``ShardSpec`` describe the split (``torch.chunk`` style along dim 0, see
-``zfunc.sharding.step``); ``FlatGroup`` packs a group of leaves into one flat buffer per rank for an
+``zfunc.sharding.step``; ``ShardPlacement``: how a checkpoint saves it and ``full_params`` makes it
+whole); ``FlatGroup`` packs a group of leaves into one flat buffer per rank for an
 all-gather or a reduce-scatter: a stage-3 *unit* (gathered around its modules' forward) or a
 stage 0-2 *bucket* (grads reduced together), built by ``buckets``. Pure bookkeeping: no collective
-is issued here but by ``gather_whole``.
+is issued here but by ``gather_whole`` (and ``ShardPlacement.whole``, which calls it).
 """
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from typing import Any
 import optree
 import torch
 
-from zfunc.core import tree
+from zfunc.core import placement, tree
+from zfunc.core.state import TrainState
+from zfunc.dist.mesh import Mesh
 
 PyTree = Any
 
@@ -60,6 +63,39 @@ class ShardSpec:
         ``(world, rank)``, but ``(1, 0)`` at stage 0, where every rank holds what one rank alone
         would (every param whole; a checkpoint saves it once, as a plain state's)."""
         return (1, 0) if self.stage == 0 else (self.world, self.rank)
+
+
+class ShardPlacement(placement.Placement):
+    """How a sharded state is saved and made whole: rank r holds rows ``[r * chunk, (r + 1) * chunk)``
+    of each param and of the optimizer leaves shaped like its piece (at stage 0 every rank holds
+    what one rank alone would: every row, saved once by rank 0); other leaves are on every rank."""
+
+    def processes(self, spec: ShardSpec) -> tuple[int, int]:
+        return spec.world, spec.rank
+
+    def describe(self, spec: ShardSpec) -> dict:
+        return {"world": spec.world, "pipeline": None, "stage": spec.stage}
+
+    def rows(self, spec: ShardSpec, index: int, shape: tuple[int, ...]) -> placement.Rows:
+        leaf, rank = spec.leaves[index], spec.split[1]
+        start = min(rank * leaf.chunk, leaf.rows)
+        return placement.Rows(leaf.shape, leaf.chunk, (start, start + leaf.local_rows(rank)))
+
+    def whole(self, state: TrainState, mesh: Any = None) -> PyTree:
+        """Stage 0: a copy (every param is whole here); else one all-gather of every param, in
+        fp32, over ``mesh`` (default: one over the ``world`` ranks of the default process group)."""
+        spec, state = state.placement, self.in_memory(state)
+        if spec.split[0] == 1:
+            return tree.clone(state.params)
+        placement.arrive(spec.world, mesh.comm.group if mesh is not None else None)
+        mesh = mesh or Mesh(dp=spec.world)
+        pieces, treespec = tree.flatten(state.params)
+        everything = [FlatGroup("all params", list(range(len(pieces))), spec.leaves)]
+        return tree.unflatten(treespec, _gather_whole(pieces, spec, everything, mesh.comm, torch.float32,
+                                                      pieces[0].device, "full_params"))
+
+
+placement.register(ShardSpec, ShardPlacement())
 
 
 def local_piece(full: torch.Tensor, leaf: LeafShard, rank: int) -> torch.Tensor:

@@ -355,17 +355,3 @@ def shard(step: Step, mesh: Mesh, stage: int, units: Selector | None = None, *, 
     return ShardedStep(step, mesh, stage, units or units_mod.auto(), prefetch, bucket_elems, verify,
                        fit_buckets=stage == 0 and bucket_mb is None)
 
-
-def full_params(state: TrainState, mesh: Mesh) -> PyTree:
-    """Every param whole (fp32), on every rank, from a sharded ``state`` (a collective call, but at
-    stage 0, whose params are whole on every rank: a copy)."""
-    if not isinstance(state.placement, ShardSpec):
-        raise ValueError("state: expected a sharded state (from a sharded step's init or call)")
-    if state.placement.split[0] == 1:
-        return tree.clone(state.params)
-    pieces, treespec = tree.flatten(state.params)
-    spec = state.placement
-    everything = [FlatGroup("all params", list(range(len(pieces))), spec.leaves)]
-    return tree.unflatten(treespec, _gather_whole(pieces, spec, everything, mesh.comm, torch.float32,
-                                                  pieces[0].device, "full_params"))
-

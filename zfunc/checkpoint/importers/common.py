@@ -148,8 +148,6 @@ def _check_optimizer(source: Source, slots: list[cl.Slot], roles: list[tuple[str
 def fill(source: Source, step_or_template: Step | TrainState, *, params: Any = None,
          device: str | torch.device = "cpu", optimizer: bool = True) -> TrainState:
     """The state of ``step_or_template``'s layout with the values ``source`` holds (see module docstring)."""
-    from zfunc.offloading.step import OffloadedStep
-
     names, buffers = strip_wrappers(list(source.params)), strip_wrappers(list(source.buffers))
     manifest = _manifest(source, names, buffers)
     where = Path(source.where)
@@ -163,8 +161,9 @@ def fill(source: Source, step_or_template: Step | TrainState, *, params: Any = N
     lookup = {**names, **{cl.BUFFERS + n: o for n, o in buffers.items()}}
     lazy = tree.unflatten(treespec, [_reader(source, lookup, s, r, f, x, optimizer)
                                      for s, (r, f), x in zip(slots, roles, leaves)])
-    if isinstance(step_or_template, OffloadedStep):
-        return ck._restore(step_or_template, lazy, model, device)
+    restored = ck._restored(step_or_template, template, lazy, model, device)
+    if restored is not None:
+        return restored
     return tree.map(lambda read, like: ck._to(read(), like, device), lazy, template)
 
 

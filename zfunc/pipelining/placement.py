@@ -1,0 +1,66 @@
+"""The placement of a pipelined state: ``PipelineSpec``, and how a checkpoint saves it and
+``full_params`` makes it whole.
+
+A stage holds only the params it owns (the shared ones on stage 0; no stand-ins) and their
+optimizer state, split over its dp ranks as a sharded state when ``inner`` is set, and its own
+units' buffers; counts and the other unsplit optimizer leaves are on every stage. Its process is
+global rank ``stage * dp + dp rank`` (``zf.Mesh``), which names its checkpoint file.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from zfunc.core import placement
+from zfunc.core.state import TrainState
+from zfunc.sharding.layout import ShardSpec
+
+PyTree = Any
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """Static metadata of a pipelined state: the stage, the names and whole shapes of all params
+    (leaf order), the names this stage holds, and ``inner``, their dp split (``ShardSpec``).
+
+    A stage's state holds only what it owns, no stand-ins: ``params`` the fp32 masters of
+    ``owned`` (the shared params on stage 0), split over the dp ranks when ``inner`` is set, and
+    ``opt_state`` the optimizer's state for them, the counts and other unsplit leaves on every
+    stage; ``buffers`` those of its own units. Process ``stage * dp + dp rank`` (``zf.Mesh``)."""
+
+    stages: int
+    stage: int
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    owned: tuple[str, ...]
+    inner: ShardSpec | None = None
+
+    def __str__(self) -> str:
+        return f"pipeline stage {self.stage} of {self.stages}" + (f", {self.inner}" if self.inner else "")
+
+
+class PipelinePlacement(placement.Placement):
+    """A stage's share of the model, its rows as its dp split (``inner``) places them (module docstring)."""
+
+    def processes(self, spec: PipelineSpec) -> tuple[int, int]:
+        dp, rank = placement.of(spec.inner).processes(spec.inner)
+        return spec.stages * dp, spec.stage * dp + rank
+
+    def describe(self, spec: PipelineSpec) -> dict:
+        stage = placement.of(spec.inner).describe(spec.inner)["stage"]
+        return {"world": self.processes(spec)[0], "pipeline": spec.stages, "stage": stage}
+
+    def rows(self, spec: PipelineSpec, index: int, shape: tuple[int, ...]) -> placement.Rows:
+        return placement.of(spec.inner).rows(spec.inner, index, shape)
+
+    def model(self, spec: PipelineSpec) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(shape) for name, shape in zip(spec.names, spec.shapes)}
+
+    def whole(self, state: TrainState, mesh: Any = None) -> PyTree:
+        """Each stage's params, from its dp ranks, on every rank: over the default process group
+        (``placement.gather_rows``), whatever ``mesh``."""
+        placement.arrive(self.processes(state.placement)[0])
+        return placement.gather_rows(state)
+
+
+placement.register(PipelineSpec, PipelinePlacement())
