@@ -29,7 +29,7 @@ from zfunc.core import precision as mp, tree
 from zfunc.core.roles import Role
 from zfunc.sharding.step import FlatGroup, GradSlices, _leaf_names
 from zfunc.sharding.run import ReducedSlices, StepRun
-from zfunc.core.step import _FIELDS, NonFiniteError, TrainState
+from zfunc.core.step import FIELDS, NonFiniteError, TrainState
 from zfunc.offloading.store import All, OnDisk, ReadAhead, Store
 
 if TYPE_CHECKING:
@@ -199,7 +199,7 @@ class LeafUpdate(_Stores, Role):
         self.run, self._state_spec = run, run._state_spec
         self.optimizer, self.compute_dtype = step.optimizer, step.compute_dtype
         self.compute_copies = step.compute_copies
-        self._state_in_use, self._fields = state, tuple(getattr(state, f) for f in _FIELDS)
+        self._state_in_use, self._fields = state, tuple(getattr(state, f) for f in FIELDS)
         self._masters, self._param_names = tree.leaves(state.params), _leaf_names(state.params)
         self._opt_states = list(state.opt_state)
         self._sq_norm = torch.zeros((), dtype=torch.float64)  # overlap: the grads' sum of squares so far

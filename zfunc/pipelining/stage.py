@@ -24,7 +24,7 @@ from torch import nn
 from zfunc.core import tree
 from zfunc.model.functional import run_by
 from zfunc.core.roles import Role
-from zfunc.core.step import _split_batch, split_loss
+from zfunc.core.step import split_batch, split_loss
 
 if TYPE_CHECKING:
     from zfunc.pipelining.step import Layout, PipelineSpec, PipelineStep
@@ -76,7 +76,7 @@ class PipelineSchedule(Role):
             if isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[0] % m):
                 raise ValueError(f"batch: microbatches={m} must divide the leading dim of every batch tensor, got a "
                                  f"tensor of shape {tuple(x.shape)}")
-        return _split_batch(batch, m)
+        return split_batch(batch, m)
 
     def ops(self, stages: int, stage: int) -> list[tuple[str, int]]:
         """Stage ``stage``'s forwards and backwards, in order (``schedule_ops``)."""

@@ -85,7 +85,7 @@ from zfunc.dist import Mesh
 from zfunc.model.functional import BufferScope, carrying
 from zfunc.pipelining.stage import PipelineSchedule, _Run, _digest, schedule_ops  # noqa: F401  (schedule_ops: public)
 from zfunc.sharding.step import GradSlices, ShardSpec, _buckets, _gather_whole, average_buffers, average_order
-from zfunc.core.step import Step, TrainState, Transformed, _cuda_devices, _step_seed, require_train_state, seeded
+from zfunc.core.step import Step, TrainState, Transformed, cuda_devices, step_seed, require_train_state, seeded
 from zfunc.model.units import Selector
 
 PyTree = Any
@@ -224,7 +224,7 @@ class PipelineStep(Transformed):
         whole = self._whole_params(pieces, spec, step)
         micro = self.schedule.split(mp.cast_floating(batch, self.compute_dtype))
         run = _Run(self, spec, whole, step, scale, _digest(batch))
-        with seeded(_step_seed(rng, step), _cuda_devices(params)):
+        with seeded(step_seed(rng, step), cuda_devices(params)):
             run.execute(micro)
         self.peak_live_microbatches = run.peak_live
         self.timings = {"step_s": run.step_s, "wait_s": run.wait_s, "compute_s": run.compute_s, "ops": run.trace}

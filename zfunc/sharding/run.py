@@ -30,7 +30,7 @@ from zfunc.sharding.prefetch import Gatherer
 from zfunc.core.roles import Role
 from zfunc.sharding.layout import ShardSpec, _leaf_names, _placeholder
 from zfunc.sharding.reduce import Buckets, GradAllReducer, GradReducer, GradSlices
-from zfunc.core.step import Step, TrainState, _cuda_devices, _step_seed, seeded, split_loss
+from zfunc.core.step import Step, TrainState, cuda_devices, step_seed, seeded, split_loss
 
 PyTree = Any
 
@@ -144,7 +144,7 @@ class StepRun:
         self.peak_gathered_bytes, self.peak_whole_grad_bytes = (tree.nbytes(whole) if whole else 0), 0
         reducer, losses, auxes = None, [], []
         eager = self.stage > 1 or self.roles.schedule.count == 1
-        with seeded(_step_seed(rng, step), _cuda_devices(params)):
+        with seeded(step_seed(rng, step), cuda_devices(params)):
             for micro in self.roles.schedule.split(mp.cast_floating(batch, self.compute_dtype)):
                 leaves, gatherer, groups = self._microbatch_leaves(spec, pieces, whole, step, device)
                 if reducer is None or eager:  # stage 1 with accum sums whole grads over microbatches
@@ -188,7 +188,7 @@ class StepRun:
                                  sink.deliver, step, self._grad_divisor())
         auxes = []
         scale = mp.scale_of(loss_scale)
-        with seeded(_step_seed(rng, step), _cuda_devices(params)):
+        with seeded(step_seed(rng, step), cuda_devices(params)):
             micros = self.roles.schedule.split(mp.cast_floating(batch, self.compute_dtype))
             for k, micro in enumerate(micros):
                 reducer.eager = k == len(micros) - 1  # DDP's no_sync before the last microbatch

@@ -87,7 +87,7 @@ from zfunc.sharding.reduce import (Buckets, GradAllReducer, GradReducer, GradSli
                                 average_buffers, average_order)
 from zfunc.core.roles import Accumulation, Roles
 from zfunc.sharding.run import LocalPieces, PlainUpdate, ReducedSlices, StepRun
-from zfunc.core.step import Step, TrainState, Transformed, _check_single_device, require_train_state
+from zfunc.core.step import Step, TrainState, Transformed, check_single_device, require_train_state
 from zfunc.model.units import Selector
 
 PyTree = Any
@@ -162,7 +162,7 @@ class ShardedStep(Transformed):
     def _layout(self, params: PyTree) -> tuple[torch.device, list[torch.Tensor], Any, ShardSpec]:
         """``(device, leaves, treespec, spec)`` of ``params``, checked (floating tensors, the same
         on every rank unless on the meta device)."""
-        device = _check_single_device(params)
+        device = check_single_device(params)
         leaves, treespec = tree.flatten(params)
         for x in leaves:
             if not isinstance(x, torch.Tensor) or not x.is_floating_point():
