@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from zfunc.core import tree
 from zfunc.checkpoint.files import CheckpointError, RankFiles
-from zfunc.sharding.step import LeafShard, ShardSpec, _leaf_names
+from zfunc.sharding.step import LeafShard, ShardSpec, leaf_names
 from zfunc.core.step import TrainState
 
 PARAMS = "params/"
@@ -125,7 +125,7 @@ def _logical(state: TrainState, paths: list[str]) -> list[str]:
 
     if not isinstance(state.sharding, OffloadSpec):
         return paths
-    keys, names = param_keys(state), _leaf_names(state.params)
+    keys, names = param_keys(state), leaf_names(state.params)
     out = []
     for path in paths:
         if path.startswith("opt_state/"):

@@ -27,7 +27,7 @@ import torch
 from zfunc import optim
 from zfunc.core import precision as mp, tree
 from zfunc.core.roles import Role
-from zfunc.sharding.step import FlatGroup, GradSlices, _leaf_names
+from zfunc.sharding.step import FlatGroup, GradSlices, leaf_names
 from zfunc.sharding.run import ReducedSlices, StepRun
 from zfunc.core.step import FIELDS, NonFiniteError, TrainState
 from zfunc.offloading.store import All, OnDisk, ReadAhead, Store
@@ -200,7 +200,7 @@ class LeafUpdate(_Stores, Role):
         self.optimizer, self.compute_dtype = step.optimizer, step.compute_dtype
         self.compute_copies = step.compute_copies
         self._state_in_use, self._fields = state, tuple(getattr(state, f) for f in FIELDS)
-        self._masters, self._param_names = tree.leaves(state.params), _leaf_names(state.params)
+        self._masters, self._param_names = tree.leaves(state.params), leaf_names(state.params)
         self._opt_states = list(state.opt_state)
         self._sq_norm = torch.zeros((), dtype=torch.float64)  # overlap: the grads' sum of squares so far
         self._wants_norm = step._needs_norm()  # train_step(grad_norm=), clipping or fp16; else no norm at all

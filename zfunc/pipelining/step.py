@@ -84,7 +84,7 @@ from zfunc.core import compose, precision as mp, tree
 from zfunc.dist import Mesh
 from zfunc.model.functional import BufferScope, carrying
 from zfunc.pipelining.stage import PipelineSchedule, _Run, _digest, schedule_ops  # noqa: F401  (schedule_ops: public)
-from zfunc.sharding.step import GradSlices, ShardSpec, _buckets, _gather_whole, average_buffers, average_order
+from zfunc.sharding.step import GradSlices, ShardSpec, bucket_groups, gather_whole, average_buffers, average_order
 from zfunc.core.step import Step, TrainState, Transformed, cuda_devices, step_seed, require_train_state, seeded
 from zfunc.model.units import Selector
 
@@ -242,12 +242,12 @@ class PipelineStep(Transformed):
         """This stage's params whole, in the compute dtype (all-gathered over dp when sharded)."""
         if spec.inner is None:
             return [p.to(self.compute_dtype) for p in pieces]
-        return _gather_whole(pieces, spec.inner, self._buckets(spec.inner), self.mesh.comm, self.compute_dtype,
+        return gather_whole(pieces, spec.inner, self._buckets(spec.inner), self.mesh.comm, self.compute_dtype,
                             pieces[0].device, f"step {step}")
 
     def _buckets(self, inner: ShardSpec) -> list:
         if self._bucket_cache is None:
-            self._bucket_cache = _buckets(inner.leaves, self.base.bucket_elems)
+            self._bucket_cache = bucket_groups(inner.leaves, self.base.bucket_elems)
         return self._bucket_cache
 
     def _mean_loss(self, losses: list[torch.Tensor], spec: PipelineSpec, step: int, device,

@@ -28,7 +28,7 @@ from zfunc.core import precision as mp, tree
 from zfunc.model.functional import carrying, run_by
 from zfunc.sharding.prefetch import Gatherer
 from zfunc.core.roles import Role
-from zfunc.sharding.layout import ShardSpec, _leaf_names, _placeholder
+from zfunc.sharding.layout import ShardSpec, leaf_names, _placeholder
 from zfunc.sharding.reduce import Buckets, GradAllReducer, GradReducer, GradSlices
 from zfunc.core.step import Step, TrainState, cuda_devices, step_seed, seeded, split_loss
 
@@ -69,7 +69,7 @@ class StepRun:
     def _execute(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         params, step, rng, loss_scale = state.params, state.step, state.rng, state.loss_scale
         if self.stage == 3 and self._flat_groups is None:  # unit binding maps param names to leaves
-            self.sharded._names = _leaf_names(params)
+            self.sharded._names = leaf_names(params)
         with carrying(state.buffers) as carried:
             loss, aux, grads = self._loss_and_grads(params, batch, step, rng, loss_scale)
         buffers = self.sharded._average_buffers(carried, step)

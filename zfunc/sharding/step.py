@@ -81,8 +81,8 @@ from zfunc.model.materialize import Materializer, leaf as materialize_leaf
 from zfunc.model.functional import BufferScope
 from zfunc.ops.cpu import hostmem
 # re-exported: the names other modules and tests import from zfunc.sharding.step
-from zfunc.sharding.layout import (FlatGroup, FlatUnit, LeafShard, ShardSpec, _buckets, _gather_whole,  # noqa: F401
-                                _leaf_names, _placeholder, _row_blocks, local_piece)
+from zfunc.sharding.layout import (FlatGroup, FlatUnit, LeafShard, ShardSpec, bucket_groups, gather_whole,  # noqa: F401
+                                leaf_names, _placeholder, _row_blocks, local_piece)
 from zfunc.sharding.reduce import (Buckets, GradAllReducer, GradReducer, GradSlices,  # noqa: F401
                                 average_buffers, average_order)
 from zfunc.core.roles import Accumulation, Roles
@@ -142,7 +142,7 @@ class ShardedStep(Transformed):
             device = self._materialize_device()
         self.initialized_with = tree.map(lambda x: x.to("meta"), params)  # what zf.checkpoint.load checks
         pieces = []
-        for x, leaf, name in zip(leaves, spec.leaves, _leaf_names(params)):  # one leaf's rows at a time
+        for x, leaf, name in zip(leaves, spec.leaves, leaf_names(params)):  # one leaf's rows at a time
             if x.device.type == "meta" and materialize is not None:
                 start = min(spec.split[1] * leaf.chunk, leaf.rows)  # the rows local_piece takes
                 rows = materialize_leaf(materialize, name, x, slice(start, start + leaf.local_rows(spec.split[1])))
@@ -260,12 +260,12 @@ class ShardedStep(Transformed):
 
     def _gather_all(self, pieces, spec: ShardSpec, label: str, device: torch.device) -> list[torch.Tensor]:
         """Stages 1/2: every param whole, in the compute dtype (one all-gather per bucket)."""
-        return _gather_whole(pieces, spec, self._buckets(spec), self.mesh.comm, self.compute_dtype, device, label)
+        return gather_whole(pieces, spec, self._buckets(spec), self.mesh.comm, self.compute_dtype, device, label)
 
     def _buckets(self, spec: ShardSpec) -> list[FlatGroup]:
         if self._flat_groups is None:
             size, first = self._bucket_sizes(spec)
-            self._flat_groups = _buckets(spec.leaves, size, first_elems=first)
+            self._flat_groups = bucket_groups(spec.leaves, size, first_elems=first)
         return self._flat_groups
 
     def _bucket_sizes(self, spec: ShardSpec) -> tuple[int, int | None]:
@@ -299,7 +299,7 @@ class ShardedStep(Transformed):
         everyone = torch.empty(spec.world * order.numel(), dtype=order.dtype)
         self.mesh.comm.all_gather(everyone, order, label=f"bucket order at step {step}")
         size, first = self._bucket_sizes(spec)
-        self._flat_groups = _buckets(spec.leaves, size, everyone[: order.numel()].tolist(), first)
+        self._flat_groups = bucket_groups(spec.leaves, size, everyone[: order.numel()].tolist(), first)
         self._grad_order, self._buckets_ordered = None, True
 
     def _stage3_units(self, module, spec: ShardSpec) -> list[FlatGroup]:
@@ -366,6 +366,6 @@ def full_params(state: TrainState, mesh: Mesh) -> PyTree:
     pieces, treespec = tree.flatten(state.params)
     spec = state.placement
     everything = [FlatGroup("all params", list(range(len(pieces))), spec.leaves)]
-    return tree.unflatten(treespec, _gather_whole(pieces, spec, everything, mesh.comm, torch.float32,
+    return tree.unflatten(treespec, gather_whole(pieces, spec, everything, mesh.comm, torch.float32,
                                                   pieces[0].device, "full_params"))
 
