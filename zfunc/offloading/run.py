@@ -20,7 +20,7 @@ import time
 import weakref
 from collections import deque
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -31,9 +31,6 @@ from zfunc.sharding.step import FlatGroup, GradSlices, leaf_names
 from zfunc.sharding.run import ReducedSlices, StepRun
 from zfunc.core.step import FIELDS, NonFiniteError, TrainState
 from zfunc.offloading.store import All, OnDisk, ReadAhead, Store
-
-if TYPE_CHECKING:
-    from zfunc.offloading.step import OffloadedStep
 
 PyTree = Any
 
@@ -90,9 +87,11 @@ class ComputeCopies:
 
 class _Stores:
     """Where one call (an ``init`` or a step) puts leaves: the optimizer's and the params' stores,
-    the writes in flight (at most ``2 * chunk_bytes``) and the files the call rewrote."""
+    the writes in flight (at most ``2 * chunk_bytes``) and the files the call rewrote. ``step`` is
+    the ``OffloadedStep`` (read: its chunk size, engine and where it keeps each store), not
+    imported: zfunc.offloading.step imports this module."""
 
-    def __init__(self, step: OffloadedStep, device: torch.device):
+    def __init__(self, step: Any, device: torch.device):
         pin = device.type == "cuda"
         self.chunk_bytes, self.engine = step.chunk_bytes, step.engine
         self._writes: deque = deque()

@@ -357,7 +357,7 @@ def release(step: Step, state: TrainState) -> int:
     offloaded to "cpu", or released already). Files and folders zfunc did not write stay. The
     step may ``init`` again afterwards, on a new engine. Cost: waits for the I/O issued on the
     files, then an unlink per file and spare."""
-    from zfunc.offloading.swap.engine import _spare
+    from zfunc.offloading.swap.engine import spare_path
 
     if not isinstance(step, OffloadedStep) or step.engine is None:
         return 0
@@ -368,7 +368,7 @@ def release(step: Step, state: TrainState) -> int:
     freed = 0
     for name in names:  # under the engine's lock: no other engine writes here meanwhile
         file = engine.file(name)
-        freed += sum(f.stat().st_size for f in (file, _spare(file)) if f.exists())
+        freed += sum(f.stat().st_size for f in (file, spare_path(file)) if f.exists())
         engine.remove(name)  # waits for the operations issued on it
     engine.close()
     step.engine = None
