@@ -73,7 +73,6 @@ heads); if every unit is such a module (a stack of Linears), all are pipeline un
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -83,6 +82,7 @@ from zfunc import optim
 from zfunc.core import compose, precision as mp, tree
 from zfunc.dist import Mesh
 from zfunc.model.functional import BufferScope, carrying
+from zfunc.pipelining.layout import Layout, PipelineSpec, make_layout
 from zfunc.pipelining.stage import PipelineSchedule, _Run, _digest, schedule_ops  # noqa: F401  (schedule_ops: public)
 from zfunc.sharding.step import GradSlices, ShardSpec, bucket_groups, gather_whole, average_buffers, average_order
 from zfunc.core.step import Step, TrainState, Transformed, cuda_devices, step_seed, require_train_state, seeded
@@ -91,39 +91,6 @@ from zfunc.model.units import Selector
 PyTree = Any
 SCHEDULES = ("1f1b", "gpipe")
 __all__ = ["Layout", "PipelineSpec", "PipelineStep", "make_layout", "pipeline", "schedule_ops"]
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Which stage runs and owns what: ``units`` (pipeline units' module names, in order),
-    ``bounds[s]`` (first and last unit index of stage s), ``owner`` (param name -> stage; shared
-    params -> 0) and ``shared`` (params outside the units, lent to the last stage)."""
-
-    units: tuple[str, ...]
-    bounds: tuple[tuple[int, int], ...]
-    owner: dict[str, int]
-    shared: frozenset[str]
-
-
-@dataclass(frozen=True)
-class PipelineSpec:
-    """Static metadata of a pipelined state: the stage, the names and whole shapes of all params
-    (leaf order), the names this stage holds, and ``inner``, their dp split (``ShardSpec``).
-
-    A stage's state holds only what it owns, no stand-ins: ``params`` the fp32 masters of
-    ``owned`` (the shared params on stage 0), split over the dp ranks when ``inner`` is set, and
-    ``opt_state`` the optimizer's state for them, the counts and other unsplit leaves on every
-    stage; ``buffers`` those of its own units. Process ``stage * dp + dp rank`` (``zf.Mesh``)."""
-
-    stages: int
-    stage: int
-    names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    owned: tuple[str, ...]
-    inner: ShardSpec | None = None
-
-    def __str__(self) -> str:
-        return f"pipeline stage {self.stage} of {self.stages}" + (f", {self.inner}" if self.inner else "")
 
 
 # ----------------------------------------------------------------------------- the step
@@ -293,53 +260,6 @@ def _reduce_scatter(grads, pieces, spec: ShardSpec, buckets, comm, step: int, di
 
 
 # ----------------------------------------------------------------------------- construction
-
-
-def _pipeline_units(model: nn.Module, units: Selector | Sequence[str]) -> list[tuple[str, tuple[str, ...]]]:
-    """``(module name, canonical param names)`` of the pipeline units, in module order."""
-    modules = dict(model.named_modules())
-    if callable(units):
-        found = units(model)
-        blocks = [u for u in found if not all(p.rpartition(".")[0] == u.name for p in u.params)]
-        chosen = [(u.name, tuple(u.params)) for u in (blocks or found)]
-    else:
-        missing = [n for n in units if n not in modules]
-        if isinstance(units, str) or missing:
-            raise ValueError(f"units: expected a zf.units selector or module names of the model, got {units!r}")
-        canonical = {id(p): n for n, p in model.named_parameters()}
-        chosen = [(n, tuple(dict.fromkeys(canonical[id(p)] for p in modules[n].parameters()))) for n in units]
-    order = {name: k for k, name in enumerate(modules)}
-    return sorted(chosen, key=lambda u: order[u[0]])
-
-
-def _split_counts(n: int, stages: int, split: Sequence[int] | None) -> list[int]:
-    if split is None:  # even; the first n % stages stages take one more
-        base, extra = divmod(n, stages)
-        return [base + (s < extra) for s in range(stages)]
-    split = list(split)
-    if len(split) != stages or any(not isinstance(c, int) or c < 1 for c in split) or sum(split) != n:
-        raise ValueError(f"split: expected {stages} ints >= 1 (units per stage) summing to the model's {n} pipeline "
-                         f"units, got {split!r}")
-    return split
-
-
-def make_layout(model: nn.Module, units: Selector | Sequence[str], stages: int, split: Sequence[int] | None) -> Layout:
-    """Assign consecutive pipeline units to stages; everything else is shared (see the module docstring)."""
-    trunk = _pipeline_units(model, units)
-    if stages > len(trunk):
-        raise ValueError(f"stages: {stages} stages need at least {stages} pipeline units, the model has {len(trunk)}: "
-                         f"{[name for name, _ in trunk]}")
-    bounds, start = [], 0
-    for count in _split_counts(len(trunk), stages, split):
-        bounds.append((start, start + count - 1))
-        start += count
-    owner = {n: 0 for n, _ in model.named_parameters()}
-    in_units = set()
-    for s, (first, last) in enumerate(bounds):
-        for _, params in trunk[first : last + 1]:
-            owner.update(dict.fromkeys(params, s))
-            in_units.update(params)
-    return Layout(tuple(name for name, _ in trunk), tuple(bounds), owner, frozenset(owner.keys() - in_units))
 
 
 def pipeline(step: Step, stages: int, microbatches: int, schedule: str = "1f1b", *, model: nn.Module,
