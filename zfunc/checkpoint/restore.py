@@ -43,8 +43,8 @@ def _model(manifest: dict, step: Step, params: Any) -> tuple[Any, str]:
 def template(manifest: dict, step_or_template: Any, params: Any) -> tuple[TrainState, str, Any]:
     """The state to fill (a step's: on the meta device), where its model came from, and the
     model's meta params (None for a template state). A step's template costs its ``init`` on the
-    meta device (no tensor memory); a template state is used as it is (its buffers completed
-    from the checkpoint's)."""
+    meta device (no tensor memory); a template state is used as it is, given the checkpoint's
+    buffers where either has none yet."""
     from zfunc.offloading.store import OnDisk
 
     if isinstance(step_or_template, TrainState):
