@@ -35,7 +35,7 @@ def first_state(args: argparse.Namespace, step, built: Built, params: dict, plan
         except zf.checkpoint.CheckpointError as e:
             raise FlagError(f"--resume: {e}") from e
     # the init is written for the model untiled; --tile-lm-head (zf.tile) has split its head since
-    materialize = zf.materialize.tiled(built.materialize(args.seed), built.module)
+    materialize = zf.tiling.materializer(built.materialize(args.seed), built.module)
     state = fresh_state(step, params, materialize)
     if plan.precision == "fp16":  # the plan's (a DeepSpeed config's) loss-scale rule
         state = state.replace(loss_scale=zf.precision.deepspeed_loss_scale(

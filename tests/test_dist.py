@@ -194,7 +194,7 @@ def test_a_store_that_fails_to_start_leaves_no_socket_open(monkeypatch):
         raise torch.distributed.DistNetworkError(f"refused fd {master_listen_fd}")
 
     before = sorted(os.listdir("/proc/self/fd"))
-    monkeypatch.setattr(zf.dist.mesh.dist, "TCPStore", refuse)
+    monkeypatch.setattr(zf.dist.launch.dist, "TCPStore", refuse)
     with pytest.raises(torch.distributed.DistNetworkError, match="refused fd"):
-        zf.dist.mesh._loopback_store(datetime.timedelta(seconds=5))
+        zf.dist.launch._loopback_store(datetime.timedelta(seconds=5))
     assert sorted(os.listdir("/proc/self/fd")) == before

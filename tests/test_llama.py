@@ -149,7 +149,7 @@ def test_a_tiles_rows_are_the_rows_of_the_untiled_head(tied):
     head = "embed.weight" if tied else "lm_head.weight"
     whole = llama.materializer(cfg, 5)(head, model.lm_head.weight)
     zf.tile(model, tiles=3, modules=["lm_head"])
-    materialize = zf.materialize.tiled(llama.materializer(cfg, 5), model)  # what the recipe's loop asks
+    materialize = zf.tiling.materializer(llama.materializer(cfg, 5), model)  # what the recipe's loop asks
     tiles = [(name, p) for name, p in model.named_parameters() if ".tiles." in name]
     assert [name for name, _ in tiles] == [f"{head.split('.')[0]}.tiles.{i}.weight" for i in range(3)]
     assert torch.equal(torch.cat([materialize(name, p) for name, p in tiles]), whole)

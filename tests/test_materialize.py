@@ -122,7 +122,7 @@ def test_tiled_makes_each_tile_its_part_of_the_untiled_layers_value(layer, dim):
     rule = M.by_name({"*.bias": M.uniform(-1.0, 1.0, 4), "*": M.normal(0.02, 4)})
     whole = {n: rule(n, p) for n, p in model.named_parameters()}
     zf.tile(model, tiles=3, modules=[layer], dim=dim)
-    made = M.tiled(rule, model)
+    made = zf.tiling.materializer(rule, model)
     parts = {n: made(n, p) for n, p in model.named_parameters()}
     assert all(".tiles." in n for n in parts if n.startswith(f"{layer}."))
     for kind in ("weight", "bias"):
@@ -147,13 +147,13 @@ def test_tiled_gives_a_tied_head_and_embedding_one_value_and_passes_other_tiles_
     whole = rule("emb.weight", model.emb.weight)
     zf.tile(model, tiles=4, modules=["head"])
     apply, params = zf.functionalize(model)
-    made = M.tiled(rule, model)
+    made = zf.tiling.materializer(rule, model)
     assert torch.equal(torch.cat([made(f"emb.tiles.{i}.weight", params[f"emb.tiles.{i}.weight"]) for i in range(4)]),
                        whole)
     with torch.device("meta"):  # a submodule that happens to be called "tiles" is no tile: its own name
         plain = nn.Module()
         plain.tiles = nn.ModuleList([nn.Linear(2, 2)])
-    assert torch.equal(M.tiled(rule, plain)("tiles.0.weight", plain.tiles[0].weight),
+    assert torch.equal(zf.tiling.materializer(rule, plain)("tiles.0.weight", plain.tiles[0].weight),
                        rule("tiles.0.weight", plain.tiles[0].weight))
 
 

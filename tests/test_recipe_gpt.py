@@ -127,7 +127,7 @@ def test_a_tiles_rows_are_the_rows_of_the_untiled_layer():
     zf.tile(model, tiles=3, modules=["lm_head"])  # splits lm_head (and wte, tied) into tiles of rows
     tiles = [(name, p) for name, p in model.named_parameters() if ".tiles." in name]
     assert [name for name, _ in tiles] == [f"wte.tiles.{i}.weight" for i in range(3)]
-    materialize = zf.materialize.tiled(model.materializer(5), model)  # what the recipe's loop asks
+    materialize = zf.tiling.materializer(model.materializer(5), model)  # what the recipe's loop asks
     got = torch.cat([materialize(name, p) for name, p in tiles])
     assert torch.equal(got, whole)
     name, p = tiles[1]

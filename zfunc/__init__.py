@@ -22,6 +22,7 @@ from zfunc.model.tiling import tile
 from zfunc.offloading.step import offload
 from zfunc.pipelining.step import pipeline
 from zfunc.sharding.step import shard
+from zfunc.version import __version__  # noqa: F401 - zf.__version__
 
 __all__ = [
     "checkpoint",
@@ -53,4 +54,3 @@ __all__ = [
     "units",
     "value_and_grad",
 ]
-__version__ = "0.1.0"

@@ -82,18 +82,19 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-import zfunc
-from zfunc.checkpoint import background as ca, files as cf, layout as cl
+from zfunc.checkpoint import background as ca, files as cf, layout as cl, restore
 from zfunc.core import placement, tree
 from zfunc.checkpoint.background import SaveHandle
 from zfunc.checkpoint.files import LATEST, CheckpointError
 from zfunc.checkpoint.manifest import read_manifest
+from zfunc.checkpoint.importers import foreign_format, load_foreign
 from zfunc.checkpoint.folder import (checkpoint_path, claim, default_run, latest, locked, prune, put_in_place, scratch,
                                      write_text_atomic)
 from zfunc.checkpoint.layout import BUFFERS, PARAMS, Slot
 from zfunc.core.step import Step, TrainState
 from zfunc.dist.mesh import all_arrive
 from zfunc.offloading.swap.engine import fsync_dir
+from zfunc.version import __version__
 
 
 __all__ = ["CheckpointError", "SaveHandle", "save", "load", "latest", "read_manifest", "export"]
@@ -263,7 +264,7 @@ def _publish(tmp: Path, final: Path, run: str, keep_last: int | None) -> None:
 def _manifest(state: TrainState, entries: list[dict], run: str, extra: dict) -> dict:
     """The manifest but for its checksums (``files`` and the pieces' ``crc``: after the write)."""
     layout = placement.of(state.placement).describe(state.placement)  # world, pipeline stages, ZeRO stage
-    return {"format": cf.FORMAT, "zfunc": zfunc.__version__, **layout, "step": state.step,
+    return {"format": cf.FORMAT, "zfunc": __version__, **layout, "step": state.step,
             "run": run, "rng": state.rng, "extra": extra, "files": {}, "leaves": entries}
 
 
@@ -273,82 +274,6 @@ def _barrier(world: int) -> None:
 
 
 # ----------------------------------------------------------------------------- load
-
-
-def _saved_buffers(manifest: dict, device: str | torch.device) -> dict[str, torch.Tensor]:
-    """Empty tensors shaped like the checkpoint's module buffers (``state.buffers``: never split)."""
-    return {e["path"][len(BUFFERS):]: torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]), device=device)
-            for e in manifest["leaves"] if e["path"].startswith(BUFFERS)}
-
-
-def _meta(x: Any) -> Any:
-    return torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
-
-
-def _model(manifest: dict, step: Step, params: Any) -> tuple[Any, str]:
-    """The model's params (on the meta device) and where they came from."""
-    if params is not None:
-        model, source = params, "params="
-    elif getattr(step, "initialized_with", None) is not None:
-        model, source = step.initialized_with, "the params step.init last received"
-    else:  # nothing says what the model is: the checkpoint's own params
-        model = {e["path"][len(PARAMS):]: torch.empty(e["full_shape"], dtype=getattr(torch, e["dtype"]), device="meta")
-                 for e in manifest["leaves"] if e["path"].startswith(PARAMS)}
-        source = "the checkpoint"
-    return tree.map(_meta, model), source
-
-
-def _template(manifest: dict, step_or_template: Any, params: Any) -> tuple[TrainState, str, Any]:
-    """The state to fill (a step's: on the meta device), where its model came from, and the
-    model's meta params (None for a template state)."""
-    from zfunc.offloading.store import OnDisk
-
-    if isinstance(step_or_template, TrainState):
-        if params is not None:
-            raise ValueError("params: give it with a Step; a TrainState template's own params say the model")
-        if any(isinstance(x, OnDisk) for x in tree.leaves((step_or_template.params, step_or_template.opt_state))):
-            raise ValueError("step_or_template: an offloaded state's leaves live in its swap files; pass the "
-                             "offloaded step, and the checkpoint is written into them")
-        tensors = [x for x in tree.leaves(step_or_template.params) if isinstance(x, torch.Tensor)]
-        saved = _saved_buffers(manifest, tensors[0].device if tensors else "cpu")
-        if step_or_template.buffers and saved:
-            return step_or_template, "the template state", None
-        # buffers join a state at the first step that writes them: where the template or the
-        # checkpoint has none yet, the checkpoint's (or their absence) are what is loaded
-        return step_or_template.replace(buffers=saved), "the template state", None
-    if not isinstance(step_or_template, Step):
-        raise TypeError(f"step_or_template: expected a Step or a TrainState, got {type(step_or_template).__name__}")
-    model, source = _model(manifest, step_or_template, params)
-    template = step_or_template.init_meta(model)
-    buffers = step_or_template.own_buffers(_saved_buffers(manifest, "meta"))
-    return template.replace(buffers=buffers), source, model
-
-
-def _said(shape: tuple, dtype: str | None) -> str:
-    return f"{shape} {dtype}" if dtype else str(shape)
-
-
-def _check_model(directory: Path, manifest: dict, template: TrainState, slots: list[Slot], leaves: list,
-                 source: str) -> None:
-    """Every param of the model is in the checkpoint with its whole shape and dtype, and no other
-    (a pipeline stage holds some of the model's params: the others are checked by shape,
-    ``Placement.model``)."""
-    saved = {e["path"][len(PARAMS):]: (tuple(e["full_shape"]), e["dtype"])
-             for e in manifest["leaves"] if e["path"].startswith(PARAMS) and "dtype" in e}
-    whole_model = placement.of(template.placement).model(template.placement) or {}
-    model = {n: (tuple(shape), None) for n, shape in whole_model.items()}
-    model.update({s.split_like: (s.full_shape, str(x.dtype).removeprefix("torch."))
-                  for s, x in zip(slots, leaves) if s.path.startswith(PARAMS)})
-    missing, unexpected = sorted(model.keys() - saved.keys()), sorted(saved.keys() - model.keys())
-    differ = [f"{n}: {_said(*saved[n])} in the checkpoint, {_said(*model[n])} in the model"
-              for n in sorted(model.keys() & saved.keys())
-              if saved[n][0] != model[n][0] or model[n][1] not in (None, saved[n][1])]
-    if missing or unexpected or differ:
-        parts = [f"{len(missing)} params of the model not in the checkpoint {missing[:5]}" if missing else "",
-                 f"{len(unexpected)} params in the checkpoint not in the model {unexpected[:5]}" if unexpected else "",
-                 f"{len(differ)} differ: {'; '.join(differ[:5])}" if differ else ""]
-        raise CheckpointError(f"{directory}: the checkpoint does not hold this model (from {source}): "
-                              + "; ".join(p for p in parts if p))
 
 
 def _reader(files: cf.RankFiles, entry: dict, slot: Slot, like: Any) -> Callable[[], Any]:
@@ -388,43 +313,26 @@ def load(directory: str | os.PathLike, step_or_template: Step | TrainState, *, p
     step, at most one leaf (param piece and its optimizer state) is in RAM at once, besides the
     step's writes in flight (nothing is read ahead there).
     """
-    from zfunc.checkpoint.importers import foreign_format, load_foreign
-
     directory = checkpoint_path(directory)
     if foreign_format(directory):  # a DeepSpeed or torch DCP checkpoint: zfunc.checkpoint.importers
         return load_foreign(directory, step_or_template, params=params, device=device)
     manifest = read_manifest(directory)
-    template, source, model = _template(manifest, step_or_template, params)
+    template, source, model = restore.template(manifest, step_or_template, params)
     slots, leaves, treespec = cl.slots(template)
-    _check_model(directory, manifest, template, slots, leaves, source)
+    restore.check_model(directory, manifest, template, slots, leaves, source)
     saved = {e["path"]: e for e in manifest["leaves"]}
     cl.check_structure(directory, saved, slots, template)
     for slot, like in zip(slots, leaves):
         cl.check_leaf(directory, saved[slot.path], slot, like)
     with cf.RankFiles(directory, manifest, verify) as files:
         lazy = tree.unflatten(treespec, [_reader(files, saved[s.path], s, x) for s, x in zip(slots, leaves)])
-        restored = _restored(step_or_template, template, lazy, model, device)
+        restored = restore.restored(step_or_template, template, lazy, model, device)
         if restored is not None:
             return restored
         files.plan([r for s, x in zip(slots, leaves) if isinstance(x, torch.Tensor)  # read ahead, in this order
                     for r in cl.planned_reads(saved[s.path], manifest,
                                               None if saved[s.path]["split_like"] is None else s.rows)])
-        return tree.map(lambda read, like: _to(read(), like, device), lazy, template)
-
-
-def _to(value: Any, like: Any, device: str | torch.device) -> Any:
-    if not isinstance(like, torch.Tensor):
-        return value
-    return value.to(device if like.device.type == "meta" else like.device)
-
-
-def _restored(step_or_template: Step | TrainState, template: TrainState, lazy: TrainState, model: Any,
-              device: str | torch.device) -> TrainState | None:
-    """The step's state as its placement puts a checkpoint's leaves in place (``Placement.restore``:
-    an offloaded step's, leaf by leaf into its stores), or None: the template is filled here."""
-    if not isinstance(step_or_template, Step):
-        return None
-    return placement.of(template.placement).restore(step_or_template, lazy, model, device)
+        return tree.map(lambda read, like: restore.to_device(read(), like, device), lazy, template)
 
 
 # ----------------------------------------------------------------------------- whole params

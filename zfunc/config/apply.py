@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from zfunc import config as config_mod
+from zfunc.config import plan as config_mod
 from zfunc.model import units as units_mod
 from zfunc.dist import Mesh
 from zfunc.offloading.step import offload

@@ -17,21 +17,18 @@ below 2 count as 2, as there. An unknown ``warmup_type`` is refused (DeepSpeed w
 
 DeepSpeed configs: ``from_deepspeed(path_or_dict, world_size=N, **auto)`` reads one into a Plan
 and ``IgnoredKeysWarning`` names the keys it ignored. Both live in ``zfunc.config.deepspeed`` (the
-key mapping, "auto" values and refusals are in its docstring) and are reachable here as
-``zf.config.from_deepspeed`` / ``zf.config.IgnoredKeysWarning``, loaded on first use.
+key mapping, "auto" values and refusals are in its docstring) and are reachable as
+``zf.config.from_deepspeed`` / ``zf.config.IgnoredKeysWarning``.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from zfunc import optim
 from zfunc.model import units as units_mod
-
-if TYPE_CHECKING:  # for type checkers; at run time __getattr__ below loads them
-    from zfunc.config.deepspeed import IgnoredKeysWarning, from_deepspeed  # noqa: F401
 
 PLACES = ("none", "cpu", "nvme")
 PRECISIONS = ("fp32", "bf16", "fp16")

@@ -50,7 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from zfunc.core.step import _split_batch
+from zfunc.core.step import split_batch
 
 PyTree = Any
 
@@ -94,7 +94,7 @@ class Accumulation(Role):
 
     def split(self, batch: PyTree) -> list[PyTree]:
         """``count`` microbatches of ``batch`` (every tensor's leading dim must divide)."""
-        return _split_batch(batch, self.count)
+        return split_batch(batch, self.count)
 
     def ops(self, stages: int = 1, stage: int = 0) -> list[tuple[str, int]]:
         """``[("F", 0), ("B", 0), ("F", 1), ...]``: one stage, each backward after its forward."""

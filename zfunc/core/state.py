@@ -20,7 +20,7 @@ class ConsumedStateError(RuntimeError):
     """A ``TrainState`` was read after a donating step consumed it."""
 
 
-_FIELDS = ("params", "opt_state", "step", "rng", "loss_scale", "buffers")
+FIELDS = ("params", "opt_state", "step", "rng", "loss_scale", "buffers")  # a TrainState's fields, in pytree order
 # Called before a donating step first writes into any state's buffers: a background
 # ``zf.checkpoint.save`` registers one that waits until it has copied the state it is saving
 # (``zfunc.checkpoint.background``), so donation stays safe while a save is under way.
@@ -95,10 +95,10 @@ class TrainState:
 
     def replace(self, **changes: Any) -> TrainState:
         """A new state with ``changes`` applied (``dataclasses.replace``-style)."""
-        unknown = changes.keys() - set(_FIELDS)
+        unknown = changes.keys() - set(FIELDS)
         if unknown:
-            raise TypeError(f"replace: unknown fields {sorted(unknown)}; expected some of {_FIELDS}")
-        values = dict(zip(_FIELDS, (self._get(i) for i in range(len(_FIELDS)))))
+            raise TypeError(f"replace: unknown fields {sorted(unknown)}; expected some of {FIELDS}")
+        values = dict(zip(FIELDS, (self._get(i) for i in range(len(FIELDS)))))
         return TrainState(**{**values, **changes}, placement=self.placement)
 
     def __repr__(self) -> str:
@@ -111,7 +111,7 @@ class TrainState:
 
 optree.register_pytree_node(
     TrainState,
-    lambda s: (tuple(s._get(i) for i in range(len(_FIELDS))), s.placement, _FIELDS),
+    lambda s: (tuple(s._get(i) for i in range(len(FIELDS))), s.placement, FIELDS),
     lambda placement, children: TrainState(*children[:-1], placement=placement, buffers=children[-1]),
     namespace=tree.NAMESPACE,
 )

@@ -43,7 +43,7 @@ from zfunc.model import functional as module
 from zfunc.model.materialize import Materializer, leaf as materialize_leaf
 from zfunc.core import precision as mp, tree
 from zfunc.ops.cpu import hostmem
-from zfunc.core.state import _FIELDS, ConsumedStateError, TrainState, require_train_state  # noqa: F401
+from zfunc.core.state import FIELDS, ConsumedStateError, TrainState, require_train_state  # noqa: F401
 
 PyTree = Any
 
@@ -119,7 +119,10 @@ def value_and_grad(fn: Callable[..., Any], has_aux: bool = False) -> Callable[..
     return wrapped
 
 
-def _split_batch(batch: PyTree, accum: int) -> list[PyTree]:
+def split_batch(batch: PyTree, accum: int) -> list[PyTree]:
+    """``batch`` cut into ``accum`` microbatches along each tensor's leading dim (other leaves
+    repeated); ``[batch]`` itself when ``accum`` is 1. Views (``chunk``), no copies. Raises
+    ``ValueError`` naming ``accum`` and the shape when a tensor's leading dim does not divide."""
     if accum == 1:
         return [batch]
     leaves, treespec = tree.flatten(batch)
@@ -136,7 +139,9 @@ def _split_batch(batch: PyTree, accum: int) -> list[PyTree]:
     return [tree.unflatten(treespec, parts) for parts in zip(*pieces)]
 
 
-def _check_single_device(params: PyTree) -> torch.device:
+def check_single_device(params: PyTree) -> torch.device:
+    """The one device every tensor of ``params`` lies on; ``ValueError`` naming a leaf on each
+    device when there are several, or when ``params`` holds no tensor. One walk over the leaves."""
     paths, leaves, _ = optree.tree_flatten_with_path(params, namespace=tree.NAMESPACE)
     devices: dict[torch.device, Any] = {}
     for path, leaf in zip(paths, leaves):
@@ -194,7 +199,7 @@ class Step:
         Every step's ``init`` takes these two arguments (``zf.shard``'s, ``zf.offload``'s and
         ``zf.pipeline``'s say where the values they make go).
         """
-        device = _check_single_device(params)
+        device = check_single_device(params)
         make = device.type == "meta" and materialize is not None
         if make:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -298,8 +303,8 @@ class Step:
         compute = params if dtype is torch.float32 else mp.cast_floating(params, dtype)
         scale = mp.scale_of(loss_scale)
         losses, auxes, acc = [], [], None
-        with seeded(_step_seed(rng, step), _cuda_devices(params)):
-            for micro in _split_batch(_cast_batch(batch, dtype), self.accum):
+        with seeded(step_seed(rng, step), cuda_devices(params)):
+            for micro in split_batch(_cast_batch(batch, dtype), self.accum):
                 loss, aux, grads, treespec = _grad_leaves(compute, self.loss_fn, (micro,), scale, self.has_aux)
                 losses.append(loss if loss.dtype is torch.float32 else loss.float())
                 auxes.append(aux)
@@ -336,7 +341,7 @@ class Transformed(Step):
 
 
 def _values(state: TrainState) -> tuple:
-    """``state``'s fields in ``_FIELDS`` order, read at once (raises ``ConsumedStateError`` as each field would)."""
+    """``state``'s fields in ``FIELDS`` order, read at once (raises ``ConsumedStateError`` as each field would)."""
     state.step  # noqa: B018 - the consumed check
     return state._values
 
@@ -370,7 +375,9 @@ def _fp32(g: torch.Tensor | None) -> torch.Tensor | None:
     return g if g is None or g.dtype == torch.float32 else g.float()
 
 
-def _step_seed(rng: int, step: int) -> int:
+def step_seed(rng: int, step: int) -> int:
+    """The seed of step ``step`` of a state whose ``rng`` is ``rng``: a function of the two alone,
+    so a step taken again (after a load, on another rank layout) draws the same randomness."""
     return (rng * 1_000_003 + step) % (2**63)
 
 
@@ -399,7 +406,9 @@ class seeded:  # noqa: N801 - used as a function: ``with seeded(seed, devices):`
             torch.cuda.set_rng_state(st, d)
 
 
-def _cuda_devices(params: PyTree) -> list[int]:
+def cuda_devices(params: PyTree) -> list[int]:
+    """The CUDA device indices ``params``' tensors lie on, sorted (what ``seeded`` seeds); ``[]``
+    without a leaf walk while CUDA is not initialized."""
     if not torch.cuda.is_initialized():  # no CUDA tensor can exist yet: skip the walk over the leaves
         return []
     return sorted({t.device.index or 0 for t in tree.tensors(params) if t.device.type == "cuda"})

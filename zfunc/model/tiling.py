@@ -29,6 +29,7 @@
   live at a time, forward or backward. The recomputation runs in backward, outside stage 3's
   forward hooks: under stage 3, ``fn`` must not read sharded params (use the layer form).
 
+``materializer(fn, model)`` makes a tiled model's params from ``fn``, an init written for it untiled.
 ``lm_head_loss(hidden, weight, targets, tiles=k)`` is the tiled LM head + cross-entropy over token
 tiles: logits of N/k tokens at a time, never the whole (N, vocab). It does not recompute (the
 function form would: 4 matmuls instead of 3, ~1.3x the time): each tile's softmax grad becomes
@@ -66,6 +67,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from zfunc.core import compose
+from zfunc.model.materialize import Materializer, leaf as materialize_leaf
 
 _LAYERS = (nn.Linear, nn.Embedding)
 
@@ -462,3 +464,54 @@ def tile(module_or_fn: nn.Module | Callable, *, tiles: int, dim: int = 0, reduce
     if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
         raise ValueError(f"tiles: expected an int >= 1, got {tiles!r}")
     return _tile_function(module_or_fn, tiles, dim, reduce, argnums)
+
+
+def materializer(fn: Materializer, model: nn.Module) -> Materializer:
+    """``fn``, written for a model's untiled layers, as the materializer of ``model`` after ``zf.tile``
+    split some of them: a tile's leaf ``LAYER.tiles.I.KIND`` is its part of the whole layer's leaf
+    ``LAYER.KIND`` as ``fn`` makes it -- a tile along dim 0 its rows, along dim 1 its columns (and the
+    bias, which tile 0 holds whole) -- and every other leaf is ``fn``'s. So one init rule serves the model
+    tiled or not, and both start from the same values. A leaf is a tile's when its module is a
+    ``TiledLinear`` / ``TiledEmbedding`` tile (looked up in ``model`` when the leaf is asked for).
+
+    Law: as the module docstring's, for ``fn``'s law holds for the whole leaf. Cost: a dim-0 tile's
+    rows asked for; a dim-1 tile's rows at the whole layer's width (the other tiles' columns are
+    made and dropped)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected the (tiled, meta-device) nn.Module, got {type(model).__name__}")
+    if not callable(fn):
+        raise TypeError(f"fn: expected a materializer materialize(name, like[, rows]), got {type(fn).__name__}")
+
+    def materialize(name: str, like: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
+        found = _tile_of(model, name)
+        if found is None:
+            return materialize_leaf(fn, name, like, rows)
+        whole_name, layer, index = found
+        start, size = sum(layer.sizes[:index]), layer.sizes[index]
+        mine = rows or slice(0, like.shape[0] if like.dim() else 1)
+        if like.dim() == 2 and layer.dim == 1:  # a slice of the columns: the whole rows, cut
+            whole = torch.empty((like.shape[0], sum(layer.sizes)), dtype=like.dtype, device="meta")
+            return materialize_leaf(fn, whole_name, whole, mine)[:, start : start + size].contiguous()
+        if layer.dim == 1:  # the bias of an in-features tile: the layer's whole bias
+            return materialize_leaf(fn, whole_name, like, rows)
+        whole = torch.empty((sum(layer.sizes), *like.shape[1:]), dtype=like.dtype, device="meta")
+        return materialize_leaf(fn, whole_name, whole, slice(start + mine.start, start + mine.stop))
+
+    return materialize
+
+
+def _tile_of(model: nn.Module, name: str) -> tuple[str, nn.Module, int] | None:
+    """For a tile's leaf ``LAYER.tiles.I.KIND``: the whole layer's leaf name ``LAYER.KIND``, the tiled
+    layer and ``I``; None for any other leaf."""
+    owner, _, kind = name.rpartition(".")
+    tiles, _, index = owner.rpartition(".")
+    path, _, attr = tiles.rpartition(".")
+    if attr != "tiles" or not index.isdigit():
+        return None
+    try:
+        layer = model.get_submodule(path)
+    except AttributeError:
+        return None
+    if not isinstance(layer, (TiledLinear, TiledEmbedding)) or int(index) >= len(layer.sizes):
+        return None
+    return (f"{path}.{kind}" if path else kind), layer, int(index)

@@ -20,20 +20,17 @@ import time
 import weakref
 from collections import deque
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from zfunc import optim
 from zfunc.core import precision as mp, tree
 from zfunc.core.roles import Role
-from zfunc.sharding.step import FlatGroup, GradSlices, _leaf_names
+from zfunc.sharding.step import FlatGroup, GradSlices, leaf_names
 from zfunc.sharding.run import ReducedSlices, StepRun
-from zfunc.core.step import _FIELDS, NonFiniteError, TrainState
+from zfunc.core.step import FIELDS, NonFiniteError, TrainState
 from zfunc.offloading.store import All, OnDisk, ReadAhead, Store
-
-if TYPE_CHECKING:
-    from zfunc.offloading.step import OffloadedStep
 
 PyTree = Any
 
@@ -90,9 +87,11 @@ class ComputeCopies:
 
 class _Stores:
     """Where one call (an ``init`` or a step) puts leaves: the optimizer's and the params' stores,
-    the writes in flight (at most ``2 * chunk_bytes``) and the files the call rewrote."""
+    the writes in flight (at most ``2 * chunk_bytes``) and the files the call rewrote. ``step`` is
+    the ``OffloadedStep`` (read: its chunk size, engine and where it keeps each store), not
+    imported: zfunc.offloading.step imports this module."""
 
-    def __init__(self, step: OffloadedStep, device: torch.device):
+    def __init__(self, step: Any, device: torch.device):
         pin = device.type == "cuda"
         self.chunk_bytes, self.engine = step.chunk_bytes, step.engine
         self._writes: deque = deque()
@@ -199,8 +198,8 @@ class LeafUpdate(_Stores, Role):
         self.run, self._state_spec = run, run._state_spec
         self.optimizer, self.compute_dtype = step.optimizer, step.compute_dtype
         self.compute_copies = step.compute_copies
-        self._state_in_use, self._fields = state, tuple(getattr(state, f) for f in _FIELDS)
-        self._masters, self._param_names = tree.leaves(state.params), _leaf_names(state.params)
+        self._state_in_use, self._fields = state, tuple(getattr(state, f) for f in FIELDS)
+        self._masters, self._param_names = tree.leaves(state.params), leaf_names(state.params)
         self._opt_states = list(state.opt_state)
         self._sq_norm = torch.zeros((), dtype=torch.float64)  # overlap: the grads' sum of squares so far
         self._wants_norm = step._needs_norm()  # train_step(grad_norm=), clipping or fp16; else no norm at all

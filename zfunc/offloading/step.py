@@ -110,7 +110,7 @@ from zfunc.offloading.run import (ComputeCopies, HeldSlices, LeafUpdate, StoredP
                                 UpdateOnArrival, _is_stored, _Stores)
 from zfunc.ops.cpu import hostmem
 from zfunc.core.roles import Roles
-from zfunc.sharding.step import ShardedStep, ShardSpec, _leaf_names, local_piece
+from zfunc.sharding.step import ShardedStep, ShardSpec, leaf_names, local_piece
 from zfunc.sharding.run import StepRun
 from zfunc.core.step import Step, TrainState, Transformed, require_train_state
 from zfunc.offloading.placement import OffloadSpec, in_ram  # noqa: F401 - zfunc.offloading.step's public names
@@ -164,7 +164,7 @@ class OffloadedStep(Transformed):
             if materialize is None:
                 raise ValueError("params: on the meta device; pass materialize(name, like) -> tensor to init")
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        names = _leaf_names(params)
+        names = leaf_names(params)
 
         def fresh(i: int) -> tuple[torch.Tensor, Any]:
             x, leaf, name = leaves[i], spec.leaves[i], names[i]
@@ -182,7 +182,7 @@ class OffloadedStep(Transformed):
         this rank's fp32 pieces and each leaf's optimizer state, with the ``OffloadSpec``."""
         _, _, treespec, spec = self._layout(params)
         pieces = [torch.empty(leaf.local_shape(spec.rank), device="meta") for leaf in spec.leaves]
-        states = tuple(self.optimizer.init({name: p}) for name, p in zip(_leaf_names(params), pieces))
+        states = tuple(self.optimizer.init({name: p}) for name, p in zip(leaf_names(params), pieces))
         meta = torch.device("meta")
         off = OffloadSpec(*_shard_fields(spec), self.where_optimizer, self.where_params, self.path, meta)
         return TrainState(tree.unflatten(treespec, pieces), states, 0, self.seed, mp.init_loss_scale(self.precision),
@@ -328,7 +328,7 @@ def release(step: Step, state: TrainState) -> int:
     offloaded to "cpu", or released already). Files and folders zfunc did not write stay. The
     step may ``init`` again afterwards, on a new engine. Cost: waits for the I/O issued on the
     files, then an unlink per file and spare."""
-    from zfunc.offloading.swap.engine import _spare
+    from zfunc.offloading.swap.engine import spare_path
 
     if not isinstance(step, OffloadedStep) or step.engine is None:
         return 0
@@ -339,7 +339,7 @@ def release(step: Step, state: TrainState) -> int:
     freed = 0
     for name in names:  # under the engine's lock: no other engine writes here meanwhile
         file = engine.file(name)
-        freed += sum(f.stat().st_size for f in (file, _spare(file)) if f.exists())
+        freed += sum(f.stat().st_size for f in (file, spare_path(file)) if f.exists())
         engine.remove(name)  # waits for the operations issued on it
     engine.close()
     step.engine = None

@@ -16,7 +16,7 @@ import time
 import zlib
 from collections.abc import Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,10 +24,9 @@ from torch import nn
 from zfunc.core import tree
 from zfunc.model.functional import run_by
 from zfunc.core.roles import Role
-from zfunc.core.step import _split_batch, split_loss
-
-if TYPE_CHECKING:
-    from zfunc.pipelining.step import Layout, PipelineSpec, PipelineStep
+from zfunc.core.step import split_batch, split_loss
+from zfunc.pipelining.layout import Layout
+from zfunc.pipelining.placement import PipelineSpec
 
 PyTree = Any
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -76,7 +75,7 @@ class PipelineSchedule(Role):
             if isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[0] % m):
                 raise ValueError(f"batch: microbatches={m} must divide the leading dim of every batch tensor, got a "
                                  f"tensor of shape {tuple(x.shape)}")
-        return _split_batch(batch, m)
+        return split_batch(batch, m)
 
     def ops(self, stages: int, stage: int) -> list[tuple[str, int]]:
         """Stage ``stage``'s forwards and backwards, in order (``schedule_ops``)."""
@@ -178,9 +177,11 @@ class _StageRun:
 
 class _Run:
     """One step's schedule on this stage: the params the loss sees, p2p in flight, live
-    microbatches, fp32 grad sums (``acc`` for owned params, ``lent_acc`` for borrowed ones)."""
+    microbatches, fp32 grad sums (``acc`` for owned params, ``lent_acc`` for borrowed ones).
+    ``ps`` is the ``PipelineStep`` (read: its model, loss, layout, mesh, schedule, microbatches and
+    compute dtype), not imported: zfunc.pipelining.step imports this module."""
 
-    def __init__(self, ps: PipelineStep, spec: PipelineSpec, whole: list[torch.Tensor], number: int, scale,
+    def __init__(self, ps: Any, spec: PipelineSpec, whole: list[torch.Tensor], number: int, scale,
                  digest: int):
         self.ps, self.spec, self.number, self.scale, self.digest = ps, spec, number, scale, digest
         self.s, self.p, self.m, self.p2p = spec.stage, spec.stages, ps.microbatches, ps.mesh.p2p

@@ -73,7 +73,6 @@ heads); if every unit is such a module (a stack of Linears), all are pipeline un
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -83,28 +82,17 @@ from zfunc import optim
 from zfunc.core import compose, precision as mp, tree
 from zfunc.dist import Mesh
 from zfunc.model.functional import BufferScope, carrying
+from zfunc.pipelining.layout import Layout, make_layout
 from zfunc.pipelining.placement import PipelineSpec
 from zfunc.pipelining.stage import PipelineSchedule, _Run, _digest, schedule_ops  # noqa: F401  (schedule_ops: public)
-from zfunc.sharding.step import GradSlices, ShardSpec, _buckets, _gather_whole, average_buffers, average_order
-from zfunc.core.step import Step, TrainState, Transformed, _cuda_devices, _step_seed, require_train_state, seeded
+from zfunc.sharding.step import GradSlices, ShardSpec, bucket_groups, gather_whole, average_buffers, average_order
+from zfunc.core.step import Step, TrainState, Transformed, cuda_devices, step_seed, require_train_state, seeded
 from zfunc.model.materialize import Materializer
 from zfunc.model.units import Selector
 
 PyTree = Any
 SCHEDULES = ("1f1b", "gpipe")
 __all__ = ["Layout", "PipelineSpec", "PipelineStep", "make_layout", "pipeline", "schedule_ops"]
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Which stage runs and owns what: ``units`` (pipeline units' module names, in order),
-    ``bounds[s]`` (first and last unit index of stage s), ``owner`` (param name -> stage; shared
-    params -> 0) and ``shared`` (params outside the units, lent to the last stage)."""
-
-    units: tuple[str, ...]
-    bounds: tuple[tuple[int, int], ...]
-    owner: dict[str, int]
-    shared: frozenset[str]
 
 
 # ----------------------------------------------------------------------------- the step
@@ -207,7 +195,7 @@ class PipelineStep(Transformed):
         whole = self._whole_params(pieces, spec, step)
         micro = self.schedule.split(mp.cast_floating(batch, self.compute_dtype))
         run = _Run(self, spec, whole, step, scale, _digest(batch))
-        with seeded(_step_seed(rng, step), _cuda_devices(params)):
+        with seeded(step_seed(rng, step), cuda_devices(params)):
             run.execute(micro)
         self.peak_live_microbatches = run.peak_live
         self.timings = {"step_s": run.step_s, "wait_s": run.wait_s, "compute_s": run.compute_s, "ops": run.trace}
@@ -225,12 +213,12 @@ class PipelineStep(Transformed):
         """This stage's params whole, in the compute dtype (all-gathered over dp when sharded)."""
         if spec.inner is None:
             return [p.to(self.compute_dtype) for p in pieces]
-        return _gather_whole(pieces, spec.inner, self._buckets(spec.inner), self.mesh.comm, self.compute_dtype,
+        return gather_whole(pieces, spec.inner, self._buckets(spec.inner), self.mesh.comm, self.compute_dtype,
                             pieces[0].device, f"step {step}")
 
     def _buckets(self, inner: ShardSpec) -> list:
         if self._bucket_cache is None:
-            self._bucket_cache = _buckets(inner.leaves, self.base.bucket_elems)
+            self._bucket_cache = bucket_groups(inner.leaves, self.base.bucket_elems)
         return self._bucket_cache
 
     def _mean_loss(self, losses: list[torch.Tensor], spec: PipelineSpec, step: int, device,
@@ -276,53 +264,6 @@ def _reduce_scatter(grads, pieces, spec: ShardSpec, buckets, comm, step: int, di
 
 
 # ----------------------------------------------------------------------------- construction
-
-
-def _pipeline_units(model: nn.Module, units: Selector | Sequence[str]) -> list[tuple[str, tuple[str, ...]]]:
-    """``(module name, canonical param names)`` of the pipeline units, in module order."""
-    modules = dict(model.named_modules())
-    if callable(units):
-        found = units(model)
-        blocks = [u for u in found if not all(p.rpartition(".")[0] == u.name for p in u.params)]
-        chosen = [(u.name, tuple(u.params)) for u in (blocks or found)]
-    else:
-        missing = [n for n in units if n not in modules]
-        if isinstance(units, str) or missing:
-            raise ValueError(f"units: expected a zf.units selector or module names of the model, got {units!r}")
-        canonical = {id(p): n for n, p in model.named_parameters()}
-        chosen = [(n, tuple(dict.fromkeys(canonical[id(p)] for p in modules[n].parameters()))) for n in units]
-    order = {name: k for k, name in enumerate(modules)}
-    return sorted(chosen, key=lambda u: order[u[0]])
-
-
-def _split_counts(n: int, stages: int, split: Sequence[int] | None) -> list[int]:
-    if split is None:  # even; the first n % stages stages take one more
-        base, extra = divmod(n, stages)
-        return [base + (s < extra) for s in range(stages)]
-    split = list(split)
-    if len(split) != stages or any(not isinstance(c, int) or c < 1 for c in split) or sum(split) != n:
-        raise ValueError(f"split: expected {stages} ints >= 1 (units per stage) summing to the model's {n} pipeline "
-                         f"units, got {split!r}")
-    return split
-
-
-def make_layout(model: nn.Module, units: Selector | Sequence[str], stages: int, split: Sequence[int] | None) -> Layout:
-    """Assign consecutive pipeline units to stages; everything else is shared (see the module docstring)."""
-    trunk = _pipeline_units(model, units)
-    if stages > len(trunk):
-        raise ValueError(f"stages: {stages} stages need at least {stages} pipeline units, the model has {len(trunk)}: "
-                         f"{[name for name, _ in trunk]}")
-    bounds, start = [], 0
-    for count in _split_counts(len(trunk), stages, split):
-        bounds.append((start, start + count - 1))
-        start += count
-    owner = {n: 0 for n, _ in model.named_parameters()}
-    in_units = set()
-    for s, (first, last) in enumerate(bounds):
-        for _, params in trunk[first : last + 1]:
-            owner.update(dict.fromkeys(params, s))
-            in_units.update(params)
-    return Layout(tuple(name for name, _ in trunk), tuple(bounds), owner, frozenset(owner.keys() - in_units))
 
 
 def pipeline(step: Step, stages: int, microbatches: int, schedule: str = "1f1b", *, model: nn.Module,

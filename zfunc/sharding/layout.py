@@ -91,7 +91,7 @@ class ShardPlacement(placement.Placement):
         mesh = mesh or Mesh(dp=spec.world)
         pieces, treespec = tree.flatten(state.params)
         everything = [FlatGroup("all params", list(range(len(pieces))), spec.leaves)]
-        return tree.unflatten(treespec, _gather_whole(pieces, spec, everything, mesh.comm, torch.float32,
+        return tree.unflatten(treespec, gather_whole(pieces, spec, everything, mesh.comm, torch.float32,
                                                       pieces[0].device, "full_params"))
 
 
@@ -178,11 +178,11 @@ def _row_blocks(leaf: LeafShard, by_rank: torch.Tensor, offset: int, whole: torc
     return blocks
 
 
-def _buckets(leaves: tuple[LeafShard, ...], bucket_elems: int, order: list[int] | None = None,
-             first_elems: int | None = None) -> list[FlatGroup]:
+def bucket_groups(leaves: tuple[LeafShard, ...], bucket_elems: int, order: list[int] | None = None,
+                  first_elems: int | None = None) -> list[FlatGroup]:
     """Stage 0-2 communication groups of ~bucket_elems each (the first of ~first_elems, default the
     same): consecutive leaves of ``order`` (every leaf index once; default: reversed leaf order, a
-    guess at the backward order)."""
+    guess at the backward order). Each leaf is in exactly one group. One pass over the leaves."""
     groups, current, size = [], [], 0
     for i in reversed(range(len(leaves))) if order is None else order:
         current.append(i)
@@ -195,7 +195,7 @@ def _buckets(leaves: tuple[LeafShard, ...], bucket_elems: int, order: list[int] 
     return [FlatGroup(f"bucket {k}", g, leaves) for k, g in enumerate(groups)]
 
 
-def _gather_whole(pieces, spec: ShardSpec, buckets: list[FlatGroup], comm, dtype: torch.dtype, device,
+def gather_whole(pieces, spec: ShardSpec, buckets: list[FlatGroup], comm, dtype: torch.dtype, device,
                  label: str) -> list[torch.Tensor]:
     """Every param whole, in ``dtype`` on ``device``, from every rank's ``pieces`` (leaf order):
     one all-gather per bucket, labelled ``... at {label}``."""
@@ -209,7 +209,9 @@ def _gather_whole(pieces, spec: ShardSpec, buckets: list[FlatGroup], comm, dtype
 
 
 
-def _leaf_names(params: PyTree) -> list[str]:
+def leaf_names(params: PyTree) -> list[str]:
+    """Each leaf's path in ``params``, dot-joined (``"blocks.0.w"``), in leaf order. One walk over
+    the tree."""
     paths, _, _ = optree.tree_flatten_with_path(params, namespace=tree.NAMESPACE)
     return [".".join(map(str, p)) for p in paths]
 

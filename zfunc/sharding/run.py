@@ -28,9 +28,9 @@ from zfunc.core import precision as mp, tree
 from zfunc.model.functional import carrying, run_by
 from zfunc.sharding.prefetch import Gatherer
 from zfunc.core.roles import Role
-from zfunc.sharding.layout import ShardSpec, _leaf_names, _placeholder
+from zfunc.sharding.layout import ShardSpec, leaf_names, _placeholder
 from zfunc.sharding.reduce import Buckets, GradAllReducer, GradReducer, GradSlices
-from zfunc.core.step import Step, TrainState, _cuda_devices, _step_seed, seeded, split_loss
+from zfunc.core.step import Step, TrainState, cuda_devices, step_seed, seeded, split_loss
 
 PyTree = Any
 
@@ -69,7 +69,7 @@ class StepRun:
     def _execute(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         params, step, rng, loss_scale = state.params, state.step, state.rng, state.loss_scale
         if self.stage == 3 and self._flat_groups is None:  # unit binding maps param names to leaves
-            self.sharded._names = _leaf_names(params)
+            self.sharded._names = leaf_names(params)
         with carrying(state.buffers) as carried:
             loss, aux, grads = self._loss_and_grads(params, batch, step, rng, loss_scale)
         buffers = self.sharded._average_buffers(carried, step)
@@ -144,7 +144,7 @@ class StepRun:
         self.peak_gathered_bytes, self.peak_whole_grad_bytes = (tree.nbytes(whole) if whole else 0), 0
         reducer, losses, auxes = None, [], []
         eager = self.stage > 1 or self.roles.schedule.count == 1
-        with seeded(_step_seed(rng, step), _cuda_devices(params)):
+        with seeded(step_seed(rng, step), cuda_devices(params)):
             for micro in self.roles.schedule.split(mp.cast_floating(batch, self.compute_dtype)):
                 leaves, gatherer, groups = self._microbatch_leaves(spec, pieces, whole, step, device)
                 if reducer is None or eager:  # stage 1 with accum sums whole grads over microbatches
@@ -188,7 +188,7 @@ class StepRun:
                                  sink.deliver, step, self._grad_divisor())
         auxes = []
         scale = mp.scale_of(loss_scale)
-        with seeded(_step_seed(rng, step), _cuda_devices(params)):
+        with seeded(step_seed(rng, step), cuda_devices(params)):
             micros = self.roles.schedule.split(mp.cast_floating(batch, self.compute_dtype))
             for k, micro in enumerate(micros):
                 reducer.eager = k == len(micros) - 1  # DDP's no_sync before the last microbatch

@@ -81,13 +81,13 @@ from zfunc.model.materialize import Materializer, leaf as materialize_leaf
 from zfunc.model.functional import BufferScope
 from zfunc.ops.cpu import hostmem
 # re-exported: the names other modules and tests import from zfunc.sharding.step
-from zfunc.sharding.layout import (FlatGroup, FlatUnit, LeafShard, ShardSpec, _buckets, _gather_whole,  # noqa: F401
-                                _leaf_names, _placeholder, _row_blocks, local_piece)
+from zfunc.sharding.layout import (FlatGroup, FlatUnit, LeafShard, ShardSpec, bucket_groups, gather_whole,  # noqa: F401
+                                leaf_names, _placeholder, _row_blocks, local_piece)
 from zfunc.sharding.reduce import (Buckets, GradAllReducer, GradReducer, GradSlices,  # noqa: F401
                                 average_buffers, average_order)
 from zfunc.core.roles import Accumulation, Roles
 from zfunc.sharding.run import LocalPieces, PlainUpdate, ReducedSlices, StepRun
-from zfunc.core.step import Step, TrainState, Transformed, _check_single_device, require_train_state
+from zfunc.core.step import Step, TrainState, Transformed, check_single_device, require_train_state
 from zfunc.model.units import Selector
 
 PyTree = Any
@@ -142,7 +142,7 @@ class ShardedStep(Transformed):
             device = self._materialize_device()
         self.initialized_with = tree.map(lambda x: x.to("meta"), params)  # what zf.checkpoint.load checks
         pieces = []
-        for x, leaf, name in zip(leaves, spec.leaves, _leaf_names(params)):  # one leaf's rows at a time
+        for x, leaf, name in zip(leaves, spec.leaves, leaf_names(params)):  # one leaf's rows at a time
             if x.device.type == "meta" and materialize is not None:
                 start = min(spec.split[1] * leaf.chunk, leaf.rows)  # the rows local_piece takes
                 rows = materialize_leaf(materialize, name, x, slice(start, start + leaf.local_rows(spec.split[1])))
@@ -162,7 +162,7 @@ class ShardedStep(Transformed):
     def _layout(self, params: PyTree) -> tuple[torch.device, list[torch.Tensor], Any, ShardSpec]:
         """``(device, leaves, treespec, spec)`` of ``params``, checked (floating tensors, the same
         on every rank unless on the meta device)."""
-        device = _check_single_device(params)
+        device = check_single_device(params)
         leaves, treespec = tree.flatten(params)
         for x in leaves:
             if not isinstance(x, torch.Tensor) or not x.is_floating_point():
@@ -260,12 +260,12 @@ class ShardedStep(Transformed):
 
     def _gather_all(self, pieces, spec: ShardSpec, label: str, device: torch.device) -> list[torch.Tensor]:
         """Stages 1/2: every param whole, in the compute dtype (one all-gather per bucket)."""
-        return _gather_whole(pieces, spec, self._buckets(spec), self.mesh.comm, self.compute_dtype, device, label)
+        return gather_whole(pieces, spec, self._buckets(spec), self.mesh.comm, self.compute_dtype, device, label)
 
     def _buckets(self, spec: ShardSpec) -> list[FlatGroup]:
         if self._flat_groups is None:
             size, first = self._bucket_sizes(spec)
-            self._flat_groups = _buckets(spec.leaves, size, first_elems=first)
+            self._flat_groups = bucket_groups(spec.leaves, size, first_elems=first)
         return self._flat_groups
 
     def _bucket_sizes(self, spec: ShardSpec) -> tuple[int, int | None]:
@@ -299,7 +299,7 @@ class ShardedStep(Transformed):
         everyone = torch.empty(spec.world * order.numel(), dtype=order.dtype)
         self.mesh.comm.all_gather(everyone, order, label=f"bucket order at step {step}")
         size, first = self._bucket_sizes(spec)
-        self._flat_groups = _buckets(spec.leaves, size, everyone[: order.numel()].tolist(), first)
+        self._flat_groups = bucket_groups(spec.leaves, size, everyone[: order.numel()].tolist(), first)
         self._grad_order, self._buckets_ordered = None, True
 
     def _stage3_units(self, module, spec: ShardSpec) -> list[FlatGroup]:
@@ -354,4 +354,3 @@ def shard(step: Step, mesh: Mesh, stage: int, units: Selector | None = None, *, 
     bucket_elems = max(1, int((25.0 if bucket_mb is None else bucket_mb) * 2**18))
     return ShardedStep(step, mesh, stage, units or units_mod.auto(), prefetch, bucket_elems, verify,
                        fit_buckets=stage == 0 and bucket_mb is None)
-

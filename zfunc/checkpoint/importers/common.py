@@ -33,7 +33,7 @@ from typing import Any, Callable, Protocol
 import optree
 import torch
 
-from zfunc.checkpoint import save_load as ck
+from zfunc.checkpoint import restore
 from zfunc.checkpoint import layout as cl
 from zfunc.core import tree
 from zfunc.checkpoint.files import CheckpointError
@@ -74,7 +74,7 @@ def strip_wrappers(names: list[str]) -> dict[str, str]:
 
 
 def _manifest(source: Source, names: dict[str, str], buffers: dict[str, str]) -> dict:
-    """The source described as a zfunc manifest (what ``checkpoint._template``/``_check_model`` read)."""
+    """The source described as a zfunc manifest (what ``restore.template``/``check_model`` read)."""
     dt = lambda d: str(d).removeprefix("torch.")  # noqa: E731
     leaves = [{"path": cl.PARAMS + n, "full_shape": list(source.params[o][0]), "shape": list(source.params[o][0]),
                "dtype": dt(source.params[o][1])} for n, o in names.items()]
@@ -151,9 +151,9 @@ def fill(source: Source, step_or_template: Step | TrainState, *, params: Any = N
     names, buffers = strip_wrappers(list(source.params)), strip_wrappers(list(source.buffers))
     manifest = _manifest(source, names, buffers)
     where = Path(source.where)
-    template, said, model = ck._template(manifest, step_or_template, params)
+    template, said, model = restore.template(manifest, step_or_template, params)
     slots, leaves, treespec = cl.slots(template)
-    ck._check_model(where, manifest, template, slots, leaves, said)
+    restore.check_model(where, manifest, template, slots, leaves, said)
     physical = [tuple(map(str, p)) for p in optree.tree_flatten_with_path(template, namespace=tree.NAMESPACE)[0]]
     adam = _adam_nodes(template)
     roles = [_role(p, adam) for p in physical]
@@ -161,10 +161,10 @@ def fill(source: Source, step_or_template: Step | TrainState, *, params: Any = N
     lookup = {**names, **{cl.BUFFERS + n: o for n, o in buffers.items()}}
     lazy = tree.unflatten(treespec, [_reader(source, lookup, s, r, f, x, optimizer)
                                      for s, (r, f), x in zip(slots, roles, leaves)])
-    restored = ck._restored(step_or_template, template, lazy, model, device)
+    restored = restore.restored(step_or_template, template, lazy, model, device)
     if restored is not None:
         return restored
-    return tree.map(lambda read, like: ck._to(read(), like, device), lazy, template)
+    return tree.map(lambda read, like: restore.to_device(read(), like, device), lazy, template)
 
 
 def directory(path: str | os.PathLike, argument: str = "path") -> Path:

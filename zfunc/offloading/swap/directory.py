@@ -229,7 +229,7 @@ def _reserve(fd: int, size: int, file: Path, what: str) -> None:
 
 
 def reserve_spares(directory: Path, files: Mapping[Path, int]) -> None:
-    """Make each file's spare (``_spare``) hold ``files[file]`` bytes of allocated blocks: created,
+    """Make each file's spare (``spare_path``) hold ``files[file]`` bytes of allocated blocks: created,
     or grown, where missing or short, or where it names the live file (a crash between a commit's
     link and rename). ``SwapPathError`` (``errno`` ENOSPC) naming ``directory``, its free bytes and
     the bytes needed when they do not fit, before anything is allocated. Cost: two stats per file."""
@@ -237,7 +237,7 @@ def reserve_spares(directory: Path, files: Mapping[Path, int]) -> None:
     short = {}  # file -> (its spare is the live file, bytes of blocks to allocate)
     for file, size in files.items():
         try:
-            st = os.stat(_spare(file))
+            st = os.stat(spare_path(file))
         except FileNotFoundError:
             short[file] = (False, -(-size // block) * block)
             continue
@@ -255,7 +255,7 @@ def reserve_spares(directory: Path, files: Mapping[Path, int]) -> None:
         err.errno = errno.ENOSPC
         raise err
     for file, (alias, _) in short.items():
-        spare = _spare(file)
+        spare = spare_path(file)
         if alias:
             spare.unlink()
         fd = os.open(spare, os.O_WRONLY | os.O_CREAT, 0o644)
@@ -281,12 +281,14 @@ def _spare_back(file: Path, tmp: Path) -> None:
         os.link(file, tmp)
     except OSError:
         tmp = None
-    os.replace(_spare(file), file)  # the commit point
+    os.replace(spare_path(file), file)  # the commit point
     if tmp is not None:
-        os.replace(tmp, _spare(file))
+        os.replace(tmp, spare_path(file))
 
 
-def _spare(file: Path) -> Path:
+def spare_path(file: Path) -> Path:
+    """Where ``file``'s spare lives (``.<name>.spare`` beside it): the version before its last write,
+    whose blocks the next write reuses and ``restore`` renames back. A path only; touches no file."""
     return file.with_name(f".{file.name}.spare")
 
 
@@ -295,7 +297,7 @@ def _open_target(file: Path, tmp: Path, spare: bool, direct: int) -> int:
     ``spare``), else a new file; ``direct``: O_DIRECT or 0."""
     if spare:
         try:
-            os.replace(_spare(file), tmp)
+            os.replace(spare_path(file), tmp)
         except FileNotFoundError:
             pass
         else:  # a crash between link and replace leaves the spare a second name of the live file
@@ -311,7 +313,7 @@ def _put_back(tmp: Path, file: Path, spare: bool) -> None:
     happened, or the target was never opened."""
     if spare:
         with contextlib.suppress(FileNotFoundError):
-            os.replace(tmp, _spare(file))
+            os.replace(tmp, spare_path(file))
     else:
         tmp.unlink(missing_ok=True)
 

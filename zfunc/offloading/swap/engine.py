@@ -78,7 +78,7 @@ import torch
 # the engine's parts, re-exported: ``zfunc.offloading.swap.engine.X`` is where users find every public name
 from zfunc.offloading.swap.directory import (LOCK_FILE, _O_DIRECT, ROOM_ERRNOS, _hold_directory, _o_direct_works,  # noqa: F401
                             _open_target, _pread_all, _put_back, _pwrite_all, _release_directory,
-                            _remove_stale_temporaries, _reserve, _spare, _spare_back, check_path, check_readable,
+                            _remove_stale_temporaries, _reserve, spare_path, _spare_back, check_path, check_readable,
                             fsync_dir, no_room, rank_dir, reserve_spares)
 from zfunc.offloading.swap.file_format import (ALIGN, FORMAT, MAGIC, SwapChecksumError, SwapError, SwapHeader,  # noqa: F401
                                SwapInUseError, SwapMismatchError, SwapPathError, _mv, _pack_header, _pad,
@@ -192,7 +192,7 @@ class SwapEngine:
         def unlink(fut: Future) -> None:
             existed = file.exists()
             file.unlink(missing_ok=True)
-            _spare(file).unlink(missing_ok=True)
+            spare_path(file).unlink(missing_ok=True)
             self._before.pop(name, None)
             fut.set_result(existed)
 
@@ -320,7 +320,7 @@ class SwapEngine:
             kept = False
             if self.spare:  # the version being replaced becomes the next write's target
                 with contextlib.suppress(OSError):  # none yet, or no hard links here: no spare
-                    os.link(file, _spare(file))
+                    os.link(file, spare_path(file))
                     kept = True
             os.replace(tmp, file)  # the commit point
             if kept:
