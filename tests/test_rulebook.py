@@ -1,7 +1,8 @@
 """compose's rulebook is the one place composition rules live: every rule is refused alike by
-``zf.config.Plan``, ``zf.config.check`` / ``zf.parallelize``, the estimator (``zf.plan``) and the
-DeepSpeed reader, in the rulebook's words; a rule taken out of the rulebook is refused by none of
-them (so none keeps a copy), and a rule registered is refused by all of them."""
+``zf.config.Plan``, ``zf.config.check`` / ``zf.parallelize``, the estimator (``zf.plan``: a note,
+and its search skips it) and the DeepSpeed reader, in the rulebook's words; a rule taken out of
+the rulebook is refused by none of them (so none keeps a copy), and a rule registered is refused by
+all of them."""
 import re
 import warnings
 
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 
 import zfunc as zf
 from tests.models import Tiny
+from zfunc import plan as zp
 from zfunc.config import deepspeed as D
 from zfunc.core import compose
 from zfunc.core.step import Transformed
@@ -41,6 +43,18 @@ class Fields:
         vars(self).update(defaults, **fields)
 
 
+SPEC = zp.from_shape(4, 64, 4, vocab=128, max_seq=32)
+
+
+def estimated(plan) -> list[str]:
+    """The notes of the estimate of ``plan`` on as many GPUs as it has ranks."""
+    return zp.plan(SPEC, zp.cluster("A100-80GB", plan.dp * plan.pp * plan.tp), plan).notes
+
+
+def noted(notes: list[str], text: str) -> bool:
+    return any(note.startswith(text) for note in notes)
+
+
 def refusal_of(name: str) -> str:
     return RULES[name].refuses(Fields(**CASES[name]))
 
@@ -66,14 +80,16 @@ def refused_by_the_run(plan, text):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_each_rule_is_refused_in_its_words_by_plan_and_parallelize(name):
+def test_each_rule_is_refused_in_its_words_by_plan_parallelize_and_the_estimator(name):
     text = refusal_of(name)
-    if RULES[name].kind == compose.INCONSISTENT:
+    if RULES[name].kind == compose.INCONSISTENT:  # no Plan holds it, so nothing downstream sees it
         with pytest.raises(ValueError) as e:
             zf.config.Plan(**CASES[name])
         assert str(e.value) == text
     else:
-        refused_by_the_run(zf.config.Plan(**CASES[name]), text)
+        plan = zf.config.Plan(**CASES[name])
+        refused_by_the_run(plan, text)
+        assert noted(estimated(plan), text)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -81,6 +97,7 @@ def test_a_rule_out_of_the_rulebook_is_refused_by_none(monkeypatch, name):
     monkeypatch.setattr(compose, "RULES", [rule for rule in compose.RULES if rule.name != name])
     plan = zf.config.Plan(**CASES[name])
     zf.config.check(plan)
+    assert not noted(estimated(plan), refusal_of(name))
 
 
 def read_ds(config, world_size=1):
@@ -136,9 +153,14 @@ def test_a_registered_rule_is_refused_by_every_reader(probe):
     with pytest.raises(ValueError) as e:
         read_ds({"zero_optimization": {"stage": 2}, "activation_checkpointing": {}})
     assert str(e.value) == "activation_checkpointing (plan remat): " + text.partition(": ")[2]
+    assert noted(estimated(plan), text)
+    found = zp.search(SPEC, zp.cluster("A100-80GB", 1), zf.config.Plan(), top=1 << 30)
+    assert found and not [e for e in found if e.plan.remat and e.plan.zero_stage == 2]
     compose.unregister("probe")
     zf.config.check(plan)
-
+    assert not noted(estimated(plan), text)
+    found = zp.search(SPEC, zp.cluster("A100-80GB", 1), zf.config.Plan(), top=1 << 30)
+    assert [e for e in found if e.plan.remat and e.plan.zero_stage == 2]
 
 def test_a_registered_transformation_has_a_row_and_a_column(probe):
     step, mesh = plain_step(), zf.Mesh()

@@ -293,7 +293,7 @@ def _pipeline_remat(p: Any) -> str | None:
 
 def _tensor_parallel(p: Any) -> str | None:
     if p.tp > 1:
-        return (f"tp: zfunc does not run tensor parallelism yet (the estimator models it as Megatron-LM runs it); "
+        return (f"tp: zfunc does not run tensor parallelism (zf.plan models it as Megatron-LM runs it); "
                 f"expected tp=1, got {p.tp}")
     return None
 

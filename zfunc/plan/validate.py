@@ -50,7 +50,7 @@ from zfunc.plan import calibrate
 from zfunc.plan.core import plan
 from zfunc.plan.cost import offload_update_parts
 from zfunc.plan.model import from_module, from_params
-from zfunc.plan.strategy import Strategy
+from zfunc.plan.strategy import from_flags
 
 TOLERANCE = 0.25
 
@@ -142,7 +142,7 @@ def shard_rows(cal: dict, rounds: int = 20, batch: int = 8, world: int = 2) -> l
     model, whole = _gpt(cfg), calibrate.cluster_from(cal, world, rates=_rates(results))
     rows = []
     for trainer, stage in TRAINERS.items():
-        s = Strategy(zero=stage, micro_batch=batch, seq=cfg.block_size, precision="fp32", clip=True)
+        s = from_flags(zero=stage, micro_batch=batch, seq=cfg.block_size, precision="fp32", clip=True)
         quiet = plan(model, whole, s)
         walls, shares = _steps(results, trainer, 0), _steps(results, trainer, 2, min)
         share = statistics.median(shares)
@@ -172,7 +172,7 @@ def offload_rows(cal: dict, mparams: float = 50.0, path: str | None = None, step
                       chunk_bytes=64 << 20)
     state = step.init(params)
     model = from_params(n_leaves * leaf)
-    s = Strategy(zero=1, offload_optimizer="nvme", micro_batch=1, seq=1, precision="fp32", clip=True)
+    s = from_flags(zero=1, offload_optimizer="nvme", micro_batch=1, seq=1, precision="fp32", clip=True)
     measured, predicted = [], []
     for i in range(2 + steps):
         state, _ = step(state, torch.tensor(1.0))
@@ -185,7 +185,7 @@ def offload_rows(cal: dict, mparams: float = 50.0, path: str | None = None, step
         now = dict(cal, disk=calibrate.disk(path, nbytes=32 << 20, timer=_median_wall), **now)
         cluster = calibrate.cluster_from(now, 1)
         pl = plan(model, cluster, s)
-        predicted.append((pl.time["update"], offload_update_parts(model, pl.strategy, cluster)))
+        predicted.append((pl.time["update"], offload_update_parts(model, pl.plan, cluster)))
     step.engine.close()  # the swap files' lock, before they go
     shutil.rmtree(root, ignore_errors=True)
     p = statistics.median(t for t, _ in predicted)
@@ -243,8 +243,8 @@ def pipeline_rows(cal: dict, ms=(2, 4, 8), batch: int = 16, steps: int = 3, roun
     rows = []
     for m in ms:
         for schedule in SCHEDULES:
-            s = Strategy(zero=0, pp=p, accum=m, micro_batch=batch // m, seq=cfg.block_size, precision="fp32",
-                         clip=False, schedule=schedule)
+            s = from_flags(zero=0, pp=p, accum=m, micro_batch=batch // m, seq=cfg.block_size, precision="fp32",
+                           clip=False, schedule=schedule)
             whole, key = plan(model, quiet, s), (schedule, m)
             walls, shares, alone = _steps(results, key, 0), _steps(results, key, 2, min), _steps(results, key, 4, min)
             share, alone_share = statistics.median(shares), statistics.median(alone)
