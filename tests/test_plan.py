@@ -341,3 +341,40 @@ def test_a_loaded_pipeline_runs_its_fill_and_drain_at_the_share_of_one_rank():
     assert parts["compute (steady)"] == pytest.approx(3 / 0.5) and parts["compute (fill and drain)"] == pytest.approx(2.0)
     assert parts["step"] == pytest.approx(6 + 2 + 2)
 
+
+def test_validation_takes_the_benchmarks_measurements_and_predicts_each_row():
+    """zfunc.plan.validate turns measurements (what benchmarks/plan_validate.py's ranks return) into
+    rows: each predicted step is the estimate at the ranks' rates, divided by their share of a core."""
+    from zfunc.plan import validate
+
+    cal, model = fake_calibration(), zp.from_shape(4, 192, 4, vocab=256, max_seq=128)
+    rates = cal["per_rank_of_2"]
+    names = list(validate.TRAINERS)
+    shard = [({k: [0.1, 0.3] for k in names}, rates, {k: [0.5, 0.5] for k in names}, {k: [0.1, 0.1] for k in names})
+             for _ in range(2)]
+    rows = validate.shard_rows(cal, shard, model, batch=8, seq=128)
+    cluster = calibrate.cluster_from(cal, 2, rates=rates)
+    for row, stage in zip(rows, validate.TRAINERS.values()):
+        whole = zp.plan(model, cluster, zp.from_flags(zero=stage, micro_batch=8, seq=128, precision="fp32"))
+        assert (row.measured, row.share) == (pytest.approx(0.2), 0.5)
+        assert row.predicted == pytest.approx(whole.step_time / 0.5)
+    keys = [(s, 2) for s in validate.SCHEDULES]
+    pipe = [({k: [0.2] for k in keys}, rates, {k: [1.0] for k in keys}, {k: [0.1] for k in keys},
+             {k: [1.0] for k in keys}) for _ in range(2)]
+    rows = validate.pipeline_rows(cal, pipe, model, (2,), batch=16, seq=128)
+    assert [r.config for r in rows] == ["gpipe, 2 stages, m=2, 16x128", "1f1b, 2 stages, m=2, 16x128"]
+    assert "of 6 within" in validate.table(validate.shard_rows(cal, shard, model, 8, 128) + rows)
+
+
+def test_the_library_imports_neither_recipes_nor_benchmarks():
+    import ast
+    from pathlib import Path
+
+    root = Path(zf.__file__).parent
+    found = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            found += [f"{path.relative_to(root)}: {n}" for n in names if n.split(".")[0] in ("recipes", "benchmarks")]
+    assert not found, found
