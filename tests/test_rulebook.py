@@ -185,14 +185,28 @@ def test_a_registered_transformation_has_a_row_and_a_column(probe):
         probe(step)
 
 
+class MeshShape:
+    """What the rulebook reads of a mesh (its sizes), without a process group."""
+
+    def __init__(self, dp, pp):
+        self.dp, self.pp = dp, pp
+
+
 def test_the_step_rules_on_options_live_in_the_rulebook(monkeypatch):
-    """offload(params=) of a stage-2 step and a pipeline of an accumulating step are the rulebook's
-    verdicts: with them out of the table, the transformations refuse neither."""
+    """offload(params=, units=) of a sharded step, a pipeline of an accumulating step, over a dp
+    mesh or another mesh than its sharded step's, are the rulebook's verdicts: with the first two out
+    of the table, the transformations refuse neither."""
     step, accumulating, mesh = plain_step(), plain_step(accum=2), zf.Mesh()
     with pytest.raises(ValueError, match="params: offloading params needs stage 3"):
         zf.offload(zf.shard(step, mesh, 2), params="cpu")
     with pytest.raises(ValueError, match="step: accum=2; the pipeline splits the batch"):
         zf.pipeline(accumulating, 1, 2, model=Tiny(), units=zf.units.auto())
+    with pytest.raises(ValueError, match="units: a sharded step brings its own units"):
+        zf.offload(zf.shard(step, mesh, 3), units=zf.units.auto())
+    with pytest.raises(ValueError, match="mesh: a sharded step pipelines over its own mesh"):
+        zf.pipeline(zf.shard(step, zf.Mesh(pp=1), 1), 1, 2, model=Tiny(), units=zf.units.auto(), mesh=zf.Mesh(pp=1))
+    with pytest.raises(ValueError, match="mesh: dp=2; shard the step over the dp axis first"):
+        zf.pipeline(step, 1, 2, model=Tiny(), units=zf.units.auto(), mesh=MeshShape(dp=2, pp=1))
     monkeypatch.setitem(compose.TABLE, ("offload", "shard"), None)
     monkeypatch.setitem(compose.TABLE, ("pipeline", "train_step"), None)
     for build in (lambda: zf.offload(zf.shard(step, mesh, 2), params="cpu"),

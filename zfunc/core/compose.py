@@ -25,11 +25,12 @@ pipeline       yes [5]       stage 1 [5]         no [4]          no (once)
     its schedule keeps several microbatches live, and it changes what a state and a loss are).
 [3] stage 0 keeps every param whole on every rank; its replicas would each update a whole copy
     on the host: offload a plain step on one rank, or a stage 1-3 step. ``offload(params=...)``
-    needs stage 3 (units fetched just in time).
+    needs stage 3 (units fetched just in time); its ``units`` are the sharded step's.
 [4] a pipeline stage differentiates and updates its own params in place on its device; it has no
     leaf-by-leaf update from a store (not yet).
 [5] the step accumulates nothing (``accum=1``: the pipeline splits the batch itself), and a mesh
-    with ``dp > 1`` needs the dp axis sharded first (``zf.shard(step, mesh, stage=1)``).
+    with ``dp > 1`` needs the dp axis sharded first (``zf.shard(step, mesh, stage=1)``); a sharded
+    step pipelines over its own mesh.
 ``remat`` and ``tile`` wrap model functions under any row; given a ``Step``, they refuse it. One
 exception: ``zf.pipeline`` refuses a model whose pipeline *unit* runs a rematerialized ``forward``
 (it checks that each unit runs once per microbatch; remat runs it again in backward): remat the
@@ -81,6 +82,8 @@ def _offload_over_shard(step: Any, options: Mapping[str, Any]) -> Refusal | str 
                 "with stage 1, 2 or 3")
     if options.get("params") is not None and step.stage != 3:
         return f"params: offloading params needs stage 3 (units fetched just in time), the step is stage {step.stage}"
+    if options.get("units") is not None:
+        return "units: a sharded step brings its own units; pass them to zf.shard"
     return None
 
 
@@ -99,6 +102,8 @@ def _pipeline_over_shard(step: Any, options: Mapping[str, Any]) -> Refusal | str
     if step.stage != 1:
         return (f"pipeline composes with ZeRO stage 1 over the dp axis, got stage {step.stage}",
                 "zf.pipeline(zf.shard(step, zf.Mesh(dp=d, pp=p), stage=1), ...)")
+    if options.get("mesh") is not None and options["mesh"] is not step.mesh:
+        return "mesh: a sharded step pipelines over its own mesh; leave mesh out"
     return _pipeline_over_step(step, {})
 
 
@@ -153,7 +158,7 @@ def _no_row(outer: str, inner: str) -> Refusal:
 
 def check(outer: str, step: Any, **options: Any) -> None:
     """Raise unless ``outer`` (a step transformation) may wrap ``step`` with ``options`` (the
-    outer's arguments its verdict reads: offload's ``params``, the pipeline's ``mesh``): a
+    outer's arguments its verdict reads: offload's ``params`` and ``units``, the pipeline's ``mesh``): a
     ``TypeError`` for what is not a ``Step``, a ``ValueError`` naming both transformations and the
     order that works (or the option, its value and what was expected)."""
     from zfunc.core.step import Step

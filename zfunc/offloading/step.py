@@ -406,7 +406,7 @@ def offload(step: Step, optimizer: str = "cpu", params: str | None = None, *, pa
     Law and cost: the module docstring. Needs ``donate=True`` (the default): the state is updated
     where it lives, in RAM or in its files.
     """
-    compose.check("offload", step, params=params)
+    compose.check("offload", step, params=params, units=units)
     if optimizer not in PLACES:
         raise ValueError(f"optimizer: expected one of {PLACES}, got {optimizer!r}")
     if params not in (None, *PLACES):
@@ -419,8 +419,6 @@ def offload(step: Step, optimizer: str = "cpu", params: str | None = None, *, pa
         raise ValueError("step: offload updates the state where it lives (RAM or files), so it needs a donating "
                          "step; build it with train_step(..., donate=True)")
     if compose.applied(step, "shard"):
-        if units is not None:
-            raise ValueError("units: a sharded step brings its own units; pass them to zf.shard")
         sharded = step
     else:  # a plain step is sharded over one process: its machinery fetches units and delivers grads
         from zfunc.model import units as units_mod

@@ -376,8 +376,6 @@ def pipeline(step: Step, stages: int, microbatches: int, schedule: str = "1f1b",
 
 def _pick_mesh(step: Step, stages: int, mesh: Mesh | None) -> Mesh:
     if compose.applied(step, "shard"):
-        if mesh is not None and mesh is not step.mesh:
-            raise ValueError("mesh: a sharded step pipelines over its own mesh; leave mesh out")
         mesh = step.mesh
     mesh = Mesh(pp=stages) if mesh is None else mesh
     if not isinstance(mesh, Mesh):
