@@ -39,7 +39,8 @@ class Fields:
     def __init__(self, **fields):
         import dataclasses
 
-        defaults = {f.name: f.default for f in dataclasses.fields(zf.config.Plan) if f.default is not dataclasses.MISSING}
+        defaults = {f.name: f.default for f in dataclasses.fields(zf.config.Plan)
+                    if f.default is not dataclasses.MISSING}
         vars(self).update(defaults, **fields)
 
 

@@ -308,10 +308,12 @@ def _read(config: dict, world_size: int, auto: dict[str, Any]) -> Plan:
 _KEY_PATHS = {
     "dp": "world_size", "zero_stage": "zero_optimization.stage",
     "offload_optimizer": "zero_optimization.offload_optimizer.device",
-    "offload_params": "zero_optimization.offload_param.device", "nvme_path": "zero_optimization.offload_param.nvme_path",
+    "offload_params": "zero_optimization.offload_param.device",
+    "nvme_path": "zero_optimization.offload_param.nvme_path",
     "remat": "activation_checkpointing", "remat_offload": "activation_checkpointing.cpu_checkpointing",
     "accum": "gradient_accumulation_steps", "micro_batch": "train_micro_batch_size_per_gpu",
-    "global_batch": "train_batch_size", "precision": "fp16.enabled, bf16.enabled", "gradient_clipping": "gradient_clipping",
+    "global_batch": "train_batch_size", "precision": "fp16.enabled, bf16.enabled",
+    "gradient_clipping": "gradient_clipping",
 }
 
 

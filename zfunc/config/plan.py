@@ -3,8 +3,10 @@
 A ``Plan`` says how to train and nothing else: data/pipeline/tensor parallel sizes, ZeRO stage,
 offload, remat, tiling, pipeline schedule, precision and fp16 loss scaling, accumulation, clipping,
 optimizer, scheduler, batch sizes and sequence length. It is a frozen dataclass of JSON types,
-checked field by field when made, its combinations by ``zfunc.core.compose``'s rulebook (``json.dumps(dataclasses.asdict(plan))`` writes it, ``Plan(**d)`` reads it back);
-optimizer and scheduler params are completed with DeepSpeed's defaults. ``selector(plan.units)``
+checked field by field when made (``json.dumps(dataclasses.asdict(plan))`` writes it, ``Plan(**d)``
+reads it back), its combinations by ``zfunc.core.compose``'s rulebook (what contradicts is refused
+here; ``zf.config.check`` also refuses what zfunc does not run); optimizer and scheduler params are
+completed with DeepSpeed's defaults. ``selector(plan.units)``
 resolves its units string to a ``zf.units`` selector; ``optimizer(plan)`` builds the ``zf.optim``
 transformation it names, on ``schedule(plan)``.
 

@@ -364,7 +364,8 @@ def register(name: str, *, wraps: Mapping[str, Verdict], wrapped_by: Mapping[str
         raise ValueError(f"name: {name!r} is a built-in transformation; its row is fixed")
     others = tuple(t for t in STEP_TRANSFORMS if t != name)
     wrapped_by = dict(wrapped_by or {})
-    for what, verdicts, allowed in (("wraps", wraps, ("train_step", *others, name)), ("wrapped_by", wrapped_by, others)):
+    for what, verdicts, allowed in (("wraps", wraps, ("train_step", *others, name)),
+                                    ("wrapped_by", wrapped_by, others)):
         unknown = sorted(set(verdicts) - set(allowed))
         if unknown:
             raise ValueError(f"{what}: expected names among {list(allowed)}, got {unknown}")

@@ -62,8 +62,8 @@ def from_flags(dp: int | None = None, pp: int = 1, tp: int = 1, sp: bool = False
 
 
 # Plan field -> ``from_flags``'s (and the CLI's) name for it, where they differ
-FLAG_OF_FIELD = {"zero_stage": "zero", "tile_lm_head": "tiles", "pipeline_schedule": "schedule", "microbatches": "accum",
-                 "remat_offload": "remat", "gradient_clipping": "clip"}
+FLAG_OF_FIELD = {"zero_stage": "zero", "tile_lm_head": "tiles", "pipeline_schedule": "schedule",
+                 "microbatches": "accum", "remat_offload": "remat", "gradient_clipping": "clip"}
 
 
 def resolve(plan: Plan, gpus: int, max_seq: int) -> tuple[Plan, list[str]]:
@@ -79,7 +79,8 @@ def resolve(plan: Plan, gpus: int, max_seq: int) -> tuple[Plan, list[str]]:
         raise ValueError(f"dp, tp, pp: dp * tp * pp = {dp} * {plan.tp} * {plan.pp} = {dp * plan.tp * plan.pp}, but "
                          f"there are {gpus} GPUs")
     s = replace(plan, dp=dp, seq=plan.seq or max_seq, micro_batch=plan.micro_batch or 1)
-    notes = [f"{refusal} (modelled here; zfunc does not run it yet)" for _, refusal in compose.broken(s, compose.UNSUPPORTED)]
+    notes = [f"{refusal} (modelled here; zfunc does not run it yet)"
+             for _, refusal in compose.broken(s, compose.UNSUPPORTED)]
     if dp == 1 and s.zero_stage != 0 and s.offload_optimizer == "none" and s.offload_params == "none":
         notes.append("dp=1: ZeRO has no ranks to shard over; the plain step is what runs")
     return s, notes
