@@ -216,20 +216,6 @@ def judge(found: list[Need], machine: Machine) -> tuple[bool, list[str]]:
 
 
 # ----------------------------------------------------------------------------- the run, in zfunc.plan's terms
-def strategy_of(plan, seq: int):
-    """The recipe's ``zf.config.Plan`` as a ``zp.Strategy`` of windows of ``seq`` tokens."""
-    from zfunc import plan as zp
-    from zfunc.plan.strategy import OPTIMIZER_STATE_BYTES
-
-    optimizer = str(plan.optimizer or "adamw").lower()
-    return zp.Strategy(
-        dp=plan.dp, pp=plan.pp, zero=plan.zero_stage, offload_optimizer=plan.offload_optimizer,
-        offload_params=plan.offload_params, remat="offload" if plan.remat_offload else "full" if plan.remat else "none",
-        micro_batch=plan.micro_batch, accum=plan.microbatches if plan.pp > 1 else plan.accum, seq=seq,
-        precision=plan.precision, optimizer=optimizer if optimizer in OPTIMIZER_STATE_BYTES else "adamw",
-        clip=plan.gradient_clipping > 0, tiles=max(1, plan.tile_lm_head), schedule=plan.pipeline_schedule)
-
-
 def gpu_key(name: str | None, total: int | None) -> str | None:
     """The ``zp.GPUS`` entry of a CUDA device named ``name`` with ``total`` bytes, None if none."""
     if not name:
@@ -263,21 +249,21 @@ def cluster_of(machine: Machine, device_type: str, world: int):
 
 
 def layout_flags(s, nvme_path: str | None) -> dict[str, object]:
-    """The recipe's layout flags of ``zp.Strategy`` ``s`` (defaults left out but --zero; --nvme-path
-    where something goes to NVMe)."""
-    out: dict[str, object] = {"zero": s.zero}
+    """The recipe's layout flags of the ``zf.config.Plan`` ``s`` (defaults left out but --zero;
+    --nvme-path where something goes to NVMe)."""
+    out: dict[str, object] = {"zero": s.zero_stage}
     if s.offload_optimizer != "none":
         out["offload_optimizer"] = s.offload_optimizer
     if s.offload_params != "none":
         out["offload_params"] = s.offload_params
     if "nvme" in (s.offload_optimizer, s.offload_params):
         out["nvme_path"] = nvme_path
-    if s.remat != "none":
+    if s.remat:
         out["remat"] = True
-    if s.remat == "offload":
+    if s.remat_offload:
         out["remat_offload"] = True
     if s.pp > 1:
-        out["pp"], out["microbatches"] = s.pp, s.accum
+        out["pp"], out["microbatches"] = s.pp, s.microbatches
     elif s.accum > 1:
         out["accum"] = s.accum
     return out
@@ -342,7 +328,7 @@ def of_run(recipe: str, args: argparse.Namespace, plan, built, device: torch.dev
     try:
         spec = zp.from_module(built.module, kind=recipe if recipe in KINDS else "gpt", config=built.config)
         cluster = cluster_of(machine, device.type, world)
-        base = strategy_of(plan, args.block_size)
+        base = dataclasses.replace(plan, seq=args.block_size)  # windows of --block-size tokens
         own = zp.plan(spec, cluster, base)
     except ValueError as e:
         return Verdict(None, [f"verdict: zfunc.plan cannot model this run ({e})"])
@@ -354,7 +340,7 @@ def of_run(recipe: str, args: argparse.Namespace, plan, built, device: torch.dev
     ranked = zp.search(spec, cluster, base, global_batch=args.batch_size, top=1 << 30)
     leanest = None
     for p in ranked:
-        theirs, flags = needs(p.memory, device.type, machine), layout_flags(p.strategy, args.nvme_path)
+        theirs, flags = needs(p.memory, device.type, machine), layout_flags(p.plan, args.nvme_path)
         runs = None
         if leanest is None or _loads(theirs) < _loads(leanest[2]):
             runs = _runs(args, flags, world, built.units)

@@ -102,29 +102,6 @@ def test_the_table_has_a_verdict_for_every_pair():
             assert (outer, inner) in compose.TABLE, (outer, inner)
 
 
-def test_register_adds_a_row_and_a_column_and_refuses_what_it_leaves_out(monkeypatch):
-    monkeypatch.setattr(compose, "TABLE", dict(compose.TABLE))  # the registration ends with this test
-    monkeypatch.setattr(compose, "STEP_TRANSFORMS", compose.STEP_TRANSFORMS)
-    shard_first = ("it reads what shard delivers", "zf.sink(zf.shard(step, mesh, stage))")
-    compose.register("sink", may_wrap={"shard": None}, wrapped_by={"offload": shard_first})
-    assert "sink" in compose.STEP_TRANSFORMS
-    test_the_table_has_a_verdict_for_every_pair()
-    assert compose.TABLE[("sink", "shard")] is None and compose.TABLE[("offload", "sink")] == shard_first
-    assert compose.TABLE[("sink", "train_step")] == ("no rule lets zf.sink wrap zf.train_step",
-                                                     "zf.sink(zf.shard(step, ...), ...)")
-    assert compose.TABLE[("pipeline", "sink")] == ("no rule lets zf.pipeline wrap zf.sink",
-                                                   "zf.sink(zf.shard(step, ...), ...)")
-    step, _ = plain_step()
-    compose.check("sink", zf.shard(step, zf.Mesh(), 1))  # allowed: no error
-    with pytest.raises(ValueError, match=r"zf.sink\(step\) is refused: zf.sink cannot wrap zf.train_step: no rule "
-                                         r"lets zf.sink wrap zf.train_step; the order that works: zf.sink\(zf.shard"):
-        compose.check("sink", step)
-    with pytest.raises(ValueError, match=r"name: expected a new transformation's name, got 'shard'"):
-        compose.register("shard", may_wrap={})
-    with pytest.raises(ValueError, match=r"may_wrap: \['tile'\] are not step transformations"):
-        compose.register("other", may_wrap={"tile": None})
-
-
 def issue_worker(rank, world):
     """The issue's case: pipeline(offload(shard(step, Mesh(dp=1, pp=2), stage=1))) is refused at
     construction on every rank, before any step runs."""

@@ -54,7 +54,7 @@ class CountPlacement(placement.Placement):
 
 
 placement.register(CountSpec, CountPlacement())
-compose.register("count_grads", may_wrap={"train_step": None}, wrapped_by={
+compose.register("count_grads", wraps={"train_step": None}, wrapped_by={
     "shard": ("count_grads runs its step over one process itself and counts what reaches its grad sink",
               "zf.count_grads(step) alone, or zf.shard(step, mesh, stage) without it"),
 })
@@ -165,10 +165,10 @@ def test_count_grads_in_a_wrong_order_is_refused_naming_both_and_the_order_that_
                                          r"zf.count_grads: count_grads runs its step over one process itself"):
         zf.shard(count_grads(step), mesh, 1)
     with pytest.raises(ValueError, match=r"zf.count_grads\(zf.shard\(step\)\) is refused: zf.count_grads cannot "
-                                         r"wrap zf.shard: no rule lets zf.count_grads wrap zf.shard; the order "
+                                         r"wrap zf.shard: the rulebook has no row letting zf.count_grads wrap zf.shard; the order "
                                          r"that works: zf.count_grads\(step, ...\)"):
         count_grads(zf.shard(step, mesh, 1))
-    with pytest.raises(ValueError, match=r"zf.offload cannot wrap zf.count_grads: no rule lets zf.offload"):
+    with pytest.raises(ValueError, match=r"zf.offload cannot wrap zf.count_grads: the rulebook has no row letting zf.offload"):
         zf.offload(count_grads(step))
     with pytest.raises(ValueError, match=r"zf.count_grads cannot wrap zf.count_grads"):
         count_grads(count_grads(step))

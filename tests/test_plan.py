@@ -147,7 +147,7 @@ def test_zfuncs_own_layout_differs_from_the_paper_by_the_fp32_grad_slice():
     model = zp.from_params(7.5e9)
     c = zp.cluster("A100-80GB", 64)
     for stage, extra in ((1, 4), (2, 2), (3, 0)):
-        p = zp.plan(model, c, zp.Strategy(zero=stage, accum=1))
+        p = zp.plan(model, c, zp.from_flags(zero=stage, accum=1))
         states = p.params_bytes + p.grads_bytes + p.optimizer_bytes
         gpu = p.memory["gpu"]
         buffers = {1: 0, 2: gpu["whole_grads"], 3: gpu["compute_params"] + gpu["whole_grads"]}[stage]
@@ -193,45 +193,45 @@ def test_an_hf_config_builds_on_the_meta_device():
 
 def test_more_ranks_less_memory_and_stage_order():
     m, c = zp.from_params(13e9), zp.cluster("A100-80GB", 64)
-    states = [zp.plan(m, c, zp.Strategy(zero=z)).gpu_bytes for z in STAGES]
+    states = [zp.plan(m, c, zp.from_flags(zero=z)).gpu_bytes for z in STAGES]
     assert states[0] > states[1] > states[2] > states[3]
-    small = zp.plan(m, zp.cluster("A100-80GB", 8), zp.Strategy(zero=3)).gpu_bytes
+    small = zp.plan(m, zp.cluster("A100-80GB", 8), zp.from_flags(zero=3)).gpu_bytes
     assert small > states[3]
 
 
 def test_offload_moves_state_off_the_gpu_and_costs_time():
     m, c = zp.from_params(13e9), zp.cluster("V100-32GB", 1)
-    on = zp.plan(m, c, zp.Strategy(zero=2, precision="fp16"))
-    off = zp.plan(m, c, zp.Strategy(zero=2, precision="fp16", offload_optimizer="cpu"))
+    on = zp.plan(m, c, zp.from_flags(zero=2, precision="fp16"))
+    off = zp.plan(m, c, zp.from_flags(zero=2, precision="fp16", offload_optimizer="cpu"))
     assert off.memory["cpu"]["optimizer"] == on.memory["gpu"]["optimizer"]
     assert off.gpu_bytes < on.gpu_bytes
     assert off.time["update"] > on.time["update"]
-    nvme = zp.plan(m, c, zp.Strategy(zero=2, precision="fp16", offload_optimizer="nvme"))
+    nvme = zp.plan(m, c, zp.from_flags(zero=2, precision="fp16", offload_optimizer="nvme"))
     assert nvme.nvme_bytes_per_node == 2 * off.memory["cpu"]["optimizer"]  # the swap engine's spares
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(zero=2, pp=2), "zero: under a pipeline"),
-    (dict(zero=1, offload_params="cpu"), "offload_params: offloading params needs zero=3"),
+    (dict(zero=2, pp=2), r"zero: a pipeline \(pp=2\) composes with ZeRO stage 0 or 1, got 2"),
+    (dict(zero=1, offload_params="cpu"), "offload_params: offloading params needs ZeRO stage 3"),
     (dict(tp=3), "tp, pp: tp \\* pp = 3 does not divide"),
-    (dict(zero=5), "zero: expected 0, 1, 2 or 3, got 5"),
+    (dict(zero=5), r"zero: expected one of \[0, 1, 2, 3\], got 5"),
     (dict(sp=True), "sp: sequence parallelism"),
     (dict(micro_batch=0), "micro_batch: expected an int >= 1, got 0"),
     (dict(precision="bf16"), "precision: V100-32GB has no bf16"),
 ])
 def test_bad_strategies_name_the_flag(kw, match):
     with pytest.raises(ValueError, match=match):
-        zp.plan(zp.from_params(1e9), zp.cluster("V100-32GB", 8), zp.Strategy(**{"precision": "fp16", **kw}))
+        zp.plan(zp.from_params(1e9), zp.cluster("V100-32GB", 8), zp.from_flags(**{"precision": "fp16", **kw}))
 
 
 def test_tensor_parallelism_is_modelled_and_said_to_be_unimplemented():
-    p = zp.plan(zp.from_params(70e9), zp.cluster("H100-80GB", 64), zp.Strategy(tp=8, sp=True, zero=1))
+    p = zp.plan(zp.from_params(70e9), zp.cluster("H100-80GB", 64), zp.from_flags(tp=8, sp=True, zero=1))
     assert any("does not run it yet" in n for n in p.notes)
     assert p.time["tp_comm"] > 0 and p.comm["all_gather"] > 0
 
 
 def test_search_returns_fitting_plans_fastest_first():
-    found = zp.search(zp.from_params(7e9), zp.cluster("A100-80GB", 8), zp.Strategy(seq=2048), top=3)
+    found = zp.search(zp.from_params(7e9), zp.cluster("A100-80GB", 8), zp.from_flags(seq=2048), top=3)
     assert found and all(p.fits for p in found)
     rates = [p.tokens_per_step / p.step_time for p in found]
     assert rates == sorted(rates, reverse=True)
@@ -250,7 +250,7 @@ def test_json_has_the_fields_the_issue_names(capsys):
 
 @pytest.mark.parametrize("argv, match", [
     (["--params", "7e9", "--gpu", "B300"], "--gpu: expected one of H100-80GB.*got 'B300'"),
-    (["--params", "7e9", "--zero", "2", "--pp", "2"], "--zero: under a pipeline"),
+    (["--params", "7e9", "--zero", "2", "--pp", "2"], r"--zero: a pipeline \(pp=2\) composes with ZeRO stage 0 or 1"),
     (["--params", "7e9", "--flavor", "7B"], "give exactly one model"),
 ])
 def test_the_cli_names_a_bad_flag(capsys, argv, match):
@@ -307,14 +307,14 @@ def test_offloaded_update_on_a_cpu_device(clip):
     clip's factor in its own pass: no pass of its own), then the disk, one after the other."""
     n = 16_000_000
     model = zp.from_params(n)
-    s = zp.Strategy(zero=1, offload_optimizer="nvme", micro_batch=1, seq=1, precision="fp32", clip=clip)
+    s = zp.from_flags(zero=1, offload_optimizer="nvme", micro_batch=1, seq=1, precision="fp32", clip=clip)
     cluster = calibrate.cluster_from(fake_calibration(), 1)  # one process: the "all" rates
     update = zp.plan(model, cluster, s).time["update"]
     host = model.total_params * (1 / 2e9 + 4 / 4e9)
     disk = model.total_params * 8 * (1 / 1.5e9 + 1 / 4e9)
     assert update == pytest.approx(host + disk)
     gpu = zp.cluster("A100-80GB", 8)  # a GPU node: the disk runs beside CPU-Adam, no page faults
-    resolved = zp.plan(model, gpu, s).strategy
+    resolved = zp.plan(model, gpu, s).plan
     parts = cost.offload_update_parts(model, resolved, gpu)
     assert cost.update_time(model, resolved, gpu) == pytest.approx(max(parts["host"], parts["disk"]))
 
@@ -323,7 +323,7 @@ def test_stage3_on_a_cpu_pays_a_latency_per_unit():
     """Stage 3 runs a gather (forward), a re-gather and a reduce-scatter per unit; nothing hides them."""
     model = zp.from_shape(4, 192, 4, vocab=256)
     cluster = calibrate.cluster_from(fake_calibration(), 2)
-    s = zp.Strategy(zero=3, micro_batch=8, seq=128, precision="fp32")
+    s = zp.from_flags(zero=3, micro_batch=8, seq=128, precision="fp32")
     t = zp.plan(model, cluster, s).time["dp_comm"]
     P = model.total_params
     one = lambda units: 300e-6 + units / 2 / 2e9  # noqa: E731  (2 ranks: half the Comm bytes on the wire)
@@ -340,3 +340,41 @@ def test_a_loaded_pipeline_runs_its_fill_and_drain_at_the_share_of_one_rank():
     parts = loaded_pipeline(whole, 4, 2, 0.5, 1.0)
     assert parts["compute (steady)"] == pytest.approx(3 / 0.5) and parts["compute (fill and drain)"] == pytest.approx(2.0)
     assert parts["step"] == pytest.approx(6 + 2 + 2)
+
+
+def test_validation_takes_the_benchmarks_measurements_and_predicts_each_row():
+    """zfunc.plan.validate turns measurements (what benchmarks/plan_validate.py's ranks return) into
+    rows: each predicted step is the estimate at the ranks' rates, divided by their share of a core."""
+    from zfunc.plan import validate
+
+    cal, model = fake_calibration(), zp.from_shape(4, 192, 4, vocab=256, max_seq=128)
+    rates = cal["per_rank_of_2"]
+    names = list(validate.TRAINERS)
+    shard = [({k: [0.1, 0.3] for k in names}, rates, {k: [0.5, 0.5] for k in names}, {k: [0.1, 0.1] for k in names})
+             for _ in range(2)]
+    rows = validate.shard_rows(cal, shard, model, batch=8, seq=128)
+    cluster = calibrate.cluster_from(cal, 2, rates=rates)
+    for row, stage in zip(rows, validate.TRAINERS.values()):
+        whole = zp.plan(model, cluster, zp.from_flags(zero=stage, micro_batch=8, seq=128, precision="fp32"))
+        assert (row.measured, row.share) == (pytest.approx(0.2), 0.5)
+        assert row.predicted == pytest.approx(whole.step_time / 0.5)
+    keys = [(s, 2) for s in validate.SCHEDULES]
+    pipe = [({k: [0.2] for k in keys}, rates, {k: [1.0] for k in keys}, {k: [0.1] for k in keys},
+             {k: [1.0] for k in keys}) for _ in range(2)]
+    rows = validate.pipeline_rows(cal, pipe, model, (2,), batch=16, seq=128)
+    assert [r.config for r in rows] == ["gpipe, 2 stages, m=2, 16x128", "1f1b, 2 stages, m=2, 16x128"]
+    assert "of 6 within" in validate.table(validate.shard_rows(cal, shard, model, 8, 128) + rows)
+
+
+def test_the_library_imports_neither_recipes_nor_benchmarks():
+    import ast
+    from pathlib import Path
+
+    root = Path(zf.__file__).parent
+    found = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            found += [f"{path.relative_to(root)}: {n}" for n in names if n.split(".")[0] in ("recipes", "benchmarks")]
+    assert not found, found

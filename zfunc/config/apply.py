@@ -27,24 +27,19 @@ clipping included); precision and accumulation are checked.
 
 **Cost.** Nothing of its own: each transformation's cost, as its docstring states.
 
-``check(plan)`` refuses, before anything is built, the plans no order can run, one error per
-refusal naming the plan fields (``Plan`` itself refuses what is inconsistent as data):
-- ``offload_*`` with ``pp > 1``: a pipeline updates its stage's params where it computes.
-- ``offload_optimizer`` with ``zero_stage=0`` over ``dp > 1``: each rank offloads the shard it
-  updates (ZeRO 1-3), as DeepSpeed requires.
-- ``offload_params`` without ``offload_optimizer``: zf.offload keeps the optimizer state where
-  it updates, beside the masters.
-- ``pp > 1`` with ``dp > 1`` at ``zero_stage=0``: a pipeline shards each stage over its dp ranks
-  with ZeRO stage 1.
-- ``remat`` with ``pp > 1``: a pipeline checks that each unit runs once per microbatch, in order,
-  and remat's recomputation runs the unit's forward again in backward (measured: refused by
-  ``zf.pipeline`` as "units must run once each"), so the two do not compose yet.
+``check(plan)`` refuses, before anything is built, the plans no order can run: those that break
+a rule of ``zfunc.core.compose``'s rulebook (``Plan`` itself refuses those inconsistent as data;
+``check`` also those zfunc does not run: offload under a pipeline, optimizer offload at stage 0
+over several ranks, params offload without optimizer offload, a pipeline over replicas at stage 0,
+remat under a pipeline, tensor parallelism), one ``ValueError`` naming the plan field, its value
+and what was expected.
 """
 from __future__ import annotations
 
 from torch import nn
 
 from zfunc.config import plan as config_mod
+from zfunc.core import compose
 from zfunc.model import units as units_mod
 from zfunc.dist import Mesh
 from zfunc.offloading.step import offload
@@ -60,26 +55,13 @@ LM_HEAD = "lm_head"  # the module ``tile_lm_head`` tiles (GPT's and Hugging Face
 
 
 def check(plan: config_mod.Plan) -> None:
-    """Refuse a plan that no order of the transformations can run (see the module docstring);
-    ``ValueError`` naming the plan fields, their values and what would work."""
+    """Refuse a plan that breaks a rule of ``zfunc.core.compose``'s rulebook (either kind): a
+    ``ValueError`` naming the plan field, its value and what would work."""
     if not isinstance(plan, config_mod.Plan):
         raise TypeError(f"plan: expected a zf.config.Plan, got {type(plan).__name__}")
-    offloaded = [f for f in ("offload_optimizer", "offload_params") if getattr(plan, f) != "none"]
-    if plan.pp > 1 and offloaded:
-        raise ValueError(f"{offloaded[0]}: a pipeline (pp={plan.pp}) updates each stage's params where it computes; "
-                         f"offload needs pp=1, got {offloaded[0]}={getattr(plan, offloaded[0])!r}")
-    if plan.offload_optimizer != "none" and plan.zero_stage == 0 and plan.dp > 1:
-        raise ValueError(f"offload_optimizer: over dp={plan.dp} ranks each rank offloads the shard it updates, which "
-                         f"needs zero_stage 1, 2 or 3 (as DeepSpeed); got {plan.offload_optimizer!r} with zero_stage=0")
-    if plan.offload_params != "none" and plan.offload_optimizer == "none":
-        raise ValueError(f"offload_params: zf.offload keeps the optimizer state beside the offloaded masters; expected "
-                         f"offload_optimizer 'cpu' or 'nvme' with offload_params={plan.offload_params!r}, got 'none'")
-    if plan.pp > 1 and plan.dp > 1 and plan.zero_stage == 0:
-        raise ValueError(f"zero_stage: a pipeline over dp={plan.dp} ranks per stage shards each stage with ZeRO stage "
-                         f"1 (zf.pipeline composes with zf.shard stage 1); expected 1 with pp={plan.pp}, got 0")
-    if plan.pp > 1 and plan.remat:
-        raise ValueError(f"remat: a pipeline runs each unit once per microbatch and remat runs it again in backward; "
-                         f"expected remat=False with pp={plan.pp}, got True")
+    refusal = compose.check_plan(plan)
+    if refusal is not None:
+        raise ValueError(refusal)
 
 
 def _selector(plan: config_mod.Plan) -> units_mod.Selector:

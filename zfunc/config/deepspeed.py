@@ -42,6 +42,10 @@ Choices where DeepSpeed leaves room, each stated once:
   formulas and DeepSpeed's step counting are zf.config's (``warmup_lr``, ``warmup_decay_lr``,
   ``warmup_cosine_lr``, ``schedule``; see its docstring).
 - fp16: ``loss_scale`` 0 is the dynamic scale zfunc has; a nonzero (static) scale is refused.
+- Combinations: DeepSpeed's own (the optimizer offloads with ZeRO stage 1-3, params with stage 3)
+  are refused as DeepSpeed refuses them; then ``zfunc.core.compose``'s rulebook refuses what
+  contradicts or what zfunc does not run (params offload without optimizer offload), naming the key
+  path and the Plan field (``zero_optimization.offload_param.device (plan offload_params): ...``).
 - ``activation_checkpointing``: DeepSpeed configures the checkpointing that model code calls; here
   the model is unchanged, so the section itself asks for remat (applied per unit by the builder).
   ``partition_activations`` splits checkpoints over model-parallel ranks, which zfunc has none of.
@@ -78,6 +82,7 @@ from pathlib import Path
 from typing import Any
 
 from zfunc.config import json_file
+from zfunc.core import compose
 from zfunc.config.plan import (OPTIMIZER_DEFAULTS, PLACES, SCHEDULER_DEFAULTS, SCHEDULERS, Plan, _check_bool,
                           _check_choice, _check_int, _check_number, _optimizer_params, _scheduler_params)
 
@@ -288,9 +293,34 @@ def _read(config: dict, world_size: int, auto: dict[str, Any]) -> Plan:
     fields.update(_read_scheduler(r, config, fields))
     clip = r.value(config, "gradient_clipping", "gradient_clipping", 1.0)
     _check_number("gradient_clipping", clip)
-    plan = Plan(**fields, gradient_clipping=float(clip), ignored=tuple(r.ignored))
+    try:  # Plan asks the rulebook for settings that contradict, then for what zfunc does not run
+        plan = Plan(**fields, gradient_clipping=float(clip), ignored=tuple(r.ignored))
+        refusal = compose.check_plan(plan, compose.UNSUPPORTED)
+    except ValueError as e:
+        refusal = str(e)
+    if refusal is not None:
+        raise ValueError(_by_key_path(refusal)) from None
     _warn_ignored(r.ignored, sorted(set(auto) - r.used))
     return plan
+
+
+# Plan field -> the key path (or argument) it is read from, for the refusals that name a field.
+_KEY_PATHS = {
+    "dp": "world_size", "zero_stage": "zero_optimization.stage",
+    "offload_optimizer": "zero_optimization.offload_optimizer.device",
+    "offload_params": "zero_optimization.offload_param.device",
+    "nvme_path": "zero_optimization.offload_param.nvme_path",
+    "remat": "activation_checkpointing", "remat_offload": "activation_checkpointing.cpu_checkpointing",
+    "accum": "gradient_accumulation_steps", "micro_batch": "train_micro_batch_size_per_gpu",
+    "global_batch": "train_batch_size", "precision": "fp16.enabled, bf16.enabled",
+    "gradient_clipping": "gradient_clipping",
+}
+
+
+def _by_key_path(refusal: str) -> str:
+    """A Plan refusal "field: why" as "key.path (plan field): why"."""
+    field, sep, why = refusal.partition(": ")
+    return f"{_KEY_PATHS[field]} (plan {field}): {why}" if sep and field in _KEY_PATHS else refusal
 
 
 def _read_batch(r: _Reader, config: dict, world_size: int) -> dict:

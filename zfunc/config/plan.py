@@ -1,10 +1,12 @@
 """zf.config: how to train, as checked plain data.
 
-A ``Plan`` says how to train and nothing else: data/pipeline parallel sizes, ZeRO stage, offload,
-remat, tiling, pipeline schedule, precision and fp16 loss scaling, accumulation, clipping,
-optimizer, scheduler and batch sizes. It is a frozen dataclass of JSON types, checked field by
-field when made (``json.dumps(dataclasses.asdict(plan))`` writes it, ``Plan(**d)`` reads it back);
-optimizer and scheduler params are completed with DeepSpeed's defaults. ``selector(plan.units)``
+A ``Plan`` says how to train and nothing else: data/pipeline/tensor parallel sizes, ZeRO stage,
+offload, remat, tiling, pipeline schedule, precision and fp16 loss scaling, accumulation, clipping,
+optimizer, scheduler, batch sizes and sequence length. It is a frozen dataclass of JSON types,
+checked field by field when made (``json.dumps(dataclasses.asdict(plan))`` writes it, ``Plan(**d)``
+reads it back), its combinations by ``zfunc.core.compose``'s rulebook (what contradicts is refused
+here; ``zf.config.check`` also refuses what zfunc does not run); optimizer and scheduler params are
+completed with DeepSpeed's defaults. ``selector(plan.units)``
 resolves its units string to a ``zf.units`` selector; ``optimizer(plan)`` builds the ``zf.optim``
 transformation it names, on ``schedule(plan)``.
 
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zfunc import optim
+from zfunc.core import compose
 from zfunc.model import units as units_mod
 
 PLACES = ("none", "cpu", "nvme")
@@ -152,6 +155,8 @@ class Plan:
 
     Fields (checked in ``__post_init__``; errors name the field, the value and what was expected):
       dp, pp: data-parallel and pipeline-parallel sizes (ranks = dp * pp).
+      tp, sp: tensor-parallel size and sequence parallelism (which needs tp > 1); the estimator
+        (``zf.plan``) models them, ``zf.parallelize`` does not run them (the rulebook refuses tp > 1).
       zero_stage: 0 (none) to 3; a pipeline (pp > 1) composes with stage 0 or 1.
       units: how params group into units (ZeRO-3 gathers, offload fetches, remat, pipeline
         stages): None (the transformation's default), "auto", "auto:<max params>",
@@ -173,11 +178,14 @@ class Plan:
         completed with DeepSpeed's defaults.
       micro_batch, global_batch: samples per rank per forward, and per update over all ranks
         (``global = micro * accum * microbatches * dp`` when both are given); None = not stated.
+      seq: tokens per sample (the estimator's activations and FLOPs); None = the model's context.
       ignored: DeepSpeed keys read and ignored (provenance only, not compared).
     """
 
     dp: int = 1
     pp: int = 1
+    tp: int = 1
+    sp: bool = False
     zero_stage: int = 0
     units: str | None = None
     offload_optimizer: str = "none"
@@ -202,20 +210,26 @@ class Plan:
     scheduler_params: dict = field(default_factory=dict)
     micro_batch: int | None = None
     global_batch: int | None = None
+    seq: int | None = None
     ignored: tuple = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         _check_layout(self)
         _check_precision(self)
         _check_training(self)
+        refusal = compose.check_plan(self, compose.INCONSISTENT)  # the rulebook's: settings that contradict
+        if refusal is not None:
+            raise ValueError(refusal)
+        _check_batch(self)
         if not isinstance(self.ignored, (list, tuple)) or not all(isinstance(k, str) for k in self.ignored):
             raise ValueError(f"ignored: expected a list of key paths, got {self.ignored!r}")
         object.__setattr__(self, "ignored", tuple(self.ignored))
 
 
 def _check_layout(p: Plan) -> None:
-    for name in ("dp", "pp", "microbatches"):
+    for name in ("dp", "pp", "tp", "microbatches"):
         _check_int(name, getattr(p, name), 1)
+    _check_bool("sp", p.sp)
     _check_int("tile_lm_head", p.tile_lm_head, 0)
     _check_choice("zero_stage", p.zero_stage, (0, 1, 2, 3))
     _check_choice("offload_optimizer", p.offload_optimizer, PLACES)
@@ -225,14 +239,6 @@ def _check_layout(p: Plan) -> None:
     _check_bool("remat_offload", p.remat_offload)
     if p.units is not None:
         selector(p.units)  # checks the syntax
-    if p.pp > 1 and p.zero_stage > 1:
-        raise ValueError(f"zero_stage: a pipeline (pp={p.pp}) composes with ZeRO stage 0 or 1, got {p.zero_stage}")
-    if p.pp == 1 and p.microbatches != 1:
-        raise ValueError(f"microbatches: pipeline microbatches need pp > 1 (without a pipeline use accum), "
-                         f"got {p.microbatches} with pp=1")
-    if p.offload_params != "none" and not (p.zero_stage == 3 or (p.zero_stage == 0 and p.dp == 1)):
-        raise ValueError(f"offload_params: offloading params needs ZeRO stage 3 (or stage 0 on one rank), got "
-                         f"{p.offload_params!r} with zero_stage={p.zero_stage}, dp={p.dp}")
     uses_nvme = "nvme" in (p.offload_optimizer, p.offload_params)
     if uses_nvme and not (isinstance(p.nvme_path, str) and p.nvme_path):
         raise ValueError(f"nvme_path: 'nvme' offload needs a directory for its swap files, got {p.nvme_path!r}")
@@ -258,9 +264,6 @@ def _check_precision(p: Plan) -> None:
 
 def _check_training(p: Plan) -> None:
     _check_int("accum", p.accum, 1)
-    if p.pp > 1 and p.accum != 1:
-        raise ValueError(f"accum: a pipeline splits each batch into microbatches itself; expected 1 with "
-                         f"pp={p.pp}, got {p.accum}")
     _check_number("gradient_clipping", p.gradient_clipping)
     if p.optimizer is not None:
         object.__setattr__(p, "optimizer_params", _optimizer_params(p.optimizer, p.optimizer_params))
@@ -277,9 +280,12 @@ def _check_training(p: Plan) -> None:
         object.__setattr__(p, "scheduler_params", params)
     elif p.scheduler_params:
         raise ValueError(f"scheduler_params: the plan names no scheduler, got {p.scheduler_params!r}")
-    for name in ("micro_batch", "global_batch"):
+    for name in ("micro_batch", "global_batch", "seq"):
         if getattr(p, name) is not None:
             _check_int(name, getattr(p, name), 1)
+
+
+def _check_batch(p: Plan) -> None:
     if p.micro_batch is not None and p.global_batch is not None:
         expected = p.micro_batch * p.accum * p.microbatches * p.dp
         if p.global_batch != expected:

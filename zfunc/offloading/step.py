@@ -377,7 +377,7 @@ def offload(step: Step, optimizer: str = "cpu", params: str | None = None, *, pa
     Law and cost: the module docstring. Needs ``donate=True`` (the default): the state is updated
     where it lives, in RAM or in its files.
     """
-    compose.check("offload", step)
+    compose.check("offload", step, params=params, units=units)
     if optimizer not in PLACES:
         raise ValueError(f"optimizer: expected one of {PLACES}, got {optimizer!r}")
     if params not in (None, *PLACES):
@@ -390,11 +390,6 @@ def offload(step: Step, optimizer: str = "cpu", params: str | None = None, *, pa
         raise ValueError("step: offload updates the state where it lives (RAM or files), so it needs a donating "
                          "step; build it with train_step(..., donate=True)")
     if compose.applied(step, "shard"):
-        if params is not None and step.stage != 3:
-            raise ValueError(f"params: offloading params needs stage 3 (units fetched just in time), the step is "
-                             f"stage {step.stage}")
-        if units is not None:
-            raise ValueError("units: a sharded step brings its own units; pass them to zf.shard")
         sharded = step
     else:  # a plain step is sharded over one process: its machinery fetches units and delivers grads
         from zfunc.model import units as units_mod

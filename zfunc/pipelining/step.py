@@ -284,10 +284,7 @@ def pipeline(step: Step, stages: int, microbatches: int, schedule: str = "1f1b",
       mesh: default ``Mesh(pp=stages)``; a sharded step brings its own.
     Every rank of a pipeline calls the step with the same batch. Law and cost: module docstring.
     """
-    compose.check("pipeline", step)
-    if step.accum != 1:
-        raise ValueError(f"step: accum={step.accum}; the pipeline splits the batch into microbatches itself, "
-                         "build the step with accum=1")
+    compose.check("pipeline", step, mesh=mesh)
     for name, value in (("stages", stages), ("microbatches", microbatches)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
@@ -303,15 +300,10 @@ def pipeline(step: Step, stages: int, microbatches: int, schedule: str = "1f1b",
 
 def _pick_mesh(step: Step, stages: int, mesh: Mesh | None) -> Mesh:
     if compose.applied(step, "shard"):
-        if mesh is not None and mesh is not step.mesh:
-            raise ValueError("mesh: a sharded step pipelines over its own mesh; leave mesh out")
         mesh = step.mesh
     mesh = Mesh(pp=stages) if mesh is None else mesh
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh: expected a zf.Mesh, got {type(mesh).__name__}")
     if mesh.pp != stages:
         raise ValueError(f"stages: {stages} stages, but the mesh has pp={mesh.pp} (build it as zf.Mesh(pp={stages}))")
-    if mesh.dp > 1 and not compose.applied(step, "shard"):
-        raise ValueError(f"mesh: dp={mesh.dp}; shard the step over the dp axis first: "
-                         "zf.pipeline(zf.shard(step, mesh, stage=1), ...)")
     return mesh

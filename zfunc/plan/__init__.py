@@ -1,17 +1,24 @@
 """zf.plan: memory, communication and step time of a training run, before it runs.
 
+    import zfunc as zf
     from zfunc import plan as zp
     model = zp.from_params(70e9, kind="llama")            # or from_shape / from_module / from_hf_config / from_flavor
     cluster = zp.cluster("H100-80GB", gpus=64)            # datasheet peaks, DGX-like nodes; every field overridable
-    p = zp.plan(model, cluster, zp.Strategy(zero=3, offload_optimizer="cpu", micro_batch=2, seq=4096))
-    p.fits, p.step_time, p.tflops_per_gpu, p.to_json()
-    best = zp.search(model, cluster, seq=4096)[0]         # the fastest strategy that fits
+    run = zf.config.Plan(zero_stage=3, offload_optimizer="cpu", micro_batch=2, seq=4096, precision="bf16")
+    e = zp.plan(model, cluster, run)                      # an Estimate; dp=1 in the plan: all 64 GPUs data-parallel
+    e.fits, e.step_time, e.tflops_per_gpu, e.to_json()
+    best = zp.search(model, cluster, run)[0]              # the fastest plan that fits
+    zp.from_flags(zero=3, offload_optimizer="cpu", micro_batch=2, seq=4096)  # the CLI's flag names, as a Plan
 
     python -m zfunc.plan --params 70e9 --gpu H100-80GB --gpus 64 --zero 3 --offload-optimizer cpu --json
     python -m zfunc.plan --params 70e9 --gpus 64 --search
     python -m zfunc.plan --calibrate        # this machine's constants, into a JSON file
     python -m zfunc.plan --validate         # predicted vs measured on this machine's benchmarks
     python -m zfunc.plan --papers           # the published headline runs, predicted
+
+The estimator takes the plan a run takes (``zf.config.Plan``, the one type: ``zf.parallelize``
+runs it) and returns an ``Estimate``; ``zfunc.core.compose``'s rulebook says what zfunc does not run
+(the estimate models it and says so in ``notes``; ``search`` skips it).
 
 **Law.** The model states predicted per rank are the bytes zfunc's engine holds: for a model whose
 leaves are known (``from_module``), ``engine_bytes`` / ``offload_bytes`` equal what
@@ -31,16 +38,18 @@ datasheets' (``hardware``) times stated efficiencies; ``--calibrate`` measures t
 """
 from __future__ import annotations
 
-from zfunc.plan.core import Plan, plan
+from zfunc.plan.core import Estimate, plan
 from zfunc.plan.hardware import GPUS, NODES, Cluster, Device, Node, cluster
 from zfunc.plan.cost import engine_comm
 from zfunc.plan.memory import engine_bytes, local_numel, offload_bytes, working_bound, zero_paper
 from zfunc.plan.model import ModelSpec, from_flavor, from_hf_config, from_module, from_params, from_shape
 from zfunc.plan.search import search
-from zfunc.plan.strategy import Strategy
+from zfunc.plan.strategy import describe, from_flags
+
+Strategy = from_flags  # the name README.md's example calls
 
 __all__ = [
-    "GPUS", "NODES", "Cluster", "Device", "ModelSpec", "Node", "Plan", "Strategy", "cluster", "engine_bytes", "engine_comm",
-    "from_flavor", "from_hf_config", "from_module", "from_params", "from_shape", "local_numel", "offload_bytes",
-    "plan", "search", "working_bound", "zero_paper",
+    "GPUS", "NODES", "Cluster", "Device", "Estimate", "ModelSpec", "Node", "Strategy", "cluster", "describe",
+    "engine_bytes", "engine_comm", "from_flags", "from_flavor", "from_hf_config", "from_module", "from_params",
+    "from_shape", "local_numel", "offload_bytes", "plan", "search", "working_bound", "zero_paper",
 ]

@@ -1,4 +1,4 @@
-"""``python -m zfunc.plan``: the plan of one strategy, a search, calibration, validation, the papers.
+"""``python -m zfunc.plan``: the estimate of one plan, a search, calibration, validation, the papers.
 
     python -m zfunc.plan --params 7e9 --gpu A100-80GB --gpus 16 --zero 3 --micro-batch 4 --seq 2048
     python -m zfunc.plan --hf-config llama.json --gpus 64 --search
@@ -18,7 +18,8 @@ import sys
 from zfunc.config import json_file
 from zfunc.plan import core, hardware, model as model_mod
 from zfunc.plan.search import search as search_plans
-from zfunc.plan.strategy import PLACES, PRECISIONS, REMATS, SCHEDULES, OPTIMIZER_STATE_BYTES, Strategy
+from zfunc.config.plan import Plan
+from zfunc.plan.strategy import PLACES, PRECISIONS, REMATS, SCHEDULES, OPTIMIZER_STATE_BYTES, describe, from_flags
 
 GB = 1e9
 
@@ -161,16 +162,17 @@ def build_cluster(args, p: argparse.ArgumentParser) -> hardware.Cluster:
         p.error(_flagged(e))
 
 
-def build_strategy(args, device: hardware.Device) -> Strategy:
+def build_plan(args, device: hardware.Device) -> Plan:
+    """The ``zf.config.Plan`` the strategy flags ask for (``zfunc.plan.strategy.from_flags``)."""
     precision = args.precision or ("bf16" if device.peak.get("bf16") else "fp16" if device.peak.get("fp16") else "fp32")
-    return Strategy(dp=args.dp, pp=args.pp or 1, tp=args.tp or 1, sp=args.sp, zero=args.zero,
-                    offload_optimizer=args.offload_optimizer, offload_params=args.offload_params, remat=args.remat,
-                    micro_batch=args.micro_batch, accum=args.accum, seq=args.seq, precision=precision,
-                    optimizer=args.optimizer, clip=not args.no_clip, tiles=args.tiles, schedule=args.schedule)
+    return from_flags(dp=args.dp, pp=args.pp or 1, tp=args.tp or 1, sp=args.sp, zero=args.zero,
+                      offload_optimizer=args.offload_optimizer, offload_params=args.offload_params, remat=args.remat,
+                      micro_batch=args.micro_batch, accum=args.accum, seq=args.seq, precision=precision,
+                      optimizer=args.optimizer, clip=not args.no_clip, tiles=args.tiles, schedule=args.schedule)
 
 
 def _flagged(e: Exception) -> str:
-    """An error naming a field (``zero: ...``) as the flag it came from (``--zero: ...``)."""
+    """An error naming an argument of ``from_flags`` (``zero: ...``) as its flag (``--zero: ...``)."""
     text = str(e)
     m = re.match(r"([a-z_]+(?:, [a-z_]+)*): ", text)
     if not m:
@@ -200,20 +202,20 @@ def main(argv: list[str] | None = None) -> int:
     check_numbers(args, p)
     model = build_model(args, p)
     cluster = build_cluster(args, p)
-    strategy = build_strategy(args, cluster.device)
     try:
+        run = build_plan(args, cluster.device)
         if args.search:
-            found = search_plans(model, cluster, strategy, global_batch=args.global_batch,
+            found = search_plans(model, cluster, run, global_batch=args.global_batch,
                                       allow_tp=args.allow_tp, top=args.top)
             if args.json:
                 print(json.dumps([f.to_json() for f in found], indent=1))
             elif not found:
                 print("no strategy fits")
             for rank, f in enumerate(found if not args.json else []):
-                print(f"{rank + 1}. {f.strategy.describe()}: {f.tokens_per_step / f.step_time:,.0f} tokens/s, "
+                print(f"{rank + 1}. {describe(f.plan)}: {f.tokens_per_step / f.step_time:,.0f} tokens/s, "
                       f"{f.tflops_per_gpu:.1f} TFLOP/s per GPU, {f.gpu_bytes / GB:.1f} GB per GPU")
             return 0 if found else 1
-        result = core.plan(model, cluster, strategy)
+        result = core.plan(model, cluster, run)
     except ValueError as e:
         p.error(_flagged(e))
     print(json.dumps(result.to_json(), indent=1) if args.json else result.table())

@@ -1,26 +1,29 @@
-"""``plan(model, cluster, strategy) -> Plan``: bytes per rank, communication, step time, fit."""
+"""``plan(model, cluster, how) -> Estimate``: bytes per rank, communication, step time, fit, of
+training ``model`` on ``cluster`` as the ``zf.config.Plan`` ``how`` says."""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
+from zfunc.config.plan import Plan
 from zfunc.plan import cost
 from zfunc.plan.hardware import Cluster
 from zfunc.plan.memory import _bucket_elems, partition_params, rank_memory, remat_input_bytes
 from zfunc.plan.model import ModelSpec
-from zfunc.plan.strategy import Strategy, resolve
+from zfunc.plan.strategy import BUCKET_MB, describe, elem, microbatches, offload_overlaps, resolve, tiles
 
 GB = 1e9
 CPU_RAM_USABLE = 0.9  # the OS, the framework and page cache keep the rest (assumption)
 
 
 @dataclass
-class Plan:
-    """One strategy's prediction. Bytes are per rank (the busiest one) unless named per node."""
+class Estimate:
+    """One plan's prediction. Bytes are per rank (the busiest one) unless named per node. ``plan``
+    is the plan as estimated (``dp``, ``seq`` and ``micro_batch`` filled in)."""
 
     model: ModelSpec
     cluster: Cluster
-    strategy: Strategy
+    plan: Plan
     memory: dict[str, dict[str, float]]
     comm: dict[str, float]
     time: dict[str, float]
@@ -63,20 +66,20 @@ class Plan:
 
     @property
     def tokens_per_step(self) -> int:
-        s = self.strategy
-        return s.dp * s.micro_batch * s.seq * s.accum
+        s = self.plan
+        return s.dp * s.micro_batch * s.seq * microbatches(s)
 
     @property
     def tflops_per_gpu(self) -> float:
         """FLOP/s each GPU runs (recomputation included, as DeepSpeed and Megatron report), in TFLOP/s."""
-        flops = self.model.train_flops_per_token(self.strategy.seq, self.strategy.recompute) * self.tokens_per_step
+        flops = self.model.train_flops_per_token(self.plan.seq, self.plan.remat) * self.tokens_per_step
         return flops / self.cluster.gpus / self.step_time / 1e12
 
     @property
     def mfu(self) -> float:
         """Model FLOPs (no recomputation) per second over the datasheet peak."""
-        flops = self.model.model_flops_per_token(self.strategy.seq) * self.tokens_per_step
-        return flops / self.cluster.gpus / self.step_time / self.cluster.device.flops(self.strategy.precision)
+        flops = self.model.model_flops_per_token(self.plan.seq) * self.tokens_per_step
+        return flops / self.cluster.gpus / self.step_time / self.cluster.device.flops(self.plan.precision)
 
     def why_not(self) -> list[str]:
         """Why it does not fit (empty when it fits)."""
@@ -98,11 +101,10 @@ class Plan:
 
     def to_json(self) -> dict:
         """The machine-readable prediction (GB = 1e9 bytes, per rank unless named per node)."""
-        s = self.strategy
         return {
             "model": self.model.name or self.model.kind, "params": self.model.total_params,
             "gpu": self.cluster.device.name, "gpus": self.cluster.gpus,
-            "strategy": {k: v for k, v in asdict(s).items()},
+            "plan": asdict(self.plan),
             "params_gb": self.params_bytes / GB, "grads_gb": self.grads_bytes / GB,
             "optimizer_gb": self.optimizer_bytes / GB,
             "model_states_gb": (self.params_bytes + self.grads_bytes + self.optimizer_bytes) / GB,
@@ -121,9 +123,9 @@ class Plan:
 
     def table(self) -> str:
         """A human-readable summary."""
-        s, j = self.strategy, self.to_json()
+        j = self.to_json()
         lines = [f"{j['model']}: {self.model.total_params / 1e9:.3g}B params on {self.cluster.gpus} x "
-                 f"{self.cluster.device.name} ({self.cluster.nodes} nodes)", f"strategy: {s.describe()}", ""]
+                 f"{self.cluster.device.name} ({self.cluster.nodes} nodes)", f"plan: {describe(self.plan)}", ""]
         lines.append(f"{'per rank (GB)':<26}{'GPU':>10}{'CPU':>10}{'NVMe':>10}")
         names = sorted({n for place in self.memory.values() for n in place})
         for n in names:
@@ -143,42 +145,43 @@ class Plan:
         return "\n".join(lines)
 
 
-def plan(model: ModelSpec, cluster: Cluster, strategy: Strategy = Strategy()) -> Plan:
-    """Predict memory, communication and step time of training ``model`` on ``cluster`` with ``strategy``."""
-    s, notes = resolve(strategy, cluster.gpus, model.max_seq, cluster.device.kind)
+def plan(model: ModelSpec, cluster: Cluster, how: Plan = Plan()) -> Estimate:
+    """Predict memory, communication and step time of training ``model`` on ``cluster`` as the
+    ``zf.config.Plan`` ``how`` says (``zfunc.plan.strategy.resolve`` fills and checks it)."""
+    s, notes = resolve(how, cluster.gpus, model.max_seq)
     cluster.device.flops(s.precision)  # bf16 on a V100: an error, before anything else
     memory = rank_memory(model, s, cluster.device.kind)
     comm = cost.comm_bytes(model, s)
-    return Plan(model, cluster, s, memory, comm, step_times(model, s, cluster), notes)
+    return Estimate(model, cluster, s, memory, comm, step_times(model, s, cluster), notes)
 
 
-def step_times(model: ModelSpec, s: Strategy, cluster: Cluster) -> dict[str, float]:
+def step_times(model: ModelSpec, s: Plan, cluster: Cluster) -> dict[str, float]:
     """The step time and its parts (cost's module docstring)."""
     cpu = cluster.device.kind == "cpu"
     micro = cost.compute_times(model, s, cluster, logits=s.pp == 1)
     P, shared = partition_params(model, s)
-    m, N = s.accum, s.dp
-    unit_frac = min(1.0, model.largest_unit_params(s.tiles) / s.tp / max(P, 1))
-    bucket_frac = min(1.0, _bucket_elems(s.bucket_mb) * N / max(P, 1))
+    m, N = microbatches(s), s.dp
+    unit_frac = min(1.0, model.largest_unit_params(tiles(s)) / s.tp / max(P, 1))
+    bucket_frac = min(1.0, _bucket_elems(BUCKET_MB) * N / max(P, 1))
     out = {}
     if s.pp == 1:
         out["compute"] = m * (micro.forward + micro.backward)
     else:
         out["compute"] = _pipeline_compute(model, s, cluster, micro)
     coll = lambda kind, nbytes: cost.collective_time(cluster, kind, nbytes, N, s.tp)  # noqa: E731
-    e = s.elem
+    e = elem(s)
     exposed = 0.0
     if N > 1:
-        if s.zero == 0:
+        if s.zero_stage == 0:
             t = coll("all_reduce", 8 * P)
             exposed = t if cpu else max(t - micro.backward, 0) + t * bucket_frac
-        elif s.zero in (1, 2):
+        elif s.zero_stage in (1, 2):
             exposed = coll("all_gather", e * P)
             rs = coll("reduce_scatter", 4 * P)
-            if s.zero == 1 and m > 1:
+            if s.zero_stage == 1 and m > 1:
                 exposed += rs
             else:
-                n = m if s.zero == 2 else 1
+                n = m if s.zero_stage == 2 else 1
                 exposed += n * (rs if cpu else max(rs - micro.backward, 0) + rs * bucket_frac)
         else:
             ag, rs = coll("all_gather", e * P), coll("reduce_scatter", 4 * P)
@@ -194,19 +197,19 @@ def step_times(model: ModelSpec, s: Strategy, cluster: Cluster) -> dict[str, flo
         exposed += coll("all_reduce", 24)  # the loss / grad-norm all-reduce: its latency
     out["dp_comm"] = exposed
     if s.tp > 1:  # Megatron's all-reduces of the layer's (T, h) activations, not overlapped
-        count = 4 + (2 if s.recompute else 0)
+        count = 4 + (2 if s.remat else 0)
         one = cost.collective_time(cluster, "all_reduce", 2 * s.micro_batch * s.seq * model.hidden * e, s.tp, 1)
         out["tp_comm"] = m * math.ceil(model.layers / s.pp) * count * one
     if s.pp > 1:
         out["pp_shared"] = (e + 4) * shared / cost.group_bandwidth(cluster, 2, s.tp * N)
     upd = cost.update_time(model, s, cluster)
     offloaded = s.offload_optimizer != "none" or s.offload_params != "none"
-    if offloaded and s.offload_overlaps() and not cpu:
+    if offloaded and offload_overlaps(s) and not cpu:
         out["update"] = max(upd - micro.backward, 0) + upd * unit_frac
     else:
         out["update"] = upd
-    if s.remat == "offload":  # layer inputs to CPU RAM in forward and back in backward, behind compute
-        moved = 2 * s.accum * remat_input_bytes(model, replace(s, pp=1)) / math.ceil(model.layers / s.pp) \
+    if s.remat_offload:  # layer inputs to CPU RAM in forward and back in backward, behind compute
+        moved = 2 * m * remat_input_bytes(model, s, whole_model=True) / math.ceil(model.layers / s.pp) \
             * math.ceil(model.layers / s.pp)
         link = cluster.device.hbm_bw if cpu else cluster.node.pcie_bw
         out["remat_offload"] = moved / link if cpu else max(moved / link - out["compute"], 0)
@@ -217,14 +220,14 @@ def step_times(model: ModelSpec, s: Strategy, cluster: Cluster) -> dict[str, flo
     return out
 
 
-def _pipeline_compute(model: ModelSpec, s: Strategy, cluster: Cluster, busiest: cost.Compute) -> float:
+def _pipeline_compute(model: ModelSpec, s: Plan, cluster: Cluster, busiest: cost.Compute) -> float:
     """``sum_s t_s + (m - 1) max_s t_s``, each slot with its activation's transfers both ways."""
-    p, m = s.pp, s.accum
+    p, m = s.pp, microbatches(s)
     per = -(-model.layers // p)
     first = cost.compute_times(model, s, cluster, layers=per, logits=False)
     last_layers = model.layers - per * (p - 1)
     last = cost.compute_times(model, s, cluster, layers=max(last_layers, 0), logits=True)
-    act = s.micro_batch * s.seq * model.hidden * s.elem / (s.tp if s.sp else 1)
+    act = s.micro_batch * s.seq * model.hidden * elem(s) / (s.tp if s.sp else 1)
     stride = s.tp * s.dp  # consecutive stages are a dp x tp block apart
     p2p = 2 * (cluster.latency + act / cost.group_bandwidth(cluster, 2, stride))
     if "send" in cluster.collectives:

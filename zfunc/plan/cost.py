@@ -51,7 +51,8 @@ from dataclasses import dataclass
 from zfunc.plan.hardware import Cluster
 from zfunc.plan.memory import local_numel, partition_params
 from zfunc.plan.model import ModelSpec
-from zfunc.plan.strategy import Strategy
+from zfunc.config.plan import Plan
+from zfunc.plan.strategy import clipped, elem, microbatches, opt_bytes
 
 CPU_ADAM_BYTES = 36  # per param: p, g, m, v read; p, m, v written (28) + the fp32 grad and master copies in
 
@@ -71,11 +72,11 @@ def _gemm(device, m: float, k: float, n: float, peak: float, elem: int) -> float
     return max(flops / (peak * device.matmul_efficiency), nbytes / (device.hbm_bw * device.memory_efficiency))
 
 
-def compute_times(model: ModelSpec, s: Strategy, cluster: Cluster, layers: int | None = None,
+def compute_times(model: ModelSpec, s: Plan, cluster: Cluster, layers: int | None = None,
                   logits: bool = True) -> Compute:
     """Forward and backward seconds of one microbatch over ``layers`` layers (default: the busiest
     stage's), with the logits and loss when ``logits``."""
-    dev, e, t = cluster.device, s.elem, s.tp
+    dev, e, t = cluster.device, elem(s), s.tp
     peak = dev.flops(s.precision)
     mem = dev.hbm_bw * dev.memory_efficiency
     T, h, f, seq = s.micro_batch * s.seq, model.hidden, model.ffn_dim, s.seq
@@ -84,27 +85,27 @@ def compute_times(model: ModelSpec, s: Strategy, cluster: Cluster, layers: int |
     qkv = h + 2 * h * model.kv // model.heads
     gemms = [(T, h, qkv / t), (T, h / t, h), (T, h, f * (2 if model.glu else 1) / t), (T, f / t, h)]
     layer_gemm = sum(_gemm(dev, *g, peak, e) for g in gemms) * scale
-    causal = 0.5 if (s.fused_attention and model.kind != "bert") else 1.0
+    causal = 0.5 if (model.fused_attention and model.kind != "bert") else 1.0
     attention = 4 * T * seq * h / t * causal / (peak * dev.attention_efficiency)
     elementwise = e * T * (16 * h + (3 if model.glu else 0) * f / t)  # norms, residuals, the GLU product
-    if not s.fused_attention:
+    if not model.fused_attention:
         elementwise += e * T * 3 * model.heads * seq / t  # softmax read, write, and its mask
     act = T * f / t  # the MLP's activation function, elements
     activation = act / dev.activation_rate if dev.activation_rate else 2 * e * act / mem
     layer_fwd = layer_gemm + attention + elementwise / mem + activation
     # backward: twice each GEMM, and fused attention's backward recomputes the scores (FlashAttention-2:
     # 2.5x its forward's FLOPs)
-    layer_bwd = 2 * (layer_fwd - attention) + (2.5 if s.fused_attention else 2.0) * attention
+    layer_bwd = 2 * (layer_fwd - attention) + (2.5 if model.fused_attention else 2.0) * attention
     fwd = layers * layer_fwd + e * T * h / mem  # embeddings
     bwd = layers * layer_bwd + 2 * e * T * h / mem
-    if s.recompute:
+    if s.remat:
         bwd += layers * layer_fwd
     if logits:
         head = _gemm(dev, T, h, model.vocab / t, peak, e)
         loss = T * model.vocab / t * (e + 8) / mem  # logits read, fp32 log-softmax written and read
         fwd += head + loss
         bwd += 2 * head + loss
-    flops = s.micro_batch * s.seq * model.train_flops_per_token(seq, s.recompute) / (s.pp * t)
+    flops = s.micro_batch * s.seq * model.train_flops_per_token(seq, s.remat) / (s.pp * t)
     return Compute(fwd, bwd, flops)
 
 
@@ -139,17 +140,17 @@ def collective_latency(cluster: Cluster, kind: str, members: int) -> float:
     return alpha * (members - 1)
 
 
-def comm_bytes(model: ModelSpec, s: Strategy) -> dict[str, float]:
+def comm_bytes(model: ModelSpec, s: Plan) -> dict[str, float]:
     """Bytes per rank per step by collective, in ``dist.Comm`` units (module docstring)."""
     P, shared = partition_params(model, s)
-    e, m, N = s.elem, s.accum, s.dp
+    e, m, N = elem(s), microbatches(s), s.dp
     out = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0, "send": 0.0, "recv": 0.0}
-    if N > 1 or s.zero == 0:
-        if s.zero == 0:
+    if N > 1 or s.zero_stage == 0:
+        if s.zero_stage == 0:
             out["all_reduce"] += 8 * P if N > 1 else 0.0
-        elif s.zero in (1, 2):
+        elif s.zero_stage in (1, 2):
             out["all_gather"] += e * P
-            out["reduce_scatter"] += 4 * P * (m if s.zero == 2 else 1)
+            out["reduce_scatter"] += 4 * P * (m if s.zero_stage == 2 else 1)
         else:
             out["all_gather"] += 2 * e * P * m
             out["reduce_scatter"] += 4 * P * m
@@ -157,7 +158,7 @@ def comm_bytes(model: ModelSpec, s: Strategy) -> dict[str, float]:
             out = {k: 0.0 for k in out}
     T = s.micro_batch * s.seq
     if s.tp > 1:
-        per_layer = (4 + (2 if s.recompute else 0)) * T * model.hidden * e
+        per_layer = (4 + (2 if s.remat else 0)) * T * model.hidden * e
         layers = math.ceil(model.layers / s.pp)
         if s.sp:
             out["all_gather"] += per_layer * layers * m  # each all-reduce: a gather and a reduce-scatter
@@ -173,23 +174,23 @@ def comm_bytes(model: ModelSpec, s: Strategy) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------- offload
-def offload_traffic(model: ModelSpec, s: Strategy) -> dict[str, float]:
+def offload_traffic(model: ModelSpec, s: Plan) -> dict[str, float]:
     """Bytes per rank per step of offload: PCIe each way, NVMe read/written, and params updated."""
     P, _ = partition_params(model, s)
-    exact = model.leaves is not None and s.pp == 1 and s.tp == 1 and s.zero > 0
-    local = local_numel(model.leaves, s.dp, 0) if exact else (P if s.zero == 0 else math.ceil(P / s.dp))
+    exact = model.leaves is not None and s.pp == 1 and s.tp == 1 and s.zero_stage > 0
+    local = local_numel(model.leaves, s.dp, 0) if exact else (P if s.zero_stage == 0 else math.ceil(P / s.dp))
     out = {"d2h": 0.0, "h2d": 0.0, "nvme_read": 0.0, "nvme_write": 0.0, "updated": 0.0}
     if s.offload_optimizer == "none" and s.offload_params == "none":
         return out
     out["updated"] = local
     out["d2h"] = 4 * local + (4 * local if s.offload_params == "none" else 0)  # grads; masters read back
     out["h2d"] = 4 * local if s.offload_params == "none" else 0.0  # the updated master
-    k = s.opt_bytes
+    k = opt_bytes(s)
     if s.offload_optimizer == "nvme":
         out["nvme_read"] += k * local
         out["nvme_write"] += k * local
     if s.offload_params != "none":
-        fetches = 2 * s.accum  # every unit's piece, in forward and again in backward
+        fetches = 2 * microbatches(s)  # every unit's piece, in forward and again in backward
         out["h2d"] += 4 * local * fetches
         if s.offload_params == "nvme":
             out["nvme_read"] += 4 * local * (fetches + 1)
@@ -197,12 +198,12 @@ def offload_traffic(model: ModelSpec, s: Strategy) -> dict[str, float]:
     return out
 
 
-def update_time(model: ModelSpec, s: Strategy, cluster: Cluster) -> float:
+def update_time(model: ModelSpec, s: Plan, cluster: Cluster) -> float:
     """Seconds of the optimizer update: on the device, or offloaded (module docstring)."""
     P, _ = partition_params(model, s)
     if not offload_traffic(model, s)["updated"]:
-        local = P if s.zero == 0 else math.ceil(P / s.dp)
-        per_param = 28 + (12 if s.clip else 0)
+        local = P if s.zero_stage == 0 else math.ceil(P / s.dp)
+        per_param = 28 + (12 if clipped(s) else 0)
         return local * per_param / (cluster.device.hbm_bw * cluster.device.memory_efficiency)
     parts = offload_update_parts(model, s, cluster)
     if cluster.device.kind == "cpu":  # CPU-Adam's team takes every core: the swap threads wait (cost docstring)
@@ -210,7 +211,7 @@ def update_time(model: ModelSpec, s: Strategy, cluster: Cluster) -> float:
     return max(parts["host"], parts["disk"])  # O_DIRECT transfers need no CPU: the disk runs beside CPU-Adam
 
 
-def offload_update_parts(model: ModelSpec, s: Strategy, cluster: Cluster) -> dict[str, float]:
+def offload_update_parts(model: ModelSpec, s: Plan, cluster: Cluster) -> dict[str, float]:
     """An offloaded update's two streams, in seconds: ``host`` (PCIe and the CPU's work in the
     updating thread) and ``disk`` (the swap engine's reads and writes beside it)."""
     traffic = offload_traffic(model, s)
@@ -221,13 +222,13 @@ def offload_update_parts(model: ModelSpec, s: Strategy, cluster: Cluster) -> dic
     pcie = 0.0 if cluster.device.kind == "cpu" else (8 * local) / node.pcie_bw
     if cluster.device.kind == "cpu":
         adam += cpu_grad_passes(local, s, cluster)
-    disk_r = traffic["nvme_read"] - (4 * local * 2 * s.accum if s.offload_params == "nvme" else 0)
+    disk_r = traffic["nvme_read"] - (4 * local * 2 * microbatches(s) if s.offload_params == "nvme" else 0)
     disk_w = traffic["nvme_write"]
     disk = ranks * (disk_r / node.nvme_read_bw + disk_w / node.nvme_write_bw)
     return {"host": pcie + adam, "disk": disk}
 
 
-def cpu_grad_passes(local: float, s: Strategy, cluster: Cluster) -> float:
+def cpu_grad_passes(local: float, s: Plan, cluster: Cluster) -> float:
     """Seconds a CPU device spends, in the updating thread, on first writes of fresh memory per
     step (page faults: ``first_touch_bw``, 4 B/param). Measured in ``benchmarks/capacity.py``'s
     offloaded step (50M params, one profile), when the engine still packed every grad into a
@@ -243,14 +244,14 @@ def cpu_grad_passes(local: float, s: Strategy, cluster: Cluster) -> float:
     return 4 * local / dev.first_touch_bw if dev.first_touch_bw else 0.0
 
 
-def fetch_time(model: ModelSpec, s: Strategy, cluster: Cluster) -> float:
+def fetch_time(model: ModelSpec, s: Plan, cluster: Cluster) -> float:
     """Seconds per step fetching offloaded params to the device (forward and backward, every microbatch)."""
     if s.offload_params == "none":
         return 0.0
     traffic = offload_traffic(model, s)
     node = cluster.node
     local = traffic["updated"]
-    fetched = 4 * local * 2 * s.accum
+    fetched = 4 * local * 2 * microbatches(s)
     t = 0.0 if cluster.device.kind == "cpu" else fetched / node.pcie_bw
     if s.offload_params == "nvme":
         t += cluster.gpus_per_node * fetched / node.nvme_read_bw

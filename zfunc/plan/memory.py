@@ -37,7 +37,8 @@ import math
 from collections.abc import Sequence
 
 from zfunc.plan.model import ModelSpec
-from zfunc.plan.strategy import Strategy
+from zfunc.config.plan import Plan
+from zfunc.plan.strategy import BUCKET_MB, PREFETCH, elem, microbatches, opt_bytes, offload_overlaps, tiles
 
 RESERVE = 2e9  # CUDA context, NCCL buffers, allocator slack per GPU (assumption)
 STAGING = 3 * (64 << 20)  # offload: chunk_bytes of reads ahead and twice that of writes in flight
@@ -115,7 +116,7 @@ def _bucket_elems(bucket_mb: float) -> int:
 
 
 # ---------------------------------------------------------------------- the plan's view
-def partition_params(model: ModelSpec, s: Strategy) -> tuple[float, float]:
+def partition_params(model: ModelSpec, s: Plan) -> tuple[float, float]:
     """``(P, shared)``: params of the busiest rank's model partition (pipeline stage 0, which owns
     the embeddings, tensor slice 1/tp) and the shared params a pipeline lends its last stage."""
     total = model.total_params
@@ -127,10 +128,10 @@ def partition_params(model: ModelSpec, s: Strategy) -> tuple[float, float]:
     return (per_stage + embed) / s.tp, embed / s.tp
 
 
-def rank_memory(model: ModelSpec, s: Strategy, device_kind: str = "cuda") -> dict[str, dict[str, float]]:
+def rank_memory(model: ModelSpec, s: Plan, device_kind: str = "cuda") -> dict[str, dict[str, float]]:
     """Bytes on the busiest rank by place ("gpu", "cpu", "nvme") and component."""
     P, _ = partition_params(model, s)
-    N, e, k, stage = s.dp, s.elem, s.opt_bytes, s.zero
+    N, e, k, stage = s.dp, elem(s), opt_bytes(s), s.zero_stage
     exact = model.leaves is not None and s.pp == 1 and s.tp == 1
     if stage == 0:
         local = P
@@ -138,8 +139,8 @@ def rank_memory(model: ModelSpec, s: Strategy, device_kind: str = "cuda") -> dic
         local = local_numel(model.leaves, N, 0)
     else:
         local = math.ceil(P / N)
-    unit = min(P, model.largest_unit_params(s.tiles) / s.tp)
-    bucket_whole = min(P, _bucket_elems(s.bucket_mb) * N)
+    unit = min(P, model.largest_unit_params(tiles(s)) / s.tp)
+    bucket_whole = min(P, _bucket_elems(BUCKET_MB) * N)
     offloaded = s.offload_optimizer != "none" or s.offload_params != "none"
     eff_stage = 3 if (s.offload_params != "none" and N == 1) else stage
     gpu: dict[str, float] = {}
@@ -152,12 +153,12 @@ def rank_memory(model: ModelSpec, s: Strategy, device_kind: str = "cuda") -> dic
         gpu["compute_params"] = e * P if e < 4 else 0.0
         gpu["whole_grads"] = 0.0
     else:
-        gpu["grad_shard"] = 4 * (unit / N if offloaded and s.offload_overlaps() else local)
-        gpu["compute_params"] = e * P if eff_stage < 3 else (1 + s.prefetch) * e * unit
-        gpu["whole_grads"] = {1: (e if s.accum == 1 else 4) * P, 2: e * bucket_whole}.get(eff_stage, e * unit)
+        gpu["grad_shard"] = 4 * (unit / N if offloaded and offload_overlaps(s) else local)
+        gpu["compute_params"] = e * P if eff_stage < 3 else (1 + PREFETCH) * e * unit
+        gpu["whole_grads"] = {1: (e if microbatches(s) == 1 else 4) * P, 2: e * bucket_whole}.get(eff_stage, e * unit)
         gpu["comm_buffers"] = (4 + e) * (bucket_whole if eff_stage < 3 else unit)
     gpu["activations"] = activation_bytes(model, s)
-    if s.remat == "offload":
+    if s.remat_offload:
         cpu["remat_inputs"] = remat_input_bytes(model, s)
     if device_kind != "cpu":
         gpu["reserve"] = RESERVE
@@ -166,27 +167,30 @@ def rank_memory(model: ModelSpec, s: Strategy, device_kind: str = "cuda") -> dic
     return {"gpu": gpu, "cpu": cpu, "nvme": nvme}
 
 
-def _live_microbatches(s: Strategy) -> int:
-    return 1 if s.pp == 1 else (min(s.accum, s.pp) if s.schedule == "1f1b" else s.accum)
+def _live_microbatches(s: Plan) -> int:
+    m = microbatches(s)
+    return 1 if s.pp == 1 else (min(m, s.pp) if s.pipeline_schedule == "1f1b" else m)
 
 
-def remat_input_bytes(model: ModelSpec, s: Strategy) -> float:
-    """The layer inputs ``zf.remat`` keeps for the busiest stage's live microbatches."""
+def remat_input_bytes(model: ModelSpec, s: Plan, whole_model: bool = False) -> float:
+    """The layer inputs ``zf.remat`` keeps for the busiest stage's live microbatches (with
+    ``whole_model``: for one microbatch through every layer)."""
     tokens = s.micro_batch * s.seq
-    layers = math.ceil(model.layers / s.pp)
-    return _live_microbatches(s) * layers * tokens * model.hidden * s.elem / (s.tp if s.sp else 1)
+    layers = model.layers if whole_model else math.ceil(model.layers / s.pp)
+    live = 1 if whole_model else _live_microbatches(s)
+    return live * layers * tokens * model.hidden * elem(s) / (s.tp if s.sp else 1)
 
 
-def activation_bytes(model: ModelSpec, s: Strategy) -> float:
+def activation_bytes(model: ModelSpec, s: Plan) -> float:
     """Activations on the busiest stage's device at its peak: live microbatches x its layers, and
     the logits where the stage computes them; with remat the layer inputs instead (in CPU RAM for
     "offload": two in flight on the GPU) and one layer's full activations while it is recomputed."""
     tokens = s.micro_batch * s.seq
     layers = math.ceil(model.layers / s.pp)
-    per_layer = model.activation_bytes_per_layer(tokens, s.seq, s.tp, s.sp, bool(s.fused_attention), s.elem)
+    per_layer = model.activation_bytes_per_layer(tokens, s.seq, s.tp, s.sp, model.fused_attention, elem(s))
     live = _live_microbatches(s)
-    logits = model.logits_bytes(tokens, s.tp, s.elem) if s.pp == 1 else 0.0  # stage 0 is not the last
-    if s.remat == "none":  # (the embeddings' output is the first layer's input, counted there)
+    logits = model.logits_bytes(tokens, s.tp, elem(s)) if s.pp == 1 else 0.0  # stage 0 is not the last
+    if not s.remat:  # (the embeddings' output is the first layer's input, counted there)
         return live * layers * per_layer + logits
-    inputs = remat_input_bytes(model, s) if s.remat == "full" else 2 * tokens * model.hidden * s.elem
+    inputs = remat_input_bytes(model, s) if not s.remat_offload else 2 * tokens * model.hidden * elem(s)
     return inputs + per_layer + logits

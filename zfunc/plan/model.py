@@ -34,7 +34,8 @@ KINDS = ("gpt", "llama", "bert")
 @dataclass(frozen=True)
 class ModelSpec:
     """A transformer's shape. ``params``: the exact count (None: from the shape). ``leaves``: the
-    shapes of the params as ``zf.functionalize`` returns them, when known (exact accounting)."""
+    shapes of the params as ``zf.functionalize`` returns them, when known (exact accounting).
+    ``fused_attention``: whether attention runs fused (False: the ``s x s`` scores are stored)."""
 
     kind: str = "gpt"
     layers: int = 12
@@ -48,6 +49,7 @@ class ModelSpec:
     params: int | None = None
     leaves: tuple[tuple[int, ...], ...] | None = field(default=None, compare=False, repr=False)
     name: str = ""
+    fused_attention: bool = True  # scaled_dot_product_attention's flash kernels (CUDA and CPU): no s x s matrix
 
     def __post_init__(self):
         if self.kind not in KINDS:

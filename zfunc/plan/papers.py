@@ -13,10 +13,11 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from zfunc.plan.core import Plan, plan
+from zfunc.config.plan import Plan
+from zfunc.plan.core import Estimate, plan
 from zfunc.plan.hardware import GB, Cluster, Device, Node, cluster
 from zfunc.plan.model import ModelSpec, from_params, from_shape
-from zfunc.plan.strategy import Strategy
+from zfunc.plan.strategy import from_flags, tiles
 
 # Habana Gaudi (HL-205) in an AWS dl1.24xlarge: 32 GB HBM2 at 1 TB/s (Habana's product brief); its
 # dense bf16 peak is in no datasheet we found: 100 TFLOP/s is an assumption (the predicted scaling
@@ -37,16 +38,16 @@ class Headline:
     explanation: str
 
 
-def _smallest_tiles(model: ModelSpec, c: Cluster, s: Strategy) -> Plan:
-    """The plan with the fewest ``zf.tile`` tiles that fits (the last tried when none does)."""
-    for tiles in (1, 2, 4, 8, 16, 32, 64):
-        p = plan(model, c, replace(s, tiles=tiles))
+def _smallest_tiles(model: ModelSpec, c: Cluster, s: Plan) -> Estimate:
+    """The estimate with the fewest ``zf.tile`` tiles that fits (the last tried when none does)."""
+    for k in (1, 2, 4, 8, 16, 32, 64):
+        p = plan(model, c, replace(s, tile_lm_head=0 if k == 1 else k))
         if p.fits:
             return p
     return p
 
 
-def _largest(make: Callable[[float], ModelSpec], fits: Callable[[ModelSpec], Plan | None], lo: float, hi: float):
+def _largest(make: Callable[[float], ModelSpec], fits: Callable[[ModelSpec], Estimate | None], lo: float, hi: float):
     """The largest parameter count in ``[lo, hi]`` whose model ``fits`` (bisection on a log scale)."""
     best = None
     for _ in range(30):
@@ -61,7 +62,7 @@ def _largest(make: Callable[[float], ModelSpec], fits: Callable[[ModelSpec], Pla
     return best
 
 
-def _efficiency_to_match(p: Plan, published_tflops: float) -> float:
+def _efficiency_to_match(p: Estimate, published_tflops: float) -> float:
     """The matmul efficiency at which ``p``'s compute (the rest unchanged) gives the published TFLOP/s."""
     exposed = p.step_time - p.time["compute"]
     published_step = p.step_time * p.tflops_per_gpu / published_tflops
@@ -71,7 +72,7 @@ def _efficiency_to_match(p: Plan, published_tflops: float) -> float:
 def azure_2t() -> Headline:
     model = from_shape(160, 32768, 128, vocab=50257, max_seq=1024, name="GPT 2T (160 x 32768)")
     c = cluster("A100-80GB", 1024, cpu_ram=1700 * GB)
-    s = Strategy(zero=3, offload_optimizer="cpu", remat="offload", micro_batch=8, seq=1024)
+    s = from_flags(zero=3, offload_optimizer="cpu", remat="offload", micro_batch=8, seq=1024)
     p = _smallest_tiles(model, c, s)
     needed = _efficiency_to_match(p, 157)
     return Headline(
@@ -79,7 +80,7 @@ def azure_2t() -> Headline:
         "DeepSpeed blog 2022-07-26 (Azure; docs/_posts/2022-07-26-deepspeed-azure.md): 160 layers, hidden 32768, "
         "128 heads, 8 x 1024 tokens per GPU, NDm A100 v4 (8 x 200 Gb/s HDR, 1.7 TB RAM per node)",
         "157 TFLOP/s per GPU",
-        f"{p.tflops_per_gpu:.0f} TFLOP/s per GPU ({'fits' if p.fits else 'does not fit'} with zf.tile k={p.strategy.tiles}"
+        f"{p.tflops_per_gpu:.0f} TFLOP/s per GPU ({'fits' if p.fits else 'does not fit'} with zf.tile k={tiles(p.plan)}"
         f", {p.gpu_bytes / GB:.0f} GB per GPU; step {p.step_time:.0f} s, of which exposed traffic "
         f"{p.step_time - p.time['compute']:.1f} s)",
         p.tflops_per_gpu / 157,
@@ -97,8 +98,8 @@ def megatron_1t_3d() -> Headline:
             if gpus % (tp * pp):
                 continue
             c = cluster("V100-32GB", gpus)
-            s = Strategy(tp=tp, pp=pp, sp=True, zero=1, remat="full", micro_batch=1, accum=pp, seq=2048,
-                         precision="fp16")
+            s = from_flags(tp=tp, pp=pp, sp=True, zero=1, remat="full", micro_batch=1, accum=pp, seq=2048,
+                           precision="fp16")
             try:
                 p = plan(model, c, s)
             except ValueError:
@@ -108,7 +109,7 @@ def megatron_1t_3d() -> Headline:
                 break
         if best:
             break
-    s, gpu = best.strategy, best.memory["gpu"]
+    s, gpu = best.plan, best.memory["gpu"]
     states = sum(gpu.get(k, 0.0) for k in ("masters", "optimizer", "grad_shard", "compute_params", "whole_grads"))
     return Headline(
         "1T params, 800 V100-32GB, 3D parallelism (DeepSpeed + Megatron)",
@@ -126,8 +127,8 @@ def megatron_1t_3d() -> Headline:
         "modelled (Megatron's layout), not run by zfunc.")
 
 
-def _fastest_fit(model: ModelSpec, c: Cluster, grid: list[Strategy]) -> Plan | None:
-    """The fastest plan of ``grid`` that fits (each with its fewest tiles), or None."""
+def _fastest_fit(model: ModelSpec, c: Cluster, grid: list[Plan]) -> Estimate | None:
+    """The fastest estimate of ``grid`` that fits (each with its fewest tiles), or None."""
     best = None
     for s in grid:
         p = _smallest_tiles(model, c, s)
@@ -138,20 +139,20 @@ def _fastest_fit(model: ModelSpec, c: Cluster, grid: list[Strategy]) -> Plan | N
 
 def infinity_32t() -> Headline:
     c = cluster("V100-32GB", 512)
-    base = Strategy(zero=3, offload_optimizer="nvme", offload_params="nvme", remat="offload", micro_batch=1, seq=1024,
-                    precision="fp16")
+    base = from_flags(zero=3, offload_optimizer="nvme", offload_params="nvme", remat="offload", micro_batch=1,
+                      seq=1024, precision="fp16")
     same = _largest(lambda n: from_params(n, max_seq=1024), lambda m: _fastest_fit(m, c, [base]), 1e11, 1e14)
     alt = _largest(lambda n: from_params(n, max_seq=1024),
-                   lambda m: _fastest_fit(m, c, [replace(base, precision="fp32", clip=False)]), 1e11, 1e14)
+                   lambda m: _fastest_fit(m, c, [replace(base, precision="fp32", gradient_clipping=0.0)]), 1e11, 1e14)
     n = same.model.total_params
     bigger = _smallest_tiles(from_params(alt.model.total_params * 1.05, max_seq=1024), c,
-                             replace(base, precision="fp32", clip=False))
+                             replace(base, precision="fp32", gradient_clipping=0.0))
     return Headline(
         "32T params, 512 V100-32GB (32 DGX-2), ZeRO-Infinity (params + optimizer on NVMe)",
         "ZeRO-Infinity (Rajbhandari et al., SC21, arXiv:2104.07857): 32T trainable on 32 DGX-2 nodes; "
         "DGX-2: 1.5 TB RAM, 30 TB NVMe; fp16, sequence 1024 and micro-batch 1 assumed",
         "32T params fit",
-        f"{n / 1e12:.1f}T at the most in the same setup (fp16, clip; tiles k={same.strategy.tiles}, "
+        f"{n / 1e12:.1f}T at the most in the same setup (fp16, clip; tiles k={tiles(same.plan)}, "
         f"{same.gpu_bytes / GB:.1f} GB per GPU, of which the fp32 grad slice "
         f"{same.memory['gpu']['grad_shard'] / GB:.1f}); {alt.model.total_params / 1e12:.1f}T in fp32 without a clip "
         f"(updates on arrival; {alt.nvme_bytes_per_node / 1e12:.1f} TB of NVMe per node)",
@@ -168,7 +169,7 @@ def zero3_offload_1t() -> Headline:
     c = cluster("V100-32GB", 512)
     best = None
     for mb in (16, 8, 4, 2, 1):
-        s = Strategy(zero=3, offload_optimizer="cpu", remat="offload", micro_batch=mb, seq=1024, precision="fp16")
+        s = from_flags(zero=3, offload_optimizer="cpu", remat="offload", micro_batch=mb, seq=1024, precision="fp16")
         p = _smallest_tiles(model, c, s)
         if p.fits:
             best = p
@@ -178,19 +179,19 @@ def zero3_offload_1t() -> Headline:
         "DeepSpeed ZeRO-3 Offload post 2021-03-08: 'with 1 Trillion parameters ... 25 PetaFlops on 512 V100 GPUs, "
         "49 TFlops/GPU'; shape as Azure's 1T, sequence 1024 assumed, micro-batch: the largest that fits",
         "49 TFLOP/s per GPU",
-        f"{best.tflops_per_gpu:.0f} TFLOP/s per GPU (micro-batch {best.strategy.micro_batch}, tiles "
-        f"k={best.strategy.tiles}, {best.gpu_bytes / GB:.1f} GB per GPU)",
+        f"{best.tflops_per_gpu:.0f} TFLOP/s per GPU (micro-batch {best.plan.micro_batch}, tiles "
+        f"k={tiles(best.plan)}, {best.gpu_bytes / GB:.1f} GB per GPU)",
         best.tflops_per_gpu / 49,
         f"The roofline's 0.8 of the V100's 125 TFLOP/s against the published 0.39 overall (a matmul efficiency "
         f"of {_efficiency_to_match(best, 49):.2f} reproduces it): the same software "
         "overheads as the 2T row, larger on V100, where ZeRO-3 fetches each unit over 100 Gb/s links; at "
-        f"micro-batch {best.strategy.micro_batch} the exposed traffic is {best.step_time - best.time['compute']:.1f} "
+        f"micro-batch {best.plan.micro_batch} the exposed traffic is {best.step_time - best.time['compute']:.1f} "
         f"of {best.step_time:.1f} s.")
 
 
 def bert_scaling() -> Headline:
     model = from_shape(48, 1600, 25, kind="bert", vocab=30522, max_seq=512, name="BERT 1.5B (48 x 1600)")
-    s = Strategy(zero=1, micro_batch=16, accum=24, seq=128, precision="bf16")
+    s = from_flags(zero=1, micro_batch=16, accum=24, seq=128, precision="bf16")
     one = plan(model, Cluster(GAUDI, 1, DL1), s)
     many = plan(model, Cluster(GAUDI, 128, DL1), s)
     eff = one.step_time / many.step_time
@@ -211,10 +212,10 @@ def bert_scaling() -> Headline:
 
 def offload_13b() -> Headline:
     c = cluster("V100-32GB", 1)
-    zero_offload = Strategy(zero=2, offload_optimizer="cpu", remat="full", micro_batch=1, seq=1024, precision="fp16")
+    zero_offload = from_flags(zero=2, offload_optimizer="cpu", remat="full", micro_batch=1, seq=1024, precision="fp16")
     same = _largest(lambda n: from_params(n, max_seq=1024), lambda m: _fastest_fit(m, c, [zero_offload]), 1e8, 1e12)
-    infinity = [replace(zero_offload, offload_params="cpu", precision="fp32", clip=False, remat=r)
-                for r in ("full", "offload")]
+    infinity = [replace(zero_offload, zero_stage=3, offload_params="cpu", precision="fp32", gradient_clipping=0.0,
+                        remat_offload=offload) for offload in (False, True)]  # params offload: stage 3
     alt = _largest(lambda n: from_params(n, max_seq=1024), lambda m: _fastest_fit(m, c, infinity), 1e8, 1e13)
     ten = from_shape(50, 4096, 32, vocab=50257, max_seq=1024)
     tens = plan(ten, c, replace(zero_offload, micro_batch=10))

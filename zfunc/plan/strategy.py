@@ -1,133 +1,127 @@
-"""How a model is trained: parallelism, ZeRO stage, offload, remat, batch and precision.
+"""How the estimator reads a ``zf.config.Plan``: parallelism, ZeRO stage, offload, remat, batch and precision.
 
-``Strategy`` holds the flags of ``python -m zfunc.plan`` (the recipes' names). ``resolve`` fills
-``dp`` from what tp and pp leave of the GPUs and checks the combination against what zfunc runs:
-the engine's own refusals are errors (ZeRO 2/3 under a pipeline; params offload below stage 3 on
-more than one rank; bf16 on a V100), and what the planner models but zfunc does not run yet (tensor
-and sequence parallelism, offload under a pipeline) is kept and listed in ``notes``.
+The estimator takes the plan a run takes (``zf.config.Plan``). ``resolve`` fills ``dp`` from
+what tp and pp leave of the cluster's GPUs (when the plan leaves it at 1), ``seq`` from the model's
+context and ``micro_batch`` with 1, then asks ``zfunc.core.compose``'s rulebook what zfunc does not
+run (offload under a pipeline, tensor and sequence parallelism, ...): those are modelled and listed
+in ``notes`` (``Plan`` itself refuses what is inconsistent). The helpers below read the plan as the
+cost model does (``microbatches``: accumulation steps or the pipeline's microbatches; ``tiles``;
+``elem``, the compute dtype's bytes). ``from_flags`` builds a plan from ``python -m zfunc.plan``'s
+flag names (``zero``, ``remat="full"``, ``accum``, ``clip``, ``tiles``, ``schedule``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-PLACES = ("none", "cpu", "nvme")
-PRECISIONS = ("fp32", "bf16", "fp16")
-SCHEDULES = ("1f1b", "gpipe")
+from zfunc.config.plan import PIPELINE_SCHEDULES, PLACES, PRECISIONS, Plan
+from zfunc.core import compose
+
+SCHEDULES = PIPELINE_SCHEDULES
 REMATS = ("none", "full", "offload")
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "lion": 4, "sgd": 4}  # fp32 moments per param
+DEFAULT_OPTIMIZER = "adamw"  # a plan with no optimizer (the caller brings one) is estimated with AdamW's state
+PREFETCH = 1  # zf.shard's stage-3 prefetch depth
+BUCKET_MB = 25.0  # zf.shard's bucket size (fp32 MiB)
+NVME_PATH = "<nvme>"  # the swap directory ``from_flags`` names: an estimate reads no files
+
+__all__ = ["PLACES", "PRECISIONS", "SCHEDULES", "REMATS", "OPTIMIZER_STATE_BYTES", "from_flags", "resolve",
+           "describe", "elem", "opt_bytes", "microbatches", "tiles", "clipped", "offload_overlaps"]
 
 
-@dataclass(frozen=True)
-class Strategy:
-    """``micro_batch`` sequences of ``seq`` tokens per data-parallel rank per microbatch; ``accum``
-    microbatches per step (the pipeline's microbatches when ``pp > 1``). ``remat``: "none", "full"
-    (``zf.remat`` on every layer: only layer inputs kept) or "offload" (``zf.remat(offload=True)``:
-    those inputs in CPU RAM); True/False mean "full"/"none". ``clip``: a global-norm clip (it keeps
-    offload from updating during backward). ``fused_attention``: None is what
-    ``scaled_dot_product_attention`` does (a flash kernel, on CUDA and on CPU). ``tiles``: ``zf.tile(k)`` on
-    the largest Linears, so a stage-3 unit is 1/k of one."""
-
-    dp: int | None = None
-    pp: int = 1
-    tp: int = 1
-    sp: bool = False
-    zero: int = 1
-    offload_optimizer: str = "none"
-    offload_params: str = "none"
-    remat: str = "none"
-    micro_batch: int = 1
-    accum: int = 1
-    seq: int | None = None
-    precision: str = "bf16"
-    optimizer: str = "adamw"
-    clip: bool = True
-    prefetch: int = 1
-    bucket_mb: float = 25.0
-    schedule: str = "1f1b"
-    fused_attention: bool | None = None
-    tiles: int = 1
-
-    @property
-    def elem(self) -> int:
-        """Bytes of the compute dtype."""
-        return 4 if self.precision == "fp32" else 2
-
-    @property
-    def opt_bytes(self) -> int:
-        return OPTIMIZER_STATE_BYTES[self.optimizer]
-
-    @property
-    def recompute(self) -> bool:
-        return self.remat != "none"
-
-    def offload_overlaps(self) -> bool:
-        """Whether offload updates units during backward (zfunc.offloading.step: no clip, no fp16, accum 1)."""
-        return not self.clip and self.precision != "fp16" and self.accum == 1 and self.pp == 1
-
-    def describe(self) -> str:
-        par = f"dp={self.dp} pp={self.pp} tp={self.tp}" + (" sp" if self.sp else "")
-        off = "" if self.offload_optimizer == "none" else f" offload optimizer={self.offload_optimizer}"
-        off += "" if self.offload_params == "none" else f" params={self.offload_params}"
-        extra = ("" if self.remat in ("none", False) else f" remat={self.remat}") + \
-            ("" if self.tiles == 1 else f" tiles={self.tiles}")
-        return (f"{par} zero={self.zero}{off}{extra} micro_batch={self.micro_batch} accum={self.accum} "
-                f"seq={self.seq} {self.precision}")
+def from_flags(dp: int | None = None, pp: int = 1, tp: int = 1, sp: bool = False, zero: int = 1,
+               offload_optimizer: str = "none", offload_params: str = "none", remat: str | bool = "none",
+               micro_batch: int = 1, accum: int = 1, seq: int | None = None, precision: str = "bf16",
+               optimizer: str = "adamw", clip: bool = True, tiles: int = 1, schedule: str = "1f1b") -> Plan:
+    """The ``zf.config.Plan`` of ``python -m zfunc.plan``'s flags: ``zero`` is ``zero_stage``;
+    ``remat`` "none", "full" (``zf.remat`` on every layer: only layer inputs kept) or "offload"
+    (those inputs in CPU RAM), True/False meaning "full"/"none"; ``accum`` the microbatches per step
+    (the pipeline's microbatches when ``pp > 1``); ``clip`` a global-norm clip of 1 (it keeps
+    offload from updating during backward); ``tiles`` ``zf.tile(k)`` on the largest Linears (1:
+    untiled); ``schedule`` the pipeline's. ``dp=None`` spreads over the cluster's GPUs; "nvme"
+    offload gets the placeholder ``NVME_PATH``. Errors name the argument (``zero: ...``)."""
+    if isinstance(remat, bool):
+        remat = "full" if remat else "none"
+    if remat not in REMATS:
+        raise ValueError(f"remat: expected one of {REMATS} (or a bool), got {remat!r}")
+    if not isinstance(tiles, int) or isinstance(tiles, bool) or tiles < 1:
+        raise ValueError(f"tiles: expected an int >= 1, got {tiles!r}")
+    if optimizer not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(f"optimizer: expected one of {sorted(OPTIMIZER_STATE_BYTES)}, got {optimizer!r}")
+    piped = isinstance(pp, int) and pp > 1
+    try:
+        return Plan(dp=1 if dp is None else dp, pp=pp, tp=tp, sp=sp, zero_stage=zero,
+                    offload_optimizer=offload_optimizer, offload_params=offload_params,
+                    nvme_path=NVME_PATH if "nvme" in (offload_optimizer, offload_params) else None,
+                    remat=remat != "none", remat_offload=remat == "offload", tile_lm_head=0 if tiles == 1 else tiles,
+                    microbatches=accum if piped else 1, accum=1 if piped else accum, pipeline_schedule=schedule,
+                    precision=precision, gradient_clipping=1.0 if clip else 0.0, optimizer=optimizer,
+                    micro_batch=micro_batch, seq=seq)
+    except ValueError as e:  # named as the caller named it
+        field, sep, why = str(e).partition(": ")
+        raise ValueError(f"{FLAG_OF_FIELD.get(field, field)}{sep}{why}") from None
 
 
-def _positive(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+# Plan field -> ``from_flags``'s (and the CLI's) name for it, where they differ
+FLAG_OF_FIELD = {"zero_stage": "zero", "tile_lm_head": "tiles", "pipeline_schedule": "schedule",
+                 "microbatches": "accum", "remat_offload": "remat", "gradient_clipping": "clip"}
 
 
-def resolve(strategy: Strategy, gpus: int, max_seq: int, device_kind: str = "cuda") -> tuple[Strategy, list[str]]:
-    """``strategy`` with ``dp`` and ``seq`` filled in, checked; and notes on what zfunc does not run."""
-    s = strategy
-    if isinstance(s.remat, bool):
-        s = replace(s, remat="full" if s.remat else "none")
-    if s.remat not in REMATS:
-        raise ValueError(f"remat: expected one of {REMATS} (or a bool), got {s.remat!r}")
-    for name in ("pp", "tp", "micro_batch", "accum", "prefetch", "tiles"):
-        if name == "prefetch":
-            if not isinstance(s.prefetch, int) or s.prefetch < 0:
-                raise ValueError(f"prefetch: expected an int >= 0, got {s.prefetch!r}")
-            continue
-        _positive(name, getattr(s, name))
-    if s.zero not in (0, 1, 2, 3):
-        raise ValueError(f"zero: expected 0, 1, 2 or 3, got {s.zero!r}")
-    for name in ("offload_optimizer", "offload_params"):
-        if getattr(s, name) not in PLACES:
-            raise ValueError(f"{name}: expected one of {PLACES}, got {getattr(s, name)!r}")
-    if s.precision not in PRECISIONS:
-        raise ValueError(f"precision: expected one of {PRECISIONS}, got {s.precision!r}")
-    if s.optimizer not in OPTIMIZER_STATE_BYTES:
-        raise ValueError(f"optimizer: expected one of {sorted(OPTIMIZER_STATE_BYTES)}, got {s.optimizer!r}")
-    if s.schedule not in SCHEDULES:
-        raise ValueError(f"schedule: expected one of {SCHEDULES}, got {s.schedule!r}")
-    if gpus % (s.tp * s.pp):
-        raise ValueError(f"tp, pp: tp * pp = {s.tp * s.pp} does not divide the {gpus} GPUs")
-    dp = gpus // (s.tp * s.pp) if s.dp is None else s.dp
-    _positive("dp", dp)
-    if dp * s.tp * s.pp != gpus:
-        raise ValueError(f"dp, tp, pp: dp * tp * pp = {dp} * {s.tp} * {s.pp} = {dp * s.tp * s.pp}, but there are "
-                         f"{gpus} GPUs")
-    seq = s.seq or max_seq
-    _positive("seq", seq)
-    if s.sp and s.tp == 1:
-        raise ValueError("sp: sequence parallelism splits along the tensor-parallel group; it needs tp > 1")
-    if s.pp > 1 and s.zero > 1:
-        raise ValueError(f"zero: under a pipeline zfunc shards with ZeRO 0 or 1 only (pipeline must be the "
-                         f"outermost transformation), got zero={s.zero} with pp={s.pp}")
-    if s.offload_params != "none" and s.zero != 3 and dp > 1:
-        raise ValueError(f"offload_params: offloading params needs zero=3 (units fetched just in time) on more than "
-                         f"one rank, got zero={s.zero}")
-    notes = []
-    if s.tp > 1:
-        notes.append(f"tp={s.tp}: tensor parallelism is modelled as Megatron-LM runs it; zfunc does not run it yet")
-    if s.sp:
-        notes.append("sp: sequence parallelism is modelled as Megatron-LM runs it; zfunc does not run it yet")
-    if s.pp > 1 and "none" != s.offload_optimizer:
-        notes.append("offload under a pipeline is modelled; zfunc does not compose them yet")
-    if dp == 1 and s.zero != 0 and s.offload_optimizer == "none" and s.offload_params == "none":
+def resolve(plan: Plan, gpus: int, max_seq: int) -> tuple[Plan, list[str]]:
+    """``plan`` with ``dp`` (when 1: what tp and pp leave of the ``gpus``), ``seq`` (default
+    ``max_seq``) and ``micro_batch`` (default 1) filled in, checked against the GPUs; and notes,
+    one per rulebook rule zfunc does not run (modelled here all the same)."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan: expected a zf.config.Plan, got {type(plan).__name__}")
+    if gpus % (plan.tp * plan.pp):
+        raise ValueError(f"tp, pp: tp * pp = {plan.tp * plan.pp} does not divide the {gpus} GPUs")
+    dp = gpus // (plan.tp * plan.pp) if plan.dp == 1 else plan.dp
+    if dp * plan.tp * plan.pp != gpus:
+        raise ValueError(f"dp, tp, pp: dp * tp * pp = {dp} * {plan.tp} * {plan.pp} = {dp * plan.tp * plan.pp}, but "
+                         f"there are {gpus} GPUs")
+    s = replace(plan, dp=dp, seq=plan.seq or max_seq, micro_batch=plan.micro_batch or 1)
+    notes = [f"{refusal} (modelled here; zfunc does not run it yet)"
+             for _, refusal in compose.broken(s, compose.UNSUPPORTED)]
+    if dp == 1 and s.zero_stage != 0 and s.offload_optimizer == "none" and s.offload_params == "none":
         notes.append("dp=1: ZeRO has no ranks to shard over; the plain step is what runs")
-    fused = True if s.fused_attention is None else s.fused_attention  # SDPA's flash kernels, CUDA and CPU alike
-    return replace(s, dp=dp, seq=seq, fused_attention=fused), notes
+    return s, notes
+
+
+def describe(s: Plan) -> str:
+    """The layout in one line: ``dp=8 pp=1 tp=1 zero=3 offload optimizer=cpu micro_batch=2 accum=1 seq=4096 bf16``."""
+    par = f"dp={s.dp} pp={s.pp} tp={s.tp}" + (" sp" if s.sp else "")
+    off = "" if s.offload_optimizer == "none" else f" offload optimizer={s.offload_optimizer}"
+    off += "" if s.offload_params == "none" else f" params={s.offload_params}"
+    extra = ("" if not s.remat else f" remat={'offload' if s.remat_offload else 'full'}") + \
+        ("" if tiles(s) == 1 else f" tiles={tiles(s)}")
+    return (f"{par} zero={s.zero_stage}{off}{extra} micro_batch={s.micro_batch} accum={microbatches(s)} "
+            f"seq={s.seq} {s.precision}")
+
+
+def elem(s: Plan) -> int:
+    """Bytes of the compute dtype."""
+    return 4 if s.precision == "fp32" else 2
+
+
+def opt_bytes(s: Plan) -> int:
+    """Optimizer state bytes per param (AdamW's when the plan names no optimizer)."""
+    return OPTIMIZER_STATE_BYTES[s.optimizer or DEFAULT_OPTIMIZER]
+
+
+def microbatches(s: Plan) -> int:
+    """Microbatches per step: the accumulation steps, or the pipeline's microbatches when ``pp > 1``."""
+    return s.microbatches if s.pp > 1 else s.accum
+
+
+def tiles(s: Plan) -> int:
+    """Tiles of the largest Linears (``zf.tile``; 1: untiled)."""
+    return max(1, s.tile_lm_head)
+
+
+def clipped(s: Plan) -> bool:
+    """Whether the plan clips the global grad norm."""
+    return s.gradient_clipping > 0
+
+
+def offload_overlaps(s: Plan) -> bool:
+    """Whether offload updates units during backward (zfunc.offloading.step: no clip, no fp16, accum 1)."""
+    return not clipped(s) and s.precision != "fp16" and microbatches(s) == 1 and s.pp == 1

@@ -1,7 +1,9 @@
 """``--validate``: the step-time model against this machine's own benchmarks, after calibration.
 
-Runs small configurations of the repository's benchmarks (from its root: they import ``benchmarks/``
-and ``recipes/``) and prints predicted beside measured step times, with the load average.
+The measuring is ``benchmarks/plan_validate.py``'s (it runs the repository's benchmarks' trainers
+and recipes' GPT, from the repository's root); ``python -m zfunc.plan --validate`` runs that command.
+This module turns its measurements into predicted beside measured step times (``shard_rows``,
+``pipeline_rows``; ``offload_rows`` times zfunc's own offloaded step) and the table (``table``):
 - ``benchmarks/shard.py``'s trainers (its ``build``: GPT 1.85M, 8 x 128 tokens per rank, fp32,
   clip + AdamW) on 2 gloo ranks: zfunc stages 1-3 and DDP for stage 0 (the same algorithm:
   bucketed fp32 all-reduce during backward), interleaved in an order shuffled each round (in a
@@ -36,9 +38,9 @@ Target: predicted within +-25% of measured.
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,8 +51,8 @@ import torch
 from zfunc.plan import calibrate
 from zfunc.plan.core import plan
 from zfunc.plan.cost import offload_update_parts
-from zfunc.plan.model import from_module, from_params
-from zfunc.plan.strategy import Strategy
+from zfunc.plan.model import ModelSpec, from_params
+from zfunc.plan.strategy import from_flags
 
 TOLERANCE = 0.25
 
@@ -73,50 +75,7 @@ class Row:
     paired: float | None = None  # median over steps of measured / predicted at the share probed after it
 
 
-def _gpt(cfg):
-    from recipes.gpt import GPT
-
-    with torch.device("meta"):
-        return from_module(GPT(cfg), name="GPT (recipes/gpt.py)")
-
-
-def _config():
-    from recipes.gpt import GPTConfig
-
-    return GPTConfig(n_layer=4, n_head=4, n_embd=192, block_size=128)
-
-
 TRAINERS = {"ddp": 0, "zf-1": 1, "zf-2": 2, "zf-3": 3}
-
-
-def _shard_worker(rank: int, world: int, cfg, batch: int, rounds: int):
-    """Per trainer, this rank's step times (s), each step started by a barrier and followed by a
-    probe of this rank's share of a core; then its rates (CPU time)."""
-    import zfunc as zf
-    from benchmarks.shard import batches, build
-    from recipes.gpt import GPT
-
-    mesh = zf.Mesh(dp=world)
-    torch.manual_seed(0)
-    base = GPT(cfg)
-    trainers = {k: build(k, base, mesh)[0] for k in TRAINERS}
-    data = batches(cfg, batch, rank, 3)
-    for run in trainers.values():  # warm-up: JIT, allocator, bucket order, unit order
-        run(data[0]).item()
-        run(data[1]).item()
-    times, cpu, shares = ({k: [] for k in trainers} for _ in range(3))
-    names = list(trainers)
-    for r in range(rounds):  # a fresh order each round, the same on every rank (as benchmarks/shard.py)
-        for k in random.Random(r).sample(names, len(names)):
-            run = trainers[k]
-            torch.distributed.barrier()
-            t, c = time.perf_counter(), time.process_time()
-            run(data[r % len(data)]).item()
-            times[k].append(time.perf_counter() - t)
-            cpu[k].append(time.process_time() - c)
-            shares[k].append(calibrate.cpu_share(then=torch.distributed.barrier))
-    torch.distributed.barrier()
-    return times, calibrate.rates_now(), shares, cpu
 
 
 def _rates(results, at=1) -> dict:
@@ -134,21 +93,20 @@ def _paired(measured: list[float], predicted: list[float]) -> float:
     return statistics.median(m / p for m, p in zip(measured, predicted))
 
 
-def shard_rows(cal: dict, rounds: int = 20, batch: int = 8, world: int = 2) -> list[Row]:
-    import zfunc as zf
-
-    cfg = _config()
-    results = zf.dist.spawn(_shard_worker, world, world, cfg, batch, rounds, timeout_s=3600)
-    model, whole = _gpt(cfg), calibrate.cluster_from(cal, world, rates=_rates(results))
+def shard_rows(cal: dict, results: list, model: ModelSpec, batch: int, seq: int) -> list[Row]:
+    """The shard benchmark's rows: ``results`` are its ranks' (step times, rates, shares, CPU
+    seconds) per trainer of ``TRAINERS``, for ``model`` at ``batch`` x ``seq`` tokens per rank."""
+    world = len(results)
+    whole = calibrate.cluster_from(cal, world, rates=_rates(results))
     rows = []
     for trainer, stage in TRAINERS.items():
-        s = Strategy(zero=stage, micro_batch=batch, seq=cfg.block_size, precision="fp32", clip=True)
+        s = from_flags(zero=stage, micro_batch=batch, seq=seq, precision="fp32", clip=True)
         quiet = plan(model, whole, s)
         walls, shares = _steps(results, trainer, 0), _steps(results, trainer, 2, min)
         share = statistics.median(shares)
         loaded = {k: v / share for k, v in quiet.time.items()}  # every part is CPU work here
         label = "DDP (stage 0's algorithm)" if stage == 0 else f"zfunc stage {stage}"
-        rows.append(Row("benchmarks/shard.py", f"{label}, {world} ranks, {batch}x{cfg.block_size}/rank",
+        rows.append(Row("benchmarks/shard.py", f"{label}, {world} ranks, {batch}x{seq}/rank",
                         loaded["step"], statistics.median(walls), loaded, share, quiet.step_time,
                         statistics.median(_steps(results, trainer, 3)),
                         paired=_paired(walls, [quiet.step_time / x for x in shares])))
@@ -172,7 +130,7 @@ def offload_rows(cal: dict, mparams: float = 50.0, path: str | None = None, step
                       chunk_bytes=64 << 20)
     state = step.init(params)
     model = from_params(n_leaves * leaf)
-    s = Strategy(zero=1, offload_optimizer="nvme", micro_batch=1, seq=1, precision="fp32", clip=True)
+    s = from_flags(zero=1, offload_optimizer="nvme", micro_batch=1, seq=1, precision="fp32", clip=True)
     measured, predicted = [], []
     for i in range(2 + steps):
         state, _ = step(state, torch.tensor(1.0))
@@ -185,7 +143,7 @@ def offload_rows(cal: dict, mparams: float = 50.0, path: str | None = None, step
         now = dict(cal, disk=calibrate.disk(path, nbytes=32 << 20, timer=_median_wall), **now)
         cluster = calibrate.cluster_from(now, 1)
         pl = plan(model, cluster, s)
-        predicted.append((pl.time["update"], offload_update_parts(model, pl.strategy, cluster)))
+        predicted.append((pl.time["update"], offload_update_parts(model, pl.plan, cluster)))
     step.engine.close()  # the swap files' lock, before they go
     shutil.rmtree(root, ignore_errors=True)
     p = statistics.median(t for t, _ in predicted)
@@ -198,59 +156,22 @@ def offload_rows(cal: dict, mparams: float = 50.0, path: str | None = None, step
 SCHEDULES = ("gpipe", "1f1b")
 
 
-def _pipeline_worker(rank: int, p: int, cfg, ms: list[int], batch: int, steps: int, rounds: int):
-    """``benchmarks/pipeline.py``'s ``worker`` loop over its zfunc trainers, each step followed by a
-    probe of this rank's share of a core; then its rates (CPU time)."""
-    import copy
-
-    import zfunc as zf
-    from benchmarks.pipeline import zfunc_trainer
-    from recipes.gpt import GPT
-
-    mesh = zf.Mesh(pp=p)
-    torch.manual_seed(0)
-    base = GPT(cfg)
-    g = torch.Generator().manual_seed(7)
-    data = [torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=g) for _ in range(steps)]
-    trainers = {(s, m): zfunc_trainer(copy.deepcopy(base), mesh, m, s)[0] for m in ms for s in SCHEDULES}
-    for run in trainers.values():  # warm-up: shapes, allocator
-        run(data[0])
-    times, cpu, shares, alone = ({k: [] for k in trainers} for _ in range(4))
-    for _ in range(rounds):
-        for k, run in trainers.items():
-            for tokens in data:
-                torch.distributed.barrier()  # every trainer starts its step together on all ranks
-                t0, c = time.perf_counter(), time.process_time()
-                run(tokens)
-                times[k].append(time.perf_counter() - t0)
-                cpu[k].append(time.process_time() - c)
-                shares[k].append(calibrate.cpu_share(then=torch.distributed.barrier))
-                for r in range(p):  # and each rank alone, the other waiting, as in the fill and drain
-                    if r == rank:
-                        alone[k].append(calibrate.cpu_share(then=torch.distributed.barrier))
-                    else:
-                        torch.distributed.barrier()
-    torch.distributed.barrier()
-    return times, calibrate.rates_now(), shares, cpu, alone
-
-
-def pipeline_rows(cal: dict, ms=(2, 4, 8), batch: int = 16, steps: int = 3, rounds: int = 3) -> list[Row]:
-    import zfunc as zf
-
-    cfg, p = _config(), 2
-    results = zf.dist.spawn(_pipeline_worker, p, p, cfg, list(ms), batch, steps, rounds, timeout_s=3600)
-    model, quiet = _gpt(cfg), calibrate.cluster_from(cal, p, rates=_rates(results))
+def pipeline_rows(cal: dict, results: list, model: ModelSpec, ms, batch: int, seq: int) -> list[Row]:
+    """The pipeline benchmark's rows: ``results`` are its stages' (step times, rates, shares, CPU
+    seconds, shares alone) per (schedule, microbatches), for ``model`` at ``batch`` x ``seq``."""
+    p = len(results)
+    quiet = calibrate.cluster_from(cal, p, rates=_rates(results))
     rows = []
     for m in ms:
         for schedule in SCHEDULES:
-            s = Strategy(zero=0, pp=p, accum=m, micro_batch=batch // m, seq=cfg.block_size, precision="fp32",
-                         clip=False, schedule=schedule)
+            s = from_flags(zero=0, pp=p, accum=m, micro_batch=batch // m, seq=seq, precision="fp32", clip=False,
+                           schedule=schedule)
             whole, key = plan(model, quiet, s), (schedule, m)
             walls, shares, alone = _steps(results, key, 0), _steps(results, key, 2, min), _steps(results, key, 4, min)
             share, alone_share = statistics.median(shares), statistics.median(alone)
             parts = loaded_pipeline(whole.time, m, p, share, alone_share)
             each = [loaded_pipeline(whole.time, m, p, x, y)["step"] for x, y in zip(shares, alone)]
-            rows.append(Row("benchmarks/pipeline.py", f"{schedule}, 2 stages, m={m}, {batch}x{cfg.block_size}",
+            rows.append(Row("benchmarks/pipeline.py", f"{schedule}, {p} stages, m={m}, {batch}x{seq}",
                             parts["step"], statistics.median(walls), parts, share, whole.step_time,
                             statistics.median(_steps(results, key, 3)), alone_share, _paired(walls, each)))
     return rows
@@ -270,28 +191,27 @@ def loaded_pipeline(whole: dict[str, float], m: int, p: int, share: float, alone
     return out
 
 
-def main(calibration: str | None = None, mparams: float = 50.0) -> int:
-    import importlib.util
-
-    if importlib.util.find_spec("benchmarks") is None or importlib.util.find_spec("recipes") is None:
-        print("--validate: run from the repository root (it imports benchmarks/ and recipes/)", file=sys.stderr)
-        return 2
-    try:
-        cal = calibrate.load(calibration)
-    except (OSError, ValueError) as e:
-        print(f"{e}\nmeasuring this machine first", flush=True)
-        cal = calibrate.measure()
-        print(f"wrote {calibrate.save(cal, calibration)}")
-    print(calibrate.describe(cal))
-    before, start = os.getloadavg()[0], time.perf_counter()
-    rows = shard_rows(cal) + offload_rows(cal, mparams) + pipeline_rows(cal)
-    print(f"\nload average {before:.1f} before, {os.getloadavg()[0]:.1f} after ({os.cpu_count()} cores), "
-          f"{time.perf_counter() - start:.0f} s\n")
-    print(table(rows))
-    print("\npredicted parts (ms, under load): ")
+def report(rows: list[Row], load_before: float, seconds: float) -> str:
+    """The validation's printout: the load around it, ``table(rows)`` and each row's predicted parts."""
+    lines = [f"\nload average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after ({os.cpu_count()} cores), "
+             f"{seconds:.0f} s\n", table(rows), "\npredicted parts (ms, under load): "]
     for row in rows:
-        print(f"  {row.config}: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in row.parts.items()))
-    return 0
+        lines.append(f"  {row.config}: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in row.parts.items()))
+    return "\n".join(lines)
+
+
+COMMAND = ("benchmarks", "plan_validate.py")  # the measuring, in the repository
+
+
+def main(calibration: str | None = None) -> int:
+    """Run ``benchmarks/plan_validate.py`` from the repository's root (the working directory);
+    2 where there is none."""
+    script = os.path.join(*COMMAND)
+    if not os.path.isfile(script):
+        print(f"--validate: run from the repository's root: it runs {script}, which measures its benchmarks",
+              file=sys.stderr)
+        return 2
+    return subprocess.call([sys.executable, script] + (["--calibration", calibration] if calibration else []))
 
 
 def table(rows: list[Row]) -> str:
