@@ -347,6 +347,6 @@ def whole_params(state: Any, mesh: Any) -> dict[str, torch.Tensor]:
     or pipelined: every rank calls it). Costs the whole model in fp32 on each rank."""
     import zfunc as zf
 
-    if state.sharding is None:
+    if state.placement is None:
         return state.params
     return zf.checkpoint.full_params(state, mesh)

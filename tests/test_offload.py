@@ -451,7 +451,7 @@ def test_a_checkpoint_loads_straight_into_an_offloaded_step(tmp_path, where, par
     loaded = zf.checkpoint.load(directory, step)
     placed = step.memory(loaded)
     assert (placed["nvme"] > 0) == ("nvme" in (where, params)) and (placed["device"] > 0) == (params is None)
-    assert loaded.step == 2 and isinstance(loaded.sharding, OffloadSpec)
+    assert loaded.step == 2 and isinstance(loaded.placement, OffloadSpec)
     state, losses, norms = resume(step, loaded, 2, 5)
     assert losses == ref_losses and norms == pytest.approx(ref_norms, rel=1e-6)
     got = zf.checkpoint.full_params(state)

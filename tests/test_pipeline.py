@@ -94,7 +94,7 @@ def dp_pp_worker(rank, world):
     step, state = make(("1f1b", 2, None), mesh, shard=True)
     local = [tuple(t[mesh.rank * 4 : (mesh.rank + 1) * 4] for t in batch) for batch in batches()]
     state, losses, norms = train_on(step, state, local)
-    stage_state = zf.TrainState(state.params, state.opt_state, sharding=state.sharding.inner)
+    stage_state = zf.TrainState(state.params, state.opt_state, placement=state.placement.inner)
     return losses, norms, full_params(stage_state, mesh), (mesh.rank, mesh.pp_rank)
 
 
@@ -217,7 +217,7 @@ def test_a_pipelined_state_saves_loads_and_gathers_its_params(tmp_path):
     assert list(whole) == sorted(state.params) and all(torch.equal(whole[n], state.params[n]) for n in whole)
     directory = zf.checkpoint.save(state, tmp_path / "000003")
     loaded = zf.checkpoint.load(directory, step)
-    assert loaded.sharding == state.sharding and loaded.step == 3
+    assert loaded.placement == state.placement and loaded.step == 3
     for a, b in zip(zf.tree.leaves(loaded), zf.tree.leaves(state)):
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
     plain_step, _ = make()
@@ -306,7 +306,7 @@ def norm_dp_pp_worker(rank, world):
     state = step.init(zf.functionalize(model)[1])
     for batch in bn_batches():
         state, _ = step(state, tuple(t[mesh.rank * 4 : (mesh.rank + 1) * 4] for t in batch))
-    stage_state = zf.TrainState(state.params, state.opt_state, sharding=state.sharding.inner)
+    stage_state = zf.TrainState(state.params, state.opt_state, placement=state.placement.inner)
     return full_params(stage_state, mesh), state.buffers
 
 

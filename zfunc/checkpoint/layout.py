@@ -73,7 +73,7 @@ def place(spec: Any) -> tuple[int, int]:
     if isinstance(spec, PipelineSpec):
         dp, rank = (spec.inner.world, spec.inner.rank) if spec.inner else (1, 0)
         return spec.stages * dp, spec.stage * dp + rank
-    raise CheckpointError(f"state: sharding {spec!r} is not a layout checkpoints know (expected None, a ShardSpec "
+    raise CheckpointError(f"state.placement: {spec!r} is not a layout checkpoints know (expected None, a ShardSpec "
                           "or a PipelineSpec)")
 
 
@@ -100,7 +100,7 @@ def _param_rows(state: TrainState) -> dict[str, tuple[LeafShard, tuple[int, ...]
     """Param key -> (its whole ``LeafShard``, this rank's piece shape, the rows it holds)."""
     from zfunc.pipelining.step import PipelineSpec
 
-    spec = state.sharding
+    spec = state.placement
     dp = spec.inner if isinstance(spec, PipelineSpec) else spec
     out = {}
     for i, (key, p) in enumerate(zip(param_keys(state), tree.leaves(state.params))):
@@ -123,7 +123,7 @@ def _logical(state: TrainState, paths: list[str]) -> list[str]:
     by its tree path."""
     from zfunc.offloading.step import OffloadSpec
 
-    if not isinstance(state.sharding, OffloadSpec):
+    if not isinstance(state.placement, OffloadSpec):
         return paths
     keys, names = param_keys(state), _leaf_names(state.params)
     out = []
@@ -237,7 +237,7 @@ def check_structure(directory: Path, saved: dict[str, dict], slots: list[Slot], 
         split_like = entry.get("split_like")
         return path.startswith(BUFFERS) or (split_like is not None and split_like not in held)
 
-    pipelined = isinstance(template.sharding, PipelineSpec)
+    pipelined = isinstance(template.placement, PipelineSpec)
     missing = sorted(mine - saved.keys())
     unexpected = sorted(p for p, e in saved.items() if p not in mine and not (pipelined and elsewhere(p, e)))
     if missing or unexpected:
@@ -326,7 +326,7 @@ def gather_params(state: TrainState) -> dict[str, torch.Tensor]:
     params (a pipelined one); every rank of the default process group calls it. Costs an
     all-gather of the ranks' pieces, each padded to the largest rank's (fp32), and one of their
     descriptions."""
-    world, _ = place(state.sharding)
+    world, _ = place(state.placement)
     held = [(s.split_like, s.rows, s.full_shape) for s in slots(state)[0] if s.path.startswith(PARAMS)]
     pieces_ = [x.detach().float().reshape(-1) for x in tree.leaves(state.params)]
     device = pieces_[0].device if pieces_ else torch.device("cpu")
@@ -349,5 +349,5 @@ def gather_params(state: TrainState) -> dict[str, torch.Tensor]:
                 out[key] = torch.empty(shape, dtype=torch.float32, device=device)
             out[key].reshape(-1, *tail)[a:b] = buffer[offset : offset + n].view(b - a, *tail)
             offset += n
-    names = getattr(state.sharding, "names", None) or sorted(out)
+    names = getattr(state.placement, "names", None) or sorted(out)
     return {k: out[k] for k in names}

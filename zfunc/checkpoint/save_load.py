@@ -165,7 +165,7 @@ def save(state: TrainState, directory: str | os.PathLike, *, keep_last: int | No
         raise TypeError(f"blocking: expected a bool, got {type(blocking).__name__}")
     ca.wait_for_previous()
     final, run, extra = _check_save_args(directory, keep_last, extra, run)
-    world, rank = cl.place(state.sharding)
+    world, rank = cl.place(state.placement)
     from zfunc.offloading.step import in_ram
 
     state = in_ram(state)  # an offloaded state's swap files, read back
@@ -263,7 +263,7 @@ def _publish(tmp: Path, final: Path, run: str, keep_last: int | None) -> None:
 
 def _manifest(state: TrainState, entries: list[dict], run: str, extra: dict) -> dict:
     """The manifest but for its checksums (``files`` and the pieces' ``crc``: after the write)."""
-    return {"format": cf.FORMAT, "zfunc": zfunc.__version__, **cl.describe(state.sharding), "step": state.step,
+    return {"format": cf.FORMAT, "zfunc": zfunc.__version__, **cl.describe(state.placement), "step": state.step,
             "run": run, "rng": state.rng, "extra": extra, "files": {}, "leaves": entries}
 
 
@@ -341,7 +341,7 @@ def _check_model(directory: Path, manifest: dict, template: TrainState, slots: l
 
     saved = {e["path"][len(PARAMS):]: (tuple(e["full_shape"]), e["dtype"])
              for e in manifest["leaves"] if e["path"].startswith(PARAMS) and "dtype" in e}
-    spec, model = template.sharding, {}
+    spec, model = template.placement, {}
     if isinstance(spec, PipelineSpec):
         model = {n: (tuple(shape), None) for n, shape in zip(spec.names, spec.shapes)}
     model.update({s.split_like: (s.full_shape, str(x.dtype).removeprefix("torch."))
@@ -440,17 +440,17 @@ def full_params(state: TrainState, mesh=None) -> dict:
     or pipelined, which every rank of the state must call (checked first, see ``zf.dist.all_arrive``)."""
     if not isinstance(state, TrainState):
         raise TypeError(f"state: expected a TrainState, got {type(state).__name__}")
-    if state.sharding is None:
+    if state.placement is None:
         return tree.clone(state.params)
     from zfunc.dist import Mesh
     from zfunc.offloading.step import in_ram
     from zfunc.pipelining.step import PipelineSpec
     from zfunc.sharding.step import ShardSpec, full_params as gather
 
-    if isinstance(state.sharding, ShardSpec) and state.sharding.split[0] == 1:  # stage 0: whole here, a copy
+    if isinstance(state.placement, ShardSpec) and state.placement.split[0] == 1:  # stage 0: whole here, a copy
         return gather(in_ram(state), mesh)
-    world, _ = cl.place(state.sharding)
-    if isinstance(state.sharding, PipelineSpec):  # each stage's params, from its dp ranks, on every rank
+    world, _ = cl.place(state.placement)
+    if isinstance(state.placement, PipelineSpec):  # each stage's params, from its dp ranks, on every rank
         if world > 1:
             all_arrive("zf.checkpoint.full_params", "state")
         return cl.gather_params(state)
