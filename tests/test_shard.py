@@ -9,7 +9,9 @@ import torch.nn.functional as F
 import zfunc as zf
 from tests.models import (Block, NormSpy, Tiny, assert_same_training, batches, hf_model, local, make, train_on,
                           tree_equal, with_faults)
-from zfunc.sharding.step import FlatGroup, GradAllReducer, GradReducer, LeafShard, ShardSpec, full_params, local_piece
+from zfunc.sharding.layout import FlatGroup, LeafShard, ShardSpec, local_piece
+from zfunc.sharding.reduce import GradAllReducer, GradReducer
+from zfunc.sharding.step import full_params
 
 
 CONFIGS = [(stage, accum, clip) for stage in (0, 1, 2, 3) for accum, clip in ((1, True), (2, False))]

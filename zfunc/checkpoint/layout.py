@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from zfunc.core import tree
 from zfunc.checkpoint.files import CheckpointError, RankFiles
-from zfunc.sharding.step import LeafShard, ShardSpec, _leaf_names
+from zfunc.sharding.layout import LeafShard, ShardSpec, _leaf_names
 from zfunc.core.step import TrainState
 
 PARAMS = "params/"

@@ -445,7 +445,8 @@ def full_params(state: TrainState, mesh=None) -> dict:
     from zfunc.dist import Mesh
     from zfunc.offloading.step import in_ram
     from zfunc.pipelining.step import PipelineSpec
-    from zfunc.sharding.step import ShardSpec, full_params as gather
+    from zfunc.sharding.layout import ShardSpec
+    from zfunc.sharding.step import full_params as gather
 
     if isinstance(state.placement, ShardSpec) and state.placement.split[0] == 1:  # stage 0: whole here, a copy
         return gather(in_ram(state), mesh)

@@ -27,7 +27,8 @@ import torch
 from zfunc import optim
 from zfunc.core import precision as mp, tree
 from zfunc.core.roles import Role
-from zfunc.sharding.step import FlatGroup, GradSlices, _leaf_names
+from zfunc.sharding.layout import FlatGroup, _leaf_names
+from zfunc.sharding.reduce import GradSlices
 from zfunc.sharding.run import ReducedSlices, StepRun
 from zfunc.core.step import _FIELDS, NonFiniteError, TrainState
 from zfunc.offloading.store import All, OnDisk, ReadAhead, Store

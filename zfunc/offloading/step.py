@@ -109,7 +109,8 @@ from zfunc.offloading.run import (ComputeCopies, HeldSlices, LeafUpdate, StoredP
                                 UpdateOnArrival, _is_stored, _Stores)
 from zfunc.ops.cpu import hostmem
 from zfunc.core.roles import Roles
-from zfunc.sharding.step import ShardedStep, ShardSpec, _leaf_names, local_piece
+from zfunc.sharding.step import ShardedStep
+from zfunc.sharding.layout import ShardSpec, _leaf_names, local_piece
 from zfunc.sharding.run import StepRun
 from zfunc.core.step import Step, TrainState, Transformed, require_train_state
 from zfunc.offloading.store import OnDisk, Store

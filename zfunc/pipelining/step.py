@@ -84,7 +84,8 @@ from zfunc.core import compose, precision as mp, tree
 from zfunc.dist import Mesh
 from zfunc.model.functional import BufferScope, carrying
 from zfunc.pipelining.stage import PipelineSchedule, _Run, _digest, schedule_ops  # noqa: F401  (schedule_ops: public)
-from zfunc.sharding.step import GradSlices, ShardSpec, _buckets, _gather_whole, average_buffers, average_order
+from zfunc.sharding.reduce import GradSlices, average_buffers, average_order
+from zfunc.sharding.layout import ShardSpec, _buckets, _gather_whole
 from zfunc.core.step import Step, TrainState, Transformed, _cuda_devices, _step_seed, require_train_state, seeded
 from zfunc.model.units import Selector
 

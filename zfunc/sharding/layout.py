@@ -183,6 +183,3 @@ def _placeholder(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Te
     t = torch.empty(shape, dtype=dtype, device=device)
     t.untyped_storage().resize_(0)
     return t.requires_grad_()
-
-
-FlatUnit = FlatGroup  # its former name (it packs buckets as well as units)

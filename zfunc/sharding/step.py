@@ -80,11 +80,9 @@ from zfunc.dist import Mesh
 from zfunc.model.materialize import Materializer, leaf as materialize_leaf
 from zfunc.model.functional import BufferScope
 from zfunc.ops.cpu import hostmem
-# re-exported: the names other modules and tests import from zfunc.sharding.step
-from zfunc.sharding.layout import (FlatGroup, FlatUnit, LeafShard, ShardSpec, _buckets, _gather_whole,  # noqa: F401
-                                _leaf_names, _placeholder, _row_blocks, local_piece)
-from zfunc.sharding.reduce import (Buckets, GradAllReducer, GradReducer, GradSlices,  # noqa: F401
-                                average_buffers, average_order)
+from zfunc.sharding.layout import (FlatGroup, LeafShard, ShardSpec, _buckets, _gather_whole, _leaf_names,
+                                   local_piece)
+from zfunc.sharding.reduce import Buckets, average_buffers, average_order
 from zfunc.core.roles import Accumulation, Roles
 from zfunc.sharding.run import LocalPieces, PlainUpdate, ReducedSlices, StepRun
 from zfunc.core.step import Step, TrainState, Transformed, _check_single_device, require_train_state
