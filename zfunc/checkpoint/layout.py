@@ -43,7 +43,7 @@ import torch.distributed as dist
 from zfunc.core import tree
 from zfunc.checkpoint.files import CheckpointError, RankFiles
 from zfunc.sharding.layout import LeafShard, ShardSpec, _leaf_names
-from zfunc.core.step import TrainState
+from zfunc.core.state import TrainState
 
 PARAMS = "params/"
 BUFFERS = "buffers/"  # TrainState.buffers: module buffers, never split

@@ -91,7 +91,8 @@ from zfunc.checkpoint.folder import (checkpoint_path, claim, default_run, latest
                                      write_text_atomic)
 from zfunc.checkpoint.layout import BUFFERS, PARAMS, Slot
 from zfunc.dist import all_arrive
-from zfunc.core.step import Step, TrainState
+from zfunc.core.step import Step
+from zfunc.core.state import TrainState
 from zfunc.offloading.swap.engine import fsync_dir
 
 

@@ -42,7 +42,7 @@ from zfunc import optim
 from zfunc.model import functional as module
 from zfunc.core import precision as mp, tree
 from zfunc.ops.cpu import hostmem
-from zfunc.core.state import _FIELDS, ConsumedStateError, TrainState, require_train_state  # noqa: F401
+from zfunc.core.state import TrainState, require_train_state
 
 PyTree = Any
 

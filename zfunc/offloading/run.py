@@ -30,7 +30,8 @@ from zfunc.core.roles import Role
 from zfunc.sharding.layout import FlatGroup, _leaf_names
 from zfunc.sharding.reduce import GradSlices
 from zfunc.sharding.run import ReducedSlices, StepRun
-from zfunc.core.step import _FIELDS, NonFiniteError, TrainState
+from zfunc.core.state import _FIELDS, TrainState
+from zfunc.core.step import NonFiniteError
 from zfunc.offloading.store import All, OnDisk, ReadAhead, Store
 
 if TYPE_CHECKING:

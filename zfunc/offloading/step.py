@@ -112,7 +112,8 @@ from zfunc.core.roles import Roles
 from zfunc.sharding.step import ShardedStep
 from zfunc.sharding.layout import ShardSpec, _leaf_names, local_piece
 from zfunc.sharding.run import StepRun
-from zfunc.core.step import Step, TrainState, Transformed, require_train_state
+from zfunc.core.step import Step, Transformed
+from zfunc.core.state import TrainState, require_train_state
 from zfunc.offloading.store import OnDisk, Store
 
 __all__ = ["OffloadSpec", "OffloadedStep", "in_ram", "offload", "release"]

@@ -86,7 +86,8 @@ from zfunc.model.functional import BufferScope, carrying
 from zfunc.pipelining.stage import PipelineSchedule, _Run, _digest, schedule_ops  # noqa: F401  (schedule_ops: public)
 from zfunc.sharding.reduce import GradSlices, average_buffers, average_order
 from zfunc.sharding.layout import ShardSpec, _buckets, _gather_whole
-from zfunc.core.step import Step, TrainState, Transformed, _cuda_devices, _step_seed, require_train_state, seeded
+from zfunc.core.step import Step, Transformed, _cuda_devices, _step_seed, seeded
+from zfunc.core.state import TrainState, require_train_state
 from zfunc.model.units import Selector
 
 PyTree = Any

@@ -30,7 +30,8 @@ from zfunc.sharding.prefetch import Gatherer
 from zfunc.core.roles import Role
 from zfunc.sharding.layout import ShardSpec, _leaf_names, _placeholder
 from zfunc.sharding.reduce import Buckets, GradAllReducer, GradReducer, GradSlices
-from zfunc.core.step import Step, TrainState, _cuda_devices, _step_seed, seeded, split_loss
+from zfunc.core.step import Step, _cuda_devices, _step_seed, seeded, split_loss
+from zfunc.core.state import TrainState
 
 PyTree = Any
 

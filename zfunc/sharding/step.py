@@ -85,7 +85,8 @@ from zfunc.sharding.layout import (FlatGroup, LeafShard, ShardSpec, _buckets, _g
 from zfunc.sharding.reduce import Buckets, average_buffers, average_order
 from zfunc.core.roles import Accumulation, Roles
 from zfunc.sharding.run import LocalPieces, PlainUpdate, ReducedSlices, StepRun
-from zfunc.core.step import Step, TrainState, Transformed, _check_single_device, require_train_state
+from zfunc.core.step import Step, Transformed, _check_single_device
+from zfunc.core.state import TrainState, require_train_state
 from zfunc.model.units import Selector
 
 PyTree = Any
