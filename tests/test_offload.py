@@ -13,7 +13,8 @@ import torch.nn.functional as F
 import zfunc as zf
 from tests.models import Block, Tiny, assert_same_training, batches, local, tree_equal, train_on, with_faults
 from tests.models import make_offloaded as make  # this file's step: Tiny, offloaded or not
-from zfunc.offloading.step import ComputeCopies, OffloadSpec, in_ram, offload, release
+from zfunc.offloading.run import ComputeCopies
+from zfunc.offloading.step import OffloadSpec, in_ram, offload, release
 from zfunc.sharding.run import StepRun
 from zfunc.sharding.step import full_params
 from zfunc.offloading.swap.engine import SwapInUseError, SwapPathError

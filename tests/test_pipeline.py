@@ -190,7 +190,7 @@ def test_what_a_pipeline_cannot_split_is_refused(model_kw, own_batch, error):
 
 @pytest.mark.parametrize("p, m", [(4, 6), (4, 2), (2, 1)])
 def test_schedules_run_every_microbatch_once_and_bound_the_live_ones(p, m):
-    from zfunc.pipelining.step import schedule_ops
+    from zfunc.pipelining.stage import schedule_ops
 
     assert schedule_ops("1f1b", 2, 0, 3) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2)]
     for schedule in ("gpipe", "1f1b"):

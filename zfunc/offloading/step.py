@@ -105,7 +105,7 @@ import torch
 
 from zfunc.core import compose, precision as mp, tree
 from zfunc.dist import Mesh
-from zfunc.offloading.run import (ComputeCopies, HeldSlices, LeafUpdate, StoredPieces,  # noqa: F401
+from zfunc.offloading.run import (ComputeCopies, HeldSlices, LeafUpdate, StoredPieces,
                                 UpdateOnArrival, _is_stored, _Stores)
 from zfunc.ops.cpu import hostmem
 from zfunc.core.roles import Roles

@@ -83,7 +83,7 @@ from zfunc import optim
 from zfunc.core import compose, precision as mp, tree
 from zfunc.dist import Mesh
 from zfunc.model.functional import BufferScope, carrying
-from zfunc.pipelining.stage import PipelineSchedule, _Run, _digest, schedule_ops  # noqa: F401  (schedule_ops: public)
+from zfunc.pipelining.stage import PipelineSchedule, _Run, _digest
 from zfunc.sharding.reduce import GradSlices, average_buffers, average_order
 from zfunc.sharding.layout import ShardSpec, _buckets, _gather_whole
 from zfunc.core.step import Step, Transformed, _cuda_devices, _step_seed, seeded
@@ -92,7 +92,7 @@ from zfunc.model.units import Selector
 
 PyTree = Any
 SCHEDULES = ("1f1b", "gpipe")
-__all__ = ["Layout", "PipelineSpec", "PipelineStep", "make_layout", "pipeline", "schedule_ops"]
+__all__ = ["Layout", "PipelineSpec", "PipelineStep", "make_layout", "pipeline"]
 
 
 @dataclass(frozen=True)
