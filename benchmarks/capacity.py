@@ -121,7 +121,8 @@ def optimizer_step(mparams: float, path: str) -> None:
 
     import zfunc as zf
     from zfunc.ops.cpu import adam as cpu_adam
-    from zfunc.offloading.swap.engine import SwapEngine, aligned_empty
+    from zfunc.offloading.swap.engine import SwapEngine
+    from zfunc.offloading.swap.file_format import aligned_empty
 
     n_leaves = 16
     leaf = int(mparams * 1e6) // n_leaves

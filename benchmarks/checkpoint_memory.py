@@ -37,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from zfunc.checkpoint import disk_io as cio  # noqa: E402
+from zfunc.offloading.swap.file_format import aligned_empty  # noqa: E402
 from zfunc.ops.cpu import hostmem  # noqa: E402
 
 
@@ -55,9 +56,9 @@ def main(argv=None) -> None:
     n, root = args.mib << 20, Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
     path = root / "f"
-    src = cio.aligned_empty(n)
+    src = aligned_empty(n)
     src.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8))
-    touched = cio.aligned_empty(n)
+    touched = aligned_empty(n)
     touched.fill_(0)
 
     def drop() -> None:

@@ -35,8 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from zfunc.offloading.swap import engine as swap  # noqa: E402
-from zfunc.offloading.swap.engine import SwapEngine, aligned_empty  # noqa: E402
+from zfunc.offloading.swap.engine import SwapEngine  # noqa: E402
+from zfunc.offloading.swap.file_format import aligned_empty, crc32  # noqa: E402
 
 FIO_CONFIGS = [("libaio", 1, 1), ("libaio", 4, 1), ("libaio", 16, 1), ("psync", 1, 4)]  # engine, iodepth, jobs
 
@@ -127,7 +127,7 @@ def main() -> None:
         first = next(iter(engines.values()))
         print(f"# {buf.numel() / 2**30:.2f} GiB, {args.block_mib} MiB blocks, {args.dir} "
               f"(O_DIRECT {'on' if first.o_direct else 'refused: buffered'}), {args.repeats} repeats, "
-              f"crc32 from {swap.crc32.__module__}, torch {torch.__version__}, {os.uname().release}")
+              f"crc32 from {crc32.__module__}, torch {torch.__version__}, {os.uname().release}")
         runs = [(name, op) for op in ("write", "read") for name in table]
         for r in range(args.repeats):
             shift = r * len(runs) // max(args.repeats, 1)

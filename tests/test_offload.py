@@ -17,7 +17,7 @@ from zfunc.offloading.run import ComputeCopies
 from zfunc.offloading.step import OffloadSpec, in_ram, offload, release
 from zfunc.sharding.run import StepRun
 from zfunc.sharding.step import full_params
-from zfunc.offloading.swap.engine import SwapInUseError, SwapPathError
+from zfunc.offloading.swap.file_format import SwapInUseError, SwapPathError
 
 PLACES = [("cpu", None), ("nvme", None), ("cpu", "cpu"), ("nvme", "nvme")]
 
@@ -317,7 +317,7 @@ def test_a_corrupted_swap_file_is_reported_by_name(tmp_path):
         byte = f.read(1)
         f.seek(4096 + 7)
         f.write(bytes([byte[0] ^ 0xFF]))
-    from zfunc.offloading.swap.engine import SwapChecksumError
+    from zfunc.offloading.swap.file_format import SwapChecksumError
 
     with pytest.raises(SwapChecksumError, match=victim.name):
         step(state, batches(1, 1)[0])
@@ -349,7 +349,7 @@ def test_bad_arguments_are_named(tmp_path):
 
 
 def test_an_unwritable_or_full_path_fails_at_init_before_training(tmp_path):
-    from zfunc.offloading.swap.engine import SwapError
+    from zfunc.offloading.swap.file_format import SwapError
 
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from zfunc.core import env, state as state_module
 from zfunc.checkpoint.disk_io import Pace
-from zfunc.offloading.swap.engine import aligned_empty
+from zfunc.offloading.swap.file_format import aligned_empty
 
 EAGER_BYTES = 1 << 20  # leaves smaller than this are copied before save returns
 # Host buffers of a finished background save kept for the next one, at most this many bytes

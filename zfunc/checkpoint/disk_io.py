@@ -62,7 +62,7 @@ from pathlib import Path
 
 import torch
 
-from zfunc.offloading.swap.engine import ALIGN, aligned_empty, crc32
+from zfunc.offloading.swap.file_format import ALIGN, aligned_empty, crc32
 
 THREADS = 4  # blocks written in flight per file
 # False: write through the page cache (pwrite), same blocks and threads: on this VM saves ran at

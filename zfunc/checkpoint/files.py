@@ -27,7 +27,7 @@ import torch
 
 from zfunc.checkpoint.disk_io import Pace, Reader, flat_bytes, write_file
 from zfunc.ops.cpu import hostmem
-from zfunc.offloading.swap.engine import ALIGN, crc32
+from zfunc.offloading.swap.file_format import ALIGN, crc32
 
 FORMAT = 2
 FORMATS = (1, 2)  # what checkpoint_manifest.read_manifest accepts

@@ -28,7 +28,7 @@ from typing import Any
 
 from zfunc.checkpoint.files import LATEST, MANIFEST, RANK_FILE, CheckpointError
 from zfunc.checkpoint.manifest import read_manifest
-from zfunc.offloading.swap.engine import fsync_dir
+from zfunc.offloading.swap.directory import fsync_dir
 
 
 def checkpoint_path(directory: Any, argument: str = "directory") -> Path:

@@ -93,7 +93,7 @@ from zfunc.checkpoint.layout import BUFFERS, PARAMS, Slot
 from zfunc.dist import all_arrive
 from zfunc.core.step import Step
 from zfunc.core.state import TrainState
-from zfunc.offloading.swap.engine import fsync_dir
+from zfunc.offloading.swap.directory import fsync_dir
 
 
 __all__ = ["CheckpointError", "SaveHandle", "save", "load", "latest", "read_manifest", "full_params", "export",

@@ -238,7 +238,8 @@ class OffloadedStep(Transformed):
     def _swap(self, spec: ShardSpec) -> None:
         """The swap engine, on this process's own folder of ``path`` (``rank_dir``), which it locks."""
         if self.engine is None and "nvme" in (self.where_optimizer, self.where_params):
-            from zfunc.offloading.swap.engine import SwapEngine, rank_dir
+            from zfunc.offloading.swap.engine import SwapEngine
+            from zfunc.offloading.swap.directory import rank_dir
 
             # the files init writes, fp32 like the local pieces: a master (params on nvme) and, as
             # for Adam, two moments (optimizer on nvme) per leaf; the engine adds their spares
@@ -323,7 +324,7 @@ def _overlap_allowed(step: Step, overlap: bool | None) -> bool:
 
 def _saying(e: OSError, outcome: str) -> OSError:
     """``e`` with ``outcome`` (what became of the state) added to its message, same type and errno."""
-    from zfunc.offloading.swap.engine import SwapError
+    from zfunc.offloading.swap.file_format import SwapError
 
     if not isinstance(e, SwapError):
         e.add_note(outcome)
@@ -359,7 +360,7 @@ def release(step: Step, state: TrainState) -> int:
     offloaded to "cpu", or released already). Files and folders zfunc did not write stay. The
     step may ``init`` again afterwards, on a new engine. Cost: waits for the I/O issued on the
     files, then an unlink per file and spare."""
-    from zfunc.offloading.swap.engine import _spare
+    from zfunc.offloading.swap.directory import _spare
 
     if not isinstance(step, OffloadedStep) or step.engine is None:
         return 0

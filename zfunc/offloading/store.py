@@ -78,7 +78,7 @@ class Store:
         """A future of the tensor behind ``x`` (for a file, a fresh aligned buffer read from it)."""
         if not isinstance(x, OnDisk):
             return done(x)
-        from zfunc.offloading.swap.engine import aligned_empty
+        from zfunc.offloading.swap.file_format import aligned_empty
 
         out = aligned_empty(x.nbytes, pin=self.pin)[: x.nbytes].view(x.dtype).view(x.shape)
         return Read(self.engine.read(x.name, out), out)

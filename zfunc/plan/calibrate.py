@@ -219,7 +219,8 @@ def disk(path: str | None = None, files: int = 4, nbytes: int = 64 << 20, timer=
     """Swap-engine write and read bandwidth (bytes/s) in a scratch folder under ``path``: ``files``
     files of ``nbytes``, all written (then all read) at once; the first write, which allocates the
     files, is a warm-up, as the swap engine's spare files spare a long run those allocations."""
-    from zfunc.offloading.swap.engine import SwapEngine, aligned_empty
+    from zfunc.offloading.swap.engine import SwapEngine
+    from zfunc.offloading.swap.file_format import aligned_empty
 
     root = Path(tempfile.mkdtemp(prefix="zfunc-calibrate-", dir=path))
     try:

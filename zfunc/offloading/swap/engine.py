@@ -5,13 +5,13 @@
         swap.read("opt.group0", out).result()  # -> SwapHeader; out holds what was written
 
 One directory, one file per name (``<quoted name>.swap``), in the format of ``zfunc.offloading.swap.file_format``
-(a 4096-byte checked header, then the payload padded to 4096). The engine is in four modules, one
-concept each, and every public name is importable from here:
+(a 4096-byte checked header, then the payload padded to 4096). The engine is in four modules of
+``zfunc.offloading.swap``, one concept each; each name is imported from the module that defines it:
 
-    swap_format.py    the file format, aligned memory, crc32 and its combine, the errors
-    swap_dir.py       the directory: room checks, the one-engine lock, rank_dir, raw pread/pwrite
-    swap_transfer.py  one file's transfer cut into blocks on the thread pool
-    swap.py           the engine: names, versions, ordering per name, spares, write and read
+    file_format.py    the file format, aligned memory, crc32 and its combine, the errors
+    directory.py      the directory: room checks, the one-engine lock, rank_dir, raw pread/pwrite
+    transfer.py       one file's transfer cut into blocks on the thread pool
+    engine.py         the engine: names, versions, ordering per name, spares, write and read
 
 **Law.** ``read(name, out)`` fills ``out`` with exactly the bytes of the last completed
 ``write(name, ...)``. Operations on one name run one at a time in issue order (the engine queues
@@ -75,22 +75,18 @@ from urllib.parse import quote
 
 import torch
 
-# the engine's parts, re-exported: ``zfunc.offloading.swap.engine.X`` is where users find every public name
-from zfunc.offloading.swap.directory import (LOCK_FILE, _O_DIRECT, ROOM_ERRNOS, _hold_directory, _o_direct_works,  # noqa: F401
-                            _open_target, _pread_all, _put_back, _pwrite_all, _release_directory,
-                            _remove_stale_temporaries, _reserve, _spare, _spare_back, check_path, check_readable,
-                            fsync_dir, no_room, rank_dir, reserve_spares)
-from zfunc.offloading.swap.file_format import (ALIGN, FORMAT, MAGIC, SwapChecksumError, SwapError, SwapHeader,  # noqa: F401
-                               SwapInUseError, SwapMismatchError, SwapPathError, _mv, _pack_header, _pad,
-                               _unpack_header, _version_on_disk, aligned_empty, aligned_like, crc32, crc32_combine,
-                               disk_bytes, file_nbytes)
+from zfunc.offloading.swap.directory import (LOCK_FILE, _O_DIRECT, ROOM_ERRNOS, _hold_directory, _o_direct_works,
+                                             _open_target, _pread_all, _put_back, _pwrite_all, _release_directory,
+                                             _remove_stale_temporaries, _reserve, _spare, _spare_back, check_path,
+                                             check_readable, fsync_dir, no_room, reserve_spares)
+from zfunc.offloading.swap.file_format import (ALIGN, SwapChecksumError, SwapError, SwapHeader, SwapMismatchError, _mv,
+                                               _pack_header, _pad, _unpack_header, _version_on_disk, aligned_empty,
+                                               crc32, file_nbytes)
 from zfunc.offloading.swap.transfer import _Transfer
 
 FSYNC = ("never", "write")
 
-__all__ = ["ALIGN", "FORMAT", "FSYNC", "LOCK_FILE", "MAGIC", "SwapChecksumError", "SwapEngine", "SwapError",
-           "SwapHeader", "SwapInUseError", "SwapMismatchError", "SwapPathError", "aligned_empty", "aligned_like",
-           "check_path", "crc32", "crc32_combine", "disk_bytes", "file_nbytes", "fsync_dir", "rank_dir"]
+__all__ = ["FSYNC", "SwapEngine"]
 
 
 class SwapEngine:
