@@ -87,7 +87,7 @@ from zfunc.core import compose, tree
 from zfunc.checkpoint.background import SaveHandle
 from zfunc.checkpoint.files import LATEST, CheckpointError
 from zfunc.checkpoint.manifest import read_manifest
-from zfunc.checkpoint.folder import (checkpoint_path, claim, default_run, latest, locked, prune, put_in_place, scratch,
+from zfunc.checkpoint.folder import (checkpoint_path, claim, default_run, locked, prune, put_in_place, scratch,
                                      write_text_atomic)
 from zfunc.checkpoint.layout import BUFFERS, PARAMS, Slot
 from zfunc.dist import all_arrive
@@ -96,8 +96,7 @@ from zfunc.core.state import TrainState
 from zfunc.offloading.swap.directory import fsync_dir
 
 
-__all__ = ["CheckpointError", "SaveHandle", "save", "load", "latest", "read_manifest", "full_params", "export",
-           "load_deepspeed", "load_dcp", "deepspeed_config"]
+__all__ = ["save", "load", "full_params", "export"]
 
 
 # ----------------------------------------------------------------------------- save
