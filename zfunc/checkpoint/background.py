@@ -58,11 +58,10 @@ from zfunc.offloading.swap.file_format import aligned_empty
 
 EAGER_BYTES = 1 << 20  # leaves smaller than this are copied before save returns
 # Host buffers of a finished background save kept for the next one, at most this many bytes
-# (0: all freed when the save finishes; the default keeps them all, for the step-time target). Keeping them saves the next snapshot its page faults (on
-# this VM 0.5-2 s per GB of memory that sat free; pinned CUDA buffers also their re-pinning) at the
-# price of holding them between saves. Measured (benchmarks/checkpoint.py --no-save-load, 0.6 GB,
-# under load, two runs each): a step during a background save 1.10-1.41x a step alone with them
-# freed, 0.76-1.10x with them kept; training blocked 1-3% of a blocking save either way.
+# (0: all freed when the save finishes; the default keeps them all). Keeping them saves the next
+# snapshot its page faults (memory that sat free may have gone back to a VM's host, 0.5-2 s per GB
+# to fault in again; pinned CUDA buffers also their re-pinning), at the price of holding them
+# between saves; benchmarks/checkpoint.py --no-save-load measures a step during a save either way.
 KEEP_BYTES: float = math.inf
 
 

@@ -150,12 +150,12 @@ def reuse_freed_memory() -> bool:
     where the C library is not glibc or ``ZFUNC_HEAP_REUSE=off`` keeps glibc's defaults.
 
     ``ZFUNC_HEAP_REUSE``: ``small`` (default): blocks under 32 MiB come from the heap, where freed
-    ones are reused; larger ones are mapped and unmapped one by one as before, so their faults stay
-    (a fresh 80 MB grad faults ~20K pages every step, in torch as here). ``all``: every block of
-    the main thread comes from the heap (``M_MMAP_MAX`` 0): measured, a 20M-param CPU step 80 -> 22
-    ms of CPU (39K faults -> 0), 100M 400 -> 159 ms; but a freed block below the top of the heap is
-    never returned, so the resident size stays at the high-water mark and grows with fragmentation
-    (100M: peak 2.6 -> 4.2 GB; a background checkpoint's host copies stay resident after the save). Cost of either: the resident size does not shrink below the heap's
+    ones are reused; larger ones are mapped and unmapped one by one, so their faults stay (a fresh
+    80 MB grad faults ~20K pages every step, in torch as here). ``all``: every block of the main
+    thread comes from the heap (``M_MMAP_MAX`` 0), so a step's fresh grads fault no pages; but a
+    freed block below the top of the heap is never returned, so the resident size stays at the
+    high-water mark and grows with fragmentation (a background checkpoint's host copies stay
+    resident after the save). Cost of either: the resident size does not shrink below the heap's
     high-water mark minus ``KEEP_FREED``.
     """
     if HEAP_REUSE == "off":
