@@ -110,7 +110,8 @@ LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.1
 
 
 def zfunc_trainer(w0: torch.Tensor, c: torch.Tensor):
-    step = zf.train_step(lambda p, c: (p["w"] * c).sum(), optim.adamw(LR, *BETAS, EPS, weight_decay=WD), grad_norm=False)
+    step = zf.train_step(lambda p, c: (p["w"] * c).sum(), optim.adamw(LR, *BETAS, EPS, weight_decay=WD),
+                         grad_norm=False)
     box = [step.init({"w": w0})]
 
     def run(k: int) -> None:
@@ -289,7 +290,8 @@ def offloaded_step(shapes: list[tuple[int, ...]], old: bool, updates: list[float
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", type=float, nargs="*", default=[1e6, 2e7, 1e8], help="params per run; none: the offload phase only")
+    ap.add_argument("--sizes", type=float, nargs="*", default=[1e6, 2e7, 1e8],
+                    help="params per run; none: the offload phase only")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--steps", type=int, default=0, help="steps per sample (0: ~2e7 params' worth)")
     ap.add_argument("--no-deepspeed", action="store_true")

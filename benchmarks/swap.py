@@ -85,7 +85,8 @@ def fio_run(path: Path, op: str, nbytes: int, block: int, config: tuple[str, int
 def contenders(args, swap_dir: Path, buf: torch.Tensor) -> dict:
     """name -> {op: callable returning GB/s}."""
     engines = {(threads, verify): SwapEngine(swap_dir / f"threads{threads}-verify{verify}", threads=threads,
-                                             block_bytes=args.block_mib << 20, verify=verify, need_bytes=3 * buf.numel())
+                                             block_bytes=args.block_mib << 20, verify=verify,
+                                             need_bytes=3 * buf.numel())
                for threads in args.threads for verify in (True, False)}
     names = {key: f"bench-{key[0]}-{key[1]}" for key in engines}  # each reads what it wrote: verified or not
     for key, e in engines.items():  # twice: the steady state, where a spare exists

@@ -199,8 +199,8 @@ def _causal_report(metrics: dict, baseline: dict, unit: str) -> str:
     return f"val loss {metrics['val_loss']:.3f} nats/{unit} (unigram baseline {baseline['unigram_entropy']:.3f})"
 
 
-CAUSAL = Task("causal-lm", lambda data, B, T, gen, vocab_size: data_mod.get_batch(data, B, T, gen), _causal_loss, _causal_eval,
-              unigram_entropy, _causal_report)
+CAUSAL = Task("causal-lm", lambda data, B, T, gen, vocab_size: data_mod.get_batch(data, B, T, gen), _causal_loss,
+              _causal_eval, unigram_entropy, _causal_report)
 
 
 @dataclass

@@ -287,7 +287,8 @@ def test_a_full_swap_disk_fails_the_step_naming_it_and_the_state_before_saves_wh
     written = sum(f.stat().st_size for f in swap.glob("*.swap"))  # what a step writes: every file
     FullDisk(monkeypatch, swap, cow=int(room * written) // 4096 * 4096)
     committed = step.engine.bytes_written
-    with pytest.raises(SwapPathError, match=f"swap directory {swap} is full: 0 bytes free, needs [0-9]+ bytes") as failed:
+    full = f"swap directory {swap} is full: 0 bytes free, needs [0-9]+ bytes"
+    with pytest.raises(SwapPathError, match=full) as failed:
         step(state, data[2])
     assert (step.engine.bytes_written > committed) == (room > 0)  # mid-step: some files had their new versions
     assert failed.value.errno == errno.ENOSPC and "the state passed in is unchanged" in str(failed.value)

@@ -271,7 +271,8 @@ def sharded_worker(rank, world, path, configs):
     return out
 
 
-SHARDED = [(1, "cpu", None, True), (2, "nvme", None, True), (2, "cpu", None, False), (3, "nvme", "nvme", False), (3, "cpu", "cpu", True)]
+SHARDED = [(1, "cpu", None, True), (2, "nvme", None, True), (2, "cpu", None, False), (3, "nvme", "nvme", False),
+           (3, "cpu", "cpu", True)]
 
 
 def test_offload_composes_with_shard_stages_1_2_and_3(tmp_path):

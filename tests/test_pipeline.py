@@ -5,8 +5,8 @@ import torch.nn.functional as F
 
 import zfunc as zf
 from tests.models import PIPE_VOCAB as VOCAB, PipeTiny as Tiny, pipe_batches as batches  # this file's model and data
-from tests.models import (Block, NormSpy, NormStack, NormUnit, assert_same_training, assert_trained_like, bn_batches, bn_step,
-                          norm_step, torch_train, train_on, tree_equal, with_faults)
+from tests.models import (Block, NormSpy, NormStack, NormUnit, assert_same_training, assert_trained_like, bn_batches,
+                          bn_step, norm_step, torch_train, train_on, tree_equal, with_faults)
 from recipes import gpt
 from zfunc.sharding.step import full_params
 
@@ -128,7 +128,8 @@ def test_grad_norm_false_computes_no_norm_and_sums_none_yet_trains_alike():
     stage 1): no norm computed, no all-reduce for it, the metrics' grad norm None, the same params."""
     for rank, out in enumerate(zf.dist.spawn(no_norm_worker, 2, 2)):
         for shard in (False, True):
-            (params, norms, calls, labels), (ref, ref_norms, ref_calls, ref_labels) = out[shard, False], out[shard, True]
+            params, norms, calls, labels = out[shard, False]
+            ref, ref_norms, ref_calls, ref_labels = out[shard, True]
             what = f"shard {shard}, rank {rank}"
             assert (calls, norms) == (0, [None, None]) and ref_calls == 2, (what, calls, norms, ref_calls)
             assert all(n is not None for n in ref_norms), what

@@ -27,7 +27,8 @@ written. Each manifest entry lists its pieces: file, rows and crc32.
 **Read as needed.** A loader reads, for each leaf of its own layout, only the pieces holding the
 rows it needs (``read_rows``; a piece is read whole, to check its crc32): a rank of the layout that
 saved reads only its own pieces, a rank of another layout only the pieces overlapping its rows
-(none of another stage's params). ``gather_params`` is ``full_params`` for states whose ranks hold different params (pipelines).
+(none of another stage's params). ``gather_params`` is ``full_params`` for states whose ranks hold
+different params (pipelines).
 """
 from __future__ import annotations
 

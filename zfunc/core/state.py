@@ -48,7 +48,8 @@ class TrainState:
     def __init__(self, params: PyTree, opt_state: PyTree, step: int = 0, rng: int = 0, loss_scale=None,
                  placement: Any = None, *, buffers: dict[str, Any] | None = None):
         if buffers is not None and not isinstance(buffers, dict):
-            raise TypeError(f"buffers: expected a dict[str, Tensor] (name -> module buffer), got {type(buffers).__name__}")
+            raise TypeError("buffers: expected a dict[str, Tensor] (name -> module buffer), "
+                            f"got {type(buffers).__name__}")
         self._values = (params, opt_state, step, rng, loss_scale, {} if buffers is None else buffers)
         self._consumed = False
         self.placement = placement

@@ -187,7 +187,8 @@ class HeldSlices(ReducedSlices):
     def open(self, pieces) -> GradSlices:
         spec = self.run._state_spec
         return GradSlices(lambda i: torch.zeros(spec.leaves[i].local_shape(spec.rank), dtype=torch.float32,
-                                                device=spec.device), len(spec.leaves), self.run._grad_divisor(), own=True)
+                                                device=spec.device),
+                          len(spec.leaves), self.run._grad_divisor(), own=True)
 
 
 class LeafUpdate(_Stores, Role):
@@ -229,7 +230,8 @@ class LeafUpdate(_Stores, Role):
         if grads is not None:
             g_leaves = tree.leaves(grads)
         if not self._wants_norm:  # nothing reads it: only the loss is checked, as in the plain step
-            self.run._sum_over_ranks(torch.zeros(()))  # the step's one sync still sums the loss and grads-produced flags
+            # the step's one sync still sums the loss and grads-produced flags
+            self.run._sum_over_ranks(torch.zeros(()))
             norm = None
         elif grads is not None:  # held until now: the norm first, then every leaf
             raw = optim.global_norm(g_leaves)  # inside summing_across: over all ranks; fp32 from bf16/fp16

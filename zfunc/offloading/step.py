@@ -9,8 +9,9 @@ in its own folder (``path/rank00003/`` for global rank 3, ``path`` itself alone)
 
 **Law.** For the same optimizer and kernel (``backend="auto"`` runs zfunc's CPU-Adam on the
 offloaded leaves and on a plain step's state on the CPU; a plain step on a GPU runs torch's kernel,
-which agrees with it to about an ulp per step) the offloaded step gives the same params, optimizer state, loss and grad norm as ``step``, up to
-the rounding of the global norm, which is summed leaf by leaf. Never a stale or delayed update.
+which agrees with it to about an ulp per step) the offloaded step gives the same params, optimizer
+state, loss and grad norm as ``step``, up to the rounding of the global norm, which is summed leaf by
+leaf. Never a stale or delayed update.
 Module buffers (BatchNorm statistics, ``zfunc.model.functional``) are not offloaded: they stay in
 ``state.buffers`` where the forward computes, updated and averaged over ranks as ``zf.shard`` says.
 

@@ -40,7 +40,7 @@ from zfunc.plan.search import search
 from zfunc.plan.strategy import Strategy
 
 __all__ = [
-    "GPUS", "NODES", "Cluster", "Device", "ModelSpec", "Node", "Plan", "Strategy", "cluster", "engine_bytes", "engine_comm",
-    "from_flavor", "from_hf_config", "from_module", "from_params", "from_shape", "local_numel", "offload_bytes",
-    "plan", "search", "working_bound", "zero_paper",
+    "GPUS", "NODES", "Cluster", "Device", "ModelSpec", "Node", "Plan", "Strategy", "cluster", "engine_bytes",
+    "engine_comm", "from_flavor", "from_hf_config", "from_module", "from_params", "from_shape", "local_numel",
+    "offload_bytes", "plan", "search", "working_bound", "zero_paper",
 ]

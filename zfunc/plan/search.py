@@ -29,7 +29,8 @@ def candidates(model: ModelSpec, cluster: Cluster, base: Strategy, global_batch:
     tps = [t for t in (1, 2, 4, 8, 16) if t <= gpn and gpn % t == 0 and model.heads % t == 0] if allow_tp else [1]
     pps = [p for p in PIPELINES if p <= model.layers and cluster.gpus % p == 0]
     for zero, opt, par, remat, mb, tp, pp in itertools.product(
-            (0, 1, 2, 3), ("none", "cpu", "nvme"), ("none", "cpu", "nvme"), ("none", "full", "offload"), MICRO_BATCHES, tps, pps):
+            (0, 1, 2, 3), ("none", "cpu", "nvme"), ("none", "cpu", "nvme"), ("none", "full", "offload"),
+            MICRO_BATCHES, tps, pps):
         if cluster.gpus % (tp * pp) or (pp > 1 and zero > 1) or (par != "none" and zero != 3):
             continue
         dp = cluster.gpus // (tp * pp)

@@ -108,7 +108,8 @@ class FlatGroup:
                 for ranked, rows in _row_blocks(leaves[i], by_rank, off, out, world):
                     rows.copy_(ranked)
 
-    def pack_full(self, fulls: list[torch.Tensor], leaves: tuple[LeafShard, ...], world: int, out: torch.Tensor) -> None:
+    def pack_full(self, fulls: list[torch.Tensor], leaves: tuple[LeafShard, ...], world: int,
+                  out: torch.Tensor) -> None:
         """Fill ``out`` ``(world, segment)`` with whole grads so rank r's segment holds its rows;
         padding, and a ``None`` grad (an unused param), are written as zeros."""
         for i, off, g in zip(self.indices, self.offsets, fulls):

@@ -181,8 +181,9 @@ class ShardedStep(Transformed):
         if state.placement is None:
             raise ValueError("state: this state is not sharded (it came from a plain step's init); "
                              "build it with this sharded step's init(params)")
-        if type(state.placement) is not ShardSpec or (state.placement.stage, state.placement.world,
-                                                         state.placement.rank) != (self.stage, self.mesh.dp, self.mesh.rank):
+        spec = state.placement
+        expected = (self.stage, self.mesh.dp, self.mesh.rank)
+        if type(spec) is not ShardSpec or (spec.stage, spec.world, spec.rank) != expected:
             raise ValueError(f"state: sharded as {state.placement}, but this step is stage {self.stage} over "
                              f"{self.mesh.dp} ranks (rank {self.mesh.rank}); reshard it through a checkpoint")
 
@@ -219,7 +220,8 @@ class ShardedStep(Transformed):
             self.mesh.comm.agree((len(names), numel), lambda op: f"buffer all-reduce of {op[0]} buffers, {op[1]} "
                                  "elements", f"step {step}: the ranks' forwards wrote different module buffers")
         self._buffer_names = names
-        return average_buffers(carried.buffers, names, self.mesh.comm, self.mesh.dp, f"buffer all-reduce at step {step}")
+        return average_buffers(carried.buffers, names, self.mesh.comm, self.mesh.dp,
+                               f"buffer all-reduce at step {step}")
 
     def _backward_order(self, groups: list[FlatGroup]) -> list[int]:
         """The groups (buckets or units) in the order their grads complete: stage 3 reverses the
@@ -240,12 +242,13 @@ class ShardedStep(Transformed):
         stage 3: the peak of gathered units) and ``whole_grads`` (the peak of whole grads held in
         the compute dtype) exist during a step. ``comm`` is the last step's bytes per collective
         (``dist.Comm``). Against the ZeRO paper's bf16 formulas (docs/design.md, section 7), with Psi params
-        and N ranks: stage 0 = ``2 Psi + 16 Psi`` (+ the grad autograd just produced, until it is
-        summed into its bucket): the paper's 16 Psi with the grads held in fp32 rather than bf16
-        (as DDP holds them for fp32 params under autocast); stage 1 = ``2 Psi + 2 Psi + 16 Psi/N``, stage 2 = ``2 Psi + 16 Psi/N`` (+ a bucket of whole
-        grads), stage 3 = ``16 Psi/N`` (+ the gathered units): the paper's plus ``4 Psi/N`` (stages
-        1/2) for the fp32 grad slice the optimizer reads, which DeepSpeed holds too, and minus the
-        bf16 param shard at stage 3 (units are gathered straight from the fp32 masters).
+        and N ranks: stage 0 = ``2 Psi + 16 Psi`` (+ the grad autograd just produced, until it is summed
+        into its bucket): the paper's 16 Psi with the grads held in fp32 rather than bf16 (as DDP holds them
+        for fp32 params under autocast); stage 1 = ``2 Psi + 2 Psi + 16 Psi/N``,
+        stage 2 = ``2 Psi + 16 Psi/N`` (+ a bucket of whole grads), stage 3 = ``16 Psi/N`` (+ the gathered
+        units): the paper's plus ``4 Psi/N`` (stages 1/2) for the fp32 grad slice the optimizer reads, which
+        DeepSpeed holds too, and minus the bf16 param shard at stage 3 (units are gathered straight from the
+        fp32 masters).
         """
         self._check_state(state)
         return {
