@@ -45,10 +45,10 @@ import torch
 from zfunc.offloading.swap.file_format import ALIGN, aligned_empty, crc32
 
 THREADS = 4  # blocks written in flight per file
-# False: write through the page cache (pwrite), same blocks and threads: on this VM saves ran at
-# ~1.1-1.3x torch.save instead of 10x, and the files read back no faster (module docstring).
+# False: write through the page cache (pwrite), same blocks and threads: throttled by write-back,
+# and the files read back no faster (module docstring).
 DIRECT_WRITES = True
-READ_THREADS = 8  # blocks read in flight: 8 vs 4 vs 2 read a 0.6 GB state in 0.22 / 0.29 / 0.26 s (medians of 5)
+READ_THREADS = 8  # blocks read in flight
 BLOCK = 8 << 20
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _staging = threading.local()

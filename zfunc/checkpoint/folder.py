@@ -1,5 +1,5 @@
 """A folder of checkpoints: which paths zfunc owns there, and how it claims, replaces, prunes and
-points to them. (Split from ``checkpoint.py``, which says what a saved state means.)
+points to them (``zfunc.checkpoint.save_load`` says what a saved state means).
 
 **Ownership.** zfunc writes, replaces or deletes a path only when it is absent or is what zfunc
 itself writes there: a checkpoint directory (a readable manifest, no files but the manifest and

@@ -1,5 +1,5 @@
 """How a state's leaves map onto a checkpoint: the logical leaves every layout shares, and who
-writes which. (Split from ``checkpoint.py``, which says what saving and loading guarantee.)
+writes which (``zfunc.checkpoint.save_load`` says what saving and loading guarantee).
 
 A checkpoint holds one *logical* state whatever layout wrote it: the leaves of the plain state,
 named by their ``TrainState`` tree paths (``params/emb.weight``, ``opt_state/1/emb.weight``,

@@ -156,8 +156,8 @@ def save(state: TrainState, directory: str | os.PathLike, *, keep_last: int | No
     ``zfunc.checkpoint.disk_io``) and an fsync; with several ranks also a store round trip checking
     every rank called it and two all-gathers of a few bytes per leaf (who writes what, the
     checksums). In the background: a copy of those bytes in host memory while the save runs
-    (``checkpoint_async.KEEP_BYTES`` keeps some for the next one), and a write paced to
-    ``checkpoint_async.SAVE_DUTY`` of the disk's time until someone waits for it.
+    (``zfunc.checkpoint.background.KEEP_BYTES`` keeps some for the next one), and a write paced to
+    ``zfunc.checkpoint.background.SAVE_DUTY`` of the disk's time until someone waits for it.
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"state: expected a TrainState, got {type(state).__name__}")
@@ -206,7 +206,7 @@ def save(state: TrainState, directory: str | os.PathLike, *, keep_last: int | No
 
 def _write_and_publish(tmp: Path, final: Path, manifest: dict, world: int, rank: int, group: Any,
                        keep_last: int | None, pace: Any, tensors: dict[str, torch.Tensor]) -> None:
-    """Write this rank's file (at ``pace``: ``checkpoint_io.Pace`` or None); gather the checksums;
+    """Write this rank's file (at ``pace``: ``zfunc.checkpoint.disk_io.Pace`` or None); gather the checksums;
     rank 0 writes the manifest and puts the checkpoint in place; every rank learns the outcome
     (the last collective: a barrier)."""
     try:

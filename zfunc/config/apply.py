@@ -37,8 +37,8 @@ refusal naming the plan fields (``Plan`` itself refuses what is inconsistent as 
 - ``pp > 1`` with ``dp > 1`` at ``zero_stage=0``: a pipeline shards each stage over its dp ranks
   with ZeRO stage 1.
 - ``remat`` with ``pp > 1``: a pipeline checks that each unit runs once per microbatch, in order,
-  and remat's recomputation runs the unit's forward again in backward (measured: refused by
-  ``zf.pipeline`` as "units must run once each"), so the two do not compose yet.
+  and remat's recomputation runs the unit's forward again in backward (``zf.pipeline`` refuses it:
+  "units must run once each"), so the two do not compose.
 """
 from __future__ import annotations
 

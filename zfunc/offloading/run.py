@@ -1,6 +1,6 @@
 """Offload's roles (``zfunc.core.roles``) for one call of an offloaded step, and its stores.
 
-``OffloadedStep.roles`` gives each call's run (``shard_run.StepRun``, the one run class) the sharded
+``OffloadedStep.roles`` gives each call's run (``zfunc.sharding.run.StepRun``, the one run class) the sharded
 step's roles with three replaced: params come from the stores (``StoredPieces``: a leaf's compute
 copy, else its master read ahead from RAM or its swap file, ``_Pieces``), grads go to a sink that
 updates each leaf as its grad arrives (``UpdateOnArrival``, with overlap) or are held

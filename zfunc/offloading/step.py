@@ -83,10 +83,10 @@ its compute-dtype copy written by the update in the same pass (``optim.apply(out
 CPU-Adam writes it while it updates), kept between steps (``ComputeCopies``, 2 B/param) and
 gathered by the next forward instead of the master: no cast pass, and half the bytes gathered
 (across PCIe with a GPU, for ``params="cpu"``). Masters on NVMe, or on the GPU, are cast at the
-gather as before.
+gather.
 
-Not yet: over ranks grads cross PCIe as fp32 on CUDA (alone, in the compute dtype), and masters
-kept on the GPU (``params=None``) cross it as fp32 both ways for the update.
+Over ranks, grads cross PCIe as fp32 on CUDA (alone, in the compute dtype), and masters kept on the
+GPU (``params=None``) cross it as fp32 both ways for the update.
 
 The step and its placement (``init``, ``restore``, ``memory``) are here; the roles of one call
 (``StoredPieces``, ``HeldSlices``, ``UpdateOnArrival``, ``LeafUpdate``: params from the stores,
@@ -247,8 +247,7 @@ class OffloadedStep(Transformed):
             per_leaf = (self.where_params == "nvme") + 2 * (self.where_optimizer == "nvme")
             files = [4 * math.prod(leaf.local_shape(spec.rank)) for leaf in spec.leaves for _ in range(per_leaf)]
             # 4 I/O threads: enough to keep the disk busy under a CPU update, and every thread costs
-            # RAM (an allocator arena, a staging buffer): at 8 the 403M-param GPT of
-            # benchmarks/capacity.py no longer fit in 1 GiB
+            # RAM (an allocator arena, a staging buffer), which benchmarks/capacity.py's 1 GiB budget counts
             folder = rank_dir(self.path)
             # the folders the engine is about to create (deepest first): ``release`` removes these alone
             self._made = [d for d in (folder, *folder.parents) if not d.exists()]

@@ -6,7 +6,7 @@ keeps reads running ahead of their use along an expected order, within a byte bu
 
 Pending reads are plain objects holding plain references, never future callbacks: closures
 registered between futures form reference cycles that keep read buffers alive until Python's
-cyclic GC happens to run (measured: +250 MB of peak RSS on a 57M-param model).
+cyclic GC happens to run (hundreds of MB of peak RSS on a model of tens of millions of params).
 """
 from __future__ import annotations
 

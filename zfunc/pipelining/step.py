@@ -59,7 +59,7 @@ are rejected: the pipeline must be the outermost transformation (docs/design.md,
 why: its schedule keeps several microbatches live, which stage 2/3's per-microbatch gathers and
 reducers do not allow, and it changes what a state and a loss are for whatever would wrap it).
 The schedule is a role object (``zfunc.core.roles``), ``step.schedule``: a ``PipelineSchedule``
-(``pipeline_stage``) with accumulation's interface, ``split(batch)`` and ``ops(stages, stage)``.
+(``zfunc.pipelining.stage``) with accumulation's interface, ``split(batch)`` and ``ops(stages, stage)``.
 
 **Why this shape.** Shared params have one owner rather than a copy on both end stages
 (DeepSpeed's tied layers): the optimizer state exists once, the grad norm counts each param once,

@@ -37,10 +37,10 @@ overlaps (read in ``zfunc.sharding.step``, ``prefetch``, ``offload``, ``pipeline
 - on a CPU device collectives do not overlap compute (gloo's loopback transfers are CPU copies that
   compete with it for the cores), and the offloaded update's disk traffic does not overlap its CPU
   work either: CPU-Adam's thread team takes every core, and the swap engine's threads, which issue
-  each next transfer, wait for one. Measured (``benchmarks/capacity.py``'s step, 50M params, 6
-  interleaved rounds at load ~8 on 2 cores): the update with moments on NVMe took 0.94x the sum of
-  the same update with moments in RAM and the swap engine moving its bytes alone (median; 0.69-1.21),
-  1.71x their max. On a GPU node the CPU has cores to spare and the disk runs beside CPU-Adam.
+  each next transfer, wait for one: the update with moments on NVMe takes about the sum of the same
+  update with moments in RAM and the swap engine moving its bytes alone, not their max
+  (``benchmarks/capacity.py``'s offloaded step; ``zfunc.plan.validate`` checks it). On a GPU node
+  the CPU has cores to spare and the disk runs beside CPU-Adam.
 Exposed overlapped traffic is ``max(traffic - compute, 0)`` plus the last piece, which nothing hides.
 """
 from __future__ import annotations

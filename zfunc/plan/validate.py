@@ -5,8 +5,7 @@ and ``recipes/``) and prints predicted beside measured step times, with the load
 - ``benchmarks/shard.py``'s trainers (its ``build``: GPT 1.85M, 8 x 128 tokens per rank, fp32,
   clip + AdamW) on 2 gloo ranks: zfunc stages 1-3 and DDP for stage 0 (the same algorithm:
   bucketed fp32 all-reduce during backward), interleaved in an order shuffled each round (in a
-  fixed one, the identical stage 1 and 2 steps read 0.41 and 0.69 s in one run, 0.59 and 0.40 in
-  another), each step started by a barrier as
+  fixed one, each trainer's time depends on the one before it), each step started by a barrier as
   ``benchmarks/pipeline.py`` does (the shard benchmark's own back-to-back timing charges a step
   with the wait for the other rank's previous one, which load inflates);
 - ``benchmarks/capacity.py``'s offloaded optimizer step alone (16 leaves, moments on NVMe, masters

@@ -59,8 +59,8 @@ hold whole compute params (2 or 4 Psi); stage 1 whole fp32 grads (4 Psi); stage 
 of whole grads; stage 3 at most ``(1 + prefetch)`` units of whole params. Communication per step,
 as ``dist.Comm`` counts bytes (DDP = 2 Psi): stage 0 all-reduces Psi fp32 grads = 2 Psi, as DDP; stages 1/2
 all-gather Psi + reduce-scatter Psi = 2 Psi (at the gather dtype and fp32 grads); stage 3 gathers
-twice: 3 Psi. The issue text says "grads all-reduced" for stage 1:
-a reduce-scatter gives each rank the slice it updates for half the bytes, so stage 1 uses it.
+twice: 3 Psi. Stage 1 reduce-scatters its grads rather than all-reducing them: a reduce-scatter gives
+each rank the slice it updates for half the bytes.
 One small all-reduce per step sums the squared grad norm, the loss and, per param, whether the
 rank produced a grad for it: ``4 (2 + leaves)`` bytes.
 
@@ -275,10 +275,7 @@ class ShardedStep(Transformed):
         first bucket at 1 MiB, as DDP does, so that the first all-reduce starts early in backward;
         with ``fit_buckets`` the others hold a quarter of the grads, within [1, 25] MiB: DDP's
         fixed 25 MiB leaves a small model one bucket after the first, whose all-reduce then waits
-        for the end of backward. A/B runs on the benchmark's GPT (7.4 MB of grads, 2 gloo ranks on
-        a heavily loaded 2-core box, 120-150 rounds, paired medians vs DDP): one 25 MiB bucket
-        0.947x; 1 MiB + one bucket 0.983 / 0.983 / 0.999x; 1 MiB + 2 MiB buckets 0.997 / 1.001x;
-        this rule (1 MiB + 1.8 MiB) 1.003x."""
+        for the end of backward (``benchmarks/shard.py`` compares stage 0 with DDP)."""
         if self.stage != 0:
             return self.bucket_elems, None
         size = self.bucket_elems

@@ -24,10 +24,10 @@ engine on the directory removes temporaries of dead processes). ``fsync="never"`
 crashes (the kernel holds the data); ``fsync="write"`` also fsyncs the file before and the directory
 after the rename: it survives power loss. With ``spare=True`` (default) the version being replaced
 is kept as a hidden ``.<file>.spare`` hard link, and the next write renames that spare to its
-``.tmp`` and overwrites it in place: no blocks allocated, converted or freed per write, which made
-writes ~1.5x faster here (ext4 mounted with ``discard``: freeing a 1 GiB file took 0.2 s), for 2x
-the disk space. Rename rather than two slots per name with the header's version deciding: a rename
-never exposes a torn file and data and header need no ordering.
+``.tmp`` and overwrites it in place: no blocks allocated, converted or freed per write (freeing a
+file's blocks is slow where the file system discards them), for 2x the disk space. Rename rather
+than two slots per name with the header's version deciding: a rename never exposes a torn file and
+data and header need no ordering.
 
 **Failures.** A write that cannot complete (no room: ENOSPC or EDQUOT, an I/O error, a short
 write) fails its future with a ``SwapError`` naming the file (no room: a ``SwapPathError`` naming
@@ -94,16 +94,16 @@ class SwapEngine:
 
     Args:
       path: the directory (created if missing, checked with ``check_path``).
-      threads: I/O worker threads, each with one blocking preadv/pwritev in flight (8: checked writes
-        reached fio's best at 8 and 16 in benchmarks/swap.py, 4 left them at 0.75x).
+      threads: I/O worker threads, each with one blocking preadv/pwritev in flight (8: where checked
+        writes reach fio's best in ``benchmarks/swap.py``; 4 leave them short of it).
       block_bytes: transfer piece size, a multiple of 4096 up to 1 GiB.
       queue_depth: pieces of one transfer in flight at once (default: ``threads``).
       o_direct: use O_DIRECT where the filesystem takes it; ``self.o_direct`` tells what is used.
       fsync: ``"never"`` (atomic against process crashes) or ``"write"`` (and against power loss).
       verify: write a crc32 of every payload and check it on read.
       spare: keep each name's previous version as a hidden spare file that the next write overwrites
-        in place and renames: steady-state writes then allocate and free nothing (~1.5x faster on
-        ext4, more where freed blocks are discarded) for 2x the disk space; False: fresh files,
+        in place and renames: steady-state writes then allocate and free nothing (faster, most where
+        freed blocks are discarded) for 2x the disk space; False: fresh files,
         2x only while a name is being written.
       need_bytes: free space to require now, beyond ``files``.
       files: payload bytes of each file to be written: their room is required now, in the file
