@@ -4,11 +4,11 @@
 
 A file of ``--mib`` random bytes is written by ``zfunc.checkpoint.disk_io.write_file`` with ``O_DIRECT``
 (the default) and through the page cache (``DIRECT_WRITES = False``), fsynced, and read back by
-``checkpoint_io.Reader`` (parallel ``O_DIRECT`` blocks) with the file dropped from the page cache
+``zfunc.checkpoint.disk_io.Reader`` (parallel ``O_DIRECT`` blocks) with the file dropped from the page cache
 (``posix_fadvise(DONTNEED)``) before each read, into:
 
-- a fresh buffer right after the drop (what the old benchmark row gave each loader: the page
-  cache of a file written through it is freed by the drop, and the read lands in that memory);
+- a fresh buffer right after the drop (the page cache of a file written through it is freed by
+  the drop, and the read lands in that memory);
 - a buffer touched before (no page faults);
 - a fresh buffer after the memory sat free 3 s (on this VM it is then back with the host:
   the guest kernel reports free pages, ``page_reporting``);

@@ -16,7 +16,7 @@ peak (``/proc/self/clear_refs``):
   accounted peak of whole params gathered and of whole grads held (``step.memory``), on a mesh of
   one process with ``prefetch=0`` (each extra prefetch depth adds one tile), plus peak RSS growth
   of that step. The Linear's activations are not tiled (the output is the output).
-Targets (the issue): time overhead <= 1.1x, memory ~1/k.
+Targets: time overhead <= 1.1x, memory ~1/k.
 """
 from __future__ import annotations
 
