@@ -13,8 +13,8 @@ run in it is continued (``--resume``) or moved aside (``--overwrite``), never ov
 (zfunc.plan's accounting of the meta-device leaves) and the verdict on this machine (recipes/verdict.py:
 fits or not, what binds, a layout that fits): nothing allocated, nothing created in OUT.
 
-Why one module over 400 lines: the flags, their checks and the loop are the GPT recipe's former
-train() and flag code moved whole, one concept (what `python -m recipes.NAME` does); the models,
+Why one module over 400 lines: the flags, their checks and the loop are one concept (what
+`python -m recipes.NAME` does); the models,
 the data, the layout flags (recipes/layout.py), the run folder (recipes/rundir.py) and the weak-scaling
 runs (recipes/scaling.py) live apart.
 
@@ -807,8 +807,8 @@ def script(main_fn: Callable[[], Any]) -> None:
     ``os._exit(0)`` once stdout and stderr are flushed. Everything a run writes is on disk by then
     (checkpoints saved blocking, metrics appended and closed, the process group destroyed), and
     interpreter teardown is where gloo's C++ threads aborted ranks that had finished their work
-    ("terminate called without an active exception": 3-4 of ~70 two-process test runs under load,
-    also after ``destroy_process_group``). An exception leaves as usual; a refusal (a bad flag) with
+    ("terminate called without an active exception", at times, also after
+    ``destroy_process_group``). An exception leaves as usual; a refusal (a bad flag) with
     status 2, at once under torchrun (recipes/refusal.py).
     """
     refusal.exit_at_once()  # a refusal under torchrun: os._exit with its status once said

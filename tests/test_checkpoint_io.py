@@ -1,4 +1,4 @@
-"""checkpoint_io: files written and read in parallel aligned blocks hold exactly the bytes given."""
+"""zfunc.checkpoint.disk_io: files written and read in parallel aligned blocks hold exactly the bytes given."""
 import zlib
 
 import pytest
