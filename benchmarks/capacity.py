@@ -38,7 +38,8 @@ def gpt_params(layers: int, width: int) -> int:
     import torch
 
     with torch.device("meta"):
-        return sum(p.numel() for p in GPT(GPTConfig(n_layer=layers, n_head=max(1, width // 64), n_embd=width)).parameters())
+        model = GPT(GPTConfig(n_layer=layers, n_head=max(1, width // 64), n_embd=width))
+        return sum(p.numel() for p in model.parameters())
 
 
 # ----------------------------------------------------------------------------- one candidate (child)
@@ -54,7 +55,8 @@ def child(mode: str, layers: int, width: int, budget: int, path: str) -> None:
     apply, params = zf.functionalize(model)
     x = torch.randint(0, 256, (1, cfg.block_size))
     loss_fn = lambda p, b: torch.nn.functional.cross_entropy(apply(p, b).flatten(0, 1), b.flatten())  # noqa: E731
-    from zfunc.ops.cpu import adam as cpu_adam  # compiled (or loaded from Numba's cache) before the cap, as in a long run
+    # compiled (or loaded from Numba's cache) before the cap, as in a long run
+    from zfunc.ops.cpu import adam as cpu_adam
 
     w = torch.zeros(8)
     cpu_adam.adamw_(w, w.clone(), w.clone(), w.clone(), step=1, lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8,
@@ -121,7 +123,8 @@ def optimizer_step(mparams: float, path: str) -> None:
 
     import zfunc as zf
     from zfunc.ops.cpu import adam as cpu_adam
-    from zfunc.offloading.swap.engine import SwapEngine, aligned_empty
+    from zfunc.offloading.swap.engine import SwapEngine
+    from zfunc.offloading.swap.file_format import aligned_empty
 
     n_leaves = 16
     leaf = int(mparams * 1e6) // n_leaves
@@ -163,7 +166,8 @@ def optimizer_step(mparams: float, path: str) -> None:
     print(f"\noptimizer step alone, {mparams:.0f}M params, moments on NVMe (masters in RAM):")
     print(f"  zfunc offloaded update   {ours * 1e3:8.0f} ms")
     print(f"  CPU-Adam in RAM          {min(cpu) * 1e3:8.0f} ms")
-    print(f"  swap engine, same bytes  {min(disk) * 1e3:8.0f} ms  ({2 * 2 * n_leaves * nbytes / min(disk) / 1e9:.2f} GB/s)")
+    rate = 2 * 2 * n_leaves * nbytes / min(disk) / 1e9
+    print(f"  swap engine, same bytes  {min(disk) * 1e3:8.0f} ms  ({rate:.2f} GB/s)")
     print(f"  ratio to max(CPU-Adam, disk): {ours / limit:.2f}x  (target <= 1.2x)")
     shutil.rmtree(path, ignore_errors=True)
 
@@ -178,7 +182,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     budget = int(args.ram_gb * 2**30)
     if not args.skip_capacity:
-        print(f"largest {args.layers}-layer GPT that trains 3 steps within {args.ram_gb:g} GiB (RLIMIT_DATA):", flush=True)
+        print(f"largest {args.layers}-layer GPT that trains 3 steps within {args.ram_gb:g} GiB (RLIMIT_DATA):",
+              flush=True)
         plain, _ = largest("plain", args.layers, budget, args.path)
         start = WIDTHS.index(plain) if plain else 0
         ours, info = largest("zfunc", args.layers, budget, args.path, start)

@@ -34,14 +34,13 @@ was not given); every loader allocates what it reads into, so its time swings wi
   every optimizer step runs on them), which cost the most to fault here; ``torch.load`` reads into
   4 KiB pages.
 
-What this replaces (measured 2026-11-24): the old "first read after the save" row dropped each
-loader's own files just before it ran, so ``torch.load`` and DCP got the memory their file's page
-cache had just held, and zfunc, whose ``O_DIRECT``-written files leave nothing in the page cache,
-got cold memory: 0.3x ``torch.load``. It was not the disk: read straight after being written,
-600 MiB files came back at 1.6 GB/s whether written with ``O_DIRECT`` or not (``checkpoint_io``).
-The host caches what the guest writes: a fresh file's first read comes from that cache in both
-rows; a file the host has not seen (here, an old 0.7 GB one) read at 0.15 GB/s the first time.
-(``dd`` of ``/dev/zero``, the old disk reference here, is not one: zeros are cheap to the host.)
+Why every file is dropped before every load, not each loader's own files just before it runs:
+then ``torch.load`` and DCP would get the memory their file's page cache had just held, and zfunc,
+whose ``O_DIRECT``-written files leave nothing in the page cache, cold memory; the disk itself reads
+back files written either way at one speed (``benchmarks/checkpoint_memory.py``). The host caches
+what the guest writes: a fresh file's first read comes from that cache in both loads; a file the
+host has not seen reads several times slower the first time. (``dd`` of ``/dev/zero`` is no disk
+reference: zeros are cheap to the host.)
 
 **Background save.** A training step of ``--async-mparams`` million params (an MLP of 8 square
 layers, fp32, AdamW, a batch whose forward and backward take ~135 ms here on a quiet machine).
@@ -54,10 +53,10 @@ blocks training (the ``save`` call plus what the next step waits for the copy) a
 blocking save, and the CPU seconds of the save's own threads; and, over all variants, the
 training threads' CPU time per step during a save against alone (>1: the save slows the step's
 own work, e.g. memory bandwidth, rather than taking its cores). Each background save copies into
-host buffers kept for the next save (``checkpoint_async.KEEP_BYTES``) and writes at the pace
-``checkpoint_async.SAVE_DUTY`` sets.
+host buffers kept for the next save (``zfunc.checkpoint.background.KEEP_BYTES``) and writes at the
+pace ``zfunc.checkpoint.background.SAVE_DUTY`` sets.
 
-``--variant checkpoint_async.SAVE_DUTY=1.0 --variant checkpoint_async.SAVE_DUTY=0.25`` compares
+``--variant checkpoint.background.SAVE_DUTY=1.0 --variant checkpoint.background.SAVE_DUTY=0.25`` compares
 settings (any ``zfunc`` module attribute, a Python literal) alternated in one run;
 ``--step-threads 1`` runs the step on one intra-op thread. Under load (other processes taking the
 cores) the 2-thread step's ratio says little: its plain steps spin in OpenMP barriers while a
@@ -372,13 +371,13 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--verbose", action="store_true", help="print every round's times")
     p.add_argument("--variant", action="append", default=None, metavar="module.NAME=value[,...]",
-                   help="background save: zfunc settings of one variant, e.g. checkpoint_async.SAVE_DUTY=0.25 "
+                   help="background save: zfunc settings of one variant, e.g. checkpoint.background.SAVE_DUTY=0.25 "
                         "(repeat to compare, alternated in each round; '' is the defaults)")
     p.add_argument("--async-rounds", type=int, default=3)
     p.add_argument("--step-threads", type=int, default=None,
                    help="background save: torch's intra-op threads for the step (default: torch's, 2 here)")
     p.add_argument("--buffered-writes", action="store_true",
-                   help="zfunc writes through the page cache (checkpoint_io.DIRECT_WRITES = False)")
+                   help="zfunc writes through the page cache (checkpoint.disk_io.DIRECT_WRITES = False)")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP in one process, on purpose
     root = Path(args.dir)

@@ -4,11 +4,11 @@
 
 A file of ``--mib`` random bytes is written by ``zfunc.checkpoint.disk_io.write_file`` with ``O_DIRECT``
 (the default) and through the page cache (``DIRECT_WRITES = False``), fsynced, and read back by
-``checkpoint_io.Reader`` (parallel ``O_DIRECT`` blocks) with the file dropped from the page cache
+``zfunc.checkpoint.disk_io.Reader`` (parallel ``O_DIRECT`` blocks) with the file dropped from the page cache
 (``posix_fadvise(DONTNEED)``) before each read, into:
 
-- a fresh buffer right after the drop (what the old benchmark row gave each loader: the page
-  cache of a file written through it is freed by the drop, and the read lands in that memory);
+- a fresh buffer right after the drop (the page cache of a file written through it is freed by
+  the drop, and the read lands in that memory);
 - a buffer touched before (no page faults);
 - a fresh buffer after the memory sat free 3 s (on this VM it is then back with the host:
   the guest kernel reports free pages, ``page_reporting``);
@@ -37,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from zfunc.checkpoint import disk_io as cio  # noqa: E402
+from zfunc.offloading.swap.file_format import aligned_empty  # noqa: E402
 from zfunc.ops.cpu import hostmem  # noqa: E402
 
 
@@ -55,9 +56,9 @@ def main(argv=None) -> None:
     n, root = args.mib << 20, Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
     path = root / "f"
-    src = cio.aligned_empty(n)
+    src = aligned_empty(n)
     src.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8))
-    touched = cio.aligned_empty(n)
+    touched = aligned_empty(n)
     touched.fill_(0)
 
     def drop() -> None:

@@ -8,7 +8,8 @@ runs them interleaved: each round runs one step of every trainer, in an order sh
 round (the same on every rank), for ``--rounds`` rounds. What runs before a trainer shifts its
 timings, and an order that merely rotates keeps each trainer behind the same one: stage 1, always
 behind FSDP2, came out 0.01-0.03x below the identical stage 2 step in three runs of three;
-shuffled, the sign of their difference changes from run to run (-0.013 to +0.017 over seven). A step is as slow as its slowest rank. Ratios are *paired*: the median over rounds of
+shuffled, the sign of their difference changes from run to run (-0.013 to +0.017 over seven). A
+step is as slow as its slowest rank. Ratios are *paired*: the median over rounds of
 the peer's step time over the trainer's in the same round, so that the load this shared machine
 sees, which drifts over seconds, cancels (blocks of consecutive steps per trainer let it decide the
 ranking: the identical stage 1 and 2 steps came out 0.87x and 0.98x of DDP in one run). Stages
@@ -191,13 +192,15 @@ def main(argv=None) -> None:
     for k in kinds:
         rss = max(m[0] for m in memory[k]) / 2**20
         acc = max(m[1] for m in memory[k]) / 2**20
-        ratios = [f"{vs[k][peer]:.3f}x ({med[peer] / med[k]:.2f}x)" if peer in vs[k] else "-" for peer in ("ddp", "fsdp2")]
+        ratios = [f"{vs[k][peer]:.3f}x ({med[peer] / med[k]:.2f}x)" if peer in vs[k] else "-"
+                  for peer in ("ddp", "fsdp2")]
         print(f"| {k} | {med[k] * 1e3:.1f} | {' | '.join(ratios)} | {rss:.1f} | {acc:.2f} |")
     if set(kinds) == set(TRAINERS):
-        print(f"\nREADME row: | ZeRO on {args.world} gloo ranks, GPT {n_params / 1e6:.1f}M | `python benchmarks/shard.py` "
+        print(f"\nREADME row: | ZeRO on {args.world} gloo ranks, GPT {n_params / 1e6:.1f}M "
+              f"| `python benchmarks/shard.py` "
               f"| throughput vs DDP (paired, {args.rounds} rounds): stage 0 {vs['zf-0']['ddp']:.2f}x, stage 1 "
-              f"{vs['zf-1']['ddp']:.2f}x, stage 2 {vs['zf-2']['ddp']:.2f}x; stage 3 vs FSDP2 {vs['zf-3']['fsdp2']:.2f}x "
-              f"({vs['zf-3*']['fsdp2']:.2f}x without verify) |")
+              f"{vs['zf-1']['ddp']:.2f}x, stage 2 {vs['zf-2']['ddp']:.2f}x; "
+              f"stage 3 vs FSDP2 {vs['zf-3']['fsdp2']:.2f}x ({vs['zf-3*']['fsdp2']:.2f}x without verify) |")
 
 
 if __name__ == "__main__":

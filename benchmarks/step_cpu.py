@@ -20,75 +20,37 @@ is faster). Memory: ~16 B/param per trainer (param, grad, two moments) plus ``w0
 ``--one-at-a-time`` params (default 5e7) each trainer is built for its own sample and dropped
 after it (building and one warm-up step untimed), so only one is held: ~3.5 GB at 1e8.
 
-Where a step's time goes (2026-11-24, this 2-core VM under load 6-10: CPU time per step from
-``time.thread_time`` around the pieces, trainers interleaved; one thread):
-- 1M params: forward + backward zfunc 468 us, DeepSpeed's loop 483, torch's 501 (the same two
-  elementwise passes and a fresh 4 MB grad); the update: zfunc's kernel 340 us, DeepSpeed's
-  ``step`` 424 (kernel and Python), torch's fused 527; step in all: zfunc 934, DeepSpeed 930.
-- The kernel: one pass (p, g, m, v read once; p, m, v written once, in place: donation; with
-  ``grad_norm=False`` no norm, the loss alone checked), AVX-512 (16 lanes; a sqrt and a division
-  per vector, as DeepSpeed's). Alone on one thread, its data evicted first (1M): 472-487 us
-  against DeepSpeed's 500-521 (1.04-1.09x); warm, at parity. Tried, not kept: tiles of 64
-  elements of constant trip count, unrolled like DeepSpeed's tiled loop (1.00-1.02x: noise).
-- The engine's own work (1e3 params): warm 43.6 us a step against DeepSpeed's loop's 40.2 and
-  torch's 53.8 (same run); after 64 MB have streamed through the cache, as every step's arrays
-  do, 391 against 452 and 472: Python runs from DRAM after each step, and zfunc's path is the
-  shortest. This round: torch's autograd engine called directly on a CPU-only process (6 us of
-  ``torch.autograd.grad``'s 16), the buffer scope a class (1.8 us): 53 -> 38-44 us, same load.
-- What lost: page faults. glibc returns the top of its heap to the OS once more than twice its
-  largest freed block lies free there, and the next step faults it back in: 145-470 faults a
-  step (0.15-0.6 ms of ~0.9), in whichever trainer the heap's layout put on that boundary
-  (zfunc's in most of the runs looked at; torch's or DeepSpeed's in others). A CPU step's ``init``
-  now sets glibc to keep freed memory (``zfunc.ops.cpu.hostmem.reuse_freed_memory``): 0 faults, for
-  every trainer of the process.
-- 20M and 100M: blocks of 32 MiB or more (the fresh grad, the forward's product) are mapped and
-  unmapped by glibc on every step, in every trainer: at 20M 39K faults, 80-90 of a step's ~100
-  CPU-ms; at 100M 195K faults, ~300 of ~400 CPU-ms (zfunc and torch alike). ``ZFUNC_HEAP_REUSE=all``
-  serves them from the heap too: 20M 22-30 CPU-ms, 0 faults; 100M 159 (opt-in: freed blocks below
-  the heap's top are never returned to the OS; peak RSS at 100M 2.6 -> 4.2 GB).
-Results, same day, same load (``--threads 1 --offload-params 0``; wall-clock paired medians,
-the rounds' spread, then CPU time): 1M, 15 rounds: 1.333x torch (0.97-2.20), CPU 1.190x; 1.113x
-DeepSpeed (0.62-1.41), CPU 0.997x. Three more 1M runs before the CPU column: 1.137 / 1.060 /
-0.959x torch, 1.059 / 0.969 / 0.783x DeepSpeed (load 9-10). 20M, 15 rounds: 1.038x torch, CPU
-1.004x; 1.009x DeepSpeed, CPU 1.005x. 100M, 7 rounds: 0.839x torch (0.49-1.18), CPU 0.995x; 0.811x
-DeepSpeed (0.54-1.97), CPU 1.018x -- the wall clock there is mostly when the scheduler ran each
-sample. ``--threads 0`` (2 threads on 2 loaded cores, a team waiting for its slowest thread):
-1M 0.590x torch / 0.639x DeepSpeed (rounds 0.06-4.80), 20M 1.000x / 0.920x. The reference command
-(``--threads 1``, 15 rounds, load 4-6): 1M 1.168x torch (0.98-2.22), CPU 1.167x; 1.006x DeepSpeed
-(0.78-1.44), CPU 1.006x. 20M 1.001x / 0.978x (0.96-1.03), CPU 1.000x / 0.993x. 100M 1.018x /
-1.020x, CPU 0.992x / 0.985x. bf16 offload phase: one pass on bf16 grads 1.56x the two passes. A
-20M rerun: 0.967x / 0.929x wall, CPU 0.983x / 0.978x. At 20M zfunc's step takes 1-2.5% more CPU
-than DeepSpeed's loop (84.0 against 81.6 ms in five rounds, the same 39K faults each), not in the
-kernel (8.8 against 9.3 ms) nor in forward and backward measured alone (70.5-71.8 ms all four
-ways, THP master or not): not found by the deadline. Quiet (load 1-2, 2026-11-24, the reference
-command): 1M 1.225x torch / 1.004x DeepSpeed, 20M 1.011x / 0.999x (a second run 1.042x /
-1.025x), 100M 0.968x / 0.974x (a second run 0.970x / 0.971x; alone, ``--sizes 1e8``, 1.009x /
-1.008x: what earlier rows leave in the heap moves it; built one at a time outside this harness,
-zfunc 367.5 ms against 369.6 and 367.8, the same 195,314 faults per step each).
+Where a step's time goes (CPU time per step from ``time.thread_time`` around the pieces):
+- forward + backward: the same two elementwise passes and a fresh grad in every trainer;
+- the update: zfunc's kernel is one pass (p, g, m, v read once; p, m, v written once, in place:
+  donation; with ``grad_norm=False`` no norm, the loss alone checked), AVX-512 where the CPU has it
+  (a sqrt and a division per vector, as DeepSpeed's);
+- the engine's own work per step: zfunc calls torch's autograd engine directly on a CPU-only
+  process; at small sizes Python runs from DRAM after each step's arrays stream through the cache,
+  so the shortest path wins;
+- page faults: glibc returns the top of its heap to the OS once more than twice its largest freed
+  block lies free there, and the next step faults it back in; a CPU step's ``init`` sets glibc to
+  keep freed memory (``zfunc.ops.cpu.hostmem.reuse_freed_memory``), for every trainer of the
+  process. Blocks of 32 MiB or more (a 20M-param grad) are mapped and unmapped on every step in
+  every trainer unless ``ZFUNC_HEAP_REUSE=all``.
+The README's results hold the figures of the reference command (``--threads 1``); use it on a
+loaded machine, where a 2-thread team waits for its slowest thread and paired ratios drift.
 
 ``--offload-params N`` adds the optimizer phase of a bf16 offloaded step over GPT-shaped leaves
 of N params in all, the grads arriving in bf16, interleaved likewise:
-- two passes: what offload ran before the fused pass: the grads upcast to fp32 (the one-rank
-  reducer's pack), torch's fused AdamW on each leaf, then the bf16 compute copy cast from the
-  master (the baseline every speedup below is paired against);
-- one pass, fp32 grads: what an offloaded step ran before autograd's own grads reached the
-  update: the upcast, then zfunc's kernel writing the bf16 copy while it updates
+- two passes: the grads upcast to fp32, torch's fused AdamW on each leaf, then the bf16 compute
+  copy cast from the master (the baseline every speedup below is paired against);
+- one pass, fp32 grads: the upcast, then zfunc's kernel writing the bf16 copy while it updates
   (``optim.apply(..., out=)``);
 - one pass, bf16 grads: the kernel reading the bf16 grads themselves, the phase alone;
 - offloaded step (update_s): a real ``zf.offload(zf.train_step(..., "bf16", grad_norm=False),
   "cpu")`` step (one process, state in RAM, overlap on, loss ``sum((p * c).sum())`` over the same
   shapes), its own ``update_s`` (the leaf updates during backward: reads, CPU-Adam, writes),
-  which now reads autograd's bf16 grads (``GradReducer(own_grads=)``); "old grads": the same step
-  with the sink's ``own`` off, so the reducer packs fresh fp32 copies as before (its update_s
-  leaves the pack out: the whole-step line shows it). ``--no-offload-step`` skips both.
-Under load (2 cores, ~6 busy processes), ``--sizes --offload-params 2e7 --rounds 41 --threads 1``,
-eight runs: one pass bf16 grads 1.54-1.59x, the real step's update 1.37-1.52x (1.42x, 1.43x in
-the last two), the whole offloaded step 1.82-2.47x faster than with the old grads. The real
-step's update trails the bare kernel by its per-leaf engine work: ~30 us a leaf against
-``optim.apply``'s ~12, now ~11 more than ``optim.apply`` (be68a32: a state all in RAM is used as
-it is). Quiet, three runs with ``--rounds 31``: the kernel alone 1.53-1.62x, the real step's update
-1.46 / 1.49 / 1.51x, the whole offloaded step 2.22x faster than with the old grads. Use ``--threads 1`` on a loaded
-machine: a 2-thread team there ran every path 3-5x slower and paired ratios drifted.
+  reading autograd's bf16 grads (``GradReducer(own_grads=)``); "fp32-packed grads": the same step
+  with the sink's ``own`` off, so the reducer packs fresh fp32 copies (its update_s leaves the pack
+  out: the whole-step line shows it). ``--no-offload-step`` skips both.
+The real step's update trails the bare kernel by its per-leaf engine work (reads, writes and the
+leaf's bookkeeping, ~10 us a leaf beyond ``optim.apply``).
 """
 from __future__ import annotations
 
@@ -110,7 +72,8 @@ LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.1
 
 
 def zfunc_trainer(w0: torch.Tensor, c: torch.Tensor):
-    step = zf.train_step(lambda p, c: (p["w"] * c).sum(), optim.adamw(LR, *BETAS, EPS, weight_decay=WD), grad_norm=False)
+    step = zf.train_step(lambda p, c: (p["w"] * c).sum(), optim.adamw(LR, *BETAS, EPS, weight_decay=WD),
+                         grad_norm=False)
     box = [step.init({"w": w0})]
 
     def run(k: int) -> None:
@@ -229,7 +192,7 @@ def offload_rows(total: int, rounds: int, real_step: bool = True) -> None:
             for _ in range(k):
                 for j, (name, _, g, out) in enumerate(leaves):
                     p, st = masters[path][j], states[path][j]
-                    g = g.float() if upcast else g  # the upcast the one-rank reducer does today
+                    g = g.float() if upcast else g  # the one-rank reducer's fp32 pack
                     if fused:
                         _, states[path][j] = optim.apply(tx, {name: g}, st, {name: p}, out={name: out})
                     else:
@@ -240,9 +203,9 @@ def offload_rows(total: int, rounds: int, real_step: bool = True) -> None:
     trainers = {path: phase(path) for path in paths}
     updates: dict[str, list[float]] = {}
     if real_step:
-        for name, old in (("offloaded step", False), ("offloaded step, old grads", True)):
+        for name, packed in (("offloaded step", False), ("offloaded step, fp32-packed grads", True)):
             updates[name] = []
-            trainers[name] = offloaded_step(shapes, old, updates[name])
+            trainers[name] = offloaded_step(shapes, packed, updates[name])
     times = interleaved(trainers, rounds, 1)
     base = times["two passes"]
     print(f"bf16 offload optimizer phase, {sum(torch.Size(s).numel() for s in shapes):.2e} params in "
@@ -254,16 +217,16 @@ def offload_rows(total: int, rounds: int, real_step: bool = True) -> None:
         for name, upd in updates.items():
             print(f"  {name + ' (update_s)':<38} {statistics.median(upd[2:]) * 1e3:8.1f} ms   speedup "
                   f"{paired(base, upd[2:]):.2f}x")  # the 2 warm-up steps' updates are not paired
-        new, old = times["offloaded step"], times["offloaded step, old grads"]
-        print(f"  whole offloaded step: {statistics.median(new) * 1e3:.1f} ms, with the old grads "
-              f"{statistics.median(old) * 1e3:.1f} ms: speedup {paired(old, new):.2f}x")
+        own, packed = times["offloaded step"], times["offloaded step, fp32-packed grads"]
+        print(f"  whole offloaded step: {statistics.median(own) * 1e3:.1f} ms, with fp32-packed grads "
+              f"{statistics.median(packed) * 1e3:.1f} ms: speedup {paired(packed, own):.2f}x")
 
 
-def offloaded_step(shapes: list[tuple[int, ...]], old: bool, updates: list[float]):
+def offloaded_step(shapes: list[tuple[int, ...]], packed: bool, updates: list[float]):
     """A real bf16 offloaded step (optimizer state in RAM, one process, overlap on) whose loss is
     ``sum((p * c).sum())`` over leaves of ``shapes``: its ``run(k)`` appends each step's
-    ``update_s`` (the leaf updates' seconds) to ``updates``. ``old``: the grads reach the update as
-    before ``GradReducer(own_grads=)``: packed into fresh fp32 copies (the sink's ``own`` off)."""
+    ``update_s`` (the leaf updates' seconds) to ``updates``. ``packed``: the grads reach the update
+    packed into fresh fp32 copies (the sink's ``own`` off) instead of as autograd's own."""
     from zfunc.offloading import run as offload_run
 
     gen = torch.Generator().manual_seed(1)
@@ -275,7 +238,7 @@ def offloaded_step(shapes: list[tuple[int, ...]], old: bool, updates: list[float
     box = [step.init(params)]
 
     def run(k: int) -> None:
-        offload_run.UpdateOnArrival.own = not old
+        offload_run.UpdateOnArrival.own = not packed
         try:
             state = box[0]
             for _ in range(k):
@@ -289,7 +252,8 @@ def offloaded_step(shapes: list[tuple[int, ...]], old: bool, updates: list[float
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", type=float, nargs="*", default=[1e6, 2e7, 1e8], help="params per run; none: the offload phase only")
+    ap.add_argument("--sizes", type=float, nargs="*", default=[1e6, 2e7, 1e8],
+                    help="params per run; none: the offload phase only")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--steps", type=int, default=0, help="steps per sample (0: ~2e7 params' worth)")
     ap.add_argument("--no-deepspeed", action="store_true")

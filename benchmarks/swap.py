@@ -35,8 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from zfunc.offloading.swap import engine as swap  # noqa: E402
-from zfunc.offloading.swap.engine import SwapEngine, aligned_empty  # noqa: E402
+from zfunc.offloading.swap.engine import SwapEngine  # noqa: E402
+from zfunc.offloading.swap.file_format import aligned_empty, crc32  # noqa: E402
 
 FIO_CONFIGS = [("libaio", 1, 1), ("libaio", 4, 1), ("libaio", 16, 1), ("psync", 1, 4)]  # engine, iodepth, jobs
 
@@ -85,7 +85,8 @@ def fio_run(path: Path, op: str, nbytes: int, block: int, config: tuple[str, int
 def contenders(args, swap_dir: Path, buf: torch.Tensor) -> dict:
     """name -> {op: callable returning GB/s}."""
     engines = {(threads, verify): SwapEngine(swap_dir / f"threads{threads}-verify{verify}", threads=threads,
-                                             block_bytes=args.block_mib << 20, verify=verify, need_bytes=3 * buf.numel())
+                                             block_bytes=args.block_mib << 20, verify=verify,
+                                             need_bytes=3 * buf.numel())
                for threads in args.threads for verify in (True, False)}
     names = {key: f"bench-{key[0]}-{key[1]}" for key in engines}  # each reads what it wrote: verified or not
     for key, e in engines.items():  # twice: the steady state, where a spare exists
@@ -127,7 +128,7 @@ def main() -> None:
         first = next(iter(engines.values()))
         print(f"# {buf.numel() / 2**30:.2f} GiB, {args.block_mib} MiB blocks, {args.dir} "
               f"(O_DIRECT {'on' if first.o_direct else 'refused: buffered'}), {args.repeats} repeats, "
-              f"crc32 from {swap.crc32.__module__}, torch {torch.__version__}, {os.uname().release}")
+              f"crc32 from {crc32.__module__}, torch {torch.__version__}, {os.uname().release}")
         runs = [(name, op) for op in ("write", "read") for name in table]
         for r in range(args.repeats):
             shift = r * len(runs) // max(args.repeats, 1)

@@ -16,7 +16,7 @@ peak (``/proc/self/clear_refs``):
   accounted peak of whole params gathered and of whole grads held (``step.memory``), on a mesh of
   one process with ``prefetch=0`` (each extra prefetch depth adds one tile), plus peak RSS growth
   of that step. The Linear's activations are not tiled (the output is the output).
-Targets (the issue): time overhead <= 1.1x, memory ~1/k.
+Targets: time overhead <= 1.1x, memory ~1/k.
 """
 from __future__ import annotations
 
@@ -191,7 +191,8 @@ def report(args, times, memory) -> None:
               f"{mib(memory[c]['accounted'])} | {acc:.3f} | {mib(memory[c]['rss_growth'])} | {rss:.3f} |")
     print(f"targets: time / untiled <= 1.1x; memory ~1/k = {1 / k:.3f}. Linear: accounted = whole params + "
           "grads under stage 3 (prefetch 0); its RSS also holds what the step allocates whatever the tiling "
-          "(fp32 grad shard, optimizer temporaries: whole on a mesh of one). LM head: accounted = working bytes. head-tile(fn) is the generic function form, "
+          "(fp32 grad shard, optimizer temporaries: whole on a mesh of one). LM head: accounted = working bytes. "
+          "head-tile(fn) is the generic function form, "
           "which recomputes each tile's logits in backward: shown for its cost, not a target.")
 
 

@@ -4,7 +4,7 @@ The flavors, the config, the model (post-LN encoder, learned positions, optional
 head tied to the word embeddings, an optional NSP head), the 15% / 80-10-10 masking and the loss in
 plain torch (the model knows nothing of zfunc), then the recipe: recipes/loop.py's loop, every flag of
 the front door, with the masked task (eval: MLM loss and masked-token accuracy). Its default layout is
-the seed's ZeRO stage 1, in the machine's precision (recipes/precision.py: bf16 on CUDA and on a CPU
+ZeRO stage 1, in the machine's precision (recipes/precision.py: bf16 on CUDA and on a CPU
 with native bf16 units, fp32 elsewhere). `python -m recipes.bert --scaling 1,2` prints the weak-scaling table.
 `--nsp` adds next-sentence prediction (``sentence_pairs``: [CLS] A [SEP] B [SEP], B the window after
 A or, half the time, a random one; the NSP loss added to the MLM loss; eval: NSP accuracy too).
@@ -14,8 +14,7 @@ because of two choices, both found by short runs (the same model stayed on the M
 masked-token accuracy against the guess's 29%, for 600 steps of 32 windows x 128 bytes): 32-byte windows,
 128 of them a step (the same bytes a step; attention spread over 32 positions, not 128, finds the
 neighbours that predict a masked byte sooner), and matrices drawn N(0, 0.05) (``--init-std``;
-BERT's 0.02 escapes the plateau later). Post-LN, lr 1e-3 -> 1e-4 and ZeRO-1 as before.
-1200 steps: 63.9% masked-token accuracy against the unigram guess's 29.0% (measured partly under load).
+BERT's 0.02 escapes the plateau later). Post-LN, lr 1e-3 -> 1e-4 and ZeRO-1.
 
 Why one module over 400 lines: BERT, its two pretraining tasks (masked LM, next-sentence prediction)
 and the recipe read top to bottom in one file, as nanoGPT's model and training do; each part is small.
@@ -384,10 +383,8 @@ MASKED_NSP = task_mod.Task("masked-lm+nsp", nsp_batch, nsp_loss, nsp_eval, unigr
 
 
 # ----------------------------------------------------------------------------- the recipe
-# Sized for ~5 minutes on a 2-core CPU (README, Results): a step (128 x 32 bytes, bf16) ran at 2.0x the
-# GPT recipe's tokens/s (30.0k vs 15.0k, medians of 10-step intervals, 40-step runs alternated twice, two
-# threads each, machine nearly quiet; 1.3-1.9x side by side with one thread each under load), so 1200
-# steps take about the time of GPT's 600 (the lead re-times on a quiet machine). Layout: ZeRO-1, in the
+# Sized for ~5 minutes on a 2-core CPU (README, Results): a step (128 x 32 bytes) runs at about twice
+# the GPT recipe's tokens/s, so 1200 steps take about the time of GPT's 600. Layout: ZeRO-1, in the
 # machine's precision (recipes/precision.py), as every recipe.
 MODEL_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=192, ffn_dim=768, block_size=32, dropout=0.0, init_std=0.05)
 DEFAULTS = dict(**MODEL_DEFAULTS, nsp=False, **recipe.MODEL_SOURCE_DEFAULTS,

@@ -3,7 +3,7 @@
 A flavor is the published shape of a real model (vocabulary, context, depth, width, heads), so a GPU
 user picks a real size with one flag. Each recipe keeps its table at the top of its own file
 (Llama: recipes/llama.py, BERT: recipes/bert.py); GPT's is here, as ``GPTConfig`` keyword arguments
-(recipes/gpt.py holds the model). A string value is an alias: the issue's common names
+(recipes/gpt.py holds the model). A string value is an alias: the common names
 (debug|small|125M|350M|1B|7B|13B|70B) map onto the nearest published model of each family.
 
 GPT mapping (published shape -> name):

@@ -233,7 +233,8 @@ def _flag_values(args: argparse.Namespace, dp: int, config: dict) -> dict[str, A
     values = dict(train_batch_size=args.batch_size, gradient_accumulation_steps=split,
                   gradient_clipping=args.grad_clip, lr=args.lr, betas=[0.9, 0.95], eps=1e-8,
                   weight_decay=args.weight_decay, warmup_num_steps=max(1, args.warmup),
-                  total_num_steps=getattr(args, "schedule_steps", None) or args.steps, fp16=args.precision == "fp16", bf16=args.precision == "bf16")
+                  total_num_steps=getattr(args, "schedule_steps", None) or args.steps,
+                  fp16=args.precision == "fp16", bf16=args.precision == "bf16")
     # --batch-size is the global batch: with train_batch_size in the config, DeepSpeed's batch rule
     # works out the micro batch from it and the accumulation (the config's own, if it sets one)
     if "train_batch_size" not in config:
@@ -347,6 +348,6 @@ def whole_params(state: Any, mesh: Any) -> dict[str, torch.Tensor]:
     or pipelined: every rank calls it). Costs the whole model in fp32 on each rank."""
     import zfunc as zf
 
-    if state.sharding is None:
+    if state.placement is None:
         return state.params
     return zf.checkpoint.full_params(state, mesh)

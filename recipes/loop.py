@@ -255,8 +255,8 @@ def script(main_fn: Callable[[], Any]) -> None:
     ``os._exit(0)`` once stdout and stderr are flushed. Everything a run writes is on disk by then
     (checkpoints saved blocking, metrics appended and closed, the process group destroyed), and
     interpreter teardown is where gloo's C++ threads aborted ranks that had finished their work
-    ("terminate called without an active exception": 3-4 of ~70 two-process test runs under load,
-    also after ``destroy_process_group``). An exception leaves as usual; a refusal (a bad flag) with
+    ("terminate called without an active exception", at times, also after
+    ``destroy_process_group``). An exception leaves as usual; a refusal (a bad flag) with
     status 2, at once under torchrun (recipes/refusal.py).
     """
     refusal.exit_at_once()  # a refusal under torchrun: os._exit with its status once said

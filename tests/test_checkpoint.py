@@ -66,7 +66,7 @@ def reshard_worker(rank, world, stage, directory, phase):
         ck.save(state, directory)
         return ck.full_params(state, mesh)
     state = ck.load(directory, step)
-    assert state.sharding.world == world and state.sharding.stage == stage
+    assert state.placement.world == world and state.placement.stage == stage
     return ck.full_params(state, mesh), zf.tree.leaves(state.opt_state)[0]
 
 

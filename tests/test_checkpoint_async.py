@@ -1,4 +1,4 @@
-"""checkpoint_async: a background save writes the state as it was at the call, while training goes
+"""zfunc.checkpoint.background: a background save writes the state as it was at the call, while training goes
 on; its errors reach the caller; a crash during it leaves the previous checkpoint."""
 import os
 import sys

@@ -1,4 +1,4 @@
-"""checkpoint_import: DeepSpeed ZeRO and torch DCP (FSDP2) checkpoints load into any zfunc layout with
+"""zfunc.checkpoint.importers: DeepSpeed ZeRO and torch DCP (FSDP2) checkpoints load into any zfunc layout with
 params bit-equal to the tools' own consolidation, and training continues with the tools' losses.
 
 The DeepSpeed checkpoints are fixtures written by ``tests/fixtures/make_deepspeed_checkpoints.py``

@@ -1,10 +1,11 @@
-"""checkpoint_io: files written and read in parallel aligned blocks hold exactly the bytes given."""
+"""zfunc.checkpoint.disk_io: files written and read in parallel aligned blocks hold exactly the bytes given."""
 import zlib
 
 import pytest
 import torch
 
 from zfunc.checkpoint import disk_io as cio
+from zfunc.offloading.swap.file_format import aligned_empty
 
 
 def _segments(sizes, misalign=0):
@@ -44,7 +45,7 @@ def test_reader_reads_any_range_and_stops_at_the_end(tmp_path, monkeypatch, dire
             out = torch.empty(n, dtype=torch.uint8)
             assert reader.read_into(offset, out) == n
             assert torch.equal(out, data[offset : offset + n]), (offset, n)
-        aligned = cio.aligned_empty(4096 * 80)  # O_DIRECT straight into it, then short at the end
+        aligned = aligned_empty(4096 * 80)  # O_DIRECT straight into it, then short at the end
         assert reader.read_into(4096 * 30, aligned) == data.numel() - 4096 * 30
         assert torch.equal(aligned[: data.numel() - 4096 * 30], data[4096 * 30 :])
 

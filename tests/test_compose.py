@@ -177,7 +177,7 @@ def inside_worker(rank, world):
 def pipeline_worker(rank, world):
     model, step, params = model_step(True, True, inside=True)  # a remat'ed unit is refused (above)
     mesh = zf.Mesh(pp=world)
-    step = zf.pipeline(step, stages=world, microbatches=2, model=model, units=zf.units.by_class(Block))
+    step = zf.pipeline(step, stages=world, microbatches=2, model=model, units=zf.units.by_class(Block), mesh=mesh)
     state, losses, norms = train_on(step, step.init(params), batches(1, 3) * 1)
     return losses, norms, untile(zf.checkpoint.full_params(state))
 
@@ -218,7 +218,8 @@ def two_states(build, rank=0, world=1, n=3):
         params = {k: v + 0.01 * seed for k, v in params.items()}  # another model's starting point
         return step.init(params)
 
-    data = [[local(b, rank, world) for b in batches(world, n)], [local(b, rank, world) for b in batches(world, 2 * n)][n:]]
+    data = [[local(b, rank, world) for b in batches(world, n)],
+            [local(b, rank, world) for b in batches(world, 2 * n)][n:]]
 
     def result(step, state, losses):
         return losses, full_params(in_ram(state), step.mesh) if compose.applied(step, "shard") else state.params
@@ -311,7 +312,8 @@ def test_a_role_is_swapped_without_subclassing_and_the_step_trains_the_same(what
 
     def counting(run, state):
         roles = default(run, state)
-        return roles.replace(params=Counted(roles.params, counts, "params"), grads=Counted(roles.grads, counts, "grads"))
+        return roles.replace(params=Counted(roles.params, counts, "params"),
+                             grads=Counted(roles.grads, counts, "grads"))
 
     step.roles = counting
     state, losses, norms = train_on(step, step.init(params), batches(1, 3))

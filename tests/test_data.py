@@ -77,8 +77,8 @@ def test_the_baseline_counts_a_split_in_pieces_as_it_would_whole():
     ids = torch.randint(0, 250, (10_007,), generator=torch.Generator().manual_seed(0)).to(torch.uint8)
     ids[5] = 255  # beyond the vocab asked for: counted, as bincount counts it
     whole = torch.bincount(ids.long(), minlength=200).double()
-    for data in (ids, ids.numpy(), ids.numpy().astype(np.uint16)):
-        assert torch.equal(task.token_counts(data, 200, piece=1000), whole)
+    for tokens in (ids, ids.numpy(), ids.numpy().astype(np.uint16)):
+        assert torch.equal(task.token_counts(tokens, 200, piece=1000), whole)
     assert torch.equal(task.token_counts(ids[:0], 7), torch.zeros(7, dtype=torch.float64))
 
 

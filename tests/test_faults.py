@@ -277,7 +277,7 @@ def saved(state, directory: Path):
 @pytest.mark.parametrize("room", [0.0, 0.5], ids=["first-write", "mid-step"])
 def test_a_full_swap_disk_fails_the_step_naming_it_and_the_state_before_saves_whole(tmp_path, monkeypatch, overlap,
                                                                                     room):
-    from zfunc.offloading.swap.engine import SwapPathError
+    from zfunc.offloading.swap.file_format import SwapPathError
 
     step, state, swap = nvme(tmp_path, overlap=overlap)
     data = batches(1, 3)
@@ -287,7 +287,8 @@ def test_a_full_swap_disk_fails_the_step_naming_it_and_the_state_before_saves_wh
     written = sum(f.stat().st_size for f in swap.glob("*.swap"))  # what a step writes: every file
     FullDisk(monkeypatch, swap, cow=int(room * written) // 4096 * 4096)
     committed = step.engine.bytes_written
-    with pytest.raises(SwapPathError, match=f"swap directory {swap} is full: 0 bytes free, needs [0-9]+ bytes") as failed:
+    full = f"swap directory {swap} is full: 0 bytes free, needs [0-9]+ bytes"
+    with pytest.raises(SwapPathError, match=full) as failed:
         step(state, data[2])
     assert (step.engine.bytes_written > committed) == (room > 0)  # mid-step: some files had their new versions
     assert failed.value.errno == errno.ENOSPC and "the state passed in is unchanged" in str(failed.value)
@@ -310,7 +311,7 @@ def test_a_checkpoint_of_the_current_state_saves_while_the_swap_disk_is_full(tmp
 @pytest.mark.parametrize("overlap", [None, False], ids=["updates-overlapped", "updates-after-backward"])
 def test_once_the_swap_disk_has_room_again_training_goes_on_from_the_state_before_the_failed_step(
         tmp_path, monkeypatch, overlap):
-    from zfunc.offloading.swap.engine import SwapPathError
+    from zfunc.offloading.swap.file_format import SwapPathError
 
     data = batches(1, 4)
     step, state, swap = nvme(tmp_path, overlap=overlap)
@@ -333,7 +334,7 @@ def test_once_the_swap_disk_has_room_again_training_goes_on_from_the_state_befor
 def test_a_step_whose_files_lack_room_fails_before_it_touches_the_state(tmp_path, monkeypatch):
     """Masters in RAM are updated in place: the step allocates its files' room (each file's
     spare) before it starts, so a full disk stops it there, the state untouched."""
-    from zfunc.offloading.swap.engine import SwapPathError
+    from zfunc.offloading.swap.file_format import SwapPathError
 
     step, state, swap = nvme(tmp_path, params=None)
     state, _ = step(state, batches(1, 1)[0])
@@ -358,7 +359,7 @@ def test_a_full_swap_disk_after_init_trains_on_in_the_room_init_allocated(tmp_pa
 
 
 def test_where_ram_leaves_were_updated_in_place_a_failed_write_says_the_state_is_consumed(tmp_path, monkeypatch):
-    from zfunc.offloading.swap.engine import SwapPathError
+    from zfunc.offloading.swap.file_format import SwapPathError
 
     step, state, swap = nvme(tmp_path, params=None)
     for batch in batches(1, 2):

@@ -1,5 +1,5 @@
 """Loading someone else's checkpoint never runs their code: every pickle in a DeepSpeed or DCP
-checkpoint is read by ``checkpoint_import.safe_unpickle``, which refuses any global outside its
+checkpoint is read by ``zfunc.checkpoint.importers.safe_unpickle``, which refuses any global outside its
 allowlist, naming the file and the global, before anything calls it.
 
 Each payload below is a working checkpoint with a few opcodes put in front of its pickle that

@@ -165,10 +165,11 @@ def test_count_grads_in_a_wrong_order_is_refused_naming_both_and_the_order_that_
                                          r"zf.count_grads: count_grads runs its step over one process itself"):
         zf.shard(count_grads(step), mesh, 1)
     with pytest.raises(ValueError, match=r"zf.count_grads\(zf.shard\(step\)\) is refused: zf.count_grads cannot "
-                                         r"wrap zf.shard: the rulebook has no row letting zf.count_grads wrap zf.shard; the order "
-                                         r"that works: zf.count_grads\(step, ...\)"):
+                                         r"wrap zf.shard: the rulebook has no row letting zf.count_grads wrap "
+                                         r"zf.shard; the order that works: zf.count_grads\(step, ...\)"):
         count_grads(zf.shard(step, mesh, 1))
-    with pytest.raises(ValueError, match=r"zf.offload cannot wrap zf.count_grads: the rulebook has no row letting zf.offload"):
+    with pytest.raises(ValueError, match=r"zf.offload cannot wrap zf.count_grads: the rulebook has no row "
+                                         r"letting zf.offload"):
         zf.offload(count_grads(step))
     with pytest.raises(ValueError, match=r"zf.count_grads cannot wrap zf.count_grads"):
         count_grads(count_grads(step))

@@ -13,10 +13,11 @@ import torch.nn.functional as F
 import zfunc as zf
 from tests.models import Block, Tiny, assert_same_training, batches, local, tree_equal, train_on, with_faults
 from tests.models import make_offloaded as make  # this file's step: Tiny, offloaded or not
-from zfunc.offloading.step import ComputeCopies, OffloadSpec, in_ram, offload, release
+from zfunc.offloading.run import ComputeCopies
+from zfunc.offloading.step import OffloadSpec, in_ram, offload, release
 from zfunc.sharding.run import StepRun
 from zfunc.checkpoint import full_params
-from zfunc.offloading.swap.engine import SwapInUseError, SwapPathError
+from zfunc.offloading.swap.file_format import SwapInUseError, SwapPathError
 
 PLACES = [("cpu", None), ("nvme", None), ("cpu", "cpu"), ("nvme", "nvme")]
 
@@ -270,7 +271,8 @@ def sharded_worker(rank, world, path, configs):
     return out
 
 
-SHARDED = [(1, "cpu", None, True), (2, "nvme", None, True), (2, "cpu", None, False), (3, "nvme", "nvme", False), (3, "cpu", "cpu", True)]
+SHARDED = [(1, "cpu", None, True), (2, "nvme", None, True), (2, "cpu", None, False), (3, "nvme", "nvme", False),
+           (3, "cpu", "cpu", True)]
 
 
 def test_offload_composes_with_shard_stages_1_2_and_3(tmp_path):
@@ -316,7 +318,7 @@ def test_a_corrupted_swap_file_is_reported_by_name(tmp_path):
         byte = f.read(1)
         f.seek(4096 + 7)
         f.write(bytes([byte[0] ^ 0xFF]))
-    from zfunc.offloading.swap.engine import SwapChecksumError
+    from zfunc.offloading.swap.file_format import SwapChecksumError
 
     with pytest.raises(SwapChecksumError, match=victim.name):
         step(state, batches(1, 1)[0])
@@ -348,7 +350,7 @@ def test_bad_arguments_are_named(tmp_path):
 
 
 def test_an_unwritable_or_full_path_fails_at_init_before_training(tmp_path):
-    from zfunc.offloading.swap.engine import SwapError
+    from zfunc.offloading.swap.file_format import SwapError
 
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
@@ -451,7 +453,7 @@ def test_a_checkpoint_loads_straight_into_an_offloaded_step(tmp_path, where, par
     loaded = zf.checkpoint.load(directory, step)
     placed = step.memory(loaded)
     assert (placed["nvme"] > 0) == ("nvme" in (where, params)) and (placed["device"] > 0) == (params is None)
-    assert loaded.step == 2 and isinstance(loaded.sharding, OffloadSpec)
+    assert loaded.step == 2 and isinstance(loaded.placement, OffloadSpec)
     state, losses, norms = resume(step, loaded, 2, 5)
     assert losses == ref_losses and norms == pytest.approx(ref_norms, rel=1e-6)
     got = zf.checkpoint.full_params(state)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import zfunc as zf
-from tests.models import batches, local, train_on
+from tests.models import batches, train_on
 from tests.models import make_offloaded as make
 from zfunc.ops.cpu import adam as cpu_adam
 from zfunc.checkpoint import full_params

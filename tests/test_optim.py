@@ -83,7 +83,8 @@ def adam_atol(lr):
 def test_adamw_matches_torch(pure, wd):
     lr = 1e-2
     model, data = mlp(), batches()
-    theirs = torch_run(model, lambda p: torch.optim.AdamW(p, lr=lr, betas=(0.9, 0.95), weight_decay=wd, fused=not pure), data)
+    theirs = torch_run(model, lambda p: torch.optim.AdamW(p, lr=lr, betas=(0.9, 0.95), weight_decay=wd, fused=not pure),
+                       data)
     ours = zf_run(model, optim.adamw(lr, b1=0.9, b2=0.95, weight_decay=wd, backend="torch"), data, pure=pure)
     assert_params_close(ours, theirs, atol=0.0 if not pure else adam_atol(lr))
 
@@ -98,7 +99,8 @@ def test_adam_matches_torch(pure):
 
 
 @pytest.mark.parametrize(
-    "kw", [dict(), dict(momentum=0.9), dict(momentum=0.9, nesterov=True, weight_decay=0.01), dict(momentum=0.5, dampening=0.3)]
+    "kw", [dict(), dict(momentum=0.9), dict(momentum=0.9, nesterov=True, weight_decay=0.01),
+           dict(momentum=0.5, dampening=0.3)]
 )
 def test_sgd_matches_torch(kw):
     model, data = mlp(), batches()

@@ -181,7 +181,7 @@ def worker(rank, world, plans):
         state, losses, norms = train(step, state, mesh.rank, plan.dp)
         params = zf.checkpoint.full_params(state, mesh) if plan.pp == 1 else dict(state.params)
         if plan.pp > 1 and plan.zero_stage:
-            stage = zf.TrainState(state.params, state.opt_state, sharding=state.sharding.inner)  # its dp split
+            stage = zf.TrainState(state.params, state.opt_state, placement=state.placement.inner)  # its dp split
             params = zf.checkpoint.full_params(stage, mesh)
         out.append((losses, norms, untiled(params)))
     return out

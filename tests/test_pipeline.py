@@ -5,8 +5,8 @@ import torch.nn.functional as F
 
 import zfunc as zf
 from tests.models import PIPE_VOCAB as VOCAB, PipeTiny as Tiny, pipe_batches as batches  # this file's model and data
-from tests.models import (Block, NormSpy, NormStack, NormUnit, assert_same_training, assert_trained_like, bn_batches, bn_step,
-                          norm_step, torch_train, train_on, tree_equal, with_faults)
+from tests.models import (Block, NormSpy, NormStack, NormUnit, assert_same_training, assert_trained_like, bn_batches,
+                          bn_step, norm_step, torch_train, train_on, tree_equal, with_faults)
 from recipes import gpt
 from zfunc.checkpoint import full_params
 
@@ -94,7 +94,7 @@ def dp_pp_worker(rank, world):
     step, state = make(("1f1b", 2, None), mesh, shard=True)
     local = [tuple(t[mesh.rank * 4 : (mesh.rank + 1) * 4] for t in batch) for batch in batches()]
     state, losses, norms = train_on(step, state, local)
-    stage_state = zf.TrainState(state.params, state.opt_state, sharding=state.sharding.inner)
+    stage_state = zf.TrainState(state.params, state.opt_state, placement=state.placement.inner)
     return losses, norms, full_params(stage_state, mesh), (mesh.rank, mesh.pp_rank)
 
 
@@ -128,7 +128,8 @@ def test_grad_norm_false_computes_no_norm_and_sums_none_yet_trains_alike():
     stage 1): no norm computed, no all-reduce for it, the metrics' grad norm None, the same params."""
     for rank, out in enumerate(zf.dist.spawn(no_norm_worker, 2, 2)):
         for shard in (False, True):
-            (params, norms, calls, labels), (ref, ref_norms, ref_calls, ref_labels) = out[shard, False], out[shard, True]
+            params, norms, calls, labels = out[shard, False]
+            ref, ref_norms, ref_calls, ref_labels = out[shard, True]
             what = f"shard {shard}, rank {rank}"
             assert (calls, norms) == (0, [None, None]) and ref_calls == 2, (what, calls, norms, ref_calls)
             assert all(n is not None for n in ref_norms), what
@@ -190,7 +191,7 @@ def test_what_a_pipeline_cannot_split_is_refused(model_kw, own_batch, error):
 
 @pytest.mark.parametrize("p, m", [(4, 6), (4, 2), (2, 1)])
 def test_schedules_run_every_microbatch_once_and_bound_the_live_ones(p, m):
-    from zfunc.pipelining.step import schedule_ops
+    from zfunc.pipelining.stage import schedule_ops
 
     assert schedule_ops("1f1b", 2, 0, 3) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2)]
     for schedule in ("gpipe", "1f1b"):
@@ -217,7 +218,7 @@ def test_a_pipelined_state_saves_loads_and_gathers_its_params(tmp_path):
     assert list(whole) == sorted(state.params) and all(torch.equal(whole[n], state.params[n]) for n in whole)
     directory = zf.checkpoint.save(state, tmp_path / "000003")
     loaded = zf.checkpoint.load(directory, step)
-    assert loaded.sharding == state.sharding and loaded.step == 3
+    assert loaded.placement == state.placement and loaded.step == 3
     for a, b in zip(zf.tree.leaves(loaded), zf.tree.leaves(state)):
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
     plain_step, _ = make()
@@ -306,7 +307,7 @@ def norm_dp_pp_worker(rank, world):
     state = step.init(zf.functionalize(model)[1])
     for batch in bn_batches():
         state, _ = step(state, tuple(t[mesh.rank * 4 : (mesh.rank + 1) * 4] for t in batch))
-    stage_state = zf.TrainState(state.params, state.opt_state, sharding=state.sharding.inner)
+    stage_state = zf.TrainState(state.params, state.opt_state, placement=state.placement.inner)
     return full_params(stage_state, mesh), state.buffers
 
 

@@ -338,7 +338,8 @@ def test_a_loaded_pipeline_runs_its_fill_and_drain_at_the_share_of_one_rank():
     same = loaded_pipeline(whole, 4, 2, 0.5, 0.5)
     assert same["step"] == pytest.approx(12.0)  # one share: everything twice as long
     parts = loaded_pipeline(whole, 4, 2, 0.5, 1.0)
-    assert parts["compute (steady)"] == pytest.approx(3 / 0.5) and parts["compute (fill and drain)"] == pytest.approx(2.0)
+    assert parts["compute (steady)"] == pytest.approx(3 / 0.5)
+    assert parts["compute (fill and drain)"] == pytest.approx(2.0)
     assert parts["step"] == pytest.approx(6 + 2 + 2)
 
 

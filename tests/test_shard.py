@@ -9,7 +9,8 @@ import torch.nn.functional as F
 import zfunc as zf
 from tests.models import (Block, NormSpy, Tiny, assert_same_training, batches, hf_model, local, make, train_on,
                           tree_equal, with_faults)
-from zfunc.sharding.step import FlatGroup, GradAllReducer, GradReducer, LeafShard, ShardSpec, local_piece
+from zfunc.sharding.layout import FlatGroup, LeafShard, ShardSpec, local_piece
+from zfunc.sharding.reduce import GradAllReducer, GradReducer
 from zfunc.checkpoint import full_params
 
 
@@ -209,7 +210,8 @@ def test_memory_and_comm_accounting(world):
         for stage in (1, 2, 3):
             m = r[stage]
             # between steps, at every stage: fp32 masters (4) + Adam moments (8) per param, split N ways
-            assert (m["params"], m["optimizer"], m["grad_shard"]) == (4 * psi // world, 8 * psi // world, 4 * psi // world)
+            split = (4 * psi // world, 8 * psi // world, 4 * psi // world)
+            assert (m["params"], m["optimizer"], m["grad_shard"]) == split
         # stage 0: everything whole: masters, moments, fp32 grad buckets, the bf16 copy = 18 Psi (the
         # ZeRO paper's 2 + 2 + 12 = 16 with fp32 grads), plus a bf16 grad until it is summed in
         m = r[0]

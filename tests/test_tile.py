@@ -136,7 +136,8 @@ def test_function_form_concatenates_or_reduces_like_the_untiled_function():
         assert_rel(out, ref, what=f"{kw} output")
         for g, r in zip(grads, ref_grads):
             assert_rel(g, r, what=f"{kw} grads")
-    assert_rel(zf.tile(loss, tiles=2, reduce="mean", argnums=(0, 1))(x, t, scale=3.0), loss(x, t, scale=3.0), what="kwargs")
+    tiled = zf.tile(loss, tiles=2, reduce="mean", argnums=(0, 1))
+    assert_rel(tiled(x, t, scale=3.0), loss(x, t, scale=3.0), what="kwargs")
 
 
 # ------------------------------------------------------------------------------------ accounting
@@ -255,26 +256,32 @@ def test_bad_input_is_reported_clearly():
     cases = [
         (lambda: zf.tile(lin, tiles=0), ValueError, "tiles: expected an int >= 1, got 0"),
         (lambda: zf.tile(lin, tiles=True), ValueError, "tiles: expected an int >= 1"),
-        (lambda: zf.tile(lin, tiles=4), ValueError, "tiles: 4 tiles but dim 0 of module's weight \\(3, 4\\) has only 3"),
+        (lambda: zf.tile(lin, tiles=4), ValueError,
+         "tiles: 4 tiles but dim 0 of module's weight \\(3, 4\\) has only 3"),
         (lambda: zf.tile(lin, tiles=2, dim=2), ValueError, "dim: expected 0 \\(out features\\) or 1"),
         (lambda: zf.tile(nn.Conv1d(2, 2, 1), tiles=2), TypeError, "module: zf.tile tiles nn.Linear and nn.Embedding"),
         (lambda: zf.tile(nn.Embedding(4, 2, max_norm=1.0), tiles=2), ValueError, "max_norm"),
         (lambda: zf.tile(lin, tiles=2, reduce="sum"), ValueError, "reduce: only the function form"),
         (lambda: zf.tile(TinyGPT(), tiles=2, modules=["head"]), ValueError, "modules: 'head' is not a submodule"),
-        (lambda: zf.tile(TinyGPT(), tiles=2, modules=["ln_f"]), TypeError, "modules\\['ln_f'\\]: zf.tile tiles nn.Linear"),
+        (lambda: zf.tile(TinyGPT(), tiles=2, modules=["ln_f"]), TypeError,
+         "modules\\['ln_f'\\]: zf.tile tiles nn.Linear"),
         (lambda: zf.tile(42, tiles=2), TypeError, "module_or_fn: expected"),
         (lambda: zf.tile(torch.sin, tiles=2, reduce="max"), ValueError, "reduce: expected None, 'sum' or 'mean'"),
         (lambda: zf.tile(torch.sin, tiles=2, modules=["x"]), ValueError, "modules: only a model"),
-        (lambda: zf.tile(torch.sin, tiles=2, dim=2)(x), ValueError, "dim: 2 is out of range for argument 0 of shape \\(2, 4\\)"),
+        (lambda: zf.tile(torch.sin, tiles=2, dim=2)(x), ValueError,
+         "dim: 2 is out of range for argument 0 of shape \\(2, 4\\)"),
         (lambda: zf.tile(torch.sin, tiles=3)(x), ValueError, "tiles: 3 tiles but dim 0 of argument 0"),
-        (lambda: zf.tile(torch.add, tiles=2, argnums=(0, 1))(x, x[:1]), ValueError, "argnums: argument 1 has 1 entries"),
+        (lambda: zf.tile(torch.add, tiles=2, argnums=(0, 1))(x, x[:1]), ValueError,
+         "argnums: argument 1 has 1 entries"),
         (lambda: zf.tile(torch.add, tiles=2, argnums=2)(x, x), ValueError, "argnums: argument 2 is not a tensor"),
         (lambda: zf.tiling.lm_head_loss(x, torch.randn(5, 3), torch.zeros(2, dtype=torch.long), tiles=2),
          ValueError, "weight: expected shape \\(vocab, 4\\)"),
-        (lambda: zf.tiling.lm_head_loss(x, torch.randn(5, 4), torch.zeros(2), tiles=2), ValueError, "targets: expected integer"),
+        (lambda: zf.tiling.lm_head_loss(x, torch.randn(5, 4), torch.zeros(2), tiles=2),
+         ValueError, "targets: expected integer"),
         (lambda: zf.tiling.lm_head_loss(x, torch.randn(5, 4), torch.zeros(2, dtype=torch.long), tiles=3),
          ValueError, "tiles: 3 tiles but hidden"),
-        (lambda: zf.tiling.lm_head_loss(x, torch.randn(5, 4), torch.zeros(2, dtype=torch.long), tiles=2, reduction="none"),
+        (lambda: zf.tiling.lm_head_loss(x, torch.randn(5, 4), torch.zeros(2, dtype=torch.long), tiles=2,
+                                        reduction="none"),
          ValueError, "reduction: expected 'mean' or 'sum'"),
     ]
     for fn, exc, match in cases:

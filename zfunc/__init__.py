@@ -13,7 +13,8 @@ config/ (``zf.config``, ``zf.parallelize``), plan/ (the estimator), dist/, ops/ 
 from zfunc import checkpoint, config, dist, offloading, ops, optim, plan
 from zfunc.config.apply import parallelize
 from zfunc.core import precision, tree
-from zfunc.core.step import ConsumedStateError, NonFiniteError, Step, TrainState, train_step, value_and_grad
+from zfunc.core.state import ConsumedStateError, TrainState
+from zfunc.core.step import NonFiniteError, Step, train_step, value_and_grad
 from zfunc.dist import Mesh
 from zfunc.model import functional, materialize, tiling, units
 from zfunc.model.functional import ModuleChangedError, functionalize

@@ -1,5 +1,5 @@
 """Background checkpoint saves: the state's snapshot, the writer thread, and the handle a caller
-waits on. (Split from ``checkpoint.py``, which says what a save writes and guarantees.)
+waits on (``zfunc.checkpoint.save_load`` says what a save writes and guarantees).
 
 ``zf.checkpoint.save(state, path, blocking=False)`` does on the calling thread what needs the
 caller: the argument checks, the collectives that decide who writes what, the claim of ``path``
@@ -27,7 +27,7 @@ on its first background save), so its collectives never interleave with training
   DCP's async staging does. ``free_buffers()`` drops them; ``KEEP_BYTES = 0`` frees them when
   each save finishes (``handle.wait()`` returns after that).
 
-**The write** runs at ``WRITER_NICE`` and is paced (``SAVE_DUTY``, ``checkpoint_io.Pace``): each
+**The write** runs at ``WRITER_NICE`` and is paced (``SAVE_DUTY``, ``zfunc.checkpoint.disk_io.Pace``): each
 I/O thread writes at most that share of the wall time, so the save spans more steps and costs
 each of them less, until someone waits for it -- ``handle.wait()`` or the next ``save`` -- and the
 rest goes at full speed; so does a save under way when the interpreter exits, which waits for it.
@@ -54,15 +54,14 @@ import torch.distributed as dist
 
 from zfunc.core import env, state as state_module
 from zfunc.checkpoint.disk_io import Pace
-from zfunc.offloading.swap.engine import aligned_empty
+from zfunc.offloading.swap.file_format import aligned_empty
 
 EAGER_BYTES = 1 << 20  # leaves smaller than this are copied before save returns
 # Host buffers of a finished background save kept for the next one, at most this many bytes
-# (0: all freed when the save finishes; the default keeps them all, for the step-time target). Keeping them saves the next snapshot its page faults (on
-# this VM 0.5-2 s per GB of memory that sat free; pinned CUDA buffers also their re-pinning) at the
-# price of holding them between saves. Measured (benchmarks/checkpoint.py --no-save-load, 0.6 GB,
-# under load, two runs each): a step during a background save 1.10-1.41x a step alone with them
-# freed, 0.76-1.10x with them kept; training blocked 1-3% of a blocking save either way.
+# (0: all freed when the save finishes; the default keeps them all). Keeping them saves the next
+# snapshot its page faults (memory that sat free may have gone back to a VM's host, 0.5-2 s per GB
+# to fault in again; pinned CUDA buffers also their re-pinning), at the price of holding them
+# between saves; benchmarks/checkpoint.py --no-save-load measures a step during a save either way.
 KEEP_BYTES: float = math.inf
 
 
@@ -227,24 +226,18 @@ _groups: dict[tuple, object] = {}
 
 # The writer thread's niceness once its copies are taken (Linux: per thread, and the I/O threads it
 # starts inherit it): the crc32 and the writes' CPU work then give way to the training step on a
-# machine whose cores the step uses all of; the writes themselves wait on the disk. Measured
-# (benchmarks/checkpoint.py --no-save-load, 0.6 GB, quiet 2-core VM, runs alternated): a step
-# during a background save 1.30x / 1.34x a step alone at 19, 1.41x / 1.51x at 0; the save spans
-# ~11 steps instead of ~6. Set it here or with ZFUNC_WRITER_NICE.
+# machine whose cores the step uses all of (the save spans more steps, each slowed less); the
+# writes themselves wait on the disk. Set it here or with ZFUNC_WRITER_NICE.
 WRITER_NICE = env.number("ZFUNC_WRITER_NICE", 19, int, lambda n: -20 <= n <= 19, "a niceness, an int in [-20, 19]")
 
 
 # The share of the wall time each of a background save's I/O threads spends writing
-# (``checkpoint_io.Pace``) until someone waits for the save (``handle.wait()``, the next save),
-# which lifts it. 1: no pacing. A save costs training a roughly fixed amount (its ~0.14 s of CPU
-# for 0.6 GB, the copy, the host's side of the I/O), so spreading it over more steps costs each
-# step less. Quiet 2-core VM, 2026-11-24 (benchmarks/checkpoint.py --no-save-load --async-rounds 7
-# --variant ..., 0.6 GB, 110 ms steps, variants alternated in one run; two runs): a step during a
-# save 1.25x / 1.22x a step alone at 0.25 (the save spanning 7-8 steps, 0.8-1.0 s), 1.21x at
-# 0.15, 1.14x / 1.15x at 0.1 (13-14 steps, 1.5-1.6 s: ~400 MB/s), 1.08x at 0.05 (32 steps,
-# 3.6 s). A save that takes 1/duty times as long is still done long before the next one is due
-# (saves are minutes apart), and a save someone waits for runs at full speed.
-# Set it here or with ZFUNC_SAVE_DUTY.
+# (``zfunc.checkpoint.disk_io.Pace``) until someone waits for the save (``handle.wait()``, the next
+# save), which lifts it. 1: no pacing. A save costs training a roughly fixed amount (its ~0.14 s of CPU
+# for 0.6 GB, the copy, the host's side of the I/O), so spreading it over more steps costs each step
+# less (``benchmarks/checkpoint.py --no-save-load --variant`` compares duties). A save that takes 1/duty
+# times as long is still done long before the next one is due (saves are minutes apart), and a save
+# someone waits for runs at full speed. Set it here or with ZFUNC_SAVE_DUTY.
 SAVE_DUTY = env.number("ZFUNC_SAVE_DUTY", 0.1, float, lambda d: 0 < d <= 1, "a fraction in (0, 1]")
 
 
@@ -264,7 +257,7 @@ def _finish_at_exit() -> None:
 
 
 # The interpreter runs threading's exit hooks, last registered first, before it joins the threads
-# left; concurrent.futures' hook (registered when checkpoint_io imported it, before this one)
+# left; concurrent.futures' hook (registered when zfunc.checkpoint.disk_io imported it, before this one)
 # refuses new work from then on, which failed a save still under way at exit ("cannot schedule
 # new futures after interpreter shutdown"). So the save is finished first. (A private hook: where
 # it is missing, a save under way at exit may fail so; the previous checkpoint stays.)

@@ -1,6 +1,6 @@
 """Checkpoint file I/O at disk speed: one file written or a tensor read as aligned blocks, several
-in flight, with ``O_DIRECT`` where the file system takes it. (Split from ``checkpoint_files.py``,
-which says what the files hold.)
+in flight, with ``O_DIRECT`` where the file system takes it (``zfunc.checkpoint.files`` says what the
+files hold).
 
 **Law.** ``write_file(path, segments)`` leaves ``path`` holding exactly the concatenation of the
 segments' bytes, fsynced, and returns each segment's crc32 (zlib's; ``isal``'s when installed, the
@@ -8,38 +8,18 @@ same values ~10x faster). ``read_into(file, offset, out)`` fills ``out`` with th
 ``offset``. The checksums are of the memory the bytes came from or went to; nothing here changes
 the segments.
 
-**Why.** Measured on this 2-core VM (ext4 on virtio, 50M-param AdamW state, 0.6 GB, under load):
-one buffered stream of 64 MiB ``write`` calls ran at 0.3-0.8 GB/s, throttled by the page cache's
-write-back (``balance_dirty_pages``); ``O_DIRECT`` blocks, ``THREADS`` in flight, 2.0-3.4 GB/s
-(``benchmarks/checkpoint.py``: 10-12x ``torch.save`` at 50M params). ``O_DIRECT`` skips the page
-cache (no copy into it, no dirty throttling) and the blocks in flight keep the virtio queue busy;
-the file's blocks are allocated up front (``posix_fallocate``) so the parallel writers leave it in
-order.
-
-How a file is written does not change how fast it reads back. 600 MiB files, each read with the
-page cache dropped right after it was written and fsynced (``O_DIRECT`` reads, 8 threads, into a
-buffer touched before; 3 rounds, 2026-11-24, under load), write GB/s / first read GB/s / extents:
-``O_DIRECT`` + ``posix_fallocate`` (this module) 3.36 / 1.63 / 5; ``O_DIRECT`` without it 2.94 /
-1.64 / 6-12; one thread of 64 MiB ``O_DIRECT`` blocks 3.27 / 1.64 / 5-6; one buffered stream +
-fsync 0.30 / 1.67 / 5; ``torch.save`` 1.13 / 1.63 / 6; parallel buffered ``pwrite`` +
-``sync_file_range`` + fdatasync + ``DONTNEED`` 0.31 / 1.62 / 11-31; stores into a shared
-``mmap`` 0.55 / 1.64 / 5-6. What made ``O_DIRECT``-written checkpoints look slow to load (0.2-0.3
-GB/s, "the first read after the save") is the memory the read lands in: on this VM the guest
-hands freed memory back to the host within ~2 s (free page reporting), and faulting it in again
-costs 0.9-2.2 s (once 6.7 s) per 600 MiB of huge pages (0.5-0.8 s of 4 KiB pages), against
-0.07-0.3 s, in most rounds, for memory freed just before. A benchmark that dropped each file from the page cache right before
-reading it gave files written through the page cache freshly freed memory and ours cold memory:
-the same ``O_DIRECT``-written file read in 0.16-0.28 s into recently freed memory and 0.5-1.1 s
-(up to 3.3 s) into memory free 3 s (``benchmarks/checkpoint_memory.py``). ``DIRECT_WRITES =
-False`` writes through the page cache instead (same blocks and threads): for file systems that
-refuse or punish ``O_DIRECT``.
+**Why.** One buffered stream is throttled by the page cache's write-back (``balance_dirty_pages``).
+``O_DIRECT`` blocks, ``THREADS`` in flight, skip the page cache (no copy into it, no dirty
+throttling) and keep the disk's queue busy; the file's blocks are allocated up front
+(``posix_fallocate``) so the parallel writers leave it in order. How a file is written does not
+change how fast it reads back; what a read costs beyond the disk is the memory it lands in: memory
+that sat free may have gone back to a VM's host (free page reporting) and must be faulted in again
+(``benchmarks/checkpoint_memory.py`` measures both). ``DIRECT_WRITES = False`` writes through the
+page cache instead (same blocks and threads): for file systems that refuse or punish ``O_DIRECT``.
 Reads: ``READ_THREADS`` ``O_DIRECT`` blocks straight into the tensors' buffers, with the next
-tensors read ahead (``checkpoint_files.RankFiles.plan``): the 0.6 GB state loaded in 0.21-0.38 s
-against ``torch.load``'s 0.57-0.97 s in the same (warm) memory, 2.6x; the file itself, read whole
-into touched memory, takes 0.15-0.20 s. They skip one copy and keep a cold checkpoint from
-evicting the training's page cache. Into memory that sat free (cold, on this VM) the huge pages
-the tensors land in (``zfunc.ops.cpu.hostmem``) cost more to fault than the reads: 1.8-2.9 s against
-``torch.load``'s 2.3-3.6 s on 4 KiB pages.
+tensors read ahead (``zfunc.checkpoint.files.RankFiles.plan``): they skip ``torch.load``'s copy and
+keep a cold checkpoint from evicting the training's page cache (``benchmarks/checkpoint.py``
+compares both with ``torch.save``/``torch.load`` and DCP; the README's results hold the figures).
 
 **Cost.** A block whose file offset and memory address are both 4096-aligned moves straight from
 the tensor's memory (no copy): ``write_safetensors`` starts the data at 4096 and puts tensors
@@ -62,13 +42,13 @@ from pathlib import Path
 
 import torch
 
-from zfunc.offloading.swap.engine import ALIGN, aligned_empty, crc32
+from zfunc.offloading.swap.file_format import ALIGN, aligned_empty, crc32
 
 THREADS = 4  # blocks written in flight per file
-# False: write through the page cache (pwrite), same blocks and threads: on this VM saves ran at
-# ~1.1-1.3x torch.save instead of 10x, and the files read back no faster (module docstring).
+# False: write through the page cache (pwrite), same blocks and threads: throttled by write-back,
+# and the files read back no faster (module docstring).
 DIRECT_WRITES = True
-READ_THREADS = 8  # blocks read in flight: 8 vs 4 vs 2 read a 0.6 GB state in 0.22 / 0.29 / 0.26 s (medians of 5)
+READ_THREADS = 8  # blocks read in flight
 BLOCK = 8 << 20
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _staging = threading.local()

@@ -1,5 +1,5 @@
-"""The files of a checkpoint: each rank's tensors as safetensors, checksummed, and the manifest.
-(Split from ``checkpoint.py``, which says what a saved state means, so that each stays readable.)
+"""The files of a checkpoint: each rank's tensors as safetensors, checksummed, and the manifest
+(``zfunc.checkpoint.save_load`` says what a saved state means).
 
 Each rank's tensors are one safetensors file, ``rank{r:05d}.safetensors``, streamed from the
 tensors' memory and checksummed (crc32) on the way; ``manifest.json`` describes them (read, and
@@ -27,10 +27,10 @@ import torch
 
 from zfunc.checkpoint.disk_io import Pace, Reader, flat_bytes, write_file
 from zfunc.ops.cpu import hostmem
-from zfunc.offloading.swap.engine import ALIGN, crc32
+from zfunc.offloading.swap.file_format import ALIGN, crc32
 
 FORMAT = 2
-FORMATS = (1, 2)  # what checkpoint_manifest.read_manifest accepts
+FORMATS = (1, 2)  # what zfunc.checkpoint.manifest.read_manifest accepts
 HEADER = "__header__"  # write_safetensors' key for the crc32 of the file's header
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -84,7 +84,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], pace: Pace |
     spaces so the data starts at byte 4096; wider dtypes first, so every tensor's offset stays
     aligned for zero-copy reads, and within a width the tensors whose size is a multiple of 4096
     first, so those start 4096-aligned and move without a staging copy. ``pace``: how fast
-    (``checkpoint_io.Pace``; default full speed).
+    (``zfunc.checkpoint.disk_io.Pace``; default full speed).
     """
     for n, t in tensors.items():
         if t.dtype not in ST_DTYPES:

@@ -1,5 +1,5 @@
 """A folder of checkpoints: which paths zfunc owns there, and how it claims, replaces, prunes and
-points to them. (Split from ``checkpoint.py``, which says what a saved state means.)
+points to them (``zfunc.checkpoint.save_load`` says what a saved state means).
 
 **Ownership.** zfunc writes, replaces or deletes a path only when it is absent or is what zfunc
 itself writes there: a checkpoint directory (a readable manifest, no files but the manifest and
@@ -28,7 +28,7 @@ from typing import Any
 
 from zfunc.checkpoint.files import LATEST, MANIFEST, RANK_FILE, CheckpointError
 from zfunc.checkpoint.manifest import read_manifest
-from zfunc.offloading.swap.engine import fsync_dir
+from zfunc.offloading.swap.directory import fsync_dir
 
 
 def checkpoint_path(directory: Any, argument: str = "directory") -> Path:

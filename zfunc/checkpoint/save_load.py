@@ -88,16 +88,17 @@ from zfunc.checkpoint.background import SaveHandle
 from zfunc.checkpoint.files import LATEST, CheckpointError
 from zfunc.checkpoint.manifest import read_manifest
 from zfunc.checkpoint.importers import foreign_format, load_foreign
-from zfunc.checkpoint.folder import (checkpoint_path, claim, default_run, latest, locked, prune, put_in_place, scratch,
+from zfunc.checkpoint.folder import (checkpoint_path, claim, default_run, locked, prune, put_in_place, scratch,
                                      write_text_atomic)
 from zfunc.checkpoint.layout import BUFFERS, PARAMS, Slot
-from zfunc.core.step import Step, TrainState
+from zfunc.core.state import TrainState
+from zfunc.core.step import Step
 from zfunc.dist.mesh import all_arrive
-from zfunc.offloading.swap.engine import fsync_dir
+from zfunc.offloading.swap.directory import fsync_dir
 from zfunc.version import __version__
 
 
-__all__ = ["CheckpointError", "SaveHandle", "save", "load", "latest", "read_manifest", "export"]
+__all__ = ["save", "load", "export"]
 
 
 # ----------------------------------------------------------------------------- save
@@ -157,8 +158,8 @@ def save(state: TrainState, directory: str | os.PathLike, *, keep_last: int | No
     ``zfunc.checkpoint.disk_io``) and an fsync; with several ranks also a store round trip checking
     every rank called it and two all-gathers of a few bytes per leaf (who writes what, the
     checksums). In the background: a copy of those bytes in host memory while the save runs
-    (``checkpoint_async.KEEP_BYTES`` keeps some for the next one), and a write paced to
-    ``checkpoint_async.SAVE_DUTY`` of the disk's time until someone waits for it.
+    (``zfunc.checkpoint.background.KEEP_BYTES`` keeps some for the next one), and a write paced to
+    ``zfunc.checkpoint.background.SAVE_DUTY`` of the disk's time until someone waits for it.
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"state: expected a TrainState, got {type(state).__name__}")
@@ -206,7 +207,7 @@ def save(state: TrainState, directory: str | os.PathLike, *, keep_last: int | No
 
 def _write_and_publish(tmp: Path, final: Path, manifest: dict, world: int, rank: int, group: Any,
                        keep_last: int | None, pace: Any, tensors: dict[str, torch.Tensor]) -> None:
-    """Write this rank's file (at ``pace``: ``checkpoint_io.Pace`` or None); gather the checksums;
+    """Write this rank's file (at ``pace``: ``zfunc.checkpoint.disk_io.Pace`` or None); gather the checksums;
     rank 0 writes the manifest and puts the checkpoint in place; every rank learns the outcome
     (the last collective: a barrier)."""
     try:

@@ -11,5 +11,5 @@ from zfunc.config.plan import (OPTIMIZER_DEFAULTS, PIPELINE_SCHEDULES, PLACES, P
                                warmup_decay_lr, warmup_lr)
 
 __all__ = ["IgnoredKeysWarning", "OPTIMIZER_DEFAULTS", "PIPELINE_SCHEDULES", "PLACES", "PRECISIONS", "Plan",
-           "SCHEDULERS", "SCHEDULER_DEFAULTS", "WARMUP_TYPES", "check", "from_deepspeed", "optimizer", "prepare", "schedule", "selector",
-           "warmup_cosine_lr", "warmup_decay_lr", "warmup_lr"]
+           "SCHEDULERS", "SCHEDULER_DEFAULTS", "WARMUP_TYPES", "check", "from_deepspeed", "optimizer", "prepare",
+           "schedule", "selector", "warmup_cosine_lr", "warmup_decay_lr", "warmup_lr"]

@@ -1,4 +1,4 @@
-"""zf.config: how to train, as checked plain data.
+"""``Plan``: how to train, as checked plain data (``zf.config.Plan``).
 
 A ``Plan`` says how to train and nothing else: data/pipeline/tensor parallel sizes, ZeRO stage,
 offload, remat, tiling, pipeline schedule, precision and fp16 loss scaling, accumulation, clipping,
@@ -17,10 +17,9 @@ below 2 count as 2, as there. An unknown ``warmup_type`` is refused (DeepSpeed w
 "log"). zf.optim's ``linear_warmup``/``warmup_cosine`` count differently, hence the schedules here
 (``warmup_lr``, ``warmup_decay_lr``, ``warmup_cosine_lr``).
 
-DeepSpeed configs: ``from_deepspeed(path_or_dict, world_size=N, **auto)`` reads one into a Plan
-and ``IgnoredKeysWarning`` names the keys it ignored. Both live in ``zfunc.config.deepspeed`` (the
-key mapping, "auto" values and refusals are in its docstring) and are reachable as
-``zf.config.from_deepspeed`` / ``zf.config.IgnoredKeysWarning``.
+DeepSpeed configs: ``zf.config.from_deepspeed(path_or_dict, world_size=N, **auto)`` reads one into a
+Plan and ``zf.config.IgnoredKeysWarning`` names the keys it ignored (``zfunc.config.deepspeed``: the key
+mapping, "auto" values and refusals are in its docstring).
 """
 from __future__ import annotations
 

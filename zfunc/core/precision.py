@@ -1,8 +1,8 @@
 """Mixed precision: compute dtypes, casts of the fp32 master params, and the loss scale.
 
 Policy: the ``TrainState`` holds fp32 master params. Each step casts them and the batch's floating
-tensors to the compute dtype (bf16/fp16; a no-op alias for fp32), runs forward and backward in it, accumulates the grads in fp32
-and hands fp32 grads to the optimizer, which updates the masters.
+tensors to the compute dtype (bf16/fp16; a no-op alias for fp32), runs forward and backward in it,
+accumulates the grads in fp32 and hands fp32 grads to the optimizer, which updates the masters.
 
 fp16 needs a loss scale: the loss is multiplied by ``scale`` before backward so small grads do not
 flush to zero, and the grads are divided by it after. ``LossScale`` is plain data in the state:
@@ -84,8 +84,8 @@ def deepspeed_loss_scale(initial_scale_power: int = 16, loss_scale_window: int =
     """fp16's ``LossScale`` with DeepSpeed's ``fp16`` settings (and their defaults): starts at
     ``2**initial_scale_power``, doubles after ``loss_scale_window`` finite steps in a row, halves
     at the ``hysteresis``-th overflow, never below ``min_loss_scale``."""
-    for name, value, low in (("initial_scale_power", initial_scale_power, 0), ("loss_scale_window", loss_scale_window, 1),
-                             ("hysteresis", hysteresis, 1)):
+    for name, value, low in (("initial_scale_power", initial_scale_power, 0),
+                             ("loss_scale_window", loss_scale_window, 1), ("hysteresis", hysteresis, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
     if not (isinstance(min_loss_scale, (int, float)) and math.isfinite(min_loss_scale) and min_loss_scale > 0):

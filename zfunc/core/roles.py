@@ -1,4 +1,4 @@
-"""roles: the four jobs a sharded or offloaded step's call is made of, each a plain object.
+"""Roles: the four jobs a sharded or offloaded step's call is made of, each a plain object.
 
 A transformation *provides* the roles it owns and leaves the others to the step it wraps
 (``ShardedStep.roles``, ``OffloadedStep.roles``); one run class (``zfunc.sharding.run.StepRun``)
@@ -10,21 +10,21 @@ Each role is a small object with one job; what the run asks of it:
 - **params source** (``params``): where the compute reads params. ``pieces(params) ->
   (pieces, treespec)``: this rank's param pieces, indexable in leaf order (the gather of the
   run's stage then makes them whole, by bucket or per unit); ``device(pieces)``: where the step
-  computes. ``shard_run.LocalPieces`` (the state's own tensors), ``offload_run.StoredPieces``
+  computes. ``zfunc.sharding.run.LocalPieces`` (the state's own tensors), ``zfunc.offloading.run.StoredPieces``
   (compute copies, else masters read ahead from RAM or swap files).
 - **grad sink** (``grads``): where reduced grads go. ``open(pieces)``: this call's sink, whose
   ``deliver(group, slices)`` the reducer calls with each group's reduced fp32 slices, ``early``
   asks for delivery as soon as a group is complete, ``result()`` gives the grads (a list in leaf
   order, or None where they were consumed); ``before_backward(loss)`` sees each microbatch's
-  loss between its forward and backward. ``shard_run.ReducedSlices`` (fp32 slices like the
-  pieces), ``offload_run.HeldSlices`` (fp32 CPU slices), ``offload_run.UpdateOnArrival``
+  loss between its forward and backward. ``zfunc.sharding.run.ReducedSlices`` (fp32 slices like the
+  pieces), ``zfunc.offloading.run.HeldSlices`` (fp32 CPU slices), ``zfunc.offloading.run.UpdateOnArrival``
   (updates each leaf as its grad arrives).
 - **update** (``update``): ``apply(state, grads, loss, aux) -> (state, metrics)``.
-  ``shard_run.PlainUpdate`` (the plain step's rule on this rank's pieces),
-  ``offload_run.LeafUpdate`` (leaf by leaf from the stores, writes in flight).
+  ``zfunc.sharding.run.PlainUpdate`` (the plain step's rule on this rank's pieces),
+  ``zfunc.offloading.run.LeafUpdate`` (leaf by leaf from the stores, writes in flight).
 - **schedule** (``schedule``): how a batch becomes microbatches: ``count``, ``split(batch)`` and
   ``ops(stages, stage)``, the order of forwards ``("F", i)`` and backwards ``("B", i)`` on one
-  stage. ``Accumulation`` here; the pipeline's ``pipeline_stage.PipelineSchedule`` (GPipe,
+  stage. ``Accumulation`` here; the pipeline's ``zfunc.pipelining.stage.PipelineSchedule`` (GPipe,
   1F1B). Accumulation is 1F1B on one stage: each microbatch's backward follows its forward, and
   ``StepRun`` runs the two together; the pipeline's own run drives its schedule (docs/design.md,
   section 3: why the pipeline stays the outermost transformation).

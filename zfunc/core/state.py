@@ -38,29 +38,21 @@ class TrainState:
     running statistics; empty until a step first writes one, see ``zfunc.model.functional``; whole, never
     split, on every rank of a sharded state).
     ``placement`` is static metadata, not a pytree child: ``None`` for a plain state, else the spec
-    of the transformation that placed ``params`` and ``opt_state``: ``shard.ShardSpec`` (split over
-    ranks), ``offload.OffloadSpec`` (and kept in RAM or swap files), ``pipeline.PipelineSpec`` (one
-    pipeline stage's share). ``sharding`` is its former name, still accepted and readable.
+    of the transformation that placed ``params`` and ``opt_state``: ``zfunc.sharding.layout.ShardSpec``
+    (split over ranks), ``zfunc.offloading.step.OffloadSpec`` (and kept in RAM or swap files),
+    ``zfunc.pipelining.step.PipelineSpec`` (one pipeline stage's share).
     """
 
     __slots__ = ("_values", "_taken", "placement")
 
     def __init__(self, params: PyTree, opt_state: PyTree, step: int = 0, rng: int = 0, loss_scale=None,
-                 placement: Any = None, *, buffers: dict[str, Any] | None = None, sharding: Any = None):
+                 placement: Any = None, *, buffers: dict[str, Any] | None = None):
         if buffers is not None and not isinstance(buffers, dict):
-            raise TypeError(f"buffers: expected a dict[str, Tensor] (name -> module buffer), got {type(buffers).__name__}")
-        if sharding is not None:
-            if placement is not None:
-                raise TypeError("sharding: the former name of placement; give one of them, got both")
-            placement = sharding
+            raise TypeError("buffers: expected a dict[str, Tensor] (name -> module buffer), "
+                            f"got {type(buffers).__name__}")
         self._values = (params, opt_state, step, rng, loss_scale, {} if buffers is None else buffers)
         self._consumed = False
         self.placement = placement
-
-    @property
-    def sharding(self) -> Any:
-        """The former name of ``placement`` (kept so that code written for it still works)."""
-        return self.placement
 
     def _get(self, i: int) -> Any:
         if self._consumed:

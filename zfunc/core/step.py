@@ -43,7 +43,7 @@ from zfunc.model import functional as module
 from zfunc.model.materialize import Materializer, leaf as materialize_leaf
 from zfunc.core import precision as mp, tree
 from zfunc.ops.cpu import hostmem
-from zfunc.core.state import FIELDS, ConsumedStateError, TrainState, require_train_state  # noqa: F401
+from zfunc.core.state import TrainState, require_train_state
 
 PyTree = Any
 
@@ -161,7 +161,8 @@ def _takes_params_and_batch(fn: Callable) -> None:
     try:
         inspect.signature(fn).bind(None, None)
     except TypeError:
-        raise TypeError(f"loss_fn: expected a callable taking (params, batch), got signature {inspect.signature(fn)}") from None
+        raise TypeError("loss_fn: expected a callable taking (params, batch), "
+                        f"got signature {inspect.signature(fn)}") from None
     except ValueError:  # builtins without a signature: trust them
         pass
 
@@ -171,7 +172,8 @@ class Step:
 
     Built by ``train_step``; transformations (shard, offload, ...) read its attributes and build a
     new ``Step``. ``metrics`` holds 0-d tensors ``loss`` and ``grad_norm`` (of the unscaled, unclipped
-    fp32 grads; None where the step did not compute it, see ``train_step(grad_norm=)``), floats ``lr`` (None if the optimizer has no schedule) and ``loss_scale`` (fp16),
+    fp32 grads; None where the step did not compute it, see ``train_step(grad_norm=)``), floats ``lr``
+    (None if the optimizer has no schedule) and ``loss_scale`` (fp16),
     ``skipped`` (bool: the loss or the grads were inf/nan, so the update was not applied: params
     and optimizer state are returned unchanged; see the module docstring) and ``step`` (int,
     steps taken, skipped ones included).
@@ -272,7 +274,8 @@ class Step:
         if loss.is_cpu and (norm is None or norm.is_cpu):  # two reads of CPU scalars: no kernel launches
             if math.isfinite(loss.item()) and (norm is None or math.isfinite(norm.item())):
                 return True
-        elif bool(torch.isfinite(loss) if norm is None else torch.isfinite(norm) & torch.isfinite(loss.to(norm.device))):
+        elif bool(torch.isfinite(loss) if norm is None
+                  else torch.isfinite(norm) & torch.isfinite(loss.to(norm.device))):
             return True
         skips = loss_scale.skips if loss_scale is not None else 0
         if skips >= self.max_skips:

@@ -89,8 +89,7 @@ class Comm:
 
         ``local`` may already be this rank's chunk of ``out`` (a view): then nothing is copied.
         On gloo this is one broadcast per rank, each rank sending its own chunk of ``out``: gloo's
-        ring all-gather took 1.4-1.7x as long (7.2 MB on 2 loopback ranks: 5.5-6.7 vs 3.4-4.1 ms;
-        on 4 ranks 11.4 vs 7.9 ms), for the same bytes.
+        ring all-gather takes longer for the same bytes (on loopback ranks about 1.5x).
         """
         all_gather = _all_gather_by_broadcasts if self._on_gloo() else _all_gather
         return self._run("all_gather", _nbytes(out), label,
@@ -368,8 +367,8 @@ class Mesh:
     ``rank``, ``comm`` and ``reduce_comm`` are over this rank's data-parallel group (the ``dp``
     ranks holding the same pipeline stage), so ``zf.shard`` works over the dp axis unchanged;
     ``pp_rank``, ``pp_comm`` (collectives: loss and norm sums) and ``p2p`` (activations and
-    grads) are over its pipeline group. With ``pp=1`` the mesh is the default process group, as
-    it always was, and creates no other groups but ``reduce_comm``'s.
+    grads) are over its pipeline group. With ``pp=1`` the mesh is the default process group and
+    creates no other groups but ``reduce_comm``'s.
     """
 
     def __init__(self, dp: int | None = None, pp: int = 1):

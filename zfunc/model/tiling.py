@@ -17,7 +17,7 @@
   the model holding that weight is tiled along the same weight dim with the *same* tile
   parameters, so the tie survives (``lm_head.tiles.3.weight is wte.tiles.3.weight``) and each tile
   is one stage-3 unit read by both layers. Stage 3 keeps a tied unit gathered from the head's
-  backward until the embedding's backward completes its grad (``prefetch.py`` releases a unit once
+  backward until the embedding's backward completes its grad (``zfunc.sharding.prefetch`` releases a unit once
   all its grads are in), so late in backward a tied head's tiles are whole together; an untied
   head (tile both: ``modules=["wte", "lm_head"]``) is never whole. The layer form cannot see the
   other holder, so it *refuses* a weight another module also holds (found through the garbage

@@ -1,6 +1,6 @@
 """Offload's roles (``zfunc.core.roles``) for one call of an offloaded step, and its stores.
 
-``OffloadedStep.roles`` gives each call's run (``shard_run.StepRun``, the one run class) the sharded
+``OffloadedStep.roles`` gives each call's run (``zfunc.sharding.run.StepRun``, the one run class) the sharded
 step's roles with three replaced: params come from the stores (``StoredPieces``: a leaf's compute
 copy, else its master read ahead from RAM or its swap file, ``_Pieces``), grads go to a sink that
 updates each leaf as its grad arrives (``UpdateOnArrival``, with overlap) or are held
@@ -27,9 +27,11 @@ import torch
 from zfunc import optim
 from zfunc.core import precision as mp, tree
 from zfunc.core.roles import Role
-from zfunc.sharding.step import FlatGroup, GradSlices, leaf_names
+from zfunc.sharding.layout import FlatGroup, leaf_names
+from zfunc.sharding.reduce import GradSlices
 from zfunc.sharding.run import ReducedSlices, StepRun
-from zfunc.core.step import FIELDS, NonFiniteError, TrainState
+from zfunc.core.state import FIELDS, TrainState
+from zfunc.core.step import NonFiniteError
 from zfunc.offloading.store import All, OnDisk, ReadAhead, Store
 
 PyTree = Any
@@ -184,7 +186,8 @@ class HeldSlices(ReducedSlices):
     def open(self, pieces) -> GradSlices:
         spec = self.run._state_spec
         return GradSlices(lambda i: torch.zeros(spec.leaves[i].local_shape(spec.rank), dtype=torch.float32,
-                                                device=spec.device), len(spec.leaves), self.run._grad_divisor(), own=True)
+                                                device=spec.device),
+                          len(spec.leaves), self.run._grad_divisor(), own=True)
 
 
 class LeafUpdate(_Stores, Role):
@@ -226,7 +229,8 @@ class LeafUpdate(_Stores, Role):
         if grads is not None:
             g_leaves = tree.leaves(grads)
         if not self._wants_norm:  # nothing reads it: only the loss is checked, as in the plain step
-            self.run._sum_over_ranks(torch.zeros(()))  # the step's one sync still sums the loss and grads-produced flags
+            # the step's one sync still sums the loss and grads-produced flags
+            self.run._sum_over_ranks(torch.zeros(()))
             norm = None
         elif grads is not None:  # held until now: the norm first, then every leaf
             raw = optim.global_norm(g_leaves)  # inside summing_across: over all ranks; fp32 from bf16/fp16

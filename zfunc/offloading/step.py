@@ -9,8 +9,9 @@ in its own folder (``path/rank00003/`` for global rank 3, ``path`` itself alone)
 
 **Law.** For the same optimizer and kernel (``backend="auto"`` runs zfunc's CPU-Adam on the
 offloaded leaves and on a plain step's state on the CPU; a plain step on a GPU runs torch's kernel,
-which agrees with it to about an ulp per step) the offloaded step gives the same params, optimizer state, loss and grad norm as ``step``, up to
-the rounding of the global norm, which is summed leaf by leaf. Never a stale or delayed update.
+which agrees with it to about an ulp per step) the offloaded step gives the same params, optimizer
+state, loss and grad norm as ``step``, up to the rounding of the global norm, which is summed leaf by
+leaf. Never a stale or delayed update.
 Module buffers (BatchNorm statistics, ``zfunc.model.functional``) are not offloaded: they stay in
 ``state.buffers`` where the forward computes, updated and averaged over ranks as ``zf.shard`` says.
 
@@ -82,10 +83,10 @@ its compute-dtype copy written by the update in the same pass (``optim.apply(out
 CPU-Adam writes it while it updates), kept between steps (``ComputeCopies``, 2 B/param) and
 gathered by the next forward instead of the master: no cast pass, and half the bytes gathered
 (across PCIe with a GPU, for ``params="cpu"``). Masters on NVMe, or on the GPU, are cast at the
-gather as before.
+gather.
 
-Not yet: over ranks grads cross PCIe as fp32 on CUDA (alone, in the compute dtype), and masters
-kept on the GPU (``params=None``) cross it as fp32 both ways for the update.
+Over ranks, grads cross PCIe as fp32 on CUDA (alone, in the compute dtype), and masters kept on the
+GPU (``params=None``) cross it as fp32 both ways for the update.
 
 The step (``init``, ``restore``, ``memory``) is here; its placement (``OffloadSpec``, ``in_ram``, how a
 checkpoint saves and restores it) is in ``zfunc.offloading.placement``; the roles of one call
@@ -106,14 +107,16 @@ import torch
 
 from zfunc.core import compose, precision as mp, tree
 from zfunc.dist import Mesh
-from zfunc.offloading.run import (ComputeCopies, HeldSlices, LeafUpdate, StoredPieces,  # noqa: F401
+from zfunc.offloading.run import (ComputeCopies, HeldSlices, LeafUpdate, StoredPieces,
                                 UpdateOnArrival, _is_stored, _Stores)
 from zfunc.ops.cpu import hostmem
 from zfunc.core.roles import Roles
-from zfunc.sharding.step import ShardedStep, ShardSpec, leaf_names, local_piece
+from zfunc.sharding.step import ShardedStep
+from zfunc.sharding.layout import ShardSpec, leaf_names, local_piece
 from zfunc.sharding.run import StepRun
-from zfunc.core.step import Step, TrainState, Transformed, require_train_state
-from zfunc.offloading.placement import OffloadSpec, in_ram  # noqa: F401 - zfunc.offloading.step's public names
+from zfunc.core.step import Step, Transformed
+from zfunc.core.state import TrainState, require_train_state
+from zfunc.offloading.placement import OffloadSpec, in_ram
 from zfunc.offloading.store import OnDisk
 
 __all__ = ["OffloadSpec", "OffloadedStep", "in_ram", "offload", "release"]
@@ -224,15 +227,15 @@ class OffloadedStep(Transformed):
     def _swap(self, spec: ShardSpec) -> None:
         """The swap engine, on this process's own folder of ``path`` (``rank_dir``), which it locks."""
         if self.engine is None and "nvme" in (self.where_optimizer, self.where_params):
-            from zfunc.offloading.swap.engine import SwapEngine, rank_dir
+            from zfunc.offloading.swap.engine import SwapEngine
+            from zfunc.offloading.swap.directory import rank_dir
 
             # the files init writes, fp32 like the local pieces: a master (params on nvme) and, as
             # for Adam, two moments (optimizer on nvme) per leaf; the engine adds their spares
             per_leaf = (self.where_params == "nvme") + 2 * (self.where_optimizer == "nvme")
             files = [4 * math.prod(leaf.local_shape(spec.rank)) for leaf in spec.leaves for _ in range(per_leaf)]
             # 4 I/O threads: enough to keep the disk busy under a CPU update, and every thread costs
-            # RAM (an allocator arena, a staging buffer): at 8 the 403M-param GPT of
-            # benchmarks/capacity.py no longer fit in 1 GiB
+            # RAM (an allocator arena, a staging buffer), which benchmarks/capacity.py's 1 GiB budget counts
             folder = rank_dir(self.path)
             # the folders the engine is about to create (deepest first): ``release`` removes these alone
             self._made = [d for d in (folder, *folder.parents) if not d.exists()]
@@ -309,7 +312,7 @@ def _overlap_allowed(step: Step, overlap: bool | None) -> bool:
 
 def _saying(e: OSError, outcome: str) -> OSError:
     """``e`` with ``outcome`` (what became of the state) added to its message, same type and errno."""
-    from zfunc.offloading.swap.engine import SwapError
+    from zfunc.offloading.swap.file_format import SwapError
 
     if not isinstance(e, SwapError):
         e.add_note(outcome)
@@ -328,7 +331,7 @@ def release(step: Step, state: TrainState) -> int:
     offloaded to "cpu", or released already). Files and folders zfunc did not write stay. The
     step may ``init`` again afterwards, on a new engine. Cost: waits for the I/O issued on the
     files, then an unlink per file and spare."""
-    from zfunc.offloading.swap.engine import spare_path
+    from zfunc.offloading.swap.directory import spare_path
 
     if not isinstance(step, OffloadedStep) or step.engine is None:
         return 0

@@ -6,7 +6,7 @@ keeps reads running ahead of their use along an expected order, within a byte bu
 
 Pending reads are plain objects holding plain references, never future callbacks: closures
 registered between futures form reference cycles that keep read buffers alive until Python's
-cyclic GC happens to run (measured: +250 MB of peak RSS on a 57M-param model).
+cyclic GC happens to run (hundreds of MB of peak RSS on a model of tens of millions of params).
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ class Store:
         """A future of the tensor behind ``x`` (for a file, a fresh aligned buffer read from it)."""
         if not isinstance(x, OnDisk):
             return done(x)
-        from zfunc.offloading.swap.engine import aligned_empty
+        from zfunc.offloading.swap.file_format import aligned_empty
 
         out = aligned_empty(x.nbytes, pin=self.pin)[: x.nbytes].view(x.dtype).view(x.shape)
         return Read(self.engine.read(x.name, out), out)

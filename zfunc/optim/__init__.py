@@ -31,12 +31,12 @@ Step counts stay global: ``count`` advances with every update, while torch keeps
 
 The optimizers live in modules of one concept each; every name is importable from here:
 
-    optim_base.py       GradientTransformation, apply, apply_updates, chain, learning_rate, decay_mask
-    optim_norm.py       global_norm, clip_by_global_norm, summing_across, known_norm
-    optim_schedules.py  constant_schedule, linear_schedule, linear_warmup, warmup_cosine
-    optim_adam.py       adamw, adam, AdamState
-    optim_sgd.py        sgd, lion, TraceState
-    optim_kernels.py    which fused kernel runs ``apply`` (``backend=``)
+    base.py        GradientTransformation, apply, apply_updates, chain, learning_rate, decay_mask
+    norm.py        global_norm, clip_by_global_norm, summing_across, known_norm
+    schedules.py   constant_schedule, linear_schedule, linear_warmup, warmup_cosine
+    adam.py        adamw, adam, AdamState
+    sgd.py         sgd, lion, TraceState
+    kernels.py     which fused kernel runs ``apply`` (``backend=``)
 """
 from __future__ import annotations
 

@@ -99,7 +99,9 @@ def apply(tx: GradientTransformation, grads: PyTree, state: PyTree, params: PyTr
     if squares is not None and tx.sums_squares:
         return tx.apply(grads, state, params, out=out, squares=squares)
     if out is None:
-        return tx.apply(grads, state, params) if tx.apply is not None else _update_in_place(tx.update, grads, state, params)
+        if tx.apply is not None:
+            return tx.apply(grads, state, params)
+        return _update_in_place(tx.update, grads, state, params)
     if tx.writes_out:
         return tx.apply(grads, state, params, out=out)
     params, state = apply(tx, grads, state, params)

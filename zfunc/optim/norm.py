@@ -68,7 +68,10 @@ def global_norm(grads: PyTree) -> torch.Tensor:
     device = leaves[0].device if leaves else torch.device("cpu")
     # bf16/fp16 grads (offload hands over autograd's own): their norms accumulated and returned in fp32
     low = any(t.dtype in (torch.bfloat16, torch.float16) for t in leaves)
-    norms = (torch._foreach_norm(leaves, 2, dtype=torch.float32) if low else torch._foreach_norm(leaves)) if leaves else []
+    if not leaves:
+        norms = []
+    else:
+        norms = torch._foreach_norm(leaves, 2, dtype=torch.float32) if low else torch._foreach_norm(leaves)
     norms = [n.to(device, torch.float32) for n in norms]
     norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=device)
     sum_fn = _SUM_ACROSS_RANKS.get()

@@ -80,7 +80,8 @@ def sgd(learning_rate: ScalarOrSchedule, momentum: float = 0.0, dampening: float
                           weight_decay=weight_decay if d else 0.0, first_step=state.count == 0)
         return tree.unflatten(treespec, p_leaves), TraceState(state.count + 1, state.trace)
 
-    return GradientTransformation(init, update, _kernel_apply(backend, update, numba_apply), lambda state: lr(state.count))
+    return GradientTransformation(init, update, _kernel_apply(backend, update, numba_apply),
+                                  lambda state: lr(state.count))
 
 
 def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 0.0,
@@ -127,4 +128,5 @@ def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99, wei
                            beta2=b2, weight_decay=weight_decay if d else 0.0)
         return tree.unflatten(treespec, p_leaves), TraceState(state.count + 1, state.trace)
 
-    return GradientTransformation(init, update, _kernel_apply(backend, update, numba_apply), lambda state: lr(state.count))
+    return GradientTransformation(init, update, _kernel_apply(backend, update, numba_apply),
+                                  lambda state: lr(state.count))

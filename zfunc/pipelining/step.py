@@ -59,7 +59,7 @@ are rejected: the pipeline must be the outermost transformation (docs/design.md,
 why: its schedule keeps several microbatches live, which stage 2/3's per-microbatch gathers and
 reducers do not allow, and it changes what a state and a loss are for whatever would wrap it).
 The schedule is a role object (``zfunc.core.roles``), ``step.schedule``: a ``PipelineSchedule``
-(``pipeline_stage``) with accumulation's interface, ``split(batch)`` and ``ops(stages, stage)``.
+(``zfunc.pipelining.stage``) with accumulation's interface, ``split(batch)`` and ``ops(stages, stage)``.
 
 **Why this shape.** Shared params have one owner rather than a copy on both end stages
 (DeepSpeed's tied layers): the optimizer state exists once, the grad norm counts each param once,
@@ -84,15 +84,17 @@ from zfunc.dist import Mesh
 from zfunc.model.functional import BufferScope, carrying
 from zfunc.pipelining.layout import Layout, make_layout
 from zfunc.pipelining.placement import PipelineSpec
-from zfunc.pipelining.stage import PipelineSchedule, _Run, _digest, schedule_ops  # noqa: F401  (schedule_ops: public)
-from zfunc.sharding.step import GradSlices, ShardSpec, bucket_groups, gather_whole, average_buffers, average_order
-from zfunc.core.step import Step, TrainState, Transformed, cuda_devices, step_seed, require_train_state, seeded
+from zfunc.pipelining.stage import PipelineSchedule, _Run, _digest
+from zfunc.sharding.reduce import GradSlices, average_buffers, average_order
+from zfunc.sharding.layout import ShardSpec, bucket_groups, gather_whole
+from zfunc.core.step import Step, Transformed, cuda_devices, step_seed, seeded
+from zfunc.core.state import TrainState, require_train_state
 from zfunc.model.materialize import Materializer
 from zfunc.model.units import Selector
 
 PyTree = Any
 SCHEDULES = ("1f1b", "gpipe")
-__all__ = ["Layout", "PipelineSpec", "PipelineStep", "make_layout", "pipeline", "schedule_ops"]
+__all__ = ["Layout", "PipelineSpec", "PipelineStep", "make_layout", "pipeline"]
 
 
 # ----------------------------------------------------------------------------- the step

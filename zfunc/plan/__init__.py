@@ -46,10 +46,9 @@ from zfunc.plan.model import ModelSpec, from_flavor, from_hf_config, from_module
 from zfunc.plan.search import search
 from zfunc.plan.strategy import describe, from_flags
 
-Strategy = from_flags  # the name README.md's example calls
 
 __all__ = [
-    "GPUS", "NODES", "Cluster", "Device", "Estimate", "ModelSpec", "Node", "Strategy", "cluster", "describe",
+    "GPUS", "NODES", "Cluster", "Device", "Estimate", "ModelSpec", "Node", "cluster", "describe",
     "engine_bytes", "engine_comm", "from_flags", "from_flavor", "from_hf_config", "from_module", "from_params",
     "from_shape", "local_numel", "offload_bytes", "plan", "search", "working_bound", "zero_paper",
 ]

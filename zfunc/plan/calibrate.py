@@ -219,7 +219,8 @@ def disk(path: str | None = None, files: int = 4, nbytes: int = 64 << 20, timer=
     """Swap-engine write and read bandwidth (bytes/s) in a scratch folder under ``path``: ``files``
     files of ``nbytes``, all written (then all read) at once; the first write, which allocates the
     files, is a warm-up, as the swap engine's spare files spare a long run those allocations."""
-    from zfunc.offloading.swap.engine import SwapEngine, aligned_empty
+    from zfunc.offloading.swap.engine import SwapEngine
+    from zfunc.offloading.swap.file_format import aligned_empty
 
     root = Path(tempfile.mkdtemp(prefix="zfunc-calibrate-", dir=path))
     try:
@@ -342,9 +343,11 @@ def describe(cal: dict) -> str:
             f"{cal['threads']} threads), copy {cal['copy_bw']['1'] / GB:.1f} / {cal['copy_bw']['all'] / GB:.1f} GB/s, "
             f"attention {cal['attention_flops']['1'] / GB:.1f} GFLOP/s, GELU {cal['activation_rate']['1'] / 1e9:.2f} "
             f"Gelem/s, first touch {cal['first_touch_bw']['1'] / GB:.2f} / {cal['first_touch_bw']['all'] / GB:.2f} "
-            f"GB/s (1 thread in CPU time / all in wall), CPU-Adam {cal['cpu_adam_params_per_s']['all'] / 1e6:.0f} Mparam/s, "
+            f"GB/s (1 thread in CPU time / all in wall), "
+            f"CPU-Adam {cal['cpu_adam_params_per_s']['all'] / 1e6:.0f} Mparam/s, "
             + ", ".join(f"{k} {v[0] * 1e6:.0f} us + {v[1] / GB:.2f} GB/s" for k, v in c.items())
             + f", disk write {cal['disk']['write_bw'] / GB:.2f} / read {cal['disk']['read_bw'] / GB:.2f} GB/s; "
             f"per rank of 2 at once: matmul {cal['per_rank_of_2']['matmul_flops'] / GB:.1f} GFLOP/s, copy "
-            f"{cal['per_rank_of_2']['copy_bw'] / GB:.1f} GB/s, attention {cal['per_rank_of_2']['attention_flops'] / GB:.1f}"
+            f"{cal['per_rank_of_2']['copy_bw'] / GB:.1f} GB/s, "
+            f"attention {cal['per_rank_of_2']['attention_flops'] / GB:.1f}"
             f" GFLOP/s, GELU {cal['per_rank_of_2']['activation_rate'] / 1e9:.2f} Gelem/s (CPU time)")

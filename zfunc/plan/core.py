@@ -86,7 +86,8 @@ class Estimate:
         reasons = []
         hbm = self.cluster.device.hbm_bytes
         if self.gpu_bytes > hbm:
-            reasons.append(f"GPU: {self.gpu_bytes / GB:.1f} GB per rank > {hbm / GB:.0f} GB of {self.cluster.device.name}")
+            reasons.append(f"GPU: {self.gpu_bytes / GB:.1f} GB per rank > {hbm / GB:.0f} GB "
+                           f"of {self.cluster.device.name}")
         ram = self.cluster.node.cpu_ram * CPU_RAM_USABLE
         if self.cpu_bytes_per_node > ram:
             reasons.append(f"CPU RAM: {self.cpu_bytes_per_node / GB:.0f} GB per node > {ram / GB:.0f} GB usable")

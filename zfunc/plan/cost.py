@@ -37,10 +37,10 @@ overlaps (read in ``zfunc.sharding.step``, ``prefetch``, ``offload``, ``pipeline
 - on a CPU device collectives do not overlap compute (gloo's loopback transfers are CPU copies that
   compete with it for the cores), and the offloaded update's disk traffic does not overlap its CPU
   work either: CPU-Adam's thread team takes every core, and the swap engine's threads, which issue
-  each next transfer, wait for one. Measured (``benchmarks/capacity.py``'s step, 50M params, 6
-  interleaved rounds at load ~8 on 2 cores): the update with moments on NVMe took 0.94x the sum of
-  the same update with moments in RAM and the swap engine moving its bytes alone (median; 0.69-1.21),
-  1.71x their max. On a GPU node the CPU has cores to spare and the disk runs beside CPU-Adam.
+  each next transfer, wait for one: the update with moments on NVMe takes about the sum of the same
+  update with moments in RAM and the swap engine moving its bytes alone, not their max
+  (``benchmarks/capacity.py``'s offloaded step; ``zfunc.plan.validate`` checks it). On a GPU node
+  the CPU has cores to spare and the disk runs beside CPU-Adam.
 Exposed overlapped traffic is ``max(traffic - compute, 0)`` plus the last piece, which nothing hides.
 """
 from __future__ import annotations
@@ -230,16 +230,10 @@ def offload_update_parts(model: ModelSpec, s: Plan, cluster: Cluster) -> dict[st
 
 def cpu_grad_passes(local: float, s: Plan, cluster: Cluster) -> float:
     """Seconds a CPU device spends, in the updating thread, on first writes of fresh memory per
-    step (page faults: ``first_touch_bw``, 4 B/param). Measured in ``benchmarks/capacity.py``'s
-    offloaded step (50M params, one profile), when the engine still packed every grad into a
-    zeroed fp32 slice and the clip multiplied them in place: that multiply took as long as
-    CPU-Adam itself (169 vs 171 ms), nearly all of it page faults (11 ms on pages already
-    written). Since, at one rank the update reads autograd's own grads and the clip's factor
-    rides in CPU-Adam's ``grad_scale`` (no pass of its own: the 8 B/param scaling term is gone),
-    yet the validate row's measured update did not move beyond the noise under load (measured /
-    predicted, 50M params, moments on NVMe: 1.14, 1.17 before; 1.19, 1.07, 1.17 after, and 1.10,
-    1.14 with the scaling term dropped): the first-touch term stays, as what the measurement shows. On a GPU the slices come from the
-    caching allocator (no faults) and cross PCIe, which ``update_time`` counts apart."""
+    step (page faults: ``first_touch_bw``, 4 B/param). The clip's factor rides in CPU-Adam's
+    ``grad_scale`` and adds no pass of its own; the first-touch term is what ``zfunc.plan.validate``'s
+    offloaded-update row (``benchmarks/capacity.py``) measures beside CPU-Adam. On a GPU the slices
+    come from the caching allocator (no faults) and cross PCIe, which ``update_time`` counts apart."""
     dev = cluster.device
     return 4 * local / dev.first_touch_bw if dev.first_touch_bw else 0.0
 

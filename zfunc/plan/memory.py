@@ -7,7 +7,7 @@ compute dtype's bytes, ``k`` the optimizer's bytes per param (8 for Adam):
 | | between steps | during the step (device) |
 |---|---|---|
 | stage 0 | masters ``4P``, optimizer ``kP`` | fp32 grad buckets ``4P``; compute copy ``eP`` below fp32 |
-| stage 1 | ``4P/N``, ``kP/N`` | fp32 grad shard ``4P/N``; whole params ``eP``; whole grads ``eP`` (``4P`` summed over microbatches) |
+| stage 1 | ``4P/N``, ``kP/N`` | grad shard ``4P/N``; whole params ``eP``; whole grads ``eP`` (accumulating: ``4P``) |
 | stage 2 | ``4P/N``, ``kP/N`` | grad shard ``4P/N``; whole params ``eP``; one bucket of whole grads |
 | stage 3 | ``4P/N``, ``kP/N`` | grad shard ``4P/N``; ``(1 + prefetch)`` units of whole params; one unit of grads |
 

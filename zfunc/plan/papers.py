@@ -80,7 +80,8 @@ def azure_2t() -> Headline:
         "DeepSpeed blog 2022-07-26 (Azure; docs/_posts/2022-07-26-deepspeed-azure.md): 160 layers, hidden 32768, "
         "128 heads, 8 x 1024 tokens per GPU, NDm A100 v4 (8 x 200 Gb/s HDR, 1.7 TB RAM per node)",
         "157 TFLOP/s per GPU",
-        f"{p.tflops_per_gpu:.0f} TFLOP/s per GPU ({'fits' if p.fits else 'does not fit'} with zf.tile k={tiles(p.plan)}"
+        f"{p.tflops_per_gpu:.0f} TFLOP/s per GPU ({'fits' if p.fits else 'does not fit'} "
+        f"with zf.tile k={tiles(p.plan)}"
         f", {p.gpu_bytes / GB:.0f} GB per GPU; step {p.step_time:.0f} s, of which exposed traffic "
         f"{p.step_time - p.time['compute']:.1f} s)",
         p.tflops_per_gpu / 157,

@@ -36,7 +36,8 @@ def candidates(model: ModelSpec, cluster: Cluster, base: Plan, global_batch: int
     pps = [p for p in PIPELINES if p <= model.layers and cluster.gpus % p == 0]
     allowed = MODELLED_ONLY if allow_tp else frozenset()
     for zero, opt, par, remat, mb, tp, pp in itertools.product(
-            (0, 1, 2, 3), ("none", "cpu", "nvme"), ("none", "cpu", "nvme"), ("none", "full", "offload"), MICRO_BATCHES, tps, pps):
+            (0, 1, 2, 3), ("none", "cpu", "nvme"), ("none", "cpu", "nvme"), ("none", "full", "offload"),
+            MICRO_BATCHES, tps, pps):
         if cluster.gpus % (tp * pp) or (par != "none" and zero != 3):  # params offload: stage 3's grid
             continue
         dp = cluster.gpus // (tp * pp)

@@ -7,8 +7,7 @@ This module turns its measurements into predicted beside measured step times (``
 - ``benchmarks/shard.py``'s trainers (its ``build``: GPT 1.85M, 8 x 128 tokens per rank, fp32,
   clip + AdamW) on 2 gloo ranks: zfunc stages 1-3 and DDP for stage 0 (the same algorithm:
   bucketed fp32 all-reduce during backward), interleaved in an order shuffled each round (in a
-  fixed one, the identical stage 1 and 2 steps read 0.41 and 0.69 s in one run, 0.59 and 0.40 in
-  another), each step started by a barrier as
+  fixed one, each trainer's time depends on the one before it), each step started by a barrier as
   ``benchmarks/pipeline.py`` does (the shard benchmark's own back-to-back timing charges a step
   with the wait for the other rank's previous one, which load inflates);
 - ``benchmarks/capacity.py``'s offloaded optimizer step alone (16 leaves, moments on NVMe, masters
@@ -26,9 +25,9 @@ two ranks' each time: a step waits for the slower); the prediction is the model'
 its CPU-bound parts divided by the share. The ratio is paired, the median over steps of each step's
 time over the prediction at the share probed right after it; the predicted column is at the median
 share. The offloaded update is timed in wall clock beside its CPU-Adam, first-touch, copy and disk
-rates, each measured (median of 3) right after each timed step. Every figure is a median over steps. Linux here schedules by
-session (autogroup: each session gets its part of the CPU, split among its runnable threads), so a
-rank computing while the other waits gets more than when both compute: the pipeline ranks also
+rates, each measured (median of 3) right after each timed step. Every figure is a median over steps.
+Linux here schedules by session (autogroup: each session gets its part of the CPU, split among its
+runnable threads), so a rank computing while the other waits gets more than when both compute: the pipeline ranks also
 measure that share ("alone"), which its fill and drain run at (``loaded_pipeline``). On a quiet
 machine both shares are 1 and the prediction is the calibrated one. Beside the wall clock the
 table gives each step's CPU time (the slower rank's process) against the prediction at a whole
@@ -218,8 +217,9 @@ def table(rows: list[Row]) -> str:
     """The markdown table of ``rows`` and how many are within the tolerance (wall clock; the ratio
     paired step by step where the ranks probed their share after each step); beside it, the slower
     rank's CPU time per step against the prediction at a whole core, which load barely moves."""
-    lines = ["| benchmark | configuration | share of a core | predicted ms | measured ms | measured / predicted (paired) "
-             "| within 25% | predicted at a whole core ms | measured CPU ms | CPU / whole-core prediction |",
+    lines = ["| benchmark | configuration | share of a core | predicted ms | measured ms "
+             "| measured / predicted (paired) | within 25% | predicted at a whole core ms | measured CPU ms "
+             "| CPU / whole-core prediction |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     inside = 0
     for r in rows:
@@ -229,7 +229,7 @@ def table(rows: list[Row]) -> str:
         cpu = ("- | - | -" if r.cpu is None else
                f"{r.quiet * 1e3:.1f} | {r.cpu * 1e3:.1f} | {r.cpu / r.quiet:.2f}")
         share = "-" if r.share is None else f"{r.share:.2f}" + ("" if r.alone is None else f" ({r.alone:.2f} alone)")
-        lines.append(f"| `{r.bench}` | {r.config} | {share} | "
-                     f"{r.predicted * 1e3:.1f} | {r.measured * 1e3:.1f} | {ratio:.2f} | {'yes' if ok else 'no'} | {cpu} |")
+        lines.append(f"| `{r.bench}` | {r.config} | {share} | {r.predicted * 1e3:.1f} | {r.measured * 1e3:.1f} "
+                     f"| {ratio:.2f} | {'yes' if ok else 'no'} | {cpu} |")
     lines.append(f"\n{inside} of {len(rows)} within +-{TOLERANCE:.0%}")
     return "\n".join(lines)

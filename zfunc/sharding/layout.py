@@ -144,7 +144,8 @@ class FlatGroup:
                 for ranked, rows in _row_blocks(leaves[i], by_rank, off, out, world):
                     rows.copy_(ranked)
 
-    def pack_full(self, fulls: list[torch.Tensor], leaves: tuple[LeafShard, ...], world: int, out: torch.Tensor) -> None:
+    def pack_full(self, fulls: list[torch.Tensor], leaves: tuple[LeafShard, ...], world: int,
+                  out: torch.Tensor) -> None:
         """Fill ``out`` ``(world, segment)`` with whole grads so rank r's segment holds its rows;
         padding, and a ``None`` grad (an unused param), are written as zeros."""
         for i, off, g in zip(self.indices, self.offsets, fulls):
@@ -221,6 +222,3 @@ def _placeholder(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Te
     t = torch.empty(shape, dtype=dtype, device=device)
     t.untyped_storage().resize_(0)
     return t.requires_grad_()
-
-
-FlatUnit = FlatGroup  # its former name (it packs buckets as well as units)

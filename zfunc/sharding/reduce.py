@@ -199,8 +199,8 @@ class GradAllReducer(GradReducer):
     ``spec``: the layout of one rank holding everything (``ShardSpec.split`` is ``(1, 0)``).
     """
 
-    def __init__(self, comm, spec: ShardSpec, buckets: Buckets, deliver: Callable[[FlatGroup, list[torch.Tensor]], None],
-                 step: int, divisor: float):
+    def __init__(self, comm, spec: ShardSpec, buckets: Buckets,
+                 deliver: Callable[[FlatGroup, list[torch.Tensor]], None], step: int, divisor: float):
         super().__init__(comm, spec, lambda: buckets.groups, deliver, buckets.device, eager=False, step=step,
                          sequence=lambda: list(range(len(buckets.groups))))
         self.buckets, self.scale = buckets, 1.0 / divisor

@@ -30,7 +30,8 @@ from zfunc.sharding.prefetch import Gatherer
 from zfunc.core.roles import Role
 from zfunc.sharding.layout import ShardSpec, leaf_names, _placeholder
 from zfunc.sharding.reduce import Buckets, GradAllReducer, GradReducer, GradSlices
-from zfunc.core.step import Step, TrainState, cuda_devices, step_seed, seeded, split_loss
+from zfunc.core.step import Step, cuda_devices, step_seed, seeded, split_loss
+from zfunc.core.state import TrainState
 
 PyTree = Any
 
@@ -167,10 +168,11 @@ class StepRun:
         return loss, (auxes[0] if self.roles.schedule.count == 1 else auxes), grads and tree.unflatten(treespec, grads)
 
     def _replicated_loss_and_grads(self, params, batch, step, rng, loss_scale):
-        """Stage 0: the loss summed over the ranks (of each rank's mean over its microbatches), and
-        the whole fp32 grads averaged over the ranks (the same on every rank): each microbatch differentiates the whole params (the fp32 masters themselves
-        at fp32, a compute-dtype copy otherwise), and ``GradAllReducer`` sums the grads into its
-        buckets, all-reducing them during the last microbatch's backward."""
+        """Stage 0: the loss summed over the ranks (of each rank's mean over its microbatches), and the
+        whole fp32 grads averaged over the ranks (the same on every rank): each microbatch differentiates
+        the whole params (the fp32 masters themselves at fp32, a compute-dtype copy otherwise), and
+        ``GradAllReducer`` sums the grads into its buckets, all-reducing them during the last microbatch's
+        backward."""
         pieces, treespec = self._pieces(params)
         spec = self._state_spec
         sink = GradSlices(lambda i: torch.zeros_like(pieces[i]), len(pieces), 1.0)  # the reducer divides
@@ -223,8 +225,8 @@ class StepRun:
         if self.stage < 3:
             return [w.detach().requires_grad_() for w in whole], None, lambda: self._buckets(spec)
         leaves = [_placeholder(leaf.shape, self.compute_dtype, device) for leaf in spec.leaves]
-        gatherer = Gatherer(self.mesh.comm, spec, pieces, leaves, lambda module: self.sharded._stage3_units(module, spec),
-                            self.order, self.prefetch,
+        gatherer = Gatherer(self.mesh.comm, spec, pieces, leaves,
+                            lambda module: self.sharded._stage3_units(module, spec), self.order, self.prefetch,
                             step, self.verify)
         return leaves, gatherer, lambda: gatherer.units
 

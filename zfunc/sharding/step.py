@@ -59,8 +59,8 @@ hold whole compute params (2 or 4 Psi); stage 1 whole fp32 grads (4 Psi); stage 
 of whole grads; stage 3 at most ``(1 + prefetch)`` units of whole params. Communication per step,
 as ``dist.Comm`` counts bytes (DDP = 2 Psi): stage 0 all-reduces Psi fp32 grads = 2 Psi, as DDP; stages 1/2
 all-gather Psi + reduce-scatter Psi = 2 Psi (at the gather dtype and fp32 grads); stage 3 gathers
-twice: 3 Psi. The issue text says "grads all-reduced" for stage 1:
-a reduce-scatter gives each rank the slice it updates for half the bytes, so stage 1 uses it.
+twice: 3 Psi. Stage 1 reduce-scatters its grads rather than all-reducing them: a reduce-scatter gives
+each rank the slice it updates for half the bytes.
 One small all-reduce per step sums the squared grad norm, the loss and, per param, whether the
 rank produced a grad for it: ``4 (2 + leaves)`` bytes.
 
@@ -80,14 +80,12 @@ from zfunc.dist import Mesh
 from zfunc.model.materialize import Materializer, leaf as materialize_leaf
 from zfunc.model.functional import BufferScope
 from zfunc.ops.cpu import hostmem
-# re-exported: the names other modules and tests import from zfunc.sharding.step
-from zfunc.sharding.layout import (FlatGroup, FlatUnit, LeafShard, ShardSpec, bucket_groups, gather_whole,  # noqa: F401
-                                leaf_names, _placeholder, _row_blocks, local_piece)
-from zfunc.sharding.reduce import (Buckets, GradAllReducer, GradReducer, GradSlices,  # noqa: F401
-                                average_buffers, average_order)
+from zfunc.sharding.layout import FlatGroup, LeafShard, ShardSpec, bucket_groups, gather_whole, leaf_names, local_piece
+from zfunc.sharding.reduce import Buckets, average_buffers, average_order
 from zfunc.core.roles import Accumulation, Roles
 from zfunc.sharding.run import LocalPieces, PlainUpdate, ReducedSlices, StepRun
-from zfunc.core.step import Step, TrainState, Transformed, check_single_device, require_train_state
+from zfunc.core.step import Step, Transformed, check_single_device
+from zfunc.core.state import TrainState, require_train_state
 from zfunc.model.units import Selector
 
 PyTree = Any
@@ -182,8 +180,9 @@ class ShardedStep(Transformed):
         if state.placement is None:
             raise ValueError("state: this state is not sharded (it came from a plain step's init); "
                              "build it with this sharded step's init(params)")
-        if type(state.placement) is not ShardSpec or (state.placement.stage, state.placement.world,
-                                                         state.placement.rank) != (self.stage, self.mesh.dp, self.mesh.rank):
+        spec = state.placement
+        expected = (self.stage, self.mesh.dp, self.mesh.rank)
+        if type(spec) is not ShardSpec or (spec.stage, spec.world, spec.rank) != expected:
             raise ValueError(f"state: sharded as {state.placement}, but this step is stage {self.stage} over "
                              f"{self.mesh.dp} ranks (rank {self.mesh.rank}); reshard it through a checkpoint")
 
@@ -220,7 +219,8 @@ class ShardedStep(Transformed):
             self.mesh.comm.agree((len(names), numel), lambda op: f"buffer all-reduce of {op[0]} buffers, {op[1]} "
                                  "elements", f"step {step}: the ranks' forwards wrote different module buffers")
         self._buffer_names = names
-        return average_buffers(carried.buffers, names, self.mesh.comm, self.mesh.dp, f"buffer all-reduce at step {step}")
+        return average_buffers(carried.buffers, names, self.mesh.comm, self.mesh.dp,
+                               f"buffer all-reduce at step {step}")
 
     def _backward_order(self, groups: list[FlatGroup]) -> list[int]:
         """The groups (buckets or units) in the order their grads complete: stage 3 reverses the
@@ -241,12 +241,13 @@ class ShardedStep(Transformed):
         stage 3: the peak of gathered units) and ``whole_grads`` (the peak of whole grads held in
         the compute dtype) exist during a step. ``comm`` is the last step's bytes per collective
         (``dist.Comm``). Against the ZeRO paper's bf16 formulas (docs/design.md, section 7), with Psi params
-        and N ranks: stage 0 = ``2 Psi + 16 Psi`` (+ the grad autograd just produced, until it is
-        summed into its bucket): the paper's 16 Psi with the grads held in fp32 rather than bf16
-        (as DDP holds them for fp32 params under autocast); stage 1 = ``2 Psi + 2 Psi + 16 Psi/N``, stage 2 = ``2 Psi + 16 Psi/N`` (+ a bucket of whole
-        grads), stage 3 = ``16 Psi/N`` (+ the gathered units): the paper's plus ``4 Psi/N`` (stages
-        1/2) for the fp32 grad slice the optimizer reads, which DeepSpeed holds too, and minus the
-        bf16 param shard at stage 3 (units are gathered straight from the fp32 masters).
+        and N ranks: stage 0 = ``2 Psi + 16 Psi`` (+ the grad autograd just produced, until it is summed
+        into its bucket): the paper's 16 Psi with the grads held in fp32 rather than bf16 (as DDP holds them
+        for fp32 params under autocast); stage 1 = ``2 Psi + 2 Psi + 16 Psi/N``,
+        stage 2 = ``2 Psi + 16 Psi/N`` (+ a bucket of whole grads), stage 3 = ``16 Psi/N`` (+ the gathered
+        units): the paper's plus ``4 Psi/N`` (stages 1/2) for the fp32 grad slice the optimizer reads, which
+        DeepSpeed holds too, and minus the bf16 param shard at stage 3 (units are gathered straight from the
+        fp32 masters).
         """
         self._check_state(state)
         return {
@@ -273,10 +274,7 @@ class ShardedStep(Transformed):
         first bucket at 1 MiB, as DDP does, so that the first all-reduce starts early in backward;
         with ``fit_buckets`` the others hold a quarter of the grads, within [1, 25] MiB: DDP's
         fixed 25 MiB leaves a small model one bucket after the first, whose all-reduce then waits
-        for the end of backward. A/B runs on the benchmark's GPT (7.4 MB of grads, 2 gloo ranks on
-        a heavily loaded 2-core box, 120-150 rounds, paired medians vs DDP): one 25 MiB bucket
-        0.947x; 1 MiB + one bucket 0.983 / 0.983 / 0.999x; 1 MiB + 2 MiB buckets 0.997 / 1.001x;
-        this rule (1 MiB + 1.8 MiB) 1.003x."""
+        for the end of backward (``benchmarks/shard.py`` compares stage 0 with DDP)."""
         if self.stage != 0:
             return self.bucket_elems, None
         size = self.bucket_elems

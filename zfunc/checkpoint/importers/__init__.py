@@ -43,7 +43,8 @@ import torch
 
 from zfunc.checkpoint.files import MANIFEST, CheckpointError
 from zfunc.checkpoint.importers import common
-from zfunc.core.step import Step, TrainState
+from zfunc.core.step import Step
+from zfunc.core.state import TrainState
 
 __all__ = ["load_deepspeed", "load_dcp", "deepspeed_config", "detect", "foreign_format", "load_foreign", "FORMATS"]
 

@@ -38,7 +38,8 @@ from zfunc.checkpoint import layout as cl
 from zfunc.core import tree
 from zfunc.checkpoint.files import CheckpointError
 from zfunc.optim import AdamState
-from zfunc.core.step import Step, TrainState
+from zfunc.core.step import Step
+from zfunc.core.state import TrainState
 
 KINDS = ("param", "exp_avg", "exp_avg_sq")
 ADAM_FIELDS = {1: "exp_avg", 2: "exp_avg_sq"}  # AdamState(count, mu, nu) field index -> torch's name

@@ -28,7 +28,8 @@ import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from zfunc.offloading.swap.file_format import ALIGN, SwapChecksumError, SwapInUseError, SwapPathError, _mv, aligned_empty, disk_bytes
+from zfunc.offloading.swap.file_format import (ALIGN, SwapChecksumError, SwapInUseError, SwapPathError, _mv,
+                                               aligned_empty, disk_bytes)
 
 LOCK_FILE = ".zfunc-swap.lock"
 ROOM_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # a write finds no room: the disk is full, or a quota

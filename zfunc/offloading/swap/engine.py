@@ -5,13 +5,13 @@
         swap.read("opt.group0", out).result()  # -> SwapHeader; out holds what was written
 
 One directory, one file per name (``<quoted name>.swap``), in the format of ``zfunc.offloading.swap.file_format``
-(a 4096-byte checked header, then the payload padded to 4096). The engine is in four modules, one
-concept each, and every public name is importable from here:
+(a 4096-byte checked header, then the payload padded to 4096). The engine is in four modules of
+``zfunc.offloading.swap``, one concept each; each name is imported from the module that defines it:
 
-    swap_format.py    the file format, aligned memory, crc32 and its combine, the errors
-    swap_dir.py       the directory: room checks, the one-engine lock, rank_dir, raw pread/pwrite
-    swap_transfer.py  one file's transfer cut into blocks on the thread pool
-    swap.py           the engine: names, versions, ordering per name, spares, write and read
+    file_format.py    the file format, aligned memory, crc32 and its combine, the errors
+    directory.py      the directory: room checks, the one-engine lock, rank_dir, raw pread/pwrite
+    transfer.py       one file's transfer cut into blocks on the thread pool
+    engine.py         the engine: names, versions, ordering per name, spares, write and read
 
 **Law.** ``read(name, out)`` fills ``out`` with exactly the bytes of the last completed
 ``write(name, ...)``. Operations on one name run one at a time in issue order (the engine queues
@@ -24,10 +24,10 @@ engine on the directory removes temporaries of dead processes). ``fsync="never"`
 crashes (the kernel holds the data); ``fsync="write"`` also fsyncs the file before and the directory
 after the rename: it survives power loss. With ``spare=True`` (default) the version being replaced
 is kept as a hidden ``.<file>.spare`` hard link, and the next write renames that spare to its
-``.tmp`` and overwrites it in place: no blocks allocated, converted or freed per write, which made
-writes ~1.5x faster here (ext4 mounted with ``discard``: freeing a 1 GiB file took 0.2 s), for 2x
-the disk space. Rename rather than two slots per name with the header's version deciding: a rename
-never exposes a torn file and data and header need no ordering.
+``.tmp`` and overwrites it in place: no blocks allocated, converted or freed per write (freeing a
+file's blocks is slow where the file system discards them), for 2x the disk space. Rename rather
+than two slots per name with the header's version deciding: a rename never exposes a torn file and
+data and header need no ordering.
 
 **Failures.** A write that cannot complete (no room: ENOSPC or EDQUOT, an I/O error, a short
 write) fails its future with a ``SwapError`` naming the file (no room: a ``SwapPathError`` naming
@@ -75,22 +75,18 @@ from urllib.parse import quote
 
 import torch
 
-# the engine's parts, re-exported: ``zfunc.offloading.swap.engine.X`` is where users find every public name
-from zfunc.offloading.swap.directory import (LOCK_FILE, _O_DIRECT, ROOM_ERRNOS, _hold_directory, _o_direct_works,  # noqa: F401
-                            _open_target, _pread_all, _put_back, _pwrite_all, _release_directory,
-                            _remove_stale_temporaries, _reserve, spare_path, _spare_back, check_path, check_readable,
-                            fsync_dir, no_room, rank_dir, reserve_spares)
-from zfunc.offloading.swap.file_format import (ALIGN, FORMAT, MAGIC, SwapChecksumError, SwapError, SwapHeader,  # noqa: F401
-                               SwapInUseError, SwapMismatchError, SwapPathError, _mv, _pack_header, _pad,
-                               _unpack_header, _version_on_disk, aligned_empty, aligned_like, crc32, crc32_combine,
-                               disk_bytes, file_nbytes)
+from zfunc.offloading.swap.directory import (LOCK_FILE, _O_DIRECT, ROOM_ERRNOS, _hold_directory, _o_direct_works,
+                                             _open_target, _pread_all, _put_back, _pwrite_all, _release_directory,
+                                             _remove_stale_temporaries, _reserve, spare_path, _spare_back, check_path,
+                                             check_readable, fsync_dir, no_room, reserve_spares)
+from zfunc.offloading.swap.file_format import (ALIGN, SwapChecksumError, SwapError, SwapHeader, SwapMismatchError, _mv,
+                                               _pack_header, _pad, _unpack_header, _version_on_disk, aligned_empty,
+                                               crc32, file_nbytes)
 from zfunc.offloading.swap.transfer import _Transfer
 
 FSYNC = ("never", "write")
 
-__all__ = ["ALIGN", "FORMAT", "FSYNC", "LOCK_FILE", "MAGIC", "SwapChecksumError", "SwapEngine", "SwapError",
-           "SwapHeader", "SwapInUseError", "SwapMismatchError", "SwapPathError", "aligned_empty", "aligned_like",
-           "check_path", "crc32", "crc32_combine", "disk_bytes", "file_nbytes", "fsync_dir", "rank_dir"]
+__all__ = ["FSYNC", "SwapEngine"]
 
 
 class SwapEngine:
@@ -98,16 +94,16 @@ class SwapEngine:
 
     Args:
       path: the directory (created if missing, checked with ``check_path``).
-      threads: I/O worker threads, each with one blocking preadv/pwritev in flight (8: checked writes
-        reached fio's best at 8 and 16 in benchmarks/swap.py, 4 left them at 0.75x).
+      threads: I/O worker threads, each with one blocking preadv/pwritev in flight (8: where checked
+        writes reach fio's best in ``benchmarks/swap.py``; 4 leave them short of it).
       block_bytes: transfer piece size, a multiple of 4096 up to 1 GiB.
       queue_depth: pieces of one transfer in flight at once (default: ``threads``).
       o_direct: use O_DIRECT where the filesystem takes it; ``self.o_direct`` tells what is used.
       fsync: ``"never"`` (atomic against process crashes) or ``"write"`` (and against power loss).
       verify: write a crc32 of every payload and check it on read.
       spare: keep each name's previous version as a hidden spare file that the next write overwrites
-        in place and renames: steady-state writes then allocate and free nothing (~1.5x faster on
-        ext4, more where freed blocks are discarded) for 2x the disk space; False: fresh files,
+        in place and renames: steady-state writes then allocate and free nothing (faster, most where
+        freed blocks are discarded) for 2x the disk space; False: fresh files,
         2x only while a name is being written.
       need_bytes: free space to require now, beyond ``files``.
       files: payload bytes of each file to be written: their room is required now, in the file

@@ -7,9 +7,9 @@ transfer has an aligned offset and length: ``file_nbytes(nbytes)`` = 4096 + nbyt
 
 **Checked.** Each I/O worker crc32s the block it moved; block crcs combine (``crc32_combine``,
 zlib's, in GF(2)) into the payload's crc32. A bad header raises ``SwapChecksumError`` naming the
-file. zlib's crc32 runs ~4 GB/s per core: on the loaded 2-core development machine verify halved
-write GB/s (1.5 vs 3.0, benchmarks/swap.py). With ``isal`` installed its crc32 (the same values,
-~50 GB/s) is used and verify costs little (3.9-4.7 vs 4.9 GB/s in one run).
+file. zlib's crc32 runs ~4 GB/s per core, which can halve checked writes on a machine of few cores;
+with ``isal`` installed its crc32 (the same values, ~50 GB/s) is used and verify costs little
+(``benchmarks/swap.py`` times both).
 
 **Aligned memory.** ``aligned_empty``/``aligned_like`` give CPU tensors at 4096-aligned addresses
 (pinned on request when there is a GPU): such a tensor moves to and from a file with O_DIRECT and

@@ -1,4 +1,4 @@
-"""One swap file's transfer, cut into blocks that run on the engine's thread pool (used by ``zfunc.offloading.swap.engine``).
+"""One swap file's transfer, cut into blocks that run on the engine's thread pool (``zfunc.offloading.swap.engine``).
 
 **Cost.** A transfer of ``nbytes`` is cut into ``block`` pieces with at most ``depth`` in flight;
 each finished block submits the next, so concurrent transfers share the workers and interleave in

@@ -2,7 +2,7 @@
 
 ``adam``: Numba optimizer kernels for state in CPU RAM (AdamW/Adam, Lion, SGD), one memory pass per step;
 ``gomp``: the libgomp thread teams they run on; ``hostmem``: CPU tensors on transparent huge pages, where
-the optimizer state lives (the kernels run up to 1.3x faster there); ``units``: which half precisions this
+the optimizer state lives (fewer TLB misses for the kernels' streams); ``units``: which half precisions this
 CPU multiplies matrices in natively. Modules load on first attribute access (Numba's import is ~0.3 s).
 """
 import importlib

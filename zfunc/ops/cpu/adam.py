@@ -39,14 +39,13 @@ from zfunc.ops.cpu import gomp
 
 __all__ = ["adamw_", "adamw_many_", "get_num_threads", "lion_", "set_num_threads", "sgd_"]
 
-# fastmath stays off: measured 1.4x faster on cache-resident sizes (approximate reciprocal/rsqrt
-# in place of the divider), nothing at DRAM sizes, and it moved p 5e-6 away from torch in 200
-# steps, against the 1e-6 promised. error_model="numpy": x/0 gives inf like torch instead of a
-# branch that raises, which would also stop the loop from vectorizing.
+# fastmath stays off: its approximate reciprocal/rsqrt in place of the divider gains only on
+# cache-resident sizes, and moves p further from torch than the 1e-6 promised. error_model="numpy":
+# x/0 gives inf like torch instead of a branch that raises, which would also stop the loop from
+# vectorizing.
 _JIT = dict(cache=True, fastmath=False, nogil=True, error_model="numpy", boundscheck=False)
-# Below this many elements one thread is as fast as two, a team launch costing ~1 us (measured
-# on one thread / two: 8K elements AdamW 2.9 / 2.8 us, Lion 1.8 / 2.2, SGD 1.4 / 2.0; 16K AdamW
-# 5.5 / 4.3, Lion 3.1 / 2.9, SGD 2.3 / 2.4; 32K AdamW 11.0 / 7.3, Lion 6.3 / 4.5, SGD 4.7 / 3.7).
+# Below this many elements one thread is as fast as two: a team launch costs ~1 us, about the time
+# of 8-16K elements of AdamW, Lion or SGD on one thread.
 _PARALLEL_MIN = 1 << 14
 _num_threads: int | None = None
 _POOL_SIZE = numba.config.NUMBA_NUM_THREADS  # fixed once Numba starts (1 after a fork, below)

@@ -7,14 +7,13 @@ it with ``error_model="numpy"`` and no bounds checks): a team has no way to repo
 
 Why not Numba's ``prange``: starting a team with GOMP_parallel (what ``#pragma omp parallel``
 compiles to) costs ~1.0 us, against ~1.7 us for prange around the same call (its scheduler and
-gufunc wrapper) -- what decides a 100K-param optimizer step (~20 us). libgomp is opened by
-soname, which finds the copy torch loaded, so kernels and torch ops share one pool of worker
-threads (with two pools, each one's idle workers spin on the cores the other needs: bound to
-Numba's copy instead, the median 100K-param AdamW call in benchmarks/cpu_adam.py took 41 us, not
-22). Each Python thread that launches gets its own team, so concurrent calls neither share nor
-nest. libgomp's entry points reach the JIT as ``zfunc_*`` symbols resolved when code is loaded,
-cached code included, so no address is compiled in. ``AVAILABLE`` is False where libgomp cannot
-be loaded; callers then fall back to prange.
+gufunc wrapper) -- what decides a 100K-param optimizer step (~20 us). libgomp is opened by soname,
+which finds the copy torch loaded, so kernels and torch ops share one pool of worker threads (with
+two pools, each one's idle workers spin on the cores the other needs, which about doubles a
+100K-param AdamW call in ``benchmarks/cpu_adam.py``). Each Python thread that launches gets its own
+team, so concurrent calls neither share nor nest. libgomp's entry points reach the JIT as
+``zfunc_*`` symbols resolved when code is loaded, cached code included, so no address is compiled
+in. ``AVAILABLE`` is False where libgomp cannot be loaded; callers then fall back to prange.
 """
 from __future__ import annotations
 

@@ -3,14 +3,12 @@
 A CPU optimizer step streams five to seven arrays at once (AdamW: param, grad, exp_avg, exp_avg_sq
 and a low-precision param copy). On 4 KiB pages each stream crosses a page every 4 KiB, and at
 each crossing the core takes a TLB miss and its hardware prefetcher, which does not follow a
-stream across pages, starts over. On 2 MiB pages both happen 512x less often. Measured on this
-project's 2-core EPYC VM (11-15 interleaved rounds, same kernel, every buffer from ``empty`` or
-from ``torch.empty``): ``cpu_adam.adamw_`` fp32 1.07x faster at 100M params and 1.28x at 10M;
-the bf16-grad + bf16-out pass 1.12x and 1.25x.
+stream across pages, starts over. On 2 MiB pages both happen 512x less often
+(``benchmarks/cpu_adam.py`` times ``zfunc.ops.cpu.adam`` on both; the README's results hold the figures).
 
 Linux backs anonymous memory with huge pages when transparent huge pages (THP) are ``always``, or
-for ranges advised ``MADV_HUGEPAGE`` when they are ``madvise`` (many distributions' default, and
-this machine's). torch's CPU allocator never advises, so its big tensors live on 4 KiB pages
+for ranges advised ``MADV_HUGEPAGE`` when they are ``madvise`` (many distributions' default).
+torch's CPU allocator never advises, so its big tensors live on 4 KiB pages
 under ``madvise``. ``empty`` maps fresh memory, advises it before the first touch and hands it
 to torch (``torch.frombuffer``; the mapping is unmapped when the last tensor over it is freed).
 Each tensor starts at its own page-aligned offset within a huge page (``_colour``): buffers that
@@ -23,8 +21,8 @@ correctness: whatever pages a tensor has, the kernels compute the same values.
 grads, the forward's temporaries). glibc gives the top of its heap back to the OS once more than
 ``M_TRIM_THRESHOLD`` bytes lie free there (by default twice the largest block it has freed, so
 two 4 MiB grads freed together), and the next step faults the same bytes in again, ~1 us per 4 KiB
-page: measured, 145-470 faults per step of a 1M-param CPU step (0.15-0.6 ms of 0.8), in whichever
-trainer of a process the heap's layout happened to put on the boundary. Kept, they are reused.
+page, in whichever trainer of a process the heap's layout happens to put on the boundary. Kept,
+they are reused.
 """
 from __future__ import annotations
 
@@ -44,9 +42,8 @@ __all__ = ["HUGE_MIN", "copy_to", "empty", "huge_pages_available", "reuse_freed_
 HUGE = 2 << 20  # bytes in a huge page (x86-64 and aarch64 with 4 KiB base pages)
 # Smaller tensors: torch.empty. Huge pages pay where a kernel's streams outgrow the last-level
 # cache; below that, each pair of streams keeps one fixed offset within its huge pages, where 4 KiB
-# pages spread conflicts at random. Measured (AdamW param + moments from here, 15 rounds): 4 MiB
-# buffers 0.95x (fp32) / 1.02x (bf16 pass) the speed on torch's pages, 12 MiB 1.00-1.05x / 1.10-1.14x,
-# 40 MiB 1.19x / 1.20x.
+# pages spread conflicts at random: AdamW on huge pages is no faster at 4 MiB buffers and gains from
+# about 12 MiB.
 HUGE_MIN = 8 << 20
 _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
@@ -96,9 +93,8 @@ def _colour() -> int:
     """Where in its huge page the next tensor starts: a pseudo-random multiple of the page size.
 
     Tensors that all start at the same offset in their huge pages put element i of every stream
-    a kernel reads in the same cache sets and DRAM banks: measured, AdamW over three such 100M-param
-    buffers ran 0.77-0.88x as fast as on 4 KiB pages, against 1.13-1.16x with offsets spread
-    like mmap's own addresses."""
+    a kernel reads in the same cache sets and DRAM banks, which costs AdamW more than the huge
+    pages gain; offsets spread like mmap's own addresses keep the gain."""
     return _COLOURS.randrange(HUGE // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
@@ -150,12 +146,12 @@ def reuse_freed_memory() -> bool:
     where the C library is not glibc or ``ZFUNC_HEAP_REUSE=off`` keeps glibc's defaults.
 
     ``ZFUNC_HEAP_REUSE``: ``small`` (default): blocks under 32 MiB come from the heap, where freed
-    ones are reused; larger ones are mapped and unmapped one by one as before, so their faults stay
-    (a fresh 80 MB grad faults ~20K pages every step, in torch as here). ``all``: every block of
-    the main thread comes from the heap (``M_MMAP_MAX`` 0): measured, a 20M-param CPU step 80 -> 22
-    ms of CPU (39K faults -> 0), 100M 400 -> 159 ms; but a freed block below the top of the heap is
-    never returned, so the resident size stays at the high-water mark and grows with fragmentation
-    (100M: peak 2.6 -> 4.2 GB; a background checkpoint's host copies stay resident after the save). Cost of either: the resident size does not shrink below the heap's
+    ones are reused; larger ones are mapped and unmapped one by one, so their faults stay (a fresh
+    80 MB grad faults ~20K pages every step, in torch as here). ``all``: every block of the main
+    thread comes from the heap (``M_MMAP_MAX`` 0), so a step's fresh grads fault no pages; but a
+    freed block below the top of the heap is never returned, so the resident size stays at the
+    high-water mark and grows with fragmentation (a background checkpoint's host copies stay
+    resident after the save). Cost of either: the resident size does not shrink below the heap's
     high-water mark minus ``KEEP_FREED``.
     """
     if HEAP_REUSE == "off":
