@@ -194,6 +194,7 @@ def zero3_offload_worker(rank, world):
     return losses, norms, full_params(in_ram(state), mesh)
 
 
+@pytest.mark.multiprocess
 def test_zero3_with_cpu_offload_on_2_ranks_equals_one_process():
     # The MLM loss averages over each rank's selected tokens, and ranks select different numbers of them:
     # the 2-rank step averages 2 such means. One process computes the same with accum=2 (a microbatch

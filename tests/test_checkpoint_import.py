@@ -96,6 +96,7 @@ def test_deepspeed_loads_into_one_process_layouts(ds_stage):
           ref["losses"], f"zero{ds_stage} -> 1 rank")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_deepspeed_loads_into_every_layout():
     for ds_stage in (1, 2, 3):
@@ -118,6 +119,7 @@ def two_rank_worker(rank, world):
     return loaded, rows
 
 
+@pytest.mark.multiprocess
 def test_deepspeed_loads_into_two_ranks_each_reading_its_rows():
     """Each ZeRO-3 rank of 2 reads, of each param and moment, only the rows it holds (torch.chunk style)."""
     shapes = {n: tuple(p.shape) for n, p in make()[1].items()}
@@ -254,6 +256,7 @@ def fsdp_checkpoint(tmp_path_factory):
     return path, params, ranks[0][0], [zfunc for _, zfunc in ranks]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_dcp_loads_into_one_process_layouts(fsdp_checkpoint):
     path, params, losses, _ = fsdp_checkpoint
@@ -261,6 +264,7 @@ def test_dcp_loads_into_one_process_layouts(fsdp_checkpoint):
     check(load_and_train(0, 1, LAYOUTS, "dcp", path), params, losses, "dcp -> 1 rank")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_dcp_loads_into_two_rank_layouts(fsdp_checkpoint):
     _, params, losses, ranks = fsdp_checkpoint

@@ -115,6 +115,7 @@ def issue_worker(rank, world):
     return None
 
 
+@pytest.mark.multiprocess
 def test_pipeline_of_an_offloaded_sharded_step_is_refused_up_front():
     for message in zf.dist.spawn(issue_worker, 2, 2):
         assert message is not None and message.startswith(
@@ -193,6 +194,7 @@ def test_remat_and_tile_inside_plain_and_offloaded_steps_train_as_the_plain_step
     assert_same_training((losses, norms, untile(in_ram(state).params)), ref1, "offload, remat + tile")
 
 
+@pytest.mark.multiprocess
 def test_remat_and_tile_inside_sharded_and_offloaded_sharded_steps_train_as_the_plain_step():
     ref2 = reference(2)
     for rank, got in enumerate(zf.dist.spawn(inside_worker, 2, 2)):
@@ -200,6 +202,7 @@ def test_remat_and_tile_inside_sharded_and_offloaded_sharded_steps_train_as_the_
             assert_same_training(result, ref2, f"{what}, remat + tile, rank {rank}")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_remat_and_tile_inside_a_pipelined_step_train_as_the_plain_step():
     ref1 = reference(1)
@@ -266,6 +269,7 @@ def alternate_worker(rank, world):
     return two_states(lambda: zf.shard(plain_step()[0], mesh, 3, units=zf.units.by_class(Block)), rank, world)
 
 
+@pytest.mark.multiprocess
 def test_one_stage_3_step_object_drives_two_states_alternately_on_2_ranks():
     for rank, (alternated, separate) in enumerate(zf.dist.spawn(alternate_worker, 2, 2)):
         assert_identical(alternated, separate, f"stage 3, rank {rank}")

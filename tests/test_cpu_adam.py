@@ -273,6 +273,7 @@ def _python(code: str, **env) -> None:
                    check=True, timeout=120)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(not gomp.AVAILABLE, reason="libgomp not loadable: no teams to test")
 def test_a_team_smaller_than_asked_still_takes_every_chunk():
     # OMP_THREAD_LIMIT=1: libgomp runs every team on its caller alone, which must do both chunks.
@@ -290,6 +291,7 @@ def test_a_team_smaller_than_asked_still_takes_every_chunk():
         """, OMP_THREAD_LIMIT="1")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork on this platform")
 def test_a_forked_child_steps_on_one_thread():
     # The parent's OpenMP worker threads do not exist in a forked child: a team there would wait
@@ -363,6 +365,7 @@ def test_bad_input_other_kernels():
         cpu_adam.lion_(p, p, torch.zeros(8, dtype=torch.float16), lr=1.0)
 
 
+@pytest.mark.multiprocess
 def test_importing_zfunc_ops_does_not_load_the_kernels():
     code = ("import sys, zfunc.ops; assert 'zfunc.ops.cpu_adam' not in sys.modules; "
             "zfunc.ops.cpu_adam.adamw_")

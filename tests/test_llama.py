@@ -134,6 +134,7 @@ def zero3_offload_worker(rank, world):
     return losses, norms, full_params(in_ram(state), mesh)
 
 
+@pytest.mark.multiprocess
 def test_zero3_with_cpu_offload_on_2_ranks_equals_one_process():
     ref_state, ref_losses, ref_norms = run(*make(), world=2)
     for rank, got in enumerate(zf.dist.spawn(zero3_offload_worker, 2, 2)):

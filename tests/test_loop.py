@@ -72,6 +72,7 @@ def cli(recipe, out, argv, procs=1):
 
 # llama's step under ZeRO-3 + offload on 2 ranks is also tests/test_llama.py's (in CI); bert's loss
 # normalization by the global batch is only here
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("recipe", [pytest.param("llama", marks=pytest.mark.slow), "bert"])
 def test_zero3_with_cpu_offload_on_2_ranks_trains_as_1_process(recipe, tmp_path, text_file):
     """The law of the command line, for the new recipes: the same flags on 2 torchrun ranks under
@@ -207,6 +208,7 @@ loop.script(lambda: print("trained", flush=False))
 """
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world_size, teardown", [(None, True), ("2", False)])
 def test_a_torchrun_rank_leaves_without_interpreter_teardown_once_main_returned(world_size, teardown):
     env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}

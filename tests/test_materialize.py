@@ -151,6 +151,7 @@ def meta_worker(rank, world):
     return out, sorted(asked), zf.checkpoint.full_params(state, mesh), values
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2])
 def test_sharded_init_from_meta_is_the_same_model_at_any_world_size(world):
     ref_step, ref_state = meta_make(None, None)
@@ -228,6 +229,7 @@ def capped_worker(rank, world, init_cap, step_cap):
         resource.setrlimit(resource.RLIMIT_DATA, (hard, hard))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_DATA and mallopt: Linux with glibc")
 def test_stage3_from_meta_trains_on_two_ranks_where_one_process_cannot_hold_the_model_and_adam():
     # init: full fp32 params + Adam moments are 12 PSI bytes; each of 2 ranks needs 6 PSI. A cap of

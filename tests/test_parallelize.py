@@ -187,6 +187,7 @@ def worker(rank, world, plans):
     return out
 
 
+@pytest.mark.multiprocess
 def test_planned_steps_on_two_ranks_train_as_the_plain_step():
     results = zf.dist.spawn(worker, 2, 2, PLANS_2)
     ref = reference()

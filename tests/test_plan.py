@@ -79,6 +79,7 @@ def forward_gathers(units, world, precision):
     return sum(e * world * zp.local_numel(shapes, world, 0) * len(users) for shapes, users in units)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_predicted_model_states_equal_the_engines_accounting(tmp_path, world, leaves, units):
     todo = list(configs())
@@ -113,6 +114,7 @@ def test_predicted_model_states_equal_the_engines_accounting(tmp_path, world, le
     assert checked
 
 
+@pytest.mark.multiprocess
 def test_stage_0_is_accounted_when_the_tree_has_it(tmp_path, leaves):
     try:
         zf.shard(zf.train_step(lambda p, b: p["w"].sum(), zf.optim.adamw(1e-2)), zf.Mesh.alone(), 0)
@@ -262,6 +264,7 @@ def test_the_cli_names_a_bad_flag(capsys, argv, match):
     assert re.search(match, capsys.readouterr().err)
 
 
+@pytest.mark.multiprocess
 def test_the_module_runs_as_a_command():
     out = subprocess.run([sys.executable, "-m", "zfunc.plan", "--params", "1e9", "--gpus", "2", "--search", "--top",
                           "1"], capture_output=True, text=True, check=True).stdout

@@ -358,6 +358,7 @@ TWO_PROCESSES = [
 ]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", [pytest.param(f, marks=m) for f, m in TWO_PROCESSES], ids=_ids(TWO_PROCESSES))
 def test_the_same_flags_on_two_processes_under_torchrun_train_the_same(tmp_path, law, layout):
     flags, want, _ = law
@@ -371,6 +372,7 @@ def test_the_same_flags_on_two_processes_under_torchrun_train_the_same(tmp_path,
     assert by_rank["1"].read_text() == "" and (by_rank["1"].parent / "stderr.log").read_text() == "", done.stderr
 
 
+@pytest.mark.multiprocess
 @slow
 def test_two_machines_by_torchruns_c10d_rendezvous_train_the_same(tmp_path, law):
     """Two torchrun agents, one process each, meet at a c10d rendezvous on loopback (--nnodes 2)."""
@@ -419,6 +421,7 @@ def test_a_resumed_run_appends_to_the_log_from_its_checkpoint(tmp_path, law):
     assert_same_losses(metrics(tmp_path), want, "resumed")  # steps 1-4, each once
 
 
+@pytest.mark.multiprocess
 def test_resume_in_another_layout_and_number_of_processes(tmp_path, law):
     """ZeRO-2 on two processes, killed after step 2's checkpoint; resumed as one plain process."""
     flags, want, _ = law
@@ -441,6 +444,7 @@ def test_resume_into_an_offloaded_layout(tmp_path, law):
     assert_same_losses(metrics(tmp_path), want, "--zero 1 -> --offload-optimizer cpu")
 
 
+@pytest.mark.multiprocess
 @slow
 def test_resume_from_zero3_on_two_processes_to_a_pipeline_to_one_process(tmp_path, law):
     """Stage 3 on 2 ranks -> --pp 2 -> 1 process stage 0: the params of the run straight through."""
@@ -477,6 +481,7 @@ def write_config(tmp_path: Path, config: dict, name="ds_config.json") -> str:
     return str(path)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("config, extra, layout", [
     (HF_ZERO2, [], "dp=2 pp=1, ZeRO 2, offload optimizer cpu params none"),
     (HF_ZERO3, ["--precision", "fp16"], "dp=2 pp=1, ZeRO 3, offload optimizer cpu params cpu"),

@@ -64,6 +64,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.multiprocess
 def test_a_lock_left_by_a_killed_run_does_not_block(tmp_path):
     out = tmp_path / "out"
     child = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE, text=True,

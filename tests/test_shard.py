@@ -35,6 +35,7 @@ def reference(world, accum, clip, precision="fp32"):
 # Collectives reorder sums: 1e-5 relative. Adam turns rounding in near-zero grads into +-lr steps;
 # over 5 steps at lr 1e-2 a few such flips move a param by at most 2 * lr * 5 = 0.1 -- far above
 # anything seen (1e-7), so the bound stays 1e-5 absolute, i.e. no sign flip was observed.
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world, configs", [(1, [c for c in CONFIGS if c[0] == 0]), (2, CONFIGS),
                                             (4, [c for c in CONFIGS if c[1] == 1 or c[0] == 0])])
 def test_sharded_step_equals_plain_step(world, configs):
@@ -48,6 +49,7 @@ def test_sharded_step_equals_plain_step(world, configs):
                 assert torch.equal(p, results[0][k][2][name]), (stage, accum, rank, name)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 4])
 def test_stage_0_in_bf16_equals_the_plain_step_with_the_ranks_as_microbatches(world):
     """bf16 grads depend on how the batch is split (the mean's 1/batch is applied in bf16), so
@@ -86,6 +88,7 @@ def launch_worker(rank, world):
     return launches, len(step._flat_groups)
 
 
+@pytest.mark.multiprocess
 def test_reduce_scatters_overlap_backward_once_buckets_follow_the_grads():
     """Leaf order is sorted names: Tiny's embedding (tied to the head), whose grad backward produces
     last, falls in the first buckets of the reversed leaf order, so on the first step every
@@ -117,6 +120,7 @@ def all_reduce_launch_worker(rank, world, accum):
     return launches, len(step._flat_groups), step.memory(state)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("accum", [1, 2])
 def test_stage_0_all_reduces_overlap_the_last_backward(accum):
     """As the reduce-scatters of stages 1/2 (test above): on the first step the buckets follow the
@@ -200,6 +204,7 @@ def accounting_worker(rank, world, precision):
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 4])
 def test_memory_and_comm_accounting(world):
     torch.manual_seed(0)
@@ -269,6 +274,7 @@ def nonfinite_worker(rank, world):
     return out
 
 
+@pytest.mark.multiprocess
 def test_a_non_finite_loss_or_grads_on_one_rank_skip_the_step_on_every_rank():
     for rank, out in enumerate(zf.dist.spawn(nonfinite_worker, 2, 2)):
         for stage in (1, 2, 3):
@@ -290,6 +296,7 @@ def unused_worker(rank, world):
     return out
 
 
+@pytest.mark.multiprocess
 def test_a_param_is_left_alone_only_if_no_rank_produced_a_grad_for_it():
     init = make()[1].params
     step, ref = make(clip=False)
@@ -348,6 +355,7 @@ def bad_input_worker(rank, world):
     return errors
 
 
+@pytest.mark.multiprocess
 def test_bad_input_is_reported_clearly():
     errors = zf.dist.spawn(bad_input_worker, 2, 2)[0]
     assert "dp: the mesh has 3 ranks but the process group has world size 2" in errors["mesh"]
@@ -408,6 +416,7 @@ def no_norm_worker(rank, world):
     return out
 
 
+@pytest.mark.multiprocess
 def test_grad_norm_false_computes_no_norm_and_sums_none_yet_trains_alike():
     """``train_step(grad_norm=False)`` without clipping: no norm computed at any stage, no
     all-reduce for it (stages 1-3 sum the loss and grads-produced flags alone), the metrics'
@@ -439,6 +448,7 @@ def divergence_worker(rank, world):
     return "no error"
 
 
+@pytest.mark.multiprocess
 def test_diverging_ranks_are_detected_and_named():
     messages = zf.dist.spawn(divergence_worker, 2, 2, timeout_s=60)
     for msg in messages:
@@ -462,6 +472,7 @@ def dying_worker(rank, world):
     return "no error"
 
 
+@pytest.mark.multiprocess
 def test_a_rank_dying_mid_step_fails_the_others_with_a_clear_error():
     # Whether spawn sees rank 1's death or rank 0's failure first, rank 0's error is in the report:
     # it fails at once (gloo: connection reset), naming the collective, unit and step.
@@ -497,6 +508,7 @@ def hf_worker(rank, world):
     return {kind: hf_run(kind, mesh, rank, world) for kind in ("recipe-gpt", "gpt2", "llama")}
 
 
+@pytest.mark.multiprocess
 def test_our_gpt_and_hugging_face_models_train_unchanged_under_stage_3():
     pytest.importorskip("transformers")
     results = zf.dist.spawn(hf_worker, 2, 2, timeout_s=180)
@@ -525,6 +537,7 @@ def batchnorm_worker(rank, world, configs):
     return out
 
 
+@pytest.mark.multiprocess
 def test_batchnorm_statistics_are_averaged_over_ranks():
     """The module docstring's law for buffers: every rank normalizes with its own batch (DDP), the
     written floating buffers are averaged over the ranks after each step: torch's loop on 2

@@ -224,6 +224,7 @@ def stage3_worker(rank, world):
     return {config: gpt_run(config, mesh, rank, world) for config in CONFIGS}
 
 
+@pytest.mark.multiprocess
 def test_tiled_head_under_stage_3_trains_like_the_plain_untiled_model_and_is_never_whole():
     world = 2
     refs = {tie: gpt_run("plain" + tie, world=world) for tie in ("", "-tied")}
