@@ -54,6 +54,15 @@ class Tiny(nn.Module):
         return self.head(self.ln_f(x))
 
 
+def mesh_shaped(dp=1, pp=1, rank=0, pp_rank=0):
+    """A ``zf.Mesh`` of this process alone that reads as rank ``(rank, pp_rank)`` of ``dp x pp``: for
+    the checks a transformation makes when it is built, which read only the mesh's shape. Its
+    collectives are copies (``zf.Mesh.alone``), so a step built on it is never run."""
+    mesh = zf.Mesh.alone()
+    mesh.dp, mesh.pp, mesh.rank, mesh.pp_rank = dp, pp, rank, pp_rank
+    return mesh
+
+
 def make(stage=None, mesh=None, accum=1, clip=True, model_kw=None, prefetch=1, vocab=13, bucket_mb=25.0,
          precision="fp32", grad_norm=True):
     torch.manual_seed(0)
