@@ -5,12 +5,12 @@ import textwrap
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import zfunc as zf
 from zfunc import checkpoint as ck
-from tests.models import STALL_MID_SAVE, Tiny, batches, fp16_dropout_step, kill_mid_save, local, make, run
+from tests.models import (STALL_MID_SAVE, Tiny, adamw, batches, fp16_dropout_step, kill_mid_save, local, make, run,
+                          token_loss)
 
 
 def resume_plain(directory):
@@ -642,13 +642,7 @@ def layout_step(layout, world):
     torch.manual_seed(0)
     model = PipeTiny()
     apply, params = zf.functionalize(model)
-
-    def loss_fn(p, batch):
-        x, y = batch
-        return F.cross_entropy(apply(p, x).flatten(0, 1), y.flatten())
-
-    adamw = zf.optim.adamw(1e-2, weight_decay=0.1, mask=zf.optim.decay_mask)
-    step = zf.train_step(loss_fn, zf.optim.chain(zf.optim.clip_by_global_norm(0.1), adamw))
+    step = zf.train_step(token_loss(apply), adamw())
     mesh = zf.Mesh(dp=world // max(pp, 1), pp=max(pp, 1)) if world > 1 else None
     if zero:
         step = zf.shard(step, mesh, zero, units=zf.units.by_class(Block) if zero == 3 else None)

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import zfunc as zf
-from tests.models import Block, Tiny, assert_same_training, batches, local, mesh_shaped, train_on, untile
+from tests.models import (Block, Tiny, assert_same_training, batches, local, mesh_shaped, token_loss, train_on,
+                          untile)
 from zfunc import compose
 from zfunc.offload import in_ram
 from zfunc.shard import full_params
@@ -26,11 +27,7 @@ from zfunc.shard import full_params
 def plain_step(**kw):
     torch.manual_seed(0)
     apply, params = zf.functionalize(Tiny(**kw))
-
-    def loss_fn(p, batch):
-        return F.cross_entropy(apply(p, batch[0]).flatten(0, 1), batch[1].flatten())
-
-    return zf.train_step(loss_fn, zf.optim.adamw(1e-2)), params
+    return zf.train_step(token_loss(apply), zf.optim.adamw(1e-2)), params
 
 
 def pipelined(step, mesh):
@@ -139,12 +136,8 @@ def model_step(remat_blocks: bool, tile_head: bool, inside=False):
             m = b.fc if inside else b
             m.forward = zf.remat(m.forward)
     apply, params = zf.functionalize(model)
-
-    def loss_fn(p, batch):
-        return F.cross_entropy(apply(p, batch[0]).flatten(0, 1), batch[1].flatten())
-
     tx = zf.optim.chain(zf.optim.clip_by_global_norm(0.1), zf.optim.adamw(1e-2, weight_decay=0.1))
-    return model, zf.train_step(loss_fn, tx), params
+    return model, zf.train_step(token_loss(apply), tx), params
 
 
 def reference(world, n=3):

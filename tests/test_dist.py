@@ -72,7 +72,6 @@ def test_spawn_times_out():
         zf.dist.spawn(sleeper, 1, timeout_s=3)
 
 
-@pytest.mark.multiprocess
 def test_mesh_of_one_without_a_process_group():
     mesh = zf.Mesh()
     assert (mesh.dp, mesh.rank, mesh.size) == (1, 0, 1)

@@ -7,11 +7,10 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import zfunc as zf
-from tests.models import Block, Tiny, assert_same_training, batches, local
+from tests.models import Block, Tiny, adamw, assert_same_training, batches, local, token_loss
 from zfunc import materialize as M
 
 
@@ -113,11 +112,7 @@ def meta_make(stage, mesh, materialize=None, seed=3):
     apply, params = zf.functionalize(model)
     materialize = materialize or M.by_name({"emb.weight": M.normal(0.02, seed), "*": M.from_module(model, seed)})
 
-    def loss_fn(p, batch):
-        x, y = batch
-        return F.cross_entropy(apply(p, x).flatten(0, 1), y.flatten())
-
-    step = zf.train_step(loss_fn, zf.optim.adamw(1e-2, weight_decay=0.1, mask=zf.optim.decay_mask))
+    step = zf.train_step(token_loss(apply), adamw(clip=False))
     if stage:
         step = zf.shard(step, mesh, stage, units=zf.units.by_class(Block) if stage == 3 else None)
         return step, step.init(params, materialize=materialize)

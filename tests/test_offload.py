@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import zfunc as zf
-from tests.models import Block, Tiny, assert_same_training, batches, local, tree_equal, train_on, with_faults
+from tests.models import (Block, Tiny, assert_same_training, batches, local, token_loss, tree_equal, train_on,
+                          with_faults)
 from tests.models import make_offloaded as make  # this file's step: Tiny, offloaded or not
 from zfunc.offload import ComputeCopies, OffloadSpec, in_ram, offload, release
 from zfunc.shard_run import StepRun
@@ -298,7 +299,7 @@ def test_params_built_on_the_meta_device_are_materialized_one_leaf_at_a_time(tmp
         assert like.device.type == "meta"
         return values[name].clone()
 
-    step = offload(zf.train_step(lambda p, b: F.cross_entropy(apply(p, b[0]).flatten(0, 1), b[1].flatten()),
+    step = offload(zf.train_step(token_loss(apply),
                                  zf.optim.adamw(1e-2)), "nvme", "nvme", path=tmp_path, units=zf.units.by_class(Block))
     state = step.init(meta, materialize=materialize)
     assert sorted(asked) == sorted(values)

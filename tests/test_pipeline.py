@@ -5,8 +5,8 @@ import torch.nn.functional as F
 
 import zfunc as zf
 from tests.models import PIPE_VOCAB as VOCAB, PipeTiny as Tiny, pipe_batches as batches  # this file's model and data
-from tests.models import (Block, NormSpy, NormStack, NormUnit, assert_same_training, assert_trained_like, bn_batches, bn_step,
-                          norm_step, torch_train, train_on, tree_equal, with_faults)
+from tests.models import (Block, NormSpy, NormStack, NormUnit, adamw, assert_same_training, assert_trained_like, bn_batches,
+                          bn_step, norm_step, token_loss, torch_train, train_on, tree_equal, with_faults)
 from recipes import gpt
 from zfunc.shard import full_params
 
@@ -19,14 +19,7 @@ def make(pipe=None, mesh=None, shard=False, model="tiny", clip=True, grad_norm=T
     else:
         model, block = Tiny(**model_kw), Block
     apply, params = zf.functionalize(model)
-
-    def loss_fn(p, batch):
-        x, y = batch
-        return F.cross_entropy(apply(p, x).flatten(0, 1), y.flatten())
-
-    adamw = zf.optim.adamw(1e-2, weight_decay=0.1, mask=zf.optim.decay_mask)
-    tx = zf.optim.chain(zf.optim.clip_by_global_norm(0.1), adamw) if clip else adamw
-    step = zf.train_step(loss_fn, tx, grad_norm=grad_norm)
+    step = zf.train_step(token_loss(apply), adamw(clip), grad_norm=grad_norm)
     if pipe is not None:
         schedule, m, split = pipe
         step = zf.shard(step, mesh, stage=1) if shard else step

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import zfunc as zf
-from tests.models import (Block, NormSpy, Tiny, assert_same_training, batches, hf_model, local, make, train_on,
-                          tree_equal, with_faults)
+from tests.models import (Block, NormSpy, Tiny, assert_same_training, batches, hf_model, local, make, token_loss,
+                          train_on, tree_equal, with_faults)
 from zfunc.shard import FlatGroup, GradAllReducer, GradReducer, LeafShard, ShardSpec, full_params, local_piece
 
 
@@ -342,7 +342,7 @@ def bad_input_worker(rank, world):
             errors[name] = str(e)
     torch.manual_seed(0)
     apply, params = zf.functionalize(Tiny())
-    step = zf.shard(zf.train_step(lambda p, b: F.cross_entropy(apply(p, b[0]).flatten(0, 1), b[1].flatten()),
+    step = zf.shard(zf.train_step(token_loss(apply),
                                   zf.optim.sgd(0.1)), mesh, 3, units=zf.units.by_names(["blocks.0", "blocks.1"]))
     try:
         step(step.init(params), batch)
