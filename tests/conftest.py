@@ -43,8 +43,8 @@ def pytest_configure(config):
     expr = config.option.markexpr
     if expr and not re.search(r"\b(slow|gpu)\b", expr):
         config.option.markexpr = f"({expr}) and not slow and not gpu"
-    sys.addaudithook(_audit)  # multiprocessing starts its processes without an audit event:
-    base = multiprocessing.process.BaseProcess
+    sys.addaudithook(_audit)  # subprocess, fork, exec, system, spawn: each raises an audit event
+    base = multiprocessing.process.BaseProcess  # its start raises none: wrapped
     if not hasattr(base.start, "__wrapped_start__"):
         base.start = _recording_start(base.start)
         base.start.__wrapped_start__ = True
