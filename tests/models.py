@@ -4,6 +4,10 @@
   (its step, plain or sharded), ``batches``/``local`` (a global batch and one rank's share),
   ``train_on`` (step through batches: state, losses, grad norms) and ``assert_same_training``:
   the shape of most laws "this transformation trains as the plain step".
+- Builders: ``token_loss`` (a token model's cross-entropy), ``adamw`` (the tests' optimizer),
+  ``mesh_shaped`` (a one-process mesh that reads as any rank of any shape, for build-time
+  refusals), ``make_offloaded``, ``recipe_step`` (the recipes' debug models, plain or ZeRO-3 with
+  CPU offload) and ``fixtures_step`` (the DeepSpeed fixtures' model and optimizer).
 - Faults: ``PoisonGrad`` (finite loss, inf grads), ``inject``, ``with_faults``; ``tree_equal``.
 - BatchNorm: ``BNNet``, ``bn_batches``, ``bn_step``, ``torch_train`` (torch's own loop, the
   reference for carried buffers) and ``assert_trained_like``.
@@ -54,6 +58,31 @@ class Tiny(nn.Module):
         return self.head(self.ln_f(x))
 
 
+def mesh_shaped(dp=1, pp=1, rank=0, pp_rank=0):
+    """A ``zf.Mesh`` of this process alone that reads as rank ``(rank, pp_rank)`` of ``dp x pp``: for
+    the checks a transformation makes when it is built, which read only the mesh's shape. Its
+    collectives are copies (``zf.Mesh.alone``), so a step built on it is never run."""
+    mesh = zf.Mesh.alone()
+    mesh.dp, mesh.pp, mesh.rank, mesh.pp_rank = dp, pp, rank, pp_rank
+    return mesh
+
+
+def token_loss(apply):
+    """``loss_fn(params, (x, y))``: the cross-entropy of ``apply(params, x)``'s logits against the tokens ``y``."""
+
+    def loss_fn(p, batch):
+        return F.cross_entropy(apply(p, batch[0]).flatten(0, 1), batch[1].flatten())
+
+    return loss_fn
+
+
+def adamw(clip=True, backend="auto"):
+    """The tests' optimizer, a chain: AdamW (lr 1e-2, weight decay 0.1 off biases and norms), after
+    clipping the global grad norm at 0.1 when ``clip``."""
+    clipping = [zf.optim.clip_by_global_norm(0.1)] if clip else []
+    return zf.optim.chain(*clipping, zf.optim.adamw(1e-2, weight_decay=0.1, mask=zf.optim.decay_mask, backend=backend))
+
+
 def make(stage=None, mesh=None, accum=1, clip=True, model_kw=None, prefetch=1, vocab=13, bucket_mb=25.0,
          precision="fp32", grad_norm=True):
     torch.manual_seed(0)
@@ -63,9 +92,7 @@ def make(stage=None, mesh=None, accum=1, clip=True, model_kw=None, prefetch=1, v
         x, y, *skip = batch
         return F.cross_entropy(apply(p, x, skip[0] if skip else None).flatten(0, 1), y.flatten())
 
-    txs = [zf.optim.clip_by_global_norm(0.1)] if clip else []
-    tx = zf.optim.chain(*txs, zf.optim.adamw(1e-2, weight_decay=0.1, mask=zf.optim.decay_mask))
-    step = zf.train_step(loss_fn, tx, precision, accum=accum, grad_norm=grad_norm)
+    step = zf.train_step(loss_fn, adamw(clip), precision, accum=accum, grad_norm=grad_norm)
     if stage is not None:
         units = zf.units.by_class(Block) if stage == 3 else None
         step = zf.shard(step, mesh, stage, units=units, prefetch=prefetch if stage == 3 else 1, bucket_mb=bucket_mb)
@@ -101,6 +128,41 @@ def run(step, state, data, rank=0, world=1):
     return state
 
 
+def recipe_step(build, loss_of, unit, mesh=None, accum=1, weight_decay=0.1):
+    """``(step, state)`` of the model ``build()`` makes (seed 0) with the loss ``loss_of(apply)``: AdamW
+    3e-3 (``weight_decay`` off biases and norms) after clipping at 1.0; on ``mesh``, ZeRO-3 (a unit per
+    ``unit`` module) with the optimizer state in CPU RAM. The recipes' debug models train on it."""
+    torch.manual_seed(0)
+    apply, params = zf.functionalize(build())
+    tx = zf.optim.chain(zf.optim.clip_by_global_norm(1.0),
+                        zf.optim.adamw(3e-3, weight_decay=weight_decay, mask=zf.optim.decay_mask))
+    step = zf.train_step(loss_of(apply), tx, accum=accum)
+    if mesh is not None:
+        step = zf.offload(zf.shard(step, mesh, 3, units=zf.units.by_class(unit)), optimizer="cpu")
+    return step, step.init(params)
+
+
+def fixtures_step(stage=None, offload=False, world=1):
+    """``(step, params)`` of the model that tests/fixtures/make_deepspeed_checkpoints.py trains, with its
+    AdamW (``ADAMW``): plain, sharded at ZeRO ``stage`` over ``world`` ranks, a pipeline of ``world``
+    stages (``stage="pp"``, every rank given the whole batch), and/or with the optimizer state in CPU
+    RAM (``offload``)."""
+    from fixtures.make_deepspeed_checkpoints import ADAMW, model  # it imports this module
+
+    net = model()
+    apply, params = zf.functionalize(net)
+    b1, b2 = ADAMW["betas"]
+    opt = zf.optim.adamw(ADAMW["lr"], b1=b1, b2=b2, eps=ADAMW["eps"], weight_decay=ADAMW["weight_decay"])
+    step = zf.train_step(token_loss(apply), opt)
+    if stage == "pp":
+        step = zf.pipeline(step, stages=world, microbatches=2, model=net, units=zf.units.by_class(Block))
+    elif stage is not None:
+        step = zf.shard(step, zf.Mesh(dp=world), stage)
+    if offload:
+        step = zf.offload(step, optimizer="cpu")
+    return step, params
+
+
 def make_offloaded(clip=True, precision="fp32", accum=1, where=None, params=None, path=None, mesh=None, stage=None,
                    grad_norm=True, **kw):
     """``(step, state)`` of Tiny with Numba AdamW: plain, sharded (``stage``) and/or offloaded
@@ -112,9 +174,7 @@ def make_offloaded(clip=True, precision="fp32", accum=1, where=None, params=None
         x, y, *skip = batch  # skip: a block the model leaves out (its params get no grad)
         return F.cross_entropy(apply(p, x, skip[0] if skip else None).flatten(0, 1).float(), y.flatten())
 
-    txs = [zf.optim.clip_by_global_norm(0.1)] if clip else []
-    tx = zf.optim.chain(*txs, zf.optim.adamw(1e-2, weight_decay=0.1, mask=zf.optim.decay_mask, backend="numba"))
-    step = zf.train_step(loss_fn, tx, precision, accum, grad_norm=grad_norm)
+    step = zf.train_step(loss_fn, adamw(clip, backend="numba"), precision, accum, grad_norm=grad_norm)
     if stage:
         step = zf.shard(step, mesh, stage, units=zf.units.by_class(Block) if stage == 3 else None)
     if where:

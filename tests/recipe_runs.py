@@ -1,9 +1,11 @@
 """What the tests that run the recipes as a user would (their command line, torchrun) share: the
-repository ``ROOT``, the ``TINY`` GPT flags, reading ``OUT/metrics.jsonl``, comparing losses, and
-Hugging Face's DeepSpeed test configs (``HF_ZERO2``, ``HF_ZERO3``)."""
+repository ``ROOT``, the ``TINY`` GPT flags, a refused command line (``exits_2``), reading
+``OUT/metrics.jsonl``, comparing losses, and Hugging Face's DeepSpeed test configs (``HF_ZERO2``,
+``HF_ZERO3``)."""
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -11,6 +13,16 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
         "--batch-size", "8", "--lr", "1e-2", "--warmup", "5", "--eval-batches", "2",
         "--sample-len", "16", "--seed", "0"]
+
+
+def exits_2(capsys, main, argv: list[str]) -> str:
+    """Run the command line ``main(argv)``: it must exit with status 2 before building anything (no
+    ``model:`` line); returns stderr."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and "model:" not in out, (out, err)
+    return err
 
 
 def metrics(out: Path) -> list[dict]:

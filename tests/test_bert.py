@@ -9,7 +9,7 @@ import torch
 import zfunc as zf
 from recipes import bert, loop
 from recipes.bert import CLS, IGNORE, MASK, PAD, SEP
-from tests.models import assert_same_training, train_on
+from tests.models import assert_same_training, recipe_step, train_on
 from zfunc.offloading.step import in_ram
 from zfunc.checkpoint import full_params
 
@@ -174,14 +174,7 @@ def test_zfunc_train_step_equals_torch_adamw():
 
 def make(mesh=None, accum=1):
     """The debug BERT's step: plain, or ZeRO-3 (a unit per Layer) with the optimizer state in CPU RAM."""
-    torch.manual_seed(0)
-    apply, params = zf.functionalize(bert.Bert(bert.flavor("debug")))
-    tx = zf.optim.chain(zf.optim.clip_by_global_norm(1.0),
-                        zf.optim.adamw(3e-3, weight_decay=0.01, mask=zf.optim.decay_mask))
-    step = zf.train_step(mlm_loss_fn(apply), tx, accum=accum)
-    if mesh is not None:
-        step = zf.offload(zf.shard(step, mesh, 3, units=zf.units.by_class(bert.Layer)), optimizer="cpu")
-    return step, step.init(params)
+    return recipe_step(lambda: bert.Bert(bert.flavor("debug")), mlm_loss_fn, bert.Layer, mesh, accum, weight_decay=0.01)
 
 
 def run(step, state, world, rank=0, shards=1):
@@ -194,6 +187,7 @@ def zero3_offload_worker(rank, world):
     return losses, norms, full_params(in_ram(state), mesh)
 
 
+@pytest.mark.multiprocess
 def test_zero3_with_cpu_offload_on_2_ranks_equals_one_process():
     # The MLM loss averages over each rank's selected tokens, and ranks select different numbers of them:
     # the 2-rank step averages 2 such means. One process computes the same with accum=2 (a microbatch

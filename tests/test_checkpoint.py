@@ -5,12 +5,12 @@ import textwrap
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import zfunc as zf
 from zfunc import checkpoint as ck
-from tests.models import STALL_MID_SAVE, Tiny, batches, fp16_dropout_step, kill_mid_save, local, make, run
+from tests.models import (STALL_MID_SAVE, Tiny, adamw, batches, fp16_dropout_step, kill_mid_save, local, make, run,
+                          token_loss)
 
 
 def resume_plain(directory):
@@ -20,6 +20,7 @@ def resume_plain(directory):
     return run(step, state, batches(1, 10)[position:]).params
 
 
+@pytest.mark.multiprocess
 def test_plain_resume_is_bit_exact_in_a_new_process(tmp_path):
     step, state = fp16_dropout_step()
     straight = run(*fp16_dropout_step(), batches(1, 10))
@@ -48,6 +49,7 @@ def sharded_worker(rank, world, stage, directory, phase):
     return ck.full_params(run(step, state, data[5:], rank, world), mesh)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_sharded_resume_is_bit_exact(tmp_path, stage):
     directory = str(tmp_path / "ckpt")
@@ -70,6 +72,7 @@ def reshard_worker(rank, world, stage, directory, phase):
     return ck.full_params(state, mesh), zf.tree.leaves(state.opt_state)[0]
 
 
+@pytest.mark.multiprocess
 def test_reshard_4_ranks_stage_3_into_2_ranks_stage_2_and_one_process(tmp_path):
     directory = str(tmp_path / "ckpt")
     saved = zf.dist.spawn(reshard_worker, 4, 4, 3, directory, "save")[0]
@@ -109,6 +112,7 @@ def assert_equal_trees(got, want, what):
         assert torch.equal(got[name], want[name]), (what, name)
 
 
+@pytest.mark.multiprocess
 def test_stage_0_saves_once_and_reshards_into_stage_3_and_back(tmp_path):
     """A stage-0 state is whole on every rank: rank 0 writes every leaf, once;
     stage 3 on 2 ranks picks it up, params and moments bit for bit, and hands it back; training
@@ -159,6 +163,7 @@ ck.save(state.replace(step=2), {root!r} + "/000002")
 """
 
 
+@pytest.mark.multiprocess
 def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path):
     kill_mid_save(KILLED_MID_SAVE.format(paths=sys.path, root=str(tmp_path)))
     assert ck.latest(tmp_path) == tmp_path / "000001"
@@ -258,6 +263,7 @@ def bn_sharded_worker(rank, world, directory, phase):
     return ck.full_params(state, mesh), state.buffers
 
 
+@pytest.mark.multiprocess
 def test_module_buffers_round_trip_plain_and_sharded(tmp_path):
     from tests.models import BN_STATS, BNNet, bn_batches, bn_step
 
@@ -595,6 +601,7 @@ def arrival_worker(rank, world, directory):
     return errors, sorted(os.listdir(os.path.dirname(directory)))
 
 
+@pytest.mark.multiprocess
 def test_a_collective_called_on_one_rank_fails_fast_naming_the_call(tmp_path):
     directory = str(tmp_path / "ckpt" / "000001")
     (r0, files), (r1, _) = zf.dist.spawn(arrival_worker, 2, 2, directory)
@@ -636,13 +643,7 @@ def layout_step(layout, world):
     torch.manual_seed(0)
     model = PipeTiny()
     apply, params = zf.functionalize(model)
-
-    def loss_fn(p, batch):
-        x, y = batch
-        return F.cross_entropy(apply(p, x).flatten(0, 1), y.flatten())
-
-    adamw = zf.optim.adamw(1e-2, weight_decay=0.1, mask=zf.optim.decay_mask)
-    step = zf.train_step(loss_fn, zf.optim.chain(zf.optim.clip_by_global_norm(0.1), adamw))
+    step = zf.train_step(token_loss(apply), adamw())
     mesh = zf.Mesh(dp=world // max(pp, 1), pp=max(pp, 1)) if world > 1 else None
     if zero:
         step = zf.shard(step, mesh, zero, units=zf.units.by_class(Block) if zero == 3 else None)
@@ -714,6 +715,7 @@ def assert_written_once(directory):
             assert len(files) == 1, e["path"]
 
 
+@pytest.mark.multiprocess
 def test_a_pipeline_over_zero_1_reshards_into_zero_3_and_one_process(tmp_path):
     """pp=2 x dp=2 (ZeRO-1 in each stage), saved after K steps: resumed in its own layout it is
     exact; loaded into stage 3 on 2 ranks or a plain process, continuing equals training straight
@@ -742,6 +744,7 @@ def test_a_pipeline_over_zero_1_reshards_into_zero_3_and_one_process(tmp_path):
             assert torch.equal(exported[name], value), name
 
 
+@pytest.mark.multiprocess
 def test_plain_and_zero_1_checkpoints_load_into_a_pipeline_and_back(tmp_path):
     """A plain checkpoint and a ZeRO-1 one (2 ranks) load into pp=2; continuing equals the
     pipeline trained straight through. A pp=2 checkpoint resumes exactly and loads into one process."""
@@ -820,6 +823,7 @@ def bn_pipeline_worker(rank, world, directory):
     return saved
 
 
+@pytest.mark.multiprocess
 def test_a_pipelined_state_keeps_each_stage_batchnorm_statistics(tmp_path):
     from tests.models import norm_step
 

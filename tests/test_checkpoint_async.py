@@ -96,6 +96,7 @@ while True:  # training goes on until the kill
 """
 
 
+@pytest.mark.multiprocess
 def test_a_kill_during_a_background_save_leaves_the_previous_checkpoint(tmp_path):
     kill_mid_save(KILLED_MID_BACKGROUND_SAVE.format(paths=sys.path, root=str(tmp_path)))
     assert ck.latest(tmp_path) == tmp_path / "000001"
@@ -125,6 +126,7 @@ def sharded_worker(rank, world, stage, directory):
     return all(torch.equal(resumed[n], straight[n]) for n in straight)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", [3, pytest.param(1, marks=pytest.mark.slow)])
 def test_a_sharded_background_save_resumes_bit_exact(tmp_path, stage):
     directory = str(tmp_path / "ckpt")
@@ -165,6 +167,7 @@ def failing_rank_worker(rank, world, directory):
     return None
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_rank_whose_background_write_fails_fails_the_save_on_every_rank(tmp_path):
     errors = zf.dist.spawn(failing_rank_worker, 2, 2, str(tmp_path))
@@ -246,6 +249,7 @@ def test_the_exit_hook_finishes_the_last_save_at_full_speed(tmp_path, monkeypatc
     assert ck.latest(tmp_path) == tmp_path / "000001"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_an_exiting_interpreter_finishes_a_paced_save_at_full_speed(tmp_path):
     import subprocess

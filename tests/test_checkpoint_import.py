@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import zfunc as zf
 from fixtures.make_deepspeed_checkpoints import ADAMW, MICRO, STEPS, batches, model
+from tests.models import fixtures_step as make, token_loss  # this file's step: the fixtures' model and AdamW
 from zfunc.checkpoint import CheckpointError
 from zfunc.checkpoint.importers import detect, load_dcp, load_deepspeed
 
@@ -31,28 +32,6 @@ def fixture(stage: int) -> dict:
     params = {k: torch.tensor([float.fromhex(x) for x in v["values"]]).reshape(v["shape"])
               for k, v in record["params"].items()}
     return {"params": params, "losses": [float.fromhex(x) for x in record["losses_after"]]}
-
-
-def make(stage=None, offload=False, world=1):
-    from tests.models import Block
-
-    net = model()
-    apply, params = zf.functionalize(net)
-
-    def loss_fn(p, batch):
-        x, y = batch
-        return F.cross_entropy(apply(p, x).flatten(0, 1), y.flatten())
-
-    b1, b2 = ADAMW["betas"]
-    opt = zf.optim.adamw(ADAMW["lr"], b1=b1, b2=b2, eps=ADAMW["eps"], weight_decay=ADAMW["weight_decay"])
-    step = zf.train_step(loss_fn, opt)
-    if stage == "pp":  # every rank of a pipeline gets the whole batch
-        step = zf.pipeline(step, stages=world, microbatches=2, model=net, units=zf.units.by_class(Block))
-    elif stage is not None:
-        step = zf.shard(step, zf.Mesh(dp=world), stage)
-    if offload:
-        step = zf.offload(step, optimizer="cpu")
-    return step, params
 
 
 def continue_training(step, state, rank=0, world=1):
@@ -96,6 +75,7 @@ def test_deepspeed_loads_into_one_process_layouts(ds_stage):
           ref["losses"], f"zero{ds_stage} -> 1 rank")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_deepspeed_loads_into_every_layout():
     for ds_stage in (1, 2, 3):
@@ -118,6 +98,7 @@ def two_rank_worker(rank, world):
     return loaded, rows
 
 
+@pytest.mark.multiprocess
 def test_deepspeed_loads_into_two_ranks_each_reading_its_rows():
     """Each ZeRO-3 rank of 2 reads, of each param and moment, only the rows it holds (torch.chunk style)."""
     shapes = {n: tuple(p.shape) for n, p in make()[1].items()}
@@ -150,8 +131,7 @@ def test_deepspeed_run_continues_with_its_own_config():
     """The optimizer rebuilt from the ds_config the checkpoint holds (zf.config) continues the run."""
     apply, params = zf.functionalize(model())
     plan = zf.config.from_deepspeed(zf.checkpoint.deepspeed_config(FIXTURES / "zero1"), world_size=2)
-    step = zf.train_step(lambda p, b: F.cross_entropy(apply(p, b[0]).flatten(0, 1), b[1].flatten()),
-                         zf.config.optimizer(plan), plan.precision)
+    step = zf.train_step(token_loss(apply), zf.config.optimizer(plan), plan.precision)
     state = zf.checkpoint.load(FIXTURES / "zero1", step, params=params)
     assert continue_training(step, state) == pytest.approx(fixture(1)["losses"], rel=1e-5, abs=1e-5)
 
@@ -254,6 +234,7 @@ def fsdp_checkpoint(tmp_path_factory):
     return path, params, ranks[0][0], [zfunc for _, zfunc in ranks]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_dcp_loads_into_one_process_layouts(fsdp_checkpoint):
     path, params, losses, _ = fsdp_checkpoint
@@ -261,6 +242,7 @@ def test_dcp_loads_into_one_process_layouts(fsdp_checkpoint):
     check(load_and_train(0, 1, LAYOUTS, "dcp", path), params, losses, "dcp -> 1 rank")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_dcp_loads_into_two_rank_layouts(fsdp_checkpoint):
     _, params, losses, ranks = fsdp_checkpoint

@@ -273,6 +273,7 @@ def _python(code: str, **env) -> None:
                    check=True, timeout=120)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(not gomp.AVAILABLE, reason="libgomp not loadable: no teams to test")
 def test_a_team_smaller_than_asked_still_takes_every_chunk():
     # OMP_THREAD_LIMIT=1: libgomp runs every team on its caller alone, which must do both chunks.
@@ -290,6 +291,7 @@ def test_a_team_smaller_than_asked_still_takes_every_chunk():
         """, OMP_THREAD_LIMIT="1")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork on this platform")
 def test_a_forked_child_steps_on_one_thread():
     # The parent's OpenMP worker threads do not exist in a forked child: a team there would wait
@@ -310,9 +312,14 @@ def test_a_forked_child_steps_on_one_thread():
 
 
 def test_params_that_require_grad_and_numpy_ints_are_accepted():
-    p = torch.nn.Parameter(torch.randn(10))
-    cpu_adam.adamw_(p, torch.randn(10), torch.zeros(10), torch.zeros(10), step=np.int64(1),
-                    lr=1e-2, start=np.int32(2), end=np.int64(8))
+    """A Parameter with numpy ints for step/start/end steps as a plain tensor with Python ints."""
+    g, p0 = torch.randn(10), torch.randn(10)
+    p, m, v = torch.nn.Parameter(p0.clone()), torch.zeros(10), torch.zeros(10)
+    cpu_adam.adamw_(p, g, m, v, step=np.int64(1), lr=1e-2, start=np.int32(2), end=np.int64(8))
+    q, m_ref, v_ref = p0.clone(), torch.zeros(10), torch.zeros(10)
+    cpu_adam.adamw_(q, g, m_ref, v_ref, step=1, lr=1e-2, start=2, end=8)
+    assert torch.equal(p.detach(), q) and torch.equal(m, m_ref) and torch.equal(v, v_ref)
+    assert torch.equal(q[:2], p0[:2]) and torch.equal(q[8:], p0[8:]) and (q[2:8] != p0[2:8]).all()
 
 
 def _adamw(n=8, **over):
@@ -363,6 +370,7 @@ def test_bad_input_other_kernels():
         cpu_adam.lion_(p, p, torch.zeros(8, dtype=torch.float16), lr=1.0)
 
 
+@pytest.mark.multiprocess
 def test_importing_zfunc_ops_does_not_load_the_kernels():
     code = ("import sys, zfunc.ops; assert 'zfunc.ops.cpu.adam' not in sys.modules; "
             "zfunc.ops.cpu.adam.adamw_")

@@ -33,6 +33,7 @@ def collectives(rank, world):
     return t.tolist(), gathered.tolist(), out.tolist(), later.tolist(), dict(mesh.comm.bytes), diverged, repr(mesh)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 4])
 def test_collectives_count_bytes_and_agree_checks_ranks(world):
     results = zf.dist.spawn(collectives, world, world)
@@ -53,6 +54,7 @@ def failing(rank):
     return rank
 
 
+@pytest.mark.multiprocess
 def test_spawn_reports_the_failing_rank():
     with pytest.raises(RuntimeError, match="rank 1 of 2 failed:(.|\n)*boom on rank 1"):
         zf.dist.spawn(failing, 2)
@@ -64,6 +66,7 @@ def sleeper(rank):
     time.sleep(60)
 
 
+@pytest.mark.multiprocess
 def test_spawn_times_out():
     with pytest.raises(TimeoutError, match="did not finish in 3"):
         zf.dist.spawn(sleeper, 1, timeout_s=3)
@@ -104,6 +107,7 @@ def mesh_2x2(rank):
             repr(mesh), errors)
 
 
+@pytest.mark.multiprocess
 def test_mesh_dp_x_pp_layout_groups_and_p2p():
     for rank, r in enumerate(zf.dist.spawn(mesh_2x2, 4)):
         dp_rank, pp_rank, dp_sum, pp_sum, x, nbytes, text, errors = r
@@ -123,6 +127,7 @@ def lonely_recv(rank):
         mesh.p2p.recv(torch.empty(3), 0, "recv of the activation of microbatch 0 from stage 0 to 1 at step 0").wait()
 
 
+@pytest.mark.multiprocess
 def test_p2p_failure_names_the_transfer():
     with pytest.raises(RuntimeError, match="rank 1 of 2 failed:(.|\n)*CollectiveError: recv failed during recv of the "
                                            "activation of microbatch 0 from stage 0 to 1 at step 0"):
@@ -171,6 +176,7 @@ def non_loopback_interface():
     return next((cols[0] for cols in routes if cols[1] == "00000000"), None)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads the listening sockets from Linux's /proc")
 @pytest.mark.parametrize("gloo_ifname", [None, "default route's"])
 def test_spawn_listens_on_loopback_only(gloo_ifname, monkeypatch):

@@ -142,16 +142,19 @@ def assert_resumes_exactly(kind: str, where: str, at, tmp_path: Path) -> bool:
     return True
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("at", [0.0, 0.5, 0.99], ids=["first", "middle", "last"])
 @pytest.mark.parametrize("kind, where", [("plain", "save"), ("offloaded", "step")])
 def test_killed_inside_a_save_or_an_offloaded_step_resumes_exactly(tmp_path, kind, where, at):
     assert assert_resumes_exactly(kind, where, at, tmp_path)
 
 
+@pytest.mark.multiprocess
 def test_killed_inside_the_save_of_an_offloaded_state_resumes_exactly(tmp_path):
     assert assert_resumes_exactly("offloaded", "save", 0.5, tmp_path)
 
 
+@pytest.mark.multiprocess
 def test_a_kill_mid_prune_leaves_no_debris_once_resumed(tmp_path):
     root = tmp_path / "ckpt"
     assert kill_inside(["child", "plain", "save", "0.99", str(root), str(tmp_path / "swap")])  # the last event
@@ -159,6 +162,7 @@ def test_a_kill_mid_prune_leaves_no_debris_once_resumed(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == [f"{STEPS - 1:06d}", f"{STEPS:06d}", "latest"]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["plain", "offloaded"])
 def test_killed_before_every_file_change_of_a_save_resumes_exactly(tmp_path, kind):
@@ -168,6 +172,7 @@ def test_killed_before_every_file_change_of_a_save_resumes_exactly(tmp_path, kin
     assert at >= 9  # every event of the save was a kill point, then the child ran past the last
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_killed_at_32_points_of_an_offloaded_step_resumes_exactly(tmp_path):
     for k in range(32):  # of its ~225 file changes (3 swap files a leaf, each a link, writes, a replace)
@@ -186,6 +191,7 @@ def recipe_child(target: str, at: str, *argv: str) -> None:
     print("finished", flush=True)
 
 
+@pytest.mark.multiprocess
 def test_a_recipe_run_killed_mid_save_resumes_to_the_same_val_loss(tmp_path):
     data = tmp_path / "corpus.txt"
     data.write_bytes(b"the quick brown fox jumps over the lazy dog.\n" * 400)

@@ -6,10 +6,15 @@ from numba import njit
 from zfunc.ops.cpu import gomp
 
 
-@pytest.mark.parametrize("lo, hi, k", [(0, 1, 2), (0, 1000, 2), (3, 100_003, 3), (5, 5, 4), (0, 129, 7)])
-def test_chunk_length_covers_the_range_in_whole_lines(lo, hi, k):
+@pytest.mark.parametrize("lo, hi, k, want", [(0, 1, 2, 64), (0, 1000, 2, 512), (3, 100_003, 3, 33_344), (5, 5, 4, 0),
+                                             (0, 129, 7, 64), (0, 128, 2, 64), (0, 129, 2, 128)])
+def test_chunk_length_is_the_fewest_whole_lines_that_cover_the_range(lo, hi, k, want):
+    """k chunks of ``per`` cover [lo, hi); one line less per chunk would not: each thread's share is
+    as even as whole lines allow."""
     per = gomp.chunk_length(lo, hi, k)
     assert per % gomp.ALIGN == 0 and k * per >= hi - lo
+    assert per == 0 or per - gomp.ALIGN < -(-(hi - lo) // k), per
+    assert per == want
 
 
 @njit(error_model="numpy", boundscheck=False)

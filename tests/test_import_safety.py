@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import zfunc as zf
-from fixtures.make_deepspeed_checkpoints import ADAMW, model
+from fixtures.make_deepspeed_checkpoints import model
+from tests.models import fixtures_step as make  # the fixtures' model and AdamW, a plain step
 from zfunc.checkpoint import CheckpointError
 from zfunc.checkpoint.importers import load_foreign
 
@@ -98,19 +98,6 @@ def refused(e: pytest.ExceptionInfo, where: str, name: str) -> bool:
 
 
 # ----------------------------------------------------------------------------- DeepSpeed
-
-
-def make():
-    """A plain AdamW step for the fixtures' model, and its params."""
-    net = model()
-    apply, params = zf.functionalize(net)
-
-    def loss_fn(p, batch):
-        x, y = batch
-        return F.cross_entropy(apply(p, x).flatten(0, 1), y.flatten())
-
-    b1, b2 = ADAMW["betas"]
-    return zf.train_step(loss_fn, zf.optim.adamw(ADAMW["lr"], b1=b1, b2=b2, eps=ADAMW["eps"])), params
 
 
 def deepspeed_copy(tmp_path: Path, stage: int, file: str, payload: bytes) -> Path:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import zfunc as zf
 from recipes import llama
-from tests.models import assert_same_training, train_on
+from tests.models import assert_same_training, recipe_step, train_on
 from zfunc.offloading.step import in_ram
 from zfunc.checkpoint import full_params
 
@@ -114,14 +114,10 @@ def test_zfunc_train_step_equals_torch_adamw():
 
 def make(mesh=None):
     """The debug Llama's step: plain, or ZeRO-3 (a unit per Block) with the optimizer state in CPU RAM."""
-    torch.manual_seed(0)
-    apply, params = zf.functionalize(llama.Llama(llama.flavor("debug")))
-    tx = zf.optim.chain(zf.optim.clip_by_global_norm(1.0),
-                        zf.optim.adamw(3e-3, weight_decay=0.1, mask=zf.optim.decay_mask))
-    step = zf.train_step(lambda p, b: lm_loss(apply(p, b[0]), b[1]), tx)
-    if mesh is not None:
-        step = zf.offload(zf.shard(step, mesh, 3, units=zf.units.by_class(llama.Block)), optimizer="cpu")
-    return step, step.init(params)
+    def loss_of(apply):
+        return lambda p, b: lm_loss(apply(p, b[0]), b[1])
+
+    return recipe_step(lambda: llama.Llama(llama.flavor("debug")), loss_of, llama.Block, mesh)
 
 
 def run(step, state, world, rank=0, shards=1):
@@ -134,6 +130,7 @@ def zero3_offload_worker(rank, world):
     return losses, norms, full_params(in_ram(state), mesh)
 
 
+@pytest.mark.multiprocess
 def test_zero3_with_cpu_offload_on_2_ranks_equals_one_process():
     ref_state, ref_losses, ref_norms = run(*make(), world=2)
     for rank, got in enumerate(zf.dist.spawn(zero3_offload_worker, 2, 2)):

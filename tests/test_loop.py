@@ -14,7 +14,7 @@ import pytest
 import zfunc as zf
 from recipes import bert, cli, gpt, llama
 from recipes.recipe import model_kwargs
-from tests.recipe_runs import ROOT, assert_same_losses, metrics
+from tests.recipe_runs import ROOT, assert_same_losses, exits_2, metrics
 
 RECIPES = {"gpt": gpt.main, "llama": llama.main, "bert": bert.main}
 TINY = {  # a 1-block model, fp32 (the laws compare 1e-5 relative), 32-byte windows
@@ -29,14 +29,6 @@ COMMON = ["--block-size", "32", "--batch-size", "8", "--lr", "1e-2", "--warmup",
 def flags(recipe, *more):
     sample = ["--sample-len", "8"] if recipe != "bert" else []
     return TINY[recipe] + COMMON + sample + list(more)
-
-
-def exits_2(capsys, recipe, argv) -> str:
-    with pytest.raises(SystemExit) as exc:
-        RECIPES[recipe](argv)
-    out, err = capsys.readouterr()
-    assert exc.value.code == 2 and "model:" not in out, (out, err)
-    return err
 
 
 @pytest.mark.parametrize("recipe", ["llama", "bert"])
@@ -73,6 +65,7 @@ def run_cli(recipe, out, argv, procs=1):
 
 # llama's step under ZeRO-3 + offload on 2 ranks is also tests/test_llama.py's (in CI); bert's loss
 # normalization by the global batch is only here
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("recipe", [pytest.param("llama", marks=pytest.mark.slow), "bert"])
 def test_zero3_with_cpu_offload_on_2_ranks_trains_as_1_process(recipe, tmp_path, text_file):
     """The law of the command line, for the new recipes: the same flags on 2 torchrun ranks under
@@ -165,15 +158,15 @@ BAD = [
 
 @pytest.mark.parametrize("recipe, argv, message", BAD, ids=[" ".join(a) for _, a, _ in BAD])
 def test_bad_flavors_and_configs_exit_2_naming_the_problem(recipe, argv, message, tmp_path, capsys):
-    assert message in exits_2(capsys, recipe, argv + ["--steps", "1", "--out", str(tmp_path)])
+    assert message in exits_2(capsys, RECIPES[recipe], argv + ["--steps", "1", "--out", str(tmp_path)])
 
 
 def test_a_flavor_too_short_for_the_windows_or_without_an_lm_head_is_named(tmp_path, text_file, capsys):
-    err = exits_2(capsys, "llama", flags("llama", "--flavor", "debug", "--block-size", "256", "--data",
-                                         str(text_file), "--steps", "1", "--out", str(tmp_path)))
+    err = exits_2(capsys, RECIPES["llama"], flags("llama", "--flavor", "debug", "--block-size", "256", "--data",
+                                                  str(text_file), "--steps", "1", "--out", str(tmp_path)))
     assert "--block-size: 256 exceeds the model's context of 128" in err
-    err = exits_2(capsys, "bert", flags("bert", "--tile-lm-head", "2", "--data", str(text_file), "--steps", "1",
-                                        "--out", str(tmp_path)))
+    err = exits_2(capsys, RECIPES["bert"], flags("bert", "--tile-lm-head", "2", "--data", str(text_file),
+                                                 "--steps", "1", "--out", str(tmp_path)))
     assert "--tile-lm-head" in err and "lm_head" in err
 
 
@@ -210,6 +203,7 @@ loop.script(lambda: print("trained", flush=False))
 """
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world_size, teardown", [(None, True), ("2", False)])
 def test_a_torchrun_rank_leaves_without_interpreter_teardown_once_main_returned(world_size, teardown):
     env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
@@ -225,7 +219,8 @@ def test_a_torchrun_rank_leaves_without_interpreter_teardown_once_main_returned(
 def test_a_corpus_too_small_for_the_windows_is_refused_naming_its_size_and_the_minimum(tmp_path, capsys):
     tiny = tmp_path / "tiny.txt"
     tiny.write_bytes(b"the quick brown fox jumps over the lazy dog\n")  # 44 bytes
-    err = exits_2(capsys, "gpt", flags("gpt", "--data", str(tiny), "--steps", "1", "--out", str(tmp_path / "out")))
+    err = exits_2(capsys, RECIPES["gpt"],
+                  flags("gpt", "--data", str(tiny), "--steps", "1", "--out", str(tmp_path / "out")))
     assert f"--data {str(tiny)!r} has" in err and "the corpus holds 44 bytes" in err
     assert "expected at least 331 bytes for --block-size 32" in err
 

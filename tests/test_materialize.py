@@ -7,11 +7,10 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import zfunc as zf
-from tests.models import Block, Tiny, assert_same_training, batches, local
+from tests.models import Block, Tiny, adamw, assert_same_training, batches, local, token_loss
 from zfunc.model import materialize as M
 
 
@@ -166,11 +165,7 @@ def meta_make(stage, mesh, materialize=None, seed=3):
     apply, params = zf.functionalize(model)
     materialize = materialize or M.by_name({"emb.weight": M.normal(0.02, seed), "*": M.from_module(model, seed)})
 
-    def loss_fn(p, batch):
-        x, y = batch
-        return F.cross_entropy(apply(p, x).flatten(0, 1), y.flatten())
-
-    step = zf.train_step(loss_fn, zf.optim.adamw(1e-2, weight_decay=0.1, mask=zf.optim.decay_mask))
+    step = zf.train_step(token_loss(apply), adamw(clip=False))
     if stage:
         step = zf.shard(step, mesh, stage, units=zf.units.by_class(Block) if stage == 3 else None)
         return step, step.init(params, materialize=materialize)
@@ -204,6 +199,7 @@ def meta_worker(rank, world):
     return out, sorted(asked), zf.checkpoint.full_params(state, mesh), values
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2])
 def test_sharded_init_from_meta_is_the_same_model_at_any_world_size(world):
     ref_step, ref_state = meta_make(None, None)
@@ -300,6 +296,7 @@ def capped_worker(rank, world, init_cap, step_cap):
         resource.setrlimit(resource.RLIMIT_DATA, (hard, hard))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_DATA and mallopt: Linux with glibc")
 def test_stage3_from_meta_trains_on_two_ranks_where_one_process_cannot_hold_the_model_and_adam():
     # init: full fp32 params + Adam moments are 12 PSI bytes; each of 2 ranks needs 6 PSI. A cap of

@@ -10,7 +10,7 @@ from torch import nn
 
 import zfunc as zf
 from tests.models import (BN_STATS, BNNet, Tiny, assert_trained_like, batches, bn_batches, bn_step, hf_model,
-                          torch_train)
+                          token_loss, torch_train)
 
 
 class Tied(nn.Module):
@@ -365,7 +365,7 @@ def test_apply_refuses_a_module_changed_after_functionalize(change):
     model = Tiny()
     model.ln_f.bias.requires_grad_(False)
     apply, params = zf.functionalize(model)
-    step = zf.train_step(lambda p, b: F.cross_entropy(apply(p, b[0]).flatten(0, 1), b[1].flatten()),
+    step = zf.train_step(token_loss(apply),
                          zf.optim.adamw(1e-2))
     state, _ = step(step.init(params), batches(1, 1)[0])
     mutate, says = CHANGES[change]
@@ -397,7 +397,7 @@ def test_what_does_not_change_the_module_is_accepted():
         model = Tiny()
         apply, params = zf.functionalize(model)
         after(model)
-        step = zf.train_step(lambda p, b: F.cross_entropy(apply(p, b[0]).flatten(0, 1), b[1].flatten()),
+        step = zf.train_step(token_loss(apply),
                              zf.optim.adamw(1e-2))
         state, out = step.init(params), []
         for batch in batches(1, 3):

@@ -77,6 +77,7 @@ def two_rank_worker(rank, world, path, configs):
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("configs", [
     [(2, "cpu", None, False, "bf16")],
     [(3, "nvme", "nvme", True, "fp16"), (2, "cpu", None, True, "bf16")],

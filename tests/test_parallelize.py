@@ -5,11 +5,10 @@ import re
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import zfunc as zf
-from tests.models import Tiny, assert_same_training, batches, local
+from tests.models import Tiny, adamw, assert_same_training, batches, token_loss, train_on
 from zfunc.offloading.step import OffloadedStep
 from zfunc.sharding.step import ShardedStep
 from zfunc.model.tiling import TiledLinear
@@ -39,24 +38,12 @@ def build(plan: zf.config.Plan, mesh=None, *, prepare=True):
     if prepare:
         zf.config.prepare(model, plan)
     apply, params = zf.functionalize(model)
-
-    def loss_fn(p, batch):
-        x, y = batch
-        return F.cross_entropy(apply(p, x).flatten(0, 1), y.flatten())
-
-    tx = zf.optim.chain(zf.optim.clip_by_global_norm(0.1),
-                        zf.optim.adamw(1e-2, weight_decay=0.1, mask=zf.optim.decay_mask))
-    step = zf.parallelize(zf.train_step(loss_fn, tx, plan.precision, plan.accum), model, plan, mesh)
+    step = zf.parallelize(zf.train_step(token_loss(apply), adamw(), plan.precision, plan.accum), model, plan, mesh)
     return step, step.init(params), model
 
 
 def train(step, state, rank=0, dp=1):
-    losses, norms = [], []
-    for batch in batches(dp, n=STEPS, b=8 // dp, vocab=12):
-        state, m = step(state, local(batch, rank, dp))
-        losses.append(m["loss"].item())
-        norms.append(m["grad_norm"].item())
-    return state, losses, norms
+    return train_on(step, state, batches(dp, n=STEPS, b=8 // dp, vocab=12), rank, dp)
 
 
 def untiled(params: dict) -> dict:
@@ -187,6 +174,7 @@ def worker(rank, world, plans):
     return out
 
 
+@pytest.mark.multiprocess
 def test_planned_steps_on_two_ranks_train_as_the_plain_step():
     results = zf.dist.spawn(worker, 2, 2, PLANS_2)
     ref = reference()

@@ -1,12 +1,11 @@
 """pipeline: p stages on p gloo ranks train exactly as the plain step on the whole batch."""
 import pytest
 import torch
-import torch.nn.functional as F
 
 import zfunc as zf
 from tests.models import PIPE_VOCAB as VOCAB, PipeTiny as Tiny, pipe_batches as batches  # this file's model and data
-from tests.models import (Block, NormSpy, NormStack, NormUnit, assert_same_training, assert_trained_like, bn_batches,
-                          bn_step, norm_step, torch_train, train_on, tree_equal, with_faults)
+from tests.models import (Block, NormSpy, NormStack, NormUnit, adamw, assert_same_training, assert_trained_like,
+                          bn_batches, bn_step, norm_step, token_loss, torch_train, train_on, tree_equal, with_faults)
 from recipes import gpt
 from zfunc.checkpoint import full_params
 
@@ -19,14 +18,7 @@ def make(pipe=None, mesh=None, shard=False, model="tiny", clip=True, grad_norm=T
     else:
         model, block = Tiny(**model_kw), Block
     apply, params = zf.functionalize(model)
-
-    def loss_fn(p, batch):
-        x, y = batch
-        return F.cross_entropy(apply(p, x).flatten(0, 1), y.flatten())
-
-    adamw = zf.optim.adamw(1e-2, weight_decay=0.1, mask=zf.optim.decay_mask)
-    tx = zf.optim.chain(zf.optim.clip_by_global_norm(0.1), adamw) if clip else adamw
-    step = zf.train_step(loss_fn, tx, grad_norm=grad_norm)
+    step = zf.train_step(token_loss(apply), adamw(clip), grad_norm=grad_norm)
     if pipe is not None:
         schedule, m, split = pipe
         step = zf.shard(step, mesh, stage=1) if shard else step
@@ -64,6 +56,7 @@ def law_worker(rank, world, configs):
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 4])
 def test_pipelined_step_equals_plain_step(world):
     results = zf.dist.spawn(law_worker, world, world, CONFIGS[world])
@@ -98,6 +91,7 @@ def dp_pp_worker(rank, world):
     return losses, norms, full_params(stage_state, mesh), (mesh.rank, mesh.pp_rank)
 
 
+@pytest.mark.multiprocess
 def test_dp2_x_pp2_with_shard_stage_1_equals_plain_step():
     results = zf.dist.spawn(dp_pp_worker, 4, 4)
     assert [r[3] for r in results] == [(0, 0), (1, 0), (0, 1), (1, 1)]  # rank = pp_rank * dp + dp_rank
@@ -123,6 +117,7 @@ def no_norm_worker(rank, world):
     return out
 
 
+@pytest.mark.multiprocess
 def test_grad_norm_false_computes_no_norm_and_sums_none_yet_trains_alike():
     """``train_step(grad_norm=False)`` without clipping, pipelined (over the plain step and over
     stage 1): no norm computed, no all-reduce for it, the metrics' grad norm None, the same params."""
@@ -158,6 +153,7 @@ def nonfinite_worker(rank, world):
     return out
 
 
+@pytest.mark.multiprocess
 def test_a_non_finite_step_is_skipped_on_every_stage():
     results = zf.dist.spawn(nonfinite_worker, 2, 2)
     ref_step, ref = make()
@@ -176,6 +172,7 @@ def refusing_worker(rank, world, model_kw, own_batch):
     step(state, batches(n=2)[rank if own_batch else 0])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("model_kw, own_batch, error", [
     ({"between": True}, False, "unit 'blocks.2' \\(first of stage 1\\) must get the output of unit 'blocks.1'"),
     ({"reuse": True}, False, "stage 1's forward used param 'blocks.0.ln.weight', which stage 0 holds"),
@@ -270,6 +267,7 @@ def norm_worker(rank, world, schedule, model_kw):
     return dict(state.params), state.buffers
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_each_stage_carries_its_units_batchnorm_statistics(schedule):
     """The pipelined step updates each unit's statistics once per microbatch, as the plain step
@@ -289,6 +287,7 @@ def test_each_stage_carries_its_units_batchnorm_statistics(schedule):
     assert results[1][1]["blocks.1.bn.num_batches_tracked"].item() == 6  # 3 steps of 2 microbatches
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("where", ["stem", "head"])
 def test_a_buffer_written_outside_the_units_is_refused_on_every_stage(where):
     results = zf.dist.spawn(norm_worker, 2, 2, "1f1b", {where: True}, timeout_s=60)
@@ -311,6 +310,7 @@ def norm_dp_pp_worker(rank, world):
     return full_params(stage_state, mesh), state.buffers
 
 
+@pytest.mark.multiprocess
 def test_dp2_x_pp2_averages_each_stage_statistics_over_its_dp_ranks():
 
     results = zf.dist.spawn(norm_dp_pp_worker, 4, 4)

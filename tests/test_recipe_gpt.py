@@ -18,17 +18,8 @@ from recipes.cli import check_args, parse_args, with_precision
 from recipes.data import get_batch, is_val, load_bytes
 from recipes.data_cap import MAX_CORPUS_BYTES
 from recipes.layout import FlagError
-from tests.recipe_runs import HF_ZERO2, HF_ZERO3, ROOT, TINY, assert_same_losses, metrics
+from tests.recipe_runs import HF_ZERO2, HF_ZERO3, ROOT, TINY, assert_same_losses, exits_2, metrics
 from tests.test_plot import near, read_png
-
-
-def exits_2(capsys, argv) -> str:
-    """Run the command line: it must exit with status 2 before building anything; returns stderr."""
-    with pytest.raises(SystemExit) as exc:
-        gpt.main(argv)
-    out, err = capsys.readouterr()
-    assert exc.value.code == 2 and "model:" not in out, (out, err)
-    return err
 
 
 def test_tiny_run_trains_through_zfunc_and_saves_a_checkpoint(tmp_path, text_file):
@@ -67,8 +58,8 @@ def test_resume_continues_exactly(tmp_path, text_file):
 
 
 def test_resume_without_a_checkpoint_says_so(tmp_path, text_file, capsys):
-    assert "--resume: no checkpoint under" in exits_2(capsys, TINY + ["--steps", "2", "--data", str(text_file),
-                                                                      "--out", str(tmp_path), "--resume"])
+    argv = TINY + ["--steps", "2", "--data", str(text_file), "--out", str(tmp_path), "--resume"]
+    assert "--resume: no checkpoint under" in exits_2(capsys, gpt.main, argv)
 
 
 def test_generate_returns_the_asked_number_of_tokens():
@@ -161,7 +152,7 @@ def test_folder_is_split_by_file_and_single_file_by_position(tmp_path):
 
 def test_missing_or_empty_data_path_names_it(tmp_path, capsys):
     missing = tmp_path / "no_such_corpus"
-    err = exits_2(capsys, ["--data", str(missing), "--steps", "1", "--out", str(tmp_path)])
+    err = exits_2(capsys, gpt.main, ["--data", str(missing), "--steps", "1", "--out", str(tmp_path)])
     assert f"--data: path {str(missing)!r} does not exist" in err
     with pytest.raises(FileNotFoundError, match="no_such_corpus"):
         load_bytes(missing)
@@ -221,14 +212,15 @@ def test_check_args_names_each_bad_flag(tmp_path, flags, message):
 
 
 def test_bad_flags_exit_2_all_named_before_anything_is_built(tmp_path, capsys):
-    err = exits_2(capsys, ["--batch-size", "0", "--ckpt-every", "-1", "--keep-last", "0", "--out", str(tmp_path)])
+    err = exits_2(capsys, gpt.main,
+                  ["--batch-size", "0", "--ckpt-every", "-1", "--keep-last", "0", "--out", str(tmp_path)])
     assert "--batch-size: expected" in err and "--ckpt-every: expected" in err and "--keep-last: expected" in err
 
 
 def test_an_unwritable_out_is_found_before_the_data_is_loaded(tmp_path, text_file, capsys):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    err = exits_2(capsys, TINY + ["--data", str(text_file), "--out", str(blocker / "run")])
+    err = exits_2(capsys, gpt.main, TINY + ["--data", str(text_file), "--out", str(blocker / "run")])
     assert "--out: cannot write checkpoints under" in err and "a_file" in err
     assert check_args(gpt.RECIPE, parse_args(gpt.RECIPE, ["--out", str(tmp_path / "new" / "run")])) is None
     assert (tmp_path / "new" / "run" / "ckpt").is_dir() and not any((tmp_path / "new" / "run" / "ckpt").iterdir())
@@ -237,7 +229,7 @@ def test_an_unwritable_out_is_found_before_the_data_is_loaded(tmp_path, text_fil
 def test_a_block_size_the_data_cannot_fill_is_found_before_the_model(tmp_path, capsys):
     small = tmp_path / "small.txt"
     small.write_bytes(b"0123456789" * 20)  # val: the last 20 bytes
-    err = exits_2(capsys, TINY + ["--data", str(small), "--out", str(tmp_path)])
+    err = exits_2(capsys, gpt.main, TINY + ["--data", str(small), "--out", str(tmp_path)])
     assert "--block-size: 32 needs more than 33 bytes, the val split" in err
 
 
@@ -257,10 +249,10 @@ def test_resume_refuses_other_training_flags_naming_each(tmp_path, text_file, ca
     gpt.main(flags + ["--steps", "2"])
     capsys.readouterr()
     before = snapshot(tmp_path)
-    err = exits_2(capsys, flags + ["--steps", "4", "--resume", "--n-layer", "2", "--lr", "2e-2"])
+    err = exits_2(capsys, gpt.main, flags + ["--steps", "4", "--resume", "--n-layer", "2", "--lr", "2e-2"])
     assert "--n-layer: 1 in the checkpoint, 2 given" in err and "--lr: 0.01 in the checkpoint, 0.02 given" in err
     assert "--steps:" not in err and "--eval-every" not in err
-    err = exits_2(capsys, flags + ["--steps", "4", "--resume", "--data", str(tmp_path / "ckpt" / "latest")])
+    err = exits_2(capsys, gpt.main, flags + ["--steps", "4", "--resume", "--data", str(tmp_path / "ckpt" / "latest")])
     assert f"--data: {str(text_file)!r} in the checkpoint" in err
     assert snapshot(tmp_path) == before
     # what may change on resume does: more steps, other eval, checkpoint and sample flags
@@ -275,7 +267,7 @@ def test_resume_with_steps_not_beyond_the_checkpoint_changes_nothing(tmp_path, t
     capsys.readouterr()
     before = snapshot(tmp_path)
     for steps in ("3", "4"):
-        err = exits_2(capsys, flags + ["--steps", steps, "--resume"])
+        err = exits_2(capsys, gpt.main, flags + ["--steps", steps, "--resume"])
         assert f"--steps: {steps} is not beyond step 4 of the checkpoint" in err and "nothing to train" in err
     assert snapshot(tmp_path) == before
     assert zf.checkpoint.latest(tmp_path / "ckpt") == tmp_path / "ckpt" / "000004"
@@ -362,6 +354,7 @@ TWO_PROCESSES = [
 ]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", [pytest.param(f, marks=m) for f, m in TWO_PROCESSES], ids=_ids(TWO_PROCESSES))
 def test_the_same_flags_on_two_processes_under_torchrun_train_the_same(tmp_path, law, layout):
     flags, want, _ = law
@@ -375,6 +368,7 @@ def test_the_same_flags_on_two_processes_under_torchrun_train_the_same(tmp_path,
     assert by_rank["1"].read_text() == "" and (by_rank["1"].parent / "stderr.log").read_text() == "", done.stderr
 
 
+@pytest.mark.multiprocess
 @slow
 def test_two_machines_by_torchruns_c10d_rendezvous_train_the_same(tmp_path, law):
     """Two torchrun agents, one process each, meet at a c10d rendezvous on loopback (--nnodes 2)."""
@@ -423,6 +417,7 @@ def test_a_resumed_run_appends_to_the_log_from_its_checkpoint(tmp_path, law):
     assert_same_losses(metrics(tmp_path), want, "resumed")  # steps 1-4, each once
 
 
+@pytest.mark.multiprocess
 def test_resume_in_another_layout_and_number_of_processes(tmp_path, law):
     """ZeRO-2 on two processes, killed after step 2's checkpoint; resumed as one plain process."""
     flags, want, _ = law
@@ -445,6 +440,7 @@ def test_resume_into_an_offloaded_layout(tmp_path, law):
     assert_same_losses(metrics(tmp_path), want, "--zero 1 -> --offload-optimizer cpu")
 
 
+@pytest.mark.multiprocess
 @slow
 def test_resume_from_zero3_on_two_processes_to_a_pipeline_to_one_process(tmp_path, law):
     """Stage 3 on 2 ranks -> --pp 2 -> 1 process stage 0: the params of the run straight through."""
@@ -481,6 +477,7 @@ def write_config(tmp_path: Path, config: dict, name="ds_config.json") -> str:
     return str(path)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("config, extra, layout", [
     (HF_ZERO2, [], "dp=2 pp=1, ZeRO 2, offload optimizer cpu params none"),
     (HF_ZERO3, ["--precision", "fp16"], "dp=2 pp=1, ZeRO 3, offload optimizer cpu params cpu"),
@@ -539,8 +536,8 @@ def test_bad_deepspeed_configs_fail_before_training_naming_the_key(tmp_path, tex
     config = json.loads(json.dumps(HF_ZERO2))
     if change is not None:
         change(config)
-    err = exits_2(capsys, TINY + ["--data", str(text_file), "--out", str(tmp_path / "out"),
-                                  "--deepspeed", write_config(tmp_path, config), *extra])
+    err = exits_2(capsys, gpt.main, TINY + ["--data", str(text_file), "--out", str(tmp_path / "out"),
+                                            "--deepspeed", write_config(tmp_path, config), *extra])
     assert message in err and "--deepspeed" in err
     assert not (tmp_path / "out").exists()  # refused before anything was made
 
@@ -553,7 +550,7 @@ def test_a_flag_contradicting_an_explicit_config_names_both_and_auto_takes_the_f
     path = write_config(tmp_path, explicit)
     tiny = [f for i, f in enumerate(TINY) if "--lr" not in TINY[max(0, i - 1):i + 1]]  # --lr left at its default
     base = tiny + ["--data", str(text_file), "--out", str(tmp_path / "out"), "--deepspeed", path]
-    err = exits_2(capsys, base + ["--accum", "4", "--lr", "0.02"])
+    err = exits_2(capsys, gpt.main, base + ["--accum", "4", "--lr", "0.02"])
     assert f"--accum 4 contradicts gradient_accumulation_steps = 2 in --deepspeed {path}" in err
     assert "--lr 0.02 contradicts optimizer.params.lr = 0.001" in err
     # flags left at their defaults yield to the config's explicit values, fill its "auto"s
@@ -564,8 +561,8 @@ def test_a_flag_contradicting_an_explicit_config_names_both_and_auto_takes_the_f
     # an "auto" that must agree with an explicit value (Hugging Face's rule) names where autos come from
     del explicit["scheduler"]["params"]["warmup_max_lr"]
     explicit["scheduler"]["params"]["warmup_max_lr"] = "auto"
-    err = exits_2(capsys, tiny + ["--data", str(text_file), "--out", str(tmp_path / "out"), "--deepspeed",
-                                  write_config(tmp_path, explicit, "auto_lr.json")])
+    err = exits_2(capsys, gpt.main, tiny + ["--data", str(text_file), "--out", str(tmp_path / "out"), "--deepspeed",
+                                            write_config(tmp_path, explicit, "auto_lr.json")])
     assert "optimizer.params.lr: the config sets 0.001 and the auto value lr=0.003 differs" in err and "--lr" in err
     assert not (tmp_path / "out").exists()
 
@@ -620,7 +617,7 @@ def test_resume_may_change_the_layout_but_not_what_is_trained(tmp_path, text_fil
     flags = TINY + ["--eval-every", "0", "--data", str(text_file), "--out", str(tmp_path)]
     gpt.main(flags + ["--steps", "2"])
     capsys.readouterr()
-    err = exits_2(capsys, flags + ["--steps", "4", "--resume", "--zero", "3", "--tile-lm-head", "2"])
+    err = exits_2(capsys, gpt.main, flags + ["--steps", "4", "--resume", "--zero", "3", "--tile-lm-head", "2"])
     assert "--tile-lm-head: 0 in the checkpoint, 2 given" in err and "--zero" not in err
     result = gpt.main(flags + ["--steps", "3", "--resume", "--zero", "3", "--remat", "--accum", "2"])
     assert result["history"][-1][0] == 3

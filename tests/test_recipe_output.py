@@ -13,13 +13,6 @@ from tests.recipe_runs import TINY
 RECIPES = {"gpt": gpt.RECIPE, "llama": llama.RECIPE, "bert": bert.RECIPE}
 
 
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(b"the quick brown fox jumps over the lazy dog.\n" * 400)
-    return path
-
-
 # ----------------------------------------------------------------------------- --help
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_help_states_each_options_default_at_most_once(recipe):

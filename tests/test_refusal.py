@@ -82,6 +82,7 @@ def test_without_an_agent_store_every_rank_says_its_refusal(capsys, monkeypatch,
     assert code == 2 and err == f"rank 1: {STEPS_0}\n"
 
 
+@pytest.mark.multiprocess
 def test_a_bad_flag_under_torchrun_is_said_once_and_every_rank_exits_2(tmp_path):
     """Two ranks under torchrun, a flag refused before anything is built: the refusal appears once in
     torchrun's combined output, and its summary lists both ranks with exit status 2 (whether or not

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zfunc as zf
-from tests.models import NormUnit
+from tests.models import NormUnit, token_loss
 from zfunc.model.rematerialize import remat
 
 
@@ -40,7 +40,7 @@ def loss_and_grads(offload=None):
     apply, params = zf.functionalize(model)
     x, y = torch.randn(4, 6, 8), torch.randint(0, 5, (4, 6))
     torch.manual_seed(1)  # the dropout masks
-    return zf.value_and_grad(lambda p, b: F.cross_entropy(apply(p, b[0]).flatten(0, 1), b[1].flatten()))(params, (x, y))
+    return zf.value_and_grad(token_loss(apply))(params, (x, y))
 
 
 @pytest.mark.parametrize("offload", [False, True])
@@ -60,7 +60,7 @@ def test_remat_trains_in_a_step_equal_to_the_plain_step():
             for b in model.blocks:
                 b.forward = remat(b.forward)
         apply, params = zf.functionalize(model)
-        step = zf.train_step(lambda p, b: F.cross_entropy(apply(p, b[0]).flatten(0, 1), b[1].flatten()),
+        step = zf.train_step(token_loss(apply),
                              zf.optim.adamw(1e-2))
         state = step.init(params)
         g = torch.Generator().manual_seed(3)

@@ -13,17 +13,9 @@ import warnings
 import pytest
 
 from recipes import gpt, llama, rundir, watch
-from tests.recipe_runs import ROOT, TINY
+from tests.recipe_runs import ROOT, TINY, exits_2
 
 WATCH = dict(flops_per_token=0.0, peak_flops=None, world=1)
-
-
-def exits_2(capsys, main, argv) -> str:
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    out, err = capsys.readouterr()
-    assert exc.value.code == 2 and "model:" not in out, (out, err)
-    return err
 
 
 def a_finished_run(out):
@@ -64,6 +56,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.multiprocess
 def test_a_lock_left_by_a_killed_run_does_not_block(tmp_path):
     out = tmp_path / "out"
     child = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE, text=True,

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import zfunc as zf
-from tests.models import (Block, NormSpy, Tiny, assert_same_training, batches, hf_model, local, make, train_on,
-                          tree_equal, with_faults)
+from tests.models import (Block, NormSpy, Tiny, assert_same_training, batches, hf_model, local, make, token_loss,
+                          train_on, tree_equal, with_faults)
 from zfunc.sharding.layout import FlatGroup, LeafShard, ShardSpec, local_piece
 from zfunc.sharding.reduce import GradAllReducer, GradReducer
 from zfunc.checkpoint import full_params
@@ -37,6 +37,7 @@ def reference(world, accum, clip, precision="fp32"):
 # Collectives reorder sums: 1e-5 relative. Adam turns rounding in near-zero grads into +-lr steps;
 # over 5 steps at lr 1e-2 a few such flips move a param by at most 2 * lr * 5 = 0.1 -- far above
 # anything seen (1e-7), so the bound stays 1e-5 absolute, i.e. no sign flip was observed.
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world, configs", [(1, [c for c in CONFIGS if c[0] == 0]), (2, CONFIGS),
                                             (4, [c for c in CONFIGS if c[1] == 1 or c[0] == 0])])
 def test_sharded_step_equals_plain_step(world, configs):
@@ -50,6 +51,7 @@ def test_sharded_step_equals_plain_step(world, configs):
                 assert torch.equal(p, results[0][k][2][name]), (stage, accum, rank, name)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 4])
 def test_stage_0_in_bf16_equals_the_plain_step_with_the_ranks_as_microbatches(world):
     """bf16 grads depend on how the batch is split (the mean's 1/batch is applied in bf16), so
@@ -88,6 +90,7 @@ def launch_worker(rank, world):
     return launches, len(step._flat_groups)
 
 
+@pytest.mark.multiprocess
 def test_reduce_scatters_overlap_backward_once_buckets_follow_the_grads():
     """Leaf order is sorted names: Tiny's embedding (tied to the head), whose grad backward produces
     last, falls in the first buckets of the reversed leaf order, so on the first step every
@@ -119,6 +122,7 @@ def all_reduce_launch_worker(rank, world, accum):
     return launches, len(step._flat_groups), step.memory(state)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("accum", [1, 2])
 def test_stage_0_all_reduces_overlap_the_last_backward(accum):
     """As the reduce-scatters of stages 1/2 (test above): on the first step the buckets follow the
@@ -202,6 +206,7 @@ def accounting_worker(rank, world, precision):
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 4])
 def test_memory_and_comm_accounting(world):
     torch.manual_seed(0)
@@ -272,6 +277,7 @@ def nonfinite_worker(rank, world):
     return out
 
 
+@pytest.mark.multiprocess
 def test_a_non_finite_loss_or_grads_on_one_rank_skip_the_step_on_every_rank():
     for rank, out in enumerate(zf.dist.spawn(nonfinite_worker, 2, 2)):
         for stage in (1, 2, 3):
@@ -293,6 +299,7 @@ def unused_worker(rank, world):
     return out
 
 
+@pytest.mark.multiprocess
 def test_a_param_is_left_alone_only_if_no_rank_produced_a_grad_for_it():
     init = make()[1].params
     step, ref = make(clip=False)
@@ -338,7 +345,7 @@ def bad_input_worker(rank, world):
             errors[name] = str(e)
     torch.manual_seed(0)
     apply, params = zf.functionalize(Tiny())
-    step = zf.shard(zf.train_step(lambda p, b: F.cross_entropy(apply(p, b[0]).flatten(0, 1), b[1].flatten()),
+    step = zf.shard(zf.train_step(token_loss(apply),
                                   zf.optim.sgd(0.1)), mesh, 3, units=zf.units.by_names(["blocks.0", "blocks.1"]))
     try:
         step(step.init(params), batch)
@@ -351,6 +358,7 @@ def bad_input_worker(rank, world):
     return errors
 
 
+@pytest.mark.multiprocess
 def test_bad_input_is_reported_clearly():
     errors = zf.dist.spawn(bad_input_worker, 2, 2)[0]
     assert "dp: the mesh has 3 ranks but the process group has world size 2" in errors["mesh"]
@@ -411,6 +419,7 @@ def no_norm_worker(rank, world):
     return out
 
 
+@pytest.mark.multiprocess
 def test_grad_norm_false_computes_no_norm_and_sums_none_yet_trains_alike():
     """``train_step(grad_norm=False)`` without clipping: no norm computed at any stage, no
     all-reduce for it (stages 1-3 sum the loss and grads-produced flags alone), the metrics'
@@ -442,6 +451,7 @@ def divergence_worker(rank, world):
     return "no error"
 
 
+@pytest.mark.multiprocess
 def test_diverging_ranks_are_detected_and_named():
     messages = zf.dist.spawn(divergence_worker, 2, 2, timeout_s=60)
     for msg in messages:
@@ -465,6 +475,7 @@ def dying_worker(rank, world):
     return "no error"
 
 
+@pytest.mark.multiprocess
 def test_a_rank_dying_mid_step_fails_the_others_with_a_clear_error():
     # Whether spawn sees rank 1's death or rank 0's failure first, rank 0's error is in the report:
     # it fails at once (gloo: connection reset), naming the collective, unit and step.
@@ -500,6 +511,7 @@ def hf_worker(rank, world):
     return {kind: hf_run(kind, mesh, rank, world) for kind in ("recipe-gpt", "gpt2", "llama")}
 
 
+@pytest.mark.multiprocess
 def test_our_gpt_and_hugging_face_models_train_unchanged_under_stage_3():
     pytest.importorskip("transformers")
     results = zf.dist.spawn(hf_worker, 2, 2, timeout_s=180)
@@ -528,6 +540,7 @@ def batchnorm_worker(rank, world, configs):
     return out
 
 
+@pytest.mark.multiprocess
 def test_batchnorm_statistics_are_averaged_over_ranks():
     """The module docstring's law for buffers: every rank normalizes with its own batch (DDP), the
     written floating buffers are averaged over the ranks after each step: torch's loop on 2

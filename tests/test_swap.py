@@ -440,6 +440,7 @@ HOLDER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("end", ["close", "kill -9"])
 def test_a_directory_held_by_another_process_is_refused_until_it_closes_or_dies(tmp_path, end):
     child = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], stdin=subprocess.PIPE,
@@ -553,6 +554,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("when", ["pause", "random"])
 def test_kill_9_during_write_leaves_previous_version(tmp_path, when):
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), when], stdout=subprocess.PIPE, text=True,

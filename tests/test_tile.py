@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zfunc as zf
-from tests.models import untile
+from tests.models import token_loss, untile
 from zfunc.checkpoint import full_params
 
 
@@ -200,11 +200,7 @@ def gpt_run(config, mesh=None, rank=0, world=1, steps=3):
     if config.startswith("tiled"):
         zf.tile(model, tiles=4, modules=["lm_head"] if config == "tiled-tied" else ["wte", "lm_head"])
     apply, params = zf.functionalize(model)
-
-    def loss_fn(p, batch):
-        return F.cross_entropy(apply(p, batch[0]).flatten(0, 1), batch[1].flatten())
-
-    step = zf.train_step(loss_fn, zf.optim.chain(zf.optim.clip_by_global_norm(1.0), zf.optim.adamw(1e-2)))
+    step = zf.train_step(token_loss(apply), zf.optim.chain(zf.optim.clip_by_global_norm(1.0), zf.optim.adamw(1e-2)))
     if mesh is not None:
         step = zf.shard(step, mesh, 3, units=zf.units.by_class(nn.Linear))
     state, g, losses, peaks = step.init(params), torch.Generator().manual_seed(1), [], []
@@ -225,6 +221,7 @@ def stage3_worker(rank, world):
     return {config: gpt_run(config, mesh, rank, world) for config in CONFIGS}
 
 
+@pytest.mark.multiprocess
 def test_tiled_head_under_stage_3_trains_like_the_plain_untiled_model_and_is_never_whole():
     world = 2
     refs = {tie: gpt_run("plain" + tie, world=world) for tie in ("", "-tied")}

@@ -90,13 +90,6 @@ def test_this_machine_reads_ram_and_the_disk_under_the_nearest_existing_folder(t
     assert not (tmp_path / "not").exists() and m.gpu_bytes is None and m.local_ranks == 1
 
 
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(b"the quick brown fox jumps over the lazy dog.\n" * 400)
-    return path
-
-
 TINY = ["--n-layer", "2", "--n-head", "4", "--n-kv-head", "2", "--n-embd", "64", "--ffn-dim", "128",
         "--block-size", "32", "--batch-size", "8", "--precision", "fp32"]
 
