@@ -25,10 +25,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OUTSIDE = ("recipes", "benchmarks", "tests")
 
-# TODO(i30-rulebook): zfunc/plan/validate.py runs benchmarks/ and recipes/ code; branch i30-rulebook takes
-# it out of the library. TODO(lead): zfunc/plan/model.py's from_flavor (``python -m zfunc.plan --flavor``)
-# reads the recipes' flavor tables. Each entry goes once its file no longer imports that package (the
-# test fails on an entry nothing needs).
+# The one import of recipes/ left in the library: zfunc/plan/model.py's from_flavor (``python -m zfunc.plan
+# --flavor``) reads the recipes' flavor tables, until they move into the library (issue 30). An entry goes
+# once its file no longer imports that package (the test fails on an entry nothing needs).
 NOT_YET = {("zfunc/plan/model.py", "recipes")}
 
 
