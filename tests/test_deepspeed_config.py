@@ -183,7 +183,7 @@ def test_bad_batch_values_name_their_key(key, value):
 
 @pytest.mark.parametrize("config, path, value", [
     ({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}}, "optimizer.type", "OneBitAdam"),
-    ({"optimizer": {"type": "Lamb"}}, "optimizer.type", "Lamb"),
+    ({"optimizer": {"type": "Lamb", "params": {"amsgrad": True}}}, "optimizer.params.amsgrad", True),
     ({"optimizer": {"type": "RMSprop"}}, "optimizer.type", "RMSprop"),
     ({"optimizer": {"type": "AdamW", "params": {"max_grad_norm": 1.0}}}, "optimizer.params.max_grad_norm", 1.0),
     ({"optimizer": {"type": "Adam", "params": {"amsgrad": True}}}, "optimizer.params.amsgrad", True),
@@ -318,6 +318,8 @@ def test_from_deepspeed_leaves_the_callers_dict_alone():
     ({"type": "Lion", "params": {"lr": 1e-4, "betas": [0.95, 0.98], "weight_decay": 0.1}}, "lion",
      {"lr": 1e-4, "betas": [0.95, 0.98], "weight_decay": 0.1}),
     ({"type": "lion"}, "lion", {"lr": 1e-3, "betas": [0.9, 0.999], "weight_decay": 0.0}),  # DeepSpeed's defaults
+    ({"type": "LAMB", "params": {"lr": 1e-3, "max_coeff": 0.3, "min_coeff": 0.01, "weight_decay": 0.01}}, "lamb",
+     {"lr": 1e-3, "max_coeff": 0.3, "min_coeff": 0.01, "bias_correction": True, "eps": 1e-8}),
 ])
 def test_optimizer_types_map_as_deepspeed_builds_them(optimizer, kind, params):
     plan = read(with_(SMALL, optimizer=optimizer))

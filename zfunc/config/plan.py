@@ -44,6 +44,8 @@ OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {
     "adam": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0},
     "sgd": {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False},
     "lion": {"lr": 1e-3, "betas": [0.9, 0.999], "weight_decay": 0.0},
+    "lamb": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "bias_correction": True,
+             "max_coeff": 10.0, "min_coeff": 0.01},
 }
 # Scheduler params with DeepSpeed's defaults (lr_schedules.py). None: WarmupLR's max is the
 # optimizer's lr; total_num_steps may wait for ``optimizer(plan, total_steps)``.
@@ -107,7 +109,8 @@ def _check_betas(name: str, value: Any) -> list[float]:
 _PARAM_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "lr": _check_number, "eps": _check_positive, "weight_decay": _check_number, "betas": _check_betas,
     "momentum": lambda n, v: _check_number(n, v, 0.0, 1.0), "dampening": lambda n, v: _check_number(n, v, 0.0, 1.0),
-    "nesterov": _check_bool,
+    "nesterov": _check_bool, "bias_correction": _check_bool, "max_coeff": _check_positive,
+    "min_coeff": _check_positive,
     "warmup_min_lr": _check_number, "warmup_max_lr": _check_number, "warmup_min_ratio": _check_fraction,
     "cos_min_ratio": _check_fraction, "warmup_num_steps": lambda n, v: _check_int(n, v, 1),
     "total_num_steps": lambda n, v: _check_int(n, v, 1), "warmup_type": lambda n, v: _check_choice(n, v, WARMUP_TYPES),
@@ -434,6 +437,10 @@ def optimizer(plan: Plan, total_steps: int | None = None, *, mask: optim.MaskOrF
     elif plan.optimizer == "sgd":
         opt = optim.sgd(lr, momentum=p["momentum"], dampening=p["dampening"], nesterov=p["nesterov"],
                         weight_decay=p["weight_decay"], mask=mask, backend=backend)
+    elif plan.optimizer == "lamb":
+        opt = optim.lamb(lr, b1=p["betas"][0], b2=p["betas"][1], eps=p["eps"], weight_decay=p["weight_decay"],
+                         bias_correction=p["bias_correction"], max_coeff=p["max_coeff"], min_coeff=p["min_coeff"],
+                         mask=mask)
     else:
         opt = optim.lion(lr, b1=p["betas"][0], b2=p["betas"][1], weight_decay=p["weight_decay"], mask=mask,
                          backend=backend)
