@@ -36,7 +36,10 @@ Choices where DeepSpeed leaves room, each stated once:
   DeepSpeed's FusedAdam/CPUAdam; "AdamW" is AdamW whatever ``adam_w_mode`` says. Params left out
   take DeepSpeed's defaults: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0 (torch's 0.01
   for AdamW with ``torch_adam``); SGD as ``torch.optim.SGD``; Lion as DeepSpeed's (betas 0.9, 0.999);
-  LAMB as DeepSpeed's FusedLamb (``bias_correction``, ``max_coeff`` 10, ``min_coeff`` 0.01).
+  LAMB as DeepSpeed's FusedLamb (``bias_correction``, ``max_coeff`` 10, ``min_coeff`` 0.01);
+  OneBitAdam, ZeroOneAdam, OneBitLamb as ``zf.optim.onebit_adam``, ``zero_one_adam``, ``onebit_lamb``
+  with DeepSpeed's defaults (their ``cuda_aware``, ``comm_backend_name``, and the ``bias_correction``
+  and ``max_grad_norm`` they never read, are ignored); ZeRO stage 0 only (the rulebook).
   Weight decay applies to every param, as in a DeepSpeed config (``zf.config.optimizer(plan, mask=)``
   narrows).
 - Schedulers: WarmupLR, WarmupDecayLR and WarmupCosineLR, the type case-insensitive; their
@@ -68,7 +71,7 @@ Choices where DeepSpeed leaves room, each stated once:
   nvme_path a non-empty string; errors name the dotted key path (and the file).
 - Tuning knobs with no meaning here (bucket sizes, overlap_comm, pin_memory, aio, logging,
   monitors, ...) are accepted, recorded in ``plan.ignored`` and named in one ``IgnoredKeysWarning``.
-  A feature zfunc lacks (1-bit/Muon optimizers, MoE/expert parallel, tensor or sequence
+  A feature zfunc lacks (Muon/Adagrad optimizers, MoE/expert parallel, tensor or sequence
   parallel, sparse attention, curriculum/data efficiency, compression, Apex AMP, ZeRO++,
   partial offload, ...) and any unknown key are refused before training with a ``ValueError``
   naming the key path and value.
@@ -200,16 +203,20 @@ _BF16_FEATURES = {"bf16_master_weights_and_grads": (bool, "bf16 master weights (
                   "bf16_optimizer_states": (bool, "bf16 optimizer states (zfunc keeps them in fp32)")}
 _CHECKPOINTING_KNOBS = frozenset({"partition_activations", "contiguous_memory_optimization", "number_checkpoints",
                                   "synchronize_checkpoint_boundary", "profile"})
-_OPTIMIZER_TYPES = {"adam": "adam", "adamw": "adamw", "sgd": "sgd", "lion": "lion", "lamb": "lamb"}
-_OPTIMIZERS_LACKING = {"onebitadam": "1-bit Adam", "zerooneadam": "0/1 Adam",
-                       "onebitlamb": "1-bit LAMB", "adagrad": "Adagrad", "muadam": "MuAdam", "muadamw": "MuAdamW",
+_OPTIMIZER_TYPES = {"adam": "adam", "adamw": "adamw", "sgd": "sgd", "lion": "lion", "lamb": "lamb",
+                    "onebitadam": "onebit_adam", "zerooneadam": "zero_one_adam", "onebitlamb": "onebit_lamb"}
+_OPTIMIZERS_LACKING = {"adagrad": "Adagrad", "muadam": "MuAdam", "muadamw": "MuAdamW",
                        "musgd": "MuSGD", "muon": "Muon"}
 _OPTIMIZER_PARAM_KNOBS = frozenset({"fp32_optimizer_states", "set_grad_none", "foreach", "fused", "capturable",
                                     "differentiable"})
+# DeepSpeed's 1-bit optimizers take these and never read them (or pick a backend zfunc has no choice of).
+_ONEBIT_KNOBS = frozenset({"cuda_aware", "comm_backend_name", "bias_correction", "max_grad_norm", "amsgrad",
+                           "eps_inside_sqrt"})
 # Params whose only value zfunc has (FusedAdam's and torch's flags), by optimizer.
 _OPTIMIZER_PARAM_FIXED = {"adam": {"bias_correction": True, "amsgrad": False, "maximize": False},
                           "adamw": {"bias_correction": True, "amsgrad": False, "maximize": False},
-                          "sgd": {"maximize": False}, "lion": {}, "lamb": {}}
+                          "sgd": {"maximize": False}, "lion": {}, "lamb": {}, "onebit_adam": {}, "zero_one_adam": {},
+                          "onebit_lamb": {}}
 _SCHEDULER_NAMES = {s.lower(): s for s in SCHEDULERS}
 
 
@@ -453,16 +460,19 @@ def _read_optimizer(r: _Reader, config: dict) -> dict:
     section = r.sort(config["optimizer"], "optimizer", {"type", "params"}, {"legacy_fusion"}, {})
     name = section.get("type")
     if not isinstance(name, str):
-        raise ValueError(f"optimizer.type: expected an optimizer name (Adam, AdamW, SGD, Lion, LAMB), got {name!r}")
+        raise ValueError(f"optimizer.type: expected an optimizer name (Adam, AdamW, SGD, Lion, LAMB, ...), "
+                         f"got {name!r}")
     kind = _OPTIMIZER_TYPES.get(name.lower())
     if kind is None:
         lacking = _OPTIMIZERS_LACKING.get(name.lower())
         what = f"{lacking}, a DeepSpeed optimizer zfunc does not have" if lacking else "not an optimizer zfunc has"
-        raise ValueError(f"optimizer.type: {what}; zfunc maps Adam, AdamW, SGD, Lion and LAMB, got {name!r}")
+        raise ValueError(f"optimizer.type: {what}; zfunc maps Adam, AdamW, SGD, Lion, LAMB, OneBitAdam, "
+                         f"ZeroOneAdam and OneBitLamb, got {name!r}")
     fixed = _OPTIMIZER_PARAM_FIXED[kind]
-    params = dict(r.sort(_params(section), "optimizer.params", set(OPTIMIZER_DEFAULTS[kind]) |
-                         {"adam_w_mode", "torch_adam", "max_grad_norm", *fixed}, _OPTIMIZER_PARAM_KNOBS, {}))
-    for key in _OPTIMIZER_PARAM_KNOBS:
+    knobs = _OPTIMIZER_PARAM_KNOBS | (_ONEBIT_KNOBS if kind in compose.ONEBIT_OPTIMIZERS else frozenset())
+    mapped = set(OPTIMIZER_DEFAULTS[kind]) | {"adam_w_mode", "torch_adam", *fixed} | ({"max_grad_norm"} - knobs)
+    params = dict(r.sort(_params(section), "optimizer.params", mapped, knobs, {}))
+    for key in knobs:
         params.pop(key, None)
     if "max_grad_norm" in params:  # DeepSpeed's own refusal
         raise ValueError(f"optimizer.params.max_grad_norm: not an optimizer param in DeepSpeed; use the top-level "

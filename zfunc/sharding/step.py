@@ -287,7 +287,7 @@ def shard(step: Step, mesh: Mesh, stage: int, units: Selector | None = None, *, 
     Law, layout and cost: see the module docstring. The loss must be a mean over the rank's batch;
     under stage 3 the model's params must reach it only through ``zf.functionalize``'s ``apply``.
     """
-    compose.check("shard", step)
+    compose.check("shard", step, stage=stage)
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh: expected a zf.Mesh, got {type(mesh).__name__}")
     if stage not in (0, 1, 2, 3):
