@@ -121,12 +121,13 @@ class Comm:
         return self._run("all_reduce", 2 * _nbytes(t), label,
                          lambda: dist.all_reduce(t, group=self.group, async_op=True), None, async_op)
 
-    def all_to_all(self, out: torch.Tensor, full: torch.Tensor, label: str = "", kind: str = "all_to_all"):
+    def all_to_all(self, out: torch.Tensor, full: torch.Tensor, label: str = "", kind: str = "all_to_all",
+                   async_op: bool = False):
         """``out``'s chunk r (of N equal chunks) <- rank r's chunk (this rank's index) of its ``full``;
         counts ``full``'s bytes under ``kind``."""
         return self._run(kind, _nbytes(full), label,
                          lambda: dist.all_to_all_single(out, full, group=self.group, async_op=True),
-                         lambda: out.copy_(full))
+                         lambda: out.copy_(full), async_op)
 
     def compressed_all_reduce(self, x: torch.Tensor, errors: Any, label: str = "") -> torch.Tensor:
         """The mean over ranks of ``x`` through 1-bit compression with error feedback, in place

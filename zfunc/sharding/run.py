@@ -159,8 +159,8 @@ class StepRun:
         leaves, gatherer, groups = self._microbatch_leaves()
         if self.reducer is None or self.eager:  # stage 1 with accum sums whole grads over microbatches
             sink = self.sink
-            self.reducer = GradReducer(self.mesh.reduce_comm, self.spec, groups, sink.deliver, self.device, self.eager,
-                                       self.number, lambda groups=groups: self._backward_order(groups()),
+            self.reducer = GradReducer(self.sharded.reduce_comm, self.spec, groups, sink.deliver, self.device,
+                                       self.eager, self.number, lambda groups=groups: self._backward_order(groups()),
                                        on_group_done=gatherer.release if gatherer else None,
                                        keep_whole=self.stage == 1, deliver_early=sink.early, own_grads=sink.own)
         return self._forward(i, micro, leaves, gatherer, self.reducer)
@@ -173,8 +173,8 @@ class StepRun:
             return [w.detach().requires_grad_() for w in self.whole], None, self._buckets
         sharded, spec = self.sharded, self.spec
         leaves = [_placeholder(leaf.shape, self.step.compute_dtype, self.device) for leaf in spec.leaves]
-        gatherer = Gatherer(self.mesh.comm, spec, self.pieces, leaves, self._units, self.unit_order, sharded.prefetch,
-                            self.number, sharded.verify)
+        gatherer = Gatherer(sharded.gather_comm, spec, self.pieces, leaves, self._units, self.unit_order,
+                            sharded.prefetch, self.number, sharded.verify)
         return leaves, gatherer, lambda: gatherer.units
 
     def _forward(self, i: int, micro: PyTree, leaves: list, gatherer: Gatherer | None, reducer: GradReducer):
