@@ -212,8 +212,8 @@ def test_bad_batch_values_name_their_key(key, value):
      "zero_optimization.offload_param.nvme_path", "/b"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
      "zero_optimization.offload_optimizer.ratio", 0.3),
-    ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "zero_optimization.zero_quantized_weights",
-     True),
+    ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, "zero_optimization.zero_hpz_partition_size",
+     8),
     ({"zero_optimization": {"stage": 2, "overlap_com": True}}, "zero_optimization.overlap_com", True),
     ({"trian_batch_size": 8}, "trian_batch_size", 8),
     ({"fp16": {"enabled": True, "loss_scale": 128}}, "fp16.loss_scale", 128),
@@ -260,6 +260,17 @@ def test_refusals_name_the_key_path_and_value(config, path, value):
 def test_fp16_and_bf16_together_are_refused():
     with pytest.raises(ValueError, match="fp16.enabled, bf16.enabled: both true"):
         read(with_(SMALL, fp16={"enabled": True}, bf16={"enabled": True}))
+
+
+def test_zero_plus_plus_keys_map_to_the_quantized_collectives():
+    plan = read(with_(SMALL, zero_optimization={"stage": 3, "zero_quantized_weights": True,
+                                                "zero_quantized_gradients": True}))
+    assert (plan.quantized_weights, plan.quantized_grads) == (True, 4)
+    assert read(with_(SMALL, zero_optimization={"stage": 2, "zero_quantized_gradients": True})).quantized_grads == 4
+    with pytest.raises(ValueError, match="zero_optimization.zero_quantized_weights: .* the stage is 2"):
+        read(with_(SMALL, zero_optimization={"stage": 2, "zero_quantized_weights": True}))
+    with pytest.raises(ValueError, match="zero_optimization.zero_quantized_gradients: .* the stage is 0"):
+        read(with_(SMALL, zero_optimization={"stage": 0, "zero_quantized_gradients": True}))
 
 
 def test_features_that_are_off_are_accepted_and_listed_as_ignored():

@@ -14,6 +14,8 @@ DeepSpeed key -> Plan field (key paths as in DeepSpeed's "Configuration JSON" re
 | ``gradient_accumulation_steps``                                 | ``accum``                   |
 | ``gradient_clipping`` (absent: 1.0 as DeepSpeed >= 0.19.3)       | ``gradient_clipping``       |
 | ``zero_optimization.stage`` (legacy ``true``/``false``: 1/0)     | ``zero_stage``              |
+| ``zero_optimization.zero_quantized_weights`` (ZeRO++ qwZ)       | ``quantized_weights``       |
+| ``zero_optimization.zero_quantized_gradients`` (qgZ, int4)      | ``quantized_grads`` (4)     |
 | ``zero_optimization.offload_optimizer.device`` (stage 1-3)      | ``offload_optimizer``       |
 | ``zero_optimization.offload_param.device`` (stage 3)            | ``offload_params``          |
 | ``zero_optimization.offload_{optimizer,param}.nvme_path``       | ``nvme_path`` (one for both)|
@@ -72,7 +74,7 @@ Choices where DeepSpeed leaves room, each stated once:
 - Tuning knobs with no meaning here (bucket sizes, overlap_comm, pin_memory, aio, logging,
   monitors, ...) are accepted, recorded in ``plan.ignored`` and named in one ``IgnoredKeysWarning``.
   A feature zfunc lacks (Muon/Adagrad optimizers, MoE/expert parallel, tensor or sequence
-  parallel, sparse attention, curriculum/data efficiency, compression, Apex AMP, ZeRO++,
+  parallel, sparse attention, curriculum/data efficiency, compression, Apex AMP, ZeRO++'s hpZ,
   partial offload, ...) and any unknown key are refused before training with a ``ValueError``
   naming the key path and value.
 """
@@ -178,10 +180,8 @@ _ZERO_KNOBS = frozenset({
     "module_granularity_threshold", "stage3_use_all_reduce_for_fetch_params", "use_all_reduce_for_fetch_params",
     "stage3_allgather_sequential", "allgather_sequential"})
 _ZERO_FEATURES = {
-    "zero_hpz_partition_size": (lambda v: v not in (0, 1), "ZeRO++ hierarchical partitioning"),
-    "zero_quantized_weights": (bool, "ZeRO++ quantized weights"),
+    "zero_hpz_partition_size": (lambda v: v not in (0, 1), "ZeRO++ hierarchical partitioning (hpZ)"),
     "zero_quantized_nontrainable_weights": (bool, "ZeRO++ quantized weights"),
-    "zero_quantized_gradients": (bool, "ZeRO++ quantized gradients"),
     "zeropp_loco_param": (lambda v: v is not None, "ZeRO++ LoCo"),
     "mics_shard_size": (lambda v: v not in (-1, 0), "MiCS sharding"),
     "zenflow": (lambda v: v is not None, "ZenFlow"),
@@ -367,10 +367,18 @@ def _read_zero(r: _Reader, config: dict) -> dict:
     if isinstance(z, bool):  # DeepSpeed's deprecated form: true is stage 1
         r.ignored.append("zero_optimization") if not z else None
         return {"zero_stage": int(z)}
-    r.sort(z, "zero_optimization", {"stage", "offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_param"},
-           _ZERO_KNOBS, _ZERO_FEATURES)
+    r.sort(z, "zero_optimization", {"stage", "offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_param",
+                                    "zero_quantized_weights", "zero_quantized_gradients"}, _ZERO_KNOBS, _ZERO_FEATURES)
     stage = r.int_value(z, "stage", "zero_optimization.stage", 0, 0)
     _check_choice("zero_optimization.stage", stage, (0, 1, 2, 3))
+    zpp = {key: r.bool_value(z, key, f"zero_optimization.{key}", False)
+           for key in ("zero_quantized_weights", "zero_quantized_gradients")}
+    if zpp["zero_quantized_weights"] and stage != 3:
+        raise ValueError(f"zero_optimization.zero_quantized_weights: ZeRO++ quantizes stage 3's param gathers; "
+                         f"the stage is {stage}")
+    if zpp["zero_quantized_gradients"] and stage == 0:
+        raise ValueError("zero_optimization.zero_quantized_gradients: ZeRO++ quantizes the grad reduce-scatter of "
+                         "stages 1-3; the stage is 0")
     places, paths = {}, {}
     for key, legacy in (("offload_optimizer", "cpu_offload"), ("offload_param", "cpu_offload_param")):
         places[key], paths[key] = _read_offload(r, z, key, legacy)
@@ -384,7 +392,9 @@ def _read_zero(r: _Reader, config: dict) -> dict:
     if len(nvme) > 1:
         raise ValueError(f"zero_optimization.offload_param.nvme_path: zfunc keeps optimizer and params in one swap "
                          f"directory, got {nvme[0]!r} and {nvme[1]!r}")
-    return {"zero_stage": stage, "offload_optimizer": places["offload_optimizer"],
+    return {"zero_stage": stage, "quantized_weights": zpp["zero_quantized_weights"],
+            "quantized_grads": 4 if zpp["zero_quantized_gradients"] else 0,  # DeepSpeed's qgZ is int4
+            "offload_optimizer": places["offload_optimizer"],
             "offload_params": places["offload_param"], "nvme_path": nvme[0] if nvme else None}
 
 

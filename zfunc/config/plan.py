@@ -170,6 +170,8 @@ class Plan:
       tp, sp: tensor-parallel size and sequence parallelism (which needs tp > 1); the estimator
         (``zf.plan``) models them, ``zf.parallelize`` does not run them (the rulebook refuses tp > 1).
       zero_stage: 0 (none) to 3; a pipeline (pp > 1) composes with stage 0 or 1.
+      quantized_weights, quantized_grads: ZeRO++ (``zf.shard(quantize_weights=, quantize_grads=)``):
+        stage 3's int8 param gathers; the grad reduce-scatter in 4 or 8 bits (0: fp32), stages 1-3.
       units: how params group into units (ZeRO-3 gathers, offload fetches, remat, pipeline
         stages): None (the transformation's default), "auto", "auto:<max params>",
         "class:<Name>[,<Name>...]" or "names:<module>[,<module>...]"; ``selector`` resolves it.
@@ -199,6 +201,8 @@ class Plan:
     tp: int = 1
     sp: bool = False
     zero_stage: int = 0
+    quantized_weights: bool = False
+    quantized_grads: int = 0
     units: str | None = None
     offload_optimizer: str = "none"
     offload_params: str = "none"
@@ -248,6 +252,14 @@ def _check_layout(p: Plan) -> None:
     _check_choice("offload_params", p.offload_params, PLACES)
     _check_choice("pipeline_schedule", p.pipeline_schedule, PIPELINE_SCHEDULES)
     _check_bool("remat", p.remat)
+    _check_bool("quantized_weights", p.quantized_weights)
+    _check_choice("quantized_grads", p.quantized_grads, (0, 4, 8))
+    if p.quantized_weights and p.zero_stage != 3:
+        raise ValueError(f"quantized_weights: ZeRO++'s int8 param gathers are stage 3's; expected zero_stage=3, "
+                         f"got {p.zero_stage}")
+    if p.quantized_grads and p.zero_stage == 0:
+        raise ValueError("quantized_grads: ZeRO++ quantizes the grad reduce-scatter of stages 1-3; expected "
+                         "zero_stage >= 1, got 0")
     _check_bool("remat_offload", p.remat_offload)
     if p.units is not None:
         selector(p.units)  # checks the syntax
