@@ -53,7 +53,7 @@ def test_plan_completes_params_with_deepspeed_defaults_and_round_trips():
     ("initial_scale_power", 200, "[0, 127]"), ("loss_scale_window", 0, "an int >= 1"),
     ("hysteresis", 0, "an int >= 1"), ("consecutive_hysteresis", "no", "true or false"),
     ("min_loss_scale", 0, "> 0"), ("accum", 0, "an int >= 1"), ("gradient_clipping", -1.0, ">= 0"),
-    ("optimizer", "lamb", "'adamw'"), ("scheduler", "OneCycle", "'WarmupLR'"),
+    ("optimizer", "lars", "'adamw'"), ("scheduler", "OneCycle", "'WarmupLR'"),
     ("micro_batch", 0, "an int >= 1"), ("global_batch", True, "an int >= 1"),
 ])
 def test_plan_refuses_a_bad_field_naming_it_and_the_value(field, value, expected):
@@ -173,10 +173,11 @@ def test_schedule_of_a_plan_and_its_total_steps():
     ("adam", lambda lr: optim.adam(lr, b1=0.8, b2=0.99, eps=1e-6, weight_decay=0.1)),
     ("sgd", lambda lr: optim.sgd(lr, momentum=0.8, weight_decay=0.1)),
     ("lion", lambda lr: optim.lion(lr, b1=0.8, b2=0.99, weight_decay=0.1)),
+    ("lamb", lambda lr: optim.lamb(lr, b1=0.8, b2=0.99, eps=1e-6, weight_decay=0.1)),
 ])
 def test_optimizer_of_a_plan_is_clip_then_the_optimizer_on_the_schedule(kind, make):
     given = {"lr": 1e-2, "weight_decay": 0.1, **({"momentum": 0.8} if kind == "sgd" else {"betas": [0.8, 0.99]}),
-             **({"eps": 1e-6} if kind.startswith("adam") else {})}
+             **({"eps": 1e-6} if kind.startswith("adam") or kind == "lamb" else {})}
     plan = C.Plan(optimizer=kind, optimizer_params=given, gradient_clipping=0.5, scheduler="WarmupLR",
                   scheduler_params={"warmup_num_steps": 3, "warmup_type": "linear"})
     lr = C.warmup_lr(0.0, 1e-2, 3, "linear")

@@ -182,8 +182,8 @@ def test_bad_batch_values_name_their_key(key, value):
 
 
 @pytest.mark.parametrize("config, path, value", [
-    ({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}}, "optimizer.type", "OneBitAdam"),
-    ({"optimizer": {"type": "Lamb"}}, "optimizer.type", "Lamb"),
+    ({"optimizer": {"type": "Adagrad", "params": {"lr": 1e-3}}}, "optimizer.type", "Adagrad"),
+    ({"optimizer": {"type": "Lamb", "params": {"amsgrad": True}}}, "optimizer.params.amsgrad", True),
     ({"optimizer": {"type": "RMSprop"}}, "optimizer.type", "RMSprop"),
     ({"optimizer": {"type": "AdamW", "params": {"max_grad_norm": 1.0}}}, "optimizer.params.max_grad_norm", 1.0),
     ({"optimizer": {"type": "Adam", "params": {"amsgrad": True}}}, "optimizer.params.amsgrad", True),
@@ -212,8 +212,8 @@ def test_bad_batch_values_name_their_key(key, value):
      "zero_optimization.offload_param.nvme_path", "/b"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
      "zero_optimization.offload_optimizer.ratio", 0.3),
-    ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "zero_optimization.zero_quantized_weights",
-     True),
+    ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, "zero_optimization.zero_hpz_partition_size",
+     8),
     ({"zero_optimization": {"stage": 2, "overlap_com": True}}, "zero_optimization.overlap_com", True),
     ({"trian_batch_size": 8}, "trian_batch_size", 8),
     ({"fp16": {"enabled": True, "loss_scale": 128}}, "fp16.loss_scale", 128),
@@ -260,6 +260,17 @@ def test_refusals_name_the_key_path_and_value(config, path, value):
 def test_fp16_and_bf16_together_are_refused():
     with pytest.raises(ValueError, match="fp16.enabled, bf16.enabled: both true"):
         read(with_(SMALL, fp16={"enabled": True}, bf16={"enabled": True}))
+
+
+def test_zero_plus_plus_keys_map_to_the_quantized_collectives():
+    plan = read(with_(SMALL, zero_optimization={"stage": 3, "zero_quantized_weights": True,
+                                                "zero_quantized_gradients": True}))
+    assert (plan.quantized_weights, plan.quantized_grads) == (True, 4)
+    assert read(with_(SMALL, zero_optimization={"stage": 2, "zero_quantized_gradients": True})).quantized_grads == 4
+    with pytest.raises(ValueError, match="zero_optimization.zero_quantized_weights: .* the stage is 2"):
+        read(with_(SMALL, zero_optimization={"stage": 2, "zero_quantized_weights": True}))
+    with pytest.raises(ValueError, match="zero_optimization.zero_quantized_gradients: .* the stage is 0"):
+        read(with_(SMALL, zero_optimization={"stage": 0, "zero_quantized_gradients": True}))
 
 
 def test_features_that_are_off_are_accepted_and_listed_as_ignored():
@@ -318,11 +329,30 @@ def test_from_deepspeed_leaves_the_callers_dict_alone():
     ({"type": "Lion", "params": {"lr": 1e-4, "betas": [0.95, 0.98], "weight_decay": 0.1}}, "lion",
      {"lr": 1e-4, "betas": [0.95, 0.98], "weight_decay": 0.1}),
     ({"type": "lion"}, "lion", {"lr": 1e-3, "betas": [0.9, 0.999], "weight_decay": 0.0}),  # DeepSpeed's defaults
+    ({"type": "LAMB", "params": {"lr": 1e-3, "max_coeff": 0.3, "min_coeff": 0.01, "weight_decay": 0.01}}, "lamb",
+     {"lr": 1e-3, "max_coeff": 0.3, "min_coeff": 0.01, "bias_correction": True, "eps": 1e-8}),
+    # DeepSpeed's BERT configs: bias_correction and max_grad_norm, which its 1-bit optimizers never read
+    ({"type": "OneBitAdam", "params": {"lr": 4e-4, "max_grad_norm": 1.0, "weight_decay": 0.01,
+                                       "bias_correction": False, "freeze_step": 23000, "cuda_aware": False,
+                                       "comm_backend_name": "nccl"}}, "onebit_adam",
+     {"lr": 4e-4, "weight_decay": 0.01, "freeze_step": 23000}),
+    ({"type": "ZeroOneAdam", "params": {"lr": 1e-3, "var_freeze_step": 1000, "var_update_scaler": 16,
+                                        "local_step_scaler": 1000, "local_step_clipper": 16}}, "zero_one_adam",
+     {"var_freeze_step": 1000, "local_step_scaler": 1000, "local_step_clipper": 16, "var_update_scaler": 16}),
+    ({"type": "OneBitLamb", "params": {"lr": 11e-3, "max_coeff": 0.3, "min_coeff": 0.01, "freeze_step": 1000,
+                                       "coeff_beta": 0.9, "factor_max": 4.0, "factor_min": 0.5,
+                                       "factor_threshold": 0.1}}, "onebit_lamb",
+     {"lr": 11e-3, "max_coeff": 0.3, "freeze_step": 1000, "factor_threshold": 0.1}),
 ])
 def test_optimizer_types_map_as_deepspeed_builds_them(optimizer, kind, params):
     plan = read(with_(SMALL, optimizer=optimizer))
     assert plan.optimizer == kind
     assert params.items() <= plan.optimizer_params.items()
+
+
+def test_a_1bit_optimizer_with_zero_stage_1_is_refused_naming_the_stage():
+    with pytest.raises(ValueError, match="zero_optimization.stage.*onebit_adam.*expected 0, got 1"):
+        read(with_(SMALL, optimizer={"type": "OneBitAdam"}, zero_optimization={"stage": 1}))
 
 
 def test_config_sections_map_to_plan_fields():

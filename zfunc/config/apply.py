@@ -159,7 +159,8 @@ def parallelize(step: Step, model: nn.Module, plan: config_mod.Plan, mesh: Mesh 
     _check_prepared(model, plan)
     mesh, units = _mesh(plan, mesh), _selector(plan)
     if plan.zero_stage > 0 or plan.dp > 1:
-        step = shard(step, mesh, plan.zero_stage, units=units if plan.zero_stage == 3 else None)
+        step = shard(step, mesh, plan.zero_stage, units=units if plan.zero_stage == 3 else None,
+                     quantize_weights=plan.quantized_weights, quantize_grads=plan.quantized_grads or False)
     if plan.offload_optimizer != "none":
         params = None if plan.offload_params == "none" else plan.offload_params
         step = offload(step, optimizer=plan.offload_optimizer, params=params, path=plan.nvme_path,

@@ -14,6 +14,8 @@ DeepSpeed key -> Plan field (key paths as in DeepSpeed's "Configuration JSON" re
 | ``gradient_accumulation_steps``                                 | ``accum``                   |
 | ``gradient_clipping`` (absent: 1.0 as DeepSpeed >= 0.19.3)       | ``gradient_clipping``       |
 | ``zero_optimization.stage`` (legacy ``true``/``false``: 1/0)     | ``zero_stage``              |
+| ``zero_optimization.zero_quantized_weights`` (ZeRO++ qwZ)       | ``quantized_weights``       |
+| ``zero_optimization.zero_quantized_gradients`` (qgZ, int4)      | ``quantized_grads`` (4)     |
 | ``zero_optimization.offload_optimizer.device`` (stage 1-3)      | ``offload_optimizer``       |
 | ``zero_optimization.offload_param.device`` (stage 3)            | ``offload_params``          |
 | ``zero_optimization.offload_{optimizer,param}.nvme_path``       | ``nvme_path`` (one for both)|
@@ -35,7 +37,11 @@ Choices where DeepSpeed leaves room, each stated once:
 - Optimizers: type is case-insensitive. "Adam" with ``adam_w_mode`` (default true) is AdamW, as
   DeepSpeed's FusedAdam/CPUAdam; "AdamW" is AdamW whatever ``adam_w_mode`` says. Params left out
   take DeepSpeed's defaults: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0 (torch's 0.01
-  for AdamW with ``torch_adam``); SGD as ``torch.optim.SGD``; Lion as DeepSpeed's (betas 0.9, 0.999).
+  for AdamW with ``torch_adam``); SGD as ``torch.optim.SGD``; Lion as DeepSpeed's (betas 0.9, 0.999);
+  LAMB as DeepSpeed's FusedLamb (``bias_correction``, ``max_coeff`` 10, ``min_coeff`` 0.01);
+  OneBitAdam, ZeroOneAdam, OneBitLamb as ``zf.optim.onebit_adam``, ``zero_one_adam``, ``onebit_lamb``
+  with DeepSpeed's defaults (their ``cuda_aware``, ``comm_backend_name``, and the ``bias_correction``
+  and ``max_grad_norm`` they never read, are ignored); ZeRO stage 0 only (the rulebook).
   Weight decay applies to every param, as in a DeepSpeed config (``zf.config.optimizer(plan, mask=)``
   narrows).
 - Schedulers: WarmupLR, WarmupDecayLR and WarmupCosineLR, the type case-insensitive; their
@@ -67,8 +73,8 @@ Choices where DeepSpeed leaves room, each stated once:
   nvme_path a non-empty string; errors name the dotted key path (and the file).
 - Tuning knobs with no meaning here (bucket sizes, overlap_comm, pin_memory, aio, logging,
   monitors, ...) are accepted, recorded in ``plan.ignored`` and named in one ``IgnoredKeysWarning``.
-  A feature zfunc lacks (LAMB/1-bit/Muon optimizers, MoE/expert parallel, tensor or sequence
-  parallel, sparse attention, curriculum/data efficiency, compression, Apex AMP, ZeRO++,
+  A feature zfunc lacks (Muon/Adagrad optimizers, MoE/expert parallel, tensor or sequence
+  parallel, sparse attention, curriculum/data efficiency, compression, Apex AMP, ZeRO++'s hpZ,
   partial offload, ...) and any unknown key are refused before training with a ``ValueError``
   naming the key path and value.
 """
@@ -174,10 +180,8 @@ _ZERO_KNOBS = frozenset({
     "module_granularity_threshold", "stage3_use_all_reduce_for_fetch_params", "use_all_reduce_for_fetch_params",
     "stage3_allgather_sequential", "allgather_sequential"})
 _ZERO_FEATURES = {
-    "zero_hpz_partition_size": (lambda v: v not in (0, 1), "ZeRO++ hierarchical partitioning"),
-    "zero_quantized_weights": (bool, "ZeRO++ quantized weights"),
+    "zero_hpz_partition_size": (lambda v: v not in (0, 1), "ZeRO++ hierarchical partitioning (hpZ)"),
     "zero_quantized_nontrainable_weights": (bool, "ZeRO++ quantized weights"),
-    "zero_quantized_gradients": (bool, "ZeRO++ quantized gradients"),
     "zeropp_loco_param": (lambda v: v is not None, "ZeRO++ LoCo"),
     "mics_shard_size": (lambda v: v not in (-1, 0), "MiCS sharding"),
     "zenflow": (lambda v: v is not None, "ZenFlow"),
@@ -199,16 +203,20 @@ _BF16_FEATURES = {"bf16_master_weights_and_grads": (bool, "bf16 master weights (
                   "bf16_optimizer_states": (bool, "bf16 optimizer states (zfunc keeps them in fp32)")}
 _CHECKPOINTING_KNOBS = frozenset({"partition_activations", "contiguous_memory_optimization", "number_checkpoints",
                                   "synchronize_checkpoint_boundary", "profile"})
-_OPTIMIZER_TYPES = {"adam": "adam", "adamw": "adamw", "sgd": "sgd", "lion": "lion"}
-_OPTIMIZERS_LACKING = {"lamb": "LAMB", "onebitadam": "1-bit Adam", "zerooneadam": "0/1 Adam",
-                       "onebitlamb": "1-bit LAMB", "adagrad": "Adagrad", "muadam": "MuAdam", "muadamw": "MuAdamW",
+_OPTIMIZER_TYPES = {"adam": "adam", "adamw": "adamw", "sgd": "sgd", "lion": "lion", "lamb": "lamb",
+                    "onebitadam": "onebit_adam", "zerooneadam": "zero_one_adam", "onebitlamb": "onebit_lamb"}
+_OPTIMIZERS_LACKING = {"adagrad": "Adagrad", "muadam": "MuAdam", "muadamw": "MuAdamW",
                        "musgd": "MuSGD", "muon": "Muon"}
 _OPTIMIZER_PARAM_KNOBS = frozenset({"fp32_optimizer_states", "set_grad_none", "foreach", "fused", "capturable",
                                     "differentiable"})
+# DeepSpeed's 1-bit optimizers take these and never read them (or pick a backend zfunc has no choice of).
+_ONEBIT_KNOBS = frozenset({"cuda_aware", "comm_backend_name", "bias_correction", "max_grad_norm", "amsgrad",
+                           "eps_inside_sqrt"})
 # Params whose only value zfunc has (FusedAdam's and torch's flags), by optimizer.
 _OPTIMIZER_PARAM_FIXED = {"adam": {"bias_correction": True, "amsgrad": False, "maximize": False},
                           "adamw": {"bias_correction": True, "amsgrad": False, "maximize": False},
-                          "sgd": {"maximize": False}, "lion": {}}
+                          "sgd": {"maximize": False}, "lion": {}, "lamb": {}, "onebit_adam": {}, "zero_one_adam": {},
+                          "onebit_lamb": {}}
 _SCHEDULER_NAMES = {s.lower(): s for s in SCHEDULERS}
 
 
@@ -359,10 +367,18 @@ def _read_zero(r: _Reader, config: dict) -> dict:
     if isinstance(z, bool):  # DeepSpeed's deprecated form: true is stage 1
         r.ignored.append("zero_optimization") if not z else None
         return {"zero_stage": int(z)}
-    r.sort(z, "zero_optimization", {"stage", "offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_param"},
-           _ZERO_KNOBS, _ZERO_FEATURES)
+    r.sort(z, "zero_optimization", {"stage", "offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_param",
+                                    "zero_quantized_weights", "zero_quantized_gradients"}, _ZERO_KNOBS, _ZERO_FEATURES)
     stage = r.int_value(z, "stage", "zero_optimization.stage", 0, 0)
     _check_choice("zero_optimization.stage", stage, (0, 1, 2, 3))
+    zpp = {key: r.bool_value(z, key, f"zero_optimization.{key}", False)
+           for key in ("zero_quantized_weights", "zero_quantized_gradients")}
+    if zpp["zero_quantized_weights"] and stage != 3:
+        raise ValueError(f"zero_optimization.zero_quantized_weights: ZeRO++ quantizes stage 3's param gathers; "
+                         f"the stage is {stage}")
+    if zpp["zero_quantized_gradients"] and stage == 0:
+        raise ValueError("zero_optimization.zero_quantized_gradients: ZeRO++ quantizes the grad reduce-scatter of "
+                         "stages 1-3; the stage is 0")
     places, paths = {}, {}
     for key, legacy in (("offload_optimizer", "cpu_offload"), ("offload_param", "cpu_offload_param")):
         places[key], paths[key] = _read_offload(r, z, key, legacy)
@@ -376,7 +392,9 @@ def _read_zero(r: _Reader, config: dict) -> dict:
     if len(nvme) > 1:
         raise ValueError(f"zero_optimization.offload_param.nvme_path: zfunc keeps optimizer and params in one swap "
                          f"directory, got {nvme[0]!r} and {nvme[1]!r}")
-    return {"zero_stage": stage, "offload_optimizer": places["offload_optimizer"],
+    return {"zero_stage": stage, "quantized_weights": zpp["zero_quantized_weights"],
+            "quantized_grads": 4 if zpp["zero_quantized_gradients"] else 0,  # DeepSpeed's qgZ is int4
+            "offload_optimizer": places["offload_optimizer"],
             "offload_params": places["offload_param"], "nvme_path": nvme[0] if nvme else None}
 
 
@@ -452,16 +470,19 @@ def _read_optimizer(r: _Reader, config: dict) -> dict:
     section = r.sort(config["optimizer"], "optimizer", {"type", "params"}, {"legacy_fusion"}, {})
     name = section.get("type")
     if not isinstance(name, str):
-        raise ValueError(f"optimizer.type: expected an optimizer name (Adam, AdamW, SGD, Lion), got {name!r}")
+        raise ValueError(f"optimizer.type: expected an optimizer name (Adam, AdamW, SGD, Lion, LAMB, ...), "
+                         f"got {name!r}")
     kind = _OPTIMIZER_TYPES.get(name.lower())
     if kind is None:
         lacking = _OPTIMIZERS_LACKING.get(name.lower())
         what = f"{lacking}, a DeepSpeed optimizer zfunc does not have" if lacking else "not an optimizer zfunc has"
-        raise ValueError(f"optimizer.type: {what}; zfunc maps Adam, AdamW, SGD and Lion, got {name!r}")
+        raise ValueError(f"optimizer.type: {what}; zfunc maps Adam, AdamW, SGD, Lion, LAMB, OneBitAdam, "
+                         f"ZeroOneAdam and OneBitLamb, got {name!r}")
     fixed = _OPTIMIZER_PARAM_FIXED[kind]
-    params = dict(r.sort(_params(section), "optimizer.params", set(OPTIMIZER_DEFAULTS[kind]) |
-                         {"adam_w_mode", "torch_adam", "max_grad_norm", *fixed}, _OPTIMIZER_PARAM_KNOBS, {}))
-    for key in _OPTIMIZER_PARAM_KNOBS:
+    knobs = _OPTIMIZER_PARAM_KNOBS | (_ONEBIT_KNOBS if kind in compose.ONEBIT_OPTIMIZERS else frozenset())
+    mapped = set(OPTIMIZER_DEFAULTS[kind]) | {"adam_w_mode", "torch_adam", *fixed} | ({"max_grad_norm"} - knobs)
+    params = dict(r.sort(_params(section), "optimizer.params", mapped, knobs, {}))
+    for key in knobs:
         params.pop(key, None)
     if "max_grad_norm" in params:  # DeepSpeed's own refusal
         raise ValueError(f"optimizer.params.max_grad_norm: not an optimizer param in DeepSpeed; use the top-level "

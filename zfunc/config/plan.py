@@ -44,6 +44,14 @@ OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {
     "adam": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0},
     "sgd": {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False},
     "lion": {"lr": 1e-3, "betas": [0.9, 0.999], "weight_decay": 0.0},
+    "lamb": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "bias_correction": True,
+             "max_coeff": 10.0, "min_coeff": 0.01},
+    "onebit_adam": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "freeze_step": 100000},
+    "zero_one_adam": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "var_freeze_step": 100000,
+                      "var_update_scaler": 16, "local_step_scaler": 32678, "local_step_clipper": 16},
+    "onebit_lamb": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "freeze_step": 100000,
+                    "max_coeff": 10.0, "min_coeff": 0.01, "coeff_beta": 0.9, "factor_max": 4.0, "factor_min": 0.5,
+                    "factor_threshold": 0.1},
 }
 # Scheduler params with DeepSpeed's defaults (lr_schedules.py). None: WarmupLR's max is the
 # optimizer's lr; total_num_steps may wait for ``optimizer(plan, total_steps)``.
@@ -107,7 +115,12 @@ def _check_betas(name: str, value: Any) -> list[float]:
 _PARAM_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "lr": _check_number, "eps": _check_positive, "weight_decay": _check_number, "betas": _check_betas,
     "momentum": lambda n, v: _check_number(n, v, 0.0, 1.0), "dampening": lambda n, v: _check_number(n, v, 0.0, 1.0),
-    "nesterov": _check_bool,
+    "nesterov": _check_bool, "bias_correction": _check_bool, "max_coeff": _check_positive,
+    "min_coeff": _check_positive, "freeze_step": lambda n, v: _check_int(n, v, 0),
+    "var_freeze_step": lambda n, v: _check_int(n, v, 0), "var_update_scaler": lambda n, v: _check_int(n, v, 1),
+    "local_step_scaler": lambda n, v: _check_int(n, v, 1), "local_step_clipper": lambda n, v: _check_int(n, v, 1),
+    "coeff_beta": lambda n, v: _check_number(n, v, 0.0, 1.0), "factor_max": _check_positive,
+    "factor_min": _check_positive, "factor_threshold": _check_number,
     "warmup_min_lr": _check_number, "warmup_max_lr": _check_number, "warmup_min_ratio": _check_fraction,
     "cos_min_ratio": _check_fraction, "warmup_num_steps": lambda n, v: _check_int(n, v, 1),
     "total_num_steps": lambda n, v: _check_int(n, v, 1), "warmup_type": lambda n, v: _check_choice(n, v, WARMUP_TYPES),
@@ -157,6 +170,8 @@ class Plan:
       tp, sp: tensor-parallel size and sequence parallelism (which needs tp > 1); the estimator
         (``zf.plan``) models them, ``zf.parallelize`` does not run them (the rulebook refuses tp > 1).
       zero_stage: 0 (none) to 3; a pipeline (pp > 1) composes with stage 0 or 1.
+      quantized_weights, quantized_grads: ZeRO++ (``zf.shard(quantize_weights=, quantize_grads=)``):
+        stage 3's int8 param gathers; the grad reduce-scatter in 4 or 8 bits (0: fp32), stages 1-3.
       units: how params group into units (ZeRO-3 gathers, offload fetches, remat, pipeline
         stages): None (the transformation's default), "auto", "auto:<max params>",
         "class:<Name>[,<Name>...]" or "names:<module>[,<module>...]"; ``selector`` resolves it.
@@ -186,6 +201,8 @@ class Plan:
     tp: int = 1
     sp: bool = False
     zero_stage: int = 0
+    quantized_weights: bool = False
+    quantized_grads: int = 0
     units: str | None = None
     offload_optimizer: str = "none"
     offload_params: str = "none"
@@ -235,6 +252,14 @@ def _check_layout(p: Plan) -> None:
     _check_choice("offload_params", p.offload_params, PLACES)
     _check_choice("pipeline_schedule", p.pipeline_schedule, PIPELINE_SCHEDULES)
     _check_bool("remat", p.remat)
+    _check_bool("quantized_weights", p.quantized_weights)
+    _check_choice("quantized_grads", p.quantized_grads, (0, 4, 8))
+    if p.quantized_weights and p.zero_stage != 3:
+        raise ValueError(f"quantized_weights: ZeRO++'s int8 param gathers are stage 3's; expected zero_stage=3, "
+                         f"got {p.zero_stage}")
+    if p.quantized_grads and p.zero_stage == 0:
+        raise ValueError("quantized_grads: ZeRO++ quantizes the grad reduce-scatter of stages 1-3; expected "
+                         "zero_stage >= 1, got 0")
     _check_bool("remat_offload", p.remat_offload)
     if p.units is not None:
         selector(p.units)  # checks the syntax
@@ -418,9 +443,10 @@ def _total_steps(plan: Plan, planned: int | None, given: int | None) -> int:
 
 
 def optimizer(plan: Plan, total_steps: int | None = None, *, mask: optim.MaskOrFn = None,
-              backend: str = "auto") -> optim.GradientTransformation:
+              backend: str = "auto", comm: Any = None) -> optim.GradientTransformation:
     """The zf.optim transformation ``plan`` names: ``chain(clip_by_global_norm(c), opt(schedule))``
-    (no clip when ``gradient_clipping`` is 0). ``mask``/``backend`` go to the optimizer as in zf.optim.
+    (no clip when ``gradient_clipping`` is 0). ``mask``/``backend`` go to the optimizer as in zf.optim;
+    ``comm`` (the dp ranks' ``mesh.comm``) to a 1-bit optimizer's compressed all-reduce.
 
     DeepSpeed clips exactly so (``max_norm / (norm + 1e-6)`` when below 1) before its optimizer.
     """
@@ -434,6 +460,23 @@ def optimizer(plan: Plan, total_steps: int | None = None, *, mask: optim.MaskOrF
     elif plan.optimizer == "sgd":
         opt = optim.sgd(lr, momentum=p["momentum"], dampening=p["dampening"], nesterov=p["nesterov"],
                         weight_decay=p["weight_decay"], mask=mask, backend=backend)
+    elif plan.optimizer == "onebit_adam":
+        opt = optim.onebit_adam(lr, b1=p["betas"][0], b2=p["betas"][1], eps=p["eps"], weight_decay=p["weight_decay"],
+                                freeze_step=p["freeze_step"], mask=mask, comm=comm)
+    elif plan.optimizer == "zero_one_adam":
+        opt = optim.zero_one_adam(lr, b1=p["betas"][0], b2=p["betas"][1], eps=p["eps"], weight_decay=p["weight_decay"],
+                                  var_freeze_step=p["var_freeze_step"], var_update_scaler=p["var_update_scaler"],
+                                  local_step_scaler=p["local_step_scaler"],
+                                  local_step_clipper=p["local_step_clipper"], mask=mask, comm=comm)
+    elif plan.optimizer == "onebit_lamb":
+        opt = optim.onebit_lamb(lr, b1=p["betas"][0], b2=p["betas"][1], eps=p["eps"], weight_decay=p["weight_decay"],
+                                freeze_step=p["freeze_step"], max_coeff=p["max_coeff"], min_coeff=p["min_coeff"],
+                                coeff_beta=p["coeff_beta"], factor_max=p["factor_max"], factor_min=p["factor_min"],
+                                factor_threshold=p["factor_threshold"], mask=mask, comm=comm)
+    elif plan.optimizer == "lamb":
+        opt = optim.lamb(lr, b1=p["betas"][0], b2=p["betas"][1], eps=p["eps"], weight_decay=p["weight_decay"],
+                         bias_correction=p["bias_correction"], max_coeff=p["max_coeff"], min_coeff=p["min_coeff"],
+                         mask=mask)
     else:
         opt = optim.lion(lr, b1=p["betas"][0], b2=p["betas"][1], weight_decay=p["weight_decay"], mask=mask,
                          backend=backend)

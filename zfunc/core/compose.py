@@ -107,9 +107,18 @@ def _pipeline_over_shard(step: Any, options: Mapping[str, Any]) -> Refusal | str
     return _pipeline_over_step(step, {})
 
 
+def _shard_over_step(step: Any, options: Mapping[str, Any]) -> str | None:
+    stage = options.get("stage", 0)
+    if stage != 0 and getattr(step.optimizer, "local_grads", None) is not None:
+        return (f"stage: the optimizer communicates itself (a 1-bit optimizer: it all-reduces its compressed "
+                f"momentum over whole, replicated grads), which needs stage 0 (replicated data parallelism, where "
+                f"DeepSpeed runs it too); got stage {stage}")
+    return None
+
+
 # (outer, inner) -> the verdict. Every pair of ``STEP_TRANSFORMS`` x ("train_step", *STEP_TRANSFORMS) has one.
 TABLE: dict[tuple[str, str], Verdict] = {
-    ("shard", "train_step"): None,
+    ("shard", "train_step"): _shard_over_step,
     ("shard", "shard"): ("the step is sharded already", "shard the plain step once: zf.shard(step, mesh, stage)"),
     ("shard", "offload"): ("offload places the state that shard splits, so it wraps the sharded step",
                            "zf.offload(zf.shard(step, mesh, stage), ...)"),
@@ -288,6 +297,16 @@ def _pipeline_replicas(p: Any) -> str | None:
     return None
 
 
+ONEBIT_OPTIMIZERS = ("onebit_adam", "zero_one_adam", "onebit_lamb")
+
+
+def _onebit_zero(p: Any) -> str | None:
+    if getattr(p, "optimizer", None) in ONEBIT_OPTIMIZERS and p.zero_stage != 0:
+        return (f"zero_stage: {p.optimizer} all-reduces its compressed momentum over whole, replicated grads "
+                f"(stage 0, where DeepSpeed runs it too); expected 0, got {p.zero_stage}")
+    return None
+
+
 def _pipeline_remat(p: Any) -> str | None:
     if p.pp > 1 and p.remat:
         return (f"remat: a pipeline runs each unit once per microbatch and remat runs it again in backward; "
@@ -314,6 +333,7 @@ RULES: list[Rule] = [
     Rule("params offload without optimizer offload", UNSUPPORTED, _params_without_optimizer, "offload"),
     Rule("pipeline over replicas", UNSUPPORTED, _pipeline_replicas, "pipeline"),
     Rule("remat under a pipeline", UNSUPPORTED, _pipeline_remat, "pipeline"),
+    Rule("1-bit optimizer with ZeRO 1-3", UNSUPPORTED, _onebit_zero, "shard"),
     Rule("tensor parallelism", UNSUPPORTED, _tensor_parallel, "tp"),
 ]
 

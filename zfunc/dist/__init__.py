@@ -1,7 +1,9 @@
 """zf.dist: the mesh over ``torch.distributed``, byte-counting collectives and point-to-point (mesh.py);
-starting ranks under ``torchrun`` or with ``spawn`` (launch.py)."""
+the 1-bit compressed all-reduce with error feedback (compressed.py); starting ranks under ``torchrun``
+or with ``spawn`` (launch.py)."""
+from zfunc.dist.compressed import ErrorFeedback, error_feedback
 from zfunc.dist.launch import free_port, init_from_env, loopback_interface, spawn
 from zfunc.dist.mesh import P2P, CollectiveError, Comm, Mesh, all_arrive
 
-__all__ = ["CollectiveError", "Comm", "Mesh", "P2P", "all_arrive", "free_port", "init_from_env",
+__all__ = ["CollectiveError", "Comm", "ErrorFeedback", "error_feedback", "Mesh", "P2P", "all_arrive", "free_port", "init_from_env",
            "loopback_interface", "spawn"]

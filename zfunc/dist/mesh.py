@@ -13,7 +13,8 @@ collective call that some ranks may skip by mistake (``zf.checkpoint.save``) fir
 Byte counts are the full logical tensor, per rank: ``all_gather`` counts its output,
 ``reduce_scatter`` its input, ``all_reduce`` twice its tensor (a ring all-reduce is a
 reduce-scatter plus an all-gather). In those units DDP moves 2 Psi bytes per step. ``P2P``
-counts each sent or received tensor once.
+counts each sent or received tensor once. ``compressed_all_reduce`` counts the bytes it moves
+(packed signs and scales, ``zfunc.dist.compressed``) under "compressed_all_reduce".
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from zfunc.core import env
+from zfunc.dist.compressed import onebit_all_reduce
 
 
 class CollectiveError(RuntimeError):
@@ -84,7 +86,7 @@ class Comm:
         return work
 
     def all_gather(self, out: torch.Tensor, local: torch.Tensor, label: str = "", async_op: bool = False,
-                   check: tuple | None = None):
+                   check: tuple | None = None, kind: str = "all_gather"):
         """``out`` (N * local.numel(), contiguous, rank-major) <- every rank's ``local``.
 
         ``local`` may already be this rank's chunk of ``out`` (a view): then nothing is copied.
@@ -92,7 +94,7 @@ class Comm:
         ring all-gather takes longer for the same bytes (on loopback ranks about 1.5x).
         """
         all_gather = _all_gather_by_broadcasts if self._on_gloo() else _all_gather
-        return self._run("all_gather", _nbytes(out), label,
+        return self._run(kind, _nbytes(out), label,
                          lambda: all_gather(out, local, group=self.group, async_op=True),
                          lambda: _copy_unless_same(out, local), async_op, check)
 
@@ -118,6 +120,25 @@ class Comm:
         """``t`` <- the sum over ranks of ``t``, in place."""
         return self._run("all_reduce", 2 * _nbytes(t), label,
                          lambda: dist.all_reduce(t, group=self.group, async_op=True), None, async_op)
+
+    def all_to_all(self, out: torch.Tensor, full: torch.Tensor, label: str = "", kind: str = "all_to_all",
+                   async_op: bool = False):
+        """``out``'s chunk r (of N equal chunks) <- rank r's chunk (this rank's index) of its ``full``;
+        counts ``full``'s bytes under ``kind``."""
+        return self._run(kind, _nbytes(full), label,
+                         lambda: dist.all_to_all_single(out, full, group=self.group, async_op=True),
+                         lambda: out.copy_(full), async_op)
+
+    def compressed_all_reduce(self, x: torch.Tensor, errors: Any, label: str = "") -> torch.Tensor:
+        """The mean over ranks of ``x`` through 1-bit compression with error feedback, in place
+        (``zfunc.dist.compressed.onebit_all_reduce``: the algorithm, its law and its bytes, counted
+        under "compressed_all_reduce"). ``errors``: this rank's ``ErrorFeedback`` for ``x``."""
+        return onebit_all_reduce(self, x, errors, label)
+
+    @property
+    def world(self) -> int:
+        """The number of ranks in ``group`` (1 for a comm of this process alone)."""
+        return 1 if self.alone else dist.get_world_size(self.group)
 
     def agree(self, op: tuple[int, ...], describe: Callable[[list[int]], str], label: str) -> None:
         """Check that every rank is about to issue the same collective ``op`` (small ints).

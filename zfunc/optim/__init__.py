@@ -36,6 +36,8 @@ The optimizers live in modules of one concept each; every name is importable fro
     schedules.py   constant_schedule, linear_schedule, linear_warmup, warmup_cosine
     adam.py        adamw, adam, AdamState
     sgd.py         sgd, lion, TraceState
+    lamb.py        lamb (layer-wise trust ratio)
+    onebit.py      onebit_adam, zero_one_adam, onebit_lamb (1-bit compressed momentum)
     kernels.py     which fused kernel runs ``apply`` (``backend=``)
 """
 from __future__ import annotations
@@ -43,11 +45,14 @@ from __future__ import annotations
 from zfunc.optim.adam import AdamState, adam, adamw
 from zfunc.optim.base import (EmptyState, GradientTransformation, KnownNorm, MaskOrFn, PyTree, ScalarOrSchedule,
                               Schedule, apply, apply_updates, chain, decay_mask, learning_rate)
+from zfunc.optim.lamb import lamb
+from zfunc.optim.onebit import OneBitLambState, ZeroOneAdamState, onebit_adam, onebit_lamb, zero_one_adam
 from zfunc.optim.norm import clip_by_global_norm, global_norm, known_norm
 from zfunc.optim.schedules import constant_schedule, linear_schedule, linear_warmup, warmup_cosine
 from zfunc.optim.sgd import TraceState, lion, sgd
 
-__all__ = ["AdamState", "EmptyState", "GradientTransformation", "KnownNorm", "MaskOrFn", "PyTree", "ScalarOrSchedule",
-           "Schedule", "TraceState", "adam", "adamw", "apply", "apply_updates", "chain", "clip_by_global_norm",
-           "constant_schedule", "decay_mask", "global_norm", "known_norm", "learning_rate", "linear_schedule",
-           "linear_warmup", "lion", "sgd", "warmup_cosine"]
+__all__ = ["AdamState", "EmptyState", "GradientTransformation", "KnownNorm", "MaskOrFn", "OneBitLambState", "PyTree",
+           "ScalarOrSchedule", "Schedule", "TraceState", "ZeroOneAdamState", "adam", "adamw", "apply", "apply_updates",
+           "chain", "clip_by_global_norm", "constant_schedule", "decay_mask", "global_norm", "known_norm", "lamb",
+           "learning_rate", "linear_schedule", "linear_warmup", "lion", "onebit_adam", "onebit_lamb", "sgd",
+           "warmup_cosine", "zero_one_adam"]

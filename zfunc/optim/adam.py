@@ -26,8 +26,9 @@ class AdamState(NamedTuple):
     nu: PyTree
 
 
-def _adam_update(grads, state, params, *, lr, b1, b2, eps, weight_decay, decoupled, mask):
-    """Pure Adam/AdamW in the order of ``torch.optim.AdamW``'s single-tensor loop."""
+def _adam_update(grads, state, params, *, lr, b1, b2, eps, weight_decay, decoupled, mask, bias_correction=True):
+    """Pure Adam/AdamW in the order of ``torch.optim.AdamW``'s single-tensor loop (without bias
+    correction: ``bc1 = bc2 = 1``)."""
     if params is None:
         raise ValueError("params: adam/adamw need the current params for weight decay, got None")
     g_leaves, treespec = _grad_leaves(grads, params)
@@ -35,7 +36,7 @@ def _adam_update(grads, state, params, *, lr, b1, b2, eps, weight_decay, decoupl
     decay = _mask_leaves(mask, params, len(p_leaves))
     count = state.count + 1
     step_lr = lr(state.count)
-    bc1, bc2_sqrt = 1 - b1**count, math.sqrt(1 - b2**count)
+    bc1, bc2_sqrt = (1 - b1**count, math.sqrt(1 - b2**count)) if bias_correction else (1.0, 1.0)
     updates, mus, nus = [], [], []
     for g, p, m, v, d in zip(g_leaves, p_leaves, m_leaves, v_leaves, decay):
         if g is None:  # no grad: left alone, as torch does
@@ -109,8 +110,11 @@ def _leaves_like(treespec: optree.PyTreeSpec, moments: PyTree) -> list[Any]:
         return tree.leaves(moments)
 
 
-def _adam_family(learning_rate, b1, b2, eps, weight_decay, mask, backend, decoupled) -> GradientTransformation:
+def _adam_family(learning_rate, b1, b2, eps, weight_decay, mask, backend, decoupled,
+                 bias_correction=True) -> GradientTransformation:
     _check_betas(b1=b1, b2=b2)
+    if not isinstance(bias_correction, bool):
+        raise ValueError(f"bias_correction: expected a bool, got {bias_correction!r}")
     _check_number("eps", eps, "a finite float > 0", lambda x: x > 0)
     _check_non_negative(weight_decay=weight_decay)
     _check_backend(backend)
@@ -122,7 +126,10 @@ def _adam_family(learning_rate, b1, b2, eps, weight_decay, mask, backend, decoup
         return AdamState(0, _zeros_like(params), _zeros_like(params))
 
     def update(grads, state, params=None):
-        return _adam_update(grads, state, params, **hyper)
+        return _adam_update(grads, state, params, bias_correction=bias_correction, **hyper)
+
+    if not bias_correction:  # the fused kernels always correct: the pure update runs
+        return GradientTransformation(init, update, None, lambda state: hyper["lr"](state.count))
 
     def apply_(grads, state, params, out=None, squares=None, grad_scale=None):
         return _adam_apply_fused(grads, state, params, backend=backend, out=out, squares=squares,
@@ -133,7 +140,8 @@ def _adam_family(learning_rate, b1, b2, eps, weight_decay, mask, backend, decoup
 
 
 def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-          weight_decay: float = 1e-2, mask: MaskOrFn = None, backend: str = "auto") -> GradientTransformation:
+          weight_decay: float = 1e-2, mask: MaskOrFn = None, backend: str = "auto",
+          bias_correction: bool = True) -> GradientTransformation:
     """AdamW (Loshchilov & Hutter, 2019), equal to ``torch.optim.AdamW`` with the same arguments.
 
     ``m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;  p = p (1 - lr wd) - lr/(1-b1^t) * m / (sqrt(v/(1-b2^t)) + eps)``
@@ -146,9 +154,12 @@ def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, e
         placement picks: numba where every param is a contiguous fp32 CPU tensor (any shape:
         each leaf is viewed 1-D; a plain or sharded step on the CPU, offload), torch otherwise.
         The two agree to rtol = atol = 1e-6 over 20 steps (``zfunc.ops.cpu.adam``'s law).
+      bias_correction: False drops ``1-b1^t`` and ``1-b2^t`` (DeepSpeed's 1-bit optimizers' Adam,
+        ``zfunc.optim.onebit``); the pure ``update`` runs then, no fused kernel.
     State: ``AdamState(count, mu, nu)``, moments in the params' dtype (8 bytes per fp32 param).
     """
-    return _adam_family(learning_rate, b1, b2, eps, weight_decay, mask, backend, decoupled=True)
+    return _adam_family(learning_rate, b1, b2, eps, weight_decay, mask, backend, decoupled=True,
+                        bias_correction=bias_correction)
 
 
 def adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,

@@ -48,6 +48,9 @@ class GradientTransformation(NamedTuple):
     transformation only multiplies every grad by one scalar (``clip_by_global_norm``);
     ``grad_factor(grads, grad_scale)`` returns it for the grads ``grads * grad_scale``, so that a
     ``chain`` can fold it into the last transformation's ``grad_scale`` instead of a pass over the grads.
+    ``local_grads(state) -> bool``: the update given ``state`` communicates itself (the 1-bit
+    optimizers, ``zfunc.optim.onebit``) and takes this rank's own grads: a data-parallel step
+    skips its grad all-reduce for it (``zf.shard`` stage 0; stages 1-3 refuse such an optimizer).
     """
 
     init: Callable[[PyTree], PyTree]
@@ -60,6 +63,7 @@ class GradientTransformation(NamedTuple):
     sums_squares: bool = False
     scales_grads: bool = False
     grad_factor: Callable[[PyTree, float], Any] | None = None
+    local_grads: Callable[[PyTree], bool] | None = None
 
 
 class KnownNorm:
@@ -230,9 +234,14 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
     # A chain of grad factors (clipping) and a last tx that scales grads in its kernel folds the factors
     # into that kernel's grad_scale (apply(grad_scale=)): no pass of their own over the grads.
     folds = bool(txs) and txs[-1].scales_grads and all(tx.grad_factor is not None for tx in txs[:-1])
+    talkers = [k for k, tx in enumerate(txs) if tx.local_grads is not None]
+    if len(talkers) > 1:
+        raise ValueError(f"chain: arguments {talkers} each communicate their own grads (local_grads); chain one")
+    local = (lambda state: txs[talkers[0]].local_grads(state[talkers[0]])) if talkers else None
     return GradientTransformation(init, update, apply_ if txs else None, learning_rate_, update_,
                                   needs_global_norm=any(tx.needs_global_norm for tx in txs), writes_out=bool(txs),
-                                  sums_squares=len(txs) == 1 and txs[0].sums_squares, scales_grads=folds)
+                                  sums_squares=len(txs) == 1 and txs[0].sums_squares, scales_grads=folds,
+                                  local_grads=local)
 
 
 def _grad_leaves(grads: PyTree, params: PyTree | None) -> tuple[list[Any], optree.PyTreeSpec]:

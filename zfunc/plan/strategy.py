@@ -18,7 +18,8 @@ from zfunc.core import compose
 
 SCHEDULES = PIPELINE_SCHEDULES
 REMATS = ("none", "full", "offload")
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "lion": 4, "sgd": 4}  # fp32 moments per param
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "lion": 4, "sgd": 4, "lamb": 8, "onebit_adam": 8,
+                         "zero_one_adam": 12, "onebit_lamb": 12}  # fp32 moments per param
 DEFAULT_OPTIMIZER = "adamw"  # a plan with no optimizer (the caller brings one) is estimated with AdamW's state
 PREFETCH = 1  # zf.shard's stage-3 prefetch depth
 BUCKET_MB = 25.0  # zf.shard's bucket size (fp32 MiB)

@@ -197,13 +197,16 @@ class GradAllReducer(GradReducer):
     The sum of this rank's microbatch losses (``forward_done``) rides in the last bucket's spare
     slot: ``loss`` is then their sum over the ranks too, with no collective of its own.
     ``spec``: the layout of one rank holding everything (``ShardSpec.split`` is ``(1, 0)``).
+    ``local`` (an optimizer that communicates itself this step: ``GradientTransformation.local_grads``):
+    only the loss slot is all-reduced; the grads delivered are this rank's own, divided by ``divisor``.
     """
 
     def __init__(self, comm, spec: ShardSpec, buckets: Buckets,
-                 deliver: Callable[[FlatGroup, list[torch.Tensor]], None], step: int, divisor: float):
+                 deliver: Callable[[FlatGroup, list[torch.Tensor]], None], step: int, divisor: float,
+                 local: bool = False):
         super().__init__(comm, spec, lambda: buckets.groups, deliver, buckets.device, eager=False, step=step,
                          sequence=lambda: list(range(len(buckets.groups))))
-        self.buckets, self.scale = buckets, 1.0 / divisor
+        self.buckets, self.scale, self.local = buckets, 1.0 / divisor, local
         self.written: set[int] = set()  # leaves some microbatch produced a grad for
         self.loss = torch.zeros((), dtype=torch.float32, device=buckets.device)
 
@@ -229,7 +232,9 @@ class GradAllReducer(GradReducer):
                 view.zero_()
         if flat.numel() > group.segment:
             flat[group.segment :].copy_(self.loss)
-        work = self.comm.all_reduce(flat, label=f"grad all-reduce of {group.name} at {self.label}", async_op=True)
+        sent = flat[group.segment :] if self.local else flat  # local grads: the loss alone (maybe nothing)
+        work = (self.comm.all_reduce(sent, label=f"grad all-reduce of {group.name} at {self.label}", async_op=True)
+                if sent.numel() else _Sent())
         self.works.append((work, flat, u))
 
     def _slices(self, u: int, out: torch.Tensor) -> list[torch.Tensor]:
@@ -238,6 +243,13 @@ class GradAllReducer(GradReducer):
         if out.numel() > segment:
             self.loss.copy_(out[segment])
         return self.buckets.views[u]
+
+
+class _Sent:
+    """The work of a collective with nothing to send."""
+
+    def wait(self) -> bool:
+        return True
 
 
 class GradSlices:

@@ -61,6 +61,7 @@ class StepRun:
         self.context = RunContext(self.spec, 1.0 if self.stage == 0 else self.reduce_divisor,
                                   None if self.stage == 0 else self._sum_across, step.finite)
         self.roles = step.roles(self.context, state)  # this call's params source, grad sink, update and schedule
+        self._opt_state = state.opt_state if self.stage == 0 else None  # read before backward consumes it
         if self.roles.schedule.count != step.accum:
             raise ValueError(f"roles: the schedule runs {self.roles.schedule.count} microbatches, but the step "
                              f"accumulates {step.accum} (train_step(accum=)); a sharded step's schedule is its "
@@ -136,8 +137,11 @@ class StepRun:
         if kept is None or (kept.groups, kept.device) != (buckets, self.device):
             kept = Buckets(buckets, self.spec.leaves, self.device)  # a new order or place: new buffers, kept
             self.learned["bucket_buffers"] = kept
+        # an optimizer that communicates itself this step (1-bit) takes this rank's own mean grads
+        local = self.step.optimizer.local_grads is not None and self.step.optimizer.local_grads(self._opt_state)
         self.reducer = GradAllReducer(self.mesh.reduce_comm, ShardSpec(0, 1, 0, self.spec.leaves), kept,
-                                      self.sink.deliver, self.number, self.reduce_divisor)
+                                      self.sink.deliver, self.number,
+                                      self.reduce_divisor / self.spec.world if local else self.reduce_divisor, local)
 
     def _forward_replicated(self, i: int, micro: PyTree) -> tuple[torch.Tensor, Any]:
         self.reducer.eager = i == self.roles.schedule.count - 1  # DDP's no_sync before the last microbatch
@@ -155,8 +159,8 @@ class StepRun:
         leaves, gatherer, groups = self._microbatch_leaves()
         if self.reducer is None or self.eager:  # stage 1 with accum sums whole grads over microbatches
             sink = self.sink
-            self.reducer = GradReducer(self.mesh.reduce_comm, self.spec, groups, sink.deliver, self.device, self.eager,
-                                       self.number, lambda groups=groups: self._backward_order(groups()),
+            self.reducer = GradReducer(self.sharded.reduce_comm, self.spec, groups, sink.deliver, self.device,
+                                       self.eager, self.number, lambda groups=groups: self._backward_order(groups()),
                                        on_group_done=gatherer.release if gatherer else None,
                                        keep_whole=self.stage == 1, deliver_early=sink.early, own_grads=sink.own)
         return self._forward(i, micro, leaves, gatherer, self.reducer)
@@ -169,8 +173,8 @@ class StepRun:
             return [w.detach().requires_grad_() for w in self.whole], None, self._buckets
         sharded, spec = self.sharded, self.spec
         leaves = [_placeholder(leaf.shape, self.step.compute_dtype, self.device) for leaf in spec.leaves]
-        gatherer = Gatherer(self.mesh.comm, spec, self.pieces, leaves, self._units, self.unit_order, sharded.prefetch,
-                            self.number, sharded.verify)
+        gatherer = Gatherer(sharded.gather_comm, spec, self.pieces, leaves, self._units, self.unit_order,
+                            sharded.prefetch, self.number, sharded.verify)
         return leaves, gatherer, lambda: gatherer.units
 
     def _forward(self, i: int, micro: PyTree, leaves: list, gatherer: Gatherer | None, reducer: GradReducer):

@@ -1,0 +1,163 @@
+"""1-bit Adam, 0/1 Adam, 1-bit LAMB (zfunc.optim.onebit): warm-up equal to the full-precision
+counterpart exactly; after it, at zf.shard stage 0 on 2 ranks, the grads stay local, the momentum
+goes compressed (bytes counted) and every rank ends with the same params; other stages refused;
+errors restart when the state given is not the last one returned."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import zfunc as zf
+from tests.models import Tiny, batches, local, mesh_shaped
+from zfunc import optim
+from zfunc.dist import compressed as C
+
+LR = 1e-2
+
+
+def _params():
+    torch.manual_seed(0)
+    return {"w": torch.randn(8, 4), "b": torch.randn(4), "z": torch.zeros(3)}
+
+
+def _grads(t):
+    g = torch.Generator().manual_seed(t)
+    return {"w": torch.randn(8, 4, generator=g), "b": torch.randn(4, generator=g), "z": torch.randn(3, generator=g)}
+
+
+def _run(tx, steps, params=None):
+    params, state = params or _params(), None
+    state = tx.init(params)
+    for t in range(steps):
+        params, state = optim.apply(tx, _grads(t), state, {k: v.clone() for k, v in params.items()})
+    return params, state
+
+
+@pytest.mark.parametrize("onebit, counterpart, warm", [
+    (lambda: optim.onebit_adam(LR, weight_decay=0.1, freeze_step=6),
+     lambda: optim.adamw(LR, weight_decay=0.1, bias_correction=False), 6),
+    (lambda: optim.zero_one_adam(LR, weight_decay=0.1, var_update_scaler=6),
+     lambda: optim.adamw(LR, weight_decay=0.1, bias_correction=False), 6),
+    (lambda: optim.onebit_lamb(LR, weight_decay=0.1, freeze_step=6),
+     lambda: optim.lamb(LR, weight_decay=0.1, bias_correction=False), 6),
+])
+def test_warm_up_equals_the_full_precision_counterpart_exactly(onebit, counterpart, warm):
+    got, _ = _run(onebit(), warm)
+    ref, _ = _run(counterpart(), warm)
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k
+
+
+def test_adamw_without_bias_correction_is_adam_without_its_factors():
+    got, _ = _run(optim.adamw(LR, weight_decay=0.0, bias_correction=False), 1)
+    g, p = _grads(0), _params()
+    for k in p:  # first step: m = 0.1 g, v = 0.001 g^2
+        torch.testing.assert_close(got[k], p[k] - LR * (0.1 * g[k]) / ((0.001 * g[k] ** 2).sqrt() + 1e-8))
+
+
+def test_local_grads_declares_the_compressed_updates():
+    params = _params()
+    adam = optim.onebit_adam(LR, freeze_step=2)
+    s = adam.init(params)
+    assert [adam.local_grads(s._replace(count=c)) for c in range(4)] == [False, False, True, True]
+    zo = optim.zero_one_adam(LR, var_update_scaler=2, var_freeze_step=6)
+    state, flags = zo.init(params), []
+    for t in range(10):
+        flags.append(zo.local_grads(state))
+        _, state = zo.update(_grads(t), state, params)
+    # var_interval 1 for 2 updates, then 2 (every other update full precision), frozen after update 7
+    assert flags == [False, False, True, False, True, False, True, True, True, True]
+    chained = optim.chain(optim.clip_by_global_norm(1.0), adam)
+    assert chained.local_grads(chained.init(params)) is False
+    with pytest.raises(ValueError, match="chain: arguments"):
+        optim.chain(adam, optim.onebit_lamb(LR))
+
+
+class _FakeComm:
+    """Two ranks whose other rank sends what this one does: records the error buffers it is given."""
+
+    world = 2
+
+    def __init__(self):
+        self.seen = []
+
+    def compressed_all_reduce(self, x, errors, label=""):
+        self.seen.append(errors)
+        return x
+
+
+def test_errors_restart_when_the_state_is_not_the_last_returned():
+    comm = _FakeComm()
+    tx = optim.onebit_adam(LR, freeze_step=1, comm=comm)
+    params = _params()
+    state = tx.init(params)
+    saved = None
+    for t in range(4):
+        if t == 2:
+            saved = state
+        _, state = tx.update(_grads(t), state, params)
+    assert comm.seen[0] is comm.seen[1] is comm.seen[2]  # kept from update to update
+    tx.update(_grads(9), saved, params)  # an older state (a checkpoint loaded): zero errors again
+    assert comm.seen[3] is not comm.seen[2] and not comm.seen[3].worker.any()
+
+
+def test_momentum_mask_keeps_masked_entries_zero():
+    comm = _FakeComm()
+    params = _params()
+    mask = {"w": torch.ones(8, 4), "b": torch.ones(4), "z": torch.tensor([1.0, 0.0, 1.0])}
+    tx = optim.onebit_adam(LR, freeze_step=1, momentum_mask=mask, comm=comm)
+    state = tx.init(params)
+    for t in range(3):
+        _, state = tx.update(_grads(t), state, params)
+    assert state.mu["z"][1] == 0 and state.mu["z"][0] != 0
+
+
+def test_shard_refuses_stages_1_to_3_for_a_1bit_optimizer():
+    apply, params = zf.functionalize(Tiny())
+    step = zf.train_step(lambda p, b: F.cross_entropy(apply(p, b[0]).flatten(0, 1), b[1].flatten()),
+                         optim.onebit_adam(LR), "fp32")
+    for stage in (1, 2, 3):
+        with pytest.raises(ValueError, match=f"stage: the optimizer communicates itself.*got stage {stage}"):
+            zf.shard(step, mesh_shaped(dp=2), stage)
+    zf.shard(step, mesh_shaped(dp=2), 0)
+
+
+def _stage0_worker(rank, world, kind):
+    torch.manual_seed(0)
+    apply, params = zf.functionalize(Tiny())
+    mesh = zf.Mesh()
+    make = {"onebit_adam": lambda: optim.onebit_adam(LR, freeze_step=2, comm=mesh.comm),
+            "zero_one_adam": lambda: optim.zero_one_adam(LR, var_update_scaler=1, var_freeze_step=3, comm=mesh.comm),
+            "onebit_lamb": lambda: optim.onebit_lamb(LR, freeze_step=2, comm=mesh.comm),
+            "plain": lambda: optim.adamw(LR, weight_decay=0.0, bias_correction=False)}[kind]
+
+    def loss_fn(p, b):
+        return F.cross_entropy(apply(p, b[0]).flatten(0, 1), b[1].flatten())
+
+    step = zf.shard(zf.train_step(loss_fn, make(), "fp32"), mesh, 0)
+    state = step.init(params)
+    out = []
+    for batch in batches(world, n=6):
+        state, m = step(state, local(batch, rank, world))
+        out.append(({k: v.clone() for k, v in state.params.items()}, float(m["loss"]), dict(mesh.comm_bytes())))
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind", ["onebit_adam", "zero_one_adam", "onebit_lamb"])
+def test_at_stage_0_the_momentum_goes_compressed_and_ranks_agree(kind):
+    ranks = zf.dist.spawn(_stage0_worker, 2, 2, kind)
+    plain = zf.dist.spawn(_stage0_worker, 2, 2, "plain") if kind == "onebit_adam" else None
+    for t in range(6):
+        a, b = ranks[0][t][0], ranks[1][t][0]
+        assert all(torch.equal(a[k], b[k]) for k in a), (kind, t)  # the compressed mean is the same bits
+    bytes_late = ranks[0][5][2]
+    assert bytes_late.get(C.KIND, 0) > 0
+    grad_bytes = sum(v.numel() for v in ranks[0][0][0].values()) * 4
+    assert bytes_late.get("all_reduce", 0) < grad_bytes  # only the loss (and no grads) in full precision
+    assert ranks[0][0][2].get("all_reduce", 0) >= 2 * grad_bytes  # warm-up: the grads themselves
+    assert ranks[0][5][1] < ranks[0][0][1]  # it trains
+    if plain is not None:  # warm-up (2 updates) equals the full-precision step exactly
+        for t in range(2):
+            assert all(torch.equal(ranks[0][t][0][k], plain[0][t][0][k]) for k in plain[0][t][0])
