@@ -213,3 +213,13 @@ def test_client_state_must_be_json(tmp_path):
     engine, *_ = deepspeed.initialize(model=net(), config=config())
     with pytest.raises(TypeError, match=r"engine.save_checkpoint\(client_state=...\)"):
         engine.save_checkpoint(tmp_path, client_state={"t": torch.zeros(1)})
+
+
+def test_training_data_gives_deepspeeds_loader():
+    dataset = torch.utils.data.TensorDataset(torch.randn(12, 8), torch.randn(12, 4))
+    engine, _, loader, _ = deepspeed.initialize(model=net(), config=config(), training_data=dataset)
+    assert isinstance(loader.sampler, torch.utils.data.RandomSampler) and loader.batch_size == 4
+    for x, y in loader:
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        engine.step()
+    assert engine.micro_steps == 3 and engine.global_steps == 1

@@ -25,7 +25,9 @@ calls in ``zfunc.deepspeed.refused``).
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,7 +41,7 @@ from zfunc.deepspeed import zero
 from zfunc.deepspeed.engine import Engine
 from zfunc.deepspeed.optimizers import EngineOptimizer, EngineScheduler, plan_optimizer
 
-__all__ = ["Engine", "add_config_arguments", "init_distributed", "initialize", "zero"]
+__all__ = ["Engine", "add_config_arguments", "build_engine", "init_distributed", "initialize", "zero"]
 
 
 def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True, distributed_port: int = 29500,
@@ -56,6 +58,34 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 or "RANK" in os.environ:
         timeout_s = timeout.total_seconds() if timeout is not None else 300.0
         zf.dist.init_from_env(dist_backend, timeout_s=timeout_s)
+        _close_at_exit()
+
+
+_failed: list[bool] = []
+
+
+def _close_at_exit() -> None:
+    """Close the group this module opened when the script ends: the ranks meet, then the group is
+    destroyed. Left to interpreter teardown, gloo's threads abort a rank whose peer has already
+    exited ("terminate called without an active exception"). After an uncaught exception the
+    ranks do not meet (the others may never come): the process exits as it would."""
+    hook = sys.excepthook
+
+    def note(*exc: Any) -> None:
+        _failed.append(True)
+        hook(*exc)
+
+    def close() -> None:
+        if _failed or not dist.is_initialized():
+            return
+        try:
+            dist.barrier()
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - at exit, a peer gone is not this rank's error
+            pass
+
+    sys.excepthook = note
+    atexit.register(close)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -123,7 +153,17 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     raw = _config(args, config, config_params)
     init_distributed(dist_init_required=dist_init_required)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    plan = zf.config.from_deepspeed(raw, world_size=world)
+    engine = build_engine(model, zf.config.from_deepspeed(raw, world_size=world), raw, optimizer, model_parameters)
+    loader = _data_loader(training_data, engine.plan, raw, collate_fn) if training_data is not None else None
+    return engine, engine.optimizer, loader, EngineScheduler(engine) if engine.plan.scheduler else None
+
+
+def build_engine(model: nn.Module, plan: zf.config.Plan, config: dict, optimizer: Any = None,
+                 model_parameters: Any = None) -> Engine:
+    """The engine ``initialize`` returns, for a plan already read (``zf.config.from_deepspeed``, with
+    any "auto" values filled): the model prepared and functionalized, ``zf.train_step`` with the
+    plan's (or the client's) optimizer, laid out by ``zf.parallelize``, its state made (each rank
+    its rows for a model built under ``zero.Init``)."""
     named = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
     plan, mask = plan_optimizer(plan, optimizer, model_parameters, named)
     if plan.optimizer is None:
@@ -144,9 +184,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         state = state.replace(loss_scale=zf.precision.deepspeed_loss_scale(
             plan.initial_scale_power, plan.loss_scale_window, plan.hysteresis, plan.min_loss_scale,
             plan.consecutive_hysteresis))
-    engine = Engine(model, plan, raw, None, step, state, apply, zf.config.schedule(plan))
+    engine = Engine(model, plan, config, None, step, state, apply, zf.config.schedule(plan))
     engine._optimizer = EngineOptimizer(engine)
     engine_holder.append(engine)
     zero.track(engine)
-    loader = _data_loader(training_data, plan, raw, collate_fn) if training_data is not None else None
-    return engine, engine.optimizer, loader, EngineScheduler(engine) if plan.scheduler else None
+    return engine

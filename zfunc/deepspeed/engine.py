@@ -75,7 +75,8 @@ class Engine:
         if self.device.type == "meta":
             self.device = torch.device("cpu")
         self.global_steps = self.micro_steps = self.global_samples = self.skipped_steps = 0
-        self._running: SuspendedStep | None = None
+        self._suspended = SuspendedStep(apply)  # its thread runs every step of this engine
+        self._running: SuspendedStep | None = None  # the suspended step, while an accumulation window is open
         self._backward_pending = False  # engine.backward ran for the current microbatch, step() not yet
         self._metrics: dict | None = None
         self._whole: tuple[Any, Any] | None = None  # (state, whole compute params) for eval forwards
@@ -192,7 +193,7 @@ class Engine:
             raise ValueError("engine(...): a forward after this microbatch's backward and before engine.step(); "
                              "DeepSpeed counts a microbatch per step(), call engine.step() first")
         if running is None:
-            running = self._running = SuspendedStep(self._apply)
+            running = self._running = self._suspended
             marker = torch.zeros(self.plan.accum, dtype=torch.int64)  # the step splits it into accum microbatches
             running.start(self.step_fn, self.state, marker)
             self.state = None  # the step consumes it; its successor comes back at the boundary

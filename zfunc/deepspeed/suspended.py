@@ -30,6 +30,7 @@ grad by the loss scale in backward. The caller's thread never runs the model.
 """
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 from collections.abc import Callable
@@ -84,7 +85,8 @@ def _cut(out: PyTree) -> tuple[PyTree, list[torch.Tensor], list[torch.Tensor]]:
 
 
 class SuspendedStep:
-    """One call of ``step(state, batch)`` on its own thread, stopped in ``loss_fn`` at each microbatch.
+    """Calls of ``step(state, batch)`` on a thread of their own, each stopped in ``loss_fn`` at each
+    microbatch; one thread serves every call (it is started at the first and joined at exit).
 
     ``model(params, *args, **kwargs)`` runs the model (``zf.functionalize``'s ``apply``); the step's
     ``loss_fn`` is ``self.loss_fn``. The caller: ``start(step, state, batch)``, then per microbatch
@@ -98,8 +100,9 @@ class SuspendedStep:
         self._to_caller: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._step_rng: torch.Tensor | None = None
-        self._pending: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []  # this microbatch's cuts
+        self._pending: list[list[torch.Tensor]] = []  # this microbatch's cut copies
         self.done: tuple | None = None  # (state, metrics) once the step returned
+        self.busy = False  # a step is under way
         self.microbatches = 0  # microbatches whose backward the step has received
 
     # ------------------------------------------------------------------ the step's thread
@@ -128,25 +131,48 @@ class SuspendedStep:
             else:  # "abort"
                 raise _Aborted()
 
-    def _run(self, step: Callable, state: Any, batch: Any) -> None:
-        try:
-            self._to_caller.put(("done", step(state, batch)))
-        except _Aborted:
-            self._to_caller.put(("aborted", None))
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-            self._to_caller.put(("error", e))
+    def _serve(self) -> None:
+        """The step's thread: one step per "run" message, until "quit". One thread serves every step
+        of the engine, so torch's and the kernels' OpenMP team for it is made once."""
+        while True:
+            kind, payload = self._to_step.get()
+            if kind == "quit":
+                return
+            if kind != "run":  # a forward or backward with no step under way: say so, do not hang
+                self._to_caller.put(("error", RuntimeError(f"zfunc.deepspeed: {kind} outside a step")))
+                continue
+            step, state, batch = payload
+            try:
+                self._to_caller.put(("done", step(state, batch)))
+            except _Aborted:
+                self._to_caller.put(("aborted", None))
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                self._to_caller.put(("error", e))
 
     # ------------------------------------------------------------------ the caller's thread
 
     def start(self, step: Callable, state: Any, batch: Any) -> None:
         """Start ``step(state, batch)`` and wait until it asks for the first microbatch."""
-        self._thread = threading.Thread(target=self._run, args=(step, state, batch), daemon=True,
-                                        name="zfunc-step")
-        self._turn(None, start=True)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, daemon=True, name="zfunc-step")
+            self._thread.start()
+            atexit.register(self.close)  # joined before interpreter teardown, its OpenMP team with it
+        self.done, self.busy, self.microbatches, self._pending = None, True, 0, []
+        kind, payload = self._turn(("run", (step, state, batch)))
+        if kind != "want":
+            raise AssertionError(f"zfunc.deepspeed: the step's thread answered {kind!r}")
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self.done is None
+        return self.busy
+
+    def close(self) -> None:
+        """End the step's thread (a step under way is aborted first)."""
+        if self._thread is not None:
+            self.abort()
+            self._to_step.put(("quit", None))
+            self._thread.join()
+            self._thread = None
 
     def forward(self, args: tuple, kwargs: dict) -> PyTree:
         """The model's output on ``args``, its floating outputs cut (module docstring)."""
@@ -172,31 +198,28 @@ class SuspendedStep:
         self.microbatches += 1
         kind, payload = self._turn(("backward", loss_value))
         if kind == "done":
-            self.done = payload
+            self.done, self.busy = payload, False
         elif kind != "want":
             raise AssertionError(f"zfunc.deepspeed: the step's thread answered {kind!r}")
 
     def abort(self) -> None:
         """End a step waiting for a microbatch: it raises inside and its thread ends."""
-        if self.running:
+        if self.busy:
             self._turn(("abort", None))
-        self._pending = []
+        self._pending, self.busy = [], False
 
-    def _turn(self, message: tuple | None, start: bool = False) -> tuple[str, Any]:
+    def _turn(self, message: tuple) -> tuple[str, Any]:
         """Let the step's thread run until it answers; swap torch's CPU generator state both ways."""
         gen = torch.default_generator
         mine = gen.get_state()
         if self._step_rng is not None:
             gen.set_state(self._step_rng)
-        if start:
-            self._thread.start()
-        else:
-            self._to_step.put(message)
+        self._to_step.put(message)
         kind, payload = self._to_caller.get()
         self._step_rng = gen.get_state()
         gen.set_state(mine)
         if kind == "error":
-            self._thread = None
+            self.busy, self._pending = False, []
             raise StepFailed(f"the step raised {type(payload).__name__}: {payload}") from payload
         return kind, payload
 
