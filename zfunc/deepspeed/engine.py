@@ -144,9 +144,18 @@ class Engine:
         return self._step_applied
 
     def get_lr(self) -> list[float]:
-        """DeepSpeed's ``get_lr()``: the learning rate of the last applied update (the schedule's
-        start before the first), one value (zfunc has one param group)."""
+        """DeepSpeed's ``get_lr()``: the optimizer's current learning rate, the one the next update
+        uses; one value (zfunc has one param group)."""
         return [float(self._schedule(self.global_steps - self.skipped_steps))]
+
+    def last_lr(self) -> float:
+        """The learning rate the last applied update used (the first update's before any)."""
+        return float(self._schedule(max(self.global_steps - self.skipped_steps - 1, 0)))
+
+    @property
+    def window_open(self) -> bool:
+        """Whether an accumulation window is under way (some microbatches of the next update taken)."""
+        return self._running is not None
 
     def get_global_grad_norm(self) -> float | None:
         """The global norm of the grads of the last update (before clipping); None before the first."""

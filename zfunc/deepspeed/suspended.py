@@ -33,12 +33,10 @@ from __future__ import annotations
 import atexit
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-
-from zfunc.core import tree
 
 PyTree = Any
 
@@ -68,20 +66,37 @@ def join(value: torch.Tensor, outputs: list[torch.Tensor], grads: list[torch.Ten
     return _Join.apply(value.detach().float().reshape(()), tuple(grads), *outputs)
 
 
-def _cut(out: PyTree) -> tuple[PyTree, list[torch.Tensor], list[torch.Tensor]]:
+def _cut(out: Any) -> tuple[Any, list[torch.Tensor], list[torch.Tensor]]:
     """``out`` with each floating tensor that requires grad replaced by a detached copy that
-    requires grad; the originals and the copies, in leaf order."""
-    leaves, treespec = tree.flatten(out)
-    originals, copies, shown = [], [], []
-    for x in leaves:
-        if isinstance(x, torch.Tensor) and x.requires_grad and x.is_floating_point():
-            c = x.detach().requires_grad_()
-            originals.append(x)
-            copies.append(c)
-            shown.append(c)
-        else:
-            shown.append(x.detach() if isinstance(x, torch.Tensor) else x)
-    return tree.unflatten(treespec, shown), originals, copies
+    requires grad; the originals and the copies, in order. Containers are rebuilt as their own
+    type: tuples, lists and named tuples, dicts and mappings such as transformers' ``ModelOutput``."""
+    originals: list[torch.Tensor] = []
+    copies: list[torch.Tensor] = []
+
+    def cut(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            if x.requires_grad and x.is_floating_point():
+                c = x.detach().requires_grad_()
+                originals.append(x)
+                copies.append(c)
+                # a scalar (a loss) is shown as a non-leaf, so the caller may scale it in place (``loss *= k``)
+                return c * 1 if c.dim() == 0 else c
+            return x.detach()
+        if isinstance(x, tuple) and hasattr(x, "_fields"):
+            return type(x)(*(cut(v) for v in x))
+        if isinstance(x, (tuple, list)):
+            return type(x)(cut(v) for v in x)
+        if isinstance(x, Mapping):
+            items = {k: cut(v) for k, v in x.items()}
+            if type(x) is dict:
+                return items
+            try:
+                return type(x)(**items)
+            except TypeError:
+                return type(x)(items)
+        return x
+
+    return cut(out), originals, copies
 
 
 class SuspendedStep:
