@@ -119,7 +119,7 @@ def test_python_block_runs(line, code, tmp_path):
 
 
 def _flags_of(target: str) -> set[str]:
-    if target == "zfunc.plan":
+    if target in ("zfunc.plan", "recipes.plan"):  # recipes.plan: zfunc.plan's flags, the recipes' flavors known
         parser = importlib.import_module("zfunc.plan.__main__").parser()
         extra = set()
     else:
