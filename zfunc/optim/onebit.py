@@ -272,7 +272,7 @@ class OneBitLambState(NamedTuple):
     """``count``, ``mu``, ``nu`` as LAMB's; ``nu_fresh``: the variance kept on from the momentum's
     reconstructed grads once frozen; ``coeff_freeze``: per leaf, the running mean of the trust
     ratios of the warm-up; ``last_factor``: per leaf, the last scaling factor; ``scaling``: per leaf,
-    the momentum's scaling coefficient before compression (empty until the first compressed update)."""
+    the momentum's scaling coefficient before compression (zeros until the first compressed update)."""
 
     count: int
     mu: PyTree
@@ -309,7 +309,7 @@ def onebit_lamb(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
     def init(params):
         n = len(tree.leaves(params))
         return OneBitLambState(0, _zeros_like(params), _zeros_like(params), _zeros_like(params), (0.0,) * n,
-                               (1.0,) * n, ())
+                               (1.0,) * n, (0.0,) * n)
 
     def warm_up(grads, state, params):
         g_leaves, treespec = _grad_leaves(grads, params)
@@ -346,7 +346,7 @@ def onebit_lamb(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
         decay = _mask_leaves(mask, params, len(p_leaves))
         masks = _mask_list(momentum_mask, params, len(p_leaves))
         t, step_lr = state.count + 1, lr(state.count)
-        scaling = state.scaling or _scaling(m_leaves)
+        scaling = state.scaling if all(state.scaling) else _scaling(m_leaves)
         local = [(m * b1 + (1 - b1) * g.to(m.dtype) if g is not None else m) * s
                  for m, g, s in zip(m_leaves, g_leaves, scaling)]
         mean = channel.mean(local, f"1-bit LAMB momentum at update {t}")
