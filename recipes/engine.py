@@ -56,7 +56,8 @@ def loss_fn(task: Task, apply: Callable) -> Callable:
 
 
 def make_optimizer(args: argparse.Namespace, plan):
-    """AdamW(0.9, 0.95) on a warmup-cosine, decaying matrices only; a --deepspeed config's optimizer
+    """AdamW(0.9, 0.95) on a warmup-cosine, decaying matrices only (--optimizer: a 1-bit one on the same
+    betas, schedule and decay, after --freeze-step full-precision steps); a --deepspeed config's optimizer
     and scheduler when it names them (a config without a scheduler keeps its lr constant, as in
     DeepSpeed). Clipping at the plan's gradient_clipping (--grad-clip, or the config's; 0: none)."""
     import zfunc as zf
@@ -64,10 +65,19 @@ def make_optimizer(args: argparse.Namespace, plan):
     if plan.optimizer is not None:
         return zf.config.optimizer(plan, lr_schedule.spec(args, plan)["total_steps"], mask=zf.optim.decay_mask)
     lr = lr_schedule.function(lr_schedule.spec(args, plan))  # laid over lr_schedule.total(args)
-    adamw = zf.optim.adamw(lr, b1=0.9, b2=0.95, eps=1e-8, weight_decay=args.weight_decay, mask=zf.optim.decay_mask)
+    common = dict(b1=0.9, b2=0.95, eps=1e-8, weight_decay=args.weight_decay, mask=zf.optim.decay_mask)
+    kind, freeze = getattr(args, "optimizer", "adamw"), getattr(args, "freeze_step", 0)
+    if kind == "onebit_adam":
+        opt = zf.optim.onebit_adam(lr, freeze_step=freeze, **common)
+    elif kind == "zero_one_adam":
+        opt = zf.optim.zero_one_adam(lr, var_freeze_step=freeze, **common)
+    elif kind == "onebit_lamb":
+        opt = zf.optim.onebit_lamb(lr, freeze_step=freeze, **common)
+    else:
+        opt = zf.optim.adamw(lr, **common)
     if plan.gradient_clipping > 0:
-        return zf.optim.chain(zf.optim.clip_by_global_norm(plan.gradient_clipping), adamw)
-    return adamw
+        return zf.optim.chain(zf.optim.clip_by_global_norm(plan.gradient_clipping), opt)
+    return opt
 
 
 def build_step(loss: Callable, model: nn.Module, args: argparse.Namespace, plan):

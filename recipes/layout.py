@@ -28,9 +28,11 @@ class FlagError(ValueError):
 LAYOUT_DEFAULTS = dict(
     zero=0, offload_optimizer="none", offload_params="none", nvme_path=None, keep_swap=False, remat=False,
     remat_offload=False, tile_lm_head=0, pp=1, microbatches=1, schedule="1f1b", deepspeed=None,
+    quantize_weights=False, quantize_grads=0,
 )
 CHOICES = dict(zero=[0, 1, 2, 3], offload_optimizer=["none", "cpu", "nvme"], offload_params=["none", "cpu", "nvme"],
-               schedule=["1f1b", "gpipe"])
+               schedule=["1f1b", "gpipe"], quantize_grads=[0, 4, 8],
+               optimizer=["adamw", "onebit_adam", "zero_one_adam", "onebit_lamb"])
 LAYOUT_HELP = dict(
     zero="ZeRO stage: 0 replicated data parallel, 1 optimizer state, 2 + grads, 3 + params sharded over the ranks",
     offload_optimizer="keep the optimizer state (and fp32 masters' update) in CPU RAM or NVMe (ZeRO 1-3, or 1 rank)",
@@ -45,18 +47,22 @@ LAYOUT_HELP = dict(
     pp="pipeline stages (the world size must be a multiple; dp = world size / pp)",
     microbatches="with --pp: microbatches each rank's batch is cut into (in place of --accum)",
     schedule="pipeline schedule",
+    quantize_weights="ZeRO++ (--zero 3): all-gather the params as block-quantized int8",
+    quantize_grads="ZeRO++ (--zero 1-3): reduce-scatter the grads in 4 or 8 bits (0: fp32)",
     deepspeed="a DeepSpeed JSON config; its 'auto' values (and its batch sizes, if it gives none) come from these "
               "flags, and a flag given that contradicts it is an error",
 )
 # The layout may change on --resume: a checkpoint loads into any stage, offload or world size.
 MAY_CHANGE_ON_RESUME = ("zero", "offload_optimizer", "offload_params", "nvme_path", "keep_swap", "remat",
-                        "remat_offload", "pp", "microbatches", "schedule", "deepspeed", "accum")
+                        "remat_offload", "pp", "microbatches", "schedule", "deepspeed", "accum", "quantize_weights",
+                        "quantize_grads")
 # Plan field -> the flag that sets it, to name flags in the plan's errors.
 FLAG_OF_FIELD = dict(dp="--pp", pp="--pp", zero_stage="--zero", offload_optimizer="--offload-optimizer",
                      offload_params="--offload-params", nvme_path="--nvme-path", remat="--remat",
                      remat_offload="--remat-offload", tile_lm_head="--tile-lm-head", microbatches="--microbatches",
                      pipeline_schedule="--schedule", precision="--precision", accum="--accum",
-                     gradient_clipping="--grad-clip", global_batch="--batch-size", micro_batch="--batch-size")
+                     gradient_clipping="--grad-clip", global_batch="--batch-size", micro_batch="--batch-size",
+                     quantized_weights="--quantize-weights", quantized_grads="--quantize-grads")
 
 
 def flag(name: str) -> str:
@@ -159,6 +165,8 @@ def resolve(args: argparse.Namespace, world: int, units: str | None, *, notices:
                   microbatches=args.microbatches, pipeline_schedule=args.schedule,
                   precision=args.precision, accum=args.accum, gradient_clipping=args.grad_clip,
                   micro_batch=args.batch_size // (dp * split), global_batch=args.batch_size)
+    if args.quantize_weights or args.quantize_grads:  # else a --deepspeed config's ZeRO++ keys stand
+        fields.update(quantized_weights=args.quantize_weights, quantized_grads=args.quantize_grads)
     try:
         if ds_plan is None:
             plan = zf.config.Plan(**fields, optimizer=None)  # the recipe brings its own optimizer

@@ -24,7 +24,7 @@ TRAIN_DEFAULTS = dict(
     lr=3e-3, end_lr=3e-4, warmup=40, weight_decay=0.1, grad_clip=1.0,
     precision=None, device=None, data=None, out="out/run", seed=1337,
     eval_every=100, eval_batches=20, ckpt_every=200, keep_last=2, resume=False, overwrite=False, log_every=10,
-    data_cap=None, extend_schedule=False,
+    data_cap=None, extend_schedule=False, optimizer="adamw", freeze_step=100,
 )
 MODEL_SOURCE_DEFAULTS = dict(flavor=None, hf_config=None, tokenizer=None, dry_run=False)
 TRAIN_HELP = dict(
@@ -35,6 +35,10 @@ TRAIN_HELP = dict(
     lr="peak learning rate (after linear warmup)",
     end_lr="learning rate at the end of the cosine decay", warmup="linear warmup steps (at most half of --steps)",
     grad_clip="max global grad norm",
+    optimizer="adamw; or a 1-bit one (zf.optim.onebit_adam, zero_one_adam, onebit_lamb: stage 0 over several "
+              "ranks, the momentum all-reduced 1-bit compressed after --freeze-step full-precision steps), on the same "
+              "betas, schedule, decay and clipping",
+    freeze_step="with a 1-bit --optimizer: full-precision warm-up steps (zero_one_adam: its var_freeze_step)",
     precision="default: bf16 on CUDA and on a CPU with native bf16 matrix units (AMX, AVX512-BF16, Arm BF16), "
               "else fp32; the recipe's first line says which and why",
     device="default: cuda if available, else cpu",
@@ -77,6 +81,7 @@ FINITE_AT_LEAST_0 = (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 
 TRAIN_RULES = dict(  # flag: (test, what is expected)
     block_size=AT_LEAST_1, steps=AT_LEAST_1, batch_size=AT_LEAST_1, accum=AT_LEAST_1, eval_batches=AT_LEAST_1,
     keep_last=AT_LEAST_1, log_every=AT_LEAST_1, warmup=AT_LEAST_0, eval_every=AT_LEAST_0, ckpt_every=AT_LEAST_0,
+    freeze_step=AT_LEAST_0,
     seed=(lambda v: 0 <= v < 2**32, "an int in [0, 2**32)"),
     lr=FINITE_AT_LEAST_0, end_lr=FINITE_AT_LEAST_0, weight_decay=FINITE_AT_LEAST_0,
     grad_clip=(lambda v: v > 0, "a number > 0"),

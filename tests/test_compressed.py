@@ -77,7 +77,7 @@ def test_compressed_all_reduce_equals_the_simulation_bit_for_bit(world):
 def test_sign_packing_round_trips_and_counts_zero_as_plus():
     x = torch.tensor([1.0, -2.0, 0.0, -0.0, 3.0, -1e-9, 5.0, -5.0] * 3)
     packed = C.pack_signs(x)
-    assert packed.dtype == torch.uint8 and packed.numel() == 3 and packed[0].item() == 0b10111010
+    assert packed.dtype == torch.uint8 and packed.numel() == 3 and packed[0].item() == 0b01011101  # element i at bit i
     assert torch.equal(C.unpack_signs(packed), torch.where(x >= 0, 1.0, -1.0))
 
 

@@ -97,9 +97,10 @@ def test_errors_restart_when_the_state_is_not_the_last_returned():
         if t == 2:
             saved = state
         _, state = tx.update(_grads(t), state, params)
-    assert comm.seen[0] is comm.seen[1] is comm.seen[2]  # kept from update to update
+    n = 3  # one ErrorFeedback per param tensor
+    assert all(comm.seen[k] is comm.seen[n + k] is comm.seen[2 * n + k] for k in range(n))  # kept
     tx.update(_grads(9), saved, params)  # an older state (a checkpoint loaded): zero errors again
-    assert comm.seen[3] is not comm.seen[2] and not comm.seen[3].worker.any()
+    assert comm.seen[3 * n] is not comm.seen[2 * n] and not comm.seen[3 * n].worker.any()
 
 
 def test_momentum_mask_keeps_masked_entries_zero():

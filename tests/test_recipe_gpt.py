@@ -495,8 +495,8 @@ def test_hugging_face_deepspeed_configs_train_the_recipe_on_two_processes(tmp_pa
         assert all(r["loss_scale"] == 2.0**16 and not r["skipped"] for r in rows)
 
 
-def _lamb(c):
-    c["optimizer"] = {"type": "Lamb", "params": {"lr": 1e-3}}
+def _adagrad(c):
+    c["optimizer"] = {"type": "Adagrad", "params": {"lr": 1e-3}}
 
 
 def _stage_5(c):
@@ -516,8 +516,8 @@ def _unknown_device(c):
 
 
 BAD_CONFIGS = [  # (change to HF's ZeRO-2 config, extra flags, the message)
-    (_lamb, [], "optimizer.type: LAMB, a DeepSpeed optimizer zfunc does not have; zfunc maps Adam, AdamW, SGD and "
-                "Lion, got 'Lamb'"),
+    (_adagrad, [], "optimizer.type: Adagrad, a DeepSpeed optimizer zfunc does not have; zfunc maps Adam, AdamW, SGD, "
+                "Lion, LAMB, OneBitAdam, ZeroOneAdam and OneBitLamb, got 'Adagrad'"),
     (_stage_5, [], "zero_optimization.stage: expected one of [0, 1, 2, 3], got 5"),
     (_batches_disagree, [], "train_batch_size=10, train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=1, "
                             "world_size=1: expected train_batch_size = micro * accum * world_size = 3 * 1 * 1 = 3"),

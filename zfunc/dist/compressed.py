@@ -5,7 +5,7 @@ Over N ranks, for a tensor x of n elements padded to P (a multiple of 8N), rank 
 
 1. adds its worker error: ``c = x + e``; splits c into N chunks of k = P/N; per chunk j, the scale
    ``s_j = ||c_j||_2 / sqrt(k)`` and the signs ``b_j = sign(c_j)`` (0 counts as +), packed 8 to a
-   byte; keeps ``e = c - s * b`` (what the compression lost) for the next call;
+   byte (one pass each way: an int64 multiply to pack, a table lookup to unpack); keeps ``e = c - s * b`` (what the compression lost) for the next call;
 2. sends chunk j's signs and scale to rank j (one all-to-all): each rank is the *server* of 1/N;
 3. as server of chunk r: averages what it received, ``m = sum_i s_ir b_ir / N``, adds its server
    error ``E``, compresses m the same way (one scale for the chunk) and keeps ``E = m - S * sign(m)``;
@@ -28,7 +28,9 @@ from typing import Any, NamedTuple
 import torch
 
 KIND = "compressed_all_reduce"  # the byte counter's call type
-_BITS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+# 8 bits <- 8 bytes of 0/1 read as one little-endian int64: the product's top byte holds byte i at bit i
+_PACK = 0x0102040810204080
+_SIGNS = torch.tensor([[1.0 if (b >> i) & 1 else -1.0 for i in range(8)] for b in range(256)])  # byte -> 8 signs
 
 
 class ErrorFeedback(NamedTuple):
@@ -52,15 +54,16 @@ def error_feedback(numel: int, world: int, device: torch.device | str = "cpu") -
 
 
 def pack_signs(x: torch.Tensor) -> torch.Tensor:
-    """``x >= 0`` as bits, 8 per uint8 (first element in the high bit); x.numel() % 8 == 0."""
-    bits = (x.reshape(-1, 8) >= 0).to(torch.uint8)
-    return (bits * _BITS.to(x.device)).sum(1, dtype=torch.uint8)
+    """``x >= 0`` as bits, 8 per uint8 (element 8j + i at bit i of byte j); x.numel() % 8 == 0. One
+    pass: each 8 bytes of 0/1, read as an int64, times ``_PACK`` gather into its top byte."""
+    words = (x.reshape(-1) >= 0).to(torch.uint8).view(torch.int64)
+    return ((words * _PACK) >> 56).to(torch.uint8)
 
 
 def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
-    """``pack_signs``' inverse as fp32 +-1, shaped ``packed.shape[:-1] + (8 * packed.shape[-1],)``."""
-    bits = (packed.unsqueeze(-1) & _BITS.to(packed.device)) != 0
-    return torch.where(bits, 1.0, -1.0).reshape(*packed.shape[:-1], -1)
+    """``pack_signs``' inverse as fp32 +-1, shaped ``packed.shape[:-1] + (8 * packed.shape[-1],)``
+    (a table lookup per byte)."""
+    return _SIGNS.to(packed.device)[packed.long()].reshape(*packed.shape[:-1], -1)
 
 
 def scaled_signs(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -68,7 +71,8 @@ def scaled_signs(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     scales (chunks), residual rows - scale * sign)``, scale = ``||row||_2 / sqrt(k)``."""
     scales = torch.linalg.vector_norm(rows, dim=1) / math.sqrt(rows.shape[1])
     packed = pack_signs(rows).view(rows.shape[0], -1)
-    residual = rows - scales[:, None] * unpack_signs(packed)
+    s = scales[:, None]
+    residual = torch.where(rows >= 0, rows - s, rows + s)  # rows - s * sign, exactly
     return packed, scales, residual
 
 

@@ -29,28 +29,29 @@ def _padded(n: int) -> int:
     return -(-n // BLOCK) * BLOCK
 
 
+_NIBBLES = torch.tensor([[(b >> 4) - 8, (b & 15) - 8] for b in range(256)], dtype=torch.float32)  # byte -> 2 ints
+
+
 def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of ``x`` (rows x n, n a multiple of ``BLOCK``) as ``(payload uint8, scales fp32)``: per
-    row, n bytes (int8, offset by 128) or n/2 (int4, two offset nibbles a byte), and n / BLOCK scales."""
+    row, n bytes (int8, offset by 128) or n/2 (int4, two offset nibbles a byte, the first high), and
+    n / BLOCK scales."""
     rows = x.shape[0]
     blocks = x.float().reshape(rows, -1, BLOCK)
     scales = blocks.abs().amax(dim=2) / _QMAX[bits]
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round(blocks / safe[..., None]).clamp_(-_QMAX[bits], _QMAX[bits]).to(torch.int16)
+    q = torch.round(blocks / safe[..., None]).clamp_(-_QMAX[bits], _QMAX[bits])
     if bits == 8:
-        return (q + 128).to(torch.uint8).reshape(rows, -1), scales
-    nibbles = (q + 8).to(torch.uint8).reshape(rows, -1, 2)
-    return (nibbles[..., 0] << 4 | nibbles[..., 1]).reshape(rows, -1), scales
+        return q.add_(128).to(torch.uint8).reshape(rows, -1), scales
+    pairs = q.add_(8).reshape(rows, -1, 2)
+    return (pairs[..., 0] * 16 + pairs[..., 1]).to(torch.uint8), scales
 
 
 def dequantize(payload: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
     """``quantize``'s inverse: rows of fp32 values (rows x n)."""
     rows = payload.shape[0]
-    if bits == 8:
-        q = payload.to(torch.int16) - 128
-    else:
-        q = torch.stack([payload >> 4, payload & 15], dim=-1).to(torch.int16) - 8
-    return (q.reshape(rows, -1, BLOCK).float() * scales[..., None]).reshape(rows, -1)
+    q = payload.float() - 128 if bits == 8 else _NIBBLES.to(payload.device)[payload.long()]
+    return (q.reshape(rows, -1, BLOCK) * scales[..., None]).reshape(rows, -1)
 
 
 class _Dequantized:

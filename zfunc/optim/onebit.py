@@ -7,13 +7,15 @@ rank its *own* grads (``GradientTransformation.local_grads(state)`` is True: sta
 all-reduce); the optimizer all-reduces its momentum instead, 1-bit compressed with error feedback
 (``Comm.compressed_all_reduce``: ~32x fewer bytes than an fp32 all-reduce of the grads).
 
-Errors (the feedback buffers) are not part of the state: the transformation keeps them, one flat
-``ErrorFeedback`` for all compressed leaves, and restarts them at zero whenever the state it is given
-is not the one its last update returned (told by the count): a loaded checkpoint or a fresh process
-starts with zero errors, as DeepSpeed drops them on ``load_state_dict``. ``momentum_mask``: a pytree
-shaped like params, of 0/1 tensors (or None leaves), multiplied into the momentum after each
-compressed all-reduce, for params whose grads are always zero in some entries (DeepSpeed's
-``exp_avg_mask``: compression would otherwise make them nonzero).
+Each param tensor is compressed on its own (its own scales and ``ErrorFeedback``), as DeepSpeed's
+1-bit and 0/1 Adam do; 1-bit LAMB scales every momentum to one magnitude and sends them as one
+message. Errors (the feedback buffers) are not part of the state: the transformation keeps them and
+restarts them at zero whenever the state it is given is not the one its last update returned (told
+by the count): a loaded checkpoint or a fresh process starts with zero errors, as DeepSpeed drops
+them on ``load_state_dict``. ``momentum_mask``: a pytree shaped like params, of 0/1 tensors (or None
+leaves), multiplied into the momentum after each compressed all-reduce, for params whose grads are
+always zero in some entries (DeepSpeed's ``exp_avg_mask``: compression would otherwise make them
+nonzero).
 
 ``comm``: the ``zf.dist.Comm`` of the data-parallel ranks (``mesh.comm``); None: one over the default
 process group, made at the first compressed update (one rank alone: no compression happens).
@@ -27,7 +29,7 @@ from typing import Any, NamedTuple
 import torch
 
 from zfunc.core import tree
-from zfunc.dist.compressed import error_feedback
+from zfunc.dist.compressed import error_feedback, padded_numel
 from zfunc.optim.adam import AdamState, _adam_update
 from zfunc.optim.base import (GradientTransformation, MaskOrFn, PyTree, ScalarOrSchedule, _check_betas, _check_int,
                               _check_non_negative, _check_number, _grad_leaves, _mask_leaves)
@@ -53,15 +55,26 @@ class _Channel:
     def reset(self) -> None:
         self.errors = None
 
-    def mean(self, tensors: list[torch.Tensor], label: str) -> list[torch.Tensor]:
-        """The compressed mean over ranks of ``tensors`` (flattened together into one message)."""
+    def mean(self, tensors: list[torch.Tensor], label: str, together: bool = False) -> list[torch.Tensor]:
+        """The compressed mean over ranks of each of ``tensors``: one compressed all-reduce (scales,
+        errors) per tensor, as DeepSpeed's 1-bit and 0/1 Adam do, so that a small-magnitude tensor keeps
+        its own scale; ``together`` (1-bit LAMB, whose momenta are scaled to one magnitude first): one
+        message for all."""
         comm = self._comm()
-        flat = torch.cat([t.reshape(-1).float() for t in tensors]) if tensors else torch.zeros(0)
-        if comm.world > 1 and flat.numel():
-            if self.errors is None or self.errors.worker.numel() < flat.numel():
-                self.errors = error_feedback(flat.numel(), comm.world, flat.device)
-            comm.compressed_all_reduce(flat, self.errors, label)
-        return [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+        if comm.world == 1 or not tensors:
+            return [t.float() for t in tensors]
+        if together:
+            flat = torch.cat([t.reshape(-1).float() for t in tensors])
+            return [piece.view_as(t) for piece, t in zip(self._one(comm, 0, flat, label).split(
+                [t.numel() for t in tensors]), tensors)]
+        return [self._one(comm, k, t.reshape(-1).float().clone(), label).view_as(t) for k, t in enumerate(tensors)]
+
+    def _one(self, comm, k: int, flat: torch.Tensor, label: str) -> torch.Tensor:
+        if self.errors is None:
+            self.errors = {}
+        if k not in self.errors or self.errors[k].worker.numel() != padded_numel(flat.numel(), comm.world):
+            self.errors[k] = error_feedback(flat.numel(), comm.world, flat.device)
+        return comm.compressed_all_reduce(flat, self.errors[k], f"{label}, tensor {k}")
 
     def _comm(self):
         if self.comm is None:
@@ -272,7 +285,7 @@ class OneBitLambState(NamedTuple):
     """``count``, ``mu``, ``nu`` as LAMB's; ``nu_fresh``: the variance kept on from the momentum's
     reconstructed grads once frozen; ``coeff_freeze``: per leaf, the running mean of the trust
     ratios of the warm-up; ``last_factor``: per leaf, the last scaling factor; ``scaling``: per leaf,
-    the momentum's scaling coefficient before compression (empty until the first compressed update)."""
+    the momentum's scaling coefficient before compression (zeros until the first compressed update)."""
 
     count: int
     mu: PyTree
@@ -309,7 +322,7 @@ def onebit_lamb(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
     def init(params):
         n = len(tree.leaves(params))
         return OneBitLambState(0, _zeros_like(params), _zeros_like(params), _zeros_like(params), (0.0,) * n,
-                               (1.0,) * n, ())
+                               (1.0,) * n, (0.0,) * n)
 
     def warm_up(grads, state, params):
         g_leaves, treespec = _grad_leaves(grads, params)
@@ -346,10 +359,10 @@ def onebit_lamb(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
         decay = _mask_leaves(mask, params, len(p_leaves))
         masks = _mask_list(momentum_mask, params, len(p_leaves))
         t, step_lr = state.count + 1, lr(state.count)
-        scaling = state.scaling or _scaling(m_leaves)
+        scaling = state.scaling if all(state.scaling) else _scaling(m_leaves)
         local = [(m * b1 + (1 - b1) * g.to(m.dtype) if g is not None else m) * s
                  for m, g, s in zip(m_leaves, g_leaves, scaling)]
-        mean = channel.mean(local, f"1-bit LAMB momentum at update {t}")
+        mean = channel.mean(local, f"1-bit LAMB momentum at update {t}", together=True)
         updates, mus, fresh, factors = [], [], [], list(state.last_factor)
         for k, (p, m_last, v, vf, d) in enumerate(zip(p_leaves, m_leaves, v_leaves, f_leaves, decay)):
             m = _masked(mean[k] / scaling[k], masks[k])
