@@ -38,15 +38,12 @@ def plan_bytes(params: dict, plan, model: nn.Module | None = None) -> dict[str, 
 
     mine = params if model is None else layout.rank0_params(model, params, plan)
     leaves = [tuple(p.shape) for p in mine.values()]
+    if plan.offload_optimizer != "none":  # zfunc.offloading.accounting: the state, and the grads held for the norm
+        return zp.offload_bytes(leaves, plan.dp, 0, optimizer=plan.offload_optimizer, precision=plan.precision,
+                                params=None if plan.offload_params == "none" else plan.offload_params,
+                                held=zp.offload_holds_grads(plan), accum=plan.accum)
     engine = _engine_bytes(leaves, plan)
-    where = {"device": sum(engine.values()), "cpu": 0, "nvme": 0}
-    if plan.offload_optimizer != "none":
-        off = zp.offload_bytes(leaves, plan.dp, 0, optimizer=plan.offload_optimizer,
-                               params=None if plan.offload_params == "none" else plan.offload_params)
-        where["device"] -= engine["params"] + engine["optimizer"]  # they live where offload keeps them
-        for place, n in off.items():
-            where[place] += n
-    return where
+    return {"device": sum(engine.values()), "cpu": 0, "nvme": 0}
 
 
 def _engine_bytes(leaves: list[tuple[int, ...]], plan) -> dict[str, int]:

@@ -174,10 +174,12 @@ def needs(memory: dict[str, dict[str, float]], device_type: str, machine: Machin
         gpu_parts = _parts([gpu], 1)
         out.append(Need("GPU memory", sum(gpu_parts.values()), machine.gpu_bytes, gpu_parts,
                         f"of {_size(machine.gpu_bytes or 0)} on one {machine.gpu_name}"))
-    swap = n * sum(nvme.values())
-    if swap > 0:
+    scratch = n * nvme.get("held_grads", 0.0)  # the held grads' scratch files: no spares
+    swap = n * sum(nvme.values()) - scratch
+    if swap + scratch > 0:
         where = f"of {_size(machine.disk_free)} free" if machine.disk_free is not None else "(no --nvme-path)"
-        out.append(Need("disk", 2 * swap, machine.disk_free, {"swap files": swap, "their spares": swap}, where))
+        parts = {"swap files": swap, "their spares": swap, **({"held grads": scratch} if scratch else {})}
+        out.append(Need("disk", 2 * swap + scratch, machine.disk_free, parts, where))
     return out
 
 

@@ -266,7 +266,7 @@ class FullDisk:
 
 def nvme(tmp_path: Path, name: str = "swap", params: str | None = "nvme", overlap=None):
     """Tiny offloaded to swap files under ``tmp_path / name``: the optimizer state, and the
-    masters where ``params`` is "nvme" (else they stay in RAM); ``(step, state, its folder)``."""
+    masters with it unless ``params`` is "cpu" (in RAM then); ``(step, state, its folder)``."""
     step, state = make_offloaded(False, where="nvme", params=params, path=tmp_path / name, overlap=overlap)
     return step, state, tmp_path / name
 
@@ -367,7 +367,7 @@ def test_a_full_swap_disk_after_init_trains_on_in_the_room_init_allocated(tmp_pa
 def test_where_ram_leaves_were_updated_in_place_a_failed_write_says_the_state_is_consumed(tmp_path, monkeypatch):
     from zfunc.offloading.swap.file_format import SwapPathError
 
-    step, state, swap = nvme(tmp_path, params=None)
+    step, state, swap = nvme(tmp_path, params="cpu")  # the masters in RAM, the moments on NVMe
     for batch in batches(1, 2):
         state, _ = step(state, batch)
     FullDisk(monkeypatch, swap, cow=64 << 10)  # a copy-on-write disk: even the reserved room takes new blocks

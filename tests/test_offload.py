@@ -539,9 +539,9 @@ def test_ranks_given_one_nvme_path_keep_their_files_apart_and_train_as_the_plain
 
 def test_nvme_init_asks_for_whole_blocks_per_file(tmp_path, monkeypatch):
     block, n_leaves = 1 << 20, len(zf.functionalize(Tiny())[1])
-    free = [4 * n_leaves - 1]  # two moments per leaf, each beside its spare: one 1 MiB block each
+    free = [6 * n_leaves - 1]  # the master and two moments per leaf, each beside its spare: one 1 MiB block each
     monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_bavail=free[0], f_frsize=block))
-    with pytest.raises(SwapPathError, match=f"{4 * n_leaves} files in {block}-byte blocks"):
+    with pytest.raises(SwapPathError, match=f"{6 * n_leaves} files in {block}-byte blocks"):
         make(False, where="nvme", path=tmp_path / "a")  # though the files hold a few KB
     free[0] += 1
     make(False, where="nvme", path=tmp_path / "b")

@@ -95,7 +95,7 @@ def test_predicted_model_states_equal_the_engines_accounting(tmp_path, world, le
                 raise AssertionError(f"{what}: {got}")
             checked += 1
             if where:
-                want = zp.offload_bytes(leaves, world, rank, optimizer=where, params=params)
+                want = zp.offload_bytes(leaves, world, rank, optimizer=where, params=params, precision=precision)
                 assert {p: got[p] for p in want} == want, what
                 continue
             want = zp.engine_bytes(leaves, world, rank, stage, precision=precision, accum=accum)
@@ -206,7 +206,10 @@ def test_offload_moves_state_off_the_gpu_and_costs_time():
     assert off.gpu_bytes < on.gpu_bytes
     assert off.time["update"] > on.time["update"]
     nvme = zp.plan(m, c, zp.from_flags(zero=2, precision="fp16", offload_optimizer="nvme"))
-    assert nvme.nvme_bytes_per_node == 2 * off.memory["cpu"]["optimizer"]  # the swap engine's spares
+    # masters with the optimizer, each file beside its spare; the grads held for the clip in scratch files
+    held = nvme.memory["nvme"]["held_grads"]
+    assert held == 2 * m.total_params  # fp16 grads, one process
+    assert nvme.nvme_bytes_per_node == 2 * (off.memory["cpu"]["optimizer"] + off.memory["cpu"]["masters"]) + held
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -578,3 +578,20 @@ def test_kill_9_during_write_leaves_previous_version(tmp_path, when):
         assert bool((out == header.version).all()), "a torn mix of two versions"
         assert header.version == 1 if when == "pause" else header.version >= 1
         assert e.write("state", out).result(timeout=10).version == header.version + 1
+
+
+def test_an_in_place_write_overwrites_the_file_itself_keeping_no_spare(tmp_path):
+    """``write(in_place=True)`` (held grads' scratch files): the file is rewritten where it is, its inode and
+    blocks kept, no spare and no temporary left; reads give the last write; ``restore`` has nothing to go to."""
+    from zfunc.offloading.swap.directory import spare_path
+
+    with SwapEngine(tmp_path) as engine:
+        a, b = torch.arange(3000, dtype=torch.float32), -torch.arange(3000, dtype=torch.float32)
+        engine.write("g0", a, in_place=True).result()
+        inode = engine.file("g0").stat().st_ino
+        engine.write("g0", b, in_place=True).result()
+        out = torch.empty(3000)
+        engine.read("g0", out).result()
+        assert torch.equal(out, b) and engine.file("g0").stat().st_ino == inode
+        assert not spare_path(engine.file("g0")).exists() and not list(tmp_path.glob(".*.tmp"))
+        assert engine.restore("g0").result() is False

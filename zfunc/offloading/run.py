@@ -4,10 +4,11 @@
 step's roles with three replaced: params come from the stores (``StoredPieces``: a leaf's compute
 copy, else its master read ahead from RAM or its swap file, ``_Pieces``), grads go to a sink that
 updates each leaf as its grad arrives (``UpdateOnArrival``, with overlap) or are held
-(``HeldSlices``), and the update runs leaf by leaf from the stores (``LeafUpdate``,
-``_update_leaf``), writing back as it goes (``_Stores``: at most ``2 * chunk_bytes`` of writes in
-flight). The schedule stays the sharded step's accumulation. ``ComputeCopies`` keeps each RAM
-master's bf16/fp16 copy that the update wrote in its own pass. The roles read the run through the
+(``zfunc.offloading.grads``: ``HeldSlices`` in host RAM, ``SpilledGrads`` in swap files), and the
+update runs leaf by leaf from the stores (``LeafUpdate``, ``_update_leaf``), writing back as it
+goes (``_Stores``: at most ``2 * chunk_bytes`` of writes in flight). The schedule stays the sharded
+step's accumulation. ``ComputeCopies`` keeps the compute-dtype copy of each master that the update
+wrote in its own pass (with ``params=None``: the params the device keeps). The roles read the run through the
 call's ``RunContext`` and the step's configuration through what ``OffloadedStep.roles`` gave them.
 Everything here lives for one call, except ``ComputeCopies`` and the read and update orders, which
 the roles return from their ``finish`` for the step to keep (``OffloadedStep.learn``;
@@ -30,8 +31,6 @@ from zfunc import optim
 from zfunc.core import precision as mp, tree
 from zfunc.core.roles import Role, RunContext
 from zfunc.sharding.layout import FlatGroup, leaf_names
-from zfunc.sharding.reduce import GradSlices
-from zfunc.sharding.run import ReducedSlices
 from zfunc.core.state import FIELDS, TrainState
 from zfunc.core.step import NonFiniteError, Step, sum_over_ranks, without_missing_grads
 from zfunc.offloading.store import All, OnDisk, ReadAhead, Store
@@ -66,11 +65,25 @@ class ComputeCopies:
         self._by_id: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
 
     def of(self, master: Any) -> torch.Tensor | None:
-        """The copy written from ``master`` as it is now, or None."""
+        """The copy written from ``master`` (a tensor, or the ``OnDisk`` handle of its file) as it is now, or None."""
         entry = self._by_id.get(id(master))
-        if entry is None or entry[0]() is not master or entry[1] != master._version:
+        if entry is None or entry[0]() is not master or entry[1] != getattr(master, "_version", 0):
             return None
         return entry[2]
+
+    def forget(self, masters: list) -> None:
+        """Drop the copies of ``masters`` (files put back to an older version by a failed step)."""
+        for m in masters:
+            self._by_id.pop(id(m), None)
+
+    def last(self, master: Any) -> torch.Tensor | None:
+        """The last copy written from ``master``, whatever it became since (its storage, to write into)."""
+        entry = self._by_id.get(id(master))
+        return entry[2] if entry is not None and entry[0]() is master else None
+
+    def held(self, masters: list) -> int:
+        """Bytes of the copies kept for ``masters`` as they are now."""
+        return sum(c.numel() * c.element_size() for c in map(self.of, masters) if c is not None)
 
     def buffer(self, master: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor:
         """Where ``master``'s next copy goes: its old copy's storage, or a new tensor."""
@@ -81,12 +94,12 @@ class ComputeCopies:
 
     def written(self, master: torch.Tensor, copy: torch.Tensor) -> None:
         """``copy`` now equals ``master`` cast (the version counter read after the write)."""
-        key, by_id = id(master), self._by_id
+        key, by_id, version = id(master), self._by_id, getattr(master, "_version", 0)
         entry = by_id.get(key)
-        if entry is not None and entry[0]() is master:  # the same master again (each step, in RAM): no new weakref
-            by_id[key] = (entry[0], master._version, copy)
+        if entry is not None and entry[0]() is master:  # the same master again (each step): no new weakref
+            by_id[key] = (entry[0], version, copy)
             return
-        by_id[key] = (weakref.ref(master, lambda _: by_id.pop(key, None)), master._version, copy)
+        by_id[key] = (weakref.ref(master, lambda _: by_id.pop(key, None)), version, copy)
 
 
 class _Stores:
@@ -101,9 +114,9 @@ class _Stores:
         self._writes: deque = deque()
         self._in_flight = 0  # bytes of ``_writes``
         self._rewritten: list[str] = []  # the files whose new versions this call issued
-        self._in_place = (step.where_optimizer, step.where_params) != ("nvme", "nvme")  # leaves in RAM
+        self._in_place = (step.where_optimizer, step.where_masters) != ("nvme", "nvme")  # leaves in RAM
         self._opt_store = Store(step.engine if step.where_optimizer == "nvme" else None, pin, self._track)
-        self._param_store = Store(step.engine if step.where_params == "nvme" else None, pin, self._track)
+        self._param_store = Store(step.engine if step.where_masters == "nvme" else None, pin, self._track)
 
     def _track(self, write: Future | None, nbytes: int, name: str | None = None) -> None:
         """Count ``write`` in flight (``name``: a file the call rewrites, put back if it fails)."""
@@ -149,8 +162,8 @@ class _Stores:
             return f"{lost}: putting its files back failed ({e}); restart from a checkpoint"
         if self._in_place:
             return (f"{lost}: its leaves in RAM were updated in place before the failure (the files written are back "
-                    "to their versions before the step, but only optimizer='nvme' with params='nvme' keeps a failed "
-                    "step's input whole); restart from a checkpoint")
+                    "to their versions before the step, but only optimizer='nvme' with the masters there too (params "
+                    "None or 'nvme') keeps a failed step's input whole); restart from a checkpoint")
         state._consumed = False
         return ("the state passed in is unchanged: the step's files are back to their versions before it (save it, "
                 "or make room and call the step again)")
@@ -158,9 +171,9 @@ class _Stores:
 
 class StoredPieces(Role):
     """Params source of an offloaded step: a leaf's compute copy where the last update wrote one
-    (``ComputeCopies``), else its master, kept where compute happens (``params=None``) or read
-    from the params' store ahead of use, in the order the last step read them (``fetch_order``,
-    ``ReadAhead``); it learns this call's order."""
+    (``ComputeCopies``: with ``params=None``, the compute-dtype params the device keeps), else its
+    master, read from the store ahead of use (a RAM master is itself the piece), in the order the
+    last step read them (``fetch_order``, ``ReadAhead``); it learns this call's order."""
 
     def __init__(self, context: RunContext, update: LeafUpdate, compute_copies: ComputeCopies,
                  where_params: str | None, fetch_order: list[int]):
@@ -177,20 +190,10 @@ class StoredPieces(Role):
     def pieces(self, params) -> tuple[Any, Any]:
         masters, treespec = tree.flatten(params)
         copies = [self.compute_copies.of(m) for m in masters]
-        if self.where_params is None:
+        if self.where_params is None and all(c is not None or isinstance(m, torch.Tensor)
+                                             for m, c in zip(masters, copies)):
             return [m if c is None else c for m, c in zip(masters, copies)], treespec
         return _Pieces(masters, self._reader, copies), treespec
-
-
-class HeldSlices(ReducedSlices):
-    """Grad sink of an offloaded step without overlap: the reduced fp32 slices held (where the
-    state's spec says the step computes) until the update reads them all."""
-
-    def open(self, pieces) -> GradSlices:
-        spec = self.context.spec
-        return GradSlices(lambda i: torch.zeros(spec.leaves[i].local_shape(spec.rank), dtype=torch.float32,
-                                                device=spec.device), len(spec.leaves), self.context.grad_divisor,
-                          own=True)
 
 
 class LeafUpdate(_Stores, Role):
@@ -212,11 +215,21 @@ class LeafUpdate(_Stores, Role):
         self._wants_norm = step.needs_norm()  # train_step(grad_norm=), clipping or fp16; else no norm at all
         self._new: dict[int, tuple[Any, Any]] = {}
         self._skip_updates = False
+        self.held_grad_bytes = 0  # the grads held until now for the update (RAM, or their swap files)
+        self.spilled = None  # the SpilledGrads sink whose files hold the grads (optimizer on NVMe), if any
+        self._grads: list = []  # the grads being applied (the read-ahead reads a grad's file with its leaf)
+        self._device_copies = step.where_params is None  # the device keeps compute-dtype params (ComputeCopies)
+        self._device = state.placement.device
         self.update_s = 0.0  # seconds in the leaf updates, held or overlapped with backward, writes included
 
     def finish(self) -> dict[str, Any]:
         self._drain()
-        return {"update_s": self.update_s}
+        return {"update_s": self.update_s, "held_grad_bytes": self.held_grad_bytes}
+
+    def undo(self, state: TrainState) -> str:
+        """``_Stores.undo``, the compute copies of masters in files dropped first (their files go back)."""
+        self.compute_copies.forget([m for m in self._masters if isinstance(m, OnDisk)])
+        return _Stores.undo(self, state)
 
     def _leaf_bytes(self, i: int) -> int:
         return 4 * math.prod(self._state_spec.leaves[i].local_shape(self._state_spec.rank))
@@ -233,10 +246,12 @@ class LeafUpdate(_Stores, Role):
         sum_across = self.context.sum_across
         if grads is not None:
             g_leaves = tree.leaves(grads)
+            self.held_grad_bytes = sum(g.nbytes if isinstance(g, OnDisk) else g.numel() * g.element_size()
+                                       for g in g_leaves)
         if not self._wants_norm:  # nothing reads it: only the loss is checked, as in the plain step
             norm, loss, produced = sum_over_ranks(sum_across, None, loss, produced)
         elif grads is not None:  # held until now: the norm first (fp32 from bf16/fp16), then every leaf
-            raw = optim.global_norm(g_leaves)
+            raw = self.spilled.norm() if self.spilled is not None else optim.global_norm(g_leaves)
             raw, loss, produced = sum_over_ranks(sum_across, raw * raw, loss, produced)
             norm = raw * scale
         else:
@@ -267,6 +282,7 @@ class LeafUpdate(_Stores, Role):
                        norm: torch.Tensor | None) -> None:
         """Update the leaves in ``order``; ``norm``: the global norm of all ``grads`` as given (for a clip)."""
         start = time.perf_counter()
+        self._grads = grads
         reader = self._leaf_reader(order)
         for i in order:
             self._update_leaf(i, grads[i], reader, grad_scale=scale, norm=norm)
@@ -284,10 +300,15 @@ class LeafUpdate(_Stores, Role):
         """Pending ``[master, *state tensors]`` of leaf ``i``, all reads started."""
         parts = [self._param_store.fetch(self._masters[i])]
         parts += [self._opt_store.fetch(t) for t in tree.leaves(self._opt_states[i]) if _is_stored(t)]
+        grad = self._grads[i] if i < len(self._grads) else None
+        if isinstance(grad, OnDisk):  # a grad held in its swap file (SpilledGrads): read with its leaf
+            parts.append(self._opt_store.fetch(grad))
         return All(parts)
 
     def _update_bytes(self, i: int) -> int:
-        return self._leaf_bytes(i) * (1 + sum(_is_stored(t) for t in tree.leaves(self._opt_states[i])))
+        grad = self._grads[i] if i < len(self._grads) else None
+        return (self._leaf_bytes(i) * (1 + sum(_is_stored(t) for t in tree.leaves(self._opt_states[i])))
+                + (grad.nbytes if isinstance(grad, OnDisk) else 0))
 
     def _update_leaf(self, i: int, grad: torch.Tensor | None, reader: ReadAhead | None, squares: list | None = None,
                      grad_scale: float = 1.0, norm: torch.Tensor | None = None) -> None:
@@ -303,6 +324,8 @@ class LeafUpdate(_Stores, Role):
         else:
             state_leaves, s_spec = tree.flatten(self._opt_states[i])
             master, *tensors = reader.get(i)
+            if isinstance(grad, OnDisk):
+                grad = tensors.pop()
             it = iter(tensors)
             state = tree.unflatten(s_spec, [next(it).to("cpu") if _is_stored(t) else t for t in state_leaves])
         name = self._param_names[i]  # the key its optimizer state was made with
@@ -310,11 +333,14 @@ class LeafUpdate(_Stores, Role):
         p_cpu = master if on_device.type == "cpu" else master.to("cpu")
         if grad is not None and grad.device.type != "cpu":
             grad = grad.to("cpu")
-        # A master kept in RAM gets its compute copy in the update's own pass (ComputeCopies)
+        # A master kept in RAM gets its compute copy in the update's own pass (ComputeCopies); so does
+        # every master with params=None, whose compute-dtype copy is what the device keeps
         in_ram = isinstance(self._masters[i], torch.Tensor) and self._masters[i].device.type == "cpu"
+        on_gpu = self._device_copies and self._device.type != "cpu"
         out = None
-        if in_ram and self.compute_dtype is not torch.float32:
-            out = self.compute_copies.buffer(self._masters[i], self.compute_dtype, self._param_store.pin)
+        if (in_ram or self._device_copies) and self.compute_dtype is not torch.float32:
+            out = (torch.empty(p_cpu.shape, dtype=self.compute_dtype, pin_memory=True) if on_gpu else
+                   self.compute_copies.buffer(self._masters[i], self.compute_dtype, self._param_store.pin))
         grads = {name: grad}
         known = None if norm is None else optim.known_norm(grads, norm)
         new_p, new_state = optim.apply(self.optimizer, grads, state, {name: p_cpu},
@@ -326,8 +352,14 @@ class LeafUpdate(_Stores, Role):
             new_p = master
         handle, write = self._param_store.store_back(self._masters[i], new_p)
         self._track(write, self._leaf_bytes(i), getattr(handle, "name", None))
-        if out is not None:
-            self.compute_copies.written(handle, out)
+        copy = out if out is not None else (new_p if self._device_copies and not in_ram else None)
+        if copy is not None and on_gpu:  # the device's compute-dtype params, updated from the host's pass
+            kept = self.compute_copies.last(handle)
+            if kept is None or kept.dtype != copy.dtype:
+                kept = torch.empty_like(copy, device=self._device)
+            copy = kept.copy_(copy, non_blocking=True)
+        if copy is not None:
+            self.compute_copies.written(handle, copy)
         if state_leaves is None:  # in RAM: the new state is kept as it is
             self._new[i] = (handle, new_state)
             return

@@ -2,10 +2,17 @@
 
 ``zf.offload(step, optimizer="cpu"|"nvme", params=None|"cpu"|"nvme", path=...)`` returns a step
 that trains exactly like ``step`` (a plain step, or ``zf.shard(step, mesh, stage)``) while keeping,
-between steps, the optimizer state (``optimizer=``) and the fp32 master params (``params=``) in
-CPU RAM (pinned when there is a GPU) or in swap files under ``path`` (``zfunc.offloading.swap.engine``), each process
+between steps, the optimizer state (``optimizer=``) and the fp32 master params in CPU RAM (pinned
+when there is a GPU) or in swap files under ``path`` (``zfunc.offloading.swap.engine``), each process
 in its own folder (``path/rank00003/`` for global rank 3, ``path`` itself alone), locked while used;
 ``zf.offloading.release(step, state)`` removes the files, and the folders made for them, once done.
+
+**Placement.** The fp32 masters always live with the optimizer state (``optimizer=``), or where
+``params=`` puts them. The compute device holds compute-dtype params only: with ``params=None`` the
+whole of this rank's params in the compute dtype (``ComputeCopies``, written by each update in the
+kernel's own pass and copied to the device; stages 1/2 gather them whole), with ``params`` offloaded
+the live units (stage 3's gatherer fetching from the store). Bytes by place and kind, and their
+formulas: ``zfunc.offloading.accounting`` (``memory``).
 
 **Law.** For the same optimizer and kernel (``backend="auto"`` runs zfunc's CPU-Adam on the
 offloaded leaves and on a plain step's state on the CPU; a plain step on a GPU runs torch's kernel,
@@ -27,7 +34,10 @@ state, ``optimizer.init({name: piece})``, so a leaf can be updated alone):
   ``needs_global_norm`` declaration is False: no ``clip_by_global_norm``), there is no fp16
   overflow check and ``accum == 1``, a unit is updated as soon as its reduced grads exist, during
   the rest of backward. Otherwise all grad slices (fp32, 4 B/param/N; alone, autograd's own grads
-  in the compute dtype) are held until backward ends and the norm is known.
+  in the compute dtype) are held until backward ends and the norm is known, off the device as
+  backward produces them (``zfunc.offloading.grads``): in host RAM with the optimizer there, in swap
+  files beside the moments with the optimizer on NVMe (each leaf's norm taken on the way, so the
+  global norm needs no read-back), so neither the device nor RAM holds a whole-model grad then.
 - grads reach CPU-Adam unscaled: it multiplies them by 1/(loss scale x ranks x microbatches), and by
   a ``clip_by_global_norm`` factor in front of it, in its own pass (``optim.apply(grad_scale=)``).
   Alone (one rank) nothing is reduced, so the grads are autograd's own, in the compute dtype
@@ -59,34 +69,38 @@ that overwrites in place (ext4, xfs) a step on a full disk then allocates nothin
 swap read or write that fails anyway (an I/O error, a short write; no room on a copy-on-write file
 system) fails the step with the engine's ``SwapError`` (no room: ``SwapPathError``, ``errno``
 ENOSPC or EDQUOT) once every file the step rewrote is back to its version before it
-(``SwapEngine.restore``). With ``optimizer="nvme", params="nvme"`` the state passed in is then
-whole and not consumed: save it, or call the step again once there is room. Other placements update
-their RAM leaves in place, so the state stays consumed and the error says so: restart from a
-checkpoint. Over several ranks only the failing rank raises (the others may wait in a collective):
-restart them all from a checkpoint. ``zf.checkpoint.save`` and ``full_params`` read the swap files
-without writing in their folder (``in_ram``), so a full swap disk does not stop a save elsewhere.
+(``SwapEngine.restore``). With ``optimizer="nvme"`` and the masters with it (``params`` None or
+"nvme") the state passed in is then whole and not consumed: save it, or call the step again once
+there is room. Other placements update their RAM leaves in place, so the state stays consumed and
+the error says so: restart from a checkpoint. The held grads' files (``zfunc.offloading.grads``) are
+scratch, overwritten in place: after the first step they need no room. Over several ranks only the
+failing rank raises (the others may wait in a collective): restart them all from a checkpoint.
+``zf.checkpoint.save`` and ``full_params`` read the swap files without writing in their folder
+(``in_ram``), so a full swap disk does not stop a save elsewhere.
 
-**Cost** per rank, Psi params over N ranks (fp32 masters, Adam): RAM between steps holds nothing of
-what is offloaded to "nvme"; ``optimizer="cpu"`` holds 8 Psi/N of moments in host RAM, ``params``
-4 Psi/N of masters. Disk traffic per step with both on NVMe: reads 4 Psi/N per forward/backward
-fetch of params + 12 Psi/N for the update; writes 12 Psi/N; disk space up to 24 Psi/N (the swap
-engine keeps a spare of each file). The compute-side memory is that of the sharded step (stage 3:
-a few units) plus ``chunk_bytes`` of reads and twice that of writes in flight.
+**Cost** per rank, Psi params over N ranks (fp32 masters, Adam; ``zfunc.offloading.accounting``):
+RAM between steps holds nothing of what is offloaded to "nvme"; ``optimizer="cpu"`` holds 12 Psi/N
+of masters and moments in host RAM. Disk traffic per step with all on NVMe: reads 4 Psi/N per
+forward/backward fetch of params + 12 Psi/N for the update; writes 12 Psi/N; with held grads,
+e Psi (alone) or 4 Psi/N more written and read; disk space up to 24 Psi/N (the swap engine keeps a
+spare of each file), twice the held grads' on top. The device holds the compute-dtype params
+(``params=None``: e Psi/N, plus stages 1/2's whole gather) or a few units, and a bounded number of
+grad buckets; the host ``chunk_bytes`` of reads and twice that of writes in flight.
 
 ``init(params, materialize=...)`` starts from meta-device params one leaf at a time, so a model
 larger than RAM can start; ``zf.checkpoint.load(path, step)`` places a checkpoint the same way, one
 leaf at a time (``restore``); ``zf.checkpoint.save`` / ``full_params`` read an offloaded state back
 (``in_ram``).
 
-bf16/fp16: a master kept in RAM (``params=None`` computing on the CPU, or ``params="cpu"``) gets
-its compute-dtype copy written by the update in the same pass (``optim.apply(out=)``; zfunc's
-CPU-Adam writes it while it updates), kept between steps (``ComputeCopies``, 2 B/param) and
-gathered by the next forward instead of the master: no cast pass, and half the bytes gathered
-(across PCIe with a GPU, for ``params="cpu"``). Masters on NVMe, or on the GPU, are cast at the
-gather.
+bf16/fp16: a master kept in RAM gets its compute-dtype copy written by the update in the same pass
+(``optim.apply(out=)``; zfunc's CPU-Adam writes it while it updates), kept between steps
+(``ComputeCopies``, 2 B/param; with ``params=None`` on a GPU, copied to the device's copy) and
+gathered by the next forward instead of the master: no cast pass, and half the bytes gathered.
+With ``params=None`` a master on NVMe keeps its copy too (at fp32 the updated master itself); with
+``params="nvme"`` masters are cast at the gather.
 
-Over ranks, grads cross PCIe as fp32 on CUDA (alone, in the compute dtype), and masters kept on the
-GPU (``params=None``) cross it as fp32 both ways for the update.
+Over ranks, grads cross PCIe as fp32 on CUDA (alone, in the compute dtype); the updated params
+cross it once, in the compute dtype.
 
 The step (``init``, ``restore``, ``memory``) is here; its placement (``OffloadSpec``, ``in_ram``, how a
 checkpoint saves and restores it) is in ``zfunc.offloading.placement``; the roles of one call
@@ -107,8 +121,9 @@ import torch
 
 from zfunc.core import compose, precision as mp, tree
 from zfunc.dist import Mesh
-from zfunc.offloading.run import (ComputeCopies, HeldSlices, LeafUpdate, StoredPieces,
-                                UpdateOnArrival, _is_stored, _Stores)
+from zfunc.offloading import accounting
+from zfunc.offloading.grads import HeldSlices, SpilledGrads, grad_file
+from zfunc.offloading.run import ComputeCopies, LeafUpdate, StoredPieces, UpdateOnArrival, _is_stored, _Stores
 from zfunc.ops.cpu import hostmem
 from zfunc.core.roles import Roles, RunContext
 from zfunc.sharding.step import ShardedStep
@@ -143,6 +158,9 @@ class OffloadedStep(Transformed):
         self.sharded = sharded
         self.peak_gathered_bytes = self.peak_whole_grad_bytes = 0  # what the last call measured
         self.where_optimizer, self.where_params, self.path = optimizer, params, path
+        self.where_masters = params or optimizer  # the fp32 masters live with the optimizer state unless placed
+        self.held_grad_bytes = 0  # grads the last call held for the norm (RAM or swap files)
+        self.peak_spilled_ram_bytes = 0  # most grad bytes in RAM at once on their way to swap files (last call)
         self.chunk_bytes = chunk_bytes
         self.overlap = _overlap_allowed(base, overlap)
         self.engine = None
@@ -225,8 +243,15 @@ class OffloadedStep(Transformed):
             s_leaves, s_spec = tree.flatten(state)
             states.append(tree.unflatten(s_spec, [stores._opt_store.put(f"p{i}.s{j}", t) if _is_stored(t) else t
                                                   for j, t in enumerate(s_leaves)]))
-            masters.append(piece.to(device) if self.where_params is None
-                           else stores._param_store.put(f"p{i}.master", piece))
+            # the device keeps the compute-dtype params (ComputeCopies), unless the RAM master is them
+            copy = (piece.to(device, self.compute_dtype, copy=True) if self.where_params is None and (
+                self.where_masters == "nvme" or self.compute_dtype != torch.float32 or device.type != "cpu") else None)
+            if self.where_params == "cpu" and self.compute_dtype != torch.float32:  # the host's, as an update writes it
+                copy = piece.to(self.compute_dtype)
+                copy = copy.pin_memory() if device.type == "cuda" else copy
+            masters.append(stores._param_store.put(f"p{i}.master", piece))
+            if copy is not None:
+                self.compute_copies.written(masters[-1], copy)
             del piece, state, s_leaves
         stores._wait_writes(None)
         self._reserve(masters, states)  # the room of the first step's writes, held from now on
@@ -237,13 +262,13 @@ class OffloadedStep(Transformed):
 
     def _swap(self, spec: ShardSpec) -> None:
         """The swap engine, on this process's own folder of ``path`` (``rank_dir``), which it locks."""
-        if self.engine is None and "nvme" in (self.where_optimizer, self.where_params):
+        if self.engine is None and "nvme" in (self.where_optimizer, self.where_masters):
             from zfunc.offloading.swap.engine import SwapEngine
             from zfunc.offloading.swap.directory import rank_dir
 
             # the files init writes, fp32 like the local pieces: a master (params on nvme) and, as
             # for Adam, two moments (optimizer on nvme) per leaf; the engine adds their spares
-            per_leaf = (self.where_params == "nvme") + 2 * (self.where_optimizer == "nvme")
+            per_leaf = (self.where_masters == "nvme") + 2 * (self.where_optimizer == "nvme")
             files = [4 * math.prod(leaf.local_shape(spec.rank)) for leaf in spec.leaves for _ in range(per_leaf)]
             # 4 I/O threads: enough to keep the disk busy under a CPU update, and every thread costs
             # RAM (an allocator arena, a staging buffer), which benchmarks/capacity.py's 1 GiB budget counts
@@ -272,18 +297,35 @@ class OffloadedStep(Transformed):
                              f"{self.where_params or 'the compute device'}")
 
     def memory(self, state: TrainState) -> dict[str, Any]:
-        """Bytes of the state by place: "device" (masters kept where compute happens), "cpu" (host
-        RAM), "nvme" (swap files); the peak of whole params in the last step and its communication."""
+        """Bytes by place ("device": where compute happens, "cpu": host RAM, "nvme": swap files, logical
+        bytes) as ``zfunc.offloading.accounting``'s table says: ``device``, ``cpu``, ``nvme``, the
+        totals kept between steps; ``kinds``, those by place and kind (``masters``, ``optimizer``,
+        ``compute_params``); ``step``, what the last call held during the step by place and kind
+        (``whole_params``: its peak of gathered params; ``held_grads``: the grads held for the norm;
+        ``spilled_in_flight``: the most grad bytes in RAM on their way to swap files); and the
+        last call's communication (``comm``)."""
         self._check_state(state)
-        where = {"device": 0, "cpu": 0, "nvme": 0}
-        ram = "device" if self.where_params is None else "cpu"
-        for leaves, kept in ((tree.leaves(state.params), ram), (tree.leaves(state.opt_state), "cpu")):
+        kinds: dict[str, dict[str, int]] = {p: {} for p in accounting.PLACES}
+        for kind, leaves, place in (("masters", tree.leaves(state.params), self.where_masters),
+                                    ("optimizer", tree.leaves(state.opt_state), self.where_optimizer)):
             for x in leaves:
                 if isinstance(x, OnDisk):
-                    where["nvme"] += x.nbytes
+                    kinds["nvme"][kind] = kinds["nvme"].get(kind, 0) + x.nbytes
                 elif isinstance(x, torch.Tensor):
-                    where[kept] += x.numel() * x.element_size()
-        return {**where, "whole_params": self.peak_gathered_bytes, "comm": self.mesh.comm_bytes()}
+                    kinds[place][kind] = kinds[place].get(kind, 0) + x.numel() * x.element_size()
+        masters = tree.leaves(state.params)
+        copies = self.compute_copies.held(masters)
+        if self.where_params is None:  # an fp32 RAM master on a CPU device is itself the compute param
+            copies += sum(m.numel() * m.element_size() for m in masters
+                          if isinstance(m, torch.Tensor) and self.compute_copies.of(m) is None)
+        if copies:
+            kinds["device" if self.where_params is None else "cpu"]["compute_params"] = copies
+        held = {self.where_optimizer: self.held_grad_bytes} if self.held_grad_bytes else {}
+        step = {"device": {"whole_params": self.peak_gathered_bytes},
+                "cpu": {"held_grads": held.get("cpu", 0), "spilled_in_flight": self.peak_spilled_ram_bytes},
+                "nvme": {"held_grads": held.get("nvme", 0)}}
+        return {**accounting.totals(kinds), "kinds": kinds, "step": step, "whole_params": self.peak_gathered_bytes,
+                "comm": self.mesh.comm_bytes()}
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         self._check_state(state)
@@ -308,6 +350,8 @@ class OffloadedStep(Transformed):
         self.update_s = learned.get("update_s", self.update_s)
         self.peak_gathered_bytes = learned.get("peak_gathered_bytes", self.peak_gathered_bytes)
         self.peak_whole_grad_bytes = learned.get("peak_whole_grad_bytes", self.peak_whole_grad_bytes)
+        self.peak_spilled_ram_bytes = learned.get("peak_spilled_ram_bytes", 0)
+        self.held_grad_bytes = learned.get("held_grad_bytes", 0)
         self.sharded.learn(learned)
 
     def roles(self, context: RunContext, state: TrainState) -> Roles:
@@ -315,7 +359,12 @@ class OffloadedStep(Transformed):
         replaced: params from the stores (``StoredPieces``), grads updated on arrival (overlap:
         ``UpdateOnArrival``) or held (``HeldSlices``), the update leaf by leaf (``LeafUpdate``)."""
         update = LeafUpdate(context, state, self)
-        grads = UpdateOnArrival(context, update, self._update_order) if self.overlap else HeldSlices(context)
+        if self.overlap:
+            grads = UpdateOnArrival(context, update, self._update_order)
+        elif self.where_optimizer == "nvme":  # held for the norm in swap files beside the moments
+            grads = update.spilled = SpilledGrads(context, self.engine, 2 * self.chunk_bytes)
+        else:
+            grads = HeldSlices(context)
         params = StoredPieces(context, update, self.compute_copies, self.where_params, self._fetch_order)
         return self.sharded.roles(context, state).replace(params=params, grads=grads, update=update)
 
@@ -363,6 +412,7 @@ def release(step: Step, state: TrainState) -> int:
     step._check_state(state)
     engine = step.engine
     names = [x.name for x in tree.leaves((state.params, state.opt_state)) if isinstance(x, OnDisk)]
+    names += [grad_file(i) for i in range(len(tree.leaves(state.params))) if engine.file(grad_file(i)).exists()]
     state._consumed = True  # before anything goes: a background save of it finishes first
     freed = 0
     for name in names:  # under the engine's lock: no other engine writes here meanwhile
@@ -382,16 +432,16 @@ def release(step: Step, state: TrainState) -> int:
 
 def offload(step: Step, optimizer: str = "cpu", params: str | None = None, *, path: str | None = None,
             chunk_bytes: int = 64 << 20, overlap: bool | None = None, units=None, prefetch: int = 1) -> OffloadedStep:
-    """``step`` with its optimizer state (and optionally its fp32 master params) kept in CPU RAM or
+    """``step`` with its optimizer state and its fp32 master params kept in CPU RAM or
     on NVMe between steps, and updated there by the optimizer's CPU kernel, leaf by leaf.
 
     Args:
       step: a plain ``Step`` from ``train_step`` or a sharded one from ``zf.shard`` (stage 1-3;
         offloading ``params`` needs stage 3 or a plain step).
       optimizer: "cpu" (host RAM, pinned with a GPU) or "nvme" (swap files under ``path``).
-      params: ``None`` (masters stay where compute happens), "cpu" or "nvme": masters offloaded
-        too, and each unit of params fetched just before use (stage 3's gatherer; ``units`` and
-        ``prefetch`` as in ``zf.shard`` for a plain step).
+      params: ``None`` (masters with the optimizer state; the device keeps the params whole in the
+        compute dtype), "cpu" or "nvme": masters there, and each unit of params fetched just
+        before use (stage 3's gatherer; ``units`` and ``prefetch`` as in ``zf.shard`` for a plain step).
       path: directory of the swap files, for "nvme" (checked for room and writability by ``init``).
         Each process keeps its files in its own folder, ``path/rank00003/`` for global rank 3
         (``path`` itself for a process alone), and locks it while its step lives: ranks given one

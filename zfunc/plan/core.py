@@ -43,7 +43,9 @@ class Estimate:
 
     @property
     def nvme_bytes_per_node(self) -> float:
-        return 2 * self.total("nvme") * self.cluster.gpus_per_node  # the swap engine keeps a spare of each file
+        # the swap engine keeps a spare of each file of the state; the held grads' scratch files have none
+        scratch = self.memory["nvme"].get("held_grads", 0.0)
+        return (2 * self.total("nvme") - scratch) * self.cluster.gpus_per_node
 
     def component(self, name: str) -> float:
         return sum(place.get(name, 0.0) for place in self.memory.values())

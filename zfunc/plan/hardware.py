@@ -26,8 +26,9 @@ values, not measurements: every field is a flag of ``python -m zfunc.plan``, and
 measures this machine's own.
 
 **Efficiencies** (assumptions, one place): a large GEMM reaches ``matmul_efficiency`` of the
-datasheet peak (0.8; ``--calibrate`` on a GPU machine records its bf16 GEMM rate: pass rate / peak
-as ``--matmul-efficiency``), attention 0.6 of it,
+datasheet peak (0.8 on H100/H200, an assumption; 0.52 on A100 and 0.40 on V100, what published
+large-model runs reach: ``A100_MATMUL``, ``V100_MATMUL``; ``--calibrate`` on a GPU machine records
+its bf16 GEMM rate: pass rate / peak as ``--matmul-efficiency``), attention 0.6 of it,
 memory-bound kernels 0.8 of the HBM bandwidth, NCCL collectives 0.8 of the link bandwidth, CPU-Adam
 0.6 of the CPU's memory bandwidth.
 """
@@ -73,9 +74,16 @@ class Device:
         return value
 
 
-def _gpu(name, half, fp32, mem_gb, bw_gbs, source, bf16=True) -> Device:
+def _gpu(name, half, fp32, mem_gb, bw_gbs, source, bf16=True, matmul=0.8) -> Device:
     peak = {"bf16": half * 1e12 if bf16 else None, "fp16": half * 1e12, "fp32": fp32 * 1e12}
-    return Device(name, peak, mem_gb * GB, bw_gbs * GB, source=source)
+    return Device(name, peak, mem_gb * GB, bw_gbs * GB, matmul_efficiency=matmul, source=source)
+
+
+# Large-model training efficiencies, as published (the fraction of the half-precision peak a whole step
+# of a large transformer reaches; the roofline applies it to the GEMMs, whose time dominates such steps):
+# A100 0.52: Narayanan et al., SC21 (arXiv:2104.04473), 1T params on 3072 A100 at 163 TFLOP/s per GPU;
+# V100 0.40: DeepSpeed's ZeRO-3 Offload post (2021-03-08), 1T params on 512 V100 at 49 TFLOP/s per GPU.
+A100_MATMUL, V100_MATMUL = 0.52, 0.40
 
 
 _H100 = "NVIDIA H100 datasheet (SXM5), nvidia.com/en-us/data-center/h100"
@@ -85,10 +93,10 @@ _V100 = "NVIDIA V100 datasheet (SXM2), nvidia.com/en-us/data-center/v100"
 GPUS: dict[str, Device] = {
     "H100-80GB": _gpu("H100-80GB", 989, 67, 80, 3350, _H100),
     "H200": _gpu("H200", 989, 67, 141, 4800, _H200),
-    "A100-80GB": _gpu("A100-80GB", 312, 19.5, 80, 2039, _A100),
-    "A100-40GB": _gpu("A100-40GB", 312, 19.5, 40, 1555, _A100),
-    "V100-32GB": _gpu("V100-32GB", 125, 15.7, 32, 900, _V100, bf16=False),
-    "V100-16GB": _gpu("V100-16GB", 125, 15.7, 16, 900, _V100, bf16=False),
+    "A100-80GB": _gpu("A100-80GB", 312, 19.5, 80, 2039, _A100, matmul=A100_MATMUL),
+    "A100-40GB": _gpu("A100-40GB", 312, 19.5, 40, 1555, _A100, matmul=A100_MATMUL),
+    "V100-32GB": _gpu("V100-32GB", 125, 15.7, 32, 900, _V100, bf16=False, matmul=V100_MATMUL),
+    "V100-16GB": _gpu("V100-16GB", 125, 15.7, 16, 900, _V100, bf16=False, matmul=V100_MATMUL),
 }
 
 

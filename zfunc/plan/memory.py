@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from zfunc.offloading import accounting
 from zfunc.plan.model import ModelSpec
 from zfunc.config.plan import Plan
 from zfunc.plan.strategy import BUCKET_MB, PREFETCH, elem, microbatches, opt_bytes, offload_overlaps, tiles
@@ -92,14 +93,25 @@ def working_bound(unit_numels: Sequence[int], precision: str = "fp32", prefetch:
 
 
 def offload_bytes(leaves: Sequence[tuple[int, ...]], world: int, rank: int, *, optimizer: str,
-                  params: str | None, optimizer_bytes: int = 8) -> dict[str, int]:
-    """What ``zf.offload(...).memory(state)`` reports by place: "device" (masters kept where compute
-    happens), "cpu" (host RAM), "nvme" (swap files, logical bytes; the disk holds twice that)."""
+                  params: str | None, optimizer_bytes: int = 8, precision: str = "fp32", held: bool = False,
+                  accum: int = 1) -> dict[str, int]:
+    """What ``zf.offload(...).memory(state)`` reports by place between steps: "device" (the compute-dtype
+    params it keeps with ``params=None``), "cpu" (host RAM), "nvme" (swap files, logical bytes; the disk
+    holds twice that): ``zfunc.offloading.accounting``'s formulas for this rank's pieces. ``held``:
+    plus the grads a step holds for the norm (``offload_holds_grads``), where the optimizer is."""
     mine = local_numel(leaves, world, rank)
-    where = {"device": 0, "cpu": 0, "nvme": 0}
-    where["device" if params is None else params] += 4 * mine
-    where[optimizer] += optimizer_bytes * mine
+    where = accounting.totals(accounting.resting(mine, precision=precision, optimizer=optimizer, params=params,
+                                                 optimizer_bytes=optimizer_bytes))
+    for place, n in accounting.held_grads(mine, precision=precision, optimizer=optimizer, world=world, accum=accum,
+                                          held=held).items():
+        where[place] += n
     return where
+
+
+def offload_holds_grads(s: Plan) -> bool:
+    """Whether an offloaded step of plan ``s`` holds its grads until backward ends (a clip, fp16,
+    accumulation), rather than updating each unit as its grads arrive."""
+    return not offload_overlaps(s)
 
 
 def zero_paper(psi: float, n: int, stage: int, k: int = 12) -> dict[str, float]:
@@ -146,14 +158,19 @@ def rank_memory(model: ModelSpec, s: Plan, device_kind: str = "cuda") -> dict[st
     gpu: dict[str, float] = {}
     cpu: dict[str, float] = {}
     nvme: dict[str, float] = {}
-    ({"none": gpu, "cpu": cpu, "nvme": nvme}[s.offload_params])["masters"] = 4 * local
-    ({"none": gpu, "cpu": cpu, "nvme": nvme}[s.offload_optimizer])["optimizer"] = k * local
-    if eff_stage == 0:
+    places = {"none": gpu, "device": gpu, "cpu": cpu, "nvme": nvme}
+    if offloaded:
+        _offloaded_states(places, s, P, local, unit, bucket_whole, eff_stage, device_kind)
+    else:
+        gpu["masters"], gpu["optimizer"] = 4 * local, k * local
+    if offloaded:
+        pass  # every state is placed by _offloaded_states
+    elif eff_stage == 0:
         gpu["grad_shard"] = 4 * P
         gpu["compute_params"] = e * P if e < 4 else 0.0
         gpu["whole_grads"] = 0.0
     else:
-        gpu["grad_shard"] = 4 * (unit / N if offloaded and offload_overlaps(s) else local)
+        gpu["grad_shard"] = 4 * local
         gpu["compute_params"] = e * P if eff_stage < 3 else (1 + PREFETCH) * e * unit
         gpu["whole_grads"] = {1: (e if microbatches(s) == 1 else 4) * P, 2: e * bucket_whole}.get(eff_stage, e * unit)
         gpu["comm_buffers"] = (4 + e) * (bucket_whole if eff_stage < 3 else unit)
@@ -165,6 +182,35 @@ def rank_memory(model: ModelSpec, s: Plan, device_kind: str = "cuda") -> dict[st
     if offloaded:
         cpu["staging"] = STAGING
     return {"gpu": gpu, "cpu": cpu, "nvme": nvme}
+
+
+def _offloaded_states(places: dict[str, dict[str, float]], s: Plan, P: float, local: float, unit: float,
+                      bucket_whole: float, stage: int, device_kind: str) -> None:
+    """An offloaded plan's model states by place (``zfunc.offloading.accounting``, the formulas
+    ``step.memory`` reports): masters and optimizer state where they are placed, the device's
+    compute-dtype params (whole, stages 0-2; the live units at stage 3), its grad buckets, and the
+    grads held for the norm with the optimizer (none when updated on arrival). On a CPU device at fp32
+    with the masters in RAM, the masters are the compute params: counted once."""
+    N, e = s.dp, elem(s)
+    params = None if s.offload_params == "none" else s.offload_params
+    optimizer = "device" if s.offload_optimizer == "none" else s.offload_optimizer
+    resting = accounting.resting(local, precision=s.precision, optimizer=optimizer, params=params,
+                                 optimizer_bytes=opt_bytes(s))
+    for place, kinds in resting.items():
+        places[place].update(kinds)
+    gpu = places["device"]
+    group = bucket_whole if stage < 3 else unit
+    alias = device_kind == "cpu" and e == 4 and (params or optimizer) == "cpu"
+    if stage < 3:  # one rank computes on its own copy; more gather it whole
+        gpu["compute_params"] = (0.0 if alias else e * local) + (e * P if N > 1 else 0.0)
+    else:  # the units gathered (from the kept copies with params=None)
+        gpu["compute_params"] = gpu.get("compute_params", 0.0) + (1 + PREFETCH) * e * unit
+    gpu["whole_grads"] = accounting.GRAD_BUCKETS * e * group
+    gpu["comm_buffers"] = (4 + e) * group if N > 1 else 0.0
+    held = accounting.held_grads(local, precision=s.precision, optimizer=optimizer, world=N,
+                                 accum=microbatches(s), held=not offload_overlaps(s))
+    for place, nbytes in held.items():
+        places[place]["held_grads"] = nbytes
 
 
 def _live_microbatches(s: Plan) -> int:

@@ -1,8 +1,10 @@
 """``search``: the plans that fit, fastest first, like DeepSpeed's autotuner but without launching.
 
 Candidates: ZeRO stage 0-3; optimizer offload none/cpu/nvme; params offload (stage 3) none/cpu/nvme;
-remat none/full/offload; micro-batches 1, 2, 4, ... 64; tensor parallelism over the divisors of the
-node's GPU count; pipelines of 1-16 stages; each ``base`` with those fields replaced. What
+remat none/full/offload; micro-batches 1, 2, 4, ... 64; at stage 3, where the GPU is what does not
+fit, the fewest ``zf.tile`` tiles (2 ... 64) of the largest Linears that make it fit; tensor
+parallelism over the divisors of the node's GPU count; pipelines of 1-16 stages; each ``base`` with
+those fields replaced. What
 ``zfunc.core.compose``'s rulebook refuses is skipped: what contradicts, and what zfunc does not run
 (offload or remat under a pipeline, ...), tensor/sequence parallelism aside when ``allow_tp``
 (modelled, not yet run by zfunc; the CLI's default keeps to what zfunc runs). With
@@ -25,6 +27,7 @@ from zfunc.plan.strategy import NVME_PATH, microbatches
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 PIPELINES = (1, 2, 4, 8, 16)
+TILES = (2, 4, 8, 16, 32, 64)  # zf.tile's tiles, tried at stage 3 where a candidate does not fit the GPU
 MODELLED_ONLY = frozenset({"tensor parallelism"})  # the rulebook's rules allow_tp lets through
 
 
@@ -58,6 +61,16 @@ def candidates(model: ModelSpec, cluster: Cluster, base: Plan, global_batch: int
             yield s
 
 
+def _fewest_tiles(model: ModelSpec, cluster: Cluster, s: Plan) -> Estimate | None:
+    """``s`` with the fewest ``zf.tile`` tiles of ``TILES`` that fits its GPU, or None: stage 3
+    gathers a unit at a time, and tiling the largest Linears shrinks the largest unit."""
+    for k in TILES:
+        p = plan(model, cluster, replace(s, tile_lm_head=k))
+        if p.gpu_bytes <= cluster.device.hbm_bytes:
+            return p if p.fits else None
+    return None
+
+
 def search(model: ModelSpec, cluster: Cluster, base: Plan = Plan(), *, global_batch: int | None = None,
            allow_tp: bool = False, top: int = 5) -> list[Estimate]:
     """The ``top`` fitting estimates, highest predicted tokens/s first (module docstring)."""
@@ -65,6 +78,8 @@ def search(model: ModelSpec, cluster: Cluster, base: Plan = Plan(), *, global_ba
     for s in candidates(model, cluster, base, global_batch, allow_tp):
         try:
             p = plan(model, cluster, s)
+            if not p.fits and s.zero_stage == 3 and s.tile_lm_head == base.tile_lm_head:
+                p = _fewest_tiles(model, cluster, s) or p
         except ValueError:
             continue
         if p.fits:

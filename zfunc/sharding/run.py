@@ -150,10 +150,22 @@ class StepRun:
     def _start_sharded(self) -> None:
         """Stages 1-3: stages 1/2 gather every param whole now; reducers are made per microbatch,
         except at stage 1 with accumulation, which sums whole grads and reduce-scatters once."""
-        self.whole = (gather_whole(self.pieces, self.spec, self._buckets(), self.mesh.comm, self.step.compute_dtype,
-                                    self.device, f"step {self.number}") if self.stage < 3 else None)
+        self.whole = (self._own_whole() or gather_whole(self.pieces, self.spec, self._buckets(), self.mesh.comm,
+                                                         self.step.compute_dtype, self.device, f"step {self.number}")
+                      if self.stage < 3 else None)
         self.peak_gathered_bytes = tree.nbytes(self.whole) if self.whole else 0
         self.eager, self.reducer = self.stage > 1 or self.roles.schedule.count == 1, None
+
+    def _own_whole(self) -> list[torch.Tensor] | None:
+        """One rank whose pieces are already whole, in the compute dtype, where it computes (offload's
+        compute copies; fp32 masters at fp32): those very tensors, no gathered copy. Else None."""
+        if self.spec.world != 1 or not isinstance(self.pieces, list):  # not pieces read from a store on access
+            return None
+        dtype, pieces = self.step.compute_dtype, self.pieces
+        if not all(isinstance(p, torch.Tensor) and p.dtype == dtype and p.device.type == self.device.type
+                   for p in pieces):
+            return None
+        return [p.detach().view(leaf.shape) for p, leaf in zip(pieces, self.spec.leaves)]
 
     def _forward_sharded(self, i: int, micro: PyTree) -> tuple[torch.Tensor, Any]:
         leaves, gatherer, groups = self._microbatch_leaves()

@@ -37,6 +37,8 @@ version stays the file; the temporary goes back to being the spare, so its block
 file): a caller that wrote several names and met a failure puts them all back. ``reserve(sizes)``
 allocates the room of the next write of each name ahead (its spare): with the room held, a full
 disk fails nothing later on a file system that overwrites in place (not copy-on-write ones).
+``write(name, t, in_place=True)`` is for scratch files: the file itself is overwritten, no spare and
+no atomic replace (blocks allocated by its first write only).
 
 **One engine per directory.** An engine holds an exclusive ``flock`` on the directory for its
 lifetime; a second engine on it is refused with ``SwapInUseError`` (``zfunc.offloading.swap.directory``).
@@ -160,15 +162,21 @@ class SwapEngine:
             raise ValueError(f"name: expected a non-empty str, got {name!r}")
         return self.path / (quote(name, safe="") + ".swap")
 
-    def write(self, name: str, tensor: torch.Tensor) -> Future:
+    def write(self, name: str, tensor: torch.Tensor, *, in_place: bool = False) -> Future:
         """Write ``tensor`` (contiguous, CPU, any dtype) as the new version of ``name``.
 
         Returns a Future of the new file's ``SwapHeader``; don't modify ``tensor`` until it is done.
         If it fails (``SwapError`` naming the file), the previous version of ``name`` is unchanged.
+        ``in_place=True`` (scratch files): the file itself is overwritten, no temporary and no spare:
+        its blocks are allocated by the first write only and reused after; a failed or interrupted
+        write leaves it unreadable (a bad checksum) until the next, and ``restore`` has nothing to
+        go back to.
         """
         self._writable("write")
         file, src = self.file(name), _flat_bytes("tensor", tensor)
         header = SwapHeader(0, tensor.dtype, tuple(tensor.shape), src.numel(), None)
+        if in_place:
+            return self._after(name, lambda fut: self._write_in_place(name, file, header, src, fut))
         return self._after(name, lambda fut: self._write(name, file, header, src, fut))
 
     def read(self, name: str, out: torch.Tensor) -> Future:
@@ -332,6 +340,45 @@ class SwapEngine:
         _Transfer(self._pool, self.queue_depth, header.nbytes, self.block_bytes, fd, file, error,
                   lambda off, n: self._move(fd, src[off : off + n], ALIGN + off, file, write=True),
                   finish, lambda: _put_back(tmp, file, self.spare), fut).start()
+
+    def _write_in_place(self, name: str, file: Path, header: SwapHeader, src: torch.Tensor, fut: Future) -> None:
+        version = (self._versions.get(name) or 0) + 1
+        self._versions[name] = version
+        self._before.pop(name, None)  # nothing is kept to go back to
+        failed = f"{file}: writing {name!r} in place failed, the file is unreadable until its next write"
+
+        def error(e: OSError) -> SwapError:
+            if e.errno in ROOM_ERRNOS:
+                return no_room(self.path, file_nbytes(header.nbytes), failed, e)
+            err = SwapError(f"{failed} ({e})")
+            err.errno = e.errno
+            return err
+
+        fd = None
+        try:
+            fd = os.open(file, os.O_WRONLY | os.O_CREAT | self._direct, 0o644)
+            _reserve(fd, file_nbytes(header.nbytes), file, failed)
+        except BaseException as e:
+            if fd is not None:
+                os.close(fd)
+            if isinstance(e, OSError) and not isinstance(e, SwapError):
+                raise error(e) from e
+            raise
+
+        def finish(crc: int) -> SwapHeader:
+            done = replace(header, version=version, crc32=crc if self.verify else None)
+            with self._staged(ALIGN) as buf:
+                buf.copy_(torch.frombuffer(bytearray(_pack_header(done)), dtype=torch.uint8))
+                _pwrite_all(fd, _mv(buf), 0)
+            if self.fsync == "write":
+                os.fsync(fd)
+            with self._lock:
+                self.bytes_written += header.nbytes
+            return done
+
+        _Transfer(self._pool, self.queue_depth, header.nbytes, self.block_bytes, fd, file, error,
+                  lambda off, n: self._move(fd, src[off : off + n], ALIGN + off, file, write=True),
+                  finish, lambda: None, fut).start()
 
     def _read(self, name: str, file: Path, out: torch.Tensor, dst: torch.Tensor, fut: Future) -> None:
         try:

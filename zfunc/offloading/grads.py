@@ -1,0 +1,181 @@
+"""Where an offloaded step's grads wait for the global norm: host buffers, or swap files beside the moments.
+
+When the update must wait for the whole backward (a ``clip_by_global_norm``, fp16's overflow
+check, ``train_step(grad_norm=True)`` without overlap, accumulation), every reduced grad is held
+until backward ends. The grads leave the compute device as backward produces them, bucket by bucket
+(stage 3: unit by unit), so the device holds the bucket being produced and the one being reduced,
+never a whole-model grad:
+
+- ``HeldSlices`` (optimizer in RAM): each delivered slice goes to host RAM (``HostGrads``: pinned
+  buffers, copied on a side stream when the device is a GPU; on a CPU device the grads *are* the
+  host buffers: no copy). Alone (one rank) autograd's own grads, in the compute dtype (``e``
+  bytes/param); over ranks the fp32 reduce-scatter slices (4 bytes/param/N: the sums need fp32).
+  Over microbatches they are summed in fp32. The norm is taken from the held grads at the end.
+- ``SpilledGrads`` (optimizer on NVMe): each delivered grad is written to its own swap file
+  (``g<i>``) beside the leaf's moments as it arrives, at most ``2 * chunk_bytes`` of writes in
+  flight, and dropped from RAM; each leaf's norm (fp32, as ``optim.global_norm`` takes it) is
+  taken while the grad is in memory, so the global norm (and fp16's overflow check) is known at the
+  end of backward from these partial norms, with no read-back. The update then reads each grad
+  with its master and moments (``LeafUpdate``'s read-ahead). With accumulation a leaf's later
+  microbatches read its file back, add, and write it again (its norm is the last sum's).
+
+**Law.** Either sink gives the update the same grads and the same global norm as ``GradSlices``
+does (the norm bit for bit: the same per-leaf fp32 norms, stacked in leaf order). A skipped step
+writes nothing of the state: the grad files are scratch, rewritten by the next step.
+
+**Cost.** ``HeldSlices``: ``e P`` (alone) or ``4 P/N`` of host RAM during the step; on a GPU one
+device-to-host copy per bucket, overlapped with backward. ``SpilledGrads``: ``e P`` (alone) or
+``4 P/N`` of disk written during backward and read during the update (twice that with
+accumulation), in scratch files overwritten in place (``SwapEngine.write(in_place=True)``: no
+spare, blocks allocated by the first step only, so a full disk fails no later step); RAM holds the grads of
+the writes in flight and of the group being delivered.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from typing import Any
+
+import torch
+
+from zfunc.core.roles import RunContext
+from zfunc.sharding.layout import FlatGroup
+from zfunc.sharding.reduce import GradSlices
+from zfunc.sharding.run import ReducedSlices
+from zfunc.offloading.store import OnDisk, Read
+
+__all__ = ["HeldSlices", "HostGrads", "SpilledGrads", "grad_file", "leaf_norm"]
+
+
+def grad_file(i: int) -> str:
+    """The swap file name of leaf ``i``'s held grad."""
+    return f"g{i}"
+
+
+def leaf_norm(g: torch.Tensor) -> torch.Tensor:
+    """``g``'s L2 norm in fp32, computed as ``optim.global_norm`` computes each leaf's."""
+    if g.dtype in (torch.bfloat16, torch.float16):
+        return torch._foreach_norm([g], 2, dtype=torch.float32)[0]
+    return torch._foreach_norm([g])[0].float()
+
+
+class HostGrads:
+    """Grads moved off a GPU as they are delivered: each into a pinned host buffer on a side stream
+    (the producing stream waits for nothing; ``ready()`` waits for the copies). On a CPU device the
+    grad is the host buffer: ``to_host`` returns it as it is."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def to_host(self, g: torch.Tensor) -> torch.Tensor:
+        if not self.cuda or g.device.type != "cuda":
+            return g
+        out = torch.empty(g.shape, dtype=g.dtype, pin_memory=True)
+        self.stream.wait_stream(torch.cuda.current_stream(g.device))
+        with torch.cuda.stream(self.stream):
+            out.copy_(g, non_blocking=True)
+        g.record_stream(self.stream)  # the device buffer is reused only once the copy is done
+        return out
+
+    def ready(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
+
+
+class _HostSlices(GradSlices):
+    """``GradSlices`` whose delivered slices go to host memory first (``HostGrads``)."""
+
+    def __init__(self, *args, host: HostGrads, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.host = host
+
+    def deliver(self, group: FlatGroup, slices: list[torch.Tensor | None]) -> None:
+        super().deliver(group, [None if s is None else self.host.to_host(s) for s in slices])
+
+    def result(self) -> list[torch.Tensor]:
+        self.host.ready()
+        return super().result()
+
+
+class HeldSlices(ReducedSlices):
+    """Grad sink of an offloaded step without overlap, optimizer in RAM: the reduced slices held in
+    host RAM (module docstring) until the update reads them all."""
+
+    def open(self, pieces) -> GradSlices:
+        spec = self.context.spec
+        return _HostSlices(lambda i: torch.zeros(spec.leaves[i].local_shape(spec.rank), dtype=torch.float32),
+                           len(spec.leaves), self.context.grad_divisor, own=True, host=HostGrads(spec.device))
+
+
+class SpilledGrads(ReducedSlices):
+    """Grad sink of an offloaded step without overlap, optimizer on NVMe: each grad written to its
+    swap file as it arrives, its norm kept (module docstring). ``engine``: the step's swap engine;
+    ``budget``: bytes of writes in flight."""
+
+    early = False
+    own = True
+
+    def __init__(self, context: RunContext, engine: Any, budget: int):
+        super().__init__(context)
+        self.engine, self.budget = engine, budget
+        self.host = HostGrads(context.spec.device)
+        self.peak_ram_bytes = 0  # most grad bytes in RAM at once (writes in flight), for memory()
+
+    def open(self, pieces) -> SpilledGrads:
+        n = len(self.context.spec.leaves)
+        self.handles: list[OnDisk | None] = [None] * n
+        self.norms: list[torch.Tensor | None] = [None] * n
+        self._writes: deque = deque()
+        self._in_flight = 0
+        return self
+
+    def deliver(self, group: FlatGroup, slices: list[torch.Tensor | None]) -> None:
+        for i, g in zip(group.indices, slices):
+            if g is None:
+                continue
+            if self.handles[i] is None:  # its norm where it is (on the device while the bucket is there)
+                norm, g = leaf_norm(g), self.host.to_host(g)
+                self.host.ready()  # the write reads the host copy
+            else:  # a later microbatch: sum in fp32 with what the file holds
+                g = self.host.to_host(g)
+                self.host.ready()
+                g = self._read(self.handles[i]).float().add_(g.reshape(self.handles[i].shape))
+                norm = leaf_norm(g)
+            g = g.contiguous()
+            self.norms[i] = norm
+            self.handles[i] = OnDisk(grad_file(i), tuple(g.shape), g.dtype)
+            self._writes.append((self.engine.write(grad_file(i), g, in_place=True), g.numel() * g.element_size()))
+            self._in_flight += g.numel() * g.element_size()
+            self.peak_ram_bytes = max(self.peak_ram_bytes, self._in_flight)
+            self._wait(self.budget)
+
+    def _read(self, handle: OnDisk) -> torch.Tensor:
+        self._wait(0)  # its last write first (the engine orders them; waiting keeps the count simple)
+        from zfunc.offloading.swap.file_format import aligned_empty
+
+        out = aligned_empty(handle.nbytes)[: handle.nbytes].view(handle.dtype).view(handle.shape)
+        return Read(self.engine.read(handle.name, out), out).result()
+
+    def _wait(self, budget: int) -> None:
+        while self._writes and self._in_flight > budget:
+            write, nbytes = self._writes.popleft()
+            self._in_flight -= nbytes
+            write.result()
+
+    def result(self) -> list[OnDisk | torch.Tensor]:
+        """Each leaf's grad file (a zero grad in RAM for a leaf none was delivered to), every write done."""
+        self._wait(0)
+        spec = self.context.spec
+        return [torch.zeros(spec.leaves[i].local_shape(spec.rank), dtype=torch.float32) if h is None else h
+                for i, h in enumerate(self.handles)]
+
+    def norm(self) -> torch.Tensor:
+        """The global L2 norm of the grads ``result`` gives, from the per-leaf norms, as ``optim.global_norm``."""
+        norms = [torch.zeros(()) if n is None else n.to("cpu") for n in self.norms]
+        return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+
+    def finish(self) -> dict[str, Any]:
+        with contextlib.suppress(Exception):  # a failed call: its errors were raised already
+            self._wait(0)
+        return {"peak_spilled_ram_bytes": self.peak_ram_bytes}
