@@ -1,0 +1,146 @@
+"""zf.tensor_parallel: the sliced model trains as the whole one (fp32, 2 gloo ranks, 5 steps), the
+vocab-parallel loss equals the gathered one, slicing and its refusals."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import zfunc as zf
+from models import STEPS
+from zfunc.tensor import Slicing
+
+GPT_PLAN = {"wte": "vocab", "lm_head": "vocab", "*.attn.qkv": "colwise:3", "*.attn.proj": "rowwise",
+            "*.mlp.0": "colwise", "*.mlp.2": "rowwise"}
+LLAMA_PLAN = {"embed": "vocab", "lm_head": "vocab", "*.attn.[qkv]": "colwise", "*.attn.o": "rowwise",
+              "*.mlp.gate": "colwise", "*.mlp.up": "colwise", "*.mlp.down": "rowwise"}
+
+
+def recipe_model(kind):
+    """A tiny model of a recipe (seed 0) and its explicit plan; vocab 61: tp=2 pads it to 62."""
+    torch.manual_seed(0)
+    if kind == "gpt":
+        from recipes.gpt import GPT, GPTConfig
+
+        return GPT(GPTConfig(vocab_size=61, block_size=16, n_layer=2, n_head=4, n_embd=32)), GPT_PLAN
+    from recipes.llama import Llama, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=16)
+    return Llama(cfg), LLAMA_PLAN
+
+
+def token_batches(n=STEPS, b=4, t=8, vocab=61):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, vocab, (b, t), generator=g), torch.randint(0, vocab, (b, t), generator=g))
+            for _ in range(n)]
+
+
+def opt():
+    return zf.optim.adamw(3e-3, weight_decay=0.1, mask=zf.optim.decay_mask)
+
+
+def train(model, batches, loss_of=None, grad_norm=False):
+    apply, params = zf.functionalize(model)
+    loss_fn = (loss_of or (lambda apply: lambda p, b: F.cross_entropy(apply(p, b[0]).flatten(0, 1),
+                                                                        b[1].flatten())))(apply)
+    step = zf.train_step(loss_fn, opt(), grad_norm=grad_norm)
+    state, losses = step.init(params), []
+    for batch in batches:
+        state, m = step(state, batch)
+        losses.append(m["loss"].item())
+    return losses, state.params
+
+
+def law(rank, kind, plan_given=True):
+    """Train the plain model and its tp=2 slicing on every rank; the sliced params gathered whole."""
+    mesh = zf.Mesh(tp=2)
+    model, plan = recipe_model(kind)
+    ref_losses, ref_params = train(copy.deepcopy(model), token_batches())
+    zf.tensor_parallel(model, mesh, plan if plan_given else None)
+    losses, params = train(model, token_batches())
+    whole = zf.tensor_parallel.layout_of(model).gather(params, mesh.tp_comm)
+    shapes = {n: tuple(p.shape) for n, p in params.items()}
+    return losses, ref_losses, whole, ref_params, shapes
+
+
+def assert_law(results, what):
+    for losses, ref_losses, whole, ref_params, _ in results:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6, msg=what)
+        assert whole.keys() == ref_params.keys()
+        for name, p in ref_params.items():
+            torch.testing.assert_close(whole[name], p, rtol=1e-5, atol=1e-5, msg=f"{what}: {name}")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_tp2_trains_as_the_whole_model(kind):
+    results = zf.dist.spawn(law, 2, kind)
+    assert_law(results, kind)
+    shapes = results[0][4]
+    if kind == "gpt":  # vocab 61 padded to 62, 31 rows a rank; the tied head holds the same slice
+        assert shapes["wte.weight"] == (31, 32) and "lm_head.weight" not in shapes
+        assert shapes["blocks.0.attn.qkv.weight"] == (48, 32) and shapes["blocks.0.attn.proj.weight"] == (32, 16)
+        assert shapes["blocks.0.ln1.weight"] == (32,)
+    else:  # untied head; 4 query and 2 kv heads: 2 and 1 a rank
+        assert shapes["embed.weight"] == shapes["lm_head.weight"] == (31, 32)
+        assert shapes["layers.0.attn.k.weight"] == (8, 32) and shapes["layers.0.mlp.down.weight"] == (32, 24)
+
+
+def vocab_loss(rank):
+    """The vocab-parallel cross-entropy against F.cross_entropy of the whole logits: loss and grads."""
+    mesh = zf.Mesh(tp=2)
+    g = torch.Generator().manual_seed(0)
+    whole = torch.randn(3, 5, 61, generator=g)
+    targets = torch.randint(0, 61, (3, 5), generator=g)
+    targets[0, 0] = -100  # ignored
+    padded = torch.cat([whole, torch.full((3, 5, 1), float("-inf"))], -1)  # 62 columns, the last padding
+    mine = padded[..., rank * 31:(rank + 1) * 31].clone().requires_grad_()
+    loss = zf.tensor_parallel.cross_entropy(mine, targets, mesh)
+    loss.backward()
+    ref = whole.clone().requires_grad_()
+    ref_loss = F.cross_entropy(ref.flatten(0, 1), targets.flatten())
+    ref_loss.backward()
+    ref_grad = torch.cat([ref.grad, torch.zeros(3, 5, 1)], -1)[..., rank * 31:(rank + 1) * 31]
+    return loss.item(), ref_loss.item(), mine.grad, ref_grad, dict(mesh.tp_comm.bytes)
+
+
+@pytest.mark.multiprocess
+def test_vocab_parallel_loss_equals_the_gathered_one():
+    for loss, ref_loss, grad, ref_grad, nbytes in zf.dist.spawn(vocab_loss, 2):
+        assert loss == pytest.approx(ref_loss, rel=1e-6)
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
+        n = 15 * 4  # 15 tokens' floats: an all-gather of the maxima, two all-reduces (counted twice)
+        assert nbytes == {"all_gather": 2 * n, "all_reduce": 2 * (2 * n)}
+
+
+def test_slicing_pieces_make_the_whole_and_pad():
+    w = torch.arange(61 * 2.0).view(61, 2)
+    s = Slicing(0, 2, 61, 62)
+    pieces = [s.piece(w, r) for r in range(2)]
+    assert pieces[1].shape == (31, 2) and pieces[1][-1].tolist() == [0.0, 0.0]  # the padding row
+    assert torch.equal(s.whole(pieces), w)
+    fused = Slicing(0, 2, 12, 12, parts=3)  # q, k, v of 4 rows each: 2 of each a rank
+    w = torch.arange(12.0)
+    assert fused.piece(w, 0).tolist() == [0, 1, 4, 5, 8, 9]
+    assert torch.equal(fused.whole([fused.piece(w, r) for r in range(2)]), w)
+
+
+def test_refusals_name_the_module_and_sizes():
+    from models import mesh_shaped
+
+    mesh = mesh_shaped(tp=2)
+    model, plan = recipe_model("gpt")
+    with pytest.raises(ValueError, match=r"plan: pattern '\*.nothing' match no module of GPT"):
+        zf.tensor_parallel(copy.deepcopy(model), mesh, {**plan, "*.nothing": "colwise"})
+    with pytest.raises(ValueError, match=r"plan: pattern 'wte': expected one of .* got 'columns'"):
+        zf.tensor_parallel(copy.deepcopy(model), mesh, {"wte": "columns"})
+    with pytest.raises(ValueError, match=r"module 'blocks.0.ln1': style \"colwise\" takes an nn.Linear .* LayerNorm"):
+        zf.tensor_parallel(copy.deepcopy(model), mesh, {"blocks.0.ln1": "colwise"})
+    three = mesh_shaped(tp=3)
+    with pytest.raises(ValueError, match=r"module 'blocks.0.attn': n_head=4 does not split over tp=3"):
+        zf.tensor_parallel(copy.deepcopy(model), three, plan)
+    with pytest.raises(ValueError, match=r"module 'blocks.0.mlp.2': its input features \(128\) do not split over tp=3"):
+        zf.tensor_parallel(copy.deepcopy(model), three, {"*.mlp.2": "rowwise"})
+    zf.tensor_parallel(model, mesh, plan)
+    with pytest.raises(ValueError, match="tensor-parallel already"):
+        zf.tensor_parallel(model, mesh, plan)

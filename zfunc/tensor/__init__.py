@@ -1,0 +1,17 @@
+"""zf.tensor_parallel: Megatron-style tensor parallelism on an unchanged model class.
+
+``zf.tensor_parallel(model, mesh, plan=None)`` (transform.py) slices the model's layers over the
+mesh's tp ranks in place: column- then row-parallel projections (layers.py) over differentiable
+collectives (collectives.py), a vocab-parallel embedding and LM head, attention heads split (plan.py:
+an explicit plan and the head counts it patches); ``layout.py`` says how each param is sliced
+(``zf.tensor_parallel.layout_of(model)``); ``zf.tensor_parallel.cross_entropy`` (loss.py) takes the
+loss of vocab-sliced logits without gathering them.
+"""
+from zfunc.tensor.layout import Layout, Slicing, layout_of
+from zfunc.tensor.loss import cross_entropy
+from zfunc.tensor.transform import tensor_parallel
+
+tensor_parallel.cross_entropy = cross_entropy
+tensor_parallel.layout_of = layout_of
+
+__all__ = ["Layout", "Slicing", "cross_entropy", "layout_of", "tensor_parallel"]
