@@ -1,5 +1,6 @@
-"""zf.tensor_parallel: the sliced model trains as the whole one (fp32, 2 gloo ranks, 5 steps), the
-vocab-parallel loss equals the gathered one, slicing and its refusals."""
+"""zf.tensor_parallel: the sliced model trains as the whole one (fp32, 2 gloo ranks, 5 steps: the
+recipes' GPT and Llama with their explicit plans; plan=None on seven transformers model types), the
+vocab-parallel loss equals the gathered one, plan=None finds the recipes' plans, slicing and its refusals."""
 import copy
 
 import pytest
@@ -36,7 +37,9 @@ def token_batches(n=STEPS, b=4, t=8, vocab=61):
 
 
 def opt():
-    return zf.optim.adamw(3e-3, weight_decay=0.1, mask=zf.optim.decay_mask)
+    """AdamW; eps 1e-6: a key bias's true grad is 0 (softmax ignores it), so its grads are rounding noise,
+    which eps 1e-8 would turn into lr-sized steps that differ with the reduction order."""
+    return zf.optim.adamw(3e-3, eps=1e-6, weight_decay=0.1, mask=zf.optim.decay_mask)
 
 
 def train(model, batches, loss_of=None, grad_norm=False):
@@ -51,16 +54,21 @@ def train(model, batches, loss_of=None, grad_norm=False):
     return losses, state.params
 
 
-def law(rank, kind, plan_given=True):
+def law(rank, kind):
     """Train the plain model and its tp=2 slicing on every rank; the sliced params gathered whole."""
     mesh = zf.Mesh(tp=2)
     model, plan = recipe_model(kind)
     ref_losses, ref_params = train(copy.deepcopy(model), token_batches())
-    zf.tensor_parallel(model, mesh, plan if plan_given else None)
+    zf.tensor_parallel(model, mesh, plan)
     losses, params = train(model, token_batches())
     whole = zf.tensor_parallel.layout_of(model).gather(params, mesh.tp_comm)
     shapes = {n: tuple(p.shape) for n, p in params.items()}
     return losses, ref_losses, whole, ref_params, shapes
+
+
+def recipe_laws(rank):
+    """One spawn for the recipes' laws and the vocab-parallel loss (each spawn costs seconds)."""
+    return {"gpt": law(rank, "gpt"), "llama": law(rank, "llama"), "loss": vocab_loss(rank)}
 
 
 def assert_law(results, what):
@@ -71,10 +79,15 @@ def assert_law(results, what):
             torch.testing.assert_close(whole[name], p, rtol=1e-5, atol=1e-5, msg=f"{what}: {name}")
 
 
+@pytest.fixture(scope="module")
+def recipe_results():
+    return zf.dist.spawn(recipe_laws, 2)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
-def test_tp2_trains_as_the_whole_model(kind):
-    results = zf.dist.spawn(law, 2, kind)
+def test_tp2_trains_as_the_whole_model(kind, recipe_results):
+    results = [r[kind] for r in recipe_results]
     assert_law(results, kind)
     shapes = results[0][4]
     if kind == "gpt":  # vocab 61 padded to 62, 31 rows a rank; the tied head holds the same slice
@@ -105,8 +118,8 @@ def vocab_loss(rank):
 
 
 @pytest.mark.multiprocess
-def test_vocab_parallel_loss_equals_the_gathered_one():
-    for loss, ref_loss, grad, ref_grad, nbytes in zf.dist.spawn(vocab_loss, 2):
+def test_vocab_parallel_loss_equals_the_gathered_one(recipe_results):
+    for loss, ref_loss, grad, ref_grad, nbytes in [r["loss"] for r in recipe_results]:
         assert loss == pytest.approx(ref_loss, rel=1e-6)
         torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
         n = 15 * 4  # 15 tokens' floats: an all-gather of the maxima, two all-reduces (counted twice)
@@ -144,3 +157,74 @@ def test_refusals_name_the_module_and_sizes():
     zf.tensor_parallel(model, mesh, plan)
     with pytest.raises(ValueError, match="tensor-parallel already"):
         zf.tensor_parallel(model, mesh, plan)
+
+
+HF_BASE = dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+               max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+HF_CONFIGS = {  # small configs of transformers model types; dropout is zeroed (masks depend on the slicing)
+    "gpt2": dict(n_layer=2, n_embd=32, n_head=4, vocab_size=61, n_positions=32, bos_token_id=0, eos_token_id=0),
+    "llama": dict(HF_BASE, num_key_value_heads=2),  # grouped-query: 4 query heads, 2 kv heads
+    "mistral": dict(HF_BASE, num_key_value_heads=2),
+    "qwen2": dict(HF_BASE, num_key_value_heads=2),
+    "gpt_neox": dict(HF_BASE),  # fused head-major query_key_value
+    "phi": dict(HF_BASE),
+    "bert": dict(HF_BASE),  # masked LM: its decoder is tied to the word embeddings
+}
+
+
+def hf_model(kind):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
+
+    cfg = AutoConfig.for_model(kind, **HF_CONFIGS[kind])
+    for key, value in cfg.to_dict().items():
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            setattr(cfg, key, 0.0)
+    torch.manual_seed(0)
+    return (AutoModelForMaskedLM if kind == "bert" else AutoModelForCausalLM).from_config(cfg)
+
+
+def hf_loss(apply):
+    return lambda p, b: F.cross_entropy(apply(p, b[0]).logits.flatten(0, 1), b[1].flatten())
+
+
+def hf_law(rank, kinds):
+    """Per transformers model type: plan=None's tp=2 training against the plain one, or the refusal."""
+    mesh = zf.Mesh(tp=2)
+    out = {}
+    for kind in kinds:
+        model = hf_model(kind)
+        ref_losses, ref_params = train(copy.deepcopy(model), token_batches(), hf_loss)
+        try:
+            zf.tensor_parallel(model, mesh)
+        except ValueError as e:
+            out[kind] = str(e)
+            continue
+        losses, params = train(model, token_batches(), hf_loss)
+        out[kind] = (losses, ref_losses, zf.tensor_parallel.layout_of(model).gather(params, mesh.tp_comm),
+                     ref_params, zf.tensor_parallel.layout_of(model).styles)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_plan_none_on_transformers_model_types():
+    pytest.importorskip("transformers")
+    for out in zf.dist.spawn(hf_law, 2, list(HF_CONFIGS), timeout_s=300):
+        assert set(out) == set(HF_CONFIGS)
+        for kind, result in out.items():
+            assert not isinstance(result, str), f"{kind}: refused: {result}"
+            assert_law([(*result[:4], None)], kind)
+        styles = out["gpt2"][4]
+        assert styles["transformer.h.0.attn.c_attn"] == "colwise:3" and styles["lm_head"] == "vocab"
+        assert out["gpt_neox"][4]["gpt_neox.layers.0.attention.query_key_value"] == "colwise"  # head-major
+        assert out["bert"][4]["cls.predictions.decoder"] == "vocab"
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_plan_none_on_the_recipes_finds_their_plan(kind):
+    from models import mesh_shaped
+
+    model, plan = recipe_model(kind)
+    zf.tensor_parallel(model, mesh_shaped(tp=2))
+    expected = {name: style for name, _ in model.named_modules() for pattern, style in plan.items()
+                if name and __import__("fnmatch").fnmatchcase(name, pattern)}
+    assert zf.tensor_parallel.layout_of(model).styles == expected

@@ -54,15 +54,23 @@ class Slicer:
         old = module._parameters[attr]
         name = self.names[id(old)]
         if id(old) in self.done:
-            new, first, by = self.done[id(old)]
+            new, first, by, _ = self.done[id(old)]
             if first != slicing:
                 raise ValueError(f"plan: param '{name}' is tied between '{by}' and '{where}', which slice it "
                                  f"differently ({first} vs {slicing}); give both the same style")
         else:
             new = nn.Parameter(slicing.piece(old.detach(), self.layout.rank), requires_grad=old.requires_grad)
-            self.done[id(old)] = (new, slicing, where)
+            self.done[id(old)] = (new, slicing, where, old)  # old kept alive: its id stays its own
             self.layout.slicings[name] = slicing
         module._parameters[attr] = new
+
+    def retie(self, model: nn.Module) -> None:
+        """Point every module slot still holding a sliced param's old ``Parameter`` at the new one
+        (a param tied between modules, e.g. an MLM head's bias, is held by both)."""
+        for module in model.modules():
+            for attr, p in module._parameters.items():
+                if p is not None and id(p) in self.done:
+                    module._parameters[attr] = self.done[id(p)][0]
 
 
 def _split(where: str, what: str, size: int, tp: int, parts: int = 1) -> None:

@@ -73,6 +73,7 @@ def tensor_parallel(model: nn.Module, mesh: Mesh, plan: Mapping[str, str] | None
             layers.rowwise(module, name, group, slicer)
         else:
             layers.vocab(module, name, group, slicer, gather_logits)
+    slicer.retie(model)
     for owner, patched in layout.patched.items():
         patch(modules[owner], patched)
     record(model, layout)
