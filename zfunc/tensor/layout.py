@@ -58,6 +58,7 @@ class Layout:
     patched: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
     styles: dict[str, str] = field(default_factory=dict)  # module name -> its style
     sequence_parallel: bool = False
+    comm: Any = None  # the tp group's Comm (``zf.Mesh.tp_comm``)
 
     def whole(self, name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
         """Param ``name`` whole from every rank's piece (replicated: rank 0's)."""

@@ -58,7 +58,8 @@ def tensor_parallel(model: nn.Module, mesh: Mesh, plan: Mapping[str, str] | None
 
         plan = find_plan(model, tp)
     styles = match(model, plan)
-    layout = Layout(tp, rank, styles={n: s if p == 1 else f"{s}:{p}" for n, (s, p) in styles.items()})
+    layout = Layout(tp, rank, styles={n: s if p == 1 else f"{s}:{p}" for n, (s, p) in styles.items()},
+                    comm=mesh.tp_comm)
     group = Group(mesh.tp_comm, tp, rank)
     slicer = layers.Slicer(layout, model)
     modules = dict(model.named_modules())

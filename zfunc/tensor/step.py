@@ -1,0 +1,115 @@
+"""``zf.tensor_parallel.step(step, model)``: the training step over a tensor-parallel model.
+
+A plain step on each rank already trains a ``zf.tensor_parallel`` model as one process trains the
+whole one (``zfunc.tensor.transform``): each rank's grads are its slices of the whole grads and the
+replicated params' whole grads. What it cannot know is which of its params are slices, so its grad
+norm (``metrics["grad_norm"]``, clipping, fp16's overflow check) would be this rank's alone. This
+step wraps it and takes the global norm over the tp group:
+
+    norm^2 = sum over tp ranks of (sum of the squares of this rank's sliced grads)
+             + sum of the squares of the replicated grads (the same on every rank: counted once)
+
+Law: losses, grad norms and params equal the plain step's on the whole model (fp32, to rounding),
+with clipping too. Cost: one all-reduce of one fp32 scalar over the tp group per step (8 bytes as
+``Comm`` counts it), beside the model's own collectives.
+
+The state is placed (``TensorParallelSpec``): ``zf.checkpoint.full_params`` gathers every sliced
+param whole (one all-gather per sliced param over the tp group).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from zfunc import optim
+from zfunc.core import compose, placement, tree
+from zfunc.core.state import TrainState, require_train_state
+from zfunc.core.step import Step, Transformed
+from zfunc.model import functional as module
+from zfunc.tensor.layout import Layout, layout_of
+
+
+@dataclass(frozen=True, eq=False)
+class TensorParallelSpec:
+    """A tensor-parallel state: this rank's slices (``layout``) over the tp ``comm``."""
+
+    layout: Layout
+    comm: Any
+
+    def __repr__(self) -> str:
+        return f"TensorParallelSpec(tp={self.layout.tp}, rank={self.layout.rank})"
+
+
+class TensorParallelPlacement(placement.Placement):
+    """Made whole by gathering each sliced param over the tp group; saved and loaded: not yet."""
+
+    def processes(self, spec: TensorParallelSpec) -> tuple[int, int]:
+        raise NotImplementedError("state: zf.checkpoint of a tensor-parallel state (TensorParallelSpec) is not "
+                                  "supported yet; zf.checkpoint.full_params(state) gives its params whole")
+
+    def whole(self, state: TrainState, mesh: Any = None) -> Any:
+        spec = state.placement
+        placement.arrive(spec.layout.tp, getattr(spec.comm, "group", None))
+        return tree.clone(spec.layout.gather(state.params, spec.comm))
+
+
+placement.register(TensorParallelSpec, TensorParallelPlacement())
+_NOT_YET = "the step's collectives over dp do not yet count the tp slices in the grad norm"
+compose.register("tensor_parallel", wraps={"train_step": None}, wrapped_by={
+    "shard": (_NOT_YET, "zf.tensor_parallel.step(zf.train_step(...), model) on a mesh of dp=1"),
+    "offload": (_NOT_YET, "zf.tensor_parallel.step(zf.train_step(...), model) without zf.offload"),
+    "pipeline": (_NOT_YET, "zf.tensor_parallel.step(zf.train_step(...), model) without zf.pipeline"),
+})
+
+
+def squared_norm(grads: dict[str, torch.Tensor | None], layout: Layout, comm: Any) -> torch.Tensor:
+    """The global squared norm of a tp rank's grads (see the module docstring): one all-reduce."""
+    sliced = [g for n, g in grads.items() if g is not None and n in layout.slicings]
+    whole = [g for n, g in grads.items() if g is not None and n not in layout.slicings]
+    mine = optim.global_norm(sliced) ** 2
+    comm.all_reduce(mine, label="tensor parallel: the grad norm's sliced part")
+    return mine + optim.global_norm(whole) ** 2
+
+
+class TensorParallelStep(Transformed):
+    """A plain step over a tensor-parallel model: the grad norm taken over the tp group."""
+
+    def __init__(self, inner: Step, layout: Layout, comm: Any):
+        super().__init__(inner, "tensor_parallel")
+        self.spec = TensorParallelSpec(layout, comm)
+
+    def init(self, params: Any, materialize: Any = None) -> TrainState:
+        s = self.inner.init(params, materialize)
+        return TrainState(s.params, s.opt_state, s.step, s.rng, s.loss_scale, self.spec, buffers=s.buffers)
+
+    def _check_state(self, state: Any) -> None:
+        require_train_state(state)
+        if not isinstance(state.placement, TensorParallelSpec):
+            raise ValueError(f"state: expected a state from this tensor-parallel step's init, got one placed "
+                             f"{state.placement}")
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        self._check_state(state)
+        state.step  # noqa: B018 - the consumed check
+        params, _, step, rng, loss_scale, buffers = state._values
+        with module.carrying(buffers) as carried:
+            loss, aux, grads = self.inner._loss_and_grads(params, batch, step, rng, loss_scale)
+        if not self.inner._needs_norm():
+            return self.inner._update(state, grads, loss, aux, carried.buffers)
+        norm = squared_norm(grads, self.spec.layout, self.spec.comm).sqrt()
+        with optim.known_norm(grads, norm):  # the step's metric and clipping take it
+            return self.inner._update(state, grads, loss, aux, carried.buffers)
+
+
+def tensor_parallel_step(step: Step, model: nn.Module) -> TensorParallelStep:
+    """``step`` (from ``zf.train_step``) over ``model``, made tensor-parallel by ``zf.tensor_parallel``
+    (see the module docstring)."""
+    compose.check("tensor_parallel", step)
+    layout = layout_of(model)
+    if layout is None:
+        raise ValueError(f"model: expected a model made tensor-parallel by zf.tensor_parallel(model, mesh), got a "
+                         f"{type(model).__name__} it did not slice")
+    return TensorParallelStep(step, layout, layout.comm)
