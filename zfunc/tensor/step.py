@@ -28,7 +28,6 @@ from zfunc import optim
 from zfunc.core import compose, placement, tree
 from zfunc.core.state import TrainState, require_train_state
 from zfunc.core.step import Step, Transformed
-from zfunc.model import functional as module
 from zfunc.tensor.layout import Layout, layout_of
 
 
@@ -91,17 +90,10 @@ class TensorParallelStep(Transformed):
             raise ValueError(f"state: expected a state from this tensor-parallel step's init, got one placed "
                              f"{state.placement}")
 
-    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
-        self._check_state(state)
-        state.step  # noqa: B018 - the consumed check
-        params, _, step, rng, loss_scale, buffers = state._values
-        with module.carrying(buffers) as carried:
-            loss, aux, grads = self.inner._loss_and_grads(params, batch, step, rng, loss_scale)
-        if not self.inner._needs_norm():
-            return self.inner._update(state, grads, loss, aux, carried.buffers)
-        norm = squared_norm(grads, self.spec.layout, self.spec.comm).sqrt()
-        with optim.known_norm(grads, norm):  # the step's metric and clipping take it
-            return self.inner._update(state, grads, loss, aux, carried.buffers)
+    def local_norm(self, grads: Any) -> torch.Tensor | None:
+        """The grads' global norm over the tp group (see the module docstring), None where the step
+        needs none; the plain step's update takes it for its metric and clipping."""
+        return squared_norm(grads, self.spec.layout, self.spec.comm).sqrt() if self.needs_norm() else None
 
 
 def tensor_parallel_step(step: Step, model: nn.Module) -> TensorParallelStep:
