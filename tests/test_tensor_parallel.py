@@ -167,8 +167,8 @@ def test_refusals_name_the_module_and_sizes():
     with pytest.raises(ValueError, match="tensor-parallel already"):
         zf.tensor_parallel(model, mesh, plan)
     step = zf.tensor_parallel.step(zf.train_step(gpt_loss(apply), opt()), model)
-    with pytest.raises(ValueError, match="zf.shard cannot wrap zf.tensor_parallel"):
-        zf.shard(step, zf.Mesh(), stage=1)
+    with pytest.raises(ValueError, match="zf.offload cannot wrap zf.tensor_parallel"):
+        zf.offload(step, "cpu")
 
 
 HF_BASE = dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
@@ -238,3 +238,29 @@ def test_plan_none_on_the_recipes_finds_their_plan(kind):
     expected = {name: style for name, _ in model.named_modules() for pattern, style in plan.items()
                 if name and __import__("fnmatch").fnmatchcase(name, pattern)}
     assert zf.tensor_parallel.layout_of(model).styles == expected
+
+
+def dp_tp_law(rank, stage):
+    """dp2 x tp2 on 4 ranks: ZeRO ``stage`` over each tp slice's dp group, against the plain step on
+    the global batch (trained on every rank)."""
+    from recipes.gpt import Block
+
+    mesh = zf.Mesh(dp=2, tp=2)
+    model, plan = recipe_model("gpt")
+    ref = train(copy.deepcopy(model), token_batches())
+    zf.tensor_parallel(model, mesh, plan)
+    apply, params = zf.functionalize(model)
+    step = zf.train_step(gpt_loss(apply), opt())
+    step = zf.shard(zf.tensor_parallel.step(step, model), mesh, stage, units=zf.units.by_class(Block))
+    state, losses, norms = step.init(params), [], []
+    for x, y in token_batches():
+        state, m = step(state, (x.chunk(2)[mesh.rank], y.chunk(2)[mesh.rank]))
+        losses.append(m["loss"].item())
+        norms.append(m["grad_norm"].item())
+    slices = zf.checkpoint.full_params(state, mesh)  # whole over dp: this rank's tp slices
+    return (losses, norms, zf.tensor_parallel.layout_of(model).gather(slices, mesh.tp_comm)), ref
+
+
+@pytest.mark.multiprocess
+def test_dp2_x_tp2_with_zero3_trains_as_the_whole_model():
+    assert_law(zf.dist.spawn(dp_tp_law, 4, 3, timeout_s=300), "dp2 x tp2, ZeRO-3")

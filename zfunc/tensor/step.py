@@ -15,6 +15,12 @@ with clipping too. Cost: one all-reduce of one fp32 scalar over the tp group per
 
 The state is placed (``TensorParallelSpec``): ``zf.checkpoint.full_params`` gathers every sliced
 param whole (one all-gather per sliced param over the tp group).
+
+Over dp: ``zf.shard(zf.tensor_parallel.step(step, model), zf.Mesh(dp=d, tp=t), stage)`` shards each
+tp rank's slices over its dp group (dp groups exclude tp peers); the sharded step asks this one for
+its pieces' norm, and sums its square over dp. That state is placed by ``zf.shard`` (a ``ShardSpec``
+of the tp slices): ``full_params`` gives this rank's tp slices whole over dp, which
+``zf.tensor_parallel.layout_of(model).gather`` makes whole; checkpoints of it are not supported yet.
 """
 from __future__ import annotations
 
@@ -56,11 +62,11 @@ class TensorParallelPlacement(placement.Placement):
 
 
 placement.register(TensorParallelSpec, TensorParallelPlacement())
-_NOT_YET = "the step's collectives over dp do not yet count the tp slices in the grad norm"
+_NOT_YET = "its grad norm is its own (offload's update kernels and the pipeline's stages sum their own squares)"
 compose.register("tensor_parallel", wraps={"train_step": None}, wrapped_by={
-    "shard": (_NOT_YET, "zf.tensor_parallel.step(zf.train_step(...), model) on a mesh of dp=1"),
-    "offload": (_NOT_YET, "zf.tensor_parallel.step(zf.train_step(...), model) without zf.offload"),
-    "pipeline": (_NOT_YET, "zf.tensor_parallel.step(zf.train_step(...), model) without zf.pipeline"),
+    "shard": None,  # over the dp axis: the sharded step asks this one for its pieces' norm (local_norm)
+    "offload": (_NOT_YET + ": not yet", "zf.shard(zf.tensor_parallel.step(...), mesh, stage) without zf.offload"),
+    "pipeline": (_NOT_YET + ": not yet", "zf.shard(zf.tensor_parallel.step(...), mesh, stage) without zf.pipeline"),
 })
 
 
