@@ -264,3 +264,24 @@ def dp_tp_law(rank, stage):
 @pytest.mark.multiprocess
 def test_dp2_x_tp2_with_zero3_trains_as_the_whole_model():
     assert_law(zf.dist.spawn(dp_tp_law, 4, 3, timeout_s=300), "dp2 x tp2, ZeRO-3")
+
+
+def sequence_parallel_law(rank, kind):
+    """tp=2 with sequence_parallel against the plain step; and the activation between the regions."""
+    mesh = zf.Mesh(tp=2)
+    model, plan = recipe_model(kind)
+    ref = train(copy.deepcopy(model), token_batches())
+    zf.tensor_parallel(model, mesh, plan, sequence_parallel=True)
+    seen = []
+    norm = model.blocks[0].ln2 if kind == "gpt" else model.layers[0].mlp_norm
+    norm.register_forward_hook(lambda m, a, out: seen.append(tuple(out.shape)))
+    got = train(model, token_batches(), tp=True)
+    return got, ref, seen[0]
+
+
+@pytest.mark.multiprocess
+def test_sequence_parallel_trains_as_the_whole_model():
+    results = [zf.dist.spawn(sequence_parallel_law, 2, kind) for kind in ("gpt", "llama")]
+    for kind, result in zip(("gpt", "llama"), results):
+        assert_law(result, f"{kind}, sequence parallel")
+        assert result[0][2] == (4, 4, 32)  # between the regions: 8 tokens over 2 ranks, 4 each

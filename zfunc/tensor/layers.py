@@ -157,6 +157,13 @@ def vocab(module: nn.Module, where: str, group: Group, slicer: Slicer, gather: b
     module.forward = types.MethodType(head, module)
 
 
+def sequence_split(module: nn.Module, group: Group) -> None:
+    """A replicated lookup (position or token-type embedding) made to return this rank's tokens
+    only (``Group.split_seq``), so that it adds to the sequence-parallel stream."""
+    whole = module.forward
+    module.forward = lambda *args, **kwargs: group.split_seq(whole(*args, **kwargs))
+
+
 def _padding(per: int, real: int, device: Any) -> torch.Tensor:
     return torch.arange(per, device=device) >= real
 

@@ -63,11 +63,37 @@ class TensorParallelPlacement(placement.Placement):
 
 placement.register(TensorParallelSpec, TensorParallelPlacement())
 _NOT_YET = "its grad norm is its own (offload's update kernels and the pipeline's stages sum their own squares)"
+
+
+def _shard_verdict(step: Any, options: dict) -> Any:
+    """Shard may wrap a tensor-parallel step (it asks it for its pieces' norm, ``local_norm``), but
+    not a sequence-parallel one: shard's own backward does not sum the replicated grads over tp."""
+    if isinstance(step, TensorParallelStep) and step.spec.layout.sequence_parallel:
+        return ("step: zf.shard of a sequence-parallel zf.tensor_parallel.step is refused: the sharded step's "
+                "backward does not sum the replicated params' grads over tp (not yet); the order that works: "
+                "zf.tensor_parallel(model, mesh, sequence_parallel=False) under zf.shard")
+    return None
+
+
 compose.register("tensor_parallel", wraps={"train_step": None}, wrapped_by={
-    "shard": None,  # over the dp axis: the sharded step asks this one for its pieces' norm (local_norm)
+    "shard": _shard_verdict,
     "offload": (_NOT_YET + ": not yet", "zf.shard(zf.tensor_parallel.step(...), mesh, stage) without zf.offload"),
     "pipeline": (_NOT_YET + ": not yet", "zf.shard(zf.tensor_parallel.step(...), mesh, stage) without zf.pipeline"),
 })
+
+
+def sum_replicated_grads(grads: dict[str, torch.Tensor | None], layout: Layout, comm: Any) -> None:
+    """Sequence-parallel: each rank's grads of the replicated params are its tokens' share; sum them
+    over the tp group in place (one all-reduce of them all, flattened)."""
+    shares = [g for n, g in grads.items() if g is not None and n not in layout.slicings]
+    if not shares or layout.tp == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in shares])
+    comm.all_reduce(flat, label="tensor parallel: the sequence-parallel grads of the replicated params")
+    offset = 0
+    for g in shares:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def squared_norm(grads: dict[str, torch.Tensor | None], layout: Layout, comm: Any) -> torch.Tensor:
@@ -95,6 +121,13 @@ class TensorParallelStep(Transformed):
         if not isinstance(state.placement, TensorParallelSpec):
             raise ValueError(f"state: expected a state from this tensor-parallel step's init, got one placed "
                              f"{state.placement}")
+
+    def _loss_and_grads(self, params, batch, step, rng, loss_scale):
+        """The plain step's loss and grads; sequence-parallel, the replicated params' grads summed over tp."""
+        loss, aux, grads = super()._loss_and_grads(params, batch, step, rng, loss_scale)
+        if self.spec.layout.sequence_parallel:
+            sum_replicated_grads(grads, self.spec.layout, self.spec.comm)
+        return loss, aux, grads
 
     def local_norm(self, grads: Any) -> torch.Tensor | None:
         """The grads' global norm over the tp group (see the module docstring), None where the step

@@ -31,7 +31,7 @@ from zfunc.tensor.plan import head_patches, match, patch
 
 
 def tensor_parallel(model: nn.Module, mesh: Mesh, plan: Mapping[str, str] | None = None, *,
-                    gather_logits: bool = True) -> nn.Module:
+                    gather_logits: bool = True, sequence_parallel: bool = False) -> nn.Module:
     """Slice ``model``'s layers over ``mesh``'s tp group, in place; returns ``model`` (same class).
 
     Args:
@@ -43,13 +43,21 @@ def tensor_parallel(model: nn.Module, mesh: Mesh, plan: Mapping[str, str] | None
         (``zfunc.tensor.auto``).
       gather_logits: the vocab-parallel LM head returns the whole logits (default: any loss works);
         False: each rank's vocab slice, for ``zf.tensor_parallel.cross_entropy``.
+      sequence_parallel: Megatron's sequence parallelism: between the tp regions (norms, dropout,
+        residual adds) each rank holds ``T / tp`` of the tokens (dim -2 of the activations, ``T`` a
+        multiple of tp); the regions are entered by an all-gather of the tokens and left by a
+        reduce-scatter, instead of all-reduces; replicated lookups (positions) are cut to this rank's
+        tokens. The activations between the regions divide by tp; the replicated params' grads are
+        each rank's share, which ``zf.tensor_parallel.step`` sums over the tp group (one all-reduce).
+        For models whose ops between the regions act per token (a pooler reading token 0 does not).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
     if layout_of(model) is not None:
         raise ValueError(f"model: this {type(model).__name__} is tensor-parallel already; slice a model once")
-    if not isinstance(gather_logits, bool):
-        raise ValueError(f"gather_logits: expected a bool, got {gather_logits!r}")
+    for flag, value in (("gather_logits", gather_logits), ("sequence_parallel", sequence_parallel)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{flag}: expected a bool, got {value!r}")
     tp, rank = getattr(mesh, "tp", None), getattr(mesh, "tp_rank", None)
     if not isinstance(tp, int):
         raise TypeError(f"mesh: expected a zf.Mesh, got {type(mesh).__name__}")
@@ -59,8 +67,8 @@ def tensor_parallel(model: nn.Module, mesh: Mesh, plan: Mapping[str, str] | None
         plan = find_plan(model, tp)
     styles = match(model, plan)
     layout = Layout(tp, rank, styles={n: s if p == 1 else f"{s}:{p}" for n, (s, p) in styles.items()},
-                    comm=mesh.tp_comm)
-    group = Group(mesh.tp_comm, tp, rank)
+                    comm=mesh.tp_comm, sequence_parallel=sequence_parallel)
+    group = Group(mesh.tp_comm, tp, rank, sequence_parallel)
     slicer = layers.Slicer(layout, model)
     modules = dict(model.named_modules())
     owners = sorted({name.rpartition(".")[0] for name, (style, _) in styles.items() if style == "colwise"})
@@ -74,6 +82,10 @@ def tensor_parallel(model: nn.Module, mesh: Mesh, plan: Mapping[str, str] | None
             layers.rowwise(module, name, group, slicer)
         else:
             layers.vocab(module, name, group, slicer, gather_logits)
+    if sequence_parallel:
+        for name, module in modules.items():
+            if isinstance(module, nn.Embedding) and name not in styles:
+                layers.sequence_split(module, group)
     slicer.retie(model)
     for owner, patched in layout.patched.items():
         patch(modules[owner], patched)
