@@ -241,29 +241,30 @@ def test_plan_none_on_the_recipes_finds_their_plan(kind):
 
 
 def dp_tp_law(rank, stage):
-    """dp2 x tp2 on 4 ranks: ZeRO ``stage`` over each tp slice's dp group, against the plain step on
-    the global batch (trained on every rank)."""
-    from recipes.gpt import Block
-
-    mesh = zf.Mesh(dp=2, tp=2)
-    model, plan = recipe_model("gpt")
+    """dp2 x tp2 on 4 ranks through the front door (``zf.config.Plan(dp=2, tp=2, zero_stage=stage)``,
+    ``prepare``: plan=None, ``parallelize``: tp step under ZeRO over each tp slice's dp group), against
+    the plain step on the global batch (trained on every rank)."""
+    model, _ = recipe_model("gpt")
     ref = train(copy.deepcopy(model), token_batches())
-    zf.tensor_parallel(model, mesh, plan)
+    plan = zf.config.Plan(dp=2, tp=2, zero_stage=stage, units="class:Block")
+    mesh = zf.Mesh(dp=2, tp=2)
+    zf.config.prepare(model, plan, mesh)
     apply, params = zf.functionalize(model)
-    step = zf.train_step(gpt_loss(apply), opt())
-    step = zf.shard(zf.tensor_parallel.step(step, model), mesh, stage, units=zf.units.by_class(Block))
+    step = zf.parallelize(zf.train_step(gpt_loss(apply), opt()), model, plan, mesh)
     state, losses, norms = step.init(params), [], []
     for x, y in token_batches():
         state, m = step(state, (x.chunk(2)[mesh.rank], y.chunk(2)[mesh.rank]))
         losses.append(m["loss"].item())
         norms.append(m["grad_norm"].item())
     slices = zf.checkpoint.full_params(state, mesh)  # whole over dp: this rank's tp slices
-    return (losses, norms, zf.tensor_parallel.layout_of(model).gather(slices, mesh.tp_comm)), ref
+    return (losses, norms, zf.tensor_parallel.layout_of(model).gather(slices, mesh.tp_comm)), ref, step.layers
 
 
 @pytest.mark.multiprocess
 def test_dp2_x_tp2_with_zero3_trains_as_the_whole_model():
-    assert_law(zf.dist.spawn(dp_tp_law, 4, 3, timeout_s=300), "dp2 x tp2, ZeRO-3")
+    results = zf.dist.spawn(dp_tp_law, 4, 3, timeout_s=300)
+    assert_law(results, "dp2 x tp2, ZeRO-3")
+    assert results[0][2] == ("train_step", "tensor_parallel", "shard")
 
 
 def sequence_parallel_law(rank, kind):

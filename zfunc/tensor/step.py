@@ -75,11 +75,36 @@ def _shard_verdict(step: Any, options: dict) -> Any:
     return None
 
 
+def _sp_without_tp(p: Any) -> str | None:
+    if p.sp and p.tp == 1:
+        return "sp: sequence parallelism splits along the tensor-parallel group; it needs tp > 1, got sp=True with tp=1"
+    return None
+
+
+def _tp_not_yet(p: Any) -> str | None:
+    if p.tp == 1:
+        return None
+    for field, on, why in (("pp", p.pp > 1, "a pipeline of a tensor-parallel model"),
+                           ("offload_optimizer", p.offload_optimizer != "none", "offload of a tensor-parallel step"),
+                           ("remat", p.remat, "remat of a tensor-parallel model"),
+                           ("tile_lm_head", p.tile_lm_head, "a tiled LM head under tensor parallelism")):
+        if on:
+            got = getattr(p, field)
+            return f"{field}: {why} is not supported yet; expected {field} off with tp={p.tp}, got {got!r}"
+    if p.sp and (p.dp > 1 or p.zero_stage > 0):
+        return (f"sp: sequence parallelism under zf.shard is not supported yet; expected dp=1 and zero_stage=0 with "
+                f"sp=True, got dp={p.dp}, zero_stage={p.zero_stage}")
+    return None
+
+
+compose.unregister("tp")  # the estimator's placeholder rows ("tp is modelled, not run"): replaced by these
 compose.register("tensor_parallel", wraps={"train_step": None}, wrapped_by={
     "shard": _shard_verdict,
     "offload": (_NOT_YET + ": not yet", "zf.shard(zf.tensor_parallel.step(...), mesh, stage) without zf.offload"),
     "pipeline": (_NOT_YET + ": not yet", "zf.shard(zf.tensor_parallel.step(...), mesh, stage) without zf.pipeline"),
-})
+}, rules=[compose.Rule("sequence without tensor parallelism", compose.INCONSISTENT, _sp_without_tp, "tensor_parallel"),
+          compose.Rule("tensor parallelism with what it does not yet run", compose.UNSUPPORTED, _tp_not_yet,
+                       "tensor_parallel")])
 
 
 def sum_replicated_grads(grads: dict[str, torch.Tensor | None], layout: Layout, comm: Any) -> None:
