@@ -23,7 +23,7 @@ rank's tokens.
 Cost (bytes as ``Comm`` counts them, per call, ``A`` the whole activation's bytes): ``copy_to`` 2A in
 backward, ``reduce_from`` 2A in forward, ``gather_from`` ``tp * A`` in forward (A: its input's). With
 sequence parallelism ``copy_to`` and ``reduce_from`` move ``A`` each way instead (an all-gather
-counts its output, a reduce-scatter its input): half the all-reduce's bytes.
+counts its output, a reduce-scatter its input): the same bytes per region as the all-reduces.
 """
 from __future__ import annotations
 
@@ -121,7 +121,9 @@ class Group:
     def __init__(self, comm: Comm, world: int, rank: int, sequence_parallel: bool = False):
         self.comm, self.world, self.rank = comm, world, rank
         self.sequence_parallel = sequence_parallel
-        self._last: tuple[weakref.ref, weakref.ref] | None = None
+        # The last input copy_to entered (weakly) and its result (strongly: once its consumer returns,
+        # nothing but autograd's saved tensors, which are not this object, holds it).
+        self._last: tuple[weakref.ref, torch.Tensor] | None = None
 
     def copy_to(self, x: torch.Tensor) -> torch.Tensor:
         """Megatron's *f* (see the module docstring); the same input again gives the same result.
@@ -129,11 +131,11 @@ class Group:
         if self.world == 1:
             return x
         if self._last is not None:
-            last_in, last_out = self._last[0](), self._last[1]()
-            if last_in is x and last_out is not None and torch.is_grad_enabled():
+            last_in, last_out = self._last
+            if last_in() is x and torch.is_grad_enabled():
                 return last_out
         out = _GatherSeq.apply(x, self.comm, self.world) if self.sequence_parallel else _Copy.apply(x, self.comm)
-        self._last = (weakref.ref(x), weakref.ref(out))
+        self._last = (weakref.ref(x), out)
         return out
 
     def reduce_from(self, x: torch.Tensor) -> torch.Tensor:

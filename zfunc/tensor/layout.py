@@ -59,6 +59,7 @@ class Layout:
     styles: dict[str, str] = field(default_factory=dict)  # module name -> its style
     sequence_parallel: bool = False
     comm: Any = None  # the tp group's Comm (``zf.Mesh.tp_comm``)
+    embeddings: frozenset = frozenset()  # the modules in ``styles`` that are embeddings (vocab lookups)
 
     def whole(self, name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
         """Param ``name`` whole from every rank's piece (replicated: rank 0's)."""

@@ -154,6 +154,17 @@ class TensorParallelStep(Transformed):
             sum_replicated_grads(grads, self.spec.layout, self.spec.comm)
         return loss, aux, grads
 
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        self.spec.comm.bytes.clear()  # memory()'s "comm": this call's tp bytes
+        return super().__call__(state, batch)
+
+    def memory(self, state: TrainState) -> dict[str, Any]:
+        """This rank's bytes: ``params`` and ``opt_state`` (its slices and the replicated params), and
+        ``comm``: the bytes per call type its tp group moved in the last step (``zfunc.tensor.cost``'s
+        formulas)."""
+        return {"params": tree.nbytes(state.params), "opt_state": tree.nbytes(state.opt_state),
+                "comm": dict(self.spec.comm.bytes)}
+
     def local_norm(self, grads: Any) -> torch.Tensor | None:
         """The grads' global norm over the tp group (see the module docstring), None where the step
         needs none; the plain step's update takes it for its metric and clipping."""

@@ -86,6 +86,7 @@ def tensor_parallel(model: nn.Module, mesh: Mesh, plan: Mapping[str, str] | None
         for name, module in modules.items():
             if isinstance(module, nn.Embedding) and name not in styles:
                 layers.sequence_split(module, group)
+    layout.embeddings = frozenset(n for n in styles if isinstance(modules[n], nn.Embedding))
     slicer.retie(model)
     for owner, patched in layout.patched.items():
         patch(modules[owner], patched)
