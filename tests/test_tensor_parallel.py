@@ -307,3 +307,25 @@ def test_sequence_parallel_trains_as_the_whole_model(recipe_results):
         assert result[0][2] == (4, 4, 32)  # between the regions: 8 tokens over 2 ranks, 4 each
         held, held_formula, moved, moved_formula = result[0][3]
         assert (held, moved) == (held_formula, moved_formula)
+
+
+def test_meta_built_model_materializes_this_ranks_pieces():
+    """A tp model built on the meta device: the step's init makes each rank's pieces of the whole
+    model's init (values by name and row: zf.materialize), as slicing the materialized model does."""
+    from models import mesh_shaped
+    from recipes.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=61, block_size=16, n_layer=2, n_head=4, n_embd=32)
+    with torch.device("meta"):
+        whole_model = GPT(cfg)
+    whole = zf.train_step(gpt_loss(zf.functionalize(whole_model)[0]), opt()).init(
+        zf.functionalize(whole_model)[1], materialize=whole_model.materializer(0))
+    with torch.device("meta"):
+        model = GPT(cfg)
+    materialize = model.materializer(0)
+    zf.tensor_parallel(model, mesh_shaped(tp=2, tp_rank=1), GPT_PLAN)
+    apply, params = zf.functionalize(model)
+    state = zf.tensor_parallel.step(zf.train_step(gpt_loss(apply), opt()), model).init(params, materialize=materialize)
+    layout = zf.tensor_parallel.layout_of(model)
+    for name, p in state.params.items():
+        assert torch.equal(p, layout.piece(name, zf.checkpoint.full_params(whole)[name])), name

@@ -71,6 +71,31 @@ class Layout:
         s = self.slicings.get(name)
         return whole if s is None else s.piece(whole, self.rank if rank is None else rank)
 
+    def whole_shape(self, name: str, local: tuple[int, ...]) -> tuple[int, ...]:
+        """Param ``name``'s whole shape (padding dropped) from this rank's piece's ``local`` shape."""
+        s = self.slicings.get(name)
+        if s is None:
+            return tuple(local)
+        shape = list(local)
+        shape[s.dim] = s.size
+        return tuple(shape)
+
+    def materializer(self, fn: Any) -> Any:
+        """``fn`` (a ``zf.materialize`` materializer of the whole model's leaves) made to give this rank's
+        pieces: each sliced leaf is made whole (one whole leaf at a time), then cut; rows asked of a
+        piece are cut from it."""
+        from zfunc.model.materialize import leaf
+
+        def piece(name: str, like: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
+            if name not in self.slicings:
+                return leaf(fn, name, like, rows)
+            whole = leaf(fn, name, torch.empty(self.whole_shape(name, tuple(like.shape)), dtype=like.dtype,
+                                               device="meta"))
+            mine = self.piece(name, whole)
+            return mine if rows is None else mine[rows]
+
+        return piece
+
     def gather(self, params: dict[str, torch.Tensor], comm: Any) -> dict[str, torch.Tensor]:
         """Every param of ``params`` (this rank's pieces, by name) whole: one all-gather over the tp
         ``comm`` per sliced param (a collective: every rank of the group calls it)."""

@@ -138,6 +138,10 @@ class TensorParallelStep(Transformed):
         self.spec = TensorParallelSpec(layout, comm)
 
     def init(self, params: Any, materialize: Any = None) -> TrainState:
+        """The plain step's state of this rank's pieces, placed; ``materialize`` makes the whole
+        model's leaves (``zf.materialize``), each cut to this rank's piece (``Layout.materializer``)."""
+        if materialize is not None:
+            materialize = self.spec.layout.materializer(materialize)
         s = self.inner.init(params, materialize)
         return TrainState(s.params, s.opt_state, s.step, s.rng, s.loss_scale, self.spec, buffers=s.buffers)
 
