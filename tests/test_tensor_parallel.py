@@ -86,10 +86,23 @@ def accounting(model, whole, memory):
             cost.comm_bytes_per_step(layout, 32, 32, 62, replicated_numel=replicated))
 
 
+def remat_law(rank):
+    """tp=2 with every block rematerialized (zf.remat: its forward, collectives included, runs again in
+    backward) against the plain step."""
+    mesh = zf.Mesh(tp=2)
+    model, plan = recipe_model("gpt")
+    ref = train(copy.deepcopy(model), token_batches())
+    zf.tensor_parallel(model, mesh, plan)
+    for block in model.blocks:
+        block.forward = zf.remat(block.forward)
+    return train(model, token_batches(), tp=True), ref
+
+
 def recipe_laws(rank):
     """One spawn for the recipes' laws and the vocab-parallel loss (each spawn costs seconds)."""
     return {"gpt": law(rank, "gpt"), "llama": law(rank, "llama"), "loss": vocab_loss(rank),
-            "sp gpt": sequence_parallel_law(rank, "gpt"), "sp llama": sequence_parallel_law(rank, "llama")}
+            "sp gpt": sequence_parallel_law(rank, "gpt"), "sp llama": sequence_parallel_law(rank, "llama"),
+            "remat": remat_law(rank)}
 
 
 def assert_law(results, what):
@@ -120,6 +133,11 @@ def test_tp2_trains_as_the_whole_model(kind, recipe_results):
     else:  # untied head; 4 query and 2 kv heads: 2 and 1 a rank
         assert shapes["embed.weight"] == shapes["lm_head.weight"] == (31, 32)
         assert shapes["layers.0.attn.k.weight"] == (8, 32) and shapes["layers.0.mlp.down.weight"] == (32, 24)
+
+
+@pytest.mark.multiprocess
+def test_tp2_with_remat_trains_as_the_whole_model(recipe_results):
+    assert_law([r["remat"] for r in recipe_results], "gpt, tp=2, remat")
 
 
 def vocab_loss(rank):

@@ -157,7 +157,7 @@ class Plan:
       tp, sp: tensor-parallel size and sequence parallelism (which needs tp > 1): ``zf.config.prepare``
         slices the model (``zf.tensor_parallel``, its plan found from the module graph) and
         ``zf.parallelize`` steps it (``zf.tensor_parallel.step``, under ``zf.shard`` over dp); the
-        rulebook refuses what tp does not run yet (with pp, offload, remat, a tiled head; sp under ZeRO).
+        rulebook refuses what tp does not run yet (with pp, offload, a tiled head; sp under ZeRO).
       zero_stage: 0 (none) to 3; a pipeline (pp > 1) composes with stage 0 or 1.
       units: how params group into units (ZeRO-3 gathers, offload fetches, remat, pipeline
         stages): None (the transformation's default), "auto", "auto:<max params>",

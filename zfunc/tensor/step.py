@@ -86,7 +86,6 @@ def _tp_not_yet(p: Any) -> str | None:
         return None
     for field, on, why in (("pp", p.pp > 1, "a pipeline of a tensor-parallel model"),
                            ("offload_optimizer", p.offload_optimizer != "none", "offload of a tensor-parallel step"),
-                           ("remat", p.remat, "remat of a tensor-parallel model"),
                            ("tile_lm_head", p.tile_lm_head, "a tiled LM head under tensor parallelism")):
         if on:
             got = getattr(p, field)
