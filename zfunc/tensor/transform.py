@@ -49,7 +49,9 @@ def tensor_parallel(model: nn.Module, mesh: Mesh, plan: Mapping[str, str] | None
         reduce-scatter, instead of all-reduces; replicated lookups (positions) are cut to this rank's
         tokens. The activations between the regions divide by tp; the replicated params' grads are
         each rank's share, which ``zf.tensor_parallel.step`` sums over the tp group (one all-reduce).
-        For models whose ops between the regions act per token (a pooler reading token 0 does not).
+        For models whose ops between the regions act per token (a pooler reading token 0 does not)
+        and whose attention takes its tokens from the projections' outputs (the recipes' models do;
+        transformers' attention reshapes by its input's shape, T / tp, and fails).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
