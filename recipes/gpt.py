@@ -55,16 +55,17 @@ class GPTConfig:
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.n_head, self.dropout = cfg.n_head, cfg.dropout
+        self.n_head, self.head_dim, self.dropout = cfg.n_head, cfg.n_embd // cfg.n_head, cfg.dropout
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
 
     def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
+        # Heads from attributes and tokens from qkv's output, not from x: zf.tensor_parallel runs n_head / tp
+        # heads, and with sequence parallelism x holds T / tp tokens while qkv's output holds all T.
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.n_head, self.head_dim)).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.proj(y.transpose(1, 2).flatten(2))
 
 
 class Block(nn.Module):

@@ -167,13 +167,14 @@ class Attention(nn.Module):
         self.o = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def forward(self, x, cos, sin):
-        B, T, _ = x.shape
-        q = self.q(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # Tokens from the projections' outputs, not from x: with zf.tensor_parallel's sequence parallelism x
+        # holds T / tp tokens and the projections' outputs all T.
+        q = self.q(x).unflatten(-1, (self.n_heads, self.head_dim)).transpose(1, 2)
+        k = self.k(x).unflatten(-1, (self.n_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v(x).unflatten(-1, (self.n_kv_heads, self.head_dim)).transpose(1, 2)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
-        return self.o(y.transpose(1, 2).reshape(B, T, -1))
+        return self.o(y.transpose(1, 2).flatten(2))
 
 
 class FeedForward(nn.Module):

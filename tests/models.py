@@ -58,12 +58,12 @@ class Tiny(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def mesh_shaped(dp=1, pp=1, rank=0, pp_rank=0):
-    """A ``zf.Mesh`` of this process alone that reads as rank ``(rank, pp_rank)`` of ``dp x pp``: for
+def mesh_shaped(dp=1, pp=1, rank=0, pp_rank=0, tp=1, tp_rank=0):
+    """A ``zf.Mesh`` of this process alone that reads as rank ``(rank, pp_rank, tp_rank)`` of ``dp x pp x tp``: for
     the checks a transformation makes when it is built, which read only the mesh's shape. Its
     collectives are copies (``zf.Mesh.alone``), so a step built on it is never run."""
     mesh = zf.Mesh.alone()
-    mesh.dp, mesh.pp, mesh.rank, mesh.pp_rank = dp, pp, rank, pp_rank
+    mesh.dp, mesh.pp, mesh.rank, mesh.pp_rank, mesh.tp, mesh.tp_rank = dp, pp, rank, pp_rank, tp, tp_rank
     return mesh
 
 

@@ -195,7 +195,6 @@ def test_bad_batch_values_name_their_key(key, value):
     ({"data_efficiency": {"enabled": True}}, "data_efficiency", {"enabled": True}),
     ({"compression_training": {"weight_quantization": {}}}, "compression_training", {"weight_quantization": {}}),
     ({"amp": {"enabled": True, "opt_level": "O1"}}, "amp", {"enabled": True, "opt_level": "O1"}),
-    ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel", {"autotp_size": 2}),
     ({"sequence_parallel_size": 2}, "sequence_parallel_size", 2),
     ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op", "sum"),
     ({"zero_optimization": {"stage": 5}}, "zero_optimization.stage", 5),
@@ -469,3 +468,13 @@ def test_a_config_without_batch_sizes_takes_them_from_the_flags_and_says_so_once
     with pytest.raises(FlagError, match=re.escape("--batch-size: the global batch of 6 sequences must split over 1 "
                                                   "data-parallel rank x 4 accumulation steps")):
         resolve(tmp_path, no_sizes, "--precision", "bf16", "--batch-size", "6", "--accum", "4")
+
+
+def test_autotp_size_reads_as_tp():
+    base = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4}
+    plan = C.from_deepspeed({**base, "tensor_parallel": {"autotp_size": 2}}, world_size=2)
+    assert (plan.dp, plan.tp) == (2, 2)  # world_size: DeepSpeed's data-parallel size, as its batch rule counts it
+    with pytest.raises(ValueError, match=r"tensor_parallel.tp: zfunc reads AutoTP's autotp_size only"):
+        C.from_deepspeed({**base, "tensor_parallel": {"autotp_size": 2, "tp": {"tp_size": 2}}}, world_size=2)
+    with pytest.raises(ValueError, match=r"tensor_parallel.autotp_size: expected an int >= 1, got 0.5"):
+        C.from_deepspeed({**base, "tensor_parallel": {"autotp_size": 0.5}}, world_size=2)

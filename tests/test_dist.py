@@ -121,6 +121,65 @@ def test_mesh_dp_x_pp_layout_groups_and_p2p():
         assert "pp: the world size 4 is not a multiple of pp=3" in errors[1]
 
 
+def mesh_2x2x2(rank):
+    mesh = zf.Mesh(dp=2, pp=2, tp=2)
+    sums = {}
+    for axis, comm in (("dp", mesh.comm), ("pp", mesh.pp_comm), ("tp", mesh.tp_comm), ("reduce", mesh.reduce_comm)):
+        sums[axis] = torch.tensor([float(rank)])
+        comm.all_reduce(sums[axis])
+    errors = []
+    for kw in ({"dp": 3, "tp": 2}, {"pp": 3, "tp": 2}, {"tp": 0}):
+        try:
+            zf.Mesh(**kw)
+        except ValueError as e:
+            errors.append(str(e))
+    return (mesh.rank, mesh.pp_rank, mesh.tp_rank, {a: t.item() for a, t in sums.items()}, repr(mesh), errors)
+
+
+@pytest.mark.multiprocess
+def test_mesh_dp_x_pp_x_tp_layout_and_groups():
+    for rank, r in enumerate(zf.dist.spawn(mesh_2x2x2, 8)):
+        dp_rank, pp_rank, tp_rank, sums, text, errors = r
+        # global rank = ((pp_rank * dp + dp_rank) * sp + sp_rank) * tp + tp_rank, sp = 1: tp innermost
+        assert rank == (pp_rank * 2 + dp_rank) * 2 + tp_rank
+        coords = {"pp": pp_rank, "dp": dp_rank, "tp": tp_rank}
+        assert zf.dist.mesh.global_rank({"pp": 2, "dp": 2, "tp": 2}, coords) == rank
+        base = rank - tp_rank
+        assert sums["tp"] == 2 * base + 1  # tp peers are neighbours: {base, base + 1}
+        dp_peers = [(pp_rank * 2 + d) * 2 + tp_rank for d in range(2)]  # same stage, same tp slice
+        assert sums["dp"] == sums["reduce"] == sum(dp_peers)
+        assert sums["pp"] == sum((q * 2 + dp_rank) * 2 + tp_rank for q in range(2))
+        assert text == f"Mesh(dp=2, pp=2, tp=2, rank={dp_rank}, pp_rank={pp_rank}, tp_rank={tp_rank})"
+        assert "dp, tp: the mesh has dp * tp = 3 * 2 = 6 ranks but the process group has world size 8" in errors[0]
+        assert "pp, tp: the world size 8 is not a multiple of pp * tp = 3 * 2 = 6" in errors[1]
+        assert "tp: expected an int >= 1, got 0" in errors[2]
+
+
+def mesh_tp2(rank):
+    mesh = zf.Mesh(tp=2)
+    t = torch.tensor([float(rank + 1)])
+    mesh.tp_comm.all_reduce(t)
+    dp = torch.tensor([float(rank + 1)])
+    mesh.comm.all_reduce(dp)  # a dp group of one: tp peers are not in it
+    return mesh.dp, mesh.rank, mesh.tp_rank, t.item(), dp.item(), dict(mesh.tp_comm.bytes), mesh.comm_bytes()
+
+
+@pytest.mark.multiprocess
+def test_mesh_of_tp_alone():
+    assert zf.dist.spawn(mesh_tp2, 2) == [(1, 0, r, 3.0, float(r + 1), {"all_reduce": 8}, {"all_reduce": 8})
+                                         for r in range(2)]
+
+
+def test_mesh_coordinates_invert_global_rank():
+    sizes = {"pp": 3, "dp": 2, "sp": 2, "tp": 2}
+    for rank in range(24):
+        assert zf.dist.mesh.global_rank(sizes, zf.dist.mesh.coordinates(sizes, rank)) == rank
+    assert zf.dist.mesh.axis_groups({"pp": 2, "dp": 2, "tp": 2}, "tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert zf.dist.mesh.axis_groups({"pp": 2, "dp": 2, "tp": 2}, "dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    mesh = zf.Mesh()
+    assert (mesh.tp, mesh.tp_rank) == (1, 0) and mesh.tp_comm.alone
+
+
 def lonely_recv(rank):
     mesh = zf.Mesh(pp=2)
     if rank == 1:

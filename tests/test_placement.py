@@ -40,7 +40,7 @@ def test_a_state_whose_spec_has_no_placement_is_refused_naming_it(tmp_path):
     step, state = make()
     odd = zf.TrainState(state.params, state.opt_state, placement=Unknown())
     said = (r"state: its placement .*Unknown\(world=2\) \(Unknown\) has no registered Placement \(expected None "
-            r"or one of: .*PipelineSpec, ShardSpec; see zfunc.core.placement.register\)")
+            r"or one of: .*PipelineSpec, ShardSpec, TensorParallelSpec; see zfunc.core.placement.register\)")
     with pytest.raises(TypeError, match=said):
         zf.checkpoint.save(odd, tmp_path / "ckpt" / "000001")
     with pytest.raises(TypeError, match=said):

@@ -28,7 +28,7 @@ CASES = {
     "params offload without optimizer offload": dict(zero_stage=3, offload_params="cpu"),
     "pipeline over replicas": dict(dp=2, pp=2, microbatches=2),
     "remat under a pipeline": dict(pp=2, microbatches=2, remat=True),
-    "tensor parallelism": dict(tp=2),
+    "tensor parallelism with what it does not yet run": dict(tp=2, tile_lm_head=2),
     "1-bit optimizer with ZeRO 1-3": dict(dp=2, zero_stage=1, optimizer="onebit_adam"),
 }
 RULES = {rule.name: rule for rule in compose.RULES}

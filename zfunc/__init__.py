@@ -8,7 +8,8 @@
 The packages: core/ (pytrees, the state, the pure step, precision, roles, the composition rulebook),
 optim/, sharding/ (``zf.shard``), offloading/ (``zf.offload``), pipelining/ (``zf.pipeline``), model/
 (``zf.functionalize``, ``zf.materialize``, ``zf.units``, ``zf.remat``, ``zf.tile``), checkpoint/,
-config/ (``zf.config``, ``zf.parallelize``), plan/ (the estimator), dist/, ops/ (kernels).
+tensor/ (``zf.tensor_parallel``), config/ (``zf.config``, ``zf.parallelize``), plan/ (the estimator), dist/,
+ops/ (kernels).
 """
 from zfunc import checkpoint, config, dist, offloading, ops, optim, plan
 from zfunc.config.apply import parallelize
@@ -23,6 +24,7 @@ from zfunc.model.tiling import tile
 from zfunc.offloading.step import offload
 from zfunc.pipelining.step import pipeline
 from zfunc.sharding.step import shard
+from zfunc.tensor import tensor_parallel
 from zfunc.version import __version__  # noqa: F401 - zf.__version__
 
 __all__ = [
@@ -48,6 +50,7 @@ __all__ = [
     "precision",
     "remat",
     "shard",
+    "tensor_parallel",
     "tile",
     "tiling",
     "train_step",

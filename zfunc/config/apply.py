@@ -48,6 +48,9 @@ from zfunc.model.rematerialize import remat
 from zfunc.sharding.step import shard
 from zfunc.core.step import Step
 from zfunc.model.tiling import TiledLinear, tile
+from zfunc.tensor.layout import layout_of
+from zfunc.tensor.step import tensor_parallel_step
+from zfunc.tensor.transform import tensor_parallel
 
 __all__ = ["parallelize", "prepare", "check"]
 
@@ -77,14 +80,19 @@ def _remat_modules(model: nn.Module, plan: config_mod.Plan) -> list[str]:
     return blocks or [u.name for u in found]
 
 
-def prepare(model: nn.Module, plan: config_mod.Plan) -> nn.Module:
-    """The plan's model transformations, applied in place before ``zf.functionalize``: the LM head
+def prepare(model: nn.Module, plan: config_mod.Plan, mesh: Mesh | None = None) -> nn.Module:
+    """The plan's model transformations, applied in place before ``zf.functionalize``: with
+    ``plan.tp > 1`` the layers sliced over ``mesh``'s tp group (``zf.tensor_parallel``, the plan
+    found from the module graph, ``plan.sp``: sequence parallelism; ``mesh`` default
+    ``zf.Mesh(dp=plan.dp, pp=plan.pp, tp=plan.tp)``, give ``parallelize`` the same one), the LM head
     (``model.lm_head``, and an embedding tied to it) tiled into ``plan.tile_lm_head`` tiles
     (``zf.tile``), then each unit's ``forward`` rematerialized (``zf.remat``, ``plan.remat_offload``).
     Returns the model. A model prepared already is refused (its units would be wrapped twice)."""
     check(plan)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if plan.tp > 1:
+        tensor_parallel(model, _mesh(plan, mesh), sequence_parallel=plan.sp)
     modules = dict(model.named_modules())
     if plan.tile_lm_head:
         head = modules.get(LM_HEAD)
@@ -107,6 +115,10 @@ def prepare(model: nn.Module, plan: config_mod.Plan) -> nn.Module:
 
 
 def _check_prepared(model: nn.Module, plan: config_mod.Plan) -> None:
+    layout = layout_of(model)
+    if (layout.tp if layout is not None else 1) != plan.tp:
+        raise ValueError(f"plan.tp: {plan.tp}, but the model is sliced over tp={layout.tp if layout else 1}; build the "
+                         "step from zf.config.prepare(model, plan, mesh) (before zf.functionalize)")
     modules = dict(model.named_modules())
     head = modules.get(LM_HEAD)
     tiles = len(head.tiles) if isinstance(head, TiledLinear) else 0
@@ -132,17 +144,19 @@ def _check_step(step: Step, plan: config_mod.Plan) -> None:
 
 def _mesh(plan: config_mod.Plan, mesh: Mesh | None) -> Mesh:
     if mesh is None:
-        return Mesh(dp=plan.dp, pp=plan.pp)
+        return Mesh(dp=plan.dp, pp=plan.pp, tp=plan.tp)
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh: expected a zf.Mesh, got {type(mesh).__name__}")
-    if (mesh.dp, mesh.pp) != (plan.dp, plan.pp):
-        raise ValueError(f"mesh: dp={mesh.dp}, pp={mesh.pp}, but the plan says dp={plan.dp}, pp={plan.pp}")
+    if (mesh.dp, mesh.pp, mesh.tp) != (plan.dp, plan.pp, plan.tp):
+        raise ValueError(f"mesh: dp={mesh.dp}, pp={mesh.pp}, tp={mesh.tp}, but the plan says dp={plan.dp}, "
+                         f"pp={plan.pp}, tp={plan.tp}")
     return mesh
 
 
 def parallelize(step: Step, model: nn.Module, plan: config_mod.Plan, mesh: Mesh | None = None) -> Step:
-    """``step`` transformed as ``plan`` says: ``zf.shard`` (ZeRO ``plan.zero_stage`` over ``plan.dp``
-    ranks; stage 0 on one rank is the plain step), then ``zf.offload``, then ``zf.pipeline``.
+    """``step`` transformed as ``plan`` says: ``zf.tensor_parallel.step`` (``plan.tp > 1``: the model
+    sliced by ``prepare``), ``zf.shard`` (ZeRO ``plan.zero_stage`` over ``plan.dp`` ranks; stage 0 on
+    one rank is the plain step), then ``zf.offload``, then ``zf.pipeline``.
 
     Args:
       step: the plain step of ``zf.train_step``, with the plan's precision and accum.
@@ -150,14 +164,16 @@ def parallelize(step: Step, model: nn.Module, plan: config_mod.Plan, mesh: Mesh 
         ``prepare(model, plan)`` when the plan tiles or rematerializes (checked).
       plan: a ``zf.config.Plan``; ``plan.units`` (default ``zf.units.auto()``) are the units of
         ZeRO-3, params offload, remat and the pipeline.
-      mesh: default ``zf.Mesh(dp=plan.dp, pp=plan.pp)`` (``zf.dist`` initialised first when there
-        are several ranks); one given must have those sizes.
+      mesh: default ``zf.Mesh(dp=plan.dp, pp=plan.pp, tp=plan.tp)`` (``zf.dist`` initialised first when
+        there are several ranks); one given must have those sizes (with tp, the one ``prepare`` had).
     Law, cost and the refusals: the module docstring.
     """
     check(plan)
     _check_step(step, plan)
     _check_prepared(model, plan)
     mesh, units = _mesh(plan, mesh), _selector(plan)
+    if plan.tp > 1:
+        step = tensor_parallel_step(step, model)
     if plan.zero_stage > 0 or plan.dp > 1:
         step = shard(step, mesh, plan.zero_stage, units=units if plan.zero_stage == 3 else None,
                      quantize_weights=plan.quantized_weights, quantize_grads=plan.quantized_grads or False)

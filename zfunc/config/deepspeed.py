@@ -137,7 +137,7 @@ def _tp_on(v: Any) -> bool:
 # Top level. Knobs: tuning, logging and tooling with no meaning here. Features: (on?, what it is).
 _TOP_MAPPED = frozenset({"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                          "gradient_clipping", "zero_optimization", "fp16", "bf16", "bfloat16", "optimizer",
-                         "scheduler", "activation_checkpointing"})
+                         "scheduler", "activation_checkpointing", "tensor_parallel"})
 _TOP_KNOBS = frozenset({
     "steps_per_print", "wall_clock_breakdown", "dump_state", "memory_breakdown", "zero_allow_untested_optimizer",
     "zero_force_ds_cpu_optimizer", "prescale_gradients", "gradient_predivide_factor", "communication_data_type",
@@ -151,7 +151,6 @@ _TOP_FEATURES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "sparse_attention": (lambda v: True, "sparse attention"),
     "moe": (lambda v: True, "mixture of experts"),
     "expert_parallel": (_enabled, "expert parallelism (MoE)"),
-    "tensor_parallel": (_tp_on, "tensor parallelism"),
     "sequence_parallel_size": (lambda v: v != 1, "sequence parallelism"),
     "curriculum_learning": (_enabled, "curriculum learning"),
     "data_efficiency": (_enabled, "data efficiency (curriculum learning, random-LTD)"),
@@ -297,7 +296,8 @@ def _read(config: dict, world_size: int, auto: dict[str, Any]) -> Plan:
     r = _Reader(auto)
     r.sort(config, "", _TOP_MAPPED, _TOP_KNOBS, _TOP_FEATURES)
     fields = {"dp": world_size, **_read_batch(r, config, world_size), **_read_zero(r, config),
-              **_read_precision(r, config), **_read_optimizer(r, config), **_read_remat(r, config)}
+              **_read_precision(r, config), **_read_optimizer(r, config), **_read_remat(r, config),
+              **_read_tensor_parallel(config)}
     fields.update(_read_scheduler(r, config, fields))
     clip = r.value(config, "gradient_clipping", "gradient_clipping", 1.0)
     _check_number("gradient_clipping", clip)
@@ -312,6 +312,24 @@ def _read(config: dict, world_size: int, auto: dict[str, Any]) -> Plan:
     return plan
 
 
+def _read_tensor_parallel(config: dict) -> dict:
+    """``"tensor_parallel": {"autotp_size": N}`` (DeepSpeed's AutoTP) -> ``tp=N`` (``world_size`` stays the
+    data-parallel size, as DeepSpeed's batch rule counts it). Any other key of it is refused, naming it."""
+    v = config.get("tensor_parallel")
+    if v is None:
+        return {}
+    if not isinstance(v, Mapping):
+        raise ValueError(f"tensor_parallel: expected a mapping such as {{\"autotp_size\": 2}}, got {v!r}")
+    other = sorted(k for k in v if k != "autotp_size" and _tp_on({k: v[k]}))
+    if other:
+        raise ValueError(f"tensor_parallel.{other[0]}: zfunc reads AutoTP's autotp_size only (its plan is found from "
+                         f"the module graph); got {v[other[0]]!r}")
+    size = v.get("autotp_size", 1)
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"tensor_parallel.autotp_size: expected an int >= 1, got {size!r}")
+    return {"tp": size}
+
+
 # Plan field -> the key path (or argument) it is read from, for the refusals that name a field.
 _KEY_PATHS = {
     "dp": "world_size", "zero_stage": "zero_optimization.stage",
@@ -321,7 +339,7 @@ _KEY_PATHS = {
     "remat": "activation_checkpointing", "remat_offload": "activation_checkpointing.cpu_checkpointing",
     "accum": "gradient_accumulation_steps", "micro_batch": "train_micro_batch_size_per_gpu",
     "global_batch": "train_batch_size", "precision": "fp16.enabled, bf16.enabled",
-    "gradient_clipping": "gradient_clipping",
+    "gradient_clipping": "gradient_clipping", "tp": "tensor_parallel.autotp_size",
 }
 
 

@@ -167,8 +167,10 @@ class Plan:
 
     Fields (checked in ``__post_init__``; errors name the field, the value and what was expected):
       dp, pp: data-parallel and pipeline-parallel sizes (ranks = dp * pp).
-      tp, sp: tensor-parallel size and sequence parallelism (which needs tp > 1); the estimator
-        (``zf.plan``) models them, ``zf.parallelize`` does not run them (the rulebook refuses tp > 1).
+      tp, sp: tensor-parallel size and sequence parallelism (which needs tp > 1): ``zf.config.prepare``
+        slices the model (``zf.tensor_parallel``, its plan found from the module graph) and
+        ``zf.parallelize`` steps it (``zf.tensor_parallel.step``, under ``zf.shard`` over dp); the
+        rulebook refuses what tp does not run yet (with pp, offload, a tiled head; sp under ZeRO).
       zero_stage: 0 (none) to 3; a pipeline (pp > 1) composes with stage 0 or 1.
       quantized_weights, quantized_grads: ZeRO++ (``zf.shard(quantize_weights=, quantize_grads=)``):
         stage 3's int8 param gathers; the grad reduce-scatter in 4 or 8 bits (0: fp32), stages 1-3.

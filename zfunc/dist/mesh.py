@@ -373,44 +373,89 @@ class _P2PWork:
         return self.tensor
 
 
+# The mesh's axes, outermost first: a global rank is their mixed-radix number (see ``Mesh``).
+AXES = ("pp", "dp", "sp", "tp")
+
+
+def global_rank(sizes: dict[str, int], coords: dict[str, int]) -> int:
+    """The global rank at ``coords`` (axis -> index, missing: 0) of a mesh of ``sizes`` (axis -> size,
+    missing: 1): ``((pp_rank * dp + dp_rank) * sp + sp_rank) * tp + tp_rank``."""
+    rank = 0
+    for axis in AXES:
+        rank = rank * sizes.get(axis, 1) + coords.get(axis, 0)
+    return rank
+
+
+def coordinates(sizes: dict[str, int], rank: int) -> dict[str, int]:
+    """The index along every axis of global rank ``rank`` (the inverse of ``global_rank``)."""
+    coords = {}
+    for axis in reversed(AXES):
+        rank, coords[axis] = divmod(rank, sizes.get(axis, 1))
+    return coords
+
+
+def axis_groups(sizes: dict[str, int], axis: str) -> list[list[int]]:
+    """The groups of global ranks that differ only along ``axis``, each in ``axis`` order, the groups
+    in global-rank order of their first member (every rank builds the same list)."""
+    world = 1
+    for n in sizes.values():
+        world *= n
+    groups = {}
+    for rank in range(world):
+        coords = coordinates(sizes, rank)
+        key = tuple(coords[a] for a in AXES if a != axis)
+        groups.setdefault(key, []).append(rank)
+    return list(groups.values())
+
+
 class Mesh:
-    """A mesh of ``dp * pp`` ranks: ``dp`` data-parallel replicas of a ``pp``-stage pipeline.
+    """A mesh of ``pp * dp * tp`` ranks: ``dp`` data-parallel replicas of a ``pp``-stage pipeline, each
+    layer's weights sliced over ``tp`` tensor-parallel ranks (``zf.tensor_parallel``).
 
-    ``Mesh(dp=None, pp=1)`` takes ``dp = world size / pp``. The process group must be initialised
-    first (``init_from_env()`` under ``torchrun``, or ``spawn``); a single process without one
-    gets a trivial mesh of 1.
+    ``Mesh(dp=None, pp=1, tp=1)`` takes ``dp = world size / (pp * tp)``. The process group must be
+    initialised first (``init_from_env()`` under ``torchrun``, or ``spawn``); a single process without
+    one gets a trivial mesh of 1.
 
-    Layout: global rank ``= pp_rank * dp + rank`` -- data-parallel innermost, pipeline outermost
-    (Megatron's order; a tensor-parallel axis would go inside dp). The pipeline moves the least
-    (one activation per microbatch, point to point), so it is the axis that may cross the slowest
-    links, while the dp ranks of one stage, which reduce every grad each step, are neighbours.
+    Layout (Megatron's order), axes outermost first ``AXES = (pp, dp, sp, tp)``:
+    ``global rank = ((pp_rank * dp + dp_rank) * sp + sp_rank) * tp + tp_rank``, with ``sp = 1`` here
+    (a sequence-parallel axis slots in between dp and tp). Tensor parallelism moves the most (an
+    all-reduce of activations in every block's forward and backward), so its ranks are neighbours
+    (one machine); the dp ranks of one stage, which reduce every grad each step, come next; the
+    pipeline moves the least (one activation per microbatch, point to point), so it is the axis
+    that may cross the slowest links.
 
-    ``rank``, ``comm`` and ``reduce_comm`` are over this rank's data-parallel group (the ``dp``
-    ranks holding the same pipeline stage), so ``zf.shard`` works over the dp axis unchanged;
-    ``pp_rank``, ``pp_comm`` (collectives: loss and norm sums) and ``p2p`` (activations and
-    grads) are over its pipeline group. With ``pp=1`` the mesh is the default process group and
-    creates no other groups but ``reduce_comm``'s.
+    ``rank``, ``comm`` and ``reduce_comm`` are over this rank's data-parallel group (the ``dp`` ranks
+    holding the same pipeline stage and the same tp slice: dp groups exclude tp peers), so
+    ``zf.shard`` works over the dp axis unchanged; ``pp_rank``, ``pp_comm`` (collectives: loss and
+    norm sums) and ``p2p`` (activations and grads) are over its pipeline group; ``tp_rank`` and
+    ``tp_comm`` over its tensor-parallel group (``tp`` consecutive global ranks). With ``pp = tp =
+    1`` the mesh is the default process group and creates no other groups but ``reduce_comm``'s.
+    ``comm_bytes`` counts the dp and pp comms; ``tp_comm.bytes`` counts tp's.
     """
 
-    def __init__(self, dp: int | None = None, pp: int = 1):
+    def __init__(self, dp: int | None = None, pp: int = 1, tp: int = 1):
         initialised = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if initialised else 1
-        if not isinstance(pp, int) or pp < 1:
-            raise ValueError(f"pp: expected an int >= 1, got {pp!r}")
+        for name, n in (("pp", pp), ("tp", tp)):
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {n!r}")
         if dp is None:
-            if world % pp:
-                raise ValueError(f"pp: the world size {world} is not a multiple of pp={pp}")
-            dp = world // pp
-        if not isinstance(dp, int) or dp < 1:
+            if world % (pp * tp):
+                raise ValueError(f"{_names(pp, tp)}: the world size {world} is not a multiple of "
+                                 + (f"pp * tp = {pp} * {tp} = {pp * tp}" if pp > 1 and tp > 1
+                                    else f"tp={tp}" if tp > 1 else f"pp={pp}"))
+            dp = world // (pp * tp)
+        if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
             raise ValueError(f"dp: expected an int >= 1, got {dp!r}")
-        if dp * pp != world:
-            ranks = f"{dp} ranks" if pp == 1 else f"dp * pp = {dp} * {pp} = {dp * pp} ranks"
+        if dp * pp * tp != world:
+            ranks = f"{dp} ranks" if pp == tp == 1 else f"{_product(pp, tp, dp=dp)} = {dp * pp * tp} ranks"
             raise ValueError(
-                f"{'dp' if pp == 1 else 'dp, pp'}: the mesh has {ranks} but the process group has world size {world}"
+                f"{'dp, ' + _names(pp, tp) if pp * tp > 1 else 'dp'}: the mesh has {ranks} but the process group "
+                f"has world size {world}"
                 + ("" if initialised else " (torch.distributed is not initialised: start with torchrun or zf.dist.spawn)")
             )
-        self.dp, self.pp = dp, pp
-        if pp == 1:
+        self.dp, self.pp, self.tp = dp, pp, tp
+        if pp == tp == 1:
             self._data_parallel_only(initialised)
         else:
             self._groups(dist.get_rank())
@@ -420,29 +465,32 @@ class Mesh:
         """A mesh of this process alone, whatever the process group: its collectives are copies
         (a plain step's offload runs on one)."""
         mesh = object.__new__(cls)
-        mesh.dp, mesh.pp = 1, 1
+        mesh.dp, mesh.pp, mesh.tp = 1, 1, 1
         mesh._data_parallel_only(initialised=False)
         return mesh
 
     def _data_parallel_only(self, initialised: bool) -> None:
-        self.rank, self.pp_rank = (dist.get_rank() if initialised else 0), 0
+        self.rank, self.pp_rank, self.tp_rank = (dist.get_rank() if initialised else 0), 0, 0
         self.comm = Comm(alone=not initialised)
         # Grad reduce-scatters get a process group (and comm thread) of their own: they run in a
         # fixed order there, independent of the order of param gathers on ``comm``.
         self.reduce_comm = Comm(group=dist.new_group(backend=dist.get_backend()) if initialised else None,
                                 alone=not initialised)
         self.pp_comm, self.p2p = Comm(alone=True), P2P(peers=(dist.get_rank() if initialised else 0,))
+        self.tp_comm = Comm(alone=True)
 
-    def _groups(self, global_rank: int) -> None:
-        dp, pp = self.dp, self.pp
-        self.pp_rank, self.rank = divmod(global_rank, dp)
-        dp_groups = [[q * dp + d for d in range(dp)] for q in range(pp)]
-        pp_groups = [[q * dp + d for q in range(pp)] for d in range(dp)]
+    def _groups(self, rank: int) -> None:
+        sizes = {"pp": self.pp, "dp": self.dp, "tp": self.tp}
+        coords = coordinates(sizes, rank)
+        self.pp_rank, self.rank, self.tp_rank = coords["pp"], coords["dp"], coords["tp"]
+        dp_groups, pp_groups = axis_groups(sizes, "dp"), axis_groups(sizes, "pp")
         # Every rank creates every group, in this order (torch.distributed requires it).
-        self.comm = Comm(group=_my_group(dp_groups, global_rank))
-        self.reduce_comm = Comm(group=_my_group(dp_groups, global_rank))
-        self.pp_comm = Comm(group=_my_group(pp_groups, global_rank))
-        self.p2p = P2P(_my_group(pp_groups, global_rank), tuple(pp_groups[self.rank]))
+        self.comm = Comm(group=_my_group(dp_groups, rank))
+        self.reduce_comm = Comm(group=_my_group(dp_groups, rank))
+        self.pp_comm = Comm(group=_my_group(pp_groups, rank)) if self.pp > 1 else Comm(alone=True)
+        mine = next(g for g in pp_groups if rank in g)
+        self.p2p = P2P(_my_group(pp_groups, rank), tuple(mine)) if self.pp > 1 else P2P(peers=(rank,))
+        self.tp_comm = Comm(group=_my_group(axis_groups(sizes, "tp"), rank)) if self.tp > 1 else Comm(alone=True)
 
     @property
     def size(self) -> int:
@@ -450,7 +498,7 @@ class Mesh:
         return self.dp
 
     def comm_bytes(self) -> dict[str, int]:
-        """Bytes per call type counted by all of the mesh's comms since they were cleared."""
+        """Bytes per call type counted by the mesh's dp and pp comms since they were cleared."""
         return dict(self.comm.bytes + self.reduce_comm.bytes + self.pp_comm.bytes + self.p2p.bytes)
 
     def clear_comm_bytes(self) -> None:
@@ -458,9 +506,21 @@ class Mesh:
             counter.clear()
 
     def __repr__(self) -> str:
-        if self.pp == 1:
+        if self.pp == self.tp == 1:
             return f"Mesh(dp={self.dp}, rank={self.rank})"
-        return f"Mesh(dp={self.dp}, pp={self.pp}, rank={self.rank}, pp_rank={self.pp_rank})"
+        pp = f", pp={self.pp}" if self.pp > 1 else ""
+        tp = f", tp={self.tp}" if self.tp > 1 else ""
+        return (f"Mesh(dp={self.dp}{pp}{tp}, rank={self.rank}" + (f", pp_rank={self.pp_rank}" if pp else "")
+                + (f", tp_rank={self.tp_rank}" if tp else "") + ")")
+
+
+def _names(pp: int, tp: int) -> str:
+    return ", ".join(n for n, v in (("pp", pp), ("tp", tp)) if v > 1) or "pp"
+
+
+def _product(pp: int, tp: int, dp: int) -> str:
+    axes = [("dp", dp)] + [(n, v) for n, v in (("pp", pp), ("tp", tp)) if v > 1]
+    return " * ".join(n for n, _ in axes) + " = " + " * ".join(str(v) for _, v in axes)
 
 
 def _my_group(groups: list[list[int]], rank: int) -> Any:

@@ -221,6 +221,11 @@ class ShardedStep(Transformed):
         self.peak_gathered_bytes = learned.get("peak_gathered_bytes", self.peak_gathered_bytes)
         self.peak_whole_grad_bytes = learned.get("peak_whole_grad_bytes", self.peak_whole_grad_bytes)
 
+    def local_norm(self, grads: PyTree) -> torch.Tensor | None:
+        """The norm of this rank's grad pieces as the step it wraps takes it (a tensor-parallel
+        step sums its sliced grads over the tp group); ``PlainUpdate`` sums its square over dp."""
+        return self.inner.local_norm(grads)
+
     def roles(self, context: RunContext, state: TrainState) -> Roles:
         """The roles of one call (``zfunc.core.roles``), reading the run through ``context``: params
         are this rank's own pieces, reduced grads are summed into fp32 slices, the update is the

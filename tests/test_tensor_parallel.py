@@ -1,0 +1,355 @@
+"""zf.tensor_parallel: the sliced model trains as the whole one (fp32, 2 gloo ranks, 5 steps: the
+recipes' GPT and Llama with their explicit plans; plan=None on seven transformers model types), the
+vocab-parallel loss equals the gathered one, plan=None finds the recipes' plans, slicing and its refusals."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import zfunc as zf
+from models import STEPS, assert_same_training
+from zfunc.tensor import Slicing
+
+GPT_PLAN = {"wte": "vocab", "lm_head": "vocab", "*.attn.qkv": "colwise:3", "*.attn.proj": "rowwise",
+            "*.mlp.0": "colwise", "*.mlp.2": "rowwise"}
+LLAMA_PLAN = {"embed": "vocab", "lm_head": "vocab", "*.attn.[qkv]": "colwise", "*.attn.o": "rowwise",
+              "*.mlp.gate": "colwise", "*.mlp.up": "colwise", "*.mlp.down": "rowwise"}
+
+
+def recipe_model(kind):
+    """A tiny model of a recipe (seed 0) and its explicit plan; vocab 61: tp=2 pads it to 62."""
+    torch.manual_seed(0)
+    if kind == "gpt":
+        from recipes.gpt import GPT, GPTConfig
+
+        return GPT(GPTConfig(vocab_size=61, block_size=16, n_layer=2, n_head=4, n_embd=32)), GPT_PLAN
+    from recipes.llama import Llama, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=16)
+    return Llama(cfg), LLAMA_PLAN
+
+
+def token_batches(n=STEPS, b=4, t=8, vocab=61):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, vocab, (b, t), generator=g), torch.randint(0, vocab, (b, t), generator=g))
+            for _ in range(n)]
+
+
+def opt():
+    """AdamW after clipping at 0.5 (below every step's norm here: a wrong tp norm changes the params); eps
+    1e-6: a key bias's true grad is 0 (softmax ignores it), so its grads are rounding noise, which eps 1e-8
+    would turn into lr-sized steps that differ with the reduction order."""
+    return zf.optim.chain(zf.optim.clip_by_global_norm(0.5),
+                          zf.optim.adamw(3e-3, eps=1e-6, weight_decay=0.1, mask=zf.optim.decay_mask))
+
+
+def gpt_loss(apply):
+    return lambda p, b: F.cross_entropy(apply(p, b[0]).flatten(0, 1), b[1].flatten())
+
+
+def train(model, batches, loss_of=gpt_loss, tp=False):
+    """``(losses, grad norms, params)`` of 5 steps; ``tp``: over ``zf.tensor_parallel.step``, params whole."""
+    apply, params = zf.functionalize(model)
+    step = zf.train_step(loss_of(apply), opt())
+    if tp:
+        step = zf.tensor_parallel.step(step, model)
+    state, losses, norms = step.init(params), [], []
+    for batch in batches:
+        state, m = step(state, batch)
+        losses.append(m["loss"].item())
+        norms.append(m["grad_norm"].item())
+    memory = step.memory(state) if tp else None  # before full_params, whose gathers the tp comm counts too
+    return losses, norms, zf.checkpoint.full_params(state), memory
+
+
+def law(rank, kind):
+    """Train the plain model and its tp=2 slicing on every rank; the sliced params gathered whole."""
+    mesh = zf.Mesh(tp=2)
+    model, plan = recipe_model(kind)
+    whole = {n: tuple(p.shape) for n, p in zf.functionalize(model)[1].items()}
+    ref = train(copy.deepcopy(model), token_batches())
+    zf.tensor_parallel(model, mesh, plan)
+    shapes = {n: tuple(p.shape) for n, p in zf.functionalize(model)[1].items()}
+    got = train(model, token_batches(), tp=True)
+    return got, ref, shapes, accounting(model, whole, got[3])
+
+
+def accounting(model, whole, memory):
+    """The step's measured bytes (params held, tp comm of the last step) and zfunc.tensor.cost's formulas
+    for them (4 x 8 tokens, width 32, vocab 61 padded to 62, the grad norm on)."""
+    from zfunc.tensor import cost
+
+    layout = zf.tensor_parallel.layout_of(model)
+    replicated = sum(p.numel() for n, p in zf.functionalize(model)[1].items() if n not in layout.slicings)
+    return (memory["params"], 4 * cost.params_per_rank(whole, layout), sum(memory["comm"].values()),
+            cost.comm_bytes_per_step(layout, 32, 32, 62, replicated_numel=replicated))
+
+
+def remat_law(rank):
+    """tp=2 with every block rematerialized (zf.remat: its forward, collectives included, runs again in
+    backward) against the plain step."""
+    mesh = zf.Mesh(tp=2)
+    model, plan = recipe_model("gpt")
+    ref = train(copy.deepcopy(model), token_batches())
+    zf.tensor_parallel(model, mesh, plan)
+    for block in model.blocks:
+        block.forward = zf.remat(block.forward)
+    return train(model, token_batches(), tp=True), ref
+
+
+def recipe_laws(rank):
+    """One spawn for the recipes' laws and the vocab-parallel loss (each spawn costs seconds)."""
+    return {"gpt": law(rank, "gpt"), "llama": law(rank, "llama"), "loss": vocab_loss(rank),
+            "sp gpt": sequence_parallel_law(rank, "gpt"), "sp llama": sequence_parallel_law(rank, "llama"),
+            "remat": remat_law(rank)}
+
+
+def assert_law(results, what):
+    """Each rank's tp training ``(losses, norms, whole params)`` equals the plain one (losses and norms
+    rtol 1e-5, params atol 1e-5)."""
+    for got, ref, *_ in results:
+        assert_same_training(got[:3], ref[:3], what)
+        assert got[2].keys() == ref[2].keys()
+
+
+@pytest.fixture(scope="module")
+def recipe_results():
+    return zf.dist.spawn(recipe_laws, 2)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_tp2_trains_as_the_whole_model(kind, recipe_results):
+    results = [r[kind] for r in recipe_results]
+    assert_law(results, kind)
+    for _, _, _, (held, held_formula, moved, moved_formula) in results:
+        assert (held, moved) == (held_formula, moved_formula)  # zfunc.tensor.cost's formulas
+    shapes = results[0][2]
+    if kind == "gpt":  # vocab 61 padded to 62, 31 rows a rank; the tied head holds the same slice
+        assert shapes["wte.weight"] == (31, 32) and "lm_head.weight" not in shapes
+        assert shapes["blocks.0.attn.qkv.weight"] == (48, 32) and shapes["blocks.0.attn.proj.weight"] == (32, 16)
+        assert shapes["blocks.0.ln1.weight"] == (32,)
+    else:  # untied head; 4 query and 2 kv heads: 2 and 1 a rank
+        assert shapes["embed.weight"] == shapes["lm_head.weight"] == (31, 32)
+        assert shapes["layers.0.attn.k.weight"] == (8, 32) and shapes["layers.0.mlp.down.weight"] == (32, 24)
+
+
+@pytest.mark.multiprocess
+def test_tp2_with_remat_trains_as_the_whole_model(recipe_results):
+    assert_law([r["remat"] for r in recipe_results], "gpt, tp=2, remat")
+
+
+def vocab_loss(rank):
+    """The vocab-parallel cross-entropy against F.cross_entropy of the whole logits: loss and grads."""
+    mesh = zf.Mesh(tp=2)
+    g = torch.Generator().manual_seed(0)
+    whole = torch.randn(3, 5, 61, generator=g)
+    targets = torch.randint(0, 61, (3, 5), generator=g)
+    targets[0, 0] = -100  # ignored
+    padded = torch.cat([whole, torch.full((3, 5, 1), float("-inf"))], -1)  # 62 columns, the last padding
+    mine = padded[..., rank * 31:(rank + 1) * 31].clone().requires_grad_()
+    loss = zf.tensor_parallel.cross_entropy(mine, targets, mesh)
+    loss.backward()
+    ref = whole.clone().requires_grad_()
+    ref_loss = F.cross_entropy(ref.flatten(0, 1), targets.flatten())
+    ref_loss.backward()
+    ref_grad = torch.cat([ref.grad, torch.zeros(3, 5, 1)], -1)[..., rank * 31:(rank + 1) * 31]
+    return loss.item(), ref_loss.item(), mine.grad, ref_grad, dict(mesh.tp_comm.bytes)
+
+
+@pytest.mark.multiprocess
+def test_vocab_parallel_loss_equals_the_gathered_one(recipe_results):
+    for loss, ref_loss, grad, ref_grad, nbytes in [r["loss"] for r in recipe_results]:
+        assert loss == pytest.approx(ref_loss, rel=1e-6)
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
+        n = 15 * 4  # 15 tokens' floats: an all-gather of the maxima, two all-reduces (counted twice)
+        assert nbytes == {"all_gather": 2 * n, "all_reduce": 2 * (2 * n)}
+
+
+def test_slicing_pieces_make_the_whole_and_pad():
+    w = torch.arange(61 * 2.0).view(61, 2)
+    s = Slicing(0, 2, 61, 62)
+    pieces = [s.piece(w, r) for r in range(2)]
+    assert pieces[1].shape == (31, 2) and pieces[1][-1].tolist() == [0.0, 0.0]  # the padding row
+    assert torch.equal(s.whole(pieces), w)
+    fused = Slicing(0, 2, 12, 12, parts=3)  # q, k, v of 4 rows each: 2 of each a rank
+    w = torch.arange(12.0)
+    assert fused.piece(w, 0).tolist() == [0, 1, 4, 5, 8, 9]
+    assert torch.equal(fused.whole([fused.piece(w, r) for r in range(2)]), w)
+
+
+def test_refusals_name_the_module_and_sizes():
+    from models import mesh_shaped
+
+    mesh = mesh_shaped(tp=2)
+    model, plan = recipe_model("gpt")
+    with pytest.raises(ValueError, match=r"plan: pattern '\*.nothing' match no module of GPT"):
+        zf.tensor_parallel(copy.deepcopy(model), mesh, {**plan, "*.nothing": "colwise"})
+    with pytest.raises(ValueError, match=r"plan: pattern 'wte': expected one of .* got 'columns'"):
+        zf.tensor_parallel(copy.deepcopy(model), mesh, {"wte": "columns"})
+    with pytest.raises(ValueError, match=r"module 'blocks.0.ln1': style \"colwise\" takes an nn.Linear .* LayerNorm"):
+        zf.tensor_parallel(copy.deepcopy(model), mesh, {"blocks.0.ln1": "colwise"})
+    three = mesh_shaped(tp=3)
+    with pytest.raises(ValueError, match=r"module 'blocks.0.attn': n_head=4 does not split over tp=3"):
+        zf.tensor_parallel(copy.deepcopy(model), three, plan)
+    with pytest.raises(ValueError, match=r"module 'blocks.0.mlp.2': its input features \(128\) do not split over tp=3"):
+        zf.tensor_parallel(copy.deepcopy(model), three, {"*.mlp.2": "rowwise"})
+    apply, _ = zf.functionalize(model)
+    with pytest.raises(ValueError, match="model: expected a model made tensor-parallel by zf.tensor_parallel"):
+        zf.tensor_parallel.step(zf.train_step(gpt_loss(apply), opt()), model)
+    zf.tensor_parallel(model, mesh, plan)
+    with pytest.raises(ValueError, match="tensor-parallel already"):
+        zf.tensor_parallel(model, mesh, plan)
+    step = zf.tensor_parallel.step(zf.train_step(gpt_loss(apply), opt()), model)
+    with pytest.raises(ValueError, match="zf.offload cannot wrap zf.tensor_parallel"):
+        zf.offload(step, "cpu")
+
+
+HF_BASE = dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+               max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+# Small configs of transformers model types; dropout is zeroed (masks depend on the slicing). Mistral trains
+# equal too (its modules are Llama's; left out to keep the suite short).
+HF_CONFIGS = {
+    "gpt2": dict(n_layer=2, n_embd=32, n_head=4, vocab_size=61, n_positions=32, bos_token_id=0, eos_token_id=0),
+    "llama": dict(HF_BASE, num_key_value_heads=2),  # grouped-query: 4 query heads, 2 kv heads
+    "qwen2": dict(HF_BASE, num_key_value_heads=2),
+    "gpt_neox": dict(HF_BASE),  # fused head-major query_key_value
+    "phi": dict(HF_BASE),
+    "bert": dict(HF_BASE),  # masked LM: its decoder is tied to the word embeddings
+}
+
+
+def hf_model(kind):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
+
+    cfg = AutoConfig.for_model(kind, **HF_CONFIGS[kind])
+    for key, value in cfg.to_dict().items():
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            setattr(cfg, key, 0.0)
+    torch.manual_seed(0)
+    return (AutoModelForMaskedLM if kind == "bert" else AutoModelForCausalLM).from_config(cfg)
+
+
+def hf_loss(apply):
+    return lambda p, b: F.cross_entropy(apply(p, b[0]).logits.flatten(0, 1), b[1].flatten())
+
+
+def hf_law(rank, kinds):
+    """Per transformers model type: plan=None's tp=2 training against the plain one, or the refusal."""
+    mesh = zf.Mesh(tp=2)
+    out = {}
+    for kind in kinds:
+        model = hf_model(kind)
+        ref = train(copy.deepcopy(model), token_batches(), hf_loss)
+        try:
+            zf.tensor_parallel(model, mesh)
+        except ValueError as e:
+            out[kind] = str(e)
+            continue
+        out[kind] = (train(model, token_batches(), hf_loss, tp=True), ref, zf.tensor_parallel.layout_of(model).styles)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_plan_none_on_transformers_model_types():
+    pytest.importorskip("transformers")
+    for out in zf.dist.spawn(hf_law, 2, list(HF_CONFIGS), timeout_s=300):
+        assert set(out) == set(HF_CONFIGS)
+        for kind, result in out.items():
+            assert not isinstance(result, str), f"{kind}: refused: {result}"
+            assert_law([result], kind)
+        styles = out["gpt2"][2]
+        assert styles["transformer.h.0.attn.c_attn"] == "colwise:3" and styles["lm_head"] == "vocab"
+        assert out["gpt_neox"][2]["gpt_neox.layers.0.attention.query_key_value"] == "colwise"  # head-major
+        assert out["bert"][2]["cls.predictions.decoder"] == "vocab"
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_plan_none_on_the_recipes_finds_their_plan(kind):
+    from models import mesh_shaped
+
+    model, plan = recipe_model(kind)
+    zf.tensor_parallel(model, mesh_shaped(tp=2))
+    expected = {name: style for name, _ in model.named_modules() for pattern, style in plan.items()
+                if name and __import__("fnmatch").fnmatchcase(name, pattern)}
+    assert zf.tensor_parallel.layout_of(model).styles == expected
+
+
+def dp_tp_law(rank, stage):
+    """dp2 x tp2 on 4 ranks through the front door (``zf.config.Plan(dp=2, tp=2, zero_stage=stage)``,
+    ``prepare``: plan=None, ``parallelize``: tp step under ZeRO over each tp slice's dp group), against
+    the plain step on the global batch (trained on every rank)."""
+    model, _ = recipe_model("gpt")
+    ref = train(copy.deepcopy(model), token_batches())
+    plan = zf.config.Plan(dp=2, tp=2, zero_stage=stage, units="class:Block")
+    mesh = zf.Mesh(dp=2, tp=2)
+    zf.config.prepare(model, plan, mesh)
+    apply, params = zf.functionalize(model)
+    step = zf.parallelize(zf.train_step(gpt_loss(apply), opt()), model, plan, mesh)
+    state, losses, norms = step.init(params), [], []
+    for x, y in token_batches():
+        state, m = step(state, (x.chunk(2)[mesh.rank], y.chunk(2)[mesh.rank]))
+        losses.append(m["loss"].item())
+        norms.append(m["grad_norm"].item())
+    slices = zf.checkpoint.full_params(state, mesh)  # whole over dp: this rank's tp slices
+    return (losses, norms, zf.tensor_parallel.layout_of(model).gather(slices, mesh.tp_comm)), ref, step.layers
+
+
+def dp_tp_laws(rank):
+    return {stage: dp_tp_law(rank, stage) for stage in (0, 1, 2, 3)}  # one spawn: each costs seconds
+
+
+@pytest.mark.multiprocess
+def test_dp2_x_tp2_with_zero_0_to_3_trains_as_the_whole_model():
+    everyone = zf.dist.spawn(dp_tp_laws, 4, timeout_s=600)
+    for stage in (0, 1, 2, 3):
+        results = [r[stage] for r in everyone]
+        assert_law(results, f"dp2 x tp2, ZeRO-{stage}")
+        assert results[0][2] == ("train_step", "tensor_parallel", "shard")
+
+
+def sequence_parallel_law(rank, kind):
+    """tp=2 with sequence_parallel against the plain step; and the activation between the regions."""
+    mesh = zf.Mesh(tp=2)
+    model, plan = recipe_model(kind)
+    whole = {n: tuple(p.shape) for n, p in zf.functionalize(model)[1].items()}
+    ref = train(copy.deepcopy(model), token_batches())
+    zf.tensor_parallel(model, mesh, plan, sequence_parallel=True)
+    seen = []
+    norm = model.blocks[0].ln2 if kind == "gpt" else model.layers[0].mlp_norm
+    norm.register_forward_hook(lambda m, a, out: seen.append(tuple(out.shape)))
+    got = train(model, token_batches(), tp=True)
+    return got, ref, seen[0], accounting(model, whole, got[3])
+
+
+@pytest.mark.multiprocess
+def test_sequence_parallel_trains_as_the_whole_model(recipe_results):
+    for kind in ("gpt", "llama"):
+        result = [r[f"sp {kind}"] for r in recipe_results]
+        assert_law(result, f"{kind}, sequence parallel")
+        assert result[0][2] == (4, 4, 32)  # between the regions: 8 tokens over 2 ranks, 4 each
+        held, held_formula, moved, moved_formula = result[0][3]
+        assert (held, moved) == (held_formula, moved_formula)
+
+
+def test_meta_built_model_materializes_this_ranks_pieces():
+    """A tp model built on the meta device: the step's init makes each rank's pieces of the whole
+    model's init (values by name and row: zf.materialize), as slicing the materialized model does."""
+    from models import mesh_shaped
+    from recipes.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=61, block_size=16, n_layer=2, n_head=4, n_embd=32)
+    with torch.device("meta"):
+        whole_model = GPT(cfg)
+    whole = zf.train_step(gpt_loss(zf.functionalize(whole_model)[0]), opt()).init(
+        zf.functionalize(whole_model)[1], materialize=whole_model.materializer(0))
+    with torch.device("meta"):
+        model = GPT(cfg)
+    materialize = model.materializer(0)
+    zf.tensor_parallel(model, mesh_shaped(tp=2, tp_rank=1), GPT_PLAN)
+    apply, params = zf.functionalize(model)
+    state = zf.tensor_parallel.step(zf.train_step(gpt_loss(apply), opt()), model).init(params, materialize=materialize)
+    layout = zf.tensor_parallel.layout_of(model)
+    for name, p in state.params.items():
+        assert torch.equal(p, layout.piece(name, zf.checkpoint.full_params(whole)[name])), name

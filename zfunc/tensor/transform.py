@@ -1,0 +1,96 @@
+"""``zf.tensor_parallel(model, mesh, plan)``: the model's layers sliced over the mesh's tp ranks, in place.
+
+Law: on every rank of a tp group the sliced model computes the outputs of the whole one (logits
+gathered; within fp32 rounding of the all-reduces' order), the grads of a sliced param are the
+matching slice of the whole param's grads, and those of a replicated param (norms, biases of
+row-parallel layers, position embeddings) are the whole grads on every rank. So a plain
+``zf.train_step`` on every rank trains the model as one process trains the whole one; the step over
+it that knows its slices (``zf.tensor_parallel.step``) also takes the grad norm over the tp group
+and gives its state a placement, so checkpoints hold whole params.
+
+Cost per rank, a transformer of ``L`` blocks, width ``d``, ``T`` tokens per microbatch, fp32
+activations (``A = 4 T d`` bytes): params and their grads and optimizer state divide by tp for the
+sliced layers (attention and MLP projections, the vocab's rows), replicated ones (norms, biases of
+rowwise layers, positions) are held whole. Communication (``Comm`` bytes: an all-reduce counts
+twice its tensor): each block's attention and MLP each all-reduce once in forward (the rowwise
+output) and once in backward (the colwise input's grad): ``4 * 2A`` per block per microbatch, plus
+the embedding's forward all-reduce (``2A``), the LM head's input grad (``2A``) and the logits'
+all-gather (``tp * T * V_padded / tp * 4`` bytes, the whole logits).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import nn
+
+from zfunc.dist.mesh import Mesh
+from zfunc.tensor import layers
+from zfunc.tensor.collectives import Group
+from zfunc.tensor.layout import Layout, layout_of, record
+from zfunc.tensor.plan import head_patches, match, patch
+
+
+def tensor_parallel(model: nn.Module, mesh: Mesh, plan: Mapping[str, str] | None = None, *,
+                    gather_logits: bool = True, sequence_parallel: bool = False) -> nn.Module:
+    """Slice ``model``'s layers over ``mesh``'s tp group, in place; returns ``model`` (same class).
+
+    Args:
+      model: an ``nn.Module``, whole (CPU or meta device), not yet functionalized; every rank of the
+        tp group passes the same model (same init).
+      mesh: a ``zf.Mesh(..., tp=N)``; its ``tp_comm`` carries the collectives.
+      plan: module-name glob patterns -> "colwise" / "colwise:k" / "rowwise" / "vocab" /
+        "replicate" (``zfunc.tensor.plan``). None: the plan is found from the module graph
+        (``zfunc.tensor.auto``).
+      gather_logits: the vocab-parallel LM head returns the whole logits (default: any loss works);
+        False: each rank's vocab slice, for ``zf.tensor_parallel.cross_entropy``.
+      sequence_parallel: Megatron's sequence parallelism: between the tp regions (norms, dropout,
+        residual adds) each rank holds ``T / tp`` of the tokens (dim -2 of the activations, ``T`` a
+        multiple of tp); the regions are entered by an all-gather of the tokens and left by a
+        reduce-scatter, instead of all-reduces; replicated lookups (positions) are cut to this rank's
+        tokens. The activations between the regions divide by tp; the replicated params' grads are
+        each rank's share, which ``zf.tensor_parallel.step`` sums over the tp group (one all-reduce).
+        For models whose ops between the regions act per token (a pooler reading token 0 does not)
+        and whose attention takes its tokens from the projections' outputs (the recipes' models do;
+        transformers' attention reshapes by its input's shape, T / tp, and fails).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    if layout_of(model) is not None:
+        raise ValueError(f"model: this {type(model).__name__} is tensor-parallel already; slice a model once")
+    for flag, value in (("gather_logits", gather_logits), ("sequence_parallel", sequence_parallel)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{flag}: expected a bool, got {value!r}")
+    tp, rank = getattr(mesh, "tp", None), getattr(mesh, "tp_rank", None)
+    if not isinstance(tp, int):
+        raise TypeError(f"mesh: expected a zf.Mesh, got {type(mesh).__name__}")
+    if plan is None:
+        from zfunc.tensor.auto import find_plan
+
+        plan = find_plan(model, tp)
+    styles = match(model, plan)
+    layout = Layout(tp, rank, styles={n: s if p == 1 else f"{s}:{p}" for n, (s, p) in styles.items()},
+                    comm=mesh.tp_comm, sequence_parallel=sequence_parallel)
+    group = Group(mesh.tp_comm, tp, rank, sequence_parallel)
+    slicer = layers.Slicer(layout, model)
+    modules = dict(model.named_modules())
+    owners = sorted({name.rpartition(".")[0] for name, (style, _) in styles.items() if style == "colwise"})
+    patches = {o: head_patches(modules[o], o or type(model).__name__, tp) for o in owners}  # checked before any slicing
+    layout.patched = {o: p for o, p in patches.items() if p}
+    for name, (style, parts) in styles.items():
+        module = modules[name]
+        if style == "colwise":
+            layers.colwise(module, name, group, slicer, parts)
+        elif style == "rowwise":
+            layers.rowwise(module, name, group, slicer)
+        else:
+            layers.vocab(module, name, group, slicer, gather_logits)
+    if sequence_parallel:
+        for name, module in modules.items():
+            if isinstance(module, nn.Embedding) and name not in styles:
+                layers.sequence_split(module, group)
+    layout.embeddings = frozenset(n for n in styles if isinstance(modules[n], nn.Embedding))
+    slicer.retie(model)
+    for owner, patched in layout.patched.items():
+        patch(modules[owner], patched)
+    record(model, layout)
+    return model
