@@ -1,7 +1,7 @@
 """The mesh over ``torch.distributed``, byte-counting collectives and point-to-point.
 
-``Mesh(dp=N)`` wraps the default process group; ``Mesh(dp=N, pp=P)`` adds a pipeline axis (see
-``Mesh`` for the layout and its groups). The default process group (gloo for CPU tensors, NCCL
+``Mesh(dp=N)`` wraps the default process group; ``Mesh(dp=N, pp=P)`` adds a pipeline axis and
+``Mesh(dp=N, sp=S)`` a sequence-parallel one (see ``Mesh`` for the layout and its groups). The default process group (gloo for CPU tensors, NCCL
 for CUDA) is set up by ``torchrun``'s environment variables or ``spawn`` (``zfunc.dist.launch``).
 Every collective zfunc issues goes through a ``Comm``, which counts the bytes of each call type --
 the figures the comm-volume tests and the sharding docstrings' *cost* lines are checked against -- and names the
@@ -12,8 +12,8 @@ collective call that some ranks may skip by mistake (``zf.checkpoint.save``) fir
 
 Byte counts are the full logical tensor, per rank: ``all_gather`` counts its output,
 ``reduce_scatter`` its input, ``all_reduce`` twice its tensor (a ring all-reduce is a
-reduce-scatter plus an all-gather). In those units DDP moves 2 Psi bytes per step. ``P2P``
-counts each sent or received tensor once.
+reduce-scatter plus an all-gather), ``all_to_all`` its input. In those units DDP moves 2 Psi bytes
+per step. ``P2P`` counts each sent or received tensor once.
 """
 from __future__ import annotations
 
@@ -113,6 +113,16 @@ class Comm:
         if self._backend is None:
             self._backend = "" if self.alone else str(dist.get_backend(self.group))
         return self._backend == "gloo"
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, label: str = "", async_op: bool = False):
+        """``out``'s chunk ``s`` (dim 0 cut in N equal chunks) <- rank ``s``'s chunk ``r`` of ``inp``, on rank ``r``.
+
+        ``out`` and ``inp`` are contiguous, of one shape, dim 0 a multiple of N. Counts ``inp``'s bytes
+        (its own chunk, which stays, included: the full logical tensor, as the other calls count).
+        """
+        return self._run("all_to_all", _nbytes(inp), label,
+                         lambda: dist.all_to_all_single(out, inp, group=self.group, async_op=True),
+                         lambda: out.copy_(inp), async_op)
 
     def all_reduce(self, t: torch.Tensor, label: str = "", async_op: bool = False):
         """``t`` <- the sum over ranks of ``t``, in place."""
@@ -353,43 +363,64 @@ class _P2PWork:
 
 
 class Mesh:
-    """A mesh of ``dp * pp`` ranks: ``dp`` data-parallel replicas of a ``pp``-stage pipeline.
+    """A mesh of ``pp * dp * sp`` ranks: ``dp`` data-parallel replicas of a ``pp``-stage pipeline,
+    each sequence cut over ``sp`` ranks.
 
-    ``Mesh(dp=None, pp=1)`` takes ``dp = world size / pp``. The process group must be initialised
-    first (``init_from_env()`` under ``torchrun``, or ``spawn``); a single process without one
-    gets a trivial mesh of 1.
+    ``Mesh(dp=None, pp=1, sp=1)`` takes ``dp = world size / (pp * sp)``. The process group must be
+    initialised first (``init_from_env()`` under ``torchrun``, or ``spawn``); a single process without
+    one gets a trivial mesh of 1.
 
-    Layout: global rank ``= pp_rank * dp + rank`` -- data-parallel innermost, pipeline outermost
-    (Megatron's order; a tensor-parallel axis would go inside dp). The pipeline moves the least
-    (one activation per microbatch, point to point), so it is the axis that may cross the slowest
-    links, while the dp ranks of one stage, which reduce every grad each step, are neighbours.
+    Layout: global rank ``= ((pp_rank * dp + dp_rank) * sp + sp_rank) * tp + tp_rank`` (``tp = 1``
+    here) -- tensor parallel innermost, then sequence parallel, then data parallel, pipeline outermost
+    (Megatron's order, DeepSpeed-Ulysses' sp inside dp). The axis that moves the most per step sits on
+    the nearest ranks: sp exchanges activations at every attention call (all-to-all or ring), dp
+    reduces every grad once per step, the pipeline moves one activation per microbatch point to point,
+    so it may cross the slowest links.
 
-    ``rank``, ``comm`` and ``reduce_comm`` are over this rank's data-parallel group (the ``dp``
-    ranks holding the same pipeline stage), so ``zf.shard`` works over the dp axis unchanged;
-    ``pp_rank``, ``pp_comm`` (collectives: loss and norm sums) and ``p2p`` (activations and
-    grads) are over its pipeline group. With ``pp=1`` the mesh is the default process group and
-    creates no other groups but ``reduce_comm``'s.
+    ``rank``, ``comm`` and ``reduce_comm`` are over this rank's data-parallel group (the ``dp`` ranks
+    holding the same pipeline stage and the same part of each sequence); ``pp_rank``, ``pp_comm``
+    (collectives: loss and norm sums) and ``p2p`` (activations and grads) over its pipeline group;
+    ``sp_rank``, ``sp_comm`` (Ulysses' all-to-all) and ``sp_p2p`` (ring attention's blocks) over its
+    sequence group. With ``pp = sp = 1`` the mesh is the default process group and creates no other
+    groups but ``reduce_comm``'s.
+
+    **Grads of params replicated over sp.** The ``sp`` ranks of a sequence group hold the same params
+    and each computes grads from its part of the tokens, as ``dp`` ranks do from their part of the
+    batch; so the ranks that reduce grads (and may shard model states) are the ``dp x sp`` ranks of
+    one pipeline stage: ``dp_sp``, a ``Mesh`` over them (``dp = dp * sp``, rank ``dp_rank * sp +
+    sp_rank``), which ``zf.shard`` takes in place of a mesh with ``sp > 1`` (DeepSpeed-Ulysses' choice:
+    ZeRO over dp x sp). One reduce-scatter over ``dp * sp`` ranks moves what a dp reduce-scatter
+    would, and model states divide by ``dp * sp`` instead of ``dp``. Law: with each rank's loss the
+    ``zfunc.sequence`` loss (its tokens' share, scaled by ``sp``), the mean over the ``dp x sp``
+    ranks is the plain step's loss and their mean grad its grad.
     """
 
-    def __init__(self, dp: int | None = None, pp: int = 1):
+    def __init__(self, dp: int | None = None, pp: int = 1, sp: int = 1):
         initialised = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if initialised else 1
-        if not isinstance(pp, int) or pp < 1:
-            raise ValueError(f"pp: expected an int >= 1, got {pp!r}")
+        for name, value in (("pp", pp), ("sp", sp)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
         if dp is None:
-            if world % pp:
-                raise ValueError(f"pp: the world size {world} is not a multiple of pp={pp}")
-            dp = world // pp
-        if not isinstance(dp, int) or dp < 1:
+            if world % (pp * sp):
+                axes = "pp, sp" if pp > 1 and sp > 1 else "sp" if sp > 1 else "pp"
+                what = f"pp * sp = {pp} * {sp}" if pp > 1 and sp > 1 else f"sp={sp}" if sp > 1 else f"pp={pp}"
+                raise ValueError(f"{axes}: the world size {world} is not a multiple of {what}")
+            dp = world // (pp * sp)
+        if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
             raise ValueError(f"dp: expected an int >= 1, got {dp!r}")
-        if dp * pp != world:
-            ranks = f"{dp} ranks" if pp == 1 else f"dp * pp = {dp} * {pp} = {dp * pp} ranks"
+        if dp * pp * sp != world:
+            axes = [(n, v) for n, v in (("dp", dp), ("pp", pp), ("sp", sp)) if v > 1 or n == "dp"]
+            names = ", ".join(n for n, _ in axes)
+            ranks = f"{dp} ranks" if len(axes) == 1 else (
+                f"{' * '.join(n for n, _ in axes)} = {' * '.join(str(v) for _, v in axes)} = {dp * pp * sp} ranks")
             raise ValueError(
-                f"{'dp' if pp == 1 else 'dp, pp'}: the mesh has {ranks} but the process group has world size {world}"
+                f"{names}: the mesh has {ranks} but the process group has world size {world}"
                 + ("" if initialised else " (torch.distributed is not initialised: start with torchrun or zf.dist.spawn)")
             )
-        self.dp, self.pp = dp, pp
-        if pp == 1:
+        self.dp, self.pp, self.sp = dp, pp, sp
+        self.dp_sp = self
+        if pp == 1 and sp == 1:
             self._data_parallel_only(initialised)
         else:
             self._groups(dist.get_rank())
@@ -399,47 +430,83 @@ class Mesh:
         """A mesh of this process alone, whatever the process group: its collectives are copies
         (a plain step's offload runs on one)."""
         mesh = object.__new__(cls)
-        mesh.dp, mesh.pp = 1, 1
+        mesh.dp, mesh.pp, mesh.sp = 1, 1, 1
+        mesh.dp_sp = mesh
         mesh._data_parallel_only(initialised=False)
         return mesh
 
     def _data_parallel_only(self, initialised: bool) -> None:
-        self.rank, self.pp_rank = (dist.get_rank() if initialised else 0), 0
+        self.rank, self.pp_rank, self.sp_rank = (dist.get_rank() if initialised else 0), 0, 0
         self.comm = Comm(alone=not initialised)
         # Grad reduce-scatters get a process group (and comm thread) of their own: they run in a
         # fixed order there, independent of the order of param gathers on ``comm``.
         self.reduce_comm = Comm(group=dist.new_group(backend=dist.get_backend()) if initialised else None,
                                 alone=not initialised)
-        self.pp_comm, self.p2p = Comm(alone=True), P2P(peers=(dist.get_rank() if initialised else 0,))
+        me = dist.get_rank() if initialised else 0
+        self.pp_comm, self.p2p = Comm(alone=True), P2P(peers=(me,))
+        self.sp_comm, self.sp_p2p = Comm(alone=True), P2P(peers=(me,))
 
     def _groups(self, global_rank: int) -> None:
-        dp, pp = self.dp, self.pp
-        self.pp_rank, self.rank = divmod(global_rank, dp)
-        dp_groups = [[q * dp + d for d in range(dp)] for q in range(pp)]
-        pp_groups = [[q * dp + d for q in range(pp)] for d in range(dp)]
+        dp, pp, sp = self.dp, self.pp, self.sp
+
+        def rank_of(q: int, d: int, s: int) -> int:
+            return (q * dp + d) * sp + s
+
+        self.pp_rank, rest = divmod(global_rank, dp * sp)
+        self.rank, self.sp_rank = divmod(rest, sp)
+        dp_groups = [[rank_of(q, d, s) for d in range(dp)] for q in range(pp) for s in range(sp)]
+        pp_groups = [[rank_of(q, d, s) for q in range(pp)] for d in range(dp) for s in range(sp)]
+        sp_groups = [[rank_of(q, d, s) for s in range(sp)] for q in range(pp) for d in range(dp)]
         # Every rank creates every group, in this order (torch.distributed requires it).
         self.comm = Comm(group=_my_group(dp_groups, global_rank))
         self.reduce_comm = Comm(group=_my_group(dp_groups, global_rank))
         self.pp_comm = Comm(group=_my_group(pp_groups, global_rank))
-        self.p2p = P2P(_my_group(pp_groups, global_rank), tuple(pp_groups[self.rank]))
+        self.p2p = P2P(_my_group(pp_groups, global_rank), tuple(_mine(pp_groups, global_rank)))
+        if sp == 1:
+            self.sp_comm, self.sp_p2p = Comm(alone=True), P2P(peers=(global_rank,))
+            return
+        self.sp_comm = Comm(group=_my_group(sp_groups, global_rank))
+        self.sp_p2p = P2P(_my_group(sp_groups, global_rank), tuple(_mine(sp_groups, global_rank)))
+        self.dp_sp = self._over_dp_sp(global_rank)
+
+    def _over_dp_sp(self, global_rank: int) -> Mesh:
+        """The mesh of this rank's dp x sp ranks (one pipeline stage's), as a data-parallel mesh."""
+        stage = [[q * self.dp * self.sp + i for i in range(self.dp * self.sp)] for q in range(self.pp)]
+        flat = object.__new__(Mesh)
+        flat.dp, flat.pp, flat.sp, flat.dp_sp = self.dp * self.sp, 1, 1, flat
+        flat.rank, flat.pp_rank, flat.sp_rank = self.rank * self.sp + self.sp_rank, 0, 0
+        flat.comm = Comm(group=_my_group(stage, global_rank))
+        flat.reduce_comm = Comm(group=_my_group(stage, global_rank))
+        flat.pp_comm, flat.p2p = Comm(alone=True), P2P(peers=(global_rank,))
+        flat.sp_comm, flat.sp_p2p = Comm(alone=True), P2P(peers=(global_rank,))
+        return flat
 
     @property
     def size(self) -> int:
         """Number of data-parallel ranks."""
         return self.dp
 
+    def _comms(self) -> list[Any]:
+        return [self.comm, self.reduce_comm, self.pp_comm, self.p2p, self.sp_comm, self.sp_p2p] + (
+            [] if self.dp_sp is self else [self.dp_sp.comm, self.dp_sp.reduce_comm])
+
     def comm_bytes(self) -> dict[str, int]:
         """Bytes per call type counted by all of the mesh's comms since they were cleared."""
-        return dict(self.comm.bytes + self.reduce_comm.bytes + self.pp_comm.bytes + self.p2p.bytes)
+        return dict(sum((c.bytes for c in self._comms()), Counter()))
 
     def clear_comm_bytes(self) -> None:
-        for counter in (self.comm.bytes, self.reduce_comm.bytes, self.pp_comm.bytes, self.p2p.bytes):
-            counter.clear()
+        for c in self._comms():
+            c.bytes.clear()
 
     def __repr__(self) -> str:
-        if self.pp == 1:
-            return f"Mesh(dp={self.dp}, rank={self.rank})"
-        return f"Mesh(dp={self.dp}, pp={self.pp}, rank={self.rank}, pp_rank={self.pp_rank})"
+        axes = f"dp={self.dp}" + (f", pp={self.pp}" if self.pp > 1 else "") + (f", sp={self.sp}" if self.sp > 1 else "")
+        ranks = f"rank={self.rank}" + (f", pp_rank={self.pp_rank}" if self.pp > 1 else "") + (
+            f", sp_rank={self.sp_rank}" if self.sp > 1 else "")
+        return f"Mesh({axes}, {ranks})"
+
+
+def _mine(groups: list[list[int]], rank: int) -> list[int]:
+    return next(g for g in groups if rank in g)
 
 
 def _my_group(groups: list[list[int]], rank: int) -> Any:
