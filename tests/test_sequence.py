@@ -98,23 +98,42 @@ def _blocks(model):
     return model.blocks if hasattr(model, "blocks") else model.model.layers if hasattr(model, "model") else model.layers
 
 
-def _train(name, mesh=None, kind=None, stage=0, data=(), remat=False):
-    """Losses, grad norms and params after training ``name`` on ``data``: plain (no mesh), or sequence-parallel
-    over ``mesh`` with ZeRO ``stage`` over its dp x sp ranks, each dp rank given its part of the batch
-    (``remat``: every block rematerialized)."""
+def _prepared(name, remat=False, tiles=0):
+    """``name``'s model: ``remat``, every block rematerialized; ``tiles``, every MLP over that many token
+    tiles and the head computing the loss over as many (ALST's tiled MLP and loss)."""
     model = _model(name)
-    layout = None
-    if remat:
-        for block in _blocks(model):
+    for block in _blocks(model):
+        if tiles:
+            zf.tiling.tile_tokens(block.mlp, tiles=tiles)
+        if remat:
             block.forward = zf.remat(block.forward)
+    if tiles:
+        zf.sequence.loss_head(model, tiles=tiles)
+    return model
+
+
+def _loss_of(apply, layout, tiles):
+    def loss_fn(p, batch):
+        x, y = batch
+        if tiles:
+            with zf.sequence.targets(y, layout):
+                return _logits(apply(p, x))
+        return zf.sequence.cross_entropy(_logits(apply(p, x)), y, layout)
+
+    return loss_fn
+
+
+def _train(name, mesh=None, kind=None, stage=0, data=(), remat=False, tiles=0):
+    """Losses, grad norms and params after training ``name`` on ``data``: plain (no mesh, untiled), or
+    sequence-parallel over ``mesh`` with ZeRO ``stage`` over its dp x sp ranks, each dp rank given its part
+    of the batch (``remat``, ``tiles``: see ``_prepared``)."""
+    model = _prepared(name, remat, tiles)
+    layout = None
     if mesh is not None:
         zf.sequence_parallel(model, mesh, kind)
         layout = zf.sequence.layout_of(model)
     apply, params = zf.functionalize(model)
-
-    def loss_fn(p, batch):
-        x, y = batch
-        return zf.sequence.cross_entropy(_logits(apply(p, x)), y, layout)
+    loss_fn = _loss_of(apply, layout, tiles)
 
     opt = zf.optim.chain(zf.optim.clip_by_global_norm(1.0), zf.optim.adamw(1e-3, weight_decay=0.1))
     step = zf.train_step(loss_fn, opt)
@@ -149,8 +168,8 @@ def _data(b=4, T=16, vocab=61):
 def law_worker(rank, cases, dp, attention=()):
     mesh = zf.Mesh(dp=dp, sp=2)
     out = []
-    for name, kind, stage, *remat in cases:
-        got = _train(name, mesh, kind, stage, _data(), remat=bool(remat))
+    for name, kind, stage, *how in cases:
+        got = _train(name, mesh, kind, stage, _data(), remat="remat" in how, tiles=2 * ("tiles" in how))
         ref = _train(name, data=_data())
         out.append((got, ref))
     return out, [_attention_case(rank, *case) for case in attention]
@@ -180,7 +199,8 @@ def test_sp2_ulysses_and_ring_attention_and_training_equal_the_plain_ones():
     _assert_law(results, LAW)
 
 
-DP_SP = [("llama", "ulysses", 3), ("gpt", "ring", 3, "remat"), ("llama", "ulysses", 2, "remat")]
+DP_SP = [("llama", "ulysses", 3), ("gpt", "ring", 3, "remat"), ("llama", "ulysses", 2, "remat", "tiles"),
+         ("hf-llama", "ring", 3, "remat", "tiles")]
 
 
 @pytest.mark.multiprocess
@@ -206,3 +226,36 @@ def test_what_sequence_parallel_cannot_do_is_refused():
     x = torch.randint(0, 61, (2, 8))  # one rank holding everything: the model unchanged
     torch.testing.assert_close(model(x), _model("gpt")(x))
     assert torch.nn.functional.scaled_dot_product_attention is zf.sequence.parallel._TORCH_SDPA
+
+
+@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_the_tiled_mlp_and_tiled_loss_equal_the_untiled_ones(name, remat):
+    x, y = _data()[0]
+    grads = []
+    for tiles in (0, 3):
+        apply, params = zf.functionalize(_prepared(name, remat, tiles))
+        leaves = {n: p.detach().requires_grad_() for n, p in params.items()}
+        loss = _loss_of(apply, None, tiles)(leaves, (x, y))
+        grads.append((loss, torch.autograd.grad(loss, list(leaves.values()))))
+    (loss, ref), (tiled_loss, tiled) = grads
+    torch.testing.assert_close(tiled_loss, loss, rtol=1e-6, atol=1e-6)
+    for g, r in zip(tiled, ref):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+
+
+def test_a_tiled_mlp_holds_one_tile_of_its_intermediate():
+    from zfunc.model.tiling import WorkingMemory
+
+    d, T = 16, 512
+    mlp = torch.nn.Sequential(torch.nn.Linear(d, 8 * d), torch.nn.GELU(), torch.nn.Linear(8 * d, d))
+    x = torch.randn(1, T, d, requires_grad=True)
+    peaks = []
+    for tiles in (1, 8):
+        if tiles > 1:
+            zf.tiling.tile_tokens(mlp, tiles=tiles)
+        with WorkingMemory() as mem:
+            mlp(x).sum().backward()
+        peaks.append(mem.peak_bytes)
+    whole = T * 8 * d * 4  # one (T, 8d) fp32 intermediate
+    assert peaks[0] > 2 * whole and peaks[1] < whole, peaks

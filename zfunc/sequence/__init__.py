@@ -1,12 +1,12 @@
 """Sequence parallelism (``zf.sequence_parallel``): each rank of an ``sp`` group computes ``T / sp`` tokens of
 every sequence; attention sees the whole sequence by Ulysses' all-to-all (ulysses.py) or ring attention (ring.py).
 Which tokens a rank holds (layout.py), the model transformation (parallel.py) and the loss whose mean over the
-group is the whole sequences' (loss.py)."""
+group is the whole sequences', and a head computing it over token tiles (loss.py)."""
 from zfunc.sequence.layout import SequenceLayout
-from zfunc.sequence.loss import cross_entropy, lm_head_loss
+from zfunc.sequence.loss import HeadLoss, cross_entropy, lm_head_loss, loss_head, targets
 from zfunc.sequence.parallel import KINDS, layout_of, sequence_parallel
 from zfunc.sequence.ring import ring_attention
 from zfunc.sequence.ulysses import heads_to_tokens, tokens_to_heads, ulysses_attention
 
-__all__ = ["KINDS", "SequenceLayout", "cross_entropy", "heads_to_tokens", "layout_of", "lm_head_loss",
-           "ring_attention", "sequence_parallel", "tokens_to_heads", "ulysses_attention"]
+__all__ = ["HeadLoss", "KINDS", "SequenceLayout", "cross_entropy", "heads_to_tokens", "layout_of", "lm_head_loss",
+           "loss_head", "ring_attention", "sequence_parallel", "targets", "tokens_to_heads", "ulysses_attention"]
