@@ -7,8 +7,8 @@ the next block travels one rank further round the ring (point to point, overlapp
 compute); a running log-sum-exp merges the blocks' softmaxes (flash attention's online softmax), so
 no rank ever holds more than two key/value blocks. Causal: a query chunk skips key chunks after it and
 masks its own; with the balanced layout every rank does the same work at every step (one early and
-one late chunk). Backward passes the blocks round again, each carrying its key/value grads, which
-arrive home after the last step.
+one late chunk). Each block is computed in ``(TILE x TILE)`` score tiles (queries by keys). Backward
+passes the blocks round again, each carrying its key/value grads, which arrive home after the last step.
 
 **Law.** The output and grads equal ``scaled_dot_product_attention`` over the whole sequence (causal
 or not, grouped-query included), restricted to this rank's tokens, to fp32 rounding: the softmax is
@@ -16,11 +16,12 @@ summed in another order. Any head count: no heads are split (``sp`` need not div
 
 **Needs.** No ``attn_mask`` tensor and no dropout (the blocks' masks are built from the layout).
 
-**Cost** per attention call, per rank, ``e`` bytes per element, ``c = T / (2 sp)``: forward ``sp - 1``
+**Cost** per attention call, per rank, ``e`` bytes per element: forward ``sp - 1``
 sends and receives of ``2 B (T/sp) H_kv D e`` bytes (a key/value block), backward the same plus
 ``sp`` of the fp32 key/value grads, ``2 B (T/sp) H_kv D 4``. Compute: the causal half of the score
-matrix, in ``(c x c)`` tiles. Memory: this rank's q, k, v, output and log-sum-exp saved for backward,
-plus two key/value blocks and one ``(B, H, c, c)`` fp32 score tile while it runs -- never ``T`` keys.
+matrix, in ``(TILE x TILE)`` tiles. Memory: this rank's q, k, v, output and log-sum-exp saved for
+backward, plus two key/value blocks and one ``(B, H, TILE, TILE)`` fp32 score tile while it runs --
+never ``T`` keys.
 """
 from __future__ import annotations
 
@@ -30,24 +31,40 @@ from zfunc.dist.mesh import P2P
 from zfunc.sequence.layout import SequenceLayout
 
 _KV, _DKV = 1, 2  # point-to-point tags: the blocks and their grads
+TILE = 256  # tokens of queries and of keys per score tile: a (B, H, 256, 256) fp32 tile, 256 KiB a head
 
 
-def _pairs(layout: SequenceLayout, source: int, causal: bool):
-    """(query chunk slot, key chunk slot, diagonal) for this rank's queries against ``source``'s block."""
-    mine = layout.chunks()
-    theirs = SequenceLayout(layout.sp, source, layout.kind).chunks()
-    for a, qc in enumerate(mine):
-        for b, kc in enumerate(theirs):
-            if causal and qc < kc:
+def _tiles(layout: SequenceLayout, rank: int, length: int, tile: int) -> list[tuple[slice, int, int]]:
+    """``rank``'s tokens of a ``length``-token sequence as tiles: (local slice, first position, size)."""
+    size = length // layout.parts
+    out, local = [], 0
+    for c in SequenceLayout(layout.sp, rank, layout.kind).chunks():
+        for start in range(0, size, tile):
+            n = min(tile, size - start)
+            out.append((slice(local + start, local + start + n), c * size + start, n))
+        local += size
+    return out
+
+
+def _pairs(layout: SequenceLayout, source: int, length: int, causal: bool, tile: int):
+    """(query rows, key rows, mask or None) for this rank's queries against ``source``'s block: causal
+    skips the key tiles after a query tile and masks the keys after each query in a tile they share."""
+    keys = _tiles(layout, source, length, tile)
+    for rows, q0, qn in _tiles(layout, layout.rank, length, tile):
+        for cols, k0, kn in keys:
+            if causal and k0 > q0 + qn - 1:
                 continue
-            yield a, b, causal and qc == kc
+            mask = None
+            if causal and k0 + kn - 1 > q0:  # some keys come after some queries
+                q_pos, k_pos = torch.arange(q0, q0 + qn), torch.arange(k0, k0 + kn)
+                mask = k_pos[None, :] > q_pos[:, None]
+            yield rows, cols, mask
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
     s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
-    if diagonal:
-        n = s.shape[-1]
-        s.masked_fill_(torch.ones(n, n, dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
+    if mask is not None:
+        s.masked_fill_(mask.to(s.device), float("-inf"))
     return s
 
 
@@ -73,8 +90,8 @@ def _shift(p2p: P2P, t: torch.Tensor, layout: SequenceLayout, tag: int, label: s
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(q, k, v, p2p, layout, causal, scale, label):
-        sp, groups, c = layout.sp, q.shape[1] // k.shape[1], q.shape[2] // len(layout.chunks())
+    def forward(q, k, v, p2p, layout, causal, scale, label, tile):
+        sp, groups, length = layout.sp, q.shape[1] // k.shape[1], q.shape[2] * layout.sp
         qf = q.float()
         out = torch.zeros(qf.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(qf.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
@@ -83,10 +100,9 @@ class _RingAttention(torch.autograd.Function):
             source = (layout.rank - i) % sp
             moving = _shift(p2p, kv, layout, _KV, f"{label}: k, v block of rank {source}") if i < sp - 1 else None
             keys, values = (_grouped(t.float(), groups) for t in kv)
-            for a, b, diagonal in _pairs(layout, source, causal):
-                rows, cols = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
-                s = _scores(qf[:, :, rows], keys[:, :, cols], scale, diagonal)
-                block_lse = torch.logsumexp(s, dim=-1)
+            for rows, cols, mask in _pairs(layout, source, length, causal, tile):
+                s = _scores(qf[:, :, rows], keys[:, :, cols], scale, mask)
+                block_lse = torch.logsumexp(s, dim=-1)  # finite: a query's tile always holds a key before it
                 block_out = torch.matmul(s.sub_(block_lse[..., None]).exp_(), values[:, :, cols])
                 new = torch.logaddexp(lse[:, :, rows], block_lse)
                 out[:, :, rows].mul_((lse[:, :, rows] - new).exp_()[..., None]).add_(
@@ -100,7 +116,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, ctx.p2p, ctx.layout, ctx.causal, ctx.scale, ctx.label = inputs
+        q, k, v, ctx.p2p, ctx.layout, ctx.causal, ctx.scale, ctx.label, ctx.tile = inputs
         out, lse = output
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -110,7 +126,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
         layout, scale, p2p, label = ctx.layout, ctx.scale, ctx.p2p, ctx.label
-        sp, groups, c = layout.sp, q.shape[1] // k.shape[1], q.shape[2] // len(layout.chunks())
+        sp, groups, length = layout.sp, q.shape[1] // k.shape[1], q.shape[2] * layout.sp
         qf, dout = q.float(), grad_out.float()
         delta = (dout * out.float()).sum(-1)
         dq = torch.zeros_like(qf)
@@ -121,9 +137,8 @@ class _RingAttention(torch.autograd.Function):
             moving = _shift(p2p, kv, layout, _KV, f"the backward of {label}: k, v block of rank {source}") \
                 if i < sp - 1 else None
             keys, values = (_grouped(t.float(), groups) for t in kv)
-            for a, b, diagonal in _pairs(layout, source, ctx.causal):
-                rows, cols = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
-                p = _scores(qf[:, :, rows], keys[:, :, cols], scale, diagonal).sub_(lse[:, :, rows, None]).exp_()
+            for rows, cols, mask in _pairs(layout, source, length, ctx.causal, ctx.tile):
+                p = _scores(qf[:, :, rows], keys[:, :, cols], scale, mask).sub_(lse[:, :, rows, None]).exp_()
                 dkv[1][:, :, cols] += _ungrouped(torch.matmul(p.transpose(-1, -2), dout[:, :, rows]), groups)
                 ds = torch.matmul(dout[:, :, rows], values[:, :, cols].transpose(-1, -2))
                 ds = p.mul_(ds.sub_(delta[:, :, rows, None])).mul_(scale)
@@ -135,16 +150,17 @@ class _RingAttention(torch.autograd.Function):
                     w.wait()
             if moving is not None:
                 kv = moving[0]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p2p: P2P, layout: SequenceLayout, *,
-                   is_causal: bool = False, scale: float | None = None, label: str = "ring attention") -> torch.Tensor:
+                   is_causal: bool = False, scale: float | None = None, label: str = "ring attention",
+                   tile: int = TILE) -> torch.Tensor:
     """Attention of this rank's ``(B, H, T/sp, D)`` queries (``layout``'s tokens) over the whole sequence, the
     key/value blocks passed round the ``sp`` ranks of ``p2p``. ``k``, ``v``: ``(B, H_kv, T/sp, D)``, ``H_kv``
-    dividing ``H``. Law and cost: the module docstring."""
+    dividing ``H``; ``tile``: query and key tokens per score tile. Law and cost: the module docstring."""
     if q.dim() != 4 or k.shape != v.shape or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(f"q, k, v: expected (B, H, T, D) queries and (B, H_kv, T, D) keys and values with H_kv "
                          f"dividing H, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _RingAttention.apply(q, k, v, p2p, layout, bool(is_causal), float(scale), label)[0]
+    return _RingAttention.apply(q, k, v, p2p, layout, bool(is_causal), float(scale), label, int(tile))[0]
