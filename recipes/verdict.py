@@ -16,7 +16,8 @@ When the run does not fit, ``zp.search`` ranks every layout it tries (ZeRO 0-3, 
 remat, the micro-batch split of the same ``--batch-size``, pipelines on several processes) by its
 predicted tokens/s; the first that fits this machine by ``needs`` and that the recipe's layout flags
 accept (``layout.resolve``) is given as the recipe's command line; with none, the leanest layout and
-what it needs. On CUDA with a datasheet GPU the same search is given as ``python -m zfunc.plan`` flags.
+what it needs. On CUDA with a datasheet GPU the same search is given as ``python -m recipes.plan`` flags
+(zfunc.plan's command line, the recipes' flavors known).
 The time model of a CPU uses nominal rates (no measurement in a dry run): they order the layouts, the
 bytes decide the fit.
 
@@ -294,7 +295,7 @@ def command(recipe: str, args: argparse.Namespace, layout: dict[str, object]) ->
 
 
 def plan_command(recipe: str, args: argparse.Namespace, machine: Machine, world: int, precision: str) -> str | None:
-    """The same search as ``python -m zfunc.plan`` flags, where they can say this machine (a datasheet
+    """The same search as ``python -m recipes.plan`` flags, where they can say this machine (a datasheet
     GPU, a --flavor or --hf-config model); None elsewhere."""
     key = gpu_key(machine.gpu_name, machine.gpu_bytes)
     if key is None or (args.flavor is None and args.hf_config is None):
@@ -302,7 +303,7 @@ def plan_command(recipe: str, args: argparse.Namespace, machine: Machine, world:
     model = (["--flavor", args.flavor, "--recipe", recipe] if args.flavor is not None else
              ["--hf-config", args.hf_config])
     disk_gb = (machine.disk_free or 0) / GB
-    argv = ["python", "-m", "zfunc.plan", *model, "--gpu", key, "--gpus", str(world), "--gpus-per-node",
+    argv = ["python", "-m", "recipes.plan", *model, "--gpu", key, "--gpus", str(world), "--gpus-per-node",
             str(min(world, machine.local_ranks)), "--cpu-ram", f"{machine.ram_available / GB:.0f}", "--nvme",
             f"{disk_gb:.0f}", "--seq", str(args.block_size), "--global-batch", str(args.batch_size),
             "--precision", precision, "--search"]

@@ -284,15 +284,16 @@ class Counted:
         return counted
 
 
-@pytest.mark.parametrize("what", ["shard 2", "offload"])
+@pytest.mark.parametrize("what", ["shard 0", "shard 2", "offload"])
 def test_a_role_is_swapped_without_subclassing_and_the_step_trains_the_same(what):
-    """A step's roles come from its ``roles(run, state)`` provider: replacing it on one step object
-    with roles that wrap the default params source and grad sink (and count their calls) leaves
-    every bit of the training as it was; no class is subclassed."""
+    """A step's roles come from its ``roles(context, state)`` provider: replacing it on one step
+    object with roles that wrap the default params source and grad sink (and count their calls)
+    leaves every bit of the training as it was; no class is subclassed. Stage 0 too opens the grad
+    sink its roles give (its reducer delivers the all-reduced buckets there)."""
     def build():
         step, params = plain_step()
-        if what == "shard 2":
-            return zf.shard(step, zf.Mesh.alone(), 2), params
+        if what.startswith("shard"):
+            return zf.shard(step, zf.Mesh.alone(), int(what[-1])), params
         return zf.offload(step, "cpu", "cpu", units=zf.units.by_class(Block)), params
 
     counts = collections.Counter()
@@ -315,6 +316,102 @@ def test_a_role_is_swapped_without_subclassing_and_the_step_trains_the_same(what
     assert counts["params.finish"] == counts["grads.finish"] == 3 and counts["sink.deliver"] >= 3
 
 
+def test_stage_0_delivers_its_grads_to_a_swapped_grad_sink():
+    """The grad sink a stage-0 step's roles give receives its reduced grads: one that keeps them
+    and hands back zeros leaves the params where weight decay alone puts them."""
+    class ZeroGrads:
+        def __init__(self, sink):
+            self.sink, self.delivered = sink, []
+
+        def __getattr__(self, attr):
+            return getattr(self.sink, attr)
+
+        def deliver(self, group, slices):
+            self.delivered.append(group.name)
+            self.sink.deliver(group, slices)
+
+        def result(self):
+            return [torch.zeros_like(g) for g in self.sink.result()]
+
+    class Opens:
+        def __init__(self, role):
+            self.role, self.sinks = role, []
+
+        def __getattr__(self, attr):
+            return getattr(self.role, attr)
+
+        def open(self, pieces):
+            self.sinks.append(ZeroGrads(self.role.open(pieces)))
+            return self.sinks[-1]
+
+    step, params = plain_step()
+    step = zf.shard(zf.train_step(step.loss_fn, zf.optim.sgd(0.1)), zf.Mesh.alone(), 0)
+    default, opened = step.roles, []
+
+    def zero_grads(context, state):
+        roles = default(context, state)
+        opened.append(Opens(roles.grads))
+        return roles.replace(grads=opened[-1])
+
+    step.roles = zero_grads
+    state = step.init(params)
+    before = {k: v.clone() for k, v in state.params.items()}
+    state, _ = step(state, batches(1, 1)[0])
+    assert len(opened) == 1 and len(opened[0].sinks) == 1 and opened[0].sinks[0].delivered
+    assert all(torch.equal(state.params[k], before[k]) for k in before)  # sgd without decay: zero grads move nothing
+
+
+@pytest.mark.parametrize("what", ["shard 0", "shard 3", "offload"])
+def test_roles_read_a_frozen_context_and_a_call_hands_what_it_learned_to_step_learn(what):
+    """The roles provider gets the call's ``RunContext`` (frozen: the placement, the grad divisor,
+    the sum over the ranks, the finite check), not the run; nothing is written onto the step
+    during a call; what the call learned reaches the step once, through ``step.learn``."""
+    import dataclasses
+
+    from zfunc.core.roles import RunContext
+
+    step, params = plain_step()
+    if what.startswith("shard"):
+        stage = int(what[-1])
+        step = zf.shard(step, zf.Mesh.alone(), stage, units=zf.units.by_class(Block) if stage == 3 else None)
+    else:
+        step = zf.offload(step, "cpu", "cpu", units=zf.units.by_class(Block))
+    state = step.init(params)
+    default, learn, contexts, learned = step.roles, step.learn, [], []
+
+    def roles(context, state):
+        contexts.append(context)
+        return default(context, state)
+
+    def fields():  # each attribute of the step (and of the sharded step it wraps), and a copy of lists
+        objs = {"step": step, "sharded": step.sharded}
+        return {(o, k): (v, list(v) if isinstance(v, list) else None)
+                for o, obj in objs.items() for k, v in vars(obj).items() if k != "learn"}
+
+    def learning(what_it_learned):
+        now = fields()
+        assert now.keys() == before.keys() and all(now[k][0] is before[k][0] and now[k][1] == before[k][1]
+                                                   for k in now), "a call wrote onto the step"
+        learned.append(what_it_learned)
+        learn(what_it_learned)
+
+    step.roles, step.learn = roles, learning
+    for batch in batches(1, 2):
+        before = fields()
+        state, _ = step(state, batch)
+    assert len(learned) == len(contexts) == 2
+    context = contexts[0]
+    assert isinstance(context, RunContext) and context.spec == state.placement and context.grad_divisor == 1.0
+    assert (context.sum_across is None) == (what == "shard 0")  # stage 0's loss and grads are totals already
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        context.grad_divisor = 2.0
+    first = learned[0]
+    assert {"peak_gathered_bytes", "peak_whole_grad_bytes", "groups"} <= first.keys()
+    assert ("grad_order" in first) == (what == "shard 0") and ("unit_order" in first) == (what != "shard 0")
+    assert ("fetch_order" in first) == (what == "offload")
+    assert step.sharded._flat_groups is [got["groups"] for got in learned if "groups" in got][-1]  # kept as learned
+
+
 def test_the_schedules_are_roles_with_one_interface_and_1f1b_on_one_stage_is_accumulation():
     from zfunc.pipelining.stage import PipelineSchedule
     from zfunc.core.roles import Accumulation
@@ -327,6 +424,46 @@ def test_the_schedules_are_roles_with_one_interface_and_1f1b_on_one_stage_is_acc
     assert PipelineSchedule("1f1b", 2).ops(2, 0) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
     with pytest.raises(ValueError, match="microbatches=4 must divide"):
         PipelineSchedule("1f1b", 4).split(batch)
+
+
+def test_one_microbatch_loop_runs_each_steps_schedule_by_its_ops(monkeypatch):
+    """Plain, sharded and offloaded steps run their microbatches in the order their schedule's
+    ``ops`` gives (one loop, ``zfunc.core.microbatches``): counted once per call; and the plain
+    step given GPipe's order on one stage (every forward, then every backward) trains bit for bit
+    as with accumulation's."""
+    from zfunc.core.roles import Accumulation
+    from zfunc.pipelining.stage import PipelineSchedule
+
+    calls = collections.Counter()
+    ops = Accumulation.ops
+
+    def counted(self, stages=1, stage=0):
+        calls[self.count] += 1
+        return ops(self, stages, stage)
+
+    monkeypatch.setattr(Accumulation, "ops", counted)
+
+    def build(what):
+        torch.manual_seed(0)
+        apply, params = zf.functionalize(Tiny())
+        step = zf.train_step(token_loss(apply), zf.optim.adamw(1e-2), accum=2)
+        if what == "shard 1":
+            step = zf.shard(step, zf.Mesh.alone(), 1)
+        elif what == "offload":
+            step = zf.offload(step, "cpu")
+        return step, params
+
+    for what in ("plain", "shard 1", "offload"):
+        step, params = build(what)
+        calls.clear()
+        train_on(step, step.init(params), batches(1, 2))
+        assert calls == {2: 2}, (what, calls)
+    step, params = build("plain")
+    ref_state, ref_losses, _ = train_on(step, step.init(params), batches(1, 3))
+    step, params = build("plain")
+    step.schedule = PipelineSchedule("gpipe", 2)
+    state, losses, _ = train_on(step, step.init(params), batches(1, 3))
+    assert losses == ref_losses and all(torch.equal(state.params[k], ref_state.params[k]) for k in params)
 
 
 def test_replacing_an_unknown_role_names_it_and_the_roles_there_are():

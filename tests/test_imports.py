@@ -25,10 +25,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OUTSIDE = ("recipes", "benchmarks", "tests")
 
-# The one import of recipes/ left in the library: zfunc/plan/model.py's from_flavor (``python -m zfunc.plan
-# --flavor``) reads the recipes' flavor tables, until they move into the library (issue 30). An entry goes
-# once its file no longer imports that package (the test fails on an entry nothing needs).
-NOT_YET = {("zfunc/plan/model.py", "recipes")}
 
 
 @dataclass(frozen=True)
@@ -251,10 +247,7 @@ def test_every_package_folder_has_an_init():
 
 def test_the_library_imports_no_recipes_benchmarks_or_tests():
     found = outside_report(read_all()[1])
-    wrong = [line for path, package, line in found if (path, package) not in NOT_YET]
-    assert not wrong, "zfunc/ imports outside the library:\n" + "\n".join(wrong)
-    stale = NOT_YET - {(path, package) for path, package, _ in found}
-    assert not stale, f"NOT_YET lists imports that are gone; remove {sorted(stale)}"
+    assert not found, "zfunc/ imports outside the library:\n" + "\n".join(line for _, _, line in found)
 
 
 def test_each_rule_fails_on_a_tree_that_breaks_it(tmp_path):

@@ -218,14 +218,49 @@ def test_global_norm():
 def test_known_norm_is_reused_only_for_the_same_unmodified_grads():
     grads = {"a": torch.tensor([3.0]), "b": torch.tensor([[4.0]])}
     given = torch.tensor(7.0)
-    with optim.known_norm(grads, given):
-        assert optim.global_norm(grads) is given  # what clip_by_global_norm sees inside the step
-        assert optim.global_norm(dict(grads)) is given  # another container, the same tensors
-        assert optim.global_norm({"a": grads["a"].clone(), "b": grads["b"]}).item() == 5.0
-        assert optim.global_norm({"a": grads["a"]}).item() == 3.0
-        grads["b"].mul_(0.0)  # changed in place since: computed again
-        assert optim.global_norm(grads).item() == 3.0
+    known = optim.known_norm(grads, given)
+    assert optim.global_norm(grads, known) is given  # what clip_by_global_norm sees inside the step
+    assert optim.global_norm(dict(grads), known) is given  # another container, the same tensors
+    assert optim.global_norm({"a": grads["a"].clone(), "b": grads["b"]}, known).item() == 5.0
+    assert optim.global_norm({"a": grads["a"]}, known).item() == 3.0
+    grads["b"].mul_(0.0)  # changed in place since: computed again
+    assert optim.global_norm(grads, known).item() == 3.0
     assert optim.global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([[4.0]])}).item() == 5.0
+
+
+def test_no_context_variable_steers_a_norm_or_a_steps_collectives():
+    """The norm, the optimizer and the runs hold no ``ContextVar``: what is summed over the ranks, and
+    which norm a clip reads, is passed explicitly (``sum_over_ranks``, ``apply(norm=)``)."""
+    import contextvars
+    import importlib
+
+    for name in ("zfunc.optim.norm", "zfunc.optim.base", "zfunc.core.step", "zfunc.core.roles",
+                 "zfunc.core.microbatches", "zfunc.sharding.run", "zfunc.offloading.run", "zfunc.pipelining.step",
+                 "zfunc.pipelining.stage"):
+        module = importlib.import_module(name)
+        held = [k for k, v in vars(module).items() if isinstance(v, contextvars.ContextVar)]
+        assert not held, (name, held)
+
+
+@pytest.mark.parametrize("grad_scale", [None, 0.5])
+def test_clipping_takes_the_norm_the_step_hands_to_apply(grad_scale):
+    """``optim.apply(norm=known_norm(grads, n))``: a clip reads ``n`` as the norm of the grads it is
+    given (scaled with them by ``grad_scale``), not the norm of the tensors, as a sharded step's
+    share of the grads needs; nothing else holds it, so a clip outside the call computes its own."""
+    def fresh():  # apply consumes its arguments: new tensors for each call
+        return {"a": torch.tensor([3.0]), "b": torch.tensor([[4.0]])}, {"a": torch.zeros(1), "b": torch.zeros(1, 1)}
+
+    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.sgd(1.0))
+    total = torch.tensor(50.0)  # the norm over every rank: this rank's grads are 1/10 of it
+    grads, params = fresh()
+    new, _ = optim.apply(tx, dict(grads), tx.init(params), params, grad_scale=grad_scale,
+                         norm=optim.known_norm(grads, total))
+    factor = grad_scale or 1.0
+    want = 1.0 / (50.0 * factor + 1e-6) * factor  # clip by the given norm, then sgd's -lr * g
+    torch.testing.assert_close(new["a"], -3.0 * want * torch.ones(1))
+    grads, params = fresh()
+    alone, _ = optim.apply(tx, grads, tx.init(params), params)  # no norm given: its own, 5
+    torch.testing.assert_close(alone["a"], torch.tensor([-3.0 / (5.0 + 1e-6)]))
 
 
 @pytest.mark.parametrize(

@@ -379,3 +379,36 @@ def test_the_library_imports_neither_recipes_nor_benchmarks():
                      [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
             found += [f"{path.relative_to(root)}: {n}" for n in names if n.split(".")[0] in ("recipes", "benchmarks")]
     assert not found, found
+
+
+def test_a_flavor_comes_from_the_recipe_that_registered_it(monkeypatch):
+    """``from_flavor`` knows only registered recipes (the library imports none): unknown -> a ValueError
+    naming the recipe and those registered; registered -> its model's exact leaves, built on meta."""
+    from zfunc.plan import model as model_mod
+
+    monkeypatch.setattr(model_mod, "_FLAVORS", {})
+    with pytest.raises(ValueError, match=r"--recipe: no flavors registered for recipe 'gpt' \(registered: none\)"):
+        zp.from_flavor("debug", "gpt")
+    built = []
+
+    def build(name):
+        model = Tiny()
+        built.append((name, next(model.parameters()).device.type))
+        return model, {"n_layer": 1, "n_embd": 16, "n_head": 2, "vocab_size": 32}
+
+    zp.register_flavors("gpt", build)
+    spec = zp.from_flavor("tiny", "gpt")
+    assert built == [("tiny", "meta")] and spec.params == sum(p.numel() for p in Tiny().parameters())
+    with pytest.raises(ValueError, match=r"build: expected a callable"):
+        zp.register_flavors("gpt", None)
+
+
+def test_recipes_plan_registers_the_recipes_flavors(monkeypatch, capsys):
+    from recipes import llama, plan as recipes_plan
+    from zfunc.plan import model as model_mod
+
+    monkeypatch.setattr(model_mod, "_FLAVORS", {})
+    assert recipes_plan.main(["--flavor", "debug", "--recipe", "llama", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"] == "llama debug" and out["params"] == sum(
+        p.numel() for p in llama.Llama(llama.flavor("debug")).parameters())

@@ -70,7 +70,7 @@ def test_swap_files_without_nvme_path_do_not_fit():
 
 
 def test_on_a_datasheet_gpu_the_search_is_also_a_zfunc_plan_command_that_runs(capsys):
-    from zfunc.plan import __main__ as plan_cli
+    from recipes import plan as plan_cli
 
     m = machine(gpu_name="NVIDIA H100 80GB HBM3", gpu_bytes=80 * GB, local_ranks=8)
     assert verdict.gpu_key(m.gpu_name, m.gpu_bytes) == "H100-80GB"
@@ -78,7 +78,7 @@ def test_on_a_datasheet_gpu_the_search_is_also_a_zfunc_plan_command_that_runs(ca
     assert verdict.gpu_key("Tesla T4", 16 * GB) is None
     args = cli.parse_args(llama.RECIPE, ["--flavor", "debug", "--batch-size", "64"])
     line = verdict.plan_command("llama", args, m, 16, "bf16")
-    assert line.startswith("python -m zfunc.plan --flavor debug --recipe llama --gpu H100-80GB --gpus 16 ")
+    assert line.startswith("python -m recipes.plan --flavor debug --recipe llama --gpu H100-80GB --gpus 16 ")
     assert "--gpus-per-node 8 --cpu-ram 20 --nvme 10 --seq 128 --global-batch 64" in line
     assert plan_cli.main(shlex.split(line)[3:]) == 0 and "1. dp=" in capsys.readouterr().out
     assert verdict.plan_command("llama", args, machine(), 1, "fp32") is None  # a CPU: no datasheet to name

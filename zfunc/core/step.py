@@ -42,6 +42,8 @@ from zfunc import optim
 from zfunc.model import functional as module
 from zfunc.model.materialize import Materializer, leaf as materialize_leaf
 from zfunc.core import precision as mp, tree
+from zfunc.core.microbatches import accumulate, run_microbatches, step_seed
+from zfunc.core.roles import Accumulation, SumAcross
 from zfunc.ops.cpu import hostmem
 from zfunc.core.state import TrainState, require_train_state
 
@@ -61,20 +63,45 @@ def split_loss(out: Any, has_aux: bool) -> tuple[torch.Tensor, Any]:
     return loss, aux
 
 
-def _grad_leaves(params: PyTree, loss_fn: Callable, args: tuple, scale: float | None, has_aux: bool):
-    """``(loss, aux, grads, treespec)`` of ``loss_fn(params, *args)``; grads a list in leaf order
-    (``params``' ``treespec``), ``None`` for a leaf that is not floating or that the loss did not use."""
-    leaves, treespec = tree.flatten(params)
-    flags = [isinstance(x, torch.Tensor) and x.is_floating_point() for x in leaves]
-    diff = [x.detach().requires_grad_() if f else x for x, f in zip(leaves, flags)]
-    with torch.enable_grad():
-        loss, aux = split_loss(loss_fn(tree.unflatten(treespec, diff), *args), has_aux)
-        wrt = diff if all(flags) else [x for x, f in zip(diff, flags) if f]
-        grads = _grads(loss * scale if scale is not None else loss, wrt)
-    if len(grads) != len(diff):
-        it = iter(grads)
-        grads = [next(it) if f else None for f in flags]
-    return loss.detach(), aux, list(grads), treespec
+class _LocalGrads:
+    """The plain step's forward and backward: grads of ``loss_fn(params, microbatch)`` (its loss times
+    ``scale``, None: 1) with respect to ``params``' floating leaves, by ``torch.autograd.grad`` over
+    detached leaves that require grad, summed in fp32 over the microbatches (``accumulate``)."""
+
+    __slots__ = ("loss_fn", "scale", "has_aux", "treespec", "flags", "wrt", "params", "live", "acc")
+
+    def __init__(self, params: PyTree, loss_fn: Callable, scale: float | None, has_aux: bool):
+        leaves, self.treespec = tree.flatten(params)
+        self.flags = [isinstance(x, torch.Tensor) and x.is_floating_point() for x in leaves]
+        diff = [x.detach().requires_grad_() if f else x for x, f in zip(leaves, self.flags)]
+        self.wrt = diff if all(self.flags) else [x for x, f in zip(diff, self.flags) if f]
+        self.params = tree.unflatten(self.treespec, diff)
+        self.loss_fn, self.scale, self.has_aux = loss_fn, scale, has_aux
+        self.live: dict[int, torch.Tensor] = {}  # microbatches between forward and backward: their losses
+        self.acc: list | None = None
+
+    def forward(self, i: int, micro: PyTree) -> tuple[torch.Tensor, Any]:
+        """Microbatch ``i``'s ``(loss, aux)``; its graph kept for ``backward(i)``."""
+        with torch.enable_grad():
+            loss, aux = split_loss(self.loss_fn(self.params, micro), self.has_aux)
+        self.live[i] = loss
+        return loss, aux
+
+    def backward(self, i: int) -> None:
+        """Microbatch ``i``'s grads, added to the sums (``None`` for a leaf it did not use)."""
+        self.acc = accumulate(self.acc, self.grads(self.live.pop(i)))
+
+    def grads(self, loss: torch.Tensor) -> list:
+        """The grads of ``loss`` (times ``scale``), a list in leaf order, ``None`` for a leaf that is
+        not floating or that the loss did not use."""
+        if self.scale is not None:
+            with torch.enable_grad():  # the product joins the graph (the backward itself needs no grad mode)
+                loss = loss * self.scale
+        grads = _grads(loss, self.wrt)
+        if len(grads) != len(self.flags):
+            it = iter(grads)
+            grads = [next(it) if f else None for f in self.flags]
+        return list(grads)
 
 
 _ENGINE = torch.autograd.Variable._execution_engine
@@ -110,33 +137,16 @@ def value_and_grad(fn: Callable[..., Any], has_aux: bool = False) -> Callable[..
     """
 
     def wrapped(params: PyTree, *args: Any):
-        loss, aux, grads, treespec = _grad_leaves(params, fn, args, None, has_aux)
+        local = _LocalGrads(params, fn, None, has_aux)
+        with torch.enable_grad():
+            loss, aux = split_loss(fn(local.params, *args), has_aux)
+        grads = local.grads(loss)
         leaves = tree.leaves(params)
         grads = [_or_zeros(g, x) if _differentiable(x) else None for g, x in zip(grads, leaves)]
-        grads = tree.unflatten(treespec, grads)
-        return ((loss, aux) if has_aux else loss), grads
+        grads = tree.unflatten(local.treespec, grads)
+        return ((loss.detach(), aux) if has_aux else loss.detach()), grads
 
     return wrapped
-
-
-def split_batch(batch: PyTree, accum: int) -> list[PyTree]:
-    """``batch`` cut into ``accum`` microbatches along each tensor's leading dim (other leaves
-    repeated); ``[batch]`` itself when ``accum`` is 1. Views (``chunk``), no copies. Raises
-    ``ValueError`` naming ``accum`` and the shape when a tensor's leading dim does not divide."""
-    if accum == 1:
-        return [batch]
-    leaves, treespec = tree.flatten(batch)
-    pieces = []
-    for x in leaves:
-        if isinstance(x, torch.Tensor):
-            if x.dim() == 0 or x.shape[0] % accum:
-                raise ValueError(
-                    f"batch: accum={accum} splits each tensor's leading dim, got a tensor of shape {tuple(x.shape)}"
-                )
-            pieces.append(x.chunk(accum))
-        else:
-            pieces.append([x] * accum)
-    return [tree.unflatten(treespec, parts) for parts in zip(*pieces)]
 
 
 def check_single_device(params: PyTree) -> torch.device:
@@ -170,13 +180,13 @@ def _takes_params_and_batch(fn: Callable) -> None:
 class Step:
     """A training step: ``state, metrics = step(state, batch)`` and ``state = step.init(params)``.
 
-    Built by ``train_step``; transformations (shard, offload, ...) read its attributes and build a
-    new ``Step``. ``metrics`` holds 0-d tensors ``loss`` and ``grad_norm`` (of the unscaled, unclipped
-    fp32 grads; None where the step did not compute it, see ``train_step(grad_norm=)``), floats ``lr``
-    (None if the optimizer has no schedule) and ``loss_scale`` (fp16),
-    ``skipped`` (bool: the loss or the grads were inf/nan, so the update was not applied: params
-    and optimizer state are returned unchanged; see the module docstring) and ``step`` (int,
-    steps taken, skipped ones included).
+    Built by ``train_step``; transformations (shard, offload, ...) wrap it (``Transformed``) and
+    build a new ``Step``. ``metrics`` holds 0-d tensors ``loss`` and ``grad_norm`` (of the unscaled,
+    unclipped fp32 grads; None where the step did not compute it, see ``train_step(grad_norm=)``),
+    floats ``lr`` (None if the optimizer has no schedule) and ``loss_scale`` (fp16), ``skipped``
+    (bool: the loss or the grads were inf/nan, so the update was not applied: params and optimizer
+    state are returned unchanged; see the module docstring) and ``step`` (int, steps taken, skipped
+    ones included).
     """
 
     layers: tuple[str, ...] = ("train_step",)  # the transformations that built it (``zfunc.core.compose``)
@@ -187,6 +197,7 @@ class Step:
         self.grad_norm = grad_norm
         self.compute_dtype = mp.compute_dtype(precision)
         self.max_skips = mp.default_max_skips(precision) if max_skips is None else max_skips
+        self.schedule = Accumulation(accum)  # the microbatch loop's schedule
 
     def init(self, params: PyTree, materialize: Materializer | None = None) -> TrainState:
         """A fresh state: fp32 copies of ``params`` (the caller's tensors are never aliased), the
@@ -231,7 +242,7 @@ class Step:
         params, _, step, rng, loss_scale, buffers = _values(state)
         with module.carrying(buffers) as carried:  # apply reads and updates the state's buffers
             loss, aux, grads = self._loss_and_grads(params, batch, step, rng, loss_scale)
-        return self._update(state, grads, loss, aux, carried.buffers)
+        return self.update(state, grads, loss, aux, self.local_norm(grads), carried.buffers)
 
     def _check_state(self, state: Any) -> None:
         require_train_state(state)
@@ -239,14 +250,21 @@ class Step:
             raise ValueError(f"state: this state is sharded ({state.placement}); feed it to the sharded step "
                              "it came from, not to the plain step")
 
-    def _update(self, state: TrainState, grads: PyTree, loss: torch.Tensor, aux: Any, buffers: dict | None = None):
+    def update(self, state: TrainState, grads: PyTree, loss: torch.Tensor, aux: Any, norm: torch.Tensor | None,
+               buffers: dict | None = None, produced: torch.Tensor | None = None) -> tuple[TrainState, dict[str, Any]]:
         """Apply the optimizer to ``state`` with fp32, unscaled ``grads`` unless the step is not
-        finite; the new state (holding ``buffers``, None: empty) and metrics."""
+        finite; the new state (holding ``buffers``, None: empty) and metrics.
+
+        ``loss`` and ``norm`` (the grads' global norm, None: not computed; ``local_norm``) are the
+        step's totals: where the grads are one rank's share, the caller has summed them over the
+        ranks (``sum_over_ranks``), so that every rank decides alike. ``produced`` (None: not
+        tracked): per leaf, the ranks that produced a grad for it; a leaf none did gets no grad,
+        which the optimizer leaves alone. Clipping takes ``norm`` as it is (``optim.known_norm``):
+        no second read of the grads, no second collective."""
         params, opt_state, step, rng, loss_scale, _ = _values(state)
-        # sharded: the all-reduce that also sums the loss
-        norm = optim.global_norm(grads) if self._needs_norm() else None
-        finite = self._finite(loss, norm, step, loss_scale)  # may raise: nothing written yet
-        grads = self._without_missing_grads(grads)
+        finite = self.finite(loss, norm, step, loss_scale)  # may raise: nothing written yet
+        if produced is not None:
+            grads = without_missing_grads(grads, produced)
         lr = optim.learning_rate(self.optimizer, opt_state)
         if self.donate:
             state._consumed = True
@@ -255,18 +273,23 @@ class Step:
         if finite and norm is None:
             params, opt_state = optim.apply(self.optimizer, grads, opt_state, params)
         elif finite:
-            with optim.known_norm(grads, norm):  # clipping reuses it: sharded, each norm is an all-reduce
-                params, opt_state = optim.apply(self.optimizer, grads, opt_state, params)
+            params, opt_state = optim.apply(self.optimizer, grads, opt_state, params,
+                                            norm=optim.known_norm(grads, norm))
         loss_scale = mp.next_loss_scale(loss_scale, finite)
-        metrics = self._metrics(loss, norm, lr, finite, step, loss_scale, aux)
+        metrics = self.metrics(loss, norm, lr, finite, step, loss_scale, aux)
         return TrainState(params, opt_state, step + 1, rng, loss_scale, state.placement, buffers=buffers), metrics
 
-    def _needs_norm(self) -> bool:
+    def needs_norm(self) -> bool:
         """Whether this step computes the global grad norm: asked for (``train_step(grad_norm=)``),
         read by the optimizer (``needs_global_norm``: clipping) or fp16's overflow check."""
         return self.grad_norm or self.optimizer.needs_global_norm or self.precision == "fp16"
 
-    def _finite(self, loss: torch.Tensor, norm: torch.Tensor | None, step: int, loss_scale) -> bool:
+    def local_norm(self, grads: PyTree) -> torch.Tensor | None:
+        """The L2 norm of ``grads`` as this process holds them (``optim.global_norm``), None where
+        the step needs none (``needs_norm``)."""
+        return optim.global_norm(grads) if self.needs_norm() else None
+
+    def finite(self, loss: torch.Tensor, norm: torch.Tensor | None, step: int, loss_scale) -> bool:
         """Whether the loss and the grad norm (inf/nan iff a grad is; None: not computed, the loss
         alone) are finite: one host sync. Sharded or pipelined, both are already sums over the
         ranks, so every rank decides alike. A non-finite step after ``max_skips`` skipped in a row
@@ -286,11 +309,7 @@ class Step:
                 "rate or the loss")
         return False
 
-    def _without_missing_grads(self, grads: PyTree) -> PyTree:
-        """``grads`` with ``None`` for params no rank produced a grad for (plain: already so)."""
-        return grads
-
-    def _metrics(self, loss, norm, lr, finite: bool, step: int, loss_scale, aux) -> dict[str, Any]:
+    def metrics(self, loss, norm, lr, finite: bool, step: int, loss_scale, aux) -> dict[str, Any]:
         """The step's metrics (see the class docstring); ``loss_scale`` is the next one."""
         metrics = {"loss": loss, "grad_norm": norm, "lr": lr, "skipped": not finite, "step": step + 1}
         if loss_scale is not None and loss_scale.dynamic:
@@ -305,42 +324,85 @@ class Step:
         dtype = self.compute_dtype
         compute = params if dtype is torch.float32 else mp.cast_floating(params, dtype)
         scale = mp.scale_of(loss_scale)
-        losses, auxes, acc = [], [], None
-        with seeded(step_seed(rng, step), cuda_devices(params)):
-            for micro in split_batch(_cast_batch(batch, dtype), self.accum):
-                loss, aux, grads, treespec = _grad_leaves(compute, self.loss_fn, (micro,), scale, self.has_aux)
-                losses.append(loss if loss.dtype is torch.float32 else loss.float())
-                auxes.append(aux)
-                acc = _accumulate(acc, grads)
-        divisor = self.accum * (scale or 1.0)
+        local = _LocalGrads(compute, self.loss_fn, scale, self.has_aux)
+        loss, aux = run_microbatches(self.schedule, batch, dtype, step_seed(rng, step), params, local.forward,
+                                     local.backward)
+        acc = local.acc
+        divisor = self.schedule.count * (scale or 1.0)
         if divisor != 1.0:
             tensors = [g for g in acc if g is not None]
             if tensors:
                 torch._foreach_mul_(tensors, 1.0 / divisor)
-        loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
-        return loss, (auxes[0] if self.accum == 1 else auxes), tree.unflatten(treespec, acc)
+        return loss, aux, tree.unflatten(local.treespec, acc)
+
+
+class _FromInner:
+    """A configuration field of a ``Transformed`` step: its ``inner`` step's, unless set on this
+    step (an instance attribute of the same name, which this non-data descriptor yields to)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, step: Any, owner: type | None = None) -> Any:
+        return self if step is None else getattr(step.inner, self.name)
 
 
 class Transformed(Step):
     """Base of the steps that transformations return: it *wraps* ``inner``, the step it was given,
     keeps the roles its transformation owns (where params come from, where grads go, how the
-    update runs, the microbatch schedule; docs/design.md) and reads everything else from ``inner``:
-    the loss, the optimizer, precision, accumulation, donation, seed and skip policy, and what the
-    inner transformation learned. Nothing is copied, so a chain of wrappers has one source for
-    each field. ``layers`` records the transformation (``zfunc.core.compose``).
-
-    Attribute lookup falls through to ``inner`` only for names this step does not have; setting
-    one (``step.loss_fn = ...``) sets it on this step only.
+    update runs, the microbatch schedule; docs/design.md) and reads the configuration fields below
+    from ``inner``: the loss, the optimizer, precision, accumulation, donation, seed and skip
+    policy. Nothing is copied, so a chain of wrappers has one source for each field; setting one
+    (``step.loss_fn = ...``) sets it on this step only. Anything else a transformation reads of
+    the step it wraps, it reads from ``inner`` (or the wrapped step it keeps) by name.
+    ``layers`` records the transformation (``zfunc.core.compose``).
     """
+
+    loss_fn = _FromInner()
+    optimizer = _FromInner()
+    precision = _FromInner()
+    accum = _FromInner()
+    donate = _FromInner()
+    has_aux = _FromInner()
+    seed = _FromInner()
+    max_skips = _FromInner()
+    grad_norm = _FromInner()
+    compute_dtype = _FromInner()
+    schedule = _FromInner()
 
     def __init__(self, inner: Step, layer: str):  # no Step.__init__: its fields are inner's
         self.inner = inner
         self.layers = (*inner.layers, layer)
 
-    def __getattr__(self, name: str) -> Any:
-        if name == "inner" or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(self.inner, name)
+
+def sum_over_ranks(sum_across: SumAcross, sq_norm: torch.Tensor | None, loss: torch.Tensor | None,
+                   produced: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """The step's scalars summed over the ranks in one call of ``sum_across`` (one all-reduce):
+    this rank's squared grad norm (its parts: the sum of its grads' squares), its loss and, per
+    leaf, whether it produced a grad; each None where there is none to sum. Returns the totals
+    ``(norm, loss, produced)``: the global grad norm (the square root of the summed squares), the
+    summed loss and the number of ranks that produced a grad for each leaf (None where not given).
+    Cost: one all-reduce of ``1 + 1 + leaves`` fp32 numbers at most, on the device of the norm
+    (else of the loss)."""
+    given = [(what, x) for what, x in (("grad-norm", sq_norm), ("loss", loss), ("grads-produced", produced))
+             if x is not None]
+    ref = given[0][1]
+    flat = torch.cat([x.reshape(-1).to(ref.device, torch.float32) for _, x in given])
+    names = [what for what, _ in given]
+    label = (", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]) + " all-reduce"
+    flat = sum_across(flat, label)
+    k = int(sq_norm is not None)
+    norm = flat[0].sqrt() if k else None
+    if loss is not None:
+        loss, k = flat[k], k + 1
+    return norm, loss, (None if produced is None else flat[k:])
+
+
+def without_missing_grads(grads: PyTree, produced: torch.Tensor) -> PyTree:
+    """``grads`` with ``None`` for the params no rank produced a grad for (``produced``: per leaf,
+    the ranks that did; their grads are zeros): the optimizer leaves those alone, as DDP does."""
+    leaves, treespec = tree.flatten(grads)
+    return tree.unflatten(treespec, [g if n > 0 else None for g, n in zip(leaves, produced.tolist())])
 
 
 def _values(state: TrainState) -> tuple:
@@ -361,67 +423,6 @@ def _master_copy(p: Any, device: torch.device) -> Any:
     if not isinstance(p, torch.Tensor):
         return p
     return hostmem.copy_to(p.detach(), device, torch.float32 if p.is_floating_point() else p.dtype)
-
-
-def _accumulate(acc: list | None, grads: list) -> list:
-    """Sum per-microbatch grads in fp32; the first fp32 grad of a leaf is used as it is. ``None``
-    (no grad in this microbatch) adds nothing; a leaf stays ``None`` until some microbatch has one."""
-    if acc is None:  # the first microbatch (the only one without accumulation)
-        return [_fp32(g) for g in grads]
-    pairs = [(a, g) for a, g in zip(acc, grads) if a is not None and g is not None]
-    if pairs:
-        torch._foreach_add_([a for a, _ in pairs], [g for _, g in pairs])
-    return [_fp32(g) if a is None else a for a, g in zip(acc, grads)]
-
-
-def _fp32(g: torch.Tensor | None) -> torch.Tensor | None:
-    return g if g is None or g.dtype == torch.float32 else g.float()
-
-
-def step_seed(rng: int, step: int) -> int:
-    """The seed of step ``step`` of a state whose ``rng`` is ``rng``: a function of the two alone,
-    so a step taken again (after a load, on another rank layout) draws the same randomness."""
-    return (rng * 1_000_003 + step) % (2**63)
-
-
-class seeded:  # noqa: N801 - used as a function: ``with seeded(seed, devices):``
-    """Run the block with torch's CPU generator (and those of ``cuda_devices``) seeded by ``seed``,
-    restoring their states after: the step's randomness is a function of the state alone.
-    Cheaper than ``fork_rng`` + ``manual_seed``, which also seed every other backend; a class,
-    not a generator-based context manager, which costs ~1 us more per step."""
-
-    __slots__ = ("seed", "cuda_devices", "cpu", "cuda")
-
-    def __init__(self, seed: int, cuda_devices: list[int]):
-        self.seed, self.cuda_devices = seed, cuda_devices
-
-    def __enter__(self) -> None:
-        cpu = torch.default_generator
-        self.cpu = cpu.get_state()
-        self.cuda = [torch.cuda.get_rng_state(d) for d in self.cuda_devices]
-        cpu.manual_seed(self.seed)
-        for d in self.cuda_devices:
-            torch.cuda.default_generators[d].manual_seed(self.seed)
-
-    def __exit__(self, *exc) -> None:
-        torch.default_generator.set_state(self.cpu)
-        for d, st in zip(self.cuda_devices, self.cuda):
-            torch.cuda.set_rng_state(st, d)
-
-
-def cuda_devices(params: PyTree) -> list[int]:
-    """The CUDA device indices ``params``' tensors lie on, sorted (what ``seeded`` seeds); ``[]``
-    without a leaf walk while CUDA is not initialized."""
-    if not torch.cuda.is_initialized():  # no CUDA tensor can exist yet: skip the walk over the leaves
-        return []
-    return sorted({t.device.index or 0 for t in tree.tensors(params) if t.device.type == "cuda"})
-
-
-def _cast_batch(batch: PyTree, dtype: torch.dtype) -> PyTree:
-    """``batch`` with its floating tensors cast to ``dtype`` (a lone tensor checked without a tree walk)."""
-    if isinstance(batch, torch.Tensor) and (batch.dtype is dtype or not batch.is_floating_point()):
-        return batch
-    return mp.cast_floating(batch, dtype)
 
 
 def train_step(

@@ -7,10 +7,12 @@ updates each leaf as its grad arrives (``UpdateOnArrival``, with overlap) or are
 (``HeldSlices``), and the update runs leaf by leaf from the stores (``LeafUpdate``,
 ``_update_leaf``), writing back as it goes (``_Stores``: at most ``2 * chunk_bytes`` of writes in
 flight). The schedule stays the sharded step's accumulation. ``ComputeCopies`` keeps each RAM
-master's bf16/fp16 copy that the update wrote in its own pass. Everything here lives for one call,
-except ``ComputeCopies`` and the read and update orders, which the roles write back to the step
-object in their ``finish`` (``docs/design.md``, "Run objects"). The law, the cost and the rules for
-non-finite steps are ``zfunc.offloading.step``'s.
+master's bf16/fp16 copy that the update wrote in its own pass. The roles read the run through the
+call's ``RunContext`` and the step's configuration through what ``OffloadedStep.roles`` gave them.
+Everything here lives for one call, except ``ComputeCopies`` and the read and update orders, which
+the roles return from their ``finish`` for the step to keep (``OffloadedStep.learn``;
+``docs/design.md``, "Run objects"). The law, the cost and the rules for non-finite steps are
+``zfunc.offloading.step``'s.
 """
 from __future__ import annotations
 
@@ -26,12 +28,12 @@ import torch
 
 from zfunc import optim
 from zfunc.core import precision as mp, tree
-from zfunc.core.roles import Role
+from zfunc.core.roles import Role, RunContext
 from zfunc.sharding.layout import FlatGroup, leaf_names
 from zfunc.sharding.reduce import GradSlices
-from zfunc.sharding.run import ReducedSlices, StepRun
+from zfunc.sharding.run import ReducedSlices
 from zfunc.core.state import FIELDS, TrainState
-from zfunc.core.step import NonFiniteError
+from zfunc.core.step import NonFiniteError, Step, sum_over_ranks, without_missing_grads
 from zfunc.offloading.store import All, OnDisk, ReadAhead, Store
 
 PyTree = Any
@@ -157,19 +159,20 @@ class _Stores:
 class StoredPieces(Role):
     """Params source of an offloaded step: a leaf's compute copy where the last update wrote one
     (``ComputeCopies``), else its master, kept where compute happens (``params=None``) or read
-    from the params' store ahead of use, in the order the last step read them (``ReadAhead``)."""
+    from the params' store ahead of use, in the order the last step read them (``fetch_order``,
+    ``ReadAhead``); it learns this call's order."""
 
-    def __init__(self, run: StepRun, update: LeafUpdate):
-        self.run = run
-        self.compute_copies, self.where_params = run.compute_copies, run.where_params
+    def __init__(self, context: RunContext, update: LeafUpdate, compute_copies: ComputeCopies,
+                 where_params: str | None, fetch_order: list[int]):
+        self.context, self.compute_copies, self.where_params = context, compute_copies, where_params
         self._reader = ReadAhead(lambda i: update._param_store.fetch(update._masters[i]), update._leaf_bytes,
-                                 run.step._fetch_order, update.chunk_bytes)
+                                 fetch_order, update.chunk_bytes)
 
-    def finish(self) -> None:
-        self.run.step._fetch_order = self._reader.seen  # learned: the next step reads ahead in this order
+    def finish(self) -> dict[str, Any]:
+        return {"fetch_order": self._reader.seen}  # the next step reads ahead in this order
 
     def device(self, pieces) -> torch.device:
-        return self.run._state_spec.device
+        return self.context.spec.device
 
     def pieces(self, params) -> tuple[Any, Any]:
         masters, treespec = tree.flatten(params)
@@ -184,90 +187,89 @@ class HeldSlices(ReducedSlices):
     state's spec says the step computes) until the update reads them all."""
 
     def open(self, pieces) -> GradSlices:
-        spec = self.run._state_spec
+        spec = self.context.spec
         return GradSlices(lambda i: torch.zeros(spec.leaves[i].local_shape(spec.rank), dtype=torch.float32,
-                                                device=spec.device),
-                          len(spec.leaves), self.run._grad_divisor(), own=True)
+                                                device=spec.device), len(spec.leaves), self.context.grad_divisor,
+                          own=True)
 
 
 class LeafUpdate(_Stores, Role):
     """Update of an offloaded step: leaf by leaf from the stores (each leaf's master and state read
     ahead, updated by the optimizer's CPU kernel, written back, at most ``2 * chunk_bytes`` of
-    writes in flight); the grads held until now, or (``UpdateOnArrival``) consumed as they came."""
+    writes in flight); the grads held until now, or (``UpdateOnArrival``) consumed as they came.
+    ``step``: the offloaded step, whose configuration (optimizer, precision, stores, the norm it
+    needs, its metrics) it reads."""
 
-    def __init__(self, run: StepRun, state: TrainState):
-        step = run.step
+    def __init__(self, context: RunContext, state: TrainState, step: Step):  # the OffloadedStep
         _Stores.__init__(self, step, state.placement.device)
-        self.run, self._state_spec = run, run._state_spec
+        self.context, self.step, self._state_spec = context, step, context.spec
         self.optimizer, self.compute_dtype = step.optimizer, step.compute_dtype
         self.compute_copies = step.compute_copies
         self._state_in_use, self._fields = state, tuple(getattr(state, f) for f in FIELDS)
         self._masters, self._param_names = tree.leaves(state.params), leaf_names(state.params)
         self._opt_states = list(state.opt_state)
         self._sq_norm = torch.zeros((), dtype=torch.float64)  # overlap: the grads' sum of squares so far
-        self._wants_norm = step._needs_norm()  # train_step(grad_norm=), clipping or fp16; else no norm at all
+        self._wants_norm = step.needs_norm()  # train_step(grad_norm=), clipping or fp16; else no norm at all
         self._new: dict[int, tuple[Any, Any]] = {}
         self._skip_updates = False
-        self._update_seen: list[int] | None = None  # leaves in the order an overlapped update met them
         self.update_s = 0.0  # seconds in the leaf updates, held or overlapped with backward, writes included
 
-    def finish(self) -> None:
-        if self._update_seen is not None:
-            self.run.step._update_order = self._update_seen
+    def finish(self) -> dict[str, Any]:
         self._drain()
+        return {"update_s": self.update_s}
 
     def _leaf_bytes(self, i: int) -> int:
         return 4 * math.prod(self._state_spec.leaves[i].local_shape(self._state_spec.rank))
 
     # ------------------------------------------------------------------ the update
-    def apply(self, state: TrainState, grads: PyTree, loss: torch.Tensor, aux: Any):
+    def apply(self, state: TrainState, grads: PyTree, loss: torch.Tensor, aux: Any, produced: torch.Tensor | None):
         """The held grads (or, with overlap, None: the leaves are updated) arrive unscaled (sums
         over ranks and microbatches of the scaled loss's grads; at one rank autograd's own, in the
-        compute dtype): the kernel multiplies them by ``1 / _grad_divisor()`` in its pass."""
+        compute dtype): the kernel multiplies them by ``1 / grad_divisor`` in its pass. One sum over
+        the ranks (``sum_over_ranks``) totals the squared grad norm (none where no norm is needed),
+        the loss and the grads-produced flags first."""
         params, opt_state, step, rng, loss_scale, _ = self._fields  # the state may be consumed by now
-        scale = 1.0 / self.run._grad_divisor()
+        scale = 1.0 / self.context.grad_divisor
+        sum_across = self.context.sum_across
         if grads is not None:
             g_leaves = tree.leaves(grads)
         if not self._wants_norm:  # nothing reads it: only the loss is checked, as in the plain step
-            # the step's one sync still sums the loss and grads-produced flags
-            self.run._sum_over_ranks(torch.zeros(()))
-            norm = None
-        elif grads is not None:  # held until now: the norm first, then every leaf
-            raw = optim.global_norm(g_leaves)  # inside summing_across: over all ranks; fp32 from bf16/fp16
+            norm, loss, produced = sum_over_ranks(sum_across, None, loss, produced)
+        elif grads is not None:  # held until now: the norm first (fp32 from bf16/fp16), then every leaf
+            raw = optim.global_norm(g_leaves)
+            raw, loss, produced = sum_over_ranks(sum_across, raw * raw, loss, produced)
             norm = raw * scale
         else:
-            norm = self.run._sum_over_ranks(self._sq_norm.float()).sqrt()
+            norm, loss, produced = sum_over_ranks(sum_across, self._sq_norm.float(), loss, produced)
             if not self._skip_updates and not bool(torch.isfinite(norm)):
                 raise NonFiniteError(
                     f"step: non-finite grads (grad norm {norm.item()}) at state.step={step} behind a finite loss, "
                     "with offload's overlap: the leaves were updated during backward, before the norm was "
                     "known, so the state passed in is consumed. Restart from a checkpoint; with "
                     "offload(..., overlap=False) such a step is skipped instead")
-        finite = self.run._finite(loss, norm, step, loss_scale)  # may raise: nothing written yet
+        finite = self.context.finite(loss, norm, step, loss_scale)  # may raise: nothing written yet
         lr = optim.learning_rate(self.optimizer, self._opt_states[0])
         state._consumed = True
         if grads is not None and finite:
-            g_leaves = self.run._without_missing_grads(g_leaves)
-            if norm is None:
-                self._update_leaves(list(range(len(g_leaves))), g_leaves, scale)
-            else:  # a clip in the optimizer reads the global norm: of the grads as it sees them
-                seen = raw if self.optimizer.scales_grads else norm  # (unscaled in the kernel, or before: apply)
-                total_sq = (seen.double() ** 2).float()
-                with optim.summing_across(lambda local_sq: total_sq):
-                    self._update_leaves(list(range(len(g_leaves))), g_leaves, scale)
+            if produced is not None:
+                g_leaves = without_missing_grads(g_leaves, produced)
+            # a clip in the optimizer reads the global norm of the grads as given (unscaled): ``raw``
+            self._update_leaves(list(range(len(g_leaves))), g_leaves, scale, None if norm is None else raw)
         self._wait_writes(None)
         loss_scale = mp.next_loss_scale(loss_scale, finite)
-        metrics = self.run._metrics(loss, norm, lr, finite, step, loss_scale, aux)
+        metrics = self.step.metrics(loss, norm, lr, finite, step, loss_scale, aux)
         masters = [self._new.get(i, (m, None))[0] for i, m in enumerate(self._masters)]
         states = tuple(self._new.get(i, (None, s))[1] for i, s in enumerate(self._opt_states))
         new_params = tree.unflatten(tree.structure(params), masters)
         return TrainState(new_params, states, step + 1, rng, loss_scale, state.placement), metrics
 
-    def _update_leaves(self, order: list[int], grads: list[torch.Tensor], scale: float) -> None:
+    def _update_leaves(self, order: list[int], grads: list[torch.Tensor], scale: float,
+                       norm: torch.Tensor | None) -> None:
+        """Update the leaves in ``order``; ``norm``: the global norm of all ``grads`` as given (for a clip)."""
         start = time.perf_counter()
         reader = self._leaf_reader(order)
         for i in order:
-            self._update_leaf(i, grads[i], reader, grad_scale=scale)
+            self._update_leaf(i, grads[i], reader, grad_scale=scale, norm=norm)
         self._wait_writes(None)
         self.update_s += time.perf_counter() - start
 
@@ -288,12 +290,13 @@ class LeafUpdate(_Stores, Role):
         return self._leaf_bytes(i) * (1 + sum(_is_stored(t) for t in tree.leaves(self._opt_states[i])))
 
     def _update_leaf(self, i: int, grad: torch.Tensor | None, reader: ReadAhead | None, squares: list | None = None,
-                     grad_scale: float = 1.0) -> None:
+                     grad_scale: float = 1.0, norm: torch.Tensor | None = None) -> None:
         """Read leaf ``i``'s master and state, apply the optimizer on the CPU, write them back.
         ``grad`` None: no grad; the optimizer leaves the param alone but advances its count, as
         the plain step's does for all params together. ``squares`` and ``grad_scale``: as in
         ``optim.apply`` (the kernel unscales the grad, in whatever dtype it came, in its pass and
-        appends the unscaled grad's sum of squares where it computes it)."""
+        appends the unscaled grad's sum of squares where it computes it). ``norm``: the global norm
+        of all the grads, of which ``grad`` is one, as given (``optim.apply(norm=)``: for a clip)."""
         self._state_in_use._consumed = True  # its files or tensors change from here on
         if reader is None:  # all in RAM: the state's own tensors, nothing to read or write back
             master, state, state_leaves = self._masters[i], self._opt_states[i], None
@@ -312,9 +315,11 @@ class LeafUpdate(_Stores, Role):
         out = None
         if in_ram and self.compute_dtype is not torch.float32:
             out = self.compute_copies.buffer(self._masters[i], self.compute_dtype, self._param_store.pin)
-        new_p, new_state = optim.apply(self.optimizer, {name: grad}, state, {name: p_cpu},
+        grads = {name: grad}
+        known = None if norm is None else optim.known_norm(grads, norm)
+        new_p, new_state = optim.apply(self.optimizer, grads, state, {name: p_cpu},
                                        out=None if out is None else {name: out}, squares=squares,
-                                       grad_scale=grad_scale)
+                                       grad_scale=grad_scale, norm=known)
         new_p = new_p[name]
         if on_device.type != "cpu":
             master.copy_(new_p)
@@ -344,41 +349,41 @@ def _is_stored(t: Any) -> bool:
 class UpdateOnArrival(Role):
     """Grad sink of an offloaded step with overlap: it updates each unit's leaves as soon as their
     reduced grads arrive (``LeafUpdate``'s leaf update), during backward (over one rank:
-    autograd's own grads, in the compute dtype; unscaled in the kernel's pass)."""
+    autograd's own grads, in the compute dtype; unscaled in the kernel's pass). It learns the order
+    it met the leaves in, along which the next call reads them ahead (``update_order``)."""
 
     early = True
     own = True
 
-    def __init__(self, run: StepRun, update: LeafUpdate):
-        self.run, self.update = run, update
+    def __init__(self, context: RunContext, update: LeafUpdate, update_order: list[int]):
+        self.context, self.update, self.update_order = context, update, update_order
+        self.learned: dict[str, Any] = {}
 
     def open(self, pieces) -> UpdateOnArrival:
-        update = self.update
-        self.reader = update._leaf_reader(self.run.step._update_order)
+        self.reader = self.update._leaf_reader(self.update_order)
         self.seen: list[int] = []
-        self.produced: set[int] = set()  # leaves backward produced a grad for, as far as read
-        self.read = 0  # how much of the reducer's ``arrived`` list is in ``produced``
         return self
 
     def before_backward(self, loss: torch.Tensor) -> None:
         """Updates start during backward: a non-finite loss (summed over the ranks, so all decide
         alike) turns them off for this step, which ``LeafUpdate.apply`` then skips."""
-        mesh = self.run.mesh
         total = loss.detach().float().reshape(1).clone()
-        if mesh.dp > 1:
-            mesh.comm.all_reduce(total, label="loss all-reduce before an overlapped backward")
+        if self.context.spec.world > 1:
+            self.context.sum_across(total, "loss all-reduce before an overlapped backward")
         self.update._skip_updates = not bool(torch.isfinite(total))
 
     def deliver(self, unit: FlatGroup, slices: list[torch.Tensor]) -> None:
-        """Update each leaf of ``unit`` with its reduced grad slice; where the norm is wanted,
+        """Update each leaf of ``unit`` with its reduced grad slice (None: no grad; over one rank
+        the reducer hands over autograd's own grads, so a leaf without one comes as None; over N
+        ranks other ranks' grads are unknown, and every slice is a grad); where the norm is wanted,
         add the slice's sum of squares, which the optimizer's kernel computes in its own pass
         (``optim.apply(squares=)``), so the grads are read once."""
         step = self.update
-        scale, wants = 1.0 / self.run._grad_divisor(), step._wants_norm
+        scale, wants = 1.0 / self.context.grad_divisor, step._wants_norm
         start = time.perf_counter()
         for i, g in zip(unit.indices, slices):
             self.seen.append(i)
-            produced = not step._skip_updates and g is not None and self._produced(i)
+            produced = not step._skip_updates and g is not None
             squares = [] if wants and produced else None
             if not step._skip_updates:  # else a non-finite loss: the step will be skipped
                 step._update_leaf(i, g if produced else None, self.reader, squares, scale)
@@ -388,16 +393,9 @@ class UpdateOnArrival(Role):
                 step._sq_norm += (torch.linalg.vector_norm(g, dtype=torch.float32).double() * scale) ** 2
         step.update_s += time.perf_counter() - start
 
-    def _produced(self, i: int) -> bool:
-        """Whether leaf ``i`` has a grad. Alone, exact: a unit is delivered once its grads are all
-        in, or backward has ended. Over N > 1 ranks, other ranks' grads are unknown: True."""
-        if self.run.mesh.dp > 1:
-            return True
-        arrived = self.run._arrived  # grows as backward runs (accum is 1 with overlap: one list)
-        self.produced.update(arrived[self.read :])
-        self.read = len(arrived)
-        return i in self.produced
-
     def result(self):
-        self.update._update_seen = self.seen  # the run's step learns it at the end of the call
+        self.learned["update_order"] = self.seen  # all met: the next call reads ahead in this order
         return None
+
+    def finish(self) -> dict[str, Any]:
+        return self.learned

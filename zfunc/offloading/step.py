@@ -110,7 +110,7 @@ from zfunc.dist import Mesh
 from zfunc.offloading.run import (ComputeCopies, HeldSlices, LeafUpdate, StoredPieces,
                                 UpdateOnArrival, _is_stored, _Stores)
 from zfunc.ops.cpu import hostmem
-from zfunc.core.roles import Roles
+from zfunc.core.roles import Roles, RunContext
 from zfunc.sharding.step import ShardedStep
 from zfunc.sharding.layout import ShardSpec, leaf_names, local_piece
 from zfunc.sharding.run import StepRun
@@ -133,7 +133,8 @@ class OffloadedStep(Transformed):
     """The step ``offload`` returns (see the module docstring). It wraps a ``ShardedStep``
     (``sharded``: the sharded step it was given, or, for a plain step, one over a one-process mesh)
     and replaces three of its roles (``roles``): params come from the stores, grads go to an
-    updating or holding sink, the update runs leaf by leaf from the stores."""
+    updating or holding sink, the update runs leaf by leaf from the stores. Its layout (``mesh``,
+    ``stage``) is the sharded step's; what the calls learn it keeps (``learn``)."""
 
     def __init__(self, base: Step, sharded: ShardedStep, optimizer: str, params: str | None, path: str | None,
                  chunk_bytes: int, overlap: bool | None):
@@ -151,6 +152,16 @@ class OffloadedStep(Transformed):
         self._update_order: list[int] = []  # leaves' update order in the last step
         self.update_s = 0.0  # the last step's leaf updates (held, or overlapped with backward), writes included
 
+    @property
+    def mesh(self) -> Mesh:
+        """The sharded step's mesh (``Mesh.alone()`` for an offloaded plain step)."""
+        return self.sharded.mesh
+
+    @property
+    def stage(self) -> int:
+        """The sharded step's ZeRO stage (for an offloaded plain step: 3 with params offloaded, else 2)."""
+        return self.sharded.stage
+
     # ------------------------------------------------------------------ init
     def init(self, params: PyTree, materialize: Callable[[str, torch.Tensor], torch.Tensor] | None = None
              ) -> TrainState:
@@ -162,7 +173,7 @@ class OffloadedStep(Transformed):
         (shaped like ``like``); only one leaf is ever materialized at once, so a model larger than
         RAM can start. Compute then happens on CUDA when available, else on the CPU.
         """
-        device, leaves, treespec, spec = self._layout(params)
+        device, leaves, treespec, spec = self.sharded._layout(params)
         if device.type == "meta":
             if materialize is None:
                 raise ValueError("params: on the meta device; pass materialize(name, like) -> tensor to init")
@@ -183,7 +194,7 @@ class OffloadedStep(Transformed):
     def init_meta(self, params: PyTree) -> TrainState:
         """The state ``init(params)`` would return, on the meta device, touching no RAM or file:
         this rank's fp32 pieces and each leaf's optimizer state, with the ``OffloadSpec``."""
-        _, _, treespec, spec = self._layout(params)
+        _, _, treespec, spec = self.sharded._layout(params)
         pieces = [torch.empty(leaf.local_shape(spec.rank), device="meta") for leaf in spec.leaves]
         states = tuple(self.optimizer.init({name: p}) for name, p in zip(leaf_names(params), pieces))
         meta = torch.device("meta")
@@ -199,7 +210,7 @@ class OffloadedStep(Transformed):
         ``leaf`` is called one leaf at a time, each placed before the next is asked for, so only
         one leaf's values need be in RAM at once. Step, RNG and loss scale are the initial ones:
         what ``zf.checkpoint.load`` fills in next."""
-        _, _, treespec, spec = self._layout(params)
+        _, _, treespec, spec = self.sharded._layout(params)
         self.initialized_with = tree.map(lambda x: x.to("meta"), params)
         return self._place(treespec, spec, leaf, torch.device(device))
 
@@ -283,16 +294,30 @@ class OffloadedStep(Transformed):
         except OSError as e:  # a swap read or write failed: the files go back to their versions before the step
             raise _saying(e, run.roles.update.undo(state)) from e
         finally:
-            self.peak_gathered_bytes, self.peak_whole_grad_bytes = run.peak_gathered_bytes, run.peak_whole_grad_bytes
-            self.update_s = run.roles.update.update_s
+            self.learn(run.finish())
 
-    def roles(self, run: StepRun, state: TrainState) -> Roles:
+    def learn(self, learned: dict[str, Any]) -> None:
+        """Keep what a call learned (``StepRun.finish``): the one place this step's learned state is
+        written. ``fetch_order``: the order the call read params in (the next reads ahead along
+        it); ``update_order``: the order an overlapped update met the leaves in (likewise);
+        ``update_s``: its seconds in leaf updates; ``peak_gathered_bytes`` and
+        ``peak_whole_grad_bytes``: what it measured (``memory``); the rest is the sharded step's
+        (``ShardedStep.learn``). A field the call did not learn stays as it was."""
+        self._fetch_order = learned.get("fetch_order", self._fetch_order)
+        self._update_order = learned.get("update_order", self._update_order)
+        self.update_s = learned.get("update_s", self.update_s)
+        self.peak_gathered_bytes = learned.get("peak_gathered_bytes", self.peak_gathered_bytes)
+        self.peak_whole_grad_bytes = learned.get("peak_whole_grad_bytes", self.peak_whole_grad_bytes)
+        self.sharded.learn(learned)
+
+    def roles(self, context: RunContext, state: TrainState) -> Roles:
         """The roles of one call (``zfunc.core.roles``): the sharded step's, with the three offload owns
         replaced: params from the stores (``StoredPieces``), grads updated on arrival (overlap:
         ``UpdateOnArrival``) or held (``HeldSlices``), the update leaf by leaf (``LeafUpdate``)."""
-        update = LeafUpdate(run, state)
-        grads = UpdateOnArrival(run, update) if self.overlap else HeldSlices(run)
-        return self.sharded.roles(run, state).replace(params=StoredPieces(run, update), grads=grads, update=update)
+        update = LeafUpdate(context, state, self)
+        grads = UpdateOnArrival(context, update, self._update_order) if self.overlap else HeldSlices(context)
+        params = StoredPieces(context, update, self.compute_copies, self.where_params, self._fetch_order)
+        return self.sharded.roles(context, state).replace(params=params, grads=grads, update=update)
 
 
 def _overlap_allowed(step: Step, overlap: bool | None) -> bool:

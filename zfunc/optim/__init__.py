@@ -31,8 +31,8 @@ Step counts stay global: ``count`` advances with every update, while torch keeps
 
 The optimizers live in modules of one concept each; every name is importable from here:
 
-    base.py        GradientTransformation, apply, apply_updates, chain, learning_rate, decay_mask
-    norm.py        global_norm, clip_by_global_norm, summing_across, known_norm
+    base.py        GradientTransformation, KnownNorm, apply, apply_updates, chain, learning_rate, decay_mask
+    norm.py        global_norm, clip_by_global_norm, known_norm
     schedules.py   constant_schedule, linear_schedule, linear_warmup, warmup_cosine
     adam.py        adamw, adam, AdamState
     sgd.py         sgd, lion, TraceState
@@ -41,13 +41,13 @@ The optimizers live in modules of one concept each; every name is importable fro
 from __future__ import annotations
 
 from zfunc.optim.adam import AdamState, adam, adamw
-from zfunc.optim.base import (EmptyState, GradientTransformation, MaskOrFn, PyTree, ScalarOrSchedule, Schedule,
-                              apply, apply_updates, chain, decay_mask, learning_rate)
-from zfunc.optim.norm import clip_by_global_norm, global_norm, known_norm, summing_across
+from zfunc.optim.base import (EmptyState, GradientTransformation, KnownNorm, MaskOrFn, PyTree, ScalarOrSchedule,
+                              Schedule, apply, apply_updates, chain, decay_mask, learning_rate)
+from zfunc.optim.norm import clip_by_global_norm, global_norm, known_norm
 from zfunc.optim.schedules import constant_schedule, linear_schedule, linear_warmup, warmup_cosine
 from zfunc.optim.sgd import TraceState, lion, sgd
 
-__all__ = ["AdamState", "EmptyState", "GradientTransformation", "MaskOrFn", "PyTree", "ScalarOrSchedule", "Schedule",
-           "TraceState", "adam", "adamw", "apply", "apply_updates", "chain", "clip_by_global_norm",
+__all__ = ["AdamState", "EmptyState", "GradientTransformation", "KnownNorm", "MaskOrFn", "PyTree", "ScalarOrSchedule",
+           "Schedule", "TraceState", "adam", "adamw", "apply", "apply_updates", "chain", "clip_by_global_norm",
            "constant_schedule", "decay_mask", "global_norm", "known_norm", "learning_rate", "linear_schedule",
-           "linear_warmup", "lion", "sgd", "summing_across", "warmup_cosine"]
+           "linear_warmup", "lion", "sgd", "warmup_cosine"]

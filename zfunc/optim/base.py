@@ -34,7 +34,9 @@ class GradientTransformation(NamedTuple):
     Declarations, which the transformations that run the optimizer read instead of probing it:
     ``needs_global_norm``: the update reads the norm of *all* grads together (``global_norm``,
     e.g. ``clip_by_global_norm``), so no leaf can be updated before every grad exists (offload's
-    overlap is off) and the step computes the norm. ``writes_out``: ``apply`` takes a keyword
+    overlap is off) and the step computes the norm; its ``update``, ``update_``, ``apply`` and
+    ``grad_factor`` take a keyword ``norm``, the step's ``KnownNorm`` of the grads (``apply(norm=)``;
+    None: compute it from the grads given). ``writes_out``: ``apply`` takes a keyword
     ``out`` (a pytree of tensors shaped like the params, e.g. their bf16 compute copy) and writes
     the new params, cast to each ``out`` leaf's dtype, into it in the same pass as the update
     (see ``apply``). ``sums_squares``: ``apply`` takes a keyword ``squares`` (a list) and appends
@@ -60,6 +62,30 @@ class GradientTransformation(NamedTuple):
     grad_factor: Callable[[PyTree, float], Any] | None = None
 
 
+class KnownNorm:
+    """The global norm of some grad tensors, computed already (``zfunc.optim.known_norm``).
+    ``of(grads)`` is the norm for these very tensors, unmodified since (same objects, same version
+    counters), else None: a transformation before the one that reads it may have changed the grads.
+    Cost: a list of the tensors and their version counters."""
+
+    __slots__ = ("tensors", "value")
+
+    def __init__(self, tensors: list[torch.Tensor], value: torch.Tensor):
+        self.tensors, self.value = [(t, t._version) for t in tensors], value
+
+    def of(self, grads: PyTree) -> torch.Tensor | None:
+        """The norm, for the grads it was computed for (unmodified); None for any other."""
+        return self.of_tensors(tree.tensors(grads))
+
+    def of_tensors(self, leaves: list[torch.Tensor]) -> torch.Tensor | None:
+        """``of`` the grads whose tensor leaves are ``leaves``."""
+        known = self.tensors
+        if len(known) != len(leaves):
+            return None
+        same = all(t is k and t._version == v for t, (k, v) in zip(leaves, known))
+        return self.value if same else None
+
+
 class EmptyState(NamedTuple):
     """The state of a stateless transformation."""
 
@@ -72,7 +98,7 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
 
 def apply(tx: GradientTransformation, grads: PyTree, state: PyTree, params: PyTree,
           out: PyTree | None = None, squares: list[float] | None = None,
-          grad_scale: float | None = None) -> tuple[PyTree, PyTree]:
+          grad_scale: float | None = None, norm: KnownNorm | None = None) -> tuple[PyTree, PyTree]:
     """Run ``tx``'s whole update, consuming ``grads``, ``state`` and ``params``.
 
     Uses ``tx.apply`` when it has one; otherwise ``tx.update`` and an in-place add into ``params``.
@@ -90,21 +116,29 @@ def apply(tx: GradientTransformation, grads: PyTree, state: PyTree, params: PyTr
     bf16 or fp16 (offload hands over autograd's own). Where ``tx.scales_grads``, the multiply (and
     the read of low-precision grads) happens in its kernel's pass; else the grads are first made
     fp32 and multiplied (in place where they are fp32 already), then updated as above.
+    ``norm`` (a ``KnownNorm``, ``known_norm``; None: none known): the global norm of ``grads`` as
+    given (before ``grad_scale``), computed already by the step, over every rank where ``grads``
+    are one rank's share and over every leaf where they are a part of the grads; a ``tx`` that
+    ``needs_global_norm`` takes it instead of computing one from ``grads``.
     """
+    known = {"norm": norm} if norm is not None and tx.needs_global_norm else {}
     if grad_scale is not None and (grad_scale != 1.0 or _low_precision(grads)):
         if tx.scales_grads and (out is None or tx.writes_out):
             return tx.apply(grads, state, params, out=out, squares=squares if tx.sums_squares else None,
-                            grad_scale=float(grad_scale))
+                            grad_scale=float(grad_scale), **known)
+        value = norm.of(grads) if known else None  # read before the scaling writes into the grads
         grads = _scaled_fp32(grads, float(grad_scale))
+        if value is not None:  # the norm of the grads now in hand: ``grads * grad_scale``
+            known = {"norm": KnownNorm(tree.tensors(grads), value * float(grad_scale))}
     if squares is not None and tx.sums_squares:
-        return tx.apply(grads, state, params, out=out, squares=squares)
+        return tx.apply(grads, state, params, out=out, squares=squares, **known)
     if out is None:
         if tx.apply is not None:
-            return tx.apply(grads, state, params)
-        return _update_in_place(tx.update, grads, state, params)
+            return tx.apply(grads, state, params, **known)
+        return _update_in_place(tx.update, grads, state, params, **known)
     if tx.writes_out:
-        return tx.apply(grads, state, params, out=out)
-    params, state = apply(tx, grads, state, params)
+        return tx.apply(grads, state, params, out=out, **known)
+    params, state = apply(tx, grads, state, params, **known)
     _copy_out(params, out)
     return params, state
 
@@ -131,9 +165,10 @@ def _copy_out(params: PyTree, out: PyTree, only: set[int] | None = None) -> None
                 o.copy_(p)
 
 
-def _update_in_place(update, grads: PyTree, state: PyTree, params: PyTree) -> tuple[PyTree, PyTree]:
-    """``update``, then its updates added into ``params``' own tensors."""
-    updates, state = update(grads, state, params)
+def _update_in_place(update, grads: PyTree, state: PyTree, params: PyTree, **known) -> tuple[PyTree, PyTree]:
+    """``update`` (given ``known``: the ``norm=`` of ``apply``), then its updates added into
+    ``params``' own tensors."""
+    updates, state = update(grads, state, params, **known)
     p_leaves, treespec = tree.flatten(params)
     pairs = [(p, u) for p, u in zip(p_leaves, treespec.flatten_up_to(updates)) if u is not None]
     if pairs:
@@ -159,28 +194,32 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
     def init(params):
         return tuple(tx.init(params) for tx in txs)
 
-    def run(grads, state, params, consuming: bool):
+    def known(tx, norm) -> dict:
+        """The ``norm=`` keyword for ``tx``: only a transformation that reads the global norm takes it."""
+        return {"norm": norm} if norm is not None and tx.needs_global_norm else {}
+
+    def run(grads, state, params, consuming: bool, norm):
         new_state = []
-        for tx, s in zip(txs, state):
-            grads, s = ((consuming and tx.update_) or tx.update)(grads, s, params)
+        for tx, s in zip(txs, state):  # ``norm`` holds for the grads as given; KnownNorm.of checks them
+            grads, s = ((consuming and tx.update_) or tx.update)(grads, s, params, **known(tx, norm))
             new_state.append(s)
         return grads, tuple(new_state)
 
-    def update(grads, state, params=None):
-        return run(grads, state, params, consuming=False)
+    def update(grads, state, params=None, norm=None):
+        return run(grads, state, params, False, norm)
 
-    def update_(grads, state, params=None):
-        return run(grads, state, params, consuming=True)
+    def update_(grads, state, params=None, norm=None):
+        return run(grads, state, params, True, norm)
 
-    def apply_(grads, state, params, out=None, squares=None, grad_scale=None):  # owns grads: each may write into them
+    def apply_(grads, state, params, out=None, squares=None, grad_scale=None, norm=None):  # owns grads
         if grad_scale is not None:  # only when every tx but the last is a grad_factor (``folds``)
-            for tx in txs[:-1]:
-                grad_scale *= float(tx.grad_factor(grads, grad_scale))
+            for tx in txs[:-1]:  # the grads stay as given: each factor sees ``grads * grad_scale``
+                grad_scale *= float(tx.grad_factor(grads, grad_scale, **known(tx, norm)))
             params, last = apply(txs[-1], grads, state[-1], params, out, squares if len(txs) == 1 else None,
-                                 grad_scale)
+                                 grad_scale, norm)
             return params, (*state[:-1], last)
-        grads, new_state = update_(grads, state[:-1], params)  # zip stops at the last tx
-        params, last = apply(txs[-1], grads, state[-1], params, out, squares if len(txs) == 1 else None)
+        grads, new_state = update_(grads, state[:-1], params, norm)  # zip stops at the last tx
+        params, last = apply(txs[-1], grads, state[-1], params, out, squares if len(txs) == 1 else None, norm=norm)
         return params, (*new_state, last)
 
     def learning_rate_(state):

@@ -1,20 +1,22 @@
-"""One pipeline stage's schedule for one step (``zf.pipeline``'s schedule role and run objects).
+"""One pipeline stage's schedule for one step (``zf.pipeline``'s schedule and run objects).
 
-``PipelineSchedule`` is the schedule role (``zfunc.core.roles``): GPipe or 1F1B over ``m`` microbatches,
-``split(batch)`` and each stage's ``ops`` (``schedule_ops``).
+``PipelineSchedule`` is a schedule of the one microbatch loop (``zfunc.core.microbatches``), as
+``roles.Accumulation`` is: GPipe or 1F1B over ``m`` microbatches, ``split(batch)`` and each
+stage's ``ops`` (``schedule_ops``). It is no role: the pipeline leaves ``Roles``
+(``zfunc.core.roles`` says why).
 
 ``_StageRun`` holds the hooks a stage puts on the model for one microbatch's forward (other
 stages' units become the identity, the first local unit takes the received activation, a
 non-last stage stops after its last unit); ``_Run`` is one step's schedule on this stage: the
 params the loss sees, point-to-point transfers in flight, live microbatches and the fp32 grad
-sums. Both are made per call and dropped after it (docs/design.md, "Run objects"); the rules and
-costs they implement are in ``zfunc.pipelining.step``'s docstring.
+sums, its ``forward`` and ``backward`` what the microbatch loop calls for each op. Both are made
+per call and dropped after it (docs/design.md, "Run objects"); the rules and costs they
+implement are in ``zfunc.pipelining.step``'s docstring.
 """
 from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -22,9 +24,9 @@ import torch
 from torch import nn
 
 from zfunc.core import tree
+from zfunc.core.microbatches import accumulate, run_microbatches, split_batch
 from zfunc.model.functional import run_by
-from zfunc.core.roles import Role
-from zfunc.core.step import split_batch, split_loss
+from zfunc.core.step import split_loss
 from zfunc.pipelining.layout import Layout
 from zfunc.pipelining.placement import PipelineSpec
 
@@ -57,10 +59,11 @@ def schedule_ops(schedule: str, stages: int, stage: int, microbatches: int) -> l
     return ops + [("B", i) for i in range(m - warm, m)]
 
 
-class PipelineSchedule(Role):
-    """The pipeline's schedule role (``zfunc.core.roles``): ``kind`` ("gpipe" or "1f1b") over ``count``
-    microbatches, with accumulation's interface (``roles.Accumulation``): ``split(batch)``, and
-    ``ops(stages, stage)``, the stage's ``schedule_ops``. On one stage 1F1B is accumulation."""
+class PipelineSchedule:
+    """The pipeline's schedule (``zfunc.core.microbatches.Schedule``): ``kind`` ("gpipe" or "1f1b")
+    over ``count`` microbatches, with accumulation's interface (``roles.Accumulation``):
+    ``split(batch)``, and ``ops(stages, stage)``, the stage's ``schedule_ops``. On one stage 1F1B is
+    accumulation."""
 
     def __init__(self, kind: str, count: int):
         self.kind, self.count = kind, count
@@ -202,25 +205,45 @@ class _Run:
         self.outputs: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # "F": input, "B": output
         self.posted, self.recvs, self.sends = set(), {}, []
-        self.losses, self.auxes = [], []
         self.peak_live, self.wait_s, self.compute_s, self.trace = 0, 0.0, 0.0, []
 
-    def execute(self, micro: list[PyTree]) -> None:
-        t0 = time.perf_counter()
-        self._start_shared()
-        ops = self.ps.schedule.ops(self.p, self.s)
-        for k, (kind, i) in enumerate(ops):
-            for op in ops[k : k + 2]:  # post this op's receive and the next one's: transfers overlap compute
-                self._post(op)
-            start, waited = time.perf_counter(), self.wait_s
-            self._forward(i, micro[i]) if kind == "F" else self._backward(i)
-            self.compute_s += time.perf_counter() - start - (self.wait_s - waited)
-            self.trace.append((kind, i, start - t0, time.perf_counter() - t0))
-            self._reap_sends()
+    def execute(self, batch: PyTree, seed: int, params: PyTree) -> tuple[torch.Tensor | None, Any]:
+        """The stage's ops on ``batch`` through the microbatch loop (``run_microbatches``, seeded by
+        ``seed``): ``(loss, aux)``, the mean of this stage's microbatch losses (None but on the last
+        stage) and their aux."""
+        self.t0 = time.perf_counter()
+        self.ops, self.k = self.ps.schedule.ops(self.p, self.s), 0
+        loss, aux = run_microbatches(self.ps.schedule, batch, self.ps.compute_dtype, seed, params, self.forward,
+                                     self.backward, self.p, self.s)
         self._finish_shared()
         for work in self.sends:
             self._wait(work)
-        self.step_s = time.perf_counter() - t0
+        self.step_s = time.perf_counter() - self.t0
+        return loss, aux
+
+    def forward(self, i: int, micro: PyTree) -> tuple[torch.Tensor, Any] | None:
+        """Op ``("F", i)``: the loss and aux on the last stage, None on the others."""
+        return self._op("F", i, lambda: self._forward(i, micro))
+
+    def backward(self, i: int) -> None:
+        """Op ``("B", i)``."""
+        self._op("B", i, lambda: self._backward(i))
+
+    def _op(self, kind: str, i: int, run):
+        """Run one op, its receive and the next one's posted first (transfers overlap compute),
+        timed and traced, then the sends that completed reaped. Before the first, the shared params
+        set out (once the batch has split)."""
+        if self.k == 0:
+            self._start_shared()
+        for op in self.ops[self.k : self.k + 2]:
+            self._post(op)
+        self.k += 1
+        start, waited = time.perf_counter(), self.wait_s
+        out = run()
+        self.compute_s += time.perf_counter() - start - (self.wait_s - waited)
+        self.trace.append((kind, i, start - self.t0, time.perf_counter() - self.t0))
+        self._reap_sends()
+        return out
 
     # -- p2p
     def _send(self, t: torch.Tensor, peer: int, what: str, tag: int = 0) -> None:
@@ -296,10 +319,10 @@ class _Run:
             self._send(torch.cat(flat), 0, "the shared params' grads", 1)
         elif self.s == 0 and self.p > 1 and self.shared:
             back = dict(zip(self.shared, self._wait(self.returned).split(self.sizes)))
-            _accumulate(self.acc, [back[n].view(self.shapes[n]) if n in back else None for n in self.spec.owned])
+            accumulate(self.acc, [back[n].view(self.shapes[n]) if n in back else None for n in self.spec.owned])
 
     # -- compute
-    def _forward(self, i: int, micro: PyTree) -> None:
+    def _forward(self, i: int, micro: PyTree) -> tuple[torch.Tensor, Any] | None:
         act_in = None
         if self.s > 0:
             if "F" not in self.meta:
@@ -308,28 +331,28 @@ class _Run:
             act_in = self._wait(self.recvs.pop(("F", i))).requires_grad_()
         if self.lent_names and not self.lent:
             self._borrow()
-        output = self._run_loss(micro, act_in)
+        output, aux = self._run_loss(micro, act_in)
         self.outputs[i] = (act_in, output)
         self.peak_live = max(self.peak_live, len(self.outputs))
-        if self.s < self.p - 1:
-            sent = output.detach().contiguous()
-            if "B" not in self.meta:
-                self.meta["B"] = (tuple(sent.shape), sent.dtype)
-                self._send_header(sent)
-            self._send(sent, self.s + 1, f"the activation of microbatch {i}")
+        if self.s == self.p - 1:
+            return output, aux
+        sent = output.detach().contiguous()
+        if "B" not in self.meta:
+            self.meta["B"] = (tuple(sent.shape), sent.dtype)
+            self._send_header(sent)
+        self._send(sent, self.s + 1, f"the activation of microbatch {i}")
+        return None
 
-    def _run_loss(self, micro: PyTree, act_in: torch.Tensor | None) -> torch.Tensor:
+    def _run_loss(self, micro: PyTree, act_in: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
+        """``(output, aux)``: the stage's output activation (aux None), or on the last stage the loss and its aux."""
         run = _StageRun(self.ps.model, self.ps.layout, self.s, self.p, act_in)
         try:
             with torch.enable_grad(), run_by(run):
                 out = self.ps.loss_fn(self.params, micro)
         except _StageOutput as stop:
-            return stop.output
+            return stop.output, None
         run.check_complete()
-        loss, aux = split_loss(out, self.ps.has_aux)
-        self.losses.append(loss.detach().float())
-        self.auxes.append(aux)
-        return loss
+        return split_loss(out, self.ps.has_aux)
 
     def _backward(self, i: int) -> None:
         act_in, output = self.outputs.pop(i)
@@ -345,8 +368,8 @@ class _Run:
             self._send(torch.zeros_like(act_in) if g is None else g.contiguous(), self.s - 1,
                        f"the activation grad of microbatch {i}")
         n, k = len(self.owned), len(self.lent)
-        _accumulate(self.acc, grads[:n])
-        _accumulate(self.lent_acc, grads[n : n + k])
+        accumulate(self.acc, grads[:n])
+        accumulate(self.lent_acc, grads[n : n + k])
         used = [name for name, g in zip(self.stand_in_names, grads[n + k :]) if g is not None]
         if used:
             raise ValueError(f"pipeline: stage {self.s}'s forward used param '{used[0]}', which stage "
@@ -361,14 +384,3 @@ def _digest(batch: PyTree) -> int:
         if isinstance(x, torch.Tensor):
             crc = zlib.crc32(x.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy(), crc)
     return crc
-
-
-def _accumulate(acc: list[torch.Tensor | None], grads: Sequence[torch.Tensor | None]) -> None:
-    """Sum grads into ``acc`` in fp32 (the first one's fp32 grad is taken as it is)."""
-    pairs = [(j, g) for j, g in enumerate(grads) if g is not None]
-    more = [(acc[j], g) for j, g in pairs if acc[j] is not None]
-    if more:
-        torch._foreach_add_([a for a, _ in more], [g for _, g in more])
-    for j, g in pairs:
-        if acc[j] is None:
-            acc[j] = g.float()

@@ -58,8 +58,9 @@ at the end (stage 1 costs: ``2 Psi_s`` per rank per step). ZeRO 2/3 and ``shard(
 are rejected: the pipeline must be the outermost transformation (docs/design.md, section 3, says
 why: its schedule keeps several microbatches live, which stage 2/3's per-microbatch gathers and
 reducers do not allow, and it changes what a state and a loss are for whatever would wrap it).
-The schedule is a role object (``zfunc.core.roles``), ``step.schedule``: a ``PipelineSchedule``
-(``zfunc.pipelining.stage``) with accumulation's interface, ``split(batch)`` and ``ops(stages, stage)``.
+The schedule, ``step.schedule``, is a ``PipelineSchedule`` (``zfunc.pipelining.stage``) with
+accumulation's interface, ``split(batch)`` and ``ops(stages, stage)``, which the one microbatch
+loop (``zfunc.core.microbatches``) runs; the pipeline leaves ``Roles`` (``zfunc.core.roles``).
 
 **Why this shape.** Shared params have one owner rather than a copy on both end stages
 (DeepSpeed's tied layers): the optimizer state exists once, the grad norm counts each param once,
@@ -78,8 +79,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from zfunc import optim
 from zfunc.core import compose, precision as mp, tree
+from zfunc.core.microbatches import step_seed
 from zfunc.dist import Mesh
 from zfunc.model.functional import BufferScope, carrying
 from zfunc.pipelining.layout import Layout, make_layout
@@ -87,7 +88,7 @@ from zfunc.pipelining.placement import PipelineSpec
 from zfunc.pipelining.stage import PipelineSchedule, _Run, _digest
 from zfunc.sharding.reduce import GradSlices, average_buffers, average_order
 from zfunc.sharding.layout import ShardSpec, bucket_groups, gather_whole
-from zfunc.core.step import Step, Transformed, cuda_devices, step_seed, seeded
+from zfunc.core.step import Step, Transformed, sum_over_ranks
 from zfunc.core.state import TrainState, require_train_state
 from zfunc.model.materialize import Materializer
 from zfunc.model.units import Selector
@@ -105,7 +106,7 @@ class PipelineStep(Transformed):
 
     Metrics are the same on every rank, except ``aux`` (``has_aux``): the loss function's aux per
     microbatch on the last stage, which alone computes the loss; ``None`` elsewhere. ``schedule``
-    is the schedule role (``PipelineSchedule``; ``str()`` gives "gpipe" or "1f1b"). After each
+    is the microbatch loop's schedule (``PipelineSchedule``; ``str()`` gives "gpipe" or "1f1b"). After each
     call, ``peak_live_microbatches`` is the most microbatches whose activations this stage held at
     once, and ``timings`` has the schedule's wall time ``step_s``, the time spent blocked on peers
     ``wait_s``, forward + backward compute ``compute_s``, and ``ops``: each op's ``(kind,
@@ -117,7 +118,7 @@ class PipelineStep(Transformed):
         self.base = base if compose.applied(base, "shard") else None
         self.model, self.layout, self.mesh = model, layout, mesh
         self.stages, self.stage, self.microbatches = mesh.pp, mesh.pp_rank, microbatches
-        self.schedule = PipelineSchedule(schedule, microbatches)  # the schedule role: GPipe or 1F1B
+        self.schedule = PipelineSchedule(schedule, microbatches)  # the microbatch loop's schedule: GPipe or 1F1B
         self.peak_live_microbatches, self.timings = 0, {}
         self._bucket_cache: list | None = None
 
@@ -164,8 +165,10 @@ class PipelineStep(Transformed):
         with carrying(state.buffers) as carried:
             loss, aux, grads = self._loss_and_grads(state.placement, params, batch, step, rng, loss_scale, carried)
         buffers = self._stage_buffers(carried, state.placement, step)
-        with optim.summing_across(self._sum_over_ranks):
-            new_state, metrics = self._update(state, grads, loss, aux)
+        norm = self.local_norm(grads)  # this stage's (and dp rank's) share: summed over them
+        if norm is not None:
+            norm, _, _ = sum_over_ranks(self._sum_across, norm * norm, None, None)
+        new_state, metrics = self.update(state, grads, loss, aux, norm)
         return new_state.replace(buffers=buffers), metrics
 
     def _in_units(self, name: str, units: Sequence[str]) -> bool:
@@ -183,10 +186,12 @@ class PipelineStep(Transformed):
         names = [n for n in average_order(carried) if n in own]
         return average_buffers(own, names, self.mesh.comm, spec.inner.world, f"buffer all-reduce at step {step}")
 
-    def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+    def _sum_across(self, t: torch.Tensor, label: str) -> torch.Tensor:
+        """``t`` summed over every rank of the step, in place: over the dp ranks (when sharded),
+        then over the pipeline's stages."""
         if self.base is not None:
-            self.mesh.comm.all_reduce(t, label="grad-norm all-reduce over the dp ranks")
-        self.mesh.pp_comm.all_reduce(t, label="grad-norm all-reduce over the pipeline")
+            self.mesh.comm.all_reduce(t, label=f"{label} over the dp ranks")
+        self.mesh.pp_comm.all_reduce(t, label=f"{label} over the pipeline")
         return t
 
     def _loss_and_grads(self, spec: PipelineSpec, params, batch, step, rng, loss_scale, carried: BufferScope):
@@ -195,10 +200,8 @@ class PipelineStep(Transformed):
         scale = mp.scale_of(loss_scale)
         self.mesh.clear_comm_bytes()
         whole = self._whole_params(pieces, spec, step)
-        micro = self.schedule.split(mp.cast_floating(batch, self.compute_dtype))
         run = _Run(self, spec, whole, step, scale, _digest(batch))
-        with seeded(step_seed(rng, step), cuda_devices(params)):
-            run.execute(micro)
+        loss, aux = run.execute(batch, step_seed(rng, step), params)
         self.peak_live_microbatches = run.peak_live
         self.timings = {"step_s": run.step_s, "wait_s": run.wait_s, "compute_s": run.compute_s, "ops": run.trace}
         grads = [torch.zeros(w.shape, device=w.device) if g is None else g for g, w in zip(run.acc, whole)]
@@ -208,8 +211,8 @@ class PipelineStep(Transformed):
                                     divisor * spec.inner.world)
         else:
             torch._foreach_mul_(grads, 1.0 / divisor)
-        loss = self._mean_loss(run.losses, spec, step, run.device, self._stray_buffers(carried))
-        return loss, self._aux(run.auxes), tree.unflatten(treespec, grads)
+        loss = self._mean_loss(loss, spec, step, run.device, self._stray_buffers(carried))
+        return loss, aux, tree.unflatten(treespec, grads)
 
     def _whole_params(self, pieces: list[torch.Tensor], spec: PipelineSpec, step: int) -> list[torch.Tensor]:
         """This stage's params whole, in the compute dtype (all-gathered over dp when sharded)."""
@@ -223,12 +226,13 @@ class PipelineStep(Transformed):
             self._bucket_cache = bucket_groups(inner.leaves, self.base.bucket_elems)
         return self._bucket_cache
 
-    def _mean_loss(self, losses: list[torch.Tensor], spec: PipelineSpec, step: int, device,
+    def _mean_loss(self, loss: torch.Tensor | None, spec: PipelineSpec, step: int, device,
                    stray: list[str]) -> torch.Tensor:
-        """The last stage's mean loss, summed into every stage (the others add 0) and over dp.
-        The same all-reduce counts the ``stray`` buffers of every stage: if any stage has some,
-        every stage raises, before the update (a post-unit module runs on the last stage only)."""
-        loss = torch.stack(losses).mean() if losses else torch.zeros((), device=device)
+        """The last stage's mean loss (None elsewhere), summed into every stage (the others add 0)
+        and over dp. The same all-reduce counts the ``stray`` buffers of every stage: if any stage
+        has some, every stage raises, before the update (a post-unit module runs on the last stage
+        only)."""
+        loss = torch.zeros((), device=device) if loss is None else loss
         both = torch.stack([loss, torch.tensor(float(len(stray)), device=loss.device)])
         self.mesh.pp_comm.all_reduce(both, label=f"loss all-reduce over the pipeline at step {step}")
         loss = both[0]
@@ -241,11 +245,6 @@ class PipelineStep(Transformed):
             self.mesh.comm.all_reduce(loss, label=f"loss all-reduce over the dp ranks at step {step}")
             loss = loss / spec.inner.world
         return loss
-
-    def _aux(self, auxes: list) -> Any:
-        if not auxes:
-            return None  # aux comes from the loss, which only the last stage computes
-        return auxes[0] if self.microbatches == 1 else auxes
 
 
 def _reduce_scatter(grads, pieces, spec: ShardSpec, buckets, comm, step: int, divisor: float) -> list[torch.Tensor]:

@@ -42,7 +42,8 @@ from zfunc.plan.core import Estimate, plan
 from zfunc.plan.hardware import GPUS, NODES, Cluster, Device, Node, cluster
 from zfunc.plan.cost import engine_comm
 from zfunc.plan.memory import engine_bytes, local_numel, offload_bytes, working_bound, zero_paper
-from zfunc.plan.model import ModelSpec, from_flavor, from_hf_config, from_module, from_params, from_shape
+from zfunc.plan.model import (ModelSpec, from_flavor, from_hf_config, from_module, from_params, from_shape,
+                              register_flavors)
 from zfunc.plan.search import search
 from zfunc.plan.strategy import describe, from_flags
 
@@ -50,5 +51,5 @@ from zfunc.plan.strategy import describe, from_flags
 __all__ = [
     "GPUS", "NODES", "Cluster", "Device", "Estimate", "ModelSpec", "Node", "cluster", "describe",
     "engine_bytes", "engine_comm", "from_flags", "from_flavor", "from_hf_config", "from_module", "from_params",
-    "from_shape", "local_numel", "offload_bytes", "plan", "search", "working_bound", "zero_paper",
+    "from_shape", "local_numel", "offload_bytes", "plan", "register_flavors", "search", "working_bound", "zero_paper",
 ]

@@ -2,7 +2,7 @@
 
     python -m zfunc.plan --params 7e9 --gpu A100-80GB --gpus 16 --zero 3 --micro-batch 4 --seq 2048
     python -m zfunc.plan --hf-config llama.json --gpus 64 --search
-    python -m zfunc.plan --flavor 7B --recipe llama --gpus 8 --json
+    python -m recipes.plan --flavor 7B --recipe llama --gpus 8 --json   # a recipe's size: the recipes register them
     python -m zfunc.plan --calibrate [--calibration PATH]      # measure this machine
     python -m zfunc.plan --validate                            # predicted vs measured benchmarks, here
     python -m zfunc.plan --papers                              # the published headline runs, predicted
@@ -29,7 +29,8 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     what = p.add_argument_group("model (one of)")
     what.add_argument("--params", type=float, help="parameter count, e.g. 7e9 (a standard shape)")
-    what.add_argument("--flavor", help="a recipe's named size (recipes/flavors.py)")
+    what.add_argument("--flavor", help="a registered recipe's named size (zfunc.plan.register_flavors; "
+                      "python -m recipes.plan registers the recipes')")
     what.add_argument("--recipe", default="gpt", help="the recipe --flavor belongs to (default gpt)")
     what.add_argument("--hf-config", help="a transformers config: JSON file or JSON text")
     what.add_argument("--layers", type=int, help="explicit shape: layers (with --hidden, --heads)")

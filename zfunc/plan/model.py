@@ -25,6 +25,7 @@ layer's input (``2 s b h``) stays, plus one layer's full activations during its 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -268,41 +269,37 @@ def from_hf_config(path_or_json: str | dict) -> ModelSpec:
     return from_module(module, config=raw, name=f"{raw['model_type']} (transformers config)")
 
 
-def from_flavor(name: str, recipe: str = "gpt") -> ModelSpec:
-    """Recipe ``recipe``'s flavor ``name``, built on the meta device. The recipe's config comes from
-    ``recipes.<recipe>.flavor(name)``, else ``recipes.flavors.<recipe>_flavor(name)``, else its
-    ``FLAVORS`` table through ``recipes.flavors.lookup``."""
-    import importlib
+FlavorBuilder = Callable[[str], tuple[Any, Any]]
+_FLAVORS: dict[str, FlavorBuilder] = {}
 
-    try:
-        flavors = importlib.import_module("recipes.flavors")
-        mod = importlib.import_module(f"recipes.{recipe}")
-    except ImportError:
-        raise ValueError(f"flavor: needs recipes/flavors.py and recipes/{recipe}.py, not in this tree (yet); use "
-                         "--params or --hf-config") from None
-    config_cls = next((getattr(mod, n) for n in sorted(dir(mod))
-                       if n.endswith("Config") and isinstance(getattr(mod, n), type)), None)
-    if callable(getattr(mod, "flavor", None)):
-        config = mod.flavor(name)
-    else:
-        lookup = getattr(flavors, f"{recipe}_flavor", None)
-        table = getattr(mod, "FLAVORS", None) or getattr(mod, f"{recipe.upper()}_FLAVORS", None)
-        if lookup is not None:
-            kwargs = lookup(name)
-        elif table is not None:
-            kwargs = flavors.lookup(table, name, recipe)
-        else:
-            raise ValueError(f"flavor: recipe {recipe!r} has no flavor table")
-        if config_cls is None:
-            raise ValueError(f"flavor: recipes/{recipe}.py has no config class")
-        config = config_cls(**kwargs)
-    model_cls = next((getattr(mod, n) for n in ("GPT", "Llama", "Bert", "BERT", "BertForMLM", "Transformer")
-                      if isinstance(getattr(mod, n, None), type)), None)
-    if model_cls is None:
-        raise ValueError(f"flavor: recipes/{recipe}.py has no model class the planner knows")
+
+def register_flavors(recipe: str, build: FlavorBuilder) -> None:
+    """Make ``from_flavor(name, recipe)`` know recipe ``recipe``'s named sizes: ``build(name) ->
+    (model, config)`` builds flavor ``name``'s ``nn.Module`` (on the current default device:
+    ``from_flavor`` builds it on the meta device) and its config, and raises ValueError naming an
+    unknown flavor. The planner knows no recipe itself; a recipe registers its flavors when it is
+    imported (``recipes/gpt.py``, ``llama.py``, ``bert.py``; ``python -m recipes.plan`` imports them).
+    Registering a recipe again replaces its builder."""
+    if not isinstance(recipe, str) or not recipe:
+        raise ValueError(f"recipe: expected a non-empty name, got {recipe!r}")
+    if not callable(build):
+        raise ValueError(f"build: expected a callable name -> (model, config), got {build!r}")
+    _FLAVORS[recipe] = build
+
+
+def from_flavor(name: str, recipe: str = "gpt") -> ModelSpec:
+    """Recipe ``recipe``'s flavor ``name`` (``register_flavors``), built on the meta device: its exact
+    leaves and count, its shape from its config. ValueError naming the recipes registered when
+    ``recipe`` is not one of them."""
+    build = _FLAVORS.get(recipe)
+    if build is None:
+        known = ", ".join(sorted(_FLAVORS)) or "none"
+        raise ValueError(f"--recipe: no flavors registered for recipe {recipe!r} (registered: {known}); the recipes "
+                         "register theirs when imported: python -m recipes.plan takes the same flags, or give "
+                         "--params, --hf-config or --layers")
     import torch
 
     with torch.device("meta"):
-        module = model_cls(config)
+        module, config = build(name)
     kind = recipe if recipe in KINDS else "gpt"
     return from_module(module, kind=kind, config=config, name=f"{recipe} {name}")

@@ -1,20 +1,22 @@
 """One call of a sharded or offloaded step: everything that lives for one ``step(state, batch)``.
 
 A ``StepRun`` is made by ``ShardedStep.__call__`` and ``OffloadedStep.__call__`` for each call. It
-asks the step for this call's roles (``step.roles(run, state)``, ``zfunc.core.roles``): where params
-come from, where grads go, how the update runs and the microbatch schedule; then it drives them
-with ZeRO's machinery, which stays here: the gathers (stages 1/2: whole by bucket; stage 3: per
-unit, ``prefetch.Gatherer``), the grad reducers and the step's one all-reduce (the loss, the grad
-norm and per-leaf "produced a grad" flags). It holds the state's layout and loss scale, the
-leaves whose grads arrived and the peaks it measured. Shard's own roles are here too:
-``LocalPieces``, ``ReducedSlices``, ``PlainUpdate``; offload's are in ``zfunc.offloading.run``.
+makes the call's ``RunContext`` (the state's placement, the grad divisor, the sum over the ranks,
+the finite check) and asks the step for the call's roles (``step.roles(context, state)``,
+``zfunc.core.roles``): where params come from, where grads go, how the update runs and the
+microbatch schedule. It runs the schedule through the one microbatch loop
+(``zfunc.core.microbatches.run_microbatches``) with ZeRO's machinery, which stays here: the gathers
+(stages 1/2: whole by bucket; stage 3: per unit, ``prefetch.Gatherer``) and the grad reducers. It
+holds the state's layout, the groups (buckets or units) and their orders as this call knows them,
+the per-leaf "this rank produced a grad" flags and the peaks it measured. Shard's own roles are
+here too: ``LocalPieces``, ``ReducedSlices``, ``PlainUpdate``; offload's are in
+``zfunc.offloading.run``.
 
-The step object keeps only its configuration and what it learned once (stage 3's units and their
-run order, stages 0-2's bucket order, stage 0's bucket buffers), so one step object can drive any
-number of states (docs/design.md, "Run objects"). Configuration and learned state are read from
-the step by delegation; a run writes learned state only through ``self.sharded``, the
-``ShardedStep`` (the step itself, or the one an offloaded step wraps), and its roles write theirs
-in their ``finish``.
+The step object keeps only its configuration and what it learned (stage 3's units and their run
+order, stages 0-2's bucket order, stage 0's bucket buffers), so one step object can drive any
+number of states (docs/design.md, "Run objects"). The run reads that learned state when it starts;
+what the call learns it keeps, and ``finish`` hands it back, with its roles', for the step to
+record in one place (``step.learn``).
 """
 from __future__ import annotations
 
@@ -23,236 +25,257 @@ from typing import Any
 
 import torch
 
-from zfunc import optim
 from zfunc.core import precision as mp, tree
-from zfunc.model.functional import carrying, run_by
+from zfunc.core.microbatches import run_microbatches, step_seed
+from zfunc.core.roles import Role, RunContext
+from zfunc.core.step import Step, TrainState, split_loss, sum_over_ranks
+from zfunc.model.functional import BufferScope, carrying, run_by
+from zfunc.sharding.layout import FlatGroup, ShardSpec, _placeholder, bucket_groups, gather_whole, leaf_names
 from zfunc.sharding.prefetch import Gatherer
-from zfunc.core.roles import Role
-from zfunc.sharding.layout import ShardSpec, leaf_names, _placeholder
-from zfunc.sharding.reduce import Buckets, GradAllReducer, GradReducer, GradSlices
-from zfunc.core.step import Step, cuda_devices, step_seed, seeded, split_loss
-from zfunc.core.state import TrainState
+from zfunc.sharding.reduce import (Buckets, GradAllReducer, GradReducer, GradSlices, average_buffers,
+                                   average_order)
 
 PyTree = Any
 
 
 class StepRun:
-    """One call of a ``ShardedStep`` or an ``OffloadedStep``, driving the roles the step gives it
-    (see the module docstring)."""
+    """One call of a ``ShardedStep`` or an ``OffloadedStep`` (``step``, the step called; its
+    ``sharded`` holds the layout's configuration and learned state), driving the roles the step
+    gives it (see the module docstring)."""
 
-    def __init__(self, step: Any, state: TrainState):
-        self.step = step  # the step called: its configuration (and an offloaded step's roles)
-        self.sharded = step.sharded  # the ShardedStep that learns the unit and bucket orders
-        self._state_spec = state.placement
-        self._loss_scale = state.loss_scale and state.loss_scale.scale
-        # This call's loss and its 0/1 per leaf "this rank produced a grad", until an all-reduce sums them.
-        self._to_sum: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._produced: torch.Tensor | None = None  # per leaf, ranks that produced a grad (once summed)
-        self._arrived: list[int] = []  # the current microbatch's leaves whose grads backward produced
+    def __init__(self, step: Step, state: TrainState):
+        sharded = step.sharded  # the ShardedStep: the layout and its learned state
+        self.step, self.sharded, self.mesh, self.stage = step, sharded, sharded.mesh, sharded.stage
+        self.spec: ShardSpec = state.placement
+        scale = state.loss_scale and state.loss_scale.scale
+        # reduced grads are sums over the ranks and microbatches of the scaled loss's grads
+        self.reduce_divisor = self.spec.world * step.accum * (scale or 1.0)
+        self.groups: list[FlatGroup] | None = sharded._flat_groups  # buckets, or stage 3's units
+        self.unit_order: list[int] = sharded.order or []  # stage 3: the units' run order ([]: record it)
+        self.buckets_ordered = sharded._buckets_ordered
+        self.learned: dict[str, Any] = {"unit_order": self.unit_order} if self.stage == 3 and not sharded.order else {}
         self.peak_gathered_bytes = 0  # most whole-param bytes held at once
         self.peak_whole_grad_bytes = 0  # most whole-grad bytes held at once
-        self.roles = step.roles(self, state)  # this call's params source, grad sink, update and schedule
-
-    def __getattr__(self, name: str) -> Any:
-        """The step's configuration and learned state (only called for what the run lacks)."""
-        if name in ("step", "sharded", "roles"):
-            raise AttributeError(name)
-        return getattr(self.step, name)
+        self.produced: torch.Tensor | None = None  # per leaf, 1 where this rank's backward produced a grad
+        self._live: dict[int, tuple] = {}  # microbatches between their forward and backward
+        self.context = RunContext(self.spec, 1.0 if self.stage == 0 else self.reduce_divisor,
+                                  None if self.stage == 0 else self._sum_across, step.finite)
+        self.roles = step.roles(self.context, state)  # this call's params source, grad sink, update and schedule
+        if self.roles.schedule.count != step.accum:
+            raise ValueError(f"roles: the schedule runs {self.roles.schedule.count} microbatches, but the step "
+                             f"accumulates {step.accum} (train_step(accum=)); a sharded step's schedule is its "
+                             "accumulation")
 
     def execute(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         """The step on ``state`` (already checked by the step): the new state and the metrics.
-        The roles finish after it, also when it fails (they write back what they learned)."""
-        try:
-            return self._execute(state, batch)
-        finally:
-            self.roles.finish()
-
-    def _execute(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
-        params, step, rng, loss_scale = state.params, state.step, state.rng, state.loss_scale
-        if self.stage == 3 and self._flat_groups is None:  # unit binding maps param names to leaves
-            self.sharded._names = leaf_names(params)
+        ``finish`` follows, also when this fails."""
+        number = state.step  # read first: an overlapped update consumes the state during backward
         with carrying(state.buffers) as carried:
-            loss, aux, grads = self._loss_and_grads(params, batch, step, rng, loss_scale)
-        buffers = self.sharded._average_buffers(carried, step)
-        if self.stage == 0:  # grads whole and equal on every rank: the norm is taken locally (the
-            # loss was summed over the ranks with the last grad bucket)
-            new_state, metrics = self.roles.update.apply(state, grads, loss, aux)
-        else:
-            # summed by the grad norm's all-reduce, the step's one sync; without a norm, alone (``_finite``)
-            self._to_sum = (loss, self._produced)
-            try:
-                with optim.summing_across(self._sum_over_ranks):
-                    new_state, metrics = self.roles.update.apply(state, grads, loss, aux)
-            finally:
-                self._produced, self._to_sum = None, None  # this step's only
-        loss.div_(state.placement.world)  # metrics["loss"]: the mean over ranks
+            loss, aux, grads = self._loss_and_grads(state, batch)
+        buffers = self._average_buffers(carried, number)
+        new_state, metrics = self.roles.update.apply(state, grads, loss, aux, self.produced)
+        metrics["loss"] = metrics["loss"] / self.spec.world  # the total over the ranks: their mean
         return new_state.replace(buffers=buffers), metrics
 
-    def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` (global_norm's own temporary) summed over the ranks; the first call of a step
-        also sums the step's loss and the per-leaf grads-produced flags, in the same all-reduce."""
-        pending, self._to_sum = self._to_sum, None
-        if pending is None:
-            self.mesh.comm.all_reduce(t, label="grad-norm all-reduce")
-            return t
-        loss, produced = pending
-        both = torch.cat([t.reshape(1), loss.reshape(1).to(t.device, t.dtype), produced.to(t.device, t.dtype)])
-        self.mesh.comm.all_reduce(both, label="grad-norm, loss and grads-produced all-reduce")
-        loss.copy_(both[1])
-        produced.copy_(both[2:])
-        return both[0]
+    def finish(self) -> dict[str, Any]:
+        """End the call: each role's ``finish`` (its work in flight ends) and what the call learned,
+        the roles' and the run's, for ``step.learn``: ``groups``, ``unit_order``, ``grad_order``,
+        ``buckets_ordered``, ``bucket_buffers``, ``buffer_names`` where this call learned them, and
+        the peaks it measured (``ShardedStep.learn`` says what each is)."""
+        learned = self.roles.finish()
+        learned.update(self.learned)
+        learned.update(peak_gathered_bytes=self.peak_gathered_bytes, peak_whole_grad_bytes=self.peak_whole_grad_bytes)
+        return learned
 
-    def _sum_loss_and_produced(self) -> None:
-        """The step's loss and grads-produced flags summed over the ranks in one all-reduce: what
-        ``_sum_over_ranks`` does with the norm's, for a step that computes no norm."""
-        loss, produced = self._to_sum
-        self._to_sum = None
-        both = torch.cat([loss.reshape(1).float(), produced.to(loss.device, torch.float32)])
-        self.mesh.comm.all_reduce(both, label="loss and grads-produced all-reduce")
-        loss.copy_(both[0])
-        produced.copy_(both[1:])
+    def _sum_across(self, t: torch.Tensor, label: str) -> torch.Tensor:
+        """``t`` summed over the data-parallel ranks, in place (the context's ``sum_across``)."""
+        self.mesh.comm.all_reduce(t, label=label)
+        return t
 
-    def _finite(self, loss: torch.Tensor, norm: torch.Tensor | None, step: int, loss_scale) -> bool:
-        """The step's finite check (``Step._finite``) on the loss summed over the ranks, so every
-        rank decides alike: a step without a norm (``train_step(grad_norm=False)``, no clipping, not
-        fp16) sums it here, with the grads-produced flags, in the step's one all-reduce."""
-        if self._to_sum is not None:
-            self._sum_loss_and_produced()
-        return self.step._finite(loss, norm, step, loss_scale)
-
-    def _without_missing_grads(self, grads: PyTree) -> PyTree:
-        """``grads`` with ``None`` for the params no rank produced a grad for (their slices are
-        zeros): the optimizer leaves those alone, as DDP does. Known once the norm is summed."""
-        if self._produced is None or self._to_sum is not None:
-            return grads
-        leaves, treespec = tree.flatten(grads)
-        return tree.unflatten(treespec, [g if n > 0 else None for g, n in zip(leaves, self._produced.tolist())])
-
-    def _loss_and_grads(self, params, batch, step, rng, loss_scale):
-        """This rank's mean loss over its microbatches, and its fp32 slice of the grads averaged over ranks."""
-        if self.stage == 0:
-            return self._replicated_loss_and_grads(params, batch, step, rng, loss_scale)
-        pieces, treespec = self._pieces(params)
-        spec = self._state_spec
-        scale = mp.scale_of(loss_scale)
-        device = self._device(pieces)
-        sink = self._grad_sink(pieces)
-        self._produced = torch.zeros(len(spec.leaves))  # 1 where this rank's backward produced a grad
-        if self._grad_order is not None:
-            self._order_buckets(spec, step)
+    # ------------------------------------------------------------------ forward and backward
+    def _loss_and_grads(self, state: TrainState, batch: PyTree):
+        """This rank's mean loss over its microbatches (stage 0: the sum over the ranks of theirs),
+        and its fp32 grads (stages 1-3: its slice, stage 0: whole) averaged over the ranks."""
+        params, step = state.params, state.step
+        if self.stage == 3 and self.groups is None:  # unit binding maps param names to leaves
+            self._names = leaf_names(params)
+        self.pieces, self.treespec = self._pieces(params)
+        self.device = self.roles.params.device(self.pieces)
+        self.sink = self.roles.grads.open(self.pieces)
+        self.scale, self.number = mp.scale_of(state.loss_scale), step
+        if self.stage > 0:
+            self.produced = torch.zeros(len(self.spec.leaves))
+        if self.sharded._grad_order is not None:
+            self._order_buckets(step)
         self.mesh.clear_comm_bytes()
-        whole = self._gather_all(pieces, spec, f"step {step}", device) if self.stage < 3 else None
-        self.peak_gathered_bytes, self.peak_whole_grad_bytes = (tree.nbytes(whole) if whole else 0), 0
-        reducer, losses, auxes = None, [], []
-        eager = self.stage > 1 or self.roles.schedule.count == 1
-        with seeded(step_seed(rng, step), cuda_devices(params)):
-            for micro in self.roles.schedule.split(mp.cast_floating(batch, self.compute_dtype)):
-                leaves, gatherer, groups = self._microbatch_leaves(spec, pieces, whole, step, device)
-                if reducer is None or eager:  # stage 1 with accum sums whole grads over microbatches
-                    reducer = GradReducer(self.mesh.reduce_comm, spec, groups, sink.deliver, device, eager, step,
-                                          lambda groups=groups: self._backward_order(groups()),
-                                          on_group_done=gatherer.release if gatherer else None,
-                                          keep_whole=self.stage == 1, deliver_early=sink.early,
-                                          own_grads=sink.own)
-                    self._arrived = reducer.arrived  # leaves with a grad so far (offload's overlapped updates)
-                loss, aux = self._backward(tree.unflatten(treespec, leaves), micro, leaves, gatherer, reducer, scale)
-                self._produced[torch.tensor(reducer.arrived, dtype=torch.long)] = 1.0
-                losses.append(loss)
-                auxes.append(aux)
-        if not eager:
+        start, forward = ((self._start_replicated, self._forward_replicated) if self.stage == 0
+                          else (self._start_sharded, self._forward_sharded))
+        start()
+        loss, aux = run_microbatches(self.roles.schedule, batch, self.step.compute_dtype, step_seed(state.rng, step),
+                                     params, forward, self._backward)
+        reducer, sink = self.reducer, self.sink
+        # what the microbatches held (whole params, the compute copy, whole grads) goes before the update
+        self.reducer = self.sink = self.whole = self.compute = self.pieces = None
+        if self.stage > 0 and not self.eager:
             reducer.reduce_accumulated()
-        if self.stage < 3 and not self._buckets_ordered:
-            self.sharded._grad_order = reducer.arrived  # learned once
+        if self.stage < 3 and not self.buckets_ordered:
+            self.learned["grad_order"] = reducer.arrived  # learned once
+        if self.stage == 0:  # summed over the ranks with the last bucket; execute averages it over them
+            loss = reducer.loss / self.roles.schedule.count
         grads = sink.result()
-        loss = torch.stack(losses).mean()  # this rank's; the caller averages it over the ranks
-        return loss, (auxes[0] if self.roles.schedule.count == 1 else auxes), grads and tree.unflatten(treespec, grads)
+        return loss, aux, grads and tree.unflatten(self.treespec, grads)
 
-    def _replicated_loss_and_grads(self, params, batch, step, rng, loss_scale):
-        """Stage 0: the loss summed over the ranks (of each rank's mean over its microbatches), and the
-        whole fp32 grads averaged over the ranks (the same on every rank): each microbatch differentiates
-        the whole params (the fp32 masters themselves at fp32, a compute-dtype copy otherwise), and
-        ``GradAllReducer`` sums the grads into its buckets, all-reducing them during the last microbatch's
-        backward."""
-        pieces, treespec = self._pieces(params)
-        spec = self._state_spec
-        sink = GradSlices(lambda i: torch.zeros_like(pieces[i]), len(pieces), 1.0)  # the reducer divides
-        if self._grad_order is not None:
-            self._order_buckets(spec, step)
-        self.mesh.clear_comm_bytes()
-        compute = [p.to(self.compute_dtype) for p in pieces]
-        self.peak_gathered_bytes = sum(c.numel() * c.element_size() for c, p in zip(compute, pieces) if c is not p)
-        self.peak_whole_grad_bytes = 0
-        buckets, device = self._buckets(spec), self._device(pieces)
-        kept = self._bucket_buffers
-        if kept is None or (kept.groups, kept.device) != (buckets, device):
-            self.sharded._bucket_buffers = Buckets(buckets, spec.leaves, device)  # new order or place: kept
-        reducer = GradAllReducer(self.mesh.reduce_comm, ShardSpec(0, 1, 0, spec.leaves), self._bucket_buffers,
-                                 sink.deliver, step, self._grad_divisor())
-        auxes = []
-        scale = mp.scale_of(loss_scale)
-        with seeded(step_seed(rng, step), cuda_devices(params)):
-            micros = self.roles.schedule.split(mp.cast_floating(batch, self.compute_dtype))
-            for k, micro in enumerate(micros):
-                reducer.eager = k == len(micros) - 1  # DDP's no_sync before the last microbatch
-                leaves = [c.detach().requires_grad_() for c in compute]
-                _, aux = self._backward(tree.unflatten(treespec, leaves), micro, leaves, None, reducer, scale)
-                auxes.append(aux)
-        if not self._buckets_ordered:
-            self.sharded._grad_order = reducer.arrived  # learned once
-        loss = reducer.loss / self.roles.schedule.count  # summed over the ranks; the caller divides by them
-        return loss, (auxes[0] if self.roles.schedule.count == 1 else auxes), tree.unflatten(treespec, sink.result())
+    def _start_replicated(self) -> None:
+        """Stage 0: the whole params in the compute dtype (the fp32 masters themselves at fp32),
+        and ``GradAllReducer``, which sums each microbatch's grads into the kept fp32 buckets and
+        all-reduces them during the last microbatch's backward, then divides them."""
+        pieces = self.pieces
+        self.compute = [p.to(self.step.compute_dtype) for p in pieces]
+        self.peak_gathered_bytes = sum(c.numel() * c.element_size() for c, p in zip(self.compute, pieces) if c is not p)
+        buckets, kept = self._buckets(), self.sharded._bucket_buffers
+        if kept is None or (kept.groups, kept.device) != (buckets, self.device):
+            kept = Buckets(buckets, self.spec.leaves, self.device)  # a new order or place: new buffers, kept
+            self.learned["bucket_buffers"] = kept
+        self.reducer = GradAllReducer(self.mesh.reduce_comm, ShardSpec(0, 1, 0, self.spec.leaves), kept,
+                                      self.sink.deliver, self.number, self.reduce_divisor)
 
-    def _pieces(self, params) -> tuple[Any, Any]:
-        """``(pieces, treespec)``: this rank's param pieces, indexable in leaf order (the params source's)."""
-        return self.roles.params.pieces(params)
+    def _forward_replicated(self, i: int, micro: PyTree) -> tuple[torch.Tensor, Any]:
+        self.reducer.eager = i == self.roles.schedule.count - 1  # DDP's no_sync before the last microbatch
+        return self._forward(i, micro, [c.detach().requires_grad_() for c in self.compute], None, self.reducer)
 
-    def _grad_sink(self, pieces):
-        """This call's grad sink (the grad sink role's)."""
-        return self.roles.grads.open(pieces)
+    def _start_sharded(self) -> None:
+        """Stages 1-3: stages 1/2 gather every param whole now; reducers are made per microbatch,
+        except at stage 1 with accumulation, which sums whole grads and reduce-scatters once."""
+        self.whole = (gather_whole(self.pieces, self.spec, self._buckets(), self.mesh.comm, self.step.compute_dtype,
+                                    self.device, f"step {self.number}") if self.stage < 3 else None)
+        self.peak_gathered_bytes = tree.nbytes(self.whole) if self.whole else 0
+        self.eager, self.reducer = self.stage > 1 or self.roles.schedule.count == 1, None
 
-    def _grad_divisor(self) -> float:
-        """Reduced grads are sums over ranks and microbatches of scaled losses' grads."""
-        return self._state_spec.world * self.roles.schedule.count * (self._loss_scale or 1.0)
+    def _forward_sharded(self, i: int, micro: PyTree) -> tuple[torch.Tensor, Any]:
+        leaves, gatherer, groups = self._microbatch_leaves()
+        if self.reducer is None or self.eager:  # stage 1 with accum sums whole grads over microbatches
+            sink = self.sink
+            self.reducer = GradReducer(self.mesh.reduce_comm, self.spec, groups, sink.deliver, self.device, self.eager,
+                                       self.number, lambda groups=groups: self._backward_order(groups()),
+                                       on_group_done=gatherer.release if gatherer else None,
+                                       keep_whole=self.stage == 1, deliver_early=sink.early, own_grads=sink.own)
+        return self._forward(i, micro, leaves, gatherer, self.reducer)
 
-    def _device(self, pieces) -> torch.device:
-        """Where the step computes (the params source says)."""
-        return self.roles.params.device(pieces)
-
-    def _microbatch_leaves(self, spec: ShardSpec, pieces, whole, step: int, device: torch.device):
+    def _microbatch_leaves(self):
         """``(leaves, gatherer, groups)`` for one microbatch (``groups()``: what the reducer
         reduces by, the buckets or stage 3's units): stages 1/2 differentiate the gathered params;
         stage 3 hands out storage-less placeholders that its ``Gatherer`` fills per unit."""
         if self.stage < 3:
-            return [w.detach().requires_grad_() for w in whole], None, lambda: self._buckets(spec)
-        leaves = [_placeholder(leaf.shape, self.compute_dtype, device) for leaf in spec.leaves]
-        gatherer = Gatherer(self.mesh.comm, spec, pieces, leaves,
-                            lambda module: self.sharded._stage3_units(module, spec), self.order, self.prefetch,
-                            step, self.verify)
+            return [w.detach().requires_grad_() for w in self.whole], None, self._buckets
+        sharded, spec = self.sharded, self.spec
+        leaves = [_placeholder(leaf.shape, self.step.compute_dtype, self.device) for leaf in spec.leaves]
+        gatherer = Gatherer(self.mesh.comm, spec, self.pieces, leaves, self._units, self.unit_order, sharded.prefetch,
+                            self.number, sharded.verify)
         return leaves, gatherer, lambda: gatherer.units
 
-    def _backward(self, params, micro, leaves, gatherer, reducer, scale):
-        """Forward and backward of one microbatch; the reducer takes each grad as it is produced."""
+    def _forward(self, i: int, micro: PyTree, leaves: list, gatherer: Gatherer | None, reducer: GradReducer):
+        """Microbatch ``i``'s forward; the reducer's hooks take each grad its backward produces."""
         handles = reducer.hook(leaves)
         with torch.enable_grad(), run_by(gatherer) if gatherer is not None else nullcontext():
-            out = self.loss_fn(params, micro)
-        loss, aux = split_loss(out, self.has_aux)
+            out = self.step.loss_fn(tree.unflatten(self.treespec, leaves), micro)
+        loss, aux = split_loss(out, self.step.has_aux)
         reducer.forward_done(loss)
         if gatherer is not None and gatherer.units is None:
             raise ValueError("loss_fn: stage 3 needs the loss to run the model through the apply of "
                              "zf.functionalize (params reach the model only through it)")
-        self._before_backward(loss)
-        (loss * scale if scale is not None else loss).backward(inputs=leaves)
+        self.roles.grads.before_backward(loss)
+        self._live[i] = (loss, leaves, gatherer, reducer, handles)
+        return loss, aux
+
+    def _backward(self, i: int) -> None:
+        """Microbatch ``i``'s backward: its reducer reduces the grads as they are produced."""
+        loss, leaves, gatherer, reducer, handles = self._live.pop(i)
+        (loss * self.scale if self.scale is not None else loss).backward(inputs=leaves)
         for h in handles:
             h.remove()
         reducer.finish_microbatch()
         self.peak_whole_grad_bytes = max(self.peak_whole_grad_bytes, reducer.peak_bytes)
         if gatherer is not None:
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, gatherer.peak_bytes)
-        return loss.detach().float(), aux
+        if self.produced is not None:
+            self.produced[torch.tensor(reducer.arrived, dtype=torch.long)] = 1.0
 
-    def _before_backward(self, loss: torch.Tensor) -> None:
-        """Each microbatch's loss, between its forward and its backward (the grad sink sees it)."""
-        self.roles.grads.before_backward(loss)
+    # ------------------------------------------------------------------ groups and their orders
+    def _pieces(self, params) -> tuple[Any, Any]:
+        """``(pieces, treespec)``: this rank's param pieces, indexable in leaf order (the params source's)."""
+        return self.roles.params.pieces(params)
+
+    def _buckets(self) -> list[FlatGroup]:
+        """Stages 0-2's buckets: the step's, else made now (and learned)."""
+        if self.groups is None:
+            size, first = self.sharded._bucket_sizes(self.spec)
+            self.groups = self.learned["groups"] = bucket_groups(self.spec.leaves, size, first_elems=first)
+        return self.groups
+
+    def _units(self, module) -> list[FlatGroup]:
+        """Stage 3's units: the step's, else bound now to the leaves of the model the loss runs."""
+        if self.groups is None:
+            self.groups = self.learned["groups"] = bind_units(self.sharded.units_selector, module, self.spec,
+                                                              self._names)
+        return self.groups
+
+    def _backward_order(self, groups: list[FlatGroup]) -> list[int]:
+        """The groups (buckets or units) in the order their grads complete: stage 3 reverses the
+        recorded forward order of its units (those that did not run go last); stages 1/2's buckets
+        are already in backward order."""
+        if self.stage < 3:
+            return list(range(len(groups)))
+        ran = self.unit_order[::-1]
+        return ran + [u for u in range(len(groups)) if u not in ran]
+
+    def _order_buckets(self, step: int) -> None:
+        """Stages 0-2, once, at the start of the second step: rebuild the buckets in the order the
+        first step's backward produced the grads on rank 0 (leaves that got none last), as DDP
+        rebuilds its buckets after its first iteration, so that each bucket is complete, and its
+        reduce launched, as early as backward allows. Leaf order is the pytree's (sorted dict
+        keys), not the model's: on the GPT it puts the embeddings, whose grads come last, in the
+        first bucket of the reversed order, and as buckets are launched in order, no
+        reduce-scatter overlapped backward at all. Every rank takes rank 0's order (one small
+        all-gather, in no step's comm bytes), so their buckets match whatever their graphs did."""
+        spec = self.spec
+        arrived = list(dict.fromkeys(self.sharded._grad_order))
+        seen = set(arrived)
+        order = torch.tensor(arrived + [i for i in reversed(range(len(spec.leaves))) if i not in seen])
+        everyone = torch.empty(spec.world * order.numel(), dtype=order.dtype)
+        self.mesh.comm.all_gather(everyone, order, label=f"bucket order at step {step}")
+        size, first = self.sharded._bucket_sizes(spec)
+        self.groups = bucket_groups(spec.leaves, size, everyone[: order.numel()].tolist(), first)
+        self.buckets_ordered = True
+        self.learned.update(groups=self.groups, grad_order=None, buckets_ordered=True)
+
+    def _average_buffers(self, carried: BufferScope, step: int) -> dict[str, torch.Tensor]:
+        """The step's module buffers, those a forward wrote averaged over the ranks (``zf.shard``'s
+        docstring); the first time the set of written buffers changes, the ranks check they agree."""
+        sharded = self.sharded
+        names = average_order(carried)
+        if names != sharded._buffer_names and sharded.verify and self.mesh.dp > 1:
+            numel = sum(carried.buffers[n].numel() for n in names)
+            self.mesh.comm.agree((len(names), numel), lambda op: f"buffer all-reduce of {op[0]} buffers, {op[1]} "
+                                 "elements", f"step {step}: the ranks' forwards wrote different module buffers")
+        self.learned["buffer_names"] = names
+        return average_buffers(carried.buffers, names, self.mesh.comm, self.mesh.dp,
+                               f"buffer all-reduce at step {step}")
+
+
+def bind_units(selector, module, spec: ShardSpec, names: list[str]) -> list[FlatGroup]:
+    """Stage 3's units: the groups ``selector(module)`` makes of the leaves (``names``: their param
+    names, leaf order); ``ValueError`` naming the params no unit covers."""
+    index = {name: i for i, name in enumerate(names)}
+    flat = []
+    for unit in selector(module):
+        indices = [index[p] for p in unit.params if p in index]
+        if indices:
+            flat.append(FlatGroup(unit.name or "<root>", indices, spec.leaves, unit.users))
+    covered = {i for fu in flat for i in fu.indices}
+    missing = [names[i] for i in range(len(names)) if i not in covered]
+    if missing:
+        raise ValueError(f"units: params {missing[:5]} are in no unit of the model run by the loss")
+    return flat
 
 
 # ----------------------------------------------------------------------------- shard's roles
@@ -272,26 +295,32 @@ class LocalPieces(Role):
 
 class ReducedSlices(Role):
     """Grad sink: the reduced fp32 grad slices, summed into accumulators shaped like the pieces
-    and averaged at the end (``GradSlices``)."""
+    and divided by the context's ``grad_divisor`` at the end (``GradSlices``)."""
 
-    def __init__(self, run: StepRun):
-        self.run = run
+    def __init__(self, context: RunContext):
+        self.context = context
 
     def open(self, pieces) -> GradSlices:
         """Where the reduced grad slices go: fp32 accumulators shaped like ``pieces``."""
-        return GradSlices(lambda i: torch.zeros_like(pieces[i]), len(pieces), self.run._grad_divisor())
+        return GradSlices(lambda i: torch.zeros_like(pieces[i]), len(pieces), self.context.grad_divisor)
 
     def before_backward(self, loss: torch.Tensor) -> None:
         """Nothing to check before backward."""
 
 
 class PlainUpdate(Role):
-    """Update: the plain step's rule (``Step._update``) on this rank's pieces, with the run's
-    finite check and grads-produced flags (summed over the ranks with the grad norm)."""
+    """Update: the plain step's rule (``Step.update``) on this rank's pieces, after one sum over the
+    ranks (``sum_over_ranks`` with the context's ``sum_across``) of the squared grad norm, the loss
+    and the grads-produced flags; stage 0, whose grads are whole and equal on every rank and whose
+    loss is a total already, takes its norm locally and sums nothing."""
 
-    def __init__(self, run: StepRun):
-        self.run = run
+    def __init__(self, context: RunContext, step: Step):
+        self.context, self.step = context, step
 
-    def apply(self, state: TrainState, grads: PyTree, loss: torch.Tensor, aux: Any):
-        """The new state and the metrics."""
-        return Step._update(self.run, state, grads, loss, aux)
+    def apply(self, state: TrainState, grads: PyTree, loss: torch.Tensor, aux: Any, produced: torch.Tensor | None):
+        """The new state and the metrics (their loss: the total over the ranks)."""
+        norm = self.step.local_norm(grads)
+        if self.context.sum_across is not None:
+            norm, loss, produced = sum_over_ranks(self.context.sum_across, None if norm is None else norm * norm,
+                                                  loss, produced)
+        return self.step.update(state, grads, loss, aux, norm, produced=produced)

@@ -78,11 +78,10 @@ import torch
 from zfunc.core import compose, precision as mp, tree
 from zfunc.dist import Mesh
 from zfunc.model.materialize import Materializer, leaf as materialize_leaf
-from zfunc.model.functional import BufferScope
 from zfunc.ops.cpu import hostmem
-from zfunc.sharding.layout import FlatGroup, LeafShard, ShardSpec, bucket_groups, gather_whole, leaf_names, local_piece
-from zfunc.sharding.reduce import Buckets, average_buffers, average_order
-from zfunc.core.roles import Accumulation, Roles
+from zfunc.sharding.layout import FlatGroup, LeafShard, ShardSpec, leaf_names, local_piece
+from zfunc.sharding.reduce import Buckets
+from zfunc.core.roles import Roles, RunContext
 from zfunc.sharding.run import LocalPieces, PlainUpdate, ReducedSlices, StepRun
 from zfunc.core.step import Step, Transformed, check_single_device
 from zfunc.core.state import TrainState, require_train_state
@@ -96,7 +95,8 @@ class ShardedStep(Transformed):
     """The step ``shard`` returns: same call and ``init`` as ``Step``, state split over the mesh.
     Wraps the plain step it is given (``inner``) and owns the layout and the roles of each call
     (``roles``: params source, grad sink, update, schedule), which a ``StepRun`` drives; the loss,
-    optimizer, precision and accumulation are ``inner``'s."""
+    optimizer, precision and accumulation are ``inner``'s. What the calls learn it keeps
+    (``learn``)."""
 
     def __init__(self, base: Step, mesh: Mesh, stage: int, units, prefetch: int, bucket_elems: int, verify: bool,
                  fit_buckets: bool = False):
@@ -106,14 +106,13 @@ class ShardedStep(Transformed):
         self.order: list[int] = []  # stage 3: units' run order, recorded on the first step
         self._flat_groups: list[FlatGroup] | None = None  # stages 0-2: the buckets; 3: the units
         # Stages 1/2: the order the first step's backward produced the grads in, until the
-        # buckets are rebuilt in it (``_order_buckets``); then None.
+        # buckets are rebuilt in it (``StepRun._order_buckets``); then None.
         self._grad_order: list[int] | None = None
         self._buckets_ordered = False
         self._bucket_buffers: Buckets | None = None  # stage 0's fp32 buckets, kept from step to step
         self.fit_buckets = fit_buckets  # stage 0 without bucket_mb: buckets sized to the model
-        self._names: list[str] = []  # stage 3: the leaves' names, to bind units to them (first step)
         self._buffer_names: list[str] = []  # the module buffers averaged in the last step
-        # what the last call measured (``memory``), copied from its run
+        # what the last call measured (``memory``)
         self.peak_gathered_bytes = 0  # most whole-param bytes held at once in the last step
         self.peak_whole_grad_bytes = 0  # most whole-grad bytes held at once in the last step
 
@@ -198,38 +197,31 @@ class ShardedStep(Transformed):
         try:
             return run.execute(state, batch)
         finally:
-            self._record(run)
+            self.learn(run.finish())
 
-    def _record(self, run: StepRun) -> None:
-        """Keep what the last call measured, for ``memory``."""
-        self.peak_gathered_bytes, self.peak_whole_grad_bytes = run.peak_gathered_bytes, run.peak_whole_grad_bytes
+    def learn(self, learned: dict[str, Any]) -> None:
+        """Keep what a call learned (``StepRun.finish``): the one place this step's learned state is
+        written. ``groups``: the buckets (stages 0-2) or the units bound to the leaves (stage 3);
+        ``unit_order``: the order stage 3's units ran in (the first step records it, prefetch and
+        the reduce order follow it); ``grad_order``: the order the first step's backward produced
+        the grads in (stages 0-2), until the next call rebuilds the buckets in it
+        (``buckets_ordered``); ``bucket_buffers``: stage 0's kept fp32 buckets; ``buffer_names``:
+        the module buffers the call averaged; ``peak_gathered_bytes`` and ``peak_whole_grad_bytes``:
+        what it measured (``memory``). A field the call did not learn stays as it was."""
+        self._flat_groups = learned.get("groups", self._flat_groups)
+        self.order = learned.get("unit_order", self.order)
+        self._grad_order = learned.get("grad_order", self._grad_order)
+        self._buckets_ordered = learned.get("buckets_ordered", self._buckets_ordered)
+        self._bucket_buffers = learned.get("bucket_buffers", self._bucket_buffers)
+        self._buffer_names = learned.get("buffer_names", self._buffer_names)
+        self.peak_gathered_bytes = learned.get("peak_gathered_bytes", self.peak_gathered_bytes)
+        self.peak_whole_grad_bytes = learned.get("peak_whole_grad_bytes", self.peak_whole_grad_bytes)
 
-    def roles(self, run: StepRun, state: TrainState) -> Roles:
-        """The roles of one call (``zfunc.core.roles``), made for ``run``: params are this rank's own
-        pieces, reduced grads are summed into fp32 slices, the update is the plain step's rule on
-        them, and the schedule is the inner step's accumulation."""
-        return Roles(LocalPieces(), ReducedSlices(run), PlainUpdate(run), Accumulation(self.accum))
-
-    def _average_buffers(self, carried: BufferScope, step: int) -> dict[str, torch.Tensor]:
-        """The step's module buffers, those a forward wrote averaged over the ranks (module
-        docstring); the first time the set of written buffers changes, the ranks check they agree."""
-        names = average_order(carried)
-        if names != self._buffer_names and self.verify and self.mesh.dp > 1:
-            numel = sum(carried.buffers[n].numel() for n in names)
-            self.mesh.comm.agree((len(names), numel), lambda op: f"buffer all-reduce of {op[0]} buffers, {op[1]} "
-                                 "elements", f"step {step}: the ranks' forwards wrote different module buffers")
-        self._buffer_names = names
-        return average_buffers(carried.buffers, names, self.mesh.comm, self.mesh.dp,
-                               f"buffer all-reduce at step {step}")
-
-    def _backward_order(self, groups: list[FlatGroup]) -> list[int]:
-        """The groups (buckets or units) in the order their grads complete: stage 3 reverses the
-        recorded forward order of its units (those that did not run go last); stages 1/2's buckets
-        are already in backward order."""
-        if self.stage < 3:
-            return list(range(len(groups)))
-        ran = self.order[::-1]
-        return ran + [u for u in range(len(groups)) if u not in ran]
+    def roles(self, context: RunContext, state: TrainState) -> Roles:
+        """The roles of one call (``zfunc.core.roles``), reading the run through ``context``: params
+        are this rank's own pieces, reduced grads are summed into fp32 slices, the update is the
+        plain step's rule on them, and the schedule is the inner step's accumulation."""
+        return Roles(LocalPieces(), ReducedSlices(context), PlainUpdate(context, self), self.schedule)
 
     def memory(self, state: TrainState) -> dict[str, Any]:
         """Accounted bytes on this rank, and the last step's communication.
@@ -259,16 +251,6 @@ class ShardedStep(Transformed):
             "comm": self.mesh.comm_bytes(),
         }
 
-    def _gather_all(self, pieces, spec: ShardSpec, label: str, device: torch.device) -> list[torch.Tensor]:
-        """Stages 1/2: every param whole, in the compute dtype (one all-gather per bucket)."""
-        return gather_whole(pieces, spec, self._buckets(spec), self.mesh.comm, self.compute_dtype, device, label)
-
-    def _buckets(self, spec: ShardSpec) -> list[FlatGroup]:
-        if self._flat_groups is None:
-            size, first = self._bucket_sizes(spec)
-            self._flat_groups = bucket_groups(spec.leaves, size, first_elems=first)
-        return self._flat_groups
-
     def _bucket_sizes(self, spec: ShardSpec) -> tuple[int, int | None]:
         """``(elements per bucket, elements in the first)`` (None: as the others). Stage 0 caps its
         first bucket at 1 MiB, as DDP does, so that the first all-reduce starts early in backward;
@@ -281,39 +263,6 @@ class ShardedStep(Transformed):
         if self.fit_buckets:
             size = min(size, max(FIRST_BUCKET_ELEMS, sum(leaf.rows * leaf.rowsize for leaf in spec.leaves) // 4))
         return size, min(size, FIRST_BUCKET_ELEMS)
-
-    def _order_buckets(self, spec: ShardSpec, step: int) -> None:
-        """Stages 0-2, once, at the start of the second step: rebuild the buckets in the order the
-        first step's backward produced the grads on rank 0 (leaves that got none last), as DDP
-        rebuilds its buckets after its first iteration, so that each bucket is complete, and its
-        reduce-scatter launched, as early as backward allows. Leaf order is the pytree's (sorted
-        dict keys), not the model's: on the GPT it puts the embeddings, whose grads come last,
-        in the first bucket of the reversed order, and as buckets are launched in order, no
-        reduce-scatter overlapped backward at all. Every rank takes rank 0's order (one small
-        all-gather, in no step's comm bytes), so their buckets match whatever their graphs did."""
-        arrived = list(dict.fromkeys(self._grad_order))
-        seen = set(arrived)
-        order = torch.tensor(arrived + [i for i in reversed(range(len(spec.leaves))) if i not in seen])
-        everyone = torch.empty(spec.world * order.numel(), dtype=order.dtype)
-        self.mesh.comm.all_gather(everyone, order, label=f"bucket order at step {step}")
-        size, first = self._bucket_sizes(spec)
-        self._flat_groups = bucket_groups(spec.leaves, size, everyone[: order.numel()].tolist(), first)
-        self._grad_order, self._buckets_ordered = None, True
-
-    def _stage3_units(self, module, spec: ShardSpec) -> list[FlatGroup]:
-        if self._flat_groups is None:
-            index = {name: i for i, name in enumerate(self._names)}
-            flat = []
-            for unit in self.units_selector(module):
-                indices = [index[p] for p in unit.params if p in index]
-                if indices:
-                    flat.append(FlatGroup(unit.name or "<root>", indices, spec.leaves, unit.users))
-            covered = {i for fu in flat for i in fu.indices}
-            missing = [self._names[i] for i in range(len(self._names)) if i not in covered]
-            if missing:
-                raise ValueError(f"units: params {missing[:5]} are in no unit of the model run by the loss")
-            self._flat_groups = flat
-        return self._flat_groups
 
 
 def shard(step: Step, mesh: Mesh, stage: int, units: Selector | None = None, *, prefetch: int = 1,
