@@ -36,9 +36,9 @@ def test_the_loss_of_one_rank_holding_everything_is_cross_entropy():
                                F.cross_entropy((hidden @ weight.T).flatten(0, 1), labels.flatten()))
 
 
-def _attention_case(rank, kind, H, H_kv, causal):
-    """This rank's output and grads of sequence-parallel attention against torch's over the whole sequence."""
-    mesh = zf.Mesh(sp=2)
+def _attention_case(rank, kind, H, H_kv, causal, mesh):
+    """This rank's output and grads of sequence-parallel attention against torch's over the whole sequence;
+    the bytes it moved against the kind's formula."""
     layout = SequenceLayout(2, mesh.sp_rank, zf.sequence.KINDS[kind])
     g = torch.Generator().manual_seed(H * 10 + H_kv)
     B, T, D = 2, 12, 4
@@ -54,6 +54,14 @@ def _attention_case(rank, kind, H, H_kv, causal):
     else:
         out = zf.sequence.ring_attention(*mine, mesh.sp_p2p, layout, is_causal=causal, tile=2)  # uneven tiles
     grads = torch.autograd.grad(out, mine, layout.take(dout, dim=2))
+    # the bytes one call moves, forward and backward, as the kind's docstring counts them
+    if kind == "ulysses":
+        moved, formula = mesh.sp_comm.bytes["all_to_all"], zf.sequence.ulysses.comm_bytes(B, T // 2, H, H_kv, D, 4, 2)
+    else:
+        moved, formula = mesh.sp_p2p.bytes["send"], zf.sequence.ring.comm_bytes(B, T // 2, H_kv, D, 4, 2)
+        assert mesh.sp_p2p.bytes["recv"] == moved
+    assert moved == formula, (kind, moved, formula)
+    mesh.clear_comm_bytes()
     # each rank's grads of k and v are the whole sequence's grads of its own tokens
     return [(out - layout.take(ref, dim=2)).abs().max().item()] + [
         (gr - layout.take(r, dim=2)).abs().max().item() for gr, r in zip(grads, ref_grads)]
@@ -139,7 +147,7 @@ def _train(name, mesh=None, kind=None, stage=0, data=(), remat=False, tiles=0):
     step = zf.train_step(loss_fn, opt)
     if mesh is not None:
         units = zf.units.by_class(type(_blocks(model)[0])) if stage == 3 else None
-        step = zf.shard(step, mesh.dp_sp, stage, units=units)
+        step = zf.shard(step, mesh, stage, units=units)  # a mesh with sp: ZeRO over its dp x sp ranks
     state = step.init(params)
     losses, norms = [], []
     dp, rank = (mesh.dp, mesh.rank) if mesh is not None else (1, 0)
@@ -168,11 +176,13 @@ def _data(b=4, T=16, vocab=61):
 def law_worker(rank, cases, dp, attention=()):
     mesh = zf.Mesh(dp=dp, sp=2)
     out = []
+    mesh.clear_comm_bytes()
+    attention_errors = [_attention_case(rank, *case, mesh) for case in attention]
     for name, kind, stage, *how in cases:
         got = _train(name, mesh, kind, stage, _data(), remat="remat" in how, tiles=2 * ("tiles" in how))
         ref = _train(name, data=_data())
         out.append((got, ref))
-    return out, [_attention_case(rank, *case) for case in attention]
+    return out, attention_errors
 
 
 def _assert_law(results, cases):

@@ -164,3 +164,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p2p: P2P, 
                          f"dividing H, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _RingAttention.apply(q, k, v, p2p, layout, bool(is_causal), float(scale), label, int(tile))[0]
+
+
+def comm_bytes(batch: int, tokens: int, kv_heads: int, head_dim: int, element: int, sp: int) -> int:
+    """Bytes a rank sends (and as many it receives) round the ring for one attention call, forward and
+    backward, with ``tokens`` (``T / sp``) of its own: ``2 (sp - 1)`` key/value blocks of ``2 B t H_kv D e``
+    bytes and ``sp`` fp32 key/value grads of ``2 B t H_kv D 4``. The module docstring's cost."""
+    block = 2 * batch * tokens * kv_heads * head_dim
+    return 2 * (sp - 1) * block * element + (sp * block * 4 if sp > 1 else 0)

@@ -90,3 +90,11 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: C
     q, k, v = whole.split([H // sp, H_kv // sp, H_kv // sp], dim=1)
     out = sdpa(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     return heads_to_tokens(out, comm, sp, f"{label}: output to tokens")
+
+
+def comm_bytes(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, element: int, sp: int) -> int:
+    """Bytes ``Comm.all_to_all`` counts on a rank for one attention call, forward and backward, with ``tokens``
+    (``T / sp``) of the rank's own: ``2 B t (H + 2 H_kv' + H) D e``, ``H_kv' = H_kv`` if ``sp`` divides it, else
+    ``H`` (the repeated heads). The module docstring's cost."""
+    kv = kv_heads if kv_heads % sp == 0 else heads
+    return 2 * batch * tokens * (heads + 2 * kv + heads) * head_dim * element
