@@ -196,7 +196,6 @@ def test_bad_batch_values_name_their_key(key, value):
     ({"compression_training": {"weight_quantization": {}}}, "compression_training", {"weight_quantization": {}}),
     ({"amp": {"enabled": True, "opt_level": "O1"}}, "amp", {"enabled": True, "opt_level": "O1"}),
     ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel", {"autotp_size": 2}),
-    ({"sequence_parallel_size": 2}, "sequence_parallel_size", 2),
     ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op", "sum"),
     ({"zero_optimization": {"stage": 5}}, "zero_optimization.stage", 5),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "disk"}}},
@@ -263,9 +262,9 @@ def test_fp16_and_bf16_together_are_refused():
 
 
 def test_features_that_are_off_are_accepted_and_listed_as_ignored():
-    plan = read(with_(SMALL, curriculum_learning={"enabled": False}, amp={"enabled": False}, sequence_parallel_size=1,
+    plan = read(with_(SMALL, curriculum_learning={"enabled": False}, amp={"enabled": False},
                       zero_optimization={"stage": 1, "zero_hpz_partition_size": 1, "mics_shard_size": -1}))
-    assert set(plan.ignored) == {"curriculum_learning", "amp", "sequence_parallel_size",
+    assert set(plan.ignored) == {"curriculum_learning", "amp",
                                  "zero_optimization.zero_hpz_partition_size", "zero_optimization.mics_shard_size"}
     assert plan.zero_stage == 1
 
@@ -439,3 +438,10 @@ def test_a_config_without_batch_sizes_takes_them_from_the_flags_and_says_so_once
     with pytest.raises(FlagError, match=re.escape("--batch-size: the global batch of 6 sequences must split over 1 "
                                                   "data-parallel rank x 4 accumulation steps")):
         resolve(tmp_path, no_sizes, "--precision", "bf16", "--batch-size", "6", "--accum", "4")
+
+
+def test_sequence_parallel_size_is_the_plans_sp_size():
+    assert read(with_(SMALL, sequence_parallel_size=2)).sp_size == 2
+    assert read(SMALL).sp_size == 1
+    with pytest.raises(ValueError, match=r"sequence_parallel_size \(plan sp_size\): expected an int >= 1, got 0"):
+        read(with_(SMALL, sequence_parallel_size=0))

@@ -29,6 +29,7 @@ CASES = {
     "pipeline over replicas": dict(dp=2, pp=2, microbatches=2),
     "remat under a pipeline": dict(pp=2, microbatches=2, remat=True),
     "tensor parallelism": dict(tp=2),
+    "sequence parallelism under a pipeline": dict(pp=2, microbatches=2, zero_stage=1, sp_size=2),
 }
 RULES = {rule.name: rule for rule in compose.RULES}
 

@@ -4,11 +4,11 @@ Which tokens a rank holds (layout.py), the model transformation (parallel.py) an
 group is the whole sequences', and a head computing it over token tiles (loss.py)."""
 from zfunc.sequence.layout import SequenceLayout
 from zfunc.sequence.loss import HeadLoss, cross_entropy, lm_head_loss, loss_head, targets
-from zfunc.sequence.parallel import KINDS, layout_of, sequence_parallel
+from zfunc.sequence.parallel import KINDS, layout_in_force, layout_of, sequence_parallel, whole
 from zfunc.sequence import ring, ulysses
 from zfunc.sequence.ring import ring_attention
 from zfunc.sequence.ulysses import heads_to_tokens, tokens_to_heads, ulysses_attention
 
-__all__ = ["HeadLoss", "KINDS", "SequenceLayout", "cross_entropy", "heads_to_tokens", "layout_of", "lm_head_loss",
-           "loss_head", "ring", "ring_attention", "sequence_parallel", "targets", "tokens_to_heads", "ulysses",
-           "ulysses_attention"]
+__all__ = ["HeadLoss", "KINDS", "SequenceLayout", "cross_entropy", "heads_to_tokens", "layout_in_force", "layout_of",
+           "lm_head_loss", "loss_head", "ring", "ring_attention", "sequence_parallel", "targets", "tokens_to_heads",
+           "ulysses", "ulysses_attention", "whole"]

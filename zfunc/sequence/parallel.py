@@ -208,6 +208,8 @@ def sequence_parallel(model: nn.Module, mesh: Mesh, kind: str = "ulysses") -> nn
 
     @functools.wraps(forward)
     def parallel_forward(*args: Any, **kwargs: Any) -> Any:
+        if parallel_forward.whole:
+            return forward(*args, **kwargs)
         ids_at = "input_ids" if "input_ids" in kwargs else 0
         ids = kwargs["input_ids"] if ids_at == "input_ids" else (args[0] if args else None)
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
@@ -227,9 +229,32 @@ def sequence_parallel(model: nn.Module, mesh: Mesh, kind: str = "ulysses") -> nn
             out = forward(*args, **kwargs)
         return _mark(out, attention) if torch.is_grad_enabled() else out
 
-    parallel_forward.sequence_layout = layout
+    parallel_forward.sequence_layout, parallel_forward.whole = layout, False
     model.forward = parallel_forward
     return model
+
+
+@contextmanager
+def whole(model: nn.Module):
+    """While open, a sequence-parallel ``model`` computes whole sequences on this rank alone, as before
+    ``zf.sequence_parallel`` (one rank evaluating or sampling); ``layout_in_force`` is then None."""
+    forward = model.forward
+    if getattr(forward, "sequence_layout", None) is None:
+        yield
+        return
+    before, forward.whole = forward.whole, True
+    try:
+        yield
+    finally:
+        forward.whole = before
+
+
+def layout_in_force(model: nn.Module) -> SequenceLayout | None:
+    """The layout a call of ``model`` computes now: its ``SequenceLayout``, or None when it computes whole
+    sequences (not sequence-parallel, or inside ``whole(model)``)."""
+    forward = getattr(model, "forward", None)
+    layout = getattr(forward, "sequence_layout", None)
+    return None if layout is None or forward.whole else layout
 
 
 def layout_of(model: nn.Module) -> SequenceLayout:
