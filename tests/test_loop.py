@@ -77,6 +77,19 @@ def test_zero3_with_cpu_offload_on_2_ranks_trains_as_1_process(recipe, tmp_path,
     assert_same_losses(metrics(tmp_path / "two"), metrics(tmp_path / "one"), f"{recipe} zero 3 + cpu offload")
 
 
+@pytest.mark.multiprocess
+def test_sp2_ulysses_and_ring_with_tiles_and_remat_on_2_ranks_train_as_1_process(tmp_path, text_file):
+    """--sp 2 (each rank computes half of every window's tokens) gives the single process's losses, val
+    loss included (evaluated by rank 0 on whole windows): Ulysses, and ring with the MLP and loss tiled."""
+    argv = flags("llama", "--data", str(text_file), "--steps", "3", "--eval-every", "3", "--log-every", "1")
+    RECIPES["llama"](argv + ["--out", str(tmp_path / "one")])
+    run_cli("llama", tmp_path / "ulysses", argv + ["--sp", "2"], procs=2)
+    assert_same_losses(metrics(tmp_path / "ulysses"), metrics(tmp_path / "one"), "llama --sp 2")
+    run_cli("llama", tmp_path / "ring", argv + ["--sp", "2", "--sp-kind", "ring", "--tile-mlp", "2", "--remat"],
+            procs=2)
+    assert_same_losses(metrics(tmp_path / "ring"), metrics(tmp_path / "one"), "llama --sp 2 --sp-kind ring")
+
+
 HF = {
     "gpt": dict(model_type="gpt2", n_layer=1, n_embd=32, n_head=2, n_positions=64, vocab_size=256, bos_token_id=0,
                 eos_token_id=0),
