@@ -131,7 +131,11 @@ def _loss_of(apply, layout, tiles):
     return loss_fn
 
 
-def _train(name, mesh=None, kind=None, stage=0, data=(), remat=False, tiles=0):
+def _opt():
+    return zf.optim.chain(zf.optim.clip_by_global_norm(1.0), zf.optim.adamw(1e-3, weight_decay=0.1))
+
+
+def _train(name, mesh=None, kind=None, stage=0, data=(), remat=False, tiles=0, save=None):
     """Losses, grad norms and params after training ``name`` on ``data``: plain (no mesh, untiled), or
     sequence-parallel over ``mesh`` with ZeRO ``stage`` over its dp x sp ranks, each dp rank given its part
     of the batch (``remat``, ``tiles``: see ``_prepared``)."""
@@ -143,8 +147,7 @@ def _train(name, mesh=None, kind=None, stage=0, data=(), remat=False, tiles=0):
     apply, params = zf.functionalize(model)
     loss_fn = _loss_of(apply, layout, tiles)
 
-    opt = zf.optim.chain(zf.optim.clip_by_global_norm(1.0), zf.optim.adamw(1e-3, weight_decay=0.1))
-    step = zf.train_step(loss_fn, opt)
+    step = zf.train_step(loss_fn, _opt())
     if mesh is not None:
         units = zf.units.by_class(type(_blocks(model)[0])) if stage == 3 else None
         step = zf.shard(step, mesh, stage, units=units)  # a mesh with sp: ZeRO over its dp x sp ranks
@@ -156,6 +159,8 @@ def _train(name, mesh=None, kind=None, stage=0, data=(), remat=False, tiles=0):
         state, m = step(state, (x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]))
         losses.append(m["loss"].item())
         norms.append(m["grad_norm"].item())
+    if save is not None:
+        zf.checkpoint.save(state, save)
     return losses, norms, zf.checkpoint.full_params(state)
 
 
@@ -173,13 +178,14 @@ def _data(b=4, T=16, vocab=61):
     return data
 
 
-def law_worker(rank, cases, dp, attention=()):
+def law_worker(rank, cases, dp, attention=(), save=None):
     mesh = zf.Mesh(dp=dp, sp=2)
     out = []
     mesh.clear_comm_bytes()
     attention_errors = [_attention_case(rank, *case, mesh) for case in attention]
     for name, kind, stage, *how in cases:
-        got = _train(name, mesh, kind, stage, _data(), remat="remat" in how, tiles=2 * ("tiles" in how))
+        got = _train(name, mesh, kind, stage, _data(), remat="remat" in how, tiles=2 * ("tiles" in how),
+                     save=f"{save}/{len(out)}" if save else None)
         ref = _train(name, data=_data())
         out.append((got, ref))
     return out, attention_errors
@@ -214,8 +220,18 @@ DP_SP = [("llama", "ulysses", 3), ("gpt", "ring", 3, "remat"), ("llama", "ulysse
 
 
 @pytest.mark.multiprocess
-def test_zero_over_dp2_x_sp2_with_remat_trains_as_the_plain_step():
-    _assert_law(zf.dist.spawn(law_worker, 4, DP_SP, 2, timeout_s=300), DP_SP)
+def test_zero_over_dp2_x_sp2_with_remat_trains_as_the_plain_step_and_saves_a_plain_checkpoint(tmp_path):
+    """The law over dp2 x sp2, and sp leaves checkpoints alone: each state saved from 4 ranks loads into a
+    one-process plain step with the params the sequence-parallel run trained."""
+    results = zf.dist.spawn(law_worker, 4, DP_SP, 2, (), str(tmp_path), timeout_s=300)
+    _assert_law(results, DP_SP)
+    for i, (name, kind, stage, *how) in enumerate(DP_SP):
+        apply, params = zf.functionalize(_prepared(name, "remat" in how, 2 * ("tiles" in how)))
+        plain = zf.train_step(_loss_of(apply, None, 0), _opt())
+        loaded = zf.checkpoint.load(str(tmp_path / str(i)), plain)
+        trained = results[0][0][i][0][2]
+        for leaf, value in loaded.params.items():
+            torch.testing.assert_close(value, trained[leaf], rtol=0, atol=0, msg=f"{name}, {kind}: {leaf}")
 
 
 def test_what_sequence_parallel_cannot_do_is_refused():
