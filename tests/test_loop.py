@@ -78,16 +78,15 @@ def test_zero3_with_cpu_offload_on_2_ranks_trains_as_1_process(recipe, tmp_path,
 
 
 @pytest.mark.multiprocess
-def test_sp2_ulysses_and_ring_with_tiles_and_remat_on_2_ranks_train_as_1_process(tmp_path, text_file):
+@pytest.mark.parametrize("layout", [["--sp", "2"], pytest.param(
+    ["--sp", "2", "--sp-kind", "ring", "--tile-mlp", "2", "--remat"], marks=pytest.mark.slow)])
+def test_sp2_on_2_ranks_trains_as_1_process(layout, tmp_path, text_file):
     """--sp 2 (each rank computes half of every window's tokens) gives the single process's losses, val
-    loss included (evaluated by rank 0 on whole windows): Ulysses, and ring with the MLP and loss tiled."""
+    loss included (evaluated by rank 0 on whole windows): Ulysses; ring with the MLP tiled and remat (slow)."""
     argv = flags("llama", "--data", str(text_file), "--steps", "3", "--eval-every", "3", "--log-every", "1")
     RECIPES["llama"](argv + ["--out", str(tmp_path / "one")])
-    run_cli("llama", tmp_path / "ulysses", argv + ["--sp", "2"], procs=2)
-    assert_same_losses(metrics(tmp_path / "ulysses"), metrics(tmp_path / "one"), "llama --sp 2")
-    run_cli("llama", tmp_path / "ring", argv + ["--sp", "2", "--sp-kind", "ring", "--tile-mlp", "2", "--remat"],
-            procs=2)
-    assert_same_losses(metrics(tmp_path / "ring"), metrics(tmp_path / "one"), "llama --sp 2 --sp-kind ring")
+    run_cli("llama", tmp_path / "two", argv + layout, procs=2)
+    assert_same_losses(metrics(tmp_path / "two"), metrics(tmp_path / "one"), "llama " + " ".join(layout))
 
 
 HF = {
