@@ -58,7 +58,7 @@ def build_step(recipe: Recipe, precision: str, corpus, out: str):
         plan, args = layout.resolve(args, 1, built.units, notices=False)
     apply, params = engine.functional(built.module, plan)
     task = recipe.task
-    step, _ = engine.build_step(engine.loss_fn(task, apply), built.module, args, plan)
+    step, _ = engine.build_step(engine.loss_fn(task, apply, built.module), built.module, args, plan)
     state, _ = checkpoints.first_state(args, step, built, params, plan, torch.device("cpu"))
 
     def batch_of(i: int):

@@ -409,6 +409,10 @@ FLAG_TO_FIELD = dict(n_layer="n_layers", n_head="n_heads", n_embd="dim", ffn_dim
 def _check_model_flags(args: argparse.Namespace, nsp: bool = False) -> list[str]:
     """The model flags' cross-checks, and --nsp's: ``nsp`` is whether the recipe trains the NSP task."""
     errors = []
+    if args.sp != 1 or args.tile_mlp:
+        errors.append(f"--sp, --tile-mlp: sequence parallelism and token tiles serve the causal LM recipes (gpt, "
+                      f"llama); BERT's masked loss is not split by tokens yet (expected --sp 1 --tile-mlp 0, got "
+                      f"--sp {args.sp} --tile-mlp {args.tile_mlp})")
     if args.n_head >= 1 and args.n_embd % args.n_head:
         errors.append(f"--n-embd: expected a multiple of --n-head {args.n_head}, got {args.n_embd}")
     if args.nsp != nsp:  # bert.main picks the recipe by --nsp; a caller of loop.main must too

@@ -17,6 +17,7 @@ import torch.nn as nn
 from recipes import layout, lr_schedule
 from recipes.layout import FlagError
 from recipes.recipe import Built, Recipe
+from recipes import task as task_mod
 from recipes.task import Task
 
 
@@ -47,10 +48,18 @@ def functional(model: nn.Module, plan) -> tuple[Callable, dict]:
     return zf.functionalize(model)
 
 
-def loss_fn(task: Task, apply: Callable) -> Callable:
-    """``loss(params, batch)``: the task's loss of the model's output on the batch's inputs."""
+def loss_fn(task: Task, apply: Callable, model: nn.Module) -> Callable:
+    """``loss(params, batch)``: the task's loss of the model's output on the batch's inputs; a
+    sequence-parallel model's (--sp) outputs hold its rank's tokens, whose share of the whole
+    sequences' loss is ``zf.sequence.cross_entropy`` of the labels (``batch[1]``)."""
+    import zfunc as zf
+
     def loss(params: dict, batch: tuple) -> torch.Tensor:
-        return task.loss(apply(params, *batch[:task.inputs]), batch)
+        out = apply(params, *batch[:task.inputs])
+        layout = zf.sequence.layout_in_force(model)
+        if layout is None:
+            return task.loss(out, batch)
+        return zf.sequence.cross_entropy(task_mod.logits_of(out), batch[1], layout)
 
     return loss
 
@@ -87,5 +96,5 @@ def build_step(loss: Callable, model: nn.Module, args: argparse.Namespace, plan)
     import zfunc as zf
 
     step = zf.train_step(loss, make_optimizer(args, plan), precision=plan.precision, accum=plan.accum, seed=args.seed)
-    mesh = zf.Mesh(dp=plan.dp, pp=plan.pp)
+    mesh = zf.Mesh(dp=plan.dp, pp=plan.pp, sp=plan.sp_size)
     return zf.parallelize(step, model, plan, mesh), mesh

@@ -29,6 +29,8 @@ def evaluator(task: Task, apply: Callable, loss: Callable, model: nn.Module, val
 
     @torch.no_grad()
     def evaluate(params: dict) -> dict:
+        import zfunc as zf
+
         model.eval()
 
         def forward(batch):
@@ -41,7 +43,8 @@ def evaluator(task: Task, apply: Callable, loss: Callable, model: nn.Module, val
                 return apply(params, *(t.to(device) for t in batch[:task.inputs]))
 
         forward.outputs, forward.logits = outputs, lambda batch: task_mod.logits_of(outputs(batch))
-        out = task.evaluate(forward, val, args, torch.Generator().manual_seed(0), vocab_size)
+        with zf.sequence.whole(model):  # one rank: whole sequences (--sp: as if on one rank)
+            out = task.evaluate(forward, val, args, torch.Generator().manual_seed(0), vocab_size)
         model.train()
         return out
 
@@ -52,10 +55,14 @@ def sample(apply: Callable, params: dict, model: nn.Module, args: argparse.Names
            device: torch.device) -> bytes | str:
     """--sample-len tokens after "def ", drawn at --temperature from the --top-k likeliest (seeded by
     --seed): bytes, or with --tokenizer their text. Leaves the model in eval mode."""
+    import zfunc as zf
+
     model.eval()
     codec = data_mod.codec(args.tokenizer)
-    ids = task_mod.generate(lambda idx: apply(params, idx), codec.encode("def "), args.sample_len, args.block_size,
-                            args.temperature, args.top_k, torch.Generator().manual_seed(args.seed), device)
+    with zf.sequence.whole(model):
+        ids = task_mod.generate(lambda idx: apply(params, idx), codec.encode("def "), args.sample_len,
+                                args.block_size, args.temperature, args.top_k,
+                                torch.Generator().manual_seed(args.seed), device)
     return bytes(ids) if args.tokenizer is None else codec.decode(ids)
 
 

@@ -107,11 +107,13 @@ class GPT(nn.Module):
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, 0.0, 0.02)
 
-    def forward(self, idx):
+    def forward(self, idx, position_ids=None):
+        """``position_ids``: ``(T,)`` or ``(1, T)`` positions of the tokens (default ``0..T-1``)."""
         T = idx.shape[1]
-        if T > self.cfg.block_size:
+        pos = torch.arange(T, device=idx.device) if position_ids is None else position_ids.reshape(-1)
+        if T > self.cfg.block_size or (position_ids is not None and int(pos.max()) >= self.cfg.block_size):
             raise ValueError(f"sequence length {T} exceeds block_size={self.cfg.block_size}")
-        x = self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
+        x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))

@@ -28,11 +28,11 @@ class FlagError(ValueError):
 LAYOUT_DEFAULTS = dict(
     zero=0, offload_optimizer="none", offload_params="none", nvme_path=None, keep_swap=False, remat=False,
     remat_offload=False, tile_lm_head=0, pp=1, microbatches=1, schedule="1f1b", deepspeed=None,
-    quantize_weights=False, quantize_grads=0,
+    quantize_weights=False, quantize_grads=0, sp=1, sp_kind="ulysses", tile_mlp=0,
 )
 CHOICES = dict(zero=[0, 1, 2, 3], offload_optimizer=["none", "cpu", "nvme"], offload_params=["none", "cpu", "nvme"],
                schedule=["1f1b", "gpipe"], quantize_grads=[0, 4, 8],
-               optimizer=["adamw", "onebit_adam", "zero_one_adam", "onebit_lamb"])
+               optimizer=["adamw", "onebit_adam", "zero_one_adam", "onebit_lamb"], sp_kind=["ulysses", "ring"])
 LAYOUT_HELP = dict(
     zero="ZeRO stage: 0 replicated data parallel, 1 optimizer state, 2 + grads, 3 + params sharded over the ranks",
     offload_optimizer="keep the optimizer state (and fp32 masters' update) in CPU RAM or NVMe (ZeRO 1-3, or 1 rank)",
@@ -49,20 +49,26 @@ LAYOUT_HELP = dict(
     schedule="pipeline schedule",
     quantize_weights="ZeRO++ (--zero 3): all-gather the params as block-quantized int8",
     quantize_grads="ZeRO++ (--zero 1-3): reduce-scatter the grads in 4 or 8 bits (0: fp32)",
+    sp="sequence-parallel ranks: each computes 1/sp of every sequence's tokens, attention sees them all "
+       "(dp = world size / (pp * sp); the ranks of a sequence group read the same batch)",
+    sp_kind="with --sp: how attention sees the whole sequence: an all-to-all to all tokens of 1/sp of the heads "
+            "(ulysses: sp must divide the heads) or key/value blocks passed round the ranks (ring: any heads)",
+    tile_mlp="run each unit's MLP over this many token tiles, each recomputed in backward; 0: untiled",
     deepspeed="a DeepSpeed JSON config; its 'auto' values (and its batch sizes, if it gives none) come from these "
               "flags, and a flag given that contradicts it is an error",
 )
 # The layout may change on --resume: a checkpoint loads into any stage, offload or world size.
 MAY_CHANGE_ON_RESUME = ("zero", "offload_optimizer", "offload_params", "nvme_path", "keep_swap", "remat",
                         "remat_offload", "pp", "microbatches", "schedule", "deepspeed", "accum", "quantize_weights",
-                        "quantize_grads")
+                        "quantize_grads", "sp", "sp_kind", "tile_mlp")
 # Plan field -> the flag that sets it, to name flags in the plan's errors.
 FLAG_OF_FIELD = dict(dp="--pp", pp="--pp", zero_stage="--zero", offload_optimizer="--offload-optimizer",
                      offload_params="--offload-params", nvme_path="--nvme-path", remat="--remat",
                      remat_offload="--remat-offload", tile_lm_head="--tile-lm-head", microbatches="--microbatches",
                      pipeline_schedule="--schedule", precision="--precision", accum="--accum",
                      gradient_clipping="--grad-clip", global_batch="--batch-size", micro_batch="--batch-size",
-                     quantized_weights="--quantize-weights", quantized_grads="--quantize-grads")
+                     quantized_weights="--quantize-weights", quantized_grads="--quantize-grads",
+                     sp_size="--sp", sp_kind="--sp-kind", tile_mlp="--tile-mlp")
 
 
 def flag(name: str) -> str:
@@ -116,18 +122,23 @@ class Launch:
 def check_layout_args(args: argparse.Namespace, world: int) -> list[str]:
     """The layout flags' own values and the global batch's split over ``world`` processes."""
     errors = []
-    for name in ("pp", "microbatches"):
+    for name in ("pp", "microbatches", "sp"):
         if getattr(args, name) < 1:
             errors.append(f"{flag(name)}: expected an int >= 1, got {getattr(args, name)}")
-    if args.tile_lm_head < 0:
-        errors.append(f"--tile-lm-head: expected an int >= 0, got {args.tile_lm_head}")
+    for name in ("tile_lm_head", "tile_mlp"):
+        if getattr(args, name) < 0:
+            errors.append(f"{flag(name)}: expected an int >= 0, got {getattr(args, name)}")
     if args.deepspeed is not None and not Path(args.deepspeed).is_file():
         errors.append(f"--deepspeed: no DeepSpeed config file at {args.deepspeed!r}")
-    if not errors and world % args.pp:
-        errors.append(f"--pp: {args.pp} stages do not divide the {world} processes (expected a divisor of {world})")
+    if not errors and world % (args.pp * args.sp):
+        if args.sp == 1:
+            errors.append(f"--pp: {args.pp} stages do not divide the {world} processes (expected a divisor of {world})")
+        else:
+            errors.append(f"{'--sp' if args.pp == 1 else '--pp, --sp'}: {args.pp * args.sp} ranks per replica "
+                          f"(pp * sp) do not divide the {world} processes (expected a divisor of {world})")
     if errors or args.deepspeed is not None:
         return errors  # with a DeepSpeed config the batch split is checked once its values are read
-    return check_batch_split(args, world // args.pp)
+    return check_batch_split(args, world // (args.pp * args.sp))
 
 
 def check_batch_split(args: argparse.Namespace, dp: int) -> list[str]:
@@ -151,18 +162,22 @@ def resolve(args: argparse.Namespace, world: int, units: str | None, *, notices:
     errors = check_layout_args(args, world)
     if errors:
         raise FlagError("\n".join(errors))
-    dp = world // args.pp
+    dp = world // (args.pp * args.sp)
     ds_plan = None
     if args.deepspeed is not None:
         ds_plan, args = _read_deepspeed(args, dp, notices)
         errors = check_batch_split(args, dp)
+        if ds_plan.sp_size != args.sp:
+            errors.append(f"--deepspeed {args.deepspeed}: sequence_parallel_size is {ds_plan.sp_size} but --sp is "
+                          f"{args.sp}; give --sp {ds_plan.sp_size} (it sets how the processes split)")
         if errors:
             raise FlagError("\n".join(errors))
     split = args.microbatches if args.pp > 1 else args.accum
     fields = dict(dp=dp, pp=args.pp, zero_stage=args.zero, units=units, offload_optimizer=args.offload_optimizer,
                   offload_params=args.offload_params, nvme_path=args.nvme_path, remat=args.remat,
-                  remat_offload=args.remat_offload, tile_lm_head=args.tile_lm_head,
-                  microbatches=args.microbatches, pipeline_schedule=args.schedule,
+                  remat_offload=args.remat_offload, tile_lm_head=args.tile_lm_head, sp_size=args.sp,
+                  sp_kind=args.sp_kind, tile_mlp=args.tile_mlp, microbatches=args.microbatches,
+                  pipeline_schedule=args.schedule,
                   precision=args.precision, accum=args.accum, gradient_clipping=args.grad_clip,
                   micro_batch=args.batch_size // (dp * split), global_batch=args.batch_size)
     if args.quantize_weights or args.quantize_grads:  # else a --deepspeed config's ZeRO++ keys stand

@@ -218,13 +218,14 @@ class Llama(nn.Module):
                 deep = name.endswith(("attn.o.weight", "mlp.down.weight"))
                 nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * cfg.n_layers) if deep else 0.02)
 
-    def forward(self, idx):
+    def forward(self, idx, position_ids=None):
+        """``position_ids``: ``(T,)`` or ``(1, T)`` positions of the tokens (default ``0..T-1``)."""
         T = idx.shape[1]
-        if T > self.cfg.max_seq_len:
+        pos = torch.arange(T, device=idx.device) if position_ids is None else position_ids.reshape(-1)
+        if T > self.cfg.max_seq_len or (position_ids is not None and int(pos.max()) >= self.cfg.max_seq_len):
             raise ValueError(f"sequence length {T} exceeds max_seq_len={self.cfg.max_seq_len}")
         # Recomputed per call (T x head_dim/2, cheap): no buffer to shard, offload or materialize.
-        angles = torch.outer(torch.arange(T, device=idx.device, dtype=torch.float32),
-                             rope_frequencies(self.cfg, idx.device))
+        angles = torch.outer(pos.to(torch.float32), rope_frequencies(self.cfg, idx.device))
         x = self.embed(idx)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         for layer in self.layers:

@@ -91,7 +91,7 @@ def _train(recipe: Recipe, run: Run) -> dict:
     if args.dry_run:
         return report.dry_run(recipe.name, args, plan, built, params, run.device, run.launch, say)
 
-    loss = engine.loss_fn(task, apply)
+    loss = engine.loss_fn(task, apply, built.module)
     step, mesh = engine.build_step(loss, built.module, args, plan)
     state, resumed = checkpoints.first_state(args, step, built, params, plan, run.device)
     schedule = lr_schedule.spec(args, plan)  # saved in every checkpoint: --resume continues it

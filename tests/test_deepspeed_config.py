@@ -195,7 +195,6 @@ def test_bad_batch_values_name_their_key(key, value):
     ({"data_efficiency": {"enabled": True}}, "data_efficiency", {"enabled": True}),
     ({"compression_training": {"weight_quantization": {}}}, "compression_training", {"weight_quantization": {}}),
     ({"amp": {"enabled": True, "opt_level": "O1"}}, "amp", {"enabled": True, "opt_level": "O1"}),
-    ({"sequence_parallel_size": 2}, "sequence_parallel_size", 2),
     ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op", "sum"),
     ({"zero_optimization": {"stage": 5}}, "zero_optimization.stage", 5),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "disk"}}},
@@ -273,9 +272,9 @@ def test_zero_plus_plus_keys_map_to_the_quantized_collectives():
 
 
 def test_features_that_are_off_are_accepted_and_listed_as_ignored():
-    plan = read(with_(SMALL, curriculum_learning={"enabled": False}, amp={"enabled": False}, sequence_parallel_size=1,
+    plan = read(with_(SMALL, curriculum_learning={"enabled": False}, amp={"enabled": False},
                       zero_optimization={"stage": 1, "zero_hpz_partition_size": 1, "mics_shard_size": -1}))
-    assert set(plan.ignored) == {"curriculum_learning", "amp", "sequence_parallel_size",
+    assert set(plan.ignored) == {"curriculum_learning", "amp",
                                  "zero_optimization.zero_hpz_partition_size", "zero_optimization.mics_shard_size"}
     assert plan.zero_stage == 1
 
@@ -478,3 +477,8 @@ def test_autotp_size_reads_as_tp():
         C.from_deepspeed({**base, "tensor_parallel": {"autotp_size": 2, "tp": {"tp_size": 2}}}, world_size=2)
     with pytest.raises(ValueError, match=r"tensor_parallel.autotp_size: expected an int >= 1, got 0.5"):
         C.from_deepspeed({**base, "tensor_parallel": {"autotp_size": 0.5}}, world_size=2)
+def test_sequence_parallel_size_is_the_plans_sp_size():
+    assert read(with_(SMALL, sequence_parallel_size=2)).sp_size == 2
+    assert read(SMALL).sp_size == 1
+    with pytest.raises(ValueError, match=r"sequence_parallel_size \(plan sp_size\): expected an int >= 1, got 0"):
+        read(with_(SMALL, sequence_parallel_size=0))

@@ -263,3 +263,39 @@ def test_a_store_that_fails_to_start_leaves_no_socket_open(monkeypatch):
     with pytest.raises(torch.distributed.DistNetworkError, match="refused fd"):
         zf.dist.launch._loopback_store(datetime.timedelta(seconds=5))
     assert sorted(os.listdir("/proc/self/fd")) == before
+
+
+def mesh_dp_sp(rank):
+    mesh = zf.Mesh(dp=2, sp=2)
+    dp_sum, sp_sum, all_sum = (torch.tensor([float(rank)]) for _ in range(3))
+    mesh.comm.all_reduce(dp_sum)
+    mesh.sp_comm.all_reduce(sp_sum)
+    mesh.dp_sp.comm.all_reduce(all_sum)
+    out = torch.empty(4)  # chunk s of out <- rank s's chunk (my sp rank) of its input
+    mesh.sp_comm.all_to_all(out, torch.tensor([10.0 * rank, 10.0 * rank + 1, 10.0 * rank + 2, 10.0 * rank + 3]))
+    x = torch.full((2,), float(rank))
+    sends = mesh.sp_p2p.send(x.clone(), 1 - mesh.sp_rank, "a test send"), mesh.sp_p2p.recv(x, 1 - mesh.sp_rank, "recv")
+    [w.wait() for w in sends]
+    try:
+        zf.Mesh(sp=3)
+    except ValueError as e:
+        error = str(e)
+    return (mesh.rank, mesh.sp_rank, mesh.dp_sp.dp, mesh.dp_sp.rank, dp_sum.item(), sp_sum.item(), all_sum.item(),
+            out.tolist(), x.tolist(), mesh.sp_comm.bytes["all_to_all"], repr(mesh), error)
+
+
+@pytest.mark.multiprocess
+def test_mesh_dp_x_sp_layout_groups_all_to_all_and_ring_peers():
+    for rank, r in enumerate(zf.dist.spawn(mesh_dp_sp, 4)):
+        dp_rank, sp_rank, flat_dp, flat_rank, dp_sum, sp_sum, all_sum, out, x, a2a, text, error = r
+        assert (dp_rank, sp_rank) == (rank // 2, rank % 2)  # global rank = dp_rank * sp + sp_rank
+        assert (flat_dp, flat_rank) == (4, rank)  # dp_sp: the dp x sp ranks ZeRO shards over
+        assert dp_sum == {0: 2.0, 1: 4.0}[sp_rank]  # ranks {0, 2} and {1, 3}
+        assert sp_sum == {0: 1.0, 1: 5.0}[dp_rank]  # ranks {0, 1} and {2, 3}
+        assert all_sum == 6.0
+        peers = [2 * dp_rank, 2 * dp_rank + 1]  # my sequence group, in sp order
+        assert out == [10.0 * p + c for p in peers for c in (2 * sp_rank, 2 * sp_rank + 1)]
+        assert x == [float(peers[1 - sp_rank])] * 2
+        assert a2a == 16
+        assert text == f"Mesh(dp=2, sp=2, rank={dp_rank}, sp_rank={sp_rank})"
+        assert "sp: the world size 4 is not a multiple of sp=3" in error

@@ -77,6 +77,18 @@ def test_zero3_with_cpu_offload_on_2_ranks_trains_as_1_process(recipe, tmp_path,
     assert_same_losses(metrics(tmp_path / "two"), metrics(tmp_path / "one"), f"{recipe} zero 3 + cpu offload")
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", [["--sp", "2"], pytest.param(
+    ["--sp", "2", "--sp-kind", "ring", "--tile-mlp", "2", "--remat"], marks=pytest.mark.slow)])
+def test_sp2_on_2_ranks_trains_as_1_process(layout, tmp_path, text_file):
+    """--sp 2 (each rank computes half of every window's tokens) gives the single process's losses, val
+    loss included (evaluated by rank 0 on whole windows): Ulysses; ring with the MLP tiled and remat (slow)."""
+    argv = flags("llama", "--data", str(text_file), "--steps", "3", "--eval-every", "3", "--log-every", "1")
+    RECIPES["llama"](argv + ["--out", str(tmp_path / "one")])
+    run_cli("llama", tmp_path / "two", argv + layout, procs=2)
+    assert_same_losses(metrics(tmp_path / "two"), metrics(tmp_path / "one"), "llama " + " ".join(layout))
+
+
 HF = {
     "gpt": dict(model_type="gpt2", n_layer=1, n_embd=32, n_head=2, n_positions=64, vocab_size=256, bos_token_id=0,
                 eos_token_id=0),

@@ -580,6 +580,9 @@ LAYOUT_FLAGS = [  # (flags, world size, the message naming the flags)
     (["--batch-size", "6"], 4, "--batch-size: the global batch of 6 sequences must split over 4 data-parallel ranks "
                                "x 1 accumulation steps; expected a multiple of 4"),
     (["--pp", "2"], 3, "--pp: 2 stages do not divide the 3 processes"),
+    (["--sp", "2"], 3, "--sp: 2 ranks per replica (pp * sp) do not divide the 3 processes"),
+    (["--sp", "2", "--pp", "2", "--microbatches", "2", "--zero", "1"], 4,
+     "--sp (plan sp_size): zf.sequence_parallel does not run under a pipeline yet"),
     (["--pp", "2", "--microbatches", "2", "--remat"], 2, "--remat (plan remat): a pipeline runs each unit once"),
     (["--pp", "2", "--zero", "1", "--offload-optimizer", "cpu"], 2,
      "--offload-optimizer (plan offload_optimizer): a pipeline (pp=2) updates each stage's params"),

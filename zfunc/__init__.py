@@ -7,11 +7,11 @@
 
 The packages: core/ (pytrees, the state, the pure step, precision, roles, the composition rulebook),
 optim/, sharding/ (``zf.shard``), offloading/ (``zf.offload``), pipelining/ (``zf.pipeline``), model/
-(``zf.functionalize``, ``zf.materialize``, ``zf.units``, ``zf.remat``, ``zf.tile``), checkpoint/,
-tensor/ (``zf.tensor_parallel``), config/ (``zf.config``, ``zf.parallelize``), plan/ (the estimator), dist/,
-ops/ (kernels).
+(``zf.functionalize``, ``zf.materialize``, ``zf.units``, ``zf.remat``, ``zf.tile``), sequence/
+(``zf.sequence_parallel``), tensor/ (``zf.tensor_parallel``), checkpoint/, config/ (``zf.config``,
+``zf.parallelize``), plan/ (the estimator), dist/, ops/ (kernels).
 """
-from zfunc import checkpoint, config, dist, offloading, ops, optim, plan
+from zfunc import checkpoint, config, dist, offloading, ops, optim, plan, sequence
 from zfunc.config.apply import parallelize
 from zfunc.core import precision, tree
 from zfunc.core.state import ConsumedStateError, TrainState
@@ -23,6 +23,7 @@ from zfunc.model.rematerialize import remat
 from zfunc.model.tiling import tile
 from zfunc.offloading.step import offload
 from zfunc.pipelining.step import pipeline
+from zfunc.sequence.parallel import sequence_parallel
 from zfunc.sharding.step import shard
 from zfunc.tensor import tensor_parallel
 from zfunc.version import __version__  # noqa: F401 - zf.__version__
@@ -49,6 +50,8 @@ __all__ = [
     "plan",
     "precision",
     "remat",
+    "sequence",
+    "sequence_parallel",
     "shard",
     "tensor_parallel",
     "tile",

@@ -11,9 +11,13 @@
 1. ``prepare(model, plan)``: the model transformations. ``zf.tile`` of the LM head replaces the
    head (and a tied embedding) by tile modules, which renames their params
    (``lm_head.tiles.3.weight``): it must come before ``zf.functionalize``, whose params dict names
-   them. ``zf.remat`` replaces each unit's ``forward`` and keeps the names; it goes here too, so
-   that the model the step runs is the one the plan describes.
-2. ``zf.shard(step, mesh, stage, units)``: ZeRO over the dp ranks. It takes only a plain step.
+   them. ``zf.tiling.tile_tokens`` runs each unit's ``mlp`` over ``tile_mlp`` token tiles and
+   ``zf.remat`` replaces each unit's ``forward``; both keep the names and go here too, so that the
+   model the step runs is the one the plan describes.
+   ``parallelize`` applies the one model transformation that needs the mesh, ``zf.sequence_parallel``
+   (``sp_size > 1``): it replaces the model's ``forward`` and keeps the names, so after functionalize.
+2. ``zf.shard(step, mesh, stage, units)``: ZeRO over the dp ranks (the dp x sp ranks with
+   ``sp_size > 1``: stage 0 at least, which all-reduces their grads). It takes only a plain step.
 3. ``zf.offload(step, optimizer, params, path)``: takes a plain or sharded step (it replaces the
    update); params offload needs stage 3 (or a plain step on one rank).
 4. ``zf.pipeline(step, stages, microbatches, schedule)``: outermost; it takes a plain step or a
@@ -21,9 +25,11 @@
 
 **Law.** The returned step trains as the plain step on the global batch (each transformation's
 law, composed): a dp rank feeds it its ``1/dp`` slice of the global batch, every rank of a
-pipeline the same slice. The step brings its optimizer, precision and accumulation: those of the
-plan must be the step's (``zf.config.optimizer(plan, total_steps)`` builds the plan's optimizer,
-clipping included); precision and accumulation are checked.
+pipeline or of a sequence group the same slice (with ``sp_size > 1`` the loss is
+``zfunc.sequence.cross_entropy`` of the model's tokens, ``zf.sequence.layout_in_force(model)``).
+The step brings its optimizer, precision and accumulation: those of the plan must be the step's
+(``zf.config.optimizer(plan, total_steps)`` builds the plan's optimizer, clipping included);
+precision and accumulation are checked.
 
 **Cost.** Nothing of its own: each transformation's cost, as its docstring states.
 
@@ -47,7 +53,8 @@ from zfunc.pipelining.step import pipeline
 from zfunc.model.rematerialize import remat
 from zfunc.sharding.step import shard
 from zfunc.core.step import Step
-from zfunc.model.tiling import TiledLinear, tile
+from zfunc.model.tiling import TiledLinear, tile, tile_tokens
+from zfunc.sequence.parallel import sequence_parallel
 from zfunc.tensor.layout import layout_of
 from zfunc.tensor.step import tensor_parallel_step
 from zfunc.tensor.transform import tensor_parallel
@@ -80,13 +87,20 @@ def _remat_modules(model: nn.Module, plan: config_mod.Plan) -> list[str]:
     return blocks or [u.name for u in found]
 
 
+def _units(model: nn.Module, plan: config_mod.Plan) -> list[nn.Module]:
+    modules = dict(model.named_modules())
+    return [modules[n] for n in _remat_modules(model, plan)]
+
+
 def prepare(model: nn.Module, plan: config_mod.Plan, mesh: Mesh | None = None) -> nn.Module:
     """The plan's model transformations, applied in place before ``zf.functionalize``: with
     ``plan.tp > 1`` the layers sliced over ``mesh``'s tp group (``zf.tensor_parallel``, the plan
     found from the module graph, ``plan.sp``: sequence parallelism; ``mesh`` default
-    ``zf.Mesh(dp=plan.dp, pp=plan.pp, tp=plan.tp)``, give ``parallelize`` the same one), the LM head
+    ``zf.Mesh(dp=plan.dp, pp=plan.pp, sp=plan.sp_size, tp=plan.tp)``, give ``parallelize`` the same
+    one), the LM head
     (``model.lm_head``, and an embedding tied to it) tiled into ``plan.tile_lm_head`` tiles
-    (``zf.tile``), then each unit's ``forward`` rematerialized (``zf.remat``, ``plan.remat_offload``).
+    (``zf.tile``), each unit's ``mlp`` over ``plan.tile_mlp`` token tiles, then each unit's ``forward``
+    rematerialized (``zf.remat``, ``plan.remat_offload``).
     Returns the model. A model prepared already is refused (its units would be wrapped twice)."""
     check(plan)
     if not isinstance(model, nn.Module):
@@ -103,6 +117,13 @@ def prepare(model: nn.Module, plan: config_mod.Plan, mesh: Mesh | None = None) -
                              f"{'a ' + type(head).__name__ if head is not None else 'none'}; got tile_lm_head="
                              f"{plan.tile_lm_head}")
         tile(model, tiles=plan.tile_lm_head, modules=[LM_HEAD])
+    if plan.tile_mlp:
+        mlps = [m.mlp for m in _units(model, plan) if isinstance(getattr(m, "mlp", None), nn.Module)]
+        if not mlps:
+            raise ValueError(f"tile_mlp: tiles each unit's 'mlp' submodule, and the model's units have none; got "
+                             f"tile_mlp={plan.tile_mlp}")
+        for mlp in mlps:
+            tile_tokens(mlp, tiles=plan.tile_mlp)
     if plan.remat:
         names = _remat_modules(model, plan)
         modules = dict(model.named_modules())
@@ -144,12 +165,12 @@ def _check_step(step: Step, plan: config_mod.Plan) -> None:
 
 def _mesh(plan: config_mod.Plan, mesh: Mesh | None) -> Mesh:
     if mesh is None:
-        return Mesh(dp=plan.dp, pp=plan.pp, tp=plan.tp)
+        return Mesh(dp=plan.dp, pp=plan.pp, sp=plan.sp_size, tp=plan.tp)
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh: expected a zf.Mesh, got {type(mesh).__name__}")
-    if (mesh.dp, mesh.pp, mesh.tp) != (plan.dp, plan.pp, plan.tp):
-        raise ValueError(f"mesh: dp={mesh.dp}, pp={mesh.pp}, tp={mesh.tp}, but the plan says dp={plan.dp}, "
-                         f"pp={plan.pp}, tp={plan.tp}")
+    if (mesh.dp, mesh.pp, mesh.sp, mesh.tp) != (plan.dp, plan.pp, plan.sp_size, plan.tp):
+        raise ValueError(f"mesh: dp={mesh.dp}, pp={mesh.pp}, sp={mesh.sp}, tp={mesh.tp}, but the plan says "
+                         f"dp={plan.dp}, pp={plan.pp}, sp_size={plan.sp_size}, tp={plan.tp}")
     return mesh
 
 
@@ -164,8 +185,9 @@ def parallelize(step: Step, model: nn.Module, plan: config_mod.Plan, mesh: Mesh 
         ``prepare(model, plan)`` when the plan tiles or rematerializes (checked).
       plan: a ``zf.config.Plan``; ``plan.units`` (default ``zf.units.auto()``) are the units of
         ZeRO-3, params offload, remat and the pipeline.
-      mesh: default ``zf.Mesh(dp=plan.dp, pp=plan.pp, tp=plan.tp)`` (``zf.dist`` initialised first when
-        there are several ranks); one given must have those sizes (with tp, the one ``prepare`` had).
+      mesh: default ``zf.Mesh(dp=plan.dp, pp=plan.pp, sp=plan.sp_size, tp=plan.tp)`` (``zf.dist``
+        initialised first when there are several ranks); one given must have those sizes (with tp,
+        the one ``prepare`` had).
     Law, cost and the refusals: the module docstring.
     """
     check(plan)
@@ -174,7 +196,9 @@ def parallelize(step: Step, model: nn.Module, plan: config_mod.Plan, mesh: Mesh 
     mesh, units = _mesh(plan, mesh), _selector(plan)
     if plan.tp > 1:
         step = tensor_parallel_step(step, model)
-    if plan.zero_stage > 0 or plan.dp > 1:
+    if plan.sp_size > 1:
+        sequence_parallel(model, mesh, plan.sp_kind)
+    if plan.zero_stage > 0 or plan.dp > 1 or plan.sp_size > 1:
         step = shard(step, mesh, plan.zero_stage, units=units if plan.zero_stage == 3 else None,
                      quantize_weights=plan.quantized_weights, quantize_grads=plan.quantized_grads or False)
     if plan.offload_optimizer != "none":

@@ -27,8 +27,9 @@ DeepSpeed key -> Plan field (key paths as in DeepSpeed's "Configuration JSON" re
 | ``scheduler.type``, ``scheduler.params``                        | ``scheduler``, ``scheduler_params`` |
 | ``activation_checkpointing`` (the section present)              | ``remat=True``              |
 | ``activation_checkpointing.cpu_checkpointing``                  | ``remat_offload``           |
+| ``sequence_parallel_size`` (Ulysses; ``world_size`` stays dp)   | ``sp_size``                 |
 Not in DeepSpeed's JSON, set on the Plan: ``pp``, ``microbatches``, ``pipeline_schedule``, ``units``,
-``tile_lm_head``.
+``tile_lm_head``, ``sp_kind``, ``tile_mlp``.
 
 Choices where DeepSpeed leaves room, each stated once:
 - Batch sizes follow DeepSpeed's rule ``train_batch_size = micro * accum * world_size``: any two
@@ -137,7 +138,7 @@ def _tp_on(v: Any) -> bool:
 # Top level. Knobs: tuning, logging and tooling with no meaning here. Features: (on?, what it is).
 _TOP_MAPPED = frozenset({"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                          "gradient_clipping", "zero_optimization", "fp16", "bf16", "bfloat16", "optimizer",
-                         "scheduler", "activation_checkpointing", "tensor_parallel"})
+                         "scheduler", "activation_checkpointing", "tensor_parallel", "sequence_parallel_size"})
 _TOP_KNOBS = frozenset({
     "steps_per_print", "wall_clock_breakdown", "dump_state", "memory_breakdown", "zero_allow_untested_optimizer",
     "zero_force_ds_cpu_optimizer", "prescale_gradients", "gradient_predivide_factor", "communication_data_type",
@@ -151,7 +152,6 @@ _TOP_FEATURES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "sparse_attention": (lambda v: True, "sparse attention"),
     "moe": (lambda v: True, "mixture of experts"),
     "expert_parallel": (_enabled, "expert parallelism (MoE)"),
-    "sequence_parallel_size": (lambda v: v != 1, "sequence parallelism"),
     "curriculum_learning": (_enabled, "curriculum learning"),
     "data_efficiency": (_enabled, "data efficiency (curriculum learning, random-LTD)"),
     "compression_training": (lambda v: True, "compression training"),
@@ -299,6 +299,7 @@ def _read(config: dict, world_size: int, auto: dict[str, Any]) -> Plan:
               **_read_precision(r, config), **_read_optimizer(r, config), **_read_remat(r, config),
               **_read_tensor_parallel(config)}
     fields.update(_read_scheduler(r, config, fields))
+    fields["sp_size"] = r.value(config, "sequence_parallel_size", "sequence_parallel_size", 1)
     clip = r.value(config, "gradient_clipping", "gradient_clipping", 1.0)
     _check_number("gradient_clipping", clip)
     try:  # Plan asks the rulebook for settings that contradict, then for what zfunc does not run
@@ -339,7 +340,7 @@ _KEY_PATHS = {
     "remat": "activation_checkpointing", "remat_offload": "activation_checkpointing.cpu_checkpointing",
     "accum": "gradient_accumulation_steps", "micro_batch": "train_micro_batch_size_per_gpu",
     "global_batch": "train_batch_size", "precision": "fp16.enabled, bf16.enabled",
-    "gradient_clipping": "gradient_clipping", "tp": "tensor_parallel.autotp_size",
+    "gradient_clipping": "gradient_clipping", "tp": "tensor_parallel.autotp_size", "sp_size": "sequence_parallel_size",
 }
 
 

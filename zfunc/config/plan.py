@@ -35,6 +35,7 @@ from zfunc.model import units as units_mod
 PLACES = ("none", "cpu", "nvme")
 PRECISIONS = ("fp32", "bf16", "fp16")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+SP_KINDS = ("ulysses", "ring")
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 WARMUP_TYPES = ("log", "linear")
 
@@ -171,6 +172,10 @@ class Plan:
         slices the model (``zf.tensor_parallel``, its plan found from the module graph) and
         ``zf.parallelize`` steps it (``zf.tensor_parallel.step``, under ``zf.shard`` over dp); the
         rulebook refuses what tp does not run yet (with pp, offload, a tiled head; sp under ZeRO).
+      sp_size, sp_kind: ranks each sequence is cut over (``zf.sequence_parallel``: ranks = dp * pp * sp_size,
+        every rank of a sequence group given the same batch) and how attention sees the whole sequence,
+        "ulysses" or "ring"; DeepSpeed's ``sequence_parallel_size``.
+      tile_mlp: token tiles each unit's ``mlp`` runs over (``zf.tiling.tile_tokens``), 0 = untiled.
       zero_stage: 0 (none) to 3; a pipeline (pp > 1) composes with stage 0 or 1.
       quantized_weights, quantized_grads: ZeRO++ (``zf.shard(quantize_weights=, quantize_grads=)``):
         stage 3's int8 param gathers; the grad reduce-scatter in 4 or 8 bits (0: fp32), stages 1-3.
@@ -212,6 +217,9 @@ class Plan:
     remat: bool = False
     remat_offload: bool = False
     tile_lm_head: int = 0
+    sp_size: int = 1
+    sp_kind: str = "ulysses"
+    tile_mlp: int = 0
     microbatches: int = 1
     pipeline_schedule: str = "1f1b"
     precision: str = "fp32"
@@ -249,6 +257,9 @@ def _check_layout(p: Plan) -> None:
         _check_int(name, getattr(p, name), 1)
     _check_bool("sp", p.sp)
     _check_int("tile_lm_head", p.tile_lm_head, 0)
+    _check_int("sp_size", p.sp_size, 1)
+    _check_choice("sp_kind", p.sp_kind, SP_KINDS)
+    _check_int("tile_mlp", p.tile_mlp, 0)
     _check_choice("zero_stage", p.zero_stage, (0, 1, 2, 3))
     _check_choice("offload_optimizer", p.offload_optimizer, PLACES)
     _check_choice("offload_params", p.offload_params, PLACES)

@@ -6,8 +6,9 @@ together, stated once; every transformation, ``zf.config.Plan``, ``zf.config.che
 one (``zf.shard``, ``zf.offload``, ``zf.pipeline``); each records itself in the step's ``layers``
 (innermost first: ``("train_step", "shard", "offload")`` for ``offload(shard(train_step(...)))``).
 **Model transformations** take a model's function or layer and return one (``zf.remat``,
-``zf.tile``): they act inside ``loss_fn``, below every step transformation, so they compose with all
-of them and never take a step.
+``zf.tile``, ``zf.sequence_parallel``): they act inside ``loss_fn``, below every step transformation,
+so they compose with all of them and never take a step. ``zf.sequence_parallel`` asks one thing of
+the step: its grads reduced over the ``dp x sp`` ranks, which ``zf.shard`` does over a mesh with ``sp``.
 
 The table (rows: the transformation applied; columns: the outermost layer of the step it is given):
 
@@ -47,9 +48,9 @@ one of two kinds:
   parallelism). ``Plan(...)`` refuses them, so nothing else sees them.
 - ``UNSUPPORTED``: consistent, but zfunc does not run it (offload under a pipeline; optimizer
   offload at stage 0 over several ranks; params offload without optimizer offload; a pipeline over
-  ``dp > 1`` at stage 0; remat under a pipeline; tensor parallelism). ``Plan`` holds them,
-  ``zf.config.check`` and ``zf.parallelize`` refuse them, the estimator models them and says so in
-  its notes, and its search skips them.
+  ``dp > 1`` at stage 0; remat under a pipeline; tensor parallelism; ``sp_size > 1`` under a pipeline).
+  ``Plan`` holds them, ``zf.config.check`` and ``zf.parallelize`` refuse them, the estimator models
+  them and says so in its notes, and its search skips them.
 A refusal is one line naming the field, the value and what was expected (``"remat: ...; expected
 remat=False with pp=2, got True"``).
 
@@ -65,7 +66,7 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 STEP_TRANSFORMS: tuple[str, ...] = ("shard", "offload", "pipeline")
-MODEL_TRANSFORMS = ("remat", "tile")
+MODEL_TRANSFORMS = ("remat", "tile", "sequence_parallel")
 _PIPELINE_LAST = "zf.pipeline(zf.shard(step, zf.Mesh(dp=d, pp=p), stage=1), ...) or zf.pipeline(step, ...)"
 
 Refusal = tuple[str, str]  # (why, the order that works)
@@ -268,6 +269,14 @@ def _sequence_parallel(p: Any) -> str | None:
     return None
 
 
+def _sequence_pipeline(p: Any) -> str | None:
+    sp = getattr(p, "sp_size", 1)
+    if sp > 1 and p.pp > 1:
+        return (f"sp_size: zf.sequence_parallel does not run under a pipeline yet; expected sp_size=1 with pp={p.pp}, "
+                f"got {sp}")
+    return None
+
+
 def _pipeline_offload(p: Any) -> str | None:
     offloaded = _offloaded(p)
     if p.pp > 1 and offloaded:
@@ -335,6 +344,7 @@ RULES: list[Rule] = [
     Rule("remat under a pipeline", UNSUPPORTED, _pipeline_remat, "pipeline"),
     Rule("1-bit optimizer with ZeRO 1-3", UNSUPPORTED, _onebit_zero, "shard"),
     Rule("tensor parallelism", UNSUPPORTED, _tensor_parallel, "tp"),
+    Rule("sequence parallelism under a pipeline", UNSUPPORTED, _sequence_pipeline, "sequence_parallel"),
 ]
 
 

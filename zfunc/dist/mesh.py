@@ -1,7 +1,7 @@
 """The mesh over ``torch.distributed``, byte-counting collectives and point-to-point.
 
-``Mesh(dp=N)`` wraps the default process group; ``Mesh(dp=N, pp=P)`` adds a pipeline axis (see
-``Mesh`` for the layout and its groups). The default process group (gloo for CPU tensors, NCCL
+``Mesh(dp=N)`` wraps the default process group; ``Mesh(dp=N, pp=P)`` adds a pipeline axis and
+``Mesh(dp=N, sp=S)`` a sequence-parallel one (see ``Mesh`` for the layout and its groups). The default process group (gloo for CPU tensors, NCCL
 for CUDA) is set up by ``torchrun``'s environment variables or ``spawn`` (``zfunc.dist.launch``).
 Every collective zfunc issues goes through a ``Comm``, which counts the bytes of each call type --
 the figures the comm-volume tests and the sharding docstrings' *cost* lines are checked against -- and names the
@@ -12,9 +12,9 @@ collective call that some ranks may skip by mistake (``zf.checkpoint.save``) fir
 
 Byte counts are the full logical tensor, per rank: ``all_gather`` counts its output,
 ``reduce_scatter`` its input, ``all_reduce`` twice its tensor (a ring all-reduce is a
-reduce-scatter plus an all-gather). In those units DDP moves 2 Psi bytes per step. ``P2P``
-counts each sent or received tensor once. ``compressed_all_reduce`` counts the bytes it moves
-(packed signs and scales, ``zfunc.dist.compressed``) under "compressed_all_reduce".
+reduce-scatter plus an all-gather), ``all_to_all`` its input. In those units DDP moves 2 Psi bytes
+per step. ``P2P`` counts each sent or received tensor once. ``compressed_all_reduce`` counts the bytes
+it moves (packed signs and scales, ``zfunc.dist.compressed``) under "compressed_all_reduce".
 """
 from __future__ import annotations
 
@@ -115,6 +115,16 @@ class Comm:
         if self._backend is None:
             self._backend = "" if self.alone else str(dist.get_backend(self.group))
         return self._backend == "gloo"
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, label: str = "", async_op: bool = False):
+        """``out``'s chunk ``s`` (dim 0 cut in N equal chunks) <- rank ``s``'s chunk ``r`` of ``inp``, on rank ``r``.
+
+        ``out`` and ``inp`` are contiguous, of one shape, dim 0 a multiple of N. Counts ``inp``'s bytes
+        (its own chunk, which stays, included: the full logical tensor, as the other calls count).
+        """
+        return self._run("all_to_all", _nbytes(inp), label,
+                         lambda: dist.all_to_all_single(out, inp, group=self.group, async_op=True),
+                         lambda: out.copy_(inp), async_op)
 
     def all_reduce(self, t: torch.Tensor, label: str = "", async_op: bool = False):
         """``t`` <- the sum over ranks of ``t``, in place."""
@@ -409,53 +419,66 @@ def axis_groups(sizes: dict[str, int], axis: str) -> list[list[int]]:
 
 
 class Mesh:
-    """A mesh of ``pp * dp * tp`` ranks: ``dp`` data-parallel replicas of a ``pp``-stage pipeline, each
-    layer's weights sliced over ``tp`` tensor-parallel ranks (``zf.tensor_parallel``).
+    """A mesh of ``pp * dp * sp * tp`` ranks: ``dp`` data-parallel replicas of a ``pp``-stage pipeline,
+    each sequence cut over ``sp`` ranks (``zf.sequence_parallel``), each layer's weights sliced over
+    ``tp`` tensor-parallel ranks (``zf.tensor_parallel``).
 
-    ``Mesh(dp=None, pp=1, tp=1)`` takes ``dp = world size / (pp * tp)``. The process group must be
-    initialised first (``init_from_env()`` under ``torchrun``, or ``spawn``); a single process without
-    one gets a trivial mesh of 1.
+    ``Mesh(dp=None, pp=1, sp=1, tp=1)`` takes ``dp = world size / (pp * sp * tp)``. The process group
+    must be initialised first (``init_from_env()`` under ``torchrun``, or ``spawn``); a single process
+    without one gets a trivial mesh of 1.
 
-    Layout (Megatron's order), axes outermost first ``AXES = (pp, dp, sp, tp)``:
-    ``global rank = ((pp_rank * dp + dp_rank) * sp + sp_rank) * tp + tp_rank``, with ``sp = 1`` here
-    (a sequence-parallel axis slots in between dp and tp). Tensor parallelism moves the most (an
-    all-reduce of activations in every block's forward and backward), so its ranks are neighbours
-    (one machine); the dp ranks of one stage, which reduce every grad each step, come next; the
-    pipeline moves the least (one activation per microbatch, point to point), so it is the axis
-    that may cross the slowest links.
+    Layout (Megatron's order, DeepSpeed-Ulysses' sp inside dp), axes outermost first ``AXES = (pp, dp,
+    sp, tp)``: ``global rank = ((pp_rank * dp + dp_rank) * sp + sp_rank) * tp + tp_rank``. The axis that
+    moves the most per step sits on the nearest ranks: tensor parallelism all-reduces activations in
+    every block's forward and backward, sequence parallelism exchanges them at every attention call
+    (all-to-all or ring), dp reduces every grad once per step, and the pipeline moves one activation
+    per microbatch point to point, so it is the axis that may cross the slowest links.
 
     ``rank``, ``comm`` and ``reduce_comm`` are over this rank's data-parallel group (the ``dp`` ranks
-    holding the same pipeline stage and the same tp slice: dp groups exclude tp peers), so
-    ``zf.shard`` works over the dp axis unchanged; ``pp_rank``, ``pp_comm`` (collectives: loss and
-    norm sums) and ``p2p`` (activations and grads) are over its pipeline group; ``tp_rank`` and
-    ``tp_comm`` over its tensor-parallel group (``tp`` consecutive global ranks). With ``pp = tp =
-    1`` the mesh is the default process group and creates no other groups but ``reduce_comm``'s.
-    ``comm_bytes`` counts the dp and pp comms; ``tp_comm.bytes`` counts tp's.
+    holding the same pipeline stage, the same part of each sequence and the same tp slice: dp groups
+    exclude sp and tp peers), so ``zf.shard`` works over the dp axis unchanged; ``pp_rank``,
+    ``pp_comm`` (collectives: loss and norm sums) and ``p2p`` (activations and grads) are over its
+    pipeline group; ``sp_rank``, ``sp_comm`` (Ulysses' all-to-all) and ``sp_p2p`` (ring attention's
+    blocks) over its sequence group; ``tp_rank`` and ``tp_comm`` over its tensor-parallel group
+    (``tp`` consecutive global ranks). With ``pp = sp = tp = 1`` the mesh is the default process group
+    and creates no other groups but ``reduce_comm``'s. ``comm_bytes`` counts the dp, pp and sp comms;
+    ``tp_comm.bytes`` counts tp's.
+
+    **Grads of params replicated over sp.** The ``sp`` ranks of a sequence group hold the same params
+    and each computes grads from its part of the tokens, as ``dp`` ranks do from their part of the
+    batch; so the ranks that reduce grads (and may shard model states) are the ``dp x sp`` ranks of
+    one pipeline stage and tp slice: ``dp_sp``, a ``Mesh`` over them (``dp = dp * sp``, rank ``dp_rank
+    * sp + sp_rank``), which ``zf.shard`` takes in place of a mesh with ``sp > 1`` (DeepSpeed-Ulysses'
+    choice: ZeRO over dp x sp). One reduce-scatter over ``dp * sp`` ranks moves what a dp
+    reduce-scatter would, and model states divide by ``dp * sp`` instead of ``dp``. Law: with each
+    rank's loss the ``zfunc.sequence`` loss (its tokens' share, scaled by ``sp``), the mean over the
+    ``dp x sp`` ranks is the plain step's loss and their mean grad its grad.
     """
 
-    def __init__(self, dp: int | None = None, pp: int = 1, tp: int = 1):
+    def __init__(self, dp: int | None = None, pp: int = 1, sp: int = 1, tp: int = 1):
         initialised = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if initialised else 1
-        for name, n in (("pp", pp), ("tp", tp)):
+        for name, n in (("pp", pp), ("sp", sp), ("tp", tp)):
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {n!r}")
+        inner = [(n, v) for n, v in (("pp", pp), ("sp", sp), ("tp", tp)) if v > 1]
         if dp is None:
-            if world % (pp * tp):
-                raise ValueError(f"{_names(pp, tp)}: the world size {world} is not a multiple of "
-                                 + (f"pp * tp = {pp} * {tp} = {pp * tp}" if pp > 1 and tp > 1
-                                    else f"tp={tp}" if tp > 1 else f"pp={pp}"))
-            dp = world // (pp * tp)
+            if world % (pp * sp * tp):
+                raise ValueError(f"{', '.join(n for n, _ in inner) or 'pp'}: the world size {world} is not a "
+                                 f"multiple of {_product(inner) if len(inner) > 1 else '{}={}'.format(*inner[0])}")
+            dp = world // (pp * sp * tp)
         if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
             raise ValueError(f"dp: expected an int >= 1, got {dp!r}")
-        if dp * pp * tp != world:
-            ranks = f"{dp} ranks" if pp == tp == 1 else f"{_product(pp, tp, dp=dp)} = {dp * pp * tp} ranks"
+        if dp * pp * sp * tp != world:
+            axes = [("dp", dp)] + inner
+            ranks = f"{dp} ranks" if not inner else f"{_product(axes)} ranks"
             raise ValueError(
-                f"{'dp, ' + _names(pp, tp) if pp * tp > 1 else 'dp'}: the mesh has {ranks} but the process group "
-                f"has world size {world}"
+                f"{', '.join(n for n, _ in axes)}: the mesh has {ranks} but the process group has world size {world}"
                 + ("" if initialised else " (torch.distributed is not initialised: start with torchrun or zf.dist.spawn)")
             )
-        self.dp, self.pp, self.tp = dp, pp, tp
-        if pp == tp == 1:
+        self.dp, self.pp, self.sp, self.tp = dp, pp, sp, tp
+        self.dp_sp = self
+        if pp == sp == tp == 1:
             self._data_parallel_only(initialised)
         else:
             self._groups(dist.get_rank())
@@ -465,62 +488,93 @@ class Mesh:
         """A mesh of this process alone, whatever the process group: its collectives are copies
         (a plain step's offload runs on one)."""
         mesh = object.__new__(cls)
-        mesh.dp, mesh.pp, mesh.tp = 1, 1, 1
+        mesh.dp, mesh.pp, mesh.sp, mesh.tp = 1, 1, 1, 1
+        mesh.dp_sp = mesh
         mesh._data_parallel_only(initialised=False)
         return mesh
 
     def _data_parallel_only(self, initialised: bool) -> None:
-        self.rank, self.pp_rank, self.tp_rank = (dist.get_rank() if initialised else 0), 0, 0
+        me = dist.get_rank() if initialised else 0
+        self.rank, self.pp_rank, self.sp_rank, self.tp_rank = me, 0, 0, 0
         self.comm = Comm(alone=not initialised)
         # Grad reduce-scatters get a process group (and comm thread) of their own: they run in a
         # fixed order there, independent of the order of param gathers on ``comm``.
         self.reduce_comm = Comm(group=dist.new_group(backend=dist.get_backend()) if initialised else None,
                                 alone=not initialised)
-        self.pp_comm, self.p2p = Comm(alone=True), P2P(peers=(dist.get_rank() if initialised else 0,))
+        self.pp_comm, self.p2p = Comm(alone=True), P2P(peers=(me,))
+        self.sp_comm, self.sp_p2p = Comm(alone=True), P2P(peers=(me,))
         self.tp_comm = Comm(alone=True)
 
     def _groups(self, rank: int) -> None:
-        sizes = {"pp": self.pp, "dp": self.dp, "tp": self.tp}
+        sizes = {"pp": self.pp, "dp": self.dp, "sp": self.sp, "tp": self.tp}
         coords = coordinates(sizes, rank)
-        self.pp_rank, self.rank, self.tp_rank = coords["pp"], coords["dp"], coords["tp"]
+        self.pp_rank, self.rank, self.sp_rank, self.tp_rank = coords["pp"], coords["dp"], coords["sp"], coords["tp"]
         dp_groups, pp_groups = axis_groups(sizes, "dp"), axis_groups(sizes, "pp")
         # Every rank creates every group, in this order (torch.distributed requires it).
         self.comm = Comm(group=_my_group(dp_groups, rank))
         self.reduce_comm = Comm(group=_my_group(dp_groups, rank))
         self.pp_comm = Comm(group=_my_group(pp_groups, rank)) if self.pp > 1 else Comm(alone=True)
-        mine = next(g for g in pp_groups if rank in g)
-        self.p2p = P2P(_my_group(pp_groups, rank), tuple(mine)) if self.pp > 1 else P2P(peers=(rank,))
+        self.p2p = P2P(_my_group(pp_groups, rank), tuple(_mine(pp_groups, rank))) if self.pp > 1 else P2P(peers=(rank,))
         self.tp_comm = Comm(group=_my_group(axis_groups(sizes, "tp"), rank)) if self.tp > 1 else Comm(alone=True)
+        if self.sp == 1:
+            self.sp_comm, self.sp_p2p = Comm(alone=True), P2P(peers=(rank,))
+            return
+        sp_groups = axis_groups(sizes, "sp")
+        self.sp_comm = Comm(group=_my_group(sp_groups, rank))
+        self.sp_p2p = P2P(_my_group(sp_groups, rank), tuple(_mine(sp_groups, rank)))
+        self.dp_sp = self._over_dp_sp(sizes, rank)
+
+    def _over_dp_sp(self, sizes: dict[str, int], rank: int) -> Mesh:
+        """The mesh of this rank's dp x sp ranks (one pipeline stage's, one tp slice's), as a
+        data-parallel mesh."""
+        groups: dict[tuple[int, int], list[int]] = {}
+        for r in range(self.pp * self.dp * self.sp * self.tp):
+            c = coordinates(sizes, r)
+            groups.setdefault((c["pp"], c["tp"]), []).append(r)
+        flat = object.__new__(Mesh)
+        flat.dp, flat.pp, flat.sp, flat.tp, flat.dp_sp = self.dp * self.sp, 1, 1, 1, flat
+        flat.rank, flat.pp_rank, flat.sp_rank, flat.tp_rank = self.rank * self.sp + self.sp_rank, 0, 0, 0
+        flat.comm = Comm(group=_my_group(list(groups.values()), rank))
+        flat.reduce_comm = Comm(group=_my_group(list(groups.values()), rank))
+        flat.pp_comm, flat.p2p = Comm(alone=True), P2P(peers=(rank,))
+        flat.sp_comm, flat.sp_p2p = Comm(alone=True), P2P(peers=(rank,))
+        flat.tp_comm = Comm(alone=True)
+        return flat
 
     @property
     def size(self) -> int:
         """Number of data-parallel ranks."""
         return self.dp
 
+    def _comms(self) -> list[Any]:
+        return [self.comm, self.reduce_comm, self.pp_comm, self.p2p, self.sp_comm, self.sp_p2p] + (
+            [] if self.dp_sp is self else [self.dp_sp.comm, self.dp_sp.reduce_comm])
+
     def comm_bytes(self) -> dict[str, int]:
-        """Bytes per call type counted by the mesh's dp and pp comms since they were cleared."""
-        return dict(self.comm.bytes + self.reduce_comm.bytes + self.pp_comm.bytes + self.p2p.bytes)
+        """Bytes per call type counted by the mesh's dp, pp and sp comms since they were cleared."""
+        return dict(sum((c.bytes for c in self._comms()), Counter()))
 
     def clear_comm_bytes(self) -> None:
-        for counter in (self.comm.bytes, self.reduce_comm.bytes, self.pp_comm.bytes, self.p2p.bytes):
-            counter.clear()
+        for c in self._comms():
+            c.bytes.clear()
 
     def __repr__(self) -> str:
-        if self.pp == self.tp == 1:
-            return f"Mesh(dp={self.dp}, rank={self.rank})"
-        pp = f", pp={self.pp}" if self.pp > 1 else ""
-        tp = f", tp={self.tp}" if self.tp > 1 else ""
-        return (f"Mesh(dp={self.dp}{pp}{tp}, rank={self.rank}" + (f", pp_rank={self.pp_rank}" if pp else "")
-                + (f", tp_rank={self.tp_rank}" if tp else "") + ")")
+        inner = [(n, getattr(self, n)) for n in ("pp", "sp", "tp") if getattr(self, n) > 1]
+        axes = "".join(f", {n}={v}" for n, v in inner)
+        ranks = "".join(f", {n}_rank={getattr(self, n + '_rank')}" for n, _ in inner)
+        return f"Mesh(dp={self.dp}{axes}, rank={self.rank}{ranks})"
 
 
-def _names(pp: int, tp: int) -> str:
-    return ", ".join(n for n, v in (("pp", pp), ("tp", tp)) if v > 1) or "pp"
+def _product(axes: list[tuple[str, int]]) -> str:
+    """``"dp * tp = 3 * 2 = 6"``: the axes' names, sizes and product."""
+    total = 1
+    for _, v in axes:
+        total *= v
+    return " * ".join(n for n, _ in axes) + " = " + " * ".join(str(v) for _, v in axes) + f" = {total}"
 
 
-def _product(pp: int, tp: int, dp: int) -> str:
-    axes = [("dp", dp)] + [(n, v) for n, v in (("pp", pp), ("tp", tp)) if v > 1]
-    return " * ".join(n for n, _ in axes) + " = " + " * ".join(str(v) for _, v in axes)
+def _mine(groups: list[list[int]], rank: int) -> list[int]:
+    return next(g for g in groups if rank in g)
 
 
 def _my_group(groups: list[list[int]], rank: int) -> Any:

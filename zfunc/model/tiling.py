@@ -49,8 +49,9 @@ memory one tile's intermediates. ``lm_head_loss``: the same three matmuls; worki
 (N/k, vocab) fp32 tile (two for a moment) plus the grads of ``hidden`` and ``weight`` (held from
 forward to backward), against ~3 (N, vocab) untiled.
 
-``zf.tile`` is a function; ``lm_head_loss``, ``WorkingMemory``, ``TiledLinear`` and
-``TiledEmbedding`` hang off it (``zf.tiling.lm_head_loss``) and import from ``zfunc.model.tiling``.
+``zf.tile`` is a function; ``lm_head_loss``, ``WorkingMemory``, ``TiledLinear``,
+``TiledEmbedding`` and ``tile_tokens`` (an MLP over sequence tiles, ``zfunc.model.token_tiles``) hang off it
+(``zf.tiling.lm_head_loss``) and import from ``zfunc.model.tiling``.
 """
 from __future__ import annotations
 
@@ -68,6 +69,7 @@ from torch.utils.checkpoint import checkpoint
 
 from zfunc.core import compose
 from zfunc.model.materialize import Materializer, leaf as materialize_leaf
+from zfunc.model.token_tiles import tile_tokens  # noqa: F401 - zf.tiling.tile_tokens
 
 _LAYERS = (nn.Linear, nn.Embedding)
 

@@ -282,7 +282,9 @@ def shard(step: Step, mesh: Mesh, stage: int, units: Selector | None = None, *, 
 
     Args:
       step: a plain ``Step`` from ``train_step``.
-      mesh: ``zf.Mesh(dp=world_size)``; every rank calls ``shard`` and the step collectively.
+      mesh: ``zf.Mesh(dp=world_size)``; every rank calls ``shard`` and the step collectively. A mesh
+        with a sequence-parallel axis (``sp > 1``) shards over its ``dp x sp`` ranks, ``mesh.dp_sp``: they
+        hold the same params and each computes grads from its own tokens (``zf.Mesh``'s docstring).
       units: stage 3's gather units, a selector from ``zf.units`` (default ``zf.units.auto()``).
       prefetch: stage 3: how many units ahead to all-gather while one computes (0 turns it off).
       bucket_mb: stages 0-2: size of the flat buffers the collectives move (fp32 MiB). Default 25;
@@ -306,6 +308,7 @@ def shard(step: Step, mesh: Mesh, stage: int, units: Selector | None = None, *, 
     compose.check("shard", step, stage=stage)
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh: expected a zf.Mesh, got {type(mesh).__name__}")
+    mesh = mesh.dp_sp
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage: expected 0, 1, 2 or 3, got {stage!r}")
     if not isinstance(prefetch, int) or prefetch < 0:
