@@ -47,12 +47,15 @@ class LeafShard:
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """The static description of a sharded state: stage, ranks, and each leaf's ``LeafShard``."""
+    """The static description of a sharded state: stage, ranks, and each leaf's ``LeafShard``.
+    ``sliced``: the tensor-parallel ranks whose states each hold another slice of every sliced param
+    (``zf.shard`` of a ``zf.tensor_parallel.step``); 1 otherwise."""
 
     stage: int
     world: int
     rank: int
     leaves: tuple[LeafShard, ...]
+    sliced: int = 1
 
     def __str__(self) -> str:
         return f"stage {self.stage} over {self.world} ranks"
@@ -68,15 +71,20 @@ class ShardSpec:
 class ShardPlacement(placement.Placement):
     """How a sharded state is saved and made whole: rank r holds rows ``[r * chunk, (r + 1) * chunk)``
     of each param and of the optimizer leaves shaped like its piece (at stage 0 every rank holds
-    what one rank alone would: every row, saved once by rank 0); other leaves are on every rank."""
+    what one rank alone would: every row, saved once by rank 0); other leaves are on every rank.
+    A state sliced over tensor-parallel ranks too (``spec.sliced > 1``): ``whole`` gives this rank's
+    tp slices, whole over dp (``zf.tensor_parallel.layout_of(model).gather`` makes them whole), and
+    checkpoints are refused (not supported yet: its pieces are slices, which this layout cannot name)."""
 
     def processes(self, spec: ShardSpec) -> tuple[int, int]:
+        _refuse_sliced(spec)
         return spec.world, spec.rank
 
     def describe(self, spec: ShardSpec) -> dict:
         return {"world": spec.world, "pipeline": None, "stage": spec.stage}
 
     def rows(self, spec: ShardSpec, index: int, shape: tuple[int, ...]) -> placement.Rows:
+        _refuse_sliced(spec)
         leaf, rank = spec.leaves[index], spec.split[1]
         start = min(rank * leaf.chunk, leaf.rows)
         return placement.Rows(leaf.shape, leaf.chunk, (start, start + leaf.local_rows(rank)))
@@ -93,6 +101,12 @@ class ShardPlacement(placement.Placement):
         everything = [FlatGroup("all params", list(range(len(pieces))), spec.leaves)]
         return tree.unflatten(treespec, gather_whole(pieces, spec, everything, mesh.comm, torch.float32,
                                                       pieces[0].device, "full_params"))
+
+
+def _refuse_sliced(spec: ShardSpec) -> None:
+    if spec.sliced > 1:
+        raise NotImplementedError(f"state: a state sharded over dp and sliced over tp={spec.sliced} (zf.shard of "
+                                  "zf.tensor_parallel.step) cannot be checkpointed yet")
 
 
 placement.register(ShardSpec, ShardPlacement())

@@ -174,8 +174,10 @@ class ShardedStep(Transformed):
             self.mesh.comm.agree((int(checksum.view(torch.int64)),), lambda op: f"params checksum {op[0]}",
                                  "init: params differ across ranks (seed the model the same way on every rank)")
         world = 1 if self.stage == 0 else self.mesh.dp  # stage 0: every rank holds every row
+        sliced = self.mesh.tp if "tensor_parallel" in self.inner.layers else 1  # each tp rank: other slices
         spec = ShardSpec(self.stage, self.mesh.dp, self.mesh.rank,
-                         tuple(LeafShard(tuple(x.shape), -(-(x.shape[0] if x.dim() else 1) // world)) for x in leaves))
+                         tuple(LeafShard(tuple(x.shape), -(-(x.shape[0] if x.dim() else 1) // world)) for x in leaves),
+                         sliced)
         return device, leaves, treespec, spec
 
     def _check_state(self, state: Any) -> None:
