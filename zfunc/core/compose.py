@@ -48,7 +48,9 @@ one of two kinds:
   parallelism). ``Plan(...)`` refuses them, so nothing else sees them.
 - ``UNSUPPORTED``: consistent, but zfunc does not run it (offload under a pipeline; optimizer
   offload at stage 0 over several ranks; params offload without optimizer offload; a pipeline over
-  ``dp > 1`` at stage 0; remat under a pipeline; tensor parallelism; ``sp_size > 1`` under a pipeline).
+  ``dp > 1`` at stage 0; remat under a pipeline; ``sp_size > 1`` under a pipeline; what
+  ``zfunc.tensor`` does not run with tensor parallelism yet: its rows, registered by that package,
+  replace the placeholder ``"tp"`` rows below, which refuse ``tp > 1`` where it is not imported).
   ``Plan`` holds them, ``zf.config.check`` and ``zf.parallelize`` refuse them, the estimator models
   them and says so in its notes, and its search skips them.
 A refusal is one line naming the field, the value and what was expected (``"remat: ...; expected
@@ -385,8 +387,8 @@ def register(name: str, *, wraps: Mapping[str, Verdict], wrapped_by: Mapping[str
     ``wrapped_by[outer]`` each other transformation's verdict on it; a pair left out is refused
     ("the rulebook has no row"). ``rules`` (plan settings) join ``RULES``, owned by ``name``.
     Registering ``name`` again replaces all of that; a built-in transformation's row is fixed.
-    The rows owned by ``"tp"`` (tensor parallelism: modelled by the estimator, not run) are
-    replaced by a registered ``"tp"``."""
+    The placeholder rows owned by ``"tp"`` go when ``zfunc.tensor`` registers ``"tensor_parallel"``
+    (it unregisters them)."""
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"name: expected a transformation's name (an identifier), got {name!r}")
     if name in _BUILT_IN:
