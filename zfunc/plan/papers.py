@@ -123,8 +123,8 @@ def megatron_1t_3d() -> Headline:
         f"zfunc's layout under a pipeline: each stage sums its microbatches' grads in fp32 (4 bytes/param) beside "
         f"the fp16 compute copy and the fp32 slice, {6 + 16 / s.dp:.0f} bytes/param on this rank where "
         f"Megatron-DeepSpeed holds {4 + 12 / s.dp:.0f} (fp16 params and grads + 12/dp); at 800 GPUs "
-        f"(tp 16 x pp 25 x dp 2) that is 42 GB of model states per GPU against 30. Tensor parallelism is "
-        "modelled (Megatron's layout), not run by zfunc.")
+        f"(tp 16 x pp 25 x dp 2) that is 42 GB of model states per GPU against 30. Tensor parallelism under a "
+        "pipeline is modelled (Megatron's layout), not run by zfunc yet.")
 
 
 def _fastest_fit(model: ModelSpec, c: Cluster, grid: list[Plan]) -> Estimate | None:
@@ -153,7 +153,7 @@ def infinity_32t() -> Headline:
         f"{same.gpu_bytes / GB:.1f} GB per GPU, {same.nvme_bytes_per_node / 1e12:.1f} TB of NVMe per node, of which "
         f"the held grads {same.memory['nvme'].get('held_grads', 0) * c.gpus_per_node / 1e12:.1f})",
         n / 32e12,
-        "Within 30%. The GPU holds fp16 units and grad buckets only; masters, moments and the fp32 grads held for the "
+        "The GPU holds fp16 units and grad buckets only; masters, moments and the fp32 grads held for the "
         "clip and fp16's overflow check live on NVMe. At 5% more: " + "; ".join(bigger.why_not()) + " (zfunc's "
         "swap files take 2 x 12 bytes per param, a spare of each, where DeepSpeed's take 2 + 12).")
 
@@ -257,6 +257,6 @@ def table() -> str:
         h = make()
         ratio = "-" if h.ratio is None else f"{h.ratio:.2f}"
         near = h.ratio is not None and abs(h.ratio - 1) <= 0.3
-        why = ("Within 30%. " if near else "") + h.explanation
+        why = ("Within 30%. " if near and not h.explanation.startswith("Within 30%") else "") + h.explanation
         rows.append(f"| {h.claim} | {h.source} | {h.published} | {h.predicted} | {ratio} | {why} |")
     return "\n".join(rows)
