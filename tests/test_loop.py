@@ -148,7 +148,9 @@ def test_a_flavor_on_the_meta_device_prints_its_plan_before_allocating_anything(
     assert "plan (zfunc.plan, rank 0 of 1" in out and "nvme " in out
     n = result["n_params"]
     placed = result["plan_bytes"]
-    assert n > 1e9 and placed["nvme"] == 12 * n and placed["device"] <= 4 * n  # the fp32 grad slice
+    # masters and moments on NVMe (12 bytes/param), the grads held for the clip beside them; nothing between steps
+    # on the compute device or in RAM
+    assert n > 1e9 and placed["nvme"] >= 12 * n and placed["device"] == placed["cpu"] == 0
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 2**20  # KiB: under 1 GiB more
     assert not (tmp_path / "swap").exists() or not any((tmp_path / "swap").rglob("*.bin"))
 
