@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import itertools
 import os
 import queue
@@ -294,13 +295,7 @@ class SwapEngine:
         _pack_header(header)  # a shape too long for the header fails here, before any file exists
         tmp = file.with_name(f".{file.name}.{os.getpid()}.{next(self._seq)}.tmp")
         failed = f"{file}: writing {name!r} failed, its previous version is unchanged"
-
-        def error(e: OSError) -> SwapError:
-            if e.errno in ROOM_ERRNOS:
-                return no_room(self.path, file_nbytes(header.nbytes), failed, e)
-            err = SwapError(f"{failed} ({e})")
-            err.errno = e.errno
-            return err
+        error = functools.partial(_write_error, self.path, header, failed)
 
         fd = None
         try:
@@ -346,13 +341,7 @@ class SwapEngine:
         self._versions[name] = version
         self._before.pop(name, None)  # nothing is kept to go back to
         failed = f"{file}: writing {name!r} in place failed, the file is unreadable until its next write"
-
-        def error(e: OSError) -> SwapError:
-            if e.errno in ROOM_ERRNOS:
-                return no_room(self.path, file_nbytes(header.nbytes), failed, e)
-            err = SwapError(f"{failed} ({e})")
-            err.errno = e.errno
-            return err
+        error = functools.partial(_write_error, self.path, header, failed)
 
         fd = None
         try:
@@ -463,6 +452,16 @@ class SwapEngine:
             yield buf[: _pad(n)]
         finally:
             self._staging.put(buf)
+
+
+def _write_error(folder: Path, header: SwapHeader, failed: str, e: OSError) -> SwapError:
+    """The ``SwapError`` a failed write raises: no room (naming ``folder``, the bytes needed and free),
+    else ``failed`` with the OS error, its errno kept."""
+    if e.errno in ROOM_ERRNOS:
+        return no_room(folder, file_nbytes(header.nbytes), failed, e)
+    err = SwapError(f"{failed} ({e})")
+    err.errno = e.errno
+    return err
 
 
 def _flat_bytes(arg: str, t: torch.Tensor) -> torch.Tensor:
