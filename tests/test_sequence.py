@@ -267,8 +267,8 @@ DP_SP = [("llama", "ulysses", 3), ("gpt", "ring", 3, "remat"), ("llama", "ulysse
 
 @pytest.mark.multiprocess
 def test_zero_over_dp2_x_sp2_with_remat_trains_as_the_plain_step_and_saves_a_plain_checkpoint(tmp_path):
-    """The law over dp2 x sp2 (with CPU offload too), and sp leaves checkpoints alone: each state saved from 4 ranks loads into a
-    one-process plain step with the params the sequence-parallel run trained."""
+    """The law over dp2 x sp2 (with CPU offload too), and sp leaves checkpoints alone: each state saved from 4
+    ranks loads into a one-process plain step with the params the sequence-parallel run trained."""
     results = zf.dist.spawn(law_worker, 4, DP_SP, 2, (), str(tmp_path), timeout_s=300)
     _assert_law(results, DP_SP)
     _assert_plan_counts_the_bytes(results, DP_SP, 2)

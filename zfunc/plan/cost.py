@@ -1,18 +1,17 @@
 """Communication per step and the step time: a roofline over compute, collectives and offload traffic.
 
 **Communication** per rank and step, in bytes as ``dist.Comm`` counts them (all-gather: its output; reduce-scatter:
-its input; all-reduce: twice its tensor; send/recv: each tensor), ``P`` params of the rank's
-partition, ``N = dp x sp_size`` (``strategy.shard_ranks``), ``m`` microbatches, ``e`` the compute dtype's bytes (``zfunc.sharding.step``):
-stage 0 all-reduces fp32 grads once (``8P``); stages 1/2 all-gather ``eP`` once and reduce-scatter
-``4P`` fp32 grads, once at stage 1, every microbatch at stage 2; stage 3 gathers ``2eP`` and
-reduce-scatters ``4P`` every microbatch. A pipeline sends each microbatch's boundary activation
-forward and its grad back, and lends the shared params (``eP_sh`` out, ``4P_sh`` back). Tensor
-parallelism (modelled as Megatron-LM: 2 all-reduces of ``T h e`` per layer in forward, 2 in
-backward, 2 more with remat) stays inside a node when it can. Sequence parallelism (``sp_size``) moves
-each attention call's bytes as ``zfunc.sequence`` counts them (``sequence_bytes``), and a rank computes
-``seq / sp_size`` tokens of every sequence (attention: those queries over all ``seq`` keys). On the wire a ring moves
-``(N-1)/N`` of those bytes, at the link of the group: NVLink inside a node, else the node's
-network shared by the ``gpus_per_node / members_per_node`` groups crossing it.
+its input; all-reduce: twice its tensor; send/recv: each tensor), ``P`` params of the rank's partition, ``N = dp x
+sp_size`` (``strategy.shard_ranks``), ``m`` microbatches, ``e`` the compute dtype's bytes (``zfunc.sharding.step``):
+stage 0 all-reduces fp32 grads once (``8P``); stages 1/2 all-gather ``eP`` once and reduce-scatter ``4P`` fp32
+grads, once at stage 1, every microbatch at stage 2; stage 3 gathers ``2eP`` and reduce-scatters ``4P`` every
+microbatch. A pipeline sends each microbatch's boundary activation forward and its grad back, and lends the shared
+params (``eP_sh`` out, ``4P_sh`` back). Tensor parallelism (modelled as Megatron-LM: 2 all-reduces of ``T h e`` per
+layer in forward, 2 in backward, 2 more with remat) stays inside a node when it can. Sequence parallelism
+(``sp_size``) moves each attention call's bytes as ``zfunc.sequence`` counts them (``sequence_bytes``), and a rank
+computes ``seq / sp_size`` tokens of every sequence (attention: those queries over all ``seq`` keys). On the wire a
+ring moves ``(N-1)/N`` of those bytes, at the link of the group: NVLink inside a node, else the node's network
+shared by the ``gpus_per_node / members_per_node`` groups crossing it.
 
 **Time** (seconds). Compute per microbatch is a roofline per op: each GEMM takes
 ``max(FLOPs / (peak x matmul_efficiency), bytes / (hbm_bw x memory_efficiency))``, attention runs

@@ -26,12 +26,12 @@ it keeps the fp32 grad slice the optimizer reads, as DeepSpeed does outside the 
 stage-3 units from the fp32 masters (no fp16 param shard: ``-2Psi/N``, so stage 3 is the paper's
 ``16Psi/N``), besides the step's buffers (stage 2's bucket, stage 3's gathered units).
 
-**Activations and working memory**: ``ModelSpec.activation_bytes_per_layer`` per layer and
-microbatch, over the tokens a rank computes (``micro_batch x seq / sp_size``: Ulysses keeps a rank's
-attention inputs over ``T`` tokens of ``H / sp`` heads, the same bytes; ring its own tokens'); a pipeline's first stage keeps ``min(m, p)`` microbatches under 1F1B and ``m`` under
-GPipe; logits in the compute dtype plus their fp32 softmax on the last stage. Working memory: the
-collectives' buffers (a bucket's fp32 reduce-scatter input and its gather buffer) and ``RESERVE``
-for the CUDA context, NCCL and the allocator's slack (an assumption: 2 GB).
+**Activations and working memory**: ``ModelSpec.activation_bytes_per_layer`` per layer and microbatch, over the
+tokens a rank computes (``micro_batch x seq / sp_size``: Ulysses keeps a rank's attention inputs over ``T`` tokens
+of ``H / sp`` heads, the same bytes; ring its own tokens'); a pipeline's first stage keeps ``min(m, p)``
+microbatches under 1F1B and ``m`` under GPipe; logits in the compute dtype plus their fp32 softmax on the last
+stage. Working memory: the collectives' buffers (a bucket's fp32 reduce-scatter input and its gather buffer) and
+``RESERVE`` for the CUDA context, NCCL and the allocator's slack (an assumption: 2 GB).
 """
 from __future__ import annotations
 

@@ -35,14 +35,14 @@ def from_flags(dp: int | None = None, pp: int = 1, tp: int = 1, sp: bool = False
                micro_batch: int = 1, accum: int = 1, seq: int | None = None, precision: str = "bf16",
                optimizer: str = "adamw", clip: bool = True, tiles: int = 1, schedule: str = "1f1b",
                sp_size: int = 1, sp_kind: str = "ulysses") -> Plan:
-    """The ``zf.config.Plan`` of ``python -m zfunc.plan``'s flags: ``zero`` is ``zero_stage``;
-    ``remat`` "none", "full" (``zf.remat`` on every layer: only layer inputs kept) or "offload"
-    (those inputs in CPU RAM), True/False meaning "full"/"none"; ``accum`` the microbatches per step
-    (the pipeline's microbatches when ``pp > 1``); ``clip`` a global-norm clip of 1 (it keeps
-    offload from updating during backward); ``tiles`` ``zf.tile(k)`` on the largest Linears (1:
-    untiled); ``schedule`` the pipeline's; ``sp_size``, ``sp_kind``: ``zf.sequence_parallel``'s ranks per
-    sequence and kind (``sp`` is Megatron's sequence parallelism, with tp). ``dp=None`` spreads over the cluster's GPUs; "nvme"
-    offload gets the placeholder ``NVME_PATH``. Errors name the argument (``zero: ...``)."""
+    """The ``zf.config.Plan`` of ``python -m zfunc.plan``'s flags: ``zero`` is ``zero_stage``; ``remat`` "none",
+    "full" (``zf.remat`` on every layer: only layer inputs kept) or "offload" (those inputs in CPU RAM),
+    True/False meaning "full"/"none"; ``accum`` the microbatches per step (the pipeline's microbatches when
+    ``pp > 1``); ``clip`` a global-norm clip of 1 (it keeps offload from updating during backward); ``tiles``
+    ``zf.tile(k)`` on the largest Linears (1: untiled); ``schedule`` the pipeline's; ``sp_size``, ``sp_kind``:
+    ``zf.sequence_parallel``'s ranks per sequence and kind (``sp`` is Megatron's sequence parallelism, with tp).
+    ``dp=None`` spreads over the cluster's GPUs; "nvme" offload gets the placeholder ``NVME_PATH``. Errors name
+    the argument (``zero: ...``)."""
     if isinstance(remat, bool):
         remat = "full" if remat else "none"
     if remat not in REMATS:

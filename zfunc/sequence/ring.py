@@ -20,8 +20,8 @@ summed in another order. Any head count: no heads are split (``sp`` need not div
 sends and receives of ``2 B (T/sp) H_kv D e`` bytes (a key/value block), backward the same plus
 ``sp`` of the fp32 key/value grads, ``2 B (T/sp) H_kv D 4``. Compute: the causal half of the score
 matrix, in ``(TILE x TILE)`` tiles. Memory: this rank's q, k, v, output and log-sum-exp saved for
-backward (``activation_bytes``; a test counts what autograd saves), plus two key/value blocks and one ``(B, H, TILE, TILE)`` fp32 score tile while it runs --
-never ``T`` keys.
+backward (``activation_bytes``; a test counts what autograd saves), plus two key/value blocks and
+one ``(B, H, TILE, TILE)`` fp32 score tile while it runs -- never ``T`` keys.
 """
 from __future__ import annotations
 
