@@ -158,8 +158,10 @@ class Layer(nn.Module):
 class Bert(nn.Module):
     """BERT encoder with pretraining heads.
 
-    forward(idx, token_types=None, pad_mask=None) -> (mlm_logits (B, T, vocab_size), nsp_logits (B, 2) or
-    None without the NSP head). ``pad_mask`` (B, T): True (or 1) where a real token is.
+    forward(idx, token_types=None, pad_mask=None, position_ids=None) -> (mlm_logits (B, T, vocab_size),
+    nsp_logits (B, 2) or None without the NSP head). ``pad_mask`` (B, T): True (or 1) where a real token is;
+    ``position_ids`` (T,) or (B, T): each token's position (default ``0..T-1``; ``zf.sequence_parallel``
+    passes a rank's own).
     """
 
     def __init__(self, cfg: BertConfig):
@@ -181,11 +183,11 @@ class Bert(nn.Module):
             if isinstance(m, nn.Linear) and m.bias is not None:
                 nn.init.zeros_(m.bias)
 
-    def forward(self, idx, token_types=None, pad_mask=None):
+    def forward(self, idx, token_types=None, pad_mask=None, position_ids=None):
         B, T = idx.shape
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len={self.cfg.max_seq_len}")
-        x = self.word(idx) + self.pos(torch.arange(T, device=idx.device))
+        x = self.word(idx) + self.pos(torch.arange(T, device=idx.device) if position_ids is None else position_ids)
         if self.types is not None:
             x = x + self.types(torch.zeros_like(idx) if token_types is None else token_types)
         elif token_types is not None:
@@ -279,6 +281,13 @@ def masked_loss(out, batch):
     logits, labels, scale = task_mod.logits_of(out), batch[1], batch[2]
     total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
     return total * scale[0] / labels.shape[0]
+
+
+def masked_sequence_loss(out, batch, layout):
+    """``masked_loss`` of a sequence-parallel rank's tokens (--sp) times ``sp``: the sum over its tokens
+    scaled by the global batch's count of masked tokens, so the mean over the sp ranks (and over any split
+    of the rows) is the global batch's mean MLM loss."""
+    return masked_loss(out, (None, layout.take(batch[1]), batch[2])) * layout.sp
 
 
 def masked_eval(forward, val, args, generator, vocab_size) -> dict:
@@ -377,7 +386,7 @@ def masked_report(metrics: dict, baseline: dict, unit: str) -> str:
 
 
 MASKED = task_mod.Task("masked-lm", masked_batch, masked_loss, masked_eval, unigram_guess, masked_report, sample=False,
-                   hf_task="masked-lm")
+                   hf_task="masked-lm", sequence_loss=masked_sequence_loss)
 MASKED_NSP = task_mod.Task("masked-lm+nsp", nsp_batch, nsp_loss, nsp_eval, unigram_guess, masked_report, sample=False,
                        hf_task="masked-lm", inputs=2)
 
@@ -409,10 +418,14 @@ FLAG_TO_FIELD = dict(n_layer="n_layers", n_head="n_heads", n_embd="dim", ffn_dim
 def _check_model_flags(args: argparse.Namespace, nsp: bool = False) -> list[str]:
     """The model flags' cross-checks, and --nsp's: ``nsp`` is whether the recipe trains the NSP task."""
     errors = []
-    if args.sp != 1 or args.tile_mlp:
-        errors.append(f"--sp, --tile-mlp: sequence parallelism and token tiles serve the causal LM recipes (gpt, "
-                      f"llama); BERT's masked loss is not split by tokens yet (expected --sp 1 --tile-mlp 0, got "
-                      f"--sp {args.sp} --tile-mlp {args.tile_mlp})")
+    if args.tile_mlp:
+        errors.append(f"--tile-mlp: token tiles serve the causal LM recipes (gpt, llama); expected 0 for BERT, got "
+                      f"{args.tile_mlp}")
+    if args.sp != 1 and (nsp or args.hf_config is not None):
+        errors.append(f"--sp {args.sp}: BERT splits its tokens over the ranks for the masked loss alone, on the "
+                      f"recipe's own model: "
+                      + ("next-sentence prediction reads [CLS], which one rank holds (drop --nsp)" if nsp else
+                         "a transformers BERT takes an attention mask it builds (drop --hf-config)"))
     if args.n_head >= 1 and args.n_embd % args.n_head:
         errors.append(f"--n-embd: expected a multiple of --n-head {args.n_head}, got {args.n_embd}")
     if args.nsp != nsp:  # bert.main picks the recipe by --nsp; a caller of loop.main must too

@@ -51,7 +51,8 @@ def functional(model: nn.Module, plan) -> tuple[Callable, dict]:
 def loss_fn(task: Task, apply: Callable, model: nn.Module) -> Callable:
     """``loss(params, batch)``: the task's loss of the model's output on the batch's inputs; a
     sequence-parallel model's (--sp) outputs hold its rank's tokens, whose share of the whole
-    sequences' loss is ``zf.sequence.cross_entropy`` of the labels (``batch[1]``)."""
+    sequences' loss is the task's ``sequence_loss`` (default: ``zf.sequence.cross_entropy`` of the
+    labels, ``batch[1]``)."""
     import zfunc as zf
 
     def loss(params: dict, batch: tuple) -> torch.Tensor:
@@ -59,6 +60,8 @@ def loss_fn(task: Task, apply: Callable, model: nn.Module) -> Callable:
         layout = zf.sequence.layout_in_force(model)
         if layout is None:
             return task.loss(out, batch)
+        if task.sequence_loss is not None:
+            return task.sequence_loss(out, batch, layout)
         return zf.sequence.cross_entropy(task_mod.logits_of(out), batch[1], layout)
 
     return loss

@@ -39,6 +39,9 @@ class Task:
     sample: bool = True
     hf_task: str = "causal-lm"
     inputs: int = 1  # leading batch tensors the model takes (BERT with NSP: the ids and the token types)
+    # (out, batch, layout) -> a sequence-parallel rank's share (--sp: its tokens' outputs), whose mean over the
+    # sp ranks is ``loss``; None: zf.sequence.cross_entropy of ``batch[1]``, a causal LM's pre-shifted labels
+    sequence_loss: Callable | None = None
 
 
 def logits_of(out):

@@ -222,7 +222,7 @@ def test_sentence_pairs_are_cls_a_sep_b_sep_with_half_of_b_random():
 
 def test_nsp_trains_and_evaluates_through_the_recipe(tmp_path, capsys):
     """--nsp: the model gets the NSP head and segment embeddings, the loss (MLM + NSP) falls, and eval
-    logs the NSP accuracy; --nsp on the MLM-only Recipe, or with --hf-config, exits 2 naming it."""
+    logs the NSP accuracy; --nsp on the MLM-only Recipe, or with --hf-config or --sp, exits 2 naming it."""
     text = tmp_path / "corpus.txt"
     text.write_bytes(b"the quick brown fox jumps over the lazy dog.\n" * 400)
     argv = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--ffn-dim", "64", "--block-size", "32",
@@ -242,6 +242,9 @@ def test_nsp_trains_and_evaluates_through_the_recipe(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bert.main(argv + ["--hf-config", '{"model_type": "bert"}'])
     assert "--nsp: trains the recipe's own BERT; --hf-config" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bert.main(argv + ["--sp", "2"])
+    assert "--sp 2: BERT splits its tokens over the ranks for the masked loss alone" in capsys.readouterr().err
 
 
 def test_init_std_sets_every_matrix_in_the_model_and_the_materializer():

@@ -78,15 +78,16 @@ def test_zero3_with_cpu_offload_on_2_ranks_trains_as_1_process(recipe, tmp_path,
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout", [["--sp", "2"], pytest.param(
-    ["--sp", "2", "--sp-kind", "ring", "--tile-mlp", "2", "--remat"], marks=pytest.mark.slow)])
-def test_sp2_on_2_ranks_trains_as_1_process(layout, tmp_path, text_file):
+@pytest.mark.parametrize("recipe, layout", [("llama", ["--sp", "2"]), ("bert", ["--sp", "2"]), pytest.param(
+    "llama", ["--sp", "2", "--sp-kind", "ring", "--tile-mlp", "2", "--remat"], marks=pytest.mark.slow)])
+def test_sp2_on_2_ranks_trains_as_1_process(recipe, layout, tmp_path, text_file):
     """--sp 2 (each rank computes half of every window's tokens) gives the single process's losses, val
-    loss included (evaluated by rank 0 on whole windows): Ulysses; ring with the MLP tiled and remat (slow)."""
-    argv = flags("llama", "--data", str(text_file), "--steps", "3", "--eval-every", "3", "--log-every", "1")
-    RECIPES["llama"](argv + ["--out", str(tmp_path / "one")])
-    run_cli("llama", tmp_path / "two", argv + layout, procs=2)
-    assert_same_losses(metrics(tmp_path / "two"), metrics(tmp_path / "one"), "llama " + " ".join(layout))
+    loss included (evaluated by rank 0 on whole windows): Ulysses for the causal LM and for BERT's masked
+    loss (normalized by the global batch's masked tokens); ring with the MLP tiled and remat (slow)."""
+    argv = flags(recipe, "--data", str(text_file), "--steps", "3", "--eval-every", "3", "--log-every", "1")
+    RECIPES[recipe](argv + ["--out", str(tmp_path / "one")])
+    run_cli(recipe, tmp_path / "two", argv + layout, procs=2)
+    assert_same_losses(metrics(tmp_path / "two"), metrics(tmp_path / "one"), f"{recipe} " + " ".join(layout))
 
 
 HF = {

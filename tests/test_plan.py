@@ -215,7 +215,8 @@ def test_offload_moves_state_off_the_gpu_and_costs_time():
 @pytest.mark.parametrize("kw, match", [
     (dict(zero=2, pp=2), r"zero: a pipeline \(pp=2\) composes with ZeRO stage 0 or 1, got 2"),
     (dict(zero=1, offload_params="cpu"), "offload_params: offloading params needs ZeRO stage 3"),
-    (dict(tp=3), "tp, pp: tp \\* pp = 3 does not divide"),
+    (dict(tp=3), "tp, pp, sp_size: tp \\* pp \\* sp_size = 3 does not divide"),
+    (dict(sp_size=2, sp_kind="ring", seq=1026), "seq: 1026 tokens do not split over sp_size=2 ranks"),
     (dict(zero=5), r"zero: expected one of \[0, 1, 2, 3\], got 5"),
     (dict(sp=True), "sp: sequence parallelism"),
     (dict(micro_batch=0), "micro_batch: expected an int >= 1, got 0"),
@@ -230,6 +231,23 @@ def test_tensor_parallelism_is_modelled_and_said_to_be_unimplemented():
     p = zp.plan(zp.from_params(70e9), zp.cluster("H100-80GB", 64), zp.from_flags(tp=8, sp=True, zero=1))
     assert any("does not run it yet" in n for n in p.notes)
     assert p.time["tp_comm"] > 0 and p.comm["all_gather"] > 0
+
+
+@pytest.mark.parametrize("kind", ["ulysses", "ring"])
+def test_sequence_parallelism_splits_activations_and_keeps_zero_over_dp_x_sp(kind):
+    """sp_size=2 on the same GPUs: each rank computes half of every sequence (half the activations and
+    the compute), ZeRO still splits over all 8 ranks (dp x sp), and attention's exchanges cost bytes (and
+    Ulysses' all-to-alls time; ring's transfers run behind the attention on a GPU)."""
+    m, c = zp.from_params(7e9, kind="llama"), zp.cluster("H100-80GB", 8)
+    plain = zp.plan(m, c, zp.from_flags(zero=3, seq=8192))
+    sp = zp.plan(m, c, zp.from_flags(zero=3, seq=8192, sp_size=2, sp_kind=kind))
+    assert sp.plan.dp == 4 and "sp_size=2 " + kind in zp.describe(sp.plan)
+    assert sp.memory["gpu"]["activations"] == pytest.approx(plain.memory["gpu"]["activations"] / 2)
+    assert sp.memory["gpu"]["masters"] == plain.memory["gpu"]["masters"]
+    assert sp.time["compute"] < 0.6 * plain.time["compute"]
+    assert sp.time["sp_comm"] > 0 if kind == "ulysses" else sp.time["sp_comm"] == 0  # ring's hide behind compute
+    assert (sp.comm["all_to_all"] if kind == "ulysses" else sp.comm["send"]) > 0
+    assert sp.tokens_per_step == plain.tokens_per_step / 2  # dp=4: each sequence is computed by 2 ranks
 
 
 def test_search_returns_fitting_plans_fastest_first():

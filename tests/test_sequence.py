@@ -36,9 +36,26 @@ def test_the_loss_of_one_rank_holding_everything_is_cross_entropy():
                                F.cross_entropy((hidden @ weight.T).flatten(0, 1), labels.flatten()))
 
 
+class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Counts the bytes autograd saves for backward while it is entered, each saved tensor once (a view by
+    its own elements: q, k and v split from one exchanged tensor count as their parts)."""
+
+    def __init__(self):
+        self.bytes, self._seen = 0, set()
+
+        def pack(t):
+            key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+            if key not in self._seen:
+                self._seen.add(key)
+                self.bytes += t.numel() * t.element_size()
+            return t
+
+        super().__init__(pack, lambda t: t)
+
+
 def _attention_case(rank, kind, H, H_kv, causal, mesh):
     """This rank's output and grads of sequence-parallel attention against torch's over the whole sequence;
-    the bytes it moved against the kind's formula."""
+    the bytes it moved and the activations it kept against the kind's formulas."""
     layout = SequenceLayout(2, mesh.sp_rank, zf.sequence.KINDS[kind])
     g = torch.Generator().manual_seed(H * 10 + H_kv)
     B, T, D = 2, 12, 4
@@ -48,11 +65,19 @@ def _attention_case(rank, kind, H, H_kv, causal, mesh):
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=H_kv != H)
     ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
     mine = [layout.take(t.detach(), dim=2).requires_grad_() for t in (q, k, v)]
+    saved = _SavedBytes()
+    with saved:
+        if kind == "ulysses":
+            out = zf.sequence.ulysses_attention(*mine, mesh.sp_comm, 2, sdpa=F.scaled_dot_product_attention,
+                                                is_causal=causal, enable_gqa=H_kv != H)
+        else:
+            out = zf.sequence.ring_attention(*mine, mesh.sp_p2p, layout, is_causal=causal, tile=2)  # uneven tiles
+    # the activations one call keeps for backward, as the kind's docstring counts them
     if kind == "ulysses":
-        out = zf.sequence.ulysses_attention(*mine, mesh.sp_comm, 2, sdpa=F.scaled_dot_product_attention,
-                                            is_causal=causal, enable_gqa=H_kv != H)
+        kept = zf.sequence.ulysses.activation_bytes(B, T // 2, H, H_kv, D, 4, 2)
     else:
-        out = zf.sequence.ring_attention(*mine, mesh.sp_p2p, layout, is_causal=causal, tile=2)  # uneven tiles
+        kept = zf.sequence.ring.activation_bytes(B, T // 2, H, H_kv, D, 4)
+    assert saved.bytes == kept, (kind, H, H_kv, causal, saved.bytes, kept)
     grads = torch.autograd.grad(out, mine, layout.take(dout, dim=2))
     # the bytes one call moves, forward and backward, as the kind's docstring counts them
     if kind == "ulysses":
@@ -135,10 +160,10 @@ def _opt():
     return zf.optim.chain(zf.optim.clip_by_global_norm(1.0), zf.optim.adamw(1e-3, weight_decay=0.1))
 
 
-def _train(name, mesh=None, kind=None, stage=0, data=(), remat=False, tiles=0, save=None):
+def _train(name, mesh=None, kind=None, stage=0, data=(), remat=False, tiles=0, save=None, offload=False):
     """Losses, grad norms and params after training ``name`` on ``data``: plain (no mesh, untiled), or
     sequence-parallel over ``mesh`` with ZeRO ``stage`` over its dp x sp ranks, each dp rank given its part
-    of the batch (``remat``, ``tiles``: see ``_prepared``)."""
+    of the batch (``remat``, ``tiles``: see ``_prepared``; ``offload``: the optimizer state in CPU RAM)."""
     model = _prepared(name, remat, tiles)
     layout = None
     if mesh is not None:
@@ -151,6 +176,8 @@ def _train(name, mesh=None, kind=None, stage=0, data=(), remat=False, tiles=0, s
     if mesh is not None:
         units = zf.units.by_class(type(_blocks(model)[0])) if stage == 3 else None
         step = zf.shard(step, mesh, stage, units=units)  # a mesh with sp: ZeRO over its dp x sp ranks
+        if offload:
+            step = zf.offload(step, "cpu")
     state = step.init(params)
     losses, norms = [], []
     dp, rank = (mesh.dp, mesh.rank) if mesh is not None else (1, 0)
@@ -179,15 +206,18 @@ def _data(b=4, T=16, vocab=61):
 
 
 def law_worker(rank, cases, dp, attention=(), save=None):
+    """Per case (got, ref, sp bytes moved per step), and the attention cases' errors."""
     mesh = zf.Mesh(dp=dp, sp=2)
     out = []
     mesh.clear_comm_bytes()
     attention_errors = [_attention_case(rank, *case, mesh) for case in attention]
     for name, kind, stage, *how in cases:
         got = _train(name, mesh, kind, stage, _data(), remat="remat" in how, tiles=2 * ("tiles" in how),
-                     save=f"{save}/{len(out)}" if save else None)
+                     save=f"{save}/{len(out)}" if save else None, offload="offload" in how)
+        moved = {k: v / STEPS for k, v in (mesh.sp_comm.bytes | mesh.sp_p2p.bytes).items() if v}
+        mesh.clear_comm_bytes()
         ref = _train(name, data=_data())
-        out.append((got, ref))
+        out.append((got, ref, moved))
     return out, attention_errors
 
 
@@ -195,8 +225,23 @@ def _assert_law(results, cases):
     from models import assert_same_training
 
     for rank, (pairs, _) in enumerate(results):
-        for case, (got, ref) in zip(cases, pairs):
+        for case, (got, ref, _) in zip(cases, pairs):
             assert_same_training(got, ref, f"rank {rank}, {case}")
+
+
+def _assert_plan_counts_the_bytes(results, cases, dp):
+    """zfunc.plan's sequence-parallel bytes per step (``cost.sequence_bytes``, from the model's shape and the
+    plan) equal what the ranks' sp communicators counted."""
+    from zfunc import plan as zp
+    from zfunc.plan.cost import sequence_bytes
+
+    for case, (_, _, moved) in zip(cases, results[0][0]):
+        name, kind, stage, *how = case
+        x, _ = _data()[0]
+        spec = zp.from_module(_model(name))
+        s = zf.config.Plan(dp=dp, sp_size=2, sp_kind=kind, zero_stage=stage, precision="fp32", remat="remat" in how,
+                           micro_batch=x.shape[0] // dp, seq=x.shape[1])
+        assert moved == sequence_bytes(spec, s), (case, moved, sequence_bytes(spec, s))
 
 
 LAW = [("gpt", "ulysses", 0), ("llama", "ulysses", 0), ("hf-llama", "ulysses", 0),
@@ -213,18 +258,20 @@ def test_sp2_ulysses_and_ring_attention_and_training_equal_the_plain_ones():
         for case, err in zip(ATTENTION, errors):
             assert max(err) < 1e-5, f"rank {rank}, {case}: max errors (out, dq, dk, dv) {err}"
     _assert_law(results, LAW)
+    _assert_plan_counts_the_bytes(results, LAW, 1)
 
 
 DP_SP = [("llama", "ulysses", 3), ("gpt", "ring", 3, "remat"), ("llama", "ulysses", 2, "remat", "tiles"),
-         ("hf-llama", "ring", 3, "remat", "tiles")]
+         ("hf-llama", "ring", 3, "remat", "tiles"), ("llama", "ring", 2, "offload")]
 
 
 @pytest.mark.multiprocess
 def test_zero_over_dp2_x_sp2_with_remat_trains_as_the_plain_step_and_saves_a_plain_checkpoint(tmp_path):
-    """The law over dp2 x sp2, and sp leaves checkpoints alone: each state saved from 4 ranks loads into a
-    one-process plain step with the params the sequence-parallel run trained."""
+    """The law over dp2 x sp2 (with CPU offload too), and sp leaves checkpoints alone: each state saved from 4
+    ranks loads into a one-process plain step with the params the sequence-parallel run trained."""
     results = zf.dist.spawn(law_worker, 4, DP_SP, 2, (), str(tmp_path), timeout_s=300)
     _assert_law(results, DP_SP)
+    _assert_plan_counts_the_bytes(results, DP_SP, 2)
     for i, (name, kind, stage, *how) in enumerate(DP_SP):
         apply, params = zf.functionalize(_prepared(name, "remat" in how, 2 * ("tiles" in how)))
         plain = zf.train_step(_loss_of(apply, None, 0), _opt())

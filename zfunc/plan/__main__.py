@@ -53,7 +53,9 @@ def parser() -> argparse.ArgumentParser:
     st = p.add_argument_group("strategy")
     for flag in ("dp", "pp", "tp"):
         st.add_argument(f"--{flag}", type=int)
-    st.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
+    st.add_argument("--sp", action="store_true", help="Megatron's sequence parallelism (with --tp)")
+    st.add_argument("--sp-size", type=int, default=1, help="zf.sequence_parallel's ranks per sequence (default 1)")
+    st.add_argument("--sp-kind", default="ulysses", help="ulysses or ring (with --sp-size)")
     st.add_argument("--zero", type=int, default=1, help="ZeRO stage 0-3 (default 1)")
     st.add_argument("--offload-optimizer", default="none", help=f"one of {PLACES}")
     st.add_argument("--offload-params", default="none", help=f"one of {PLACES}")
@@ -83,7 +85,8 @@ _COUNT = (lambda v: v >= 1, "an int >= 1")
 _POSITIVE = (lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
 NUMBER_FLAGS = {
     **{name: _COUNT for name in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "gpus", "gpus_per_node",
-                                 "dp", "pp", "tp", "micro_batch", "accum", "seq", "tiles", "top", "global_batch")},
+                                 "dp", "pp", "tp", "sp_size", "micro_batch", "accum", "seq", "tiles", "top",
+                                 "global_batch")},
     **{name: _POSITIVE for name in ("intra_bw", "inter_bw", "pcie_bw", "cpu_ram", "cpu_mem_bw", "nvme_read_bw",
                                     "nvme_write_bw")},
     "params": (lambda v: math.isfinite(v) and v >= 1, "a finite count >= 1"),
@@ -169,7 +172,8 @@ def build_plan(args, device: hardware.Device) -> Plan:
     return from_flags(dp=args.dp, pp=args.pp or 1, tp=args.tp or 1, sp=args.sp, zero=args.zero,
                       offload_optimizer=args.offload_optimizer, offload_params=args.offload_params, remat=args.remat,
                       micro_batch=args.micro_batch, accum=args.accum, seq=args.seq, precision=precision,
-                      optimizer=args.optimizer, clip=not args.no_clip, tiles=args.tiles, schedule=args.schedule)
+                      optimizer=args.optimizer, clip=not args.no_clip, tiles=args.tiles, schedule=args.schedule,
+                      sp_size=args.sp_size, sp_kind=args.sp_kind)
 
 
 def _flagged(e: Exception) -> str:

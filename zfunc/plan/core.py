@@ -10,7 +10,8 @@ from zfunc.plan import cost
 from zfunc.plan.hardware import Cluster
 from zfunc.plan.memory import _bucket_elems, partition_params, rank_memory, remat_input_bytes
 from zfunc.plan.model import ModelSpec
-from zfunc.plan.strategy import BUCKET_MB, describe, elem, microbatches, offload_overlaps, resolve, tiles
+from zfunc.plan.strategy import (BUCKET_MB, describe, elem, microbatches, offload_overlaps, resolve, shard_ranks,
+                                  tiles)
 
 GB = 1e9
 CPU_RAM_USABLE = 0.9  # the OS, the framework and page cache keep the rest (assumption)
@@ -163,7 +164,7 @@ def step_times(model: ModelSpec, s: Plan, cluster: Cluster) -> dict[str, float]:
     cpu = cluster.device.kind == "cpu"
     micro = cost.compute_times(model, s, cluster, logits=s.pp == 1)
     P, shared = partition_params(model, s)
-    m, N = microbatches(s), s.dp
+    m, N = microbatches(s), shard_ranks(s)
     unit_frac = min(1.0, model.largest_unit_params(tiles(s)) / s.tp / max(P, 1))
     bucket_frac = min(1.0, _bucket_elems(BUCKET_MB) * N / max(P, 1))
     out = {}
@@ -203,8 +204,16 @@ def step_times(model: ModelSpec, s: Plan, cluster: Cluster) -> dict[str, float]:
         count = 4 + (2 if s.remat else 0)
         one = cost.collective_time(cluster, "all_reduce", 2 * s.micro_batch * s.seq * model.hidden * e, s.tp, 1)
         out["tp_comm"] = m * math.ceil(model.layers / s.pp) * count * one
+    if s.sp_size > 1:  # Ulysses' all-to-alls wait for each other; ring's blocks travel behind the attention
+        moved = cost.sequence_bytes(model, s)
+        if "all_to_all" in moved:
+            out["sp_comm"] = cost.collective_time(cluster, "all_to_all", moved["all_to_all"], s.sp_size, s.tp)
+        else:
+            calls = math.ceil(model.layers / s.pp) * m * (3 if s.remat else 2) * (s.sp_size - 1)
+            t = calls * cluster.latency + moved["send"] / cost.group_bandwidth(cluster, 2, s.tp)
+            out["sp_comm"] = t if cpu else max(t - out["compute"], 0.0)
     if s.pp > 1:
-        out["pp_shared"] = (e + 4) * shared / cost.group_bandwidth(cluster, 2, s.tp * N)
+        out["pp_shared"] = (e + 4) * shared / cost.group_bandwidth(cluster, 2, s.tp * s.dp)
     upd = cost.update_time(model, s, cluster)
     offloaded = s.offload_optimizer != "none" or s.offload_params != "none"
     if offloaded and offload_overlaps(s) and not cpu:

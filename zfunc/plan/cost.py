@@ -1,16 +1,17 @@
 """Communication per step and the step time: a roofline over compute, collectives and offload traffic.
 
 **Communication** per rank and step, in bytes as ``dist.Comm`` counts them (all-gather: its output; reduce-scatter:
-its input; all-reduce: twice its tensor; send/recv: each tensor), ``P`` params of the rank's
-partition, ``N = dp``, ``m`` microbatches, ``e`` the compute dtype's bytes (``zfunc.sharding.step``):
-stage 0 all-reduces fp32 grads once (``8P``); stages 1/2 all-gather ``eP`` once and reduce-scatter
-``4P`` fp32 grads, once at stage 1, every microbatch at stage 2; stage 3 gathers ``2eP`` and
-reduce-scatters ``4P`` every microbatch. A pipeline sends each microbatch's boundary activation
-forward and its grad back, and lends the shared params (``eP_sh`` out, ``4P_sh`` back). Tensor
-parallelism (modelled as Megatron-LM: 2 all-reduces of ``T h e`` per layer in forward, 2 in
-backward, 2 more with remat) stays inside a node when it can. On the wire a ring moves
-``(N-1)/N`` of those bytes, at the link of the group: NVLink inside a node, else the node's
-network shared by the ``gpus_per_node / members_per_node`` groups crossing it.
+its input; all-reduce: twice its tensor; send/recv: each tensor), ``P`` params of the rank's partition, ``N = dp x
+sp_size`` (``strategy.shard_ranks``), ``m`` microbatches, ``e`` the compute dtype's bytes (``zfunc.sharding.step``):
+stage 0 all-reduces fp32 grads once (``8P``); stages 1/2 all-gather ``eP`` once and reduce-scatter ``4P`` fp32
+grads, once at stage 1, every microbatch at stage 2; stage 3 gathers ``2eP`` and reduce-scatters ``4P`` every
+microbatch. A pipeline sends each microbatch's boundary activation forward and its grad back, and lends the shared
+params (``eP_sh`` out, ``4P_sh`` back). Tensor parallelism (modelled as Megatron-LM: 2 all-reduces of ``T h e`` per
+layer in forward, 2 in backward, 2 more with remat) stays inside a node when it can. Sequence parallelism
+(``sp_size``) moves each attention call's bytes as ``zfunc.sequence`` counts them (``sequence_bytes``), and a rank
+computes ``seq / sp_size`` tokens of every sequence (attention: those queries over all ``seq`` keys). On the wire a
+ring moves ``(N-1)/N`` of those bytes, at the link of the group: NVLink inside a node, else the node's network
+shared by the ``gpus_per_node / members_per_node`` groups crossing it.
 
 **Time** (seconds). Compute per microbatch is a roofline per op: each GEMM takes
 ``max(FLOPs / (peak x matmul_efficiency), bytes / (hbm_bw x memory_efficiency))``, attention runs
@@ -52,7 +53,7 @@ from zfunc.plan.hardware import Cluster
 from zfunc.plan.memory import local_numel, partition_params
 from zfunc.plan.model import ModelSpec
 from zfunc.config.plan import Plan
-from zfunc.plan.strategy import clipped, elem, microbatches, opt_bytes
+from zfunc.plan.strategy import clipped, elem, microbatches, opt_bytes, rank_tokens, shard_ranks
 
 CPU_ADAM_BYTES = 36  # per param: p, g, m, v read; p, m, v written (28) + the fp32 grad and master copies in
 
@@ -79,7 +80,7 @@ def compute_times(model: ModelSpec, s: Plan, cluster: Cluster, layers: int | Non
     dev, e, t = cluster.device, elem(s), s.tp
     peak = dev.flops(s.precision)
     mem = dev.hbm_bw * dev.memory_efficiency
-    T, h, f, seq = s.micro_batch * s.seq, model.hidden, model.ffn_dim, s.seq
+    T, h, f, seq = rank_tokens(s), model.hidden, model.ffn_dim, s.seq  # attention: T queries over seq keys
     layers = math.ceil(model.layers / s.pp) if layers is None else layers
     scale = model._scale()
     qkv = h + 2 * h * model.kv // model.heads
@@ -105,7 +106,7 @@ def compute_times(model: ModelSpec, s: Plan, cluster: Cluster, layers: int | Non
         loss = T * model.vocab / t * (e + 8) / mem  # logits read, fp32 log-softmax written and read
         fwd += head + loss
         bwd += 2 * head + loss
-    flops = s.micro_batch * s.seq * model.train_flops_per_token(seq, s.remat) / (s.pp * t)
+    flops = s.micro_batch * s.seq * model.train_flops_per_token(seq, s.remat) / (s.pp * t * s.sp_size)
     return Compute(fwd, bwd, flops)
 
 
@@ -143,7 +144,7 @@ def collective_latency(cluster: Cluster, kind: str, members: int) -> float:
 def comm_bytes(model: ModelSpec, s: Plan) -> dict[str, float]:
     """Bytes per rank per step by collective, in ``dist.Comm`` units (module docstring)."""
     P, shared = partition_params(model, s)
-    e, m, N = elem(s), microbatches(s), s.dp
+    e, m, N = elem(s), microbatches(s), shard_ranks(s)
     out = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0, "send": 0.0, "recv": 0.0}
     if N > 1 or s.zero_stage == 0:
         if s.zero_stage == 0:
@@ -169,8 +170,32 @@ def comm_bytes(model: ModelSpec, s: Plan) -> dict[str, float]:
         act = T * model.hidden * e / (s.tp if s.sp else 1)
         out["send"] += 2 * act * m + e * shared
         out["recv"] += 2 * act * m + 4 * shared
+    for kind, nbytes in sequence_bytes(model, s).items():
+        out[kind] = out.get(kind, 0.0) + nbytes
     out["all_reduce"] += 2 * 4 * 3  # loss, grad norm and the grads-produced flags (a few bytes)
     return out
+
+
+def sequence_bytes(model: ModelSpec, s: Plan) -> dict[str, float]:
+    """Bytes per rank per step of ``zf.sequence_parallel`` (``sp_size > 1``), as ``zfunc.sequence``'s kinds
+    count them per attention call (``ulysses.comm_bytes``, ``ring.comm_bytes``): every layer's attention, every
+    microbatch; with remat, each call's forward part once more (the recomputed forward exchanges again).
+    Ulysses: ``all_to_all`` (half of a call's bytes are its forward's); ring: ``send`` and as many ``recv``
+    (its forward's: ``sp - 1`` key/value blocks in the compute dtype)."""
+    from zfunc.sequence import ring, ulysses
+
+    if s.sp_size == 1:
+        return {}
+    layers, m, e = math.ceil(model.layers / s.pp), microbatches(s), elem(s)
+    head_dim, tokens = model.hidden // model.heads, rank_tokens(s) // s.micro_batch
+    heads, kv = model.heads // s.tp, model.kv // s.tp
+    if s.sp_kind == "ulysses":
+        call = ulysses.comm_bytes(s.micro_batch, tokens, heads, kv, head_dim, e, s.sp_size)
+        return {"all_to_all": layers * m * (call + (call / 2 if s.remat else 0.0))}
+    call = ring.comm_bytes(s.micro_batch, tokens, kv, head_dim, e, s.sp_size)
+    forward = (s.sp_size - 1) * 2 * s.micro_batch * tokens * kv * head_dim * e
+    moved = layers * m * (call + (forward if s.remat else 0.0))
+    return {"send": moved, "recv": moved}
 
 
 # ---------------------------------------------------------------------- offload
@@ -202,7 +227,7 @@ def update_time(model: ModelSpec, s: Plan, cluster: Cluster) -> float:
     """Seconds of the optimizer update: on the device, or offloaded (module docstring)."""
     P, _ = partition_params(model, s)
     if not offload_traffic(model, s)["updated"]:
-        local = P if s.zero_stage == 0 else math.ceil(P / s.dp)
+        local = P if s.zero_stage == 0 else math.ceil(P / shard_ranks(s))
         per_param = 28 + (12 if clipped(s) else 0)
         return local * per_param / (cluster.device.hbm_bw * cluster.device.memory_efficiency)
     parts = offload_update_parts(model, s, cluster)

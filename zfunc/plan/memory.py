@@ -1,7 +1,8 @@
 """Bytes per rank: model states as zfunc's engine holds them, activations, working memory, by place.
 
 **Model states, zfunc's layout** (what ``step.memory(state)`` reports; ``zfunc.sharding.step``'s docstring),
-for a rank holding ``P`` params of its pipeline stage and tensor slice, ``N = dp``, ``e`` the
+for a rank holding ``P`` params of its pipeline stage and tensor slice, ``N = dp x sp_size`` (the ranks
+``zf.shard`` splits over, ``strategy.shard_ranks``), ``e`` the
 compute dtype's bytes, ``k`` the optimizer's bytes per param (8 for Adam):
 
 | | between steps | during the step (device) |
@@ -25,11 +26,12 @@ it keeps the fp32 grad slice the optimizer reads, as DeepSpeed does outside the 
 stage-3 units from the fp32 masters (no fp16 param shard: ``-2Psi/N``, so stage 3 is the paper's
 ``16Psi/N``), besides the step's buffers (stage 2's bucket, stage 3's gathered units).
 
-**Activations and working memory**: ``ModelSpec.activation_bytes_per_layer`` per layer and
-microbatch; a pipeline's first stage keeps ``min(m, p)`` microbatches under 1F1B and ``m`` under
-GPipe; logits in the compute dtype plus their fp32 softmax on the last stage. Working memory: the
-collectives' buffers (a bucket's fp32 reduce-scatter input and its gather buffer) and ``RESERVE``
-for the CUDA context, NCCL and the allocator's slack (an assumption: 2 GB).
+**Activations and working memory**: ``ModelSpec.activation_bytes_per_layer`` per layer and microbatch, over the
+tokens a rank computes (``micro_batch x seq / sp_size``: Ulysses keeps a rank's attention inputs over ``T`` tokens
+of ``H / sp`` heads, the same bytes; ring its own tokens'); a pipeline's first stage keeps ``min(m, p)``
+microbatches under 1F1B and ``m`` under GPipe; logits in the compute dtype plus their fp32 softmax on the last
+stage. Working memory: the collectives' buffers (a bucket's fp32 reduce-scatter input and its gather buffer) and
+``RESERVE`` for the CUDA context, NCCL and the allocator's slack (an assumption: 2 GB).
 """
 from __future__ import annotations
 
@@ -39,7 +41,8 @@ from collections.abc import Sequence
 from zfunc.offloading import accounting
 from zfunc.plan.model import ModelSpec
 from zfunc.config.plan import Plan
-from zfunc.plan.strategy import BUCKET_MB, PREFETCH, elem, microbatches, opt_bytes, offload_overlaps, tiles
+from zfunc.plan.strategy import (BUCKET_MB, PREFETCH, elem, microbatches, opt_bytes, offload_overlaps, rank_tokens,
+                                  shard_ranks, tiles)
 
 RESERVE = 2e9  # CUDA context, NCCL buffers, allocator slack per GPU (assumption)
 STAGING = 3 * (64 << 20)  # offload: chunk_bytes of reads ahead and twice that of writes in flight
@@ -143,7 +146,7 @@ def partition_params(model: ModelSpec, s: Plan) -> tuple[float, float]:
 def rank_memory(model: ModelSpec, s: Plan, device_kind: str = "cuda") -> dict[str, dict[str, float]]:
     """Bytes on the busiest rank by place ("gpu", "cpu", "nvme") and component."""
     P, _ = partition_params(model, s)
-    N, e, k, stage = s.dp, elem(s), opt_bytes(s), s.zero_stage
+    N, e, k, stage = shard_ranks(s), elem(s), opt_bytes(s), s.zero_stage
     exact = model.leaves is not None and s.pp == 1 and s.tp == 1
     if stage == 0:
         local = P
@@ -191,7 +194,7 @@ def _offloaded_states(places: dict[str, dict[str, float]], s: Plan, P: float, lo
     compute-dtype params (whole, stages 0-2; the live units at stage 3), its grad buckets, and the
     grads held for the norm with the optimizer (none when updated on arrival). On a CPU device at fp32
     with the masters in RAM, the masters are the compute params: counted once."""
-    N, e = s.dp, elem(s)
+    N, e = shard_ranks(s), elem(s)
     params = None if s.offload_params == "none" else s.offload_params
     optimizer = "device" if s.offload_optimizer == "none" else s.offload_optimizer
     resting = accounting.resting(local, precision=s.precision, optimizer=optimizer, params=params,
@@ -221,7 +224,7 @@ def _live_microbatches(s: Plan) -> int:
 def remat_input_bytes(model: ModelSpec, s: Plan, whole_model: bool = False) -> float:
     """The layer inputs ``zf.remat`` keeps for the busiest stage's live microbatches (with
     ``whole_model``: for one microbatch through every layer)."""
-    tokens = s.micro_batch * s.seq
+    tokens = rank_tokens(s)
     layers = model.layers if whole_model else math.ceil(model.layers / s.pp)
     live = 1 if whole_model else _live_microbatches(s)
     return live * layers * tokens * model.hidden * elem(s) / (s.tp if s.sp else 1)
@@ -231,7 +234,7 @@ def activation_bytes(model: ModelSpec, s: Plan) -> float:
     """Activations on the busiest stage's device at its peak: live microbatches x its layers, and
     the logits where the stage computes them; with remat the layer inputs instead (in CPU RAM for
     "offload": two in flight on the GPU) and one layer's full activations while it is recomputed."""
-    tokens = s.micro_batch * s.seq
+    tokens = rank_tokens(s)
     layers = math.ceil(model.layers / s.pp)
     per_layer = model.activation_bytes_per_layer(tokens, s.seq, s.tp, s.sp, model.fused_attention, elem(s))
     live = _live_microbatches(s)

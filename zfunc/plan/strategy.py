@@ -26,20 +26,23 @@ BUCKET_MB = 25.0  # zf.shard's bucket size (fp32 MiB)
 NVME_PATH = "<nvme>"  # the swap directory ``from_flags`` names: an estimate reads no files
 
 __all__ = ["PLACES", "PRECISIONS", "SCHEDULES", "REMATS", "OPTIMIZER_STATE_BYTES", "from_flags", "resolve",
-           "describe", "elem", "opt_bytes", "microbatches", "tiles", "clipped", "offload_overlaps"]
+           "describe", "elem", "opt_bytes", "microbatches", "tiles", "clipped", "offload_overlaps", "shard_ranks",
+           "rank_tokens"]
 
 
 def from_flags(dp: int | None = None, pp: int = 1, tp: int = 1, sp: bool = False, zero: int = 1,
                offload_optimizer: str = "none", offload_params: str = "none", remat: str | bool = "none",
                micro_batch: int = 1, accum: int = 1, seq: int | None = None, precision: str = "bf16",
-               optimizer: str = "adamw", clip: bool = True, tiles: int = 1, schedule: str = "1f1b") -> Plan:
-    """The ``zf.config.Plan`` of ``python -m zfunc.plan``'s flags: ``zero`` is ``zero_stage``;
-    ``remat`` "none", "full" (``zf.remat`` on every layer: only layer inputs kept) or "offload"
-    (those inputs in CPU RAM), True/False meaning "full"/"none"; ``accum`` the microbatches per step
-    (the pipeline's microbatches when ``pp > 1``); ``clip`` a global-norm clip of 1 (it keeps
-    offload from updating during backward); ``tiles`` ``zf.tile(k)`` on the largest Linears (1:
-    untiled); ``schedule`` the pipeline's. ``dp=None`` spreads over the cluster's GPUs; "nvme"
-    offload gets the placeholder ``NVME_PATH``. Errors name the argument (``zero: ...``)."""
+               optimizer: str = "adamw", clip: bool = True, tiles: int = 1, schedule: str = "1f1b",
+               sp_size: int = 1, sp_kind: str = "ulysses") -> Plan:
+    """The ``zf.config.Plan`` of ``python -m zfunc.plan``'s flags: ``zero`` is ``zero_stage``; ``remat`` "none",
+    "full" (``zf.remat`` on every layer: only layer inputs kept) or "offload" (those inputs in CPU RAM),
+    True/False meaning "full"/"none"; ``accum`` the microbatches per step (the pipeline's microbatches when
+    ``pp > 1``); ``clip`` a global-norm clip of 1 (it keeps offload from updating during backward); ``tiles``
+    ``zf.tile(k)`` on the largest Linears (1: untiled); ``schedule`` the pipeline's; ``sp_size``, ``sp_kind``:
+    ``zf.sequence_parallel``'s ranks per sequence and kind (``sp`` is Megatron's sequence parallelism, with tp).
+    ``dp=None`` spreads over the cluster's GPUs; "nvme" offload gets the placeholder ``NVME_PATH``. Errors name
+    the argument (``zero: ...``)."""
     if isinstance(remat, bool):
         remat = "full" if remat else "none"
     if remat not in REMATS:
@@ -56,7 +59,7 @@ def from_flags(dp: int | None = None, pp: int = 1, tp: int = 1, sp: bool = False
                     remat=remat != "none", remat_offload=remat == "offload", tile_lm_head=0 if tiles == 1 else tiles,
                     microbatches=accum if piped else 1, accum=1 if piped else accum, pipeline_schedule=schedule,
                     precision=precision, gradient_clipping=1.0 if clip else 0.0, optimizer=optimizer,
-                    micro_batch=micro_batch, seq=seq)
+                    micro_batch=micro_batch, seq=seq, sp_size=sp_size, sp_kind=sp_kind)
     except ValueError as e:  # named as the caller named it
         field, sep, why = str(e).partition(": ")
         raise ValueError(f"{FLAG_OF_FIELD.get(field, field)}{sep}{why}") from None
@@ -68,17 +71,21 @@ FLAG_OF_FIELD = {"zero_stage": "zero", "tile_lm_head": "tiles", "pipeline_schedu
 
 
 def resolve(plan: Plan, gpus: int, max_seq: int) -> tuple[Plan, list[str]]:
-    """``plan`` with ``dp`` (when 1: what tp and pp leave of the ``gpus``), ``seq`` (default
+    """``plan`` with ``dp`` (when 1: what tp, pp and sp_size leave of the ``gpus``), ``seq`` (default
     ``max_seq``) and ``micro_batch`` (default 1) filled in, checked against the GPUs; and notes,
     one per rulebook rule zfunc does not run (modelled here all the same)."""
     if not isinstance(plan, Plan):
         raise TypeError(f"plan: expected a zf.config.Plan, got {type(plan).__name__}")
-    if gpus % (plan.tp * plan.pp):
-        raise ValueError(f"tp, pp: tp * pp = {plan.tp * plan.pp} does not divide the {gpus} GPUs")
-    dp = gpus // (plan.tp * plan.pp) if plan.dp == 1 else plan.dp
-    if dp * plan.tp * plan.pp != gpus:
-        raise ValueError(f"dp, tp, pp: dp * tp * pp = {dp} * {plan.tp} * {plan.pp} = {dp * plan.tp * plan.pp}, but "
-                         f"there are {gpus} GPUs")
+    other = plan.tp * plan.pp * plan.sp_size
+    if gpus % other:
+        raise ValueError(f"tp, pp, sp_size: tp * pp * sp_size = {other} does not divide the {gpus} GPUs")
+    dp = gpus // other if plan.dp == 1 else plan.dp
+    if dp * other != gpus:
+        raise ValueError(f"dp, tp, pp, sp_size: dp * tp * pp * sp_size = {dp} * {plan.tp} * {plan.pp} * "
+                         f"{plan.sp_size} = {dp * other}, but there are {gpus} GPUs")
+    if plan.sp_size > 1 and (plan.seq or max_seq) % (plan.sp_size * (2 if plan.sp_kind == "ring" else 1)):
+        raise ValueError(f"seq: {plan.seq or max_seq} tokens do not split over sp_size={plan.sp_size} ranks "
+                         f"({plan.sp_kind}: {'2 chunks' if plan.sp_kind == 'ring' else 'a chunk'} each)")
     s = replace(plan, dp=dp, seq=plan.seq or max_seq, micro_batch=plan.micro_batch or 1)
     notes = [f"{refusal} (modelled here; zfunc does not run it yet)"
              for _, refusal in compose.broken(s, compose.UNSUPPORTED)]
@@ -89,7 +96,8 @@ def resolve(plan: Plan, gpus: int, max_seq: int) -> tuple[Plan, list[str]]:
 
 def describe(s: Plan) -> str:
     """The layout in one line: ``dp=8 pp=1 tp=1 zero=3 offload optimizer=cpu micro_batch=2 accum=1 seq=4096 bf16``."""
-    par = f"dp={s.dp} pp={s.pp} tp={s.tp}" + (" sp" if s.sp else "")
+    par = f"dp={s.dp} pp={s.pp} tp={s.tp}" + (" sp" if s.sp else "") + \
+        (f" sp_size={s.sp_size} {s.sp_kind}" if s.sp_size > 1 else "")
     off = "" if s.offload_optimizer == "none" else f" offload optimizer={s.offload_optimizer}"
     off += "" if s.offload_params == "none" else f" params={s.offload_params}"
     extra = ("" if not s.remat else f" remat={'offload' if s.remat_offload else 'full'}") + \
@@ -126,3 +134,14 @@ def clipped(s: Plan) -> bool:
 def offload_overlaps(s: Plan) -> bool:
     """Whether offload updates units during backward (zfunc.offloading.step: no clip, no fp16, accum 1)."""
     return not clipped(s) and s.precision != "fp16" and microbatches(s) == 1 and s.pp == 1
+
+
+def shard_ranks(s: Plan) -> int:
+    """Ranks ZeRO splits the model states over: the ``dp x sp`` ranks (``zf.sequence_parallel``'s ranks hold
+    the same params, ``mesh.dp_sp``)."""
+    return s.dp * s.sp_size
+
+
+def rank_tokens(s: Plan) -> int:
+    """Tokens of one microbatch a rank computes: ``micro_batch x seq / sp_size``."""
+    return s.micro_batch * s.seq // s.sp_size

@@ -20,8 +20,8 @@ summed in another order. Any head count: no heads are split (``sp`` need not div
 sends and receives of ``2 B (T/sp) H_kv D e`` bytes (a key/value block), backward the same plus
 ``sp`` of the fp32 key/value grads, ``2 B (T/sp) H_kv D 4``. Compute: the causal half of the score
 matrix, in ``(TILE x TILE)`` tiles. Memory: this rank's q, k, v, output and log-sum-exp saved for
-backward, plus two key/value blocks and one ``(B, H, TILE, TILE)`` fp32 score tile while it runs --
-never ``T`` keys.
+backward (``activation_bytes``; a test counts what autograd saves), plus two key/value blocks and
+one ``(B, H, TILE, TILE)`` fp32 score tile while it runs -- never ``T`` keys.
 """
 from __future__ import annotations
 
@@ -172,3 +172,10 @@ def comm_bytes(batch: int, tokens: int, kv_heads: int, head_dim: int, element: i
     bytes and ``sp`` fp32 key/value grads of ``2 B t H_kv D 4``. The module docstring's cost."""
     block = 2 * batch * tokens * kv_heads * head_dim
     return 2 * (sp - 1) * block * element + (sp * block * 4 if sp > 1 else 0)
+
+
+def activation_bytes(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, element: int) -> int:
+    """Bytes one attention call saves for backward on a rank with ``tokens`` (``T / sp``) of its own: its
+    queries, keys, values and output, ``B t (2 H + 2 H_kv) D e``, and the fp32 log-sum-exp, ``4 B t H``; the
+    key/value blocks in flight are freed when the call returns. The module docstring's memory."""
+    return batch * tokens * (2 * heads + 2 * kv_heads) * head_dim * element + 4 * batch * tokens * heads

@@ -17,8 +17,9 @@ bytes: ``H / H_kv`` times the key/value traffic).
 **Cost** per attention call, per rank, ``e`` bytes per element: forward two all-to-alls of ``B T/sp
 (H + 2 H_kv) D e`` (in) and ``B T/sp H D e`` (out) bytes, counted as ``Comm.all_to_all`` counts them
 (the whole input, its own ``1/sp`` included); backward the same again. Activation memory: the
-attention's inputs and output over all ``T`` tokens of ``H / sp`` heads, ``B T (H + 2 H_kv) D e / sp``
--- the same bytes as this rank's own ``T / sp`` tokens of every head.
+attention's inputs and output over all ``T`` tokens of ``H / sp`` heads, ``B T (2 H + 2 H_kv) D e / sp``
+-- the same bytes as this rank's own ``T / sp`` tokens of every head -- and torch's fp32 log-sum-exp,
+``4 B T H / sp`` (``activation_bytes``; a test counts what autograd saves).
 """
 from __future__ import annotations
 
@@ -98,3 +99,12 @@ def comm_bytes(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int
     ``H`` (the repeated heads). The module docstring's cost."""
     kv = kv_heads if kv_heads % sp == 0 else heads
     return 2 * batch * tokens * (heads + 2 * kv + heads) * head_dim * element
+
+
+def activation_bytes(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, element: int, sp: int) -> int:
+    """Bytes one attention call saves for backward on a rank with ``tokens`` (``T / sp``) of its own: the
+    queries, keys, values and output over all ``T`` tokens of ``H / sp`` heads, ``B t (2 H + 2 H_kv') D e``
+    (``H_kv'`` as in ``comm_bytes``: the same bytes as this rank's tokens of every head), and torch's fp32
+    log-sum-exp, ``4 B t H``. The module docstring's activation memory."""
+    kv = kv_heads if kv_heads % sp == 0 else heads
+    return batch * tokens * (2 * heads + 2 * kv) * head_dim * element + 4 * batch * tokens * heads

@@ -91,10 +91,12 @@ class ShardPlacement(placement.Placement):
 
     def whole(self, state: TrainState, mesh: Any = None) -> PyTree:
         """Stage 0: a copy (every param is whole here); else one all-gather of every param, in
-        fp32, over ``mesh`` (default: one over the ``world`` ranks of the default process group)."""
+        fp32, over ``mesh`` (default: one over the ``world`` ranks of the default process group; a mesh
+        with sequence-parallel ranks: its ``dp_sp``, the ranks ``zf.shard`` split over)."""
         spec, state = state.placement, self.in_memory(state)
         if spec.split[0] == 1:
             return tree.clone(state.params)
+        mesh = getattr(mesh, "dp_sp", mesh)
         placement.arrive(spec.world, mesh.comm.group if mesh is not None else None)
         mesh = mesh or Mesh(dp=spec.world)
         pieces, treespec = tree.flatten(state.params)
