@@ -38,6 +38,23 @@ def test_memory_by_place_and_kind_equals_the_formulas(tmp_path, where, params, p
     assert step.overlap == (not clip and precision != "fp16")
 
 
+@pytest.mark.parametrize("clip, precision, accum", [(True, "fp16", 1), (True, "fp32", 2), (False, "bf16", 1)])
+def test_init_checks_the_room_of_the_held_grads_swap_files(tmp_path, monkeypatch, clip, precision, accum):
+    """``init`` asks the swap folder for the room of the held grads' scratch files (no spare: they are
+    overwritten in place) on top of the moments' and masters' files and spares: what ``memory()`` then
+    reports as held on NVMe; none when the step updates on arrival."""
+    import zfunc.offloading.swap.engine as engine
+
+    asked = []
+    check = engine.check_path
+    monkeypatch.setattr(engine, "check_path", lambda path, need_bytes=0, files=(): asked.append(need_bytes)
+                        or check(path, need_bytes, files))
+    step, state = make(clip, precision, accum, "nvme", None, tmp_path)
+    state, _, _ = train_on(step, state, batches(accum, 1))
+    assert asked == [step.memory(state)["step"]["nvme"]["held_grads"]]
+    assert (asked[0] > 0) == clip
+
+
 class LiveGrads:
     """Counts the grad bytes alive in RAM at each grad delivery: every grad the sink has been handed
     is watched through a weak reference, and the largest total of those still alive is kept."""

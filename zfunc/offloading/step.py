@@ -73,7 +73,8 @@ ENOSPC or EDQUOT) once every file the step rewrote is back to its version before
 "nvme") the state passed in is then whole and not consumed: save it, or call the step again once
 there is room. Other placements update their RAM leaves in place, so the state stays consumed and
 the error says so: restart from a checkpoint. The held grads' files (``zfunc.offloading.grads``) are
-scratch, overwritten in place: after the first step they need no room. Over several ranks only the
+scratch, overwritten in place: ``init`` checks their room too (no spare), and after the first step they
+need no more. Over several ranks only the
 failing rank raises (the others may wait in a collective): restart them all from a checkpoint.
 ``zf.checkpoint.save`` and ``full_params`` read the swap files without writing in their folder
 (``in_ram``), so a full swap disk does not stop a save elsewhere.
@@ -270,12 +271,16 @@ class OffloadedStep(Transformed):
             # for Adam, two moments (optimizer on nvme) per leaf; the engine adds their spares
             per_leaf = (self.where_masters == "nvme") + 2 * (self.where_optimizer == "nvme")
             files = [4 * math.prod(leaf.local_shape(spec.rank)) for leaf in spec.leaves for _ in range(per_leaf)]
+            # and the grads held for the norm (SpilledGrads): scratch files the first step writes, in place
+            local = sum(math.prod(leaf.local_shape(spec.rank)) for leaf in spec.leaves)
+            held = accounting.held_grads(local, precision=self.precision, optimizer=self.where_optimizer,
+                                         world=spec.world, accum=self.accum, held=not self.overlap).get("nvme", 0)
             # 4 I/O threads: enough to keep the disk busy under a CPU update, and every thread costs
             # RAM (an allocator arena, a staging buffer), which benchmarks/capacity.py's 1 GiB budget counts
             folder = rank_dir(self.path)
             # the folders the engine is about to create (deepest first): ``release`` removes these alone
             self._made = [d for d in (folder, *folder.parents) if not d.exists()]
-            self.engine = SwapEngine(folder, files=files, threads=4)
+            self.engine = SwapEngine(folder, files=files, need_bytes=int(held), threads=4)
 
     def _reserve(self, params: PyTree, opt_state: PyTree) -> None:
         """Allocate the room of the next write of each swap file of the state (``SwapEngine.reserve``,
