@@ -129,9 +129,7 @@ def adamw_many_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
     consts = scalars(step, lr, beta1, beta2, eps, weight_decay, decoupled)
     if n == 0:
         return None
-    device = params[0].device
-    if device.type != "cuda":
-        raise ValueError(f"params[0]: expected a CUDA tensor, got one on {device}")
+    device = runtime.cuda_device(params[0], "params[0]")
     runtime.check_scale(scale_tensor, device)
 
     def groups() -> dict[tuple[str, str], list[tuple]]:

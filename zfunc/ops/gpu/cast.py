@@ -60,9 +60,7 @@ def cast_many_(srcs: list[torch.Tensor], dsts: list[torch.Tensor], scale: float 
         raise ValueError(f"cast_many_: expected lists of one length, got srcs {len(srcs)}, dsts {len(dsts)}")
     if not srcs:
         return None
-    device = srcs[0].device
-    if device.type != "cuda":
-        raise ValueError(f"srcs[0]: expected a CUDA tensor, got one on {device}")
+    device = runtime.cuda_device(srcs[0], "srcs[0]")
     runtime.check_scale(scale_tensor, device)
 
     def groups() -> dict[tuple[str, str], list[tuple]]:

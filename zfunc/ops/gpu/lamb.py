@@ -141,9 +141,7 @@ def lamb_many_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: 
         raise ValueError(f"step: expected an int >= 1 (updates so far, this one included), got {step!r}")
     if n == 0:
         return
-    device = params[0].device
-    if device.type != "cuda":
-        raise ValueError(f"params[0]: expected a CUDA tensor, got one on {device}")
+    device = runtime.cuda_device(params[0], "params[0]")
     runtime.check_scale(scale_tensor, device)
 
     def groups() -> dict[tuple[str, str], list[tuple]]:
@@ -167,9 +165,8 @@ def lamb_many_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: 
     b1, b2 = float(beta1), float(beta2)
     bc1, bc2 = (1.0 - b1 ** step, 1.0 - b2 ** step) if bias_correction else (1.0, 1.0)
     shared = (np.float32(1.0 / bc1), np.float32(1.0 / bc2), np.float32(eps), np.float32(weight_decay))
-    stream = torch.cuda.current_stream(plan.device)
     for (g_name, o_name), tab, blocks, n_rows in plan.launches:
-        tab.record_stream(stream)
+        runtime.keep_for_stream(tab, plan.device)
         partials = torch.empty(2 * blocks, dtype=torch.float64, device=plan.device)
         ratios = torch.empty(n_rows, dtype=torch.float32, device=plan.device)
         head = (runtime.ptr(tab), np.int32(n_rows))

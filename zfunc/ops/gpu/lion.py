@@ -81,9 +81,7 @@ def lion_many_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: 
                          f"{len(exp_avgs)}, param_outs {len(outs)}, decay {len(flags)}")
     if n == 0:
         return
-    device = params[0].device
-    if device.type != "cuda":
-        raise ValueError(f"params[0]: expected a CUDA tensor, got one on {device}")
+    device = runtime.cuda_device(params[0], "params[0]")
     runtime.check_scale(scale_tensor, device)
 
     def groups() -> dict[tuple[str, str], list[tuple]]:

@@ -56,9 +56,7 @@ def sum_of_squares(tensors: list[torch.Tensor], scale: float = 1.0,
     device), not yet reduced: ``.sum()`` or ``.norm_and_finite()`` of the result reduces them."""
     if not tensors:
         raise ValueError("tensors: expected at least one tensor, got none")
-    device = tensors[0].device
-    if device.type != "cuda":
-        raise ValueError(f"tensors[0]: expected a CUDA tensor, got one on {device}")
+    device = runtime.cuda_device(tensors[0], "tensors[0]")
     runtime.check_scale(scale_tensor, device)
 
     def groups() -> dict[str, list[tuple]]:

@@ -68,9 +68,7 @@ def _grid(n: int) -> int:
 
 
 def _cuda_f32(name: str, x: torch.Tensor) -> None:
-    if x.device.type != "cuda":
-        raise ValueError(f"{name}: expected a CUDA tensor, got one on {x.device}")
-    runtime.check(name, None, x, (torch.float32,), x.device)
+    runtime.check(name, None, x, (torch.float32,), runtime.cuda_device(x, name))
 
 
 def pack_signs(x: torch.Tensor) -> torch.Tensor:

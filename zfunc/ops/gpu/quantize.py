@@ -111,7 +111,8 @@ def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     uint8, scales fp32)``, as ``zfunc.dist.quantized.quantize``: per row n bytes (int8) or n/2 (int4),
     and n / BLOCK scales."""
     _bits(bits)
-    if x.device.type != "cuda" or x.dim() != 2 or x.shape[1] % BLOCK:
+    runtime.cuda_device(x, "x")
+    if x.dim() != 2 or x.shape[1] % BLOCK:
         raise ValueError(f"x: expected a 2-d CUDA tensor with a multiple of {BLOCK} columns, got "
                          f"{tuple(x.shape)} on {x.device}")
     runtime.check("x", None, x, (torch.float32,), x.device)
@@ -127,7 +128,8 @@ def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize(payload: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
     """``quantize``'s inverse: rows of fp32 values (rows x n), as ``zfunc.dist.quantized.dequantize``."""
     _bits(bits)
-    if payload.device.type != "cuda" or payload.dim() != 2 or payload.dtype != torch.uint8:
+    runtime.cuda_device(payload, "payload")
+    if payload.dim() != 2 or payload.dtype != torch.uint8:
         raise ValueError(f"payload: expected a 2-d uint8 CUDA tensor, got {payload.dtype} {tuple(payload.shape)} on "
                          f"{payload.device}")
     runtime.check("payload", None, payload, (torch.uint8,), payload.device)

@@ -106,7 +106,23 @@ def launch(name: str, entry: str, device: torch.device, grid: int, block: int, a
 
 
 def _index(device: torch.device) -> torch.device:
-    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+    if device.type != "cuda" or device.index is not None:
+        return device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def cuda_device(t: torch.Tensor, name: str) -> torch.device:
+    """``t``'s device, which must be a GPU (ValueError naming ``name`` otherwise)."""
+    if t.device.type != "cuda":
+        raise ValueError(f"{name}: expected a CUDA tensor, got one on {t.device}")
+    return t.device
+
+
+def keep_for_stream(t: torch.Tensor, device: torch.device) -> None:
+    """Keep ``t`` (a cached table, maybe made on another stream) alive for the work now queued on
+    the current stream."""
+    if device.type == "cuda":
+        t.record_stream(torch.cuda.current_stream(device))
 
 
 def ptr(t: torch.Tensor | None) -> np.uint64:
@@ -175,7 +191,10 @@ def _table(rows: list[tuple], device: torch.device) -> tuple[torch.Tensor, int, 
     for r, row in enumerate(rows):
         body[r, : len(row)] = row
     np.cumsum(-(-body[:, 5] // prog.CHUNK), out=host[len(rows) * prog.ROW + 1:])
-    return torch.from_numpy(host).pin_memory().to(device, non_blocking=True), int(host[-1]), len(rows)
+    staged = torch.from_numpy(host)
+    if device.type == "cuda":
+        staged = staged.pin_memory()
+    return staged.to(device, non_blocking=True), int(host[-1]), len(rows)
 
 
 class Partials:
@@ -223,9 +242,8 @@ def run(name: str, entries: dict, plan: Plan, args: tuple, sums: bool = False) -
     ``(table, n_rows, partials) + args``. ``sums``: each block leaves a partial sum, all groups' in
     one ``Partials`` (returned), else none (a null address)."""
     partials = Partials(plan.blocks, plan.device) if sums else None
-    stream = torch.cuda.current_stream(plan.device)
     for key, tab, blocks, n_rows in plan.launches:
-        tab.record_stream(stream)  # a cached table may have been made on another stream
+        keep_for_stream(tab, plan.device)
         at = partials.take(blocks) if partials is not None else np.uint64(0)
         launch(name, entries[key], plan.device, blocks, prog.THREADS, (ptr(tab), np.int32(n_rows), at) + args)
     return partials
