@@ -45,3 +45,13 @@ def test_no_kernel_spills_registers_to_local_memory(compiled):
             r = report.get(entry)
             assert r is not None and r.get("registers", 0) > 0, (p.name, entry, compiled[p.name].log[-500:])
             assert r.get("spill_stores", 0) == r.get("spill_loads", 0) == 0, (p.name, entry, r)
+
+
+def test_the_runtime_loads_cubins_compiled_once_and_kept_on_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZFUNC_KERNEL_CACHE", str(tmp_path))
+    first = nvrtc.cubin(norm.PROGRAM, "sm_90")
+    assert first == nvrtc.compile_program(norm.PROGRAM, "sm_90", report=False).cubin  # the options CI compiles with
+    [kept] = tmp_path.iterdir()
+    assert kept.name.startswith("norm-sm_90-") and kept.read_bytes() == first
+    monkeypatch.setattr(nvrtc, "compile_program", None)  # a second process reads it: no compile
+    assert nvrtc.cubin(norm.PROGRAM, "sm_90") == first

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import hashlib
 import importlib.util
 import os
 import re
@@ -142,6 +143,36 @@ def compile_program(program: prog.Program, arch: str = ARCH, report: bool = True
 def compile_all(arch: str = ARCH) -> list[Compiled]:
     """Every program (``program.every()``) compiled for ``arch``."""
     return [compile_program(p, arch) for p in prog.every()]
+
+
+def cache_dir() -> str:
+    """Where compiled cubins are kept between processes: ``ZFUNC_KERNEL_CACHE``, else
+    ``~/.cache/zfunc/kernels``."""
+    return os.environ.get("ZFUNC_KERNEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "zfunc", "kernels")
+
+
+def cubin(program: prog.Program, arch: str) -> bytes:
+    """``program``'s cubin for ``arch`` (``sm_90``), compiled as ``compile_program`` compiles it (the
+    options CI checks), read from ``cache_dir()`` where an earlier process left it (keyed by the
+    source, the options, the architecture and NVRTC's version), else compiled and left there."""
+    options = (*prog.OPTIONS, arch, ".".join(map(str, version())))
+    key = hashlib.sha256("\0".join((program.source, *options)).encode()).hexdigest()[:32]
+    path = os.path.join(cache_dir(), f"{program.name}-{arch}-{key}.cubin")
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        pass
+    data = compile_program(program, arch, report=False).cubin
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)  # whole or absent: a reader never sees half a file
+    except OSError:
+        pass  # no cache where the folder cannot be written: compiled again next time
+    return data
 
 
 def main(argv: list[str]) -> int:

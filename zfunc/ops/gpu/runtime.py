@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -68,16 +69,26 @@ def cupy() -> Any:
 
 @functools.lru_cache(maxsize=None)
 def _module(name: str, device_index: int):
-    cp = cupy()
+    from zfunc.ops.gpu import nvrtc
+
+    cupy()
+    from cupy.cuda import Device, function as cuda_function
+
     program = next(p for p in prog.every() if p.name == name)
-    with cp.cuda.Device(device_index):
-        return cp.RawModule(code=program.source, options=prog.OPTIONS, backend="nvrtc")
+    device = Device(device_index)
+    code = nvrtc.cubin(program, f"sm_{device.compute_capability}")
+    with device:
+        module = cuda_function.Module()
+        module.load(code)
+    return module
 
 
 @functools.lru_cache(maxsize=None)
 def function(name: str, entry: str, device_index: int):
-    """The kernel ``entry`` of program ``name``, compiled for and loaded on device ``device_index``
-    (once per process; CuPy keeps the cubin in its on-disk cache across processes)."""
+    """The kernel ``entry`` of program ``name``, loaded on device ``device_index`` from the cubin
+    ``zfunc.ops.gpu.nvrtc`` compiles for its architecture with the options CI checks (so CuPy's own
+    compile options, such as its ``-ftz=true``, never apply); once per process, the cubin kept on
+    disk across processes (``nvrtc.cache_dir``)."""
     return _module(name, device_index).get_function(entry)
 
 
@@ -85,12 +96,20 @@ _streams: dict[tuple[int, int], Any] = {}
 
 
 def _stream(device: torch.device):
-    """CuPy's view of torch's current stream on ``device`` (made once per stream)."""
-    ptr = torch.cuda.current_stream(device).cuda_stream
-    key = (device.index, ptr)
+    """CuPy's view of torch's current stream on ``device`` (made once per stream): through the CUDA
+    stream protocol where torch's stream speaks it, else CuPy's ``ExternalStream``."""
+    current = torch.cuda.current_stream(device)
+    key = (device.index, current.cuda_stream)
     s = _streams.get(key)
     if s is None:
-        s = _streams[key] = cupy().cuda.ExternalStream(ptr, device.index)
+        cp = cupy()
+        if hasattr(current, "__cuda_stream__") and hasattr(cp.cuda.Stream, "from_external"):
+            s = cp.cuda.Stream.from_external(current)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                s = cp.cuda.ExternalStream(current.cuda_stream, device.index)
+        _streams[key] = s
     return s
 
 
