@@ -49,6 +49,7 @@ class Run:
         self.device = torch.device("cuda" if self.cuda else "cpu")
         self.results: dict[str, dict] = {}
         self.copy_gbps: float | None = None
+        self.host_gib: float | None = None  # host RAM to plan offload for (None: MemAvailable)
 
     def left(self) -> float:
         return self.budget_s - (time.monotonic() - self.start)
@@ -372,7 +373,7 @@ def offload_largest(run: Run, candidates: tuple[str, ...], block: int) -> dict:
     the step's peak of gathered params): batch 1 so activations stay small beside them."""
     tried = {}
     largest = None
-    host = _host_available_bytes()
+    host = _host_available_bytes() if run.host_gib is None else int(run.host_gib * 2**30)
     for flavor in candidates:
         model, cfg, _ = _gpt(run, flavor, 1, block)
         n = model.num_params(non_embedding=False)
@@ -411,8 +412,26 @@ def offload_largest(run: Run, candidates: tuple[str, ...], block: int) -> dict:
         finally:
             step = state = None
             _free(run)
-    return {"largest": largest, "tried": tried, "nvme": "not run (needs a local NVMe path and more time)",
+    return {"largest": largest, "tried": tried, "plain_step_predicted": _plain_largest(run),
+            "nvme": "not run (needs a local NVMe path and more time)",
             "deepspeed": "not run: DeepSpeed is not installed on the GPU machine"}
+
+
+def _plain_largest(run: Run) -> dict:
+    """The largest GPT-3 flavor whose mixed-precision AdamW state (16 B/param: bf16 param and grad,
+    fp32 master, m, v) fits the GPU with 10% to spare: what a plain step could hold at most, before
+    activations (predicted, not run)."""
+    if not run.cuda:
+        return {"largest": None, "why": "no GPU"}
+    from recipes import flavors
+
+    memory = torch.cuda.get_device_properties(0).total_memory
+    fits = None
+    for name in ("125M", "350M", "760M", "1.3B", "2.7B", "6.7B", "13B"):
+        model, _, _ = _gpt(run, name, 1, flavors.gpt_flavor(name)["block_size"])
+        if 16 * model.num_params(non_embedding=False) * 1.1 <= memory:
+            fits = name
+    return {"largest": fits, "bytes_per_param": 16, "gpu_bytes": memory}
 
 
 def _host_available_bytes() -> int | None:
@@ -490,6 +509,8 @@ def table(doc: dict) -> str:
             lines.append(f"{name + ' tokens/s':40} {tps:>10,.0f}")
     largest = _dig(figures, ("offload_largest", "largest"))
     lines.append(f"{'largest GPT, optimizer+params in CPU RAM':40} {str(largest):>10}")
+    plain = _dig(figures, ("offload_largest", "plain_step_predicted", "largest"))
+    lines.append(f"{'largest GPT, plain step (predicted)':40} {str(plain):>10}")
     if largest:
         ratio = _dig(figures, ("offload_largest", "tried", largest, "peak_over_accounted"))
         if isinstance(ratio, (int, float)):
@@ -508,6 +529,8 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=300.0, help="stop starting figures past this many seconds")
     p.add_argument("--only", default="", help="comma-separated figure names (default: all): " + ", ".join(FIGURES))
     p.add_argument("--dry-run", action="store_true", help="CPU, toy sizes: check the script's own steps")
+    p.add_argument("--host-gib", type=float, default=None,
+                   help="host RAM the offload figure may plan for (default: MemAvailable, which a VM may report low)")
     args = p.parse_args(argv)
     names = [n for n in args.only.split(",") if n] or list(FIGURES)
     unknown = [n for n in names if n not in FIGURES]
@@ -515,6 +538,7 @@ def main(argv=None) -> int:
         p.error(f"--only: unknown figures {unknown}; expected some of {list(FIGURES)}")
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # as the recipes set it
     run = Run(args.out, args.budget_s, args.dry_run)
+    run.host_gib = args.host_gib
     if not run.cuda and not run.dry:
         print("no CUDA device: every figure needs one (use --dry-run to check the script on a CPU)", file=sys.stderr)
     if "copy_bandwidth" not in names and any(n in names for n in ("adamw", "bf16_one_pass", "grad_norm")):

@@ -100,7 +100,7 @@ if [ $DRY -eq 1 ]; then
 elif [ $LEFT -lt 60 ]; then
   fail "benchmarks/gpu.py: only $LEFT s left of $LIMIT_S"
 else
-  timeout $((LEFT + 15)) python3 benchmarks/gpu.py "$OUT" --budget-s "$LEFT" || fail "benchmarks/gpu.py"
+  timeout $((LEFT + 15)) python3 benchmarks/gpu.py "$OUT" --budget-s "$LEFT" --host-gib 110 || fail "benchmarks/gpu.py"
 fi
 for f in gpu.json gpu.txt; do [ -s "$OUT/$f" ] || fail "benchmarks/gpu.py wrote no $f"; done
 
