@@ -241,28 +241,40 @@ def test_cast_is_bit_equal_to_torchs(src, dst):
     torch.testing.assert_close(sq, want, rtol=1e-6, atol=0)
 
 
-def test_onebit_passes_are_bit_equal_to_torchs():
+def _torch_only(monkeypatch, fn, *args):
+    """``fn(*args)`` with zfunc's CUDA kernels turned off: the plain-torch reference."""
+    with monkeypatch.context() as m:
+        m.setenv("ZFUNC_GPU_KERNELS", "0")
+        return fn(*args)
+
+
+def test_onebit_passes_are_bit_equal_to_torchs(monkeypatch):
     rows = torch.randn(4, 1024, generator=_gen(10), device=DEV)
     rows[0, :8] = torch.tensor([0.0, -0.0, 1.0, -1.0, 3.0, 2.0, -2.0, 0.5], device=DEV)  # -0.0 >= 0: a + sign
     with_nan = rows.clone()
     with_nan[1, 3] = float("nan")  # NaN >= 0 is False: a - sign
-    assert torch.equal(onebit.pack_signs(with_nan), compressed.pack_signs(with_nan))
+    want_signs = _torch_only(monkeypatch, compressed.pack_signs, with_nan)
+    assert torch.equal(onebit.pack_signs(with_nan), want_signs)
+    assert torch.equal(compressed.pack_signs(with_nan), want_signs)  # zfunc.dist dispatches to the kernel
     packed, scales, residual = onebit.scaled_signs(rows)
-    want_packed, want_scales, want_residual = compressed.scaled_signs(rows)
-    assert torch.equal(packed, want_packed.view(packed.shape)) and torch.equal(scales, want_scales)
+    want_packed, want_scales, want_residual = _torch_only(monkeypatch, compressed.scaled_signs, rows)
+    assert torch.equal(packed, want_packed) and torch.equal(scales, want_scales)
     assert torch.equal(residual, want_residual)
-    assert torch.equal(onebit.decode(packed, scales), compressed.decode(want_packed, want_scales))
+    want = _torch_only(monkeypatch, compressed.decode, want_packed, want_scales)
+    assert torch.equal(onebit.decode(packed, scales), want) and torch.equal(compressed.decode(packed, scales), want)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_block_quantizers_are_bit_equal_to_torchs(bits):
+def test_block_quantizers_are_bit_equal_to_torchs(monkeypatch, bits):
     x = torch.randn(3, 4 * quantize.BLOCK, generator=_gen(11), device=DEV)
     x[1, : quantize.BLOCK] = 0.0  # an all-zero block: scale 0, safe divisor 1
     payload, scales = quantize.quantize(x, bits)
-    want_payload, want_scales = quantized.quantize(x, bits)
+    want_payload, want_scales = _torch_only(monkeypatch, quantized.quantize, x, bits)
     assert torch.equal(payload, want_payload) and torch.equal(scales, want_scales)
-    want = quantized.dequantize(want_payload, want_scales, bits)
+    assert all(torch.equal(a, b) for a, b in zip(quantized.quantize(x, bits), (want_payload, want_scales)))
+    want = _torch_only(monkeypatch, quantized.dequantize, want_payload, want_scales, bits)
     assert torch.equal(quantize.dequantize(payload, scales, bits), want)
+    assert torch.equal(quantized.dequantize(payload, scales, bits), want)
 
 
 # ---- the dispatcher
