@@ -82,7 +82,9 @@ else
 fi
 
 stage "pytest -m gpu -x"
-TESTS=$(grep -l "pytest.mark.gpu" tests/test_*.py | grep -v test_markers.py | tr '\n' ' ')
+# the kernels first (the engine rests on them), then the engine, then every other file with gpu tests
+TESTS="tests/test_gpu_kernels.py tests/test_gpu_engine.py $(grep -l "pytest.mark.gpu" tests/test_*.py \
+  | grep -v -e test_markers.py -e test_gpu_kernels.py -e test_gpu_engine.py | tr '\n' ' ')"
 echo "files: $TESTS"
 if [ $DRY -eq 1 ]; then
   timeout 120 python3 -m pytest -m gpu --collect-only -q -p no:cacheprovider $TESTS > "$OUT/pytest.log" 2>&1 \
