@@ -16,7 +16,8 @@ update on the grads cast to fp32 and scaled, to the same tolerance; ``out`` bit-
 ``p.to(out.dtype)``; the sum of squares of ``g`` equal to ``sum(g.double()**2)`` to 1e-6 relative.
 
 Cost: one read of p, g, m, v and one write of p, m, v (+ out): fp32 grads 28 B/param, bf16 grads
-with a bf16 out 28 B/param (torch's path for that reads 2 + casts 6 + updates 28 + casts 6 = 42).
+with a bf16 out 28 B/param (torch's passes for that: the grads cast to fp32 6, unscaled in place 8,
+the update 28, the params cast to bf16 6: 48).
 One launch per (grad dtype, out dtype) group of tensors, 4-wide loads where a tensor's addresses
 allow; the sum of squares costs nothing in bytes (one fp64 partial per block, one reducing launch).
 """
