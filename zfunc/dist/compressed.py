@@ -55,7 +55,12 @@ def error_feedback(numel: int, world: int, device: torch.device | str = "cpu") -
 
 def pack_signs(x: torch.Tensor) -> torch.Tensor:
     """``x >= 0`` as bits, 8 per uint8 (element 8j + i at bit i of byte j); x.numel() % 8 == 0. One
-    pass: each 8 bytes of 0/1, read as an int64, times ``_PACK`` gather into its top byte."""
+    pass: each 8 bytes of 0/1, read as an int64, times ``_PACK`` gather into its top byte. On a GPU
+    with zfunc's kernels (``zfunc.ops.gpu.onebit``, ``ZFUNC_GPU_KERNELS``), the same bytes in one kernel."""
+    if x.is_cuda and x.numel() % 8 == 0 and _gpu_kernels():
+        from zfunc.ops.gpu import onebit
+
+        return onebit.pack_signs(x.reshape(-1).float().contiguous())
     words = (x.reshape(-1) >= 0).to(torch.uint8).view(torch.int64)
     return ((words * _PACK) >> 56).to(torch.uint8)
 
@@ -68,7 +73,13 @@ def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
 
 def scaled_signs(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each row of ``rows`` (chunks x k) as ``scale * sign``: ``(packed signs (chunks x k/8),
-    scales (chunks), residual rows - scale * sign)``, scale = ``||row||_2 / sqrt(k)``."""
+    scales (chunks), residual rows - scale * sign)``, scale = ``||row||_2 / sqrt(k)``. On a GPU with
+    zfunc's kernels, the signs and the residual in one pass after the norms (the same bits)."""
+    if (rows.is_cuda and rows.dtype == torch.float32 and rows.is_contiguous() and rows.shape[1] % 8 == 0
+            and _gpu_kernels()):
+        from zfunc.ops.gpu import onebit
+
+        return onebit.scaled_signs(rows)
     scales = torch.linalg.vector_norm(rows, dim=1) / math.sqrt(rows.shape[1])
     packed = pack_signs(rows).view(rows.shape[0], -1)
     s = scales[:, None]
@@ -77,8 +88,20 @@ def scaled_signs(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 
 def decode(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Rows ``scale * sign`` from packed signs (rows x k/8) and their scales (rows)."""
+    """Rows ``scale * sign`` from packed signs (rows x k/8) and their scales (rows); on a GPU with
+    zfunc's kernels, in one pass (the same bits)."""
+    if packed.is_cuda and packed.dim() == 2 and packed.is_contiguous() and scales.dtype == torch.float32 and (
+            _gpu_kernels()):
+        from zfunc.ops.gpu import onebit
+
+        return onebit.decode(packed, scales.contiguous())
     return unpack_signs(packed) * scales[:, None]
+
+
+def _gpu_kernels() -> bool:
+    from zfunc.ops.gpu import runtime
+
+    return runtime.usable()
 
 
 def onebit_all_reduce(comm: Any, x: torch.Tensor, errors: ErrorFeedback, label: str = "") -> torch.Tensor:

@@ -35,7 +35,12 @@ _NIBBLES = torch.tensor([[(b >> 4) - 8, (b & 15) - 8] for b in range(256)], dtyp
 def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of ``x`` (rows x n, n a multiple of ``BLOCK``) as ``(payload uint8, scales fp32)``: per
     row, n bytes (int8, offset by 128) or n/2 (int4, two offset nibbles a byte, the first high), and
-    n / BLOCK scales."""
+    n / BLOCK scales. On a GPU with zfunc's kernels (``zfunc.ops.gpu.quantize``, ``ZFUNC_GPU_KERNELS``),
+    the same bits in one pass."""
+    if x.is_cuda and x.dim() == 2 and _gpu_kernels():
+        from zfunc.ops.gpu import quantize as gpu_quantize
+
+        return gpu_quantize.quantize(x.float().contiguous(), bits)
     rows = x.shape[0]
     blocks = x.float().reshape(rows, -1, BLOCK)
     scales = blocks.abs().amax(dim=2) / _QMAX[bits]
@@ -48,10 +53,22 @@ def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize(payload: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
-    """``quantize``'s inverse: rows of fp32 values (rows x n)."""
+    """``quantize``'s inverse: rows of fp32 values (rows x n); on a GPU with zfunc's kernels, in one
+    pass (the same bits)."""
+    if payload.is_cuda and payload.dim() == 2 and payload.is_contiguous() and scales.dtype == torch.float32 and (
+            _gpu_kernels()):
+        from zfunc.ops.gpu import quantize as gpu_quantize
+
+        return gpu_quantize.dequantize(payload, scales.contiguous(), bits)
     rows = payload.shape[0]
     q = payload.float() - 128 if bits == 8 else _NIBBLES.to(payload.device)[payload.long()]
     return (q.reshape(rows, -1, BLOCK) * scales[..., None]).reshape(rows, -1)
+
+
+def _gpu_kernels() -> bool:
+    from zfunc.ops.gpu import runtime
+
+    return runtime.usable()
 
 
 class _Dequantized:

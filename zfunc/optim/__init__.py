@@ -8,9 +8,10 @@ A third, optional member, ``apply(grads, state, params) -> (new_params, new_stat
 update and is allowed to *consume* its arguments: it may write into their tensors, which is how the
 training step avoids holding two copies of the state (JAX's buffer donation). ``adamw``/``adam``
 implement it with one fused kernel per (device, dtype) group -- zfunc's CPU-Adam where the state
-is contiguous fp32 in CPU RAM (``backend="auto"``: the placement picks), else ``torch._fused_adamw_``
-(the kernel behind ``torch.optim.AdamW(fused=True)``) -- and every other transformation gets it
-from ``update`` (see ``apply``). The step only ever calls
+is contiguous fp32 in CPU RAM, zfunc's CUDA AdamW (``zfunc.ops.gpu``) where it is contiguous fp32 on
+a GPU and CuPy is installed (``backend="auto"``: the placement picks), else ``torch._fused_adamw_``
+(the kernel behind ``torch.optim.AdamW(fused=True)``); ``lion`` and ``lamb`` have CUDA kernels too --
+and every other transformation gets it from ``update`` (see ``apply``). The step only ever calls
 ``apply`` on state it owns. Likewise ``update_`` (optional) is an ``update`` allowed to write into
 the grads it is given; ``chain``'s ``apply`` uses it, so ``clip_by_global_norm`` scales the grads
 in place there instead of allocating a second copy of them. Given ``apply(..., grad_scale=)`` (an

@@ -13,8 +13,8 @@ import torch
 from zfunc.core import tree
 from zfunc.optim.base import (GradientTransformation, MaskOrFn, PyTree, ScalarOrSchedule, _check_betas,
                               _check_non_negative, _check_number, _grad_leaves, _mask_leaves)
-from zfunc.optim.kernels import (_check_backend, _check_fused_leaves, _copy_pairs, _numba_adam, _resolve_backend,
-                                 _zeros_like)
+from zfunc.optim.kernels import (_check_backend, _check_fused_leaves, _copy_pairs, _cupy_adam, _numba_adam,
+                                 _resolve_backend, _zeros_like)
 from zfunc.optim.schedules import _as_schedule
 
 
@@ -63,9 +63,10 @@ def _adam_update(grads, state, params, *, lr, b1, b2, eps, weight_decay, decoupl
 def _adam_apply_fused(grads, state, params, *, lr, b1, b2, eps, weight_decay, decoupled, mask, backend, out=None,
                       squares=None, grad_scale=None):
     """In-place Adam/AdamW: one fused kernel call per (device, dtype, decays?) group (torch's
-    multi-tensor kernel, or zfunc's CPU-Adam over the group's leaves: ``adamw_many_``); ``out``,
-    ``squares`` (CPU-Adam only) and ``grad_scale`` (CPU-Adam: in its pass; torch: a multiply of
-    the grads cast to the params' dtype) as in ``apply``."""
+    multi-tensor kernel; zfunc's CPU-Adam or CUDA AdamW over all the leaves: ``adamw_many_``, the
+    decay mask a flag per leaf); ``out``, ``squares`` (zfunc's kernels only: a float from CPU-Adam, a
+    0-d fp64 device tensor from the CUDA kernel) and ``grad_scale`` (zfunc's kernels: in their pass;
+    torch: a multiply of the grads cast to the params' dtype) as in ``apply``."""
     p_leaves, treespec = tree.flatten(params)
     backend = _resolve_backend(backend, p_leaves)
     g_leaves = treespec.flatten_up_to(grads)
@@ -74,9 +75,10 @@ def _adam_apply_fused(grads, state, params, *, lr, b1, b2, eps, weight_decay, de
     decay = None if mask is None else _mask_leaves(mask, params, len(p_leaves))
     count = state.count + 1
     step_lr = float(lr(state.count))
-    if backend == "numba":  # updated in place: the same trees
-        sq = _numba_adam(p_leaves, g_leaves, m_leaves, v_leaves, o_leaves, decay, count, step_lr, b1, b2, eps,
-                         weight_decay, decoupled, squares is not None, 1.0 if grad_scale is None else grad_scale)
+    if backend in ("numba", "cupy"):  # updated in place: the same trees
+        kernel = _numba_adam if backend == "numba" else _cupy_adam
+        sq = kernel(p_leaves, g_leaves, m_leaves, v_leaves, o_leaves, decay, count, step_lr, b1, b2, eps,
+                    weight_decay, decoupled, squares is not None, 1.0 if grad_scale is None else grad_scale)
         if squares is not None:
             squares.append(sq)
         return params, AdamState(count, state.mu, state.nu)
@@ -150,9 +152,12 @@ def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, e
       mask: which params decay: a pytree of bools shaped like params, or a function of params
         returning one (e.g. ``decay_mask``); ``None`` decays all, as torch does.
       backend: the fused in-place kernel: ``"torch"`` (``torch._fused_adamw_``, CPU or CUDA),
-        ``"numba"`` (zfunc's CPU-Adam; contiguous fp32 CPU params only) or ``"auto"``: the
-        placement picks: numba where every param is a contiguous fp32 CPU tensor (any shape:
-        each leaf is viewed 1-D; a plain or sharded step on the CPU, offload), torch otherwise.
+        ``"numba"`` (zfunc's CPU-Adam; contiguous fp32 CPU params only), ``"cupy"`` (zfunc's CUDA
+        AdamW, ``zfunc.ops.gpu.adam``; contiguous fp32 CUDA params, CuPy installed) or ``"auto"``:
+        the placement picks: numba where every param is a contiguous fp32 CPU tensor (any shape:
+        each leaf is viewed 1-D; a plain or sharded step on the CPU, offload), cupy where every
+        param is a contiguous fp32 tensor on one GPU and CuPy is installed (``ZFUNC_GPU_KERNELS=0``:
+        never), torch otherwise.
         The two agree to rtol = atol = 1e-6 over 20 steps (``zfunc.ops.cpu.adam``'s law).
       bias_correction: False drops ``1-b1^t`` and ``1-b2^t`` (DeepSpeed's 1-bit optimizers' Adam,
         ``zfunc.optim.onebit``); the pure ``update`` runs then, no fused kernel.

@@ -9,7 +9,7 @@ from zfunc.core import tree
 from zfunc.optim.adam import AdamState
 from zfunc.optim.base import (GradientTransformation, MaskOrFn, ScalarOrSchedule, _check_betas, _check_non_negative,
                               _check_number, _grad_leaves, _mask_leaves)
-from zfunc.optim.kernels import _zeros_like
+from zfunc.optim.kernels import _as_kernel_grad, _check_backend, _kernel_apply, _zeros_like
 from zfunc.optim.schedules import _as_schedule
 
 
@@ -36,7 +36,7 @@ def _check_coeffs(min_coeff: float, max_coeff: float) -> None:
 
 def lamb(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
          weight_decay: float = 0.0, bias_correction: bool = True, max_coeff: float = 10.0, min_coeff: float = 0.01,
-         mask: MaskOrFn = None) -> GradientTransformation:
+         mask: MaskOrFn = None, backend: str = "auto") -> GradientTransformation:
     """LAMB with DeepSpeed FusedLamb's arguments and defaults. Per param tensor:
 
     ``m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;  u = m^ / (sqrt(v^) + eps) + wd p;
@@ -46,12 +46,16 @@ def lamb(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, ep
     ``v``), and the trust ratio is 1 where ``||p||`` or ``||u||`` is 0. ``mask``: which params decay,
     as ``adamw``'s. Law: equals a plain-torch LAMB of these formulas to 1e-6 (tests/test_lamb.py).
     State: ``AdamState(count, mu, nu)`` (8 bytes per fp32 param). Cost: Adam's passes plus two norms
-    per tensor (each a host sync: the ratio is a Python float, as FusedLamb reads it back).
+    per tensor (each a host sync: the ratio is a Python float, as FusedLamb reads it back). ``backend``:
+    on contiguous fp32 params on one GPU, ``"auto"`` (or ``"cupy"``) runs zfunc's CUDA LAMB in place
+    (``zfunc.ops.gpu.lamb``: the ratios on the device, no host sync) where CuPy is installed; any
+    other resolution runs the pure update.
     """
     _check_betas(b1=b1, b2=b2)
     _check_number("eps", eps, "a finite float > 0", lambda x: x > 0)
     _check_non_negative(weight_decay=weight_decay)
     _check_coeffs(min_coeff, max_coeff)
+    _check_backend(backend)
     if not isinstance(bias_correction, bool):
         raise ValueError(f"bias_correction: expected a bool, got {bias_correction!r}")
     lr = _as_schedule(learning_rate)
@@ -82,6 +86,21 @@ def lamb(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, ep
         unflat = lambda xs: tree.unflatten(treespec, xs)  # noqa: E731
         return unflat(updates), AdamState(count, unflat(mus), unflat(nus))
 
+    def cupy_apply(grads, state, params):
+        from zfunc.ops.gpu import lamb as gpu_lamb
+
+        p_leaves, treespec = tree.flatten(params)
+        g_leaves = _grad_leaves(grads, params)[0]
+        m_leaves, v_leaves = tree.leaves(state.mu), tree.leaves(state.nu)
+        decay = _mask_leaves(mask, params, len(p_leaves))
+        idx = [i for i, g in enumerate(g_leaves) if g is not None]
+        gpu_lamb.lamb_many_([p_leaves[i] for i in idx], [_as_kernel_grad(g_leaves[i], p_leaves[i].device) for i in idx],
+                            [m_leaves[i] for i in idx], [v_leaves[i] for i in idx], step=state.count + 1,
+                            lr=float(lr(state.count)), beta1=b1, beta2=b2, eps=eps, weight_decay=weight_decay,
+                            bias_correction=bias_correction, min_coeff=min_coeff, max_coeff=max_coeff,
+                            decay=[bool(decay[i]) for i in idx])
+        return tree.unflatten(treespec, p_leaves), AdamState(state.count + 1, state.mu, state.nu)
+
     return GradientTransformation(lambda params: AdamState(0, _zeros_like(params), _zeros_like(params)), update,
-                                  None, lambda state: lr(state.count))
+                                  _kernel_apply(backend, update, None, cupy_apply), lambda state: lr(state.count))
 

@@ -12,6 +12,7 @@ import torch
 
 from zfunc.core import tree
 from zfunc.optim.base import EmptyState, GradientTransformation, KnownNorm, PyTree, _check_number
+from zfunc.optim.kernels import _gpu_kernels_usable
 
 
 def known_norm(grads: PyTree, norm: torch.Tensor) -> KnownNorm:
@@ -23,12 +24,18 @@ def known_norm(grads: PyTree, norm: torch.Tensor) -> KnownNorm:
 
 def global_norm(grads: PyTree, known: KnownNorm | None = None) -> torch.Tensor:
     """The L2 norm of all tensor leaves together, as a 0-d fp32 tensor on the first leaf's device;
-    ``known``'s norm instead where it is that of these very grads (``KnownNorm.of``)."""
+    ``known``'s norm instead where it is that of these very grads (``KnownNorm.of``). Leaves on one
+    GPU go through zfunc's CUDA kernel where CuPy is installed (``zfunc.ops.gpu.norm``: one read,
+    the squares summed in fp64), else ``torch._foreach_norm``."""
     leaves = tree.tensors(grads)
     if known is not None:
         norm = known.of_tensors(leaves)
         if norm is not None:
             return norm
+    if leaves and _on_one_gpu(leaves):
+        from zfunc.ops.gpu import norm as gpu_norm
+
+        return gpu_norm.global_norm([t if t.is_contiguous() else t.contiguous() for t in leaves])
     device = leaves[0].device if leaves else torch.device("cpu")
     # bf16/fp16 grads (offload hands over autograd's own): their norms accumulated and returned in fp32
     low = any(t.dtype in (torch.bfloat16, torch.float16) for t in leaves)
@@ -38,6 +45,15 @@ def global_norm(grads: PyTree, known: KnownNorm | None = None) -> torch.Tensor:
         norms = torch._foreach_norm(leaves, 2, dtype=torch.float32) if low else torch._foreach_norm(leaves)
     norms = [n.to(device, torch.float32) for n in norms]
     return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=device)
+
+
+def _on_one_gpu(leaves: list[torch.Tensor]) -> bool:
+    """Whether zfunc's CUDA norm kernel takes these leaves: fp32/bf16/fp16 on one GPU, CuPy installed."""
+    return (all(t.is_cuda and t.dtype in _KERNEL_DTYPES for t in leaves) and len({t.device for t in leaves}) == 1
+            and _gpu_kernels_usable())
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:

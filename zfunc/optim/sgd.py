@@ -12,7 +12,7 @@ from zfunc.core import tree
 from zfunc.ops.cpu import hostmem
 from zfunc.optim.base import (GradientTransformation, MaskOrFn, PyTree, ScalarOrSchedule, _check_betas,
                               _check_non_negative, _grad_leaves, _mask_leaves)
-from zfunc.optim.kernels import _check_backend, _kernel_apply, _zeros_like
+from zfunc.optim.kernels import _as_kernel_grad, _check_backend, _kernel_apply, _zeros_like
 from zfunc.optim.schedules import _as_schedule
 
 
@@ -88,7 +88,8 @@ def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99, wei
          mask: MaskOrFn = None, backend: str = "auto") -> GradientTransformation:
     """Lion (Chen et al., 2023): ``p = p (1 - lr wd) - lr sign(b1 m + (1-b1) g);  m = b2 m + (1-b2) g``.
 
-    ``backend`` as ``sgd``."""
+    ``backend`` as ``sgd``, and on contiguous fp32 params on one GPU ``"auto"`` (or ``"cupy"``)
+    updates in place with zfunc's CUDA kernel (``zfunc.ops.gpu.lion``) where CuPy is installed."""
     _check_betas(b1=b1, b2=b2)
     _check_non_negative(weight_decay=weight_decay)
     _check_backend(backend)
@@ -128,5 +129,17 @@ def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99, wei
                            beta2=b2, weight_decay=weight_decay if d else 0.0)
         return tree.unflatten(treespec, p_leaves), TraceState(state.count + 1, state.trace)
 
-    return GradientTransformation(init, update, _kernel_apply(backend, update, numba_apply),
+    def cupy_apply(grads, state, params):
+        from zfunc.ops.gpu import lion as gpu_lion
+
+        p_leaves, treespec = tree.flatten(params)
+        decay = _mask_leaves(mask, params, len(p_leaves))
+        g_leaves, m_leaves = _grad_leaves(grads, params)[0], tree.leaves(state.trace)
+        idx = [i for i, g in enumerate(g_leaves) if g is not None]
+        gpu_lion.lion_many_([p_leaves[i] for i in idx], [_as_kernel_grad(g_leaves[i], p_leaves[i].device) for i in idx],
+                            [m_leaves[i] for i in idx], lr=float(lr(state.count)), beta1=b1, beta2=b2,
+                            weight_decay=weight_decay, decay=[bool(decay[i]) for i in idx])
+        return tree.unflatten(treespec, p_leaves), TraceState(state.count + 1, state.trace)
+
+    return GradientTransformation(init, update, _kernel_apply(backend, update, numba_apply, cupy_apply),
                                   lambda state: lr(state.count))
