@@ -5,5 +5,5 @@ from zfunc.dist.compressed import ErrorFeedback, error_feedback
 from zfunc.dist.launch import free_port, init_from_env, loopback_interface, spawn
 from zfunc.dist.mesh import P2P, CollectiveError, Comm, Mesh, all_arrive
 
-__all__ = ["CollectiveError", "Comm", "ErrorFeedback", "error_feedback", "Mesh", "P2P", "all_arrive", "free_port", "init_from_env",
-           "loopback_interface", "spawn"]
+__all__ = ["CollectiveError", "Comm", "ErrorFeedback", "error_feedback", "Mesh", "P2P", "all_arrive", "free_port",
+           "init_from_env", "loopback_interface", "spawn"]

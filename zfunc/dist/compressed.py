@@ -5,7 +5,8 @@ Over N ranks, for a tensor x of n elements padded to P (a multiple of 8N), rank 
 
 1. adds its worker error: ``c = x + e``; splits c into N chunks of k = P/N; per chunk j, the scale
    ``s_j = ||c_j||_2 / sqrt(k)`` and the signs ``b_j = sign(c_j)`` (0 counts as +), packed 8 to a
-   byte (one pass each way: an int64 multiply to pack, a table lookup to unpack); keeps ``e = c - s * b`` (what the compression lost) for the next call;
+   byte (one pass each way: an int64 multiply to pack, a table lookup to unpack); keeps ``e = c - s * b``
+   (what the compression lost) for the next call;
 2. sends chunk j's signs and scale to rank j (one all-to-all): each rank is the *server* of 1/N;
 3. as server of chunk r: averages what it received, ``m = sum_i s_ir b_ir / N``, adds its server
    error ``E``, compresses m the same way (one scale for the chunk) and keeps ``E = m - S * sign(m)``;

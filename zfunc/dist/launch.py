@@ -165,7 +165,8 @@ def _collect(procs, results, world_size: int, timeout_s: float) -> list[Any]:
             raise RuntimeError(f"rank {dead[0]} of {world_size} died with exit code {procs[dead[0]].exitcode}"
                                + _survivors(procs, results, out, world_size))
         if time.monotonic() > deadline:
-            raise TimeoutError(f"spawn: ranks {sorted(set(range(world_size)) - set(out))} did not finish in {timeout_s} s")
+            late = sorted(set(range(world_size)) - set(out))
+            raise TimeoutError(f"spawn: ranks {late} did not finish in {timeout_s} s")
         time.sleep(0.01)
     return [out[r] for r in range(world_size)]
 

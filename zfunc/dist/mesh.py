@@ -1,14 +1,13 @@
 """The mesh over ``torch.distributed``, byte-counting collectives and point-to-point.
 
-``Mesh(dp=N)`` wraps the default process group; ``Mesh(dp=N, pp=P)`` adds a pipeline axis and
-``Mesh(dp=N, sp=S)`` a sequence-parallel one (see ``Mesh`` for the layout and its groups). The default process group (gloo for CPU tensors, NCCL
-for CUDA) is set up by ``torchrun``'s environment variables or ``spawn`` (``zfunc.dist.launch``).
-Every collective zfunc issues goes through a ``Comm``, which counts the bytes of each call type --
-the figures the comm-volume tests and the sharding docstrings' *cost* lines are checked against -- and names the
-operation (unit, step) in the error when a peer fails or the ranks' calls diverge, instead of
-hanging silently; point-to-point transfers go through a ``P2P``, which does the same. A public
-collective call that some ranks may skip by mistake (``zf.checkpoint.save``) first checks, with
-``all_arrive``, that every rank made it.
+``Mesh(dp=N)`` wraps the default process group; ``Mesh(dp=N, pp=P)`` adds a pipeline axis and ``Mesh(dp=N, sp=S)`` a
+sequence-parallel one (see ``Mesh`` for the layout and its groups). The default process group (gloo for CPU tensors,
+NCCL for CUDA) is set up by ``torchrun``'s environment variables or ``spawn`` (``zfunc.dist.launch``). Every
+collective zfunc issues goes through a ``Comm``, which counts the bytes of each call type -- the figures the
+comm-volume tests and the sharding docstrings' *cost* lines are checked against -- and names the operation (unit,
+step) in the error when a peer fails or the ranks' calls diverge, instead of hanging silently; point-to-point
+transfers go through a ``P2P``, which does the same. A public collective call that some ranks may skip by mistake
+(``zf.checkpoint.save``) first checks, with ``all_arrive``, that every rank made it.
 
 Byte counts are the full logical tensor, per rank: ``all_gather`` counts its output,
 ``reduce_scatter`` its input, ``all_reduce`` twice its tensor (a ring all-reduce is a
@@ -116,16 +115,6 @@ class Comm:
             self._backend = "" if self.alone else str(dist.get_backend(self.group))
         return self._backend == "gloo"
 
-    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, label: str = "", async_op: bool = False):
-        """``out``'s chunk ``s`` (dim 0 cut in N equal chunks) <- rank ``s``'s chunk ``r`` of ``inp``, on rank ``r``.
-
-        ``out`` and ``inp`` are contiguous, of one shape, dim 0 a multiple of N. Counts ``inp``'s bytes
-        (its own chunk, which stays, included: the full logical tensor, as the other calls count).
-        """
-        return self._run("all_to_all", _nbytes(inp), label,
-                         lambda: dist.all_to_all_single(out, inp, group=self.group, async_op=True),
-                         lambda: out.copy_(inp), async_op)
-
     def all_reduce(self, t: torch.Tensor, label: str = "", async_op: bool = False):
         """``t`` <- the sum over ranks of ``t``, in place."""
         return self._run("all_reduce", 2 * _nbytes(t), label,
@@ -133,8 +122,10 @@ class Comm:
 
     def all_to_all(self, out: torch.Tensor, full: torch.Tensor, label: str = "", kind: str = "all_to_all",
                    async_op: bool = False):
-        """``out``'s chunk r (of N equal chunks) <- rank r's chunk (this rank's index) of its ``full``;
-        counts ``full``'s bytes under ``kind``."""
+        """``out``'s chunk ``s`` (dim 0 cut in N equal chunks) <- rank ``s``'s chunk ``r`` of its ``full``, on
+        rank ``r``. ``out`` and ``full`` are contiguous, of one shape, dim 0 a multiple of N. Counts ``full``'s
+        bytes under ``kind`` (its own chunk, which stays, included: the whole logical tensor, as the other
+        calls count)."""
         return self._run(kind, _nbytes(full), label,
                          lambda: dist.all_to_all_single(out, full, group=self.group, async_op=True),
                          lambda: out.copy_(full), async_op)
@@ -254,7 +245,8 @@ def _all_gather_by_broadcasts(out: torch.Tensor, local: torch.Tensor, group: Any
     """``all_gather`` as one broadcast per rank of ``group``, of that rank's chunk of ``out``."""
     chunks = out.view(dist.get_world_size(group), -1)
     _copy_unless_same(chunks[dist.get_rank(group)], local)
-    return _AllOf([dist.broadcast(chunk, group=group, group_src=r, async_op=async_op) for r, chunk in enumerate(chunks)])
+    return _AllOf([dist.broadcast(chunk, group=group, group_src=r, async_op=async_op)
+                   for r, chunk in enumerate(chunks)])
 
 
 def _copy_unless_same(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -474,7 +466,8 @@ class Mesh:
             ranks = f"{dp} ranks" if not inner else f"{_product(axes)} ranks"
             raise ValueError(
                 f"{', '.join(n for n, _ in axes)}: the mesh has {ranks} but the process group has world size {world}"
-                + ("" if initialised else " (torch.distributed is not initialised: start with torchrun or zf.dist.spawn)")
+                + ("" if initialised else
+                   " (torch.distributed is not initialised: start with torchrun or zf.dist.spawn)")
             )
         self.dp, self.pp, self.sp, self.tp = dp, pp, sp, tp
         self.dp_sp = self
