@@ -62,14 +62,15 @@ def test_save_model_writes_the_trained_weights(tmp_path):
     assert "eval_loss" in trainer.evaluate()
 
 
-def test_refusals_name_what():
+def test_refusals_name_what(tmp_path):
     from zfunc.integrations.transformers import Trainer, TrainingArguments
     import transformers
 
+    out = str(tmp_path / "out")  # the Trainer makes its output folder: not in the checkout
     with pytest.raises(ValueError, match="zfunc.integrations.transformers.TrainingArguments"):
-        Trainer(model=hf_trainer.model(), args=transformers.TrainingArguments("x", use_cpu=True, report_to=[]))
+        Trainer(model=hf_trainer.model(), args=transformers.TrainingArguments(out, use_cpu=True, report_to=[]))
     with pytest.raises(NotImplementedError, match="label_smoothing_factor"):
-        Trainer(model=hf_trainer.model(), args=TrainingArguments("x", deepspeed=hf_trainer.HF_ZERO2, use_cpu=True,
+        Trainer(model=hf_trainer.model(), args=TrainingArguments(out, deepspeed=hf_trainer.HF_ZERO2, use_cpu=True,
                                                                  report_to=[], label_smoothing_factor=0.1))
 
 
