@@ -208,5 +208,5 @@ def parallelize(step: Step, model: nn.Module, plan: config_mod.Plan, mesh: Mesh 
     if plan.pp > 1:
         sharded = plan.zero_stage > 0 or plan.dp > 1
         step = pipeline(step, plan.pp, plan.microbatches, plan.pipeline_schedule, model=model, units=units,
-                        mesh=None if sharded else mesh)
+                        mesh=None if sharded else mesh, virtual_stages=plan.virtual_stages)
     return step
