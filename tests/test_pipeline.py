@@ -268,8 +268,8 @@ def test_bad_input():
         step(plain_state, batches()[0])
     with pytest.raises(ValueError, match=r"zf.shard\(zf.pipeline\(step\)\) is refused: .* must be applied last"):
         zf.shard(step, mesh, stage=1)
-    with pytest.raises(ValueError, match="pipeline composes with ZeRO stage 1 over the dp axis, got stage 3"):
-        zf.pipeline(zf.shard(plain_step, mesh, stage=3), stages=1, microbatches=2, model=model, units=by_block)
+    with pytest.raises(ValueError, match="pipeline composes with ZeRO stage 1, 2 or 3 over the dp axis, got stage 0"):
+        zf.pipeline(zf.shard(plain_step, mesh, stage=0), stages=1, microbatches=2, model=model, units=by_block)
     shuffled, shuffled_state = make(("gpipe", 2, None), mesh, order=[1, 0, 2, 3])
     with pytest.raises(ValueError, match="units must run once each, in module order; unit 'blocks.1' ran"):
         shuffled(shuffled_state, batches()[0])

@@ -583,10 +583,10 @@ LAYOUT_FLAGS = [  # (flags, world size, the message naming the flags)
     (["--sp", "2"], 3, "--sp: 2 ranks per replica (pp * sp) do not divide the 3 processes"),
     (["--sp", "2", "--pp", "2", "--microbatches", "2", "--zero", "1"], 4,
      "--sp (plan sp_size): zf.sequence_parallel does not run under a pipeline yet"),
-    (["--pp", "2", "--microbatches", "2", "--remat"], 2, "--remat (plan remat): a pipeline runs each unit once"),
     (["--pp", "2", "--zero", "1", "--offload-optimizer", "cpu"], 2,
      "--offload-optimizer (plan offload_optimizer): a pipeline (pp=2) updates each stage's params"),
-    (["--pp", "2", "--zero", "2"], 2, "--zero (plan zero_stage): a pipeline (pp=2) composes with ZeRO stage 0 or 1"),
+    (["--pp", "2", "--microbatches", "2", "--virtual-stages", "2"], 2,
+     "--virtual-stages (plan virtual_stages): more than one virtual stage per rank needs pipeline_schedule"),
     (["--pp", "2", "--accum", "2"], 2, "--accum (plan accum): a pipeline splits each batch into microbatches itself"),
     (["--pp", "2", "--microbatches", "3"], 2, "--batch-size: the global batch of 8 sequences must split over 1 "
                                               "data-parallel rank x 3 pipeline microbatches"),
@@ -611,8 +611,9 @@ def test_help_states_the_global_batch_and_the_layout_flags(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "global batch: sequences per optimizer step, over all processes" in text
     for flag in ("--zero {0,1,2,3}", "--offload-optimizer {none,cpu,nvme}", "--offload-params {none,cpu,nvme}",
-                 "--nvme-path", "--remat", "--remat-offload", "--pp", "--microbatches", "--schedule {1f1b,gpipe}",
-                 "--deepspeed", "--tile-lm-head", "--log-every"):
+                 "--nvme-path", "--remat", "--remat-offload", "--pp", "--microbatches",
+                 "--schedule {1f1b,gpipe,interleaved-1f1b,zero-bubble}", "--virtual-stages", "--deepspeed",
+                 "--tile-lm-head", "--log-every"):
         assert flag in text, flag
 
 

@@ -37,7 +37,7 @@ precision and accumulation are checked.
 a rule of ``zfunc.core.compose``'s rulebook (``Plan`` itself refuses those inconsistent as data;
 ``check`` also those zfunc does not run: offload under a pipeline, optimizer offload at stage 0
 over several ranks, params offload without optimizer offload, a pipeline over replicas at stage 0,
-remat under a pipeline, tensor parallelism), one ``ValueError`` naming the plan field, its value
+tensor parallelism), one ``ValueError`` naming the plan field, its value
 and what was expected.
 """
 from __future__ import annotations

@@ -352,7 +352,6 @@ def pipeline(step: Step, stages: int, microbatches: int, schedule: str | Schedul
     plan = PipelineSchedule(schedule, microbatches, virtual_stages)
     plan.timeline(stages)  # built and checked: refuses a wrong or deadlocking schedule before anything runs
     layout = make_layout(model, units, len(plan.plan(stages).ranks), split)
-    compose.check_pipeline_units(model, layout.units)
     mesh = _pick_mesh(step, stages, mesh)
     return PipelineStep(step, model, layout, microbatches, plan, mesh)
 
