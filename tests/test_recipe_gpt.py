@@ -351,6 +351,8 @@ TWO_PROCESSES = [
     (["--zero", "2", "--offload-optimizer", "nvme", "--accum", "2"], slow),
     (["--zero", "3", "--remat", "--tile-lm-head", "2"], slow),
     (["--pp", "2", "--microbatches", "4", "--schedule", "gpipe", "--zero", "1"], slow),
+    (["--pp", "2", "--microbatches", "2", "--zero", "3", "--remat"], ()),  # a stage's ZeRO-3 (dp 1), remat'ed units
+    (["--pp", "2", "--microbatches", "2", "--schedule", "zero-bubble"], slow),
 ]
 
 
@@ -366,6 +368,16 @@ def test_the_same_flags_on_two_processes_under_torchrun_train_the_same(tmp_path,
     by_rank = {p.parent.name: p for p in logs.rglob("stdout.log")}
     assert "model:" in by_rank["0"].read_text() and "layout: 2 processes" in by_rank["0"].read_text()
     assert by_rank["1"].read_text() == "" and (by_rank["1"].parent / "stderr.log").read_text() == "", done.stderr
+
+
+@pytest.mark.multiprocess
+def test_an_interleaved_pipeline_under_torchrun_trains_as_one_process(tmp_path, text_file):
+    """--pp 2 --schedule interleaved-1f1b --virtual-stages 2: 4 virtual stages of one block each, on 2 processes."""
+    flags = LAW + ["--data", str(text_file), "--n-layer", "4"]
+    gpt.main(flags + ["--out", str(tmp_path / "plain")])
+    cli(tmp_path / "out", flags + ["--pp", "2", "--microbatches", "2", "--schedule", "interleaved-1f1b",
+                                   "--virtual-stages", "2"], procs=2)
+    assert_same_losses(metrics(tmp_path / "out"), metrics(tmp_path / "plain"), "interleaved-1f1b, v=2")
 
 
 @pytest.mark.multiprocess
