@@ -102,7 +102,8 @@ def torch_trainer(gpt: GPT, rank: int, p: int, m: int, schedule: str, batch: int
     kind (``TORCH``), its stages placed as that schedule places them (loop or V)."""
     from torch.distributed import pipelining as tp
 
-    kind, v = TORCH[schedule], VIRTUAL[schedule]
+    kind = TORCH[schedule]
+    v = 2 if kind == "ScheduleZBVZeroBubble" else VIRTUAL[schedule]
     count = p * v
     mine = [rank, 2 * p - 1 - rank] if kind == "ScheduleZBVZeroBubble" else [rank + c * p for c in range(v)]
     modules = [torch_stage_module(gpt, k, count) for k in mine]
