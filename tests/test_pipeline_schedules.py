@@ -80,3 +80,25 @@ def test_zf_pipeline_checks_a_schedule_before_it_makes_the_step():
     one = zf.pipeline(step, stages=1, microbatches=2, schedule="interleaved-1f1b", virtual_stages=2, model=model,
                       units=by_block)
     assert isinstance(one.schedule.plan(1), Schedule) and one.schedule.plan(1).ranks == (0, 0)
+
+
+def test_zf_plan_predicts_each_schedules_bubble_and_live_microbatches():
+    """zf.plan's pipeline term: GPipe and 1F1B as before, the others by their simulated bubble;
+    GPipe holds more activations than 1F1B, zero-bubble as many on the busiest stage."""
+    import dataclasses
+
+    from zfunc import plan as zp
+    from zfunc.plan.core import schedule_bubble
+
+    assert schedule_bubble("1f1b", 4, 8) == pytest.approx(3 / 11)
+    assert schedule_bubble("interleaved-1f1b", 4, 8, 2) == pytest.approx(3 / 19)
+    model, cluster = zp.from_params(1e9), zp.cluster("H100-80GB", 4)
+    base = zp.from_flags(dp=1, pp=4, zero=1, accum=8)
+    compute = {}
+    for name, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble", 1)):
+        how = dataclasses.replace(base, pipeline_schedule=name, virtual_stages=v)
+        compute[name] = zp.plan(model, cluster, how).time["compute"]
+    assert compute["interleaved-1f1b"] < compute["1f1b"] and compute["zero-bubble"] < compute["1f1b"], compute
+    live = {name: zp.plan(model, cluster, dataclasses.replace(base, pipeline_schedule=name, virtual_stages=v))
+            .memory["gpu"]["activations"] for name, v in (("1f1b", 1), ("zero-bubble", 1), ("gpipe", 1))}
+    assert live["zero-bubble"] == live["1f1b"] < live["gpipe"], live
