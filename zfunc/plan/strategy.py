@@ -32,14 +32,16 @@ __all__ = ["PLACES", "PRECISIONS", "SCHEDULES", "REMATS", "OPTIMIZER_STATE_BYTES
 def from_flags(dp: int | None = None, pp: int = 1, tp: int = 1, sp: bool = False, zero: int = 1,
                offload_optimizer: str = "none", offload_params: str = "none", remat: str | bool = "none",
                micro_batch: int = 1, accum: int = 1, seq: int | None = None, precision: str = "bf16",
-               optimizer: str = "adamw", clip: bool = True, tiles: int = 1, schedule: str = "1f1b") -> Plan:
+               optimizer: str = "adamw", clip: bool = True, tiles: int = 1, schedule: str = "1f1b",
+               virtual_stages: int = 1) -> Plan:
     """The ``zf.config.Plan`` of ``python -m zfunc.plan``'s flags: ``zero`` is ``zero_stage``;
     ``remat`` "none", "full" (``zf.remat`` on every layer: only layer inputs kept) or "offload"
     (those inputs in CPU RAM), True/False meaning "full"/"none"; ``accum`` the microbatches per step
     (the pipeline's microbatches when ``pp > 1``); ``clip`` a global-norm clip of 1 (it keeps
     offload from updating during backward); ``tiles`` ``zf.tile(k)`` on the largest Linears (1:
-    untiled); ``schedule`` the pipeline's. ``dp=None`` spreads over the cluster's GPUs; "nvme"
-    offload gets the placeholder ``NVME_PATH``. Errors name the argument (``zero: ...``)."""
+    untiled); ``schedule`` the pipeline's, ``virtual_stages`` per rank with "interleaved-1f1b".
+    ``dp=None`` spreads over the cluster's GPUs; "nvme" offload gets the placeholder ``NVME_PATH``.
+    Errors name the argument (``zero: ...``)."""
     if isinstance(remat, bool):
         remat = "full" if remat else "none"
     if remat not in REMATS:
@@ -55,8 +57,8 @@ def from_flags(dp: int | None = None, pp: int = 1, tp: int = 1, sp: bool = False
                     nvme_path=NVME_PATH if "nvme" in (offload_optimizer, offload_params) else None,
                     remat=remat != "none", remat_offload=remat == "offload", tile_lm_head=0 if tiles == 1 else tiles,
                     microbatches=accum if piped else 1, accum=1 if piped else accum, pipeline_schedule=schedule,
-                    precision=precision, gradient_clipping=1.0 if clip else 0.0, optimizer=optimizer,
-                    micro_batch=micro_batch, seq=seq)
+                    virtual_stages=virtual_stages, precision=precision, gradient_clipping=1.0 if clip else 0.0,
+                    optimizer=optimizer, micro_batch=micro_batch, seq=seq)
     except ValueError as e:  # named as the caller named it
         field, sep, why = str(e).partition(": ")
         raise ValueError(f"{FLAG_OF_FIELD.get(field, field)}{sep}{why}") from None
@@ -64,7 +66,8 @@ def from_flags(dp: int | None = None, pp: int = 1, tp: int = 1, sp: bool = False
 
 # Plan field -> ``from_flags``'s (and the CLI's) name for it, where they differ
 FLAG_OF_FIELD = {"zero_stage": "zero", "tile_lm_head": "tiles", "pipeline_schedule": "schedule",
-                 "microbatches": "accum", "remat_offload": "remat", "gradient_clipping": "clip"}
+                 "microbatches": "accum", "remat_offload": "remat", "gradient_clipping": "clip",
+                 "virtual_stages": "virtual_stages"}
 
 
 def resolve(plan: Plan, gpus: int, max_seq: int) -> tuple[Plan, list[str]]:
