@@ -371,6 +371,7 @@ def test_the_same_flags_on_two_processes_under_torchrun_train_the_same(tmp_path,
 
 
 @pytest.mark.multiprocess
+@slow  # its own one-process reference at 4 layers; tests/test_pipeline.py runs interleaved-1f1b by default
 def test_an_interleaved_pipeline_under_torchrun_trains_as_one_process(tmp_path, text_file):
     """--pp 2 --schedule interleaved-1f1b --virtual-stages 2: 4 virtual stages of one block each, on 2 processes."""
     flags = LAW + ["--data", str(text_file), "--n-layer", "4"]
