@@ -67,10 +67,17 @@ p equal stages with GPipe and 1F1B, ``(p - 1) / (v m + p - 1)`` interleaved, les
 **Composition** (3D, as DeepSpeed): ``zf.pipeline(zf.shard(step, Mesh(dp=d, pp=p), stage=1), ...)``
 shards each stage's params and optimizer state over its dp group: whole stage params are
 all-gathered at the start of the step, whole grads summed over microbatches and reduce-scattered
-at the end (stage 1 costs: ``2 Psi_s`` per rank per step). ZeRO 2/3 and ``shard(pipeline(...))``
-are rejected: the pipeline must be the outermost transformation (docs/design.md, section 3, says
-why: its schedule keeps several microbatches live, which stage 2/3's per-microbatch gathers and
-reducers do not allow, and it changes what a state and a loss are for whatever would wrap it).
+at the end (stage 1 costs: ``2 Psi_s`` per rank per step). Stages 2 and 3 (``stage=2``, ``3``)
+reduce-scatter each op's grads as the op ends into fp32 slices (no whole grads outlive an op;
+``m`` reduce-scatters of ``Psi_s`` per step, per virtual stage's op); stage 3 gathers the stage's
+params once per step and keeps them for its microbatches (a per-unit gather per microbatch, as
+``zf.shard`` stage 3 does alone, would gather each unit ``2 m`` times; the schedule interleaves
+microbatches, so the whole stage stays gathered), so between steps a rank holds ``1/d`` of its
+stage's params. ``shard(pipeline(...))`` is rejected: the pipeline must be the outermost
+transformation (docs/design.md, section 3: it changes what a state and a loss are for whatever
+would wrap it). Units under ``zf.remat`` recompute in backward (a unit's call inside its own call
+counts once, ``zfunc.pipelining.hooks``); with "zero-bubble" a remat'ed unit recomputes in the
+input-grad op and again in the weight-grad op.
 The schedule, ``step.schedule``, is a ``PipelineSchedule`` (``zfunc.pipelining.stage``) with
 accumulation's interface, ``split(batch)`` and ``ops(stages, stage)``, which the one microbatch
 loop (``zfunc.core.microbatches``) runs; the pipeline leaves ``Roles`` (``zfunc.core.roles``).
