@@ -2,24 +2,26 @@
 
     python benchmarks/pipeline.py [--stages 2] [--microbatches 2,4,8] [--n-layer 4] [--n-embd 192]
                                   [--block-size 128] [--batch 16] [--steps 3] [--rounds 3]
+                                  [--schedules gpipe,1f1b,interleaved-1f1b,zero-bubble]
 
 One spawn of ``--stages`` ranks; every rank builds, from the same initial GPT (recipes/gpt.py),
-for each microbatch count m: zfunc's GPipe and 1F1B steps and torch's ``ScheduleGPipe`` and
-``Schedule1F1B`` over ``PipelineStage``s holding the same blocks (the model split the same way:
-embeddings + the first blocks on stage 0, the last blocks + final norm + head on the last stage).
-They run interleaved, ``--steps`` steps each per round, for ``--rounds`` rounds, after a warm-up
-step; a step is as slow as its slowest rank, and the median is reported.
+for each microbatch count m and schedule: zfunc's step and torch's schedule of the same kind
+(``TORCH``: ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` with 2 stages per
+rank, ``ScheduleZBVZeroBubble``, whose V places stages ``r`` and ``2p - 1 - r`` on rank ``r``,
+against zfunc's ZB-H1) over ``PipelineStage``s holding the same blocks (embeddings + the first
+blocks on stage 0, the last blocks + final norm + head on the last stage; ``--n-layer`` a
+multiple of ``2 p``). They run interleaved, ``--steps`` steps each per round, for ``--rounds``
+rounds, after a warm-up step; a step is as slow as its slowest rank, and the median is reported.
 
 Both sides train with AdamW (no clipping) and average the microbatch losses. Differences: torch
 cannot tie ``wte``/``lm_head`` across stages, so its last stage trains an untied copy of the head,
 while zfunc lends the tied weight from stage 0 and returns its grad (a little more traffic);
 zfunc also all-reduces the loss and grad norm so every rank has the metrics.
 
-Measured bubble, per stage: ``1 - compute / wall``, where ``compute`` is the time zfunc's stage
-spent in forward and backward (``step.timings["compute_s"]``) and ``wall`` the whole step, which
-starts after a barrier and ends with the loss all-reduce on every stage together (so it also
-counts the optimizer update and the tied weight's exchange as idle). Theory for p equal stages:
-``(p - 1) / (m + p - 1)``. On this shared 2-core machine, compare ratios, not absolute times.
+Measured bubble, per stage: ``step.timings["bubble"]``, ``1 - compute / wall`` over zfunc's
+schedule (forwards and backwards, from its first op to its last send). Theory: the schedule's
+simulated bubble with unit op costs (``step.schedule.timeline(p)``; ``(p - 1) / (m + p - 1)`` for
+GPipe and 1F1B). On this shared 2-core machine, compare ratios, not absolute times.
 """
 from __future__ import annotations
 
@@ -40,7 +42,10 @@ import zfunc as zf  # noqa: E402
 from recipes.gpt import GPT, Block, GPTConfig  # noqa: E402
 
 LR = 1e-3
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
+         "zero-bubble": "ScheduleZBVZeroBubble"}
+VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zero-bubble": 1}  # per rank (torch's ZBV: 2, a V)
 
 
 class FirstStage(nn.Module):
@@ -84,25 +89,34 @@ def lm_loss(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def torch_trainer(gpt: GPT, rank: int, p: int, m: int, schedule: str, batch: int):
-    """``run(tokens) -> seconds`` for torch.distributed.pipelining on ``p`` ranks."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+def torch_stage_module(gpt: GPT, k: int, count: int) -> nn.Module:
+    """Virtual stage ``k`` of ``count``: its share of the blocks, with the embeddings on the first
+    and the final norm and (untied) head on the last."""
+    per = len(gpt.blocks) // count
+    blocks = list(gpt.blocks)[k * per : (k + 1) * per]
+    return FirstStage(gpt, blocks) if k == 0 else LastStage(gpt, blocks) if k == count - 1 else MiddleStage(blocks)
 
-    per = len(gpt.blocks) // p
-    blocks = list(gpt.blocks)[rank * per : (rank + 1) * per]
-    module = FirstStage(gpt, blocks) if rank == 0 else LastStage(gpt, blocks) if rank == p - 1 else MiddleStage(blocks)
-    stage = PipelineStage(module, rank, p, torch.device("cpu"))
-    sched = (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(stage, m, loss_fn=lm_loss)
-    opt = torch.optim.AdamW(module.parameters(), lr=LR, fused=True)
+
+def torch_trainer(gpt: GPT, rank: int, p: int, m: int, schedule: str, batch: int):
+    """``run(tokens)`` for torch.distributed.pipelining on ``p`` ranks: its schedule of the same
+    kind (``TORCH``), its stages placed as that schedule places them (loop or V)."""
+    from torch.distributed import pipelining as tp
+
+    kind = TORCH[schedule]
+    v = 2 if kind == "ScheduleZBVZeroBubble" else VIRTUAL[schedule]
+    count = p * v
+    mine = [rank, 2 * p - 1 - rank] if kind == "ScheduleZBVZeroBubble" else [rank + c * p for c in range(v)]
+    modules = [torch_stage_module(gpt, k, count) for k in mine]
+    stages = [tp.PipelineStage(mod, k, count, torch.device("cpu")) for mod, k in zip(modules, mine)]
+    cls = getattr(tp, kind)
+    sched = cls(stages if v > 1 or kind == "ScheduleZBVZeroBubble" else stages[0], m, loss_fn=lm_loss)
+    opt = torch.optim.AdamW([q for mod in modules for q in mod.parameters()], lr=LR, fused=True)
 
     def run(tokens):
         x, y = tokens[:, :-1], tokens[:, 1:]
-        if rank == 0:
-            sched.step(x)
-        elif rank == p - 1:
-            sched.step(target=y, losses=[])
-        else:
-            sched.step()
+        args = (x,) if 0 in mine else ()
+        kwargs = dict(target=y, losses=[]) if count - 1 in mine else {}
+        sched.step(*args, **kwargs)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -116,19 +130,20 @@ def zfunc_trainer(gpt: GPT, mesh: zf.Mesh, m: int, schedule: str):
         return lm_loss(apply(p, tokens[:, :-1]), tokens[:, 1:])
 
     step = zf.pipeline(zf.train_step(loss_fn, zf.optim.adamw(LR)), stages=mesh.pp, microbatches=m,
-                       schedule=schedule, model=gpt, units=zf.units.by_class(Block), mesh=mesh)
-    holder = {"state": step.init(params), "bubbles": []}
+                       schedule=schedule, model=gpt, units=zf.units.by_class(Block), mesh=mesh,
+                       virtual_stages=VIRTUAL[schedule])
+    holder = {"state": step.init(params), "bubbles": [], "theory": max(step.schedule.timeline(mesh.pp).bubble)}
 
     def run(tokens):
-        t0 = time.perf_counter()
         holder["state"], metrics = step(holder["state"], tokens)
-        metrics["loss"].item()  # the loss all-reduce ends the step on every stage together
-        holder["bubbles"].append(1.0 - step.timings["compute_s"] / (time.perf_counter() - t0))
+        metrics["loss"].item()
+        holder["bubbles"].append(step.timings["bubble"])
 
     return run, holder
 
 
-def worker(rank: int, p: int, cfg: GPTConfig, ms: list[int], batch: int, steps: int, rounds: int):
+def worker(rank: int, p: int, cfg: GPTConfig, ms: list[int], batch: int, steps: int, rounds: int,
+           schedules: list[str]):
     mesh = zf.Mesh(pp=p)
     torch.manual_seed(0)
     base = GPT(cfg)
@@ -136,7 +151,7 @@ def worker(rank: int, p: int, cfg: GPTConfig, ms: list[int], batch: int, steps: 
     data = [torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=g) for _ in range(steps)]
     trainers, holders = {}, {}
     for m in ms:
-        for s in SCHEDULES:
+        for s in schedules:
             trainers[("zfunc", s, m)], holders[(s, m)] = zfunc_trainer(copy.deepcopy(base), mesh, m, s)
             trainers[("torch", s, m)] = torch_trainer(copy.deepcopy(base), rank, p, m, s, batch)
     times = {k: [] for k in trainers}
@@ -151,7 +166,7 @@ def worker(rank: int, p: int, cfg: GPTConfig, ms: list[int], batch: int, steps: 
                 t0 = time.perf_counter()
                 run(tokens)
                 times[k].append(time.perf_counter() - t0)
-    return times, {k: statistics.median(h["bubbles"]) for k, h in holders.items()}
+    return times, {k: (statistics.median(h["bubbles"]), h["theory"]) for k, h in holders.items()}
 
 
 def main(argv=None) -> None:
@@ -164,24 +179,30 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=16, help="sequences per step (split into microbatches)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--schedules", default=",".join(SCHEDULES), help=f"a subset of {SCHEDULES}")
     args = ap.parse_args(argv)
     p, ms = args.stages, [int(x) for x in args.microbatches.split(",")]
+    schedules = args.schedules.split(",")
+    unknown = sorted(set(schedules) - set(SCHEDULES))
+    if unknown:
+        ap.error(f"--schedules: expected names among {SCHEDULES}, got {unknown}")
     cfg = GPTConfig(n_layer=args.n_layer, n_head=4, n_embd=args.n_embd, block_size=args.block_size)
     n_params = sum(x.numel() for x in GPT(cfg).parameters())
     print(f"GPT {n_params / 1e6:.2f}M params ({args.n_layer} blocks), {p} stages on {p} gloo ranks, batch "
           f"{args.batch}x{cfg.block_size}, torch {torch.__version__}; median of {args.rounds}x{args.steps} steps")
-    results = zf.dist.spawn(worker, p, p, cfg, ms, args.batch, args.steps, args.rounds, timeout_s=3600)
+    results = zf.dist.spawn(worker, p, p, cfg, ms, args.batch, args.steps, args.rounds, schedules, timeout_s=3600)
     med = {k: statistics.median(max(r[0][k][i] for r in results) for i in range(len(results[0][0][k])))
            for k in results[0][0]}
-    print("\n| m | schedule | bubble theory | bubble measured per stage | zfunc ms/step | torch ms/step | "
+    print("\n| m | schedule (torch's) | bubble theory | bubble measured per stage | zfunc ms/step | torch ms/step | "
           "zfunc speed vs torch |")
     print("|---|---|---|---|---|---|---|")
     for m in ms:
-        for s in SCHEDULES:
-            theory = (p - 1) / (m + p - 1)
-            measured = ", ".join(f"{r[1][(s, m)]:.2f}" for r in results)
+        for s in schedules:
+            theory = results[0][1][(s, m)][1]
+            measured = ", ".join(f"{r[1][(s, m)][0]:.2f}" for r in results)
             z, t = med[("zfunc", s, m)], med[("torch", s, m)]
-            print(f"| {m} | {s} | {theory:.2f} | {measured} | {z * 1e3:.1f} | {t * 1e3:.1f} | {t / z:.2f}x |")
+            print(f"| {m} | {s} ({TORCH[s]}) | {theory:.2f} | {measured} | {z * 1e3:.1f} | {t * 1e3:.1f} | "
+                  f"{t / z:.2f}x |")
 
 
 if __name__ == "__main__":

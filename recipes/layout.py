@@ -27,11 +27,11 @@ class FlagError(ValueError):
 
 LAYOUT_DEFAULTS = dict(
     zero=0, offload_optimizer="none", offload_params="none", nvme_path=None, keep_swap=False, remat=False,
-    remat_offload=False, tile_lm_head=0, pp=1, microbatches=1, schedule="1f1b", deepspeed=None,
+    remat_offload=False, tile_lm_head=0, pp=1, microbatches=1, schedule="1f1b", virtual_stages=1, deepspeed=None,
     quantize_weights=False, quantize_grads=0, sp=1, sp_kind="ulysses", tile_mlp=0,
 )
 CHOICES = dict(zero=[0, 1, 2, 3], offload_optimizer=["none", "cpu", "nvme"], offload_params=["none", "cpu", "nvme"],
-               schedule=["1f1b", "gpipe"], quantize_grads=[0, 4, 8],
+               schedule=["1f1b", "gpipe", "interleaved-1f1b", "zero-bubble"], quantize_grads=[0, 4, 8],
                optimizer=["adamw", "onebit_adam", "zero_one_adam", "onebit_lamb"], sp_kind=["ulysses", "ring"])
 LAYOUT_HELP = dict(
     zero="ZeRO stage: 0 replicated data parallel, 1 optimizer state, 2 + grads, 3 + params sharded over the ranks",
@@ -46,7 +46,8 @@ LAYOUT_HELP = dict(
     tile_lm_head="compute the LM head (and an embedding tied to it) in this many tiles; 0: untiled",
     pp="pipeline stages (the world size must be a multiple; dp = world size / pp)",
     microbatches="with --pp: microbatches each rank's batch is cut into (in place of --accum)",
-    schedule="pipeline schedule",
+    schedule="pipeline schedule (zero-bubble: ZB-H1, the backward split into input and weight grads)",
+    virtual_stages="with --schedule interleaved-1f1b: virtual pipeline stages per rank (units placed round-robin)",
     quantize_weights="ZeRO++ (--zero 3): all-gather the params as block-quantized int8",
     quantize_grads="ZeRO++ (--zero 1-3): reduce-scatter the grads in 4 or 8 bits (0: fp32)",
     sp="sequence-parallel ranks: each computes 1/sp of every sequence's tokens, attention sees them all "
@@ -60,7 +61,7 @@ LAYOUT_HELP = dict(
 # The layout may change on --resume: a checkpoint loads into any stage, offload or world size.
 MAY_CHANGE_ON_RESUME = ("zero", "offload_optimizer", "offload_params", "nvme_path", "keep_swap", "remat",
                         "remat_offload", "pp", "microbatches", "schedule", "deepspeed", "accum", "quantize_weights",
-                        "quantize_grads", "sp", "sp_kind", "tile_mlp")
+                        "quantize_grads", "sp", "sp_kind", "tile_mlp", "virtual_stages")
 # Plan field -> the flag that sets it, to name flags in the plan's errors.
 FLAG_OF_FIELD = dict(dp="--pp", pp="--pp", zero_stage="--zero", offload_optimizer="--offload-optimizer",
                      offload_params="--offload-params", nvme_path="--nvme-path", remat="--remat",
@@ -68,7 +69,8 @@ FLAG_OF_FIELD = dict(dp="--pp", pp="--pp", zero_stage="--zero", offload_optimize
                      pipeline_schedule="--schedule", precision="--precision", accum="--accum",
                      gradient_clipping="--grad-clip", global_batch="--batch-size", micro_batch="--batch-size",
                      quantized_weights="--quantize-weights", quantized_grads="--quantize-grads",
-                     sp_size="--sp", sp_kind="--sp-kind", tile_mlp="--tile-mlp")
+                     sp_size="--sp", sp_kind="--sp-kind", tile_mlp="--tile-mlp",
+                     virtual_stages="--virtual-stages")
 
 
 def flag(name: str) -> str:
@@ -122,7 +124,7 @@ class Launch:
 def check_layout_args(args: argparse.Namespace, world: int) -> list[str]:
     """The layout flags' own values and the global batch's split over ``world`` processes."""
     errors = []
-    for name in ("pp", "microbatches", "sp"):
+    for name in ("pp", "microbatches", "sp", "virtual_stages"):
         if getattr(args, name) < 1:
             errors.append(f"{flag(name)}: expected an int >= 1, got {getattr(args, name)}")
     for name in ("tile_lm_head", "tile_mlp"):
@@ -177,7 +179,7 @@ def resolve(args: argparse.Namespace, world: int, units: str | None, *, notices:
                   offload_params=args.offload_params, nvme_path=args.nvme_path, remat=args.remat,
                   remat_offload=args.remat_offload, tile_lm_head=args.tile_lm_head, sp_size=args.sp,
                   sp_kind=args.sp_kind, tile_mlp=args.tile_mlp, microbatches=args.microbatches,
-                  pipeline_schedule=args.schedule,
+                  pipeline_schedule=args.schedule, virtual_stages=args.virtual_stages,
                   precision=args.precision, accum=args.accum, gradient_clipping=args.grad_clip,
                   micro_batch=args.batch_size // (dp * split), global_batch=args.batch_size)
     if args.quantize_weights or args.quantize_grads:  # else a --deepspeed config's ZeRO++ keys stand
@@ -221,10 +223,10 @@ def rank0_params(model: Any, params: dict, plan: Any) -> dict:
 
     units = zf.config.selector(plan.units) if plan.units is not None else zf.units.auto()
     try:
-        owner = make_layout(model, units, plan.pp, None).owner
+        owner = make_layout(model, units, plan.pp * plan.virtual_stages, None).owner
     except ValueError as e:
         raise FlagError(f"--pp: {e}") from None
-    return {name: p for name, p in params.items() if owner.get(name, 0) == 0}
+    return {name: p for name, p in params.items() if owner.get(name, 0) % plan.pp == 0}  # stage k on rank k % pp
 
 
 # ----------------------------------------------------------------------------- --deepspeed

@@ -6,7 +6,8 @@ Allowed orders and where their law is tested against the plain step:
 - offload(step): test_offload.test_offloaded_step_equals_the_plain_step
 - offload(shard 1-3): test_offload.test_offload_composes_with_shard_stages_1_2_and_3
 - pipeline(step), pipeline(shard 1): test_pipeline.test_pipelined_step_equals_plain_step,
-  test_pipeline.test_dp2_x_pp2_with_shard_stage_1_equals_plain_step
+  test_pipeline.test_dp2_x_pp2_with_shard_stage_1_equals_plain_step; pipeline(shard 2, 3) and pipeline units
+  under zf.remat: test_pipeline_compose
 - remat / tile inside plain, shard 3, offload and pipeline steps: below (and test_remat, test_tile)
 """
 import collections
@@ -36,13 +37,6 @@ def pipelined(step, mesh):
 
 # ------------------------------------------------------------------------------------ refused orders
 
-def remat_units():
-    model = nn.Sequential(Block(2), Block(2))
-    for b in model:
-        b.forward = zf.remat(b.forward)
-    return model
-
-
 def refused_cases(mesh):
     """(what, build, error type, pattern) of every refused order on a one-rank mesh."""
     step, _ = plain_step()
@@ -70,16 +64,13 @@ def refused_cases(mesh):
         ("pipeline(offload)", lambda: pipelined(zf.offload(step), mesh), ValueError,
          r"zf.pipeline\(zf.offload\(step\)\) is refused: zf.pipeline cannot wrap zf.offload: .*offloading a "
          r"stage's state is not supported; the order that works: zf.pipeline\(zf.shard\(step, .*without zf.offload"),
-        ("pipeline(shard 3)", lambda: pipelined(zf.shard(step, mesh, 3), mesh), ValueError,
-         r"zf.pipeline\(zf.shard\(step\)\) is refused: .*pipeline composes with ZeRO stage 1 over the dp axis, "
-         r"got stage 3; the order that works: zf.pipeline\(zf.shard\(step, zf.Mesh\(dp=d, pp=p\), stage=1\)"),
+        ("pipeline(shard 0)", lambda: pipelined(zf.shard(step, mesh, 0), mesh), ValueError,
+         r"zf.pipeline\(zf.shard\(step\)\) is refused: .*pipeline composes with ZeRO stage 1, 2 or 3 over the dp "
+         r"axis, got stage 0; the order that works: zf.pipeline\(zf.shard\(step, zf.Mesh\(dp=d, pp=p\), stage=1\)"),
         ("remat(step)", lambda: zf.remat(step), ValueError,
          r"fn: zf.remat\(step\) is refused: zf.remat wraps a model's function or layer, not a step"),
         ("tile(step)", lambda: zf.tile(zf.shard(step, mesh, 2), tiles=2), ValueError,
          r"module_or_fn: zf.tile\(zf.shard\(step\)\) is refused: zf.tile wraps a model's function or layer"),
-        ("pipeline of remat'ed units", lambda: zf.pipeline(step, 1, 2, model=remat_units(), units=["0", "1"]),
-         ValueError, r"model: zf.pipeline of a model whose pipeline unit '0' runs zf.remat\(forward\) is refused: "
-         r".*the order that works: remat the unit's submodules"),
         ("shard(function)", lambda: zf.shard(zf.remat(lambda x: x), mesh, 1), TypeError,
          r"step: zf.shard transforms a Step from zf.train_step .* got function"),
     ]

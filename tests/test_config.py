@@ -81,7 +81,8 @@ def test_plan_refuses_a_bad_field_naming_it_and_the_value(field, value, expected
     (dict(scheduler="WarmupDecayLR", scheduler_params={"warmup_num_steps": 0}), "scheduler_params.warmup_num_steps"),
     (dict(optimizer=None, scheduler="WarmupCosineLR"), "scheduler: WarmupCosineLR takes its peak"),
     (dict(scheduler_params={"warmup_num_steps": 3}), "scheduler_params: the plan names no scheduler"),
-    (dict(pp=2, zero_stage=2), "zero_stage: a pipeline (pp=2) composes with ZeRO stage 0 or 1, got 2"),
+    (dict(pp=2, microbatches=2, virtual_stages=2), "virtual_stages: more than one virtual stage per rank needs "
+                                                   "pipeline_schedule 'interleaved-1f1b', got 2 with '1f1b'"),
     (dict(microbatches=4), "microbatches: pipeline microbatches need pp > 1"),
     (dict(pp=2, accum=2), "accum: a pipeline splits"),
     (dict(zero_stage=2, offload_params="cpu"), "offload_params: offloading params needs ZeRO stage 3"),

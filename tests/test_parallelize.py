@@ -136,7 +136,6 @@ REFUSED = [  # (plan fields, the error naming them)
      "offloaded masters; expected offload_optimizer 'cpu' or 'nvme'"),
     (dict(dp=2, pp=2, microbatches=2), "zero_stage: a pipeline over dp=2 ranks per stage shards each stage with "
      "ZeRO stage 1"),
-    (dict(pp=2, microbatches=2, remat=True), "remat: a pipeline runs each unit once per microbatch"),
 ]
 
 

@@ -8,11 +8,16 @@ from tests.models import (Block, NormSpy, NormStack, NormUnit, adamw, assert_sam
                           bn_batches, bn_step, norm_step, token_loss, torch_train, train_on, tree_equal, with_faults)
 from recipes import gpt
 from zfunc.checkpoint import full_params
+from zfunc.pipelining import Schedule, check, from_csv
+from zfunc.pipelining.schedules import peak_live
 
 
 def make(pipe=None, mesh=None, shard=False, model="tiny", clip=True, grad_norm=True, **model_kw):
-    """``(step, state)``: the plain step, or pipelined with ``pipe = (schedule, microbatches, split)``."""
+    """``(step, state)``: the plain step, or pipelined with ``pipe = (schedule, microbatches, split[,
+    virtual stages])``; model "tiny8" is the tiny one with 8 blocks."""
     torch.manual_seed(0)
+    if model == "tiny8":
+        model, model_kw = "tiny", {**model_kw, "n": 8}
     if model == "gpt":  # the recipe's GPT, unchanged: tied wte/lm_head, positions, final norm
         model, block = gpt.GPT(gpt.GPTConfig(vocab_size=VOCAB, block_size=5, n_layer=2, n_head=2, n_embd=8)), gpt.Block
     else:
@@ -20,10 +25,11 @@ def make(pipe=None, mesh=None, shard=False, model="tiny", clip=True, grad_norm=T
     apply, params = zf.functionalize(model)
     step = zf.train_step(token_loss(apply), adamw(clip), grad_norm=grad_norm)
     if pipe is not None:
-        schedule, m, split = pipe
+        schedule, m, split, v = (*pipe, 1)[:4]
         step = zf.shard(step, mesh, stage=1) if shard else step
         step = zf.pipeline(step, stages=mesh.pp, microbatches=m, schedule=schedule, model=model,
-                           units=zf.units.by_class(block), split=split, mesh=None if shard else mesh)
+                           units=zf.units.by_class(block), split=split, mesh=None if shard else mesh,
+                           virtual_stages=v)
     return step, step.init(params)
 
 
@@ -40,10 +46,16 @@ def check_equal(results, ref, what):
     assert set(holder) == set(ref_state.params), what
 
 
-# (model, schedule, microbatches, split): even and uneven splits, m < p, m = p, m > p.
+# A user's schedule (torchtitan's CSV): the last stage splits its backwards, its weight grads out of order.
+CUSTOM = from_csv("0F0,0F1,0B0,0F2,0B1,0F3,0B2,0B3\n1F0,1I0,1F1,1I1,1W0,1F2,1I2,1W1,1F3,1I3,1W3,1W2\n")
+# (model, schedule, microbatches, split[, virtual stages]): even and uneven splits, m < p, m = p, m > p; every
+# schedule, interleaved with v = 2 (2 ranks: 4 virtual stages; 4 ranks: 8, of the 8-block model).
 CONFIGS = {2: [("tiny", "gpipe", 4, None), ("tiny", "1f1b", 4, None), ("tiny", "1f1b", 2, (1, 3)),
-               ("tiny", "gpipe", 1, (3, 1)), ("gpt", "1f1b", 4, None)],
-           4: [("tiny", "gpipe", 4, None), ("tiny", "1f1b", 8, None), ("tiny", "1f1b", 2, None)]}
+               ("tiny", "gpipe", 1, (3, 1)), ("gpt", "1f1b", 4, None), ("tiny", "interleaved-1f1b", 4, None, 2),
+               ("tiny", "interleaved-1f1b", 2, (1, 1, 1, 1), 2), ("tiny", "zero-bubble", 4, None),
+               ("gpt", "zero-bubble", 2, None), ("tiny", CUSTOM, 4, None)],
+           4: [("tiny", "gpipe", 4, None), ("tiny", "1f1b", 8, None), ("tiny", "1f1b", 2, None),
+               ("tiny8", "interleaved-1f1b", 4, None, 2), ("tiny", "zero-bubble", 4, None)]}
 
 
 def law_worker(rank, world, configs):
@@ -52,7 +64,8 @@ def law_worker(rank, world, configs):
     for model, *pipe in configs:
         step, state = make(pipe, mesh, model=model)
         state, losses, norms = train_on(step, state, batches())
-        out.append((losses, norms, dict(state.params), step.peak_live_microbatches, mesh.comm_bytes()))
+        out.append((losses, norms, dict(state.params), step.peak_live_microbatches, mesh.comm_bytes(),
+                    step.timings["bubble"]))
     return out
 
 
@@ -60,25 +73,34 @@ def law_worker(rank, world, configs):
 @pytest.mark.parametrize("world", [2, 4])
 def test_pipelined_step_equals_plain_step(world):
     results = zf.dist.spawn(law_worker, world, world, CONFIGS[world])
-    refs = {model: train_on(*make(model=model), batches()) for model in ("tiny", "gpt")}
-    for k, (model, schedule, m, split) in enumerate(CONFIGS[world]):
-        what = f"{model}, {schedule}, m={m}, split={split}, p={world}"
+    refs = {model: train_on(*make(model=model), batches()) for model in {c[0] for c in CONFIGS[world]}}
+    for k, (model, schedule, m, split, *v) in enumerate(CONFIGS[world]):
+        v = v[0] if v else 1
+        what = f"{model}, {schedule}, m={m}, split={split}, v={v}, p={world}"
         check_equal([r[k][:3] for r in results], refs[model], what)
+        name = schedule.name if isinstance(schedule, Schedule) else schedule
         for stage, r in enumerate(results):
-            live, nbytes = r[k][3:]
-            # 1F1B: at most p - s microbatches' activations held on stage s (so <= p); GPipe: all m
-            assert live == (m if schedule == "gpipe" else min(world - stage, m)), (what, stage, live)
+            live, nbytes, bubble = r[k][3:]
+            # the schedule's peak of live microbatches (per virtual stage), as its docstring states
+            expected = check(CUSTOM).peak_live[stage] if name == "custom" else peak_live(name, world, m, stage, v)
+            assert live == expected, (what, stage, live)
+            assert 0.0 <= bubble < 1.0, (what, stage, bubble)
             if model == "tiny":
-                assert (nbytes["send"], nbytes["recv"]) == p2p_bytes(stage, world), (what, stage, nbytes)
+                assert (nbytes["send"], nbytes["recv"]) == p2p_bytes(stage, world, v), (what, stage, nbytes)
 
 
-def p2p_bytes(stage, p, header=13 * 8, acts=8 * 5 * 6 * 4, shared=(VOCAB * 6 + 6 + 6) * 4):
+def p2p_bytes(stage, p, v=1, header=13 * 8, acts=8 * 5 * 6 * 4, shared=(VOCAB * 6 + 6 + 6) * 4):
     """The docstring's cost: m activations (the whole batch's, fp32) forward and their grads back
-    across each boundary, a shape header per step, and the shared params (emb = head, ln_f) lent
-    from stage 0 to the last stage, their fp32 grads returned."""
-    send = (header + acts if stage < p - 1 else 0) + (acts if stage > 0 else 0)
-    recv = (header + acts if stage > 0 else 0) + (acts if stage < p - 1 else 0)
-    ends = shared if stage in (0, p - 1) else 0
+    across each boundary between virtual stages on two ranks (stage k on rank k % p), a shape
+    header per such boundary and step, and the shared params (emb = head, ln_f) lent from stage 0
+    to the last stage's rank, their fp32 grads returned."""
+    send = recv = 0
+    for b in range(p * v - 1):
+        src, dst = b % p, (b + 1) % p
+        if src != dst:
+            send += (header + acts if stage == src else 0) + (acts if stage == dst else 0)
+            recv += (header + acts if stage == dst else 0) + (acts if stage == src else 0)
+    ends = shared if stage in (0, p - 1) and p > 1 else 0
     return send + ends, recv + ends
 
 
@@ -246,8 +268,8 @@ def test_bad_input():
         step(plain_state, batches()[0])
     with pytest.raises(ValueError, match=r"zf.shard\(zf.pipeline\(step\)\) is refused: .* must be applied last"):
         zf.shard(step, mesh, stage=1)
-    with pytest.raises(ValueError, match="pipeline composes with ZeRO stage 1 over the dp axis, got stage 3"):
-        zf.pipeline(zf.shard(plain_step, mesh, stage=3), stages=1, microbatches=2, model=model, units=by_block)
+    with pytest.raises(ValueError, match="pipeline composes with ZeRO stage 1, 2 or 3 over the dp axis, got stage 0"):
+        zf.pipeline(zf.shard(plain_step, mesh, stage=0), stages=1, microbatches=2, model=model, units=by_block)
     shuffled, shuffled_state = make(("gpipe", 2, None), mesh, order=[1, 0, 2, 3])
     with pytest.raises(ValueError, match="units must run once each, in module order; unit 'blocks.1' ran"):
         shuffled(shuffled_state, batches()[0])

@@ -213,7 +213,7 @@ def test_offload_moves_state_off_the_gpu_and_costs_time():
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(zero=2, pp=2), r"zero: a pipeline \(pp=2\) composes with ZeRO stage 0 or 1, got 2"),
+    (dict(pp=2, schedule="zb"), r"schedule: expected one of .*got 'zb'"),
     (dict(zero=1, offload_params="cpu"), "offload_params: offloading params needs ZeRO stage 3"),
     (dict(tp=3), "tp, pp, sp_size: tp \\* pp \\* sp_size = 3 does not divide"),
     (dict(sp_size=2, sp_kind="ring", seq=1026), "seq: 1026 tokens do not split over sp_size=2 ranks"),
@@ -270,7 +270,7 @@ def test_json_has_the_fields_the_issue_names(capsys):
 
 @pytest.mark.parametrize("argv, match", [
     (["--params", "7e9", "--gpu", "B300"], "--gpu: expected one of H100-80GB.*got 'B300'"),
-    (["--params", "7e9", "--zero", "2", "--pp", "2"], r"--zero: a pipeline \(pp=2\) composes with ZeRO stage 0 or 1"),
+    (["--params", "7e9", "--schedule", "zb", "--pp", "2"], r"--schedule: expected one of .*got 'zb'"),
     (["--params", "7e9", "--flavor", "7B"], "give exactly one model"),
 ])
 def test_the_cli_names_a_bad_flag(capsys, argv, match):

@@ -351,6 +351,8 @@ TWO_PROCESSES = [
     (["--zero", "2", "--offload-optimizer", "nvme", "--accum", "2"], slow),
     (["--zero", "3", "--remat", "--tile-lm-head", "2"], slow),
     (["--pp", "2", "--microbatches", "4", "--schedule", "gpipe", "--zero", "1"], slow),
+    (["--pp", "2", "--microbatches", "2", "--zero", "3", "--remat"], ()),  # a stage's ZeRO-3 (dp 1), remat'ed units
+    (["--pp", "2", "--microbatches", "2", "--schedule", "zero-bubble"], slow),
 ]
 
 
@@ -366,6 +368,17 @@ def test_the_same_flags_on_two_processes_under_torchrun_train_the_same(tmp_path,
     by_rank = {p.parent.name: p for p in logs.rglob("stdout.log")}
     assert "model:" in by_rank["0"].read_text() and "layout: 2 processes" in by_rank["0"].read_text()
     assert by_rank["1"].read_text() == "" and (by_rank["1"].parent / "stderr.log").read_text() == "", done.stderr
+
+
+@pytest.mark.multiprocess
+@slow  # its own one-process reference at 4 layers; tests/test_pipeline.py runs interleaved-1f1b by default
+def test_an_interleaved_pipeline_under_torchrun_trains_as_one_process(tmp_path, text_file):
+    """--pp 2 --schedule interleaved-1f1b --virtual-stages 2: 4 virtual stages of one block each, on 2 processes."""
+    flags = LAW + ["--data", str(text_file), "--n-layer", "4"]
+    gpt.main(flags + ["--out", str(tmp_path / "plain")])
+    cli(tmp_path / "out", flags + ["--pp", "2", "--microbatches", "2", "--schedule", "interleaved-1f1b",
+                                   "--virtual-stages", "2"], procs=2)
+    assert_same_losses(metrics(tmp_path / "out"), metrics(tmp_path / "plain"), "interleaved-1f1b, v=2")
 
 
 @pytest.mark.multiprocess
@@ -583,10 +596,10 @@ LAYOUT_FLAGS = [  # (flags, world size, the message naming the flags)
     (["--sp", "2"], 3, "--sp: 2 ranks per replica (pp * sp) do not divide the 3 processes"),
     (["--sp", "2", "--pp", "2", "--microbatches", "2", "--zero", "1"], 4,
      "--sp (plan sp_size): zf.sequence_parallel does not run under a pipeline yet"),
-    (["--pp", "2", "--microbatches", "2", "--remat"], 2, "--remat (plan remat): a pipeline runs each unit once"),
     (["--pp", "2", "--zero", "1", "--offload-optimizer", "cpu"], 2,
      "--offload-optimizer (plan offload_optimizer): a pipeline (pp=2) updates each stage's params"),
-    (["--pp", "2", "--zero", "2"], 2, "--zero (plan zero_stage): a pipeline (pp=2) composes with ZeRO stage 0 or 1"),
+    (["--pp", "2", "--microbatches", "2", "--virtual-stages", "2"], 2,
+     "--virtual-stages (plan virtual_stages): more than one virtual stage per rank needs pipeline_schedule"),
     (["--pp", "2", "--accum", "2"], 2, "--accum (plan accum): a pipeline splits each batch into microbatches itself"),
     (["--pp", "2", "--microbatches", "3"], 2, "--batch-size: the global batch of 8 sequences must split over 1 "
                                               "data-parallel rank x 3 pipeline microbatches"),
@@ -611,8 +624,9 @@ def test_help_states_the_global_batch_and_the_layout_flags(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "global batch: sequences per optimizer step, over all processes" in text
     for flag in ("--zero {0,1,2,3}", "--offload-optimizer {none,cpu,nvme}", "--offload-params {none,cpu,nvme}",
-                 "--nvme-path", "--remat", "--remat-offload", "--pp", "--microbatches", "--schedule {1f1b,gpipe}",
-                 "--deepspeed", "--tile-lm-head", "--log-every"):
+                 "--nvme-path", "--remat", "--remat-offload", "--pp", "--microbatches",
+                 "--schedule {1f1b,gpipe,interleaved-1f1b,zero-bubble}", "--virtual-stages", "--deepspeed",
+                 "--tile-lm-head", "--log-every"):
         assert flag in text, flag
 
 

@@ -18,7 +18,6 @@ from zfunc.core.step import Transformed
 
 # rule name -> plan fields that break that rule alone
 CASES = {
-    "pipeline x ZeRO 2/3": dict(pp=2, zero_stage=2, microbatches=2),
     "microbatches without a pipeline": dict(microbatches=4),
     "params offload below stage 3": dict(zero_stage=2, offload_optimizer="cpu", offload_params="cpu"),
     "accumulation under a pipeline": dict(pp=2, accum=2),
@@ -27,7 +26,6 @@ CASES = {
     "optimizer offload of replicas": dict(dp=2, offload_optimizer="cpu"),
     "params offload without optimizer offload": dict(zero_stage=3, offload_params="cpu"),
     "pipeline over replicas": dict(dp=2, pp=2, microbatches=2),
-    "remat under a pipeline": dict(pp=2, microbatches=2, remat=True),
     "tensor parallelism with what it does not yet run": dict(tp=2, tile_lm_head=2),
     "1-bit optimizer with ZeRO 1-3": dict(dp=2, zero_stage=1, optimizer="onebit_adam"),
     "sequence parallelism under a pipeline": dict(pp=2, microbatches=2, zero_stage=1, sp_size=2),

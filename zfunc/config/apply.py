@@ -37,7 +37,7 @@ precision and accumulation are checked.
 a rule of ``zfunc.core.compose``'s rulebook (``Plan`` itself refuses those inconsistent as data;
 ``check`` also those zfunc does not run: offload under a pipeline, optimizer offload at stage 0
 over several ranks, params offload without optimizer offload, a pipeline over replicas at stage 0,
-remat under a pipeline, tensor parallelism), one ``ValueError`` naming the plan field, its value
+tensor parallelism), one ``ValueError`` naming the plan field, its value
 and what was expected.
 """
 from __future__ import annotations
@@ -208,5 +208,5 @@ def parallelize(step: Step, model: nn.Module, plan: config_mod.Plan, mesh: Mesh 
     if plan.pp > 1:
         sharded = plan.zero_stage > 0 or plan.dp > 1
         step = pipeline(step, plan.pp, plan.microbatches, plan.pipeline_schedule, model=model, units=units,
-                        mesh=None if sharded else mesh)
+                        mesh=None if sharded else mesh, virtual_stages=plan.virtual_stages)
     return step

@@ -34,7 +34,7 @@ from zfunc.model import units as units_mod
 
 PLACES = ("none", "cpu", "nvme")
 PRECISIONS = ("fp32", "bf16", "fp16")
-PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zero-bubble")  # zfunc.pipelining.schedules
 SP_KINDS = ("ulysses", "ring")
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 WARMUP_TYPES = ("log", "linear")
@@ -186,7 +186,8 @@ class Plan:
       nvme_path: the swap directory, exactly when something goes to "nvme".
       remat, remat_offload: activation checkpointing per unit, its saved inputs in CPU RAM.
       tile_lm_head: tiles of the LM head (``zf.tile``), 0 = untiled.
-      microbatches, pipeline_schedule: pipeline microbatches (1 without a pipeline), "1f1b" or "gpipe".
+      microbatches, pipeline_schedule: pipeline microbatches (1 without a pipeline), one of
+        ``PIPELINE_SCHEDULES``; virtual_stages: per rank, > 1 only with "interleaved-1f1b".
       precision: "fp32", "bf16" or "fp16". DeepSpeed's fp16 loss scale starts at
         ``2**initial_scale_power``, doubles after ``loss_scale_window`` finite steps and halves
         after ``hysteresis`` overflows (``consecutive_hysteresis``: refilled by a finite step), never
@@ -222,6 +223,7 @@ class Plan:
     tile_mlp: int = 0
     microbatches: int = 1
     pipeline_schedule: str = "1f1b"
+    virtual_stages: int = 1
     precision: str = "fp32"
     initial_scale_power: int = 16
     loss_scale_window: int = 1000
@@ -264,6 +266,10 @@ def _check_layout(p: Plan) -> None:
     _check_choice("offload_optimizer", p.offload_optimizer, PLACES)
     _check_choice("offload_params", p.offload_params, PLACES)
     _check_choice("pipeline_schedule", p.pipeline_schedule, PIPELINE_SCHEDULES)
+    _check_int("virtual_stages", p.virtual_stages, 1)
+    if p.virtual_stages > 1 and p.pipeline_schedule != "interleaved-1f1b":
+        raise ValueError(f"virtual_stages: more than one virtual stage per rank needs pipeline_schedule "
+                         f"'interleaved-1f1b', got {p.virtual_stages} with {p.pipeline_schedule!r}")
     _check_bool("remat", p.remat)
     _check_bool("quantized_weights", p.quantized_weights)
     _check_choice("quantized_grads", p.quantized_grads, (0, 4, 8))

@@ -17,7 +17,7 @@ wraps ->       train_step    shard               offload         pipeline
 =============  ============  ==================  ==============  ==============
 shard          yes           no (once)           no [1]          no [2]
 offload        yes           stages 1-3 [3]      no (once)       no [2]
-pipeline       yes [5]       stage 1 [5]         no [4]          no (once)
+pipeline       yes [5]       stages 1-3 [5]      no [4]          no (once)
 =============  ============  ==================  ==============  ==============
 
 [1] offload places the state shard splits: ``zf.offload(zf.shard(step, mesh, stage), ...)``.
@@ -30,25 +30,26 @@ pipeline       yes [5]       stage 1 [5]         no [4]          no (once)
 [4] a pipeline stage differentiates and updates its own params in place on its device; it has no
     leaf-by-leaf update from a store (not yet).
 [5] the step accumulates nothing (``accum=1``: the pipeline splits the batch itself), and a mesh
-    with ``dp > 1`` needs the dp axis sharded first (``zf.shard(step, mesh, stage=1)``); a sharded
-    step pipelines over its own mesh.
-``remat`` and ``tile`` wrap model functions under any row; given a ``Step``, they refuse it. One
-exception: ``zf.pipeline`` refuses a model whose pipeline *unit* runs a rematerialized ``forward``
-(it checks that each unit runs once per microbatch; remat runs it again in backward): remat the
-unit's submodules instead (``block.fc.forward = zf.remat(block.fc.forward)``), which composes.
+    with ``dp > 1`` needs the dp axis sharded first (``zf.shard(step, mesh, stage)``, stage 1-3: each
+    stage's params and optimizer state split over its dp ranks; stage 2/3 reduce-scatter each op's
+    grads as it ends, stage 3 gathers the stage's params once per step); a sharded step pipelines
+    over its own mesh.
+``remat`` and ``tile`` wrap model functions under any row (a pipeline unit's own ``forward`` too:
+the pipeline counts a unit's call within its call, which zf.remat makes, once); given a ``Step``,
+they refuse it.
 
 Every refused order is a ``ValueError`` naming both transformations (outer and inner) and the
 order that works; a refused option (``offload(params=...)`` of a stage-2 step) names the option.
 
 **Plan settings** (``RULES``; a plan is any object with ``zf.config.Plan``'s fields). Each rule is
 one of two kinds:
-- ``INCONSISTENT``: the settings contradict each other (a pipeline with ZeRO 2/3; pipeline
-  microbatches without a pipeline; accumulation under a pipeline, which splits batches itself;
-  params offload below stage 3 but for stage 0 on one rank; sequence parallelism without tensor
-  parallelism). ``Plan(...)`` refuses them, so nothing else sees them.
+- ``INCONSISTENT``: the settings contradict each other (pipeline microbatches
+  without a pipeline; accumulation under a pipeline, which splits batches itself; params offload
+  below stage 3 but for stage 0 on one rank; sequence parallelism without tensor parallelism).
+  ``Plan(...)`` refuses them, so nothing else sees them.
 - ``UNSUPPORTED``: consistent, but zfunc does not run it (offload under a pipeline; optimizer
   offload at stage 0 over several ranks; params offload without optimizer offload; a pipeline over
-  ``dp > 1`` at stage 0; remat under a pipeline; ``sp_size > 1`` under a pipeline; what
+  ``dp > 1`` at stage 0; ``sp_size > 1`` under a pipeline; what
   ``zfunc.tensor`` does not run with tensor parallelism yet: its rows, registered by that package,
   replace the placeholder ``"tp"`` rows below, which refuse ``tp > 1`` where it is not imported).
   ``Plan`` holds them, ``zf.config.check`` and ``zf.parallelize`` refuse them, the estimator models
@@ -102,9 +103,9 @@ def _pipeline_over_step(step: Any, options: Mapping[str, Any]) -> str | None:
 
 
 def _pipeline_over_shard(step: Any, options: Mapping[str, Any]) -> Refusal | str | None:
-    if step.stage != 1:
-        return (f"pipeline composes with ZeRO stage 1 over the dp axis, got stage {step.stage}",
-                "zf.pipeline(zf.shard(step, zf.Mesh(dp=d, pp=p), stage=1), ...)")
+    if step.stage not in (1, 2, 3):
+        return (f"pipeline composes with ZeRO stage 1, 2 or 3 over the dp axis, got stage {step.stage}",
+                "zf.pipeline(zf.shard(step, zf.Mesh(dp=d, pp=p), stage=1), ...) (or stage 2, 3)")
     if options.get("mesh") is not None and options["mesh"] is not step.mesh:
         return "mesh: a sharded step pipelines over its own mesh; leave mesh out"
     return _pipeline_over_step(step, {})
@@ -204,18 +205,6 @@ def check_model_level(outer: str, fn: Any) -> None:
                             "zf.tile(model, tiles=k, modules=['lm_head'])") + "; step = zf.train_step(loss_fn, ...)")
 
 
-def check_pipeline_units(model: Any, unit_names: Any) -> None:
-    """Raise a ``ValueError`` if a pipeline unit of ``model`` runs ``zf.remat(forward)`` itself."""
-    for name in unit_names:
-        forward = vars(model.get_submodule(name)).get("forward")
-        if getattr(forward, "zfunc_transform", None) == "remat":
-            raise ValueError(
-                f"model: zf.pipeline of a model whose pipeline unit '{name}' runs zf.remat(forward) is refused: "
-                "the pipeline checks that each unit runs once per microbatch, in order, and remat runs the unit "
-                f"again in backward; the order that works: remat the unit's submodules ({name}.fc.forward = "
-                f"zf.remat({name}.fc.forward)), or the pipeline without zf.remat")
-
-
 # ----------------------------------------------------------------------------- plan settings
 
 INCONSISTENT = "inconsistent"  # the settings contradict each other: Plan(...) refuses them
@@ -237,12 +226,6 @@ class Rule:
 
 def _offloaded(p: Any) -> list[str]:
     return [f for f in ("offload_optimizer", "offload_params") if getattr(p, f) != "none"]
-
-
-def _pipeline_zero(p: Any) -> str | None:
-    if p.pp > 1 and p.zero_stage > 1:
-        return f"zero_stage: a pipeline (pp={p.pp}) composes with ZeRO stage 0 or 1, got {p.zero_stage}"
-    return None
 
 
 def _microbatches(p: Any) -> str | None:
@@ -318,13 +301,6 @@ def _onebit_zero(p: Any) -> str | None:
     return None
 
 
-def _pipeline_remat(p: Any) -> str | None:
-    if p.pp > 1 and p.remat:
-        return (f"remat: a pipeline runs each unit once per microbatch and remat runs it again in backward; "
-                f"expected remat=False with pp={p.pp}, got True")
-    return None
-
-
 def _tensor_parallel(p: Any) -> str | None:
     if p.tp > 1:
         return (f"tp: zfunc does not run tensor parallelism (zf.plan models it as Megatron-LM runs it); "
@@ -334,7 +310,6 @@ def _tensor_parallel(p: Any) -> str | None:
 
 # In the order they are checked: a plan breaking several gets the first one's refusal.
 RULES: list[Rule] = [
-    Rule("pipeline x ZeRO 2/3", INCONSISTENT, _pipeline_zero, "pipeline"),
     Rule("microbatches without a pipeline", INCONSISTENT, _microbatches, "pipeline"),
     Rule("params offload below stage 3", INCONSISTENT, _params_stage, "offload"),
     Rule("accumulation under a pipeline", INCONSISTENT, _pipeline_accum, "pipeline"),
@@ -343,7 +318,6 @@ RULES: list[Rule] = [
     Rule("optimizer offload of replicas", UNSUPPORTED, _replicated_offload, "offload"),
     Rule("params offload without optimizer offload", UNSUPPORTED, _params_without_optimizer, "offload"),
     Rule("pipeline over replicas", UNSUPPORTED, _pipeline_replicas, "pipeline"),
-    Rule("remat under a pipeline", UNSUPPORTED, _pipeline_remat, "pipeline"),
     Rule("1-bit optimizer with ZeRO 1-3", UNSUPPORTED, _onebit_zero, "shard"),
     Rule("tensor parallelism", UNSUPPORTED, _tensor_parallel, "tp"),
     Rule("sequence parallelism under a pipeline", UNSUPPORTED, _sequence_pipeline, "sequence_parallel"),

@@ -1,3 +1,9 @@
-"""Pipeline parallelism (GPipe, 1F1B) as a transformation of the step (``zf.pipeline``, step.py); stage.py is
-one stage's schedule for one step.
+"""Pipeline parallelism as a transformation of the step (``zf.pipeline``, step.py): schedules as
+plain data (schedules.py: GPipe, 1F1B, interleaved 1F1B, zero-bubble, a user's), checked before
+they run (check.py), run by one rank's schedule for one step (stage.py), with the backward split
+in two where a schedule asks (split_backward.py).
 """
+from zfunc.pipelining.check import Timeline, check
+from zfunc.pipelining.schedules import BUILT_IN, Op, Schedule, build, from_csv
+
+__all__ = ["BUILT_IN", "Op", "Schedule", "Timeline", "build", "check", "from_csv"]

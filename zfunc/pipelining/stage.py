@@ -1,34 +1,35 @@
 """One pipeline stage's schedule for one step (``zf.pipeline``'s schedule and run objects).
 
 ``PipelineSchedule`` is a schedule of the one microbatch loop (``zfunc.core.microbatches``), as
-``roles.Accumulation`` is: GPipe or 1F1B over ``m`` microbatches, ``split(batch)`` and each
-stage's ``ops`` (``schedule_ops``). It is no role: the pipeline leaves ``Roles``
-(``zfunc.core.roles`` says why).
+``roles.Accumulation`` is: a ``zfunc.pipelining.schedules.Schedule`` (built-in by name, or a
+user's, checked by ``zfunc.pipelining.check``) over ``m`` microbatches, ``split(batch)`` and each
+rank's ``ops`` for the loop: ``("F", i)`` for a forward, ``("B", i)`` for any backward op (whole,
+input-grad or weight-grad: the run reads which from the schedule's own ops). It is no role: the
+pipeline leaves ``Roles`` (``zfunc.core.roles`` says why).
 
-``_StageRun`` holds the hooks a stage puts on the model for one microbatch's forward (other
-stages' units become the identity, the first local unit takes the received activation, a
-non-last stage stops after its last unit); ``_Run`` is one step's schedule on this stage: the
-params the loss sees, point-to-point transfers in flight, live microbatches and the fp32 grad
-sums, its ``forward`` and ``backward`` what the microbatch loop calls for each op. Both are made
-per call and dropped after it (docs/design.md, "Run objects"); the rules and costs they
-implement are in ``zfunc.pipelining.step``'s docstring.
+``_Run`` is one step's schedule on this rank (its forwards run the model under
+``zfunc.pipelining.hooks``): the params the loss sees, point-to-point transfers in flight, live
+microbatches and the fp32 grad sums, its ``forward`` and ``backward`` what the microbatch loop
+calls for each op. It is made per call and dropped after it (docs/design.md, "Run objects");
+the rules and costs it implements are in ``zfunc.pipelining.step``'s docstring.
 """
 from __future__ import annotations
 
 import time
 import zlib
-from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch import nn
 
 from zfunc.core import tree
 from zfunc.core.microbatches import accumulate, run_microbatches, split_batch
 from zfunc.model.functional import run_by
 from zfunc.core.step import split_loss
-from zfunc.pipelining.layout import Layout
+from zfunc.pipelining.check import Timeline, check
+from zfunc.pipelining.hooks import _StageOutput, _StageRun
 from zfunc.pipelining.placement import PipelineSpec
+from zfunc.pipelining.schedules import Op, Schedule, build
+from zfunc.pipelining.split_backward import PendingWeights, input_grad, weight_grads
 
 PyTree = Any
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -36,40 +37,29 @@ _MAX_DIMS = 8
 _HEADER = 5 + _MAX_DIMS  # int64s: step, microbatches, batch digest, dtype, ndim, shape
 
 
-class _StageOutput(BaseException):
-    """Stops a non-last stage's forward after its last unit. A ``BaseException``, so a loss
-    function's ``except Exception`` cannot swallow it."""
-
-    def __init__(self, output: torch.Tensor):
-        super().__init__("pipeline stage output")
-        self.output = output
-
-
 def schedule_ops(schedule: str, stages: int, stage: int, microbatches: int) -> list[tuple[str, int]]:
-    """Stage ``stage``'s ops, ``("F", i)`` / ``("B", i)``: GPipe runs every forward then every
-    backward; 1F1B runs ``min(p - 1 - s, m)`` forwards, then alternates one forward and one
-    backward, then the remaining backwards, so at most ``p - s`` microbatches are live."""
-    m = microbatches
-    if schedule == "gpipe":
-        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    warm = min(stages - 1 - stage, m)
-    ops = [("F", i) for i in range(warm)]
-    for i in range(m - warm):
-        ops += [("F", warm + i), ("B", i)]
-    return ops + [("B", i) for i in range(m - warm, m)]
+    """Rank ``stage``'s ops of built-in schedule ``schedule`` (one virtual stage per rank), as
+    ``("F", i)`` / ``("B", i)`` (zfunc.pipelining.schedules: GPipe runs every forward then every
+    backward; 1F1B at most ``p - s`` live microbatches)."""
+    return [(op.kind, op.microbatch) for op in build(schedule, stages, microbatches).ops[stage]]
 
 
 class PipelineSchedule:
-    """The pipeline's schedule (``zfunc.core.microbatches.Schedule``): ``kind`` ("gpipe" or "1f1b")
-    over ``count`` microbatches, with accumulation's interface (``roles.Accumulation``):
-    ``split(batch)``, and ``ops(stages, stage)``, the stage's ``schedule_ops``. On one stage 1F1B is
-    accumulation."""
+    """The pipeline's schedule (``zfunc.core.microbatches.Schedule``) over ``count`` microbatches:
+    ``kind``, a built-in schedule's name (``zfunc.pipelining.schedules.BUILT_IN``) with ``virtual``
+    stages per rank, or a user's ``Schedule``; with accumulation's interface
+    (``roles.Accumulation``): ``split(batch)``, and ``ops(stages, stage)``, the rank's ops for the
+    loop. ``plan(stages)`` is the checked ``Schedule`` for ``stages`` ranks, ``timeline(stages)``
+    its simulated run (``zfunc.pipelining.check``). On one stage 1F1B is accumulation."""
 
-    def __init__(self, kind: str, count: int):
-        self.kind, self.count = kind, count
+    def __init__(self, kind: str | Schedule, count: int, virtual: int = 1):
+        self.kind = kind.name if isinstance(kind, Schedule) else kind
+        self.given = kind if isinstance(kind, Schedule) else None
+        self.count, self.virtual = count, (kind.virtual if isinstance(kind, Schedule) else virtual)
+        self._timelines: dict[int, Timeline] = {}
 
     def __str__(self) -> str:
-        return self.kind
+        return self.kind if self.virtual == 1 else f"{self.kind} (v={self.virtual})"
 
     def split(self, batch: PyTree) -> list[PyTree]:
         """``count`` microbatches of ``batch``, whose every tensor's leading dim they must divide."""
@@ -80,139 +70,74 @@ class PipelineSchedule:
                                  f"tensor of shape {tuple(x.shape)}")
         return split_batch(batch, m)
 
-    def ops(self, stages: int, stage: int) -> list[tuple[str, int]]:
-        """Stage ``stage``'s forwards and backwards, in order (``schedule_ops``)."""
-        return schedule_ops(self.kind, stages, stage, self.count)
+    def timeline(self, stages: int) -> Timeline:
+        """The schedule for ``stages`` ranks, checked, and its simulated run with unit op costs."""
+        if stages not in self._timelines:
+            plan = self.given if self.given is not None else build(self.kind, stages, self.count, self.virtual)
+            if (plan.stages, plan.microbatches) != (stages, self.count):
+                raise ValueError(f"schedule: {plan.name!r} is for {plan.stages} ranks and {plan.microbatches} "
+                                 f"microbatches; the pipeline has {stages} stages and {self.count} microbatches")
+            self._timelines[stages] = check(plan)
+        return self._timelines[stages]
 
+    def plan(self, stages: int) -> Schedule:
+        """The checked ``Schedule`` for ``stages`` ranks."""
+        return self.timeline(stages).schedule
 
-# ----------------------------------------------------------------------------- the stage's hooks
-
-
-class _StageRun:
-    """Hooks one stage puts on the model for one microbatch's forward (see the module docstring)."""
-
-    def __init__(self, model: nn.Module, layout: Layout, stage: int, stages: int, act_in: torch.Tensor | None):
-        self.model, self.layout, self.stage, self.stages, self.act_in = model, layout, stage, stages, act_in
-        self.first, self.last = layout.bounds[stage]
-        self.seen, self.boundary, self.calls = 0, None, 0
-
-    @contextmanager
-    def running(self, module: nn.Module):
-        if module is not self.model:
-            raise ValueError(f"pipeline: loss_fn ran a {type(module).__name__}, not the model given to "
-                             f"zf.pipeline(model=...) (a {type(self.model).__name__})")
-        self.calls += 1
-        if self.calls > 1:
-            raise ValueError("pipeline: loss_fn ran the model more than once per microbatch")
-        subs = [module.get_submodule(n) for n in self.layout.units]
-        handles, skipped = [], []
-        try:
-            for k, sub in enumerate(subs):
-                if self.first <= k <= self.last:
-                    handles.append(sub.register_forward_pre_hook(self._enter(k)))
-                else:
-                    skipped.append((sub, sub.__dict__.get("forward")))
-                    sub.forward = self._skip(k)
-            if self.stage < self.stages - 1:
-                handles.append(subs[self.last].register_forward_hook(self._leave))
-            yield
-        finally:
-            for h in handles:
-                h.remove()
-            for sub, forward in skipped:
-                if forward is None:
-                    del sub.forward
-                else:
-                    sub.forward = forward
-
-    def _arrive(self, k: int) -> None:
-        units = self.layout.units
-        if k != self.seen:
-            expected = f"'{units[self.seen]}'" if self.seen < len(units) else "no more units"
-            raise ValueError(f"pipeline: units must run once each, in module order; unit '{units[k]}' ran "
-                             f"when {expected} was due")
-        self.seen += 1
-
-    def _skip(self, k: int):
-        def identity(*args, **kwargs):
-            self._arrive(k)
-            if not args or not isinstance(args[0], torch.Tensor):
-                raise ValueError(f"pipeline: unit '{self.layout.units[k]}' must take the activation as its "
-                                 "first positional argument")
-            if k == self.first - 1:
-                self.boundary = args[0]
-            return args[0]
-
-        return identity
-
-    def _enter(self, k: int):
-        def hook(module, args):
-            self._arrive(k)
-            if k != self.first or self.act_in is None:
-                return None
-            if not args or args[0] is not self.boundary:
-                units = self.layout.units
-                raise ValueError(f"pipeline: unit '{units[k]}' (first of stage {self.stage}) must get the output "
-                                 f"of unit '{units[k - 1]}' unchanged as its first argument: code between two "
-                                 "units cannot be split across stages")
-            return (self.act_in, *args[1:])
-
-        return hook
-
-    def _leave(self, module, args, output):
-        if not isinstance(output, torch.Tensor):
-            raise TypeError(f"pipeline: unit '{self.layout.units[self.last]}' (last of stage {self.stage}) must "
-                            f"return one tensor to send to the next stage, got {type(output).__name__}")
-        raise _StageOutput(output)
-
-    def check_complete(self) -> None:
-        """After a forward that returned normally (only the last stage's may): every unit ran."""
-        if self.calls == 0:
-            raise ValueError("loss_fn: the pipeline needs the loss to run the model through the apply "
-                             "of zf.functionalize(model)")
-        if self.seen != len(self.layout.units):
-            raise ValueError(f"pipeline: unit '{self.layout.units[self.seen]}' never ran in stage {self.stage}'s "
-                             "forward (the loss must run every pipeline unit, once, in module order)")
+    def ops(self, stages: int = 1, stage: int = 0) -> list[tuple[str, int]]:
+        """Rank ``stage``'s ops for the microbatch loop, in order: ``("F", i)``, else ``("B", i)``."""
+        return [("F" if op.kind == "F" else "B", op.microbatch) for op in self.plan(stages).ops[stage]]
 
 
 # ----------------------------------------------------------------------------- one step's schedule
 
 
 class _Run:
-    """One step's schedule on this stage: the params the loss sees, p2p in flight, live
-    microbatches, fp32 grad sums (``acc`` for owned params, ``lent_acc`` for borrowed ones).
-    ``ps`` is the ``PipelineStep`` (read: its model, loss, layout, mesh, schedule, microbatches and
-    compute dtype), not imported: zfunc.pipelining.step imports this module."""
+    """One step's schedule on this rank: the params the loss sees, p2p in flight, live
+    microbatches, fp32 grad sums (``acc`` for owned params, unless a ``sink`` takes each op's grads
+    of them: ZeRO 2/3 over the stage's dp ranks; ``lent_acc`` for borrowed ones). ``ps`` is the
+    ``PipelineStep`` (read: its model, loss, layout, mesh, schedule, microbatches and compute
+    dtype), not imported: zfunc.pipelining.step imports this module.
+
+    Every message has its own tag (``_tag``), so receives match sends whatever order a rank posts
+    them in; an output whose next stage runs on this rank is handed over in memory (``local``)."""
 
     def __init__(self, ps: Any, spec: PipelineSpec, whole: list[torch.Tensor], number: int, scale,
-                 digest: int):
+                 digest: int, sink: Any = None):
         self.ps, self.spec, self.number, self.scale, self.digest = ps, spec, number, scale, digest
         self.s, self.p, self.m, self.p2p = spec.stage, spec.stages, ps.microbatches, ps.mesh.p2p
+        self.plan = ps.schedule.plan(self.p)
+        self.ranks, self.last = self.plan.ranks, len(self.plan.ranks) - 1
         self.device = whole[0].device if whole else torch.device("cpu")
         self.shapes = dict(zip(spec.names, spec.shapes))
         self.owned = [w.detach().requires_grad_() for w in whole]
         self.params = dict(zip(spec.owned, self.owned))
         self.shared = [n for n in spec.names if n in ps.layout.shared]  # the order both ends use
         self.sizes = [torch.Size(self.shapes[n]).numel() for n in self.shared]
-        self.lent_names = self.shared if 0 < self.s == self.p - 1 else []
+        self.lender, self.borrower = self.ranks[0], self.ranks[self.last]
+        self.lent_names = self.shared if self.s == self.borrower != self.lender else []
         self.lent: list[torch.Tensor] = []
         self.stand_in_names = [n for n in spec.names if n not in self.params and n not in self.lent_names]
         zero = torch.zeros((), dtype=ps.compute_dtype, device=self.device)
         self.stand_ins = [zero.expand(self.shapes[n]).detach().requires_grad_() for n in self.stand_in_names]
         self.params.update(zip(self.stand_in_names, self.stand_ins))
         self.acc: list[torch.Tensor | None] = [None] * len(self.owned)
+        self.sink = sink if sink is not None else (lambda grads: accumulate(self.acc, grads))  # owned params' grads
         self.lent_acc: list[torch.Tensor | None] = [None] * len(self.lent_names)
-        self.outputs: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
-        self.meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # "F": input, "B": output
+        self.outputs: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self.pending: dict[tuple[int, int], Any] = {}  # after "I", until "W"
+        self.local: dict[tuple[str, int, int], torch.Tensor] = {}  # ("F" | "G", microbatch, stage) -> its input
+        self.meta_in: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}  # stage -> its input's shape, dtype
+        self.meta_out: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}  # stage -> its output's
         self.posted, self.recvs, self.sends = set(), {}, []
         self.peak_live, self.wait_s, self.compute_s, self.trace = 0, 0.0, 0.0, []
 
     def execute(self, batch: PyTree, seed: int, params: PyTree) -> tuple[torch.Tensor | None, Any]:
-        """The stage's ops on ``batch`` through the microbatch loop (``run_microbatches``, seeded by
-        ``seed``): ``(loss, aux)``, the mean of this stage's microbatch losses (None but on the last
-        stage) and their aux."""
+        """The rank's ops on ``batch`` through the microbatch loop (``run_microbatches``, seeded by
+        ``seed``): ``(loss, aux)``, the mean of this rank's microbatch losses (None but where the
+        last stage runs) and their aux."""
         self.t0 = time.perf_counter()
-        self.ops, self.k = self.ps.schedule.ops(self.p, self.s), 0
+        self.ops, self.k = self.plan.ops[self.s], 0
         loss, aux = run_microbatches(self.ps.schedule, batch, self.ps.compute_dtype, seed, params, self.forward,
                                      self.backward, self.p, self.s)
         self._finish_shared()
@@ -222,35 +147,44 @@ class _Run:
         return loss, aux
 
     def forward(self, i: int, micro: PyTree) -> tuple[torch.Tensor, Any] | None:
-        """Op ``("F", i)``: the loss and aux on the last stage, None on the others."""
-        return self._op("F", i, lambda: self._forward(i, micro))
+        """The next op, a forward of microbatch ``i``: the loss and aux on the last stage, else None."""
+        op = self.ops[self.k]
+        return self._op(op, lambda: self._forward(op, micro))
 
     def backward(self, i: int) -> None:
-        """Op ``("B", i)``."""
-        self._op("B", i, lambda: self._backward(i))
+        """The next op, a backward of microbatch ``i``: whole ("B"), input grad ("I") or weight grads ("W")."""
+        op = self.ops[self.k]
+        run = {"B": self._backward, "I": self._backward_input, "W": self._backward_weight}[op.kind]
+        self._op(op, lambda: run(op))
 
-    def _op(self, kind: str, i: int, run):
+    def _op(self, op: Op, run):
         """Run one op, its receive and the next one's posted first (transfers overlap compute),
         timed and traced, then the sends that completed reaped. Before the first, the shared params
         set out (once the batch has split)."""
         if self.k == 0:
             self._start_shared()
-        for op in self.ops[self.k : self.k + 2]:
-            self._post(op)
+        for ahead in self.ops[self.k : self.k + 2]:
+            self._post(ahead)
         self.k += 1
         start, waited = time.perf_counter(), self.wait_s
         out = run()
         self.compute_s += time.perf_counter() - start - (self.wait_s - waited)
-        self.trace.append((kind, i, start - self.t0, time.perf_counter() - self.t0))
+        self.trace.append((op.kind, op.microbatch, start - self.t0, time.perf_counter() - self.t0, op.stage))
         self._reap_sends()
         return out
 
     # -- p2p
-    def _send(self, t: torch.Tensor, peer: int, what: str, tag: int = 0) -> None:
+    def _tag(self, boundary: int, i: int, what: int) -> int:
+        """The tag of a message across ``boundary`` (between virtual stages ``boundary`` and
+        ``boundary + 1``) for microbatch ``i``: ``what`` 0 its activation, 1 that activation's grad,
+        2 the boundary's shape header (``i`` 0). Tag 1 is the shared params'."""
+        return 2 + 3 * (boundary * self.m + i) + what
+
+    def _send(self, t: torch.Tensor, peer: int, what: str, tag: int) -> None:
         label = f"send of {what} from stage {self.s} to {peer} at step {self.number}"
         self.sends.append(self.p2p.send(t, peer, label, tag))
 
-    def _recv(self, shape, dtype: torch.dtype, peer: int, what: str, tag: int = 0):
+    def _recv(self, shape, dtype: torch.dtype, peer: int, what: str, tag: int):
         buf = torch.empty(shape, dtype=dtype, device=self.device)
         return self.p2p.recv(buf, peer, f"recv of {what} from stage {peer} to {self.s} at step {self.number}", tag)
 
@@ -266,46 +200,56 @@ class _Run:
             w.wait()  # already complete: raises only if it failed
         self.sends = [w for w in self.sends if w not in done]
 
-    def _post(self, op: tuple[str, int]) -> None:
-        kind, i = op
-        peer = self.s - 1 if kind == "F" else self.s + 1
-        if op in self.posted or kind not in self.meta or not 0 <= peer < self.p:
+    def _post(self, op: Op) -> None:
+        """Post the receive ``op`` needs from another rank, once its shape is known."""
+        i, k = op.microbatch, op.stage
+        if op in self.posted or op.kind == "W":
             return
+        if op.kind == "F":
+            if k == 0 or self.ranks[k - 1] == self.s or k not in self.meta_in:
+                return
+            peer, what, meta, tag = self.ranks[k - 1], "activation", self.meta_in[k], self._tag(k - 1, i, 0)
+        else:
+            if k == self.last or self.ranks[k + 1] == self.s or k not in self.meta_out:
+                return
+            peer, what, meta, tag = self.ranks[k + 1], "activation grad", self.meta_out[k], self._tag(k, i, 1)
         self.posted.add(op)
-        what = "activation" if kind == "F" else "activation grad"
-        self.recvs[op] = self._recv(*self.meta[kind], peer, f"the {what} of microbatch {i}")
+        self.recvs[op] = self._recv(*meta, peer, f"the {what} of microbatch {i}", tag)
 
-    def _send_header(self, out: torch.Tensor) -> None:
-        """Step, microbatches, batch digest, dtype and shape of the activations about to follow."""
+    def _send_header(self, out: torch.Tensor, k: int) -> None:
+        """Step, microbatches, batch digest, dtype and shape of stage ``k``'s outputs to follow."""
         if out.dim() > _MAX_DIMS or out.dtype not in _DTYPES:
             raise ValueError(f"pipeline: stage {self.s} output has shape {tuple(out.shape)} {out.dtype}; expected at "
                              f"most {_MAX_DIMS} dims and one of {_DTYPES}")
         header = [self.number, self.m, self.digest, _DTYPES.index(out.dtype), out.dim(), *out.shape]
-        self._send(torch.tensor(header + [0] * (_HEADER - len(header)), device=self.device), self.s + 1,
-                   "the activation shape")
+        self._send(torch.tensor(header + [0] * (_HEADER - len(header)), device=self.device), self.ranks[k + 1],
+                   "the activation shape", self._tag(k, 0, 2))
 
-    def _recv_header(self) -> None:
-        header = self._wait(self._recv(_HEADER, torch.int64, self.s - 1, "the activation shape")).tolist()
+    def _recv_header(self, k: int) -> None:
+        """Stage ``k``'s input shape, from the rank of stage ``k - 1``, checked against this step."""
+        peer = self.ranks[k - 1]
+        header = self._wait(self._recv(_HEADER, torch.int64, peer, "the activation shape",
+                                       self._tag(k - 1, 0, 2))).tolist()
         number, m, digest, code, ndim = header[:5]
         if (number, m) != (self.number, self.m):
-            raise ValueError(f"pipeline: stage {self.s - 1} runs step {number} with {m} microbatches but stage "
+            raise ValueError(f"pipeline: stage {peer} runs step {number} with {m} microbatches but stage "
                              f"{self.s} runs step {self.number} with {self.m}: the ranks' steps diverged")
         if digest != self.digest:
-            raise ValueError(f"pipeline: stages {self.s - 1} and {self.s} were given different batches at step "
+            raise ValueError(f"pipeline: stages {peer} and {self.s} were given different batches at step "
                              f"{self.number}; every rank of a pipeline must call the step with the same batch")
-        self.meta["F"] = (tuple(header[5 : 5 + ndim]), _DTYPES[code])
+        self.meta_in[k] = (tuple(header[5 : 5 + ndim]), _DTYPES[code])
 
-    # -- shared params: stage 0 lends them to the last stage, which returns their grads (tag 1)
+    # -- shared params: stage 0's rank lends them to the last stage's, which returns their grads (tag 1)
     def _start_shared(self) -> None:
-        last = self.p - 1
-        if not self.shared or last == 0 or 0 < self.s < last:
+        if not self.shared or self.lender == self.borrower:
             return
-        if self.s == 0:
+        if self.s == self.lender:
             owned = dict(zip(self.spec.owned, self.owned))
-            self._send(torch.cat([owned[n].detach().reshape(-1) for n in self.shared]), last, "the shared params", 1)
-            self.returned = self._recv(sum(self.sizes), torch.float32, last, "the shared params' grads", 1)
-        else:
-            self.lent_flat = self._recv(sum(self.sizes), self.ps.compute_dtype, 0, "the shared params", 1)
+            self._send(torch.cat([owned[n].detach().reshape(-1) for n in self.shared]), self.borrower,
+                       "the shared params", 1)
+            self.returned = self._recv(sum(self.sizes), torch.float32, self.borrower, "the shared params' grads", 1)
+        elif self.s == self.borrower:
+            self.lent_flat = self._recv(sum(self.sizes), self.ps.compute_dtype, self.lender, "the shared params", 1)
 
     def _borrow(self) -> None:
         pieces = self._wait(self.lent_flat).split(self.sizes)
@@ -316,36 +260,48 @@ class _Run:
         if self.lent_names:
             flat = [(torch.zeros(self.shapes[n], device=self.device) if g is None else g).reshape(-1)
                     for g, n in zip(self.lent_acc, self.lent_names)]
-            self._send(torch.cat(flat), 0, "the shared params' grads", 1)
-        elif self.s == 0 and self.p > 1 and self.shared:
+            self._send(torch.cat(flat), self.lender, "the shared params' grads", 1)
+        elif self.s == self.lender != self.borrower and self.shared:
             back = dict(zip(self.shared, self._wait(self.returned).split(self.sizes)))
-            accumulate(self.acc, [back[n].view(self.shapes[n]) if n in back else None for n in self.spec.owned])
+            self.sink([back[n].view(self.shapes[n]) if n in back else None for n in self.spec.owned])
 
     # -- compute
-    def _forward(self, i: int, micro: PyTree) -> tuple[torch.Tensor, Any] | None:
-        act_in = None
-        if self.s > 0:
-            if "F" not in self.meta:
-                self._recv_header()
-            self._post(("F", i))
-            act_in = self._wait(self.recvs.pop(("F", i))).requires_grad_()
+    def _input(self, op: Op) -> torch.Tensor | None:
+        """Stage ``op.stage``'s input activation for ``op``'s microbatch (None on stage 0)."""
+        i, k = op.microbatch, op.stage
+        if k == 0:
+            return None
+        if self.ranks[k - 1] == self.s:
+            return self.local.pop(("F", i, k)).requires_grad_()
+        if k not in self.meta_in:
+            self._recv_header(k)
+        self._post(op)
+        return self._wait(self.recvs.pop(op)).requires_grad_()
+
+    def _forward(self, op: Op, micro: PyTree) -> tuple[torch.Tensor, Any] | None:
+        i, k = op.microbatch, op.stage
+        act_in = self._input(op)
         if self.lent_names and not self.lent:
             self._borrow()
-        output, aux = self._run_loss(micro, act_in)
-        self.outputs[i] = (act_in, output)
-        self.peak_live = max(self.peak_live, len(self.outputs))
-        if self.s == self.p - 1:
+        output, aux = self._run_loss(k, micro, act_in)
+        self.outputs[i, k] = (act_in, output)
+        self.peak_live = max(self.peak_live, len(self.outputs) + len(self.pending))
+        if k == self.last:
             return output, aux
-        sent = output.detach().contiguous()
-        if "B" not in self.meta:
-            self.meta["B"] = (tuple(sent.shape), sent.dtype)
-            self._send_header(sent)
-        self._send(sent, self.s + 1, f"the activation of microbatch {i}")
+        sent, peer = output.detach().contiguous(), self.ranks[k + 1]
+        if k not in self.meta_out:
+            self.meta_out[k] = (tuple(sent.shape), sent.dtype)
+            if peer != self.s:
+                self._send_header(sent, k)
+        if peer == self.s:
+            self.local["F", i, k + 1] = sent
+        else:
+            self._send(sent, peer, f"the activation of microbatch {i}", self._tag(k, i, 0))
         return None
 
-    def _run_loss(self, micro: PyTree, act_in: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
-        """``(output, aux)``: the stage's output activation (aux None), or on the last stage the loss and its aux."""
-        run = _StageRun(self.ps.model, self.ps.layout, self.s, self.p, act_in)
+    def _run_loss(self, k: int, micro: PyTree, act_in: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
+        """``(output, aux)``: stage ``k``'s output activation (aux None), or on the last stage the loss and its aux."""
+        run = _StageRun(self.ps.model, self.ps.layout, k, self.last + 1, act_in)
         try:
             with torch.enable_grad(), run_by(run):
                 out = self.ps.loss_fn(self.params, micro)
@@ -354,27 +310,66 @@ class _Run:
         run.check_complete()
         return split_loss(out, self.ps.has_aux)
 
-    def _backward(self, i: int) -> None:
-        act_in, output = self.outputs.pop(i)
-        if self.s == self.p - 1:
-            root, grad_out = (output * self.scale if self.scale is not None else output), None
+    def _root_and_grad(self, op: Op) -> tuple[torch.Tensor | None, torch.Tensor, list[torch.Tensor] | None]:
+        """``(act_in, root, grad_out)`` of ``op``'s backward: the loss (scaled) on the last stage,
+        else the output and its grad from the next stage."""
+        i, k = op.microbatch, op.stage
+        act_in, output = self.outputs.pop((i, k))
+        if k == self.last:
+            return act_in, (output * self.scale if self.scale is not None else output), None
+        if self.ranks[k + 1] == self.s:
+            return act_in, output, [self.local.pop(("G", i, k))]
+        self._post(op)
+        return act_in, output, [self._wait(self.recvs.pop(op))]
+
+    def _send_input_grad(self, op: Op, act_in: torch.Tensor, g: torch.Tensor | None) -> None:
+        i, k = op.microbatch, op.stage
+        g = torch.zeros_like(act_in) if g is None else g.contiguous()
+        if self.ranks[k - 1] == self.s:
+            self.local["G", i, k - 1] = g
         else:
-            self._post(("B", i))
-            root, grad_out = output, [self._wait(self.recvs.pop(("B", i)))]
-        inputs = ([act_in] if act_in is not None else []) + self.owned + self.lent + self.stand_ins
+            self._send(g, self.ranks[k - 1], f"the activation grad of microbatch {i}", self._tag(k - 1, i, 1))
+
+    def _weights(self) -> list[torch.Tensor]:
+        return self.owned + self.lent + self.stand_ins
+
+    def _backward(self, op: Op) -> None:
+        act_in, root, grad_out = self._root_and_grad(op)
+        inputs = ([act_in] if act_in is not None else []) + self._weights()
         grads = list(torch.autograd.grad([root], inputs, grad_out, allow_unused=True))
         if act_in is not None:
-            g = grads.pop(0)
-            self._send(torch.zeros_like(act_in) if g is None else g.contiguous(), self.s - 1,
-                       f"the activation grad of microbatch {i}")
+            self._send_input_grad(op, act_in, grads.pop(0))
+        self._add_weight_grads(grads)
+
+    def _backward_input(self, op: Op) -> None:
+        """Op "I": the input's grad, sent on; what the weight grads need kept for "W"
+        (``zfunc.pipelining.split_backward``). Stage 0 has no input: its "W" runs the whole backward."""
+        act_in, root, grad_out = self._root_and_grad(op)
+        if act_in is None:
+            self.pending[op.microbatch, op.stage] = (root, grad_out)
+            return
+        dinput, held = input_grad(root, grad_out, act_in, self._weights())
+        self._send_input_grad(op, act_in, dinput)
+        self.pending[op.microbatch, op.stage] = held
+
+    def _backward_weight(self, op: Op) -> None:
+        held = self.pending.pop((op.microbatch, op.stage))
+        if isinstance(held, PendingWeights):
+            grads = weight_grads(held)
+        else:
+            root, grad_out = held
+            grads = list(torch.autograd.grad([root], self._weights(), grad_out, allow_unused=True))
+        self._add_weight_grads(grads)
+
+    def _add_weight_grads(self, grads: list[torch.Tensor | None]) -> None:
         n, k = len(self.owned), len(self.lent)
-        accumulate(self.acc, grads[:n])
+        self.sink(grads[:n])
         accumulate(self.lent_acc, grads[n : n + k])
         used = [name for name, g in zip(self.stand_in_names, grads[n + k :]) if g is not None]
         if used:
-            raise ValueError(f"pipeline: stage {self.s}'s forward used param '{used[0]}', which stage "
-                             f"{self.ps.layout.owner.get(used[0], 0)} holds: a pipeline unit's params must be "
-                             "read only inside the unit")
+            holder = self.ranks[self.ps.layout.owner.get(used[0], 0)]
+            raise ValueError(f"pipeline: stage {self.s}'s forward used param '{used[0]}', which stage {holder} "
+                             "holds: a pipeline unit's params must be read only inside the unit")
 
 
 def _digest(batch: PyTree) -> int:

@@ -1,10 +1,19 @@
-"""pipeline: pipeline parallelism (GPipe, 1F1B) as a transformation of the step.
+"""pipeline: pipeline parallelism (GPipe, 1F1B, interleaved 1F1B, zero-bubble) as a transformation of the step.
 
 ``zf.pipeline(step, stages=p, microbatches=m, schedule="1f1b", model=model, units=zf.units.by_class(Block))``
 splits the model's consecutive *pipeline units* into ``p`` stages, one per rank of the mesh's pp
 axis; every rank of a pipeline calls the step with the same batch, which is cut into ``m``
 microbatches; activations travel forward and their grads backward point to point (``dist.P2P``).
 Loss and metrics come back on every rank.
+
+**Schedules** are data (``zfunc.pipelining.schedules``): per rank, its ops in order (forward,
+backward, or the backward split into input grad "I" and weight grads "W") on *virtual* stages;
+with ``virtual_stages=v`` ("interleaved-1f1b") the units are cut into ``p v`` stages, stage ``k``
+on rank ``k % p``, so a rank runs ``v`` separate slices of the model. Built-in ones by name, or a
+user's ``Schedule`` (``from_csv``); ``zfunc.pipelining.check`` proves each deadlock-free and
+computes its peak of live microbatches and its bubble before the step is made. "zero-bubble"
+splits each backward with ``zfunc.pipelining.split_backward``: the input grad first, sent on at
+once, the weight grads later from the kept graph, each grad computed once.
 
 **How a stage runs the unchanged model.** The step runs the user's opaque ``loss_fn(params,
 batch)``; while ``zf.functionalize``'s ``apply`` runs the module it enters the stage's
@@ -41,23 +50,34 @@ stage's copy would be right.
 microbatch's activation at a stage boundary). Between steps: ``(4 + opt) Psi_s`` bytes (fp32
 masters + optimizer state, 8 for Adam; stage 0 also ``(4 + opt) Psi_sh``). During a step: the
 fp32 grad sums (``4 Psi_s``), a compute-dtype copy of the params unless fp32, the activations of
-at most ``p - s`` microbatches on stage s with 1F1B and of all ``m`` with GPipe
-(``step.peak_live_microbatches``), and on the last stage the lent params and their grads.
-Communication per step: each stage boundary carries ``m A`` forward (activations), ``m A`` back
-(their grads) and a 104-byte header (shape, step, a digest of the batch to check the
+as many microbatches as the schedule's docstring states (``p - s`` on stage s with 1F1B, all
+``m`` with GPipe, ``p`` with zero-bubble, which holds a microbatch's graph from its forward to its
+weight grads; per virtual stage with interleaving: ``step.peak_live_microbatches``), and on
+the last stage the lent params and their grads. Communication per step: each boundary between
+two virtual stages on two ranks carries ``m A`` forward (activations), ``m A`` back (their grads)
+and a 104-byte header (shape, step, a digest of the batch to check the
 stages got the same one); ``Psi_sh`` in the compute dtype goes from stage 0 to
 the last stage and ``4 Psi_sh`` of fp32 grads back (what all-reducing a replica's grads would
 cost); two scalar all-reduces over the pipeline (loss, grad norm). ``mesh.comm_bytes()`` counts
 it ("send", "recv"). Compute: the pre-unit code (embeddings) also runs, discarded, on stages
-> 0. Idle time: the bubble ``(p - 1) / (m + p - 1)`` of p equal stages (``step.timings``).
+> 0 (each virtual stage's forward, interleaved). Idle time: the bubble ``(p - 1) / (m + p - 1)`` of
+p equal stages with GPipe and 1F1B, ``(p - 1) / (v m + p - 1)`` interleaved, less with zero-bubble
+(``step.schedule.timeline(p).bubble`` in theory, ``step.timings["bubble"]`` measured).
 
 **Composition** (3D, as DeepSpeed): ``zf.pipeline(zf.shard(step, Mesh(dp=d, pp=p), stage=1), ...)``
 shards each stage's params and optimizer state over its dp group: whole stage params are
 all-gathered at the start of the step, whole grads summed over microbatches and reduce-scattered
-at the end (stage 1 costs: ``2 Psi_s`` per rank per step). ZeRO 2/3 and ``shard(pipeline(...))``
-are rejected: the pipeline must be the outermost transformation (docs/design.md, section 3, says
-why: its schedule keeps several microbatches live, which stage 2/3's per-microbatch gathers and
-reducers do not allow, and it changes what a state and a loss are for whatever would wrap it).
+at the end (stage 1 costs: ``2 Psi_s`` per rank per step). Stages 2 and 3 (``stage=2``, ``3``)
+reduce-scatter each op's grads as the op ends into fp32 slices (no whole grads outlive an op;
+``m`` reduce-scatters of ``Psi_s`` per step, per virtual stage's op); stage 3 gathers the stage's
+params once per step and keeps them for its microbatches (a per-unit gather per microbatch, as
+``zf.shard`` stage 3 does alone, would gather each unit ``2 m`` times; the schedule interleaves
+microbatches, so the whole stage stays gathered), so between steps a rank holds ``1/d`` of its
+stage's params. ``shard(pipeline(...))`` is rejected: the pipeline must be the outermost
+transformation (docs/design.md, section 3: it changes what a state and a loss are for whatever
+would wrap it). Units under ``zf.remat`` recompute in backward (a unit's call inside its own call
+counts once, ``zfunc.pipelining.hooks``); with "zero-bubble" a remat'ed unit recomputes in the
+input-grad op and again in the weight-grad op.
 The schedule, ``step.schedule``, is a ``PipelineSchedule`` (``zfunc.pipelining.stage``) with
 accumulation's interface, ``split(batch)`` and ``ops(stages, stage)``, which the one microbatch
 loop (``zfunc.core.microbatches``) runs; the pipeline leaves ``Roles`` (``zfunc.core.roles``).
@@ -80,11 +100,12 @@ import torch
 from torch import nn
 
 from zfunc.core import compose, precision as mp, tree
-from zfunc.core.microbatches import step_seed
+from zfunc.core.microbatches import accumulate, step_seed
 from zfunc.dist import Mesh
 from zfunc.model.functional import BufferScope, carrying
 from zfunc.pipelining.layout import Layout, make_layout
 from zfunc.pipelining.placement import PipelineSpec
+from zfunc.pipelining.schedules import BUILT_IN, Schedule
 from zfunc.pipelining.stage import PipelineSchedule, _Run, _digest
 from zfunc.sharding.reduce import GradSlices, average_buffers, average_order
 from zfunc.sharding.layout import ShardSpec, bucket_groups, gather_whole
@@ -94,7 +115,7 @@ from zfunc.model.materialize import Materializer
 from zfunc.model.units import Selector
 
 PyTree = Any
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = BUILT_IN
 __all__ = ["Layout", "PipelineSpec", "PipelineStep", "make_layout", "pipeline"]
 
 
@@ -106,19 +127,23 @@ class PipelineStep(Transformed):
 
     Metrics are the same on every rank, except ``aux`` (``has_aux``): the loss function's aux per
     microbatch on the last stage, which alone computes the loss; ``None`` elsewhere. ``schedule``
-    is the microbatch loop's schedule (``PipelineSchedule``; ``str()`` gives "gpipe" or "1f1b"). After each
-    call, ``peak_live_microbatches`` is the most microbatches whose activations this stage held at
-    once, and ``timings`` has the schedule's wall time ``step_s``, the time spent blocked on peers
-    ``wait_s``, forward + backward compute ``compute_s``, and ``ops``: each op's ``(kind,
-    microbatch, start_s, end_s)`` from the schedule's start.
+    is the microbatch loop's schedule (``PipelineSchedule``; ``str()`` gives its name, ``plan(p)`` the
+    checked ``Schedule``, ``timeline(p)`` its simulated run with its theoretical bubble per rank).
+    After each call, ``peak_live_microbatches`` is the most microbatches (per virtual stage) whose
+    activations this rank held at once, and ``timings`` has the schedule's wall time ``step_s``, the
+    time spent blocked on peers ``wait_s``, forward + backward compute ``compute_s``, this rank's
+    measured ``bubble`` (``1 - compute_s / step_s``) and ``ops``: each op's ``(kind, microbatch,
+    start_s, end_s, stage)`` from the schedule's start.
     """
 
-    def __init__(self, base: Step, model: nn.Module, layout: Layout, microbatches: int, schedule: str, mesh: Mesh):
+    def __init__(self, base: Step, model: nn.Module, layout: Layout, microbatches: int, schedule: PipelineSchedule,
+                 mesh: Mesh):
         super().__init__(base, "pipeline")  # the loss, optimizer, precision: base's (accum is 1)
         self.base = base if compose.applied(base, "shard") else None
         self.model, self.layout, self.mesh = model, layout, mesh
         self.stages, self.stage, self.microbatches = mesh.pp, mesh.pp_rank, microbatches
-        self.schedule = PipelineSchedule(schedule, microbatches)  # the microbatch loop's schedule: GPipe or 1F1B
+        self.schedule = schedule  # the microbatch loop's schedule, checked
+        self.ranks = schedule.plan(mesh.pp).ranks  # virtual stage -> rank
         self.peak_live_microbatches, self.timings = 0, {}
         self._bucket_cache: list | None = None
 
@@ -134,7 +159,7 @@ class PipelineStep(Transformed):
         if unknown:
             raise ValueError(f"params: {unknown[:5]} are not parameters of the model given to zf.pipeline")
         names = tuple(sorted(params))  # optree's leaf order for a dict
-        owned = {n: params[n] for n in names if self.layout.owner[n] == self.stage}
+        owned = {n: params[n] for n in names if self.ranks[self.layout.owner[n]] == self.stage}
         inner = self.base.init(owned, materialize) if self.base is not None else Step.init(self, owned, materialize)
         self.initialized_with = tree.map(lambda x: x.to("meta"), params)  # the whole model: zf.checkpoint.load
         spec = PipelineSpec(self.stages, self.stage, names, tuple(tuple(params[n].shape) for n in names),
@@ -143,8 +168,8 @@ class PipelineStep(Transformed):
 
     def own_buffers(self, buffers: dict[str, Any]) -> dict[str, Any]:
         """The module buffers of this stage's own units among ``buffers``: what its state carries."""
-        first, last = self.layout.bounds[self.stage]
-        mine = self.layout.units[first : last + 1]
+        bounds = [self.layout.bounds[k] for k, rank in enumerate(self.ranks) if rank == self.stage]
+        mine = [unit for first, last in bounds for unit in self.layout.units[first : last + 1]]
         return {n: b for n, b in buffers.items() if self._in_units(n, mine)}
 
     def _check_state(self, state: Any) -> None:
@@ -200,13 +225,20 @@ class PipelineStep(Transformed):
         scale = mp.scale_of(loss_scale)
         self.mesh.clear_comm_bytes()
         whole = self._whole_params(pieces, spec, step)
-        run = _Run(self, spec, whole, step, scale, _digest(batch))
+        divisor = self.microbatches * (scale or 1.0)
+        sliced = None
+        if spec.inner is not None and spec.inner.stage >= 2:  # each op's grads reduce-scattered as it ends
+            sliced = _GradSlices(pieces, whole, spec.inner, self._buckets(spec.inner), self.mesh.reduce_comm, step,
+                                 divisor * spec.inner.world)
+        run = _Run(self, spec, whole, step, scale, _digest(batch), sliced)
         loss, aux = run.execute(batch, step_seed(rng, step), params)
         self.peak_live_microbatches = run.peak_live
-        self.timings = {"step_s": run.step_s, "wait_s": run.wait_s, "compute_s": run.compute_s, "ops": run.trace}
+        self.timings = {"step_s": run.step_s, "wait_s": run.wait_s, "compute_s": run.compute_s,
+                        "bubble": 1.0 - run.compute_s / run.step_s if run.step_s > 0 else 0.0, "ops": run.trace}
         grads = [torch.zeros(w.shape, device=w.device) if g is None else g for g, w in zip(run.acc, whole)]
-        divisor = self.microbatches * (scale or 1.0)
-        if spec.inner is not None:
+        if sliced is not None:
+            grads = sliced.result()
+        elif spec.inner is not None:
             grads = _reduce_scatter(grads, pieces, spec.inner, self._buckets(spec.inner), self.mesh.reduce_comm, step,
                                     divisor * spec.inner.world)
         else:
@@ -247,6 +279,28 @@ class PipelineStep(Transformed):
         return loss
 
 
+class _GradSlices:
+    """ZeRO 2/3 over a stage's dp ranks: each op's grads, whole, reduce-scattered as the op ends
+    (``_reduce_scatter``, divided by ``divisor``) and this rank's fp32 slices summed over the ops: no
+    whole grads outlive an op. Every dp rank of a stage runs the same ops, so the collectives match."""
+
+    def __init__(self, pieces, whole, spec: ShardSpec, buckets, comm, step: int, divisor: float):
+        self.pieces, self.whole, self.spec, self.buckets, self.comm = pieces, whole, spec, buckets, comm
+        self.step, self.divisor, self.slices = step, divisor, None
+
+    def __call__(self, grads: list[torch.Tensor | None]) -> None:
+        if all(g is None for g in grads):  # the same on every dp rank of the stage: skipped by all
+            return
+        grads = [torch.zeros(w.shape, device=w.device) if g is None else g for g, w in zip(grads, self.whole)]
+        self.slices = accumulate(self.slices, _reduce_scatter(grads, self.pieces, self.spec, self.buckets, self.comm,
+                                                              self.step, self.divisor))
+
+    def result(self) -> list[torch.Tensor]:
+        if self.slices is None:
+            return [torch.zeros(p.shape, device=p.device) for p in self.pieces]
+        return self.slices
+
+
 def _reduce_scatter(grads, pieces, spec: ShardSpec, buckets, comm, step: int, divisor: float) -> list[torch.Tensor]:
     """This rank's fp32 slices of the dp-summed whole ``grads`` divided by ``divisor`` (one
     reduce-scatter per bucket)."""
@@ -267,9 +321,9 @@ def _reduce_scatter(grads, pieces, spec: ShardSpec, buckets, comm, step: int, di
 # ----------------------------------------------------------------------------- construction
 
 
-def pipeline(step: Step, stages: int, microbatches: int, schedule: str = "1f1b", *, model: nn.Module,
+def pipeline(step: Step, stages: int, microbatches: int, schedule: str | Schedule = "1f1b", *, model: nn.Module,
              units: Selector | Sequence[str], split: Sequence[int] | None = None,
-             mesh: Mesh | None = None) -> PipelineStep:
+             mesh: Mesh | None = None, virtual_stages: int = 1) -> PipelineStep:
     """Pipeline ``step`` over ``stages`` ranks with ``microbatches`` microbatches per batch.
 
     Args:
@@ -277,26 +331,36 @@ def pipeline(step: Step, stages: int, microbatches: int, schedule: str = "1f1b",
         over a ``Mesh(dp=d, pp=stages)`` to shard each stage over its dp ranks.
       stages: pipeline stages, one per rank of the mesh's pp axis.
       microbatches: the batch's leading dim is split into this many equal parts.
-      schedule: "1f1b" (at most ``stages - s`` live microbatches on stage s) or "gpipe" (all ``m``).
+      schedule: a built-in schedule's name (``zfunc.pipelining.schedules``): "1f1b" (at most
+        ``stages - s`` live microbatches on stage s), "gpipe" (all ``m``), "interleaved-1f1b"
+        (``virtual_stages`` per rank), "zero-bubble" (ZB-H1: backward split into input and weight
+        grads); or a ``zfunc.pipelining.Schedule`` of one's own (``from_csv``). Either is checked
+        (``zfunc.pipelining.check``: every grad once, no deadlock) before the step is made.
       model: the module the loss runs through ``zf.functionalize``'s ``apply``, used unchanged.
       units: the pipeline units: a ``zf.units`` selector (e.g. ``by_class(Block)``; see the module
         docstring for which of its units count) or module names; consecutive ones form a stage.
-      split: units per stage (e.g. ``(1, 3)``); default even, earlier stages taking the remainder.
+      split: units per virtual stage (e.g. ``(1, 3)``); default even, earlier stages taking the remainder.
       mesh: default ``Mesh(pp=stages)``; a sharded step brings its own.
+      virtual_stages: virtual stages per rank with "interleaved-1f1b" (the units cut into
+        ``stages * virtual_stages`` stages, stage ``k`` on rank ``k % stages``); 1 otherwise.
     Every rank of a pipeline calls the step with the same batch. Law and cost: module docstring.
     """
     compose.check("pipeline", step, mesh=mesh)
-    for name, value in (("stages", stages), ("microbatches", microbatches)):
+    for name, value in (("stages", stages), ("microbatches", microbatches), ("virtual_stages", virtual_stages)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
+    if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
+        raise ValueError(f"schedule: expected one of {SCHEDULES} or a zfunc.pipelining.Schedule, got {schedule!r}")
+    if isinstance(schedule, Schedule) and virtual_stages != 1:
+        raise ValueError(f"virtual_stages: a Schedule places its own virtual stages ({schedule.virtual} per rank); "
+                         f"leave virtual_stages at 1, got {virtual_stages}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected the torch.nn.Module the loss runs, got {type(model).__name__}")
-    layout = make_layout(model, units, stages, split)
-    compose.check_pipeline_units(model, layout.units)
+    plan = PipelineSchedule(schedule, microbatches, virtual_stages)
+    plan.timeline(stages)  # built and checked: refuses a wrong or deadlocking schedule before anything runs
+    layout = make_layout(model, units, len(plan.plan(stages).ranks), split)
     mesh = _pick_mesh(step, stages, mesh)
-    return PipelineStep(step, model, layout, microbatches, schedule, mesh)
+    return PipelineStep(step, model, layout, microbatches, plan, mesh)
 
 
 def _pick_mesh(step: Step, stages: int, mesh: Mesh | None) -> Mesh:

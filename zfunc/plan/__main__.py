@@ -68,6 +68,7 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("--no-clip", action="store_true", help="no global-norm clip (offload may update in backward)")
     st.add_argument("--tiles", type=int, default=1, help="zf.tile on the largest Linears")
     st.add_argument("--schedule", default="1f1b", help=f"one of {SCHEDULES}")
+    st.add_argument("--virtual-stages", type=int, default=1, help="virtual pipeline stages per rank (interleaved-1f1b)")
     out = p.add_argument_group("what to do")
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument("--search", action="store_true", help="the fastest strategies that fit")
@@ -173,7 +174,7 @@ def build_plan(args, device: hardware.Device) -> Plan:
                       offload_optimizer=args.offload_optimizer, offload_params=args.offload_params, remat=args.remat,
                       micro_batch=args.micro_batch, accum=args.accum, seq=args.seq, precision=precision,
                       optimizer=args.optimizer, clip=not args.no_clip, tiles=args.tiles, schedule=args.schedule,
-                      sp_size=args.sp_size, sp_kind=args.sp_kind)
+                      virtual_stages=args.virtual_stages, sp_size=args.sp_size, sp_kind=args.sp_kind)
 
 
 def _flagged(e: Exception) -> str:

@@ -2,6 +2,7 @@
 training ``model`` on ``cluster`` as the ``zf.config.Plan`` ``how`` says."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -9,6 +10,7 @@ from zfunc.config.plan import Plan
 from zfunc.plan import cost
 from zfunc.plan.hardware import Cluster
 from zfunc.plan.memory import _bucket_elems, partition_params, rank_memory, remat_input_bytes
+from zfunc.pipelining import build, check
 from zfunc.plan.model import ModelSpec
 from zfunc.plan.strategy import (BUCKET_MB, describe, elem, microbatches, offload_overlaps, resolve, shard_ranks,
                                   tiles)
@@ -233,7 +235,9 @@ def step_times(model: ModelSpec, s: Plan, cluster: Cluster) -> dict[str, float]:
 
 
 def _pipeline_compute(model: ModelSpec, s: Plan, cluster: Cluster, busiest: cost.Compute) -> float:
-    """``sum_s t_s + (m - 1) max_s t_s``, each slot with its activation's transfers both ways."""
+    """``sum_s t_s + (m - 1) max_s t_s`` for GPipe and 1F1B, each slot with its activation's transfers
+    both ways (``v`` of them per slot with ``v`` virtual stages per rank); for the other schedules
+    ``m max_s t_s / (1 - bubble)``, their bubble simulated with unit op costs (``schedule_bubble``)."""
     p, m = s.pp, microbatches(s)
     per = -(-model.layers // p)
     first = cost.compute_times(model, s, cluster, layers=per, logits=False)
@@ -245,6 +249,16 @@ def _pipeline_compute(model: ModelSpec, s: Plan, cluster: Cluster, busiest: cost
     if "send" in cluster.collectives:
         alpha, beta = cluster.collectives["send"]
         p2p = 2 * (alpha + act / beta)
+    p2p *= s.virtual_stages
     times = [first.forward + first.backward + p2p] + [busiest.forward + busiest.backward + p2p] * (p - 2) \
         + [last.forward + last.backward + p2p]
-    return sum(times) + (m - 1) * max(times)
+    if s.pipeline_schedule in ("gpipe", "1f1b"):
+        return sum(times) + (m - 1) * max(times)
+    return m * max(times) / (1 - schedule_bubble(s.pipeline_schedule, p, m, s.virtual_stages))
+
+
+@functools.lru_cache(maxsize=256)
+def schedule_bubble(name: str, p: int, m: int, v: int = 1) -> float:
+    """The busiest rank's idle fraction of pipeline schedule ``name`` (``zfunc.pipelining.check``:
+    its simulated run, unit op costs): ``(p - 1) / (m + p - 1)`` for 1F1B."""
+    return max(check(build(name, p, m, v)).bubble)

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from zfunc.offloading import accounting
 from zfunc.plan.model import ModelSpec
 from zfunc.config.plan import Plan
+from zfunc.pipelining.schedules import peak_live
 from zfunc.plan.strategy import (BUCKET_MB, PREFETCH, elem, microbatches, opt_bytes, offload_overlaps, rank_tokens,
                                   shard_ranks, tiles)
 
@@ -216,9 +217,13 @@ def _offloaded_states(places: dict[str, dict[str, float]], s: Plan, P: float, lo
         places[place]["held_grads"] = nbytes
 
 
-def _live_microbatches(s: Plan) -> int:
-    m = microbatches(s)
-    return 1 if s.pp == 1 else (min(m, s.pp) if s.pipeline_schedule == "1f1b" else m)
+def _live_microbatches(s: Plan) -> float:
+    """Microbatches whose activations the busiest stage (rank 0) holds at once, as its schedule's
+    docstring states (``zfunc.pipelining.schedules.peak_live``), in whole stages' worth: each of an
+    interleaved schedule's live chunks is ``1/v`` of the rank's layers."""
+    if s.pp == 1:
+        return 1
+    return peak_live(s.pipeline_schedule, s.pp, microbatches(s), 0, s.virtual_stages) / s.virtual_stages
 
 
 def remat_input_bytes(model: ModelSpec, s: Plan, whole_model: bool = False) -> float:

@@ -34,15 +34,15 @@ def from_flags(dp: int | None = None, pp: int = 1, tp: int = 1, sp: bool = False
                offload_optimizer: str = "none", offload_params: str = "none", remat: str | bool = "none",
                micro_batch: int = 1, accum: int = 1, seq: int | None = None, precision: str = "bf16",
                optimizer: str = "adamw", clip: bool = True, tiles: int = 1, schedule: str = "1f1b",
-               sp_size: int = 1, sp_kind: str = "ulysses") -> Plan:
+               virtual_stages: int = 1, sp_size: int = 1, sp_kind: str = "ulysses") -> Plan:
     """The ``zf.config.Plan`` of ``python -m zfunc.plan``'s flags: ``zero`` is ``zero_stage``; ``remat`` "none",
     "full" (``zf.remat`` on every layer: only layer inputs kept) or "offload" (those inputs in CPU RAM),
     True/False meaning "full"/"none"; ``accum`` the microbatches per step (the pipeline's microbatches when
     ``pp > 1``); ``clip`` a global-norm clip of 1 (it keeps offload from updating during backward); ``tiles``
-    ``zf.tile(k)`` on the largest Linears (1: untiled); ``schedule`` the pipeline's; ``sp_size``, ``sp_kind``:
-    ``zf.sequence_parallel``'s ranks per sequence and kind (``sp`` is Megatron's sequence parallelism, with tp).
-    ``dp=None`` spreads over the cluster's GPUs; "nvme" offload gets the placeholder ``NVME_PATH``. Errors name
-    the argument (``zero: ...``)."""
+    ``zf.tile(k)`` on the largest Linears (1: untiled); ``schedule`` the pipeline's, ``virtual_stages`` per rank
+    with "interleaved-1f1b"; ``sp_size``, ``sp_kind``: ``zf.sequence_parallel``'s ranks per sequence and kind
+    (``sp`` is Megatron's sequence parallelism, with tp). ``dp=None`` spreads over the cluster's GPUs; "nvme"
+    offload gets the placeholder ``NVME_PATH``. Errors name the argument (``zero: ...``)."""
     if isinstance(remat, bool):
         remat = "full" if remat else "none"
     if remat not in REMATS:
@@ -58,8 +58,8 @@ def from_flags(dp: int | None = None, pp: int = 1, tp: int = 1, sp: bool = False
                     nvme_path=NVME_PATH if "nvme" in (offload_optimizer, offload_params) else None,
                     remat=remat != "none", remat_offload=remat == "offload", tile_lm_head=0 if tiles == 1 else tiles,
                     microbatches=accum if piped else 1, accum=1 if piped else accum, pipeline_schedule=schedule,
-                    precision=precision, gradient_clipping=1.0 if clip else 0.0, optimizer=optimizer,
-                    micro_batch=micro_batch, seq=seq, sp_size=sp_size, sp_kind=sp_kind)
+                    virtual_stages=virtual_stages, precision=precision, gradient_clipping=1.0 if clip else 0.0,
+                    optimizer=optimizer, micro_batch=micro_batch, seq=seq, sp_size=sp_size, sp_kind=sp_kind)
     except ValueError as e:  # named as the caller named it
         field, sep, why = str(e).partition(": ")
         raise ValueError(f"{FLAG_OF_FIELD.get(field, field)}{sep}{why}") from None
@@ -67,7 +67,8 @@ def from_flags(dp: int | None = None, pp: int = 1, tp: int = 1, sp: bool = False
 
 # Plan field -> ``from_flags``'s (and the CLI's) name for it, where they differ
 FLAG_OF_FIELD = {"zero_stage": "zero", "tile_lm_head": "tiles", "pipeline_schedule": "schedule",
-                 "microbatches": "accum", "remat_offload": "remat", "gradient_clipping": "clip"}
+                 "microbatches": "accum", "remat_offload": "remat", "gradient_clipping": "clip",
+                 "virtual_stages": "virtual_stages"}
 
 
 def resolve(plan: Plan, gpus: int, max_seq: int) -> tuple[Plan, list[str]]:
