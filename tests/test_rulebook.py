@@ -49,7 +49,7 @@ SPEC = zp.from_shape(4, 64, 4, vocab=128, max_seq=32)
 
 def estimated(plan) -> list[str]:
     """The notes of the estimate of ``plan`` on as many GPUs as it has ranks."""
-    return zp.plan(SPEC, zp.cluster("A100-80GB", plan.dp * plan.pp * plan.tp), plan).notes
+    return zp.plan(SPEC, zp.cluster("A100-80GB", plan.dp * plan.pp * plan.tp * plan.sp_size), plan).notes
 
 
 def noted(notes: list[str], text: str) -> bool:
