@@ -2,7 +2,7 @@
 recipes' GPT and Llama with their explicit plans; plan=None on seven transformers model types), the
 vocab-parallel loss equals the gathered one, plan=None finds the recipes' plans, slicing and its refusals."""
 import copy
-import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -277,12 +277,13 @@ def test_plan_none_on_the_recipes_finds_their_plan(kind):
     assert zf.tensor_parallel.layout_of(model).styles == expected
 
 
-def dp_tp_law(rank, stage):
+def dp_tp_law(rank, stage, root):
     """dp2 x tp2 on 4 ranks through the front door (``zf.config.Plan(dp=2, tp=2, zero_stage=stage)``,
     ``prepare``: plan=None, ``parallelize``: tp step under ZeRO over each tp slice's dp group), against
-    the plain step on the global batch (trained on every rank)."""
+    the plain step on the global batch (trained on every rank); its checkpoint loaded into one process."""
     model, _ = recipe_model("gpt")
     ref = train(copy.deepcopy(model), token_batches())
+    whole_apply, whole_params = zf.functionalize(copy.deepcopy(model))
     plan = zf.config.Plan(dp=2, tp=2, zero_stage=stage, units="class:Block")
     mesh = zf.Mesh(dp=2, tp=2)
     zf.config.prepare(model, plan, mesh)
@@ -293,24 +294,26 @@ def dp_tp_law(rank, stage):
         state, m = step(state, (x.chunk(2)[mesh.rank], y.chunk(2)[mesh.rank]))
         losses.append(m["loss"].item())
         norms.append(m["grad_norm"].item())
-    slices = zf.checkpoint.full_params(state, mesh)  # whole over dp: this rank's tp slices
-    if stage == 1:  # a checkpoint would name slices as rows: refused until tp checkpoints exist
-        with pytest.raises(NotImplementedError, match=r"sliced over tp=2 .* cannot be checkpointed yet"):
-            zf.checkpoint.save(state, tempfile.mkdtemp())
-    return (losses, norms, zf.tensor_parallel.layout_of(model).gather(slices, mesh.tp_comm)), ref, step.layers
+    whole = zf.checkpoint.full_params(state, mesh)  # gathered over dp, then over tp
+    saved = zf.checkpoint.save(state, Path(root) / f"zero{stage}")
+    one = zf.checkpoint.load(saved, zf.train_step(gpt_loss(whole_apply), opt()), params=whole_params)
+    exact = one.params.keys() == whole.keys() and all(torch.equal(one.params[n], whole[n]) for n in whole)
+    return (losses, norms, whole), ref, step.layers, exact
 
 
-def dp_tp_laws(rank):
-    return {stage: dp_tp_law(rank, stage) for stage in (0, 1, 2, 3)}  # one spawn: each costs seconds
+def dp_tp_laws(rank, root):
+    return {stage: dp_tp_law(rank, stage, root) for stage in (0, 1, 2, 3)}  # one spawn: each costs seconds
 
 
 @pytest.mark.multiprocess
-def test_dp2_x_tp2_with_zero_0_to_3_trains_as_the_whole_model():
-    everyone = zf.dist.spawn(dp_tp_laws, 4, timeout_s=600)
+def test_dp2_x_tp2_with_zero_0_to_3_trains_as_the_whole_model_and_loads_into_one_process(tmp_path):
+    everyone = zf.dist.spawn(dp_tp_laws, 4, str(tmp_path), timeout_s=600)
     for stage in (0, 1, 2, 3):
         results = [r[stage] for r in everyone]
         assert_law(results, f"dp2 x tp2, ZeRO-{stage}")
         assert results[0][2] == ("train_step", "tensor_parallel", "shard")
+        assert all(r[3] for r in results), f"ZeRO-{stage}: the checkpoint's params differ from full_params'"
+        assert zf.checkpoint.read_manifest(tmp_path / f"zero{stage}")["world"] == 4
 
 
 def sequence_parallel_law(rank, kind):

@@ -14,19 +14,23 @@ with clipping too. Cost: one all-reduce of one fp32 scalar over the tp group per
 ``Comm`` counts it), beside the model's own collectives.
 
 The state is placed (``TensorParallelSpec``): ``zf.checkpoint.full_params`` gathers every sliced
-param whole (one all-gather per sliced param over the tp group).
+param whole (one all-gather per sliced param over the tp group); ``zf.checkpoint.save`` writes each
+rank's slices as pieces of the whole params, their slicing in the manifest, so the checkpoint loads
+into any tp size, ZeRO layout or one process (``TensorParallelPlacement``).
 
 Over dp: ``zf.shard(zf.tensor_parallel.step(step, model), zf.Mesh(dp=d, tp=t), stage)`` shards each
 tp rank's slices over its dp group (dp groups exclude tp peers); the sharded step asks this one for
 its pieces' norm, and sums its square over dp. That state is placed by ``zf.shard`` (a ``ShardSpec``
-of the tp slices): ``full_params`` gives this rank's tp slices whole over dp, which
-``zf.tensor_parallel.layout_of(model).gather`` makes whole; checkpoints of it are not supported yet.
+over this step's ``TensorParallelSpec``, ``within``): ``full_params`` gives whole params (gathered
+over dp, then over tp), and a checkpoint holds the whole params and optimizer state, as above.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import optree
 import torch
 from torch import nn
 
@@ -39,21 +43,38 @@ from zfunc.tensor.layout import Layout, layout_of
 
 @dataclass(frozen=True, eq=False)
 class TensorParallelSpec:
-    """A tensor-parallel state: this rank's slices (``layout``) over the tp ``comm``."""
+    """A tensor-parallel state: this rank's slices (``layout``) over the tp ``comm``; ``names``: the
+    params' names in leaf order (what ``rows`` looks each leaf's slicing up by)."""
 
     layout: Layout
     comm: Any
+    names: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         return f"TensorParallelSpec(tp={self.layout.tp}, rank={self.layout.rank})"
 
 
 class TensorParallelPlacement(placement.Placement):
-    """Made whole by gathering each sliced param over the tp group; saved and loaded: not yet."""
+    """Made whole by gathering each sliced param over the tp group; saved as pieces of the whole
+    params: tp rank r's process (``r`` of ``tp``, as ``zf.Mesh`` numbers its tp group) writes slice
+    ``r`` of each sliced param (``Rows.slicing``, recorded in the manifest, so the checkpoint reads
+    into any layout: another tp, one process, ZeRO over dp) and the replicated params once."""
 
     def processes(self, spec: TensorParallelSpec) -> tuple[int, int]:
-        raise NotImplementedError("state: zf.checkpoint of a tensor-parallel state (TensorParallelSpec) is not "
-                                  "supported yet; zf.checkpoint.full_params(state) gives its params whole")
+        return spec.layout.tp, spec.layout.rank
+
+    def describe(self, spec: TensorParallelSpec) -> dict:
+        return {"world": spec.layout.tp, "pipeline": None, "stage": None, "tp": spec.layout.tp}
+
+    def rows(self, spec: TensorParallelSpec, index: int, shape: tuple[int, ...]) -> placement.Rows:
+        name = spec.names[index]
+        slicing = spec.layout.slicings.get(name)
+        if slicing is None:
+            return placement.whole_rows(shape)
+        return placement.Rows(spec.layout.whole_shape(name, shape), shape[0], (0, shape[0]), slicing, spec.layout.rank)
+
+    def materializer(self, spec: TensorParallelSpec, fn: Any) -> Any:
+        return spec.layout.materializer(fn)
 
     def whole(self, state: TrainState, mesh: Any = None) -> Any:
         spec = state.placement
@@ -142,7 +163,14 @@ class TensorParallelStep(Transformed):
         if materialize is not None:
             materialize = self.spec.layout.materializer(materialize)
         s = self.inner.init(params, materialize)
-        return TrainState(s.params, s.opt_state, s.step, s.rng, s.loss_scale, self.spec, buffers=s.buffers)
+        self.initialized_with = self.inner.initialized_with  # the pieces' shapes: what zf.checkpoint.load fills
+        return TrainState(s.params, s.opt_state, s.step, s.rng, s.loss_scale, self.placement_of(params),
+                          buffers=s.buffers)
+
+    def placement_of(self, params: Any) -> TensorParallelSpec:
+        """This step's spec, with the names of ``params``' leaves (in leaf order)."""
+        paths = optree.tree_flatten_with_path(params, namespace=tree.NAMESPACE)[0]
+        return dataclasses.replace(self.spec, names=tuple(".".join(map(str, p)) for p in paths))
 
     def _check_state(self, state: Any) -> None:
         require_train_state(state)
