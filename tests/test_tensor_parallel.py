@@ -27,7 +27,8 @@ def recipe_model(kind):
         return GPT(GPTConfig(vocab_size=61, block_size=16, n_layer=2, n_head=4, n_embd=32)), GPT_PLAN
     from recipes.llama import Llama, LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=16)
+    kv = 1 if kind == "llama-kv1" else 2  # 1 kv head: tp=2 does not divide it, so k and v are replicated
+    cfg = LlamaConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=kv, ffn_dim=48, max_seq_len=16)
     return Llama(cfg), LLAMA_PLAN
 
 
@@ -83,8 +84,10 @@ def accounting(model, whole, memory):
 
     layout = zf.tensor_parallel.layout_of(model)
     replicated = sum(p.numel() for n, p in zf.functionalize(model)[1].items() if n not in layout.slicings)
+    kv = sum(p.numel() for n, p in zf.functionalize(model)[1].items()
+             if layout.styles.get(n.rpartition(".")[0]) == "replicated-kv")
     return (memory["params"], 4 * cost.params_per_rank(whole, layout), sum(memory["comm"].values()),
-            cost.comm_bytes_per_step(layout, 32, 32, 62, replicated_numel=replicated))
+            cost.comm_bytes_per_step(layout, 32, 32, 62, replicated_numel=replicated, replicated_kv_numel=kv))
 
 
 def remat_law(rank):
@@ -101,7 +104,8 @@ def remat_law(rank):
 
 def recipe_laws(rank):
     """One spawn for the recipes' laws and the vocab-parallel loss (each spawn costs seconds)."""
-    return {"gpt": law(rank, "gpt"), "llama": law(rank, "llama"), "loss": vocab_loss(rank),
+    return {"gpt": law(rank, "gpt"), "llama": law(rank, "llama"), "llama-kv1": law(rank, "llama-kv1"),
+            "loss": vocab_loss(rank),
             "sp gpt": sequence_parallel_law(rank, "gpt"), "sp llama": sequence_parallel_law(rank, "llama"),
             "remat": remat_law(rank)}
 
@@ -120,7 +124,7 @@ def recipe_results():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("kind", ["gpt", "llama"])
+@pytest.mark.parametrize("kind", ["gpt", "llama", "llama-kv1"])
 def test_tp2_trains_as_the_whole_model(kind, recipe_results):
     results = [r[kind] for r in recipe_results]
     assert_law(results, kind)
@@ -131,9 +135,11 @@ def test_tp2_trains_as_the_whole_model(kind, recipe_results):
         assert shapes["wte.weight"] == (31, 32) and "lm_head.weight" not in shapes
         assert shapes["blocks.0.attn.qkv.weight"] == (48, 32) and shapes["blocks.0.attn.proj.weight"] == (32, 16)
         assert shapes["blocks.0.ln1.weight"] == (32,)
-    else:  # untied head; 4 query and 2 kv heads: 2 and 1 a rank
+    elif kind == "llama":  # untied head; 4 query and 2 kv heads: 2 and 1 a rank
         assert shapes["embed.weight"] == shapes["lm_head.weight"] == (31, 32)
         assert shapes["layers.0.attn.k.weight"] == (8, 32) and shapes["layers.0.mlp.down.weight"] == (32, 24)
+    else:  # 4 query heads, 2 a rank, and 1 kv head tp=2 does not divide: k and v whole on every rank
+        assert shapes["layers.0.attn.q.weight"] == (16, 32) and shapes["layers.0.attn.k.weight"] == (8, 32)
 
 
 @pytest.mark.multiprocess
@@ -214,6 +220,7 @@ HF_BASE = dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention
 HF_CONFIGS = {
     "gpt2": dict(n_layer=2, n_embd=32, n_head=4, vocab_size=61, n_positions=32, bos_token_id=0, eos_token_id=0),
     "llama": dict(HF_BASE, num_key_value_heads=2),  # grouped-query: 4 query heads, 2 kv heads
+    "llama-kv1": dict(HF_BASE, num_key_value_heads=1),  # 1 kv head that tp=2 does not divide: replicated
     "qwen2": dict(HF_BASE, num_key_value_heads=2),
     "gpt_neox": dict(HF_BASE),  # fused head-major query_key_value
     "phi": dict(HF_BASE),
@@ -224,7 +231,7 @@ HF_CONFIGS = {
 def hf_model(kind):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
 
-    cfg = AutoConfig.for_model(kind, **HF_CONFIGS[kind])
+    cfg = AutoConfig.for_model(kind.split("-")[0], **HF_CONFIGS[kind])
     for key, value in cfg.to_dict().items():
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
             setattr(cfg, key, 0.0)
@@ -264,6 +271,8 @@ def test_plan_none_on_transformers_model_types():
         assert styles["transformer.h.0.attn.c_attn"] == "colwise:3" and styles["lm_head"] == "vocab"
         assert out["gpt_neox"][2]["gpt_neox.layers.0.attention.query_key_value"] == "colwise"  # head-major
         assert out["bert"][2]["cls.predictions.decoder"] == "vocab"
+        kv1 = out["llama-kv1"][2]
+        assert kv1["model.layers.0.self_attn.k_proj"] == kv1["model.layers.0.self_attn.v_proj"] == "replicated-kv"
 
 
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
