@@ -1,6 +1,8 @@
 """zf.tensor_parallel: the sliced model trains as the whole one (fp32, 2 gloo ranks, 5 steps: the
-recipes' GPT and Llama with their explicit plans; plan=None on seven transformers model types), the
-vocab-parallel loss equals the gathered one, plan=None finds the recipes' plans, slicing and its refusals."""
+recipes' GPT and Llama with their explicit plans, a Llama whose one kv head is replicated; plan=None on
+transformers model types; under zf.remat and zf.offload), the vocab-parallel loss equals the gathered one,
+dp2 x tp2 under ZeRO 0-3 and CPU offload on 4 ranks (each checkpoint loads into one process), plan=None
+finds the recipes' plans, slicing and its refusals."""
 import copy
 from pathlib import Path
 
@@ -50,18 +52,22 @@ def gpt_loss(apply):
     return lambda p, b: F.cross_entropy(apply(p, b[0]).flatten(0, 1), b[1].flatten())
 
 
-def train(model, batches, loss_of=gpt_loss, tp=False):
-    """``(losses, grad norms, params)`` of 5 steps; ``tp``: over ``zf.tensor_parallel.step``, params whole."""
+def train(model, batches, loss_of=gpt_loss, tp=False, optimizer=opt, wrap=None):
+    """``(losses, grad norms, params)`` of 5 steps; ``tp``: over ``zf.tensor_parallel.step``, params whole;
+    ``wrap``: a step transformation applied last (e.g. zf.offload)."""
     apply, params = zf.functionalize(model)
-    step = zf.train_step(loss_of(apply), opt())
+    step = zf.train_step(loss_of(apply), optimizer())
     if tp:
         step = zf.tensor_parallel.step(step, model)
+    if wrap is not None:
+        step = wrap(step)
     state, losses, norms = step.init(params), [], []
     for batch in batches:
         state, m = step(state, batch)
         losses.append(m["loss"].item())
         norms.append(m["grad_norm"].item())
-    memory = step.memory(state) if tp else None  # before full_params, whose gathers the tp comm counts too
+    # before full_params, whose gathers the tp comm counts too
+    memory = step.memory(state) if tp and wrap is None else None
     return losses, norms, zf.checkpoint.full_params(state), memory
 
 
@@ -102,12 +108,30 @@ def remat_law(rank):
     return train(model, token_batches(), tp=True), ref
 
 
+def adamw():
+    """AdamW without clipping (the opt() above, unclipped): zf.offload then updates each leaf during backward."""
+    return zf.optim.adamw(3e-3, eps=1e-6, weight_decay=0.1, mask=zf.optim.decay_mask)
+
+
+def offload_overlap_law(rank):
+    """tp=2 under zf.offload(optimizer="cpu") with its updates during backward (no clip: each leaf's
+    squares summed for the norm as it is updated, the sliced ones' over tp) against the plain step."""
+    mesh = zf.Mesh(tp=2)
+    model, plan = recipe_model("gpt")
+    ref = train(copy.deepcopy(model), token_batches(), optimizer=adamw)
+    zf.tensor_parallel(model, mesh, plan)
+    offloaded = []
+    got = train(model, token_batches(), tp=True, optimizer=adamw,
+                wrap=lambda s: offloaded.append(zf.offload(s, "cpu")) or offloaded[0])
+    return got, ref, offloaded[0].overlap
+
+
 def recipe_laws(rank):
     """One spawn for the recipes' laws and the vocab-parallel loss (each spawn costs seconds)."""
     return {"gpt": law(rank, "gpt"), "llama": law(rank, "llama"), "llama-kv1": law(rank, "llama-kv1"),
             "loss": vocab_loss(rank),
             "sp gpt": sequence_parallel_law(rank, "gpt"), "sp llama": sequence_parallel_law(rank, "llama"),
-            "remat": remat_law(rank)}
+            "remat": remat_law(rank), "offload": offload_overlap_law(rank)}
 
 
 def assert_law(results, what):
@@ -145,6 +169,13 @@ def test_tp2_trains_as_the_whole_model(kind, recipe_results):
 @pytest.mark.multiprocess
 def test_tp2_with_remat_trains_as_the_whole_model(recipe_results):
     assert_law([r["remat"] for r in recipe_results], "gpt, tp=2, remat")
+
+
+@pytest.mark.multiprocess
+def test_tp2_under_cpu_offload_with_updates_during_backward_trains_as_the_whole_model(recipe_results):
+    results = [r["offload"] for r in recipe_results]
+    assert_law(results, "gpt, tp=2, zf.offload(optimizer='cpu'), overlapped")
+    assert results[0][2]  # the overlapped path: the norm's squares summed leaf by leaf
 
 
 def vocab_loss(rank):
@@ -209,8 +240,8 @@ def test_refusals_name_the_module_and_sizes():
     with pytest.raises(ValueError, match="tensor-parallel already"):
         zf.tensor_parallel(model, mesh, plan)
     step = zf.tensor_parallel.step(zf.train_step(gpt_loss(apply), opt()), model)
-    with pytest.raises(ValueError, match="zf.offload cannot wrap zf.tensor_parallel"):
-        zf.offload(step, "cpu")
+    with pytest.raises(ValueError, match="zf.pipeline cannot wrap zf.tensor_parallel"):
+        zf.pipeline(step, 2, 2, model=model, units=["blocks.0", "blocks.1"])
 
 
 HF_BASE = dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
@@ -286,14 +317,14 @@ def test_plan_none_on_the_recipes_finds_their_plan(kind):
     assert zf.tensor_parallel.layout_of(model).styles == expected
 
 
-def dp_tp_law(rank, stage, root):
+def dp_tp_law(rank, stage, root, key=None, **plan_kw):
     """dp2 x tp2 on 4 ranks through the front door (``zf.config.Plan(dp=2, tp=2, zero_stage=stage)``,
     ``prepare``: plan=None, ``parallelize``: tp step under ZeRO over each tp slice's dp group), against
     the plain step on the global batch (trained on every rank); its checkpoint loaded into one process."""
     model, _ = recipe_model("gpt")
     ref = train(copy.deepcopy(model), token_batches())
     whole_apply, whole_params = zf.functionalize(copy.deepcopy(model))
-    plan = zf.config.Plan(dp=2, tp=2, zero_stage=stage, units="class:Block")
+    plan = zf.config.Plan(dp=2, tp=2, zero_stage=stage, units="class:Block", **plan_kw)
     mesh = zf.Mesh(dp=2, tp=2)
     zf.config.prepare(model, plan, mesh)
     apply, params = zf.functionalize(model)
@@ -304,25 +335,29 @@ def dp_tp_law(rank, stage, root):
         losses.append(m["loss"].item())
         norms.append(m["grad_norm"].item())
     whole = zf.checkpoint.full_params(state, mesh)  # gathered over dp, then over tp
-    saved = zf.checkpoint.save(state, Path(root) / f"zero{stage}")
+    saved = zf.checkpoint.save(state, Path(root) / (key or f"zero{stage}"))
     one = zf.checkpoint.load(saved, zf.train_step(gpt_loss(whole_apply), opt()), params=whole_params)
     exact = one.params.keys() == whole.keys() and all(torch.equal(one.params[n], whole[n]) for n in whole)
     return (losses, norms, whole), ref, step.layers, exact
 
 
 def dp_tp_laws(rank, root):
-    return {stage: dp_tp_law(rank, stage, root) for stage in (0, 1, 2, 3)}  # one spawn: each costs seconds
+    laws = {stage: dp_tp_law(rank, stage, root) for stage in (0, 1, 2, 3)}  # one spawn: each costs seconds
+    laws["offload"] = dp_tp_law(rank, 2, root, "offload", offload_optimizer="cpu")
+    return laws
 
 
 @pytest.mark.multiprocess
-def test_dp2_x_tp2_with_zero_0_to_3_trains_as_the_whole_model_and_loads_into_one_process(tmp_path):
+def test_dp2_x_tp2_with_zero_0_to_3_and_cpu_offload_trains_as_the_whole_model_and_loads_into_one_process(tmp_path):
     everyone = zf.dist.spawn(dp_tp_laws, 4, str(tmp_path), timeout_s=600)
-    for stage in (0, 1, 2, 3):
-        results = [r[stage] for r in everyone]
-        assert_law(results, f"dp2 x tp2, ZeRO-{stage}")
-        assert results[0][2] == ("train_step", "tensor_parallel", "shard")
-        assert all(r[3] for r in results), f"ZeRO-{stage}: the checkpoint's params differ from full_params'"
-        assert zf.checkpoint.read_manifest(tmp_path / f"zero{stage}")["world"] == 4
+    for key in (0, 1, 2, 3, "offload"):
+        results = [r[key] for r in everyone]
+        what = f"dp2 x tp2, ZeRO-{key}" if key != "offload" else "dp2 x tp2, ZeRO-2, optimizer offloaded to CPU"
+        assert_law(results, what)
+        layers = ("train_step", "tensor_parallel", "shard") + (("offload",) if key == "offload" else ())
+        assert results[0][2] == layers
+        assert all(r[3] for r in results), f"{what}: the checkpoint's params differ from full_params'"
+        assert zf.checkpoint.read_manifest(tmp_path / (key if key == "offload" else f"zero{key}"))["world"] == 4
 
 
 def sequence_parallel_law(rank, kind):

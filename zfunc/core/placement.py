@@ -21,6 +21,8 @@ plain placement: one process, every leaf whole and in memory, and each method sa
 - ``whole(state, mesh)``: every param whole on every process (``full_params``);
 - ``materializer(spec, fn)``: a materializer of the whole model's leaves made to give the ones it
   holds (a tensor-parallel state's slices), for a transformation that splits them further;
+- ``sum_over_slices(spec, value)``: a sum over its sliced leaves (grad squares) summed over the
+  processes holding the other slices;
 - ``restore(step, leaves, params, device)``: how a checkpoint's leaves are put in place, where
   filling the step's template leaf by leaf is not how the step keeps them.
 """
@@ -104,6 +106,12 @@ class Placement:
         leaves this placement holds (a tensor-parallel state's: its slices), for a transformation that
         splits them further and materializes its own rows of them (``zf.shard``). Plain: ``fn``."""
         return fn
+
+    def sum_over_slices(self, spec: Any, value: torch.Tensor) -> torch.Tensor:
+        """``value``, a sum over this process's sliced param leaves (``Rows.slicing``: their grads'
+        squares), summed over the processes holding the other slices of them (a tensor-parallel
+        state's tp group: one all-reduce): what a grad norm counts once per slice. Plain: ``value``."""
+        return value
 
     def restore(self, step: Any, leaves: TrainState, params: PyTree, device: str | torch.device
                 ) -> TrainState | None:

@@ -101,6 +101,9 @@ class ShardPlacement(placement.Placement):
     def materializer(self, spec: ShardSpec, fn: Any) -> Any:
         return fn if spec.within is None else placement.of(spec.within).materializer(spec.within, fn)
 
+    def sum_over_slices(self, spec: ShardSpec, value: torch.Tensor) -> torch.Tensor:
+        return value if spec.within is None else placement.of(spec.within).sum_over_slices(spec.within, value)
+
     def whole(self, state: TrainState, mesh: Any = None) -> PyTree:
         """Stage 0: a copy (every param is whole here); else one all-gather of every param, in
         fp32, over ``mesh`` (default: one over the ``world`` ranks of the default process group)."""

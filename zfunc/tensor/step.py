@@ -76,6 +76,11 @@ class TensorParallelPlacement(placement.Placement):
     def materializer(self, spec: TensorParallelSpec, fn: Any) -> Any:
         return spec.layout.materializer(fn)
 
+    def sum_over_slices(self, spec: TensorParallelSpec, value: torch.Tensor) -> torch.Tensor:
+        total = value.detach().clone()
+        spec.comm.all_reduce(total, label="tensor parallel: a grad norm's sliced part")
+        return total
+
     def whole(self, state: TrainState, mesh: Any = None) -> Any:
         spec = state.placement
         placement.arrive(spec.layout.tp, getattr(spec.comm, "group", None))
@@ -83,17 +88,21 @@ class TensorParallelPlacement(placement.Placement):
 
 
 placement.register(TensorParallelSpec, TensorParallelPlacement())
-_NOT_YET = "its grad norm is its own (offload's update kernels and the pipeline's stages sum their own squares)"
+_NOT_YET = "its grad norm is its own (the pipeline's stages sum their own squares)"
 
 
-def _shard_verdict(step: Any, options: dict) -> Any:
-    """Shard may wrap a tensor-parallel step (it asks it for its pieces' norm, ``local_norm``), but
-    not a sequence-parallel one: shard's own backward does not sum the replicated grads over tp."""
-    if isinstance(step, TensorParallelStep) and step.spec.layout.sequence_parallel:
-        return ("step: zf.shard of a sequence-parallel zf.tensor_parallel.step is refused: the sharded step's "
-                "backward does not sum the replicated params' grads over tp (not yet); the order that works: "
-                "zf.tensor_parallel(model, mesh, sequence_parallel=False) under zf.shard")
-    return None
+def _wrapped_by(outer: str):
+    """Shard and offload may wrap a tensor-parallel step (shard asks it for its pieces' norm, ``local_norm``;
+    offload sums its sliced leaves' squares over tp, ``Placement.sum_over_slices``), but not a
+    sequence-parallel one: their own backward does not sum the replicated grads over tp."""
+    def verdict(step: Any, options: dict) -> Any:
+        if isinstance(step, TensorParallelStep) and step.spec.layout.sequence_parallel:
+            return (f"step: zf.{outer} of a sequence-parallel zf.tensor_parallel.step is refused: the {outer}ed "
+                    "step's backward does not sum the replicated params' grads over tp (not yet); the order that "
+                    f"works: zf.tensor_parallel(model, mesh, sequence_parallel=False) under zf.{outer}")
+        return None
+
+    return verdict
 
 
 def _sp_without_tp(p: Any) -> str | None:
@@ -106,7 +115,6 @@ def _tp_not_yet(p: Any) -> str | None:
     if p.tp == 1:
         return None
     for field, on, why in (("pp", p.pp > 1, "a pipeline of a tensor-parallel model"),
-                           ("offload_optimizer", p.offload_optimizer != "none", "offload of a tensor-parallel step"),
                            ("tile_lm_head", p.tile_lm_head, "a tiled LM head under tensor parallelism")):
         if on:
             got = getattr(p, field)
@@ -119,8 +127,8 @@ def _tp_not_yet(p: Any) -> str | None:
 
 compose.unregister("tp")  # the estimator's placeholder rows ("tp is modelled, not run"): replaced by these
 compose.register("tensor_parallel", wraps={"train_step": None}, wrapped_by={
-    "shard": _shard_verdict,
-    "offload": (_NOT_YET + ": not yet", "zf.shard(zf.tensor_parallel.step(...), mesh, stage) without zf.offload"),
+    "shard": _wrapped_by("shard"),
+    "offload": _wrapped_by("offload"),
     "pipeline": (_NOT_YET + ": not yet", "zf.shard(zf.tensor_parallel.step(...), mesh, stage) without zf.pipeline"),
 }, rules=[compose.Rule("sequence without tensor parallelism", compose.INCONSISTENT, _sp_without_tp, "tensor_parallel"),
           compose.Rule("tensor parallelism with what it does not yet run", compose.UNSUPPORTED, _tp_not_yet,
