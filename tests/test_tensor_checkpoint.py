@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import zfunc as zf
-from models import assert_same_training, tree_equal
+from models import assert_same_training, fixtures_step, tree_equal
 from test_tensor_parallel import GPT_PLAN, gpt_loss, opt, recipe_model, token_batches
 
 SAVED_AT = 2  # steps before the save; the other three after it
@@ -136,3 +136,26 @@ def test_the_manifest_records_the_slicing_and_no_vocab_padding(resumed):
     assert exported.keys() == saved.keys()
     for name, value in exported.items():
         assert torch.equal(value, saved[name]), name
+
+
+def test_a_deepspeed_checkpoint_fills_a_tp_ranks_slices():
+    """An imported checkpoint (DeepSpeed ZeRO-1, read without deepspeed) fills tp rank 1's state of the same
+    model, its embedding and head vocab-sliced: each sliced leaf read whole and this rank's slice (rows 6-11)
+    cut from it, params and Adam moments; one process (the tp=2 mesh's shape only: nothing is trained)."""
+    from fixtures.make_deepspeed_checkpoints import model
+    from models import mesh_shaped
+    from test_checkpoint_import import FIXTURES, fixture
+
+    net = model()
+    zf.tensor_parallel(net, mesh_shaped(tp=2, tp_rank=1), {"emb": "vocab", "head": "vocab"})
+    apply, params = zf.functionalize(net)
+    step = zf.tensor_parallel.step(zf.train_step(lambda p, b: apply(p, b).sum(), zf.optim.adamw(1e-2)), net)
+    state = zf.checkpoint.load_deepspeed(FIXTURES / "zero1", step, params=params)
+    layout, whole = zf.tensor_parallel.layout_of(net), fixture(1)["params"]
+    assert state.params["emb.weight"].shape == (6, 5) and set(layout.slicings) == {"emb.weight", "head.weight"}
+    for name, piece in state.params.items():
+        assert torch.equal(piece, layout.piece(name, whole[name])), name
+    plain_step, plain_params = fixtures_step()
+    plain = zf.checkpoint.load_deepspeed(FIXTURES / "zero1", plain_step, params=plain_params)
+    for name in state.params:
+        assert torch.equal(state.opt_state.mu[name], layout.piece(name, plain.opt_state.mu[name])), name
