@@ -5,7 +5,8 @@
 Measures, after calibration (``zfunc.plan.calibrate``; measured first when PATH has none):
 ``benchmarks/shard.py``'s trainers on 2 gloo ranks, zfunc's offloaded optimizer step alone and
 ``benchmarks/pipeline.py``'s zfunc trainers on 2 ranks, each step started by a barrier and followed
-by a probe of the rank's share of a core; ``zfunc.plan.validate`` turns the measurements into
+by a probe of the rank's share of a core; and a tp=2 run's bytes (model states per rank, tp bytes per
+step) against the plan's tp rows; ``zfunc.plan.validate`` turns the measurements into
 predicted beside measured step times (its docstring: the configurations, the load, the tolerance).
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -93,6 +95,26 @@ def pipeline_worker(rank: int, p: int, cfg, ms: list[int], batch: int, steps: in
     return times, calibrate.rates_now(), shares, cpu, alone
 
 
+def tp_worker(rank: int, cfg, batch: int) -> dict:
+    """A tp=2 run of the GPT (``zf.tensor_parallel``, plan=None; fp32 AdamW after a clip), two steps on one
+    batch of ``batch`` windows; this rank's ``step.memory(state)`` after the second."""
+    mesh = zf.Mesh(tp=2)
+    torch.manual_seed(0)
+    model = zf.tensor_parallel(GPT(cfg), mesh)
+    apply, params = zf.functionalize(model)
+
+    def loss(p, tokens):
+        return F.cross_entropy(apply(p, tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+
+    tx = zf.optim.chain(zf.optim.clip_by_global_norm(1.0), zf.optim.adamw(1e-4))
+    step = zf.tensor_parallel.step(zf.train_step(loss, tx), model)
+    state = step.init(params)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=torch.Generator().manual_seed(7))
+    for _ in range(2):
+        state, _ = step(state, tokens)
+    return step.memory(state)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calibration", help="this machine's constants (python -m zfunc.plan --calibrate)")
@@ -112,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     pipe = zf.dist.spawn(pipeline_worker, 2, 2, CONFIG, list(ms), 16, 3, 3, timeout_s=3600)
     rows += validate.pipeline_rows(cal, pipe, model, ms, batch=16, seq=seq)
     print(validate.report(rows, before, time.perf_counter() - start))
+    tp = zf.dist.spawn(tp_worker, 2, CONFIG, 8, timeout_s=600)
+    print("\ntensor parallelism, bytes (zfunc.plan.validate.tp_rows):\n"
+          + validate.bytes_table(validate.tp_rows(cal, tp, model, batch=8, seq=seq)))
     return 0
 
 

@@ -9,6 +9,7 @@ recipe's optimizer, laid out by ``zf.parallelize`` (shard, offload, pipeline, as
 from __future__ import annotations
 
 import argparse
+import copy
 from typing import Callable
 
 import torch
@@ -35,14 +36,28 @@ def build_model(recipe: Recipe, args: argparse.Namespace, vocab_size: int) -> Bu
     return built
 
 
-def functional(model: nn.Module, plan) -> tuple[Callable, dict]:
+def make_mesh(plan):
+    """The mesh the plan lays the processes on (``zf.Mesh``: dp x pp x sp x tp)."""
+    import zfunc as zf
+
+    return zf.Mesh(dp=plan.dp, pp=plan.pp, sp=plan.sp_size, tp=plan.tp)
+
+
+def unsliced(model: nn.Module, plan) -> nn.Module | None:
+    """With --tp, a copy of ``model`` made before ``zf.tensor_parallel`` slices it (on the meta device:
+    nothing allocated): what rank 0 runs on the whole params (eval, the sample); None without --tp."""
+    return copy.deepcopy(model) if plan.tp > 1 else None
+
+
+def functional(model: nn.Module, plan, mesh=None) -> tuple[Callable, dict]:
     """``zf.functionalize`` of ``model`` once the plan's model transformations are applied to it in
-    place (the head tiled, the units rematerialized: they rename params, so before functionalize);
-    FlagError naming the flags when the model cannot take them."""
+    place (its layers sliced over ``mesh``'s tp ranks, the head tiled, the units rematerialized: they
+    rename or reshape params, so before functionalize); FlagError naming the flags when the model
+    cannot take them."""
     import zfunc as zf
 
     try:
-        zf.config.prepare(model, plan)
+        zf.config.prepare(model, plan, mesh)
     except ValueError as e:
         raise FlagError(layout.name_flags(str(e))) from None
     return zf.functionalize(model)
@@ -92,12 +107,25 @@ def make_optimizer(args: argparse.Namespace, plan):
     return opt
 
 
-def build_step(loss: Callable, model: nn.Module, args: argparse.Namespace, plan):
-    """The step that trains ``model`` on ``loss`` and the mesh it runs on: ``zf.train_step`` with
-    ``make_optimizer``'s optimizer, the plan's precision and accumulation and --seed, laid out by
-    ``zf.parallelize`` (shard -> offload -> pipeline)."""
+def build_step(loss: Callable, model: nn.Module, args: argparse.Namespace, plan, mesh=None):
+    """The step that trains ``model`` on ``loss`` and the mesh it runs on (``mesh``, the one the model
+    was sliced over with --tp; default ``make_mesh``): ``zf.train_step`` with ``make_optimizer``'s
+    optimizer, the plan's precision and accumulation and --seed, laid out by ``zf.parallelize``
+    (tensor parallel -> shard -> offload -> pipeline)."""
     import zfunc as zf
 
     step = zf.train_step(loss, make_optimizer(args, plan), precision=plan.precision, accum=plan.accum, seed=args.seed)
-    mesh = zf.Mesh(dp=plan.dp, pp=plan.pp, sp=plan.sp_size)
+    mesh = make_mesh(plan) if mesh is None else mesh
     return zf.parallelize(step, model, plan, mesh), mesh
+
+
+def on_whole_params(task: Task, apply: Callable, loss: Callable, model: nn.Module, whole: nn.Module | None
+                    ) -> tuple[Callable, Callable, nn.Module]:
+    """``(apply, loss, model)`` that rank 0 runs on the whole params (eval, the sample): the trained
+    model's, or with --tp those of its unsliced copy (``unsliced``), whose params are the whole ones."""
+    import zfunc as zf
+
+    if whole is None:
+        return apply, loss, model
+    whole_apply = zf.functionalize(whole)[0]
+    return whole_apply, loss_fn(task, whole_apply, whole), whole

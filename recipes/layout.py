@@ -1,9 +1,9 @@
 """How a recipe trains at scale: the flags every recipe shares, the launch, and the plan they make.
 
 The flags (``LAYOUT_DEFAULTS``) say how to lay the training out, never what is trained: ZeRO
-stage, offload, remat, LM-head tiling, pipeline, a DeepSpeed config. ``resolve(args, world,
-units)`` turns them (and ``--deepspeed``) into a ``zf.config.Plan``, which ``zf.parallelize``
-applies; the recipe never calls shard/offload/pipeline itself. ``Launch`` reads torchrun's
+stage, offload, remat, LM-head tiling, pipeline, sequence and tensor parallelism, a DeepSpeed
+config. ``resolve(args, world, units)`` turns them (and ``--deepspeed``) into a ``zf.config.Plan``,
+which ``zf.parallelize`` applies; the recipe never calls shard/offload/pipeline itself. ``Launch`` reads torchrun's
 environment (``python -m recipes.gpt`` is one process, ``torchrun ... -m recipes.gpt`` N of them,
 on one machine or several). ``--batch-size`` is the global batch: split over the dp ranks, then
 into accumulation (or pipeline) microbatches, so the same flags train the same on any layout.
@@ -28,7 +28,7 @@ class FlagError(ValueError):
 LAYOUT_DEFAULTS = dict(
     zero=0, offload_optimizer="none", offload_params="none", nvme_path=None, keep_swap=False, remat=False,
     remat_offload=False, tile_lm_head=0, pp=1, microbatches=1, schedule="1f1b", virtual_stages=1, deepspeed=None,
-    quantize_weights=False, quantize_grads=0, sp=1, sp_kind="ulysses", tile_mlp=0,
+    quantize_weights=False, quantize_grads=0, sp=1, sp_kind="ulysses", tile_mlp=0, tp=1,
 )
 CHOICES = dict(zero=[0, 1, 2, 3], offload_optimizer=["none", "cpu", "nvme"], offload_params=["none", "cpu", "nvme"],
                schedule=["1f1b", "gpipe", "interleaved-1f1b", "zero-bubble"], quantize_grads=[0, 4, 8],
@@ -55,13 +55,16 @@ LAYOUT_HELP = dict(
     sp_kind="with --sp: how attention sees the whole sequence: an all-to-all to all tokens of 1/sp of the heads "
             "(ulysses: sp must divide the heads) or key/value blocks passed round the ranks (ring: any heads)",
     tile_mlp="run each unit's MLP over this many token tiles, each recomputed in backward; 0: untiled",
+    tp="tensor-parallel ranks: each holds 1/tp of every attention and MLP projection and of the vocabulary's rows "
+       "(Megatron's column- and row-parallel layers, the plan found from the model; dp = world size / (pp * sp * "
+       "tp); the ranks of a tp group read the same batch)",
     deepspeed="a DeepSpeed JSON config; its 'auto' values (and its batch sizes, if it gives none) come from these "
               "flags, and a flag given that contradicts it is an error",
 )
 # The layout may change on --resume: a checkpoint loads into any stage, offload or world size.
 MAY_CHANGE_ON_RESUME = ("zero", "offload_optimizer", "offload_params", "nvme_path", "keep_swap", "remat",
                         "remat_offload", "pp", "microbatches", "schedule", "deepspeed", "accum", "quantize_weights",
-                        "quantize_grads", "sp", "sp_kind", "tile_mlp", "virtual_stages")
+                        "quantize_grads", "sp", "sp_kind", "tile_mlp", "virtual_stages", "tp")
 # Plan field -> the flag that sets it, to name flags in the plan's errors.
 FLAG_OF_FIELD = dict(dp="--pp", pp="--pp", zero_stage="--zero", offload_optimizer="--offload-optimizer",
                      offload_params="--offload-params", nvme_path="--nvme-path", remat="--remat",
@@ -70,7 +73,7 @@ FLAG_OF_FIELD = dict(dp="--pp", pp="--pp", zero_stage="--zero", offload_optimize
                      gradient_clipping="--grad-clip", global_batch="--batch-size", micro_batch="--batch-size",
                      quantized_weights="--quantize-weights", quantized_grads="--quantize-grads",
                      sp_size="--sp", sp_kind="--sp-kind", tile_mlp="--tile-mlp",
-                     virtual_stages="--virtual-stages")
+                     virtual_stages="--virtual-stages", tp="--tp")
 
 
 def flag(name: str) -> str:
@@ -124,7 +127,7 @@ class Launch:
 def check_layout_args(args: argparse.Namespace, world: int) -> list[str]:
     """The layout flags' own values and the global batch's split over ``world`` processes."""
     errors = []
-    for name in ("pp", "microbatches", "sp", "virtual_stages"):
+    for name in ("pp", "microbatches", "sp", "virtual_stages", "tp"):
         if getattr(args, name) < 1:
             errors.append(f"{flag(name)}: expected an int >= 1, got {getattr(args, name)}")
     for name in ("tile_lm_head", "tile_mlp"):
@@ -132,15 +135,19 @@ def check_layout_args(args: argparse.Namespace, world: int) -> list[str]:
             errors.append(f"{flag(name)}: expected an int >= 0, got {getattr(args, name)}")
     if args.deepspeed is not None and not Path(args.deepspeed).is_file():
         errors.append(f"--deepspeed: no DeepSpeed config file at {args.deepspeed!r}")
-    if not errors and world % (args.pp * args.sp):
-        if args.sp == 1:
+    if not errors and world % (args.pp * args.sp * args.tp):
+        if args.tp > 1:
+            named = [n for n, v in (("pp", args.pp), ("sp", args.sp), ("tp", args.tp)) if v > 1]
+            errors.append(f"{', '.join('--' + n for n in named)}: {args.pp * args.sp * args.tp} ranks per replica "
+                          f"({' * '.join(named)}) do not divide the {world} processes (expected a divisor of {world})")
+        elif args.sp == 1:
             errors.append(f"--pp: {args.pp} stages do not divide the {world} processes (expected a divisor of {world})")
         else:
             errors.append(f"{'--sp' if args.pp == 1 else '--pp, --sp'}: {args.pp * args.sp} ranks per replica "
                           f"(pp * sp) do not divide the {world} processes (expected a divisor of {world})")
     if errors or args.deepspeed is not None:
         return errors  # with a DeepSpeed config the batch split is checked once its values are read
-    return check_batch_split(args, world // (args.pp * args.sp))
+    return check_batch_split(args, world // (args.pp * args.sp * args.tp))
 
 
 def check_batch_split(args: argparse.Namespace, dp: int) -> list[str]:
@@ -164,7 +171,7 @@ def resolve(args: argparse.Namespace, world: int, units: str | None, *, notices:
     errors = check_layout_args(args, world)
     if errors:
         raise FlagError("\n".join(errors))
-    dp = world // (args.pp * args.sp)
+    dp = world // (args.pp * args.sp * args.tp)
     ds_plan = None
     if args.deepspeed is not None:
         ds_plan, args = _read_deepspeed(args, dp, notices)
@@ -172,13 +179,16 @@ def resolve(args: argparse.Namespace, world: int, units: str | None, *, notices:
         if ds_plan.sp_size != args.sp:
             errors.append(f"--deepspeed {args.deepspeed}: sequence_parallel_size is {ds_plan.sp_size} but --sp is "
                           f"{args.sp}; give --sp {ds_plan.sp_size} (it sets how the processes split)")
+        if ds_plan.tp != args.tp:
+            errors.append(f"--deepspeed {args.deepspeed}: tensor_parallel.autotp_size is {ds_plan.tp} but --tp is "
+                          f"{args.tp}; give --tp {ds_plan.tp} (it sets how the processes split)")
         if errors:
             raise FlagError("\n".join(errors))
     split = args.microbatches if args.pp > 1 else args.accum
     fields = dict(dp=dp, pp=args.pp, zero_stage=args.zero, units=units, offload_optimizer=args.offload_optimizer,
                   offload_params=args.offload_params, nvme_path=args.nvme_path, remat=args.remat,
                   remat_offload=args.remat_offload, tile_lm_head=args.tile_lm_head, sp_size=args.sp,
-                  sp_kind=args.sp_kind, tile_mlp=args.tile_mlp, microbatches=args.microbatches,
+                  sp_kind=args.sp_kind, tile_mlp=args.tile_mlp, tp=args.tp, microbatches=args.microbatches,
                   pipeline_schedule=args.schedule, virtual_stages=args.virtual_stages,
                   precision=args.precision, accum=args.accum, gradient_clipping=args.grad_clip,
                   micro_batch=args.batch_size // (dp * split), global_batch=args.batch_size)

@@ -18,6 +18,7 @@ task's loss is normalized by the global batch's count of masked tokens for that 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -51,6 +52,7 @@ class Run:
     device: torch.device
     say: Callable[[str], None]
     t_start: float
+    mesh: Any = None  # with --tp: the mesh the model is sliced over, which the step runs on
 
 
 @dataclass
@@ -86,19 +88,20 @@ def _train(recipe: Recipe, run: Run) -> dict:
     task = recipe.task
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     corpus, baseline, unit = _data(task, run)
-    built, apply, params, run = _model(recipe, run, corpus.vocab_size + recipe.extra_vocab, unit)
+    built, apply, params, run, whole = _model(recipe, run, corpus.vocab_size + recipe.extra_vocab, unit)
     args, plan, say = run.args, run.plan, run.say
     if args.dry_run:
         return report.dry_run(recipe.name, args, plan, built, params, run.device, run.launch, say)
 
     loss = engine.loss_fn(task, apply, built.module)
-    step, mesh = engine.build_step(loss, built.module, args, plan)
+    step, mesh = engine.build_step(loss, built.module, args, plan, run.mesh)
     state, resumed = checkpoints.first_state(args, step, built, params, plan, run.device)
     schedule = lr_schedule.spec(args, plan)  # saved in every checkpoint: --resume continues it
     if resumed is not None:
         _say_resumed(args, schedule, resumed, state.step, say)
-    evaluate = evaluation.evaluator(task, apply, loss, built.module, corpus.val, corpus.vocab_size, args, run.device,
-                                    plan.precision)
+    judge_apply, judge_loss, judged = engine.on_whole_params(task, apply, loss, built.module, whole)
+    evaluate = evaluation.evaluator(task, judge_apply, judge_loss, judged, corpus.val, corpus.vocab_size, args,
+                                    run.device, plan.precision)
     save = checkpoints.saver(args, built.config, training_flags(recipe, args, plan), schedule)
     watch = watch_mod.Watch(Path(args.out), run.launch.rank, state.step if args.resume else None,
                             flops_per_token=built.flops_per_token, peak_flops=report.peak_flops(run.device),
@@ -118,11 +121,11 @@ def _train(recipe: Recipe, run: Run) -> dict:
         say(f"saved {ckpt}")
     sample = b""
     if run.launch.rank == 0 and task.sample:
-        sample = evaluation.sample(apply, progress.whole, built.module, args, run.device)
+        sample = evaluation.sample(judge_apply, progress.whole, judged, args, run.device)
         say("sample:\n" + evaluation.sample_text(sample))
     _release_swap(run, step, state)
     return dict(**progress.evals, train_loss=progress.train_loss, **baseline, history=progress.history,
-                steps=args.steps, n_params=n_params(built.module), tokens_per_s=progress.tokens_per_s, mfu=mfu,
+                steps=args.steps, n_params=n_params(judged), tokens_per_s=progress.tokens_per_s, mfu=mfu,
                 elapsed_s=time.time() - run.t_start, checkpoint=str(ckpt) if ckpt is not None else None,
                 sample=sample, rank=run.launch.rank)
 
@@ -139,10 +142,11 @@ def _data(task: Task, run: Run) -> tuple[Any, dict, str]:
     return corpus, baseline, unit
 
 
-def _model(recipe: Recipe, run: Run, vocab_size: int, unit: str) -> tuple[Built, Callable, dict, Run]:
-    """The recipe's model on the meta device (nothing allocated yet), prepared for the plan, and its
-    function and meta params; rank 0 says what it is and what each rank will hold. The run comes back
-    with the plan of the model's own units (--hf-config: its repeated blocks)."""
+def _model(recipe: Recipe, run: Run, vocab_size: int, unit: str) -> tuple[Built, Callable, dict, Run, Any]:
+    """The recipe's model on the meta device (nothing allocated yet), prepared for the plan, its
+    function and meta params, and with --tp its copy before the slicing (``engine.unsliced``: for eval
+    and the sample); rank 0 says what it is and what each rank will hold. The run comes back with the
+    plan of the model's own units (--hf-config: its repeated blocks) and with --tp the mesh."""
     args, plan, launch = run.args, run.plan, run.launch
     built = engine.build_model(recipe, args, vocab_size)
     vocab = report.vocab_note(args, built.module, built.config.get("vocab_size"), vocab_size, unit,
@@ -150,10 +154,14 @@ def _model(recipe: Recipe, run: Run, vocab_size: int, unit: str) -> tuple[Built,
     if built.units != recipe.units:
         plan, args = layout.resolve(args, launch.world, built.units, notices=False)
         run = Run(args, plan, launch, run.device, run.say, run.t_start)
-    apply, params = engine.functional(built.module, plan)
-    for line in report.describe(args, plan, launch, built, run.device, params) + ([vocab] if vocab else []):
+    if plan.tp > 1:
+        run = dataclasses.replace(run, mesh=engine.make_mesh(plan))
+    whole = engine.unsliced(built.module, plan)
+    apply, params = engine.functional(built.module, plan, run.mesh)
+    shown = built if whole is None else dataclasses.replace(built, module=whole)  # the model: all its params
+    for line in report.describe(args, plan, launch, shown, run.device, params) + ([vocab] if vocab else []):
         run.say(line)
-    return built, apply, params, run
+    return built, apply, params, run, whole
 
 
 def _loop(run: Run, task: Task, corpus, step, state, mesh, evaluate: Callable, save: Callable,

@@ -85,6 +85,16 @@ def two_pieces(first, second):
     return apply
 
 
+SLICED = {"dim": 0, "tp": 2, "padded": 10, "parts": 1}  # w's 10 rows: 5 a slice
+
+
+def both(*breaks):
+    def apply(m):
+        for b in breaks:
+            b(m)
+    return apply
+
+
 def leaf(entry):
     def apply(m):
         m["leaves"].append(entry)
@@ -94,13 +104,13 @@ def leaf(entry):
 M = r"manifest\.json: "
 W = M + r"leaves\[\d+\] \(params/w\)\."
 BROKEN = {  # name: (how the manifest is broken, what the error says)
-    "missing format": (drop("format"), M + r"format is missing, expected one of \(1, 2\)"),
+    "missing format": (drop("format"), M + r"format is missing, expected one of \(1, 2, 3\)"),
     "missing world": (drop("world"), M + r"world is missing"),
     "missing step": (drop("step"), M + r"step is missing"),
     "missing files": (drop("files"), M + r"files is missing"),
     "missing leaves": (drop("leaves"), M + r"leaves is missing"),
     "format a str": (edit(format="2"), M + r"format is '2', expected one of"),
-    "format 3": (edit(format=3), M + r"format is 3, expected one of"),
+    "format 4": (edit(format=4), M + r"format is 4, expected one of"),
     "world a str": (edit(world="1"), M + r"world is '1', expected an int in \[1, 100000\]"),
     "world a bool": (edit(world=True), M + r"world is True, expected an int"),
     "world 0": (edit(world=0), M + r"world is 0, expected an int in \[1, 100000\]"),
@@ -151,6 +161,13 @@ BROKEN = {  # name: (how the manifest is broken, what the error says)
     "piece rows short": (edit_piece(rows=[0, 5]), W + r"pieces is .*expected pieces whose rows partition \[0, 10\)"),
     "pieces overlapping": (two_pieces([4, 10], [0, 6]), W + r"pieces is .*expected pieces whose rows partition"),
     "pieces with a gap": (two_pieces([6, 10], [0, 5]), W + r"pieces is .*expected pieces whose rows partition"),
+    "slicing in format 2": (edit_w(slicing=SLICED), W + r"slicing is \{'dim': 0, .*\}, expected \(format 3\)"),
+    "slicing padded below its size": (both(edit(format=3), edit_w(slicing={**SLICED, "padded": 8})),
+                                      W + r"slicing is .*'padded': 8.*, expected \(format 3\) an object of ints"),
+    "a slice out of range": (both(edit(format=3), edit_w(slicing=SLICED), edit_piece(slice=2, rows=[0, 5])),
+                             W + r"pieces\[0\]\.slice is 2, expected a slice in \[0, 2\)"),
+    "a slice missing": (both(edit(format=3), edit_w(slicing=SLICED), edit_piece(slice=0, rows=[0, 5])),
+                        W + r"pieces is .*expected pieces of every slice 0 \.\. 1"),
 }
 
 

@@ -388,6 +388,26 @@ def test_validation_takes_the_benchmarks_measurements_and_predicts_each_row():
     assert "of 6 within" in validate.table(validate.shard_rows(cal, shard, model, 8, 128) + rows)
 
 
+def test_validation_tp_rows_put_a_tp_runs_bytes_beside_the_plans():
+    """zfunc.plan.validate.tp_rows: a tp run's ``step.memory`` (model states per rank, the tp group's bytes per
+    step; the larger rank's) beside the plan's tp rows; the table counts those within +-25%."""
+    from zfunc.plan import validate
+
+    cal, model = fake_calibration(), zp.from_shape(4, 192, 4, vocab=256, max_seq=128)
+    flags = zp.from_flags(tp=2, zero=0, micro_batch=8, seq=128, precision="fp32", clip=True)
+    planned = zp.plan(model, calibrate.cluster_from(cal, 2), flags)
+    states, moved = planned.memory["gpu"]["masters"] + planned.memory["gpu"]["optimizer"], planned.comm["all_reduce"]
+    halves = {"all_reduce": moved / 2, "all_gather": moved / 2}
+    exact = {"params": states / 3, "opt_state": 2 * states / 3, "comm": halves}
+    rows = validate.tp_rows(cal, [exact, exact], model, batch=8, seq=128)
+    assert [r.measured / r.predicted for r in rows] == pytest.approx([1.0, 1.0])
+    assert "2 of 2 within" in validate.bytes_table(rows)
+    more = {"params": states / 3, "opt_state": states, "comm": {"all_reduce": 1.5 * moved}}
+    rows = validate.tp_rows(cal, [exact, more], model, batch=8, seq=128)
+    assert [r.measured / r.predicted for r in rows] == pytest.approx([4 / 3, 1.5])
+    assert "0 of 2 within" in validate.bytes_table(rows)
+
+
 def test_the_library_imports_neither_recipes_nor_benchmarks():
     import ast
     from pathlib import Path

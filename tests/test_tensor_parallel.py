@@ -1,8 +1,10 @@
 """zf.tensor_parallel: the sliced model trains as the whole one (fp32, 2 gloo ranks, 5 steps: the
-recipes' GPT and Llama with their explicit plans; plan=None on seven transformers model types), the
-vocab-parallel loss equals the gathered one, plan=None finds the recipes' plans, slicing and its refusals."""
+recipes' GPT and Llama with their explicit plans, a Llama whose one kv head is replicated; plan=None on
+transformers model types; under zf.remat and zf.offload), the vocab-parallel loss equals the gathered one,
+dp2 x tp2 under ZeRO 0-3 and CPU offload on 4 ranks (each checkpoint loads into one process), plan=None
+finds the recipes' plans, slicing and its refusals."""
 import copy
-import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +29,8 @@ def recipe_model(kind):
         return GPT(GPTConfig(vocab_size=61, block_size=16, n_layer=2, n_head=4, n_embd=32)), GPT_PLAN
     from recipes.llama import Llama, LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=16)
+    kv = 1 if kind == "llama-kv1" else 2  # 1 kv head: tp=2 does not divide it, so k and v are replicated
+    cfg = LlamaConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=kv, ffn_dim=48, max_seq_len=16)
     return Llama(cfg), LLAMA_PLAN
 
 
@@ -49,18 +52,22 @@ def gpt_loss(apply):
     return lambda p, b: F.cross_entropy(apply(p, b[0]).flatten(0, 1), b[1].flatten())
 
 
-def train(model, batches, loss_of=gpt_loss, tp=False):
-    """``(losses, grad norms, params)`` of 5 steps; ``tp``: over ``zf.tensor_parallel.step``, params whole."""
+def train(model, batches, loss_of=gpt_loss, tp=False, optimizer=opt, wrap=None):
+    """``(losses, grad norms, params)`` of 5 steps; ``tp``: over ``zf.tensor_parallel.step``, params whole;
+    ``wrap``: a step transformation applied last (e.g. zf.offload)."""
     apply, params = zf.functionalize(model)
-    step = zf.train_step(loss_of(apply), opt())
+    step = zf.train_step(loss_of(apply), optimizer())
     if tp:
         step = zf.tensor_parallel.step(step, model)
+    if wrap is not None:
+        step = wrap(step)
     state, losses, norms = step.init(params), [], []
     for batch in batches:
         state, m = step(state, batch)
         losses.append(m["loss"].item())
         norms.append(m["grad_norm"].item())
-    memory = step.memory(state) if tp else None  # before full_params, whose gathers the tp comm counts too
+    # before full_params, whose gathers the tp comm counts too
+    memory = step.memory(state) if tp and wrap is None else None
     return losses, norms, zf.checkpoint.full_params(state), memory
 
 
@@ -83,8 +90,10 @@ def accounting(model, whole, memory):
 
     layout = zf.tensor_parallel.layout_of(model)
     replicated = sum(p.numel() for n, p in zf.functionalize(model)[1].items() if n not in layout.slicings)
+    kv = sum(p.numel() for n, p in zf.functionalize(model)[1].items()
+             if layout.styles.get(n.rpartition(".")[0]) == "replicated-kv")
     return (memory["params"], 4 * cost.params_per_rank(whole, layout), sum(memory["comm"].values()),
-            cost.comm_bytes_per_step(layout, 32, 32, 62, replicated_numel=replicated))
+            cost.comm_bytes_per_step(layout, 32, 32, 62, replicated_numel=replicated, replicated_kv_numel=kv))
 
 
 def remat_law(rank):
@@ -99,11 +108,30 @@ def remat_law(rank):
     return train(model, token_batches(), tp=True), ref
 
 
+def adamw():
+    """AdamW without clipping (the opt() above, unclipped): zf.offload then updates each leaf during backward."""
+    return zf.optim.adamw(3e-3, eps=1e-6, weight_decay=0.1, mask=zf.optim.decay_mask)
+
+
+def offload_overlap_law(rank):
+    """tp=2 under zf.offload(optimizer="cpu") with its updates during backward (no clip: each leaf's
+    squares summed for the norm as it is updated, the sliced ones' over tp) against the plain step."""
+    mesh = zf.Mesh(tp=2)
+    model, plan = recipe_model("gpt")
+    ref = train(copy.deepcopy(model), token_batches(), optimizer=adamw)
+    zf.tensor_parallel(model, mesh, plan)
+    offloaded = []
+    got = train(model, token_batches(), tp=True, optimizer=adamw,
+                wrap=lambda s: offloaded.append(zf.offload(s, "cpu")) or offloaded[0])
+    return got, ref, offloaded[0].overlap
+
+
 def recipe_laws(rank):
     """One spawn for the recipes' laws and the vocab-parallel loss (each spawn costs seconds)."""
-    return {"gpt": law(rank, "gpt"), "llama": law(rank, "llama"), "loss": vocab_loss(rank),
+    return {"gpt": law(rank, "gpt"), "llama": law(rank, "llama"), "llama-kv1": law(rank, "llama-kv1"),
+            "loss": vocab_loss(rank),
             "sp gpt": sequence_parallel_law(rank, "gpt"), "sp llama": sequence_parallel_law(rank, "llama"),
-            "remat": remat_law(rank)}
+            "remat": remat_law(rank), "offload": offload_overlap_law(rank)}
 
 
 def assert_law(results, what):
@@ -120,7 +148,7 @@ def recipe_results():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("kind", ["gpt", "llama"])
+@pytest.mark.parametrize("kind", ["gpt", "llama", "llama-kv1"])
 def test_tp2_trains_as_the_whole_model(kind, recipe_results):
     results = [r[kind] for r in recipe_results]
     assert_law(results, kind)
@@ -131,14 +159,23 @@ def test_tp2_trains_as_the_whole_model(kind, recipe_results):
         assert shapes["wte.weight"] == (31, 32) and "lm_head.weight" not in shapes
         assert shapes["blocks.0.attn.qkv.weight"] == (48, 32) and shapes["blocks.0.attn.proj.weight"] == (32, 16)
         assert shapes["blocks.0.ln1.weight"] == (32,)
-    else:  # untied head; 4 query and 2 kv heads: 2 and 1 a rank
+    elif kind == "llama":  # untied head; 4 query and 2 kv heads: 2 and 1 a rank
         assert shapes["embed.weight"] == shapes["lm_head.weight"] == (31, 32)
         assert shapes["layers.0.attn.k.weight"] == (8, 32) and shapes["layers.0.mlp.down.weight"] == (32, 24)
+    else:  # 4 query heads, 2 a rank, and 1 kv head tp=2 does not divide: k and v whole on every rank
+        assert shapes["layers.0.attn.q.weight"] == (16, 32) and shapes["layers.0.attn.k.weight"] == (8, 32)
 
 
 @pytest.mark.multiprocess
 def test_tp2_with_remat_trains_as_the_whole_model(recipe_results):
     assert_law([r["remat"] for r in recipe_results], "gpt, tp=2, remat")
+
+
+@pytest.mark.multiprocess
+def test_tp2_under_cpu_offload_with_updates_during_backward_trains_as_the_whole_model(recipe_results):
+    results = [r["offload"] for r in recipe_results]
+    assert_law(results, "gpt, tp=2, zf.offload(optimizer='cpu'), overlapped")
+    assert results[0][2]  # the overlapped path: the norm's squares summed leaf by leaf
 
 
 def vocab_loss(rank):
@@ -203,8 +240,8 @@ def test_refusals_name_the_module_and_sizes():
     with pytest.raises(ValueError, match="tensor-parallel already"):
         zf.tensor_parallel(model, mesh, plan)
     step = zf.tensor_parallel.step(zf.train_step(gpt_loss(apply), opt()), model)
-    with pytest.raises(ValueError, match="zf.offload cannot wrap zf.tensor_parallel"):
-        zf.offload(step, "cpu")
+    with pytest.raises(ValueError, match="zf.pipeline cannot wrap zf.tensor_parallel"):
+        zf.pipeline(step, 2, 2, model=model, units=["blocks.0", "blocks.1"])
 
 
 HF_BASE = dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
@@ -214,6 +251,7 @@ HF_BASE = dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention
 HF_CONFIGS = {
     "gpt2": dict(n_layer=2, n_embd=32, n_head=4, vocab_size=61, n_positions=32, bos_token_id=0, eos_token_id=0),
     "llama": dict(HF_BASE, num_key_value_heads=2),  # grouped-query: 4 query heads, 2 kv heads
+    "llama-kv1": dict(HF_BASE, num_key_value_heads=1),  # 1 kv head that tp=2 does not divide: replicated
     "qwen2": dict(HF_BASE, num_key_value_heads=2),
     "gpt_neox": dict(HF_BASE),  # fused head-major query_key_value
     "phi": dict(HF_BASE),
@@ -224,7 +262,7 @@ HF_CONFIGS = {
 def hf_model(kind):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
 
-    cfg = AutoConfig.for_model(kind, **HF_CONFIGS[kind])
+    cfg = AutoConfig.for_model(kind.split("-")[0], **HF_CONFIGS[kind])
     for key, value in cfg.to_dict().items():
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
             setattr(cfg, key, 0.0)
@@ -264,6 +302,8 @@ def test_plan_none_on_transformers_model_types():
         assert styles["transformer.h.0.attn.c_attn"] == "colwise:3" and styles["lm_head"] == "vocab"
         assert out["gpt_neox"][2]["gpt_neox.layers.0.attention.query_key_value"] == "colwise"  # head-major
         assert out["bert"][2]["cls.predictions.decoder"] == "vocab"
+        kv1 = out["llama-kv1"][2]
+        assert kv1["model.layers.0.self_attn.k_proj"] == kv1["model.layers.0.self_attn.v_proj"] == "replicated-kv"
 
 
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
@@ -277,13 +317,14 @@ def test_plan_none_on_the_recipes_finds_their_plan(kind):
     assert zf.tensor_parallel.layout_of(model).styles == expected
 
 
-def dp_tp_law(rank, stage):
+def dp_tp_law(rank, stage, root, key=None, **plan_kw):
     """dp2 x tp2 on 4 ranks through the front door (``zf.config.Plan(dp=2, tp=2, zero_stage=stage)``,
     ``prepare``: plan=None, ``parallelize``: tp step under ZeRO over each tp slice's dp group), against
-    the plain step on the global batch (trained on every rank)."""
+    the plain step on the global batch (trained on every rank); its checkpoint loaded into one process."""
     model, _ = recipe_model("gpt")
     ref = train(copy.deepcopy(model), token_batches())
-    plan = zf.config.Plan(dp=2, tp=2, zero_stage=stage, units="class:Block")
+    whole_apply, whole_params = zf.functionalize(copy.deepcopy(model))
+    plan = zf.config.Plan(dp=2, tp=2, zero_stage=stage, units="class:Block", **plan_kw)
     mesh = zf.Mesh(dp=2, tp=2)
     zf.config.prepare(model, plan, mesh)
     apply, params = zf.functionalize(model)
@@ -293,24 +334,30 @@ def dp_tp_law(rank, stage):
         state, m = step(state, (x.chunk(2)[mesh.rank], y.chunk(2)[mesh.rank]))
         losses.append(m["loss"].item())
         norms.append(m["grad_norm"].item())
-    slices = zf.checkpoint.full_params(state, mesh)  # whole over dp: this rank's tp slices
-    if stage == 1:  # a checkpoint would name slices as rows: refused until tp checkpoints exist
-        with pytest.raises(NotImplementedError, match=r"sliced over tp=2 .* cannot be checkpointed yet"):
-            zf.checkpoint.save(state, tempfile.mkdtemp())
-    return (losses, norms, zf.tensor_parallel.layout_of(model).gather(slices, mesh.tp_comm)), ref, step.layers
+    whole = zf.checkpoint.full_params(state, mesh)  # gathered over dp, then over tp
+    saved = zf.checkpoint.save(state, Path(root) / (key or f"zero{stage}"))
+    one = zf.checkpoint.load(saved, zf.train_step(gpt_loss(whole_apply), opt()), params=whole_params)
+    exact = one.params.keys() == whole.keys() and all(torch.equal(one.params[n], whole[n]) for n in whole)
+    return (losses, norms, whole), ref, step.layers, exact
 
 
-def dp_tp_laws(rank):
-    return {stage: dp_tp_law(rank, stage) for stage in (0, 1, 2, 3)}  # one spawn: each costs seconds
+def dp_tp_laws(rank, root):
+    laws = {stage: dp_tp_law(rank, stage, root) for stage in (0, 1, 2, 3)}  # one spawn: each costs seconds
+    laws["offload"] = dp_tp_law(rank, 2, root, "offload", offload_optimizer="cpu")
+    return laws
 
 
 @pytest.mark.multiprocess
-def test_dp2_x_tp2_with_zero_0_to_3_trains_as_the_whole_model():
-    everyone = zf.dist.spawn(dp_tp_laws, 4, timeout_s=600)
-    for stage in (0, 1, 2, 3):
-        results = [r[stage] for r in everyone]
-        assert_law(results, f"dp2 x tp2, ZeRO-{stage}")
-        assert results[0][2] == ("train_step", "tensor_parallel", "shard")
+def test_dp2_x_tp2_with_zero_0_to_3_and_cpu_offload_trains_as_the_whole_model_and_loads_into_one_process(tmp_path):
+    everyone = zf.dist.spawn(dp_tp_laws, 4, str(tmp_path), timeout_s=600)
+    for key in (0, 1, 2, 3, "offload"):
+        results = [r[key] for r in everyone]
+        what = f"dp2 x tp2, ZeRO-{key}" if key != "offload" else "dp2 x tp2, ZeRO-2, optimizer offloaded to CPU"
+        assert_law(results, what)
+        layers = ("train_step", "tensor_parallel", "shard") + (("offload",) if key == "offload" else ())
+        assert results[0][2] == layers
+        assert all(r[3] for r in results), f"{what}: the checkpoint's params differ from full_params'"
+        assert zf.checkpoint.read_manifest(tmp_path / (key if key == "offload" else f"zero{key}"))["world"] == 4
 
 
 def sequence_parallel_law(rank, kind):

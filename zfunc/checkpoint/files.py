@@ -9,7 +9,9 @@ each safetensors header entry before it allocates the tensor's buffer.
 
 Format 2 checksums each file's header and each tensor on its own (the manifest holds the crc32s),
 so a loader reads, and checks, only the tensors it needs, one at a time (``RankFiles``). Format 1
-(one crc32 per file) is still read: its files are checked whole when first opened.
+(one crc32 per file) is still read: its files are checked whole when first opened. Format 3 is
+format 2 with tensor-parallel slices: a leaf's ``slicing`` and each piece's ``slice``
+(``zfunc.checkpoint.layout``), which a format-2 reader would misread as rows of the whole leaf.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ from zfunc.ops.cpu import hostmem
 from zfunc.offloading.swap.file_format import ALIGN, crc32
 
 FORMAT = 2
-FORMATS = (1, 2)  # what zfunc.checkpoint.manifest.read_manifest accepts
+FORMAT_SLICED = 3  # a checkpoint with tensor-parallel slices (format 2 and a leaf's ``slicing``)
+FORMATS = (1, 2, 3)  # what zfunc.checkpoint.manifest.read_manifest accepts
 HEADER = "__header__"  # write_safetensors' key for the crc32 of the file's header
 MANIFEST = "manifest.json"
 LATEST = "latest"

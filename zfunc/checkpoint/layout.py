@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from zfunc.core import placement, tree
+from zfunc.core.slicing import Slicing
 from zfunc.checkpoint.files import CheckpointError, RankFiles
 from zfunc.core.state import TrainState
 
@@ -54,13 +55,21 @@ BUFFERS = "buffers/"  # TrainState.buffers: module buffers, never split
 class Slot:
     """One leaf of a state as the checkpoint sees it: its logical ``path``; for a leaf split like
     param ``split_like``, the whole leaf's ``full_shape`` and ``chunk`` and the ``rows`` of it this
-    rank holds."""
+    rank holds; where the param is sliced first (tensor parallelism, ``Rows.slicing``), its
+    ``slicing`` and the ``index`` of the slice whose rows ``chunk`` and ``rows`` count."""
 
     path: str
     split_like: str | None = None
     full_shape: tuple[int, ...] | None = None
     chunk: int | None = None
     rows: tuple[int, int] | None = None
+    slicing: Slicing | None = None
+    index: int = 0
+
+    @property
+    def cut_shape(self) -> tuple[int, ...]:
+        """The shape of what this rank's rows are rows of: the slice, or the whole leaf."""
+        return self.full_shape if self.slicing is None else self.slicing.piece_shape(self.full_shape)
 
 
 def param_keys(state: TrainState) -> list[str]:
@@ -102,7 +111,7 @@ def slots(state: TrainState) -> tuple[list[Slot], list[Any], Any]:
             out.append(Slot(path))
         else:
             held = rows[key][0]
-            out.append(Slot(path, key, held.shape, held.chunk, held.held))
+            out.append(Slot(path, key, held.shape, held.chunk, held.held, held.slicing, held.index))
     return out, leaves, treespec
 
 
@@ -110,7 +119,8 @@ def slots(state: TrainState) -> tuple[list[Slot], list[Any], Any]:
 
 
 def descriptions(state_slots: list[Slot], leaves: list[Any]) -> list[dict]:
-    """What this rank holds, one dict per logical leaf (its first copy): what ``assign`` needs."""
+    """What this rank holds, one dict per logical leaf (its first copy): what ``assign`` needs. A
+    sliced leaf's says its ``slicing`` and the ``slice`` its rows are of."""
     out, seen = [], set()
     for slot, x in zip(state_slots, leaves):
         if slot.path in seen:
@@ -122,8 +132,17 @@ def descriptions(state_slots: list[Slot], leaves: list[Any]) -> list[dict]:
         d = {"path": slot.path, "dtype": str(x.dtype).removeprefix("torch."),
              "shape": list(slot.full_shape if slot.split_like else x.shape), "split_like": slot.split_like,
              "full_shape": list(slot.full_shape) if slot.split_like else None, "chunk": slot.chunk}
-        out.append({**d, "rows": list(slot.rows)} if slot.split_like else d)
+        if slot.slicing is not None:
+            d["slicing"] = slot.slicing.as_json()
+        if slot.split_like:
+            d["rows"] = list(slot.rows)
+            if slot.slicing is not None:
+                d["slice"] = slot.index
+        out.append(d)
     return out
+
+
+_WHERE = ("rows", "slice")  # what differs between the ranks holding one leaf: which piece of it
 
 
 def assign(everyone: list[list[dict]]) -> tuple[list[dict], list[set[str]]]:
@@ -134,7 +153,7 @@ def assign(everyone: list[list[dict]]) -> tuple[list[dict], list[set[str]]]:
     writes: list[set[str]] = [set() for _ in everyone]
     for rank, described in enumerate(everyone):
         for d in described:
-            path, fixed = d["path"], {k: v for k, v in d.items() if k != "rows"}
+            path, fixed = d["path"], {k: v for k, v in d.items() if k not in _WHERE}
             if path not in entries:
                 entries[path], first[path] = ({**fixed, "pieces": []} if "dtype" in d else fixed), rank
             elif json.dumps(fixed) != json.dumps({k: v for k, v in entries[path].items() if k != "pieces"}):
@@ -147,9 +166,10 @@ def assign(everyone: list[list[dict]]) -> tuple[list[dict], list[set[str]]]:
             if rows is None:
                 new = not entry["pieces"]
             else:
-                new = rows[1] > rows[0] and all(p["rows"][0] != rows[0] for p in entry["pieces"])
+                new = rows[1] > rows[0] and all((p.get("slice"), p["rows"][0]) != (d.get("slice"), rows[0])
+                                                for p in entry["pieces"])
             if new:
-                entry["pieces"].append({"file": rank, "rows": rows})
+                entry["pieces"].append({"file": rank, "rows": rows, **({"slice": d["slice"]} if "slice" in d else {})})
                 writes[rank].add(path)
     return list(entries.values()), writes
 
@@ -205,7 +225,7 @@ def check_leaf(directory: Path, entry: dict, slot: Slot, like: Any) -> None:
         if slot.split_like is None or tuple(entry["full_shape"]) != slot.full_shape:
             raise CheckpointError(f"{directory}: leaf {path} has whole shape {tuple(entry['full_shape'])} in the "
                                   f"checkpoint, {slot.full_shape if slot.split_like else 'unsplit'} in the state")
-        size = (slot.rows[1] - slot.rows[0]) * int(torch.Size(slot.full_shape[1:]).numel())
+        size = (slot.rows[1] - slot.rows[0]) * int(torch.Size(slot.cut_shape[1:]).numel())
     else:
         size = int(torch.Size(entry["shape"]).numel())
     if size != like.numel():
@@ -225,16 +245,23 @@ def pieces(entry: dict, manifest: dict) -> list[dict]:
             if r * chunk < rows]
 
 
-def read_rows(files: RankFiles, entry: dict, start: int, stop: int) -> torch.Tensor:
-    """Rows ``[start, stop)`` of a split leaf's whole tensor, shaped ``(stop - start, *full[1:])``,
-    read from the pieces holding them (each piece read whole, to check its crc32); a piece that is
-    exactly those rows is returned as it was read, else the rows are copied out."""
-    tail = entry["full_shape"][1:]
+def saved_slicing(entry: dict) -> Slicing | None:
+    """How the saved leaf was sliced before its rows were split (tensor parallelism), None: not."""
+    return None if "slicing" not in entry else Slicing.from_json(entry["slicing"], tuple(entry["full_shape"]))
+
+
+def read_rows(files: RankFiles, entry: dict, start: int, stop: int, index: int | None = None) -> torch.Tensor:
+    """Rows ``[start, stop)`` of a split leaf's whole tensor (``index``: of its saved slice ``index``),
+    shaped ``(stop - start, *tail)``, read from the pieces holding them (each piece read whole, to
+    check its crc32); a piece that is exactly those rows is returned as it was read, else the rows
+    are copied out."""
+    cut = entry["full_shape"] if index is None else saved_slicing(entry).piece_shape(tuple(entry["full_shape"]))
+    tail = list(cut[1:])
     parts, exact = [], False
     for piece in pieces(entry, files.manifest):
         a, b = piece["rows"]
         lo, hi = max(start, a), min(stop, b)
-        if lo < hi:
+        if lo < hi and piece.get("slice") == index:
             t = files.read(piece["file"], entry["path"], piece.get("crc")).reshape(-1, *tail)
             parts.append(t[lo - a : hi - a])
             exact = (a, b) == (start, stop)
@@ -245,20 +272,46 @@ def read_rows(files: RankFiles, entry: dict, start: int, stop: int) -> torch.Ten
     return torch.cat(parts)
 
 
-def planned_reads(entry: dict, manifest: dict, rows: tuple[int, int] | None) -> list[tuple[int, str]]:
-    """The ``(file, tensor)`` reads, in order, of ``read_rows(files, entry, *rows)``, or with
-    ``rows`` None of ``read_whole`` of an unsplit leaf (for ``RankFiles.plan``)."""
-    if rows is None:
+def read_slot(files: RankFiles, entry: dict, slot: Slot) -> torch.Tensor:
+    """The rows ``slot`` holds of a split leaf: read from the pieces holding them where the saved
+    leaf is cut as the slot's (both whole, or both the same slicing); else made from the whole leaf
+    (every piece read: another tp size, or tp to none and back), cut as the slot's, copied out."""
+    mine = slot.slicing
+    if saved_slicing(entry) == mine:
+        return read_rows(files, entry, *slot.rows, index=None if mine is None else slot.index)
+    whole = read_whole(files, entry, files.manifest)
+    cut = whole if mine is None else mine.piece(whole, slot.index)
+    start, stop = slot.rows
+    return cut.reshape(-1, *slot.cut_shape[1:])[start:stop].clone()
+
+
+def planned_reads(entry: dict, manifest: dict, slot: Slot) -> list[tuple[int, str]]:
+    """The ``(file, tensor)`` reads, in order, of ``read_slot(files, entry, slot)``, or, for an
+    unsplit leaf, of ``read_whole`` (for ``RankFiles.plan``)."""
+    if entry["split_like"] is None:
         return [(pieces(entry, manifest)[0]["file"], entry["path"])]
-    start, stop = rows
+    if saved_slicing(entry) != slot.slicing:  # the whole leaf
+        return [(p["file"], entry["path"]) for p in _in_order(pieces(entry, manifest))]
+    start, stop = slot.rows
+    index = None if slot.slicing is None else slot.index
     return [(p["file"], entry["path"]) for p in pieces(entry, manifest)
-            if max(start, p["rows"][0]) < min(stop, p["rows"][1])]
+            if max(start, p["rows"][0]) < min(stop, p["rows"][1]) and p.get("slice") == index]
+
+
+def _in_order(saved: list[dict]) -> list[dict]:
+    """Pieces in the order ``read_whole`` reads them: by slice (a stable sort: each slice's in the manifest's order)."""
+    return sorted(saved, key=lambda p: p.get("slice") or 0)
 
 
 def read_whole(files: RankFiles, entry: dict, manifest: dict) -> torch.Tensor:
-    """A leaf whole: all rows of a split one (in its whole shape), else the one saved tensor."""
+    """A leaf whole: all rows of a split one (in its whole shape; a sliced one's slices put
+    together, their padding dropped), else the one saved tensor."""
     if entry.get("split_like") is None:
         piece = pieces(entry, manifest)[0]
         return files.read(piece["file"], entry["path"], piece.get("crc"))
     full = entry["full_shape"]
-    return read_rows(files, entry, 0, full[0] if full else 1).reshape(full)
+    slicing = saved_slicing(entry)
+    if slicing is None:
+        return read_rows(files, entry, 0, full[0] if full else 1).reshape(full)
+    shape = slicing.piece_shape(tuple(full))
+    return slicing.whole([read_rows(files, entry, 0, shape[0], t).reshape(shape) for t in range(slicing.tp)])

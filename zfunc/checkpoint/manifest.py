@@ -16,6 +16,10 @@ the value and what was expected, before any tensor file is opened. The laws it e
 - a leaf's ``pieces`` (format 2; implied by ``chunk`` and ``world`` in format 1): each names a
   ``file`` (a rank in ``[0, world)``) and a ``crc`` (a crc32); an unsplit leaf has one piece,
   ``rows`` None; a split leaf's ``rows`` ``[a, b]`` partition ``[0, full_shape[0])``.
+- format 3: a split leaf may be sliced first (tensor parallelism): ``slicing`` ``{dim, tp, padded,
+  parts}`` (``dim`` < its rank, ``padded`` >= the dim's size and a multiple of ``tp * parts``); each
+  piece names its ``slice`` in ``[0, tp)``, and each slice's ``rows`` partition the slice's rows
+  (``padded / tp`` along dim 0, else ``full_shape[0]``).
 
 Other keys are ignored: zfunc never reads them.
 
@@ -103,6 +107,7 @@ def _check_leaf(field: _Fields, at: str, entry: Any, fmt: int, world: int, seen:
     itemsize = DTYPES.get(leaf("dtype", lambda v: isinstance(v, str) and v in DTYPES, f"one of {sorted(DTYPES)}"))
     leaf("shape", lambda v: _shape(v, itemsize), _SHAPE)
     split_like = leaf("split_like", lambda v: v is None or isinstance(v, str), "None or the str naming a param")
+    tp = None  # a tensor-parallel leaf's slices (format 3)
     if split_like is None:
         if path.startswith(PARAMS):
             leaf.fail_field("split_like", None, "a str: a params leaf is split like itself")
@@ -110,6 +115,12 @@ def _check_leaf(field: _Fields, at: str, entry: Any, fmt: int, world: int, seen:
     else:
         full = leaf("full_shape", lambda v: _shape(v, itemsize), _SHAPE)
         rows = full[0] if full else 1
+        if "slicing" in entry:
+            slicing = leaf("slicing", lambda v: fmt >= 3 and _slicing(v, full),
+                           f"(format 3) an object of ints dim < {len(full)}, tp >= 1, parts >= 1 and padded >= the "
+                           "dim's size, a multiple of tp * parts")
+            rows = slicing["padded"] // slicing["tp"] if slicing["dim"] == 0 else rows
+            tp = slicing["tp"]
         if fmt == 1:  # the pieces are implied: every rank's chunk of rows
             leaf("chunk", lambda v: _int(v) and v >= 0 and (rows == 0 or v >= 1 and v * world >= rows),
                  f"an int whose {world} ranks' chunks cover the {rows} rows")
@@ -117,14 +128,15 @@ def _check_leaf(field: _Fields, at: str, entry: Any, fmt: int, world: int, seen:
             leaf("chunk", lambda v: _int(v) and v >= 0, "an int >= 0")
     if fmt > 1 or "pieces" in entry:
         pieces = leaf("pieces", lambda v: isinstance(v, list), "a list of pieces")
-        _check_pieces(field, f"{at} ({path}).pieces", pieces, world, rows)
+        _check_pieces(field, f"{at} ({path}).pieces", pieces, world, rows, tp)
 
 
-def _check_pieces(field: _Fields, at: str, pieces: list, world: int, rows: int | None) -> None:
-    """Each piece names a rank's file and a crc32; split rows partition ``[0, rows)``."""
+def _check_pieces(field: _Fields, at: str, pieces: list, world: int, rows: int | None, tp: int | None = None) -> None:
+    """Each piece names a rank's file and a crc32; split rows partition ``[0, rows)`` (with ``tp``
+    slices: each piece names its ``slice``, and each slice's rows partition ``[0, rows)``)."""
     if rows is None and len(pieces) != 1:
         field.fail(at, pieces, "one piece: an unsplit leaf is written once")
-    spans = []
+    spans: dict[int | None, list] = {}
     for j, piece in enumerate(pieces):
         field.at(f"{at}[{j}]", piece, lambda v: isinstance(v, dict), "an object")
         one = field.within(f"{at}[{j}]", piece)
@@ -132,11 +144,21 @@ def _check_pieces(field: _Fields, at: str, pieces: list, world: int, rows: int |
         one("crc", _is_crc, _CRC)
         if rows is None:
             one("rows", lambda v: v is None, "None (an unsplit leaf)")
-        else:
-            spans.append(one("rows", lambda v: isinstance(v, list) and len(v) == 2 and all(map(_int, v))
-                             and 0 <= v[0] < v[1] <= rows, f"[a, b] with 0 <= a < b <= {rows} (the leaf's rows)"))
-    ends = [0] + [b for _, b in sorted(spans)]
-    if rows is not None and ([a for a, _ in sorted(spans)] != ends[:-1] or ends[-1] != rows):
+            continue
+        index = None if tp is None else one("slice", lambda v: _int(v) and 0 <= v < tp, f"a slice in [0, {tp})")
+        spans.setdefault(index, []).append(one(
+            "rows", lambda v: isinstance(v, list) and len(v) == 2 and all(map(_int, v)) and 0 <= v[0] < v[1] <= rows,
+            f"[a, b] with 0 <= a < b <= {rows} (the leaf's rows)"))
+    if rows is None:
+        return
+    if tp is not None and sorted(spans) != list(range(tp)) and rows > 0:
+        field.fail(at, pieces, f"pieces of every slice 0 .. {tp - 1}")
+    for index, spanned in spans.items():
+        ends = [0] + [b for _, b in sorted(spanned)]
+        if [a for a, _ in sorted(spanned)] != ends[:-1] or ends[-1] != rows:
+            which = "" if index is None else f" of slice {index}"
+            field.fail(at, pieces, f"pieces whose rows{which} partition [0, {rows}): no gap, no overlap")
+    if not spans and rows > 0:
         field.fail(at, pieces, f"pieces whose rows partition [0, {rows}): no gap, no overlap")
 
 
@@ -147,6 +169,15 @@ def _shape(v: Any, itemsize: int) -> bool:
     if not (isinstance(v, list) and len(v) <= 64 and all(_int(d) and 0 <= d <= MAX_DIM for d in v)):
         return False
     return math.prod(v) * itemsize <= MAX_TENSOR_BYTES
+
+
+def _slicing(v: Any, full: list) -> bool:
+    """A leaf's tensor-parallel ``slicing`` (``Slicing.as_json``) that cuts ``full`` into equal slices."""
+    if not (isinstance(v, dict) and all(_int(v.get(k)) for k in ("dim", "tp", "padded", "parts"))):
+        return False
+    dim, tp, padded, parts = v["dim"], v["tp"], v["padded"], v["parts"]
+    return (0 <= dim < len(full) and tp >= 1 and parts >= 1 and full[dim] <= padded <= MAX_DIM
+            and padded % (tp * parts) == 0)
 
 
 def _int(v: Any) -> bool:

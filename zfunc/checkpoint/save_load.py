@@ -64,6 +64,12 @@ leaf is written once, by the rank that owns it, as pieces of rows. So a checkpoi
 (plain, N ranks at stage s, offloaded, a pipeline of p stages x d dp ranks) loads into any other,
 by reading for each leaf just the saved pieces holding the rows the new rank owns. Optimizer
 leaves shaped like a param's piece are split like that param; other leaves (counts) are copied.
+A tensor-parallel state (``zf.tensor_parallel.step``, alone or under ``zf.shard``) cuts a param into
+tp slices along one dim first (``zfunc.core.slicing.Slicing``, padded, in fused parts): its pieces
+are rows of a slice, the manifest records the slicing beside the whole shape and each piece's
+``slice`` (format 3), and a loader cut the same way reads just its pieces, any other (another tp
+size, none) puts the whole leaf together (padding dropped) and cuts its own piece from it: every
+piece of that leaf read, one leaf at a time.
 
 Why not ``torch.distributed.checkpoint``: it needs DTensors or a planner to describe the uneven
 chunks, and its files are not plain safetensors; the layout above is a few dozen lines, its files
@@ -265,7 +271,8 @@ def _publish(tmp: Path, final: Path, run: str, keep_last: int | None) -> None:
 def _manifest(state: TrainState, entries: list[dict], run: str, extra: dict) -> dict:
     """The manifest but for its checksums (``files`` and the pieces' ``crc``: after the write)."""
     layout = placement.of(state.placement).describe(state.placement)  # world, pipeline stages, ZeRO stage
-    return {"format": cf.FORMAT, "zfunc": __version__, **layout, "step": state.step,
+    fmt = cf.FORMAT_SLICED if any("slicing" in e for e in entries) else cf.FORMAT
+    return {"format": fmt, "zfunc": __version__, **layout, "step": state.step,
             "run": run, "rng": state.rng, "extra": extra, "files": {}, "leaves": entries}
 
 
@@ -284,7 +291,7 @@ def _reader(files: cf.RankFiles, entry: dict, slot: Slot, like: Any) -> Callable
             return entry.get("value")
         if entry["split_like"] is None:
             return cl.read_whole(files, entry, files.manifest).reshape(like.shape)
-        return cl.read_rows(files, entry, *slot.rows).reshape(like.shape)
+        return cl.read_slot(files, entry, slot).reshape(like.shape)
 
     return read
 
@@ -331,8 +338,7 @@ def load(directory: str | os.PathLike, step_or_template: Step | TrainState, *, p
         if restored is not None:
             return restored
         files.plan([r for s, x in zip(slots, leaves) if isinstance(x, torch.Tensor)  # read ahead, in this order
-                    for r in cl.planned_reads(saved[s.path], manifest,
-                                              None if saved[s.path]["split_like"] is None else s.rows)])
+                    for r in cl.planned_reads(saved[s.path], manifest, s)])
         return tree.map(lambda read, like: restore.to_device(read(), like, device), lazy, template)
 
 

@@ -13,11 +13,16 @@ plain placement: one process, every leaf whole and in memory, and each method sa
 - ``processes(spec)``: this process's ``(world, rank)`` among those that save the state;
 - ``describe(spec)``: the layout the manifest records;
 - ``rows(spec, index, shape)``: which rows of param leaf ``index`` this process holds, as the
-  checkpoint stores them (a split is along dim 0, ``torch.chunk`` style);
+  checkpoint stores them (a split is along dim 0, ``torch.chunk`` style, of the whole leaf or of
+  the slice of it this process holds: ``Rows.slicing``);
 - ``model(spec)``: the whole model's params, when the state holds only some of them;
 - ``logical_paths(state, paths)`` and ``in_memory(state)``: how its leaves read as the plain
   state's;
 - ``whole(state, mesh)``: every param whole on every process (``full_params``);
+- ``materializer(spec, fn)``: a materializer of the whole model's leaves made to give the ones it
+  holds (a tensor-parallel state's slices), for a transformation that splits them further;
+- ``sum_over_slices(spec, value)``: a sum over its sliced leaves (grad squares) summed over the
+  processes holding the other slices;
 - ``restore(step, leaves, params, device)``: how a checkpoint's leaves are put in place, where
   filling the step's template leaf by leaf is not how the step keeps them.
 """
@@ -30,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from zfunc.core import tree
+from zfunc.core.slicing import Slicing
 from zfunc.core.state import TrainState
 from zfunc.dist.mesh import all_arrive
 
@@ -39,11 +45,17 @@ FULL_PARAMS = "zf.checkpoint.full_params"  # the call every process of a split s
 
 class Rows(NamedTuple):
     """The rows of one param leaf a process holds: the leaf's whole ``shape``, the ``chunk`` of
-    rows per process of its split, and ``held``, the ``(start, stop)`` rows of this process."""
+    rows per process of its split, and ``held``, the ``(start, stop)`` rows of this process.
+    ``slicing`` (a ``zfunc.core.slicing.Slicing``): the leaf is first cut along one dim into
+    ``slicing.tp`` slices (tensor parallelism) and this process holds rows of slice ``index``
+    (``chunk`` and ``held`` count that slice's rows, ``slicing.piece_shape(shape)``); None: rows
+    of the whole leaf."""
 
     shape: tuple[int, ...]
     chunk: int
     held: tuple[int, int]
+    slicing: Slicing | None = None
+    index: int = 0
 
 
 def whole_rows(shape: tuple[int, ...]) -> Rows:
@@ -88,6 +100,18 @@ class Placement:
         """Every param whole (fp32 copies) on every process; a collective where processes hold
         different rows, which every process calls (``arrive`` first). Plain: a copy."""
         return tree.clone(state.params)
+
+    def materializer(self, spec: Any, fn: Any) -> Any:
+        """``fn`` (a ``zf.materialize`` materializer of the whole model's leaves) made to give the
+        leaves this placement holds (a tensor-parallel state's: its slices), for a transformation that
+        splits them further and materializes its own rows of them (``zf.shard``). Plain: ``fn``."""
+        return fn
+
+    def sum_over_slices(self, spec: Any, value: torch.Tensor) -> torch.Tensor:
+        """``value``, a sum over this process's sliced param leaves (``Rows.slicing``: their grads'
+        squares), summed over the processes holding the other slices of them (a tensor-parallel
+        state's tp group: one all-reduce): what a grad norm counts once per slice. Plain: ``value``."""
+        return value
 
     def restore(self, step: Any, leaves: TrainState, params: PyTree, device: str | torch.device
                 ) -> TrainState | None:
@@ -151,6 +175,9 @@ def gather_rows(state: TrainState) -> dict[str, torch.Tensor]:
     held = []  # (key, whole shape, rows held) per param leaf
     for i, (path, x) in enumerate(zip(paths, pieces_)):
         rows = rule.rows(spec, i, tuple(x.shape))
+        if rows.slicing is not None:  # tensor-parallel slices: the placement gathers them itself (its ``whole``)
+            raise NotImplementedError(f"state: param {path} is a tensor-parallel slice; gather_rows takes rows of "
+                                      "whole params (expected a placement without tensor parallelism)")
         held.append(("/".join(map(str, path)), rows.shape, rows.held))
     flat_pieces = [x.detach().float().reshape(-1) for x in pieces_]
     device = flat_pieces[0].device if flat_pieces else torch.device("cpu")

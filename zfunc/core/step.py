@@ -237,6 +237,13 @@ class Step:
         a pipeline stage: those of its own units)."""
         return buffers
 
+    def placement_of(self, params: PyTree) -> Any:
+        """The placement spec of the state ``init(params)`` returns, without making it: None, every
+        param whole (a tensor-parallel step's: its slices). A transformation that splits this step's
+        params further records it (``zf.shard``'s ``ShardSpec.within``), so a checkpoint knows each
+        piece's place in the whole param."""
+        return None
+
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         self._check_state(state)
         params, _, step, rng, loss_scale, buffers = _values(state)

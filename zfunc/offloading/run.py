@@ -28,11 +28,12 @@ from typing import Any
 import torch
 
 from zfunc import optim
-from zfunc.core import precision as mp, tree
+from zfunc.core import placement, precision as mp, tree
 from zfunc.core.roles import Role, RunContext
 from zfunc.sharding.layout import FlatGroup, leaf_names
 from zfunc.core.state import FIELDS, TrainState
 from zfunc.core.step import NonFiniteError, Step, sum_over_ranks, without_missing_grads
+from zfunc.offloading.grads import leaf_norm
 from zfunc.offloading.store import All, OnDisk, ReadAhead, Store
 
 PyTree = Any
@@ -212,6 +213,10 @@ class LeafUpdate(_Stores, Role):
         self._masters, self._param_names = tree.leaves(state.params), leaf_names(state.params)
         self._opt_states = list(state.opt_state)
         self._sq_norm = torch.zeros((), dtype=torch.float64)  # overlap: the grads' sum of squares so far
+        # tensor-parallel slices (``Rows.slicing``): their squares are summed over the slices' group too
+        rule, spec = placement.of(context.spec), context.spec
+        self._sliced = [rule.rows(spec, i, leaf.shape).slicing is not None for i, leaf in enumerate(spec.leaves)]
+        self._sq_sliced = torch.zeros((), dtype=torch.float64)  # overlap: the sliced leaves' part of ``_sq_norm``
         self._wants_norm = step.needs_norm()  # train_step(grad_norm=), clipping or fp16; else no norm at all
         self._new: dict[int, tuple[Any, Any]] = {}
         self._skip_updates = False
@@ -251,11 +256,11 @@ class LeafUpdate(_Stores, Role):
         if not self._wants_norm:  # nothing reads it: only the loss is checked, as in the plain step
             norm, loss, produced = sum_over_ranks(sum_across, None, loss, produced)
         elif grads is not None:  # held until now: the norm first (fp32 from bf16/fp16), then every leaf
-            raw = self.spilled.norm() if self.spilled is not None else optim.global_norm(g_leaves)
+            raw = self._held_norm(g_leaves)
             raw, loss, produced = sum_over_ranks(sum_across, raw * raw, loss, produced)
             norm = raw * scale
         else:
-            norm, loss, produced = sum_over_ranks(sum_across, self._sq_norm.float(), loss, produced)
+            norm, loss, produced = sum_over_ranks(sum_across, self._overlapped_squares().float(), loss, produced)
             if not self._skip_updates and not bool(torch.isfinite(norm)):
                 raise NonFiniteError(
                     f"step: non-finite grads (grad norm {norm.item()}) at state.step={step} behind a finite loss, "
@@ -277,6 +282,31 @@ class LeafUpdate(_Stores, Role):
         states = tuple(self._new.get(i, (None, s))[1] for i, s in enumerate(self._opt_states))
         new_params = tree.unflatten(tree.structure(params), masters)
         return TrainState(new_params, states, step + 1, rng, loss_scale, state.placement), metrics
+
+    def add_squares(self, i: int, squares: torch.Tensor) -> None:
+        """With overlap: leaf ``i``'s grad's sum of squares, counted toward the norm."""
+        if self._sliced[i]:
+            self._sq_sliced += squares
+        else:
+            self._sq_norm += squares
+
+    def _overlapped_squares(self) -> torch.Tensor:
+        """With overlap: this rank's squared norm, its sliced leaves' summed over their slices' group."""
+        if not any(self._sliced):
+            return self._sq_norm
+        return self._sq_norm + placement.of(self.context.spec).sum_over_slices(self.context.spec, self._sq_sliced)
+
+    def _held_norm(self, grads: list) -> torch.Tensor:
+        """This rank's norm of the held grads (``optim.global_norm``; spilled: from their files' norms),
+        its sliced leaves' squares summed over their slices' group (one all-reduce)."""
+        if not any(self._sliced):
+            return self.spilled.norm() if self.spilled is not None else optim.global_norm(grads)
+        norms = self.spilled.norms if self.spilled is not None else [leaf_norm(g) for g in grads]
+        squares = [torch.zeros((), dtype=torch.float64) if n is None else n.to("cpu").double() ** 2 for n in norms]
+        sliced = sum((s for s, cut in zip(squares, self._sliced) if cut), torch.zeros((), dtype=torch.float64))
+        whole = sum((s for s, cut in zip(squares, self._sliced) if not cut), torch.zeros((), dtype=torch.float64))
+        spec = self.context.spec
+        return (whole + placement.of(spec).sum_over_slices(spec, sliced)).sqrt().float()
 
     def _update_leaves(self, order: list[int], grads: list[torch.Tensor], scale: float,
                        norm: torch.Tensor | None) -> None:
@@ -420,9 +450,9 @@ class UpdateOnArrival(Role):
             if not step._skip_updates:  # else a non-finite loss: the step will be skipped
                 step._update_leaf(i, g if produced else None, self.reader, squares, scale)
             if squares:  # the kernel's sum of the unscaled grad's squares
-                step._sq_norm += squares[0]
+                step.add_squares(i, squares[0])
             elif wants and g is not None:  # another kernel, or a leaf with no grad (zeros): the slice's norm
-                step._sq_norm += (torch.linalg.vector_norm(g, dtype=torch.float32).double() * scale) ** 2
+                step.add_squares(i, (torch.linalg.vector_norm(g, dtype=torch.float32).double() * scale) ** 2)
         step.update_s += time.perf_counter() - start
 
     def result(self):

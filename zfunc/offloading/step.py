@@ -120,7 +120,7 @@ from typing import Any
 
 import torch
 
-from zfunc.core import compose, precision as mp, tree
+from zfunc.core import compose, placement, precision as mp, tree
 from zfunc.dist import Mesh
 from zfunc.offloading import accounting
 from zfunc.offloading.grads import HeldSlices, SpilledGrads, grad_file
@@ -197,6 +197,7 @@ class OffloadedStep(Transformed):
             if materialize is None:
                 raise ValueError("params: on the meta device; pass materialize(name, like) -> tensor to init")
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            materialize = placement.of(spec).materializer(spec, materialize)  # tp slices: cut from the whole leaves
         names = leaf_names(params)
 
         def fresh(i: int) -> tuple[torch.Tensor, Any]:

@@ -17,6 +17,9 @@ This module turns its measurements into predicted beside measured step times (``
 - ``benchmarks/pipeline.py``'s zfunc GPipe and 1F1B trainers on 2 ranks (GPT 1.85M, batch 16 x
   128) at 2, 4 and 8 microbatches, each step started by a barrier (its ``worker``'s loop, without
   the torch trainers it compares with).
+- a tensor-parallel run of the same GPT (``tp_rows``, bytes rather than time: ``bytes_table``) on 2
+  ranks, 8 x 128 tokens: its ``step.memory(state)`` after a step (model states per rank and the tp
+  group's bytes) against the plan's tp rows.
 
 **Load** (``calibrate``'s module docstring). The ranks measure, in the same processes, their
 single-thread rates (in CPU time: what a step's kernels cost with a core) right after their timed
@@ -231,5 +234,51 @@ def table(rows: list[Row]) -> str:
         share = "-" if r.share is None else f"{r.share:.2f}" + ("" if r.alone is None else f" ({r.alone:.2f} alone)")
         lines.append(f"| `{r.bench}` | {r.config} | {share} | {r.predicted * 1e3:.1f} | {r.measured * 1e3:.1f} "
                      f"| {ratio:.2f} | {'yes' if ok else 'no'} | {cpu} |")
+    lines.append(f"\n{inside} of {len(rows)} within +-{TOLERANCE:.0%}")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class BytesRow:
+    """One predicted beside measured byte count: ``what`` (model states per rank, tp bytes per step)."""
+
+    bench: str
+    config: str
+    what: str
+    predicted: float
+    measured: float
+
+
+def tp_rows(cal: dict, results: list, model: ModelSpec, batch: int, seq: int) -> list[BytesRow]:
+    """A tensor-parallel run's rows: ``results`` are its tp ranks' ``step.memory(state)`` after a step
+    (``zf.tensor_parallel.step``: ``params`` and ``opt_state`` bytes, ``comm``: the tp group's bytes by
+    call type), for ``model`` at ``batch`` x ``seq`` tokens; predicted by the plan of ``tp`` ranks, ZeRO 0,
+    fp32 AdamW: its fp32 masters and optimizer state per rank (params / tp), and its all-reduce bytes
+    (each block's four activations' all-reduces; the measured also holds the embedding's and head's and
+    the gathered logits)."""
+    tp = len(results)
+    s = from_flags(tp=tp, zero=0, micro_batch=batch, seq=seq, precision="fp32", clip=True)
+    predicted = plan(model, calibrate.cluster_from(cal, tp), s)
+    gpu = predicted.memory["gpu"]
+    states = max(r["params"] + r["opt_state"] for r in results)
+    comm = max(sum(r["comm"].values()) for r in results)
+    config = f"tp={tp}, ZeRO 0, fp32 AdamW, {batch}x{seq} tokens"
+    return [BytesRow("zf.tensor_parallel.step", config, "model states per rank (fp32 params + AdamW state)",
+                     gpu["masters"] + gpu["optimizer"], states),
+            BytesRow("zf.tensor_parallel.step", config, "tp communication per step (all-reduce, gathers)",
+                     predicted.comm["all_reduce"], comm)]
+
+
+def bytes_table(rows: list[BytesRow]) -> str:
+    """The markdown table of byte rows and how many are within the tolerance."""
+    lines = ["| run | configuration | bytes | predicted MB | measured MB | measured / predicted | within 25% |",
+             "|---|---|---|---|---|---|---|"]
+    inside = 0
+    for r in rows:
+        ratio = r.measured / r.predicted
+        ok = abs(ratio - 1) <= TOLERANCE
+        inside += ok
+        lines.append(f"| `{r.bench}` | {r.config} | {r.what} | {r.predicted / 1e6:.3f} | {r.measured / 1e6:.3f} "
+                     f"| {ratio:.2f} | {'yes' if ok else 'no'} |")
     lines.append(f"\n{inside} of {len(rows)} within +-{TOLERANCE:.0%}")
     return "\n".join(lines)

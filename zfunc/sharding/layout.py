@@ -48,14 +48,15 @@ class LeafShard:
 @dataclass(frozen=True)
 class ShardSpec:
     """The static description of a sharded state: stage, ranks, and each leaf's ``LeafShard``.
-    ``sliced``: the tensor-parallel ranks whose states each hold another slice of every sliced param
-    (``zf.shard`` of a ``zf.tensor_parallel.step``); 1 otherwise."""
+    ``within``: the placement spec of the params this split cuts, as the wrapped step's ``init``
+    would place them (``Step.placement_of``): a ``zf.tensor_parallel.step``'s ``TensorParallelSpec``,
+    each param this rank's tp slice; None: whole params."""
 
     stage: int
     world: int
     rank: int
     leaves: tuple[LeafShard, ...]
-    sliced: int = 1
+    within: Any = None
 
     def __str__(self) -> str:
         return f"stage {self.stage} over {self.world} ranks"
@@ -72,22 +73,36 @@ class ShardPlacement(placement.Placement):
     """How a sharded state is saved and made whole: rank r holds rows ``[r * chunk, (r + 1) * chunk)``
     of each param and of the optimizer leaves shaped like its piece (at stage 0 every rank holds
     what one rank alone would: every row, saved once by rank 0); other leaves are on every rank.
-    A state sliced over tensor-parallel ranks too (``spec.sliced > 1``): ``whole`` gives this rank's
-    tp slices, whole over dp (``zf.tensor_parallel.layout_of(model).gather`` makes them whole), and
-    checkpoints are refused (not supported yet: its pieces are slices, which this layout cannot name)."""
+    A split of pieces placed by another transformation (``spec.within``: a tensor-parallel step's
+    slices) composes with that placement: its ``w`` processes sit innermost (process ``rank * w +
+    its own``, as ``zf.Mesh`` lays tp inside dp), the rows are rows of its pieces
+    (``Rows.slicing``), and ``whole`` first gathers the pieces over dp, then asks it to make them whole."""
 
     def processes(self, spec: ShardSpec) -> tuple[int, int]:
-        _refuse_sliced(spec)
-        return spec.world, spec.rank
+        if spec.within is None:
+            return spec.world, spec.rank
+        inner, mine = placement.of(spec.within).processes(spec.within)
+        return spec.world * inner, spec.rank * inner + mine
 
     def describe(self, spec: ShardSpec) -> dict:
-        return {"world": spec.world, "pipeline": None, "stage": spec.stage}
+        within = {} if spec.within is None else placement.of(spec.within).describe(spec.within)
+        return {**within, "world": self.processes(spec)[0], "pipeline": None, "stage": spec.stage}
 
     def rows(self, spec: ShardSpec, index: int, shape: tuple[int, ...]) -> placement.Rows:
-        _refuse_sliced(spec)
         leaf, rank = spec.leaves[index], spec.split[1]
         start = min(rank * leaf.chunk, leaf.rows)
-        return placement.Rows(leaf.shape, leaf.chunk, (start, start + leaf.local_rows(rank)))
+        if spec.within is None:
+            return placement.Rows(leaf.shape, leaf.chunk, (start, start + leaf.local_rows(rank)))
+        inner = placement.of(spec.within).rows(spec.within, index, leaf.shape)  # the rows of its piece: all
+        first = inner.held[0] + start
+        held = (first, first + leaf.local_rows(rank))
+        return placement.Rows(inner.shape, leaf.chunk, held, inner.slicing, inner.index)
+
+    def materializer(self, spec: ShardSpec, fn: Any) -> Any:
+        return fn if spec.within is None else placement.of(spec.within).materializer(spec.within, fn)
+
+    def sum_over_slices(self, spec: ShardSpec, value: torch.Tensor) -> torch.Tensor:
+        return value if spec.within is None else placement.of(spec.within).sum_over_slices(spec.within, value)
 
     def whole(self, state: TrainState, mesh: Any = None) -> PyTree:
         """Stage 0: a copy (every param is whole here); else one all-gather of every param, in
@@ -95,20 +110,19 @@ class ShardPlacement(placement.Placement):
         with sequence-parallel ranks: its ``dp_sp``, the ranks ``zf.shard`` split over)."""
         spec, state = state.placement, self.in_memory(state)
         if spec.split[0] == 1:
-            return tree.clone(state.params)
-        mesh = getattr(mesh, "dp_sp", mesh)
-        placement.arrive(spec.world, mesh.comm.group if mesh is not None else None)
-        mesh = mesh or Mesh(dp=spec.world)
-        pieces, treespec = tree.flatten(state.params)
-        everything = [FlatGroup("all params", list(range(len(pieces))), spec.leaves)]
-        return tree.unflatten(treespec, gather_whole(pieces, spec, everything, mesh.comm, torch.float32,
-                                                      pieces[0].device, "full_params"))
-
-
-def _refuse_sliced(spec: ShardSpec) -> None:
-    if spec.sliced > 1:
-        raise NotImplementedError(f"state: a state sharded over dp and sliced over tp={spec.sliced} (zf.shard of "
-                                  "zf.tensor_parallel.step) cannot be checkpointed yet")
+            pieces = tree.clone(state.params)
+        else:
+            over = getattr(mesh, "dp_sp", mesh)  # zf.shard's ranks: dp x sp
+            placement.arrive(spec.world, over.comm.group if over is not None else None)
+            over = over or Mesh(dp=spec.world)
+            flat, treespec = tree.flatten(state.params)
+            everything = [FlatGroup("all params", list(range(len(flat))), spec.leaves)]
+            pieces = tree.unflatten(treespec, gather_whole(flat, spec, everything, over.comm, torch.float32,
+                                                           flat[0].device, "full_params"))
+        if spec.within is None:
+            return pieces
+        within = TrainState(pieces, None, state.step, state.rng, state.loss_scale, spec.within)
+        return placement.of(spec.within).whole(within, mesh)  # e.g. tp slices gathered over the tp group
 
 
 placement.register(ShardSpec, ShardPlacement())

@@ -75,7 +75,7 @@ from typing import Any
 
 import torch
 
-from zfunc.core import compose, precision as mp, tree
+from zfunc.core import compose, placement, precision as mp, tree
 from zfunc.dist import Mesh
 from zfunc.dist.quantized import QuantizedComm
 from zfunc.model.materialize import Materializer, leaf as materialize_leaf
@@ -141,6 +141,7 @@ class ShardedStep(Transformed):
         device, leaves, treespec, spec = self._layout(params)
         if device.type == "meta" and materialize is not None:
             device = self._materialize_device()
+            materialize = placement.of(spec).materializer(spec, materialize)  # tp slices: cut from the whole leaves
         self.initialized_with = tree.map(lambda x: x.to("meta"), params)  # what zf.checkpoint.load checks
         pieces = []
         for x, leaf, name in zip(leaves, spec.leaves, leaf_names(params)):  # one leaf's rows at a time
@@ -174,10 +175,9 @@ class ShardedStep(Transformed):
             self.mesh.comm.agree((int(checksum.view(torch.int64)),), lambda op: f"params checksum {op[0]}",
                                  "init: params differ across ranks (seed the model the same way on every rank)")
         world = 1 if self.stage == 0 else self.mesh.dp  # stage 0: every rank holds every row
-        sliced = self.mesh.tp if "tensor_parallel" in self.inner.layers else 1  # each tp rank: other slices
         spec = ShardSpec(self.stage, self.mesh.dp, self.mesh.rank,
                          tuple(LeafShard(tuple(x.shape), -(-(x.shape[0] if x.dim() else 1) // world)) for x in leaves),
-                         sliced)
+                         self.inner.placement_of(params))  # e.g. a tensor-parallel step: each param its slice
         return device, leaves, treespec, spec
 
     def _check_state(self, state: Any) -> None:

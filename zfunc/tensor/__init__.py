@@ -6,7 +6,9 @@ collectives (collectives.py), a vocab-parallel embedding and LM head, attention 
 an explicit plan and the head counts it patches); ``layout.py`` says how each param is sliced
 (``zf.tensor_parallel.layout_of(model)``); ``zf.tensor_parallel.cross_entropy`` (loss.py) takes the
 loss of vocab-sliced logits without gathering them; ``zf.tensor_parallel.step`` (step.py) is the step
-over such a model: the grad norm over the tp group, a placed state that ``full_params`` makes whole.
+over such a model: the grad norm over the tp group, a placed state that ``full_params`` makes whole and
+``zf.checkpoint`` saves as pieces of the whole params (their slicing in the manifest), under ``zf.shard``
+and ``zf.offload`` too.
 """
 from zfunc.tensor.layout import Layout, Slicing, layout_of
 from zfunc.tensor.loss import cross_entropy

@@ -138,6 +138,12 @@ class Group:
         self._last = (weakref.ref(x), out)
         return out
 
+    def sum_grad(self, x: torch.Tensor) -> torch.Tensor:
+        """The identity; backward all-reduces the grad over the group (Megatron's *f*, whatever the
+        sequence parallelism, with no reuse): for a replicated param each rank's grad of which is
+        partial (grouped-query kv projections replicated over tp, ``zfunc.tensor.layers``)."""
+        return x if self.world == 1 else _Copy.apply(x, self.comm)
+
     def reduce_from(self, x: torch.Tensor) -> torch.Tensor:
         """Megatron's *g*: the sum over the group of ``x`` (identity in backward). Sequence-parallel:
         this rank's chunk of the tokens of that sum, a reduce-scatter (backward: all-gather)."""

@@ -16,6 +16,8 @@ counted twice its tensor, all-gather its output, reduce-scatter its input):
   forward (all-reduce) and ``2A`` in backward (the input's grad, one all-reduce however many
   projections read it); sequence-parallel: the same ``4A``, as an all-gather and a reduce-scatter
   of ``A`` each way (the saving is in memory, not bytes).
+- a replicated grouped-query key or value projection (``replicated_kv``): ``2 * 4 * numel`` in backward
+  (its weight's grads all-reduced; sequence-parallel: part of the replicated params' all-reduce);
 - the vocab-parallel embedding: ``2A`` forward (sequence-parallel: a reduce-scatter, ``A``, and
   its grad's all-gather, ``A``);
 - the vocab-parallel head: ``2A`` backward for its input (sequence-parallel: ``A`` forward and
@@ -48,14 +50,18 @@ def bytes_per_rank(whole_shapes: dict[str, tuple[int, ...]], layout: Layout) -> 
 
 
 def comm_bytes_per_step(layout: Layout, tokens: int, width: int, vocab_padded: int, microbatches: int = 1,
-                        gathered_logits: bool = True, norm: bool = True, replicated_numel: int = 0) -> int:
+                        gathered_logits: bool = True, norm: bool = True, replicated_numel: int = 0,
+                        replicated_kv_numel: int = 0) -> int:
     """The tp group's bytes in one step (see the module docstring): ``tokens`` per microbatch,
-    ``width`` the model's hidden size, ``vocab_padded`` the vocab rounded up to a multiple of tp."""
+    ``width`` the model's hidden size, ``vocab_padded`` the vocab rounded up to a multiple of tp,
+    ``replicated_kv_numel`` the params of the replicated grouped-query kv projections."""
     a = tokens * width * 4
     regions = sum(1 for s in layout.styles.values() if s == "rowwise")
     embeddings = sum(1 for n, s in layout.styles.items() if s == "vocab" and n in layout.embeddings)
     heads = sum(1 for n, s in layout.styles.items() if s == "vocab" and n not in layout.embeddings)
     per_micro = (regions * 4 + embeddings * 2 + heads * 2) * a
+    if not layout.sequence_parallel:
+        per_micro += 2 * 4 * replicated_kv_numel
     if gathered_logits:
         per_micro += heads * tokens * vocab_padded * 4
     per_step = microbatches * int(per_micro) + (8 if norm else 0)

@@ -5,6 +5,8 @@ Styles (Megatron's layers, on the module's own class):
 - ``colwise`` (a ``Linear`` or transformers' ``Conv1D``): output features sliced; the input enters
   through ``copy_to`` (whole in forward, grads all-reduced in backward); the output stays sliced.
   ``colwise`` with ``parts=k`` slices each of ``k`` fused outputs (q, k and v of one projection).
+- ``replicated_kv``: a grouped-query key or value projection whose kv heads tp does not divide: whole on
+  every rank, its output cut to one kv head per local query head, its grads summed over the group.
 - ``rowwise``: input features sliced (the input arrives sliced, from a colwise layer); the output is
   the all-reduce of the partial products (``reduce_from``), then the bias, which is replicated.
 - ``vocab`` on an ``Embedding``: rows (tokens) sliced, padded to a multiple of tp; each rank looks up
@@ -111,6 +113,29 @@ def rowwise(module: nn.Module, where: str, group: Group, slicer: Slicer) -> None
     def forward(self, x):
         y = group.reduce_from(_matmul(kind, x, self.weight, None))
         return y if self.bias is None else y + self.bias
+
+    module.forward = types.MethodType(forward, module)
+
+def replicated_kv(module: nn.Module, where: str, group: Group, heads: int, head_dim: int, keep: list[int]) -> None:
+    """A grouped-query key or value projection of ``heads`` kv heads that tp does not divide, replicated:
+    its weight stays whole on every rank, and its output keeps, for each of this rank's query heads, the
+    kv head that query head reads (``keep``), so the attention runs one kv head per query head here.
+
+    Law: each rank's grads of the weight are partial (its query heads' share); they are all-reduced
+    over the group in backward (``Group.sum_grad``; sequence-parallel: the step sums the replicated
+    params' grads itself), so the grads are the whole ones on every rank, as for any replicated param.
+    Cost: the whole projection computed on every rank, one all-reduce of the weight's (and bias')
+    grads per microbatch (``2 * 4 * numel`` bytes), and key/value activations of one head per local
+    query head."""
+    kind = _need(module, where, "colwise")
+    index = torch.tensor(keep)
+
+    def forward(self, x):
+        w, b = self.weight, self.bias
+        if not group.sequence_parallel:
+            w, b = group.sum_grad(w), (None if b is None else group.sum_grad(b))
+        y = _matmul(kind, group.copy_to(x), w, b)
+        return y.unflatten(-1, (heads, head_dim)).index_select(-2, index.to(y.device)).flatten(-2)
 
     module.forward = types.MethodType(forward, module)
 

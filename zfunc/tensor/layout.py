@@ -1,10 +1,7 @@
 """How a tensor-parallel model's params are sliced: ``Slicing`` per param, ``Layout`` per model.
 
-A sliced param is the whole one cut along ``dim``: the whole dim (``size`` rows) is first padded with
-zeros to ``padded`` (a vocab that tp does not divide: GPT-2's 50257 over 2 ranks is padded to
-50258), then cut into ``parts`` equal fused parts (a fused q/k/v projection: 3), and rank ``r`` of
-``tp`` keeps the ``r``-th of ``tp`` equal pieces of every part, the parts' pieces concatenated. So
-``piece`` and ``whole`` are inverse: ``whole([piece(w, r) for r in range(tp)]) == w``.
+A sliced param is the whole one cut along one dim (``zfunc.core.slicing.Slicing``: padded, in fused
+parts, one equal piece per tp rank; ``piece`` and ``whole`` are inverse).
 
 The padded rows are zeros and stay zeros: no token looks them up, the gathered logits drop their
 columns, so their grads are zero, and AdamW leaves a zero param with zero grads at zero.
@@ -18,32 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from zfunc.core.slicing import Slicing
 
-@dataclass(frozen=True)
-class Slicing:
-    """Param sliced along ``dim`` over ``tp`` ranks: ``size`` whole rows padded to ``padded``, in
-    ``parts`` fused parts."""
-
-    dim: int
-    tp: int
-    size: int
-    padded: int
-    parts: int = 1
-
-    def piece(self, whole: torch.Tensor, rank: int) -> torch.Tensor:
-        """Rank ``rank``'s piece of the whole param (a new tensor)."""
-        if self.padded > self.size:
-            pad = list(whole.shape)
-            pad[self.dim] = self.padded - self.size
-            whole = torch.cat([whole, whole.new_zeros(pad)], self.dim)
-        chunks = whole.chunk(self.parts, self.dim)
-        return torch.cat([c.chunk(self.tp, self.dim)[rank] for c in chunks], self.dim).contiguous()
-
-    def whole(self, pieces: list[torch.Tensor]) -> torch.Tensor:
-        """The whole param (padding dropped) from every rank's piece, in rank order."""
-        per_rank = [p.chunk(self.parts, self.dim) for p in pieces]
-        parts = [torch.cat([mine[k] for mine in per_rank], self.dim) for k in range(self.parts)]
-        return torch.cat(parts, self.dim).narrow(self.dim, 0, self.size)
+__all__ = ["Layout", "Slicing", "layout_of", "record"]
 
 
 @dataclass

@@ -14,19 +14,23 @@ with clipping too. Cost: one all-reduce of one fp32 scalar over the tp group per
 ``Comm`` counts it), beside the model's own collectives.
 
 The state is placed (``TensorParallelSpec``): ``zf.checkpoint.full_params`` gathers every sliced
-param whole (one all-gather per sliced param over the tp group).
+param whole (one all-gather per sliced param over the tp group); ``zf.checkpoint.save`` writes each
+rank's slices as pieces of the whole params, their slicing in the manifest, so the checkpoint loads
+into any tp size, ZeRO layout or one process (``TensorParallelPlacement``).
 
 Over dp: ``zf.shard(zf.tensor_parallel.step(step, model), zf.Mesh(dp=d, tp=t), stage)`` shards each
 tp rank's slices over its dp group (dp groups exclude tp peers); the sharded step asks this one for
 its pieces' norm, and sums its square over dp. That state is placed by ``zf.shard`` (a ``ShardSpec``
-of the tp slices): ``full_params`` gives this rank's tp slices whole over dp, which
-``zf.tensor_parallel.layout_of(model).gather`` makes whole; checkpoints of it are not supported yet.
+over this step's ``TensorParallelSpec``, ``within``): ``full_params`` gives whole params (gathered
+over dp, then over tp), and a checkpoint holds the whole params and optimizer state, as above.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import optree
 import torch
 from torch import nn
 
@@ -39,21 +43,43 @@ from zfunc.tensor.layout import Layout, layout_of
 
 @dataclass(frozen=True, eq=False)
 class TensorParallelSpec:
-    """A tensor-parallel state: this rank's slices (``layout``) over the tp ``comm``."""
+    """A tensor-parallel state: this rank's slices (``layout``) over the tp ``comm``; ``names``: the
+    params' names in leaf order (what ``rows`` looks each leaf's slicing up by)."""
 
     layout: Layout
     comm: Any
+    names: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         return f"TensorParallelSpec(tp={self.layout.tp}, rank={self.layout.rank})"
 
 
 class TensorParallelPlacement(placement.Placement):
-    """Made whole by gathering each sliced param over the tp group; saved and loaded: not yet."""
+    """Made whole by gathering each sliced param over the tp group; saved as pieces of the whole
+    params: tp rank r's process (``r`` of ``tp``, as ``zf.Mesh`` numbers its tp group) writes slice
+    ``r`` of each sliced param (``Rows.slicing``, recorded in the manifest, so the checkpoint reads
+    into any layout: another tp, one process, ZeRO over dp) and the replicated params once."""
 
     def processes(self, spec: TensorParallelSpec) -> tuple[int, int]:
-        raise NotImplementedError("state: zf.checkpoint of a tensor-parallel state (TensorParallelSpec) is not "
-                                  "supported yet; zf.checkpoint.full_params(state) gives its params whole")
+        return spec.layout.tp, spec.layout.rank
+
+    def describe(self, spec: TensorParallelSpec) -> dict:
+        return {"world": spec.layout.tp, "pipeline": None, "stage": None, "tp": spec.layout.tp}
+
+    def rows(self, spec: TensorParallelSpec, index: int, shape: tuple[int, ...]) -> placement.Rows:
+        name = spec.names[index]
+        slicing = spec.layout.slicings.get(name)
+        if slicing is None:
+            return placement.whole_rows(shape)
+        return placement.Rows(spec.layout.whole_shape(name, shape), shape[0], (0, shape[0]), slicing, spec.layout.rank)
+
+    def materializer(self, spec: TensorParallelSpec, fn: Any) -> Any:
+        return spec.layout.materializer(fn)
+
+    def sum_over_slices(self, spec: TensorParallelSpec, value: torch.Tensor) -> torch.Tensor:
+        total = value.detach().clone()
+        spec.comm.all_reduce(total, label="tensor parallel: a grad norm's sliced part")
+        return total
 
     def whole(self, state: TrainState, mesh: Any = None) -> Any:
         spec = state.placement
@@ -62,17 +88,21 @@ class TensorParallelPlacement(placement.Placement):
 
 
 placement.register(TensorParallelSpec, TensorParallelPlacement())
-_NOT_YET = "its grad norm is its own (offload's update kernels and the pipeline's stages sum their own squares)"
+_NOT_YET = "its grad norm is its own (the pipeline's stages sum their own squares)"
 
 
-def _shard_verdict(step: Any, options: dict) -> Any:
-    """Shard may wrap a tensor-parallel step (it asks it for its pieces' norm, ``local_norm``), but
-    not a sequence-parallel one: shard's own backward does not sum the replicated grads over tp."""
-    if isinstance(step, TensorParallelStep) and step.spec.layout.sequence_parallel:
-        return ("step: zf.shard of a sequence-parallel zf.tensor_parallel.step is refused: the sharded step's "
-                "backward does not sum the replicated params' grads over tp (not yet); the order that works: "
-                "zf.tensor_parallel(model, mesh, sequence_parallel=False) under zf.shard")
-    return None
+def _wrapped_by(outer: str):
+    """Shard and offload may wrap a tensor-parallel step (shard asks it for its pieces' norm, ``local_norm``;
+    offload sums its sliced leaves' squares over tp, ``Placement.sum_over_slices``), but not a
+    sequence-parallel one: their own backward does not sum the replicated grads over tp."""
+    def verdict(step: Any, options: dict) -> Any:
+        if isinstance(step, TensorParallelStep) and step.spec.layout.sequence_parallel:
+            return (f"step: zf.{outer} of a sequence-parallel zf.tensor_parallel.step is refused: the {outer}ed "
+                    "step's backward does not sum the replicated params' grads over tp (not yet); the order that "
+                    f"works: zf.tensor_parallel(model, mesh, sequence_parallel=False) under zf.{outer}")
+        return None
+
+    return verdict
 
 
 def _sp_without_tp(p: Any) -> str | None:
@@ -85,7 +115,6 @@ def _tp_not_yet(p: Any) -> str | None:
     if p.tp == 1:
         return None
     for field, on, why in (("pp", p.pp > 1, "a pipeline of a tensor-parallel model"),
-                           ("offload_optimizer", p.offload_optimizer != "none", "offload of a tensor-parallel step"),
                            ("tile_lm_head", p.tile_lm_head, "a tiled LM head under tensor parallelism")):
         if on:
             got = getattr(p, field)
@@ -98,8 +127,8 @@ def _tp_not_yet(p: Any) -> str | None:
 
 compose.unregister("tp")  # the estimator's placeholder rows ("tp is modelled, not run"): replaced by these
 compose.register("tensor_parallel", wraps={"train_step": None}, wrapped_by={
-    "shard": _shard_verdict,
-    "offload": (_NOT_YET + ": not yet", "zf.shard(zf.tensor_parallel.step(...), mesh, stage) without zf.offload"),
+    "shard": _wrapped_by("shard"),
+    "offload": _wrapped_by("offload"),
     "pipeline": (_NOT_YET + ": not yet", "zf.shard(zf.tensor_parallel.step(...), mesh, stage) without zf.pipeline"),
 }, rules=[compose.Rule("sequence without tensor parallelism", compose.INCONSISTENT, _sp_without_tp, "tensor_parallel"),
           compose.Rule("tensor parallelism with what it does not yet run", compose.UNSUPPORTED, _tp_not_yet,
@@ -142,7 +171,14 @@ class TensorParallelStep(Transformed):
         if materialize is not None:
             materialize = self.spec.layout.materializer(materialize)
         s = self.inner.init(params, materialize)
-        return TrainState(s.params, s.opt_state, s.step, s.rng, s.loss_scale, self.spec, buffers=s.buffers)
+        self.initialized_with = self.inner.initialized_with  # the pieces' shapes: what zf.checkpoint.load fills
+        return TrainState(s.params, s.opt_state, s.step, s.rng, s.loss_scale, self.placement_of(params),
+                          buffers=s.buffers)
+
+    def placement_of(self, params: Any) -> TensorParallelSpec:
+        """This step's spec, with the names of ``params``' leaves (in leaf order)."""
+        paths = optree.tree_flatten_with_path(params, namespace=tree.NAMESPACE)[0]
+        return dataclasses.replace(self.spec, names=tuple(".".join(map(str, p)) for p in paths))
 
     def _check_state(self, state: Any) -> None:
         require_train_state(state)

@@ -27,12 +27,17 @@ from zfunc.dist.mesh import Mesh
 from zfunc.tensor import layers
 from zfunc.tensor.collectives import Group
 from zfunc.tensor.layout import Layout, layout_of, record
-from zfunc.tensor.plan import head_patches, match, patch
+from zfunc.tensor.plan import head_patches, kv_replication, match, patch
 
 
 def tensor_parallel(model: nn.Module, mesh: Mesh, plan: Mapping[str, str] | None = None, *,
                     gather_logits: bool = True, sequence_parallel: bool = False) -> nn.Module:
     """Slice ``model``'s layers over ``mesh``'s tp group, in place; returns ``model`` (same class).
+
+    Attention heads are split over the tp ranks; grouped-query kv heads too where tp divides them,
+    else (tp divides the query heads only) the key and value projections are replicated, each rank
+    keeping the kv heads its query heads read (``zfunc.tensor.plan``, ``zfunc.tensor.layers.replicated_kv``:
+    their grads are all-reduced over tp in backward).
 
     Args:
       model: an ``nn.Module``, whole (CPU or meta device), not yet functionalized; every rank of the
@@ -74,11 +79,17 @@ def tensor_parallel(model: nn.Module, mesh: Mesh, plan: Mapping[str, str] | None
     slicer = layers.Slicer(layout, model)
     modules = dict(model.named_modules())
     owners = sorted({name.rpartition(".")[0] for name, (style, _) in styles.items() if style == "colwise"})
-    patches = {o: head_patches(modules[o], o or type(model).__name__, tp) for o in owners}  # checked before any slicing
+    kvs = {o: kv_replication(modules[o], _widths(modules, styles, o), tp) for o in owners}
+    patches = {o: head_patches(modules[o], o or type(model).__name__, tp, kvs[o]) for o in owners}  # checked first
     layout.patched = {o: p for o, p in patches.items() if p}
+    replicated = {name: kv for kv in kvs.values() if kv is not None for name in kv.names}
     for name, (style, parts) in styles.items():
         module = modules[name]
-        if style == "colwise":
+        if name in replicated:
+            kv = replicated[name]
+            layers.replicated_kv(module, name, group, kv.kv_heads, kv.head_dim, kv.keep(rank, tp))
+            layout.styles[name] = "replicated-kv"
+        elif style == "colwise":
             layers.colwise(module, name, group, slicer, parts)
         elif style == "rowwise":
             layers.rowwise(module, name, group, slicer)
@@ -94,3 +105,13 @@ def tensor_parallel(model: nn.Module, mesh: Mesh, plan: Mapping[str, str] | None
         patch(modules[owner], patched)
     record(model, layout)
     return model
+
+
+def _widths(modules: dict[str, nn.Module], styles: dict[str, tuple[str, int]], owner: str) -> dict[str, int]:
+    """The output widths of ``owner``'s own colwise projections of one part (a q, k or v)."""
+    out = {}
+    for name, (style, parts) in styles.items():
+        kind = layers.matmul_kind(modules[name])
+        if style == "colwise" and parts == 1 and name.rpartition(".")[0] == owner and kind is not None:
+            out[name] = modules[name].weight.shape[0 if kind == "linear" else 1]
+    return out

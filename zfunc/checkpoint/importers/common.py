@@ -23,6 +23,8 @@ Lion) and only params, buffers and ``step`` load.
 
 Cost: each rank reads the bytes of its own rows (plus the page or chunk around them), one leaf at
 a time; no rank ever holds another rank's rows or the whole model, unless its layout holds it.
+A tensor-parallel rank's sliced leaves (``Rows.slicing``) are read whole, one at a time, and its slice cut
+from each.
 """
 from __future__ import annotations
 
@@ -126,7 +128,12 @@ def _reader(source: Source, names: dict[str, str], slot: cl.Slot, role: str, fie
         if role in ("moment", "other") and not optimizer:  # fresh: zero moments, zero counts
             return torch.zeros(like.shape, dtype=like.dtype) if isinstance(like, torch.Tensor) else 0
         kind = "param" if role == "param" else ADAM_FIELDS[field]
-        value = source.read(names[slot.split_like], kind, *slot.rows)
+        if slot.slicing is None:
+            value = source.read(names[slot.split_like], kind, *slot.rows)
+        else:  # a tensor-parallel slice: the whole leaf read, this rank's slice and rows cut from it
+            full = slot.full_shape
+            whole = source.read(names[slot.split_like], kind, 0, full[0] if full else 1).reshape(full)
+            value = slot.slicing.piece(whole, slot.index).reshape(-1, *slot.cut_shape[1:])[slice(*slot.rows)]
         return value.reshape(like.shape).to(like.dtype)
 
     return read
