@@ -23,7 +23,8 @@ wrapper would be (strategy.py):
   ``torch.optim`` Adam, AdamW or SGD, its settings and param groups mapped as
   ``zfunc.deepspeed.initialize(optimizer=...)`` maps a client optimizer. The learning-rate schedule
   is the config's ``scheduler`` section (WarmupLR, WarmupDecayLR, WarmupCosineLR), stepped by the
-  engine. The Trainer holds ``zfunc.integrations.optimizer.TrainerOptimizer`` (the engine's lr).
+  engine. Lightning needs ``configure_optimizers`` defined in either case. The Trainer holds
+  ``zfunc.integrations.optimizer.TrainerOptimizer`` (the engine's lr).
 - **the step** (``handles_gradient_accumulation``, as DeepSpeedStrategy): ``training_step`` runs
   inside the engine's step (Lightning's forward redirection with the engine as the wrapper); the
   precision plugin (precision.py) runs the closure, the engine's backward, then ``engine.step()``,
@@ -52,10 +53,12 @@ several optimizers, a learning-rate scheduler from ``configure_optimizers`` (giv
 ``scheduler``), torch optimizers other than Adam/AdamW/SGD, ``gradient_clip_algorithm="value"``,
 ``Trainer(precision=...)`` other than "32-true", "bf16-mixed" and "16-mixed", a config whose
 ``gradient_accumulation_steps``, ``gradient_clipping`` or fp16/bf16 contradict the Trainer's, an
-epoch whose batches leave a partial accumulation window, a ``training_step`` that returns None,
-``save_checkpoint(storage_options=...)``. As with DeepSpeed, ``on_before_optimizer_step`` runs at
-every batch and the module's ``.grad`` stay empty (the grads live in the step).
-Supported versions: Lightning 2.x (tested with 2.6.6); ``pip install zfunc[lightning]``.
+epoch whose batches leave a partial accumulation window, a fit resumed where Lightning's count of a
+window differs from the engine's (Lightning restarts the epoch of a checkpoint taken at an epoch's end,
+``ModelCheckpoint(every_n_epochs=...)``, one batch late: checkpoint with ``every_n_train_steps``), a
+``training_step`` that returns None, ``save_checkpoint(storage_options=...)``. As with DeepSpeed,
+``on_before_optimizer_step`` runs at every batch and the module's ``.grad`` stay empty (the grads live
+in the step). Supported versions: Lightning 2.6 and later 2.x (tested with 2.6.6); ``pip install zfunc[lightning]``.
 """
 from zfunc.integrations.lightning.precision import ZfuncPrecision
 from zfunc.integrations.lightning.strategy import ZfuncStrategy
