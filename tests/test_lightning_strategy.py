@@ -64,6 +64,14 @@ def test_two_processes_equal_ddp_and_resume(tmp_path):
 
 
 def test_validation_runs_on_the_trained_params(tmp_path):
+    """Validation inside fit runs on the engine's params; after fit the module holds them and the engine's
+    step thread is gone."""
+    import threading
+
+    def step_threads():
+        return sum(t.name == "zfunc-step" and t.is_alive() for t in threading.enumerate())
+
+    before = step_threads()
     model = lightning_fit.Net()
     t = trainer(ZfuncStrategy(stage=0), 1, tmp_path, steps=2)
     t.fit(model, loader(1), loader(1))
@@ -71,6 +79,7 @@ def test_validation_runs_on_the_trained_params(tmp_path):
     plain.load_state_dict(model.state_dict())
     want = trainer("auto", 1, tmp_path).validate(plain, loader(1), verbose=False)[0]["val_loss"]
     assert abs(t.callback_metrics["val_loss"].item() - want) < 1e-6
+    assert step_threads() == before
 
 
 def test_refusals_name_what(tmp_path):

@@ -274,6 +274,9 @@ class ZfuncStrategy(DDPStrategy):
 
     def teardown(self) -> None:
         if self.engine is not None:
-            self._sync_module()
-            self.engine = None
+            try:
+                self._sync_module()
+            finally:
+                self.engine.close()  # its step thread
+                self.engine = None
         super().teardown()
