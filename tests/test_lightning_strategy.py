@@ -65,7 +65,7 @@ def test_two_processes_equal_ddp_and_resume(tmp_path):
 
 def test_validation_runs_on_the_trained_params(tmp_path):
     """Validation inside fit runs on the engine's params; after fit the module holds them and the engine's
-    step thread is gone."""
+    step thread is gone; validate(ckpt_path=) evaluates a checkpoint's params."""
     import threading
 
     def step_threads():
@@ -73,12 +73,16 @@ def test_validation_runs_on_the_trained_params(tmp_path):
 
     before = step_threads()
     model = lightning_fit.Net()
-    t = trainer(ZfuncStrategy(stage=0), 1, tmp_path, steps=2)
+    t = trainer(ZfuncStrategy(stage=0), 1, tmp_path, steps=2, save=True)
     t.fit(model, loader(1), loader(1))
     plain = lightning_fit.Net()
     plain.load_state_dict(model.state_dict())
     want = trainer("auto", 1, tmp_path).validate(plain, loader(1), verbose=False)[0]["val_loss"]
     assert abs(t.callback_metrics["val_loss"].item() - want) < 1e-6
+    ckpt = str(tmp_path / "epoch=0-step=2.ckpt")  # validate(ckpt_path=) with no fit: the checkpoint's params
+    again = trainer(ZfuncStrategy(stage=3), 1, tmp_path / "v").validate(lightning_fit.Net(), loader(1), ckpt_path=ckpt,
+                                                                       verbose=False)[0]["val_loss"]
+    assert abs(again - want) < 1e-6
     assert step_threads() == before
 
 

@@ -54,8 +54,9 @@ several optimizers, a learning-rate scheduler from ``configure_optimizers`` (giv
 ``Trainer(precision=...)`` other than "32-true", "bf16-mixed" and "16-mixed", a config whose
 ``gradient_accumulation_steps``, ``gradient_clipping`` or fp16/bf16 contradict the Trainer's, an
 epoch whose batches leave a partial accumulation window, a fit resumed where Lightning's count of a
-window differs from the engine's (Lightning restarts the epoch of a checkpoint taken at an epoch's end,
-``ModelCheckpoint(every_n_epochs=...)``, one batch late: checkpoint with ``every_n_train_steps``), a
+window differs from the engine's (Lightning restarts the epoch of a checkpoint taken at a training
+epoch's end with no validation, ``ModelCheckpoint(every_n_epochs=...)``, one batch late: checkpoint
+with ``every_n_train_steps`` or after validation), a
 ``training_step`` that returns None, ``save_checkpoint(storage_options=...)``. As with DeepSpeed,
 ``on_before_optimizer_step`` runs at every batch and the module's ``.grad`` stay empty (the grads live
 in the step). Supported versions: Lightning 2.6 and later 2.x (tested with 2.6.6); ``pip install zfunc[lightning]``.

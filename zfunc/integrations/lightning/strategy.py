@@ -169,9 +169,10 @@ class ZfuncStrategy(DDPStrategy):
             return
         epoch = self.lightning_module.trainer.current_epoch
         raise refuse(f"batch {batch_idx} of epoch {epoch} with {held} of {accum} batches of an accumulation window "
-                     "held", "Lightning and the engine count the window differently: a fit resumed from a checkpoint "
-                     "taken at an epoch's end (ModelCheckpoint(every_n_epochs=...)) restarts the epoch one batch late; "
-                     "checkpoint with ModelCheckpoint(every_n_train_steps=...)")
+                     "held", "Lightning and the engine count the window differently: Lightning restarts the epoch "
+                     "of a checkpoint taken at a training epoch's end with no validation "
+                     "(ModelCheckpoint(every_n_epochs=...)) one batch late; checkpoint with "
+                     "ModelCheckpoint(every_n_train_steps=...) or after validation")
 
     # ------------------------------------------------------------------ the steps, through the engine
 
