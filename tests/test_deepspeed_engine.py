@@ -118,6 +118,25 @@ def test_checkpoint_resumes_and_returns_client_state(tmp_path):
     assert fresh.load_checkpoint(tmp_path / "nothing") == (None, None)
 
 
+def test_close_ends_the_step_thread_and_keeps_the_state():
+    """Between steps ``close`` ends the engine's thread; training goes on where it was, on a new one."""
+    import threading
+
+    def step_threads():
+        return sum(t.name == "zfunc-step" and t.is_alive() for t in threading.enumerate())
+
+    before = step_threads()
+    batches = data()
+    engine, *_ = deepspeed.initialize(model=net(), config=config())
+    got = engine_losses(engine, batches[:4])
+    assert step_threads() == before + 1
+    engine.close()
+    assert step_threads() == before
+    got += engine_losses(engine, batches[4:])
+    engine.close()
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(torch_losses(batches)), rtol=1e-5, atol=1e-6)
+
+
 def test_callers_random_stream_is_its_own():
     """Draws between forward and step are what they would be without the engine: the step's
     seeded generator is swapped out at each turn."""

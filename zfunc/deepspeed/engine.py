@@ -348,6 +348,14 @@ class Engine:
 
     # ------------------------------------------------------------------ the rest
 
+    def close(self) -> None:
+        """End the thread the engine's steps run on (otherwise it lives until the interpreter exits). A
+        step under way is abandoned, and the state it took with it; between steps the engine keeps its
+        state, and a later training forward starts a new thread."""
+        self._suspended.close()
+        self._running = None
+        self._backward_pending = False
+
     def module_state_dict(self) -> dict:
         """The module's state dict with the current params, whole (a collective where the state is split)."""
         self._require_state("engine.module_state_dict")

@@ -47,6 +47,7 @@ import transformers
 import zfunc as zf
 import zfunc.deepspeed as zds
 from zfunc.config import deepspeed as ds_config
+from zfunc.integrations.optimizer import TrainerOptimizer
 
 TAG = "zfunc"  # the engine's checkpoint inside a Trainer checkpoint folder
 
@@ -61,27 +62,11 @@ class TrainingArguments(transformers.TrainingArguments):
         super().__post_init__()
 
 
-class _EngineOptimizer(torch.optim.Optimizer):
-    """The Trainer's optimizer: one empty param group whose lr is the engine's; ``step`` does nothing."""
-
-    def __init__(self, trainer: Trainer):
-        super().__init__([torch.zeros(0, requires_grad=True)], {"lr": trainer.args.learning_rate})
-        self._trainer = trainer
-
-    def step(self, closure: Any = None) -> None:
-        engine = self._trainer.zfunc_engine
-        if engine is not None:
-            self.param_groups[0]["lr"] = engine.get_lr()[0]
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Nothing: the engine holds no grads between steps."""
-
-
 class _EngineScheduler(torch.optim.lr_scheduler.LRScheduler):
     """The Trainer's scheduler: ``get_last_lr`` is the learning rate of the engine's last update (what
     the Trainer logs for that step), ``get_lr`` the next one's; ``step`` changes nothing."""
 
-    def __init__(self, optimizer: _EngineOptimizer, trainer: Trainer):
+    def __init__(self, optimizer: TrainerOptimizer, trainer: Trainer):
         self._trainer = trainer
         super().__init__(optimizer)
 
@@ -125,7 +110,7 @@ class Trainer(transformers.Trainer):
 
     def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
         if self.optimizer is None:
-            self.optimizer = _EngineOptimizer(self)
+            self.optimizer = TrainerOptimizer(lambda: self.zfunc_engine, self.args.learning_rate)
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
