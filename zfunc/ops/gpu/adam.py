@@ -109,6 +109,26 @@ _GRADS = (torch.float32, torch.bfloat16, torch.float16)
 _OUTS = (torch.bfloat16, torch.float16)
 
 
+def moment_rows(params, grads, exp_avgs, exp_avg_sqs, outs, flags, device) -> dict[tuple[str, str], list[tuple]]:
+    """The launch table of a two-moment update (Adam, LAMB), checked: per (grad dtype, out dtype), one row per
+    tensor, ``(p, g, m, v, out addresses, n, flags)``; ``ValueError`` naming the list, the index and what is
+    wrong (dtype, device, size)."""
+    found: dict[tuple[str, str], list[tuple]] = {}
+    for i, (p, g, m, v, o, d) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, outs, flags)):
+        runtime.check("params", i, p, _F32, device)
+        runtime.check("grads", i, g, _GRADS, device, p.numel())
+        runtime.check("exp_avgs", i, m, _F32, device, p.numel())
+        runtime.check("exp_avg_sqs", i, v, _F32, device, p.numel())
+        if o is not None:
+            runtime.check("param_outs", i, o, _OUTS, device, p.numel())
+        vec = all(runtime.aligned(t) for t in (p, g, m, v, o))
+        row = (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), 0 if o is None else o.data_ptr(),
+               p.numel(), (prog.DECAY if d else 0) | (prog.VECTOR if vec else 0))
+        key = (runtime.dtype_name(g.dtype), "NONE" if o is None else runtime.dtype_name(o.dtype))
+        found.setdefault(key, []).append(row)
+    return found
+
+
 def adamw_many_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                 exp_avg_sqs: list[torch.Tensor], *, step: int, lr: float, beta1: float = 0.9, beta2: float = 0.999,
                 eps: float = 1e-8, weight_decay: float = 0.0, decoupled: bool = True,
@@ -134,20 +154,7 @@ def adamw_many_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
     runtime.check_scale(scale_tensor, device)
 
     def groups() -> dict[tuple[str, str], list[tuple]]:
-        found: dict[tuple[str, str], list[tuple]] = {}
-        for i, (p, g, m, v, o, d) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, outs, flags)):
-            runtime.check("params", i, p, _F32, device)
-            runtime.check("grads", i, g, _GRADS, device, p.numel())
-            runtime.check("exp_avgs", i, m, _F32, device, p.numel())
-            runtime.check("exp_avg_sqs", i, v, _F32, device, p.numel())
-            if o is not None:
-                runtime.check("param_outs", i, o, _OUTS, device, p.numel())
-            vec = all(runtime.aligned(t) for t in (p, g, m, v, o))
-            row = (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), 0 if o is None else o.data_ptr(),
-                   p.numel(), (prog.DECAY if d else 0) | (prog.VECTOR if vec else 0))
-            key = (runtime.dtype_name(g.dtype), "NONE" if o is None else runtime.dtype_name(o.dtype))
-            found.setdefault(key, []).append(row)
-        return found
+        return moment_rows(params, grads, exp_avgs, exp_avg_sqs, outs, flags, device)
 
     key = ("adam", runtime.describe(params, grads, exp_avgs, exp_avg_sqs, outs), tuple(map(bool, flags)))
     plan = runtime.planned(key, groups, device)

@@ -21,6 +21,7 @@ import torch
 
 from zfunc.ops.gpu import program as prog
 from zfunc.ops.gpu import runtime
+from zfunc.ops.gpu.adam import moment_rows
 
 _BODY = r"""
 __device__ __forceinline__ float zf_lamb_dir(float m, float v, float p, float inv_bc1, float inv_bc2, float eps,
@@ -119,9 +120,6 @@ PROGRAM = prog.Program(
     + "".join(_UPDATE % dict(name=n, t=t) for t, n in UPDATES.items()),
     (*MOMENTS.values(), *UPDATES.values(), RATIO))
 
-_F32 = (torch.float32,)
-_GRADS = (torch.float32, torch.bfloat16, torch.float16)
-_OUTS = (torch.bfloat16, torch.float16)
 
 
 def lamb_many_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
@@ -145,20 +143,7 @@ def lamb_many_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: 
     runtime.check_scale(scale_tensor, device)
 
     def groups() -> dict[tuple[str, str], list[tuple]]:
-        found: dict[tuple[str, str], list[tuple]] = {}
-        for i, (p, g, m, v, o, d) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, outs, flags)):
-            runtime.check("params", i, p, _F32, device)
-            runtime.check("grads", i, g, _GRADS, device, p.numel())
-            runtime.check("exp_avgs", i, m, _F32, device, p.numel())
-            runtime.check("exp_avg_sqs", i, v, _F32, device, p.numel())
-            if o is not None:
-                runtime.check("param_outs", i, o, _OUTS, device, p.numel())
-            vec = all(runtime.aligned(t) for t in (p, g, m, v, o))
-            row = (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), 0 if o is None else o.data_ptr(),
-                   p.numel(), (prog.DECAY if d else 0) | (prog.VECTOR if vec else 0))
-            key = (runtime.dtype_name(g.dtype), "NONE" if o is None else runtime.dtype_name(o.dtype))
-            found.setdefault(key, []).append(row)
-        return found
+        return moment_rows(params, grads, exp_avgs, exp_avg_sqs, outs, flags, device)
 
     plan = runtime.planned(("lamb", runtime.describe(params, grads, exp_avgs, exp_avg_sqs, outs),
                             tuple(map(bool, flags))), groups, device)
