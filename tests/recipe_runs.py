@@ -1,5 +1,5 @@
 """What the tests that run the recipes as a user would (their command line, torchrun) share: the
-repository ``ROOT``, the ``TINY`` GPT flags, a refused command line (``exits_2``), reading
+repository ``ROOT``, the ``TINY`` GPT flags, a refused command line (``exits_2``, ``refused_before_built``), reading
 ``OUT/metrics.jsonl``, comparing losses, and Hugging Face's DeepSpeed test configs (``HF_ZERO2``,
 ``HF_ZERO3``)."""
 import json
@@ -23,6 +23,23 @@ def exits_2(capsys, main, argv: list[str]) -> str:
     out, err = capsys.readouterr()
     assert exc.value.code == 2 and "model:" not in out, (out, err)
     return err
+
+
+def refused_before_built(tmp_path, monkeypatch, flags: list[str], world: int, message: str) -> None:
+    """``TINY`` GPT with ``flags`` under ``world`` processes is refused by ``check_args`` with ``message``
+    before anything is made (no ``--out``)."""
+    import re
+
+    from recipes import gpt
+    from recipes.cli import check_args, parse_args
+    from recipes.layout import FlagError
+
+    if world > 1:  # as torchrun would set it; check_args reads it, nothing joins a process group
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+    args = parse_args(gpt.RECIPE, TINY + flags + ["--out", str(tmp_path / "out")])
+    with pytest.raises(FlagError, match=re.escape(message)):
+        check_args(gpt.RECIPE, args)
+    assert not (tmp_path / "out").exists()
 
 
 def metrics(out: Path) -> list[dict]:

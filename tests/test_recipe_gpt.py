@@ -18,7 +18,8 @@ from recipes.cli import check_args, parse_args, with_precision
 from recipes.data import get_batch, is_val, load_bytes
 from recipes.data_cap import MAX_CORPUS_BYTES
 from recipes.layout import FlagError
-from tests.recipe_runs import HF_ZERO2, HF_ZERO3, ROOT, TINY, assert_same_losses, exits_2, metrics
+from tests.recipe_runs import (HF_ZERO2, HF_ZERO3, ROOT, TINY, assert_same_losses, exits_2, metrics,
+                               refused_before_built)
 from tests.test_plot import near, read_png
 
 
@@ -610,12 +611,7 @@ LAYOUT_FLAGS = [  # (flags, world size, the message naming the flags)
 @pytest.mark.parametrize("flags, world, message", LAYOUT_FLAGS, ids=[" ".join(f) for f, *_ in LAYOUT_FLAGS])
 def test_layout_flags_that_cannot_work_are_named_before_anything_is_built(tmp_path, monkeypatch, flags, world,
                                                                          message):
-    if world > 1:  # as torchrun would set it; check_args reads it, nothing joins a process group
-        monkeypatch.setenv("WORLD_SIZE", str(world))
-    args = parse_args(gpt.RECIPE, TINY + flags + ["--out", str(tmp_path / "out")])
-    with pytest.raises(FlagError, match=re.escape(message)):
-        check_args(gpt.RECIPE, args)
-    assert not (tmp_path / "out").exists()
+    refused_before_built(tmp_path, monkeypatch, flags, world, message)
 
 
 def test_help_states_the_global_batch_and_the_layout_flags(capsys):

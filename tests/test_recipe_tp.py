@@ -8,9 +8,9 @@ import pytest
 
 import zfunc as zf
 from recipes import gpt, layout, llama
-from recipes.cli import check_args, parse_args, with_precision
+from recipes.cli import parse_args, with_precision
 from recipes.layout import FlagError
-from tests.recipe_runs import TINY, assert_same_losses, metrics
+from tests.recipe_runs import TINY, assert_same_losses, metrics, refused_before_built
 from tests.test_loop import flags, run_cli
 
 
@@ -45,12 +45,7 @@ TP_FLAGS = [  # (flags, world size, the message naming the flags)
 
 @pytest.mark.parametrize("flags, world, message", TP_FLAGS, ids=[" ".join(f) for f, *_ in TP_FLAGS])
 def test_tp_flags_that_cannot_work_are_named_before_anything_is_built(tmp_path, monkeypatch, flags, world, message):
-    if world > 1:  # as torchrun would set it; check_args reads it, nothing joins a process group
-        monkeypatch.setenv("WORLD_SIZE", str(world))
-    args = parse_args(gpt.RECIPE, TINY + flags + ["--out", str(tmp_path / "out")])
-    with pytest.raises(FlagError, match=re.escape(message)):
-        check_args(gpt.RECIPE, args)
-    assert not (tmp_path / "out").exists()
+    refused_before_built(tmp_path, monkeypatch, flags, world, message)
 
 
 def test_a_deepspeed_configs_autotp_size_must_be_the_tp_flag(tmp_path):
