@@ -49,6 +49,24 @@ def test_warm_up_equals_the_full_precision_counterpart_exactly(onebit, counterpa
         assert torch.equal(got[k], ref[k]), k
 
 
+def test_zero_one_adam_once_frozen_is_adam_on_the_frozen_variance_with_its_decay_once():
+    """One rank (the compressed mean is the mean), one local step per sync: each update is
+    ``m = b1 m + (1-b1) g; p = p (1 - lr wd) - lr m / (sqrt(v) + eps)`` on the variance frozen after
+    update ``var_freeze_step + 1``; the momentum the sync rebuilds carries no weight decay."""
+    frozen, late, wd = 3, 5, 0.1
+    got, state = _run(optim.zero_one_adam(LR, weight_decay=wd, var_freeze_step=frozen), frozen + 1 + late)
+    params, adam = _run(optim.adamw(LR, weight_decay=wd, bias_correction=False), frozen + 1)
+    m, v = dict(adam.mu), adam.nu
+    for t in range(frozen + 1, frozen + 1 + late):
+        g = _grads(t)
+        for k in params:
+            m[k] = 0.9 * m[k] + 0.1 * g[k]
+            params[k] = params[k] * (1 - LR * wd) - LR * m[k] / (v[k].sqrt() + 1e-8)
+    for k in params:
+        torch.testing.assert_close(got[k], params[k], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(state.mu[k], m[k], rtol=1e-6, atol=1e-6)
+
+
 def test_adamw_without_bias_correction_is_adam_without_its_factors():
     got, _ = _run(optim.adamw(LR, weight_decay=0.0, bias_correction=False), 1)
     g, p = _grads(0), _params()
