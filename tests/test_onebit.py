@@ -12,6 +12,7 @@ import zfunc as zf
 from tests.models import Tiny, batches, local, mesh_shaped
 from zfunc import optim
 from zfunc.dist import compressed as C
+from zfunc.plan.compression import engine_compressed_comm
 
 LR = 1e-2
 
@@ -177,6 +178,8 @@ def test_at_stage_0_the_momentum_goes_compressed_and_ranks_agree(kind):
     assert bytes_late.get("all_reduce", 0) < grad_bytes  # only the loss (and no grads) in full precision
     assert ranks[0][0][2].get("all_reduce", 0) >= 2 * grad_bytes  # warm-up: the grads themselves
     assert ranks[0][5][1] < ranks[0][0][1]  # it trains
+    leaves = [tuple(v.shape) for v in ranks[0][0][0].values()]  # zfunc.plan's bytes are the ranks' counts
+    assert bytes_late == engine_compressed_comm(leaves, 2, 0, optimizer=kind), (bytes_late, kind)
     if plain is not None:  # warm-up (2 updates) equals the full-precision step exactly
         for t in range(2):
             assert all(torch.equal(ranks[0][t][0][k], plain[0][t][0][k]) for k in plain[0][t][0])
