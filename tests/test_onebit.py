@@ -68,6 +68,19 @@ def test_zero_one_adam_once_frozen_is_adam_on_the_frozen_variance_with_its_decay
         torch.testing.assert_close(state.mu[k], m[k], rtol=1e-6, atol=1e-6)
 
 
+def test_the_recipes_zero_one_adam_refreshes_the_variance_every_update_for_its_first_64():
+    from recipes import cli, engine, gpt
+
+    args = cli.parse_args(gpt.RECIPE, ["--optimizer", "zero_one_adam", "--grad-clip", "0"])
+    tx = engine.make_optimizer(args, zf.config.Plan(optimizer=None))  # the recipe brings its own
+    params, state, full = _params(), None, []
+    state = tx.init(params)
+    for t in range(66):
+        full.append(not tx.local_grads(state))  # a full-precision update refreshes the variance
+        params, state = optim.apply(tx, _grads(t), state, params)
+    assert engine.ZERO_ONE_VAR_UPDATE_SCALER == 64 and full == [True] * 64 + [False, True]
+
+
 def test_adamw_without_bias_correction_is_adam_without_its_factors():
     got, _ = _run(optim.adamw(LR, weight_decay=0.0, bias_correction=False), 1)
     g, p = _grads(0), _params()
