@@ -82,9 +82,13 @@ def loss_fn(task: Task, apply: Callable, model: nn.Module) -> Callable:
     return loss
 
 
+ZERO_ONE_VAR_UPDATE_SCALER = 64  # zero_one_adam's var_update_scaler on the recipes' b2 = 0.95 (make_optimizer)
+
+
 def make_optimizer(args: argparse.Namespace, plan):
     """AdamW(0.9, 0.95) on a warmup-cosine, decaying matrices only (--optimizer: a 1-bit one on the same
-    betas, schedule and decay, after --freeze-step full-precision steps); a --deepspeed config's optimizer
+    betas, schedule and decay, after --freeze-step full-precision steps; zero_one_adam's variance refreshed
+    every update for its first ``ZERO_ONE_VAR_UPDATE_SCALER``); a --deepspeed config's optimizer
     and scheduler when it names them (a config without a scheduler keeps its lr constant, as in
     DeepSpeed). Clipping at the plan's gradient_clipping (--grad-clip, or the config's; 0: none)."""
     import zfunc as zf
@@ -97,7 +101,10 @@ def make_optimizer(args: argparse.Namespace, plan):
     if kind == "onebit_adam":
         opt = zf.optim.onebit_adam(lr, freeze_step=freeze, **common)
     elif kind == "zero_one_adam":
-        opt = zf.optim.zero_one_adam(lr, var_freeze_step=freeze, **common)
+        # DeepSpeed's var_update_scaler of 16 suits b2 = 0.999; at b2 = 0.95 the variance has a memory of ~20
+        # updates, and one refreshed only every 2-4 updates from update 17 on lags the falling grads
+        opt = zf.optim.zero_one_adam(lr, var_freeze_step=freeze, var_update_scaler=ZERO_ONE_VAR_UPDATE_SCALER,
+                                     **common)
     elif kind == "onebit_lamb":
         opt = zf.optim.onebit_lamb(lr, freeze_step=freeze, **common)
     else:

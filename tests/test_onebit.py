@@ -12,6 +12,7 @@ import zfunc as zf
 from tests.models import Tiny, batches, local, mesh_shaped
 from zfunc import optim
 from zfunc.dist import compressed as C
+from zfunc.plan.compression import engine_compressed_comm
 
 LR = 1e-2
 
@@ -47,6 +48,37 @@ def test_warm_up_equals_the_full_precision_counterpart_exactly(onebit, counterpa
     ref, _ = _run(counterpart(), warm)
     for k in ref:
         assert torch.equal(got[k], ref[k]), k
+
+
+def test_zero_one_adam_once_frozen_is_adam_on_the_frozen_variance_with_its_decay_once():
+    """One rank (the compressed mean is the mean), one local step per sync: each update is
+    ``m = b1 m + (1-b1) g; p = p (1 - lr wd) - lr m / (sqrt(v) + eps)`` on the variance frozen after
+    update ``var_freeze_step + 1``; the momentum the sync rebuilds carries no weight decay."""
+    frozen, late, wd = 3, 5, 0.1
+    got, state = _run(optim.zero_one_adam(LR, weight_decay=wd, var_freeze_step=frozen), frozen + 1 + late)
+    params, adam = _run(optim.adamw(LR, weight_decay=wd, bias_correction=False), frozen + 1)
+    m, v = dict(adam.mu), adam.nu
+    for t in range(frozen + 1, frozen + 1 + late):
+        g = _grads(t)
+        for k in params:
+            m[k] = 0.9 * m[k] + 0.1 * g[k]
+            params[k] = params[k] * (1 - LR * wd) - LR * m[k] / (v[k].sqrt() + 1e-8)
+    for k in params:
+        torch.testing.assert_close(got[k], params[k], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(state.mu[k], m[k], rtol=1e-6, atol=1e-6)
+
+
+def test_the_recipes_zero_one_adam_refreshes_the_variance_every_update_for_its_first_64():
+    from recipes import cli, engine, gpt
+
+    args = cli.parse_args(gpt.RECIPE, ["--optimizer", "zero_one_adam", "--grad-clip", "0"])
+    tx = engine.make_optimizer(args, zf.config.Plan(optimizer=None))  # the recipe brings its own
+    params, state, full = _params(), None, []
+    state = tx.init(params)
+    for t in range(66):
+        full.append(not tx.local_grads(state))  # a full-precision update refreshes the variance
+        params, state = optim.apply(tx, _grads(t), state, params)
+    assert engine.ZERO_ONE_VAR_UPDATE_SCALER == 64 and full == [True] * 64 + [False, True]
 
 
 def test_adamw_without_bias_correction_is_adam_without_its_factors():
@@ -159,6 +191,8 @@ def test_at_stage_0_the_momentum_goes_compressed_and_ranks_agree(kind):
     assert bytes_late.get("all_reduce", 0) < grad_bytes  # only the loss (and no grads) in full precision
     assert ranks[0][0][2].get("all_reduce", 0) >= 2 * grad_bytes  # warm-up: the grads themselves
     assert ranks[0][5][1] < ranks[0][0][1]  # it trains
+    leaves = [tuple(v.shape) for v in ranks[0][0][0].values()]  # zfunc.plan's bytes are the ranks' counts
+    assert bytes_late == engine_compressed_comm(leaves, 2, 0, optimizer=kind), (bytes_late, kind)
     if plain is not None:  # warm-up (2 updates) equals the full-precision step exactly
         for t in range(2):
             assert all(torch.equal(ranks[0][t][0][k], plain[0][t][0][k]) for k in plain[0][t][0])

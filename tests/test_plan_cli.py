@@ -74,3 +74,24 @@ def test_the_library_readers_check_as_the_cli_does(tmp_path):
     deep.write_text("[" * 100 + "]" * 100)
     with pytest.raises(ValueError, match="nest"):
         calibrate.load(deep)
+
+
+def _estimate(capsys, flags: list[str]) -> dict:
+    assert main(["--params", "1.3e9", "--gpus", "16", "--json", *flags]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_compression_flags_predict_fewer_bytes_and_less_dp_time(capsys):
+    """A 1-bit --optimizer at --zero 0 sends ~1/32 of the fp32 grad all-reduce; ZeRO++ int8 params and int4
+    grads ~1/3.9 and ~1/7.8 of stage 3's fp32 gathers and reduce-scatters; the dp time falls with them."""
+    gb = lambda e: e["comm_gb_by_collective"]  # noqa: E731
+    plain, onebit = _estimate(capsys, ["--zero", "0"]), _estimate(capsys, ["--zero", "0", "--optimizer", "onebit_adam"])
+    assert gb(plain)["all_reduce"] / gb(onebit)["compressed_all_reduce"] >= 16 and gb(onebit)["all_reduce"] < 1e-3
+    z3 = _estimate(capsys, ["--zero", "3", "--precision", "fp32"])
+    zpp = _estimate(capsys, ["--zero", "3", "--precision", "fp32", "--quantize-weights", "--quantize-grads", "4"])
+    assert gb(z3)["all_gather"] / gb(zpp)["quantized_all_gather"] >= 3.5
+    assert gb(z3)["reduce_scatter"] / gb(zpp)["quantized_reduce_scatter"] >= 7
+    for fp32, squeezed in ((plain, onebit), (z3, zpp)):
+        assert squeezed["time_s"]["dp_comm"] < fp32["time_s"]["dp_comm"]
+    assert "--quantize-weights: ZeRO++'s int8 param gathers are stage 3's" in refused(
+        capsys, ["--params", "1.3e9", "--zero", "1", "--quantize-weights"])

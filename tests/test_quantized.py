@@ -64,3 +64,33 @@ def test_zero_plus_plus_trains_like_fp32_and_moves_fewer_bytes():
     assert ref_bytes["reduce_scatter"] / q8_bytes["quantized_reduce_scatter"] >= 3.5
     assert ref_bytes["reduce_scatter"] / q4_bytes["quantized_reduce_scatter"] >= 7
     assert "reduce_scatter" not in q4_bytes and "all_gather" not in q8_bytes
+
+
+def _accounted_worker(rank, world, cases):
+    mesh = zf.Mesh()
+    out = []
+    for stage, bits, accum in cases:
+        torch.manual_seed(0)
+        from tests.models import Tiny
+        apply, params = zf.functionalize(Tiny())
+        step = zf.shard(zf.train_step(token_loss(apply), adamw(), "fp32", accum), mesh, stage, quantize_grads=bits)
+        state = step.init(params)
+        state, _ = step(state, local(batches(world, 1, b=2 * accum)[0], rank, world))
+        out.append(dict(step.memory(state)["comm"]))
+    return out
+
+
+@pytest.mark.multiprocess
+def test_the_plan_counts_the_quantized_bytes_the_ranks_move():
+    """``zfunc.plan``'s quantized reduce-scatter bytes (``compression.engine_compressed_comm``, from the
+    params' shapes) equal what each rank's comm counted, stages 1 and 2 (every microbatch), int8 and int4."""
+    from tests.models import Tiny
+    from zfunc import plan as zp
+    from zfunc.plan.compression import engine_compressed_comm
+
+    cases = [(1, 8, 1), (2, 4, 2), (2, 8, 1)]
+    leaves = zp.from_module(Tiny()).leaves
+    for rank, got in enumerate(zf.dist.spawn(_accounted_worker, 2, 2, cases)):
+        for (stage, bits, accum), moved in zip(cases, got):
+            want = engine_compressed_comm(leaves, 2, stage, quantized_grads=bits, accum=accum)
+            assert moved == want, (rank, stage, bits, accum, moved, want)

@@ -180,10 +180,12 @@ def zero_one_adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 
     other updates take ``m = b1 m + (1-b1) g`` with ``g`` the 1-bit compressed mean of the ranks'
     own grads, ``v`` unchanged. After (``v`` frozen for good, errors restarted once): local steps on
     each rank's own grads, the params' change kept in ``buffer``; every ``local_interval`` updates the
-    ranks sync: the change, scaled by ``sqrt(v) + eps``, is 1-bit all-reduced, replaces the local one,
-    and sets ``m = -change / lrs``; every ``local_step_scaler`` updates ``local_interval`` doubles, up
-    to ``local_step_clipper``. Cost: a compressed all-reduce on var-free updates, and one per
-    ``local_interval`` updates once frozen (none between). Module docstring: errors, masks, comm."""
+    ranks sync: the change less its weight decay, scaled by ``sqrt(v) + eps``, is 1-bit all-reduced,
+    replaces the local one (the decay applied on the shared params) and sets ``m = -change / lrs``
+    (DeepSpeed's sends the decay too and so folds it into ``m``); every ``local_step_scaler`` updates
+    ``local_interval`` doubles, up to ``local_step_clipper``. Cost: a compressed all-reduce on
+    var-free updates, and one per ``local_interval`` updates once frozen (none between).
+    Module docstring: errors, masks, comm."""
     _check_common(b1, b2, eps, weight_decay, "var_freeze_step", var_freeze_step)
     for name, value in (("var_update_scaler", var_update_scaler), ("local_step_scaler", local_step_scaler),
                         ("local_step_clipper", local_step_clipper)):
@@ -256,13 +258,15 @@ def zero_one_adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 
         if t % state.local_interval == 0:
             live = [k for k, u in enumerate(steps) if u is not None]
             denoms = {k: v_leaves[k].sqrt() + eps for k in live}
-            scaled = [bufs[k] * denoms[k] for k in live]
+            decays = _sync_decays(p_leaves, steps, bufs, live, lrs * weight_decay,
+                                  _mask_leaves(mask, params, len(p_leaves)))
+            scaled = [(bufs[k] - decays[k]) * denoms[k] for k in live]
             synced = dict(zip(live, channel.mean(scaled, f"0/1 Adam sync at update {t}")))
             for k in live:
                 change = _masked(synced[k], masks[k])
                 mus[k] = -change / lrs
-                # the local change is undone and the synced one applied: the update is their difference
-                updates[k] = steps[k] - bufs[k] + change / denoms[k]
+                # the local change is undone, the decay since the sync and the synced moment step applied
+                updates[k] = steps[k] - bufs[k] + decays[k] + change / denoms[k]
                 bufs[k] = torch.zeros_like(bufs[k])
             lrs = 0.0
         counter, interval = state.local_counter + 1, state.local_interval
@@ -279,6 +283,21 @@ def zero_one_adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 
         return frozen(state) or (state.count + 1) % state.var_interval != 0
 
     return GradientTransformation(init, update, None, lambda state: lr(state.count), local_grads=local_grads)
+
+
+def _sync_decays(p_leaves, steps, bufs, live, rate: float, decay) -> dict:
+    """Per live leaf, the decoupled weight decay since the last sync, ``-rate * p_sync`` (``rate``: the
+    learning rates summed since it times ``weight_decay``; ``p_sync = p + step - buffer``, the params
+    the ranks shared then), zeros where the leaf does not decay. The sync sends the buffer less this,
+    the moment steps alone, so the momentum it rebuilds (``-change / lrs``) holds no decay: with the
+    decay in it, every sync would fold ``weight_decay * p * (sqrt(v) + eps)`` into ``m`` and the decay
+    would act ~``1 / (1 - b1)`` times over. Exact at one local step per sync; over H steps it ignores
+    the decay of the moment steps within the interval (second order in the learning rate)."""
+    out = {}
+    for k in live:
+        p32 = p_leaves[k].to(bufs[k].dtype)
+        out[k] = -rate * (p32 + steps[k] - bufs[k]) if (rate and decay[k]) else torch.zeros_like(bufs[k])
+    return out
 
 
 class OneBitLambState(NamedTuple):

@@ -14,6 +14,7 @@ import json
 import math
 import re
 import sys
+from dataclasses import replace
 
 from zfunc.config import json_file
 from zfunc.plan import core, hardware, model as model_mod
@@ -65,6 +66,9 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("--seq", type=int, help="sequence length (default: the model's context)")
     st.add_argument("--precision", help=f"one of {PRECISIONS} (default bf16; fp16 where there is no bf16)")
     st.add_argument("--optimizer", default="adamw", help=f"one of {sorted(OPTIMIZER_STATE_BYTES)}")
+    st.add_argument("--quantize-weights", action="store_true", help="ZeRO++ (--zero 3): params gathered in int8")
+    st.add_argument("--quantize-grads", type=int, choices=(0, 4, 8), default=0,
+                    help="ZeRO++ (--zero 1-3): grads reduce-scattered in 4 or 8 bits (0: fp32)")
     st.add_argument("--no-clip", action="store_true", help="no global-norm clip (offload may update in backward)")
     st.add_argument("--tiles", type=int, default=1, help="zf.tile on the largest Linears")
     st.add_argument("--schedule", default="1f1b", help=f"one of {SCHEDULES}")
@@ -177,6 +181,16 @@ def build_plan(args, device: hardware.Device) -> Plan:
                       virtual_stages=args.virtual_stages, sp_size=args.sp_size, sp_kind=args.sp_kind)
 
 
+def with_quantized(run: Plan, args) -> Plan:
+    """``run`` with ZeRO++'s quantized collectives of --quantize-weights / --quantize-grads."""
+    if not (args.quantize_weights or args.quantize_grads):
+        return run
+    try:
+        return replace(run, quantized_weights=args.quantize_weights, quantized_grads=args.quantize_grads)
+    except ValueError as e:  # named as the flag: quantized_weights -> --quantize-weights
+        raise ValueError(str(e).replace("quantized_", "quantize_", 1)) from None
+
+
 def _flagged(e: Exception) -> str:
     """An error naming an argument of ``from_flags`` (``zero: ...``) as its flag (``--zero: ...``)."""
     text = str(e)
@@ -209,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(args, p)
     cluster = build_cluster(args, p)
     try:
-        run = build_plan(args, cluster.device)
+        run = with_quantized(build_plan(args, cluster.device), args)
         if args.search:
             found = search_plans(model, cluster, run, global_batch=args.global_batch,
                                       allow_tp=args.allow_tp, top=args.top)

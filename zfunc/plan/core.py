@@ -7,7 +7,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from zfunc.config.plan import Plan
-from zfunc.plan import cost
+from zfunc.plan import compression, cost
 from zfunc.plan.hardware import Cluster
 from zfunc.plan.memory import _bucket_elems, partition_params, rank_memory, remat_input_bytes
 from zfunc.pipelining import build, check
@@ -157,7 +157,7 @@ def plan(model: ModelSpec, cluster: Cluster, how: Plan = Plan()) -> Estimate:
     s, notes = resolve(how, cluster.gpus, model.max_seq)
     cluster.device.flops(s.precision)  # bf16 on a V100: an error, before anything else
     memory = rank_memory(model, s, cluster.device.kind)
-    comm = cost.comm_bytes(model, s)
+    comm = compression.compressed_bytes(model, s, cost.comm_bytes(model, s))
     return Estimate(model, cluster, s, memory, comm, step_times(model, s, cluster), notes)
 
 
@@ -174,7 +174,8 @@ def step_times(model: ModelSpec, s: Plan, cluster: Cluster) -> dict[str, float]:
         out["compute"] = m * (micro.forward + micro.backward)
     else:
         out["compute"] = _pipeline_compute(model, s, cluster, micro)
-    coll = lambda kind, nbytes: cost.collective_time(cluster, kind, nbytes, N, s.tp)  # noqa: E731
+    coll = lambda kind, nbytes: cost.collective_time(cluster, *compression.wire(model, s, kind, nbytes), N,  # noqa: E731
+                                                     s.tp)
     e = elem(s)
     exposed = 0.0
     if N > 1:
@@ -200,7 +201,7 @@ def step_times(model: ModelSpec, s: Plan, cluster: Cluster) -> dict[str, float]:
                 per = (max(ag - micro.forward, 0) + ag * unit_frac + max(ag + rs - micro.backward, 0)
                        + rs * unit_frac)
             exposed = m * per
-        exposed += coll("all_reduce", 24)  # the loss / grad-norm all-reduce: its latency
+        exposed += cost.collective_time(cluster, "all_reduce", 24, N, s.tp)  # the loss / grad norm: its latency
     out["dp_comm"] = exposed
     if s.tp > 1:  # Megatron's all-reduces of the layer's (T, h) activations, not overlapped
         count = 4 + (2 if s.remat else 0)
