@@ -26,7 +26,7 @@ from zfunc.config.plan import Plan
 from zfunc.plan.cost import engine_comm
 from zfunc.plan.memory import partition_params
 from zfunc.plan.model import ModelSpec
-from zfunc.plan.strategy import BUCKET_MB, elem, microbatches
+from zfunc.plan.strategy import BUCKET_MB, elem, microbatches, shard_ranks
 
 ONEBIT = ("onebit_adam", "zero_one_adam", "onebit_lamb")
 BLOCK = 256  # zfunc.dist.quantized's values per scale
@@ -62,7 +62,7 @@ def compressed_bytes(model: ModelSpec, s: Plan, fp32: dict[str, float]) -> dict[
     plan's optimizer and ZeRO++ fields replace it by (module docstring)."""
     out = dict(fp32)
     P, _ = partition_params(model, s)
-    N, m = s.dp, microbatches(s)
+    N, m = shard_ranks(s), microbatches(s)  # zf.shard splits over the dp x sp ranks
     if N <= 1:
         return out
     if s.optimizer in ONEBIT and s.zero_stage == 0:
