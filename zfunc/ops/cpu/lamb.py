@@ -9,7 +9,8 @@ Per tensor, with ``bc1 = 1-b1^t``, ``bc2 = 1-b2^t`` (1 without bias correction),
 Two passes per tensor: the moments, with ``||p||^2`` and ``||u||^2`` summed on the way (fp32 partials of
 ``_SQ_BLOCK`` elements, added in fp64); then the step, ``u`` recomputed from the new moments by the same
 code (the same bits). Law (tests/test_cpu_lamb.py): m and v bit-equal to the pure update's torch ops, p
-within 1e-6 over several steps (the norms are summed in fp64 here, in fp32 there). Cost: reads g, p, m, v
+within 1e-6 over several steps (the norms are summed in fp64 here, in fp32 there; 1/bc1 and 1/bc2 are
+multiplied where torch divides). Cost: reads g, p, m, v
 and writes m, v, then reads p, m, v and writes p: 40 B/param with fp32 grads (Adam's pass moves 28); no
 temporaries. Large tensors run on ``adam.get_num_threads()`` threads (a libgomp team), the small ones on
 the calling thread over a table of their addresses, one call per pass.
@@ -39,9 +40,11 @@ def trust_ratio(w_sq: float, u_sq: float, min_coeff: float, max_coeff: float) ->
 
 
 @njit(inline="always")
-def _direction(mi, vi, pi, bc1, bc2, eps, wd, use_wd):
-    # torch's ops in its order (no fused multiply-adds: the pure update's are separate kernels).
-    u = (mi / bc1) / (_sqrt(vi / bc2) + eps)
+def _direction(mi, vi, pi, inv_bc1, inv_bc2, eps, wd, use_wd):
+    # torch's ops in its order (no fused multiply-adds: the pure update's are separate kernels), except
+    # that it multiplies by 1/bc1 and 1/bc2 where torch divides (as zfunc.ops.gpu.lamb does): the loop is
+    # divider-bound, and two divisions fewer of three make it ~1.5x faster, at <= 1 ulp on u.
+    u = (mi * inv_bc1) / (_sqrt(vi * inv_bc2) + eps)
     return u + wd * pi if use_wd else u
 
 
@@ -51,7 +54,7 @@ def _moments_block(lo, hi, p_at, g_at, m_at, v_at, g_tag, sq_at, lo0, per, b1, o
     ``c = (lo - lo0) // per`` (one slot pair per chunk of a team's range, summed by the caller)."""
     p, m, v, g = _ptr(p_at, _F32), _ptr(m_at, _F32), _ptr(v_at, _F32), _ptr(g_at, g_tag)
     b1, omb1, b2, omb2 = np.float32(b1), np.float32(omb1), np.float32(b2), np.float32(omb2)
-    bc1, bc2, eps, wd = np.float32(bc1), np.float32(bc2), np.float32(eps), np.float32(wd)
+    inv_bc1, inv_bc2, eps, wd = np.float32(1.0 / bc1), np.float32(1.0 / bc2), np.float32(eps), np.float32(wd)
     use_wd = wd != np.float32(0.0)
     lo, hi = np.uintp(lo), np.uintp(hi)  # unsigned: no wraparound check, so loops vectorize
     w_acc, u_acc = np.float64(0.0), np.float64(0.0)
@@ -64,7 +67,7 @@ def _moments_block(lo, hi, p_at, g_at, m_at, v_at, g_tag, sq_at, lo0, per, b1, o
             m[i] = mi
             v[i] = vi
             pi = p[i]
-            ui = _direction(mi, vi, pi, bc1, bc2, eps, wd, use_wd)
+            ui = _direction(mi, vi, pi, inv_bc1, inv_bc2, eps, wd, use_wd)
             w_part = _add_square(w_part, pi)
             u_part = _add_square(u_part, ui)
         w_acc += np.float64(w_part)
@@ -80,12 +83,12 @@ def _moments_block(lo, hi, p_at, g_at, m_at, v_at, g_tag, sq_at, lo0, per, b1, o
 def _step_block(lo, hi, p_at, m_at, v_at, neg_step, bc1, bc2, eps, wd):
     """``p += neg_step * u`` on [lo, hi), u from the moments as ``_moments_block`` made it."""
     p, m, v = _ptr(p_at, _F32), _ptr(m_at, _F32), _ptr(v_at, _F32)
-    neg_step, bc1, bc2 = np.float32(neg_step), np.float32(bc1), np.float32(bc2)
+    neg_step, inv_bc1, inv_bc2 = np.float32(neg_step), np.float32(1.0 / bc1), np.float32(1.0 / bc2)
     eps, wd = np.float32(eps), np.float32(wd)
     use_wd = wd != np.float32(0.0)
     for i in range(np.uintp(lo), np.uintp(hi)):
         pi = p[i]
-        p[i] = pi + neg_step * _direction(m[i], v[i], pi, bc1, bc2, eps, wd, use_wd)
+        p[i] = pi + neg_step * _direction(m[i], v[i], pi, inv_bc1, inv_bc2, eps, wd, use_wd)
 
 
 @njit(**_JIT)
