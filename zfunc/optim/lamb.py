@@ -9,7 +9,7 @@ from zfunc.core import tree
 from zfunc.optim.adam import AdamState
 from zfunc.optim.base import (GradientTransformation, MaskOrFn, ScalarOrSchedule, _check_betas, _check_non_negative,
                               _check_number, _grad_leaves, _mask_leaves)
-from zfunc.optim.kernels import _as_kernel_grad, _check_backend, _kernel_apply, _zeros_like
+from zfunc.optim.kernels import _GRAD_DTYPES, _as_kernel_grad, _check_backend, _kernel_apply, _zeros_like
 from zfunc.optim.schedules import _as_schedule
 
 
@@ -27,6 +27,11 @@ def lamb_direction(m: torch.Tensor, v: torch.Tensor, p: torch.Tensor, *, eps: fl
     """The per-element LAMB direction ``(m / bc1) / (sqrt(v / bc2) + eps) + wd p`` (fp32)."""
     u = (m / bc1) / ((v / bc2).sqrt() + eps) if (bc1, bc2) != (1.0, 1.0) else m / (v.sqrt() + eps)
     return u + weight_decay * p if weight_decay else u
+
+
+def _as_cpu_grad(g: torch.Tensor) -> torch.Tensor:
+    """``g`` as the CPU kernel reads it: contiguous fp32/bf16/fp16 in CPU RAM (else an fp32 copy)."""
+    return g if g.dtype in _GRAD_DTYPES and g.is_cpu and g.is_contiguous() else g.float().cpu().contiguous()
 
 
 def _check_coeffs(min_coeff: float, max_coeff: float) -> None:
@@ -47,9 +52,11 @@ def lamb(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, ep
     as ``adamw``'s. Law: equals a plain-torch LAMB of these formulas to 1e-6 (tests/test_lamb.py).
     State: ``AdamState(count, mu, nu)`` (8 bytes per fp32 param). Cost: Adam's passes plus two norms
     per tensor (each a host sync: the ratio is a Python float, as FusedLamb reads it back). ``backend``:
-    on contiguous fp32 params on one GPU, ``"auto"`` (or ``"cupy"``) runs zfunc's CUDA LAMB in place
+    on contiguous fp32 CPU params, ``"auto"`` (or ``"numba"``) runs zfunc's Numba LAMB in place
+    (``zfunc.ops.cpu.lamb``: two passes per tensor, no temporaries; grads fp32/bf16/fp16); on contiguous
+    fp32 params on one GPU, ``"auto"`` (or ``"cupy"``) runs zfunc's CUDA LAMB in place
     (``zfunc.ops.gpu.lamb``: the ratios on the device, no host sync) where CuPy is installed; any
-    other resolution runs the pure update.
+    other resolution (``"torch"``, other dtypes, strided params) runs the pure update.
     """
     _check_betas(b1=b1, b2=b2)
     _check_number("eps", eps, "a finite float > 0", lambda x: x > 0)
@@ -86,6 +93,21 @@ def lamb(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, ep
         unflat = lambda xs: tree.unflatten(treespec, xs)  # noqa: E731
         return unflat(updates), AdamState(count, unflat(mus), unflat(nus))
 
+    def numba_apply(grads, state, params):
+        from zfunc.ops.cpu import lamb as cpu_lamb
+
+        p_leaves, treespec = tree.flatten(params)
+        g_leaves = _grad_leaves(grads, params)[0]
+        m_leaves, v_leaves = tree.leaves(state.mu), tree.leaves(state.nu)
+        decay = _mask_leaves(mask, params, len(p_leaves))
+        idx = [i for i, g in enumerate(g_leaves) if g is not None]
+        cpu_lamb.lamb_many_([p_leaves[i] for i in idx], [_as_cpu_grad(g_leaves[i]) for i in idx],
+                            [m_leaves[i] for i in idx], [v_leaves[i] for i in idx], step=state.count + 1,
+                            lr=float(lr(state.count)), beta1=b1, beta2=b2, eps=eps, weight_decay=weight_decay,
+                            bias_correction=bias_correction, min_coeff=min_coeff, max_coeff=max_coeff,
+                            decay=[bool(decay[i]) for i in idx])
+        return tree.unflatten(treespec, p_leaves), AdamState(state.count + 1, state.mu, state.nu)
+
     def cupy_apply(grads, state, params):
         from zfunc.ops.gpu import lamb as gpu_lamb
 
@@ -101,6 +123,7 @@ def lamb(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, ep
                             decay=[bool(decay[i]) for i in idx])
         return tree.unflatten(treespec, p_leaves), AdamState(state.count + 1, state.mu, state.nu)
 
+    apply_ = _kernel_apply(backend, update, numba_apply, cupy_apply)
     return GradientTransformation(lambda params: AdamState(0, _zeros_like(params), _zeros_like(params)), update,
-                                  _kernel_apply(backend, update, None, cupy_apply), lambda state: lr(state.count))
+                                  apply_, lambda state: lr(state.count))
 
