@@ -404,3 +404,40 @@ def test_meta_built_model_materializes_this_ranks_pieces():
     layout = zf.tensor_parallel.layout_of(model)
     for name, p in state.params.items():
         assert torch.equal(p, layout.piece(name, zf.checkpoint.full_params(whole)[name])), name
+
+
+def dp_pp_tp_law(rank, root):
+    """dp2 x pp2 x tp2 on 8 ranks: the tp step under ZeRO-1 over each slice's dp group, pipelined (1F1B, 2
+    microbatches) over the GPT's 2 blocks, against the plain step on the global batch; its checkpoint
+    loaded into one process."""
+    from recipes.gpt import Block
+
+    model, plan = recipe_model("gpt")
+    ref = train(copy.deepcopy(model), token_batches())
+    whole_apply, whole_params = zf.functionalize(copy.deepcopy(model))
+    mesh = zf.Mesh(dp=2, pp=2, tp=2)
+    zf.tensor_parallel(model, mesh, plan)
+    apply, params = zf.functionalize(model)
+    step = zf.shard(zf.tensor_parallel.step(zf.train_step(gpt_loss(apply), opt()), model), mesh, stage=1)
+    step = zf.pipeline(step, 2, 2, "1f1b", model=model, units=zf.units.by_class(Block))
+    state, losses, norms = step.init(params), [], []
+    for x, y in token_batches():
+        state, m = step(state, (x.chunk(2)[mesh.rank], y.chunk(2)[mesh.rank]))
+        losses.append(m["loss"].item())
+        norms.append(m["grad_norm"].item())
+    whole = zf.checkpoint.full_params(state, mesh)  # gathered over dp x pp, the slices put together
+    saved = zf.checkpoint.save(state, Path(root) / "3d")
+    one = zf.checkpoint.load(saved, zf.train_step(gpt_loss(whole_apply), opt()), params=whole_params)
+    exact = one.params.keys() == whole.keys() and all(torch.equal(one.params[n], whole[n]) for n in whole)
+    return (losses, norms, whole), ref, step.layers, exact, (mesh.pp_rank, mesh.rank, mesh.tp_rank)
+
+
+@pytest.mark.multiprocess
+def test_dp2_x_pp2_x_tp2_trains_as_the_whole_model_and_loads_into_one_process(tmp_path):
+    everyone = zf.dist.spawn(dp_pp_tp_law, 8, str(tmp_path), timeout_s=300)
+    # global rank = (pp_rank * dp + dp_rank) * tp + tp_rank (zf.Mesh)
+    assert [r[4] for r in everyone] == [(p, d, t) for p in (0, 1) for d in (0, 1) for t in (0, 1)]
+    assert_law(everyone, "dp2 x pp2 x tp2, ZeRO-1, 1F1B")
+    assert everyone[0][2] == ("train_step", "tensor_parallel", "shard", "pipeline")
+    assert all(r[3] for r in everyone), "dp2 x pp2 x tp2: the checkpoint's params differ from full_params'"
+    assert zf.checkpoint.read_manifest(tmp_path / "3d")["world"] == 8

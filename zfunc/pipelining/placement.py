@@ -34,6 +34,7 @@ class PipelineSpec:
     shapes: tuple[tuple[int, ...], ...]
     owned: tuple[str, ...]
     inner: ShardSpec | None = None
+    whole_shapes: tuple[tuple[int, ...], ...] | None = None  # of ``names``, where ``shapes`` are tp slices
 
     def __str__(self) -> str:
         return f"pipeline stage {self.stage} of {self.stages}" + (f", {self.inner}" if self.inner else "")
@@ -47,18 +48,19 @@ class PipelinePlacement(placement.Placement):
         return spec.stages * dp, spec.stage * dp + rank
 
     def describe(self, spec: PipelineSpec) -> dict:
-        stage = placement.of(spec.inner).describe(spec.inner)["stage"]
-        return {"world": self.processes(spec)[0], "pipeline": spec.stages, "stage": stage}
+        inner = placement.of(spec.inner).describe(spec.inner)  # with tensor parallelism, its "tp"
+        return {**inner, "world": self.processes(spec)[0], "pipeline": spec.stages, "stage": inner["stage"]}
 
     def rows(self, spec: PipelineSpec, index: int, shape: tuple[int, ...]) -> placement.Rows:
         return placement.of(spec.inner).rows(spec.inner, index, shape)
 
     def model(self, spec: PipelineSpec) -> dict[str, tuple[int, ...]]:
-        return {name: tuple(shape) for name, shape in zip(spec.names, spec.shapes)}
+        return {name: tuple(shape) for name, shape in zip(spec.names, spec.whole_shapes or spec.shapes)}
 
     def whole(self, state: TrainState, mesh: Any = None) -> PyTree:
         """Each stage's params, from its dp ranks, on every rank: over the default process group
-        (``placement.gather_rows``), whatever ``mesh``."""
+        (``placement.gather_rows``), whatever ``mesh``; tensor-parallel slices gathered with the rest
+        and put together by their slicing (``Rows.slicing``)."""
         placement.arrive(self.processes(state.placement)[0])
         return placement.gather_rows(state)
 

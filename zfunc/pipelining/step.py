@@ -99,7 +99,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zfunc.core import compose, precision as mp, tree
+from zfunc.core import compose, placement, precision as mp, tree
 from zfunc.core.microbatches import accumulate, step_seed
 from zfunc.dist import Mesh
 from zfunc.model.functional import BufferScope, carrying
@@ -162,9 +162,24 @@ class PipelineStep(Transformed):
         owned = {n: params[n] for n in names if self.ranks[self.layout.owner[n]] == self.stage}
         inner = self.base.init(owned, materialize) if self.base is not None else Step.init(self, owned, materialize)
         self.initialized_with = tree.map(lambda x: x.to("meta"), params)  # the whole model: zf.checkpoint.load
-        spec = PipelineSpec(self.stages, self.stage, names, tuple(tuple(params[n].shape) for n in names),
-                            tuple(sorted(owned)), inner.placement)
+        shapes = tuple(tuple(params[n].shape) for n in names)
+        spec = PipelineSpec(self.stages, self.stage, names, shapes, tuple(sorted(owned)), inner.placement,
+                            self._whole_shapes(params, shapes))
         return TrainState(inner.params, inner.opt_state, 0, self.seed, inner.loss_scale, spec)
+
+    def _whole_shapes(self, params: dict[str, Any], shapes: tuple) -> tuple | None:
+        """The whole model's params' shapes where the sharded step's inner step holds pieces of them
+        (a tensor-parallel step: its slices; ``Step.placement_of``), else None (``shapes`` are whole)."""
+        within = self.base.inner.placement_of(params) if self.base is not None else None
+        if within is None:
+            return None
+        rule = placement.of(within)
+        return tuple(tuple(rule.rows(within, i, shape).shape) for i, shape in enumerate(shapes))
+
+    def local_norm(self, grads: PyTree) -> torch.Tensor | None:
+        """The norm of this stage's grads as the step it wraps takes it (``ShardedStep.local_norm``: a
+        tensor-parallel step sums its sliced grads' squares over the tp group); summed over dp and pp by the call."""
+        return self.inner.local_norm(grads)
 
     def own_buffers(self, buffers: dict[str, Any]) -> dict[str, Any]:
         """The module buffers of this stage's own units among ``buffers``: what its state carries."""
