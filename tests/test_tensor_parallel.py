@@ -441,3 +441,28 @@ def test_dp2_x_pp2_x_tp2_trains_as_the_whole_model_and_loads_into_one_process(tm
     assert everyone[0][2] == ("train_step", "tensor_parallel", "shard", "pipeline")
     assert all(r[3] for r in everyone), "dp2 x pp2 x tp2: the checkpoint's params differ from full_params'"
     assert zf.checkpoint.read_manifest(tmp_path / "3d")["world"] == 8
+
+
+def pp_tp_law(rank):
+    """pp2 x tp2 on 4 ranks through the front door (``zf.config.Plan(pp=2, tp=2)``: the tp step pipelined
+    unsharded, 1F1B, 2 microbatches), the Llama with its explicit plan, against the plain step."""
+    model, plan = recipe_model("llama")
+    ref = train(copy.deepcopy(model), token_batches())
+    config = zf.config.Plan(pp=2, tp=2, microbatches=2, units="class:Block")
+    mesh = zf.Mesh(pp=2, tp=2)
+    zf.tensor_parallel(model, mesh, plan)
+    apply, params = zf.functionalize(model)
+    step = zf.parallelize(zf.train_step(gpt_loss(apply), opt()), model, config, mesh)
+    state, losses, norms = step.init(params), [], []
+    for batch in token_batches():
+        state, m = step(state, batch)
+        losses.append(m["loss"].item())
+        norms.append(m["grad_norm"].item())
+    return (losses, norms, zf.checkpoint.full_params(state, mesh)), ref, step.layers
+
+
+@pytest.mark.multiprocess
+def test_pp2_x_tp2_unsharded_trains_as_the_whole_model():
+    everyone = zf.dist.spawn(pp_tp_law, 4)
+    assert_law(everyone, "pp2 x tp2, 1F1B")
+    assert everyone[0][2] == ("train_step", "tensor_parallel", "pipeline")

@@ -160,25 +160,33 @@ class PipelineStep(Transformed):
             raise ValueError(f"params: {unknown[:5]} are not parameters of the model given to zf.pipeline")
         names = tuple(sorted(params))  # optree's leaf order for a dict
         owned = {n: params[n] for n in names if self.ranks[self.layout.owner[n]] == self.stage}
-        inner = self.base.init(owned, materialize) if self.base is not None else Step.init(self, owned, materialize)
+        if self.base is not None:
+            inner = self.base.init(owned, materialize)
+        elif compose.applied(self.inner, "tensor_parallel"):  # its slices, each leaf made through its materializer
+            inner = self.inner.init(owned, materialize)
+        else:
+            inner = Step.init(self, owned, materialize)
         self.initialized_with = tree.map(lambda x: x.to("meta"), params)  # the whole model: zf.checkpoint.load
         shapes = tuple(tuple(params[n].shape) for n in names)
-        spec = PipelineSpec(self.stages, self.stage, names, shapes, tuple(sorted(owned)), inner.placement,
-                            self._whole_shapes(params, shapes))
+        sharded = self.base is not None
+        spec = PipelineSpec(self.stages, self.stage, names, shapes, tuple(sorted(owned)),
+                            inner.placement if sharded else None, self._whole_shapes(params, shapes),
+                            None if sharded else inner.placement)
         return TrainState(inner.params, inner.opt_state, 0, self.seed, inner.loss_scale, spec)
 
     def _whole_shapes(self, params: dict[str, Any], shapes: tuple) -> tuple | None:
         """The whole model's params' shapes where the sharded step's inner step holds pieces of them
         (a tensor-parallel step: its slices; ``Step.placement_of``), else None (``shapes`` are whole)."""
-        within = self.base.inner.placement_of(params) if self.base is not None else None
+        within = (self.base.inner if self.base is not None else self.inner).placement_of(params)
         if within is None:
             return None
         rule = placement.of(within)
         return tuple(tuple(rule.rows(within, i, shape).shape) for i, shape in enumerate(shapes))
 
     def local_norm(self, grads: PyTree) -> torch.Tensor | None:
-        """The norm of this stage's grads as the step it wraps takes it (``ShardedStep.local_norm``: a
-        tensor-parallel step sums its sliced grads' squares over the tp group); summed over dp and pp by the call."""
+        """The norm of this stage's grads as the step it wraps takes it (a tensor-parallel step, alone
+        or under ``zf.shard``, sums its sliced grads' squares over the tp group); summed over dp and pp
+        by the call."""
         return self.inner.local_norm(grads)
 
     def own_buffers(self, buffers: dict[str, Any]) -> dict[str, Any]:
