@@ -351,7 +351,10 @@ def pipeline(step: Step, stages: int, microbatches: int, schedule: str | Schedul
 
     Args:
       step: a plain ``Step`` from ``train_step`` (accum=1), or ``zf.shard(step, mesh, stage=1)``
-        over a ``Mesh(dp=d, pp=stages)`` to shard each stage over its dp ranks.
+        over a ``Mesh(dp=d, pp=stages)`` to shard each stage over its dp ranks; either may be a
+        ``zf.tensor_parallel.step`` over a model sliced over the mesh's tp group (3D: ``Mesh(dp=d,
+        pp=stages, tp=t)``; each stage's tp ranks run its units on their slices, the grad norm
+        counts each slice once; not sequence-parallel).
       stages: pipeline stages, one per rank of the mesh's pp axis.
       microbatches: the batch's leading dim is split into this many equal parts.
       schedule: a built-in schedule's name (``zfunc.pipelining.schedules``): "1f1b" (at most

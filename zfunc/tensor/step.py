@@ -23,6 +23,11 @@ tp rank's slices over its dp group (dp groups exclude tp peers); the sharded ste
 its pieces' norm, and sums its square over dp. That state is placed by ``zf.shard`` (a ``ShardSpec``
 over this step's ``TensorParallelSpec``, ``within``): ``full_params`` gives whole params (gathered
 over dp, then over tp), and a checkpoint holds the whole params and optimizer state, as above.
+
+Under a pipeline: ``zf.pipeline(step, ...)`` of this step, or of ``zf.shard`` of it, over ``zf.Mesh(dp=d,
+pp=p, tp=t)`` (3D): each stage's tp ranks hold their slices of the stage's params, the pipeline asks this
+step for the norm of its pieces and sums its square over dp and pp; ``full_params`` and checkpoints put
+the slices together (``zfunc.core.placement.gather_rows``). Not with ``sequence_parallel``.
 """
 from __future__ import annotations
 
