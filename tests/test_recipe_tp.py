@@ -37,8 +37,6 @@ TP_FLAGS = [  # (flags, world size, the message naming the flags)
     (["--tp", "3"], 4, "--tp: 3 ranks per replica (tp) do not divide the 4 processes"),
     (["--tp", "2", "--sp", "2"], 2, "--sp, --tp: 4 ranks per replica (sp * tp) do not divide the 2 processes"),
     (["--tp", "0"], 1, "--tp: expected an int >= 1, got 0"),
-    (["--tp", "2", "--pp", "2", "--microbatches", "2"], 4,
-     "--pp (plan pp): a pipeline of a tensor-parallel model is not supported yet"),
     (["--tp", "2", "--tile-lm-head", "2"], 2, "--tile-lm-head (plan tile_lm_head): a tiled LM head under tensor"),
 ]
 

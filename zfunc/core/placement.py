@@ -167,18 +167,16 @@ def full_params(state: TrainState, mesh: Any = None) -> PyTree:
 def gather_rows(state: TrainState) -> dict[str, torch.Tensor]:
     """Every param whole (fp32), keyed by tree path ("/"-joined) in sorted order, on every process
     of the default process group, from a state whose processes hold rows of different params
-    (``Placement.rows``, e.g. pipeline stages). Costs an all-gather of the processes' pieces,
-    each padded to the largest (fp32), and one of their descriptions."""
+    (``Placement.rows``, e.g. pipeline stages). A tensor-parallel slice's rows (``Rows.slicing``)
+    fill that slice, and the slices make the whole leaf (``Slicing.whole``). Costs an all-gather of
+    the processes' pieces, each padded to the largest (fp32), and one of their descriptions."""
     spec, rule = state.placement, of(state.placement)
     world, _ = rule.processes(spec)
     paths, pieces_, _ = optree.tree_flatten_with_path(state.params, namespace=tree.NAMESPACE)
     held = []  # (key, whole shape, rows held) per param leaf
     for i, (path, x) in enumerate(zip(paths, pieces_)):
         rows = rule.rows(spec, i, tuple(x.shape))
-        if rows.slicing is not None:  # tensor-parallel slices: the placement gathers them itself (its ``whole``)
-            raise NotImplementedError(f"state: param {path} is a tensor-parallel slice; gather_rows takes rows of "
-                                      "whole params (expected a placement without tensor parallelism)")
-        held.append(("/".join(map(str, path)), rows.shape, rows.held))
+        held.append(("/".join(map(str, path)), rows.shape, rows.held, rows.slicing, rows.index))
     flat_pieces = [x.detach().float().reshape(-1) for x in pieces_]
     device = flat_pieces[0].device if flat_pieces else torch.device("cpu")
     flat = torch.cat(flat_pieces) if flat_pieces else torch.zeros(0, device=device)
@@ -193,14 +191,19 @@ def gather_rows(state: TrainState) -> dict[str, torch.Tensor]:
     gathered = [padded] if world == 1 else [torch.empty_like(padded) for _ in range(world)]
     if world > 1:
         dist.all_gather(gathered, padded)
-    out: dict[str, torch.Tensor] = {}
+    out: dict[tuple[str, int], torch.Tensor] = {}  # (key, slice index) -> the slice (whole leaf: index 0)
+    slicings: dict[str, Slicing] = {}
     for (described, _), buffer in zip(everyone, gathered):
         offset = 0
-        for key, shape, (a, b) in described:
+        for key, shape, (a, b), slicing, index in described:
+            if slicing is not None:
+                slicings[key], shape = slicing, slicing.piece_shape(shape)
             tail = tuple(shape[1:])
             n = (b - a) * int(torch.Size(tail).numel())
-            if key not in out:
-                out[key] = torch.empty(shape, dtype=torch.float32, device=device)
-            out[key].reshape(-1, *tail)[a:b] = buffer[offset : offset + n].view(b - a, *tail)
+            if (key, index) not in out:
+                out[key, index] = torch.empty(shape, dtype=torch.float32, device=device)
+            out[key, index].reshape(-1, *tail)[a:b] = buffer[offset : offset + n].view(b - a, *tail)
             offset += n
-    return {k: out[k] for k in sorted(out)}
+    keys = sorted({key for key, _ in out})
+    return {k: slicings[k].whole([out[k, r] for r in range(slicings[k].tp)]) if k in slicings else out[k, 0]
+            for k in keys}

@@ -4,7 +4,9 @@
 A stage holds only the params it owns (the shared ones on stage 0; no stand-ins) and their
 optimizer state, split over its dp ranks as a sharded state when ``inner`` is set, and its own
 units' buffers; counts and the other unsplit optimizer leaves are on every stage. Its process is
-global rank ``stage * dp + dp rank`` (``zf.Mesh``), which names its checkpoint file.
+global rank ``stage * dp + dp rank`` (``zf.Mesh``), which names its checkpoint file; with tensor
+parallelism (``within``, or ``inner.within``: the params are tp slices) ``(stage * dp + dp rank) * tp +
+tp rank``, and ``whole`` puts each param's slices together after gathering its rows.
 """
 from __future__ import annotations
 
@@ -34,6 +36,13 @@ class PipelineSpec:
     shapes: tuple[tuple[int, ...], ...]
     owned: tuple[str, ...]
     inner: ShardSpec | None = None
+    whole_shapes: tuple[tuple[int, ...], ...] | None = None  # of ``names``, where ``shapes`` are tp slices
+    within: Any = None  # unsharded: the wrapped step's spec (``TensorParallelSpec``: the params are its slices)
+
+    @property
+    def split(self) -> Any:
+        """The spec that places this stage's params: ``inner`` (sharded), else ``within``."""
+        return self.inner if self.inner is not None else self.within
 
     def __str__(self) -> str:
         return f"pipeline stage {self.stage} of {self.stages}" + (f", {self.inner}" if self.inner else "")
@@ -43,22 +52,23 @@ class PipelinePlacement(placement.Placement):
     """A stage's share of the model, its rows as its dp split (``inner``) places them (module docstring)."""
 
     def processes(self, spec: PipelineSpec) -> tuple[int, int]:
-        dp, rank = placement.of(spec.inner).processes(spec.inner)
+        dp, rank = placement.of(spec.split).processes(spec.split)  # dp x tp ranks: tp innermost
         return spec.stages * dp, spec.stage * dp + rank
 
     def describe(self, spec: PipelineSpec) -> dict:
-        stage = placement.of(spec.inner).describe(spec.inner)["stage"]
-        return {"world": self.processes(spec)[0], "pipeline": spec.stages, "stage": stage}
+        inner = placement.of(spec.split).describe(spec.split)  # with tensor parallelism, its "tp"
+        return {**inner, "world": self.processes(spec)[0], "pipeline": spec.stages, "stage": inner["stage"]}
 
     def rows(self, spec: PipelineSpec, index: int, shape: tuple[int, ...]) -> placement.Rows:
-        return placement.of(spec.inner).rows(spec.inner, index, shape)
+        return placement.of(spec.split).rows(spec.split, index, shape)
 
     def model(self, spec: PipelineSpec) -> dict[str, tuple[int, ...]]:
-        return {name: tuple(shape) for name, shape in zip(spec.names, spec.shapes)}
+        return {name: tuple(shape) for name, shape in zip(spec.names, spec.whole_shapes or spec.shapes)}
 
     def whole(self, state: TrainState, mesh: Any = None) -> PyTree:
         """Each stage's params, from its dp ranks, on every rank: over the default process group
-        (``placement.gather_rows``), whatever ``mesh``."""
+        (``placement.gather_rows``), whatever ``mesh``; tensor-parallel slices gathered with the rest
+        and put together by their slicing (``Rows.slicing``)."""
         placement.arrive(self.processes(state.placement)[0])
         return placement.gather_rows(state)
 

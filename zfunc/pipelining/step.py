@@ -99,7 +99,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zfunc.core import compose, precision as mp, tree
+from zfunc.core import compose, placement, precision as mp, tree
 from zfunc.core.microbatches import accumulate, step_seed
 from zfunc.dist import Mesh
 from zfunc.model.functional import BufferScope, carrying
@@ -160,11 +160,34 @@ class PipelineStep(Transformed):
             raise ValueError(f"params: {unknown[:5]} are not parameters of the model given to zf.pipeline")
         names = tuple(sorted(params))  # optree's leaf order for a dict
         owned = {n: params[n] for n in names if self.ranks[self.layout.owner[n]] == self.stage}
-        inner = self.base.init(owned, materialize) if self.base is not None else Step.init(self, owned, materialize)
+        if self.base is not None:
+            inner = self.base.init(owned, materialize)
+        elif compose.applied(self.inner, "tensor_parallel"):  # its slices, each leaf made through its materializer
+            inner = self.inner.init(owned, materialize)
+        else:
+            inner = Step.init(self, owned, materialize)
         self.initialized_with = tree.map(lambda x: x.to("meta"), params)  # the whole model: zf.checkpoint.load
-        spec = PipelineSpec(self.stages, self.stage, names, tuple(tuple(params[n].shape) for n in names),
-                            tuple(sorted(owned)), inner.placement)
+        shapes = tuple(tuple(params[n].shape) for n in names)
+        sharded = self.base is not None
+        spec = PipelineSpec(self.stages, self.stage, names, shapes, tuple(sorted(owned)),
+                            inner.placement if sharded else None, self._whole_shapes(params, shapes),
+                            None if sharded else inner.placement)
         return TrainState(inner.params, inner.opt_state, 0, self.seed, inner.loss_scale, spec)
+
+    def _whole_shapes(self, params: dict[str, Any], shapes: tuple) -> tuple | None:
+        """The whole model's params' shapes where the sharded step's inner step holds pieces of them
+        (a tensor-parallel step: its slices; ``Step.placement_of``), else None (``shapes`` are whole)."""
+        within = (self.base.inner if self.base is not None else self.inner).placement_of(params)
+        if within is None:
+            return None
+        rule = placement.of(within)
+        return tuple(tuple(rule.rows(within, i, shape).shape) for i, shape in enumerate(shapes))
+
+    def local_norm(self, grads: PyTree) -> torch.Tensor | None:
+        """The norm of this stage's grads as the step it wraps takes it (a tensor-parallel step, alone
+        or under ``zf.shard``, sums its sliced grads' squares over the tp group); summed over dp and pp
+        by the call."""
+        return self.inner.local_norm(grads)
 
     def own_buffers(self, buffers: dict[str, Any]) -> dict[str, Any]:
         """The module buffers of this stage's own units among ``buffers``: what its state carries."""
@@ -328,7 +351,10 @@ def pipeline(step: Step, stages: int, microbatches: int, schedule: str | Schedul
 
     Args:
       step: a plain ``Step`` from ``train_step`` (accum=1), or ``zf.shard(step, mesh, stage=1)``
-        over a ``Mesh(dp=d, pp=stages)`` to shard each stage over its dp ranks.
+        over a ``Mesh(dp=d, pp=stages)`` to shard each stage over its dp ranks; either may be a
+        ``zf.tensor_parallel.step`` over a model sliced over the mesh's tp group (3D: ``Mesh(dp=d,
+        pp=stages, tp=t)``; each stage's tp ranks run its units on their slices, the grad norm
+        counts each slice once; not sequence-parallel).
       stages: pipeline stages, one per rank of the mesh's pp axis.
       microbatches: the batch's leading dim is split into this many equal parts.
       schedule: a built-in schedule's name (``zfunc.pipelining.schedules``): "1f1b" (at most

@@ -23,6 +23,11 @@ tp rank's slices over its dp group (dp groups exclude tp peers); the sharded ste
 its pieces' norm, and sums its square over dp. That state is placed by ``zf.shard`` (a ``ShardSpec``
 over this step's ``TensorParallelSpec``, ``within``): ``full_params`` gives whole params (gathered
 over dp, then over tp), and a checkpoint holds the whole params and optimizer state, as above.
+
+Under a pipeline: ``zf.pipeline(step, ...)`` of this step, or of ``zf.shard`` of it, over ``zf.Mesh(dp=d,
+pp=p, tp=t)`` (3D): each stage's tp ranks hold their slices of the stage's params, the pipeline asks this
+step for the norm of its pieces and sums its square over dp and pp; ``full_params`` and checkpoints put
+the slices together (``zfunc.core.placement.gather_rows``). Not with ``sequence_parallel``.
 """
 from __future__ import annotations
 
@@ -88,16 +93,14 @@ class TensorParallelPlacement(placement.Placement):
 
 
 placement.register(TensorParallelSpec, TensorParallelPlacement())
-_NOT_YET = "its grad norm is its own (the pipeline's stages sum their own squares)"
-
-
 def _wrapped_by(outer: str):
-    """Shard and offload may wrap a tensor-parallel step (shard asks it for its pieces' norm, ``local_norm``;
-    offload sums its sliced leaves' squares over tp, ``Placement.sum_over_slices``), but not a
-    sequence-parallel one: their own backward does not sum the replicated grads over tp."""
+    """Shard, offload and the pipeline may wrap a tensor-parallel step (shard and the pipeline ask it for
+    its pieces' norm, ``local_norm``; offload sums its sliced leaves' squares over tp,
+    ``Placement.sum_over_slices``), but not a sequence-parallel one: their own backward does not sum the
+    replicated grads over tp."""
     def verdict(step: Any, options: dict) -> Any:
         if isinstance(step, TensorParallelStep) and step.spec.layout.sequence_parallel:
-            return (f"step: zf.{outer} of a sequence-parallel zf.tensor_parallel.step is refused: the {outer}ed "
+            return (f"step: zf.{outer} of a sequence-parallel zf.tensor_parallel.step is refused: the wrapping "
                     "step's backward does not sum the replicated params' grads over tp (not yet); the order that "
                     f"works: zf.tensor_parallel(model, mesh, sequence_parallel=False) under zf.{outer}")
         return None
@@ -114,11 +117,12 @@ def _sp_without_tp(p: Any) -> str | None:
 def _tp_not_yet(p: Any) -> str | None:
     if p.tp == 1:
         return None
-    for field, on, why in (("pp", p.pp > 1, "a pipeline of a tensor-parallel model"),
-                           ("tile_lm_head", p.tile_lm_head, "a tiled LM head under tensor parallelism")):
-        if on:
-            got = getattr(p, field)
-            return f"{field}: {why} is not supported yet; expected {field} off with tp={p.tp}, got {got!r}"
+    if p.tile_lm_head:
+        return (f"tile_lm_head: a tiled LM head under tensor parallelism is not supported yet; expected "
+                f"tile_lm_head off with tp={p.tp}, got {p.tile_lm_head!r}")
+    if p.sp and p.pp > 1:
+        return (f"sp: sequence parallelism under a pipeline is not supported yet; expected pp=1 with sp=True, "
+                f"got pp={p.pp}")
     if p.sp and (p.dp > 1 or p.zero_stage > 0):
         return (f"sp: sequence parallelism under zf.shard is not supported yet; expected dp=1 and zero_stage=0 with "
                 f"sp=True, got dp={p.dp}, zero_stage={p.zero_stage}")
@@ -129,7 +133,7 @@ compose.unregister("tp")  # the estimator's placeholder rows ("tp is modelled, n
 compose.register("tensor_parallel", wraps={"train_step": None}, wrapped_by={
     "shard": _wrapped_by("shard"),
     "offload": _wrapped_by("offload"),
-    "pipeline": (_NOT_YET + ": not yet", "zf.shard(zf.tensor_parallel.step(...), mesh, stage) without zf.pipeline"),
+    "pipeline": _wrapped_by("pipeline"),
 }, rules=[compose.Rule("sequence without tensor parallelism", compose.INCONSISTENT, _sp_without_tp, "tensor_parallel"),
           compose.Rule("tensor parallelism with what it does not yet run", compose.UNSUPPORTED, _tp_not_yet,
                        "tensor_parallel")])
