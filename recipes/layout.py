@@ -28,7 +28,7 @@ class FlagError(ValueError):
 LAYOUT_DEFAULTS = dict(
     zero=0, offload_optimizer="none", offload_params="none", nvme_path=None, keep_swap=False, remat=False,
     remat_offload=False, tile_lm_head=0, pp=1, microbatches=1, schedule="1f1b", virtual_stages=1, deepspeed=None,
-    quantize_weights=False, quantize_grads=0, sp=1, sp_kind="ulysses", tile_mlp=0, tp=1,
+    quantize_weights=False, quantize_grads=0, sp=1, sp_kind="ulysses", tile_mlp=0, tp=1, tp_sequence_parallel=False,
 )
 CHOICES = dict(zero=[0, 1, 2, 3], offload_optimizer=["none", "cpu", "nvme"], offload_params=["none", "cpu", "nvme"],
                schedule=["1f1b", "gpipe", "interleaved-1f1b", "zero-bubble"], quantize_grads=[0, 4, 8],
@@ -58,13 +58,16 @@ LAYOUT_HELP = dict(
     tp="tensor-parallel ranks: each holds 1/tp of every attention and MLP projection and of the vocabulary's rows "
        "(Megatron's column- and row-parallel layers, the plan found from the model; dp = world size / (pp * sp * "
        "tp); the ranks of a tp group read the same batch)",
+    tp_sequence_parallel="Megatron's sequence parallelism, with --tp: the norms, dropout and residual adds between "
+                         "the tp regions run on 1/tp of the tokens each (a reduce-scatter and an all-gather in place "
+                         "of each all-reduce), so their activations divide by tp",
     deepspeed="a DeepSpeed JSON config; its 'auto' values (and its batch sizes, if it gives none) come from these "
               "flags, and a flag given that contradicts it is an error",
 )
 # The layout may change on --resume: a checkpoint loads into any stage, offload or world size.
 MAY_CHANGE_ON_RESUME = ("zero", "offload_optimizer", "offload_params", "nvme_path", "keep_swap", "remat",
                         "remat_offload", "pp", "microbatches", "schedule", "deepspeed", "accum", "quantize_weights",
-                        "quantize_grads", "sp", "sp_kind", "tile_mlp", "virtual_stages", "tp")
+                        "quantize_grads", "sp", "sp_kind", "tile_mlp", "virtual_stages", "tp", "tp_sequence_parallel")
 # Plan field -> the flag that sets it, to name flags in the plan's errors.
 FLAG_OF_FIELD = dict(dp="--pp", pp="--pp", zero_stage="--zero", offload_optimizer="--offload-optimizer",
                      offload_params="--offload-params", nvme_path="--nvme-path", remat="--remat",
@@ -73,7 +76,7 @@ FLAG_OF_FIELD = dict(dp="--pp", pp="--pp", zero_stage="--zero", offload_optimize
                      gradient_clipping="--grad-clip", global_batch="--batch-size", micro_batch="--batch-size",
                      quantized_weights="--quantize-weights", quantized_grads="--quantize-grads",
                      sp_size="--sp", sp_kind="--sp-kind", tile_mlp="--tile-mlp",
-                     virtual_stages="--virtual-stages", tp="--tp")
+                     virtual_stages="--virtual-stages", tp="--tp", sp="--tp-sequence-parallel")
 
 
 def flag(name: str) -> str:
@@ -188,7 +191,8 @@ def resolve(args: argparse.Namespace, world: int, units: str | None, *, notices:
     fields = dict(dp=dp, pp=args.pp, zero_stage=args.zero, units=units, offload_optimizer=args.offload_optimizer,
                   offload_params=args.offload_params, nvme_path=args.nvme_path, remat=args.remat,
                   remat_offload=args.remat_offload, tile_lm_head=args.tile_lm_head, sp_size=args.sp,
-                  sp_kind=args.sp_kind, tile_mlp=args.tile_mlp, tp=args.tp, microbatches=args.microbatches,
+                  sp_kind=args.sp_kind, tile_mlp=args.tile_mlp, tp=args.tp, sp=args.tp_sequence_parallel,
+                  microbatches=args.microbatches,
                   pipeline_schedule=args.schedule, virtual_stages=args.virtual_stages,
                   precision=args.precision, accum=args.accum, gradient_clipping=args.grad_clip,
                   micro_batch=args.batch_size // (dp * split), global_batch=args.batch_size)

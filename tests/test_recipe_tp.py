@@ -33,11 +33,23 @@ def test_llama_tp2_zero1_on_4_ranks_trains_as_1_process_and_resumes_in_one(tmp_p
     assert_same_losses(metrics(four), want, "dp2 x tp2 resumed in one process")
 
 
+@pytest.mark.multiprocess
+def test_gpt_tp2_with_megatron_sequence_parallelism_on_2_ranks_trains_as_1_process(tmp_path, text_file):
+    """--tp 2 --tp-sequence-parallel: the norms and residuals between the tp regions on half the tokens each."""
+    argv = flags("gpt", "--data", str(text_file), "--steps", "3", "--eval-every", "3", "--log-every", "1")
+    gpt.main(argv + ["--out", str(tmp_path / "one")])
+    done = run_cli("gpt", tmp_path / "two", argv + ["--tp", "2", "--tp-sequence-parallel"], procs=2)
+    assert "tp=2 (sequence parallel)" in done.stdout
+    assert_same_losses(metrics(tmp_path / "two"), metrics(tmp_path / "one"), "gpt --tp 2 --tp-sequence-parallel")
+
+
 TP_FLAGS = [  # (flags, world size, the message naming the flags)
     (["--tp", "3"], 4, "--tp: 3 ranks per replica (tp) do not divide the 4 processes"),
     (["--tp", "2", "--sp", "2"], 2, "--sp, --tp: 4 ranks per replica (sp * tp) do not divide the 2 processes"),
     (["--tp", "0"], 1, "--tp: expected an int >= 1, got 0"),
     (["--tp", "2", "--tile-lm-head", "2"], 2, "--tile-lm-head (plan tile_lm_head): a tiled LM head under tensor"),
+    (["--tp-sequence-parallel"], 1, "--tp-sequence-parallel (plan sp): sequence parallelism splits along the "
+                                    "tensor-parallel group; it needs tp > 1"),
 ]
 
 
