@@ -93,36 +93,38 @@ def lamb(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, ep
         unflat = lambda xs: tree.unflatten(treespec, xs)  # noqa: E731
         return unflat(updates), AdamState(count, unflat(mus), unflat(nus))
 
-    def numba_apply(grads, state, params):
+    def fused(kernel, as_grad):
+        """``apply`` by ``kernel()`` (a ``lamb_many_``: zfunc's CPU or CUDA LAMB, imported when first called), each
+        grad given as ``as_grad(grad, param)``: the params and moments updated in place, leaves without a grad
+        left alone."""
+
+        def apply(grads, state, params):
+            p_leaves, treespec = tree.flatten(params)
+            g_leaves = _grad_leaves(grads, params)[0]
+            m_leaves, v_leaves = tree.leaves(state.mu), tree.leaves(state.nu)
+            decay = _mask_leaves(mask, params, len(p_leaves))
+            idx = [i for i, g in enumerate(g_leaves) if g is not None]
+            kernel()([p_leaves[i] for i in idx], [as_grad(g_leaves[i], p_leaves[i]) for i in idx],
+                     [m_leaves[i] for i in idx], [v_leaves[i] for i in idx], step=state.count + 1,
+                     lr=float(lr(state.count)), beta1=b1, beta2=b2, eps=eps, weight_decay=weight_decay,
+                     bias_correction=bias_correction, min_coeff=min_coeff, max_coeff=max_coeff,
+                     decay=[bool(decay[i]) for i in idx])
+            return tree.unflatten(treespec, p_leaves), AdamState(state.count + 1, state.mu, state.nu)
+
+        return apply
+
+    def cpu_kernel():
         from zfunc.ops.cpu import lamb as cpu_lamb
 
-        p_leaves, treespec = tree.flatten(params)
-        g_leaves = _grad_leaves(grads, params)[0]
-        m_leaves, v_leaves = tree.leaves(state.mu), tree.leaves(state.nu)
-        decay = _mask_leaves(mask, params, len(p_leaves))
-        idx = [i for i, g in enumerate(g_leaves) if g is not None]
-        cpu_lamb.lamb_many_([p_leaves[i] for i in idx], [_as_cpu_grad(g_leaves[i]) for i in idx],
-                            [m_leaves[i] for i in idx], [v_leaves[i] for i in idx], step=state.count + 1,
-                            lr=float(lr(state.count)), beta1=b1, beta2=b2, eps=eps, weight_decay=weight_decay,
-                            bias_correction=bias_correction, min_coeff=min_coeff, max_coeff=max_coeff,
-                            decay=[bool(decay[i]) for i in idx])
-        return tree.unflatten(treespec, p_leaves), AdamState(state.count + 1, state.mu, state.nu)
+        return cpu_lamb.lamb_many_
 
-    def cupy_apply(grads, state, params):
+    def gpu_kernel():
         from zfunc.ops.gpu import lamb as gpu_lamb
 
-        p_leaves, treespec = tree.flatten(params)
-        g_leaves = _grad_leaves(grads, params)[0]
-        m_leaves, v_leaves = tree.leaves(state.mu), tree.leaves(state.nu)
-        decay = _mask_leaves(mask, params, len(p_leaves))
-        idx = [i for i, g in enumerate(g_leaves) if g is not None]
-        gpu_lamb.lamb_many_([p_leaves[i] for i in idx], [_as_kernel_grad(g_leaves[i], p_leaves[i].device) for i in idx],
-                            [m_leaves[i] for i in idx], [v_leaves[i] for i in idx], step=state.count + 1,
-                            lr=float(lr(state.count)), beta1=b1, beta2=b2, eps=eps, weight_decay=weight_decay,
-                            bias_correction=bias_correction, min_coeff=min_coeff, max_coeff=max_coeff,
-                            decay=[bool(decay[i]) for i in idx])
-        return tree.unflatten(treespec, p_leaves), AdamState(state.count + 1, state.mu, state.nu)
+        return gpu_lamb.lamb_many_
 
+    numba_apply = fused(cpu_kernel, lambda g, p: _as_cpu_grad(g))
+    cupy_apply = fused(gpu_kernel, lambda g, p: _as_kernel_grad(g, p.device))
     apply_ = _kernel_apply(backend, update, numba_apply, cupy_apply)
     return GradientTransformation(lambda params: AdamState(0, _zeros_like(params), _zeros_like(params)), update,
                                   apply_, lambda state: lr(state.count))
