@@ -85,8 +85,9 @@ class GatheredParameters(contextlib.AbstractContextManager):
         whole = state.params if state.placement is None else zf.checkpoint.full_params(state)
         with torch.no_grad():
             for name, p in self.named.items():
-                if p.is_meta:
-                    p.data = torch.empty(p.shape, dtype=p.dtype, device="cpu")
+                if p.is_meta:  # built under zero.Init: ``.data`` cannot change device, the tensor's body can
+                    torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
+                                                                   requires_grad=p.requires_grad))
                 p.copy_(whole[name])
         return self
 
