@@ -187,6 +187,11 @@ def test_zero_init_builds_on_meta_and_trains():
     with deepspeed.zero.GatheredParameters([model[0].bias], modifier_rank=0):
         model[0].bias.data.fill_(0.5)
     assert torch.equal(engine.state.params["0.bias"], torch.full((16,), 0.5))
+    with deepspeed.zero.Init():
+        fresh = net()
+    with pytest.raises(RuntimeError, match="call deepspeed.initialize first"):
+        with deepspeed.zero.GatheredParameters([fresh[0].bias], modifier_rank=0):
+            fresh[0].bias.data.fill_(0.5)  # would be lost: no engine holds these params yet
 
 
 def test_scheduler_and_lr_as_deepspeed():
