@@ -235,7 +235,8 @@ def main(argv=None) -> None:
         ratios = [f"{vs[k][peer]:.3f}x ({med[peer] / med[k]:.2f}x)" if peer in vs[k] else "-"
                   for peer in ("ddp", "fsdp2")]
         ratios.append(f"{vs[k]['deepspeed']:.3f}x ({med[f'ds-{k[3]}'] / med[k]:.2f}x)" if "deepspeed" in vs[k] else "-")
-        print(f"| {k} | {med[k] * 1e3:.1f} | {' | '.join(ratios)} | {rss:.1f} | {'-' if acc != acc else f'{acc:.2f}'} |")
+        accounted = "-" if acc != acc else f"{acc:.2f}"  # nan: DeepSpeed's
+        print(f"| {k} | {med[k] * 1e3:.1f} | {' | '.join(ratios)} | {rss:.1f} | {accounted} |")
     if set(kinds) == set(TRAINERS):
         print(f"\nREADME row: | ZeRO on {args.world} gloo ranks, GPT {n_params / 1e6:.1f}M "
               f"| `python benchmarks/shard.py` "
