@@ -2,16 +2,17 @@
 
     python benchmarks/pipeline.py [--stages 2] [--microbatches 2,4,8] [--n-layer 4] [--n-embd 192]
                                   [--block-size 128] [--batch 16] [--steps 3] [--rounds 3]
-                                  [--schedules gpipe,1f1b,interleaved-1f1b,zero-bubble]
+                                  [--schedules gpipe,1f1b,interleaved-1f1b,zero-bubble,zbv]
 
 One spawn of ``--stages`` ranks; every rank builds, from the same initial GPT (recipes/gpt.py),
 for each microbatch count m and schedule: zfunc's step and torch's schedule of the same kind
 (``TORCH``: ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` with 2 stages per
 rank, ``ScheduleZBVZeroBubble``, whose V places stages ``r`` and ``2p - 1 - r`` on rank ``r``,
-against zfunc's ZB-H1) over ``PipelineStage``s holding the same blocks (embeddings + the first
-blocks on stage 0, the last blocks + final norm + head on the last stage; ``--n-layer`` a
-multiple of ``2 p``). They run interleaved, ``--steps`` steps each per round, for ``--rounds``
-rounds, after a warm-up step; a step is as slow as its slowest rank, and the median is reported.
+against zfunc's ZB-H1 ("zero-bubble") and ZB-V ("zbv", the same V)) over ``PipelineStage``s
+holding the same blocks (embeddings + the first blocks on stage 0, the last blocks + final norm +
+head on the last stage; ``--n-layer`` a multiple of ``2 p``). They run interleaved, ``--steps``
+steps each per round, for ``--rounds`` rounds, after a warm-up step; a step is as slow as its
+slowest rank, and the median is reported.
 
 Both sides train with AdamW (no clipping) and average the microbatch losses. Differences: torch
 cannot tie ``wte``/``lm_head`` across stages, so its last stage trains an untied copy of the head,
@@ -42,10 +43,10 @@ import zfunc as zf  # noqa: E402
 from recipes.gpt import GPT, Block, GPTConfig  # noqa: E402
 
 LR = 1e-3
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
 TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
-         "zero-bubble": "ScheduleZBVZeroBubble"}
-VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zero-bubble": 1}  # per rank (torch's ZBV: 2, a V)
+         "zero-bubble": "ScheduleZBVZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
+VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zero-bubble": 1, "zbv": 1}  # zfunc's (ZB-V's 2 implied)
 
 
 class FirstStage(nn.Module):

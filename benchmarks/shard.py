@@ -1,7 +1,7 @@
-"""ZeRO on 2 gloo ranks of this CPU: DDP, FSDP2 and zfunc stages 0/1/2/3 on the same GPT.
+"""ZeRO on 2 gloo ranks of this CPU: DDP, FSDP2, DeepSpeed's ZeRO and zfunc stages 0/1/2/3 on the same GPT.
 
     python benchmarks/shard.py [--world 2] [--n-layer 4] [--n-embd 192] [--batch 8] [--rounds 60]
-                               [--trainers ddp,zf-0]
+                               [--trainers ddp,zf-0] [--deepspeed]
 
 Phase 1 (throughput): one spawn; every rank builds all seven trainers (or ``--trainers``) from the same initial GPT and
 runs them interleaved: each round runs one step of every trainer, in an order shuffled anew each
@@ -15,7 +15,9 @@ sees, which drifts over seconds, cancels (blocks of consecutive steps per traine
 ranking: the identical stage 1 and 2 steps came out 0.87x and 0.98x of DDP in one run). Stages
 0/1/2 are compared with DDP (stage 0 is DDP's algorithm: whole grads all-reduced in buckets
 during backward), stage 3 with FSDP2, which shards the same units (each ``Block``, then
-the root).
+the root). ``--deepspeed`` adds DeepSpeed's own engine at stages 1/2/3 (``ds-1``..``ds-3``,
+``DS_ACCELERATOR=cpu``, ``deepspeed.initialize`` on the same gloo group, torch's AdamW as its client
+optimizer, ``gradient_clipping`` 1.0, fp32), each compared with zfunc's stage of the same number.
 Phase 2 (memory): a fresh spawn per trainer, so each peak RSS is its own: peak RSS minus the RSS
 after building the model, per rank, beside the bytes the trainer accounts for.
 Prints a markdown table and one README row.
@@ -24,6 +26,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
+import logging
+import os
 import random
 import resource
 import statistics
@@ -42,6 +47,7 @@ from recipes.gpt import GPT, Block, GPTConfig  # noqa: E402
 # zf-3* is stage 3 with verify=False: no per-collective agreement check between the ranks (which
 # reports diverging control flow instead of letting gloo abort), to show what that check costs.
 TRAINERS = ("ddp", "fsdp2", "zf-0", "zf-1", "zf-2", "zf-3", "zf-3*")
+DEEPSPEED = ("ds-1", "ds-2", "ds-3")
 LR = 1e-3
 
 
@@ -94,6 +100,31 @@ def torch_trainer(kind: str, model: torch.nn.Module):
     return step, accounted
 
 
+def deepspeed_trainer(stage: int, model: torch.nn.Module, batch: int):
+    """DeepSpeed's engine at ZeRO ``stage`` (fp32, clip 1.0, torch AdamW): ``step(tokens) -> loss``."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("LOCAL_RANK", str(torch.distributed.get_rank()))
+    import deepspeed
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.WARNING)
+    config = {"train_micro_batch_size_per_gpu": batch, "gradient_clipping": 1.0,
+              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
+                                      config=config)
+
+    def step(tokens):
+        loss = F.cross_entropy(engine(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    def accounted():
+        return float("nan")  # DeepSpeed keeps no per-rank byte count of its own to compare
+
+    return step, accounted
+
+
 def zfunc_trainer(stage: int, model: torch.nn.Module, mesh: zf.Mesh, verify: bool = True):
     apply, params = zf.functionalize(model)
 
@@ -116,8 +147,10 @@ def zfunc_trainer(stage: int, model: torch.nn.Module, mesh: zf.Mesh, verify: boo
     return run, accounted
 
 
-def build(kind: str, model, mesh):
+def build(kind: str, model, mesh, batch: int):
     model = copy.deepcopy(model)
+    if kind.startswith("ds-"):
+        return deepspeed_trainer(int(kind[3]), model, batch)
     if kind.startswith("zf-"):
         return zfunc_trainer(int(kind[3]), model, mesh, verify=not kind.endswith("*"))
     return torch_trainer(kind, model)
@@ -128,7 +161,7 @@ def throughput_worker(rank: int, world: int, cfg: GPTConfig, batch: int, rounds:
     mesh = zf.Mesh(dp=world)
     torch.manual_seed(0)
     base = GPT(cfg)
-    trainers = {k: build(k, base, mesh)[0] for k in kinds}
+    trainers = {k: build(k, base, mesh, batch)[0] for k in kinds}
     data = batches(cfg, batch, rank, 5)
     times = {k: [] for k in kinds}
     for _ in range(2):  # warm-up (JIT, allocator, DDP's buckets, stage-3 unit order)
@@ -154,7 +187,7 @@ def memory_worker(rank: int, world: int, kind: str, cfg: GPTConfig, batch: int, 
     base = GPT(cfg)
     data = batches(cfg, batch, rank, steps)
     before = rss_bytes()
-    run, accounted = build(kind, base, mesh)
+    run, accounted = build(kind, base, mesh, batch)
     del base
     for tokens in data:
         run(tokens).item()
@@ -169,11 +202,15 @@ def main(argv=None) -> None:
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--rounds", type=int, default=60, help="steps of each trainer, interleaved")
-    p.add_argument("--trainers", default=",".join(TRAINERS), help=f"a comma-separated subset of {','.join(TRAINERS)}")
+    p.add_argument("--trainers", default=",".join(TRAINERS),
+                   help=f"a comma-separated subset of {','.join(TRAINERS + DEEPSPEED)}")
+    p.add_argument("--deepspeed", action="store_true", help=f"add {','.join(DEEPSPEED)} (needs deepspeed installed)")
     args = p.parse_args(argv)
-    kinds = tuple(args.trainers.split(","))
-    if set(kinds) - set(TRAINERS) or "ddp" not in kinds:
-        p.error(f"--trainers: expected 'ddp' and others of {','.join(TRAINERS)}, got {args.trainers!r}")
+    kinds = tuple(args.trainers.split(",")) + (DEEPSPEED if args.deepspeed else ())
+    if set(kinds) - set(TRAINERS + DEEPSPEED) or "ddp" not in kinds:
+        p.error(f"--trainers: expected 'ddp' and others of {','.join(TRAINERS + DEEPSPEED)}, got {args.trainers!r}")
+    if any(k.startswith("ds-") for k in kinds) and importlib.util.find_spec("deepspeed") is None:
+        p.error("--deepspeed: DeepSpeed is not installed (DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed)")
     cfg = GPTConfig(n_layer=args.n_layer, n_head=4, n_embd=args.n_embd, block_size=args.block_size)
     n_params = sum(x.numel() for x in GPT(cfg).parameters())
     print(f"GPT {n_params / 1e6:.2f}M params, {args.world} gloo ranks, batch {args.batch}x{cfg.block_size} per rank, "
@@ -184,23 +221,33 @@ def main(argv=None) -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     peers = [peer for peer in ("ddp", "fsdp2") if peer in kinds]
     vs = {k: {peer: paired_ratio(times[peer], times[k]) for peer in peers} for k in kinds}
+    for k in kinds:  # zfunc's stage N against DeepSpeed's stage N
+        if k.startswith("zf-") and f"ds-{k[3]}" in kinds:
+            vs[k]["deepspeed"] = paired_ratio(times[f"ds-{k[3]}"], times[k])
     memory = {k: zf.dist.spawn(memory_worker, args.world, args.world, k, cfg, args.batch, 2, timeout_s=600)
               for k in kinds}
     print("\n| trainer | median ms/step | vs DDP, paired (of medians) | vs FSDP2, paired (of medians) "
-          "| peak RSS growth/rank (MB) | accounted state/rank (MB) |")
-    print("|---|---|---|---|---|---|")
+          "| vs DeepSpeed's same stage, paired (of medians) | peak RSS growth/rank (MB) | accounted state/rank (MB) |")
+    print("|---|---|---|---|---|---|---|")
     for k in kinds:
         rss = max(m[0] for m in memory[k]) / 2**20
         acc = max(m[1] for m in memory[k]) / 2**20
         ratios = [f"{vs[k][peer]:.3f}x ({med[peer] / med[k]:.2f}x)" if peer in vs[k] else "-"
                   for peer in ("ddp", "fsdp2")]
-        print(f"| {k} | {med[k] * 1e3:.1f} | {' | '.join(ratios)} | {rss:.1f} | {acc:.2f} |")
+        ratios.append(f"{vs[k]['deepspeed']:.3f}x ({med[f'ds-{k[3]}'] / med[k]:.2f}x)" if "deepspeed" in vs[k] else "-")
+        accounted = "-" if acc != acc else f"{acc:.2f}"  # nan: DeepSpeed's
+        print(f"| {k} | {med[k] * 1e3:.1f} | {' | '.join(ratios)} | {rss:.1f} | {accounted} |")
     if set(kinds) == set(TRAINERS):
         print(f"\nREADME row: | ZeRO on {args.world} gloo ranks, GPT {n_params / 1e6:.1f}M "
               f"| `python benchmarks/shard.py` "
               f"| throughput vs DDP (paired, {args.rounds} rounds): stage 0 {vs['zf-0']['ddp']:.2f}x, stage 1 "
               f"{vs['zf-1']['ddp']:.2f}x, stage 2 {vs['zf-2']['ddp']:.2f}x; "
               f"stage 3 vs FSDP2 {vs['zf-3']['fsdp2']:.2f}x ({vs['zf-3*']['fsdp2']:.2f}x without verify) |")
+    if set(DEEPSPEED) <= set(kinds):
+        print(f"README row: | ZeRO vs DeepSpeed's own on {args.world} gloo ranks, GPT {n_params / 1e6:.1f}M "
+              f"| `python benchmarks/shard.py --deepspeed` | throughput vs DeepSpeed (paired, {args.rounds} rounds): "
+              + ", ".join(f"stage {n} {vs[f'zf-{n}']['deepspeed']:.2f}x" for n in (1, 2, 3) if f"zf-{n}" in kinds)
+              + " |")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ LAYOUT_DEFAULTS = dict(
     quantize_weights=False, quantize_grads=0, sp=1, sp_kind="ulysses", tile_mlp=0, tp=1, tp_sequence_parallel=False,
 )
 CHOICES = dict(zero=[0, 1, 2, 3], offload_optimizer=["none", "cpu", "nvme"], offload_params=["none", "cpu", "nvme"],
-               schedule=["1f1b", "gpipe", "interleaved-1f1b", "zero-bubble"], quantize_grads=[0, 4, 8],
+               schedule=["1f1b", "gpipe", "interleaved-1f1b", "zero-bubble", "zbv"], quantize_grads=[0, 4, 8],
                optimizer=["adamw", "onebit_adam", "zero_one_adam", "onebit_lamb"], sp_kind=["ulysses", "ring"])
 LAYOUT_HELP = dict(
     zero="ZeRO stage: 0 replicated data parallel, 1 optimizer state, 2 + grads, 3 + params sharded over the ranks",
@@ -46,7 +46,8 @@ LAYOUT_HELP = dict(
     tile_lm_head="compute the LM head (and an embedding tied to it) in this many tiles; 0: untiled",
     pp="pipeline stages (the world size must be a multiple; dp = world size / pp)",
     microbatches="with --pp: microbatches each rank's batch is cut into (in place of --accum)",
-    schedule="pipeline schedule (zero-bubble: ZB-H1, the backward split into input and weight grads)",
+    schedule="pipeline schedule (zero-bubble: ZB-H1, the backward split into input and weight grads; zbv: ZB-V, two "
+             "stages per rank in a V)",
     virtual_stages="with --schedule interleaved-1f1b: virtual pipeline stages per rank (units placed round-robin)",
     quantize_weights="ZeRO++ (--zero 3): all-gather the params as block-quantized int8",
     quantize_grads="ZeRO++ (--zero 1-3): reduce-scatter the grads in 4 or 8 bits (0: fp32)",

@@ -180,6 +180,18 @@ def test_zero_init_builds_on_meta_and_trains():
     engine, *_ = deepspeed.initialize(model=model, config=config(3))
     losses = engine_losses(engine, data(4))
     assert all(torch.isfinite(torch.tensor(losses)))
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):  # meta params take the whole values
+        assert not any(p.is_meta for p in model.parameters())
+        for name, p in model.named_parameters():
+            assert torch.equal(p, engine.state.params[name])
+    with deepspeed.zero.GatheredParameters([model[0].bias], modifier_rank=0):
+        model[0].bias.data.fill_(0.5)
+    assert torch.equal(engine.state.params["0.bias"], torch.full((16,), 0.5))
+    with deepspeed.zero.Init():
+        fresh = net()
+    with pytest.raises(RuntimeError, match="call deepspeed.initialize first"):
+        with deepspeed.zero.GatheredParameters([fresh[0].bias], modifier_rank=0):
+            fresh[0].bias.data.fill_(0.5)  # would be lost: no engine holds these params yet
 
 
 def test_scheduler_and_lr_as_deepspeed():

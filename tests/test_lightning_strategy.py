@@ -47,6 +47,17 @@ def test_one_process_equals_lightnings_own_and_resumes(tmp_path, stage):
     assert_same(resumed, want, f"stage {stage}, 1 process, resumed after update 4", skip=4 * ACCUM)
 
 
+def test_the_strategy_is_named_as_deepspeeds():
+    import lightning as L
+
+    for name, stage, offload in [("zfunc", 2, False), ("zfunc_stage_1", 1, False), ("zfunc_stage_3", 3, False),
+                                 ("zfunc_stage_2_offload", 2, True), ("zfunc_stage_3_offload", 3, True)]:
+        strategy = L.Trainer(strategy=name, accelerator="cpu", devices=1, logger=False).strategy
+        assert isinstance(strategy, ZfuncStrategy), name
+        zero = strategy._config["zero_optimization"]
+        assert zero["stage"] == stage and ("offload_optimizer" in zero) == offload, (name, zero)
+
+
 @pytest.mark.multiprocess
 def test_two_processes_equal_ddp_and_resume(tmp_path):
     """One torchrun launch of 2 gloo ranks: DDP, then ZeRO-2 + CPU offload, then resumed as ZeRO-3."""

@@ -8,18 +8,20 @@ from tests.models import (Block, NormSpy, NormStack, NormUnit, adamw, assert_sam
                           bn_batches, bn_step, norm_step, token_loss, torch_train, train_on, tree_equal, with_faults)
 from recipes import gpt
 from zfunc.checkpoint import full_params
-from zfunc.pipelining import Schedule, check, from_csv
+from zfunc.pipelining import Schedule, build, check, from_csv
 from zfunc.pipelining.schedules import peak_live
 
 
 def make(pipe=None, mesh=None, shard=False, model="tiny", clip=True, grad_norm=True, **model_kw):
     """``(step, state)``: the plain step, or pipelined with ``pipe = (schedule, microbatches, split[,
-    virtual stages])``; model "tiny8" is the tiny one with 8 blocks."""
+    virtual stages])``; model "tiny8" is the tiny one with 8 blocks, "gpt4" the GPT with 4."""
     torch.manual_seed(0)
     if model == "tiny8":
         model, model_kw = "tiny", {**model_kw, "n": 8}
-    if model == "gpt":  # the recipe's GPT, unchanged: tied wte/lm_head, positions, final norm
-        model, block = gpt.GPT(gpt.GPTConfig(vocab_size=VOCAB, block_size=5, n_layer=2, n_head=2, n_embd=8)), gpt.Block
+    if model in ("gpt", "gpt4"):  # the recipe's GPT, unchanged: tied wte/lm_head, positions, final norm
+        layers = 4 if model == "gpt4" else 2
+        model, block = gpt.GPT(gpt.GPTConfig(vocab_size=VOCAB, block_size=5, n_layer=layers, n_head=2, n_embd=8)), \
+            gpt.Block
     else:
         model, block = Tiny(**model_kw), Block
     apply, params = zf.functionalize(model)
@@ -53,9 +55,10 @@ CUSTOM = from_csv("0F0,0F1,0B0,0F2,0B1,0F3,0B2,0B3\n1F0,1I0,1F1,1I1,1W0,1F2,1I2,
 CONFIGS = {2: [("tiny", "gpipe", 4, None), ("tiny", "1f1b", 4, None), ("tiny", "1f1b", 2, (1, 3)),
                ("tiny", "gpipe", 1, (3, 1)), ("gpt", "1f1b", 4, None), ("tiny", "interleaved-1f1b", 4, None, 2),
                ("tiny", "interleaved-1f1b", 2, (1, 1, 1, 1), 2), ("tiny", "zero-bubble", 4, None),
-               ("gpt", "zero-bubble", 2, None), ("tiny", CUSTOM, 4, None)],
+               ("gpt", "zero-bubble", 2, None), ("tiny", CUSTOM, 4, None), ("tiny", "zbv", 4, None),
+               ("gpt4", "zbv", 2, None)],  # ZB-V: rank 0 holds the first and last stage, the tied wte/lm_head
            4: [("tiny", "gpipe", 4, None), ("tiny", "1f1b", 8, None), ("tiny", "1f1b", 2, None),
-               ("tiny8", "interleaved-1f1b", 4, None, 2), ("tiny", "zero-bubble", 4, None)]}
+               ("tiny8", "interleaved-1f1b", 4, None, 2), ("tiny", "zero-bubble", 4, None), ("tiny8", "zbv", 8, None)]}
 
 
 def law_worker(rank, world, configs):
@@ -86,21 +89,23 @@ def test_pipelined_step_equals_plain_step(world):
             assert live == expected, (what, stage, live)
             assert 0.0 <= bubble < 1.0, (what, stage, bubble)
             if model == "tiny":
-                assert (nbytes["send"], nbytes["recv"]) == p2p_bytes(stage, world, v), (what, stage, nbytes)
+                ranks = build(name, world, m, v).ranks if name != "custom" else None
+                assert (nbytes["send"], nbytes["recv"]) == p2p_bytes(stage, world, v, ranks), (what, stage, nbytes)
 
 
-def p2p_bytes(stage, p, v=1, header=13 * 8, acts=8 * 5 * 6 * 4, shared=(VOCAB * 6 + 6 + 6) * 4):
+def p2p_bytes(stage, p, v=1, ranks=None, header=13 * 8, acts=8 * 5 * 6 * 4, shared=(VOCAB * 6 + 6 + 6) * 4):
     """The docstring's cost: m activations (the whole batch's, fp32) forward and their grads back
-    across each boundary between virtual stages on two ranks (stage k on rank k % p), a shape
-    header per such boundary and step, and the shared params (emb = head, ln_f) lent from stage 0
-    to the last stage's rank, their fp32 grads returned."""
+    across each boundary between virtual stages on two ranks (stage k on ``ranks[k]``, by default
+    rank k % p), a shape header per such boundary and step, and the shared params (emb = head, ln_f)
+    lent from stage 0's rank to the last stage's, when they differ, their fp32 grads returned."""
+    ranks = ranks or [k % p for k in range(p * v)]
     send = recv = 0
-    for b in range(p * v - 1):
-        src, dst = b % p, (b + 1) % p
+    for b in range(len(ranks) - 1):
+        src, dst = ranks[b], ranks[b + 1]
         if src != dst:
             send += (header + acts if stage == src else 0) + (acts if stage == dst else 0)
             recv += (header + acts if stage == dst else 0) + (acts if stage == src else 0)
-    ends = shared if stage in (0, p - 1) and p > 1 else 0
+    ends = shared if stage in (ranks[0], ranks[-1]) and ranks[0] != ranks[-1] else 0
     return send + ends, recv + ends
 
 

@@ -33,10 +33,20 @@ def test_simulated_bubbles_follow_theory_and_zero_bubble_is_below_1f1b_at_m_equa
         assert max(interleaved.bubble) == pytest.approx((p - 1) / (2 * m + p - 1)), (p, m)
     one_f_one_b, zero_bubble = check(build("1f1b", p, p)), check(build("zero-bubble", p, p))
     assert max(zero_bubble.bubble) < min(one_f_one_b.bubble) and zero_bubble.makespan < one_f_one_b.makespan
+    for m in (2 * p, 4 * p):  # ZB-V: about half ZB-H1's bubble once every rank's V is full
+        assert max(check(build("zbv", p, m)).bubble) < 0.6 * max(check(build("zero-bubble", p, m)).bubble), (p, m)
+
+
+def test_zbv_places_two_stages_per_rank_in_a_v():
+    plan = build("zbv", 4, 8)
+    assert plan.ranks == (0, 1, 2, 3, 3, 2, 1, 0) and plan.virtual == 2
+    assert plan == build("zbv", 4, 8, 2)  # its two virtual stages are implied
+    with pytest.raises(ValueError, match="virtual_stages: expected 1 with schedule 'zbv'"):
+        build("zbv", 4, 8, 3)
 
 
 def test_a_schedule_round_trips_through_csv_as_torchtitan_writes_it():
-    for name, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble", 1)):
+    for name, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble", 1), ("zbv", 1)):
         plan = build(name, 3, 6, v)
         again = from_csv(plan.to_csv(), name)
         assert again == plan, name
@@ -95,10 +105,11 @@ def test_zf_plan_predicts_each_schedules_bubble_and_live_microbatches():
     model, cluster = zp.from_params(1e9), zp.cluster("H100-80GB", 4)
     base = zp.from_flags(dp=1, pp=4, zero=1, accum=8)
     compute = {}
-    for name, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble", 1)):
+    for name, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble", 1), ("zbv", 1)):
         how = dataclasses.replace(base, pipeline_schedule=name, virtual_stages=v)
         compute[name] = zp.plan(model, cluster, how).time["compute"]
-    assert compute["interleaved-1f1b"] < compute["1f1b"] and compute["zero-bubble"] < compute["1f1b"], compute
+    assert compute["interleaved-1f1b"] < compute["1f1b"], compute
+    assert compute["zbv"] < compute["zero-bubble"] < compute["1f1b"], compute
     live = {name: zp.plan(model, cluster, dataclasses.replace(base, pipeline_schedule=name, virtual_stages=v))
-            .memory["gpu"]["activations"] for name, v in (("1f1b", 1), ("zero-bubble", 1), ("gpipe", 1))}
-    assert live["zero-bubble"] == live["1f1b"] < live["gpipe"], live
+            .memory["gpu"]["activations"] for name, v in (("1f1b", 1), ("zero-bubble", 1), ("gpipe", 1), ("zbv", 1))}
+    assert live["zbv"] == live["zero-bubble"] == live["1f1b"] < live["gpipe"], live  # ZB-V: 2p halves of a stage

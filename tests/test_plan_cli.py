@@ -26,6 +26,11 @@ def refused(capsys, argv: list[str]) -> str:
     (["--params", "1e9", "--intra-bw", "-1"], "--intra-bw: expected a finite number > 0, got -1.0"),
     (["--params", "1e9", "--cpu-ram", "inf"], "--cpu-ram: expected a finite number > 0, got inf"),
     (["--params", "1e9", "--nvme", "-1"], "--nvme: expected a finite number >= 0 (0: no NVMe), got -1.0"),
+    (["--params", "1e9", "--cpu-ram", "1.5e12"],
+     "--cpu-ram: expected GB (at most 1e+06), got 1.5e+12, which looks like bytes: --cpu-ram 1500 is 1.5e+12 bytes"),
+    (["--params", "1e9", "--inter-bw", "1.25e8"],
+     "--inter-bw: expected GB/s (at most 100000), got 1.25e+08, which looks like bytes: --inter-bw 0.125 is "
+     "1.25e+08 bytes/s"),
     (["--params", "1e9", "--seq", "0"], "--seq: expected an int >= 1, got 0"),
     (["--params", "1e9", "--pp", "0"], "--pp: expected an int >= 1, got 0"),
     (["--params", "1e9", "--global-batch", "0", "--search"], "--global-batch: expected an int >= 1, got 0"),

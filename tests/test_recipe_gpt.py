@@ -621,7 +621,7 @@ def test_help_states_the_global_batch_and_the_layout_flags(capsys):
     assert "global batch: sequences per optimizer step, over all processes" in text
     for flag in ("--zero {0,1,2,3}", "--offload-optimizer {none,cpu,nvme}", "--offload-params {none,cpu,nvme}",
                  "--nvme-path", "--remat", "--remat-offload", "--pp", "--microbatches",
-                 "--schedule {1f1b,gpipe,interleaved-1f1b,zero-bubble}", "--virtual-stages", "--deepspeed",
+                 "--schedule {1f1b,gpipe,interleaved-1f1b,zero-bubble,zbv}", "--virtual-stages", "--deepspeed",
                  "--tile-lm-head", "--log-every"):
         assert flag in text, flag
 

@@ -43,8 +43,9 @@ def test_a_clean_run_removes_its_swap_files_and_keep_swap_keeps_them(tmp_path, t
 
 
 # ----------------------------------------------------------------------------- the plan line
-def described(argv: list[str], world: int = 1, recipe=gpt):
-    """``(plan line, plan_bytes, meta params, model)`` of ``argv`` as rank 0 of ``world`` would say them."""
+def described(argv: list[str], world: int = 1, recipe=gpt, line: int = -1):
+    """``(plan line, plan_bytes, meta params, model)`` of ``argv`` as rank 0 of ``world`` would say them
+    (``line``: another of ``report.describe``'s lines in place of the plan's)."""
     import torch
 
     import zfunc as zf
@@ -57,7 +58,19 @@ def described(argv: list[str], world: int = 1, recipe=gpt):
     zf.config.prepare(built.module, plan)
     _, params = zf.functionalize(built.module)
     lines = report.describe(args, plan, layout.Launch(world, 0, 0), built, torch.device("cpu"), params)
-    return lines[-1], report.plan_bytes(params, plan, built.module), params, built.module
+    return lines[line], report.plan_bytes(params, plan, built.module), params, built.module
+
+
+@pytest.mark.parametrize("flags, said", [
+    ([], "dp=1 pp=1, ZeRO 0"),
+    (["--pp", "2", "--microbatches", "2"], "dp=1 pp=2 (1f1b schedule), ZeRO 0"),
+    (["--pp", "2", "--microbatches", "4", "--schedule", "interleaved-1f1b", "--virtual-stages", "2"],
+     "dp=1 pp=2 (interleaved-1f1b schedule, 2 virtual stages per rank), ZeRO 0"),
+])
+def test_the_layout_line_names_the_pipeline_schedule(flags, said):
+    world = 2 if flags else 1
+    line, _, _, _ = described(["--n-layer", "4"] + flags, world=world, line=-2)
+    assert f"layout: {world} process{'es' * (world > 1)}, {said}" in line, line
 
 
 def test_a_pipelines_plan_line_counts_its_ranks_and_stage_0s_bytes():

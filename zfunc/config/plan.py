@@ -34,7 +34,7 @@ from zfunc.model import units as units_mod
 
 PLACES = ("none", "cpu", "nvme")
 PRECISIONS = ("fp32", "bf16", "fp16")
-PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zero-bubble")  # zfunc.pipelining.schedules
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zero-bubble", "zbv")  # zfunc.pipelining.schedules
 SP_KINDS = ("ulysses", "ring")
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 WARMUP_TYPES = ("log", "linear")

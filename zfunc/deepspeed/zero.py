@@ -7,7 +7,9 @@
 - ``with zero.GatheredParameters(params, modifier_rank=None):``: inside, the engine's params among
   ``params`` hold their current whole values (a collective where the state is split: every rank
   enters); with ``modifier_rank=r``, rank ``r``'s changes are broadcast on exit and written into
-  the engine's state (each rank its own rows). Params not trained by an engine are left alone.
+  the engine's state (each rank its own rows). Params not trained by an engine are left alone, except
+  that a modifier on params built under ``zero.Init`` before ``initialize`` is refused: they hold no
+  values, and the change would be lost.
   Cost: one ``full_params`` of the state on entry; on exit with a modifier, one broadcast per param.
 """
 from __future__ import annotations
@@ -78,6 +80,11 @@ class GatheredParameters(contextlib.AbstractContextManager):
 
     def __enter__(self) -> GatheredParameters:
         if self.engine is None:
+            if self.enabled and self.modifier_rank is not None and any(p.is_meta for p in self.params):
+                raise RuntimeError("zero.GatheredParameters(modifier_rank=...): these params were built under "
+                                   "zero.Init and no engine trains them yet, so they hold no values and a change "
+                                   "made here would be lost (initialize makes each rank's rows from each module's "
+                                   "reset_parameters); call deepspeed.initialize first, then gather and modify")
             return self
         engine = self.engine
         engine._require_state("zero.GatheredParameters")
@@ -85,8 +92,9 @@ class GatheredParameters(contextlib.AbstractContextManager):
         whole = state.params if state.placement is None else zf.checkpoint.full_params(state)
         with torch.no_grad():
             for name, p in self.named.items():
-                if p.is_meta:
-                    p.data = torch.empty(p.shape, dtype=p.dtype, device="cpu")
+                if p.is_meta:  # built under zero.Init: ``.data`` cannot change device, the tensor's body can
+                    torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
+                                                                   requires_grad=p.requires_grad))
                 p.copy_(whole[name])
         return self
 

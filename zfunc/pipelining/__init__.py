@@ -1,5 +1,5 @@
 """Pipeline parallelism as a transformation of the step (``zf.pipeline``, step.py): schedules as
-plain data (schedules.py: GPipe, 1F1B, interleaved 1F1B, zero-bubble, a user's), checked before
+plain data (schedules.py: GPipe, 1F1B, interleaved 1F1B, zero-bubble ZB-H1 and ZB-V, a user's), checked before
 they run (check.py), run by one rank's schedule for one step (stage.py), with the backward split
 in two where a schedule asks (split_backward.py).
 """

@@ -1,4 +1,4 @@
-"""pipeline: pipeline parallelism (GPipe, 1F1B, interleaved 1F1B, zero-bubble) as a transformation of the step.
+"""pipeline: pipeline parallelism (GPipe, 1F1B, interleaved 1F1B, zero-bubble, ZB-V) as a transformation of the step.
 
 ``zf.pipeline(step, stages=p, microbatches=m, schedule="1f1b", model=model, units=zf.units.by_class(Block))``
 splits the model's consecutive *pipeline units* into ``p`` stages, one per rank of the mesh's pp
@@ -360,7 +360,8 @@ def pipeline(step: Step, stages: int, microbatches: int, schedule: str | Schedul
       schedule: a built-in schedule's name (``zfunc.pipelining.schedules``): "1f1b" (at most
         ``stages - s`` live microbatches on stage s), "gpipe" (all ``m``), "interleaved-1f1b"
         (``virtual_stages`` per rank), "zero-bubble" (ZB-H1: backward split into input and weight
-        grads); or a ``zfunc.pipelining.Schedule`` of one's own (``from_csv``). Either is checked
+        grads), "zbv" (ZB-V: two stages per rank in a V, the units cut into ``2 stages``); or a
+        ``zfunc.pipelining.Schedule`` of one's own (``from_csv``). Either is checked
         (``zfunc.pipelining.check``: every grad once, no deadlock) before the step is made.
       model: the module the loss runs through ``zf.functionalize``'s ``apply``, used unchanged.
       units: the pipeline units: a ``zf.units`` selector (e.g. ``by_class(Block)``; see the module

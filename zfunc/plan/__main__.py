@@ -98,6 +98,9 @@ NUMBER_FLAGS = {
     "nvme": (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0 (0: no NVMe)"),
     "matmul_efficiency": (lambda v: 0 < v <= 1, "a fraction in (0, 1]"),
 }
+# The cluster flags are in GB and GB/s: a value beyond any machine (1 PB per node, 100 TB/s) was given in bytes
+_MOST_GB = {"cpu_ram": 1e6, "nvme": 1e6, **dict.fromkeys(("intra_bw", "inter_bw", "pcie_bw", "cpu_mem_bw",
+                                                              "nvme_read_bw", "nvme_write_bw"), 1e5)}
 
 
 def check_numbers(args, p: argparse.ArgumentParser) -> None:
@@ -107,6 +110,13 @@ def check_numbers(args, p: argparse.ArgumentParser) -> None:
         value = getattr(args, name)
         if value is not None and not ok(value):
             p.error(f"--{name.replace('_', '-')}: expected {expected}, got {value!r}")
+    for name, most in _MOST_GB.items():
+        value = getattr(args, name)
+        if value is not None and value > most:
+            unit = "GB" if name in ("cpu_ram", "nvme") else "GB/s"
+            flag = f"--{name.replace('_', '-')}"
+            p.error(f"{flag}: expected {unit} (at most {most:g}), got {value:g}, which looks like bytes: "
+                    f"{flag} {value / 1e9:g} is {value:g} bytes{'/s' if unit == 'GB/s' else ''}")
     if args.layers is not None and args.hidden is not None and args.heads is not None and args.hidden % args.heads:
         p.error(f"--heads: expected a divisor of --hidden {args.hidden}, got {args.heads}")
     if args.kv_heads is not None and args.heads is not None and args.heads % args.kv_heads:

@@ -11,6 +11,7 @@ from zfunc.plan import compression, cost
 from zfunc.plan.hardware import Cluster
 from zfunc.plan.memory import _bucket_elems, partition_params, rank_memory, remat_input_bytes
 from zfunc.pipelining import build, check
+from zfunc.pipelining.schedules import virtual_per_rank
 from zfunc.plan.model import ModelSpec
 from zfunc.plan.strategy import (BUCKET_MB, describe, elem, microbatches, offload_overlaps, resolve, shard_ranks,
                                   tiles)
@@ -215,7 +216,7 @@ def step_times(model: ModelSpec, s: Plan, cluster: Cluster) -> dict[str, float]:
             calls = math.ceil(model.layers / s.pp) * m * (3 if s.remat else 2) * (s.sp_size - 1)
             t = calls * cluster.latency + moved["send"] / cost.group_bandwidth(cluster, 2, s.tp)
             out["sp_comm"] = t if cpu else max(t - out["compute"], 0.0)
-    if s.pp > 1:
+    if s.pp > 1 and s.pipeline_schedule != "zbv":  # ZB-V keeps the first and last stage on rank 0: nothing lent
         out["pp_shared"] = (e + 4) * shared / cost.group_bandwidth(cluster, 2, s.tp * s.dp)
     upd = cost.update_time(model, s, cluster)
     offloaded = s.offload_optimizer != "none" or s.offload_params != "none"
@@ -250,7 +251,7 @@ def _pipeline_compute(model: ModelSpec, s: Plan, cluster: Cluster, busiest: cost
     if "send" in cluster.collectives:
         alpha, beta = cluster.collectives["send"]
         p2p = 2 * (alpha + act / beta)
-    p2p *= s.virtual_stages
+    p2p *= virtual_per_rank(s.pipeline_schedule, s.virtual_stages)
     times = [first.forward + first.backward + p2p] + [busiest.forward + busiest.backward + p2p] * (p - 2) \
         + [last.forward + last.backward + p2p]
     if s.pipeline_schedule in ("gpipe", "1f1b"):

@@ -168,8 +168,9 @@ def comm_bytes(model: ModelSpec, s: Plan) -> dict[str, float]:
             out["all_reduce"] += 2 * per_layer * layers * m
     if s.pp > 1:
         act = T * model.hidden * e / (s.tp if s.sp else 1)
-        out["send"] += 2 * act * m + e * shared
-        out["recv"] += 2 * act * m + 4 * shared
+        lent = 0 if s.pipeline_schedule == "zbv" else shared  # ZB-V: the first and last stage share rank 0
+        out["send"] += 2 * act * m + e * lent
+        out["recv"] += 2 * act * m + 4 * lent
     for kind, nbytes in sequence_bytes(model, s).items():
         out[kind] = out.get(kind, 0.0) + nbytes
     out["all_reduce"] += 2 * 4 * 3  # loss, grad norm and the grads-produced flags (a few bytes)

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from zfunc.offloading import accounting
 from zfunc.plan.model import ModelSpec
 from zfunc.config.plan import Plan
-from zfunc.pipelining.schedules import peak_live
+from zfunc.pipelining.schedules import peak_live, virtual_per_rank
 from zfunc.plan.strategy import (BUCKET_MB, PREFETCH, elem, microbatches, opt_bytes, offload_overlaps, rank_tokens,
                                   shard_ranks, tiles)
 
@@ -223,7 +223,8 @@ def _live_microbatches(s: Plan) -> float:
     interleaved schedule's live chunks is ``1/v`` of the rank's layers."""
     if s.pp == 1:
         return 1
-    return peak_live(s.pipeline_schedule, s.pp, microbatches(s), 0, s.virtual_stages) / s.virtual_stages
+    v = virtual_per_rank(s.pipeline_schedule, s.virtual_stages)
+    return peak_live(s.pipeline_schedule, s.pp, microbatches(s), 0, v) / v
 
 
 def remat_input_bytes(model: ModelSpec, s: Plan, whole_model: bool = False) -> float:

@@ -6,6 +6,7 @@
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ZfuncStrategy(stage=3, offload_optimizer=True),
                         max_steps=1000, accumulate_grad_batches=4, gradient_clip_val=1.0)
     trainer.fit(model, loader)                     # trainer.fit(model, loader, ckpt_path=PATH) continues a run
+    L.Trainer(strategy="zfunc_stage_3_offload")    # names, as DeepSpeed's: zfunc, zfunc_stage_{1,2,3}[_offload]
 
 The strategy is Lightning's DDP process setup (``DDPStrategy``: the process group, the
 ``DistributedSampler``; one process makes no group) with ``zfunc.deepspeed``'s engine where DDP's
@@ -61,7 +62,12 @@ with ``every_n_train_steps`` or after validation), a
 ``on_before_optimizer_step`` runs at every batch and the module's ``.grad`` stay empty (the grads live
 in the step). Supported versions: Lightning 2.6 and later 2.x (tested with 2.6.6); ``pip install zfunc[lightning]``.
 """
+from lightning.pytorch.strategies import StrategyRegistry
+
 from zfunc.integrations.lightning.precision import ZfuncPrecision
 from zfunc.integrations.lightning.strategy import ZfuncStrategy
+
+if "zfunc" not in StrategyRegistry:  # importing this package names the strategy for Trainer(strategy=...)
+    ZfuncStrategy.register_strategies(StrategyRegistry)
 
 __all__ = ["ZfuncPrecision", "ZfuncStrategy"]

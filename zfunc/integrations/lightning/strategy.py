@@ -43,6 +43,20 @@ class ZfuncStrategy(DDPStrategy):
 
     strategy_name = "zfunc"
 
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """``Trainer(strategy="zfunc")`` and DeepSpeedStrategy's stage names with ``zfunc`` for ``deepspeed``:
+        ``zfunc_stage_1``, ``zfunc_stage_2``, ``zfunc_stage_2_offload``, ``zfunc_stage_3``,
+        ``zfunc_stage_3_offload`` (an NVMe layout needs its ``nvme_path``: construct the strategy)."""
+        register = lambda name, what, **kw: strategy_registry.register(name, cls, description=what, **kw)  # noqa: E731
+        register("zfunc", "zfunc's engine, ZeRO stage 2 (as DeepSpeedStrategy's default)")
+        for stage in (1, 2, 3):
+            register(f"zfunc_stage_{stage}", f"zfunc's engine, ZeRO stage {stage}", stage=stage)
+        register("zfunc_stage_2_offload", "zfunc's engine, ZeRO stage 2, optimizer on the CPU", stage=2,
+                 offload_optimizer=True)
+        register("zfunc_stage_3_offload", "zfunc's engine, ZeRO stage 3, optimizer and params on the CPU", stage=3,
+                 offload_optimizer=True, offload_parameters=True)
+
     def __init__(self, config: str | Path | Mapping | None = None, *, stage: int | None = None,
                  offload_optimizer: bool = False, offload_parameters: bool = False,
                  offload_optimizer_device: str = "cpu", offload_params_device: str = "cpu",
