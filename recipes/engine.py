@@ -36,10 +36,14 @@ def build_model(recipe: Recipe, args: argparse.Namespace, vocab_size: int) -> Bu
     return built
 
 
-def make_mesh(plan):
-    """The mesh the plan lays the processes on (``zf.Mesh``: dp x pp x sp x tp)."""
+def make_mesh(plan, planned: bool = False):
+    """The mesh the plan lays the processes on (``zf.Mesh``: dp x pp x sp x tp); ``planned``: rank 0's
+    place in it without a process group (``zf.Mesh.planned``: a dry run in one process slices the
+    model on the meta device as rank 0 would, and runs nothing)."""
     import zfunc as zf
 
+    if planned:
+        return zf.Mesh.planned(dp=plan.dp, pp=plan.pp, sp=plan.sp_size, tp=plan.tp, rank=0)
     return zf.Mesh(dp=plan.dp, pp=plan.pp, sp=plan.sp_size, tp=plan.tp)
 
 

@@ -23,6 +23,9 @@ def test_llama_tp2_zero1_on_4_ranks_trains_as_1_process_and_resumes_in_one(tmp_p
     four = tmp_path / "four"
     done = run_cli("llama", four, argv + ["--tp", "2", "--zero", "1"], procs=4)
     assert "layout: 4 processes, dp=2 pp=1 tp=2, ZeRO 1" in done.stdout
+    # a dry run in one process, planning the same 4 ranks, says rank 0's bytes as the run did
+    planned = dry_run_lines(llama.main, argv + ["--tp", "2", "--zero", "1", "--world-size", "4"], tmp_path / "dry")
+    assert plan_line(planned) == plan_line(done.stdout.splitlines()), (planned, done.stdout)
     assert_same_losses(metrics(four), want, "llama --tp 2 --zero 1 on 4 processes")
     manifest = zf.checkpoint.read_manifest(four / "ckpt" / "000002")
     assert (manifest["world"], manifest["tp"], manifest["stage"]) == (4, 2, 1)
@@ -43,11 +46,75 @@ def test_gpt_tp2_with_megatron_sequence_parallelism_on_2_ranks_trains_as_1_proce
     assert_same_losses(metrics(tmp_path / "two"), metrics(tmp_path / "one"), "gpt --tp 2 --tp-sequence-parallel")
 
 
+def dry_run_lines(main, argv: list[str], out) -> list[str]:
+    """What ``main(argv + --dry-run)`` prints in this process (which joins no process group)."""
+    import contextlib
+    import io
+
+    import torch.distributed as dist
+
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        main(argv + ["--dry-run", "--out", str(out)])
+    assert not (dist.is_available() and dist.is_initialized())
+    return said.getvalue().splitlines()
+
+
+def plan_line(lines: list[str]) -> str:
+    return next(line for line in lines if line.startswith("plan (zfunc.plan"))
+
+
+DRY_RUNS = [  # (flags, the processes planned)
+    (["--tp", "2"], 2),
+    (["--tp", "2", "--zero", "3"], 2),
+    (["--pp", "2", "--tp", "2", "--n-layer", "2"], 4),
+    (["--pp", "2", "--tp", "2", "--n-layer", "2", "--zero", "1", "--world-size", "8"], 8),
+]
+
+
+@pytest.mark.parametrize("more, world", DRY_RUNS, ids=[" ".join(f) for f, _ in DRY_RUNS])
+def test_a_tp_dry_run_plans_its_ranks_in_one_process(tmp_path, text_file, more, world):
+    """``python -m recipes.gpt --tp 2 --dry-run``: no torchrun; rank 0 of the fewest processes the layout needs
+    (or --world-size), its params sliced on the meta device over a planned mesh (``zf.Mesh.planned``)."""
+    import torch
+
+    from recipes import engine, report
+
+    argv = TINY + ["--precision", "fp32", "--data", str(text_file)] + more
+    lines = dry_run_lines(gpt.main, argv, tmp_path)
+    said = "\n".join(lines)
+    assert f"layout: {world} processes (planned in one process: a dry run)" in said, said
+    assert f"rank 0 of {world}" in plan_line(lines) and "verdict: fits this machine" in said, said
+    assert f"{world} processes here" in said, said  # the verdict counts them all on this machine
+    plan, args = layout.resolve(with_precision(parse_args(gpt.RECIPE, argv)), world, gpt.UNITS, notices=False)
+    with torch.device("meta"):
+        whole, model = gpt.RECIPE.build(args, 256).module, gpt.RECIPE.build(args, 256).module
+    params = engine.functional(model, plan, engine.make_mesh(plan, planned=True))[1]
+    assert params["wte.weight"].shape[0] == whole.wte.weight.shape[0] // 2  # rank 0's half of the (tied) vocab
+    gb = report.plan_bytes(params, plan, model)["device"] / 1e9
+    assert f"device {gb:.3g} GB" in plan_line(lines), (gb, plan_line(lines))
+
+
+def test_a_planned_mesh_runs_no_collective():
+    import torch
+
+    mesh = zf.Mesh.planned(dp=2, pp=2, tp=2, rank=5)
+    assert (mesh.pp_rank, mesh.rank, mesh.tp_rank) == (1, 0, 1)
+    with pytest.raises(zf.dist.CollectiveError, match="this mesh is planned"):
+        mesh.tp_comm.all_reduce(torch.zeros(2), label="a test")
+    with pytest.raises(zf.dist.CollectiveError, match="this mesh is planned"):
+        mesh.p2p.send(torch.zeros(2), 0, label="a test")
+    with pytest.raises(ValueError, match=re.escape("rank: expected an int in [0, 8)")):
+        zf.Mesh.planned(dp=2, pp=2, tp=2, rank=8)
+
+
 TP_FLAGS = [  # (flags, world size, the message naming the flags)
     (["--tp", "3"], 4, "--tp: 3 ranks per replica (tp) do not divide the 4 processes"),
     (["--tp", "2", "--sp", "2"], 2, "--sp, --tp: 4 ranks per replica (sp * tp) do not divide the 2 processes"),
     (["--tp", "0"], 1, "--tp: expected an int >= 1, got 0"),
     (["--tp", "2", "--tile-lm-head", "2"], 2, "--tile-lm-head (plan tile_lm_head): a tiled LM head under tensor"),
+    (["--world-size", "2"], 1, "--world-size: plans a --dry-run in one process; got --world-size 2 without --dry-run"),
+    (["--world-size", "2", "--dry-run"], 4, "--world-size: 2, but torchrun started 4 processes"),
     (["--tp-sequence-parallel"], 1, "--tp-sequence-parallel (plan sp): sequence parallelism splits along the "
                                     "tensor-parallel group; it needs tp > 1"),
 ]
