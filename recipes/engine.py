@@ -49,8 +49,14 @@ def make_mesh(plan, planned: bool = False):
 
 def unsliced(model: nn.Module, plan) -> nn.Module | None:
     """With --tp, a copy of ``model`` made before ``zf.tensor_parallel`` slices it (on the meta device:
-    nothing allocated): what rank 0 runs on the whole params (eval, the sample); None without --tp."""
-    return copy.deepcopy(model) if plan.tp > 1 else None
+    nothing allocated), its LM head tiled as the plan tiles it (--tile-lm-head: the whole params are
+    the tiles'): what rank 0 runs on the whole params (eval, the sample); None without --tp."""
+    if plan.tp == 1:
+        return None
+    import zfunc as zf
+
+    whole = copy.deepcopy(model)
+    return zf.tile(whole, tiles=plan.tile_lm_head, modules=["lm_head"]) if plan.tile_lm_head else whole
 
 
 def functional(model: nn.Module, plan, mesh=None) -> tuple[Callable, dict]:

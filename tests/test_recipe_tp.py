@@ -112,7 +112,6 @@ TP_FLAGS = [  # (flags, world size, the message naming the flags)
     (["--tp", "3"], 4, "--tp: 3 ranks per replica (tp) do not divide the 4 processes"),
     (["--tp", "2", "--sp", "2"], 2, "--sp, --tp: 4 ranks per replica (sp * tp) do not divide the 2 processes"),
     (["--tp", "0"], 1, "--tp: expected an int >= 1, got 0"),
-    (["--tp", "2", "--tile-lm-head", "2"], 2, "--tile-lm-head (plan tile_lm_head): a tiled LM head under tensor"),
     (["--world-size", "2"], 1, "--world-size: plans a --dry-run in one process; got --world-size 2 without --dry-run"),
     (["--world-size", "2", "--dry-run"], 4, "--world-size: 2, but torchrun started 4 processes"),
     (["--tp-sequence-parallel"], 1, "--tp-sequence-parallel (plan sp): sequence parallelism splits along the "

@@ -126,10 +126,43 @@ def offload_overlap_law(rank):
     return got, ref, offloaded[0].overlap
 
 
+def untiled(params):
+    """A tiled model's params under the untiled model's names: each ``X.tiles.i.P`` joined into ``X.P`` (rows)."""
+    out, tiles = {}, {}
+    for name, p in params.items():
+        owner, sep, rest = name.partition(".tiles.")
+        if sep:
+            tiles.setdefault(f"{owner}.{rest.partition('.')[2]}", []).append(p)
+        else:
+            out[name] = p
+    return {**out, **{n: torch.cat(ps) for n, ps in tiles.items()}}
+
+
+def tile_law(rank):
+    """tp=2 of GPT with its LM head and the embedding tied to it tiled into 3 vocab tiles (zf.tile, then
+    zf.tensor_parallel with plan=None: each tile a vocab-parallel layer, 21/20/20 rows padded to 22/20/20)
+    against the plain untiled, unsliced step; with the step's measured bytes and zfunc.tensor.cost's."""
+    mesh = zf.Mesh(tp=2)
+    model, _ = recipe_model("gpt")
+    ref = train(copy.deepcopy(model), token_batches())
+    zf.tile(model, tiles=3, modules=["lm_head"])
+    whole = {n: tuple(p.shape) for n, p in zf.functionalize(model)[1].items()}
+    zf.tensor_parallel(model, mesh)
+    losses, norms, params, memory = train(model, token_batches(), tp=True)
+    from zfunc.tensor import cost
+
+    layout = zf.tensor_parallel.layout_of(model)
+    replicated = sum(p.numel() for n, p in zf.functionalize(model)[1].items() if n not in layout.slicings)
+    formula = (4 * cost.params_per_rank(whole, layout),
+               cost.comm_bytes_per_step(layout, 32, 32, 22 + 20 + 20, replicated_numel=replicated))
+    return (losses, norms, untiled(params)), ref, sorted(params), ((memory["params"], sum(memory["comm"].values())),
+                                                                   formula)
+
+
 def recipe_laws(rank):
     """One spawn for the recipes' laws and the vocab-parallel loss (each spawn costs seconds)."""
     return {"gpt": law(rank, "gpt"), "llama": law(rank, "llama"), "llama-kv1": law(rank, "llama-kv1"),
-            "loss": vocab_loss(rank),
+            "loss": vocab_loss(rank), "tile": tile_law(rank),
             "sp gpt": sequence_parallel_law(rank, "gpt"), "sp llama": sequence_parallel_law(rank, "llama"),
             "remat": remat_law(rank), "offload": offload_overlap_law(rank)}
 
@@ -176,6 +209,15 @@ def test_tp2_under_cpu_offload_with_updates_during_backward_trains_as_the_whole_
     results = [r["offload"] for r in recipe_results]
     assert_law(results, "gpt, tp=2, zf.offload(optimizer='cpu'), overlapped")
     assert results[0][2]  # the overlapped path: the norm's squares summed leaf by leaf
+
+
+@pytest.mark.multiprocess
+def test_tp2_with_a_tiled_lm_head_trains_as_the_whole_untiled_model(recipe_results):
+    results = [r["tile"] for r in recipe_results]
+    assert_law(results, "gpt, lm_head (tied) in 3 tiles, tp=2")
+    assert [n for n in results[0][2] if ".tiles." in n] == [f"wte.tiles.{i}.weight" for i in range(3)]
+    for *_, (measured, formula) in results:
+        assert measured == formula  # zfunc.tensor.cost's bytes held and moved, tiles counted as their layer
 
 
 def vocab_loss(rank):
@@ -243,6 +285,29 @@ def test_refusals_name_the_module_and_sizes():
     step.spec.layout.sequence_parallel = True  # what the rulebook's verdict reads (tp=1 here: no sp model to build)
     with pytest.raises(ValueError, match="zf.pipeline of a sequence-parallel zf.tensor_parallel.step is refused"):
         zf.pipeline(step, 2, 2, model=model, units=["blocks.0", "blocks.1"])
+
+
+def test_tiled_layers_that_cannot_be_sliced_are_refused():
+    """A tiled head or embedding slices as vocab tiles (tiled along its rows), gathered, not sequence-parallel."""
+    from models import mesh_shaped
+
+    mesh = mesh_shaped(tp=2)
+    model = zf.tile(recipe_model("gpt")[0], tiles=2, modules=["lm_head"])
+    with pytest.raises(ValueError, match=r"gather_logits: the tiled head 'lm_head' concatenates its tiles' logits"):
+        zf.tensor_parallel(copy.deepcopy(model), mesh, GPT_PLAN, gather_logits=False)
+    with pytest.raises(ValueError, match=r"sequence_parallel: the tiled embedding 'wte' looks each tile's ids up"):
+        zf.tensor_parallel(copy.deepcopy(model), mesh, GPT_PLAN, sequence_parallel=True)
+    columns = zf.tile(recipe_model("gpt")[0], tiles=2, dim=1, modules=["lm_head"])
+    with pytest.raises(ValueError, match=r"module 'wte' is tiled by zf.tile \(dim=1\) and its style is \"vocab\""):
+        zf.tensor_parallel(columns, mesh, GPT_PLAN)
+    assert zfunc_plan(model) == {**{f"{n}.tiles.{i}": "vocab" for n in ("wte", "lm_head") for i in range(2)}}
+
+
+def zfunc_plan(model):
+    """The vocab styles plan=None gives a tiled model's layers, per tile (on a planned mesh: shapes only)."""
+    with torch.device("meta"):
+        sliced = zf.tensor_parallel(copy.deepcopy(model).to("meta"), zf.Mesh.planned(tp=2))
+    return {n: s for n, s in zf.tensor_parallel.layout_of(sliced).styles.items() if s == "vocab"}
 
 
 HF_BASE = dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,

@@ -162,6 +162,8 @@ class TiledEmbedding(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         if self.dim == 1:
             return torch.cat([t(idx) for t in self.tiles], dim=-1)
+        if idx.is_meta:  # no tile sizes to read: each tile looks every id up (clamped into it), same shape
+            return sum(t(idx.clamp(s, s + n - 1) - s) for t, s, n in zip(self.tiles, self.starts, self.sizes))
         flat = idx.reshape(-1)
         which = torch.bucketize(flat, torch.tensor(self.starts[1:], device=flat.device), right=True)
         order = torch.argsort(which, stable=True)
