@@ -1,6 +1,7 @@
-"""--tp on the recipes: ``torchrun --nproc_per_node 4 -m recipes.llama --tp 2 --zero 1`` trains as one process
-does (OUT/metrics.jsonl: losses and val losses within 1e-5, fp32), its checkpoint resumes in one process, and
---tp flags that cannot work are named before anything is built."""
+"""--tp on the recipes: ``torchrun --nproc_per_node 4 -m recipes.llama --tp 2 --zero 1`` and ``-m recipes.gpt --tp 2
+--pp 2 --tile-lm-head 2`` train as one process does (OUT/metrics.jsonl: losses and val losses within 1e-5, fp32),
+the first's checkpoint resumes in one process, a --dry-run plans rank 0's bytes in one process as the run has them,
+and --tp flags that cannot work are named before anything is built."""
 import json
 import re
 
@@ -44,6 +45,24 @@ def test_gpt_tp2_with_megatron_sequence_parallelism_on_2_ranks_trains_as_1_proce
     done = run_cli("gpt", tmp_path / "two", argv + ["--tp", "2", "--tp-sequence-parallel"], procs=2)
     assert "tp=2 (sequence parallel)" in done.stdout
     assert_same_losses(metrics(tmp_path / "two"), metrics(tmp_path / "one"), "gpt --tp 2 --tp-sequence-parallel")
+
+
+@pytest.mark.multiprocess
+def test_gpt_tp2_x_pp2_with_a_tiled_head_on_4_ranks_trains_as_1_process(tmp_path, text_file):
+    """``torchrun --nproc_per_node 4 -m recipes.gpt --tp 2 --pp 2 --tile-lm-head 2``: each stage's layers sliced
+    over its tp pair, the tied head and embedding in 2 vocab tiles each sliced, equal to one plain process (the
+    loss falls); the one-process dry run of the same flags says rank 0's bytes as the run did."""
+    argv = flags("gpt", "--data", str(text_file), "--steps", "3", "--eval-every", "3", "--log-every", "1",
+                 "--n-layer", "2")
+    gpt.main(argv + ["--out", str(tmp_path / "one")])
+    layout_flags = ["--tp", "2", "--pp", "2", "--microbatches", "2", "--tile-lm-head", "2"]
+    done = run_cli("gpt", tmp_path / "four", argv + layout_flags, procs=4)
+    assert "layout: 4 processes, dp=1 pp=2 tp=2, ZeRO 0" in done.stdout
+    rows = metrics(tmp_path / "four")
+    assert_same_losses(rows, metrics(tmp_path / "one"), "gpt --tp 2 --pp 2 --tile-lm-head 2 on 4 processes")
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    planned = dry_run_lines(gpt.main, argv + layout_flags, tmp_path / "dry")
+    assert plan_line(planned) == plan_line(done.stdout.splitlines()), (planned, done.stdout)
 
 
 def dry_run_lines(main, argv: list[str], out) -> list[str]:

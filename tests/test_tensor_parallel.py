@@ -509,12 +509,31 @@ def test_dp2_x_pp2_x_tp2_trains_as_the_whole_model_and_loads_into_one_process(tm
     assert zf.checkpoint.read_manifest(tmp_path / "3d")["world"] == 8
 
 
-def pp_tp_law(rank):
-    """pp2 x tp2 on 4 ranks through the front door (``zf.config.Plan(pp=2, tp=2)``: the tp step pipelined
-    unsharded, 1F1B, 2 microbatches), the Llama with its explicit plan, against the plain step."""
-    model, plan = recipe_model("llama")
-    ref = train(copy.deepcopy(model), token_batches())
-    config = zf.config.Plan(pp=2, tp=2, microbatches=2, units="class:Block")
+def llama4():
+    """The tiny Llama with 4 blocks (interleaved 1F1B: 2 virtual stages on each of 2 ranks) and its plan."""
+    from recipes.llama import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=61, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=16)
+    return Llama(cfg), LLAMA_PLAN
+
+
+PP_TP_CASES = {  # name: (model, zf.config.Plan fields beside pp=2, tp=2, microbatches=2)
+    "1F1B": (recipe_model, {}),
+    "ZeRO-2": (recipe_model, {"zero_stage": 2}),
+    "ZeRO-3": (recipe_model, {"zero_stage": 3}),
+    "interleaved 1F1B": (llama4, {"pipeline_schedule": "interleaved-1f1b", "virtual_stages": 2}),
+    "zero bubble": (recipe_model, {"pipeline_schedule": "zero-bubble"}),
+}
+
+
+def pp_tp_law(rank, make, fields, refs):
+    """pp2 x tp2 on 4 ranks through the front door (``zf.config.Plan(pp=2, tp=2, **fields)``: the tp step
+    pipelined, 2 microbatches), a Llama with its explicit plan, against the plain step (``refs``: by model)."""
+    model, plan = make("llama") if make is recipe_model else make()
+    if make not in refs:
+        refs[make] = train(copy.deepcopy(model), token_batches())
+    config = zf.config.Plan(pp=2, tp=2, microbatches=2, units="class:Block", **fields)
     mesh = zf.Mesh(pp=2, tp=2)
     zf.tensor_parallel(model, mesh, plan)
     apply, params = zf.functionalize(model)
@@ -524,11 +543,19 @@ def pp_tp_law(rank):
         state, m = step(state, batch)
         losses.append(m["loss"].item())
         norms.append(m["grad_norm"].item())
-    return (losses, norms, zf.checkpoint.full_params(state, mesh)), ref, step.layers
+    return (losses, norms, zf.checkpoint.full_params(state, mesh)), refs[make], step.layers
+
+
+def pp_tp_laws(rank):
+    refs = {}  # one spawn for every case: each costs seconds
+    return {name: pp_tp_law(rank, make, fields, refs) for name, (make, fields) in PP_TP_CASES.items()}
 
 
 @pytest.mark.multiprocess
-def test_pp2_x_tp2_unsharded_trains_as_the_whole_model():
-    everyone = zf.dist.spawn(pp_tp_law, 4)
-    assert_law(everyone, "pp2 x tp2, 1F1B")
-    assert everyone[0][2] == ("train_step", "tensor_parallel", "pipeline")
+def test_pp2_x_tp2_trains_as_the_whole_model_at_zero_0_2_3_and_with_every_schedule():
+    everyone = zf.dist.spawn(pp_tp_laws, 4, timeout_s=300)
+    for name, (_, fields) in PP_TP_CASES.items():
+        results = [r[name] for r in everyone]
+        assert_law(results, f"pp2 x tp2, {name}")
+        sharded = ("shard",) if fields.get("zero_stage") else ()
+        assert results[0][2] == ("train_step", "tensor_parallel", *sharded, "pipeline"), (name, results[0][2])
