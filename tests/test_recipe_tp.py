@@ -114,6 +114,42 @@ def test_a_tp_dry_run_plans_its_ranks_in_one_process(tmp_path, text_file, more, 
     assert f"device {gb:.3g} GB" in plan_line(lines), (gb, plan_line(lines))
 
 
+def measured_and_planned(rank, root):
+    """Per ZeRO stage (0, 3): this rank's model-state bytes (``step.memory``) after a step of the recipe's GPT at
+    --tp 2 on 2 gloo ranks, and zfunc.plan's for rank 0's slices as a one-process dry run makes them (over
+    ``zf.Mesh.planned``: the engine's keys, and the plan line's total)."""
+    import torch
+
+    from recipes import checkpoints, engine, report
+    from zfunc import plan as zp
+
+    out = {}
+    for zero in (0, 3):
+        argv = TINY + ["--precision", "fp32", "--tp", "2", "--zero", str(zero), "--out", root]
+        plan, args = layout.resolve(with_precision(parse_args(gpt.RECIPE, argv)), 2, gpt.UNITS, notices=False)
+        with torch.device("meta"):
+            built, dry = gpt.RECIPE.build(args, 256), gpt.RECIPE.build(args, 256).module
+        apply, params = engine.functional(built.module, plan, engine.make_mesh(plan))
+        step, _ = engine.build_step(engine.loss_fn(gpt.RECIPE.task, apply, built.module), built.module, args, plan)
+        state, _ = checkpoints.first_state(args, step, built, params, plan, torch.device("cpu"))
+        x = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
+        state, _ = step(state, (x, x.roll(-1, 1)))
+        planned = engine.functional(dry, plan, engine.make_mesh(plan, planned=True))[1]
+        want = zp.engine_bytes([tuple(p.shape) for p in planned.values()], plan.dp, 0, zero)
+        out[zero] = (step.memory(state), want, report.plan_bytes(planned, plan, dry)["device"])
+    return out
+
+
+@pytest.mark.multiprocess
+def test_a_tp_dry_runs_bytes_per_rank_are_what_a_2_rank_run_holds(tmp_path):
+    for measured in zf.dist.spawn(measured_and_planned, 2, str(tmp_path), timeout_s=300):
+        held, want, line = measured[0]  # the tp step's own keys at ZeRO 0
+        assert (held["params"], held["opt_state"]) == (want["params"], want["optimizer"])
+        assert line == sum(want.values())
+        held, want, line = measured[3]
+        assert {key: held[key] for key in want} == want and line == sum(want.values())
+
+
 def test_a_planned_mesh_runs_no_collective():
     import torch
 
