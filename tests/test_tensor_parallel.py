@@ -159,10 +159,57 @@ def tile_law(rank):
                                                                    formula)
 
 
+class HiddenLM(torch.nn.Module):
+    """An embedding and an MLP block whose output, the hidden states, a head's loss takes (``head``, vocab 61)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.wte, self.up, self.down = torch.nn.Embedding(61, 32), torch.nn.Linear(32, 48), torch.nn.Linear(48, 32)
+        self.head = torch.nn.Linear(32, 61, bias=False)
+
+    def forward(self, ids):
+        h = self.wte(ids)
+        return h + self.down(F.gelu(self.up(h)))
+
+
+def head_loss_law(rank):
+    """zf.tiling.lm_head_loss in 3 token tiles over the vocab-sliced head (tp=2, 61 rows padded to 62: ``mesh=``,
+    ``vocab_size=``), an ignored target in every batch, against the plain step's untiled cross-entropy of the
+    whole head."""
+    mesh = zf.Mesh(tp=2)
+    model = HiddenLM()
+    batches = [(x, y.index_put((torch.tensor([0]), torch.tensor([0])), torch.tensor(-100))) for x, y in token_batches()]
+
+    def plain(apply):
+        return lambda p, b: F.cross_entropy(F.linear(apply(p, b[0]), p["head.weight"]).flatten(0, 1), b[1].flatten())
+
+    def tiled(apply):
+        return lambda p, b: zf.tiling.lm_head_loss(apply(p, b[0]), p["head.weight"], b[1], tiles=3, mesh=mesh,
+                                                   vocab_size=61)
+
+    ref = train(copy.deepcopy(model), batches, loss_of=plain)
+    zf.tensor_parallel(model, mesh, {"wte": "vocab", "up": "colwise", "down": "rowwise", "head": "vocab"})
+    got = train(model, batches, loss_of=tiled, tp=True)
+    return got, ref, tuple(zf.functionalize(model)[1]["head.weight"].shape), got[3]["comm"]
+
+
+@pytest.mark.multiprocess
+def test_tiled_lm_head_loss_over_a_vocab_sliced_head_trains_as_the_untiled_whole_one(recipe_results):
+    results = [r["head loss"] for r in recipe_results]
+    assert_law(results, "zf.tiling.lm_head_loss, 3 tiles, tp=2")
+    assert results[0][2] == (31, 32)  # this rank's half of the padded vocabulary
+    a = 32 * 32 * 4  # 32 tokens a step, width 32: the loss's tiles all-gather their maxima (n floats from each
+    # rank) and all-reduce 2 floats a token, the loss all-reduces the hidden states' grad (A), and the model
+    # its embedding's output, its down projection's output and its up projection's input grad (A each);
+    # an all-reduce counts twice its tensor, and the grad norm's scalar 8 bytes
+    assert results[0][3] == {"all_gather": 2 * 32 * 4, "all_reduce": 2 * (2 * 32 * 4) + 2 * a + 3 * 2 * a + 8}
+
+
 def recipe_laws(rank):
     """One spawn for the recipes' laws and the vocab-parallel loss (each spawn costs seconds)."""
     return {"gpt": law(rank, "gpt"), "llama": law(rank, "llama"), "llama-kv1": law(rank, "llama-kv1"),
-            "loss": vocab_loss(rank), "tile": tile_law(rank),
+            "loss": vocab_loss(rank), "tile": tile_law(rank), "head loss": head_loss_law(rank),
             "sp gpt": sequence_parallel_law(rank, "gpt"), "sp llama": sequence_parallel_law(rank, "llama"),
             "remat": remat_law(rank), "offload": offload_overlap_law(rank)}
 

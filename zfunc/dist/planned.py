@@ -8,6 +8,7 @@ operation, so nothing computed over it passes for a run. Cost: nothing (no group
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from zfunc.dist.mesh import P2P, CollectiveError, Comm, Mesh, coordinates
@@ -19,14 +20,21 @@ def _refuse(kind: str, label: str) -> CollectiveError:
                            "no collective (expected a zf.Mesh of an initialised process group)")
 
 
+@dataclass
 class PlannedComm(Comm):
-    """The comm of a planned mesh: every collective raises ``CollectiveError``."""
+    """The comm of a planned mesh's group of ``size`` ranks: every collective raises ``CollectiveError``."""
+
+    size: int = 1
 
     def _run(self, kind: str, nbytes: int, label: str, *args: Any, **kwargs: Any):
         raise _refuse(kind, label)
 
-    def agree(self, op: tuple[int, ...], describe: Any, label: str) -> None:
-        raise _refuse("agree", label)
+    def _on_gloo(self) -> bool:
+        return False  # no backend: the collective itself is refused
+
+    @property
+    def world(self) -> int:
+        return self.size
 
 
 class PlannedP2P(P2P):
@@ -49,7 +57,8 @@ def planned(dp: int = 1, pp: int = 1, sp: int = 1, tp: int = 1, rank: int = 0) -
     mesh.dp, mesh.pp, mesh.sp, mesh.tp = dp, pp, sp, tp
     coords = coordinates(sizes, rank)
     mesh.pp_rank, mesh.rank, mesh.sp_rank, mesh.tp_rank = coords["pp"], coords["dp"], coords["sp"], coords["tp"]
-    mesh.comm, mesh.reduce_comm, mesh.pp_comm, mesh.sp_comm, mesh.tp_comm = (PlannedComm() for _ in range(5))
+    mesh.comm, mesh.reduce_comm = PlannedComm(size=dp), PlannedComm(size=dp)
+    mesh.pp_comm, mesh.sp_comm, mesh.tp_comm = PlannedComm(size=pp), PlannedComm(size=sp), PlannedComm(size=tp)
     mesh.p2p, mesh.sp_p2p = PlannedP2P(peers=(rank,)), PlannedP2P(peers=(rank,))
     mesh.dp_sp = mesh if sp == 1 else planned(dp * sp, 1, 1, 1, mesh.rank * sp + mesh.sp_rank)
     return mesh
