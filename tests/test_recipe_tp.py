@@ -51,18 +51,27 @@ def test_gpt_tp2_with_megatron_sequence_parallelism_on_2_ranks_trains_as_1_proce
 def test_gpt_tp2_x_pp2_with_a_tiled_head_on_4_ranks_trains_as_1_process(tmp_path, text_file):
     """``torchrun --nproc_per_node 4 -m recipes.gpt --tp 2 --pp 2 --tile-lm-head 2``: each stage's layers sliced
     over its tp pair, the tied head and embedding in 2 vocab tiles each sliced, equal to one plain process (the
-    loss falls); the one-process dry run of the same flags says rank 0's bytes as the run did."""
-    argv = flags("gpt", "--data", str(text_file), "--steps", "3", "--eval-every", "3", "--log-every", "1",
-                 "--n-layer", "2")
+    loss falls); the one-process dry run of the same flags says rank 0's bytes as the run did; its checkpoint
+    resumes in one process."""
+    argv = flags("gpt", "--data", str(text_file), "--steps", "4", "--eval-every", "2", "--log-every", "1",
+                 "--ckpt-every", "2", "--n-layer", "2")
     gpt.main(argv + ["--out", str(tmp_path / "one")])
-    layout_flags = ["--tp", "2", "--pp", "2", "--microbatches", "2", "--tile-lm-head", "2"]
-    done = run_cli("gpt", tmp_path / "four", argv + layout_flags, procs=4)
+    want = metrics(tmp_path / "one")
+    tiled = ["--tile-lm-head", "2"]
+    layout_flags = tiled + ["--tp", "2", "--pp", "2", "--microbatches", "2"]
+    four = tmp_path / "four"
+    done = run_cli("gpt", four, argv + layout_flags, procs=4)
     assert "layout: 4 processes, dp=1 pp=2 tp=2, ZeRO 0" in done.stdout
-    rows = metrics(tmp_path / "four")
-    assert_same_losses(rows, metrics(tmp_path / "one"), "gpt --tp 2 --pp 2 --tile-lm-head 2 on 4 processes")
+    rows = metrics(four)
+    assert_same_losses(rows, want, "gpt --tp 2 --pp 2 --tile-lm-head 2 on 4 processes")
     assert rows[-1]["loss"] < rows[0]["loss"]
     planned = dry_run_lines(gpt.main, argv + layout_flags, tmp_path / "dry")
     assert plan_line(planned) == plan_line(done.stdout.splitlines()), (planned, done.stdout)
+    # its step-2 checkpoint (each tile's slices of each stage) resumed by one process: the same losses
+    (four / "ckpt" / "000004").rename(tmp_path / "moved")
+    (four / "ckpt" / "latest").write_text("000002")
+    gpt.main(argv + tiled + ["--out", str(four), "--resume"])
+    assert_same_losses(metrics(four), want, "pp2 x tp2 with a tiled head, resumed in one process")
 
 
 def dry_run_lines(main, argv: list[str], out) -> list[str]:
