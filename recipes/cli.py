@@ -118,10 +118,10 @@ def check_args(recipe: Recipe, args: argparse.Namespace) -> None:
     (creating OUT/ckpt; with --dry-run, creating nothing: its nearest existing folder is writable), and
     that --resume finds a checkpoint saved with these training_flags at a step below --steps.
     Raises FlagError naming each flag, its value and what was expected."""
-    launch = layout.Launch.from_env()
+    launch = layout.Launch.of(args)
     errors = [f"{flag(k)}: expected {want}, got {getattr(args, k)!r}"
               for k, (ok, want) in recipe.rules.items() if not ok(getattr(args, k))]
-    errors += recipe.check(args)
+    errors += recipe.check(args) + _world_size_errors(args)
     errors += layout.check_layout_args(args, launch.world)
     if args.data is not None and not Path(args.data).exists():
         errors.append(f"--data: path {args.data!r} does not exist")
@@ -151,6 +151,22 @@ def check_args(recipe: Recipe, args: argparse.Namespace) -> None:
         raise FlagError(f"--out: cannot write checkpoints under {str(ckpt_root)!r} ({e})") from e
     if args.resume:
         check_resume(recipe, args, ckpt_root, plan)
+
+
+def _world_size_errors(args: argparse.Namespace) -> list[str]:
+    """--world-size plans a dry run in one process: refused without --dry-run, and under torchrun
+    unless it is torchrun's WORLD_SIZE."""
+    given = getattr(args, "world_size", 0)
+    if not given:
+        return []
+    if not args.dry_run:
+        return [f"--world-size: plans a --dry-run in one process; got --world-size {given} without --dry-run "
+                "(torchrun's --nproc_per_node sets the processes of a run)"]
+    started = os.environ.get("WORLD_SIZE")
+    if started is not None and started != str(given):
+        return [f"--world-size: {given}, but torchrun started {started} processes (expected {started}, or no "
+                "--world-size)"]
+    return []
 
 
 def _check_writable(path: Path) -> None:

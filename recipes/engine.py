@@ -36,17 +36,27 @@ def build_model(recipe: Recipe, args: argparse.Namespace, vocab_size: int) -> Bu
     return built
 
 
-def make_mesh(plan):
-    """The mesh the plan lays the processes on (``zf.Mesh``: dp x pp x sp x tp)."""
+def make_mesh(plan, planned: bool = False):
+    """The mesh the plan lays the processes on (``zf.Mesh``: dp x pp x sp x tp); ``planned``: rank 0's
+    place in it without a process group (``zf.Mesh.planned``: a dry run in one process slices the
+    model on the meta device as rank 0 would, and runs nothing)."""
     import zfunc as zf
 
+    if planned:
+        return zf.Mesh.planned(dp=plan.dp, pp=plan.pp, sp=plan.sp_size, tp=plan.tp, rank=0)
     return zf.Mesh(dp=plan.dp, pp=plan.pp, sp=plan.sp_size, tp=plan.tp)
 
 
 def unsliced(model: nn.Module, plan) -> nn.Module | None:
     """With --tp, a copy of ``model`` made before ``zf.tensor_parallel`` slices it (on the meta device:
-    nothing allocated): what rank 0 runs on the whole params (eval, the sample); None without --tp."""
-    return copy.deepcopy(model) if plan.tp > 1 else None
+    nothing allocated), its LM head tiled as the plan tiles it (--tile-lm-head: the whole params are
+    the tiles'): what rank 0 runs on the whole params (eval, the sample); None without --tp."""
+    if plan.tp == 1:
+        return None
+    import zfunc as zf
+
+    whole = copy.deepcopy(model)
+    return zf.tile(whole, tiles=plan.tile_lm_head, modules=["lm_head"]) if plan.tile_lm_head else whole
 
 
 def functional(model: nn.Module, plan, mesh=None) -> tuple[Callable, dict]:

@@ -95,6 +95,19 @@ class Launch:
     world: int = 1
     rank: int = 0
     local_rank: int = 0
+    planned: bool = False  # a dry run in one process, planning rank 0 of ``world`` (no process group)
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> Launch:
+        """``from_env``; but a dry run in one process plans rank 0 of --world-size processes (0: the
+        fewest its layout needs, pp * sp * tp), as ``torchrun --nproc_per_node N`` would run it."""
+        launch = cls.from_env()
+        if "WORLD_SIZE" in os.environ or not getattr(args, "dry_run", False):
+            return launch
+        given = getattr(args, "world_size", 0)
+        fewest = max(1, args.pp) * max(1, args.sp) * max(1, args.tp)
+        world = given if isinstance(given, int) and given > 0 else fewest
+        return cls(world, 0, 0, planned=True) if world > 1 else launch
 
     @classmethod
     def from_env(cls) -> Launch:
@@ -111,8 +124,9 @@ class Launch:
         return cls(world, rank, local_rank)
 
     def start(self) -> None:
-        """Join the process group (torchrun's rendezvous; gloo on CPU, NCCL on CUDA)."""
-        if self.world > 1:
+        """Join the process group (torchrun's rendezvous; gloo on CPU, NCCL on CUDA); a planned
+        launch joins none."""
+        if self.world > 1 and not self.planned:
             import zfunc as zf
 
             zf.dist.init_from_env()

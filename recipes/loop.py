@@ -74,7 +74,7 @@ def train(recipe: Recipe, args: argparse.Namespace) -> dict:
     check_args(recipe, args)  # before anything is built
     refusal.checked()  # rank 0 passed: another rank's refusal is its own
     t_start = time.time()
-    launch = layout.Launch.from_env()
+    launch = layout.Launch.of(args)  # a dry run in one process: rank 0 of the processes it plans
     plan, args = layout.resolve(with_precision(args), launch.world, recipe.units, notices=launch.rank == 0)
     say = _voice(launch)
     _say_precision(args, plan, launch, say)
@@ -155,7 +155,7 @@ def _model(recipe: Recipe, run: Run, vocab_size: int, unit: str) -> tuple[Built,
         plan, args = layout.resolve(args, launch.world, built.units, notices=False)
         run = Run(args, plan, launch, run.device, run.say, run.t_start)
     if plan.tp > 1:
-        run = dataclasses.replace(run, mesh=engine.make_mesh(plan))
+        run = dataclasses.replace(run, mesh=engine.make_mesh(plan, planned=launch.planned))
     whole = engine.unsliced(built.module, plan)
     apply, params = engine.functional(built.module, plan, run.mesh)
     shown = built if whole is None else dataclasses.replace(built, module=whole)  # the model: all its params

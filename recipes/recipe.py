@@ -26,7 +26,7 @@ TRAIN_DEFAULTS = dict(
     eval_every=100, eval_batches=20, ckpt_every=200, keep_last=2, resume=False, overwrite=False, log_every=10,
     data_cap=None, extend_schedule=False, optimizer="adamw", freeze_step=100,
 )
-MODEL_SOURCE_DEFAULTS = dict(flavor=None, hf_config=None, tokenizer=None, dry_run=False)
+MODEL_SOURCE_DEFAULTS = dict(flavor=None, hf_config=None, tokenizer=None, dry_run=False, world_size=0)
 TRAIN_HELP = dict(
     batch_size="global batch: sequences per optimizer step, over all processes; split over the data-parallel "
                "ranks, then into --accum (with --pp: --microbatches) microbatches, so the same flags train the "
@@ -70,10 +70,12 @@ TRAIN_HELP = dict(
               "file under OUT/tokens; default: bytes",
     dry_run="print the model, the plan (bytes per rank) and whether it fits this machine's RAM, disk under "
             "--nvme-path and GPU (what binds; else a layout that fits), then stop before anything is allocated",
+    world_size="with --dry-run in one process: plan rank 0 of this many processes, as torchrun's would run "
+               "(0: the fewest the layout flags need, --pp * --sp * --tp)",
     **layout.LAYOUT_HELP,
 )
 MAY_CHANGE_ON_RESUME = ("steps", "device", "out", "resume", "overwrite", "eval_every", "eval_batches", "ckpt_every",
-                        "keep_last", "log_every", "sample_len", "temperature", "top_k", "dry_run",
+                        "keep_last", "log_every", "sample_len", "temperature", "top_k", "dry_run", "world_size",
                         "extend_schedule",  # the schedule a resumed run follows, not what it trains on
                         *layout.MAY_CHANGE_ON_RESUME)
 AT_LEAST_1, AT_LEAST_0 = (lambda v: v >= 1, "an int >= 1"), (lambda v: v >= 0, "an int >= 0")
@@ -81,7 +83,7 @@ FINITE_AT_LEAST_0 = (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 
 TRAIN_RULES = dict(  # flag: (test, what is expected)
     block_size=AT_LEAST_1, steps=AT_LEAST_1, batch_size=AT_LEAST_1, accum=AT_LEAST_1, eval_batches=AT_LEAST_1,
     keep_last=AT_LEAST_1, log_every=AT_LEAST_1, warmup=AT_LEAST_0, eval_every=AT_LEAST_0, ckpt_every=AT_LEAST_0,
-    freeze_step=AT_LEAST_0,
+    freeze_step=AT_LEAST_0, world_size=AT_LEAST_0,
     seed=(lambda v: 0 <= v < 2**32, "an int in [0, 2**32)"),
     lr=FINITE_AT_LEAST_0, end_lr=FINITE_AT_LEAST_0, weight_decay=FINITE_AT_LEAST_0,
     grad_clip=(lambda v: v > 0, "a number > 0"),

@@ -81,7 +81,8 @@ def describe(args, plan, launch, built: Built, device, params: dict) -> list[str
     ranks = f"rank 0 of {launch.world}" + (f", pipeline stage 0 of {plan.pp}" if plan.pp > 1 else "")
     return [f"model: {n_params(built.module) / 1e6:.2f}M params {built.config}; device {device}, "
             f"precision {plan.precision}; {args.steps} steps x {args.batch_size * args.block_size:,} tokens",
-            f"layout: {launch.world} process{'es' * (launch.world > 1)}, dp={plan.dp} pp={plan.pp}"
+            f"layout: {launch.world} process{'es' * (launch.world > 1)}"
+            + (" (planned in one process: a dry run)" if launch.planned else "") + f", dp={plan.dp} pp={plan.pp}"
             + (f" ({plan.pipeline_schedule} schedule" + (f", {plan.virtual_stages} virtual stages per rank"
                                                          if plan.virtual_stages > 1 else "") + ")"
                if plan.pp > 1 else "")

@@ -43,7 +43,7 @@ GB = 1e9
 INF = float("inf")
 # the layout flags a suggestion sets; the rest of the command line stays as given
 LAYOUT_FLAGS = ("zero", "offload_optimizer", "offload_params", "nvme_path", "remat", "remat_offload", "pp",
-                "microbatches", "accum", "deepspeed", "dry_run")
+                "microbatches", "accum", "deepspeed", "dry_run", "world_size")
 MODEL_STATES = ("masters", "optimizer", "grad_shard", "compute_params", "whole_grads")
 ACTIVATIONS = ("activations", "remat_inputs")
 
@@ -282,14 +282,17 @@ def _argv(flags: dict[str, object]) -> list[str]:
     return argv
 
 
-def command(recipe: str, args: argparse.Namespace, layout: dict[str, object]) -> str:
+def command(recipe: str, args: argparse.Namespace, layout: dict[str, object], world: int | None = None) -> str:
     """The command line of this run with ``layout`` in place of its layout flags (and of --deepspeed, whose
-    precision and batch it keeps), without --dry-run; torchrun's where the job has several processes."""
+    precision and batch it keeps), without --dry-run; torchrun's where the job has several processes
+    (torchrun's, else ``world``: the processes a dry run in one process plans)."""
     given = getattr(args, "given", frozenset())
     kept = {k: v for k, v in vars(args).items() if k in given and k not in LAYOUT_FLAGS}  # in the flags' order
     if "deepspeed" in given:
         kept.update(precision=args.precision, batch_size=args.batch_size)
-    world, here = int(os.environ.get("WORLD_SIZE", "1") or 1), local_ranks()
+    if world is None or "WORLD_SIZE" in os.environ:
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    here = local_ranks() if "WORLD_SIZE" in os.environ else world  # a dry run plans its processes on this machine
     launcher = ["python", "-m", f"recipes.{recipe}"] if world == 1 else (
         ["torchrun"] + (["--nnodes", str(world // here)] if world > here else []) + ["--nproc_per_node", str(here),
                                                                                     "-m", f"recipes.{recipe}"])
@@ -328,6 +331,8 @@ def of_run(recipe: str, args: argparse.Namespace, plan, built, device: torch.dev
     from zfunc.plan.model import KINDS
 
     machine = this_machine(args.nvme_path, device)
+    if "WORLD_SIZE" not in os.environ:  # one process planning ``world`` (a dry run): all of them on this machine
+        machine = dataclasses.replace(machine, local_ranks=world)
     try:
         spec = zp.from_module(built.module, kind=recipe if recipe in KINDS else "gpt", config=built.config)
         cluster = cluster_of(machine, device.type, world)
@@ -350,7 +355,7 @@ def of_run(recipe: str, args: argparse.Namespace, plan, built, device: torch.dev
             leanest = (p, flags, theirs) if runs else leanest
         if all(n.fits for n in theirs) and (runs or runs is None and _runs(args, flags, world, built.units)):
             lines.append(f"  fits instead (zfunc.plan --search on this machine's RAM and disk, the fastest layout "
-                         f"it predicts): {command(recipe, args, flags)}")
+                         f"it predicts): {command(recipe, args, flags, world)}")
             break
     else:
         tried = (f"ZeRO 0-3, offload none/cpu/nvme, remat, micro-batches of --batch-size {args.batch_size}, "

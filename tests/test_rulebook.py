@@ -26,7 +26,7 @@ CASES = {
     "optimizer offload of replicas": dict(dp=2, offload_optimizer="cpu"),
     "params offload without optimizer offload": dict(zero_stage=3, offload_params="cpu"),
     "pipeline over replicas": dict(dp=2, pp=2, microbatches=2),
-    "tensor parallelism with what it does not yet run": dict(tp=2, tile_lm_head=2),
+    "tensor parallelism with what it does not yet run": dict(tp=2, sp=True, dp=2),
     "1-bit optimizer with ZeRO 1-3": dict(dp=2, zero_stage=1, optimizer="onebit_adam"),
     "sequence parallelism under a pipeline": dict(pp=2, microbatches=2, zero_stage=1, sp_size=2),
 }

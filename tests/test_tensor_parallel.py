@@ -126,10 +126,90 @@ def offload_overlap_law(rank):
     return got, ref, offloaded[0].overlap
 
 
+def untiled(params):
+    """A tiled model's params under the untiled model's names: each ``X.tiles.i.P`` joined into ``X.P`` (rows)."""
+    out, tiles = {}, {}
+    for name, p in params.items():
+        owner, sep, rest = name.partition(".tiles.")
+        if sep:
+            tiles.setdefault(f"{owner}.{rest.partition('.')[2]}", []).append(p)
+        else:
+            out[name] = p
+    return {**out, **{n: torch.cat(ps) for n, ps in tiles.items()}}
+
+
+def tile_law(rank):
+    """tp=2 of GPT with its LM head and the embedding tied to it tiled into 3 vocab tiles (zf.tile, then
+    zf.tensor_parallel with plan=None: each tile a vocab-parallel layer, 21/20/20 rows padded to 22/20/20)
+    against the plain untiled, unsliced step; with the step's measured bytes and zfunc.tensor.cost's."""
+    mesh = zf.Mesh(tp=2)
+    model, _ = recipe_model("gpt")
+    ref = train(copy.deepcopy(model), token_batches())
+    zf.tile(model, tiles=3, modules=["lm_head"])
+    whole = {n: tuple(p.shape) for n, p in zf.functionalize(model)[1].items()}
+    zf.tensor_parallel(model, mesh)
+    losses, norms, params, memory = train(model, token_batches(), tp=True)
+    from zfunc.tensor import cost
+
+    layout = zf.tensor_parallel.layout_of(model)
+    replicated = sum(p.numel() for n, p in zf.functionalize(model)[1].items() if n not in layout.slicings)
+    formula = (4 * cost.params_per_rank(whole, layout),
+               cost.comm_bytes_per_step(layout, 32, 32, 22 + 20 + 20, replicated_numel=replicated))
+    return (losses, norms, untiled(params)), ref, sorted(params), ((memory["params"], sum(memory["comm"].values())),
+                                                                   formula)
+
+
+class HiddenLM(torch.nn.Module):
+    """An embedding and an MLP block whose output, the hidden states, a head's loss takes (``head``, vocab 61)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.wte, self.up, self.down = torch.nn.Embedding(61, 32), torch.nn.Linear(32, 48), torch.nn.Linear(48, 32)
+        self.head = torch.nn.Linear(32, 61, bias=False)
+
+    def forward(self, ids):
+        h = self.wte(ids)
+        return h + self.down(F.gelu(self.up(h)))
+
+
+def head_loss_law(rank):
+    """zf.tiling.lm_head_loss in 3 token tiles over the vocab-sliced head (tp=2, 61 rows padded to 62: ``mesh=``,
+    ``vocab_size=``), an ignored target in every batch, against the plain step's untiled cross-entropy of the
+    whole head."""
+    mesh = zf.Mesh(tp=2)
+    model = HiddenLM()
+    batches = [(x, y.index_put((torch.tensor([0]), torch.tensor([0])), torch.tensor(-100))) for x, y in token_batches()]
+
+    def plain(apply):
+        return lambda p, b: F.cross_entropy(F.linear(apply(p, b[0]), p["head.weight"]).flatten(0, 1), b[1].flatten())
+
+    def tiled(apply):
+        return lambda p, b: zf.tiling.lm_head_loss(apply(p, b[0]), p["head.weight"], b[1], tiles=3, mesh=mesh,
+                                                   vocab_size=61)
+
+    ref = train(copy.deepcopy(model), batches, loss_of=plain)
+    zf.tensor_parallel(model, mesh, {"wte": "vocab", "up": "colwise", "down": "rowwise", "head": "vocab"})
+    got = train(model, batches, loss_of=tiled, tp=True)
+    return got, ref, tuple(zf.functionalize(model)[1]["head.weight"].shape), got[3]["comm"]
+
+
+@pytest.mark.multiprocess
+def test_tiled_lm_head_loss_over_a_vocab_sliced_head_trains_as_the_untiled_whole_one(recipe_results):
+    results = [r["head loss"] for r in recipe_results]
+    assert_law(results, "zf.tiling.lm_head_loss, 3 tiles, tp=2")
+    assert results[0][2] == (31, 32)  # this rank's half of the padded vocabulary
+    a = 32 * 32 * 4  # 32 tokens a step, width 32: the loss's tiles all-gather their maxima (n floats from each
+    # rank) and all-reduce 2 floats a token, the loss all-reduces the hidden states' grad (A), and the model
+    # its embedding's output, its down projection's output and its up projection's input grad (A each);
+    # an all-reduce counts twice its tensor, and the grad norm's scalar 8 bytes
+    assert results[0][3] == {"all_gather": 2 * 32 * 4, "all_reduce": 2 * (2 * 32 * 4) + 2 * a + 3 * 2 * a + 8}
+
+
 def recipe_laws(rank):
     """One spawn for the recipes' laws and the vocab-parallel loss (each spawn costs seconds)."""
     return {"gpt": law(rank, "gpt"), "llama": law(rank, "llama"), "llama-kv1": law(rank, "llama-kv1"),
-            "loss": vocab_loss(rank),
+            "loss": vocab_loss(rank), "tile": tile_law(rank), "head loss": head_loss_law(rank),
             "sp gpt": sequence_parallel_law(rank, "gpt"), "sp llama": sequence_parallel_law(rank, "llama"),
             "remat": remat_law(rank), "offload": offload_overlap_law(rank)}
 
@@ -176,6 +256,15 @@ def test_tp2_under_cpu_offload_with_updates_during_backward_trains_as_the_whole_
     results = [r["offload"] for r in recipe_results]
     assert_law(results, "gpt, tp=2, zf.offload(optimizer='cpu'), overlapped")
     assert results[0][2]  # the overlapped path: the norm's squares summed leaf by leaf
+
+
+@pytest.mark.multiprocess
+def test_tp2_with_a_tiled_lm_head_trains_as_the_whole_untiled_model(recipe_results):
+    results = [r["tile"] for r in recipe_results]
+    assert_law(results, "gpt, lm_head (tied) in 3 tiles, tp=2")
+    assert [n for n in results[0][2] if ".tiles." in n] == [f"wte.tiles.{i}.weight" for i in range(3)]
+    for *_, (measured, formula) in results:
+        assert measured == formula  # zfunc.tensor.cost's bytes held and moved, tiles counted as their layer
 
 
 def vocab_loss(rank):
@@ -243,6 +332,29 @@ def test_refusals_name_the_module_and_sizes():
     step.spec.layout.sequence_parallel = True  # what the rulebook's verdict reads (tp=1 here: no sp model to build)
     with pytest.raises(ValueError, match="zf.pipeline of a sequence-parallel zf.tensor_parallel.step is refused"):
         zf.pipeline(step, 2, 2, model=model, units=["blocks.0", "blocks.1"])
+
+
+def test_tiled_layers_that_cannot_be_sliced_are_refused():
+    """A tiled head or embedding slices as vocab tiles (tiled along its rows), gathered, not sequence-parallel."""
+    from models import mesh_shaped
+
+    mesh = mesh_shaped(tp=2)
+    model = zf.tile(recipe_model("gpt")[0], tiles=2, modules=["lm_head"])
+    with pytest.raises(ValueError, match=r"gather_logits: the tiled head 'lm_head' concatenates its tiles' logits"):
+        zf.tensor_parallel(copy.deepcopy(model), mesh, GPT_PLAN, gather_logits=False)
+    with pytest.raises(ValueError, match=r"sequence_parallel: the tiled embedding 'wte' looks each tile's ids up"):
+        zf.tensor_parallel(copy.deepcopy(model), mesh, GPT_PLAN, sequence_parallel=True)
+    columns = zf.tile(recipe_model("gpt")[0], tiles=2, dim=1, modules=["lm_head"])
+    with pytest.raises(ValueError, match=r"module 'wte' is tiled by zf.tile \(dim=1\) and its style is \"vocab\""):
+        zf.tensor_parallel(columns, mesh, GPT_PLAN)
+    assert zfunc_plan(model) == {**{f"{n}.tiles.{i}": "vocab" for n in ("wte", "lm_head") for i in range(2)}}
+
+
+def zfunc_plan(model):
+    """The vocab styles plan=None gives a tiled model's layers, per tile (on a planned mesh: shapes only)."""
+    with torch.device("meta"):
+        sliced = zf.tensor_parallel(copy.deepcopy(model).to("meta"), zf.Mesh.planned(tp=2))
+    return {n: s for n, s in zf.tensor_parallel.layout_of(sliced).styles.items() if s == "vocab"}
 
 
 HF_BASE = dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
@@ -444,12 +556,31 @@ def test_dp2_x_pp2_x_tp2_trains_as_the_whole_model_and_loads_into_one_process(tm
     assert zf.checkpoint.read_manifest(tmp_path / "3d")["world"] == 8
 
 
-def pp_tp_law(rank):
-    """pp2 x tp2 on 4 ranks through the front door (``zf.config.Plan(pp=2, tp=2)``: the tp step pipelined
-    unsharded, 1F1B, 2 microbatches), the Llama with its explicit plan, against the plain step."""
-    model, plan = recipe_model("llama")
-    ref = train(copy.deepcopy(model), token_batches())
-    config = zf.config.Plan(pp=2, tp=2, microbatches=2, units="class:Block")
+def llama4():
+    """The tiny Llama with 4 blocks (interleaved 1F1B: 2 virtual stages on each of 2 ranks) and its plan."""
+    from recipes.llama import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=61, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=16)
+    return Llama(cfg), LLAMA_PLAN
+
+
+PP_TP_CASES = {  # name: (model, zf.config.Plan fields beside pp=2, tp=2, microbatches=2)
+    "1F1B": (recipe_model, {}),
+    "ZeRO-2": (recipe_model, {"zero_stage": 2}),
+    "ZeRO-3": (recipe_model, {"zero_stage": 3}),
+    "interleaved 1F1B": (llama4, {"pipeline_schedule": "interleaved-1f1b", "virtual_stages": 2}),
+    "zero bubble": (recipe_model, {"pipeline_schedule": "zero-bubble"}),
+}
+
+
+def pp_tp_law(rank, make, fields, refs):
+    """pp2 x tp2 on 4 ranks through the front door (``zf.config.Plan(pp=2, tp=2, **fields)``: the tp step
+    pipelined, 2 microbatches), a Llama with its explicit plan, against the plain step (``refs``: by model)."""
+    model, plan = make("llama") if make is recipe_model else make()
+    if make not in refs:
+        refs[make] = train(copy.deepcopy(model), token_batches())
+    config = zf.config.Plan(pp=2, tp=2, microbatches=2, units="class:Block", **fields)
     mesh = zf.Mesh(pp=2, tp=2)
     zf.tensor_parallel(model, mesh, plan)
     apply, params = zf.functionalize(model)
@@ -459,11 +590,19 @@ def pp_tp_law(rank):
         state, m = step(state, batch)
         losses.append(m["loss"].item())
         norms.append(m["grad_norm"].item())
-    return (losses, norms, zf.checkpoint.full_params(state, mesh)), ref, step.layers
+    return (losses, norms, zf.checkpoint.full_params(state, mesh)), refs[make], step.layers
+
+
+def pp_tp_laws(rank):
+    refs = {}  # one spawn for every case: each costs seconds
+    return {name: pp_tp_law(rank, make, fields, refs) for name, (make, fields) in PP_TP_CASES.items()}
 
 
 @pytest.mark.multiprocess
-def test_pp2_x_tp2_unsharded_trains_as_the_whole_model():
-    everyone = zf.dist.spawn(pp_tp_law, 4)
-    assert_law(everyone, "pp2 x tp2, 1F1B")
-    assert everyone[0][2] == ("train_step", "tensor_parallel", "pipeline")
+def test_pp2_x_tp2_trains_as_the_whole_model_at_zero_0_2_3_and_with_every_schedule():
+    everyone = zf.dist.spawn(pp_tp_laws, 4, timeout_s=300)
+    for name, (_, fields) in PP_TP_CASES.items():
+        results = [r[name] for r in everyone]
+        assert_law(results, f"pp2 x tp2, {name}")
+        sharded = ("shard",) if fields.get("zero_stage") else ()
+        assert results[0][2] == ("train_step", "tensor_parallel", *sharded, "pipeline"), (name, results[0][2])

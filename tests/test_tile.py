@@ -284,3 +284,15 @@ def test_bad_input_is_reported_clearly():
     for fn, exc, match in cases:
         with pytest.raises(exc, match=match):
             fn()
+
+
+def test_lm_head_loss_over_a_vocab_slice_names_what_is_wrong():
+    hidden, weight, targets = torch.randn(2, 4, 8), torch.randn(5, 8), torch.zeros(2, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="vocab_size: names the vocabulary of a vocab-sliced weight, with mesh="):
+        zf.tiling.lm_head_loss(hidden, weight, targets, tiles=2, vocab_size=9)
+    mesh = zf.Mesh.planned(tp=2)  # shapes only: the checks come before any collective
+    with pytest.raises(ValueError, match=r"vocab_size: a weight slice of 5 rows on each of tp=2 ranks holds a "
+                                         r"vocabulary of 6 to 10, got 11"):
+        zf.tiling.lm_head_loss(hidden, weight, targets, tiles=2, mesh=mesh, vocab_size=11)
+    with pytest.raises(zf.dist.CollectiveError, match="this mesh is planned"):
+        zf.tiling.lm_head_loss(hidden, weight, targets, tiles=2, mesh=mesh, vocab_size=9)

@@ -93,22 +93,20 @@ def _units(model: nn.Module, plan: config_mod.Plan) -> list[nn.Module]:
 
 
 def prepare(model: nn.Module, plan: config_mod.Plan, mesh: Mesh | None = None) -> nn.Module:
-    """The plan's model transformations, applied in place before ``zf.functionalize``: with
-    ``plan.tp > 1`` the layers sliced over ``mesh``'s tp group (``zf.tensor_parallel``, the plan
-    found from the module graph, ``plan.sp``: sequence parallelism; ``mesh`` default
-    ``zf.Mesh(dp=plan.dp, pp=plan.pp, sp=plan.sp_size, tp=plan.tp)``, give ``parallelize`` the same
-    one), the LM head
+    """The plan's model transformations, applied in place before ``zf.functionalize``: the LM head
     (``model.lm_head``, and an embedding tied to it) tiled into ``plan.tile_lm_head`` tiles
-    (``zf.tile``), each unit's ``mlp`` over ``plan.tile_mlp`` token tiles, then each unit's ``forward``
-    rematerialized (``zf.remat``, ``plan.remat_offload``).
+    (``zf.tile``); with ``plan.tp > 1`` the layers sliced over ``mesh``'s tp group
+    (``zf.tensor_parallel``, the plan found from the module graph, each head tile a vocab-parallel
+    layer of its own; ``plan.sp``: sequence parallelism; ``mesh`` default ``zf.Mesh(dp=plan.dp,
+    pp=plan.pp, sp=plan.sp_size, tp=plan.tp)``, give ``parallelize`` the same one); each unit's
+    ``mlp`` over ``plan.tile_mlp`` token tiles, then each unit's ``forward`` rematerialized
+    (``zf.remat``, ``plan.remat_offload``).
     Returns the model. A model prepared already is refused (its units would be wrapped twice)."""
     check(plan)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    if plan.tp > 1:
-        tensor_parallel(model, _mesh(plan, mesh), sequence_parallel=plan.sp)
     modules = dict(model.named_modules())
-    if plan.tile_lm_head:
+    if plan.tile_lm_head:  # before the slicing: each tile is then sliced as a vocabulary of its own
         head = modules.get(LM_HEAD)
         if isinstance(head, TiledLinear):
             raise ValueError(f"model: {LM_HEAD} is tiled already; prepare the model once")
@@ -117,6 +115,8 @@ def prepare(model: nn.Module, plan: config_mod.Plan, mesh: Mesh | None = None) -
                              f"{'a ' + type(head).__name__ if head is not None else 'none'}; got tile_lm_head="
                              f"{plan.tile_lm_head}")
         tile(model, tiles=plan.tile_lm_head, modules=[LM_HEAD])
+    if plan.tp > 1:
+        tensor_parallel(model, _mesh(plan, mesh), sequence_parallel=plan.sp)
     if plan.tile_mlp:
         mlps = [m.mlp for m in _units(model, plan) if isinstance(getattr(m, "mlp", None), nn.Module)]
         if not mlps:

@@ -35,8 +35,10 @@ tiles: logits of N/k tokens at a time, never the whole (N, vocab). It does not r
 function form would: 4 matmuls instead of 3, ~1.3x the time): each tile's softmax grad becomes
 the grads of ``hidden`` and ``weight`` in the forward pass, and backward only scales them by the
 incoming grad. The mean divides by the non-ignored tokens of the whole input, so uneven tiles and
-``ignore_index`` weigh as untiled. ``WorkingMemory`` accounts the peak bytes a region allocates
-(CPU has no allocator statistics): what the tests check against the cost below.
+``ignore_index`` weigh as untiled. With ``mesh=`` (tensor parallelism) the weight is this rank's vocab
+slice and each tile's loss the vocab-parallel cross-entropy (``zfunc.model.vocab_slice``).
+``WorkingMemory`` accounts the peak bytes a region allocates (CPU has no allocator statistics): what
+the tests check against the cost below.
 
 **Law.** Every form equals the untiled op: outputs and grads agree to fp32 rounding (sums over
 tiles are reordered: ~1e-7 relative); tied weights stay tied; tiled layers train as the original
@@ -68,6 +70,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from zfunc.core import compose
+from zfunc.model import vocab_slice
 from zfunc.model.materialize import Materializer, leaf as materialize_leaf
 from zfunc.model.token_tiles import tile_tokens  # noqa: F401 - zf.tiling.tile_tokens
 
@@ -162,6 +165,8 @@ class TiledEmbedding(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         if self.dim == 1:
             return torch.cat([t(idx) for t in self.tiles], dim=-1)
+        if idx.is_meta:  # no tile sizes to read: each tile looks every id up (clamped into it), same shape
+            return sum(t(idx.clamp(s, s + n - 1) - s) for t, s, n in zip(self.tiles, self.starts, self.sizes))
         flat = idx.reshape(-1)
         which = torch.bucketize(flat, torch.tensor(self.starts[1:], device=flat.device), right=True)
         order = torch.argsort(which, stable=True)
@@ -288,7 +293,7 @@ class _LMHeadLoss(torch.autograd.Function):
     """Tiled cross-entropy of ``hidden @ weight.T``; grads made in forward (see ``lm_head_loss``)."""
 
     @staticmethod
-    def forward(hidden, weight, targets, tiles, ignore_index, mean, need_h, need_w):
+    def forward(hidden, weight, targets, tiles, ignore_index, mean, need_h, need_w, vocab):
         h, y = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
         valid = y != ignore_index
         denom = valid.sum().clamp(min=1) if mean else torch.ones((), device=y.device)
@@ -299,9 +304,12 @@ class _LMHeadLoss(torch.autograd.Function):
         start = 0
         for n in _sizes(h.shape[0], tiles):
             rows = slice(start, start + n)
-            total += _tile_loss(h[rows], weight, y[rows], valid[rows], denom, dh[rows] if need_h else None,
-                                dw if need_w else None)
+            tile = _tile_loss if vocab is None else functools.partial(vocab_slice.tile_loss, vocab=vocab)
+            total += tile(h[rows], weight, y[rows], valid[rows], denom, dh[rows] if need_h else None,
+                          dw if need_w else None)
             start += n
+        if vocab is not None and need_h:
+            vocab_slice.sum_hidden_grads(dh, vocab)
         loss = total / valid.sum() if mean else total  # 0/0 = nan with every target ignored, as torch
         return loss, dh.view(hidden.shape) if need_h else dh, dw
 
@@ -310,7 +318,7 @@ class _LMHeadLoss(torch.autograd.Function):
         _, dh, dw = output
         ctx.mark_non_differentiable(dh, dw)
         ctx.save_for_backward(dh, dw)
-        ctx.need, ctx.w_dtype = inputs[6:8], inputs[1].dtype
+        ctx.need, ctx.w_dtype = inputs[6:8], inputs[1].dtype  # inputs[8]: the vocab slice (no grad)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -318,7 +326,7 @@ class _LMHeadLoss(torch.autograd.Function):
         dh, dw = ctx.saved_tensors
         gh = dh * grad.to(dh.dtype) if ctx.need[0] else None
         gw = (dw * grad).to(ctx.w_dtype) if ctx.need[1] else None
-        return gh, gw, None, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None
 
 
 def _tile_loss(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, valid: torch.Tensor, denom: torch.Tensor,
@@ -344,7 +352,8 @@ def _tile_loss(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, valid: torch.T
 
 
 def lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, tiles: int,
-                 ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+                 ignore_index: int = -100, reduction: str = "mean", mesh: Any = None,
+                 vocab_size: int | None = None) -> torch.Tensor:
     """``F.cross_entropy(hidden @ weight.T, targets)`` without ever holding the whole logits.
 
     Args:
@@ -352,6 +361,12 @@ def lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
         GPT and Llama). targets: ``(...)`` class indices; ``ignore_index`` entries count nothing.
       tiles: token tiles (at most the token count; sizes differ by at most one).
       reduction: ``"mean"`` over the non-ignored tokens of the whole input (not per tile) or ``"sum"``.
+      mesh: a ``zf.Mesh`` with ``tp > 1`` when ``weight`` is this rank's vocab slice (``zf.tensor_parallel``'s
+        "vocab" head: rows ``[rank * per, (rank + 1) * per)`` of the vocabulary padded to ``tp * per``);
+        every rank of the tp group calls with the same ``hidden`` and ``targets`` (ids in the whole
+        vocabulary), and each tile's loss is the vocab-parallel cross-entropy (``zfunc.model.vocab_slice``):
+        the loss, ``hidden``'s grad and this rank's rows of the weight's grad are the whole head's.
+      vocab_size: with ``mesh``, the whole vocabulary (default ``tp * per``: no padding rows).
     Law: loss and grads of ``hidden`` and ``weight`` equal the untiled expression (fp32 rounding;
     ``nan`` loss and zero grads when every target is ignored, as torch). The loss is fp32 for
     fp16/bf16 inputs (softmax in fp32). Not twice differentiable.
@@ -372,9 +387,14 @@ def lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction: expected 'mean' or 'sum', got {reduction!r}")
     _check_tiles(tiles, targets.numel(), f"hidden (shape {tuple(hidden.shape)}) in tokens")
+    if mesh is None and vocab_size is not None:
+        raise ValueError(f"vocab_size: names the vocabulary of a vocab-sliced weight, with mesh=; got {vocab_size!r} "
+                         "without a mesh")
+    vocab = None if mesh is None or getattr(mesh, "tp", 1) == 1 else vocab_slice.of_mesh(mesh, weight.shape[0],
+                                                                                          vocab_size)
     grad_on = torch.is_grad_enabled()
     need_h, need_w = grad_on and hidden.requires_grad, grad_on and weight.requires_grad
-    out = _LMHeadLoss.apply(hidden, weight, targets, tiles, ignore_index, reduction == "mean", need_h, need_w)
+    out = _LMHeadLoss.apply(hidden, weight, targets, tiles, ignore_index, reduction == "mean", need_h, need_w, vocab)
     return out[0]
 
 

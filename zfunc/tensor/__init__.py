@@ -3,7 +3,8 @@
 ``zf.tensor_parallel(model, mesh, plan=None)`` (transform.py) slices the model's layers over the
 mesh's tp ranks in place: column- then row-parallel projections (layers.py) over differentiable
 collectives (collectives.py), a vocab-parallel embedding and LM head, attention heads split (plan.py:
-an explicit plan and the head counts it patches); ``layout.py`` says how each param is sliced
+an explicit plan and the head counts it patches; a head and embedding ``zf.tile`` split into vocab tiles: one
+vocab-parallel layer per tile, ``transform.tiled_styles``); ``layout.py`` says how each param is sliced
 (``zf.tensor_parallel.layout_of(model)``); ``zf.tensor_parallel.cross_entropy`` (loss.py) takes the
 loss of vocab-sliced logits without gathering them; ``zf.tensor_parallel.step`` (step.py) is the step
 over such a model: the grad norm over the tp group, a placed state that ``full_params`` makes whole and

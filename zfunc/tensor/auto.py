@@ -15,7 +15,9 @@ embedding. From that data flow:
   reshapes it with ``k`` leading the head dims (``view(B, T, 3, H, d)``); a head-major fused output
   (``view(B, T, H, 3 d)``, GPT-NeoX) is one part.
 - **vocab**: the largest embedding looked up by the model's integer input, and every projection
-  whose output width is its vocabulary (the LM or MLM head, tied or not).
+  whose output width is its vocabulary (the LM or MLM head, tied or not); a layer ``zf.tile`` split
+  along its rows counts as the layer it tiles (its tiles are then sliced one by one:
+  ``zfunc.tensor.transform.tiled_styles``).
 - everything else is replicated (norms, position embeddings, pooler and head transforms).
 
 The owner of each colwise projection gets its head counts divided (``zfunc.tensor.plan``); a head
@@ -30,6 +32,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from zfunc.model.tiling import TiledEmbedding, TiledLinear
 from zfunc.tensor.layers import matmul_kind
 
 _SPLITS = {"split", "chunk", "split_with_sizes", "tensor_split", "unbind"}
@@ -73,8 +76,12 @@ def _tensors(values: tuple) -> list[torch.Tensor]:
 def find_plan(model: nn.Module, tp: int, example: Any = None) -> dict[str, str]:
     """The plan for ``model`` (see the module docstring): module name -> style, every module named
     exactly. Raises ``ValueError`` naming the model when it finds no projection to slice."""
-    projections = {n: m for n, m in model.named_modules() if matmul_kind(m) is not None}
-    embeddings = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    tiled = {n: m for n, m in model.named_modules() if isinstance(m, (TiledLinear, TiledEmbedding)) and m.dim == 0}
+    inside = lambda n: any(n.startswith(t + ".") for t in tiled)  # noqa: E731 - a tile: its tiled layer stands for it
+    projections = {n: m for n, m in model.named_modules() if matmul_kind(m) is not None and not inside(n)}
+    embeddings = {n: m for n, m in model.named_modules()
+                  if isinstance(m, nn.Embedding) and not inside(n) or isinstance(tiled.get(n), TiledEmbedding)}
+    heads = {**projections, **{n: m for n, m in tiled.items() if isinstance(m, TiledLinear)}}
     seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     hooks = [m.register_forward_hook(_keep(seen, n)) for n, m in {**projections, **embeddings}.items()]
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -102,8 +109,8 @@ def find_plan(model: nn.Module, tp: int, example: Any = None) -> dict[str, str]:
     if vocab is not None:
         plan[vocab] = "vocab"
         rows = embeddings[vocab].num_embeddings
-        for name, m in projections.items():
-            width = m.out_features if isinstance(m, nn.Linear) else None
+        for name, m in heads.items():
+            width = m.out_features if isinstance(m, (nn.Linear, TiledLinear)) else None
             if width == rows and name not in plan:
                 plan[name] = "vocab"
     if not any(style.startswith("colwise") for style in plan.values()):

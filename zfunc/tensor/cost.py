@@ -22,6 +22,8 @@ counted twice its tensor, all-gather its output, reduce-scatter its input):
   its grad's all-gather, ``A``);
 - the vocab-parallel head: ``2A`` backward for its input (sequence-parallel: ``A`` forward and
   ``A`` backward) and, with the logits gathered, ``tokens * V_padded * 4`` forward;
+- a head and embedding ``zf.tile`` split into vocab tiles (``zfunc.tensor.transform.tiled_styles``):
+  the same, ``V_padded`` the sum of the tiles' padded rows (each tile pads to a multiple of tp);
 
 and per step: the grad norm's scalar all-reduce (8 bytes), and, sequence-parallel, the all-reduce
 of the replicated params' grads (``2 * 4 * replicated numel``).
@@ -57,8 +59,8 @@ def comm_bytes_per_step(layout: Layout, tokens: int, width: int, vocab_padded: i
     ``replicated_kv_numel`` the params of the replicated grouped-query kv projections."""
     a = tokens * width * 4
     regions = sum(1 for s in layout.styles.values() if s == "rowwise")
-    embeddings = sum(1 for n, s in layout.styles.items() if s == "vocab" and n in layout.embeddings)
-    heads = sum(1 for n, s in layout.styles.items() if s == "vocab" and n not in layout.embeddings)
+    embeddings = len({_layer(n, layout) for n, s in layout.styles.items() if s == "vocab" and n in layout.embeddings})
+    heads = len({_layer(n, layout) for n, s in layout.styles.items() if s == "vocab" and n not in layout.embeddings})
     per_micro = (regions * 4 + embeddings * 2 + heads * 2) * a
     if not layout.sequence_parallel:
         per_micro += 2 * 4 * replicated_kv_numel
@@ -68,3 +70,10 @@ def comm_bytes_per_step(layout: Layout, tokens: int, width: int, vocab_padded: i
     if layout.sequence_parallel:
         per_step += 2 * 4 * replicated_numel
     return per_step
+
+
+def _layer(name: str, layout: Layout) -> str:
+    """The layer a module is: a tile of a ``zf.tile``d layer is its layer (its tiles' lookups and logits
+    together move what the whole layer's do; the head's tiles share one input grad all-reduce)."""
+    owner, _, index = name.rpartition(".tiles.")
+    return owner if owner in layout.tiled and index.isdigit() else name

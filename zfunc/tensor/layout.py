@@ -34,6 +34,7 @@ class Layout:
     sequence_parallel: bool = False
     comm: Any = None  # the tp group's Comm (``zf.Mesh.tp_comm``)
     embeddings: frozenset = frozenset()  # the modules in ``styles`` that are embeddings (vocab lookups)
+    tiled: frozenset = frozenset()  # layers zf.tile split (their tiles are in ``styles``: one vocab layer each)
 
     def whole(self, name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
         """Param ``name`` whole from every rank's piece (replicated: rank 0's)."""

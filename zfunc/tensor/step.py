@@ -117,9 +117,6 @@ def _sp_without_tp(p: Any) -> str | None:
 def _tp_not_yet(p: Any) -> str | None:
     if p.tp == 1:
         return None
-    if p.tile_lm_head:
-        return (f"tile_lm_head: a tiled LM head under tensor parallelism is not supported yet; expected "
-                f"tile_lm_head off with tp={p.tp}, got {p.tile_lm_head!r}")
     if p.sp and p.pp > 1:
         return (f"sp: sequence parallelism under a pipeline is not supported yet; expected pp=1 with sp=True, "
                 f"got pp={p.pp}")

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from torch import nn
 
 from zfunc.dist.mesh import Mesh
+from zfunc.model.tiling import TiledEmbedding, TiledLinear
 from zfunc.tensor import layers
 from zfunc.tensor.collectives import Group
 from zfunc.tensor.layout import Layout, layout_of, record
@@ -72,7 +73,7 @@ def tensor_parallel(model: nn.Module, mesh: Mesh, plan: Mapping[str, str] | None
         from zfunc.tensor.auto import find_plan
 
         plan = find_plan(model, tp)
-    styles = match(model, plan)
+    styles = tiled_styles(model, match(model, plan), gather_logits, sequence_parallel)
     layout = Layout(tp, rank, styles={n: s if p == 1 else f"{s}:{p}" for n, (s, p) in styles.items()},
                     comm=mesh.tp_comm, sequence_parallel=sequence_parallel)
     group = Group(mesh.tp_comm, tp, rank, sequence_parallel)
@@ -100,11 +101,42 @@ def tensor_parallel(model: nn.Module, mesh: Mesh, plan: Mapping[str, str] | None
             if isinstance(module, nn.Embedding) and name not in styles:
                 layers.sequence_split(module, group)
     layout.embeddings = frozenset(n for n in styles if isinstance(modules[n], nn.Embedding))
+    layout.tiled = frozenset(n for n, m in modules.items() if isinstance(m, (TiledLinear, TiledEmbedding)))
     slicer.retie(model)
     for owner, patched in layout.patched.items():
         patch(modules[owner], patched)
     record(model, layout)
     return model
+
+
+def tiled_styles(model: nn.Module, styles: dict[str, tuple[str, int]], gather_logits: bool,
+                 sequence_parallel: bool) -> dict[str, tuple[str, int]]:
+    """``styles`` with each layer ``zf.tile`` split along its rows (an LM head's vocabulary and an embedding
+    tied to it: ``TiledLinear`` / ``TiledEmbedding``, ``dim=0``) styled per tile: each tile is a
+    vocab-parallel layer of its own (its rows padded to a multiple of tp and sliced), so the tiled layer,
+    which concatenates its tiles' outputs (the head's gathered logits) or looks each id up in its tile,
+    computes the whole layer's output, and each tile's whole param is the tile of the model untiled by tp
+    (checkpoints read into any tp). Other tiled layers cannot be sliced: ValueError naming the module."""
+    modules = dict(model.named_modules())
+    out = {}
+    for name, (style, parts) in styles.items():
+        module = modules[name]
+        if not isinstance(module, (TiledLinear, TiledEmbedding)):
+            out[name] = (style, parts)
+            continue
+        if style != "vocab" or module.dim != 0:
+            raise ValueError(f"tensor_parallel: module '{name}' is tiled by zf.tile (dim={module.dim}) and its style "
+                             f"is \"{style}\"; expected a vocab layer tiled along its rows (dim=0), each tile of "
+                             "which is sliced as a vocabulary of its own, or \"replicate\"")
+        if isinstance(module, TiledLinear) and not gather_logits:
+            raise ValueError(f"gather_logits: the tiled head '{name}' concatenates its tiles' logits, which must be "
+                             "gathered (each tile's vocab slice is not the head's); expected gather_logits=True")
+        if isinstance(module, TiledEmbedding) and sequence_parallel:
+            raise ValueError(f"sequence_parallel: the tiled embedding '{name}' looks each tile's ids up apart from the "
+                             "others', not by token position, so its output cannot be cut into the ranks' tokens; "
+                             "expected an untiled embedding (tile the head alone: untie it) with sequence_parallel")
+        out.update({f"{name}.tiles.{i}": ("vocab", 1) for i in range(len(module.tiles))})
+    return out
 
 
 def _widths(modules: dict[str, nn.Module], styles: dict[str, tuple[str, int]], owner: str) -> dict[str, int]:
