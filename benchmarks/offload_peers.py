@@ -1,0 +1,188 @@
+"""The offloaded step against DeepSpeed's own ZeRO-Offload and ZeRO-Infinity, same model, same batches.
+
+    python benchmarks/offload_peers.py [--world 1 2] [--kinds cpu,nvme] [--n-layer 4] [--n-embd 192]
+                                       [--block-size 128] [--batch 8] [--rounds 11] [--dir /tmp/zfunc-offload-peers]
+
+For each ``--world`` (one spawn of that many gloo ranks) every rank builds, from the same initial
+GPT (recipes/gpt.py: GPT-2's shape, tied embedding and head), fp32, AdamW (lr 1e-3, weight decay
+0.01), the grad norm clipped at 1.0:
+
+- ``cpu`` (ZeRO-Offload): ``zf.offload(step, "cpu")``, the step ``zf.shard(..., stage=2)`` over the
+  ranks (a plain step alone), against DeepSpeed's engine at ZeRO stage 2 with
+  ``offload_optimizer: cpu`` (its ``DeepSpeedCPUAdam``);
+- ``nvme`` (ZeRO-Infinity): ``zf.offload(step, "nvme", params="nvme")``, stage 3 over the ranks
+  (units: each ``Block``), against DeepSpeed at stage 3 with ``offload_optimizer`` and
+  ``offload_param`` on ``nvme`` (its ``async_io`` op, JIT-built from ``libaio-dev``; where it cannot
+  be built the row says so and only zfunc runs).
+
+``DS_ACCELERATOR=cpu``. Each round runs one step of every trainer, in an order shuffled anew each
+round (the same on every rank); a step is as slow as its slowest rank; the figure is the median
+over rounds of the paired ratio DeepSpeed / zfunc (> 1: zfunc faster), after two warm-up steps.
+The losses of the first steps are compared (the same batches: they agree to the optimizers'
+rounding, printed as the largest difference). Memory: each trainer holds ~16 B/param in RAM or
+its swap files under ``--dir`` (removed at the end).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import logging
+import os
+import random
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before any deepspeed import
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import zfunc as zf  # noqa: E402
+from recipes.gpt import GPT, Block, GPTConfig  # noqa: E402
+
+LR, WD = 1e-3, 0.01
+KINDS = ("cpu", "nvme")
+
+
+def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def zfunc_trainer(kind: str, model: GPT, mesh: zf.Mesh, folder: Path):
+    """``run(tokens) -> loss`` of zfunc's offloaded step (module docstring)."""
+    apply, params = zf.functionalize(model)
+    tx = zf.optim.chain(zf.optim.clip_by_global_norm(1.0), zf.optim.adamw(LR, weight_decay=WD))
+    step = zf.train_step(lambda p, tokens: lm_loss(apply(p, tokens[:, :-1]), tokens), tx)
+    stage = 2 if kind == "cpu" else 3
+    if mesh.dp > 1:
+        step = zf.shard(step, mesh, stage, units=zf.units.by_class(Block) if stage == 3 else None)
+    if kind == "cpu":
+        step = zf.offload(step, "cpu")
+    else:
+        units = zf.units.by_class(Block) if mesh.dp == 1 else None
+        step = zf.offload(step, "nvme", params="nvme", path=str(folder / "zfunc"), units=units)
+    holder = {"state": step.init(params)}
+
+    def run(tokens):
+        holder["state"], metrics = step(holder["state"], tokens)
+        return metrics["loss"].item()
+
+    return run
+
+
+def deepspeed_config(kind: str, batch: int, folder: Path) -> dict:
+    zero = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    if kind == "nvme":
+        nvme = {"device": "nvme", "nvme_path": str(folder / "deepspeed")}
+        zero = {"stage": 3, "offload_optimizer": nvme, "offload_param": nvme}
+    return {"train_micro_batch_size_per_gpu": batch, "gradient_clipping": 1.0, "zero_optimization": zero,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}}
+
+
+def deepspeed_trainer(kind: str, model: GPT, batch: int, folder: Path):
+    """``run(tokens) -> loss`` of DeepSpeed's engine with the same offload (module docstring)."""
+    os.environ.setdefault("LOCAL_RANK", str(torch.distributed.get_rank()))
+    import deepspeed
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.WARNING)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=deepspeed_config(kind, batch, folder))
+
+    def run(tokens):
+        loss = lm_loss(engine(tokens[:, :-1]), tokens)
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    return run
+
+
+def worker(rank: int, world: int, cfg: GPTConfig, batch: int, rounds: int, trainers: list[str], root: str):
+    mesh = zf.Mesh(dp=world)
+    torch.manual_seed(0)
+    base = GPT(cfg)
+    folder = Path(root)
+    built = {}
+    for name in trainers:
+        side, kind = name.split("-")
+        make = zfunc_trainer if side == "zf" else deepspeed_trainer
+        built[name] = make(kind, copy.deepcopy(base), mesh if side == "zf" else batch, folder)
+    g = torch.Generator().manual_seed(100 + rank)
+    data = [torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=g) for _ in range(4)]
+    losses = {k: [run(data[0]), run(data[1])] for k, run in built.items()}  # warm-up, and the losses compared
+    times = {k: [] for k in built}
+    for r in range(rounds):
+        for k in random.Random(r).sample(list(built), len(built)):
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            built[k](data[r % len(data)])
+            times[k].append(time.perf_counter() - t0)
+    return times, losses
+
+
+def async_io_builds() -> bool:
+    """Whether DeepSpeed's async_io op (ZeRO-Infinity's NVMe reads and writes) can be built here."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    return AsyncIOBuilder().is_compatible(verbose=False)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--kinds", default=",".join(KINDS), help=f"a comma-separated subset of {','.join(KINDS)}")
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=192)
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--rounds", type=int, default=11)
+    p.add_argument("--dir", default="/tmp/zfunc-offload-peers", help="swap files of both (removed at the end)")
+    args = p.parse_args(argv)
+    kinds = args.kinds.split(",")
+    if set(kinds) - set(KINDS) or not kinds:
+        p.error(f"--kinds: expected a comma-separated subset of {','.join(KINDS)}, got {args.kinds!r}")
+    if importlib.util.find_spec("deepspeed") is None:
+        p.error("DeepSpeed is not installed (DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed)")
+    cfg = GPTConfig(n_layer=args.n_layer, n_head=4, n_embd=args.n_embd, block_size=args.block_size)
+    n_params = sum(x.numel() for x in GPT(cfg).parameters())
+    nvme_peer = "nvme" in kinds and async_io_builds()
+    print(f"GPT {n_params / 1e6:.2f}M params, batch {args.batch}x{cfg.block_size} per rank, fp32, "
+          f"torch {torch.__version__}")
+    print("\n| processes | offload | zfunc ms/step | DeepSpeed ms/step | zfunc speed vs DeepSpeed, paired "
+          "| largest loss difference (2 steps) |")
+    print("|---|---|---|---|---|---|")
+    for world in args.world:
+        trainers = [f"{side}-{kind}" for kind in kinds for side in ("zf", "ds")
+                    if side == "zf" or kind == "cpu" or nvme_peer]
+        root = Path(args.dir)
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        try:
+            results = zf.dist.spawn(worker, world, world, cfg, args.batch, args.rounds, trainers, str(root),
+                                    timeout_s=3600)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        times = {k: [max(ts) for ts in zip(*(r[0][k] for r in results))] for k in trainers}
+        losses = results[0][1]
+        for kind in kinds:
+            zf_t = times[f"zf-{kind}"]
+            if f"ds-{kind}" not in times:
+                print(f"| {world} | {kind} | {statistics.median(zf_t) * 1e3:.1f} | not run (DeepSpeed's async_io "
+                      "cannot be built here: libaio-dev) | - | - |")
+                continue
+            ds_t = times[f"ds-{kind}"]
+            ratio = statistics.median(d / z for d, z in zip(ds_t, zf_t))
+            diff = max(abs(a - b) for a, b in zip(losses[f"zf-{kind}"], losses[f"ds-{kind}"]))
+            print(f"| {world} | {kind} | {statistics.median(zf_t) * 1e3:.1f} | {statistics.median(ds_t) * 1e3:.1f} "
+                  f"| {ratio:.2f}x | {diff:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
