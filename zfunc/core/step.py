@@ -23,7 +23,13 @@ halved, and ``metrics["skipped"] = True``. The decision comes before any write, 
 too the returned state holds the old values. ``max_skips`` such steps in a row are tolerated; the
 next one raises ``NonFiniteError`` naming the step and the cause, the state passed in still intact.
 Cost: the loss (computed anyway) and the grad norm (computed for the metrics and for clipping)
-are checked, one host sync of two scalars per step; no second read of the grads. With
+are checked, one host sync of two scalars per step. The norm is one read of the grads before the
+update (CPU grads: zfunc's kernel, ``optim.global_norm``; 4 B/param of fp32 grads, where AdamW's
+update moves 28): for a skipped step to write nothing, every grad is read before the first write.
+The update's own pass cannot take its place: its in-place writes cannot be undone bit for bit
+(the roundings of ``p*decay + u`` and of the moments lose the old values), and holding them
+elsewhere until the last grad is read costs 12 B/param of memory (p, m and v written out of
+place) or of undo copies. With
 ``train_step(grad_norm=False)`` and nothing else needing the norm (no clipping, not fp16), the step
 reads the grads only in the optimizer's pass, and only the loss is checked: non-finite grads behind
 a finite loss are not caught (they reach the params, as in torch without a ``GradScaler``).
@@ -277,7 +283,7 @@ class Step:
             state._consumed = True
         else:
             params, opt_state = tree.clone(params), tree.clone(opt_state)
-        if finite and norm is None:
+        if finite and (norm is None or not self.optimizer.needs_global_norm):  # the norm: metrics and the skip only
             params, opt_state = optim.apply(self.optimizer, grads, opt_state, params)
         elif finite:
             params, opt_state = optim.apply(self.optimizer, grads, opt_state, params,
@@ -464,7 +470,8 @@ def train_step(
         raises at the first. Default ``precision.default_max_skips``: 10, and 26 for fp16, whose
         scale may overflow from 2**16 down to 1 (16 skips) before it fits.
       grad_norm: compute the global norm of the grads every step (one more read of every grad,
-        before the update): ``metrics["grad_norm"]``, and a step with non-finite grads is skipped.
+        before the update; see the module docstring): ``metrics["grad_norm"]``, and a step with
+        non-finite grads is skipped.
         False: computed only where the update needs it anyway (the optimizer's
         ``needs_global_norm``, e.g. clipping; fp16's overflow check), else ``metrics["grad_norm"]``
         is None and only a non-finite loss skips a step. Every step honours False: plain, sharded

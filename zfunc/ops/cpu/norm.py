@@ -1,0 +1,108 @@
+"""The sum of the squares of CPU grads in Numba: ``sum_squares(tensors)``, one read of each.
+
+What a step's global grad norm (and its non-finite check: the sum is inf or nan iff an element is)
+costs on the CPU when it must be known before the update writes anything: one read of the grads
+in their own dtype (fp32, bf16 or fp16; 4 or 2 B/element), nothing written.
+
+Law: the result is the sum over every element x of ``x*x``, within 1e-5 relative of the fp64 sum
+(per 1024 elements an fp32 partial sum per SIMD lane, as CPU-Adam's ``grad_sq``; the partials
+summed in fp64; ~1e-7 on random data), the same for any shape of the leaves, and inf or nan
+where some element is, or where some |x| > 1.8e19, whose fp32 square overflows (a step then
+counts as non-finite). Cost: leaves of ``_PARALLEL_MIN`` elements or more run one threaded call
+each (a libgomp team, as CPU-Adam's), a lone small leaf one call (~1 us), several small ones one
+call over a table of their addresses; read at about the rate of ``torch._foreach_norm``'s fp32
+read, bf16/fp16 read as such (torch's norm upcasts them, ~25x slower).
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+from numba import njit
+
+from zfunc.ops.cpu import adam, gomp
+from zfunc.ops.cpu.adam import _F64, _GRAD, _JIT, _PARALLEL_MIN, _SQ_BLOCK, _add_square, _load, _prange_of, _ptr
+
+__all__ = ["sum_squares"]
+
+
+@njit(**_JIT)
+def _sum_squares_range(lo, hi, g_at, g_tag):
+    """The sum of squares of ``g[lo:hi]``, on the calling thread."""
+    g = _ptr(g_at, g_tag)
+    lo, hi = np.uintp(lo), np.uintp(hi)  # unsigned: no wraparound check, so the loop vectorizes
+    acc = np.float64(0.0)
+    for a in range(lo, hi, np.uintp(_SQ_BLOCK)):
+        part = np.float32(0.0)
+        for i in range(a, min(a + np.uintp(_SQ_BLOCK), hi)):
+            part = _add_square(part, _load(g, i))
+        acc += np.float64(part)
+    return acc
+
+
+@njit(**_JIT)
+def _sum_squares_block(lo, hi, g_at, g_tag, sq_at, lo0, per):
+    """A team's chunk: the sum of squares of ``g[lo:hi]`` to ``sq[(lo - lo0) // per]``."""
+    if hi > lo:  # an empty chunk (a team's range cut short) owns no slot
+        _ptr(sq_at, _F64)[(lo - lo0) // per] = _sum_squares_range(lo, hi, g_at, g_tag)
+
+
+@njit(**_JIT)
+def _sum_squares_table(table, g_tag):
+    """The sum of ``_sum_squares_range`` over each row ``(address, n)`` of ``table``, in row order."""
+    total = np.float64(0.0)
+    for r in range(table.shape[0]):
+        total += _sum_squares_range(0, table[r, 1], table[r, 0], g_tag)
+    return total
+
+
+@njit(**_JIT)
+def _sum_squares_gomp(k, args):
+    gomp.parallel_range(_sum_squares_block, k, args)
+
+
+_sum_squares_team = _sum_squares_gomp if gomp.AVAILABLE else _prange_of(_sum_squares_block)
+_entry: dict = {}  # (kernel, grad tag type) -> compiled entry point (as CPU-Adam's ``_run``)
+
+
+def _call(kernel, args: tuple, g_tag):
+    """``kernel(*args)``, through its compiled entry point once there is one (no argument typing)."""
+    entry = _entry.get((kernel, type(g_tag)))
+    if entry is not None:
+        return entry(*args)
+    result = kernel(*args)
+    overload = kernel.overloads.get(tuple(map(numba.typeof, args)))
+    if overload is not None:
+        _entry[(kernel, type(g_tag))] = overload.entry_point
+    return result
+
+
+def kernel_reads(t: torch.Tensor) -> bool:
+    """Whether ``sum_squares`` reads ``t``: a contiguous fp32/bf16/fp16 CPU tensor."""
+    return t.dtype in _GRAD and t.is_cpu and t.is_contiguous()
+
+
+def sum_squares(tensors: list[torch.Tensor]) -> float:
+    """The sum of the squares of every element of ``tensors`` (contiguous fp32/bf16/fp16 CPU
+    tensors, any shape), in fp64: big ones summed in list order, then the small ones."""
+    total = 0.0
+    small: dict[type, list] = {}
+    for t in tensors:
+        g_tag = _GRAD.get(t.dtype)
+        if g_tag is None or not t.is_cpu or not t.is_contiguous():
+            raise ValueError(f"sum_squares: expected contiguous fp32/bf16/fp16 CPU tensors, got {t.dtype} on "
+                             f"{t.device}{'' if t.is_contiguous() else ' (non-contiguous)'}")
+        n = t.numel()
+        k = min(adam._num_threads or torch.get_num_threads(), adam._POOL_SIZE) if n >= _PARALLEL_MIN else 1  # theirs
+        if k > 1:
+            per = ((n + k - 1) // k + gomp.ALIGN - 1) // gomp.ALIGN * gomp.ALIGN  # gomp.chunk_length
+            slots = np.zeros(k, dtype=np.float64)
+            _call(_sum_squares_team, (k, (0, n, t.data_ptr(), g_tag, slots.ctypes.data, 0, per)), g_tag)
+            total += float(slots.sum())
+        elif n >= _PARALLEL_MIN or len(tensors) == 1:  # one call, no table to build (~1 us)
+            total += _call(_sum_squares_range, (0, n, t.data_ptr(), g_tag), g_tag)
+        elif n:
+            small.setdefault(type(g_tag), [g_tag]).append((t.data_ptr(), n))
+    for g_tag, *rows in small.values():
+        total += _call(_sum_squares_table, (np.array(rows, dtype=np.int64), g_tag), g_tag)
+    return total
