@@ -57,9 +57,13 @@ def global_norm(grads: PyTree, known: KnownNorm | None = None) -> torch.Tensor:
 def sum_squares_in_ram(leaves: list[torch.Tensor]) -> float:
     """The sum of the squares of ``leaves`` (contiguous fp32/bf16/fp16 CPU tensors, ``_in_ram``)
     in one read (``zfunc.ops.cpu.norm``), as a float: inf or nan iff some element is."""
-    from zfunc.ops.cpu import norm as cpu_norm  # Numba loads on first use
+    global _cpu_norm
+    if _cpu_norm is None:  # Numba loads on first use
+        from zfunc.ops.cpu import norm as _cpu_norm
+    return _cpu_norm.sum_squares(leaves)
 
-    return cpu_norm.sum_squares(leaves)
+
+_cpu_norm = None
 
 
 def _in_ram(leaves: list[torch.Tensor]) -> bool:
