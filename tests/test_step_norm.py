@@ -100,7 +100,7 @@ def make_step(leaves, precision="fp32", accum=1, donate=True):
 
 def batch(k, value=0.0):
     g = torch.Generator().manual_seed(k)
-    return torch.randn(8, 6, generator=g), torch.randn(8, 2, generator=g), value
+    return torch.randn(12, 6, generator=g), torch.randn(12, 2, generator=g), value
 
 
 CASES = [("one", "fp32", 1), ("several", "fp32", 1), ("several", "fp32", 2), ("one", "bf16", 2),
@@ -125,8 +125,8 @@ def test_the_default_step_trains_as_with_torchs_norm(monkeypatch, leaves, precis
         norms.append(float(m["grad_norm"]))
         assert not m["skipped"] and not ref_m["skipped"]
         torch.testing.assert_close(m["grad_norm"], ref_m["grad_norm"], rtol=1e-5, atol=0)
-    assert len(squares) == 4  # the kernel read the grads once a step
-    assert norms == pytest.approx([math.sqrt(s) for s in squares], rel=1e-6)
+    assert len(squares) == 4  # the kernel read the grads once a step (their sums: the 1/accum rides in the update)
+    assert norms == pytest.approx([math.sqrt(s) / accum for s in squares], rel=1e-6)
     for got, want in zip(zf.tree.leaves((state.params, state.opt_state)), zf.tree.leaves((ref.params, ref.opt_state))):
         assert torch.equal(got, want) if isinstance(got, torch.Tensor) else got == want
 
@@ -144,3 +144,27 @@ def test_a_step_with_a_non_finite_grad_changes_nothing(leaves, precision, accum,
         assert torch.equal(got, want) if isinstance(got, torch.Tensor) else got == want
     after, m = step(after, batch(2))
     assert not m["skipped"] and after.opt_state.count == 2
+
+
+class Unfolded(zf.core.step.Step):
+    """The plain step with the grads' unscale as a pass of its own (a subclass that reworks the
+    grads keeps it so)."""
+
+    def _loss_and_grads(self, *args):
+        return super()._loss_and_grads(*args)
+
+
+@pytest.mark.parametrize("precision, accum", [("fp32", 2), ("fp32", 3), ("bf16", 3), ("fp16", 1), ("fp16", 2)])
+def test_the_unscale_in_the_update_pass_trains_as_a_pass_of_its_own(precision, accum):
+    """1/(microbatches x loss scale) multiplied in the optimizer's pass: params and moments bit-equal
+    to the step that multiplies the grads first, the norm within 1e-6."""
+    step, state = make_step("several", precision, accum)
+    ref_step, ref = make_step("several", precision, accum)
+    ref_step.__class__ = Unfolded
+    for k in range(4):
+        ref, ref_m = ref_step(ref, batch(k))
+        state, m = step(state, batch(k))
+        assert m["skipped"] == ref_m["skipped"]
+        torch.testing.assert_close(m["grad_norm"], ref_m["grad_norm"], rtol=1e-6, atol=0)
+    for got, want in zip(zf.tree.leaves((state.params, state.opt_state)), zf.tree.leaves((ref.params, ref.opt_state))):
+        assert torch.equal(got, want) if isinstance(got, torch.Tensor) else got == want

@@ -253,9 +253,21 @@ class Step:
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         self._check_state(state)
         params, _, step, rng, loss_scale, buffers = _values(state)
+        # The grads' unscale (1/(microbatches x loss scale)) rides in the update's own pass (``update(grad_scale=)``)
+        # instead of a pass of its own, unless a subclass reworks the grads (its ``_loss_and_grads``) or clipping
+        # reads them (its factor is folded into the same multiply, which would round differently).
+        fold = type(self)._loss_and_grads is Step._loss_and_grads and not self.optimizer.needs_global_norm
         with module.carrying(buffers) as carried:  # apply reads and updates the state's buffers
-            loss, aux, grads = self._loss_and_grads(params, batch, step, rng, loss_scale)
-        return self.update(state, grads, loss, aux, self.local_norm(grads), carried.buffers)
+            if fold:
+                loss, aux, grads, divisor = self._summed_loss_and_grads(params, batch, step, rng, loss_scale)
+            else:
+                (loss, aux, grads), divisor = self._loss_and_grads(params, batch, step, rng, loss_scale), 1.0
+        norm = self.local_norm(grads)
+        if divisor == 1.0:
+            return self.update(state, grads, loss, aux, norm, carried.buffers)
+        if norm is not None:  # the norm of the unscaled grads: a multiply of one scalar
+            norm = norm * (1.0 / divisor)
+        return self.update(state, grads, loss, aux, norm, carried.buffers, grad_scale=1.0 / divisor)
 
     def _check_state(self, state: Any) -> None:
         require_train_state(state)
@@ -264,9 +276,12 @@ class Step:
                              "it came from, not to the plain step")
 
     def update(self, state: TrainState, grads: PyTree, loss: torch.Tensor, aux: Any, norm: torch.Tensor | None,
-               buffers: dict | None = None, produced: torch.Tensor | None = None) -> tuple[TrainState, dict[str, Any]]:
-        """Apply the optimizer to ``state`` with fp32, unscaled ``grads`` unless the step is not
-        finite; the new state (holding ``buffers``, None: empty) and metrics.
+               buffers: dict | None = None, produced: torch.Tensor | None = None,
+               grad_scale: float | None = None) -> tuple[TrainState, dict[str, Any]]:
+        """Apply the optimizer to ``state`` with fp32, unscaled ``grads`` (``grads * grad_scale``
+        where given: ``optim.apply(grad_scale=)``, the multiply in the kernel's pass; ``norm`` is
+        then that product's, and the optimizer must not read the global norm) unless the step is
+        not finite; the new state (holding ``buffers``, None: empty) and metrics.
 
         ``loss`` and ``norm`` (the grads' global norm, None: not computed; ``local_norm``) are the
         step's totals: where the grads are one rank's share, the caller has summed them over the
@@ -284,7 +299,7 @@ class Step:
         else:
             params, opt_state = tree.clone(params), tree.clone(opt_state)
         if finite and (norm is None or not self.optimizer.needs_global_norm):  # the norm: metrics and the skip only
-            params, opt_state = optim.apply(self.optimizer, grads, opt_state, params)
+            params, opt_state = optim.apply(self.optimizer, grads, opt_state, params, grad_scale=grad_scale)
         elif finite:
             params, opt_state = optim.apply(self.optimizer, grads, opt_state, params,
                                             norm=optim.known_norm(grads, norm))
@@ -333,6 +348,17 @@ class Step:
 
     def _loss_and_grads(self, params, batch, step, rng, loss_scale):
         """Mean loss over microbatches and the fp32, unscaled, averaged grads (a pytree)."""
+        loss, aux, grads, divisor = self._summed_loss_and_grads(params, batch, step, rng, loss_scale)
+        if divisor != 1.0:
+            tensors = tree.tensors(grads)
+            if tensors:
+                torch._foreach_mul_(tensors, 1.0 / divisor)
+        return loss, aux, grads
+
+    def _summed_loss_and_grads(self, params, batch, step, rng, loss_scale):
+        """Mean loss over microbatches, the fp32 grads summed over them as the loss scale left
+        them (a pytree) and the divisor that makes them the unscaled average: microbatches x
+        loss scale."""
         # fp32: the masters themselves (fp32 by construction), not a copy made by a tree map
         dtype = self.compute_dtype
         compute = params if dtype is torch.float32 else mp.cast_floating(params, dtype)
@@ -340,13 +366,7 @@ class Step:
         local = _LocalGrads(compute, self.loss_fn, scale, self.has_aux)
         loss, aux = run_microbatches(self.schedule, batch, dtype, step_seed(rng, step), params, local.forward,
                                      local.backward)
-        acc = local.acc
-        divisor = self.schedule.count * (scale or 1.0)
-        if divisor != 1.0:
-            tensors = [g for g in acc if g is not None]
-            if tensors:
-                torch._foreach_mul_(tensors, 1.0 / divisor)
-        return loss, aux, tree.unflatten(local.treespec, acc)
+        return loss, aux, tree.unflatten(local.treespec, local.acc), self.schedule.count * (scale or 1.0)
 
 
 class _FromInner:
