@@ -1,6 +1,7 @@
 """The default CPU step's grad norm (``train_step(grad_norm=True)``): one read of the grads by zfunc's
-CPU kernel (``zfunc.ops.cpu.norm``) before the update, the same training as torch's norm, and a step
-with a nan or inf grad skipped with the state unchanged, bit for bit."""
+CPU kernel (``zfunc.ops.cpu.norm``) before the update, none of its own with accumulation (the last
+microbatch's add sums the squares), the same training as torch's norm, and a step with a nan or inf
+grad skipped with the state unchanged, bit for bit."""
 import math
 
 import pytest
@@ -109,23 +110,33 @@ CASES = [("one", "fp32", 1), ("several", "fp32", 1), ("several", "fp32", 2), ("o
 
 @pytest.mark.parametrize("leaves, precision, accum", CASES)
 def test_the_default_step_trains_as_with_torchs_norm(monkeypatch, leaves, precision, accum):
-    """Params and moments bit-equal to a step whose norm is torch's (``_foreach_norm``: the norm
-    does not enter the update), the reported norm within 1e-6 of the grads' fp64 norm."""
+    """Params and moments bit-equal to a step whose norm is torch's (``_foreach_norm`` after the
+    microbatches' grads are summed by ``_foreach_add_``: the norm does not enter the update), the
+    reported norm within 1e-6 of the grads' fp64 norm. One read of the grads for it, or none:
+    accumulated, the last microbatch's add sums the squares in its own pass."""
     ref_step, ref = make_step(leaves, precision, accum)
     step, state = make_step(leaves, precision, accum)
-    squares, norms = [], []
-    kernel = optim.norm.sum_squares_in_ram
+    reads, adds, norms = [], [], []
+    read, add = optim.norm.sum_squares_in_ram, optim.add_with_squares
+
+    def added(into, grads):
+        sq = add(into, grads)
+        adds.append(exact(into))
+        return sq
+
     for k in range(4):
         monkeypatch.setattr(optim.norm, "_in_ram", lambda leaves: False)
         ref, ref_m = ref_step(ref, batch(k))
         monkeypatch.undo()
-        monkeypatch.setattr(optim.norm, "sum_squares_in_ram", lambda g: squares.append(exact(g)) or kernel(g))
+        monkeypatch.setattr(optim.norm, "sum_squares_in_ram", lambda g: reads.append(exact(g)) or read(g))
+        monkeypatch.setattr(optim, "add_with_squares", added)
         state, m = step(state, batch(k))
         monkeypatch.undo()
         norms.append(float(m["grad_norm"]))
         assert not m["skipped"] and not ref_m["skipped"]
         torch.testing.assert_close(m["grad_norm"], ref_m["grad_norm"], rtol=1e-5, atol=0)
-    assert len(squares) == 4  # the kernel read the grads once a step (their sums: the 1/accum rides in the update)
+    squares = reads if accum == 1 else adds  # the sums: the 1/accum rides in the update
+    assert len(squares) == 4 and (accum == 1 or not reads)
     assert norms == pytest.approx([math.sqrt(s) / accum for s in squares], rel=1e-6)
     for got, want in zip(zf.tree.leaves((state.params, state.opt_state)), zf.tree.leaves((ref.params, ref.opt_state))):
         assert torch.equal(got, want) if isinstance(got, torch.Tensor) else got == want
@@ -168,3 +179,20 @@ def test_the_unscale_in_the_update_pass_trains_as_a_pass_of_its_own(precision, a
         torch.testing.assert_close(m["grad_norm"], ref_m["grad_norm"], rtol=1e-6, atol=0)
     for got, want in zip(zf.tree.leaves((state.params, state.opt_state)), zf.tree.leaves((ref.params, ref.opt_state))):
         assert torch.equal(got, want) if isinstance(got, torch.Tensor) else got == want
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["one small", "several small", "mixed"])
+def test_add_with_squares_is_foreach_add_with_the_sums_squares(two_threads, layout, dtype):
+    g = torch.Generator().manual_seed(2)
+    grads = [torch.randn(n, generator=g).to(dtype) for n in LAYOUTS[layout]]
+    into = [torch.randn(n, generator=g) for n in LAYOUTS[layout]]
+    want = [t.clone() for t in into]
+    torch._foreach_add_(want, grads)
+    sq = optim.add_with_squares(into, grads)
+    assert all(torch.equal(a, b) for a, b in zip(into, want))
+    assert sq == pytest.approx(exact(want), rel=1e-6)
+    grads[0].view(-1)[0] = float("nan")
+    assert math.isnan(optim.add_with_squares(into, grads))
+    assert optim.add_with_squares([None, *into[1:]], grads) is None  # a leaf without a sum: the caller adds
+    assert optim.add_with_squares([t.double() for t in into], grads) is None

@@ -66,6 +66,22 @@ def sum_squares_in_ram(leaves: list[torch.Tensor]) -> float:
 _cpu_norm = None
 
 
+def add_with_squares(into: list[torch.Tensor | None], grads: list[torch.Tensor | None]) -> float | None:
+    """``into[i] += grads[i]`` in place, for every i, and the sum of the squares of the sums (a
+    float: the global norm's square, inf or nan iff a sum is), in one pass: zfunc's CPU kernel
+    where ``into`` are contiguous fp32 CPU tensors and ``grads`` contiguous fp32/bf16/fp16 CPU
+    tensors, none None (bit-equal to ``torch._foreach_add_``). Elsewhere nothing is done and the
+    answer is None: the caller adds and takes the norm itself."""
+    if not into or len(into) != len(grads) or any(a is None or g is None for a, g in zip(into, grads)):
+        return None
+    if not (_in_ram(grads) and all(a.dtype is torch.float32 and a.is_cpu and a.is_contiguous() for a in into)):
+        return None
+    global _cpu_norm
+    if _cpu_norm is None:
+        from zfunc.ops.cpu import norm as _cpu_norm
+    return _cpu_norm.sum_squares(grads, add_to=into)
+
+
 def _in_ram(leaves: list[torch.Tensor]) -> bool:
     """Whether zfunc's CPU norm kernel takes these leaves: contiguous fp32/bf16/fp16 CPU tensors."""
     return all(t.is_cpu and t.dtype in _KERNEL_DTYPES and t.is_contiguous() for t in leaves)
