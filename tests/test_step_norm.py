@@ -86,7 +86,7 @@ def model(leaves):
     return nn.Sequential(nn.Linear(6, 32), nn.GELU(), nn.Linear(32, 2))
 
 
-def make_step(leaves, precision="fp32", accum=1, donate=True):
+def make_step(leaves, precision="fp32", accum=1, donate=True, tx=None):
     apply, params = zf.functionalize(model(leaves))
     first = next(iter(params))
 
@@ -95,7 +95,7 @@ def make_step(leaves, precision="fp32", accum=1, donate=True):
         p = {**p, first: Fault.apply(p[first], value)}
         return nn.functional.mse_loss(apply(p, x).float(), y)
 
-    step = zf.train_step(loss_fn, optim.adamw(1e-2, weight_decay=0.1), precision, accum, donate=donate)
+    step = zf.train_step(loss_fn, tx or optim.adamw(1e-2, weight_decay=0.1), precision, accum, donate=donate)
     return step, step.init(params)
 
 
@@ -165,12 +165,20 @@ class Unfolded(zf.core.step.Step):
         return super()._loss_and_grads(*args)
 
 
-@pytest.mark.parametrize("precision, accum", [("fp32", 2), ("fp32", 3), ("bf16", 3), ("fp16", 1), ("fp16", 2)])
-def test_the_unscale_in_the_update_pass_trains_as_a_pass_of_its_own(precision, accum):
+OPTIMIZERS = {"sgd": lambda: optim.sgd(1e-2, momentum=0.9, nesterov=True, weight_decay=0.1),
+              "lion": lambda: optim.lion(1e-3, weight_decay=0.1), "lamb": lambda: optim.lamb(1e-2, weight_decay=0.1),
+              "adamw-torch": lambda: optim.adamw(1e-2, weight_decay=0.1, backend="torch")}
+
+
+@pytest.mark.parametrize("precision, accum, tx", [("fp32", 2, None), ("fp32", 3, None), ("bf16", 3, None),
+                                                  ("fp16", 1, None), ("fp16", 2, None), *[("fp32", 3, name)
+                                                                                        for name in OPTIMIZERS]])
+def test_the_unscale_in_the_update_pass_trains_as_a_pass_of_its_own(precision, accum, tx):
     """1/(microbatches x loss scale) multiplied in the optimizer's pass: params and moments bit-equal
     to the step that multiplies the grads first, the norm within 1e-6."""
-    step, state = make_step("several", precision, accum)
-    ref_step, ref = make_step("several", precision, accum)
+    make = OPTIMIZERS.get(tx, lambda: None)
+    step, state = make_step("several", precision, accum, tx=make())
+    ref_step, ref = make_step("several", precision, accum, tx=make())
     ref_step.__class__ = Unfolded
     for k in range(4):
         ref, ref_m = ref_step(ref, batch(k))
