@@ -99,14 +99,10 @@ def _call(kernel, args: tuple, g_tag, a_tag):
     return result
 
 
-def kernel_reads(t: torch.Tensor) -> bool:
-    """Whether ``sum_squares`` reads ``t``: a contiguous fp32/bf16/fp16 CPU tensor."""
-    return t.dtype in _GRAD and t.is_cpu and t.is_contiguous()
-
-
 def sum_squares(tensors: list[torch.Tensor], add_to: list[torch.Tensor] | None = None) -> float:
     """The sum of the squares of every element of ``tensors`` (contiguous fp32/bf16/fp16 CPU
-    tensors, any shape), in fp64: big ones summed in list order, then the small ones.
+    tensors, any shape), in fp64, in a fixed order: the big ones' chunks, the lone small one or
+    the small ones' table. A big leaf (``_PARALLEL_MIN`` elements or more) costs one threaded call.
 
     ``add_to``: contiguous fp32 CPU tensors, one per tensor and of its size (e.g. the sums of the
     microbatches' grads so far): each gets its tensor added in place in the same pass (bit-equal to
@@ -120,7 +116,7 @@ def sum_squares(tensors: list[torch.Tensor], add_to: list[torch.Tensor] | None =
         g_tag = _GRAD.get(t.dtype)
         if g_tag is not None and t.is_cpu and t.is_contiguous() and t.numel() < _PARALLEL_MIN:
             return _call(_sum_squares_range, (0, t.numel(), t.data_ptr(), g_tag, 0, None), g_tag, None)
-    total = 0.0
+    total, slots, used = 0.0, None, 0  # slots: the threaded calls' chunks' sums, one array for all
     small: dict[type, list] = {}
     for j, t in enumerate(tensors):
         g_tag = _GRAD.get(t.dtype)
@@ -138,14 +134,17 @@ def sum_squares(tensors: list[torch.Tensor], add_to: list[torch.Tensor] | None =
         k = min(adam._num_threads or torch.get_num_threads(), adam._POOL_SIZE) if n >= _PARALLEL_MIN else 1  # theirs
         if k > 1:
             per = ((n + k - 1) // k + gomp.ALIGN - 1) // gomp.ALIGN * gomp.ALIGN  # gomp.chunk_length
-            slots = np.zeros(k, dtype=np.float64)
-            _call(_sum_squares_team, (k, (0, n, t.data_ptr(), g_tag, a_at, a_tag, slots.ctypes.data, 0, per)),
-                  g_tag, a_tag)
-            total += float(slots.sum())
+            if slots is None:
+                slots = np.zeros(k * len(tensors), dtype=np.float64)
+            at = slots.ctypes.data + 8 * used
+            _call(_sum_squares_team, (k, (0, n, t.data_ptr(), g_tag, a_at, a_tag, at, 0, per)), g_tag, a_tag)
+            used += k
         elif n >= _PARALLEL_MIN or len(tensors) == 1:  # one call, no table to build (~1 us)
             total += _call(_sum_squares_range, (0, n, t.data_ptr(), g_tag, a_at, a_tag), g_tag, a_tag)
         elif n:
             small.setdefault(type(g_tag), [g_tag]).append((t.data_ptr(), n, a_at))
+    if slots is not None:
+        total += float(slots.sum())
     for g_tag, *rows in small.values():
         total += _call(_sum_squares_table, (np.array(rows, dtype=np.int64), g_tag, a_tag), g_tag, a_tag)
     return total
