@@ -1,15 +1,19 @@
 """A whole CPU train step that is all optimizer: zfunc's step vs torch AdamW(fused=True) and DeepSpeedCPUAdam.
 
     python benchmarks/step_cpu.py [--sizes 1e6 2e7 1e8] [--rounds 15] [--steps 0] [--no-deepspeed]
-                                  [--offload-params 2e7] [--no-offload-step] [--threads 0]
-                                  [--one-at-a-time 5e7]
+                                  [--grad-norm {off,on,both}] [--offload-params 2e7] [--no-offload-step]
+                                  [--threads 0] [--one-at-a-time 5e7]
 
 Each trainer trains one fp32 param vector ``w`` of ``n`` elements on the loss ``(w * c).sum()``
 (``c`` fixed): forward and backward are two cheap elementwise passes, so the step time is the
 optimizer's plus the engine's own work per step. The trainers:
-- zfunc: ``zf.train_step(loss, zf.optim.adamw(...), grad_norm=False)`` on a CPU state (the backend
-  "auto" picks zfunc's Numba CPU-Adam there), ``state, metrics = step(state, c)``; every check
+- zfunc, grad norm on: the default step, ``zf.train_step(loss, zf.optim.adamw(...))`` on a CPU state
+  (the backend "auto" picks zfunc's Numba CPU-Adam there), ``state, metrics = step(state, c)``: the
+  global grad norm in the metrics and a step with a nan/inf grad skipped, which costs one read of
+  the grad before the update (zfunc's CPU norm kernel, ``zfunc.ops.cpu.norm``); every other check
   stays on (donation, the loss's finiteness, the RNG seeded from the state);
+- zfunc, grad norm off: the same with ``train_step(grad_norm=False)``: no norm, only the loss checked;
+  ``--grad-norm`` picks the rows (default both; each zfunc row is paired against every peer);
 - torch: ``opt.zero_grad(set_to_none=True); loss.backward(); opt.step()`` with
   ``torch.optim.AdamW(fused=True)``;
 - DeepSpeed: the same loop with ``deepspeed.ops.adam.DeepSpeedCPUAdam`` (``DS_ACCELERATOR=cpu``,
@@ -23,8 +27,9 @@ after it (building and one warm-up step untimed), so only one is held: ~3.5 GB a
 Where a step's time goes (CPU time per step from ``time.thread_time`` around the pieces):
 - forward + backward: the same two elementwise passes and a fresh grad in every trainer;
 - the update: zfunc's kernel is one pass (p, g, m, v read once; p, m, v written once, in place:
-  donation; with ``grad_norm=False`` no norm, the loss alone checked), AVX-512 where the CPU has it
-  (a sqrt and a division per vector, as DeepSpeed's);
+  donation), AVX-512 where the CPU has it (a sqrt and a division per vector, as DeepSpeed's); with
+  the grad norm on, the grad is read once more before it (4 B/param on the update's 28: a skipped
+  step must write nothing, so every grad is read before the first write);
 - the engine's own work per step: zfunc calls torch's autograd engine directly on a CPU-only
   process; at small sizes Python runs from DRAM after each step's arrays stream through the cache,
   so the shortest path wins;
@@ -71,9 +76,12 @@ from zfunc import optim  # noqa: E402
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.1
 
 
-def zfunc_trainer(w0: torch.Tensor, c: torch.Tensor):
+ZFUNC = {"on": "zfunc (grad norm on)", "off": "zfunc (grad norm off)"}
+
+
+def zfunc_trainer(w0: torch.Tensor, c: torch.Tensor, grad_norm: bool = True):
     step = zf.train_step(lambda p, c: (p["w"] * c).sum(), optim.adamw(LR, *BETAS, EPS, weight_decay=WD),
-                         grad_norm=False)
+                         grad_norm=grad_norm)
     box = [step.init({"w": w0})]
 
     def run(k: int) -> None:
@@ -132,11 +140,13 @@ def paired(peer: list[float], ours: list[float]) -> float:
     return statistics.median(p / o for p, o in zip(peer, ours))
 
 
-def step_rows(n: int, rounds: int, steps: int, with_deepspeed: bool, one_at_a_time: bool) -> None:
+def step_rows(n: int, rounds: int, steps: int, with_deepspeed: bool, one_at_a_time: bool,
+              grad_norm: str = "both") -> None:
     gen = torch.Generator().manual_seed(0)
     w0, c = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-2
-    factories = {"zfunc": lambda: zfunc_trainer(w0, c),
-                 "torch AdamW(fused=True)": lambda: torch_loop(
+    ours = [ZFUNC[k] for k in (("on", "off") if grad_norm == "both" else (grad_norm,))]
+    factories = {name: (lambda on=name == ZFUNC["on"]: zfunc_trainer(w0, c, on)) for name in ours}
+    factories |= {"torch AdamW(fused=True)": lambda: torch_loop(
                      lambda ps: torch.optim.AdamW(ps, LR, BETAS, EPS, WD, fused=True), w0, c)}
     if with_deepspeed:
         factories["DeepSpeedCPUAdam"] = lambda: torch_loop(deepspeed_adam, w0, c)
@@ -146,17 +156,18 @@ def step_rows(n: int, rounds: int, steps: int, with_deepspeed: bool, one_at_a_ti
         times = interleaved(factories, rounds, steps, one_at_a_time=True, cpu=cpu)
     else:
         times = interleaved({name: make() for name, make in factories.items()}, rounds, steps, cpu=cpu)
-    ours = times["zfunc"]
     print(f"n={n:.0e}: {rounds} rounds x {steps} steps, {torch.get_num_threads()} threads"
-          f"{', trainers built one at a time' if one_at_a_time else ''}; "
-          f"zfunc {statistics.median(ours) * 1e3:.3f} ms/step (median), {statistics.median(cpu['zfunc']) * 1e3:.3f} "
-          "ms CPU")
-    for name, t in times.items():
-        if name != "zfunc":
-            ratios = sorted(p / o for p, o in zip(t, ours))
-            print(f"  vs {name:<24} {statistics.median(t) * 1e3:8.3f} ms/step   zfunc speedup {paired(t, ours):.3f}x "
-                  f"(rounds {ratios[0]:.2f}-{ratios[-1]:.2f}); CPU time {statistics.median(cpu[name]) * 1e3:.3f} ms, "
-                  f"speedup {paired(cpu[name], cpu['zfunc']):.3f}x")
+          f"{', trainers built one at a time' if one_at_a_time else ''}")
+    for zname in ours:
+        mine = times[zname]
+        print(f"  {zname}: {statistics.median(mine) * 1e3:.3f} ms/step (median), "
+              f"{statistics.median(cpu[zname]) * 1e3:.3f} ms CPU")
+        for name, t in times.items():
+            if name not in ours:
+                ratios = sorted(p / o for p, o in zip(t, mine))
+                print(f"    vs {name:<24} {statistics.median(t) * 1e3:8.3f} ms/step   speedup {paired(t, mine):.3f}x "
+                      f"(rounds {ratios[0]:.2f}-{ratios[-1]:.2f}); CPU time {statistics.median(cpu[name]) * 1e3:.3f} "
+                      f"ms, speedup {paired(cpu[name], cpu[zname]):.3f}x")
 
 
 def gpt_leaf_shapes(total: int, d: int = 768) -> list[tuple[int, ...]]:
@@ -257,6 +268,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--steps", type=int, default=0, help="steps per sample (0: ~2e7 params' worth)")
     ap.add_argument("--no-deepspeed", action="store_true")
+    ap.add_argument("--grad-norm", choices=("off", "on", "both"), default="both",
+                    help="zfunc's rows: the default step (grad norm on), grad_norm=False, or both")
     ap.add_argument("--offload-params", type=float, default=2e7, help="0: skip the offload phase")
     ap.add_argument("--no-offload-step", action="store_true", help="the offload phase without the real offloaded steps")
     ap.add_argument("--one-at-a-time", type=float, default=5e7, help="sizes from this many params build each trainer "
@@ -267,7 +280,7 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     for n in args.sizes:
-        step_rows(int(n), args.rounds, args.steps, not args.no_deepspeed, n >= args.one_at_a_time)
+        step_rows(int(n), args.rounds, args.steps, not args.no_deepspeed, n >= args.one_at_a_time, args.grad_norm)
     if args.offload_params:
         offload_rows(int(args.offload_params), args.rounds, not args.no_offload_step)
 

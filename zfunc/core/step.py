@@ -23,7 +23,16 @@ halved, and ``metrics["skipped"] = True``. The decision comes before any write, 
 too the returned state holds the old values. ``max_skips`` such steps in a row are tolerated; the
 next one raises ``NonFiniteError`` naming the step and the cause, the state passed in still intact.
 Cost: the loss (computed anyway) and the grad norm (computed for the metrics and for clipping)
-are checked, one host sync of two scalars per step; no second read of the grads. With
+are checked, one host sync of two scalars per step. The norm is one read of the grads before the
+update (CPU grads: zfunc's kernel, ``optim.global_norm``; 4 B/param of fp32 grads, where AdamW's
+update moves 28): for a skipped step to write nothing, every grad is read before the first write.
+Accumulated over microbatches on the CPU, that read is the last microbatch's add to the sums, which
+sums the squares in its own pass (``optim.add_with_squares``): no read of its own. The grads'
+unscale (1/(microbatches x loss scale)) is multiplied in the optimizer's pass, not in one of its own.
+The update's own pass cannot take its place: its in-place writes cannot be undone bit for bit
+(the roundings of ``p*decay + u`` and of the moments lose the old values), and holding them
+elsewhere until the last grad is read costs 12 B/param of memory (p, m and v written out of
+place) or of undo copies. With
 ``train_step(grad_norm=False)`` and nothing else needing the norm (no clipping, not fp16), the step
 reads the grads only in the optimizer's pass, and only the loss is checked: non-finite grads behind
 a finite loss are not caught (they reach the params, as in torch without a ``GradScaler``).
@@ -68,9 +77,12 @@ class _LocalGrads:
     ``scale``, None: 1) with respect to ``params``' floating leaves, by ``torch.autograd.grad`` over
     detached leaves that require grad, summed in fp32 over the microbatches (``accumulate``)."""
 
-    __slots__ = ("loss_fn", "scale", "has_aux", "treespec", "flags", "wrt", "params", "live", "acc")
+    __slots__ = ("loss_fn", "scale", "has_aux", "treespec", "flags", "wrt", "params", "live", "acc", "left", "squares")
 
-    def __init__(self, params: PyTree, loss_fn: Callable, scale: float | None, has_aux: bool):
+    def __init__(self, params: PyTree, loss_fn: Callable, scale: float | None, has_aux: bool, squares_at: int = 0):
+        """``squares_at``: the number of backwards whose last adds its grads to the sums in one pass
+        with the sum of the squares of the results (``optim.add_with_squares``, into ``squares``:
+        the norm with no read of its own); 0: none does."""
         leaves, self.treespec = tree.flatten(params)
         self.flags = [isinstance(x, torch.Tensor) and x.is_floating_point() for x in leaves]
         diff = [x.detach().requires_grad_() if f else x for x, f in zip(leaves, self.flags)]
@@ -79,6 +91,7 @@ class _LocalGrads:
         self.loss_fn, self.scale, self.has_aux = loss_fn, scale, has_aux
         self.live: dict[int, torch.Tensor] = {}  # microbatches between forward and backward: their losses
         self.acc: list | None = None
+        self.left, self.squares = squares_at, None
 
     def forward(self, i: int, micro: PyTree) -> tuple[torch.Tensor, Any]:
         """Microbatch ``i``'s ``(loss, aux)``; its graph kept for ``backward(i)``."""
@@ -89,7 +102,13 @@ class _LocalGrads:
 
     def backward(self, i: int) -> None:
         """Microbatch ``i``'s grads, added to the sums (``None`` for a leaf it did not use)."""
-        self.acc = accumulate(self.acc, self.grads(self.live.pop(i)))
+        grads = self.grads(self.live.pop(i))
+        self.left -= 1
+        if self.left == 0 and self.acc is not None:
+            self.squares = optim.add_with_squares(self.acc, grads)
+            if self.squares is not None:
+                return
+        self.acc = accumulate(self.acc, grads)
 
     def grads(self, loss: torch.Tensor) -> list:
         """The grads of ``loss`` (times ``scale``), a list in leaf order, ``None`` for a leaf that is
@@ -247,9 +266,25 @@ class Step:
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         self._check_state(state)
         params, _, step, rng, loss_scale, buffers = _values(state)
+        # The grads' unscale (1/(microbatches x loss scale)) rides in the update's own pass (``update(grad_scale=)``)
+        # instead of a pass of its own, unless a subclass reworks the grads (its ``_loss_and_grads``) or clipping
+        # reads them (its factor is folded into the same multiply, which would round differently).
+        fold = type(self)._loss_and_grads is Step._loss_and_grads and not self.optimizer.needs_global_norm
         with module.carrying(buffers) as carried:  # apply reads and updates the state's buffers
-            loss, aux, grads = self._loss_and_grads(params, batch, step, rng, loss_scale)
-        return self.update(state, grads, loss, aux, self.local_norm(grads), carried.buffers)
+            if fold:
+                loss, aux, grads, divisor, squares = self._summed_loss_and_grads(params, batch, step, rng, loss_scale,
+                                                                                 self.needs_norm())
+            else:
+                loss, aux, grads = self._loss_and_grads(params, batch, step, rng, loss_scale)
+                divisor, squares = 1.0, None
+        # accumulated: the norm came with the last microbatch's add (``_LocalGrads``); else one read of its own
+        norm = (self.local_norm(grads) if squares is None
+                else torch.scalar_tensor(math.sqrt(squares), dtype=torch.float32))
+        if divisor == 1.0:
+            return self.update(state, grads, loss, aux, norm, carried.buffers)
+        if norm is not None:  # the norm of the unscaled grads: a multiply of one scalar
+            norm = norm * (1.0 / divisor)
+        return self.update(state, grads, loss, aux, norm, carried.buffers, grad_scale=1.0 / divisor)
 
     def _check_state(self, state: Any) -> None:
         require_train_state(state)
@@ -258,9 +293,12 @@ class Step:
                              "it came from, not to the plain step")
 
     def update(self, state: TrainState, grads: PyTree, loss: torch.Tensor, aux: Any, norm: torch.Tensor | None,
-               buffers: dict | None = None, produced: torch.Tensor | None = None) -> tuple[TrainState, dict[str, Any]]:
-        """Apply the optimizer to ``state`` with fp32, unscaled ``grads`` unless the step is not
-        finite; the new state (holding ``buffers``, None: empty) and metrics.
+               buffers: dict | None = None, produced: torch.Tensor | None = None,
+               grad_scale: float | None = None) -> tuple[TrainState, dict[str, Any]]:
+        """Apply the optimizer to ``state`` with fp32, unscaled ``grads`` (``grads * grad_scale``
+        where given: ``optim.apply(grad_scale=)``, the multiply in the kernel's pass; ``norm`` is
+        then that product's, and the optimizer must not read the global norm) unless the step is
+        not finite; the new state (holding ``buffers``, None: empty) and metrics.
 
         ``loss`` and ``norm`` (the grads' global norm, None: not computed; ``local_norm``) are the
         step's totals: where the grads are one rank's share, the caller has summed them over the
@@ -277,8 +315,8 @@ class Step:
             state._consumed = True
         else:
             params, opt_state = tree.clone(params), tree.clone(opt_state)
-        if finite and norm is None:
-            params, opt_state = optim.apply(self.optimizer, grads, opt_state, params)
+        if finite and (norm is None or not self.optimizer.needs_global_norm):  # the norm: metrics and the skip only
+            params, opt_state = optim.apply(self.optimizer, grads, opt_state, params, grad_scale=grad_scale)
         elif finite:
             params, opt_state = optim.apply(self.optimizer, grads, opt_state, params,
                                             norm=optim.known_norm(grads, norm))
@@ -327,20 +365,27 @@ class Step:
 
     def _loss_and_grads(self, params, batch, step, rng, loss_scale):
         """Mean loss over microbatches and the fp32, unscaled, averaged grads (a pytree)."""
+        loss, aux, grads, divisor, _ = self._summed_loss_and_grads(params, batch, step, rng, loss_scale)
+        if divisor != 1.0:
+            tensors = tree.tensors(grads)
+            if tensors:
+                torch._foreach_mul_(tensors, 1.0 / divisor)
+        return loss, aux, grads
+
+    def _summed_loss_and_grads(self, params, batch, step, rng, loss_scale, norm: bool = False):
+        """Mean loss over microbatches, the fp32 grads summed over them as the loss scale left
+        them (a pytree), the divisor that makes them the unscaled average (microbatches x loss
+        scale) and, where ``norm`` and the grads were accumulated over microbatches in zfunc's CPU
+        kernel, the sum of their squares (the last add's own pass), else None."""
         # fp32: the masters themselves (fp32 by construction), not a copy made by a tree map
         dtype = self.compute_dtype
         compute = params if dtype is torch.float32 else mp.cast_floating(params, dtype)
         scale = mp.scale_of(loss_scale)
-        local = _LocalGrads(compute, self.loss_fn, scale, self.has_aux)
+        count = self.schedule.count
+        local = _LocalGrads(compute, self.loss_fn, scale, self.has_aux, count if norm and count > 1 else 0)
         loss, aux = run_microbatches(self.schedule, batch, dtype, step_seed(rng, step), params, local.forward,
                                      local.backward)
-        acc = local.acc
-        divisor = self.schedule.count * (scale or 1.0)
-        if divisor != 1.0:
-            tensors = [g for g in acc if g is not None]
-            if tensors:
-                torch._foreach_mul_(tensors, 1.0 / divisor)
-        return loss, aux, tree.unflatten(local.treespec, acc)
+        return loss, aux, tree.unflatten(local.treespec, local.acc), count * (scale or 1.0), local.squares
 
 
 class _FromInner:
@@ -464,7 +509,8 @@ def train_step(
         raises at the first. Default ``precision.default_max_skips``: 10, and 26 for fp16, whose
         scale may overflow from 2**16 down to 1 (16 skips) before it fits.
       grad_norm: compute the global norm of the grads every step (one more read of every grad,
-        before the update): ``metrics["grad_norm"]``, and a step with non-finite grads is skipped.
+        before the update; see the module docstring): ``metrics["grad_norm"]``, and a step with
+        non-finite grads is skipped.
         False: computed only where the update needs it anyway (the optimizer's
         ``needs_global_norm``, e.g. clipping; fp16's overflow check), else ``metrics["grad_norm"]``
         is None and only a non-finite loss skips a step. Every step honours False: plain, sharded
