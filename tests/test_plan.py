@@ -453,3 +453,15 @@ def test_recipes_plan_registers_the_recipes_flavors(monkeypatch, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["model"] == "llama debug" and out["params"] == sum(
         p.numel() for p in llama.Llama(llama.flavor("debug")).parameters())
+
+
+def test_papers_predicts_every_published_row_within_30_percent():
+    """``--papers``: each published claim (capacity, TFLOP/s, tokens/s, scaling) predicted within 30%, with the
+    GEMM efficiencies taken from sources other than the rows (``zfunc.plan.hardware``)."""
+    from zfunc.plan import papers
+
+    rows = {make.__name__: make() for make in papers.HEADLINES}
+    assert {"torchtitan_8b", "torchtitan_405b", "infinity_1t_one_gpu"} <= rows.keys()
+    for name, row in rows.items():
+        assert row.ratio is not None and 0.7 <= row.ratio <= 1.3, (name, row.ratio, row.predicted)
+    assert "| Llama 3.1 8B, 8 H100, FSDP (torchtitan) |" in papers.table()

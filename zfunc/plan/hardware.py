@@ -25,10 +25,10 @@ InfiniBand, 2 TB RAM), DGX A100 (8 GPUs, 8x200 Gb/s, 1 TB; Azure's NDm A100 v4 h
 values, not measurements: every field is a flag of ``python -m zfunc.plan``, and ``--calibrate``
 measures this machine's own.
 
-**Efficiencies** (assumptions, one place): a large GEMM reaches ``matmul_efficiency`` of the
-datasheet peak (0.8 on H100/H200, an assumption; 0.52 on A100 and 0.40 on V100, what published
-large-model runs reach: ``A100_MATMUL``, ``V100_MATMUL``; ``--calibrate`` on a GPU machine records
-its bf16 GEMM rate: pass rate / peak as ``--matmul-efficiency``), attention 0.6 of it,
+**Efficiencies** (one place): a large GEMM reaches ``matmul_efficiency`` of the datasheet peak,
+what published large-model runs reach (0.47 on H100/H200, 0.52 on A100, 0.48 on V100:
+``H100_MATMUL``, ``A100_MATMUL``, ``V100_MATMUL``, each with its source; ``--calibrate`` on a GPU
+machine records its bf16 GEMM rate: pass rate / peak as ``--matmul-efficiency``), attention 0.6 of it,
 memory-bound kernels 0.8 of the HBM bandwidth, NCCL collectives 0.8 of the link bandwidth, CPU-Adam
 0.6 of the CPU's memory bandwidth.
 """
@@ -80,10 +80,14 @@ def _gpu(name, half, fp32, mem_gb, bw_gbs, source, bf16=True, matmul=0.8) -> Dev
 
 
 # Large-model training efficiencies, as published (the fraction of the half-precision peak a whole step
-# of a large transformer reaches; the roofline applies it to the GEMMs, whose time dominates such steps):
+# of a large transformer reaches; the roofline applies it to the GEMMs, whose time dominates such steps),
+# each from a source none of ``--papers``' rows is:
+# H100 0.47: Megatron-LM's README, "up to 47% Model FLOP Utilization (MFU) on H100 clusters" (2B-462B params,
+#   sequence 4096; H200 assumed the same: the same tensor cores);
 # A100 0.52: Narayanan et al., SC21 (arXiv:2104.04473), 1T params on 3072 A100 at 163 TFLOP/s per GPU;
-# V100 0.40: DeepSpeed's ZeRO-3 Offload post (2021-03-08), 1T params on 512 V100 at 49 TFLOP/s per GPU.
-A100_MATMUL, V100_MATMUL = 0.52, 0.40
+# V100 0.48: Megatron-LM v1.0 (NVIDIA ADLR, 2020-05-15), 62.4 TFLOP/s sustained end to end by a 1.2B GPT,
+#   "48% of the theoretical peak FLOPS for a single GPU in a DGX2-H server".
+H100_MATMUL, A100_MATMUL, V100_MATMUL = 0.47, 0.52, 0.48
 
 
 _H100 = "NVIDIA H100 datasheet (SXM5), nvidia.com/en-us/data-center/h100"
@@ -91,8 +95,8 @@ _H200 = "NVIDIA H200 datasheet (SXM), nvidia.com/en-us/data-center/h200"
 _A100 = "NVIDIA A100 datasheet (SXM4), nvidia.com/en-us/data-center/a100"
 _V100 = "NVIDIA V100 datasheet (SXM2), nvidia.com/en-us/data-center/v100"
 GPUS: dict[str, Device] = {
-    "H100-80GB": _gpu("H100-80GB", 989, 67, 80, 3350, _H100),
-    "H200": _gpu("H200", 989, 67, 141, 4800, _H200),
+    "H100-80GB": _gpu("H100-80GB", 989, 67, 80, 3350, _H100, matmul=H100_MATMUL),
+    "H200": _gpu("H200", 989, 67, 141, 4800, _H200, matmul=H100_MATMUL),
     "A100-80GB": _gpu("A100-80GB", 312, 19.5, 80, 2039, _A100, matmul=A100_MATMUL),
     "A100-40GB": _gpu("A100-40GB", 312, 19.5, 40, 1555, _A100, matmul=A100_MATMUL),
     "V100-32GB": _gpu("V100-32GB", 125, 15.7, 32, 900, _V100, bf16=False, matmul=V100_MATMUL),
