@@ -61,9 +61,11 @@ def refused_cases(mesh):
          r"yet.*the order that works: zf.offload\(step, ...\) of a plain step on one rank, or .*stage 1, 2 or 3"),
         ("pipeline(pipeline)", lambda: pipelined(pipelined(step, mesh), mesh), ValueError,
          r"zf.pipeline\(zf.pipeline\(step\)\) is refused: .* pipelined already"),
-        ("pipeline(offload)", lambda: pipelined(zf.offload(step), mesh), ValueError,
-         r"zf.pipeline\(zf.offload\(step\)\) is refused: zf.pipeline cannot wrap zf.offload: .*offloading a "
-         r"stage's state is not supported; the order that works: zf.pipeline\(zf.shard\(step, .*without zf.offload"),
+        ("pipeline(offload nvme)", lambda: pipelined(zf.offload(step, "nvme", path="/nonexistent"), mesh), ValueError,
+         r"zf.pipeline\(zf.offload\(step\)\) is refused: zf.pipeline cannot wrap zf.offload: a pipeline stage's "
+         r"offloaded state is its optimizer state and fp32 masters in CPU RAM, one rank per stage \(got zf.offload "
+         r"over train_step with optimizer='nvme', params=None\); the order that works: "
+         r"zf.pipeline\(zf.offload\(step, 'cpu'\), ...\) over a mesh with dp=1"),
         ("pipeline(shard 0)", lambda: pipelined(zf.shard(step, mesh, 0), mesh), ValueError,
          r"zf.pipeline\(zf.shard\(step\)\) is refused: .*pipeline composes with ZeRO stage 1, 2 or 3 over the dp "
          r"axis, got stage 0; the order that works: zf.pipeline\(zf.shard\(step, zf.Mesh\(dp=d, pp=p\), stage=1\)"),
@@ -99,7 +101,9 @@ def test_pipeline_of_an_offloaded_sharded_step_is_refused_up_front(pp_rank):
         zf.pipeline(zf.offload(zf.shard(step, mesh, stage=1)), stages=2, microbatches=2,
                     model=nn.Sequential(Block(2), Block(2)), units=zf.units.by_class(Block))
     assert str(e.value).startswith(
-        "step: zf.pipeline(zf.offload(zf.shard(step))) is refused: zf.pipeline cannot wrap zf.offload")
+        "step: zf.pipeline(zf.offload(zf.shard(step))) is refused: zf.pipeline cannot wrap zf.offload: a pipeline "
+        "stage's offloaded state is its optimizer state and fp32 masters in CPU RAM, one rank per stage (got "
+        "zf.offload over shard")
 
 
 def test_layers_record_how_a_step_was_built():

@@ -59,3 +59,44 @@ def test_pp2_x_dp2_with_zero_2_and_3_and_remat_units_equals_the_plain_step_and_l
         assert loaded.step == ref.step
         for name, value in ref.params.items():
             torch.testing.assert_close(loaded.params[name], value, rtol=1e-5, atol=1e-5, msg=f"{what}: {name}")
+
+
+def offload_worker(rank, world, directory):
+    torch.manual_seed(0)
+    model = PipeTiny()
+    apply, params = zf.functionalize(model)
+    step = zf.offload(zf.train_step(token_loss(apply), adamw(True)), "cpu")
+    step = zf.pipeline(step, stages=world, microbatches=2, model=model, units=zf.units.by_class(Block))
+    state, losses, norms = train_on(step, step.init(params), batches())
+    ck.save(state, directory / "pp-offload")
+    again = ck.load(directory / "pp-offload", step)  # resumed into the pipelined, offloaded step
+    assert str(again.placement) == str(state.placement) and again.step == state.step
+    for mine, saved in zip(zf.tree.leaves((again.params, again.opt_state)), zf.tree.leaves((state.params,
+                                                                                           state.opt_state))):
+        assert torch.equal(mine, saved) if isinstance(mine, torch.Tensor) else mine == saved
+    return losses, norms, ck.full_params(state), str(state.placement.within)
+
+
+@pytest.mark.multiprocess
+def test_pp2_with_the_optimizer_offloaded_to_cpu_equals_the_plain_step_and_loads_into_one_process(tmp_path):
+    results = zf.dist.spawn(offload_worker, 2, 2, tmp_path)
+    plain_step, ref = make()
+    ref, ref_losses, ref_norms = train_on(plain_step, ref, batches())
+    for rank, out in enumerate(results):
+        assert "optimizer on cpu" in out[3], out[3]  # each stage's state is the offloaded step's
+        assert_same_training(out[:3], (ref_losses, ref_norms, ref.params), f"pp2 + cpu offload, rank {rank}")
+    loaded = ck.load(tmp_path / "pp-offload", make()[0])
+    assert loaded.step == ref.step
+    for name, value in ref.params.items():
+        torch.testing.assert_close(loaded.params[name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_a_pipeline_over_an_offload_it_does_not_run_is_refused(tmp_path):
+    model = PipeTiny()
+    apply, _ = zf.functionalize(model)
+    step = zf.train_step(token_loss(apply), adamw(True))
+    for offloaded in (zf.offload(step, "nvme", path=str(tmp_path)),
+                      zf.offload(zf.shard(step, zf.Mesh(dp=1, pp=1), stage=1), "cpu")):
+        with pytest.raises(ValueError, match="a pipeline stage's offloaded state is its optimizer state and fp32 "
+                                             "masters in CPU RAM, one rank per stage"):
+            zf.pipeline(offloaded, stages=1, microbatches=2, model=model, units=zf.units.by_class(Block))

@@ -353,6 +353,7 @@ TWO_PROCESSES = [
     (["--zero", "3", "--remat", "--tile-lm-head", "2"], slow),
     (["--pp", "2", "--microbatches", "4", "--schedule", "gpipe", "--zero", "1"], slow),
     (["--pp", "2", "--microbatches", "2", "--zero", "3", "--remat"], ()),  # a stage's ZeRO-3 (dp 1), remat'ed units
+    (["--pp", "2", "--microbatches", "2", "--offload-optimizer", "cpu"], ()),  # each stage's optimizer state offloaded
     (["--pp", "2", "--microbatches", "2", "--schedule", "zero-bubble"], slow),
 ]
 
@@ -598,7 +599,8 @@ LAYOUT_FLAGS = [  # (flags, world size, the message naming the flags)
     (["--sp", "2", "--pp", "2", "--microbatches", "2", "--zero", "1"], 4,
      "--sp (plan sp_size): zf.sequence_parallel does not run under a pipeline yet"),
     (["--pp", "2", "--zero", "1", "--offload-optimizer", "cpu"], 2,
-     "--offload-optimizer (plan offload_optimizer): a pipeline (pp=2) updates each stage's params"),
+     "--offload-optimizer (plan offload_optimizer): under a pipeline (pp=2) offload keeps a stage's optimizer state "
+     "in CPU RAM, one rank per stage; expected offload_optimizer='cpu', offload_params='none', dp=1 and zero_stage=0"),
     (["--pp", "2", "--microbatches", "2", "--virtual-stages", "2"], 2,
      "--virtual-stages (plan virtual_stages): more than one virtual stage per rank needs pipeline_schedule"),
     (["--pp", "2", "--accum", "2"], 2, "--accum (plan accum): a pipeline splits each batch into microbatches itself"),

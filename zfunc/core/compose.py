@@ -17,7 +17,7 @@ wraps ->       train_step    shard               offload         pipeline
 =============  ============  ==================  ==============  ==============
 shard          yes           no (once)           no [1]          no [2]
 offload        yes           stages 1-3 [3]      no (once)       no [2]
-pipeline       yes [5]       stages 1-3 [5]      no [4]          no (once)
+pipeline       yes [5]       stages 1-3 [5]      cpu, dp=1 [4]   no (once)
 =============  ============  ==================  ==============  ==============
 
 [1] offload places the state shard splits: ``zf.offload(zf.shard(step, mesh, stage), ...)``.
@@ -27,8 +27,9 @@ pipeline       yes [5]       stages 1-3 [5]      no [4]          no (once)
 [3] stage 0 keeps every param whole on every rank; its replicas would each update a whole copy
     on the host: offload a plain step on one rank, or a stage 1-3 step. ``offload(params=...)``
     needs stage 3 (units fetched just in time); its ``units`` are the sharded step's.
-[4] a pipeline stage differentiates and updates its own params in place on its device; it has no
-    leaf-by-leaf update from a store (not yet).
+[4] ``zf.pipeline(zf.offload(step, "cpu"), ...)``: each stage's optimizer state and fp32 masters in
+    CPU RAM, updated leaf by leaf by the offloaded step's update once the schedule ends; one rank per
+    stage (not over a sharded step), not on NVMe, params not offloaded (not yet).
 [5] the step accumulates nothing (``accum=1``: the pipeline splits the batch itself), and a mesh
     with ``dp > 1`` needs the dp axis sharded first (``zf.shard(step, mesh, stage)``, stage 1-3: each
     stage's params and optimizer state split over its dp ranks; stage 2/3 reduce-scatter each op's
@@ -47,7 +48,8 @@ one of two kinds:
   without a pipeline; accumulation under a pipeline, which splits batches itself; params offload
   below stage 3 but for stage 0 on one rank; sequence parallelism without tensor parallelism).
   ``Plan(...)`` refuses them, so nothing else sees them.
-- ``UNSUPPORTED``: consistent, but zfunc does not run it (offload under a pipeline; optimizer
+- ``UNSUPPORTED``: consistent, but zfunc does not run it (offload under a pipeline but the CPU
+  optimizer of an unsharded stage; optimizer
   offload at stage 0 over several ranks; params offload without optimizer offload; a pipeline over
   ``dp > 1`` at stage 0; ``sp_size > 1`` under a pipeline; what
   ``zfunc.tensor`` does not run with tensor parallelism yet: its rows, registered by that package,
@@ -111,6 +113,15 @@ def _pipeline_over_shard(step: Any, options: Mapping[str, Any]) -> Refusal | str
     return _pipeline_over_step(step, {})
 
 
+def _pipeline_over_offload(step: Any, options: Mapping[str, Any]) -> Refusal | str | None:
+    if "shard" in step.layers or step.where_optimizer != "cpu" or step.where_params is not None:
+        return ("a pipeline stage's offloaded state is its optimizer state and fp32 masters in CPU RAM, one rank per "
+                f"stage (got zf.offload over {step.layers[-2]} with optimizer={step.where_optimizer!r}, "
+                f"params={step.where_params!r})",
+                "zf.pipeline(zf.offload(step, 'cpu'), ...) over a mesh with dp=1")
+    return _pipeline_over_step(step, options)
+
+
 def _shard_over_step(step: Any, options: Mapping[str, Any]) -> str | None:
     stage = options.get("stage", 0)
     if stage != 0 and getattr(step.optimizer, "local_grads", None) is not None:
@@ -134,8 +145,7 @@ TABLE: dict[tuple[str, str], Verdict] = {
     ("offload", "pipeline"): ("the pipeline runs each stage's whole step and must be applied last", _PIPELINE_LAST),
     ("pipeline", "train_step"): _pipeline_over_step,
     ("pipeline", "shard"): _pipeline_over_shard,
-    ("pipeline", "offload"): ("a pipeline stage updates its params in place on its device; offloading a "
-                              "stage's state is not supported", _PIPELINE_LAST + ", without zf.offload"),
+    ("pipeline", "offload"): _pipeline_over_offload,
     ("pipeline", "pipeline"): ("the step is pipelined already", "pipeline the plain or sharded step once"),
 }
 
@@ -264,9 +274,12 @@ def _sequence_pipeline(p: Any) -> str | None:
 
 def _pipeline_offload(p: Any) -> str | None:
     offloaded = _offloaded(p)
-    if p.pp > 1 and offloaded:
-        return (f"{offloaded[0]}: a pipeline (pp={p.pp}) updates each stage's params where it computes; "
-                f"offload needs pp=1, got {offloaded[0]}={getattr(p, offloaded[0])!r}")
+    supported = p.offload_optimizer == "cpu" and p.offload_params == "none" and p.dp == 1 and p.zero_stage == 0
+    if p.pp > 1 and offloaded and not supported:
+        return (f"{offloaded[0]}: under a pipeline (pp={p.pp}) offload keeps a stage's optimizer state in CPU RAM, one "
+                "rank per stage; expected offload_optimizer='cpu', offload_params='none', dp=1 and zero_stage=0, got "
+                f"offload_optimizer={p.offload_optimizer!r}, offload_params={p.offload_params!r}, dp={p.dp}, "
+                f"zero_stage={p.zero_stage}")
     return None
 
 

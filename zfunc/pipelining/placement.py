@@ -10,7 +10,7 @@ tp rank``, and ``whole`` puts each param's slices together after gathering its r
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from zfunc.core import placement
@@ -61,6 +61,30 @@ class PipelinePlacement(placement.Placement):
 
     def rows(self, spec: PipelineSpec, index: int, shape: tuple[int, ...]) -> placement.Rows:
         return placement.of(spec.split).rows(spec.split, index, shape)
+
+    def logical_paths(self, state: TrainState, paths: list[str]) -> list[str]:
+        """As the stage's unsharded step names them (``within``: an offloaded step's state per leaf)."""
+        within = state.placement.within if state.placement.inner is None else None
+        return paths if within is None else placement.of(within).logical_paths(state, paths)
+
+    def in_memory(self, state: TrainState) -> TrainState:
+        within = state.placement.within if state.placement.inner is None else None
+        return state if within is None else placement.of(within).in_memory(state)
+
+    def restore(self, step: Any, leaves: TrainState, params: Any, device: Any) -> TrainState | None:
+        """An unsharded stage's state as its step's placement restores it (``within``: an offloaded
+        step places each leaf itself), else None (the checkpoint fills the template)."""
+        spec = leaves.placement
+        if spec.inner is not None or spec.within is None:
+            return None
+        within = TrainState(leaves.params, leaves.opt_state, leaves.step, leaves.rng, leaves.loss_scale, spec.within,
+                            buffers=leaves.buffers)
+        owned = {name: params[name] for name in spec.owned}
+        state = placement.of(spec.within).restore(step.inner, within, owned, device)
+        if state is None:
+            return None
+        return TrainState(state.params, state.opt_state, state.step, state.rng, state.loss_scale,
+                          replace(spec, within=state.placement), buffers=state.buffers)
 
     def model(self, spec: PipelineSpec) -> dict[str, tuple[int, ...]]:
         return {name: tuple(shape) for name, shape in zip(spec.names, spec.whole_shapes or spec.shapes)}

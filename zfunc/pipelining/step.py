@@ -77,7 +77,11 @@ stage's params. ``shard(pipeline(...))`` is rejected: the pipeline must be the o
 transformation (docs/design.md, section 3: it changes what a state and a loss are for whatever
 would wrap it). Units under ``zf.remat`` recompute in backward (a unit's call inside its own call
 counts once, ``zfunc.pipelining.hooks``); with "zero-bubble" a remat'ed unit recomputes in the
-input-grad op and again in the weight-grad op.
+input-grad op and again in the weight-grad op. ``zf.pipeline(zf.offload(step, "cpu"), ...)`` keeps
+each stage's fp32 masters and optimizer state in CPU RAM (one rank per stage): the schedule runs
+on the masters cast to the compute dtype, and once it ends the offloaded step's leaf-by-leaf update
+(``zfunc.offloading.run.LeafUpdate``) applies the stage's mean grads, the norm summed over the
+stages; checkpoints are the offloaded step's (``within``), so they load into any layout.
 The schedule, ``step.schedule``, is a ``PipelineSchedule`` (``zfunc.pipelining.stage``) with
 accumulation's interface, ``split(batch)`` and ``ops(stages, stage)``, which the one microbatch
 loop (``zfunc.core.microbatches``) runs; the pipeline leaves ``Roles`` (``zfunc.core.roles``).
@@ -101,6 +105,7 @@ from torch import nn
 
 from zfunc.core import compose, placement, precision as mp, tree
 from zfunc.core.microbatches import accumulate, step_seed
+from zfunc.core.roles import RunContext
 from zfunc.dist import Mesh
 from zfunc.model.functional import BufferScope, carrying
 from zfunc.pipelining.layout import Layout, make_layout
@@ -113,6 +118,7 @@ from zfunc.core.step import Step, Transformed, sum_over_ranks
 from zfunc.core.state import TrainState, require_train_state
 from zfunc.model.materialize import Materializer
 from zfunc.model.units import Selector
+from zfunc.offloading.run import LeafUpdate
 
 PyTree = Any
 SCHEDULES = BUILT_IN
@@ -146,6 +152,7 @@ class PipelineStep(Transformed):
         self.ranks = schedule.plan(mesh.pp).ranks  # virtual stage -> rank
         self.peak_live_microbatches, self.timings = 0, {}
         self._bucket_cache: list | None = None
+        self.offloaded = compose.applied(base, "offload")  # the stage's state in CPU RAM, updated leaf by leaf
 
     def init(self, params: PyTree, materialize: Materializer | None = None) -> TrainState:
         """This stage's fp32 params (split over the dp ranks if the step is sharded) and their
@@ -162,7 +169,9 @@ class PipelineStep(Transformed):
         owned = {n: params[n] for n in names if self.ranks[self.layout.owner[n]] == self.stage}
         if self.base is not None:
             inner = self.base.init(owned, materialize)
-        elif compose.applied(self.inner, "tensor_parallel"):  # its slices, each leaf made through its materializer
+        elif self.offloaded and materialize is None and any(p.is_meta for p in owned.values()):
+            inner = self.inner.init_meta(owned)  # zf.checkpoint.load's template: no RAM touched
+        elif compose.applied(self.inner, "tensor_parallel") or self.offloaded:  # its pieces, through its init
             inner = self.inner.init(owned, materialize)
         else:
             inner = Step.init(self, owned, materialize)
@@ -213,11 +222,30 @@ class PipelineStep(Transformed):
         with carrying(state.buffers) as carried:
             loss, aux, grads = self._loss_and_grads(state.placement, params, batch, step, rng, loss_scale, carried)
         buffers = self._stage_buffers(carried, state.placement, step)
+        if self.offloaded:
+            new_state, metrics = self._offloaded_update(state, grads, loss, aux)
+            return new_state.replace(buffers=buffers), metrics
         norm = self.local_norm(grads)  # this stage's (and dp rank's) share: summed over them
         if norm is not None:
             norm, _, _ = sum_over_ranks(self._sum_across, norm * norm, None, None)
         new_state, metrics = self.update(state, grads, loss, aux, norm)
         return new_state.replace(buffers=buffers), metrics
+
+    def _offloaded_update(self, state: TrainState, grads: PyTree, loss: torch.Tensor, aux: Any):
+        """The offloaded step's update (``zfunc.offloading.run.LeafUpdate``) of this stage's state with
+        its mean grads: the grad norm's squares summed over the stages with the loss, which every stage
+        holds whole already, so each adds its ``1/p`` (exact for a power-of-two ``p``)."""
+        offloaded = self.inner
+        within = TrainState(state.params, state.opt_state, state.step, state.rng, state.loss_scale,
+                            state.placement.within)
+        context = RunContext(state.placement.within, 1.0, self._sum_across, offloaded.finite)
+        update = LeafUpdate(context, within, offloaded)
+        try:
+            new, metrics = update.apply(within, grads, loss / self.stages, aux, None)
+        finally:
+            offloaded.learn(update.finish())
+        state._consumed = True
+        return TrainState(new.params, new.opt_state, new.step, new.rng, new.loss_scale, state.placement), metrics
 
     def _in_units(self, name: str, units: Sequence[str]) -> bool:
         return any(name.startswith(f"{u}.") for u in units)

@@ -1,13 +1,13 @@
 """How the estimator reads a ``zf.config.Plan``: parallelism, ZeRO stage, offload, remat, batch and precision.
 
-The estimator takes the plan a run takes (``zf.config.Plan``). ``resolve`` fills ``dp`` from
-what tp and pp leave of the cluster's GPUs (when the plan leaves it at 1), ``seq`` from the model's
-context and ``micro_batch`` with 1, then asks ``zfunc.core.compose``'s rulebook what zfunc does not
-run (offload under a pipeline, tensor and sequence parallelism, ...): those are modelled and listed
-in ``notes`` (``Plan`` itself refuses what is inconsistent). The helpers below read the plan as the
-cost model does (``microbatches``: accumulation steps or the pipeline's microbatches; ``tiles``;
-``elem``, the compute dtype's bytes). ``from_flags`` builds a plan from ``python -m zfunc.plan``'s
-flag names (``zero``, ``remat="full"``, ``accum``, ``clip``, ``tiles``, ``schedule``).
+The estimator takes the plan a run takes (``zf.config.Plan``). ``resolve`` fills ``dp`` from what tp and
+pp leave of the cluster's GPUs (when the plan leaves it at 1), ``seq`` from the model's context and
+``micro_batch`` with 1, then asks ``zfunc.core.compose``'s rulebook what zfunc does not run (offload
+under a pipeline beyond a stage's CPU optimizer, tensor and sequence parallelism, ...): those are
+modelled and listed in ``notes`` (``Plan`` itself refuses what is inconsistent). The helpers below read
+the plan as the cost model does (``microbatches``: accumulation steps or the pipeline's microbatches;
+``tiles``; ``elem``, the compute dtype's bytes). ``from_flags`` builds a plan from ``python -m
+zfunc.plan``'s flag names (``zero``, ``remat="full"``, ``accum``, ``clip``, ``tiles``, ``schedule``).
 """
 from __future__ import annotations
 
