@@ -82,6 +82,7 @@ def describe(args, plan, launch, built: Built, device, params: dict) -> list[str
     return [f"model: {n_params(built.module) / 1e6:.2f}M params {built.config}; device {device}, "
             f"precision {plan.precision}; {args.steps} steps x {args.batch_size * args.block_size:,} tokens",
             f"layout: {launch.world} process{'es' * (launch.world > 1)}, dp={plan.dp} pp={plan.pp}"
+            + (f" sp={plan.sp_size} ({plan.sp_kind})" if plan.sp_size > 1 else "")
             + (f" tp={plan.tp}" if plan.tp > 1 else "") + (" (sequence parallel)" if plan.sp else "") + ", ZeRO "
             f"{plan.zero_stage}, offload optimizer {plan.offload_optimizer} params {plan.offload_params}, remat "
             f"{plan.remat}; per rank {args.batch_size // plan.dp} sequences in "

@@ -90,6 +90,16 @@ def test_sp2_on_2_ranks_trains_as_1_process(recipe, layout, tmp_path, text_file)
     assert_same_losses(metrics(tmp_path / "two"), metrics(tmp_path / "one"), f"{recipe} " + " ".join(layout))
 
 
+@pytest.mark.multiprocess
+def test_sp2_x_tp2_on_4_ranks_trains_as_1_process(tmp_path, text_file):
+    """--sp 2 --tp 2: each tp slice's 2 heads (of 4) split over the sequence's 2 ranks by Ulysses."""
+    argv = flags("llama", "--data", str(text_file), "--steps", "3", "--eval-every", "3", "--log-every", "1")
+    llama.main(argv + ["--out", str(tmp_path / "one")])
+    done = run_cli("llama", tmp_path / "four", argv + ["--sp", "2", "--tp", "2"], procs=4)
+    assert "layout: 4 processes, dp=1 pp=1 sp=2 (ulysses) tp=2, ZeRO 0" in done.stdout
+    assert_same_losses(metrics(tmp_path / "four"), metrics(tmp_path / "one"), "llama --sp 2 --tp 2")
+
+
 HF = {
     "gpt": dict(model_type="gpt2", n_layer=1, n_embd=32, n_head=2, n_positions=64, vocab_size=256, bos_token_id=0,
                 eos_token_id=0),

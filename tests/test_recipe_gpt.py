@@ -597,6 +597,9 @@ LAYOUT_FLAGS = [  # (flags, world size, the message naming the flags)
     (["--sp", "2"], 3, "--sp: 2 ranks per replica (pp * sp) do not divide the 3 processes"),
     (["--sp", "2", "--pp", "2", "--microbatches", "2", "--zero", "1"], 4,
      "--sp (plan sp_size): zf.sequence_parallel does not run under a pipeline yet"),
+    (["--sp", "2", "--tp", "2", "--tp-sequence-parallel"], 4,
+     "--tp-sequence-parallel (plan sp): Megatron's sequence parallelism of zf.tensor_parallel is not run with "
+     "zf.sequence_parallel yet"),
     (["--pp", "2", "--zero", "1", "--offload-optimizer", "cpu"], 2,
      "--offload-optimizer (plan offload_optimizer): a pipeline (pp=2) updates each stage's params"),
     (["--pp", "2", "--microbatches", "2", "--virtual-stages", "2"], 2,

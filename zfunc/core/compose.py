@@ -49,7 +49,7 @@ one of two kinds:
   ``Plan(...)`` refuses them, so nothing else sees them.
 - ``UNSUPPORTED``: consistent, but zfunc does not run it (offload under a pipeline; optimizer
   offload at stage 0 over several ranks; params offload without optimizer offload; a pipeline over
-  ``dp > 1`` at stage 0; ``sp_size > 1`` under a pipeline; what
+  ``dp > 1`` at stage 0; ``sp_size > 1`` under a pipeline or with Megatron's ``sp``; what
   ``zfunc.tensor`` does not run with tensor parallelism yet: its rows, registered by that package,
   replace the placeholder ``"tp"`` rows below, which refuse ``tp > 1`` where it is not imported).
   ``Plan`` holds them, ``zf.config.check`` and ``zf.parallelize`` refuse them, the estimator models
@@ -262,6 +262,15 @@ def _sequence_pipeline(p: Any) -> str | None:
     return None
 
 
+def _sequence_megatron(p: Any) -> str | None:
+    sp = getattr(p, "sp_size", 1)
+    if sp > 1 and p.sp:
+        return (f"sp: Megatron's sequence parallelism of zf.tensor_parallel is not run with zf.sequence_parallel yet "
+                f"(the step that reduces the sp ranks' grads does not sum its replicated grads over tp); expected "
+                f"sp=False with sp_size={sp}, got sp=True")
+    return None
+
+
 def _pipeline_offload(p: Any) -> str | None:
     offloaded = _offloaded(p)
     if p.pp > 1 and offloaded:
@@ -321,6 +330,8 @@ RULES: list[Rule] = [
     Rule("1-bit optimizer with ZeRO 1-3", UNSUPPORTED, _onebit_zero, "shard"),
     Rule("tensor parallelism", UNSUPPORTED, _tensor_parallel, "tp"),
     Rule("sequence parallelism under a pipeline", UNSUPPORTED, _sequence_pipeline, "sequence_parallel"),
+    Rule("Ulysses or ring with Megatron's sequence parallelism", UNSUPPORTED, _sequence_megatron,
+         "sequence_parallel"),
 ]
 
 

@@ -19,6 +19,14 @@ sums are reordered by ring). Models that attend through another function (an eag
 matmul-softmax) are not changed and compute wrong results: Hugging Face models take
 ``attn_implementation="sdpa"``.
 
+**With tensor parallelism** (``zf.Mesh(dp=d, sp=s, tp=t)``: a sequence group is ``s`` ranks holding the same
+tp slice, ``zf.Mesh``'s layout): ``zf.tensor_parallel(model, mesh)`` first, then ``zf.sequence_parallel(model,
+mesh, kind)``, and the step ``zf.shard(zf.tensor_parallel.step(step, model), mesh, stage)`` (ZeRO over each tp
+slice's ``dp x sp`` ranks). Each rank's attention then holds ``H / t`` heads of its ``T / s`` tokens:
+Ulysses needs ``(H / t) % s == 0`` (else ``kind="ring"``, which splits no heads); the tp collectives carry
+``T / s`` tokens. Same law. Megatron's ``sequence_parallel=True`` of ``zf.tensor_parallel`` is refused with
+it (``zfunc.core.compose``: the sharded step does not sum its replicated grads over tp).
+
 **Cost.** Per rank, activations of ``T / sp`` tokens (attention's: see its kind); communication per
 attention call as the kind's docstring says; the whole ``(B, T)`` ids on every rank (8 bytes a
 token). A Python call per attention call; outside a sequence-parallel model's forward and backward,
@@ -66,7 +74,7 @@ class _Attention:
         if self.kind == "ulysses":
             return ulysses_attention(query, key, value, self.mesh.sp_comm, self.mesh.sp, sdpa=_TORCH_SDPA,
                                      is_causal=is_causal, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa,
-                                     label=label)
+                                     label=label, tp=self.mesh.tp)
         if dropout_p:
             raise ValueError(f"dropout_p: ring attention has no dropout, got {dropout_p}; set the model's attention "
                              "dropout to 0 or use kind='ulysses'")
