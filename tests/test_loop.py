@@ -91,13 +91,19 @@ def test_sp2_on_2_ranks_trains_as_1_process(recipe, layout, tmp_path, text_file)
 
 
 @pytest.mark.multiprocess
-def test_sp2_x_tp2_on_4_ranks_trains_as_1_process(tmp_path, text_file):
-    """--sp 2 --tp 2: each tp slice's 2 heads (of 4) split over the sequence's 2 ranks by Ulysses."""
-    argv = flags("llama", "--data", str(text_file), "--steps", "3", "--eval-every", "3", "--log-every", "1")
+@pytest.mark.parametrize("layout, line", [
+    (["--sp", "2", "--tp", "2"], "dp=1 pp=1 sp=2 (ulysses) tp=2, ZeRO 0"),
+    pytest.param(["--sp", "2", "--pp", "2", "--microbatches", "2", "--zero", "1", "--remat"],
+                 "dp=1 pp=2 sp=2 (ulysses), ZeRO 1", marks=pytest.mark.slow)])
+def test_sp2_with_tp2_or_pp2_on_4_ranks_trains_as_1_process(layout, line, tmp_path, text_file):
+    """--sp 2 --tp 2: each tp slice's 2 heads (of 4) split over the sequence's 2 ranks by Ulysses; --sp 2 --pp 2
+    (slow): each stage's block on half the tokens, rematerialized, ZeRO-1 over each stage's sp ranks."""
+    argv = flags("llama", "--data", str(text_file), "--steps", "3", "--eval-every", "3", "--log-every", "1",
+                 "--n-layer", "2")
     llama.main(argv + ["--out", str(tmp_path / "one")])
-    done = run_cli("llama", tmp_path / "four", argv + ["--sp", "2", "--tp", "2"], procs=4)
-    assert "layout: 4 processes, dp=1 pp=1 sp=2 (ulysses) tp=2, ZeRO 0" in done.stdout
-    assert_same_losses(metrics(tmp_path / "four"), metrics(tmp_path / "one"), "llama --sp 2 --tp 2")
+    done = run_cli("llama", tmp_path / "four", argv + layout, procs=4)
+    assert f"layout: 4 processes, {line}" in done.stdout
+    assert_same_losses(metrics(tmp_path / "four"), metrics(tmp_path / "one"), "llama " + " ".join(layout))
 
 
 HF = {

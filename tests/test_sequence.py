@@ -232,9 +232,9 @@ def _assert_law(results, cases):
             assert_same_training(got, ref, f"rank {rank}, {case}")
 
 
-def _assert_plan_counts_the_bytes(results, cases, dp, tp=1):
+def _assert_plan_counts_the_bytes(results, cases, dp, **axes):
     """zfunc.plan's sequence-parallel bytes per step (``cost.sequence_bytes``, from the model's shape and the
-    plan) equal what the ranks' sp communicators counted."""
+    plan: ``dp`` and ``axes``, e.g. tp, pp and microbatches) equal what rank 0's sp communicators counted."""
     from zfunc import plan as zp
     from zfunc.plan.cost import sequence_bytes
 
@@ -242,8 +242,8 @@ def _assert_plan_counts_the_bytes(results, cases, dp, tp=1):
         name, kind, stage, *how = case
         x, _ = _data()[0]
         spec = zp.from_module(_model(name))
-        s = zf.config.Plan(dp=dp, sp_size=2, sp_kind=kind, tp=tp, zero_stage=stage, precision="fp32",
-                           remat="remat" in how, micro_batch=x.shape[0] // dp, seq=x.shape[1])
+        s = zf.config.Plan(dp=dp, sp_size=2, sp_kind=kind, zero_stage=stage, precision="fp32", remat="remat" in how,
+                           micro_batch=x.shape[0] // dp // axes.get("microbatches", 1), seq=x.shape[1], **axes)
         assert moved == sequence_bytes(spec, s), (case, moved, sequence_bytes(spec, s))
 
 
@@ -337,17 +337,19 @@ def test_a_tiled_mlp_holds_one_tile_of_its_intermediate():
     assert peaks[0] > 2 * whole and peaks[1] < whole, peaks
 
 
-def sp_tp_worker(rank, cases):
-    """sp2 x tp2 on 4 ranks through the front door (``zf.config.prepare``: the model sliced over tp, its plan found
-    from the module graph; ``zf.parallelize``: the tp step under ZeRO over each tp slice's sp ranks, the model
-    sequence-parallel): per case (losses, norms, whole params), the plain step's, the sp bytes per step; and the
-    refusal of Ulysses where a tp rank's heads do not split over sp."""
-    mesh = zf.Mesh(dp=1, sp=2, tp=2)
+
+def layout_worker(rank, cases):
+    """sp2 with tp2 or pp2 on 4 ranks through the front door (``zf.config.prepare``: the model sliced over tp, its
+    plan found from the module graph, blocks rematerialized; ``zf.parallelize``: the tp step or the pipeline over
+    ZeRO across each tp slice's or stage's sp ranks, the model sequence-parallel): per case (losses, norms, whole
+    params), the plain step's, the sp bytes per step and the step's layers; and the refusal of Ulysses where a tp
+    rank's heads do not split over sp."""
+    meshes = {"sp2 x tp2": zf.Mesh(dp=1, sp=2, tp=2), "pp2 x sp2": zf.Mesh(dp=1, pp=2, sp=2)}
     out = []
-    for name, kind, stage, *how in cases:
-        model = _model(name)
-        plan = zf.config.Plan(sp_size=2, sp_kind=kind, tp=2, zero_stage=stage, remat="remat" in how,
-                              precision="fp32", units="class:Block")
+    for axes, name, kind, stage, *how in cases:
+        mesh, model = meshes[axes], _model(name)
+        plan = zf.config.Plan(pp=mesh.pp, microbatches=2 if mesh.pp > 1 else 1, sp_size=2, sp_kind=kind, tp=mesh.tp,
+                              zero_stage=stage, remat="remat" in how, precision="fp32", units="class:Block")
         zf.config.prepare(model, plan, mesh)
         apply, params = zf.functionalize(model)
 
@@ -364,8 +366,8 @@ def sp_tp_worker(rank, cases):
         moved = {k: v / STEPS for k, v in (mesh.sp_comm.bytes | mesh.sp_p2p.bytes).items() if v}
         got = (losses, norms, zf.checkpoint.full_params(state, mesh))
         out.append((got, _train(name, data=_data()), moved, step.layers))
-    model = zf.tensor_parallel(_model("gpt"), mesh)  # 2 heads: 1 a tp rank
-    zf.sequence_parallel(model, mesh, "ulysses")
+    model = zf.tensor_parallel(_model("gpt"), meshes["sp2 x tp2"])  # 2 heads: 1 a tp rank
+    zf.sequence_parallel(model, meshes["sp2 x tp2"], "ulysses")
     try:
         model(_data()[0][0])
         refusal = None
@@ -375,17 +377,25 @@ def sp_tp_worker(rank, cases):
 
 
 SP_TP = [("gpt-4-heads", "ulysses", 0), ("llama", "ulysses", 2, "remat"), ("gpt", "ring", 3), ("llama", "ring", 1)]
+PP_SP = [("llama", "ulysses", 3, "remat"), ("gpt", "ring", 1, "remat")]
 
 
 @pytest.mark.multiprocess
-def test_sp2_x_tp2_on_4_ranks_trains_as_the_plain_step():
-    """Ulysses over each tp slice's heads (GQA: a tp rank's one kv head repeated), ring where they do not split
-    (GPT's 2 heads over tp=2), ZeRO 0-3 over the sp ranks of each tp slice, remat; zf.plan's sp bytes per step
-    (a tp rank's heads) equal the ranks' counts."""
-    everyone = zf.dist.spawn(sp_tp_worker, 4, SP_TP, timeout_s=300)
-    _assert_law(everyone, SP_TP)
-    assert all(layers == ("train_step", "tensor_parallel", "shard") for *_, layers in everyone[0][0])
-    _assert_plan_counts_the_bytes(everyone, SP_TP, 1, tp=2)
+def test_sp2_with_tp2_or_under_a_pipeline_of_2_stages_on_4_ranks_trains_as_the_plain_step():
+    """sp2 x tp2: Ulysses over each tp slice's heads (GQA: a tp rank's one kv head repeated), ring where they do
+    not split (GPT's 2 heads over tp=2), ZeRO 0-3 over the sp ranks of each tp slice, remat; zf.plan's sp bytes
+    per step (a tp rank's heads) equal the ranks' counts. pp2 x sp2 (1F1B, 2 microbatches, each microbatch
+    alike in valid labels, so their mean is the batch's): ZeRO 1/3 over each stage's sp ranks, every block
+    rematerialized (recomputed in a stage's backward with the sequence-parallel attention)."""
+    cases = [("sp2 x tp2", *c) for c in SP_TP] + [("pp2 x sp2", *c) for c in PP_SP]
+    everyone = zf.dist.spawn(layout_worker, 4, cases, timeout_s=300)
+    _assert_law(everyone, cases)
+    layers = [c[-1] for c in everyone[0][0]]
+    assert layers == [("train_step", "tensor_parallel", "shard")] * len(SP_TP) + [
+        ("train_step", "shard", "pipeline")] * len(PP_SP)
+    pairs = everyone[0][0]
+    _assert_plan_counts_the_bytes([(pairs[:len(SP_TP)], None)], SP_TP, 1, tp=2)
+    _assert_plan_counts_the_bytes([(pairs[len(SP_TP):], None)], PP_SP, 1, pp=2, microbatches=2)
     for _, refusal in everyone:
         assert "the 1 attention heads this rank holds of the model's 2 over tp=2" in refusal, refusal
         assert "kind='ring'" in refusal

@@ -27,6 +27,13 @@ Ulysses needs ``(H / t) % s == 0`` (else ``kind="ring"``, which splits no heads)
 ``T / s`` tokens. Same law. Megatron's ``sequence_parallel=True`` of ``zf.tensor_parallel`` is refused with
 it (``zfunc.core.compose``: the sharded step does not sum its replicated grads over tp).
 
+**Under a pipeline** (``zf.Mesh(dp=d, pp=p, sp=s)``): ``zf.pipeline(zf.shard(step, mesh, stage), ...)``,
+stage 1-3 over each stage's ``dp x sp`` ranks (``mesh.dp_sp`` keeps the pp axis); every rank of a stage runs
+its units on its ``T / s`` tokens of each microbatch, and the activations sent between stages are those
+tokens'. A unit under ``zf.remat`` recomputes with this attention in force (``zf.remat``'s replayed
+context), on stages whose backward never reaches the model's output too. Same law, for a loss that is
+a mean over each microbatch (as ``zf.pipeline``'s).
+
 **Cost.** Per rank, activations of ``T / sp`` tokens (attention's: see its kind); communication per
 attention call as the kind's docstring says; the whole ``(B, T)`` ids on every rank (8 bytes a
 token). A Python call per attention call; outside a sequence-parallel model's forward and backward,
@@ -34,6 +41,7 @@ token). A Python call per attention call; outside a sequence-parallel model's fo
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
@@ -47,6 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zfunc.dist.mesh import Mesh
+from zfunc.model.rematerialize import replay_context
 from zfunc.sequence.layout import SequenceLayout
 from zfunc.sequence.ring import ring_attention
 from zfunc.sequence.ulysses import ulysses_attention
@@ -119,6 +128,27 @@ def _attending(attention: _Attention):
         yield
     finally:
         _exit(attention)
+
+
+class _Attending:
+    """``attention`` in force while entered; reusable (``zf.remat`` may recompute a unit twice)."""
+
+    def __init__(self, attention: _Attention):
+        self.attention = attention
+
+    def __enter__(self) -> None:
+        _enter(self.attention)
+
+    def __exit__(self, *exc: Any) -> None:
+        _exit(self.attention)
+
+
+def _in_force() -> Any:
+    """The sequence-parallel attention in force now, as a context to recompute under (``zf.remat``'s replay)."""
+    return _Attending(_active[-1]) if _active else contextlib.nullcontext()
+
+
+replay_context(_in_force)
 
 
 class _InBackward(torch.autograd.Function):
@@ -203,8 +233,6 @@ def sequence_parallel(model: nn.Module, mesh: Mesh, kind: str = "ulysses") -> nn
         raise ValueError(f"kind: expected one of {tuple(KINDS)}, got {kind!r}")
     if not isinstance(getattr(mesh, "sp", None), int):
         raise TypeError(f"mesh: expected a zf.Mesh, got {type(mesh).__name__}")
-    if mesh.pp > 1:
-        raise ValueError(f"mesh: sequence parallelism under a pipeline is not supported yet, got pp={mesh.pp}")
     if getattr(model.forward, "sequence_layout", None) is not None:
         raise ValueError("model: already sequence-parallel (zf.sequence_parallel was applied to it before)")
     forward = model.forward
