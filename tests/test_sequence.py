@@ -302,6 +302,12 @@ def test_what_sequence_parallel_cannot_do_is_refused():
     x = torch.randint(0, 61, (2, 8))  # one rank holding everything: the model unchanged
     torch.testing.assert_close(model(x), _model("gpt")(x))
     assert torch.nn.functional.scaled_dot_product_attention is zf.sequence.parallel._TORCH_SDPA
+    sp_mesh = zf.Mesh.alone()  # reads as pp=2, sp=2: a pipeline of a step nothing reduces over sp
+    sp_mesh.pp, sp_mesh.sp = 2, 2
+    apply, params = zf.functionalize(model)
+    with pytest.raises(ValueError, match=r"mesh: sp=2; the sequence ranks' grads are reduced by zf.shard"):
+        zf.pipeline(zf.train_step(lambda p, b: apply(p, b).sum(), _opt()), 2, 2, model=model, mesh=sp_mesh,
+                    units=zf.units.by_class(type(model.blocks[0])))
 
 
 @pytest.mark.parametrize("remat", [False, True])
