@@ -4,9 +4,11 @@
 
 The model: recipes/llama.py, ``--layers`` blocks of width 64 (4 heads, 2 key/value heads, SwiGLU 256),
 256-token vocabulary, fp32, AdamW, one sequence a step. Each config trains one step of ``T`` tokens in a
-fresh process (two ranks for sp=2, ``zf.dist.spawn``) after a warm-up step at 64 tokens; then each rank
-caps its data segment (``RLIMIT_DATA``) at ``--cap-mb`` above what it holds (the interpreter, torch,
-params, optimizer state, threads), with glibc told to return freed blocks at once
+fresh process (two ranks for sp=2, ``zf.dist.spawn``) after two warm-up steps at 64 tokens (the steady
+state: the first learns the order grads arrive in, the second builds sp's stage-0 grad buckets in it, which
+``zf.shard`` keeps from step to step as DDP does); then each rank caps its data segment (``RLIMIT_DATA``) at
+``--cap-mb`` above what it holds (the interpreter, torch, params, optimizer state, kept grad buckets,
+threads), with glibc told to return freed blocks at once
 (``MALLOC_MMAP_THRESHOLD_``, ``ZFUNC_HEAP_REUSE=off``), one thread per rank (``OMP_NUM_THREADS=1``: on a
 shared machine the OpenMP threads of small tiles spin more than they compute). ``T`` doubles from 256
 until a step fails, then is bisected to within 1/16 (64 tokens at least). The configs:
@@ -93,10 +95,11 @@ def _batch(T: int):
 
 
 def _one_rank(config: str, T: int, cap: int, layers: int, tiles: int, steps: int, mesh=None) -> dict:
-    """Warm up at 64 tokens, cap this process's data segment at ``cap`` bytes more (0: no cap), time ``steps``
-    steps of ``T`` tokens: peak RSS growth and step times."""
+    """Warm up at 64 tokens (two steps), cap this process's data segment at ``cap`` bytes more (0: no cap),
+    time ``steps`` steps of ``T`` tokens: peak RSS growth and step times."""
     step, state = _build(config, layers, tiles, mesh)
-    state, _ = step(state, _batch(64))
+    for _ in range(2):  # the steady state (module docstring)
+        state, _ = step(state, _batch(64))
     if cap:
         limit = _status("VmData") + cap
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))

@@ -86,6 +86,7 @@ def describe(args, plan, launch, built: Built, device, params: dict) -> list[str
             + (f" ({plan.pipeline_schedule} schedule" + (f", {plan.virtual_stages} virtual stages per rank"
                                                          if plan.virtual_stages > 1 else "") + ")"
                if plan.pp > 1 else "")
+            + (f" sp={plan.sp_size} ({plan.sp_kind})" if plan.sp_size > 1 else "")
             + (f" tp={plan.tp}" if plan.tp > 1 else "") + (" (sequence parallel)" if plan.sp else "") + ", ZeRO "
             f"{plan.zero_stage}, offload optimizer {plan.offload_optimizer} params {plan.offload_params}, remat "
             f"{plan.remat}; per rank {args.batch_size // plan.dp} sequences in "

@@ -596,8 +596,11 @@ LAYOUT_FLAGS = [  # (flags, world size, the message naming the flags)
                                "x 1 accumulation steps; expected a multiple of 4"),
     (["--pp", "2"], 3, "--pp: 2 stages do not divide the 3 processes"),
     (["--sp", "2"], 3, "--sp: 2 ranks per replica (pp * sp) do not divide the 3 processes"),
-    (["--sp", "2", "--pp", "2", "--microbatches", "2", "--zero", "1"], 4,
-     "--sp (plan sp_size): zf.sequence_parallel does not run under a pipeline yet"),
+    (["--sp", "2", "--pp", "2", "--microbatches", "2"], 4,
+     "--zero (plan zero_stage): a pipeline over sp_size=2 ranks per stage reduces their grads through ZeRO stage 1"),
+    (["--sp", "2", "--tp", "2", "--tp-sequence-parallel"], 4,
+     "--tp-sequence-parallel (plan sp): Megatron's sequence parallelism of zf.tensor_parallel is not run with "
+     "zf.sequence_parallel yet"),
     (["--pp", "2", "--zero", "1", "--offload-optimizer", "cpu"], 2,
      "--offload-optimizer (plan offload_optimizer): under a pipeline (pp=2) offload keeps a stage's optimizer state "
      "in CPU RAM, one rank per stage; expected offload_optimizer='cpu', offload_params='none', dp=1 and zero_stage=0"),

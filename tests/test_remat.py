@@ -200,3 +200,36 @@ def test_remat_keeps_a_buffer_the_forward_reassigns():
     for _ in range(2):
         state, _ = step(state, torch.randn(4, 3))
     assert state.buffers["0.calls"].item() == 2  # once per forward: not by the recomputation
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_the_recomputation_runs_under_the_contexts_captured_at_its_forward(offload, monkeypatch):
+    """A ``replay_context`` capture: what was in force at the forward is in force again at each recomputation,
+    though backward runs outside it (zf.sequence_parallel's attention, on a pipeline stage's backward)."""
+    from zfunc.model import rematerialize
+
+    state = {"mode": "plain", "seen": []}
+
+    class Mode:
+        def __init__(self, mode):
+            self.mode, self.before = mode, []
+
+        def __enter__(self):
+            self.before.append(state["mode"])
+            state["mode"] = self.mode
+
+        def __exit__(self, *exc):
+            state["mode"] = self.before.pop()
+
+    monkeypatch.setattr(rematerialize, "_replayed", [lambda: Mode(state["mode"])])
+
+    def fn(x):
+        state["seen"].append(state["mode"])
+        return x.sin() * 2
+
+    x = torch.randn(4, requires_grad=True)
+    with Mode("forward's"):
+        y = remat(fn, offload=offload)(x)
+    y.sum().backward()
+    assert state["seen"] == ["forward's", "forward's"] and state["mode"] == "plain"
+    torch.testing.assert_close(x.grad, 2 * x.detach().cos())

@@ -28,7 +28,8 @@ CASES = {
     "pipeline over replicas": dict(dp=2, pp=2, microbatches=2),
     "tensor parallelism with what it does not yet run": dict(tp=2, sp=True, dp=2),
     "1-bit optimizer with ZeRO 1-3": dict(dp=2, zero_stage=1, optimizer="onebit_adam"),
-    "sequence parallelism under a pipeline": dict(pp=2, microbatches=2, zero_stage=1, sp_size=2),
+    "sequence parallelism under a pipeline at stage 0": dict(pp=2, microbatches=2, sp_size=2),
+    "Ulysses or ring with Megatron's sequence parallelism": dict(tp=2, sp=True, sp_size=2),
 }
 RULES = {rule.name: rule for rule in compose.RULES}
 

@@ -110,6 +110,9 @@ def _model(name):
     if name == "gpt":
         from recipes.gpt import GPT, GPTConfig
         return GPT(GPTConfig(vocab_size=61, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    if name == "gpt-4-heads":  # tp=2 leaves 2 heads a rank: Ulysses over sp=2 splits them
+        from recipes.gpt import GPT, GPTConfig
+        return GPT(GPTConfig(vocab_size=61, block_size=16, n_layer=2, n_head=4, n_embd=32))
     if name == "llama":
         from recipes.llama import Llama, LlamaConfig
         return Llama(LlamaConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
@@ -225,22 +228,22 @@ def _assert_law(results, cases):
     from models import assert_same_training
 
     for rank, (pairs, _) in enumerate(results):
-        for case, (got, ref, _) in zip(cases, pairs):
+        for case, (got, ref, *_) in zip(cases, pairs):
             assert_same_training(got, ref, f"rank {rank}, {case}")
 
 
-def _assert_plan_counts_the_bytes(results, cases, dp):
+def _assert_plan_counts_the_bytes(results, cases, dp, **axes):
     """zfunc.plan's sequence-parallel bytes per step (``cost.sequence_bytes``, from the model's shape and the
-    plan) equal what the ranks' sp communicators counted."""
+    plan: ``dp`` and ``axes``, e.g. tp, pp and microbatches) equal what rank 0's sp communicators counted."""
     from zfunc import plan as zp
     from zfunc.plan.cost import sequence_bytes
 
-    for case, (_, _, moved) in zip(cases, results[0][0]):
+    for case, (_, _, moved, *_) in zip(cases, results[0][0]):
         name, kind, stage, *how = case
         x, _ = _data()[0]
         spec = zp.from_module(_model(name))
         s = zf.config.Plan(dp=dp, sp_size=2, sp_kind=kind, zero_stage=stage, precision="fp32", remat="remat" in how,
-                           micro_batch=x.shape[0] // dp, seq=x.shape[1])
+                           micro_batch=x.shape[0] // dp // axes.get("microbatches", 1), seq=x.shape[1], **axes)
         assert moved == sequence_bytes(spec, s), (case, moved, sequence_bytes(spec, s))
 
 
@@ -299,6 +302,12 @@ def test_what_sequence_parallel_cannot_do_is_refused():
     x = torch.randint(0, 61, (2, 8))  # one rank holding everything: the model unchanged
     torch.testing.assert_close(model(x), _model("gpt")(x))
     assert torch.nn.functional.scaled_dot_product_attention is zf.sequence.parallel._TORCH_SDPA
+    sp_mesh = zf.Mesh.alone()  # reads as pp=2, sp=2: a pipeline of a step nothing reduces over sp
+    sp_mesh.pp, sp_mesh.sp = 2, 2
+    apply, params = zf.functionalize(model)
+    with pytest.raises(ValueError, match=r"mesh: sp=2; the sequence ranks' grads are reduced by zf.shard"):
+        zf.pipeline(zf.train_step(lambda p, b: apply(p, b).sum(), _opt()), 2, 2, model=model, mesh=sp_mesh,
+                    units=zf.units.by_class(type(model.blocks[0])))
 
 
 @pytest.mark.parametrize("remat", [False, True])
@@ -332,3 +341,67 @@ def test_a_tiled_mlp_holds_one_tile_of_its_intermediate():
         peaks.append(mem.peak_bytes)
     whole = T * 8 * d * 4  # one (T, 8d) fp32 intermediate
     assert peaks[0] > 2 * whole and peaks[1] < whole, peaks
+
+
+
+def layout_worker(rank, cases):
+    """sp2 with tp2 or pp2 on 4 ranks through the front door (``zf.config.prepare``: the model sliced over tp, its
+    plan found from the module graph, blocks rematerialized; ``zf.parallelize``: the tp step or the pipeline over
+    ZeRO across each tp slice's or stage's sp ranks, the model sequence-parallel): per case (losses, norms, whole
+    params), the plain step's, the sp bytes per step and the step's layers; and the refusal of Ulysses where a tp
+    rank's heads do not split over sp."""
+    meshes = {"sp2 x tp2": zf.Mesh(dp=1, sp=2, tp=2), "pp2 x sp2": zf.Mesh(dp=1, pp=2, sp=2)}
+    out = []
+    for axes, name, kind, stage, *how in cases:
+        mesh, model = meshes[axes], _model(name)
+        plan = zf.config.Plan(pp=mesh.pp, microbatches=2 if mesh.pp > 1 else 1, sp_size=2, sp_kind=kind, tp=mesh.tp,
+                              zero_stage=stage, remat="remat" in how, precision="fp32", units="class:Block")
+        zf.config.prepare(model, plan, mesh)
+        apply, params = zf.functionalize(model)
+
+        def loss_fn(p, batch, model=model, apply=apply):
+            return zf.sequence.cross_entropy(_logits(apply(p, batch[0])), batch[1], zf.sequence.layout_in_force(model))
+
+        step = zf.parallelize(zf.train_step(loss_fn, _opt()), model, plan, mesh)
+        state, losses, norms = step.init(params), [], []
+        mesh.clear_comm_bytes()
+        for batch in _data():
+            state, m = step(state, batch)
+            losses.append(m["loss"].item())
+            norms.append(m["grad_norm"].item())
+        moved = {k: v / STEPS for k, v in (mesh.sp_comm.bytes | mesh.sp_p2p.bytes).items() if v}
+        got = (losses, norms, zf.checkpoint.full_params(state, mesh))
+        out.append((got, _train(name, data=_data()), moved, step.layers))
+    model = zf.tensor_parallel(_model("gpt"), meshes["sp2 x tp2"])  # 2 heads: 1 a tp rank
+    zf.sequence_parallel(model, meshes["sp2 x tp2"], "ulysses")
+    try:
+        model(_data()[0][0])
+        refusal = None
+    except ValueError as e:
+        refusal = str(e)
+    return out, refusal
+
+
+SP_TP = [("gpt-4-heads", "ulysses", 0), ("llama", "ulysses", 2, "remat"), ("gpt", "ring", 3), ("llama", "ring", 1)]
+PP_SP = [("llama", "ulysses", 3, "remat"), ("gpt", "ring", 1, "remat")]
+
+
+@pytest.mark.multiprocess
+def test_sp2_with_tp2_or_under_a_pipeline_of_2_stages_on_4_ranks_trains_as_the_plain_step():
+    """sp2 x tp2: Ulysses over each tp slice's heads (GQA: a tp rank's one kv head repeated), ring where they do
+    not split (GPT's 2 heads over tp=2), ZeRO 0-3 over the sp ranks of each tp slice, remat; zf.plan's sp bytes
+    per step (a tp rank's heads) equal the ranks' counts. pp2 x sp2 (1F1B, 2 microbatches, each microbatch
+    alike in valid labels, so their mean is the batch's): ZeRO 1/3 over each stage's sp ranks, every block
+    rematerialized (recomputed in a stage's backward with the sequence-parallel attention)."""
+    cases = [("sp2 x tp2", *c) for c in SP_TP] + [("pp2 x sp2", *c) for c in PP_SP]
+    everyone = zf.dist.spawn(layout_worker, 4, cases, timeout_s=300)
+    _assert_law(everyone, cases)
+    layers = [c[-1] for c in everyone[0][0]]
+    assert layers == [("train_step", "tensor_parallel", "shard")] * len(SP_TP) + [
+        ("train_step", "shard", "pipeline")] * len(PP_SP)
+    pairs = everyone[0][0]
+    _assert_plan_counts_the_bytes([(pairs[:len(SP_TP)], None)], SP_TP, 1, tp=2)
+    _assert_plan_counts_the_bytes([(pairs[len(SP_TP):], None)], PP_SP, 1, pp=2, microbatches=2)
+    for _, refusal in everyone:
+        assert "the 1 attention heads this rank holds of the model's 2 over tp=2" in refusal, refusal
+        assert "kind='ring'" in refusal

@@ -172,9 +172,10 @@ class Plan:
         slices the model (``zf.tensor_parallel``, its plan found from the module graph) and
         ``zf.parallelize`` steps it (``zf.tensor_parallel.step``, under ``zf.shard`` over dp); the
         rulebook refuses what tp does not run yet (with pp, offload, a tiled head; sp under ZeRO).
-      sp_size, sp_kind: ranks each sequence is cut over (``zf.sequence_parallel``: ranks = dp * pp * sp_size,
-        every rank of a sequence group given the same batch) and how attention sees the whole sequence,
-        "ulysses" or "ring"; DeepSpeed's ``sequence_parallel_size``.
+      sp_size, sp_kind: ranks each sequence is cut over (``zf.sequence_parallel``: ranks = dp * pp * sp_size
+        * tp, every rank of a sequence group given the same batch) and how attention sees the whole sequence,
+        "ulysses" (with tp > 1: sp_size divides each tp rank's heads / tp) or "ring"; DeepSpeed's
+        ``sequence_parallel_size``.
       tile_mlp: token tiles each unit's ``mlp`` runs over (``zf.tiling.tile_tokens``), 0 = untiled.
       zero_stage: 0 (none) to 3; a pipeline (pp > 1) composes with stage 0 or 1.
       quantized_weights, quantized_grads: ZeRO++ (``zf.shard(quantize_weights=, quantize_grads=)``):

@@ -51,7 +51,7 @@ one of two kinds:
 - ``UNSUPPORTED``: consistent, but zfunc does not run it (offload under a pipeline but the CPU
   optimizer of an unsharded stage; optimizer
   offload at stage 0 over several ranks; params offload without optimizer offload; a pipeline over
-  ``dp > 1`` at stage 0; ``sp_size > 1`` under a pipeline; what
+  ``dp > 1`` or ``sp_size > 1`` at stage 0; ``sp_size > 1`` with Megatron's ``sp``; what
   ``zfunc.tensor`` does not run with tensor parallelism yet: its rows, registered by that package,
   replace the placeholder ``"tp"`` rows below, which refuse ``tp > 1`` where it is not imported).
   ``Plan`` holds them, ``zf.config.check`` and ``zf.parallelize`` refuse them, the estimator models
@@ -100,6 +100,9 @@ def _pipeline_over_step(step: Any, options: Mapping[str, Any]) -> str | None:
     mesh = options.get("mesh")
     if getattr(mesh, "dp", 1) > 1:
         return (f"mesh: dp={mesh.dp}; shard the step over the dp axis first: "
+                "zf.pipeline(zf.shard(step, mesh, stage=1), ...)")
+    if getattr(mesh, "sp", 1) > 1:
+        return (f"mesh: sp={mesh.sp}; the sequence ranks' grads are reduced by zf.shard over the dp x sp ranks: "
                 "zf.pipeline(zf.shard(step, mesh, stage=1), ...)")
     return None
 
@@ -266,9 +269,19 @@ def _sequence_parallel(p: Any) -> str | None:
 
 def _sequence_pipeline(p: Any) -> str | None:
     sp = getattr(p, "sp_size", 1)
-    if sp > 1 and p.pp > 1:
-        return (f"sp_size: zf.sequence_parallel does not run under a pipeline yet; expected sp_size=1 with pp={p.pp}, "
-                f"got {sp}")
+    if sp > 1 and p.pp > 1 and p.zero_stage == 0:
+        return (f"zero_stage: a pipeline over sp_size={sp} ranks per stage reduces their grads through ZeRO stage 1 "
+                f"(zf.pipeline composes with zf.shard stage 1-3 over the dp x sp ranks); expected 1 with pp={p.pp}, "
+                f"got 0")
+    return None
+
+
+def _sequence_megatron(p: Any) -> str | None:
+    sp = getattr(p, "sp_size", 1)
+    if sp > 1 and p.sp:
+        return (f"sp: Megatron's sequence parallelism of zf.tensor_parallel is not run with zf.sequence_parallel yet "
+                f"(the step that reduces the sp ranks' grads does not sum its replicated grads over tp); expected "
+                f"sp=False with sp_size={sp}, got sp=True")
     return None
 
 
@@ -333,7 +346,9 @@ RULES: list[Rule] = [
     Rule("pipeline over replicas", UNSUPPORTED, _pipeline_replicas, "pipeline"),
     Rule("1-bit optimizer with ZeRO 1-3", UNSUPPORTED, _onebit_zero, "shard"),
     Rule("tensor parallelism", UNSUPPORTED, _tensor_parallel, "tp"),
-    Rule("sequence parallelism under a pipeline", UNSUPPORTED, _sequence_pipeline, "sequence_parallel"),
+    Rule("sequence parallelism under a pipeline at stage 0", UNSUPPORTED, _sequence_pipeline, "sequence_parallel"),
+    Rule("Ulysses or ring with Megatron's sequence parallelism", UNSUPPORTED, _sequence_megatron,
+         "sequence_parallel"),
 ]
 
 

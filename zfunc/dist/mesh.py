@@ -440,11 +440,11 @@ class Mesh:
     and each computes grads from its part of the tokens, as ``dp`` ranks do from their part of the
     batch; so the ranks that reduce grads (and may shard model states) are the ``dp x sp`` ranks of
     one pipeline stage and tp slice: ``dp_sp``, a ``Mesh`` over them (``dp = dp * sp``, rank ``dp_rank
-    * sp + sp_rank``), which ``zf.shard`` takes in place of a mesh with ``sp > 1`` (DeepSpeed-Ulysses'
-    choice: ZeRO over dp x sp). One reduce-scatter over ``dp * sp`` ranks moves what a dp
-    reduce-scatter would, and model states divide by ``dp * sp`` instead of ``dp``. Law: with each
-    rank's loss the ``zfunc.sequence`` loss (its tokens' share, scaled by ``sp``), the mean over the
-    ``dp x sp`` ranks is the plain step's loss and their mean grad its grad.
+    * sp + sp_rank``; its pp and tp axes and their comms this mesh's), which ``zf.shard`` takes in place of
+    a mesh with ``sp > 1`` (DeepSpeed-Ulysses' choice: ZeRO over dp x sp). One reduce-scatter over ``dp *
+    sp`` ranks moves what a dp reduce-scatter would, and model states divide by ``dp * sp`` instead of
+    ``dp``. Law: with each rank's loss the ``zfunc.sequence`` loss (its tokens' share, scaled by ``sp``),
+    the mean over the ``dp x sp`` ranks is the plain step's loss and their mean grad its grad.
     """
 
     def __init__(self, dp: int | None = None, pp: int = 1, sp: int = 1, tp: int = 1):
@@ -518,20 +518,21 @@ class Mesh:
         self.dp_sp = self._over_dp_sp(sizes, rank)
 
     def _over_dp_sp(self, sizes: dict[str, int], rank: int) -> Mesh:
-        """The mesh of this rank's dp x sp ranks (one pipeline stage's, one tp slice's), as a
-        data-parallel mesh."""
+        """This mesh with its dp and sp axes merged into one data-parallel axis of ``dp * sp`` ranks (one
+        pipeline stage's, one tp slice's); the pp and tp axes and their comms are this mesh's (shared: a
+        pipeline over a step sharded on it sends and receives on them)."""
         groups: dict[tuple[int, int], list[int]] = {}
         for r in range(self.pp * self.dp * self.sp * self.tp):
             c = coordinates(sizes, r)
             groups.setdefault((c["pp"], c["tp"]), []).append(r)
         flat = object.__new__(Mesh)
-        flat.dp, flat.pp, flat.sp, flat.tp, flat.dp_sp = self.dp * self.sp, 1, 1, 1, flat
-        flat.rank, flat.pp_rank, flat.sp_rank, flat.tp_rank = self.rank * self.sp + self.sp_rank, 0, 0, 0
+        flat.dp, flat.pp, flat.sp, flat.tp, flat.dp_sp = self.dp * self.sp, self.pp, 1, self.tp, flat
+        flat.rank, flat.pp_rank, flat.sp_rank, flat.tp_rank = self.rank * self.sp + self.sp_rank, self.pp_rank, 0, \
+            self.tp_rank
         flat.comm = Comm(group=_my_group(list(groups.values()), rank))
         flat.reduce_comm = Comm(group=_my_group(list(groups.values()), rank))
-        flat.pp_comm, flat.p2p = Comm(alone=True), P2P(peers=(rank,))
+        flat.pp_comm, flat.p2p, flat.tp_comm = self.pp_comm, self.p2p, self.tp_comm
         flat.sp_comm, flat.sp_p2p = Comm(alone=True), P2P(peers=(rank,))
-        flat.tp_comm = Comm(alone=True)
         return flat
 
     @property

@@ -22,6 +22,11 @@ unit being recomputed holds device memory. Time: one more forward of each unit (
 FLOPs), plus a host round trip of the inputs with ``offload`` (overlapped on CUDA: the copies are
 ``non_blocking`` from pinned memory). On a CPU device ``offload`` moves nothing.
 
+**Context.** The recomputation runs under the contexts the forward ran under that a module's code cannot
+see: each ``replay_context(capture)`` registered, ``capture()`` is called as the forward runs and what it
+returns is entered around the recomputation (``zf.sequence_parallel`` registers its attention: a unit
+recomputed where nothing else puts it in force, a pipeline stage's backward, attends as its forward did).
+
 Implemented with the non-reentrant ``torch.utils.checkpoint``, which works under
 ``torch.autograd.grad`` and ``backward`` (what zfunc's steps use) but not under ``torch.func.grad``
 (docs/design.md, section 1). The reentrant variant would compute param grads into ``.grad`` behind
@@ -29,6 +34,7 @@ Implemented with the non-reentrant ``torch.utils.checkpoint``, which works under
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 from collections.abc import Callable
@@ -40,6 +46,39 @@ from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
 from zfunc.core import compose
+
+
+_replayed: list[Callable[[], contextlib.AbstractContextManager]] = []
+
+
+def replay_context(capture: Callable[[], contextlib.AbstractContextManager]) -> None:
+    """Register ``capture``: called as a rematerialized function runs forward, the context manager it returns is
+    entered around each recomputation of that call in backward (the module docstring's context; a split
+    backward recomputes twice, so it must be reusable: not a ``contextlib.contextmanager`` generator)."""
+    if not callable(capture):
+        raise TypeError(f"capture: expected a callable returning a context manager, got {type(capture).__name__}")
+    _replayed.append(capture)
+
+
+class _Replayed:
+    """The contexts captured at a forward, entered around each of its recomputations."""
+
+    def __init__(self, captured: list[contextlib.AbstractContextManager]):
+        self.captured, self.stacks = captured, []
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        for context in self.captured:
+            stack.enter_context(context)
+        self.stacks.append(stack)
+
+    def __exit__(self, *exc: Any) -> bool:
+        return self.stacks.pop().__exit__(*exc)
+
+
+def _contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """``checkpoint``'s ``context_fn``: nothing around the forward; the captured contexts around the recomputation."""
+    return contextlib.nullcontext(), _Replayed([capture() for capture in _replayed])
 
 
 def _to_host(x: Any) -> Any:
@@ -143,7 +182,8 @@ def remat(fn: Callable[..., Any], offload: bool = False) -> Callable[..., Any]:
         buffers = dict(module.named_buffers()) if module is not None else {}
         names, state = tuple(held), tuple(held.values())
         if not offload:
-            return checkpoint(with_state(names, buffers, kwargs), *state, *args, use_reentrant=False)
+            return checkpoint(with_state(names, buffers, kwargs), *state, *args, use_reentrant=False,
+                              context_fn=_contexts)
         devices = [x.device if isinstance(x, torch.Tensor) else None for x in args]
         run = with_state(names, buffers, kwargs)
 
@@ -152,7 +192,7 @@ def remat(fn: Callable[..., Any], offload: bool = False) -> Callable[..., Any]:
                     for h, d in zip(inputs[len(names):], devices)]
             return run(*inputs[: len(names)], *back)
 
-        return checkpoint(on_device, *state, *[_to_host(x) for x in args], use_reentrant=False)
+        return checkpoint(on_device, *state, *[_to_host(x) for x in args], use_reentrant=False, context_fn=_contexts)
 
     rematerialized.zfunc_transform = "remat"  # what zfunc.core.compose looks for (a pipeline unit refuses it)
     return rematerialized

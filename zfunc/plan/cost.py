@@ -189,7 +189,7 @@ def sequence_bytes(model: ModelSpec, s: Plan) -> dict[str, float]:
         return {}
     layers, m, e = math.ceil(model.layers / s.pp), microbatches(s), elem(s)
     head_dim, tokens = model.hidden // model.heads, rank_tokens(s) // s.micro_batch
-    heads, kv = model.heads // s.tp, model.kv // s.tp
+    heads, kv = model.heads // s.tp, max(1, model.kv // s.tp)  # tp replicates kv heads it does not divide
     if s.sp_kind == "ulysses":
         call = ulysses.comm_bytes(s.micro_batch, tokens, heads, kv, head_dim, e, s.sp_size)
         return {"all_to_all": layers * m * (call + (call / 2 if s.remat else 0.0))}

@@ -19,6 +19,21 @@ sums are reordered by ring). Models that attend through another function (an eag
 matmul-softmax) are not changed and compute wrong results: Hugging Face models take
 ``attn_implementation="sdpa"``.
 
+**With tensor parallelism** (``zf.Mesh(dp=d, sp=s, tp=t)``: a sequence group is ``s`` ranks holding the same
+tp slice, ``zf.Mesh``'s layout): ``zf.tensor_parallel(model, mesh)`` first, then ``zf.sequence_parallel(model,
+mesh, kind)``, and the step ``zf.shard(zf.tensor_parallel.step(step, model), mesh, stage)`` (ZeRO over each tp
+slice's ``dp x sp`` ranks). Each rank's attention then holds ``H / t`` heads of its ``T / s`` tokens:
+Ulysses needs ``(H / t) % s == 0`` (else ``kind="ring"``, which splits no heads); the tp collectives carry
+``T / s`` tokens. Same law. Megatron's ``sequence_parallel=True`` of ``zf.tensor_parallel`` is refused with
+it (``zfunc.core.compose``: the sharded step does not sum its replicated grads over tp).
+
+**Under a pipeline** (``zf.Mesh(dp=d, pp=p, sp=s)``): ``zf.pipeline(zf.shard(step, mesh, stage), ...)``,
+stage 1-3 over each stage's ``dp x sp`` ranks (``mesh.dp_sp`` keeps the pp axis); every rank of a stage runs
+its units on its ``T / s`` tokens of each microbatch, and the activations sent between stages are those
+tokens'. A unit under ``zf.remat`` recomputes with this attention in force (``zf.remat``'s replayed
+context), on stages whose backward never reaches the model's output too. Same law, for a loss that is
+a mean over each microbatch (as ``zf.pipeline``'s).
+
 **Cost.** Per rank, activations of ``T / sp`` tokens (attention's: see its kind); communication per
 attention call as the kind's docstring says; the whole ``(B, T)`` ids on every rank (8 bytes a
 token). A Python call per attention call; outside a sequence-parallel model's forward and backward,
@@ -26,6 +41,7 @@ token). A Python call per attention call; outside a sequence-parallel model's fo
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
@@ -39,6 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zfunc.dist.mesh import Mesh
+from zfunc.model.rematerialize import replay_context
 from zfunc.sequence.layout import SequenceLayout
 from zfunc.sequence.ring import ring_attention
 from zfunc.sequence.ulysses import ulysses_attention
@@ -66,7 +83,7 @@ class _Attention:
         if self.kind == "ulysses":
             return ulysses_attention(query, key, value, self.mesh.sp_comm, self.mesh.sp, sdpa=_TORCH_SDPA,
                                      is_causal=is_causal, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa,
-                                     label=label)
+                                     label=label, tp=self.mesh.tp)
         if dropout_p:
             raise ValueError(f"dropout_p: ring attention has no dropout, got {dropout_p}; set the model's attention "
                              "dropout to 0 or use kind='ulysses'")
@@ -111,6 +128,27 @@ def _attending(attention: _Attention):
         yield
     finally:
         _exit(attention)
+
+
+class _Attending:
+    """``attention`` in force while entered; reusable (``zf.remat`` may recompute a unit twice)."""
+
+    def __init__(self, attention: _Attention):
+        self.attention = attention
+
+    def __enter__(self) -> None:
+        _enter(self.attention)
+
+    def __exit__(self, *exc: Any) -> None:
+        _exit(self.attention)
+
+
+def _in_force() -> Any:
+    """The sequence-parallel attention in force now, as a context to recompute under (``zf.remat``'s replay)."""
+    return _Attending(_active[-1]) if _active else contextlib.nullcontext()
+
+
+replay_context(_in_force)
 
 
 class _InBackward(torch.autograd.Function):
@@ -195,8 +233,6 @@ def sequence_parallel(model: nn.Module, mesh: Mesh, kind: str = "ulysses") -> nn
         raise ValueError(f"kind: expected one of {tuple(KINDS)}, got {kind!r}")
     if not isinstance(getattr(mesh, "sp", None), int):
         raise TypeError(f"mesh: expected a zf.Mesh, got {type(mesh).__name__}")
-    if mesh.pp > 1:
-        raise ValueError(f"mesh: sequence parallelism under a pipeline is not supported yet, got pp={mesh.pp}")
     if getattr(model.forward, "sequence_layout", None) is not None:
         raise ValueError("model: already sequence-parallel (zf.sequence_parallel was applied to it before)")
     forward = model.forward

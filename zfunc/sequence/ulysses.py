@@ -71,17 +71,21 @@ def heads_to_tokens(x: torch.Tensor, comm: Comm, sp: int, label: str) -> torch.T
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, sp: int, *,
                       sdpa: Callable[..., torch.Tensor], is_causal: bool = False, dropout_p: float = 0.0,
-                      scale: float | None = None, enable_gqa: bool = False, label: str = "attention") -> torch.Tensor:
+                      scale: float | None = None, enable_gqa: bool = False, label: str = "attention",
+                      tp: int = 1) -> torch.Tensor:
     """Attention of this rank's ``(B, H, T/sp, D)`` queries over the whole sequence's keys and values,
     computed by ``sdpa`` (torch's ``scaled_dot_product_attention``) on all ``T`` tokens of ``H / sp`` heads.
+    ``tp``: the tensor-parallel ranks the model's heads are split over (``H`` is then this rank's ``1/tp``).
 
     Law and cost: the module docstring. Raises ``ValueError`` naming ``kind="ring"`` when ``sp`` does not
     divide the heads.
     """
     H, H_kv = q.shape[1], k.shape[1]
     if H % sp:
-        raise ValueError(f"sp: Ulysses splits the {H} attention heads over sp={sp} ranks, which does not divide "
-                         f"them; use zf.sequence_parallel(..., kind='ring'), which splits no heads")
+        held = (f"the {H} attention heads this rank holds of the model's {H * tp} over tp={tp} (Ulysses under "
+                f"tensor parallelism needs (heads / tp) % sp == 0)" if tp > 1 else f"the {H} attention heads")
+        raise ValueError(f"sp: Ulysses splits {held} over sp={sp} ranks, which does not divide them; use "
+                         f"zf.sequence_parallel(..., kind='ring'), which splits no heads")
     if H_kv != H and H_kv % sp:  # grouped-query heads that do not split: give every query head its own
         k, v = (t.repeat_interleave(H // H_kv, dim=1) for t in (k, v))
         H_kv, enable_gqa = H, False
