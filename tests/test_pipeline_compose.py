@@ -61,30 +61,35 @@ def test_pp2_x_dp2_with_zero_2_and_3_and_remat_units_equals_the_plain_step_and_l
             torch.testing.assert_close(loaded.params[name], value, rtol=1e-5, atol=1e-5, msg=f"{what}: {name}")
 
 
-def offload_worker(rank, world, directory):
+def offload_worker(rank, world, directory, where):
     torch.manual_seed(0)
     model = PipeTiny()
     apply, params = zf.functionalize(model)
-    step = zf.offload(zf.train_step(token_loss(apply), adamw(True)), "cpu")
+    path = str(directory / "swap") if where == "nvme" else None
+    step = zf.offload(zf.train_step(token_loss(apply), adamw(True)), where, path=path)
     step = zf.pipeline(step, stages=world, microbatches=2, model=model, units=zf.units.by_class(Block))
     state, losses, norms = train_on(step, step.init(params), batches())
     ck.save(state, directory / "pp-offload")
-    again = ck.load(directory / "pp-offload", step)  # resumed into the pipelined, offloaded step
+    full = ck.full_params(state)
+    again = ck.load(directory / "pp-offload", step)  # resumed into the pipelined, offloaded step (its files)
     assert str(again.placement) == str(state.placement) and again.step == state.step
-    for mine, saved in zip(zf.tree.leaves((again.params, again.opt_state)), zf.tree.leaves((state.params,
-                                                                                           state.opt_state))):
-        assert torch.equal(mine, saved) if isinstance(mine, torch.Tensor) else mine == saved
-    return losses, norms, ck.full_params(state), str(state.placement.within)
+    for name, value in ck.full_params(again).items():
+        assert torch.equal(value, full[name]), name
+    within = str(again.placement.within)
+    zf.offloading.release(step, again)
+    return losses, norms, full, within
 
 
 @pytest.mark.multiprocess
-def test_pp2_with_the_optimizer_offloaded_to_cpu_equals_the_plain_step_and_loads_into_one_process(tmp_path):
-    results = zf.dist.spawn(offload_worker, 2, 2, tmp_path)
+@pytest.mark.parametrize("where", ["cpu", "nvme"])
+def test_pp2_with_the_optimizer_offloaded_equals_the_plain_step_and_loads_into_one_process(tmp_path, where):
+    results = zf.dist.spawn(offload_worker, 2, 2, tmp_path, where)
+    assert not (tmp_path / "swap").exists() or not any((tmp_path / "swap").rglob("*.swap"))  # released
     plain_step, ref = make()
     ref, ref_losses, ref_norms = train_on(plain_step, ref, batches())
     for rank, out in enumerate(results):
-        assert "optimizer on cpu" in out[3], out[3]  # each stage's state is the offloaded step's
-        assert_same_training(out[:3], (ref_losses, ref_norms, ref.params), f"pp2 + cpu offload, rank {rank}")
+        assert f"optimizer on {where}" in out[3], out[3]  # each stage's state is the offloaded step's
+        assert_same_training(out[:3], (ref_losses, ref_norms, ref.params), f"pp2 + {where} offload, rank {rank}")
     loaded = ck.load(tmp_path / "pp-offload", make()[0])
     assert loaded.step == ref.step
     for name, value in ref.params.items():
@@ -95,8 +100,8 @@ def test_a_pipeline_over_an_offload_it_does_not_run_is_refused(tmp_path):
     model = PipeTiny()
     apply, _ = zf.functionalize(model)
     step = zf.train_step(token_loss(apply), adamw(True))
-    for offloaded in (zf.offload(step, "nvme", path=str(tmp_path)),
+    for offloaded in (zf.offload(zf.shard(step, zf.Mesh(dp=1, pp=1), stage=3), "cpu", params="cpu"),
                       zf.offload(zf.shard(step, zf.Mesh(dp=1, pp=1), stage=1), "cpu")):
-        with pytest.raises(ValueError, match="a pipeline stage's offloaded state is its optimizer state and fp32 "
-                                             "masters in CPU RAM, one rank per stage"):
+        with pytest.raises(ValueError, match=r"a pipeline stage's offloaded state is its optimizer state and fp32 "
+                                             r"masters \(CPU RAM or NVMe\), one rank per stage"):
             zf.pipeline(offloaded, stages=1, microbatches=2, model=model, units=zf.units.by_class(Block))

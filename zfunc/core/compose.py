@@ -17,7 +17,7 @@ wraps ->       train_step    shard               offload         pipeline
 =============  ============  ==================  ==============  ==============
 shard          yes           no (once)           no [1]          no [2]
 offload        yes           stages 1-3 [3]      no (once)       no [2]
-pipeline       yes [5]       stages 1-3 [5]      cpu, dp=1 [4]   no (once)
+pipeline       yes [5]       stages 1-3 [5]      dp=1 [4]        no (once)
 =============  ============  ==================  ==============  ==============
 
 [1] offload places the state shard splits: ``zf.offload(zf.shard(step, mesh, stage), ...)``.
@@ -27,9 +27,9 @@ pipeline       yes [5]       stages 1-3 [5]      cpu, dp=1 [4]   no (once)
 [3] stage 0 keeps every param whole on every rank; its replicas would each update a whole copy
     on the host: offload a plain step on one rank, or a stage 1-3 step. ``offload(params=...)``
     needs stage 3 (units fetched just in time); its ``units`` are the sharded step's.
-[4] ``zf.pipeline(zf.offload(step, "cpu"), ...)``: each stage's optimizer state and fp32 masters in
-    CPU RAM, updated leaf by leaf by the offloaded step's update once the schedule ends; one rank per
-    stage (not over a sharded step), not on NVMe, params not offloaded (not yet).
+[4] ``zf.pipeline(zf.offload(step, "cpu" | "nvme"), ...)``: each stage's optimizer state and fp32
+    masters in CPU RAM or swap files, updated leaf by leaf by the offloaded step's update once the
+    schedule ends; one rank per stage (not over a sharded step), params not offloaded (not yet).
 [5] the step accumulates nothing (``accum=1``: the pipeline splits the batch itself), and a mesh
     with ``dp > 1`` needs the dp axis sharded first (``zf.shard(step, mesh, stage)``, stage 1-3: each
     stage's params and optimizer state split over its dp ranks; stage 2/3 reduce-scatter each op's
@@ -48,7 +48,7 @@ one of two kinds:
   without a pipeline; accumulation under a pipeline, which splits batches itself; params offload
   below stage 3 but for stage 0 on one rank; sequence parallelism without tensor parallelism).
   ``Plan(...)`` refuses them, so nothing else sees them.
-- ``UNSUPPORTED``: consistent, but zfunc does not run it (offload under a pipeline but the CPU
+- ``UNSUPPORTED``: consistent, but zfunc does not run it (offload under a pipeline but the
   optimizer of an unsharded stage; optimizer
   offload at stage 0 over several ranks; params offload without optimizer offload; a pipeline over
   ``dp > 1`` or ``sp_size > 1`` at stage 0; ``sp_size > 1`` with Megatron's ``sp``; what
@@ -117,11 +117,11 @@ def _pipeline_over_shard(step: Any, options: Mapping[str, Any]) -> Refusal | str
 
 
 def _pipeline_over_offload(step: Any, options: Mapping[str, Any]) -> Refusal | str | None:
-    if "shard" in step.layers or step.where_optimizer != "cpu" or step.where_params is not None:
-        return ("a pipeline stage's offloaded state is its optimizer state and fp32 masters in CPU RAM, one rank per "
-                f"stage (got zf.offload over {step.layers[-2]} with optimizer={step.where_optimizer!r}, "
+    if "shard" in step.layers or step.where_params is not None:
+        return ("a pipeline stage's offloaded state is its optimizer state and fp32 masters (CPU RAM or NVMe), one "
+                f"rank per stage, its params on the device (got zf.offload over {step.layers[-2]} with "
                 f"params={step.where_params!r})",
-                "zf.pipeline(zf.offload(step, 'cpu'), ...) over a mesh with dp=1")
+                "zf.pipeline(zf.offload(step, 'cpu' or 'nvme'), ...) over a mesh with dp=1")
     return _pipeline_over_step(step, options)
 
 
@@ -287,10 +287,10 @@ def _sequence_megatron(p: Any) -> str | None:
 
 def _pipeline_offload(p: Any) -> str | None:
     offloaded = _offloaded(p)
-    supported = p.offload_optimizer == "cpu" and p.offload_params == "none" and p.dp == 1 and p.zero_stage == 0
+    supported = p.offload_params == "none" and p.dp == 1 and p.zero_stage == 0
     if p.pp > 1 and offloaded and not supported:
-        return (f"{offloaded[0]}: under a pipeline (pp={p.pp}) offload keeps a stage's optimizer state in CPU RAM, one "
-                "rank per stage; expected offload_optimizer='cpu', offload_params='none', dp=1 and zero_stage=0, got "
+        return (f"{offloaded[0]}: under a pipeline (pp={p.pp}) offload keeps a stage's optimizer state in CPU RAM or "
+                "on NVMe, one rank per stage; expected offload_params='none', dp=1 and zero_stage=0, got "
                 f"offload_optimizer={p.offload_optimizer!r}, offload_params={p.offload_params!r}, dp={p.dp}, "
                 f"zero_stage={p.zero_stage}")
     return None

@@ -340,7 +340,7 @@ class OffloadedStep(Transformed):
         try:
             return run.execute(state, batch)
         except OSError as e:  # a swap read or write failed: the files go back to their versions before the step
-            raise _saying(e, run.roles.update.undo(state)) from e
+            raise with_outcome(e, run.roles.update.undo(state)) from e
         finally:
             self.learn(run.finish())
 
@@ -390,7 +390,7 @@ def _overlap_allowed(step: Step, overlap: bool | None) -> bool:
     return not reasons if overlap is None else overlap
 
 
-def _saying(e: OSError, outcome: str) -> OSError:
+def with_outcome(e: OSError, outcome: str) -> OSError:
     """``e`` with ``outcome`` (what became of the state) added to its message, same type and errno."""
     from zfunc.offloading.swap.file_format import SwapError
 
@@ -408,11 +408,17 @@ def release(step: Step, state: TrainState) -> int:
     lock goes with it) and remove the folders it created for them, if nothing else is in them.
     ``state`` is consumed: its leaves were those files (``ConsumedStateError`` if read). Returns the
     bytes the files held; 0, touching nothing, for a step with no swap engine (not offloaded,
-    offloaded to "cpu", or released already). Files and folders zfunc did not write stay. The
+    offloaded to "cpu", or released already). A pipeline over an offloaded step releases its stage's.
+    Files and folders zfunc did not write stay. The
     step may ``init`` again afterwards, on a new engine. Cost: waits for the I/O issued on the
     files, then an unlink per file and spare."""
     from zfunc.offloading.swap.directory import spare_path
 
+    within = getattr(getattr(state, "placement", None), "within", None)
+    if isinstance(getattr(step, "inner", None), OffloadedStep) and isinstance(within, OffloadSpec):
+        stage = TrainState(state.params, state.opt_state, state.step, state.rng, state.loss_scale, within)
+        state._consumed = True  # a pipeline stage's offloaded state (``PipelineSpec.within``): its files go
+        step, state = step.inner, stage
     if not isinstance(step, OffloadedStep) or step.engine is None:
         return 0
     step._check_state(state)

@@ -68,8 +68,12 @@ class PipelinePlacement(placement.Placement):
         return paths if within is None else placement.of(within).logical_paths(state, paths)
 
     def in_memory(self, state: TrainState) -> TrainState:
-        within = state.placement.within if state.placement.inner is None else None
-        return state if within is None else placement.of(within).in_memory(state)
+        """As the stage's unsharded step reads it (``within``: an offloaded step's swap files read back)."""
+        spec = state.placement
+        if spec.inner is not None or spec.within is None:
+            return state
+        got = placement.of(spec.within).in_memory(_as(state, spec.within))
+        return _as(got, spec)
 
     def restore(self, step: Any, leaves: TrainState, params: Any, device: Any) -> TrainState | None:
         """An unsharded stage's state as its step's placement restores it (``within``: an offloaded
@@ -77,14 +81,9 @@ class PipelinePlacement(placement.Placement):
         spec = leaves.placement
         if spec.inner is not None or spec.within is None:
             return None
-        within = TrainState(leaves.params, leaves.opt_state, leaves.step, leaves.rng, leaves.loss_scale, spec.within,
-                            buffers=leaves.buffers)
         owned = {name: params[name] for name in spec.owned}
-        state = placement.of(spec.within).restore(step.inner, within, owned, device)
-        if state is None:
-            return None
-        return TrainState(state.params, state.opt_state, state.step, state.rng, state.loss_scale,
-                          replace(spec, within=state.placement), buffers=state.buffers)
+        state = placement.of(spec.within).restore(step.inner, _as(leaves, spec.within), owned, device)
+        return None if state is None else _as(state, replace(spec, within=state.placement))
 
     def model(self, spec: PipelineSpec) -> dict[str, tuple[int, ...]]:
         return {name: tuple(shape) for name, shape in zip(spec.names, spec.whole_shapes or spec.shapes)}
@@ -94,7 +93,13 @@ class PipelinePlacement(placement.Placement):
         (``placement.gather_rows``), whatever ``mesh``; tensor-parallel slices gathered with the rest
         and put together by their slicing (``Rows.slicing``)."""
         placement.arrive(self.processes(state.placement)[0])
-        return placement.gather_rows(state)
+        return placement.gather_rows(self.in_memory(state))  # an offloaded stage's masters read back first
+
+
+def _as(state: TrainState, spec: Any) -> TrainState:
+    """``state``'s values under placement ``spec``."""
+    return TrainState(state.params, state.opt_state, state.step, state.rng, state.loss_scale, spec,
+                      buffers=state.buffers)
 
 
 placement.register(PipelineSpec, PipelinePlacement())

@@ -77,9 +77,10 @@ stage's params. ``shard(pipeline(...))`` is rejected: the pipeline must be the o
 transformation (docs/design.md, section 3: it changes what a state and a loss are for whatever
 would wrap it). Units under ``zf.remat`` recompute in backward (a unit's call inside its own call
 counts once, ``zfunc.pipelining.hooks``); with "zero-bubble" a remat'ed unit recomputes in the
-input-grad op and again in the weight-grad op. ``zf.pipeline(zf.offload(step, "cpu"), ...)`` keeps
-each stage's fp32 masters and optimizer state in CPU RAM (one rank per stage): the schedule runs
-on the masters cast to the compute dtype, and once it ends the offloaded step's leaf-by-leaf update
+input-grad op and again in the weight-grad op. ``zf.pipeline(zf.offload(step, "cpu" | "nvme"), ...)``
+keeps each stage's fp32 masters and optimizer state in CPU RAM or swap files (one rank per stage): the
+schedule runs on the compute copies the last update wrote (or the masters cast), and once it ends the
+offloaded step's leaf-by-leaf update
 (``zfunc.offloading.run.LeafUpdate``) applies the stage's mean grads, the norm summed over the
 stages; checkpoints are the offloaded step's (``within``), so they load into any layout.
 The schedule, ``step.schedule``, is a ``PipelineSchedule`` (``zfunc.pipelining.stage``) with
@@ -119,6 +120,7 @@ from zfunc.core.state import TrainState, require_train_state
 from zfunc.model.materialize import Materializer
 from zfunc.model.units import Selector
 from zfunc.offloading.run import LeafUpdate
+from zfunc.offloading.step import with_outcome
 
 PyTree = Any
 SCHEDULES = BUILT_IN
@@ -236,12 +238,15 @@ class PipelineStep(Transformed):
         its mean grads: the grad norm's squares summed over the stages with the loss, which every stage
         holds whole already, so each adds its ``1/p`` (exact for a power-of-two ``p``)."""
         offloaded = self.inner
+        offloaded._reserve(state.params, state.opt_state)  # no room for the swap files' writes: fails here
         within = TrainState(state.params, state.opt_state, state.step, state.rng, state.loss_scale,
                             state.placement.within)
         context = RunContext(state.placement.within, 1.0, self._sum_across, offloaded.finite)
         update = LeafUpdate(context, within, offloaded)
         try:
             new, metrics = update.apply(within, grads, loss / self.stages, aux, None)
+        except OSError as e:  # a swap read or write failed: the files go back to their versions before the step
+            raise with_outcome(e, update.undo(within)) from e
         finally:
             offloaded.learn(update.finish())
         state._consumed = True
@@ -299,6 +304,9 @@ class PipelineStep(Transformed):
 
     def _whole_params(self, pieces: list[torch.Tensor], spec: PipelineSpec, step: int) -> list[torch.Tensor]:
         """This stage's params whole, in the compute dtype (all-gathered over dp when sharded)."""
+        if spec.inner is None and self.offloaded:  # the compute copies the last update wrote, else the masters cast
+            copies = [self.inner.compute_copies.of(p) for p in pieces]
+            return [p.to(self.compute_dtype) if c is None else c for p, c in zip(pieces, copies)]
         if spec.inner is None:
             return [p.to(self.compute_dtype) for p in pieces]
         return gather_whole(pieces, spec.inner, self._buckets(spec.inner), self.mesh.comm, self.compute_dtype,
