@@ -1,7 +1,8 @@
 """zf.checkpoint: sharded, atomic save and load of any ``TrainState``, resharding, export, and import.
 
 save_load.py saves and loads; layout.py maps a state's leaves onto a checkpoint; files.py, manifest.py
-and disk_io.py are its files on disk; folder.py owns a folder of checkpoints; background.py saves while
+and disk_io.py are its files on disk; restore.py is the state a load fills, landing.py the memory it
+reads into; folder.py owns a folder of checkpoints; background.py saves while
 training goes on; importers/ reads DeepSpeed and DCP checkpoints without running their code. ``full_params``
 (every param whole on every rank, from any state) is ``zfunc.core.placement``'s, which asks the state's placement.
 """

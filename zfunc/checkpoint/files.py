@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
+from zfunc.checkpoint import landing
 from zfunc.checkpoint.disk_io import Pace, Reader, flat_bytes, write_file
-from zfunc.ops.cpu import hostmem
 from zfunc.offloading.swap.file_format import ALIGN, crc32
 
 FORMAT = 2
@@ -315,7 +315,7 @@ class RankFiles:
         if name not in header or name == "__metadata__":
             raise CheckpointError(f"{path}: tensor {name} missing")
         dtype, shape, start, stop = _tensor_meta(path, name, header[name], data_bytes)
-        out = hostmem.empty(shape, dtype)
+        out = landing.empty(shape, dtype)
         if rank not in self.readers:
             self.readers[rank] = Reader(path)
         return self.readers[rank], path, name, base + start, out
@@ -324,11 +324,12 @@ class RankFiles:
     def _fetch(reader: Reader, path: Path, name: str, offset: int, out: torch.Tensor) -> torch.Tensor:
         if reader.read_into(offset, flat_bytes(out)) < out.numel() * out.element_size():
             raise CheckpointError(f"{path}: file ended inside tensor {name} (bytes from {offset})")
+        landing.settle(out)
         return out
 
     def read(self, rank: int, name: str, crc: int | None = None) -> torch.Tensor:
-        """Tensor ``name`` of rank ``rank``'s file, in a buffer of its own (on huge pages where
-        large, as init places state: ``zfunc.ops.cpu.hostmem``); ``crc``: its crc32 (format 2)."""
+        """Tensor ``name`` of rank ``rank``'s file, in a buffer of its own (read on 4 KiB pages, merged
+        into huge pages later where large: ``zfunc.checkpoint.landing``); ``crc``: its crc32 (format 2)."""
         queued = self._ahead.get((rank, name))
         if queued:  # planned: read ahead, or under way
             future, nbytes = queued.popleft()

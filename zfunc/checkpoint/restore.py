@@ -1,9 +1,9 @@
 """The state a checkpoint load fills, shared by ``zf.checkpoint.load`` and the importers.
 
-``template`` is the state to fill, laid out as the step's ``init`` lays it out (on the meta device)
-or a given template state; ``check_model`` checks the checkpoint holds the model, by name, whole
-shape and dtype; ``to_device`` and ``restored`` place the leaves read into it (``restored``: as the
-state's placement puts them in place, e.g. an offloaded step's stores).
+``template`` is the state to fill, laid out as the step's ``init`` lays it out (on the meta device,
+within ``shapes_only``) or a given template state; ``check_model`` checks the checkpoint holds the
+model, by name, whole shape and dtype; ``to_device`` and ``restored`` place the leaves read into
+it (``restored``: as the state's placement puts them in place, e.g. an offloaded step's stores).
 """
 from __future__ import annotations
 
@@ -11,11 +11,38 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from zfunc.checkpoint.files import CheckpointError
 from zfunc.checkpoint.layout import BUFFERS, PARAMS, Slot
 from zfunc.core import placement, tree
 from zfunc.core.step import Step, TrainState
+
+
+_LIKE = {torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like, torch.rand_like, torch.randn_like}
+
+
+class shapes_only(TorchFunctionMode):
+    """Within it, ``torch.*_like`` of a meta tensor is ``torch.empty`` on the meta device, of the
+    shape and dtype asked for; every other call runs as usual.
+
+    Why: a step's ``init`` on meta params (its structure, shapes and dtypes: what a load fills) is
+    C++ meta kernels but for the optimizers' ``zeros_like``, whose meta kernel is torch's Python
+    reference, which imports torch's symbolic-shape machinery (sympy) on its first call: ~0.5-1 s,
+    once per process, that a restarted job pays before it reads a byte. A meta tensor has no values,
+    so ``empty`` is the same template. Cost: one Python call per torch call made within it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        like = args[0] if args else kwargs.get("input")
+        if func in _LIKE and isinstance(like, torch.Tensor) and _device(kwargs.get("device"), like) == "meta":
+            return torch.empty(like.shape, dtype=kwargs.get("dtype") or like.dtype, device="meta",
+                               requires_grad=kwargs.get("requires_grad", False))
+        return func(*args, **kwargs)
+
+
+def _device(asked: Any, like: torch.Tensor) -> str:
+    return torch.device(asked).type if asked is not None else like.device.type
 
 
 def _saved_buffers(manifest: dict, device: str | torch.device) -> dict[str, torch.Tensor]:
@@ -62,7 +89,8 @@ def template(manifest: dict, step_or_template: Any, params: Any) -> tuple[TrainS
     if not isinstance(step_or_template, Step):
         raise TypeError(f"step_or_template: expected a Step or a TrainState, got {type(step_or_template).__name__}")
     model, source = _model(manifest, step_or_template, params)
-    template = step_or_template.init_meta(model)
+    with shapes_only():
+        template = step_or_template.init_meta(model)
     buffers = step_or_template.own_buffers(_saved_buffers(manifest, "meta"))
     return template.replace(buffers=buffers), source, model
 

@@ -317,7 +317,9 @@ def load(directory: str | os.PathLike, step_or_template: Step | TrainState, *, p
     or the reverse, whole shapes or dtypes, another optimizer structure, a missing or corrupt file.
     The checkpoint is never modified. Reads only the saved pieces holding rows this rank needs,
     one at a time, the next two read ahead (``RankFiles.plan``); where the layout is unchanged,
-    the state's CPU tensors are the buffers they were read into (no copies). Into an offloaded
+    the state's CPU tensors are the buffers they were read into (no copies), 4 KiB pages that
+    khugepaged merges into huge pages later (``zfunc.checkpoint.landing``). Builds the step's state
+    on the meta device first (``restore.shapes_only``: no torch Python meta kernel, nothing imported). Into an offloaded
     step, at most one leaf (param piece and its optimizer state) is in RAM at once, besides the
     step's writes in flight (nothing is read ahead there).
     """
