@@ -61,11 +61,12 @@ def refused_cases(mesh):
          r"yet.*the order that works: zf.offload\(step, ...\) of a plain step on one rank, or .*stage 1, 2 or 3"),
         ("pipeline(pipeline)", lambda: pipelined(pipelined(step, mesh), mesh), ValueError,
          r"zf.pipeline\(zf.pipeline\(step\)\) is refused: .* pipelined already"),
-        ("pipeline(offload nvme)", lambda: pipelined(zf.offload(step, "nvme", path="/nonexistent"), mesh), ValueError,
+        ("pipeline(offload params)", lambda: pipelined(zf.offload(step, "cpu", params="cpu", units="auto"), mesh),
+         ValueError,
          r"zf.pipeline\(zf.offload\(step\)\) is refused: zf.pipeline cannot wrap zf.offload: a pipeline stage's "
-         r"offloaded state is its optimizer state and fp32 masters in CPU RAM, one rank per stage \(got zf.offload "
-         r"over train_step with optimizer='nvme', params=None\); the order that works: "
-         r"zf.pipeline\(zf.offload\(step, 'cpu'\), ...\) over a mesh with dp=1"),
+         r"offloaded state is its optimizer state and fp32 masters \(CPU RAM or NVMe\), one rank per stage, its "
+         r"params on the device \(got zf.offload over train_step with params='cpu'\); the order that works: "
+         r"zf.pipeline\(zf.offload\(step, 'cpu' or 'nvme'\), ...\) over a mesh with dp=1"),
         ("pipeline(shard 0)", lambda: pipelined(zf.shard(step, mesh, 0), mesh), ValueError,
          r"zf.pipeline\(zf.shard\(step\)\) is refused: .*pipeline composes with ZeRO stage 1, 2 or 3 over the dp "
          r"axis, got stage 0; the order that works: zf.pipeline\(zf.shard\(step, zf.Mesh\(dp=d, pp=p\), stage=1\)"),
@@ -102,8 +103,8 @@ def test_pipeline_of_an_offloaded_sharded_step_is_refused_up_front(pp_rank):
                     model=nn.Sequential(Block(2), Block(2)), units=zf.units.by_class(Block))
     assert str(e.value).startswith(
         "step: zf.pipeline(zf.offload(zf.shard(step))) is refused: zf.pipeline cannot wrap zf.offload: a pipeline "
-        "stage's offloaded state is its optimizer state and fp32 masters in CPU RAM, one rank per stage (got "
-        "zf.offload over shard")
+        "stage's offloaded state is its optimizer state and fp32 masters (CPU RAM or NVMe), one rank per stage, its "
+        "params on the device (got zf.offload over shard")
 
 
 def test_layers_record_how_a_step_was_built():

@@ -603,7 +603,7 @@ LAYOUT_FLAGS = [  # (flags, world size, the message naming the flags)
      "zf.sequence_parallel yet"),
     (["--pp", "2", "--zero", "1", "--offload-optimizer", "cpu"], 2,
      "--offload-optimizer (plan offload_optimizer): under a pipeline (pp=2) offload keeps a stage's optimizer state "
-     "in CPU RAM, one rank per stage; expected offload_optimizer='cpu', offload_params='none', dp=1 and zero_stage=0"),
+     "in CPU RAM or on NVMe, one rank per stage; expected offload_params='none', dp=1 and zero_stage=0"),
     (["--pp", "2", "--microbatches", "2", "--virtual-stages", "2"], 2,
      "--virtual-stages (plan virtual_stages): more than one virtual stage per rank needs pipeline_schedule"),
     (["--pp", "2", "--accum", "2"], 2, "--accum (plan accum): a pipeline splits each batch into microbatches itself"),
