@@ -343,11 +343,7 @@ def _tile_loss(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, valid: torch.T
     grad = logp.exp_()  # softmax, in log_softmax's memory
     grad[torch.arange(len(y), device=y.device), safe] -= 1.0
     grad.mul_((valid / denom).to(grad.dtype)[:, None])  # ignored rows give nothing; mean's 1/count
-    grad = grad.to(w.dtype)
-    if dh is not None:
-        torch.mm(grad, w, out=dh)
-    if dw is not None:
-        dw.addmm_(grad.T, h) if dw.dtype == grad.dtype else dw.add_(grad.T @ h)
+    vocab_slice.head_grads(grad, w, h, dh, dw)
     return loss
 
 

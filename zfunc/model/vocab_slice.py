@@ -72,12 +72,19 @@ def tile_loss(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, valid: torch.Te
     grad = shifted.exp_().div_(sums[0][:, None])  # this rank's columns of the softmax
     grad[rows[inside], local[inside]] -= 1.0
     grad.mul_((valid / denom).to(grad.dtype)[:, None]).nan_to_num_(0.0)
+    head_grads(grad, w, h, dh, dw)
+    return loss
+
+
+def head_grads(grad: torch.Tensor, w: torch.Tensor, h: torch.Tensor, dh: torch.Tensor | None,
+               dw: torch.Tensor | None) -> None:
+    """From a tile's logits grad ``grad`` (fp32): the hidden states' grad written into ``dh`` and the
+    head weight's added to ``dw`` (either None: not wanted), in ``w``'s dtype. Two GEMMs."""
     grad = grad.to(w.dtype)
     if dh is not None:
         torch.mm(grad, w, out=dh)
     if dw is not None:
         dw.addmm_(grad.T, h) if dw.dtype == grad.dtype else dw.add_(grad.T @ h)
-    return loss
 
 
 def sum_hidden_grads(dh: torch.Tensor, vocab: VocabSlice) -> None:
