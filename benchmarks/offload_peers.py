@@ -18,9 +18,9 @@ GPT (recipes/gpt.py: GPT-2's shape, tied embedding and head), fp32, AdamW (lr 1e
 ``DS_ACCELERATOR=cpu``. Each round runs one step of every trainer, in an order shuffled anew each
 round (the same on every rank); a step is as slow as its slowest rank; the figure is the median
 over rounds of the paired ratio DeepSpeed / zfunc (> 1: zfunc faster), after two warm-up steps.
-The losses of the first steps are compared (the same batches: they agree to the optimizers'
-rounding, printed as the largest difference). Memory: each trainer holds ~16 B/param in RAM or
-its swap files under ``--dir`` (removed at the end).
+The losses of the first steps (the mean over the ranks, as zfunc's metrics give it) are compared
+(the same batches: they agree to the optimizers' rounding, printed as the largest difference).
+Memory: each trainer holds ~16 B/param in RAM or its swap files under ``--dir`` (removed at the end).
 """
 from __future__ import annotations
 
@@ -99,7 +99,9 @@ def deepspeed_trainer(kind: str, model: GPT, batch: int, folder: Path):
         loss = lm_loss(engine(tokens[:, :-1]), tokens)
         engine.backward(loss)
         engine.step()
-        return loss.item()
+        mean = loss.detach().clone()  # the ranks' mean, as zfunc's metrics["loss"]
+        torch.distributed.all_reduce(mean)
+        return mean.item() / torch.distributed.get_world_size()
 
     return run
 
