@@ -256,7 +256,7 @@ class OffloadedStep(Transformed):
                 self.compute_copies.written(masters[-1], copy)
             del piece, state, s_leaves
         stores._wait_writes(None)
-        self._reserve(masters, states)  # the room of the first step's writes, held from now on
+        self.reserve_room(masters, states)  # the room of the first step's writes, held from now on
         path = self.path if self.engine is None else str(self.engine.path)  # this rank's files
         off = OffloadSpec(*_shard_fields(spec), self.where_optimizer, self.where_params, path, device)
         return TrainState(tree.unflatten(treespec, masters), tuple(states), 0, self.seed,
@@ -283,7 +283,7 @@ class OffloadedStep(Transformed):
             self._made = [d for d in (folder, *folder.parents) if not d.exists()]
             self.engine = SwapEngine(folder, files=files, need_bytes=int(held), threads=4)
 
-    def _reserve(self, params: PyTree, opt_state: PyTree) -> None:
+    def reserve_room(self, params: PyTree, opt_state: PyTree) -> None:
         """Allocate the room of the next write of each swap file of the state (``SwapEngine.reserve``,
         a stat per file once held): ``SwapPathError`` naming the folder, its free and the needed
         bytes if it is not there."""
@@ -335,7 +335,7 @@ class OffloadedStep(Transformed):
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         self._check_state(state)
-        self._reserve(state.params, state.opt_state)  # no room: fails here, the state untouched
+        self.reserve_room(state.params, state.opt_state)  # no room: fails here, the state untouched
         run = StepRun(self, state)  # all per-call state lives there, and in its roles
         try:
             return run.execute(state, batch)

@@ -238,7 +238,7 @@ class PipelineStep(Transformed):
         its mean grads: the grad norm's squares summed over the stages with the loss, which every stage
         holds whole already, so each adds its ``1/p`` (exact for a power-of-two ``p``)."""
         offloaded = self.inner
-        offloaded._reserve(state.params, state.opt_state)  # no room for the swap files' writes: fails here
+        offloaded.reserve_room(state.params, state.opt_state)  # no room for the swap files' writes: fails here
         within = TrainState(state.params, state.opt_state, state.step, state.rng, state.loss_scale,
                             state.placement.within)
         context = RunContext(state.placement.within, 1.0, self._sum_across, offloaded.finite)
