@@ -64,26 +64,25 @@ class PipelinePlacement(placement.Placement):
 
     def logical_paths(self, state: TrainState, paths: list[str]) -> list[str]:
         """As the stage's unsharded step names them (``within``: an offloaded step's state per leaf)."""
-        within = state.placement.within if state.placement.inner is None else None
+        within = _unsharded(state.placement)
         return paths if within is None else placement.of(within).logical_paths(state, paths)
 
     def in_memory(self, state: TrainState) -> TrainState:
         """As the stage's unsharded step reads it (``within``: an offloaded step's swap files read back)."""
-        spec = state.placement
-        if spec.inner is not None or spec.within is None:
+        spec, within = state.placement, _unsharded(state.placement)
+        if within is None:
             return state
-        got = placement.of(spec.within).in_memory(_as(state, spec.within))
-        return _as(got, spec)
+        return as_placed(placement.of(within).in_memory(as_placed(state, within)), spec)
 
     def restore(self, step: Any, leaves: TrainState, params: Any, device: Any) -> TrainState | None:
         """An unsharded stage's state as its step's placement restores it (``within``: an offloaded
         step places each leaf itself), else None (the checkpoint fills the template)."""
-        spec = leaves.placement
-        if spec.inner is not None or spec.within is None:
+        spec, within = leaves.placement, _unsharded(leaves.placement)
+        if within is None:
             return None
         owned = {name: params[name] for name in spec.owned}
-        state = placement.of(spec.within).restore(step.inner, _as(leaves, spec.within), owned, device)
-        return None if state is None else _as(state, replace(spec, within=state.placement))
+        state = placement.of(within).restore(step.inner, as_placed(leaves, within), owned, device)
+        return None if state is None else as_placed(state, replace(spec, within=state.placement))
 
     def model(self, spec: PipelineSpec) -> dict[str, tuple[int, ...]]:
         return {name: tuple(shape) for name, shape in zip(spec.names, spec.whole_shapes or spec.shapes)}
@@ -96,7 +95,12 @@ class PipelinePlacement(placement.Placement):
         return placement.gather_rows(self.in_memory(state))  # an offloaded stage's masters read back first
 
 
-def _as(state: TrainState, spec: Any) -> TrainState:
+def _unsharded(spec: PipelineSpec) -> Any:
+    """The placement of an unsharded stage's step (``within``: tensor-parallel or offloaded), else None."""
+    return spec.within if spec.inner is None else None
+
+
+def as_placed(state: TrainState, spec: Any) -> TrainState:
     """``state``'s values under placement ``spec``."""
     return TrainState(state.params, state.opt_state, state.step, state.rng, state.loss_scale, spec,
                       buffers=state.buffers)

@@ -110,7 +110,7 @@ from zfunc.core.roles import RunContext
 from zfunc.dist import Mesh
 from zfunc.model.functional import BufferScope, carrying
 from zfunc.pipelining.layout import Layout, make_layout
-from zfunc.pipelining.placement import PipelineSpec
+from zfunc.pipelining.placement import PipelineSpec, as_placed
 from zfunc.pipelining.schedules import BUILT_IN, Schedule
 from zfunc.pipelining.stage import PipelineSchedule, _Run, _digest
 from zfunc.sharding.reduce import GradSlices, average_buffers, average_order
@@ -239,8 +239,7 @@ class PipelineStep(Transformed):
         holds whole already, so each adds its ``1/p`` (exact for a power-of-two ``p``)."""
         offloaded = self.inner
         offloaded.reserve_room(state.params, state.opt_state)  # no room for the swap files' writes: fails here
-        within = TrainState(state.params, state.opt_state, state.step, state.rng, state.loss_scale,
-                            state.placement.within)
+        within = as_placed(state, state.placement.within)
         context = RunContext(state.placement.within, 1.0, self._sum_across, offloaded.finite)
         update = LeafUpdate(context, within, offloaded)
         try:
@@ -250,7 +249,7 @@ class PipelineStep(Transformed):
         finally:
             offloaded.learn(update.finish())
         state._consumed = True
-        return TrainState(new.params, new.opt_state, new.step, new.rng, new.loss_scale, state.placement), metrics
+        return as_placed(new, state.placement), metrics
 
     def _in_units(self, name: str, units: Sequence[str]) -> bool:
         return any(name.startswith(f"{u}.") for u in units)
