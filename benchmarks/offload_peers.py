@@ -147,6 +147,9 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=11)
     p.add_argument("--dir", default="/tmp/zfunc-offload-peers", help="swap files of both (removed at the end)")
     args = p.parse_args(argv)
+    for flag, values in (("--world", args.world), ("--rounds", [args.rounds]), ("--batch", [args.batch])):
+        if min(values) < 1:
+            p.error(f"{flag}: expected ints >= 1, got {values if flag == '--world' else values[0]}")
     kinds = args.kinds.split(",")
     if set(kinds) - set(KINDS) or not kinds:
         p.error(f"--kinds: expected a comma-separated subset of {','.join(KINDS)}, got {args.kinds!r}")

@@ -1,0 +1,22 @@
+"""The benchmarks' command lines refuse bad numbers naming the flag, before anything is built."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world", "0"], "--world: expected ints >= 1, got [0]"),
+    (["--rounds", "-1"], "--rounds: expected ints >= 1, got -1"),
+    (["--batch", "0"], "--batch: expected ints >= 1, got 0"),
+    (["--kinds", "disk"], "--kinds: expected a comma-separated subset of cpu,nvme, got 'disk'"),
+])
+def test_offload_peers_refuses_bad_flags(capsys, monkeypatch, argv, message):
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # what the benchmark sets on import, undone after the test
+    from benchmarks import offload_peers
+
+    with pytest.raises(SystemExit) as e:
+        offload_peers.main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
