@@ -399,12 +399,17 @@ def offload_largest(run: Run, candidates: tuple[str, ...], block: int) -> dict:
             _sync(run)
             step_s = time.monotonic() - t1
             mem = step.memory(state)
-            accounted = mem["device"] + mem["step"]["device"]["whole_params"]
+            on_device = mem["step"]["device"]
+            accounted = mem["device"] + on_device["whole_params"] + on_device["whole_grads"]
             peak = torch.cuda.max_memory_allocated() if run.cuda else None
             tried[flavor] = {"params": n, "init_s": init_s, "step_s": step_s, "loss": m["loss"].item(),
                              "max_memory_allocated": peak, "accounted_device_bytes": accounted,
                              "peak_over_accounted": peak / accounted if peak and accounted else None,
-                             "memory": {k: mem[k] for k in ("device", "cpu", "nvme")}}
+                             "memory": {k: mem[k] for k in ("device", "cpu", "nvme")}, "step_device": on_device}
+            if run.cuda and largest is None:  # the first flavor: what the device held at the peak, by source line
+                box = [state]
+                tried[flavor]["peak_breakdown"] = _peak_breakdown(lambda: box.__setitem__(0, step(box[0], batch)[0]))
+                state = box[0]
             largest = flavor
         except Exception as e:  # noqa: BLE001 - the largest that trains is the figure; a failure ends the search
             tried[flavor] = {"params": n, "error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -415,6 +420,40 @@ def offload_largest(run: Run, candidates: tuple[str, ...], block: int) -> dict:
     return {"largest": largest, "tried": tried, "plain_step_predicted": _plain_largest(run),
             "nvme": "not run (needs a local NVMe path and more time)",
             "deepspeed": "not run: DeepSpeed is not installed on the GPU machine"}
+
+
+def _peak_breakdown(call) -> dict:
+    """Run ``call()`` with CUDA's allocator recording, replay its trace and name what was allocated at the
+    peak above the bytes live before it: summed by the innermost frame in zfunc/, recipes/ or benchmarks/
+    (else the innermost frame), the 15 largest. Errors are recorded, not raised."""
+    try:
+        before = torch.cuda.memory_allocated()
+        torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=500_000)
+        try:
+            call()
+            torch.cuda.synchronize()
+            snap = torch.cuda.memory._snapshot()
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        live, total, peak, at_peak = {}, 0, 0, {}
+        for e in snap["device_traces"][torch.cuda.current_device()]:
+            if e["action"] == "alloc":
+                live[e["addr"]] = (e["size"], e.get("frames") or [])
+                total += e["size"]
+                if total > peak:
+                    peak, at_peak = total, dict(live)
+            elif e["action"] == "free_completed" and e["addr"] in live:
+                total -= live.pop(e["addr"])[0]
+        by_line: dict[str, int] = {}
+        for size, frames in at_peak.values():
+            ours = [f for f in frames if any(d in f["filename"] for d in ("/zfunc/", "/recipes/", "/benchmarks/"))]
+            f = (ours or frames or [{"filename": "?", "line": 0, "name": "?"}])[0]
+            key = f"{'/'.join(Path(f['filename']).parts[-2:])}:{f['line']} {f['name']}"
+            by_line[key] = by_line.get(key, 0) + size
+        top = sorted(by_line.items(), key=lambda kv: -kv[1])[:15]
+        return {"live_before": before, "peak_above_before": peak, "top": top}
+    except Exception as e:  # noqa: BLE001 - a diagnostic: the figure stands without it
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
 def _plain_largest(run: Run) -> dict:
@@ -459,7 +498,7 @@ FIGURES = {
     "bf16_one_pass": (30, bf16_one_pass),
     "grad_norm": (20, grad_norm),
     "gpt_125M": (30, lambda run: gpt_throughput(run, run.flavor("125M"), run.n(8, 2), run.n(2048, 32), run.n(5, 2))),
-    "gpt_1.3B": (60, lambda run: gpt_throughput(run, run.flavor("1.3B"), run.n(4, 2), run.n(2048, 32), run.n(5, 2))),
+    "gpt_1.3B": (60, lambda run: gpt_throughput(run, run.flavor("1.3B"), run.n(8, 2), run.n(2048, 32), run.n(5, 2))),
     "zfunc_vs_torch": (40, lambda run: zfunc_vs_torch(run, run.flavor("125M"), run.n(8, 2), run.n(2048, 32),
                                                       run.n(7, 2))),
     "offload_largest": (90, lambda run: offload_largest(run, ("1.3B", "2.7B", "6.7B") if not run.dry else ("debug",),

@@ -132,10 +132,11 @@ class Launch:
             zf.dist.init_from_env()
 
     def device(self, given: str | None) -> torch.device:
-        """``given`` (default cuda if available, else cpu); a bare "cuda" is this rank's GPU."""
+        """``given`` (default cuda if available, else cpu); a bare "cuda" is this rank's GPU, with its
+        index (``torch.cuda.set_device`` takes no bare "cuda")."""
         device = torch.device(given or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if device.type == "cuda" and device.index is None and self.world > 1:
-            device = torch.device("cuda", self.local_rank)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", self.local_rank if self.world > 1 else 0)
         return device
 
 

@@ -30,3 +30,15 @@ def test_an_environment_out_of_range_is_refused_naming_the_variables(monkeypatch
     with pytest.raises(layout.FlagError, match=f"expected WORLD_SIZE >= 1 and RANK, LOCAL_RANK in \\[0, WORLD_SIZE\\), "
                                                f"got {shown}"):
         layout.Launch.from_env()
+
+
+@pytest.mark.parametrize("launch, given, device", [
+    (layout.Launch(1, 0, 0), "cuda", "cuda:0"),  # torch.cuda.set_device refuses a bare "cuda"
+    (layout.Launch(4, 3, 1), "cuda", "cuda:1"),
+    (layout.Launch(4, 3, 1), "cuda:0", "cuda:0"),
+    (layout.Launch(2, 1, 1), "cpu", "cpu"),
+])
+def test_a_bare_cuda_device_is_this_ranks_gpu_with_its_index(launch, given, device):
+    import torch
+
+    assert launch.device(given) == torch.device(device)

@@ -44,7 +44,9 @@ class Comm:
     ``bytes`` maps call type ("all_gather", "reduce_scatter", "all_reduce") to bytes.
 
     Every collective is issued by one comm thread, in the order the calls were made, so the order
-    is the same on every rank however the caller overlaps them. A call with ``check=(op,
+    is the same on every rank however the caller overlaps them. Under NCCL a CPU tensor (a small
+    control tensor: a bucket order, an agreement) goes through this rank's current CUDA device: a
+    copy there when called, the result copied back when the work is waited on. A call with ``check=(op,
     describe)`` first makes the ranks agree they issue the same ``op`` (see ``agree``); on the comm
     thread that round trip overlaps the caller's compute instead of stalling it. After a failure
     the thread issues nothing more: mismatched collectives would only add confusion.
@@ -65,13 +67,14 @@ class Comm:
                 alone()
             return _Done()
         what = f"{kind} failed during {label or 'an unlabelled collective'}"
+        device = self._control_device() if check is not None else None  # the caller's device, not the thread's
 
         def task():
             if self._failed:
                 raise CollectiveError(f"{what}: not issued, an earlier collective failed ({self._failed})")
             try:
                 if check is not None:
-                    self._agree(*check, label)
+                    self._agree(*check, label, device)
                 return issue()
             except Exception as e:  # gloo/NCCL raise RuntimeError subclasses with transport details
                 self._failed = str(e)
@@ -93,8 +96,9 @@ class Comm:
         ring all-gather takes longer for the same bytes (on loopback ranks about 1.5x).
         """
         all_gather = _all_gather_by_broadcasts if self._on_gloo() else _all_gather
+        (dev_out, dev_local), back = self._staged(out, local)
         return self._run(kind, _nbytes(out), label,
-                         lambda: all_gather(out, local, group=self.group, async_op=True),
+                         lambda: back(all_gather(dev_out, dev_local, group=self.group, async_op=True)),
                          lambda: _copy_unless_same(out, local), async_op, check)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, label: str = "", async_op: bool = False,
@@ -106,19 +110,40 @@ class Comm:
         even than its all-reduce of the same tensor (6.7 ms).
         """
         reduce_scatter = _reduce_scatter_by_all_to_all if self._on_gloo() else _reduce_scatter
+        (dev_out, dev_full), back = self._staged(out, full)
         return self._run("reduce_scatter", _nbytes(full), label,
-                         lambda: reduce_scatter(out, full, group=self.group, async_op=True), lambda: out.copy_(full),
-                         async_op, check)
+                         lambda: back(reduce_scatter(dev_out, dev_full, group=self.group, async_op=True)),
+                         lambda: out.copy_(full), async_op, check)
 
     def _on_gloo(self) -> bool:
+        return self._backend_name() == "gloo"
+
+    def _backend_name(self) -> str:
         if self._backend is None:
             self._backend = "" if self.alone else str(dist.get_backend(self.group))
-        return self._backend == "gloo"
+        return self._backend
+
+    def _control_device(self) -> torch.device:
+        """Where this comm's own small tensors live: the current CUDA device under NCCL, else the CPU."""
+        return torch.device("cuda", torch.cuda.current_device()) if self._backend_name() == "nccl" else \
+            torch.device("cpu")
+
+    def _staged(self, out: torch.Tensor, *inputs: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], Callable]:
+        """``(out, *inputs)`` where the backend can reach them, and a function that wraps the issued work so
+        that waiting on it also copies the staged ``out`` back (identity when nothing was staged)."""
+        if self.alone or self._backend_name() != "nccl" or all(t.device.type != "cpu" for t in (out, *inputs)):
+            return (out, *inputs), lambda work: work
+        device = self._control_device()
+        staged = tuple(t.to(device) if t.device.type == "cpu" else t for t in (out, *inputs))
+        if staged[0] is out:
+            return staged, lambda work: work
+        return staged, lambda work: _CopyBackOnWait(work, out, staged[0])
 
     def all_reduce(self, t: torch.Tensor, label: str = "", async_op: bool = False):
         """``t`` <- the sum over ranks of ``t``, in place."""
+        (dev_t,), back = self._staged(t)
         return self._run("all_reduce", 2 * _nbytes(t), label,
-                         lambda: dist.all_reduce(t, group=self.group, async_op=True), None, async_op)
+                         lambda: back(dist.all_reduce(dev_t, group=self.group, async_op=True)), None, async_op)
 
     def all_to_all(self, out: torch.Tensor, full: torch.Tensor, label: str = "", kind: str = "all_to_all",
                    async_op: bool = False):
@@ -126,8 +151,9 @@ class Comm:
         rank ``r``. ``out`` and ``full`` are contiguous, of one shape, dim 0 a multiple of N. Counts ``full``'s
         bytes under ``kind`` (its own chunk, which stays, included: the whole logical tensor, as the other
         calls count)."""
+        (dev_out, dev_full), back = self._staged(out, full)
         return self._run(kind, _nbytes(full), label,
-                         lambda: dist.all_to_all_single(out, full, group=self.group, async_op=True),
+                         lambda: back(dist.all_to_all_single(dev_out, dev_full, group=self.group, async_op=True)),
                          lambda: out.copy_(full), async_op)
 
     def compressed_all_reduce(self, x: torch.Tensor, errors: Any, label: str = "") -> torch.Tensor:
@@ -150,12 +176,13 @@ class Comm:
         """
         self._run("agree", 0, label, lambda: None, check=(op, describe))
 
-    def _agree(self, op: tuple[int, ...], describe: Callable[[list[int]], str], label: str) -> None:
-        mine = torch.tensor(op, dtype=torch.int64)
+    def _agree(self, op: tuple[int, ...], describe: Callable[[list[int]], str], label: str,
+               device: torch.device) -> None:
+        mine = torch.tensor(op, dtype=torch.int64, device=device)
         world = dist.get_world_size(self.group)
-        everyone = torch.empty(world * len(op), dtype=torch.int64)
+        everyone = torch.empty(world * len(op), dtype=torch.int64, device=device)
         _all_gather(everyone, mine, group=self.group)
-        rows = everyone.view(world, len(op))
+        rows, mine = everyone.view(world, len(op)).cpu(), mine.cpu()
         if not bool((rows == mine).all()):
             ops = "; ".join(f"rank {r}: {describe(row.tolist())}" for r, row in enumerate(rows))
             raise CollectiveError(f"ranks diverged at {label}: {ops} "
@@ -308,6 +335,21 @@ class _SumOnWait:
             else:
                 torch.sum(self.received, dim=0, out=out).add_(self.own)
             self.received = self.own = None
+        return True
+
+
+class _CopyBackOnWait:
+    """A collective's work on a staged copy of ``out``: waiting on it copies the result into ``out``."""
+
+    def __init__(self, work: Any, out: torch.Tensor, staged: torch.Tensor):
+        self.work, self.out, self.staged = work, out, staged
+
+    def wait(self) -> bool:
+        if self.staged is not None:
+            if self.work is not None:
+                self.work.wait()
+            self.out.copy_(self.staged)
+            self.staged = None
         return True
 
 

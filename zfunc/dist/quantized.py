@@ -43,7 +43,7 @@ def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
         return gpu_quantize.quantize(x.float().contiguous(), bits)
     rows = x.shape[0]
     blocks = x.float().reshape(rows, -1, BLOCK)
-    scales = blocks.abs().amax(dim=2) / _QMAX[bits]
+    scales = blocks.abs().amax(dim=2) * (1.0 / _QMAX[bits])  # a reciprocal, as torch's CUDA division by a scalar
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     q = torch.round(blocks / safe[..., None]).clamp_(-_QMAX[bits], _QMAX[bits])
     if bits == 8:

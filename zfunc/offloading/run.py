@@ -382,7 +382,8 @@ class LeafUpdate(_Stores, Role):
             new_p = master
         handle, write = self._param_store.store_back(self._masters[i], new_p)
         self._track(write, self._leaf_bytes(i), getattr(handle, "name", None))
-        copy = out if out is not None else (new_p if self._device_copies and not in_ram else None)
+        # fp32 on a GPU: the device's copy is the master itself, refreshed from the host's new value each update
+        copy = out if out is not None else (new_p if self._device_copies and (on_gpu or not in_ram) else None)
         if copy is not None and on_gpu:  # the device's compute-dtype params, updated from the host's pass
             kept = self.compute_copies.last(handle)
             if kept is None or kept.dtype != copy.dtype:

@@ -307,7 +307,8 @@ class OffloadedStep(Transformed):
         bytes) as ``zfunc.offloading.accounting``'s table says: ``device``, ``cpu``, ``nvme``, the
         totals kept between steps; ``kinds``, those by place and kind (``masters``, ``optimizer``,
         ``compute_params``); ``step``, what the last call held during the step by place and kind
-        (``whole_params``: its peak of gathered params; ``held_grads``: the grads held for the norm;
+        (``whole_params``: its peak of gathered params; ``whole_grads``: its peak of whole grads on the
+        compute device before they leave it; ``held_grads``: the grads held for the norm;
         ``spilled_in_flight``: the most grad bytes in RAM on their way to swap files); and the
         last call's communication (``comm``)."""
         self._check_state(state)
@@ -327,7 +328,7 @@ class OffloadedStep(Transformed):
         if copies:
             kinds["device" if self.where_params is None else "cpu"]["compute_params"] = copies
         held = {self.where_optimizer: self.held_grad_bytes} if self.held_grad_bytes else {}
-        step = {"device": {"whole_params": self.peak_gathered_bytes},
+        step = {"device": {"whole_params": self.peak_gathered_bytes, "whole_grads": self.peak_whole_grad_bytes},
                 "cpu": {"held_grads": held.get("cpu", 0), "spilled_in_flight": self.peak_spilled_ram_bytes},
                 "nvme": {"held_grads": held.get("nvme", 0)}}
         return {**accounting.totals(kinds), "kinds": kinds, "step": step, "whole_params": self.peak_gathered_bytes,

@@ -26,13 +26,26 @@ __device__ __forceinline__ void zf_sumsq(const zf_i64* table, int n_rows, double
   const void* g = (const void*)c.row[1];
   float s = scale_ptr ? scale * *scale_ptr : scale;
   double sq = 0.0;  // fp64: a square of a large fp32 grad must not overflow
-  zf_for_chunk(c, [&](zf_i64 i, int k) {
-    float gv[ZF_VEC];
-    if (k == ZF_VEC) G::load4(g, i, gv); else gv[0] = G::load(g, i);
+  if ((c.flags & ZF_VECTOR) && c.hi - c.lo == ZF_CHUNK) {
+    // a whole aligned chunk: all ZF_ITERS loads in flight before the first square (a 2-byte dtype's
+    // loads are 8 bytes: one at a time left the memory system idle), summed in zf_for_chunk's order
+    float gv[ZF_ITERS][ZF_VEC];
 #pragma unroll
-    for (int j = 0; j < ZF_VEC; ++j)
-      if (j < k) { double x = gv[j] * s; sq = fma(x, x, sq); }
-  });
+    for (int it = 0; it < ZF_ITERS; ++it)
+      G::load4(g, c.lo + ((zf_i64)it * ZF_THREADS + threadIdx.x) * ZF_VEC, gv[it]);
+#pragma unroll
+    for (int it = 0; it < ZF_ITERS; ++it)
+#pragma unroll
+      for (int j = 0; j < ZF_VEC; ++j) { double x = gv[it][j] * s; sq = fma(x, x, sq); }
+  } else {
+    zf_for_chunk(c, [&](zf_i64 i, int k) {
+      float gv[ZF_VEC];
+      if (k == ZF_VEC) G::load4(g, i, gv); else gv[0] = G::load(g, i);
+#pragma unroll
+      for (int j = 0; j < ZF_VEC; ++j)
+        if (j < k) { double x = gv[j] * s; sq = fma(x, x, sq); }
+    });
+  }
   double t = zf_block_sum(sq);
   if (threadIdx.x == 0) partials[blockIdx.x] = t;
 }

@@ -1,7 +1,7 @@
 """ZeRO++'s block quantizers on CUDA (``zfunc.dist.quantized``'s ``quantize`` and ``dequantize``):
 symmetric int8 or int4 per block of ``BLOCK`` = 256 values, one warp per block.
 
-Same layout and results as the torch functions: ``scale = max|x| / qmax`` (127 or 7),
+Same layout and results as the torch functions: ``scale = max|x| * (1 / qmax)`` (127 or 7),
 ``q = round_half_even(x / scale)`` clamped to ``[-qmax, qmax]`` (scale 1 where the block is all
 zeros), int8 stored offset by 128, int4 as two offset nibbles a byte (the first value high).
 Law (``tests/test_gpu_kernels.py``, marked gpu): payload, scales and dequantized values bit-equal to
@@ -37,7 +37,7 @@ __device__ __forceinline__ void zf_quantize(const float* x, zf_i64 n_blocks, uns
 #pragma unroll
   for (int i = 0; i < ZF_PER_LANE; ++i) { v[i] = src[i]; amax = fmaxf(amax, fabsf(v[i])); }
   for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  float scale = amax / qmax;
+  float scale = amax * (1.0f / qmax);  // the reciprocal, bit-equal to the torch path's
   float safe = scale > 0.0f ? scale : 1.0f;
   if (lane == 0) scales[blk] = scale;
   float q[ZF_PER_LANE];
