@@ -26,9 +26,9 @@ __device__ __forceinline__ void zf_sumsq(const zf_i64* table, int n_rows, double
   const void* g = (const void*)c.row[1];
   float s = scale_ptr ? scale * *scale_ptr : scale;
   double sq = 0.0;  // fp64: a square of a large fp32 grad must not overflow
-  if ((c.flags & ZF_VECTOR) && c.hi - c.lo == ZF_CHUNK) {
-    // a whole aligned chunk: all ZF_ITERS loads in flight before the first square (a 2-byte dtype's
-    // loads are 8 bytes: one at a time left the memory system idle), summed in zf_for_chunk's order
+  if (G::BYTES == 2 && (c.flags & ZF_VECTOR) && c.hi - c.lo == ZF_CHUNK) {
+    // a whole aligned chunk of a 2-byte dtype: all ZF_ITERS loads (8 bytes each) in flight before the
+    // first square, summed in zf_for_chunk's order (fp32's 16-byte loads ran faster one at a time)
     float gv[ZF_ITERS][ZF_VEC];
 #pragma unroll
     for (int it = 0; it < ZF_ITERS; ++it)

@@ -79,6 +79,7 @@ __device__ __forceinline__ bool zf_finite(double x) {
 
 // Element types: load/store one element, or ZF_VEC (=4) consecutive ones (aligned: the caller checked).
 struct F32 {
+  static constexpr int BYTES = 4;
   static __device__ __forceinline__ float load(const void* b, zf_i64 i) { return ((const float*)b)[i]; }
   static __device__ __forceinline__ void store(void* b, zf_i64 i, float x) { ((float*)b)[i] = x; }
   static __device__ __forceinline__ void load4(const void* b, zf_i64 i, float* x) {
@@ -100,6 +101,7 @@ struct F16Bits {
 };
 template <class C>
 struct Half {
+  static constexpr int BYTES = 2;
   static __device__ __forceinline__ float load(const void* b, zf_i64 i) { return C::to(((const zf_u16*)b)[i]); }
   static __device__ __forceinline__ void store(void* b, zf_i64 i, float x) { ((zf_u16*)b)[i] = C::from(x); }
   static __device__ __forceinline__ void load4(const void* b, zf_i64 i, float* x) {

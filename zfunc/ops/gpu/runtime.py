@@ -168,15 +168,13 @@ _PLANS: OrderedDict[tuple, Plan] = OrderedDict()
 _PLANS_KEPT = 32
 
 
-def _describe(t: torch.Tensor | None) -> tuple | None:
-    return None if t is None else (t.data_ptr(), t.numel(), t.dtype, t.is_contiguous())
-
-
 def describe(*lists: list) -> tuple:
     """What checking these tensor lists depends on: per tensor its address, size, dtype and
     contiguity (None for no tensor). Addresses are unique across devices (CUDA's unified
-    addressing), so two calls with equal descriptions pass or fail the same checks."""
-    return tuple(tuple(map(_describe, ts)) for ts in lists)
+    addressing), so two calls with equal descriptions pass or fail the same checks. Cost: about
+    0.2 us a tensor on the host, every call (inline: a function call per tensor doubled it)."""
+    return tuple(tuple(None if t is None else (t.data_ptr(), t.numel(), t.dtype, t.is_contiguous()) for t in ts)
+                 for ts in lists)
 
 
 def planned(key: tuple, build: Callable[[], dict[Any, list[tuple]]], device: torch.device) -> Plan:
