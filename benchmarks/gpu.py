@@ -413,7 +413,7 @@ def offload_largest(run: Run, candidates: tuple[str, ...], block: int) -> dict:
                 row["peak_breakdown"] = _peak_breakdown(lambda: box.__setitem__(0, step(box[0], batch)[0]))
             step = state = box = None
             _free(run)
-            row["activations_saved"] = activations = _activation_bytes(run, model, batch)
+            row["activations_saved"] = activations = _activation_bytes(run, flavor, block, batch)
             if peak and accounted:  # the step's own peak (torch's cuBLAS workspaces live before it) vs what is known
                 row["step_peak_over_accounted_and_activations"] = (peak - before) / (accounted + activations)
             largest = flavor
@@ -428,28 +428,29 @@ def offload_largest(run: Run, candidates: tuple[str, ...], block: int) -> dict:
             "deepspeed": "not run: DeepSpeed is not installed on the GPU machine"}
 
 
-def _activation_bytes(run: Run, model, batch) -> int:
-    """Bytes autograd saves for backward when ``model`` (on the meta device: its storage is made
-    here, uninitialized, and freed) runs ``batch`` in bf16 as the step runs it: the activations, which
-    no offload accounting includes. Measured apart from the step, whose stage-3 gatherer installs
-    saved-tensor hooks of its own (only the innermost hooks see a saved tensor)."""
-    if not run.cuda:
-        return 0
-    saved = SavedActivations()
-    plain = model.to_empty(device=run.device).to(torch.bfloat16)
+def _activation_bytes(run: Run, flavor: str, block: int, batch) -> int:
+    """Bytes autograd saves for backward when a fresh ``flavor`` model (uninitialized storage, made here
+    and freed) runs ``batch`` in bf16 as the step runs it: the activations, which no offload accounting
+    includes. Measured apart from the step, whose stage-3 gatherer installs saved-tensor hooks of its own
+    (only the innermost hooks see a saved tensor)."""
+    model, _, _ = _gpt(run, flavor, 1, block)
+    model = model.to_empty(device=run.device).to(torch.bfloat16 if run.cuda else torch.float32)
+    saved = SavedActivations(run.device, model.parameters())
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-        loss = F.cross_entropy(plain(batch[0]).flatten(0, 1).float(), batch[1].flatten())
-    del loss, plain
-    model.to("meta")
+        loss = F.cross_entropy(model(batch[0]).flatten(0, 1).float(), batch[1].flatten())
+    del loss, model
     _free(run)
     return saved.nbytes
 
 
 class SavedActivations:
-    """``saved_tensors_hooks`` that add up the bytes of the distinct storages autograd saves on the GPU
-    for backward, other than leaves that require grad (params): the model's activations for a batch."""
+    """``saved_tensors_hooks`` that add up the bytes of the distinct storages autograd saves on
+    ``device`` for backward, other than those of ``params`` (a linear saves its weight, transposed):
+    a model's activations for a batch."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device, params):
+        self.device = device
+        self.params = {p.untyped_storage().data_ptr() for p in params}
         self.storages: dict[int, int] = {}
 
     @property
@@ -457,9 +458,10 @@ class SavedActivations:
         return sum(self.storages.values())
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        if t.device.type == "cuda" and not (t.is_leaf and t.requires_grad):
+        if t.device.type == self.device.type:
             storage = t.untyped_storage()
-            self.storages[storage.data_ptr()] = storage.nbytes()
+            if storage.data_ptr() not in self.params:
+                self.storages[storage.data_ptr()] = storage.nbytes()
         return t
 
     def unpack(self, t: torch.Tensor) -> torch.Tensor:
