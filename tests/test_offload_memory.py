@@ -146,3 +146,32 @@ def test_spilled_grads_train_as_the_plain_step_in_low_precision_with_accumulatio
     full = zf.checkpoint.full_params(got[0])
     for name, w in want[0].params.items():
         torch.testing.assert_close(full[name], w, rtol=1e-5, atol=1e-6)
+
+
+HELD_ON_TWO = [(2, "cpu", None, "fp32"), (2, "nvme", None, "bf16"), (3, "cpu", "cpu", "bf16"),
+               (3, "nvme", "nvme", "fp32")]
+
+
+def held_on_two_worker(rank, world, path):
+    mesh = zf.Mesh(dp=world)
+    out = []
+    for stage, where, params, precision in HELD_ON_TWO:
+        step, state = make(True, precision, 1, where, params, f"{path}/{stage}-{where}-{rank}", mesh=mesh, stage=stage)
+        state, _, _ = train_on(step, state, batches(1, 1), rank, world)
+        mine = sum(m.numel() if isinstance(m, torch.Tensor) else m.nbytes // 4 for m in zf.tree.leaves(state.params))
+        mem = step.memory(state)
+        out.append((mine, {p: mem["step"][p]["held_grads"] for p in ("cpu", "nvme")}))
+    return out
+
+
+@pytest.mark.multiprocess
+def test_grads_held_for_a_clip_on_two_ranks_are_each_ranks_fp32_slice(tmp_path):
+    """Over 2 ranks with a clip, each rank holds its reduced fp32 grad slice for the norm, where the
+    optimizer lives (4 B per param of its slice in any precision), as ``accounting.held_grads`` and
+    the planner say."""
+    results = zf.dist.spawn(held_on_two_worker, 2, 2, str(tmp_path))
+    for (stage, where, params, precision), *ranks in zip(HELD_ON_TWO, *results):
+        for rank, (mine, held) in enumerate(ranks):
+            want = accounting.held_grads(mine, precision=precision, optimizer=where, world=2, accum=1, held=True)
+            assert held == {p: want.get(p, 0) for p in ("cpu", "nvme")}, (stage, where, precision, rank, mine)
+            assert 0 < mine < numel()  # a slice: the other rank holds the rest
