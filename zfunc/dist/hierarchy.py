@@ -51,6 +51,23 @@ def blocks(comm: Comm, size: int, purpose: str) -> Blocks:
     return Blocks(_over(inner, comm), _over(outer, comm))
 
 
+def per_node(comm: Comm, ranks_per_node: int | None) -> int:
+    """How many of ``comm``'s ranks share each node, nodes being blocks of ``ranks_per_node`` global
+    ranks (None: one node): ``comm.world`` for one node. ``ValueError`` unless ``comm``'s ranks, in its
+    rank order, fall in blocks of one size, one node each (``blocks`` needs them so)."""
+    world = comm.world
+    if ranks_per_node is None or comm.alone or world == 1:
+        return world
+    ranks = dist.get_process_group_ranks(comm.group) if comm.group is not None else list(range(world))
+    node = [r // ranks_per_node for r in ranks]
+    size = node.count(node[0])
+    runs = [node[i : i + size] for i in range(0, world, size)]
+    if world % size or any(len(set(run)) != 1 for run in runs) or len({run[0] for run in runs}) != len(runs):
+        raise ValueError(f"ranks_per_node: the ranks {ranks} fall on nodes {node} at {ranks_per_node} ranks per "
+                         "node; expected blocks of consecutive ranks, one block per node, all of one size")
+    return size
+
+
 def _over(group: Any, comm: Comm) -> Comm:
     """A comm over ``group`` counting into ``comm``'s bytes (a group of this process alone: copies)."""
     if group is None:

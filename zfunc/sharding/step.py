@@ -77,7 +77,7 @@ import torch
 
 from zfunc.core import compose, placement, precision as mp, tree
 from zfunc.dist import Mesh
-from zfunc.dist.hierarchy import blocks
+from zfunc.dist.hierarchy import blocks, per_node
 from zfunc.dist.quantized import QuantizedComm
 from zfunc.model.materialize import Materializer, leaf as materialize_leaf
 from zfunc.ops.cpu import hostmem
@@ -108,7 +108,8 @@ class ShardedStep(Transformed):
         self.mesh, self.stage, self.units_selector = mesh, stage, units
         # ZeRO++ (``zfunc.dist.quantized``): stage 3's param gathers in int8, grad reduce-scatters in grad_bits
         self.gather_comm = QuantizedComm(mesh.comm, True, None) if quantize_weights else mesh.comm
-        self.reduce_comm = QuantizedComm(mesh.reduce_comm, False, grad_bits) if grad_bits else mesh.reduce_comm
+        self.reduce_comm = (QuantizedComm(mesh.reduce_comm, False, grad_bits, _nodes(mesh)) if grad_bits
+                            else mesh.reduce_comm)
         # hpZ (``zfunc.sharding.hpz``): stage 3's re-gathers inside groups of ``hpz`` ranks
         self.hpz, self.hpz_group = hpz, blocks(mesh.comm, hpz, "hpz").inner if hpz else None
         self.prefetch, self.bucket_elems, self.verify = prefetch, bucket_elems, verify
@@ -312,6 +313,8 @@ def shard(step: Step, mesh: Mesh, stage: int, units: Selector | None = None, *, 
       quantize_grads: ZeRO++'s qgZ, stages 1-3: grads reduce-scattered as an all-to-all of int4
         (True or 4) or int8 (8) blocks, dequantized and summed in fp32: ~7.8x / 3.9x fewer bytes.
         The step then equals the unquantized one only up to the quantization error (no exact law).
+        Over dp ranks on several nodes (``zf.Mesh(ranks_per_node=)``), in two levels: inside each node,
+        then across nodes with 1/ranks-per-node of the bytes (``zfunc.dist.quantized``).
       hpz: ZeRO++'s hpZ, stage 3: each rank keeps a secondary copy of 1/hpz of every gathered unit
         (in the compute dtype) within groups of ``hpz`` consecutive dp ranks, so backward's re-gathers
         stay inside the group (``zfunc.sharding.hpz``: law, bytes, memory). ``hpz`` divides ``mesh.dp``;
@@ -337,6 +340,13 @@ def shard(step: Step, mesh: Mesh, stage: int, units: Selector | None = None, *, 
     return ShardedStep(step, mesh, stage, units or units_mod.auto(), prefetch, bucket_elems, verify,
                        fit_buckets=stage == 0 and bucket_mb is None, quantize_weights=quantize_weights,
                        grad_bits=grad_bits, hpz=hpz)
+
+
+def _nodes(mesh: Mesh):
+    """The mesh's dp ranks as nodes (``zfunc.dist.hierarchy.blocks``) for ZeRO++'s two-level grad
+    reduce-scatter, where they span several nodes of several ranks (``Mesh.ranks_per_node``); else None."""
+    size = per_node(mesh.reduce_comm, mesh.ranks_per_node)
+    return None if size in (1, mesh.reduce_comm.world) else blocks(mesh.reduce_comm, size, "nodes")
 
 
 def _hpz(hpz: int | None, stage: int, dp: int) -> int | None:
