@@ -19,8 +19,9 @@ nonzero).
 
 ``comm``: the ``zf.dist.Comm`` of the data-parallel ranks (``mesh.comm``); None: one over the default
 process group, made at the first compressed update (one rank alone: no compression happens).
-The step runs them at ``zf.shard`` stage 0 (replicated data parallelism, where DeepSpeed runs them);
-the rulebook refuses stages 1-3, whose grads are reduce-scattered slices.
+The step runs them at ``zf.shard`` stage 0 (replicated data parallelism, where DeepSpeed runs them),
+alone or inside ``zf.pipeline`` (pass ``comm=mesh.comm``: each stage's dp ranks); the rulebook refuses
+stages 1-3, whose grads are reduce-scattered slices.
 """
 from __future__ import annotations
 
