@@ -75,13 +75,19 @@ def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
 def scaled_signs(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each row of ``rows`` (chunks x k) as ``scale * sign``: ``(packed signs (chunks x k/8),
     scales (chunks), residual rows - scale * sign)``, scale = ``||row||_2 / sqrt(k)``. On a GPU with
-    zfunc's kernels, the signs and the residual in one pass after the norms (the same bits)."""
+    zfunc's kernels, or fp32 on the CPU (``zfunc.ops.cpu.codec``), the signs and the residual in one
+    pass after the norms (the same bits)."""
     if (rows.is_cuda and rows.dtype == torch.float32 and rows.is_contiguous() and rows.shape[1] % 8 == 0
             and _gpu_kernels()):
         from zfunc.ops.gpu import onebit
 
         return onebit.scaled_signs(rows)
     scales = torch.linalg.vector_norm(rows, dim=1) / math.sqrt(rows.shape[1])
+    if _on_cpu_kernels(rows):  # the same bits in one pass (zfunc.ops.cpu.codec)
+        from zfunc.ops.cpu import codec
+
+        packed, residual = codec.sign_residual(rows, scales)
+        return packed, scales, residual
     packed = pack_signs(rows).view(rows.shape[0], -1)
     s = scales[:, None]
     residual = torch.where(rows >= 0, rows - s, rows + s)  # rows - s * sign, exactly
@@ -96,7 +102,16 @@ def decode(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         from zfunc.ops.gpu import onebit
 
         return onebit.decode(packed, scales.contiguous())
+    if packed.device.type == "cpu" and packed.dim() == 2 and scales.dtype == torch.float32:
+        from zfunc.ops.cpu import codec
+
+        return codec.decode(packed, scales)
     return unpack_signs(packed) * scales[:, None]
+
+
+def _on_cpu_kernels(rows: torch.Tensor) -> bool:
+    """fp32 rows on the CPU, whole bytes of signs: ``zfunc.ops.cpu.codec`` packs them."""
+    return rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.dim() == 2 and rows.shape[1] % 8 == 0
 
 
 def _gpu_kernels() -> bool:

@@ -54,7 +54,7 @@ def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of ``x`` (rows x n, n a multiple of ``BLOCK``) as ``(payload uint8, scales fp32)``: per
     row, n bytes (int8, offset by 128) or n/2 (int4, two offset nibbles a byte, the first high), and
     n / BLOCK scales. On a GPU with zfunc's kernels (``zfunc.ops.gpu.quantize``, ``ZFUNC_GPU_KERNELS``),
-    the same bits in one pass."""
+    the same bits in one pass; on the CPU the payload in one pass after the scales (``zfunc.ops.cpu.codec``)."""
     if x.is_cuda and x.dim() == 2 and _gpu_kernels():
         from zfunc.ops.gpu import quantize as gpu_quantize
 
@@ -63,6 +63,10 @@ def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = x.float().reshape(rows, -1, BLOCK)
     scales = blocks.abs().amax(dim=2) / _QMAX[bits]
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    if x.device.type == "cpu":  # the same bits in one pass (zfunc.ops.cpu.codec)
+        from zfunc.ops.cpu import codec
+
+        return codec.quantize(blocks.reshape(rows, -1), safe, BLOCK, _QMAX[bits], bits), scales
     q = torch.round(blocks / safe[..., None]).clamp_(-_QMAX[bits], _QMAX[bits])
     if bits == 8:
         return q.add_(128).to(torch.uint8).reshape(rows, -1), scales
@@ -71,14 +75,18 @@ def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize(payload: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
-    """``quantize``'s inverse: rows of fp32 values (rows x n); on a GPU with zfunc's kernels, in one
-    pass (the same bits)."""
+    """``quantize``'s inverse: rows of fp32 values (rows x n); on a GPU with zfunc's kernels, or on the
+    CPU (``zfunc.ops.cpu.codec``), in one pass (the same bits)."""
     if payload.is_cuda and payload.dim() == 2 and payload.is_contiguous() and scales.dtype == torch.float32 and (
             _gpu_kernels()):
         from zfunc.ops.gpu import quantize as gpu_quantize
 
         return gpu_quantize.dequantize(payload, scales.contiguous(), bits)
     rows = payload.shape[0]
+    if payload.device.type == "cpu" and payload.dim() == 2 and scales.dtype == torch.float32:
+        from zfunc.ops.cpu import codec
+
+        return codec.dequantize(payload, scales, BLOCK, bits)
     q = payload.float() - 128 if bits == 8 else _NIBBLES.to(payload.device)[payload.long()]
     return (q.reshape(rows, -1, BLOCK) * scales[..., None]).reshape(rows, -1)
 
