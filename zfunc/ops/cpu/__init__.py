@@ -4,13 +4,14 @@
 LAMB in the same family, two passes per tensor; ``norm``: the sum of squares of CPU grads in one read (a step's
 global grad norm);
 ``codec``: the compressed collectives' sign packing and int8/int4 blocks in one pass each;
-``gomp``: the libgomp thread teams they run on; ``hostmem``: CPU tensors on transparent huge pages, where
+``onebit``: the 1-bit optimizers' frozen-variance update in one pass; ``gomp``: the libgomp thread teams
+they run on; ``hostmem``: CPU tensors on transparent huge pages, where
 the optimizer state lives (fewer TLB misses for the kernels' streams); ``units``: which half precisions this
 CPU multiplies matrices in natively. Modules load on first attribute access (Numba's import is ~0.3 s).
 """
 import importlib
 
-_MODULES = ("adam", "codec", "gomp", "hostmem", "lamb", "norm", "units")
+_MODULES = ("adam", "codec", "gomp", "hostmem", "lamb", "norm", "onebit", "units")
 
 
 def __getattr__(name: str):

@@ -33,13 +33,15 @@ def _sign_residual(rows, scales, packed, residual):
             packed[r, j] = byte
 
 
-def sign_residual(rows: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sign_residual(rows: torch.Tensor, scales: torch.Tensor,
+                  out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(packed, residual)`` of fp32 ``rows`` (R x k, k % 8 == 0) and their ``scales`` (R): the bits of
     ``pack_signs(rows)`` (element 8j + i at bit i of byte j, set where ``x >= 0``) and of
-    ``torch.where(rows >= 0, rows - s, rows + s)``."""
+    ``torch.where(rows >= 0, rows - s, rows + s)``; ``out`` (contiguous, ``rows`` itself allowed: each
+    element is read before it is written) receives the residual."""
     rows = rows.contiguous()
     packed = torch.empty(rows.shape[0], rows.shape[1] // 8, dtype=torch.uint8)
-    residual = torch.empty_like(rows)
+    residual = torch.empty_like(rows) if out is None else out.view(rows.shape)
     _sign_residual(rows.numpy(), scales.contiguous().numpy(), packed.numpy(), residual.numpy())
     return packed, residual
 
@@ -60,6 +62,39 @@ def decode(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     out = torch.empty(packed.shape[0], packed.shape[1] * 8, dtype=torch.float32)
     _decode(packed.contiguous().numpy(), scales.contiguous().numpy(), out.numpy())
     return out
+
+
+@njit(**_JIT)
+def _decode_sum(packed, scales, add, out):
+    for j in range(packed.shape[1]):
+        for b in range(8):
+            acc = scales[0] if (packed[0, j] >> b) & 1 else -scales[0]
+            for r in range(1, packed.shape[0]):
+                acc += scales[r] if (packed[r, j] >> b) & 1 else -scales[r]
+            out[8 * j + b] = acc + add[8 * j + b]
+
+
+def decode_sum(packed: torch.Tensor, scales: torch.Tensor, add: torch.Tensor) -> torch.Tensor:
+    """The rows ``scale * sign`` summed, plus ``add`` (8n fp32): the bits of
+    ``decode(packed, scales).sum(0) + add``, rows summed in order (as torch sums a few rows)."""
+    out = torch.empty(packed.shape[1] * 8, dtype=torch.float32)
+    _decode_sum(packed.contiguous().numpy(), scales.contiguous().numpy(), add.contiguous().numpy(), out.numpy())
+    return out
+
+
+@njit(**_JIT)
+def _decode_into(packed, scales, out):
+    k = packed.shape[1] * 8
+    for i in range(out.shape[0]):
+        r, c = i // k, i % k
+        s = scales[r]
+        out[i] = s if (packed[r, c // 8] >> (c % 8)) & 1 else -s
+
+
+def decode_into(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    """The first ``out.numel()`` values of ``decode(packed, scales)`` (flattened) written into ``out``
+    (fp32, contiguous): the same bits, no whole decoded copy."""
+    _decode_into(packed.contiguous().numpy(), scales.contiguous().numpy(), out.view(-1).numpy())
 
 
 @njit(**_JIT)
