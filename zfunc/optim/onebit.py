@@ -90,6 +90,15 @@ class _Channel:
         return self.comm
 
 
+def _local_momentum(m: torch.Tensor, g: torch.Tensor, b1: float) -> torch.Tensor:
+    """``m b1 + (1 - b1) g``: ``zfunc.ops.cpu.onebit``'s one pass on fp32 CPU tensors (the same bits), else torch."""
+    from zfunc.ops.cpu import onebit as cpu_onebit
+
+    if cpu_onebit.usable(m, g.contiguous()):
+        return cpu_onebit.local_momentum(m, g.contiguous(), b1)
+    return m * b1 + (1 - b1) * g
+
+
 def _frozen_update(p32: torch.Tensor, m: torch.Tensor, v: torch.Tensor, lr: float, decay: float | None,
                    eps: float) -> torch.Tensor:
     """The update of ``p = p decay - lr m / (sqrt(v) + eps)`` on a frozen ``v`` (``decay`` None: none):
@@ -147,7 +156,7 @@ def onebit_adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
         decay = _mask_leaves(mask, params, len(p_leaves))
         masks = _mask_list(momentum_mask, params, len(p_leaves))
         live = [k for k, g in enumerate(g_leaves) if g is not None]
-        local = [m_leaves[k] * b1 + (1 - b1) * g_leaves[k].to(m_leaves[k].dtype) for k in live]
+        local = [_local_momentum(m_leaves[k], g_leaves[k].to(m_leaves[k].dtype), b1) for k in live]
         mean = dict(zip(live, channel.mean(local, f"1-bit Adam momentum at update {state.count + 1}", own=True)))
         step_lr = lr(state.count)
         updates, mus = [], []
