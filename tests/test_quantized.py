@@ -161,3 +161,25 @@ def test_a_mesh_is_told_its_ranks_per_node():
     assert zf.Mesh().ranks_per_node is None  # not told, not under torchrun: one node
     with pytest.raises(ValueError, match="ranks_per_node: expected an int >= 1 dividing the world size 1, got 2"):
         zf.Mesh(ranks_per_node=2)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_cpu_codec_writes_the_torch_expressions_bits(bits):
+    """zfunc.ops.cpu.codec (what Q.quantize / Q.dequantize / the reduce-scatter's sum run on the CPU)
+    against the torch expressions it replaces, bit for bit."""
+    from zfunc.ops.cpu import codec
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3 * Q.BLOCK, generator=g) * torch.tensor([1e-3, 1.0, 1e3, 0.0])[:, None]
+    qmax = {8: 127, 4: 7}[bits]
+    scales = x.reshape(4, -1, Q.BLOCK).abs().amax(dim=2) / qmax
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(x.reshape(4, -1, Q.BLOCK) / safe[..., None]).clamp_(-qmax, qmax).reshape(4, -1)
+    want = (q + 128).to(torch.uint8) if bits == 8 else ((q[:, 0::2] + 8) * 16 + q[:, 1::2] + 8).to(torch.uint8)
+    payload, got_scales = codec.quantize_blocks(x, Q.BLOCK, qmax, bits)
+    assert torch.equal(payload, want) and torch.equal(got_scales, scales)
+    back = (q.reshape(4, -1, Q.BLOCK) * scales[..., None]).reshape(4, -1)
+    assert torch.equal(codec.dequantize(payload, scales, Q.BLOCK, bits), back)
+    out = torch.empty(700)
+    codec.dequantize_sum(payload, scales, Q.BLOCK, bits, out)
+    assert torch.equal(out, back[:, :700].sum(0))

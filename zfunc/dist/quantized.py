@@ -60,6 +60,10 @@ def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
 
         return gpu_quantize.quantize(x.float().contiguous(), bits)
     rows = x.shape[0]
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2:  # one pass (zfunc.ops.cpu.codec)
+        from zfunc.ops.cpu import codec
+
+        return codec.quantize_blocks(x, BLOCK, _QMAX[bits], bits)
     blocks = x.float().reshape(rows, -1, BLOCK)
     scales = blocks.abs().amax(dim=2) / _QMAX[bits]
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
@@ -164,15 +168,18 @@ class QuantizedComm:
                 work.wait()
             return work
         world, k = self.inner.world, out.numel()
-        rows = torch.zeros(world, _padded(k), dtype=torch.float32, device=full.device)
-        rows[:, :k] = full.view(world, k)
+        if k == _padded(k) and full.dtype == torch.float32:  # whole blocks already: no padded copy
+            rows = full.view(world, k)
+        else:
+            rows = torch.zeros(world, _padded(k), dtype=torch.float32, device=full.device)
+            rows[:, :k] = full.view(world, k)
         payload, scales = quantize(rows, self.grad_bits)
         got_payload, got_scales = torch.empty_like(payload), torch.empty_like(scales)
         works = [self.inner.all_to_all(got_payload, payload, label, "quantized_reduce_scatter", async_op=True),
                  self.inner.all_to_all(got_scales, scales, label, "quantized_reduce_scatter", async_op=True)]
 
         def finish():
-            torch.sum(dequantize(got_payload, got_scales, self.grad_bits)[:, :k], dim=0, out=out.view(-1))
+            dequantized_sum(got_payload, got_scales, self.grad_bits, out)
 
         work = _Dequantized(works, finish)
         if not async_op:
@@ -207,4 +214,16 @@ def two_level_reduce_scatter(nodes: Any, out: torch.Tensor, full: torch.Tensor, 
     got_payload, got_scales = torch.empty_like(payload), torch.empty_like(scales)
     nodes.outer.all_to_all(got_payload, payload, label, "quantized_reduce_scatter_across_nodes")
     nodes.outer.all_to_all(got_scales, scales, label, "quantized_reduce_scatter_across_nodes")
-    torch.sum(dequantize(got_payload, got_scales, bits)[:, :k], dim=0, out=out.view(-1))
+    dequantized_sum(got_payload, got_scales, bits, out)
+
+
+def dequantized_sum(payload: torch.Tensor, scales: torch.Tensor, bits: int, out: torch.Tensor) -> None:
+    """``out`` (k values) <- the first k values of every dequantized row, summed over the rows in fp32;
+    on the CPU in one pass (``zfunc.ops.cpu.codec``: the same bits)."""
+    k = out.numel()
+    if payload.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous():
+        from zfunc.ops.cpu import codec
+
+        codec.dequantize_sum(payload, scales, BLOCK, bits, out)
+        return
+    torch.sum(dequantize(payload, scales, bits)[:, :k], dim=0, out=out.view(-1))

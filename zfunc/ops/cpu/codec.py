@@ -144,3 +144,60 @@ def dequantize(payload: torch.Tensor, scales: torch.Tensor, block: int, bits: in
     out = torch.empty(payload.shape[0], payload.shape[1] * 8 // bits, dtype=torch.float32)
     _dequantize(payload.contiguous().numpy(), scales.contiguous().numpy(), block, bits, out.numpy())
     return out
+
+
+@njit(**_JIT)
+def _quantize_blocks(x, block, qmax, bits, scales, payload):
+    for r in range(x.shape[0]):
+        for blk in range(scales.shape[1]):
+            amax = np.float32(0)
+            for i in range(blk * block, (blk + 1) * block):
+                a = abs(x[r, i])
+                if a > amax or a != a:
+                    amax = a
+            s = amax / qmax
+            scales[r, blk] = s
+            if not s > 0:
+                s = np.float32(1)
+            for i in range(blk * block, (blk + 1) * block, 2):
+                q0 = min(max(np.rint(x[r, i] / s), -qmax), qmax)
+                q1 = min(max(np.rint(x[r, i + 1] / s), -qmax), qmax)
+                if bits == 8:
+                    payload[r, i] = np.uint8(q0 + 128)
+                    payload[r, i + 1] = np.uint8(q1 + 128)
+                else:
+                    payload[r, i // 2] = np.uint8((q0 + 8) * 16 + (q1 + 8))
+
+
+def quantize_blocks(x: torch.Tensor, block: int, qmax: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(payload, scales)`` of fp32 rows ``x`` (R x n, n a multiple of ``block``) in one pass per block:
+    ``scales = amax |x| / qmax`` per block and the payload of ``quantize`` (0 scales dividing by 1): the
+    bits of ``zfunc.dist.quantized.quantize``'s torch expressions."""
+    x = x.contiguous()
+    scales = torch.empty(x.shape[0], x.shape[1] // block, dtype=torch.float32)
+    payload = torch.empty(x.shape[0], x.shape[1] * bits // 8, dtype=torch.uint8)
+    _quantize_blocks(x.numpy(), block, np.float32(qmax), bits, scales.numpy(), payload.numpy())
+    return payload, scales
+
+
+@njit(**_JIT)
+def _dequantize_sum(payload, scales, block, bits, out):
+    for i in range(out.shape[0]):
+        acc = np.float32(0)
+        for r in range(payload.shape[0]):
+            s = scales[r, i // block]
+            if bits == 8:
+                q = np.float32(payload[r, i]) - np.float32(128)
+            elif i % 2 == 0:
+                q = np.float32(payload[r, i // 2] >> 4) - np.float32(8)
+            else:
+                q = np.float32(payload[r, i // 2] & 15) - np.float32(8)
+            acc = q * s if r == 0 else acc + q * s
+        out[i] = acc
+
+
+def dequantize_sum(payload: torch.Tensor, scales: torch.Tensor, block: int, bits: int, out: torch.Tensor) -> None:
+    """``out`` (its numel k, fp32 contiguous) <- the first k values of every dequantized row, summed over
+    the rows in order: the bits of ``dequantize(payload, scales)[:, :k].sum(0)`` (torch sums a few rows
+    in order)."""
+    _dequantize_sum(payload.contiguous().numpy(), scales.contiguous().numpy(), block, bits, out.view(-1).numpy())
