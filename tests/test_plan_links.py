@@ -44,3 +44,19 @@ def test_compression_pays_on_a_slow_link_and_not_on_nvlink(how):
     assert est.time["codec"] > 0
     assert "codec" not in zp.plan(MODEL, zp.cluster("H100-80GB", gpus=8), uncompressed(
         est.plan)).time
+
+
+def test_the_cli_takes_a_link_per_axis(capsys):
+    import json
+
+    from zfunc.plan.__main__ import main
+
+    def step(flags):
+        assert main(["--params", "1.3e9", "--gpus", "8", "--zero", "2", "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)["time_s"]
+
+    plain, slow = step([]), step(["--link", "dp=0.125"])
+    assert slow["dp_comm"] > 100 * plain["dp_comm"]
+    assert step(["--link", "dp=0.125", "--quantize-grads", "4"])["step"] < slow["step"] / 1.5  # compression pays
+    with pytest.raises(SystemExit):
+        main(["--params", "1.3e9", "--link", "dp"])
