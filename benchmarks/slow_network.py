@@ -1,7 +1,7 @@
 """Compressed collectives on a slow network: 1-bit Adam and ZeRO++ against fp32, on 2 gloo ranks.
 
     python benchmarks/slow_network.py [--rates 1gbit,10gbit] [--delay-ms 0.1] [--rounds 8] [--width 1024]
-                                      [--depth 8] [--fallback]
+                                      [--depth 8] [--fallback] [--ranks-per-node 2]
 
 The network: with root, ``ip`` and ``tc``, each rank runs in a network namespace of its own
 (``zf35a-<pid>``, ``zf35b-<pid>``) joined by a veth pair (10.235.0.1/30 and .2, addresses that exist
@@ -22,6 +22,13 @@ Bytes per step are the mesh's counters after warm-up (``mesh.comm_bytes()``). Ti
 one step of every trainer in a shuffled order (the same on both ranks); a ratio is the median over
 rounds of the peer's step time over the trainer's in the same round (paired), so the load of this
 shared machine cancels. Prints a markdown table per network.
+
+``--ranks-per-node 2`` (namespaces only): 4 ranks, 2 in each namespace (a "node"): inside a namespace
+ranks talk over its loopback, unshaped; across, over the shaped veth pair. Each rank is told its
+node (``LOCAL_WORLD_SIZE=2``: ``zf.Mesh``'s ``ranks_per_node``), and the trainers are
+  z3 / z3-hpz     stage 3 with fp32 collectives / hpz=2: backward's re-gathers inside the node
+  z2 / z2-int4    stage 2 with fp32 reduce-scatters / quantize_grads=4 in two levels (node, then across)
+  z2-int4-flat    quantize_grads=4 over a mesh told it is one node: one all-to-all across the link
 """
 from __future__ import annotations
 
@@ -45,7 +52,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import zfunc as zf  # noqa: E402
 
 TRAINERS = ("fp32", "1bit", "z3", "z3-int8", "z2", "z2-int4")
-PEERS = {"1bit": "fp32", "z3-int8": "z3", "z2-int4": "z2"}
+NODE_TRAINERS = ("z3", "z3-hpz", "z2", "z2-int4", "z2-int4-flat")
+PEERS = {"1bit": "fp32", "z3-int8": "z3", "z2-int4": "z2", "z3-hpz": "z3", "z2-int4-flat": "z2"}
+STAGES = {"fp32": 0, "1bit": 0, "z3": 3, "z3-int8": 3, "z3-hpz": 3, "z2": 2, "z2-int4": 2, "z2-int4-flat": 2}
 
 
 def _model(width: int, depth: int) -> nn.Module:
@@ -53,32 +62,36 @@ def _model(width: int, depth: int) -> nn.Module:
     return nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
 
 
-def _trainer(kind: str, mesh, width: int, depth: int):
+def _trainer(kind: str, mesh, width: int, depth: int, flat=None):
     apply, params = zf.functionalize(_model(width, depth))
 
     def loss_fn(p, batch):
         return (apply(p, batch) ** 2).mean()
 
     opt = zf.optim.onebit_adam(1e-4, freeze_step=1, comm=mesh.comm) if kind == "1bit" else zf.optim.adamw(1e-4)
-    stage = {"fp32": 0, "1bit": 0, "z3": 3, "z3-int8": 3, "z2": 2, "z2-int4": 2}[kind]
+    stage = STAGES[kind]
     units = zf.units.by_class(nn.Linear) if stage == 3 else None
-    step = zf.shard(zf.train_step(loss_fn, opt, "fp32", grad_norm=False), mesh, stage, units=units,
-                    quantize_weights=kind == "z3-int8", quantize_grads={"z3-int8": 8, "z2-int4": 4}.get(kind, False))
+    step = zf.shard(zf.train_step(loss_fn, opt, "fp32", grad_norm=False), flat if kind.endswith("-flat") else mesh,
+                    stage, units=units, quantize_weights=kind == "z3-int8",
+                    quantize_grads={"z3-int8": 8, "z2-int4": 4, "z2-int4-flat": 4}.get(kind, False),
+                    hpz=2 if kind == "z3-hpz" else None)
     return step, step.init(params)
 
 
 def measure(rank: int, world: int, kinds: list[str], rounds: int, width: int, depth: int) -> dict:
     """One rank's bytes per step and step times per trainer (see the module docstring)."""
     mesh = zf.Mesh()
+    flat = zf.Mesh(ranks_per_node=world) if any(k.endswith("-flat") for k in kinds) else None  # one "node"
     batch = torch.randn(4, width, generator=torch.Generator().manual_seed(rank))
-    trainers = {k: _trainer(k, mesh, width, depth) for k in kinds}
+    trainers = {k: _trainer(k, mesh, width, depth, flat) for k in kinds}
     sent, times = {}, {k: [] for k in kinds}
     for k, (step, state) in trainers.items():  # warm-up: 1bit leaves its full-precision step behind
         for _ in range(2):
             state, _ = step(state, batch)
-        mesh.clear_comm_bytes()
+        on = flat if k.endswith("-flat") else mesh
+        on.clear_comm_bytes()
         state, _ = step(state, batch)
-        sent[k] = dict(mesh.comm_bytes())
+        sent[k] = dict(on.comm_bytes())
         trainers[k] = (step, state)
     order = random.Random(0)
     for _ in range(rounds):
@@ -150,15 +163,21 @@ class Namespaces:
         self.made = []
 
 
-def _netns_run(rate: str, delay_ms: float, kinds, rounds, width, depth) -> tuple[str, list[dict]]:
+def _netns_run(rate: str, delay_ms: float, kinds, rounds, width, depth,
+               per_node: int = 1) -> tuple[str, list[dict]]:
     nets = Namespaces(rate, delay_ms)
-    network = f"veth pair between 2 network namespaces, {nets.shaping}"
+    world = 2 * per_node
+    network = (f"veth pair between 2 network namespaces, {nets.shaping}" if per_node == 1 else
+               f"2 'nodes' of {per_node} ranks: network namespaces joined by a veth pair, {nets.shaping}; "
+               "unshaped loopback inside each")
     out = Path(tempfile.mkdtemp(prefix="zf35-"))
     try:
         procs = []
-        for rank, (ns, dev) in enumerate(zip(nets.names, nets.veth)):
+        for rank in range(world):
+            ns, dev = nets.names[rank // per_node], nets.veth[rank // per_node]
             env = dict(os.environ, GLOO_SOCKET_IFNAME=dev, MASTER_ADDR="10.235.0.1", MASTER_PORT="29535",
-                       RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+                       RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % per_node),
+                       LOCAL_WORLD_SIZE=str(per_node), OMP_NUM_THREADS="1",
                        PYTHONPATH=str(Path(__file__).resolve().parents[1]))
             cmd = ["ip", "netns", "exec", ns, sys.executable, __file__, "--worker", str(out / f"{rank}.json"),
                    "--kinds", ",".join(kinds), "--rounds", str(rounds), "--width", str(width), "--depth", str(depth)]
@@ -166,7 +185,7 @@ def _netns_run(rate: str, delay_ms: float, kinds, rounds, width, depth) -> tuple
         for p in procs:
             if p.wait(timeout=1800) != 0:
                 raise RuntimeError(f"a rank in {rate} namespaces exited with {p.returncode}")
-        return network, [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
+        return network, [json.loads((out / f"{r}.json").read_text()) for r in range(world)]
     finally:
         nets.close()
         shutil.rmtree(out, ignore_errors=True)
@@ -174,7 +193,7 @@ def _netns_run(rate: str, delay_ms: float, kinds, rounds, width, depth) -> tuple
 
 def _worker(path: str, kinds, rounds, width, depth) -> None:
     zf.dist.init_from_env()
-    result = measure(int(os.environ["RANK"]), 2, kinds, rounds, width, depth)
+    result = measure(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), kinds, rounds, width, depth)
     Path(path).write_text(json.dumps(result))
 
 
@@ -194,7 +213,8 @@ def report(network: str, ranks: list[dict], kinds: list[str]) -> None:
             ratio = f"{sum(theirs.values()) / sum(mine.values()):.1f}x"
             pairs = [(c, f) for c, f in (("compressed_all_reduce", "all_reduce"),
                                          ("quantized_all_gather", "all_gather"),
-                                         ("quantized_reduce_scatter", "reduce_scatter")) if mine.get(c)]
+                                         ("quantized_reduce_scatter", "reduce_scatter"),
+                                         ("quantized_reduce_scatter_across_nodes", "reduce_scatter")) if mine.get(c)]
             squeezed = ", ".join(f"{f} {theirs[f] / mine[c]:.1f}x" for c, f in pairs)
             speed = f"{statistics.median(p / o for p, o in zip(times[peer], times[k])):.2f}x"
         detail = ", ".join(f"{n} {v / 1e6:.2f} MB" for n, v in sorted(mine.items()) if v)
@@ -209,19 +229,25 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--depth", type=int, default=8)
-    p.add_argument("--kinds", default=",".join(TRAINERS))
+    p.add_argument("--kinds", default=None, help="trainers (default: all of the mode's)")
+    p.add_argument("--ranks-per-node", type=int, default=1,
+                   help="2: 4 ranks, 2 per namespace, for hpZ and the two-level reduce-scatter (needs root and tc)")
     p.add_argument("--fallback", action="store_true", help="throttle Comm instead of building namespaces")
     p.add_argument("--loopback", action="store_true", help="also measure on plain loopback (no throttle)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    kinds = args.kinds.split(",")
+    kinds = args.kinds.split(",") if args.kinds else list(TRAINERS if args.ranks_per_node == 1 else NODE_TRAINERS)
     if args.worker:
         _worker(args.worker, kinds, args.rounds, args.width, args.depth)
         return
     can_shape = os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc") and not args.fallback
+    if args.ranks_per_node != 1 and not can_shape:
+        raise SystemExit(f"--ranks-per-node: {args.ranks_per_node} needs network namespaces (root, ip and tc); "
+                         "the throttled Comm cannot tell a node's links from the network's")
     for rate in args.rates.split(","):
         if can_shape:
-            network, ranks = _netns_run(rate, args.delay_ms, kinds, args.rounds, args.width, args.depth)
+            network, ranks = _netns_run(rate, args.delay_ms, kinds, args.rounds, args.width, args.depth,
+                                        args.ranks_per_node)
         else:
             bps = float(rate.lower().replace("gbit", "e9").replace("mbit", "e6"))
             network = f"loopback with a throttled Comm (counted bytes / {rate} + {args.delay_ms} ms per collective)"

@@ -111,3 +111,24 @@ def test_error_feedback_bounds_the_drift_over_50_steps():
         torch.testing.assert_close(drift, left, rtol=0, atol=1e-3)  # the identity, up to fp32 rounding
         assert float(drift.norm()) <= 4 * largest, t
     assert float((summed_true - summed_plain).norm()) > 20 * largest
+
+
+def test_the_cpu_codec_writes_the_torch_expressions_bits():
+    """zfunc.ops.cpu.codec (what the compressed all-reduce runs on the CPU) against the torch expressions
+    it replaces, bit for bit."""
+    from zfunc.ops.cpu import codec
+
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(4, 1024, generator=g) * torch.tensor([1e-3, 1.0, 1e3, 0.0])[:, None]
+    rows[1, :40] = -0.0
+    s = torch.linalg.vector_norm(rows, dim=1) / math.sqrt(1024)
+    packed, residual = codec.sign_residual(rows, s)
+    assert torch.equal(packed, C.pack_signs(rows).view(4, -1))
+    assert torch.equal(residual, torch.where(rows >= 0, rows - s[:, None], rows + s[:, None]))
+    signs = torch.where(rows >= 0, 1.0, -1.0)
+    assert torch.equal(codec.decode(packed, s), signs * s[:, None])
+    add = torch.randn(1024, generator=g)
+    assert torch.equal(codec.decode_sum(packed, s, add), (signs * s[:, None]).sum(0) + add)
+    out = torch.empty(3000)
+    codec.decode_into(packed, s, out)
+    assert torch.equal(out, (signs * s[:, None]).reshape(-1)[:3000])

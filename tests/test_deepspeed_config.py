@@ -211,7 +211,9 @@ def test_bad_batch_values_name_their_key(key, value):
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
      "zero_optimization.offload_optimizer.ratio", 0.3),
     ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, "zero_optimization.zero_hpz_partition_size",
-     8),
+     8),  # 8 does not divide the one rank
+    ({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 2}}, "zero_optimization.zero_hpz_partition_size",
+     2),
     ({"zero_optimization": {"stage": 2, "overlap_com": True}}, "zero_optimization.overlap_com", True),
     ({"trian_batch_size": 8}, "trian_batch_size", 8),
     ({"fp16": {"enabled": True, "loss_scale": 128}}, "fp16.loss_scale", 128),
@@ -269,6 +271,8 @@ def test_zero_plus_plus_keys_map_to_the_quantized_collectives():
         read(with_(SMALL, zero_optimization={"stage": 2, "zero_quantized_weights": True}))
     with pytest.raises(ValueError, match="zero_optimization.zero_quantized_gradients: .* the stage is 0"):
         read(with_(SMALL, zero_optimization={"stage": 0, "zero_quantized_gradients": True}))
+    hpz = read(with_(SMALL, zero_optimization={"stage": 3, "zero_hpz_partition_size": 2}), world_size=4)
+    assert hpz.hpz_partition == 2  # zf.shard(hpz=2)
 
 
 def test_features_that_are_off_are_accepted_and_listed_as_ignored():

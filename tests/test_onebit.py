@@ -197,3 +197,18 @@ def test_at_stage_0_the_momentum_goes_compressed_and_ranks_agree(kind):
     if plain is not None:  # warm-up (2 updates) equals the full-precision step exactly
         for t in range(2):
             assert all(torch.equal(ranks[0][t][0][k], plain[0][t][0][k]) for k in plain[0][t][0])
+
+
+def test_the_frozen_update_kernel_is_the_torch_expression():
+    """zfunc.ops.cpu.onebit's one pass against ``p decay - lr m / (sqrt(v) + eps) - p`` in torch: equal but
+    for the square root, which it rounds correctly (torch's may be an ulp off)."""
+    from zfunc.ops.cpu import onebit as kernel
+
+    g = torch.Generator().manual_seed(0)
+    p, m, v = torch.randn(4099, generator=g), torch.randn(4099, generator=g), torch.rand(4099, generator=g)
+    for decay in (None, 1 - 1e-3 * 0.1):
+        got = kernel.frozen_adam_update(p, m, v, 1e-3, decay, 1e-8)
+        new_p = p * decay if decay is not None else p
+        want = new_p - 1e-3 * (m / (v.double().sqrt().float() + 1e-8)) - p
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-9)
+        torch.testing.assert_close(got, new_p - 1e-3 * (m / (v.sqrt() + 1e-8)) - p, rtol=0, atol=2.4e-7)

@@ -200,7 +200,8 @@ def parallelize(step: Step, model: nn.Module, plan: config_mod.Plan, mesh: Mesh 
         sequence_parallel(model, mesh, plan.sp_kind)
     if plan.zero_stage > 0 or plan.dp > 1 or plan.sp_size > 1:
         step = shard(step, mesh, plan.zero_stage, units=units if plan.zero_stage == 3 else None,
-                     quantize_weights=plan.quantized_weights, quantize_grads=plan.quantized_grads or False)
+                     quantize_weights=plan.quantized_weights, quantize_grads=plan.quantized_grads or False,
+                     hpz=plan.hpz_partition if plan.zero_stage == 3 else None)
     if plan.offload_optimizer != "none":
         params = None if plan.offload_params == "none" else plan.offload_params
         step = offload(step, optimizer=plan.offload_optimizer, params=params, path=plan.nvme_path,

@@ -16,6 +16,7 @@ DeepSpeed key -> Plan field (key paths as in DeepSpeed's "Configuration JSON" re
 | ``zero_optimization.stage`` (legacy ``true``/``false``: 1/0)     | ``zero_stage``              |
 | ``zero_optimization.zero_quantized_weights`` (ZeRO++ qwZ)       | ``quantized_weights``       |
 | ``zero_optimization.zero_quantized_gradients`` (qgZ, int4)      | ``quantized_grads`` (4)     |
+| ``zero_optimization.zero_hpz_partition_size`` (hpZ; 0/1: off)    | ``hpz_partition``           |
 | ``zero_optimization.offload_optimizer.device`` (stage 1-3)      | ``offload_optimizer``       |
 | ``zero_optimization.offload_param.device`` (stage 3)            | ``offload_params``          |
 | ``zero_optimization.offload_{optimizer,param}.nvme_path``       | ``nvme_path`` (one for both)|
@@ -179,7 +180,6 @@ _ZERO_KNOBS = frozenset({
     "module_granularity_threshold", "stage3_use_all_reduce_for_fetch_params", "use_all_reduce_for_fetch_params",
     "stage3_allgather_sequential", "allgather_sequential"})
 _ZERO_FEATURES = {
-    "zero_hpz_partition_size": (lambda v: v not in (0, 1), "ZeRO++ hierarchical partitioning (hpZ)"),
     "zero_quantized_nontrainable_weights": (bool, "ZeRO++ quantized weights"),
     "zeropp_loco_param": (lambda v: v is not None, "ZeRO++ LoCo"),
     "mics_shard_size": (lambda v: v not in (-1, 0), "MiCS sharding"),
@@ -295,7 +295,7 @@ class _Reader:
 def _read(config: dict, world_size: int, auto: dict[str, Any]) -> Plan:
     r = _Reader(auto)
     r.sort(config, "", _TOP_MAPPED, _TOP_KNOBS, _TOP_FEATURES)
-    fields = {"dp": world_size, **_read_batch(r, config, world_size), **_read_zero(r, config),
+    fields = {"dp": world_size, **_read_batch(r, config, world_size), **_read_zero(r, config, world_size),
               **_read_precision(r, config), **_read_optimizer(r, config), **_read_remat(r, config),
               **_read_tensor_parallel(config)}
     fields.update(_read_scheduler(r, config, fields))
@@ -341,6 +341,7 @@ _KEY_PATHS = {
     "accum": "gradient_accumulation_steps", "micro_batch": "train_micro_batch_size_per_gpu",
     "global_batch": "train_batch_size", "precision": "fp16.enabled, bf16.enabled",
     "gradient_clipping": "gradient_clipping", "tp": "tensor_parallel.autotp_size", "sp_size": "sequence_parallel_size",
+    "hpz_partition": "zero_optimization.zero_hpz_partition_size",
 }
 
 
@@ -381,13 +382,14 @@ def _read_batch(r: _Reader, config: dict, world_size: int) -> dict:
     return {"global_batch": tb, "micro_batch": mb, "accum": ga}
 
 
-def _read_zero(r: _Reader, config: dict) -> dict:
+def _read_zero(r: _Reader, config: dict, world_size: int = 1) -> dict:
     z = config.get("zero_optimization", {})
     if isinstance(z, bool):  # DeepSpeed's deprecated form: true is stage 1
         r.ignored.append("zero_optimization") if not z else None
         return {"zero_stage": int(z)}
     r.sort(z, "zero_optimization", {"stage", "offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_param",
-                                    "zero_quantized_weights", "zero_quantized_gradients"}, _ZERO_KNOBS, _ZERO_FEATURES)
+                                    "zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size"},
+           _ZERO_KNOBS, _ZERO_FEATURES)
     stage = r.int_value(z, "stage", "zero_optimization.stage", 0, 0)
     _check_choice("zero_optimization.stage", stage, (0, 1, 2, 3))
     zpp = {key: r.bool_value(z, key, f"zero_optimization.{key}", False)
@@ -398,6 +400,12 @@ def _read_zero(r: _Reader, config: dict) -> dict:
     if zpp["zero_quantized_gradients"] and stage == 0:
         raise ValueError("zero_optimization.zero_quantized_gradients: ZeRO++ quantizes the grad reduce-scatter of "
                          "stages 1-3; the stage is 0")
+    hpz = r.int_value(z, "zero_hpz_partition_size", "zero_optimization.zero_hpz_partition_size", 1, 0)
+    if hpz in (0, 1) and "zero_hpz_partition_size" in z:  # off: read, and listed as ignored
+        r.ignored.append("zero_optimization.zero_hpz_partition_size")
+    elif hpz > 1 and (stage != 3 or world_size % hpz):
+        raise ValueError(f"zero_optimization.zero_hpz_partition_size: hpZ's groups serve stage 3 and divide the "
+                         f"{world_size} data-parallel ranks; the stage is {stage}, got {hpz}")
     places, paths = {}, {}
     for key, legacy in (("offload_optimizer", "cpu_offload"), ("offload_param", "cpu_offload_param")):
         places[key], paths[key] = _read_offload(r, z, key, legacy)
@@ -413,6 +421,7 @@ def _read_zero(r: _Reader, config: dict) -> dict:
                          f"directory, got {nvme[0]!r} and {nvme[1]!r}")
     return {"zero_stage": stage, "quantized_weights": zpp["zero_quantized_weights"],
             "quantized_grads": 4 if zpp["zero_quantized_gradients"] else 0,  # DeepSpeed's qgZ is int4
+            "hpz_partition": max(hpz, 1),
             "offload_optimizer": places["offload_optimizer"],
             "offload_params": places["offload_param"], "nvme_path": nvme[0] if nvme else None}
 

@@ -180,6 +180,8 @@ class Plan:
       zero_stage: 0 (none) to 3; a pipeline (pp > 1) composes with stage 0 or 1.
       quantized_weights, quantized_grads: ZeRO++ (``zf.shard(quantize_weights=, quantize_grads=)``):
         stage 3's int8 param gathers; the grad reduce-scatter in 4 or 8 bits (0: fp32), stages 1-3.
+      hpz_partition: ZeRO++'s hpZ (``zf.shard(hpz=)``), stage 3: ranks per group holding the secondary
+        param copy, dividing dp; 1: off.
       units: how params group into units (ZeRO-3 gathers, offload fetches, remat, pipeline
         stages): None (the transformation's default), "auto", "auto:<max params>",
         "class:<Name>[,<Name>...]" or "names:<module>[,<module>...]"; ``selector`` resolves it.
@@ -212,6 +214,7 @@ class Plan:
     zero_stage: int = 0
     quantized_weights: bool = False
     quantized_grads: int = 0
+    hpz_partition: int = 1
     units: str | None = None
     offload_optimizer: str = "none"
     offload_params: str = "none"
@@ -280,6 +283,10 @@ def _check_layout(p: Plan) -> None:
     if p.quantized_grads and p.zero_stage == 0:
         raise ValueError("quantized_grads: ZeRO++ quantizes the grad reduce-scatter of stages 1-3; expected "
                          "zero_stage >= 1, got 0")
+    _check_int("hpz_partition", p.hpz_partition, 1)
+    if p.hpz_partition > 1 and (p.zero_stage != 3 or p.dp % p.hpz_partition):
+        raise ValueError(f"hpz_partition: hpZ's groups serve stage 3 and divide the {p.dp} data-parallel ranks; "
+                         f"expected zero_stage=3 and a divisor of dp, got {p.hpz_partition} at stage {p.zero_stage}")
     _check_bool("remat_offload", p.remat_offload)
     if p.units is not None:
         selector(p.units)  # checks the syntax

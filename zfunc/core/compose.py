@@ -108,7 +108,8 @@ def _pipeline_over_step(step: Any, options: Mapping[str, Any]) -> str | None:
 
 
 def _pipeline_over_shard(step: Any, options: Mapping[str, Any]) -> Refusal | str | None:
-    if step.stage not in (1, 2, 3):
+    talks = getattr(step.optimizer, "local_grads", None) is not None  # a 1-bit optimizer: stage 0, its own comm
+    if step.stage not in (1, 2, 3) and not talks:
         return (f"pipeline composes with ZeRO stage 1, 2 or 3 over the dp axis, got stage {step.stage}",
                 "zf.pipeline(zf.shard(step, zf.Mesh(dp=d, pp=p), stage=1), ...) (or stage 2, 3)")
     if options.get("mesh") is not None and options["mesh"] is not step.mesh:

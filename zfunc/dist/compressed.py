@@ -75,13 +75,19 @@ def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
 def scaled_signs(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each row of ``rows`` (chunks x k) as ``scale * sign``: ``(packed signs (chunks x k/8),
     scales (chunks), residual rows - scale * sign)``, scale = ``||row||_2 / sqrt(k)``. On a GPU with
-    zfunc's kernels, the signs and the residual in one pass after the norms (the same bits)."""
+    zfunc's kernels, or fp32 on the CPU (``zfunc.ops.cpu.codec``), the signs and the residual in one
+    pass after the norms (the same bits)."""
     if (rows.is_cuda and rows.dtype == torch.float32 and rows.is_contiguous() and rows.shape[1] % 8 == 0
             and _gpu_kernels()):
         from zfunc.ops.gpu import onebit
 
         return onebit.scaled_signs(rows)
     scales = torch.linalg.vector_norm(rows, dim=1) / math.sqrt(rows.shape[1])
+    if _on_cpu_kernels(rows):  # the same bits in one pass (zfunc.ops.cpu.codec)
+        from zfunc.ops.cpu import codec
+
+        packed, residual = codec.sign_residual(rows, scales)
+        return packed, scales, residual
     packed = pack_signs(rows).view(rows.shape[0], -1)
     s = scales[:, None]
     residual = torch.where(rows >= 0, rows - s, rows + s)  # rows - s * sign, exactly
@@ -96,7 +102,16 @@ def decode(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         from zfunc.ops.gpu import onebit
 
         return onebit.decode(packed, scales.contiguous())
+    if packed.device.type == "cpu" and packed.dim() == 2 and scales.dtype == torch.float32:
+        from zfunc.ops.cpu import codec
+
+        return codec.decode(packed, scales)
     return unpack_signs(packed) * scales[:, None]
+
+
+def _on_cpu_kernels(rows: torch.Tensor) -> bool:
+    """fp32 rows on the CPU, whole bytes of signs: ``zfunc.ops.cpu.codec`` packs them."""
+    return rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.dim() == 2 and rows.shape[1] % 8 == 0
 
 
 def _gpu_kernels() -> bool:
@@ -116,6 +131,8 @@ def onebit_all_reduce(comm: Any, x: torch.Tensor, errors: ErrorFeedback, label: 
         raise ValueError(f"errors: expected ErrorFeedback for {n} elements over {world} ranks (worker "
                          f"{padded_numel(n, world)}, server {padded_numel(n, world) // world}), got worker {total}, "
                          f"server {errors.server.numel()}")
+    if _on_cpu_kernels(errors.worker.view(world, -1)) and x.dtype == torch.float32 and x.is_contiguous():
+        return _onebit_all_reduce_cpu(comm, x, errors, label)
     c = errors.worker.clone()
     c[:n] += x.detach().reshape(-1).float()
     packed, scales, residual = scaled_signs(c.view(world, -1))
@@ -132,4 +149,31 @@ def onebit_all_reduce(comm: Any, x: torch.Tensor, errors: ErrorFeedback, label: 
     comm.all_gather(all_scales, s_scale, label, kind=KIND)
     with torch.no_grad():
         x.view(-1).copy_(decode(all_signs, all_scales).view(-1)[:n])
+    return x
+
+
+def _onebit_all_reduce_cpu(comm: Any, x: torch.Tensor, errors: ErrorFeedback, label: str) -> torch.Tensor:
+    """``onebit_all_reduce`` on fp32 CPU tensors with ``zfunc.ops.cpu.codec``: the same bits, with the
+    worker's compression in place in its error buffer (which holds ``c`` and then its residual) and the
+    server's sum and the final decode in one pass each (no whole decoded copies)."""
+    from zfunc.ops.cpu import codec
+
+    world, n = comm.world, x.numel()
+    c = errors.worker
+    c[:n] += x.detach().reshape(-1)
+    rows = c.view(world, -1)
+    scales = torch.linalg.vector_norm(rows, dim=1) / math.sqrt(rows.shape[1])
+    packed, _ = codec.sign_residual(rows, scales, out=rows)
+    got_signs, got_scales = torch.empty_like(packed), torch.empty_like(scales)
+    comm.all_to_all(got_signs, packed, label, kind=KIND)
+    comm.all_to_all(got_scales, scales, label, kind=KIND)
+    m = codec.decode_sum(got_signs, got_scales / world, errors.server).view(1, -1)
+    s_scale = torch.linalg.vector_norm(m, dim=1) / math.sqrt(m.shape[1])
+    s_packed, _ = codec.sign_residual(m, s_scale, out=errors.server)
+    all_signs = torch.empty(world, s_packed.shape[1], dtype=torch.uint8)
+    all_scales = torch.empty(world, dtype=s_scale.dtype)
+    comm.all_gather(all_signs, s_packed.view(-1), label, kind=KIND)
+    comm.all_gather(all_scales, s_scale, label, kind=KIND)
+    with torch.no_grad():
+        codec.decode_into(all_signs, all_scales, x.view(-1))
     return x

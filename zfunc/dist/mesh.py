@@ -487,9 +487,16 @@ class Mesh:
     sp`` ranks moves what a dp reduce-scatter would, and model states divide by ``dp * sp`` instead of
     ``dp``. Law: with each rank's loss the ``zfunc.sequence`` loss (its tokens' share, scaled by ``sp``),
     the mean over the ``dp x sp`` ranks is the plain step's loss and their mean grad its grad.
+
+    ``ranks_per_node`` (default: torchrun's ``LOCAL_WORLD_SIZE``; None: one node) says which global ranks
+    share a node: ranks ``[j * ranks_per_node, (j + 1) * ranks_per_node)`` are node j. ZeRO++'s quantized
+    grad reduce-scatter then goes in two levels, inside the node and across (``zfunc.dist.quantized``).
     """
 
-    def __init__(self, dp: int | None = None, pp: int = 1, sp: int = 1, tp: int = 1):
+    ranks_per_node: int | None = None  # global ranks per node (``__init__``); None: one node
+
+    def __init__(self, dp: int | None = None, pp: int = 1, sp: int = 1, tp: int = 1,
+                 ranks_per_node: int | None = None):
         initialised = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if initialised else 1
         for name, n in (("pp", pp), ("sp", sp), ("tp", tp)):
@@ -512,6 +519,7 @@ class Mesh:
                    " (torch.distributed is not initialised: start with torchrun or zf.dist.spawn)")
             )
         self.dp, self.pp, self.sp, self.tp = dp, pp, sp, tp
+        self.ranks_per_node = _ranks_per_node(ranks_per_node, world)
         self.dp_sp = self
         if pp == sp == tp == 1:
             self._data_parallel_only(initialised)
@@ -569,6 +577,7 @@ class Mesh:
             groups.setdefault((c["pp"], c["tp"]), []).append(r)
         flat = object.__new__(Mesh)
         flat.dp, flat.pp, flat.sp, flat.tp, flat.dp_sp = self.dp * self.sp, self.pp, 1, self.tp, flat
+        flat.ranks_per_node = self.ranks_per_node
         flat.rank, flat.pp_rank, flat.sp_rank, flat.tp_rank = self.rank * self.sp + self.sp_rank, self.pp_rank, 0, \
             self.tp_rank
         flat.comm = Comm(group=_my_group(list(groups.values()), rank))
@@ -599,6 +608,15 @@ class Mesh:
         axes = "".join(f", {n}={v}" for n, v in inner)
         ranks = "".join(f", {n}_rank={getattr(self, n + '_rank')}" for n, _ in inner)
         return f"Mesh(dp={self.dp}{axes}, rank={self.rank}{ranks})"
+
+
+def _ranks_per_node(given: int | None, world: int) -> int | None:
+    """The global ranks per node: ``given``, else torchrun's ``LOCAL_WORLD_SIZE``, else None (one node),
+    checked to divide the world."""
+    n = given if given is not None else env.number("LOCAL_WORLD_SIZE", None, int, lambda v: v >= 1, "an int >= 1")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1 or world % n):
+        raise ValueError(f"ranks_per_node: expected an int >= 1 dividing the world size {world}, got {n!r}")
+    return n
 
 
 def _product(axes: list[tuple[str, int]]) -> str:

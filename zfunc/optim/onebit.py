@@ -19,8 +19,9 @@ nonzero).
 
 ``comm``: the ``zf.dist.Comm`` of the data-parallel ranks (``mesh.comm``); None: one over the default
 process group, made at the first compressed update (one rank alone: no compression happens).
-The step runs them at ``zf.shard`` stage 0 (replicated data parallelism, where DeepSpeed runs them);
-the rulebook refuses stages 1-3, whose grads are reduce-scattered slices.
+The step runs them at ``zf.shard`` stage 0 (replicated data parallelism, where DeepSpeed runs them),
+alone or inside ``zf.pipeline`` (pass ``comm=mesh.comm``: each stage's dp ranks); the rulebook refuses
+stages 1-3, whose grads are reduce-scattered slices.
 """
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ class _Channel:
     def reset(self) -> None:
         self.errors = None
 
-    def mean(self, tensors: list[torch.Tensor], label: str, together: bool = False) -> list[torch.Tensor]:
+    def mean(self, tensors: list[torch.Tensor], label: str, together: bool = False,
+             own: bool = False) -> list[torch.Tensor]:
         """The compressed mean over ranks of each of ``tensors``: one compressed all-reduce (scales,
         errors) per tensor, as DeepSpeed's 1-bit and 0/1 Adam do, so that a small-magnitude tensor keeps
         its own scale; ``together`` (1-bit LAMB, whose momenta are scaled to one magnitude first): one
@@ -67,7 +69,9 @@ class _Channel:
             flat = torch.cat([t.reshape(-1).float() for t in tensors])
             return [piece.view_as(t) for piece, t in zip(self._one(comm, 0, flat, label).split(
                 [t.numel() for t in tensors]), tensors)]
-        return [self._one(comm, k, t.reshape(-1).float().clone(), label).view_as(t) for k, t in enumerate(tensors)]
+        # each tensor is overwritten by its mean: a copy, unless it is a temporary of the caller's (``own``)
+        return [self._one(comm, k, t.reshape(-1).float() if own else t.reshape(-1).float().clone(), label).view_as(t)
+                for k, t in enumerate(tensors)]
 
     def _one(self, comm, k: int, flat: torch.Tensor, label: str) -> torch.Tensor:
         if self.errors is None:
@@ -84,6 +88,27 @@ class _Channel:
             on = dist.is_available() and dist.is_initialized()
             self.comm = Comm(group=dist.new_group(backend=dist.get_backend()) if on else None, alone=not on)
         return self.comm
+
+
+def _local_momentum(m: torch.Tensor, g: torch.Tensor, b1: float) -> torch.Tensor:
+    """``m b1 + (1 - b1) g``: ``zfunc.ops.cpu.onebit``'s one pass on fp32 CPU tensors (the same bits), else torch."""
+    from zfunc.ops.cpu import onebit as cpu_onebit
+
+    if cpu_onebit.usable(m, g.contiguous()):
+        return cpu_onebit.local_momentum(m, g.contiguous(), b1)
+    return m * b1 + (1 - b1) * g
+
+
+def _frozen_update(p32: torch.Tensor, m: torch.Tensor, v: torch.Tensor, lr: float, decay: float | None,
+                   eps: float) -> torch.Tensor:
+    """The update of ``p = p decay - lr m / (sqrt(v) + eps)`` on a frozen ``v`` (``decay`` None: none):
+    ``zfunc.ops.cpu.onebit``'s one pass on fp32 CPU tensors (its square root correctly rounded), else torch."""
+    from zfunc.ops.cpu import onebit as cpu_onebit
+
+    if cpu_onebit.usable(p32, m, v):
+        return cpu_onebit.frozen_adam_update(p32, m, v, lr, decay, eps)
+    new_p = p32 * decay if decay is not None else p32
+    return new_p - lr * (m / (v.sqrt() + eps)) - p32
 
 
 def _masked(m: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -131,8 +156,8 @@ def onebit_adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
         decay = _mask_leaves(mask, params, len(p_leaves))
         masks = _mask_list(momentum_mask, params, len(p_leaves))
         live = [k for k, g in enumerate(g_leaves) if g is not None]
-        local = [m_leaves[k] * b1 + (1 - b1) * g_leaves[k].to(m_leaves[k].dtype) for k in live]
-        mean = dict(zip(live, channel.mean(local, f"1-bit Adam momentum at update {state.count + 1}")))
+        local = [_local_momentum(m_leaves[k], g_leaves[k].to(m_leaves[k].dtype), b1) for k in live]
+        mean = dict(zip(live, channel.mean(local, f"1-bit Adam momentum at update {state.count + 1}", own=True)))
         step_lr = lr(state.count)
         updates, mus = [], []
         for k, (p, m, v, d) in enumerate(zip(p_leaves, m_leaves, v_leaves, decay)):
@@ -141,9 +166,8 @@ def onebit_adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
                 mus.append(m)
                 continue
             m = _masked(mean[k], masks[k])
-            p32 = p.to(m.dtype)
-            new_p = p32 * (1 - step_lr * weight_decay) if (weight_decay and d) else p32
-            updates.append(new_p - step_lr * (m / (v.sqrt() + eps)) - p32)
+            updates.append(_frozen_update(p.to(m.dtype), m, v, step_lr, 1 - step_lr * weight_decay
+                                          if (weight_decay and d) else None, eps))
             mus.append(m)
         channel.done(state.count + 1)
         return tree.unflatten(treespec, updates), AdamState(state.count + 1, tree.unflatten(treespec, mus), state.nu)

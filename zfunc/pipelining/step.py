@@ -73,7 +73,13 @@ reduce-scatter each op's grads as the op ends into fp32 slices (no whole grads o
 params once per step and keeps them for its microbatches (a per-unit gather per microbatch, as
 ``zf.shard`` stage 3 does alone, would gather each unit ``2 m`` times; the schedule interleaves
 microbatches, so the whole stage stays gathered), so between steps a rank holds ``1/d`` of its
-stage's params. ``shard(pipeline(...))`` is rejected: the pipeline must be the outermost
+stage's params. Stage 0 (``stage=0``) composes only with an optimizer that communicates itself (the 1-bit
+optimizers, ``zfunc.optim.onebit``, given ``comm=mesh.comm``: each stage's dp ranks): during their
+warm-up each stage all-reduces its whole fp32 grads over its dp ranks (``2 Psi_s``), after it each
+rank keeps its own and the optimizer all-reduces the momentum compressed over the stage's dp ranks;
+each param tensor being compressed on its own, this equals the same optimizer unpipelined
+(tests/test_onebit_pipeline.py; 1-bit LAMB's one message of all momenta is cut by stage instead).
+``shard(pipeline(...))`` is rejected: the pipeline must be the outermost
 transformation (docs/design.md, section 3: it changes what a state and a loss are for whatever
 would wrap it). Units under ``zf.remat`` recompute in backward (a unit's call inside its own call
 counts once, ``zfunc.pipelining.hooks``); with "zero-bubble" a remat'ed unit recomputes in the
@@ -221,6 +227,8 @@ class PipelineStep(Transformed):
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         self._check_state(state)
         params, step, rng, loss_scale = state.params, state.step, state.rng, state.loss_scale
+        # zf.shard stage 0 with an optimizer that communicates itself (1-bit): this rank's own grads
+        self._local_grads = _talks_itself(self.base, state)
         with carrying(state.buffers) as carried:
             loss, aux, grads = self._loss_and_grads(state.placement, params, batch, step, rng, loss_scale, carried)
         buffers = self._stage_buffers(carried, state.placement, step)
@@ -268,8 +276,9 @@ class PipelineStep(Transformed):
 
     def _sum_across(self, t: torch.Tensor, label: str) -> torch.Tensor:
         """``t`` summed over every rank of the step, in place: over the dp ranks (when sharded),
-        then over the pipeline's stages."""
-        if self.base is not None:
+        then over the pipeline's stages. Stage 0's grads are whole on every dp rank (all-reduced, or a
+        1-bit optimizer's own): their norm is summed over the stages only."""
+        if self.base is not None and self.base.stage > 0:
             self.mesh.comm.all_reduce(t, label=f"{label} over the dp ranks")
         self.mesh.pp_comm.all_reduce(t, label=f"{label} over the pipeline")
         return t
@@ -293,6 +302,8 @@ class PipelineStep(Transformed):
         grads = [torch.zeros(w.shape, device=w.device) if g is None else g for g, w in zip(run.acc, whole)]
         if sliced is not None:
             grads = sliced.result()
+        elif spec.inner is not None and spec.inner.stage == 0:
+            grads = _replicated(grads, self.mesh.reduce_comm, step, divisor, spec.inner.world, self._local_grads)
         elif spec.inner is not None:
             grads = _reduce_scatter(grads, pieces, spec.inner, self._buckets(spec.inner), self.mesh.reduce_comm, step,
                                     divisor * spec.inner.world)
@@ -306,7 +317,7 @@ class PipelineStep(Transformed):
         if spec.inner is None and self.offloaded:  # the compute copies the last update wrote, else the masters cast
             copies = [self.inner.compute_copies.of(p) for p in pieces]
             return [p.to(self.compute_dtype) if c is None else c for p, c in zip(pieces, copies)]
-        if spec.inner is None:
+        if spec.inner is None or spec.inner.stage == 0:
             return [p.to(self.compute_dtype) for p in pieces]
         return gather_whole(pieces, spec.inner, self._buckets(spec.inner), self.mesh.comm, self.compute_dtype,
                             pieces[0].device, f"step {step}")
@@ -423,6 +434,27 @@ def pipeline(step: Step, stages: int, microbatches: int, schedule: str | Schedul
     layout = make_layout(model, units, len(plan.plan(stages).ranks), split)
     mesh = _pick_mesh(step, stages, mesh)
     return PipelineStep(step, model, layout, microbatches, plan, mesh)
+
+
+def _talks_itself(sharded: Step | None, state: TrainState) -> bool:
+    """Stage 0 under an optimizer that communicates itself this step (``GradientTransformation.local_grads``:
+    the 1-bit optimizers after their warm-up): the grads stay this rank's own."""
+    local = getattr(sharded.optimizer, "local_grads", None) if sharded is not None and sharded.stage == 0 else None
+    return bool(local is not None and local(state.opt_state))
+
+
+def _replicated(grads: list[torch.Tensor], comm, step: int, divisor: float, world: int,
+                local: bool) -> list[torch.Tensor]:
+    """ZeRO stage 0 over a stage's dp ranks: the microbatch sums ``grads`` all-reduced (one flat fp32
+    buffer) and divided by ``divisor * world``: their mean over the ranks; ``local`` (a 1-bit optimizer
+    communicating itself): this rank's own, divided by ``divisor``."""
+    if local or not grads:
+        torch._foreach_mul_(grads, 1.0 / divisor)
+        return grads
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    comm.all_reduce(flat, label=f"grad all-reduce of the stage at step {step}")
+    flat.div_(divisor * world)
+    return [piece.view_as(g) for piece, g in zip(flat.split([g.numel() for g in grads]), grads)]
 
 
 def _pick_mesh(step: Step, stages: int, mesh: Mesh | None) -> Mesh:

@@ -38,7 +38,7 @@ datasheets' (``hardware``) times stated efficiencies; ``--calibrate`` measures t
 """
 from __future__ import annotations
 
-from zfunc.plan.core import Estimate, plan
+from zfunc.plan.core import Estimate, compression_speedup, plan
 from zfunc.plan.hardware import GPUS, NODES, Cluster, Device, Node, cluster
 from zfunc.plan.cost import engine_comm
 from zfunc.plan.memory import (engine_bytes, local_numel, offload_bytes, offload_holds_grads, working_bound,
@@ -50,7 +50,7 @@ from zfunc.plan.strategy import describe, from_flags
 
 
 __all__ = [
-    "GPUS", "NODES", "Cluster", "Device", "Estimate", "ModelSpec", "Node", "cluster", "describe",
+    "GPUS", "NODES", "Cluster", "Device", "Estimate", "ModelSpec", "Node", "cluster", "compression_speedup", "describe",
     "engine_bytes", "engine_comm", "from_flags", "from_flavor", "from_hf_config", "from_module", "from_params",
     "from_shape", "local_numel", "offload_bytes", "offload_holds_grads", "plan", "register_flavors", "search",
     "working_bound", "zero_paper",

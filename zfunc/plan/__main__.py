@@ -50,6 +50,9 @@ def parser() -> argparse.ArgumentParser:
                        ("nvme", "GB per node"), ("nvme-read-bw", "GB/s per node"), ("nvme-write-bw", "GB/s per node")):
         hw.add_argument(f"--{flag}", type=float, help=unit)
     hw.add_argument("--matmul-efficiency", type=float, help="fraction of the datasheet peak a large GEMM reaches")
+    hw.add_argument("--link", action="append", default=[], metavar="AXIS=GB/s",
+                    help="a mesh axis's link, GB/s one rank moves (dp, pp, sp or tp; repeatable): --link dp=0.125 "
+                         "is 1 Gbit/s Ethernet between the data-parallel ranks")
     hw.add_argument("--calibration", help="use this machine's calibrated constants (a --calibrate JSON file)")
     st = p.add_argument_group("strategy")
     for flag in ("dp", "pp", "tp"):
@@ -175,10 +178,24 @@ def build_cluster(args, p: argparse.ArgumentParser) -> hardware.Cluster:
         overrides["gpus_per_node"] = args.gpus_per_node
     if args.matmul_efficiency is not None:
         overrides["matmul_efficiency"] = args.matmul_efficiency
+    if args.link:
+        overrides["links"] = _links(p, args.link)
     try:
         return hardware.cluster(args.gpu, args.gpus, **overrides)
     except ValueError as e:
         p.error(_flagged(e))
+
+
+def _links(p: argparse.ArgumentParser, given: list[str]) -> dict[str, float]:
+    """``--link AXIS=GB/s`` flags as ``Cluster.links`` (bytes/s)."""
+    links = {}
+    for text in given:
+        axis, _, value = text.partition("=")
+        try:
+            links[axis] = float(value) * GB
+        except ValueError:
+            p.error(f"--link: expected AXIS=GB/s such as dp=0.125, got {text!r}")
+    return links
 
 
 def build_plan(args, device: hardware.Device) -> Plan:

@@ -17,12 +17,21 @@ What they replace, per step and rank:
 - ``quantized_grads`` (stages 1-3): every fp32 grad reduce-scatter, ``4P`` each, goes in ``quantized_grads``
   bits, one call per bucket of ``strategy.BUCKET_MB``;
 - ``quantized_weights`` (stage 3): every param gather, ``2eP`` per microbatch, goes in int8.
+
+**Codec time** (``codec_time``, the step time's "codec" part, not overlapped): the passes compression makes
+over memory, at ``hbm_bw x memory_efficiency``: the 1-bit all-reduce ``CODEC_BYTES["onebit"]`` = 32 bytes per
+element (4 passes over the fp32 message and its error), a quantized reduce-scatter 12 per element of the
+whole grads (quantize, dequantize, sum), a quantized gather 8 per element (quantize this rank's, dequantize
+all). Together with each axis's link (``Cluster.links``, ``cost.link_bandwidth``) it says when compression
+pays: ``core.compression_speedup`` (the plan's step without compression over the step with it) is above 1
+on a slow link and below it on NVLink.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
-from zfunc.config.plan import Plan
+from zfunc.config.plan import OPTIMIZER_DEFAULTS, Plan
 from zfunc.plan.cost import engine_comm
 from zfunc.plan.memory import partition_params
 from zfunc.plan.model import ModelSpec
@@ -78,6 +87,34 @@ def compressed_bytes(model: ModelSpec, s: Plan, fp32: dict[str, float]) -> dict[
         out["all_gather"] -= 2 * elem(s) * P * m
         out["quantized_all_gather"] = float(2 * m * _bucketed(P, N, 8))
     return out
+
+
+CODEC_BYTES = {"onebit": 32, "quantized_grads": 12, "quantized_weights": 8}  # bytes touched per element
+
+
+def codec_time(model: ModelSpec, s: Plan, cluster) -> float:
+    """Seconds per step the plan's compression spends quantizing and packing (module docstring)."""
+    P, _ = partition_params(model, s)
+    N, m = shard_ranks(s), microbatches(s)
+    if N <= 1:
+        return 0.0
+    touched = 0.0
+    if s.optimizer in ONEBIT and s.zero_stage == 0:
+        touched += CODEC_BYTES["onebit"] * P
+    if s.quantized_grads and s.zero_stage in (1, 2, 3):
+        touched += CODEC_BYTES["quantized_grads"] * P * (1 if s.zero_stage == 1 else m)
+    if s.quantized_weights and s.zero_stage == 3:
+        touched += CODEC_BYTES["quantized_weights"] * P * 2 * m
+    return touched / (cluster.device.hbm_bw * cluster.device.memory_efficiency)
+
+
+def uncompressed(s: Plan) -> Plan:
+    """``s`` without its compression: a 1-bit optimizer's full-precision counterpart (Adam, LAMB), no ZeRO++."""
+    plain = {"onebit_adam": "adam", "zero_one_adam": "adam", "onebit_lamb": "lamb"}.get(s.optimizer, s.optimizer)
+    params = s.optimizer_params
+    if plain != s.optimizer:  # the counterpart's own params: the 1-bit schedule's are not its
+        params = {k: v for k, v in params.items() if k in OPTIMIZER_DEFAULTS[plain]}
+    return replace(s, optimizer=plain, optimizer_params=params, quantized_weights=False, quantized_grads=0)
 
 
 REPLACED = {"all_reduce": "compressed_all_reduce", "reduce_scatter": "quantized_reduce_scatter",

@@ -162,6 +162,14 @@ def plan(model: ModelSpec, cluster: Cluster, how: Plan = Plan()) -> Estimate:
     return Estimate(model, cluster, s, memory, comm, step_times(model, s, cluster), notes)
 
 
+def compression_speedup(model: ModelSpec, cluster: Cluster, how: Plan) -> float:
+    """The predicted step time of ``how`` without its compression (``compression.uncompressed``) over its
+    step time with it: above 1 where compression pays (a slow link on the dp axis: ``Cluster.links`` or
+    the nodes' network), below 1 where its codec costs more than the bytes it saves (NVLink)."""
+    s, _ = resolve(how, cluster.gpus, model.max_seq)
+    return step_times(model, compression.uncompressed(s), cluster)["step"] / step_times(model, s, cluster)["step"]
+
+
 def step_times(model: ModelSpec, s: Plan, cluster: Cluster) -> dict[str, float]:
     """The step time and its parts (cost's module docstring)."""
     cpu = cluster.device.kind == "cpu"
@@ -176,7 +184,7 @@ def step_times(model: ModelSpec, s: Plan, cluster: Cluster) -> dict[str, float]:
     else:
         out["compute"] = _pipeline_compute(model, s, cluster, micro)
     coll = lambda kind, nbytes: cost.collective_time(cluster, *compression.wire(model, s, kind, nbytes), N,  # noqa: E731
-                                                     s.tp)
+                                                     s.tp, "dp")
     e = elem(s)
     exposed = 0.0
     if N > 1:
@@ -202,22 +210,25 @@ def step_times(model: ModelSpec, s: Plan, cluster: Cluster) -> dict[str, float]:
                 per = (max(ag - micro.forward, 0) + ag * unit_frac + max(ag + rs - micro.backward, 0)
                        + rs * unit_frac)
             exposed = m * per
-        exposed += cost.collective_time(cluster, "all_reduce", 24, N, s.tp)  # the loss / grad norm: its latency
+        exposed += cost.collective_time(cluster, "all_reduce", 24, N, s.tp, "dp")  # the loss / grad norm: its latency
     out["dp_comm"] = exposed
+    codec = compression.codec_time(model, s, cluster)
+    if codec:
+        out["codec"] = codec
     if s.tp > 1:  # Megatron's all-reduces of the layer's (T, h) activations, not overlapped
         count = 4 + (2 if s.remat else 0)
-        one = cost.collective_time(cluster, "all_reduce", 2 * s.micro_batch * s.seq * model.hidden * e, s.tp, 1)
+        one = cost.collective_time(cluster, "all_reduce", 2 * s.micro_batch * s.seq * model.hidden * e, s.tp, 1, "tp")
         out["tp_comm"] = m * math.ceil(model.layers / s.pp) * count * one
     if s.sp_size > 1:  # Ulysses' all-to-alls wait for each other; ring's blocks travel behind the attention
         moved = cost.sequence_bytes(model, s)
         if "all_to_all" in moved:
-            out["sp_comm"] = cost.collective_time(cluster, "all_to_all", moved["all_to_all"], s.sp_size, s.tp)
+            out["sp_comm"] = cost.collective_time(cluster, "all_to_all", moved["all_to_all"], s.sp_size, s.tp, "sp")
         else:
             calls = math.ceil(model.layers / s.pp) * m * (3 if s.remat else 2) * (s.sp_size - 1)
-            t = calls * cluster.latency + moved["send"] / cost.group_bandwidth(cluster, 2, s.tp)
+            t = calls * cluster.latency + moved["send"] / cost.link_bandwidth(cluster, "sp", 2, s.tp)
             out["sp_comm"] = t if cpu else max(t - out["compute"], 0.0)
     if s.pp > 1 and s.pipeline_schedule != "zbv":  # ZB-V keeps the first and last stage on rank 0: nothing lent
-        out["pp_shared"] = (e + 4) * shared / cost.group_bandwidth(cluster, 2, s.tp * s.dp)
+        out["pp_shared"] = (e + 4) * shared / cost.link_bandwidth(cluster, "pp", 2, s.tp * s.dp)
     upd = cost.update_time(model, s, cluster)
     offloaded = s.offload_optimizer != "none" or s.offload_params != "none"
     if offloaded and offload_overlaps(s) and not cpu:
@@ -247,8 +258,8 @@ def _pipeline_compute(model: ModelSpec, s: Plan, cluster: Cluster, busiest: cost
     last = cost.compute_times(model, s, cluster, layers=max(last_layers, 0), logits=True)
     act = s.micro_batch * s.seq * model.hidden * elem(s) / (s.tp if s.sp else 1)
     stride = s.tp * s.dp  # consecutive stages are a dp x tp block apart
-    p2p = 2 * (cluster.latency + act / cost.group_bandwidth(cluster, 2, stride))
-    if "send" in cluster.collectives:
+    p2p = 2 * (cluster.latency + act / cost.link_bandwidth(cluster, "pp", 2, stride))
+    if "send" in cluster.collectives and "pp" not in cluster.links:
         alpha, beta = cluster.collectives["send"]
         p2p = 2 * (alpha + act / beta)
     p2p *= virtual_per_rank(s.pipeline_schedule, s.virtual_stages)

@@ -122,11 +122,23 @@ def group_bandwidth(cluster: Cluster, members: int, stride: int) -> float:
     return min(node.intra_bw, node.inter_bw * per_node / gpn) * eff
 
 
-def collective_time(cluster: Cluster, kind: str, nbytes: float, members: int, stride: int = 1) -> float:
-    """Seconds for a collective of ``nbytes`` (``dist.Comm``'s count) over ``members`` ranks."""
+def link_bandwidth(cluster: Cluster, axis: str | None, members: int, stride: int) -> float:
+    """Bytes/s one rank moves over mesh axis ``axis``: the cluster's link for it (``Cluster.links``), else
+    the node model's (``group_bandwidth``: NVLink inside a node, the shared network across)."""
+    if axis in cluster.links:
+        return cluster.links[axis]
+    return group_bandwidth(cluster, members, stride)
+
+
+def collective_time(cluster: Cluster, kind: str, nbytes: float, members: int, stride: int = 1,
+                    axis: str | None = None) -> float:
+    """Seconds for a collective of ``nbytes`` (``dist.Comm``'s count) over ``members`` ranks of mesh
+    axis ``axis`` (its link, ``Cluster.links``, where given)."""
     if members <= 1 or nbytes <= 0:
         return 0.0
     wire = nbytes * (members - 1) / members
+    if axis in cluster.links:
+        return cluster.latency * (members - 1) + wire / cluster.links[axis]
     if kind in cluster.collectives:  # calibrated on this machine: alpha per hop, wire bytes/s
         alpha, beta = cluster.collectives[kind]
         return alpha * (members - 1) + wire / beta

@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 GB = 1e9
+AXES = ("dp", "pp", "sp", "tp")  # the mesh axes a link bandwidth is given for (``Cluster.links``)
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,10 @@ class Cluster:
     ``cpu_adam_efficiency``: the fraction of the CPU's memory bandwidth CPU-Adam reaches;
     ``collectives``: calibrated ``{"all_gather": (alpha_s, bytes_per_s), ...}`` that replace the
     link model (this machine's loopback gloo).
+    ``links``: a link bandwidth per mesh axis (``"dp"``, ``"pp"``, ``"sp"``, ``"tp"``; bytes/s one rank
+    moves in that axis's collectives and transfers), where the node model (``intra_bw`` inside a node,
+    ``inter_bw`` shared across) does not say it: a dp axis on 1 Gbit/s Ethernet, ``{"dp": 1.25e8}``. It
+    replaces both the node model and a calibrated rate for that axis.
     """
 
     device: Device
@@ -148,6 +153,12 @@ class Cluster:
     latency: float = 10e-6
     cpu_adam_efficiency: float = 0.6
     collectives: dict[str, tuple[float, float]] = field(default_factory=dict)
+    links: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for axis, bw in self.links.items():
+            if axis not in AXES or isinstance(bw, bool) or not isinstance(bw, (int, float)) or not bw > 0:
+                raise ValueError(f"links: expected {{axis: bytes/s > 0}} with axes from {AXES}, got {axis!r}: {bw!r}")
 
     @property
     def nodes(self) -> int:

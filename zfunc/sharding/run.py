@@ -31,6 +31,7 @@ from zfunc.core.roles import Role, RunContext
 from zfunc.core.step import Step, TrainState, split_loss, sum_over_ranks
 from zfunc.model.functional import BufferScope, carrying, run_by
 from zfunc.sharding.layout import FlatGroup, ShardSpec, _placeholder, bucket_groups, gather_whole, leaf_names
+from zfunc.sharding.hpz import SecondaryGatherer
 from zfunc.sharding.prefetch import Gatherer
 from zfunc.sharding.reduce import (Buckets, GradAllReducer, GradReducer, GradSlices, average_buffers,
                                    average_order)
@@ -185,8 +186,10 @@ class StepRun:
             return [w.detach().requires_grad_() for w in self.whole], None, self._buckets
         sharded, spec = self.sharded, self.spec
         leaves = [_placeholder(leaf.shape, self.step.compute_dtype, self.device) for leaf in spec.leaves]
-        gatherer = Gatherer(sharded.gather_comm, spec, self.pieces, leaves, self._units, self.unit_order,
-                            sharded.prefetch, self.number, sharded.verify)
+        secondary = {} if sharded.hpz_group is None else {"group": sharded.hpz_group}  # hpZ
+        gatherer = (SecondaryGatherer if secondary else Gatherer)(
+            sharded.gather_comm, spec, self.pieces, leaves, self._units, self.unit_order, sharded.prefetch,
+            self.number, sharded.verify, **secondary)
         return leaves, gatherer, lambda: gatherer.units
 
     def _forward(self, i: int, micro: PyTree, leaves: list, gatherer: Gatherer | None, reducer: GradReducer):

@@ -77,9 +77,11 @@ import torch
 
 from zfunc.core import compose, placement, precision as mp, tree
 from zfunc.dist import Mesh
+from zfunc.dist.hierarchy import blocks, per_node
 from zfunc.dist.quantized import QuantizedComm
 from zfunc.model.materialize import Materializer, leaf as materialize_leaf
 from zfunc.ops.cpu import hostmem
+from zfunc.sharding.hpz import secondary_bytes
 from zfunc.sharding.layout import FlatGroup, LeafShard, ShardSpec, leaf_names, local_piece
 from zfunc.sharding.reduce import Buckets
 from zfunc.core.roles import Roles, RunContext
@@ -100,12 +102,16 @@ class ShardedStep(Transformed):
     (``learn``)."""
 
     def __init__(self, base: Step, mesh: Mesh, stage: int, units, prefetch: int, bucket_elems: int, verify: bool,
-                 fit_buckets: bool = False, quantize_weights: bool = False, grad_bits: int | None = None):
+                 fit_buckets: bool = False, quantize_weights: bool = False, grad_bits: int | None = None,
+                 hpz: int | None = None):
         super().__init__(base, "shard")
         self.mesh, self.stage, self.units_selector = mesh, stage, units
         # ZeRO++ (``zfunc.dist.quantized``): stage 3's param gathers in int8, grad reduce-scatters in grad_bits
         self.gather_comm = QuantizedComm(mesh.comm, True, None) if quantize_weights else mesh.comm
-        self.reduce_comm = QuantizedComm(mesh.reduce_comm, False, grad_bits) if grad_bits else mesh.reduce_comm
+        self.reduce_comm = (QuantizedComm(mesh.reduce_comm, False, grad_bits, _nodes(mesh)) if grad_bits
+                            else mesh.reduce_comm)
+        # hpZ (``zfunc.sharding.hpz``): stage 3's re-gathers inside groups of ``hpz`` ranks
+        self.hpz, self.hpz_group = hpz, blocks(mesh.comm, hpz, "hpz").inner if hpz else None
         self.prefetch, self.bucket_elems, self.verify = prefetch, bucket_elems, verify
         self.order: list[int] = []  # stage 3: units' run order, recorded on the first step
         self._flat_groups: list[FlatGroup] | None = None  # stages 0-2: the buckets; 3: the units
@@ -250,10 +256,13 @@ class ShardedStep(Transformed):
         stage 2 = ``2 Psi + 16 Psi/N`` (+ a bucket of whole grads), stage 3 = ``16 Psi/N`` (+ the gathered
         units): the paper's plus ``4 Psi/N`` (stages 1/2) for the fp32 grad slice the optimizer reads, which
         DeepSpeed holds too, and minus the bf16 param shard at stage 3 (units are gathered straight from the
-        fp32 masters).
+        fp32 masters). With ``hpz``, ``secondary_params`` is hpZ's secondary copy (``zfunc.sharding.hpz``):
+        ``(padded params) / hpz`` in the compute dtype, held during a step (0 before the first step binds units).
         """
         self._check_state(state)
-        return {
+        secondary = {} if not self.hpz else {"secondary_params": secondary_bytes(
+            self._flat_groups or [], self.mesh.dp, self.hpz, self.compute_dtype)}
+        return {**secondary,
             "params": tree.nbytes(state.params),
             "optimizer": tree.nbytes(state.opt_state),
             "grad_shard": tree.nbytes(state.params),
@@ -278,7 +287,7 @@ class ShardedStep(Transformed):
 
 def shard(step: Step, mesh: Mesh, stage: int, units: Selector | None = None, *, prefetch: int = 1,
           bucket_mb: float | None = None, verify: bool = True, quantize_weights: bool = False,
-          quantize_grads: bool | int = False) -> ShardedStep:
+          quantize_grads: bool | int = False, hpz: int | None = None) -> ShardedStep:
     """ZeRO stage ``stage`` (0, 1, 2 or 3) of ``step`` over ``mesh``'s data-parallel ranks; stage 0 is
     replicated data parallel (DDP): every rank holds everything, grads are all-reduced.
 
@@ -304,6 +313,12 @@ def shard(step: Step, mesh: Mesh, stage: int, units: Selector | None = None, *, 
       quantize_grads: ZeRO++'s qgZ, stages 1-3: grads reduce-scattered as an all-to-all of int4
         (True or 4) or int8 (8) blocks, dequantized and summed in fp32: ~7.8x / 3.9x fewer bytes.
         The step then equals the unquantized one only up to the quantization error (no exact law).
+        Over dp ranks on several nodes (``zf.Mesh(ranks_per_node=)``), in two levels: inside each node,
+        then across nodes with 1/ranks-per-node of the bytes (``zfunc.dist.quantized``).
+      hpz: ZeRO++'s hpZ, stage 3: each rank keeps a secondary copy of 1/hpz of every gathered unit
+        (in the compute dtype) within groups of ``hpz`` consecutive dp ranks, so backward's re-gathers
+        stay inside the group (``zfunc.sharding.hpz``: law, bytes, memory). ``hpz`` divides ``mesh.dp``;
+        None or 1: off (DeepSpeed's ``zero_hpz_partition_size``).
     Law, layout and cost: see the module docstring. The loss must be a mean over the rank's batch;
     under stage 3 the model's params must reach it only through ``zf.functionalize``'s ``apply``.
     """
@@ -321,9 +336,29 @@ def shard(step: Step, mesh: Mesh, stage: int, units: Selector | None = None, *, 
 
     bucket_elems = max(1, int((25.0 if bucket_mb is None else bucket_mb) * 2**18))
     grad_bits = _grad_bits(quantize_grads, quantize_weights, stage)
+    hpz = _hpz(hpz, stage, mesh.dp)
     return ShardedStep(step, mesh, stage, units or units_mod.auto(), prefetch, bucket_elems, verify,
                        fit_buckets=stage == 0 and bucket_mb is None, quantize_weights=quantize_weights,
-                       grad_bits=grad_bits)
+                       grad_bits=grad_bits, hpz=hpz)
+
+
+def _nodes(mesh: Mesh):
+    """The mesh's dp ranks as nodes (``zfunc.dist.hierarchy.blocks``) for ZeRO++'s two-level grad
+    reduce-scatter, where they span several nodes of several ranks (``Mesh.ranks_per_node``); else None."""
+    size = per_node(mesh.reduce_comm, mesh.ranks_per_node)
+    return None if size in (1, mesh.reduce_comm.world) else blocks(mesh.reduce_comm, size, "nodes")
+
+
+def _hpz(hpz: int | None, stage: int, dp: int) -> int | None:
+    """hpZ's group size, checked (None: off, as 1 is)."""
+    if hpz is None or hpz == 1 and not isinstance(hpz, bool):
+        return None
+    if not isinstance(hpz, int) or isinstance(hpz, bool) or hpz < 1 or dp % hpz:
+        raise ValueError(f"hpz: expected None or an int >= 1 dividing the {dp} data-parallel ranks, got {hpz!r}")
+    if stage != 3:
+        raise ValueError(f"hpz: ZeRO++'s secondary param copy serves stage 3's re-gathers in backward; expected "
+                         f"stage 3, got stage {stage}")
+    return hpz
 
 
 def _grad_bits(quantize_grads: bool | int, quantize_weights: bool, stage: int) -> int | None:

@@ -3,13 +3,15 @@
 ``adam``: Numba optimizer kernels for state in CPU RAM (AdamW/Adam, Lion, SGD), one memory pass per step; ``lamb``:
 LAMB in the same family, two passes per tensor; ``norm``: the sum of squares of CPU grads in one read (a step's
 global grad norm);
-``gomp``: the libgomp thread teams they run on; ``hostmem``: CPU tensors on transparent huge pages, where
+``codec``: the compressed collectives' sign packing and int8/int4 blocks in one pass each;
+``onebit``: the 1-bit optimizers' frozen-variance update in one pass; ``gomp``: the libgomp thread teams
+they run on; ``hostmem``: CPU tensors on transparent huge pages, where
 the optimizer state lives (fewer TLB misses for the kernels' streams); ``units``: which half precisions this
 CPU multiplies matrices in natively. Modules load on first attribute access (Numba's import is ~0.3 s).
 """
 import importlib
 
-_MODULES = ("adam", "gomp", "hostmem", "lamb", "norm", "units")
+_MODULES = ("adam", "codec", "gomp", "hostmem", "lamb", "norm", "onebit", "units")
 
 
 def __getattr__(name: str):
