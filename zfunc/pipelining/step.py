@@ -55,12 +55,12 @@ as many microbatches as the schedule's docstring states (``p - s`` on stage s wi
 weight grads; per virtual stage with interleaving: ``step.peak_live_microbatches``), and on
 the last stage the lent params and their grads. Communication per step: each boundary between
 two virtual stages on two ranks carries ``m A`` forward (activations), ``m A`` back (their grads)
-and a 104-byte header (shape, step, a digest of the batch to check the
-stages got the same one); ``Psi_sh`` in the compute dtype goes from stage 0 to
-the last stage and ``4 Psi_sh`` of fp32 grads back (what all-reducing a replica's grads would
-cost); two scalar all-reduces over the pipeline (loss, grad norm). ``mesh.comm_bytes()`` counts
-it ("send", "recv"). Compute: the pre-unit code (embeddings) also runs, discarded, on stages
-> 0 (each virtual stage's forward, interleaved). Idle time: the bubble ``(p - 1) / (m + p - 1)`` of
+and a 104-byte header (shape, step, a digest of the batch to check the stages got the same one);
+``Psi_sh`` in the compute dtype goes from stage 0 to the last stage and ``4 Psi_sh`` of fp32
+grads back (what all-reducing a replica's grads would cost); one all-reduce over the pipeline of
+three scalars (loss, grad norm, a count of stray buffers). ``mesh.comm_bytes()`` counts it
+("send", "recv"). Compute: the pre-unit code (embeddings) also runs, discarded, on stages > 0
+(each virtual stage's forward, interleaved). Idle time: the bubble ``(p - 1) / (m + p - 1)`` of
 p equal stages with GPipe and 1F1B, ``(p - 1) / (v m + p - 1)`` interleaved, less with zero-bubble
 (``step.schedule.timeline(p).bubble`` in theory, ``step.timings["bubble"]`` measured).
 
@@ -115,7 +115,7 @@ from zfunc.pipelining.schedules import BUILT_IN, Schedule
 from zfunc.pipelining.stage import PipelineSchedule, _Run, _digest
 from zfunc.sharding.reduce import GradSlices, average_buffers, average_order
 from zfunc.sharding.layout import ShardSpec, bucket_groups, gather_whole
-from zfunc.core.step import Step, Transformed, sum_over_ranks
+from zfunc.core.step import Step, Transformed
 from zfunc.core.state import TrainState, require_train_state
 from zfunc.model.materialize import Materializer
 from zfunc.model.units import Selector
@@ -141,7 +141,14 @@ class PipelineStep(Transformed):
     activations this rank held at once, and ``timings`` has the schedule's wall time ``step_s``, the
     time spent blocked on peers ``wait_s``, forward + backward compute ``compute_s``, this rank's
     measured ``bubble`` (``1 - compute_s / step_s``) and ``ops``: each op's ``(kind, microbatch,
-    start_s, end_s, stage)`` from the schedule's start.
+    start_s, end_s, stage, busy_s)`` from the schedule's start, ``busy_s`` its time less its waits
+    on peers. ``step_s`` runs from the schedule's start (the batch's split) to its last send done;
+    ``compute_s`` sums the ops' ``busy_s``, which include each op's own runtime work (posting its
+    sends, the stage's hooks, summing its grads). So the measured bubble counts the waits on peers
+    (the schedule's dependencies and the transfers' latency) and the runtime's time between ops
+    (posting receives, the shared params' exchange, waiting for the last sends);
+    ``zfunc.pipelining.check(plan, costs)`` with the measured ``busy_s`` per ``(kind, stage)`` gives
+    the bubble the schedule itself implies for those op times.
     """
 
     def __init__(self, base: Step, model: nn.Module, layout: Layout, microbatches: int, schedule: PipelineSchedule,
@@ -223,13 +230,13 @@ class PipelineStep(Transformed):
         params, step, rng, loss_scale = state.params, state.step, state.rng, state.loss_scale
         with carrying(state.buffers) as carried:
             loss, aux, grads = self._loss_and_grads(state.placement, params, batch, step, rng, loss_scale, carried)
+        local = None if self.offloaded else self.local_norm(grads)  # this stage's (and dp rank's) share
+        device = next((g.device for g in tree.leaves(grads)), torch.device("cpu"))
+        loss, norm = self._totals(loss, local, state.placement, step, device, self._stray_buffers(carried))
         buffers = self._stage_buffers(carried, state.placement, step)
         if self.offloaded:
             new_state, metrics = self._offloaded_update(state, grads, loss, aux)
             return new_state.replace(buffers=buffers), metrics
-        norm = self.local_norm(grads)  # this stage's (and dp rank's) share: summed over them
-        if norm is not None:
-            norm, _, _ = sum_over_ranks(self._sum_across, norm * norm, None, None)
         new_state, metrics = self.update(state, grads, loss, aux, norm)
         return new_state.replace(buffers=buffers), metrics
 
@@ -298,7 +305,6 @@ class PipelineStep(Transformed):
                                     divisor * spec.inner.world)
         else:
             torch._foreach_mul_(grads, 1.0 / divisor)
-        loss = self._mean_loss(loss, spec, step, run.device, self._stray_buffers(carried))
         return loss, aux, tree.unflatten(treespec, grads)
 
     def _whole_params(self, pieces: list[torch.Tensor], spec: PipelineSpec, step: int) -> list[torch.Tensor]:
@@ -316,25 +322,30 @@ class PipelineStep(Transformed):
             self._bucket_cache = bucket_groups(inner.leaves, self.base.bucket_elems)
         return self._bucket_cache
 
-    def _mean_loss(self, loss: torch.Tensor | None, spec: PipelineSpec, step: int, device,
-                   stray: list[str]) -> torch.Tensor:
-        """The last stage's mean loss (None elsewhere), summed into every stage (the others add 0)
-        and over dp. The same all-reduce counts the ``stray`` buffers of every stage: if any stage
-        has some, every stage raises, before the update (a post-unit module runs on the last stage
-        only)."""
-        loss = torch.zeros((), device=device) if loss is None else loss
-        both = torch.stack([loss, torch.tensor(float(len(stray)), device=loss.device)])
-        self.mesh.pp_comm.all_reduce(both, label=f"loss all-reduce over the pipeline at step {step}")
-        loss = both[0]
-        if both[1].item():
+    def _totals(self, loss: torch.Tensor | None, local_norm: torch.Tensor | None, spec: PipelineSpec, step: int,
+                device: torch.device, stray: list[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(loss, norm)`` of the whole step on every rank, in one all-reduce over the pipeline
+        (and one over the dp ranks, when sharded): the last stage's mean loss (None elsewhere, which
+        adds 0; over dp, the mean), the grad norm from each rank's ``local_norm`` (None: not
+        computed), and the count of ``stray`` buffers: if any stage has some, every stage raises,
+        before the update (a post-unit module runs on the last stage only)."""
+        device = device if loss is None else loss.device
+        parts = [torch.zeros((), device=device) if loss is None else loss.float(),
+                 torch.tensor(float(len(stray)), device=device)]
+        if local_norm is not None:
+            parts.append((local_norm * local_norm).to(device, torch.float32))
+        flat = torch.stack(parts)
+        what = "loss and grad-norm" if local_norm is not None else "loss"
+        if spec.inner is not None:
+            self.mesh.comm.all_reduce(flat, label=f"{what} all-reduce over the dp ranks at step {step}")
+        self.mesh.pp_comm.all_reduce(flat, label=f"{what} all-reduce over the pipeline at step {step}")
+        if flat[1].item():
             where = f"here: {stray[:5]}" if stray else "on another stage"
             raise ValueError(f"pipeline: the forward wrote module buffers outside the pipeline units ({where}); a "
                              "pipelined state carries only the buffers of each stage's own units (BatchNorm inside "
                              "a unit is fine): move that module into a unit, or put it in eval mode")
-        if spec.inner is not None:
-            self.mesh.comm.all_reduce(loss, label=f"loss all-reduce over the dp ranks at step {step}")
-            loss = loss / spec.inner.world
-        return loss
+        loss = flat[0] / spec.inner.world if spec.inner is not None else flat[0]
+        return loss, (flat[2].sqrt() if local_norm is not None else None)
 
 
 class _GradSlices:
