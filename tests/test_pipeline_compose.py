@@ -1,6 +1,6 @@
-"""The pipeline composes: pp x dp with ZeRO 2 and 3 over each stage's dp ranks, and pipeline
-units under zf.remat; each trains as the plain step (fp32, 1e-5) and its checkpoints load into one
-process."""
+"""The pipeline composes: pp x dp with ZeRO 2 and 3 over each stage's dp ranks, pipeline units
+under zf.remat, a stage's optimizer offloaded (one rank per stage, or its ZeRO 1-3 slices over its
+dp ranks); each trains as the plain step (fp32, 1e-5) and its checkpoints load into one process."""
 import pytest
 import torch
 
@@ -96,12 +96,51 @@ def test_pp2_with_the_optimizer_offloaded_equals_the_plain_step_and_loads_into_o
         torch.testing.assert_close(loaded.params[name], value, rtol=1e-5, atol=1e-5, msg=name)
 
 
+SHARDED_OFFLOADS = [(1, "cpu"), (2, "cpu"), (3, "cpu"), (2, "nvme")]  # (ZeRO stage, where)
+
+
+def sharded_offload_worker(rank, world, directory):
+    """pp 2 x dp 2, each stage's ZeRO-``zero`` slices offloaded to CPU RAM or swap files: losses,
+    norms, the whole params; each state saved, its files released."""
+    out = []
+    for zero, where in SHARDED_OFFLOADS:
+        torch.manual_seed(0)
+        model = PipeTiny()
+        apply, params = zf.functionalize(model)
+        by_block = zf.units.by_class(Block)
+        step = zf.shard(zf.train_step(token_loss(apply), adamw(True)), zf.Mesh(dp=world // 2, pp=2), zero,
+                        units=by_block if zero == 3 else None)
+        path = str(directory / f"swap{rank}") if where == "nvme" else None
+        step = zf.pipeline(zf.offload(step, where, path=path), stages=2, microbatches=2, model=model, units=by_block)
+        state, losses, norms = train_on(step, step.init(params), batches(), step.mesh.rank, step.mesh.dp)
+        ck.save(state, directory / f"sharded-offload-{zero}-{where}")
+        out.append((losses, norms, ck.full_params(state), str(state.placement)))
+        zf.offloading.release(step, state)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_pp2_x_dp2_with_each_stages_zero_slices_offloaded_equals_the_plain_step_and_loads_into_one_process(tmp_path):
+    results = zf.dist.spawn(sharded_offload_worker, 4, 4, tmp_path)
+    plain_step, ref = make()
+    ref, ref_losses, ref_norms = train_on(plain_step, ref, batches())
+    for k, (zero, where) in enumerate(SHARDED_OFFLOADS):
+        what = f"zero {zero}, {where} offload"
+        for rank, out in enumerate(results):
+            assert f"stage {zero} over 2 ranks, optimizer on {where}" in out[k][3], out[k][3]
+            assert_same_training(out[k][:3], (ref_losses, ref_norms, ref.params), f"{what}, rank {rank}")
+        loaded = ck.load(tmp_path / f"sharded-offload-{zero}-{where}", make()[0])
+        assert loaded.step == ref.step
+        for name, value in ref.params.items():
+            torch.testing.assert_close(loaded.params[name], value, rtol=1e-5, atol=1e-5, msg=f"{what}: {name}")
+
+
 def test_a_pipeline_over_an_offload_it_does_not_run_is_refused(tmp_path):
     model = PipeTiny()
     apply, _ = zf.functionalize(model)
     step = zf.train_step(token_loss(apply), adamw(True))
     for offloaded in (zf.offload(zf.shard(step, zf.Mesh(dp=1, pp=1), stage=3), "cpu", params="cpu"),
-                      zf.offload(zf.shard(step, zf.Mesh(dp=1, pp=1), stage=1), "cpu")):
+                      zf.offload(step, "cpu", params="cpu")):
         with pytest.raises(ValueError, match=r"a pipeline stage's offloaded state is its optimizer state and fp32 "
-                                             r"masters \(CPU RAM or NVMe\), one rank per stage"):
+                                             r"masters \(CPU RAM or NVMe\), its params on the device"):
             zf.pipeline(offloaded, stages=1, microbatches=2, model=model, units=zf.units.by_class(Block))

@@ -78,11 +78,13 @@ transformation (docs/design.md, section 3: it changes what a state and a loss ar
 would wrap it). Units under ``zf.remat`` recompute in backward (a unit's call inside its own call
 counts once, ``zfunc.pipelining.hooks``); with "zero-bubble" a remat'ed unit recomputes in the
 input-grad op and again in the weight-grad op. ``zf.pipeline(zf.offload(step, "cpu" | "nvme"), ...)``
-keeps each stage's fp32 masters and optimizer state in CPU RAM or swap files (one rank per stage): the
-schedule runs on the compute copies the last update wrote (or the masters cast), and once it ends the
-offloaded step's leaf-by-leaf update
+keeps each stage's fp32 masters and optimizer state in CPU RAM or swap files (one rank per stage;
+over ``zf.offload(zf.shard(step, Mesh(dp=d, pp=p), stage), ...)``, stage 1-3, each dp rank's
+slices of them, gathered and reduce-scattered as above): the schedule runs on the compute copies
+the last update wrote (or the masters cast), and once it ends the offloaded step's leaf-by-leaf update
 (``zfunc.offloading.run.LeafUpdate``) applies the stage's mean grads, the norm summed over the
-stages; checkpoints are the offloaded step's (``within``), so they load into any layout.
+stages (and dp ranks); checkpoints are the offloaded step's (``within``, or ``inner`` when sharded), so
+they load into any layout. Params offload (``offload(params=...)``) under a pipeline is refused.
 The schedule, ``step.schedule``, is a ``PipelineSchedule`` (``zfunc.pipelining.stage``) with
 accumulation's interface, ``split(batch)`` and ``ops(stages, stage)``, which the one microbatch
 loop (``zfunc.core.microbatches``) runs; the pipeline leaves ``Roles`` (``zfunc.core.roles``).
@@ -154,14 +156,15 @@ class PipelineStep(Transformed):
     def __init__(self, base: Step, model: nn.Module, layout: Layout, microbatches: int, schedule: PipelineSchedule,
                  mesh: Mesh):
         super().__init__(base, "pipeline")  # the loss, optimizer, precision: base's (accum is 1)
-        self.base = base if compose.applied(base, "shard") else None
+        self.base = base if compose.applied(base, "shard") else None  # sharded over dp: its init places the state
+        self.offloaded = compose.applied(base, "offload")  # the stage's state in CPU RAM, updated leaf by leaf
+        self.sharded = base.sharded if self.offloaded and self.base is not None else self.base  # a ShardedStep
         self.model, self.layout, self.mesh = model, layout, mesh
         self.stages, self.stage, self.microbatches = mesh.pp, mesh.pp_rank, microbatches
         self.schedule = schedule  # the microbatch loop's schedule, checked
         self.ranks = schedule.plan(mesh.pp).ranks  # virtual stage -> rank
         self.peak_live_microbatches, self.timings = 0, {}
         self._bucket_cache: list | None = None
-        self.offloaded = compose.applied(base, "offload")  # the stage's state in CPU RAM, updated leaf by leaf
 
     def init(self, params: PyTree, materialize: Materializer | None = None) -> TrainState:
         """This stage's fp32 params (split over the dp ranks if the step is sharded) and their
@@ -195,7 +198,7 @@ class PipelineStep(Transformed):
     def _whole_shapes(self, params: dict[str, Any], shapes: tuple) -> tuple | None:
         """The whole model's params' shapes where the sharded step's inner step holds pieces of them
         (a tensor-parallel step: its slices; ``Step.placement_of``), else None (``shapes`` are whole)."""
-        within = (self.base.inner if self.base is not None else self.inner).placement_of(params)
+        within = (self.sharded.inner if self.sharded is not None else self.inner).placement_of(params)
         if within is None:
             return None
         rule = placement.of(within)
@@ -241,16 +244,18 @@ class PipelineStep(Transformed):
         return new_state.replace(buffers=buffers), metrics
 
     def _offloaded_update(self, state: TrainState, grads: PyTree, loss: torch.Tensor, aux: Any):
-        """The offloaded step's update (``zfunc.offloading.run.LeafUpdate``) of this stage's state with
-        its mean grads: the grad norm's squares summed over the stages with the loss, which every stage
-        holds whole already, so each adds its ``1/p`` (exact for a power-of-two ``p``)."""
-        offloaded = self.inner
+        """The offloaded step's update (``zfunc.offloading.run.LeafUpdate``) of this stage's state (or
+        its dp rank's slices of it) with its mean grads: the grad norm's squares summed over the
+        stages (and dp ranks) with the loss, which every rank holds whole already, so each adds its
+        ``1 / (p d)`` (exact for powers of two)."""
+        offloaded, spec = self.inner, state.placement
         offloaded.reserve_room(state.params, state.opt_state)  # no room for the swap files' writes: fails here
-        within = as_placed(state, state.placement.within)
-        context = RunContext(state.placement.within, 1.0, self._sum_across, offloaded.finite)
+        within = as_placed(state, spec.split)
+        context = RunContext(spec.split, 1.0, self._sum_across, offloaded.finite)
         update = LeafUpdate(context, within, offloaded)
+        ranks = self.stages * (spec.inner.world if spec.inner is not None else 1)
         try:
-            new, metrics = update.apply(within, grads, loss / self.stages, aux, None)
+            new, metrics = update.apply(within, grads, loss / ranks, aux, None)
         except OSError as e:  # a swap read or write failed: the files go back to their versions before the step
             raise with_outcome(e, update.undo(within)) from e
         finally:
@@ -284,6 +289,9 @@ class PipelineStep(Transformed):
     def _loss_and_grads(self, spec: PipelineSpec, params, batch, step, rng, loss_scale, carried: BufferScope):
         """Mean loss (on every rank) and this rank's fp32 grads, averaged over microbatches (and dp)."""
         pieces, treespec = tree.flatten(params)
+        if self.offloaded:  # the compute copies the last update wrote, else the masters (in RAM) cast
+            copies = [self.inner.compute_copies.of(p) for p in pieces]
+            pieces = [p.to(self.compute_dtype) if c is None else c for p, c in zip(pieces, copies)]
         scale = mp.scale_of(loss_scale)
         self.mesh.clear_comm_bytes()
         whole = self._whole_params(pieces, spec, step)
@@ -309,9 +317,6 @@ class PipelineStep(Transformed):
 
     def _whole_params(self, pieces: list[torch.Tensor], spec: PipelineSpec, step: int) -> list[torch.Tensor]:
         """This stage's params whole, in the compute dtype (all-gathered over dp when sharded)."""
-        if spec.inner is None and self.offloaded:  # the compute copies the last update wrote, else the masters cast
-            copies = [self.inner.compute_copies.of(p) for p in pieces]
-            return [p.to(self.compute_dtype) if c is None else c for p, c in zip(pieces, copies)]
         if spec.inner is None:
             return [p.to(self.compute_dtype) for p in pieces]
         return gather_whole(pieces, spec.inner, self._buckets(spec.inner), self.mesh.comm, self.compute_dtype,
@@ -319,7 +324,7 @@ class PipelineStep(Transformed):
 
     def _buckets(self, inner: ShardSpec) -> list:
         if self._bucket_cache is None:
-            self._bucket_cache = bucket_groups(inner.leaves, self.base.bucket_elems)
+            self._bucket_cache = bucket_groups(inner.leaves, self.sharded.bucket_elems)
         return self._bucket_cache
 
     def _totals(self, loss: torch.Tensor | None, local_norm: torch.Tensor | None, spec: PipelineSpec, step: int,
