@@ -128,10 +128,6 @@ def test_the_step_must_be_plain_and_match_the_plan():
 
 
 REFUSED = [  # (plan fields, the error naming them)
-    (dict(pp=2, offload_optimizer="cpu", offload_params="cpu", zero_stage=3), "offload_optimizer: under a pipeline "
-     "(pp=2) offload keeps a stage's optimizer state in CPU RAM or on NVMe (one rank per stage, or each dp rank's "
-     "ZeRO 1-3 slices), its params on the device; expected offload_params='none', got offload_optimizer='cpu', "
-     "offload_params='cpu'"),
     (dict(dp=2, offload_optimizer="cpu"), "offload_optimizer: over dp=2 ranks each rank offloads the shard it "
      "updates, which needs zero_stage 1, 2 or 3"),
     (dict(zero_stage=3, offload_params="cpu"), "offload_params: zf.offload keeps the optimizer state beside the "

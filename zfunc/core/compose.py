@@ -30,7 +30,8 @@ pipeline       yes [5]       stages 1-3 [5]      yes [4]         no (once)
 [4] ``zf.pipeline(zf.offload(step, "cpu" | "nvme"), ...)``: each stage's optimizer state and fp32
     masters in CPU RAM or swap files, updated leaf by leaf by the offloaded step's update once the
     schedule ends; one rank per stage, or over a sharded step (``zf.offload(zf.shard(step,
-    Mesh(dp=d, pp=p), stage))``, as [5]: each dp rank's slices); params not offloaded (not yet).
+    Mesh(dp=d, pp=p), stage))``, as [5]: each dp rank's slices); with ``params=``, the masters too,
+    read at each step's start.
 [5] the step accumulates nothing (``accum=1``: the pipeline splits the batch itself), and a mesh
     with ``dp > 1`` needs the dp axis sharded first (``zf.shard(step, mesh, stage)``, stage 1-3: each
     stage's params and optimizer state split over its dp ranks; stage 2/3 reduce-scatter each op's
@@ -49,7 +50,7 @@ one of two kinds:
   without a pipeline; accumulation under a pipeline, which splits batches itself; params offload
   below stage 3 but for stage 0 on one rank; sequence parallelism without tensor parallelism).
   ``Plan(...)`` refuses them, so nothing else sees them.
-- ``UNSUPPORTED``: consistent, but zfunc does not run it (params offload under a pipeline; optimizer
+- ``UNSUPPORTED``: consistent, but zfunc does not run it (optimizer
   offload at stage 0 over several ranks; params offload without optimizer offload; a pipeline over
   ``dp > 1`` or ``sp_size > 1`` at stage 0; ``sp_size > 1`` with Megatron's ``sp``; what
   ``zfunc.tensor`` does not run with tensor parallelism yet: its rows, registered by that package,
@@ -117,11 +118,6 @@ def _pipeline_over_shard(step: Any, options: Mapping[str, Any]) -> Refusal | str
 
 
 def _pipeline_over_offload(step: Any, options: Mapping[str, Any]) -> Refusal | str | None:
-    if step.where_params is not None:
-        return ("a pipeline stage's offloaded state is its optimizer state and fp32 masters (CPU RAM or NVMe), its "
-                f"params on the device (got zf.offload with params={step.where_params!r})",
-                "zf.pipeline(zf.offload(step, 'cpu' or 'nvme'), ...), or zf.pipeline(zf.offload(zf.shard(step, "
-                "zf.Mesh(dp=d, pp=p), stage=1), 'cpu' or 'nvme'), ...)")
     if "shard" in step.layers:
         return _pipeline_over_shard(step, options)
     return _pipeline_over_step(step, options)
@@ -287,16 +283,6 @@ def _sequence_megatron(p: Any) -> str | None:
     return None
 
 
-def _pipeline_offload(p: Any) -> str | None:
-    offloaded = _offloaded(p)
-    if p.pp > 1 and offloaded and p.offload_params != "none":
-        return (f"{offloaded[0]}: under a pipeline (pp={p.pp}) offload keeps a stage's optimizer state in CPU RAM or "
-                "on NVMe (one rank per stage, or each dp rank's ZeRO 1-3 slices), its params on the device; expected "
-                f"offload_params='none', got offload_optimizer={p.offload_optimizer!r}, "
-                f"offload_params={p.offload_params!r}")
-    return None
-
-
 def _replicated_offload(p: Any) -> str | None:
     if p.offload_optimizer != "none" and p.zero_stage == 0 and p.dp > 1:
         return (f"offload_optimizer: over dp={p.dp} ranks each rank offloads the shard it updates, which needs "
@@ -341,7 +327,6 @@ RULES: list[Rule] = [
     Rule("params offload below stage 3", INCONSISTENT, _params_stage, "offload"),
     Rule("accumulation under a pipeline", INCONSISTENT, _pipeline_accum, "pipeline"),
     Rule("sequence without tensor parallelism", INCONSISTENT, _sequence_parallel, "tp"),
-    Rule("offload under a pipeline", UNSUPPORTED, _pipeline_offload, "pipeline"),
     Rule("optimizer offload of replicas", UNSUPPORTED, _replicated_offload, "offload"),
     Rule("params offload without optimizer offload", UNSUPPORTED, _params_without_optimizer, "offload"),
     Rule("pipeline over replicas", UNSUPPORTED, _pipeline_replicas, "pipeline"),

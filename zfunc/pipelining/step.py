@@ -84,7 +84,10 @@ slices of them, gathered and reduce-scattered as above): the schedule runs on th
 the last update wrote (or the masters cast), and once it ends the offloaded step's leaf-by-leaf update
 (``zfunc.offloading.run.LeafUpdate``) applies the stage's mean grads, the norm summed over the
 stages (and dp ranks); checkpoints are the offloaded step's (``within``, or ``inner`` when sharded), so
-they load into any layout. Params offload (``offload(params=...)``) under a pipeline is refused.
+they load into any layout. With the params offloaded too (``offload(step, opt, params="cpu" | "nvme")``;
+over a sharded step, stage 3) the masters live in CPU RAM or swap files between steps and the stage
+reads all of them (its dp rank's slices) at the step's start, the whole stage's compute-dtype params
+held for the schedule as above: its peak is a stage's params, not a unit's.
 The schedule, ``step.schedule``, is a ``PipelineSchedule`` (``zfunc.pipelining.stage``) with
 accumulation's interface, ``split(batch)`` and ``ops(stages, stage)``, which the one microbatch
 loop (``zfunc.core.microbatches``) runs; the pipeline leaves ``Roles`` (``zfunc.core.roles``).
@@ -122,6 +125,7 @@ from zfunc.core.state import TrainState, require_train_state
 from zfunc.model.materialize import Materializer
 from zfunc.model.units import Selector
 from zfunc.offloading.run import LeafUpdate
+from zfunc.offloading.store import Store
 from zfunc.offloading.step import with_outcome
 
 PyTree = Any
@@ -289,9 +293,8 @@ class PipelineStep(Transformed):
     def _loss_and_grads(self, spec: PipelineSpec, params, batch, step, rng, loss_scale, carried: BufferScope):
         """Mean loss (on every rank) and this rank's fp32 grads, averaged over microbatches (and dp)."""
         pieces, treespec = tree.flatten(params)
-        if self.offloaded:  # the compute copies the last update wrote, else the masters (in RAM) cast
-            copies = [self.inner.compute_copies.of(p) for p in pieces]
-            pieces = [p.to(self.compute_dtype) if c is None else c for p, c in zip(pieces, copies)]
+        if self.offloaded:
+            pieces = self._stored_pieces(pieces)
         scale = mp.scale_of(loss_scale)
         self.mesh.clear_comm_bytes()
         whole = self._whole_params(pieces, spec, step)
@@ -314,6 +317,16 @@ class PipelineStep(Transformed):
         else:
             torch._foreach_mul_(grads, 1.0 / divisor)
         return loss, aux, tree.unflatten(treespec, grads)
+
+    def _stored_pieces(self, masters: list[Any]) -> list[torch.Tensor]:
+        """An offloaded stage's params (or its dp rank's slices) in the compute dtype: the compute
+        copies the last update wrote, else the masters, read from their swap files where they live
+        there (params offloaded), all of the stage's at once: every microbatch's ops use them."""
+        offloaded = self.inner
+        store = Store(offloaded.engine if offloaded.where_masters == "nvme" else None)
+        copies = [offloaded.compute_copies.of(m) for m in masters]
+        reads = [store.fetch(m) if c is None else None for m, c in zip(masters, copies)]
+        return [c if c is not None else r.result().to(self.compute_dtype) for c, r in zip(copies, reads)]
 
     def _whole_params(self, pieces: list[torch.Tensor], spec: PipelineSpec, step: int) -> list[torch.Tensor]:
         """This stage's params whole, in the compute dtype (all-gathered over dp when sharded)."""
