@@ -20,9 +20,13 @@ while zfunc lends the tied weight from stage 0 and returns its grad (a little mo
 zfunc also all-reduces the loss and grad norm so every rank has the metrics.
 
 Measured bubble, per stage: ``step.timings["bubble"]``, ``1 - compute / wall`` over zfunc's
-schedule (forwards and backwards, from its first op to its last send). Theory: the schedule's
+schedule (from the batch's split to its last send done; compute is each op's time less its waits
+on peers: ``PipelineStep``'s docstring says what that counts). Theory, two ways: the schedule's
 simulated bubble with unit op costs (``step.schedule.timeline(p)``; ``(p - 1) / (m + p - 1)`` for
-GPipe and 1F1B). On this shared 2-core machine, compare ratios, not absolute times.
+GPipe and 1F1B), and the same simulation with each ``(kind, virtual stage)``'s measured op time
+(median ``busy_s`` of ``step.timings["ops"]``, gathered from every rank): the bubble the schedule
+implies for these ops, which the measured one exceeds only by transfers and the runtime's time
+between ops. On this shared 2-core machine, compare ratios, not absolute times.
 """
 from __future__ import annotations
 
@@ -133,12 +137,15 @@ def zfunc_trainer(gpt: GPT, mesh: zf.Mesh, m: int, schedule: str):
     step = zf.pipeline(zf.train_step(loss_fn, zf.optim.adamw(LR)), stages=mesh.pp, microbatches=m,
                        schedule=schedule, model=gpt, units=zf.units.by_class(Block), mesh=mesh,
                        virtual_stages=VIRTUAL[schedule])
-    holder = {"state": step.init(params), "bubbles": [], "theory": max(step.schedule.timeline(mesh.pp).bubble)}
+    holder = {"state": step.init(params), "bubbles": [], "busy": {},
+              "theory": max(step.schedule.timeline(mesh.pp).bubble)}
 
     def run(tokens):
         holder["state"], metrics = step(holder["state"], tokens)
         metrics["loss"].item()
         holder["bubbles"].append(step.timings["bubble"])
+        for kind, _, _, _, stage, busy in step.timings["ops"]:
+            holder["busy"].setdefault((kind, stage), []).append(busy)
 
     return run, holder
 
@@ -160,6 +167,7 @@ def worker(rank: int, p: int, cfg: GPTConfig, ms: list[int], batch: int, steps: 
         run(data[0])
     for h in holders.values():
         h["bubbles"].clear()
+        h["busy"].clear()
     for _ in range(rounds):
         for k, run in trainers.items():
             for tokens in data:
@@ -167,7 +175,14 @@ def worker(rank: int, p: int, cfg: GPTConfig, ms: list[int], batch: int, steps: 
                 t0 = time.perf_counter()
                 run(tokens)
                 times[k].append(time.perf_counter() - t0)
-    return times, {k: (statistics.median(h["bubbles"]), h["theory"]) for k, h in holders.items()}
+    return times, {k: (statistics.median(h["bubbles"]), h["theory"],
+                       {op: statistics.median(b) for op, b in h["busy"].items()}) for k, h in holders.items()}
+
+
+def bubble_at(schedule: str, p: int, m: int, costs: dict) -> tuple[float, ...]:
+    """Each rank's simulated bubble of ``schedule`` with ``costs`` per ``(kind, virtual stage)``."""
+    plan = zf.pipelining.build(schedule, p, m, VIRTUAL[schedule])
+    return zf.pipelining.check(plan, {**dict.fromkeys("FBIW", 0.0), **costs}).bubble
 
 
 def main(argv=None) -> None:
@@ -194,16 +209,18 @@ def main(argv=None) -> None:
     results = zf.dist.spawn(worker, p, p, cfg, ms, args.batch, args.steps, args.rounds, schedules, timeout_s=3600)
     med = {k: statistics.median(max(r[0][k][i] for r in results) for i in range(len(results[0][0][k])))
            for k in results[0][0]}
-    print("\n| m | schedule (torch's) | bubble theory | bubble measured per stage | zfunc ms/step | torch ms/step | "
-          "zfunc speed vs torch |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| m | schedule (torch's) | bubble theory | theory at measured op times, per stage | bubble measured "
+          "per stage | zfunc ms/step | torch ms/step | zfunc speed vs torch |")
+    print("|---|---|---|---|---|---|---|---|")
     for m in ms:
         for s in schedules:
             theory = results[0][1][(s, m)][1]
+            at_costs = ", ".join(f"{b:.2f}" for b in bubble_at(s, p, m, {k: v for r in results
+                                                                          for k, v in r[1][(s, m)][2].items()}))
             measured = ", ".join(f"{r[1][(s, m)][0]:.2f}" for r in results)
             z, t = med[("zfunc", s, m)], med[("torch", s, m)]
-            print(f"| {m} | {s} ({TORCH[s]}) | {theory:.2f} | {measured} | {z * 1e3:.1f} | {t * 1e3:.1f} | "
-                  f"{t / z:.2f}x |")
+            print(f"| {m} | {s} ({TORCH[s]}) | {theory:.2f} | {at_costs} | {measured} | {z * 1e3:.1f} | "
+                  f"{t * 1e3:.1f} | {t / z:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -61,12 +61,6 @@ def refused_cases(mesh):
          r"yet.*the order that works: zf.offload\(step, ...\) of a plain step on one rank, or .*stage 1, 2 or 3"),
         ("pipeline(pipeline)", lambda: pipelined(pipelined(step, mesh), mesh), ValueError,
          r"zf.pipeline\(zf.pipeline\(step\)\) is refused: .* pipelined already"),
-        ("pipeline(offload params)", lambda: pipelined(zf.offload(step, "cpu", params="cpu", units="auto"), mesh),
-         ValueError,
-         r"zf.pipeline\(zf.offload\(step\)\) is refused: zf.pipeline cannot wrap zf.offload: a pipeline stage's "
-         r"offloaded state is its optimizer state and fp32 masters \(CPU RAM or NVMe\), one rank per stage, its "
-         r"params on the device \(got zf.offload over train_step with params='cpu'\); the order that works: "
-         r"zf.pipeline\(zf.offload\(step, 'cpu' or 'nvme'\), ...\) over a mesh with dp=1"),
         ("pipeline(shard 0)", lambda: pipelined(zf.shard(step, mesh, 0), mesh), ValueError,
          r"zf.pipeline\(zf.shard\(step\)\) is refused: .*pipeline composes with ZeRO stage 1, 2 or 3 over the dp "
          r"axis, got stage 0; the order that works: zf.pipeline\(zf.shard\(step, zf.Mesh\(dp=d, pp=p\), stage=1\)"),
@@ -93,18 +87,16 @@ def test_the_table_has_a_verdict_for_every_pair():
 
 
 @pytest.mark.parametrize("pp_rank", [0, 1])
-def test_pipeline_of_an_offloaded_sharded_step_is_refused_up_front(pp_rank):
-    """The issue's case: pipeline(offload(shard(step, Mesh(dp=1, pp=2), stage=1))) is refused at
-    construction on every rank (each stage's), before any step runs."""
+def test_pipeline_of_an_offloaded_sharded_step_is_built_with_or_without_its_params_offloaded(pp_rank):
+    """pipeline(offload(shard(step, Mesh(dp=1, pp=2), stage))) is built on every rank (each stage's
+    slices offloaded), with the params offloaded too at stage 3."""
     step, _ = plain_step()
     mesh = mesh_shaped(dp=1, pp=2, pp_rank=pp_rank)
-    with pytest.raises(ValueError) as e:
-        zf.pipeline(zf.offload(zf.shard(step, mesh, stage=1)), stages=2, microbatches=2,
-                    model=nn.Sequential(Block(2), Block(2)), units=zf.units.by_class(Block))
-    assert str(e.value).startswith(
-        "step: zf.pipeline(zf.offload(zf.shard(step))) is refused: zf.pipeline cannot wrap zf.offload: a pipeline "
-        "stage's offloaded state is its optimizer state and fp32 masters (CPU RAM or NVMe), one rank per stage, its "
-        "params on the device (got zf.offload over shard")
+    model, units = nn.Sequential(Block(2), Block(2)), zf.units.by_class(Block)
+    for offloaded in (zf.offload(zf.shard(step, mesh, stage=1)),
+                      zf.offload(zf.shard(step, mesh, stage=3, units=units), params="cpu")):
+        built = zf.pipeline(offloaded, stages=2, microbatches=2, model=model, units=units)
+        assert built.layers == ("train_step", "shard", "offload", "pipeline")
 
 
 def test_layers_record_how_a_step_was_built():

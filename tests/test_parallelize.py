@@ -128,9 +128,6 @@ def test_the_step_must_be_plain_and_match_the_plan():
 
 
 REFUSED = [  # (plan fields, the error naming them)
-    (dict(pp=2, offload_optimizer="cpu", zero_stage=1), "offload_optimizer: under a pipeline (pp=2) offload keeps a "
-     "stage's optimizer state in CPU RAM or on NVMe, one rank per stage; expected offload_params='none', dp=1 and "
-     "zero_stage=0, got offload_optimizer='cpu', offload_params='none', dp=1, zero_stage=1"),
     (dict(dp=2, offload_optimizer="cpu"), "offload_optimizer: over dp=2 ranks each rank offloads the shard it "
      "updates, which needs zero_stage 1, 2 or 3"),
     (dict(zero_stage=3, offload_params="cpu"), "offload_params: zf.offload keeps the optimizer state beside the "

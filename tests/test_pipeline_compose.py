@@ -1,6 +1,6 @@
-"""The pipeline composes: pp x dp with ZeRO 2 and 3 over each stage's dp ranks, and pipeline
-units under zf.remat; each trains as the plain step (fp32, 1e-5) and its checkpoints load into one
-process."""
+"""The pipeline composes: pp x dp with ZeRO 2 and 3 over each stage's dp ranks, pipeline units
+under zf.remat, a stage's optimizer offloaded (one rank per stage, or its ZeRO 1-3 slices over its
+dp ranks); each trains as the plain step (fp32, 1e-5) and its checkpoints load into one process."""
 import pytest
 import torch
 
@@ -61,12 +61,13 @@ def test_pp2_x_dp2_with_zero_2_and_3_and_remat_units_equals_the_plain_step_and_l
             torch.testing.assert_close(loaded.params[name], value, rtol=1e-5, atol=1e-5, msg=f"{what}: {name}")
 
 
-def offload_worker(rank, world, directory, where):
+def offload_worker(rank, world, directory, where, params_at):
     torch.manual_seed(0)
     model = PipeTiny()
     apply, params = zf.functionalize(model)
-    path = str(directory / "swap") if where == "nvme" else None
-    step = zf.offload(zf.train_step(token_loss(apply), adamw(True)), where, path=path)
+    path = str(directory / "swap") if "nvme" in (where, params_at) else None
+    units = "auto" if params_at else None
+    step = zf.offload(zf.train_step(token_loss(apply), adamw(True)), where, params_at, path=path, units=units)
     step = zf.pipeline(step, stages=world, microbatches=2, model=model, units=zf.units.by_class(Block))
     state, losses, norms = train_on(step, step.init(params), batches())
     ck.save(state, directory / "pp-offload")
@@ -81,14 +82,16 @@ def offload_worker(rank, world, directory, where):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("where", ["cpu", "nvme"])
-def test_pp2_with_the_optimizer_offloaded_equals_the_plain_step_and_loads_into_one_process(tmp_path, where):
-    results = zf.dist.spawn(offload_worker, 2, 2, tmp_path, where)
+@pytest.mark.parametrize("where, params_at", [("cpu", None), ("nvme", None), ("cpu", "nvme")])
+def test_pp2_with_the_optimizer_offloaded_equals_the_plain_step_and_loads_into_one_process(tmp_path, where,
+                                                                                            params_at):
+    """Each stage's optimizer state (and with ``params_at`` its masters) in CPU RAM or swap files."""
+    results = zf.dist.spawn(offload_worker, 2, 2, tmp_path, where, params_at)
     assert not (tmp_path / "swap").exists() or not any((tmp_path / "swap").rglob("*.swap"))  # released
     plain_step, ref = make()
     ref, ref_losses, ref_norms = train_on(plain_step, ref, batches())
     for rank, out in enumerate(results):
-        assert f"optimizer on {where}" in out[3], out[3]  # each stage's state is the offloaded step's
+        assert f"optimizer on {where}, params on {params_at or 'the compute device'}" in out[3], out[3]
         assert_same_training(out[:3], (ref_losses, ref_norms, ref.params), f"pp2 + {where} offload, rank {rank}")
     loaded = ck.load(tmp_path / "pp-offload", make()[0])
     assert loaded.step == ref.step
@@ -96,12 +99,43 @@ def test_pp2_with_the_optimizer_offloaded_equals_the_plain_step_and_loads_into_o
         torch.testing.assert_close(loaded.params[name], value, rtol=1e-5, atol=1e-5, msg=name)
 
 
-def test_a_pipeline_over_an_offload_it_does_not_run_is_refused(tmp_path):
-    model = PipeTiny()
-    apply, _ = zf.functionalize(model)
-    step = zf.train_step(token_loss(apply), adamw(True))
-    for offloaded in (zf.offload(zf.shard(step, zf.Mesh(dp=1, pp=1), stage=3), "cpu", params="cpu"),
-                      zf.offload(zf.shard(step, zf.Mesh(dp=1, pp=1), stage=1), "cpu")):
-        with pytest.raises(ValueError, match=r"a pipeline stage's offloaded state is its optimizer state and fp32 "
-                                             r"masters \(CPU RAM or NVMe\), one rank per stage"):
-            zf.pipeline(offloaded, stages=1, microbatches=2, model=model, units=zf.units.by_class(Block))
+SHARDED_OFFLOADS = [(1, "cpu", None), (2, "cpu", None), (3, "cpu", None), (2, "nvme", None), (3, "cpu", "nvme")]
+
+
+def sharded_offload_worker(rank, world, directory):
+    """pp 2 x dp 2, each stage's ZeRO-``zero`` slices' optimizer state (and masters: ``params``)
+    offloaded to CPU RAM or swap files: losses, norms, the whole params; each state saved, its
+    files released."""
+    out = []
+    for zero, where, params_at in SHARDED_OFFLOADS:
+        torch.manual_seed(0)
+        model = PipeTiny()
+        apply, params = zf.functionalize(model)
+        by_block = zf.units.by_class(Block)
+        step = zf.shard(zf.train_step(token_loss(apply), adamw(True)), zf.Mesh(dp=world // 2, pp=2), zero,
+                        units=by_block if zero == 3 else None)
+        path = str(directory / f"swap{rank}") if "nvme" in (where, params_at) else None
+        step = zf.pipeline(zf.offload(step, where, params_at, path=path), stages=2, microbatches=2, model=model,
+                           units=by_block)
+        state, losses, norms = train_on(step, step.init(params), batches(), step.mesh.rank, step.mesh.dp)
+        ck.save(state, directory / f"sharded-offload-{zero}-{where}-{params_at}")
+        out.append((losses, norms, ck.full_params(state), str(state.placement)))
+        zf.offloading.release(step, state)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_pp2_x_dp2_with_each_stages_zero_slices_offloaded_equals_the_plain_step_and_loads_into_one_process(tmp_path):
+    results = zf.dist.spawn(sharded_offload_worker, 4, 4, tmp_path)
+    plain_step, ref = make()
+    ref, ref_losses, ref_norms = train_on(plain_step, ref, batches())
+    for k, (zero, where, params_at) in enumerate(SHARDED_OFFLOADS):
+        what = f"zero {zero}, optimizer on {where}, params on {params_at}"
+        for rank, out in enumerate(results):
+            want = f"stage {zero} over 2 ranks, optimizer on {where}, params on {params_at or 'the compute device'}"
+            assert want in out[k][3], out[k][3]
+            assert_same_training(out[k][:3], (ref_losses, ref_norms, ref.params), f"{what}, rank {rank}")
+        loaded = ck.load(tmp_path / f"sharded-offload-{zero}-{where}-{params_at}", make()[0])
+        assert loaded.step == ref.step
+        for name, value in ref.params.items():
+            torch.testing.assert_close(loaded.params[name], value, rtol=1e-5, atol=1e-5, msg=f"{what}: {name}")

@@ -37,6 +37,13 @@ def test_simulated_bubbles_follow_theory_and_zero_bubble_is_below_1f1b_at_m_equa
         assert max(check(build("zbv", p, m)).bubble) < 0.6 * max(check(build("zero-bubble", p, m)).bubble), (p, m)
 
 
+def test_costs_per_kind_and_stage_give_the_bubble_of_those_op_times():
+    """GPipe on 2 ranks, 1 microbatch: F0 (1), F1 (2), B1 (4), B0 (2) in a row: makespan 9."""
+    timeline = check(build("gpipe", 2, 1), {("F", 1): 2.0, ("B", 1): 4.0})
+    assert timeline.makespan == 9.0
+    assert timeline.bubble == pytest.approx((6 / 9, 3 / 9))
+
+
 def test_zbv_places_two_stages_per_rank_in_a_v():
     plan = build("zbv", 4, 8)
     assert plan.ranks == (0, 1, 2, 3, 3, 2, 1, 0) and plan.virtual == 2

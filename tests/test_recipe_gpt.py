@@ -354,6 +354,8 @@ TWO_PROCESSES = [
     (["--pp", "2", "--microbatches", "4", "--schedule", "gpipe", "--zero", "1"], slow),
     (["--pp", "2", "--microbatches", "2", "--zero", "3", "--remat"], ()),  # a stage's ZeRO-3 (dp 1), remat'ed units
     (["--pp", "2", "--microbatches", "2", "--offload-optimizer", "cpu"], ()),  # each stage's optimizer state offloaded
+    (["--pp", "2", "--microbatches", "2", "--zero", "2", "--offload-optimizer", "cpu"], slow),  # ZeRO-2 slices
+    (["--pp", "2", "--microbatches", "2", "--offload-optimizer", "cpu", "--offload-params", "cpu"], slow),
     (["--pp", "2", "--microbatches", "2", "--schedule", "zero-bubble"], slow),
 ]
 
@@ -601,9 +603,6 @@ LAYOUT_FLAGS = [  # (flags, world size, the message naming the flags)
     (["--sp", "2", "--tp", "2", "--tp-sequence-parallel"], 4,
      "--tp-sequence-parallel (plan sp): Megatron's sequence parallelism of zf.tensor_parallel is not run with "
      "zf.sequence_parallel yet"),
-    (["--pp", "2", "--zero", "1", "--offload-optimizer", "cpu"], 2,
-     "--offload-optimizer (plan offload_optimizer): under a pipeline (pp=2) offload keeps a stage's optimizer state "
-     "in CPU RAM or on NVMe, one rank per stage; expected offload_params='none', dp=1 and zero_stage=0"),
     (["--pp", "2", "--microbatches", "2", "--virtual-stages", "2"], 2,
      "--virtual-stages (plan virtual_stages): more than one virtual stage per rank needs pipeline_schedule"),
     (["--pp", "2", "--accum", "2"], 2, "--accum (plan accum): a pipeline splits each batch into microbatches itself"),

@@ -22,7 +22,6 @@ CASES = {
     "params offload below stage 3": dict(zero_stage=2, offload_optimizer="cpu", offload_params="cpu"),
     "accumulation under a pipeline": dict(pp=2, accum=2),
     "sequence without tensor parallelism": dict(sp=True),
-    "offload under a pipeline": dict(pp=2, zero_stage=1, offload_optimizer="cpu"),
     "optimizer offload of replicas": dict(dp=2, offload_optimizer="cpu"),
     "params offload without optimizer offload": dict(zero_stage=3, offload_params="cpu"),
     "pipeline over replicas": dict(dp=2, pp=2, microbatches=2),

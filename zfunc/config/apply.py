@@ -35,10 +35,9 @@ precision and accumulation are checked.
 
 ``check(plan)`` refuses, before anything is built, the plans no order can run: those that break
 a rule of ``zfunc.core.compose``'s rulebook (``Plan`` itself refuses those inconsistent as data;
-``check`` also those zfunc does not run: offload under a pipeline (but a stage's optimizer on the
-CPU), optimizer offload at stage 0 over several ranks, params offload without optimizer offload, a
-pipeline over replicas at stage 0, tensor parallelism), one ``ValueError`` naming the plan field, its value
-and what was expected.
+``check`` also those zfunc does not run: optimizer offload at stage 0 over several ranks, params
+offload without optimizer offload, a pipeline over replicas at stage 0, tensor parallelism), one
+``ValueError`` naming the plan field, its value and what was expected.
 """
 from __future__ import annotations
 

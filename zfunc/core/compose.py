@@ -17,7 +17,7 @@ wraps ->       train_step    shard               offload         pipeline
 =============  ============  ==================  ==============  ==============
 shard          yes           no (once)           no [1]          no [2]
 offload        yes           stages 1-3 [3]      no (once)       no [2]
-pipeline       yes [5]       stages 1-3 [5]      dp=1 [4]        no (once)
+pipeline       yes [5]       stages 1-3 [5]      yes [4]         no (once)
 =============  ============  ==================  ==============  ==============
 
 [1] offload places the state shard splits: ``zf.offload(zf.shard(step, mesh, stage), ...)``.
@@ -29,7 +29,9 @@ pipeline       yes [5]       stages 1-3 [5]      dp=1 [4]        no (once)
     needs stage 3 (units fetched just in time); its ``units`` are the sharded step's.
 [4] ``zf.pipeline(zf.offload(step, "cpu" | "nvme"), ...)``: each stage's optimizer state and fp32
     masters in CPU RAM or swap files, updated leaf by leaf by the offloaded step's update once the
-    schedule ends; one rank per stage (not over a sharded step), params not offloaded (not yet).
+    schedule ends; one rank per stage, or over a sharded step (``zf.offload(zf.shard(step,
+    Mesh(dp=d, pp=p), stage))``, as [5]: each dp rank's slices); with ``params=``, the masters too,
+    read at each step's start.
 [5] the step accumulates nothing (``accum=1``: the pipeline splits the batch itself), and a mesh
     with ``dp > 1`` needs the dp axis sharded first (``zf.shard(step, mesh, stage)``, stage 1-3: each
     stage's params and optimizer state split over its dp ranks; stage 2/3 reduce-scatter each op's
@@ -48,8 +50,7 @@ one of two kinds:
   without a pipeline; accumulation under a pipeline, which splits batches itself; params offload
   below stage 3 but for stage 0 on one rank; sequence parallelism without tensor parallelism).
   ``Plan(...)`` refuses them, so nothing else sees them.
-- ``UNSUPPORTED``: consistent, but zfunc does not run it (offload under a pipeline but the
-  optimizer of an unsharded stage; optimizer
+- ``UNSUPPORTED``: consistent, but zfunc does not run it (optimizer
   offload at stage 0 over several ranks; params offload without optimizer offload; a pipeline over
   ``dp > 1`` or ``sp_size > 1`` at stage 0; ``sp_size > 1`` with Megatron's ``sp``; what
   ``zfunc.tensor`` does not run with tensor parallelism yet: its rows, registered by that package,
@@ -118,11 +119,8 @@ def _pipeline_over_shard(step: Any, options: Mapping[str, Any]) -> Refusal | str
 
 
 def _pipeline_over_offload(step: Any, options: Mapping[str, Any]) -> Refusal | str | None:
-    if "shard" in step.layers or step.where_params is not None:
-        return ("a pipeline stage's offloaded state is its optimizer state and fp32 masters (CPU RAM or NVMe), one "
-                f"rank per stage, its params on the device (got zf.offload over {step.layers[-2]} with "
-                f"params={step.where_params!r})",
-                "zf.pipeline(zf.offload(step, 'cpu' or 'nvme'), ...) over a mesh with dp=1")
+    if "shard" in step.layers:
+        return _pipeline_over_shard(step, options)
     return _pipeline_over_step(step, options)
 
 
@@ -286,17 +284,6 @@ def _sequence_megatron(p: Any) -> str | None:
     return None
 
 
-def _pipeline_offload(p: Any) -> str | None:
-    offloaded = _offloaded(p)
-    supported = p.offload_params == "none" and p.dp == 1 and p.zero_stage == 0
-    if p.pp > 1 and offloaded and not supported:
-        return (f"{offloaded[0]}: under a pipeline (pp={p.pp}) offload keeps a stage's optimizer state in CPU RAM or "
-                "on NVMe, one rank per stage; expected offload_params='none', dp=1 and zero_stage=0, got "
-                f"offload_optimizer={p.offload_optimizer!r}, offload_params={p.offload_params!r}, dp={p.dp}, "
-                f"zero_stage={p.zero_stage}")
-    return None
-
-
 def _replicated_offload(p: Any) -> str | None:
     if p.offload_optimizer != "none" and p.zero_stage == 0 and p.dp > 1:
         return (f"offload_optimizer: over dp={p.dp} ranks each rank offloads the shard it updates, which needs "
@@ -341,7 +328,6 @@ RULES: list[Rule] = [
     Rule("params offload below stage 3", INCONSISTENT, _params_stage, "offload"),
     Rule("accumulation under a pipeline", INCONSISTENT, _pipeline_accum, "pipeline"),
     Rule("sequence without tensor parallelism", INCONSISTENT, _sequence_parallel, "tp"),
-    Rule("offload under a pipeline", UNSUPPORTED, _pipeline_offload, "pipeline"),
     Rule("optimizer offload of replicas", UNSUPPORTED, _replicated_offload, "offload"),
     Rule("params offload without optimizer offload", UNSUPPORTED, _params_without_optimizer, "offload"),
     Rule("pipeline over replicas", UNSUPPORTED, _pipeline_replicas, "pipeline"),

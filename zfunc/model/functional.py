@@ -3,7 +3,8 @@
 ``functionalize(model)`` returns ``(apply, params)``: ``params`` is a ``dict[str, Tensor]`` of the
 model's trainable parameters (detached aliases of the module's own tensors: no copy is made, and
 tied parameters appear once under their first name); ``apply(params, *args, **kwargs)`` runs the
-module through ``torch.func.functional_call`` with those tensors. The module is used unchanged:
+module with those tensors in its slots, as ``torch.func.functional_call`` does (``zfunc.model.slots``:
+the slots found once, not per call). The module is used unchanged:
 its own tensors are never written, now or when ``apply`` runs.
 
 **Buffers a step carries.** A forward in training mode updates some buffers (BatchNorm's running
@@ -76,6 +77,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 from torch.nn.modules.batchnorm import _NormBase
+
+from zfunc.model.slots import Slots
 
 _RUNNERS: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar("zfunc_module_runners", default=())
 
@@ -338,6 +341,7 @@ def functionalize(module: nn.Module, *, with_buffers: bool = False) -> tuple[Cal
     names = frozenset(trainable)
     norms = _norm_stats(module)
     held = _Held(module)
+    slots = Slots(module)
 
     def call(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], args, kwargs,
              done: Callable[[dict[str, torch.Tensor]], None]):
@@ -351,6 +355,8 @@ def functionalize(module: nn.Module, *, with_buffers: bool = False) -> tuple[Cal
         tensors = {**trainable, **params, **frozen, **copies}
         try:
             with _runners_of(module):
+                if slots.covers(tensors):
+                    return slots.swapped(tensors, args, kwargs)
                 return functional_call(module, tensors, args, kwargs)
         finally:
             stats = {n for m, ns in norms if m.training and m.track_running_stats for n in ns}

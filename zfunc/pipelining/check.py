@@ -17,7 +17,9 @@ under every timing: one simulation decides it. A deadlock is a ``ValueError`` na
 rank's next op and what it waits for.
 
 **Costs.** ``costs`` per kind, default ``F = I = W = 1`` and ``B = I + W = 2`` (a backward costs
-about two forwards; zero-bubble splits it in two), communication free. The bubble of a rank is
+about two forwards; zero-bubble splits it in two), communication free; a key ``(kind, stage)``
+sets one virtual stage's (measured op times: the bubble the schedule implies for them, which a
+run's measured bubble exceeds by its communication and its runtime's own time between ops). The bubble of a rank is
 ``1 - busy / makespan``: for 1F1B, ``(p - 1) / (m + p - 1)``. Cost of the check: O(ops x ranks)
 in the worst case, a few milliseconds at p = 8, m = 32.
 """
@@ -86,9 +88,10 @@ def _needs(op: Op, last: int) -> Op | None:
     return None
 
 
-def check(schedule: Schedule, costs: Mapping[str, float] | None = None) -> Timeline:
+def check(schedule: Schedule, costs: Mapping[str | tuple[str, int], float] | None = None) -> Timeline:
     """Refuse ``schedule`` if it computes some grad other than once or deadlocks; else its
-    ``Timeline`` under ``costs`` (default ``UNIT_COSTS``). See the module docstring."""
+    ``Timeline`` under ``costs`` (per kind, default ``UNIT_COSTS``, or per ``(kind, stage)``).
+    See the module docstring."""
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule: expected a zfunc.pipelining.Schedule, got {type(schedule).__name__}")
     costs = {**UNIT_COSTS, **(costs or {})}
@@ -116,7 +119,7 @@ def check(schedule: Schedule, costs: Mapping[str, float] | None = None) -> Timel
                 if ready is None:
                     break
                 start = max(clock[r], ready)
-                clock[r] = end = start + costs[op.kind]
+                clock[r] = end = start + costs.get((op.kind, op.stage), costs[op.kind])
                 spans[r].append((op, start, end))
                 if op.kind in "FBI":
                     finish[("F" if op.kind == "F" else "G", op.microbatch, op.stage)] = end

@@ -64,12 +64,12 @@ class PipelinePlacement(placement.Placement):
 
     def logical_paths(self, state: TrainState, paths: list[str]) -> list[str]:
         """As the stage's unsharded step names them (``within``: an offloaded step's state per leaf)."""
-        within = _unsharded(state.placement)
+        within = _stage_spec(state.placement)
         return paths if within is None else placement.of(within).logical_paths(state, paths)
 
     def in_memory(self, state: TrainState) -> TrainState:
         """As the stage's unsharded step reads it (``within``: an offloaded step's swap files read back)."""
-        spec, within = state.placement, _unsharded(state.placement)
+        spec, within = state.placement, _stage_spec(state.placement)
         if within is None:
             return state
         return as_placed(placement.of(within).in_memory(as_placed(state, within)), spec)
@@ -77,12 +77,14 @@ class PipelinePlacement(placement.Placement):
     def restore(self, step: Any, leaves: TrainState, params: Any, device: Any) -> TrainState | None:
         """An unsharded stage's state as its step's placement restores it (``within``: an offloaded
         step places each leaf itself), else None (the checkpoint fills the template)."""
-        spec, within = leaves.placement, _unsharded(leaves.placement)
+        spec, within = leaves.placement, _stage_spec(leaves.placement)
         if within is None:
             return None
         owned = {name: params[name] for name in spec.owned}
         state = placement.of(within).restore(step.inner, as_placed(leaves, within), owned, device)
-        return None if state is None else as_placed(state, replace(spec, within=state.placement))
+        if state is None:
+            return None
+        return as_placed(state, replace(spec, **{"inner" if spec.inner is not None else "within": state.placement}))
 
     def model(self, spec: PipelineSpec) -> dict[str, tuple[int, ...]]:
         return {name: tuple(shape) for name, shape in zip(spec.names, spec.whole_shapes or spec.shapes)}
@@ -95,9 +97,10 @@ class PipelinePlacement(placement.Placement):
         return placement.gather_rows(self.in_memory(state))  # an offloaded stage's masters read back first
 
 
-def _unsharded(spec: PipelineSpec) -> Any:
-    """The placement of an unsharded stage's step (``within``: tensor-parallel or offloaded), else None."""
-    return spec.within if spec.inner is None else None
+def _stage_spec(spec: PipelineSpec) -> Any:
+    """The spec whose placement reads, names and restores the stage's state: ``inner`` (a dp split,
+    offloaded or not) or ``within`` (tensor-parallel or offloaded), else None."""
+    return spec.split
 
 
 def as_placed(state: TrainState, spec: Any) -> TrainState:

@@ -168,8 +168,10 @@ class _Run:
         self.k += 1
         start, waited = time.perf_counter(), self.wait_s
         out = run()
-        self.compute_s += time.perf_counter() - start - (self.wait_s - waited)
-        self.trace.append((op.kind, op.microbatch, start - self.t0, time.perf_counter() - self.t0, op.stage))
+        end = time.perf_counter()
+        busy = end - start - (self.wait_s - waited)
+        self.compute_s += busy
+        self.trace.append((op.kind, op.microbatch, start - self.t0, end - self.t0, op.stage, busy))
         self._reap_sends()
         return out
 

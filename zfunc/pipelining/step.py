@@ -55,12 +55,12 @@ as many microbatches as the schedule's docstring states (``p - s`` on stage s wi
 weight grads; per virtual stage with interleaving: ``step.peak_live_microbatches``), and on
 the last stage the lent params and their grads. Communication per step: each boundary between
 two virtual stages on two ranks carries ``m A`` forward (activations), ``m A`` back (their grads)
-and a 104-byte header (shape, step, a digest of the batch to check the
-stages got the same one); ``Psi_sh`` in the compute dtype goes from stage 0 to
-the last stage and ``4 Psi_sh`` of fp32 grads back (what all-reducing a replica's grads would
-cost); two scalar all-reduces over the pipeline (loss, grad norm). ``mesh.comm_bytes()`` counts
-it ("send", "recv"). Compute: the pre-unit code (embeddings) also runs, discarded, on stages
-> 0 (each virtual stage's forward, interleaved). Idle time: the bubble ``(p - 1) / (m + p - 1)`` of
+and a 104-byte header (shape, step, a digest of the batch to check the stages got the same one);
+``Psi_sh`` in the compute dtype goes from stage 0 to the last stage and ``4 Psi_sh`` of fp32
+grads back (what all-reducing a replica's grads would cost); one all-reduce over the pipeline of
+three scalars (loss, grad norm, a count of stray buffers). ``mesh.comm_bytes()`` counts it
+("send", "recv"). Compute: the pre-unit code (embeddings) also runs, discarded, on stages > 0
+(each virtual stage's forward, interleaved). Idle time: the bubble ``(p - 1) / (m + p - 1)`` of
 p equal stages with GPipe and 1F1B, ``(p - 1) / (v m + p - 1)`` interleaved, less with zero-bubble
 (``step.schedule.timeline(p).bubble`` in theory, ``step.timings["bubble"]`` measured).
 
@@ -84,11 +84,16 @@ transformation (docs/design.md, section 3: it changes what a state and a loss ar
 would wrap it). Units under ``zf.remat`` recompute in backward (a unit's call inside its own call
 counts once, ``zfunc.pipelining.hooks``); with "zero-bubble" a remat'ed unit recomputes in the
 input-grad op and again in the weight-grad op. ``zf.pipeline(zf.offload(step, "cpu" | "nvme"), ...)``
-keeps each stage's fp32 masters and optimizer state in CPU RAM or swap files (one rank per stage): the
-schedule runs on the compute copies the last update wrote (or the masters cast), and once it ends the
-offloaded step's leaf-by-leaf update
+keeps each stage's fp32 masters and optimizer state in CPU RAM or swap files (one rank per stage;
+over ``zf.offload(zf.shard(step, Mesh(dp=d, pp=p), stage), ...)``, stage 1-3, each dp rank's
+slices of them, gathered and reduce-scattered as above): the schedule runs on the compute copies
+the last update wrote (or the masters cast), and once it ends the offloaded step's leaf-by-leaf update
 (``zfunc.offloading.run.LeafUpdate``) applies the stage's mean grads, the norm summed over the
-stages; checkpoints are the offloaded step's (``within``), so they load into any layout.
+stages (and dp ranks); checkpoints are the offloaded step's (``within``, or ``inner`` when sharded), so
+they load into any layout. With the params offloaded too (``offload(step, opt, params="cpu" | "nvme")``;
+over a sharded step, stage 3) the masters live in CPU RAM or swap files between steps and the stage
+reads all of them (its dp rank's slices) at the step's start, the whole stage's compute-dtype params
+held for the schedule as above: its peak is a stage's params, not a unit's.
 The schedule, ``step.schedule``, is a ``PipelineSchedule`` (``zfunc.pipelining.stage``) with
 accumulation's interface, ``split(batch)`` and ``ops(stages, stage)``, which the one microbatch
 loop (``zfunc.core.microbatches``) runs; the pipeline leaves ``Roles`` (``zfunc.core.roles``).
@@ -121,11 +126,12 @@ from zfunc.pipelining.schedules import BUILT_IN, Schedule
 from zfunc.pipelining.stage import PipelineSchedule, _Run, _digest
 from zfunc.sharding.reduce import GradSlices, average_buffers, average_order
 from zfunc.sharding.layout import ShardSpec, bucket_groups, gather_whole
-from zfunc.core.step import Step, Transformed, sum_over_ranks
+from zfunc.core.step import Step, Transformed
 from zfunc.core.state import TrainState, require_train_state
 from zfunc.model.materialize import Materializer
 from zfunc.model.units import Selector
 from zfunc.offloading.run import LeafUpdate
+from zfunc.offloading.store import Store
 from zfunc.offloading.step import with_outcome
 
 PyTree = Any
@@ -147,20 +153,28 @@ class PipelineStep(Transformed):
     activations this rank held at once, and ``timings`` has the schedule's wall time ``step_s``, the
     time spent blocked on peers ``wait_s``, forward + backward compute ``compute_s``, this rank's
     measured ``bubble`` (``1 - compute_s / step_s``) and ``ops``: each op's ``(kind, microbatch,
-    start_s, end_s, stage)`` from the schedule's start.
+    start_s, end_s, stage, busy_s)`` from the schedule's start, ``busy_s`` its time less its waits
+    on peers. ``step_s`` runs from the schedule's start (the batch's split) to its last send done;
+    ``compute_s`` sums the ops' ``busy_s``, which include each op's own runtime work (posting its
+    sends, the stage's hooks, summing its grads). So the measured bubble counts the waits on peers
+    (the schedule's dependencies and the transfers' latency) and the runtime's time between ops
+    (posting receives, the shared params' exchange, waiting for the last sends);
+    ``zfunc.pipelining.check(plan, costs)`` with the measured ``busy_s`` per ``(kind, stage)`` gives
+    the bubble the schedule itself implies for those op times.
     """
 
     def __init__(self, base: Step, model: nn.Module, layout: Layout, microbatches: int, schedule: PipelineSchedule,
                  mesh: Mesh):
         super().__init__(base, "pipeline")  # the loss, optimizer, precision: base's (accum is 1)
-        self.base = base if compose.applied(base, "shard") else None
+        self.base = base if compose.applied(base, "shard") else None  # sharded over dp: its init places the state
+        self.offloaded = compose.applied(base, "offload")  # the stage's state in CPU RAM, updated leaf by leaf
+        self.sharded = base.sharded if self.offloaded and self.base is not None else self.base  # a ShardedStep
         self.model, self.layout, self.mesh = model, layout, mesh
         self.stages, self.stage, self.microbatches = mesh.pp, mesh.pp_rank, microbatches
         self.schedule = schedule  # the microbatch loop's schedule, checked
         self.ranks = schedule.plan(mesh.pp).ranks  # virtual stage -> rank
         self.peak_live_microbatches, self.timings = 0, {}
         self._bucket_cache: list | None = None
-        self.offloaded = compose.applied(base, "offload")  # the stage's state in CPU RAM, updated leaf by leaf
 
     def init(self, params: PyTree, materialize: Materializer | None = None) -> TrainState:
         """This stage's fp32 params (split over the dp ranks if the step is sharded) and their
@@ -194,7 +208,7 @@ class PipelineStep(Transformed):
     def _whole_shapes(self, params: dict[str, Any], shapes: tuple) -> tuple | None:
         """The whole model's params' shapes where the sharded step's inner step holds pieces of them
         (a tensor-parallel step: its slices; ``Step.placement_of``), else None (``shapes`` are whole)."""
-        within = (self.base.inner if self.base is not None else self.inner).placement_of(params)
+        within = (self.sharded.inner if self.sharded is not None else self.inner).placement_of(params)
         if within is None:
             return None
         rule = placement.of(within)
@@ -231,27 +245,29 @@ class PipelineStep(Transformed):
         self._local_grads = _talks_itself(self.base, state)
         with carrying(state.buffers) as carried:
             loss, aux, grads = self._loss_and_grads(state.placement, params, batch, step, rng, loss_scale, carried)
+        local = None if self.offloaded else self.local_norm(grads)  # this stage's (and dp rank's) share
+        device = next((g.device for g in tree.leaves(grads)), torch.device("cpu"))
+        loss, norm = self._totals(loss, local, state.placement, step, device, self._stray_buffers(carried))
         buffers = self._stage_buffers(carried, state.placement, step)
         if self.offloaded:
             new_state, metrics = self._offloaded_update(state, grads, loss, aux)
             return new_state.replace(buffers=buffers), metrics
-        norm = self.local_norm(grads)  # this stage's (and dp rank's) share: summed over them
-        if norm is not None:
-            norm, _, _ = sum_over_ranks(self._sum_across, norm * norm, None, None)
         new_state, metrics = self.update(state, grads, loss, aux, norm)
         return new_state.replace(buffers=buffers), metrics
 
     def _offloaded_update(self, state: TrainState, grads: PyTree, loss: torch.Tensor, aux: Any):
-        """The offloaded step's update (``zfunc.offloading.run.LeafUpdate``) of this stage's state with
-        its mean grads: the grad norm's squares summed over the stages with the loss, which every stage
-        holds whole already, so each adds its ``1/p`` (exact for a power-of-two ``p``)."""
-        offloaded = self.inner
+        """The offloaded step's update (``zfunc.offloading.run.LeafUpdate``) of this stage's state (or
+        its dp rank's slices of it) with its mean grads: the grad norm's squares summed over the
+        stages (and dp ranks) with the loss, which every rank holds whole already, so each adds its
+        ``1 / (p d)`` (exact for powers of two)."""
+        offloaded, spec = self.inner, state.placement
         offloaded.reserve_room(state.params, state.opt_state)  # no room for the swap files' writes: fails here
-        within = as_placed(state, state.placement.within)
-        context = RunContext(state.placement.within, 1.0, self._sum_across, offloaded.finite)
+        within = as_placed(state, spec.split)
+        context = RunContext(spec.split, 1.0, self._sum_across, offloaded.finite)
         update = LeafUpdate(context, within, offloaded)
+        ranks = self.stages * (spec.inner.world if spec.inner is not None else 1)
         try:
-            new, metrics = update.apply(within, grads, loss / self.stages, aux, None)
+            new, metrics = update.apply(within, grads, loss / ranks, aux, None)
         except OSError as e:  # a swap read or write failed: the files go back to their versions before the step
             raise with_outcome(e, update.undo(within)) from e
         finally:
@@ -286,6 +302,8 @@ class PipelineStep(Transformed):
     def _loss_and_grads(self, spec: PipelineSpec, params, batch, step, rng, loss_scale, carried: BufferScope):
         """Mean loss (on every rank) and this rank's fp32 grads, averaged over microbatches (and dp)."""
         pieces, treespec = tree.flatten(params)
+        if self.offloaded:
+            pieces = self._stored_pieces(pieces)
         scale = mp.scale_of(loss_scale)
         self.mesh.clear_comm_bytes()
         whole = self._whole_params(pieces, spec, step)
@@ -309,14 +327,20 @@ class PipelineStep(Transformed):
                                     divisor * spec.inner.world)
         else:
             torch._foreach_mul_(grads, 1.0 / divisor)
-        loss = self._mean_loss(loss, spec, step, run.device, self._stray_buffers(carried))
         return loss, aux, tree.unflatten(treespec, grads)
+
+    def _stored_pieces(self, masters: list[Any]) -> list[torch.Tensor]:
+        """An offloaded stage's params (or its dp rank's slices) in the compute dtype: the compute
+        copies the last update wrote, else the masters, read from their swap files where they live
+        there (params offloaded), all of the stage's at once: every microbatch's ops use them."""
+        offloaded = self.inner
+        store = Store(offloaded.engine if offloaded.where_masters == "nvme" else None)
+        copies = [offloaded.compute_copies.of(m) for m in masters]
+        reads = [store.fetch(m) if c is None else None for m, c in zip(masters, copies)]
+        return [c if c is not None else r.result().to(self.compute_dtype) for c, r in zip(copies, reads)]
 
     def _whole_params(self, pieces: list[torch.Tensor], spec: PipelineSpec, step: int) -> list[torch.Tensor]:
         """This stage's params whole, in the compute dtype (all-gathered over dp when sharded)."""
-        if spec.inner is None and self.offloaded:  # the compute copies the last update wrote, else the masters cast
-            copies = [self.inner.compute_copies.of(p) for p in pieces]
-            return [p.to(self.compute_dtype) if c is None else c for p, c in zip(pieces, copies)]
         if spec.inner is None or spec.inner.stage == 0:
             return [p.to(self.compute_dtype) for p in pieces]
         return gather_whole(pieces, spec.inner, self._buckets(spec.inner), self.mesh.comm, self.compute_dtype,
@@ -324,28 +348,33 @@ class PipelineStep(Transformed):
 
     def _buckets(self, inner: ShardSpec) -> list:
         if self._bucket_cache is None:
-            self._bucket_cache = bucket_groups(inner.leaves, self.base.bucket_elems)
+            self._bucket_cache = bucket_groups(inner.leaves, self.sharded.bucket_elems)
         return self._bucket_cache
 
-    def _mean_loss(self, loss: torch.Tensor | None, spec: PipelineSpec, step: int, device,
-                   stray: list[str]) -> torch.Tensor:
-        """The last stage's mean loss (None elsewhere), summed into every stage (the others add 0)
-        and over dp. The same all-reduce counts the ``stray`` buffers of every stage: if any stage
-        has some, every stage raises, before the update (a post-unit module runs on the last stage
-        only)."""
-        loss = torch.zeros((), device=device) if loss is None else loss
-        both = torch.stack([loss, torch.tensor(float(len(stray)), device=loss.device)])
-        self.mesh.pp_comm.all_reduce(both, label=f"loss all-reduce over the pipeline at step {step}")
-        loss = both[0]
-        if both[1].item():
+    def _totals(self, loss: torch.Tensor | None, local_norm: torch.Tensor | None, spec: PipelineSpec, step: int,
+                device: torch.device, stray: list[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(loss, norm)`` of the whole step on every rank, in one all-reduce over the pipeline
+        (and one over the dp ranks, when sharded): the last stage's mean loss (None elsewhere, which
+        adds 0; over dp, the mean), the grad norm from each rank's ``local_norm`` (None: not
+        computed), and the count of ``stray`` buffers: if any stage has some, every stage raises,
+        before the update (a post-unit module runs on the last stage only)."""
+        device = device if loss is None else loss.device
+        parts = [torch.zeros((), device=device) if loss is None else loss.float(),
+                 torch.tensor(float(len(stray)), device=device)]
+        if local_norm is not None:
+            parts.append((local_norm * local_norm).to(device, torch.float32))
+        flat = torch.stack(parts)
+        what = "loss and grad-norm" if local_norm is not None else "loss"
+        if spec.inner is not None:
+            self.mesh.comm.all_reduce(flat, label=f"{what} all-reduce over the dp ranks at step {step}")
+        self.mesh.pp_comm.all_reduce(flat, label=f"{what} all-reduce over the pipeline at step {step}")
+        if flat[1].item():
             where = f"here: {stray[:5]}" if stray else "on another stage"
             raise ValueError(f"pipeline: the forward wrote module buffers outside the pipeline units ({where}); a "
                              "pipelined state carries only the buffers of each stage's own units (BatchNorm inside "
                              "a unit is fine): move that module into a unit, or put it in eval mode")
-        if spec.inner is not None:
-            self.mesh.comm.all_reduce(loss, label=f"loss all-reduce over the dp ranks at step {step}")
-            loss = loss / spec.inner.world
-        return loss
+        loss = flat[0] / spec.inner.world if spec.inner is not None else flat[0]
+        return loss, (flat[2].sqrt() if local_norm is not None else None)
 
 
 class _GradSlices:

@@ -6,7 +6,7 @@ fit, the fewest ``zf.tile`` tiles (2 ... 64) of the largest Linears that make it
 parallelism over the divisors of the node's GPU count; pipelines of 1-16 stages; each ``base`` with
 those fields replaced. What
 ``zfunc.core.compose``'s rulebook refuses is skipped: what contradicts, and what zfunc does not run
-(offload under a pipeline but the CPU optimizer of an unsharded stage, ...), tensor/sequence
+(optimizer offload of replicas, ...), tensor/sequence
 parallelism aside when ``allow_tp`` (modelled, not yet run by zfunc; the CLI's default keeps to what zfunc runs). With
 ``global_batch`` (sequences per step) the accumulation is what the rest leaves of it and candidates
 that cannot reach it exactly are skipped, so every candidate trains on the same batch; without it
