@@ -20,3 +20,16 @@ def test_offload_peers_refuses_bad_flags(capsys, monkeypatch, argv, message):
     with pytest.raises(SystemExit) as e:
         offload_peers.main(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--stages", "0,4"], "--stages: expected a comma-separated subset of 0,1,2,3, got '0,4'"),
+    (["--dim", "6"], "--dim: expected an int >= 1 and a multiple of 4 (4 heads), got 6"),
+    (["--rounds", "0"], "--rounds: expected an int >= 1, got 0"),
+])
+def test_zero_cpu_refuses_bad_flags(capsys, argv, message):
+    from benchmarks import zero_cpu
+
+    with pytest.raises(SystemExit) as e:
+        zero_cpu.main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err

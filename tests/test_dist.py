@@ -48,6 +48,25 @@ def test_collectives_count_bytes_and_agree_checks_ranks(world):
         assert mesh == f"Mesh(dp={world}, rank={rank})"
 
 
+def narrow_reduce_scatter(rank, world):
+    """bf16 ``full`` into fp32 ``out`` vs the same values widened first: (equal?, bytes of each)."""
+    mesh = zf.Mesh(dp=world)
+    full = torch.randn(world * 1000, generator=torch.Generator().manual_seed(rank)).bfloat16()
+    narrow, wide = torch.empty(1000), torch.empty(1000)
+    mesh.reduce_comm.reduce_scatter(narrow, full)
+    sent = mesh.reduce_comm.bytes["reduce_scatter"]
+    mesh.reduce_comm.reduce_scatter(wide, full.float())
+    return (torch.equal(narrow, wide), mesh.reduce_comm.reduce_dtype(torch.bfloat16), sent,
+            mesh.reduce_comm.bytes["reduce_scatter"] - sent)
+
+
+@pytest.mark.multiprocess
+def test_a_bf16_reduce_scatter_into_fp32_sums_the_widened_values_in_half_the_bytes():
+    for world in (2, 3):  # 3: a middle rank sends its own chunk to itself (another sum)
+        for equal, dtype, narrow, wide in zf.dist.spawn(narrow_reduce_scatter, world, world):
+            assert equal and dtype == torch.bfloat16 and (narrow, wide) == (2 * 1000 * world, 4 * 1000 * world)
+
+
 def failing(rank):
     if rank == 1:
         raise KeyError("boom on rank 1")

@@ -105,15 +105,27 @@ class Comm:
                        check: tuple | None = None):
         """``out`` <- this rank's slice of the sum over ranks of ``full`` (N * out.numel()).
 
-        On gloo this is an all-to-all of the same bytes followed by a local sum: gloo's own
-        reduce-scatter took 2.4x as long (7.4 MB on 2 loopback ranks: 9.2 vs 3.8 ms), longer
-        even than its all-reduce of the same tensor (6.7 ms).
+        ``full`` may be in a narrower floating dtype than ``out`` (bf16 grads into fp32 slices): every
+        value is widened before any addition, so ``out`` is exactly the reduce-scatter of
+        ``full.to(out.dtype)``. On gloo this is an all-to-all of ``full`` in its own dtype (bf16: half
+        the bytes of fp32) followed by a local sum in ``out``'s: gloo's own reduce-scatter took 2.4x as
+        long (7.4 MB on 2 loopback ranks: 9.2 vs 3.8 ms), longer even than its all-reduce of the same
+        tensor (6.7 ms). Elsewhere a narrower ``full`` is widened first (NCCL sums in its input's dtype).
         """
-        reduce_scatter = _reduce_scatter_by_all_to_all if self._on_gloo() else _reduce_scatter
+        on_gloo = self._on_gloo()
+        if not on_gloo and not self.alone and full.dtype != out.dtype:
+            full = full.to(out.dtype)
+        reduce_scatter = _reduce_scatter_by_all_to_all if on_gloo else _reduce_scatter
         (dev_out, dev_full), back = self._staged(out, full)
         return self._run("reduce_scatter", _nbytes(full), label,
                          lambda: back(reduce_scatter(dev_out, dev_full, group=self.group, async_op=True)),
                          lambda: out.copy_(full), async_op, check)
+
+    def reduce_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype to pack grads of ``dtype`` in for a ``reduce_scatter`` into fp32: their own on gloo
+        and for a comm of one process (sent or copied as they are, widened on arrival: the same sums
+        in fewer bytes), fp32 elsewhere (widened once, while packing)."""
+        return dtype if self.alone or self._on_gloo() else torch.float32
 
     def _on_gloo(self) -> bool:
         return self._backend_name() == "gloo"
@@ -329,11 +341,14 @@ class _SumOnWait:
                 self.work.wait()
             out = self.out.view(-1)
             if self.own is None:
-                torch.sum(self.received, dim=0, out=out)
-            elif len(self.received) == 1:
+                torch.sum(self.received, dim=0, dtype=out.dtype, out=out)
+            elif len(self.received) == 1 and self.own.dtype == out.dtype:
                 torch.add(self.own, self.received[0], out=out)
+            elif len(self.received) == 1:  # narrower chunks: widened before the sum, not after it
+                out.copy_(self.own)
+                out.add_(self.received[0])
             else:
-                torch.sum(self.received, dim=0, out=out).add_(self.own)
+                torch.sum(self.received, dim=0, dtype=out.dtype, out=out).add_(self.own)
             self.received = self.own = None
         return True
 

@@ -160,6 +160,7 @@ def engine_compressed_comm(leaves, world: int, stage: int, *, optimizer: str | N
     out = engine_comm(leaves, world, stage, precision=precision, accum=accum, clip=clip)
     if quantized_grads:
         reduces = 1 if stage == 1 else accum
-        per_rank = out.pop("reduce_scatter") // (4 * reduces * world)
+        wire = 4 if precision == "fp32" or (stage == 1 and accum > 1) else 2  # engine_comm's bytes per grad
+        per_rank = out.pop("reduce_scatter") // (wire * reduces * world)
         out["quantized_reduce_scatter"] = reduces * quantized_call(per_rank, world, quantized_grads)
     return out

@@ -291,19 +291,22 @@ def fetch_time(model: ModelSpec, s: Plan, cluster: Cluster) -> float:
 
 
 def engine_comm(leaves, world: int, stage: int, *, precision: str = "fp32", accum: int = 1,
-                clip: bool = True) -> dict[str, int]:
+                clip: bool = True, backend: str = "gloo") -> dict[str, int]:
     """The bytes ``step.memory(state)["comm"]`` reports for one step of ``zf.shard(step, Mesh(dp=world),
     stage)`` at stages 1-3 (stage 3's gathers: the bound ``[1, 2] x`` the forward's, as the backward
     re-gathers only the units it needs again; ``all_gather`` here is the forward's). Every rank's
     segment is padded to ``ceil(rows / world)`` rows per param, so the collectives move
     ``world x sum(chunk x rowsize)`` elements. The one small all-reduce sums the squared grad norm,
     the loss and one grads-produced flag per leaf (fp32); without a clip the norm is not summed
-    across ranks in the optimizer and the loss goes alone."""
+    across ranks in the optimizer and the loss goes alone. Grads are reduce-scattered in the
+    precision backward makes them on gloo (``Comm.reduce_dtype``; stage 1 with ``accum > 1`` sums
+    them in fp32 first), in fp32 on ``backend="nccl"``."""
     e = 4 if precision == "fp32" else 2
     padded = world * sum(-(-(s[0] if s else 1) // world) * (math.prod(s[1:]) if s else 1) for s in leaves)
     if stage not in (1, 2, 3):
         raise ValueError(f"stage: engine_comm knows stages 1-3, got {stage!r}")
     gathers = 1 if stage < 3 else accum
-    out = {"all_gather": e * padded * gathers, "reduce_scatter": 4 * padded * (1 if stage == 1 else accum)}
+    wire = 4 if backend != "gloo" or (stage == 1 and accum > 1) else e
+    out = {"all_gather": e * padded * gathers, "reduce_scatter": wire * padded * (1 if stage == 1 else accum)}
     out["all_reduce"] = 2 * 4 * (2 + len(leaves)) if clip else 2 * 4
     return out

@@ -137,7 +137,12 @@ def local_piece(full: torch.Tensor, leaf: LeafShard, rank: int) -> torch.Tensor:
 
 class FlatGroup:
     """A group of leaves communicated together -- a stage-3 *unit* or a stage 0-2 *bucket* -- and
-    the offsets of each leaf in a rank's padded segment of its flat buffer."""
+    the offsets of each leaf in a rank's padded segment of its flat buffer.
+
+    Packing grads is one ``torch.cat`` of every leaf (viewed ``(world, slot)``) into the flat buffer;
+    packing pieces and unpacking, one ``torch._foreach_copy_`` over one ``split``: a copy per leaf from Python
+    cost ~10 us of dispatch per leaf and buffer, 2.5 ms of main-thread CPU per ZeRO-1 step of a
+    73-leaf BERT on 2 ranks for the gather's pack and unpack and the reduce-scatter's pack."""
 
     def __init__(self, name: str, indices: list[int], leaves: tuple[LeafShard, ...], users: tuple[str, ...] = ()):
         self.name, self.indices, self.users = name, indices, users  # users: modules that read them (stage 3)
@@ -145,7 +150,28 @@ class FlatGroup:
         for i in indices:
             self.offsets.append(size)
             size += leaves[i].chunk * leaves[i].rowsize
-        self.segment = size
+        self.segment, self._leaves = size, leaves
+        self._cuts: dict[int, tuple[list[int], list[int], list[int]]] = {}  # rank -> _segment_cuts
+
+    def _segment_cuts(self, leaves: tuple[LeafShard, ...], rank: int) -> tuple[list[int], list[int], list[int]]:
+        """``(sizes, piece, pads)`` of rank ``rank``'s segment: ``split`` sizes, the index in that split
+        of each leaf's piece (``indices`` order) and of each padding."""
+        if rank not in self._cuts:
+            sizes, piece, pads = [], [], []
+            for i in self.indices:
+                leaf = leaves[i]
+                n = leaf.local_rows(rank) * leaf.rowsize
+                piece.append(len(sizes))
+                sizes.append(n)
+                if leaf.chunk * leaf.rowsize > n:
+                    pads.append(len(sizes))
+                    sizes.append(leaf.chunk * leaf.rowsize - n)
+            self._cuts[rank] = sizes, piece, pads
+        return self._cuts[rank]
+
+    def _slots(self) -> list[int]:
+        """Each leaf's slot in a rank's segment: ``chunk * rowsize`` elements."""
+        return [b - a for a, b in zip(self.offsets, [*self.offsets[1:], self.segment])]
 
     def gather_buffer(self, pieces: list[torch.Tensor], dtype: torch.dtype, device, world: int,
                       rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,60 +179,66 @@ class FlatGroup:
         and ``seg``, this rank's segment of it, holding ``pieces`` (in ``indices`` order) padded."""
         out = torch.empty(world * self.segment, dtype=dtype, device=device)
         seg = out[rank * self.segment : (rank + 1) * self.segment]
-        for off, end, piece in zip(self.offsets, [*self.offsets[1:], self.segment], pieces):
-            seg[off : off + piece.numel()].copy_(piece.reshape(-1))
-            seg[off + piece.numel() : end].zero_()  # the padding of a rank short of a full chunk
+        sizes, piece, pads = self._segment_cuts(self._leaves, rank)
+        views = seg.split(sizes)  # a cat into ``seg`` that casts took 1.5x as long
+        with torch.no_grad():
+            torch._foreach_copy_([views[k] for k in piece], [p.reshape(-1) for p in pieces])
+            if pads:  # the padding of a rank short of a full chunk
+                torch._foreach_zero_([views[k] for k in pads])
         return out, seg
 
     def unpack_gathered(self, gathered: torch.Tensor, leaves: tuple[LeafShard, ...], world: int) -> list[torch.Tensor]:
-        """Whole params (new tensors) from an all-gathered ``(world * segment,)`` buffer."""
-        outs = [torch.empty(leaves[i].shape, dtype=gathered.dtype, device=gathered.device) for i in self.indices]
+        """Whole params (views into one new flat buffer) from an all-gathered ``(world * segment,)`` buffer."""
+        numels = [math.prod(leaves[i].shape) for i in self.indices]
+        flat = torch.empty(sum(numels), dtype=gathered.dtype, device=gathered.device)
+        outs = [part.view(leaves[i].shape) for part, i in zip(flat.split(numels), self.indices)]
         self.unpack_into(gathered, leaves, world, outs)
         return outs
 
     def unpack_into(self, gathered: torch.Tensor, leaves: tuple[LeafShard, ...], world: int,
                     outs: list[torch.Tensor]) -> None:
         """Copy the whole params out of an all-gathered buffer into ``outs`` (contiguous, whole
-        shape), padding dropped: one copy per param."""
-        by_rank = gathered.view(world, -1)
+        shape), padding dropped: one ``_foreach_copy_`` for every leaf's rows from every rank."""
+        dst, src = [], []
+        for i, out, ranked in zip(self.indices, outs, gathered.view(world, self.segment).split(self._slots(), dim=1)):
+            leaf = leaves[i]
+            if leaf.rows == leaf.chunk * world:  # every rank a full chunk: one 2-d copy
+                dst.append(out.view(world, -1))
+                src.append(ranked)
+                continue
+            flat, start = out.view(-1), 0
+            for r in range(world):
+                n = leaf.local_rows(r) * leaf.rowsize
+                if n:
+                    dst.append(flat[start : start + n])
+                    src.append(ranked[r, :n])
+                    start += n
         with torch.no_grad():
-            for i, off, out in zip(self.indices, self.offsets, outs):
-                for ranked, rows in _row_blocks(leaves[i], by_rank, off, out, world):
-                    rows.copy_(ranked)
+            torch._foreach_copy_(dst, src)
 
     def pack_full(self, fulls: list[torch.Tensor], leaves: tuple[LeafShard, ...], world: int,
                   out: torch.Tensor) -> None:
         """Fill ``out`` ``(world, segment)`` with whole grads so rank r's segment holds its rows;
-        padding, and a ``None`` grad (an unused param), are written as zeros."""
-        for i, off, g in zip(self.indices, self.offsets, fulls):
-            leaf = leaves[i]
-            ranked = out[:, off : off + leaf.chunk * leaf.rowsize].view(world, leaf.chunk, leaf.rowsize)
+        padding, and a ``None`` grad (an unused param), are written as zeros. One ``cat`` of every
+        grad viewed ``(world, slot)`` (a short last chunk padded first, a copy of that leaf alone)."""
+        parts = []
+        for g, slot in zip(fulls, self._slots()):
             if g is None:
-                ranked.zero_()
-                continue
-            for dst, rows in _row_blocks(leaf, out, off, g, world):
-                dst.copy_(rows)
-            full, rest = divmod(leaf.rows, leaf.chunk)  # rows past the last one are padding
-            if full < world:
-                ranked[full, rest:].zero_()
-                ranked[full + 1 :].zero_()
+                parts.append(torch.zeros((), dtype=out.dtype, device=out.device).expand(world, slot))
+            else:
+                parts.append(_padded(g.detach().reshape(-1), world * slot).view(world, slot))
+        torch.cat(parts, dim=1, out=out.view(world, self.segment))
 
     def local_views(self, seg: torch.Tensor, leaves: tuple[LeafShard, ...], rank: int) -> list[torch.Tensor]:
         """This rank's pieces as views into its ``segment``-element ``seg``."""
-        return [seg[off : off + leaves[i].local_rows(rank) * leaves[i].rowsize].view(leaves[i].local_shape(rank))
-                for i, off in zip(self.indices, self.offsets)]
+        sizes, piece, _ = self._segment_cuts(leaves, rank)
+        views = (seg if seg.numel() == self.segment else seg[: self.segment]).split(sizes)
+        return [views[k].view(leaves[i].local_shape(rank)) for k, i in zip(piece, self.indices)]
 
 
-def _row_blocks(leaf: LeafShard, by_rank: torch.Tensor, offset: int, whole: torch.Tensor, world: int):
-    """Matching ``(ranked, rows)`` views: a leaf's rows in the ``(world, segment)`` buffer, where
-    rank r holds rows ``[r*chunk, (r+1)*chunk)`` at ``offset``, and in its whole tensor."""
-    ranked = by_rank[:, offset : offset + leaf.chunk * leaf.rowsize].view(world, leaf.chunk, leaf.rowsize)
-    rows = whole.reshape(leaf.rows, leaf.rowsize)
-    full = leaf.rows // leaf.chunk  # ranks whose chunk is complete; the next one may hold a remainder
-    blocks = [(ranked[:full], rows[: full * leaf.chunk].view(full, leaf.chunk, leaf.rowsize))]
-    if full < world and leaf.rows > full * leaf.chunk:
-        blocks.append((ranked[full, : leaf.rows - full * leaf.chunk], rows[full * leaf.chunk :]))
-    return blocks
+def _padded(flat: torch.Tensor, n: int) -> torch.Tensor:
+    """``flat`` (1-d) zero-padded to ``n`` elements (itself when it has them)."""
+    return flat if flat.numel() == n else torch.nn.functional.pad(flat, (0, n - flat.numel()))
 
 
 def bucket_groups(leaves: tuple[LeafShard, ...], bucket_elems: int, order: list[int] | None = None,

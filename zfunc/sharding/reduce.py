@@ -117,7 +117,9 @@ class GradReducer:
             return
         what = f"reduce-scatter of {group.name} at {self.label}"
         device = self.device
-        full = torch.empty(world, group.segment, dtype=torch.float32, device=device)
+        dtypes = {g.dtype for g in grads.values() if g is not None}
+        wire = self.comm.reduce_dtype(dtypes.pop()) if len(dtypes) == 1 else torch.float32
+        full = torch.empty(world, group.segment, dtype=wire, device=device)
         group.pack_full([grads.get(i) for i in group.indices], self.spec.leaves, world, full)
         if not self.keep_whole:
             self._held(-sum(g.numel() * g.element_size() for g in grads.values() if g is not None))

@@ -58,9 +58,11 @@ the fp32 grad buckets (4 Psi) and, below fp32, the compute copy of the params (2
 hold whole compute params (2 or 4 Psi); stage 1 whole fp32 grads (4 Psi); stage 2 at most one unit
 of whole grads; stage 3 at most ``(1 + prefetch)`` units of whole params. Communication per step,
 as ``dist.Comm`` counts bytes (DDP = 2 Psi): stage 0 all-reduces Psi fp32 grads = 2 Psi, as DDP; stages 1/2
-all-gather Psi + reduce-scatter Psi = 2 Psi (at the gather dtype and fp32 grads); stage 3 gathers
-twice: 3 Psi. Stage 1 reduce-scatters its grads rather than all-reducing them: a reduce-scatter gives
-each rank the slice it updates for half the bytes.
+all-gather Psi + reduce-scatter Psi = 2 Psi (in units of the elements' bytes: params gathered in the
+compute dtype; grads reduce-scattered as backward makes them on gloo, bf16 ones widened to fp32 before
+any sum (``Comm.reduce_dtype``), in fp32 on NCCL); stage 3 gathers twice: 3 Psi. Stage 1
+reduce-scatters its grads rather than all-reducing them: a reduce-scatter gives each rank the slice it
+updates for half the bytes.
 One small all-reduce per step sums the squared grad norm, the loss and, per param, whether the
 rank produced a grad for it: ``4 (2 + leaves)`` bytes.
 
