@@ -179,7 +179,10 @@ class StoredPieces(Role):
     def __init__(self, context: RunContext, update: LeafUpdate, compute_copies: ComputeCopies,
                  where_params: str | None, fetch_order: list[int]):
         self.context, self.compute_copies, self.where_params = context, compute_copies, where_params
-        self._reader = ReadAhead(lambda i: update._param_store.fetch(update._masters[i]), update._leaf_bytes,
+        # a store of its own: a packed file's read serves its members' fetches of this pass (forward, or
+        # backward's), apart from the update's reads of the same file (which it writes back into)
+        store = Store(update._param_store.engine, update._param_store.pin)
+        self._reader = ReadAhead(lambda i: store.fetch(update._masters[i]), update._leaf_bytes,
                                  fetch_order, update.chunk_bytes)
 
     def finish(self) -> dict[str, Any]:
@@ -275,6 +278,9 @@ class LeafUpdate(_Stores, Role):
                 g_leaves = without_missing_grads(g_leaves, produced)
             # a clip in the optimizer reads the global norm of the grads as given (unscaled): ``raw``
             self._update_leaves(list(range(len(g_leaves))), g_leaves, scale, None if norm is None else raw)
+        for store in (self._param_store, self._opt_store):  # groups not every leaf of which was updated
+            for name, nbytes, write in store.flush():
+                self._track(write, nbytes, name)
         self._wait_writes(None)
         loss_scale = mp.next_loss_scale(loss_scale, finite)
         metrics = self.step.metrics(loss, norm, lr, finite, step, loss_scale, aux)
@@ -381,7 +387,7 @@ class LeafUpdate(_Stores, Role):
             master.copy_(new_p)
             new_p = master
         handle, write = self._param_store.store_back(self._masters[i], new_p)
-        self._track(write, self._leaf_bytes(i), getattr(handle, "name", None))
+        self._track(write, _file_bytes(handle), getattr(handle, "name", None))
         copy = out if out is not None else (new_p if self._device_copies and not in_ram else None)
         if copy is not None and on_gpu:  # the device's compute-dtype params, updated from the host's pass
             kept = self.compute_copies.last(handle)
@@ -397,11 +403,16 @@ class LeafUpdate(_Stores, Role):
         for old, new in zip(state_leaves, tree.leaves(new_state)):
             if _is_stored(old):
                 kept, write = self._opt_store.store_back(old, new)
-                self._track(write, new.numel() * new.element_size(), getattr(kept, "name", None))
+                self._track(write, _file_bytes(kept), getattr(kept, "name", None))
                 new_leaves.append(kept)
             else:
                 new_leaves.append(new)
         self._new[i] = (handle, tree.unflatten(s_spec, new_leaves))
+
+
+def _file_bytes(x: Any) -> int:
+    """Bytes a write of ``x``'s file moves (its group's, packed)."""
+    return x.file_bytes if isinstance(x, OnDisk) else 0
 
 
 def _is_stored(t: Any) -> bool:
