@@ -513,16 +513,18 @@ def test_loading_into_nvme_holds_one_group_of_leaves_at_a_time(tmp_path, monkeyp
         assert torch.equal(got[name], want)
 
 
-@pytest.mark.parametrize("clip", [False, True], ids=["updates-overlapped", "updates-after-backward"])
+@pytest.mark.parametrize("clip, precision, accum", [(False, "fp32", 1), (True, "fp32", 1), (False, "bf16", 2)],
+                         ids=["updates-overlapped", "updates-after-backward", "bf16-accumulated"])
 @pytest.mark.parametrize("params", [None, "nvme"])
-def test_leaves_packed_in_several_groups_train_as_the_plain_step(tmp_path, clip, params):
+def test_leaves_packed_in_several_groups_train_as_the_plain_step(tmp_path, clip, precision, accum, params):
     """With small groups (``group_bytes`` 256: a few leaves a group), the update reads and writes a
     group's file once, members updated in its buffer, and training equals the plain step's; the
-    files are a pair per group (masters, moments), each with its spare."""
+    files are a pair per group (masters, moments), each with its spare, and the grads held until
+    backward ends (a clip, accumulation) one scratch file per group."""
     from zfunc.offloading.store import leaf_groups
 
-    ref, ref_losses, ref_norms = run(*make(clip))
-    step, state = make(clip, where="nvme", params=params, path=tmp_path, group_bytes=256)
+    ref, ref_losses, ref_norms = run(*make(clip, precision, accum))
+    step, state = make(clip, precision, accum, where="nvme", params=params, path=tmp_path, group_bytes=256)
     groups = leaf_groups(state.placement, 256)
     assert 2 < len(groups) < len(tree_leaves(state.params))
     reads = step.engine.bytes_read
@@ -532,7 +534,10 @@ def test_leaves_packed_in_several_groups_train_as_the_plain_step(tmp_path, clip,
     for name, want in ref.params.items():
         torch.testing.assert_close(got[name], want, rtol=1e-6, atol=0)
     files = {x.name for x in tree_leaves((state.params, state.opt_state)) if hasattr(x, "file_bytes")}
-    assert len(files) == 2 * len(groups) == len(list(tmp_path.glob("group*.swap")))
+    assert len(files) == 2 * len(groups) == len(list(tmp_path.glob("group*.s*.swap")) +
+                                                list(tmp_path.glob("group*.masters.swap")))
+    # grads held for the clip: one scratch file per group, packed as they arrive
+    assert len(list(tmp_path.glob("group*.grads.swap"))) == (len(groups) if not step.overlap else 0)
     assert step.engine.bytes_read > reads
 
 

@@ -392,7 +392,8 @@ class OffloadedStep(Transformed):
         if self.overlap:
             grads = UpdateOnArrival(context, update, self._update_order)
         elif self.where_optimizer == "nvme":  # held for the norm in swap files beside the moments
-            grads = update.spilled = SpilledGrads(context, self.engine, 2 * self.chunk_bytes)
+            grads = update.spilled = SpilledGrads(context, self.engine, 2 * self.chunk_bytes,
+                                                  leaf_groups(context.spec, self.group_bytes))
         else:
             grads = HeldSlices(context)
         params = StoredPieces(context, update, self.compute_copies, self.where_params, self._fetch_order)
