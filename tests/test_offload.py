@@ -647,3 +647,47 @@ def test_offloaded_step_carries_batchnorm_statistics_like_torch(tmp_path, where,
         state, _ = step(state, batch)
     assert set(state.buffers) == BN_STATS  # kept where the forward computes, not offloaded
     assert_trained_like(zf.checkpoint.full_params(state), state.buffers, torch_train(model, bn_batches(), accum))
+
+
+@pytest.mark.parametrize("where, params", [("cpu", None), ("nvme", "nvme")])
+def test_the_held_update_calls_the_optimizer_once_per_group_of_leaves(tmp_path, monkeypatch, where, params):
+    """Leaves of a group whose states merge (``merge_states``: per-param dicts joined, counts equal)
+    go through the optimizer's kernel in one call: one call per group, the group's leaves in it."""
+    from zfunc.offloading import run as offload_run
+    from zfunc.offloading.store import leaf_groups
+
+    calls, apply = [], offload_run.optim.apply
+    monkeypatch.setattr(offload_run.optim, "apply", lambda tx, grads, *a, **k: calls.append(len(grads))
+                        or apply(tx, grads, *a, **k))
+    step, state = make(True, where=where, params=params, path=tmp_path, group_bytes=256)
+    state, losses, _ = run(step, state, n=2)
+    assert calls == [len(g) for g in leaf_groups(state.placement, 256)] * 2
+    assert losses == run(*make(True), n=2)[1]
+
+
+def test_states_merge_only_where_per_param_dicts_and_equal_counts_make_one():
+    from zfunc.offloading.run import NO_MERGE, merge_states, split_state
+
+    opt = zf.optim.chain(zf.optim.clip_by_global_norm(1.0), zf.optim.adamw(1e-3))
+    a, b = opt.init({"a": torch.ones(2)}), opt.init({"b": torch.zeros(3)})
+    merged = merge_states([a, b], ["a", "b"])
+    assert merged[1].mu.keys() == {"a", "b"} and merged[1].count == 0
+    back = split_state(merged, b, "b")
+    assert type(back[1]) is type(b[1]) and back[1].mu.keys() == {"b"} and torch.equal(back[1].nu["b"], b[1].nu["b"])
+    assert merge_states([a, (b[0], b[1]._replace(count=1))], ["a", "b"]) is NO_MERGE  # counts differ
+    assert merge_states([torch.ones(1), torch.ones(1)], ["a", "b"]) is NO_MERGE  # a tensor keyed by no param
+
+
+def test_the_held_update_reads_its_masters_and_moments_while_backward_runs(tmp_path, monkeypatch):
+    """Without overlap (a clip), the update's reads of the groups' masters and moments start as
+    backward starts, before the grads exist: the update finds them read."""
+    from zfunc.offloading.grads import SpilledGrads
+    from zfunc.offloading.swap.engine import SwapEngine
+
+    events, read, deliver = [], SwapEngine.read, SpilledGrads.deliver
+    monkeypatch.setattr(SwapEngine, "read", lambda self, name, out: events.append(name) or read(self, name, out))
+    monkeypatch.setattr(SpilledGrads, "deliver", lambda self, *a: events.append("deliver") or deliver(self, *a))
+    step, state = make(True, where="nvme", path=tmp_path, group_bytes=256)
+    run(step, state, n=1)
+    last = max(k for k, e in enumerate(events) if e == "deliver")
+    assert any(e.endswith(".states") for e in events[:last]) and any(e.endswith(".masters") for e in events[:last])

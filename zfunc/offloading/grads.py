@@ -102,7 +102,16 @@ class _HostSlices(GradSlices):
 
 class HeldSlices(ReducedSlices):
     """Grad sink of an offloaded step without overlap, optimizer in RAM: the reduced slices held in
-    host RAM (module docstring) until the update reads them all."""
+    host RAM (module docstring) until the update reads them all. ``on_backward``: called as
+    backward starts (the update's reads of what it keeps in files begin then)."""
+
+    def __init__(self, context: RunContext, on_backward: Any = None):
+        super().__init__(context)
+        self.on_backward = on_backward
+
+    def before_backward(self, loss: torch.Tensor) -> None:
+        if self.on_backward is not None:
+            self.on_backward()
 
     def open(self, pieces) -> GradSlices:
         spec = self.context.spec
@@ -114,14 +123,16 @@ class SpilledGrads(ReducedSlices):
     """Grad sink of an offloaded step without overlap, optimizer on NVMe: each grad written to swap
     files as it arrives, its norm kept (module docstring), a group of leaves' grads (``groups``:
     the state's ``leaf_groups``) packed in one file once the group's last grad arrived.
-    ``engine``: the step's swap engine; ``budget``: bytes of writes in flight."""
+    ``engine``: the step's swap engine; ``budget``: bytes of writes in flight; ``on_backward``:
+    called as backward starts (the update's reads of masters and moments begin then)."""
 
     early = False
     own = True
 
-    def __init__(self, context: RunContext, engine: Any, budget: int, groups: list[list[int]]):
+    def __init__(self, context: RunContext, engine: Any, budget: int, groups: list[list[int]],
+                 on_backward: Any = None):
         super().__init__(context)
-        self.engine, self.budget, self.groups = engine, budget, groups
+        self.engine, self.budget, self.groups, self.on_backward = engine, budget, groups, on_backward
         self.group_of = {i: k for k, group in enumerate(groups) for i in group}
         self.host = HostGrads(context.spec.device)
         self.peak_ram_bytes = 0  # most grad bytes in RAM at once (writes in flight), for memory()
@@ -155,6 +166,10 @@ class SpilledGrads(ReducedSlices):
             pending[i] = g
             if len(pending) == len(self.groups[k]):
                 self._spill(k)
+
+    def before_backward(self, loss: torch.Tensor) -> None:
+        if self.on_backward is not None:  # the update's reads of masters and moments begin now
+            self.on_backward()
 
     def _member(self, k: int, handle: OnDisk) -> torch.Tensor:
         """Leaf ``handle``'s grad as its group's file holds it (the file read once, its writes waited for)."""

@@ -35,6 +35,10 @@ swap file, its optimizer states in another, ``zfunc.offloading.store``'s packed 
   asynchronously (a group's files once its last leaf is updated: write-behind): disk reads, CPU
   work and disk writes of consecutive groups overlap (a 3-deep pipeline). A swap file costs
   ~0.3 ms per transfer whatever its size, so a group's two large transfers replace 2-4 per leaf.
+  Without overlap the reads of masters and states start as backward starts (they need no grad).
+  A group's leaves whose optimizer states merge (per-param dicts, equal counts:
+  ``zfunc.offloading.run.merge_states``) go through the kernel in one call (in RAM too): one
+  call per group, not per leaf; the kernel is elementwise, so the values are the same.
 - overlap with backward: when the optimizer does not need the global grad norm (its
   ``needs_global_norm`` declaration is False: no ``clip_by_global_norm``), there is no fp16
   overflow check and ``accum == 1``, a unit is updated as soon as its reduced grads exist, during
@@ -169,6 +173,7 @@ class OffloadedStep(Transformed):
         self.peak_spilled_ram_bytes = 0  # most grad bytes in RAM at once on their way to swap files (last call)
         self.chunk_bytes = chunk_bytes
         self.group_bytes = chunk_bytes // 4 if group_bytes is None else group_bytes  # leaf_groups' cap
+        self._group_of = None  # (layout, each leaf's group), ``group_of``
         self.overlap = _overlap_allowed(base, overlap)
         self.engine = None
         self._made: list[Path] = []  # the folders the engine created for its files (``release``)
@@ -280,6 +285,14 @@ class OffloadedStep(Transformed):
         off = OffloadSpec(*_shard_fields(spec), self.where_optimizer, self.where_params, path, device)
         return TrainState(tree.unflatten(treespec, masters), tuple(states), 0, self.seed,
                           mp.init_loss_scale(self.precision), off)
+
+    def group_of(self, spec: ShardSpec) -> list[int]:
+        """Each leaf's group (``leaf_groups`` at ``group_bytes``): kept per layout, it is asked each step."""
+        key = (spec.rank, spec.world, len(spec.leaves))
+        if self._group_of is None or self._group_of[0] != key:
+            groups = leaf_groups(spec, self.group_bytes)
+            self._group_of = (key, [k for k, group in enumerate(groups) for _ in group])
+        return self._group_of[1]
 
     def _swap(self, spec: ShardSpec) -> None:
         """The swap engine, on this process's own folder of ``path`` (``rank_dir``), which it locks."""
@@ -393,9 +406,9 @@ class OffloadedStep(Transformed):
             grads = UpdateOnArrival(context, update, self._update_order)
         elif self.where_optimizer == "nvme":  # held for the norm in swap files beside the moments
             grads = update.spilled = SpilledGrads(context, self.engine, 2 * self.chunk_bytes,
-                                                  leaf_groups(context.spec, self.group_bytes))
+                                                  leaf_groups(context.spec, self.group_bytes), update.read_ahead)
         else:
-            grads = HeldSlices(context)
+            grads = HeldSlices(context, update.read_ahead)
         params = StoredPieces(context, update, self.compute_copies, self.where_params, self._fetch_order)
         return self.sharded.roles(context, state).replace(params=params, grads=grads, update=update)
 

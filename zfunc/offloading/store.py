@@ -236,6 +236,11 @@ class ReadAhead:
         self.next = 0  # position in ``order`` of the next read to launch
         self.seen: list[int] = []  # the order of this pass's requests (the next pass's ``order``)
 
+    def start(self) -> ReadAhead:
+        """Launch the first reads along ``order`` now, before any ``get`` (up to ``budget`` bytes)."""
+        self._top_up()
+        return self
+
     def get(self, i: int) -> torch.Tensor:
         self.seen.append(i)
         queued = self.ahead.get(i)
