@@ -266,8 +266,10 @@ class FullDisk:
 
 def nvme(tmp_path: Path, name: str = "swap", params: str | None = "nvme", overlap=None):
     """Tiny offloaded to swap files under ``tmp_path / name``: the optimizer state, and the
-    masters with it unless ``params`` is "cpu" (in RAM then); ``(step, state, its folder)``."""
-    step, state = make_offloaded(False, where="nvme", params=params, path=tmp_path / name, overlap=overlap)
+    masters with it unless ``params`` is "cpu" (in RAM then), packed in groups of a few leaves (several
+    files, some written before others); ``(step, state, its folder)``."""
+    step, state = make_offloaded(False, where="nvme", params=params, path=tmp_path / name, overlap=overlap,
+                                 group_bytes=256)
     return step, state, tmp_path / name
 
 
@@ -370,7 +372,7 @@ def test_where_ram_leaves_were_updated_in_place_a_failed_write_says_the_state_is
     step, state, swap = nvme(tmp_path, params="cpu")  # the masters in RAM, the moments on NVMe
     for batch in batches(1, 2):
         state, _ = step(state, batch)
-    FullDisk(monkeypatch, swap, cow=64 << 10)  # a copy-on-write disk: even the reserved room takes new blocks
+    FullDisk(monkeypatch, swap, cow=16 << 10)  # a copy-on-write disk: even the reserved room takes new blocks
     with pytest.raises(SwapPathError, match="the state passed in is consumed.*restart from a checkpoint"):
         step(state, batches(1, 3)[2])
     assert state.consumed and not list(swap.glob(".*.tmp"))

@@ -18,6 +18,7 @@ from zfunc.offloading.run import ComputeCopies
 from zfunc.offloading.step import OffloadSpec, in_ram, offload, release
 from zfunc.sharding.run import StepRun
 from zfunc.checkpoint import full_params
+from zfunc.core.tree import leaves as tree_leaves
 from zfunc.offloading.swap.file_format import SwapInUseError, SwapPathError
 
 PLACES = [("cpu", None), ("nvme", None), ("cpu", "cpu"), ("nvme", "nvme")]
@@ -468,37 +469,76 @@ def test_a_checkpoint_loads_straight_into_an_offloaded_step(tmp_path, where, par
     assert back.opt_state[-1].count == 5 and all(torch.equal(back.params[n], got[n]) for n in got)
 
 
-def test_loading_into_nvme_holds_one_leaf_at_a_time(tmp_path, monkeypatch):
-    """Each leaf's values are read only once the previous leaf is handed to its swap files, and
-    no read is larger than a leaf: the state never sits in RAM whole."""
+def test_loading_into_nvme_holds_one_group_of_leaves_at_a_time(tmp_path, monkeypatch):
+    """Each leaf's values are read only once the group of leaves before its own is handed to its
+    swap files (one file of masters, one of moments), no read is larger than a leaf and no file
+    than a group: the state never sits in RAM whole."""
     from zfunc.checkpoint import files as checkpoint_files
     from zfunc.offloading import store
 
     plain, state = make(False)
     directory = zf.checkpoint.save(state, tmp_path / "ckpt" / "000000")
-    step, _ = make(False, where="nvme", params="nvme", path=tmp_path / "swap")
+    group = 256  # bytes of masters: several groups of Tiny's leaves (1 KB in all)
+    step, _ = make(False, where="nvme", params="nvme", path=tmp_path / "swap", group_bytes=group)
     keys, events = sorted(state.params), []  # the leaf order
-    read, put = checkpoint_files.RankFiles.read, store.Store.put
+    read, pack = checkpoint_files.RankFiles.read, store.Store.pack
 
     def reading(self, rank, name, crc=None):
         t = read(self, rank, name, crc)
         events.append(("read", next(i for i, k in enumerate(keys) if name.endswith("/" + k)), t.numel()))
         return t
 
-    def putting(self, name, t):
-        events.append(("put", int(name[1:].split(".")[0]), t.numel()))
-        return put(self, name, t)
+    def packing(self, name, tensors):
+        events.append(("pack", int(name.removeprefix("group").split(".")[0]), sum(t.numel() for t in tensors)))
+        return pack(self, name, tensors)
 
     monkeypatch.setattr(checkpoint_files.RankFiles, "read", reading)
-    monkeypatch.setattr(store.Store, "put", putting)
+    monkeypatch.setattr(store.Store, "pack", packing)
     loaded = zf.checkpoint.load(directory, step)
+    groups = store.leaf_groups(loaded.placement, group)
+    group_of = {i: k for k, g in enumerate(groups) for i in g}
+    assert len(groups) > 2
     reads = [i for kind, i, _ in events if kind == "read"]
     assert reads == sorted(reads) and len(reads) == 3 * len(keys)  # master, m, v: leaf after leaf
     for k, (kind, i, n) in enumerate(events):
-        assert n <= state.params[keys[i]].numel()
-        if kind == "read" and i > 0:  # the leaf before is placed (its moments and master) already
-            assert sum(1 for e in events[:k] if e[:2] == ("put", i - 1)) == 3, (k, events[:k])
+        if kind == "read":
+            assert n <= state.params[keys[i]].numel()
+            if group_of[i] > 0:  # the group before is placed (its moments and masters) already
+                assert sum(1 for e in events[:k] if e[:2] == ("pack", group_of[i] - 1)) == 2, (k, events[:k])
+        else:
+            assert n <= 2 * group // 4 or len(groups[i]) == 1  # fp32 moments: twice a group's masters
     assert step.memory(loaded)["cpu"] == 0
+    got = zf.checkpoint.full_params(loaded)
+    for name, want in state.params.items():
+        assert torch.equal(got[name], want)
+
+
+@pytest.mark.parametrize("clip, precision, accum", [(False, "fp32", 1), (True, "fp32", 1), (False, "bf16", 2)],
+                         ids=["updates-overlapped", "updates-after-backward", "bf16-accumulated"])
+@pytest.mark.parametrize("params", [None, "nvme"])
+def test_leaves_packed_in_several_groups_train_as_the_plain_step(tmp_path, clip, precision, accum, params):
+    """With small groups (``group_bytes`` 256: a few leaves a group), the update reads and writes a
+    group's file once, members updated in its buffer, and training equals the plain step's; the
+    files are a pair per group (masters, moments), each with its spare, and the grads held until
+    backward ends (a clip, accumulation) one scratch file per group."""
+    from zfunc.offloading.store import leaf_groups
+
+    ref, ref_losses, ref_norms = run(*make(clip, precision, accum))
+    step, state = make(clip, precision, accum, where="nvme", params=params, path=tmp_path, group_bytes=256)
+    groups = leaf_groups(state.placement, 256)
+    assert 2 < len(groups) < len(tree_leaves(state.params))
+    reads = step.engine.bytes_read
+    state, losses, norms = run(step, state)
+    assert losses == ref_losses and norms == pytest.approx(ref_norms, rel=1e-6)
+    got = zf.checkpoint.full_params(state)
+    for name, want in ref.params.items():
+        torch.testing.assert_close(got[name], want, rtol=1e-6, atol=0)
+    files = {x.name for x in tree_leaves((state.params, state.opt_state)) if hasattr(x, "file_bytes")}
+    assert len(files) == 2 * len(groups) == len(list(tmp_path.glob("group*.s*.swap")) +
+                                                list(tmp_path.glob("group*.masters.swap")))
+    # grads held for the clip: one scratch file per group, packed as they arrive
+    assert len(list(tmp_path.glob("group*.grads.swap"))) == (len(groups) if not step.overlap else 0)
+    assert step.engine.bytes_read > reads
 
 
 def alone_worker(rank, world, path):
@@ -537,14 +577,19 @@ def test_ranks_given_one_nvme_path_keep_their_files_apart_and_train_as_the_plain
         assert {f.split("/")[0] for f in files} == {"rank00000", "rank00001"}, files
 
 
-def test_nvme_init_asks_for_whole_blocks_per_file(tmp_path, monkeypatch):
-    block, n_leaves = 1 << 20, len(zf.functionalize(Tiny())[1])
-    free = [6 * n_leaves - 1]  # the master and two moments per leaf, each beside its spare: one 1 MiB block each
+@pytest.mark.parametrize("group", [256, None], ids=["several-groups", "one-group"])
+def test_nvme_init_asks_for_whole_blocks_per_file(tmp_path, monkeypatch, group):
+    from zfunc.offloading.store import leaf_groups
+
+    block = 1 << 20
+    step, state = make(False, where="nvme", path=tmp_path / "c", group_bytes=group)
+    n_groups = len(leaf_groups(state.placement, step.group_bytes))
+    free = [4 * n_groups - 1]  # a group's masters and its moments, each beside its spare: one 1 MiB block each
     monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_bavail=free[0], f_frsize=block))
-    with pytest.raises(SwapPathError, match=f"{6 * n_leaves} files in {block}-byte blocks"):
-        make(False, where="nvme", path=tmp_path / "a")  # though the files hold a few KB
+    with pytest.raises(SwapPathError, match=f"{4 * n_groups} files in {block}-byte blocks"):
+        make(False, where="nvme", path=tmp_path / "a", group_bytes=group)  # though the files hold a few KB
     free[0] += 1
-    make(False, where="nvme", path=tmp_path / "b")
+    make(False, where="nvme", path=tmp_path / "b", group_bytes=group)
 
 
 def test_a_second_run_on_a_path_in_use_is_refused_and_a_later_one_starts_there(tmp_path):
@@ -602,3 +647,47 @@ def test_offloaded_step_carries_batchnorm_statistics_like_torch(tmp_path, where,
         state, _ = step(state, batch)
     assert set(state.buffers) == BN_STATS  # kept where the forward computes, not offloaded
     assert_trained_like(zf.checkpoint.full_params(state), state.buffers, torch_train(model, bn_batches(), accum))
+
+
+@pytest.mark.parametrize("where, params", [("cpu", None), ("nvme", "nvme")])
+def test_the_held_update_calls_the_optimizer_once_per_group_of_leaves(tmp_path, monkeypatch, where, params):
+    """Leaves of a group whose states merge (``merge_states``: per-param dicts joined, counts equal)
+    go through the optimizer's kernel in one call: one call per group, the group's leaves in it."""
+    from zfunc.offloading import run as offload_run
+    from zfunc.offloading.store import leaf_groups
+
+    calls, apply = [], offload_run.optim.apply
+    monkeypatch.setattr(offload_run.optim, "apply", lambda tx, grads, *a, **k: calls.append(len(grads))
+                        or apply(tx, grads, *a, **k))
+    step, state = make(True, where=where, params=params, path=tmp_path, group_bytes=256)
+    state, losses, _ = run(step, state, n=2)
+    assert calls == [len(g) for g in leaf_groups(state.placement, 256)] * 2
+    assert losses == run(*make(True), n=2)[1]
+
+
+def test_states_merge_only_where_per_param_dicts_and_equal_counts_make_one():
+    from zfunc.offloading.run import NO_MERGE, merge_states, split_state
+
+    opt = zf.optim.chain(zf.optim.clip_by_global_norm(1.0), zf.optim.adamw(1e-3))
+    a, b = opt.init({"a": torch.ones(2)}), opt.init({"b": torch.zeros(3)})
+    merged = merge_states([a, b], ["a", "b"])
+    assert merged[1].mu.keys() == {"a", "b"} and merged[1].count == 0
+    back = split_state(merged, b, "b")
+    assert type(back[1]) is type(b[1]) and back[1].mu.keys() == {"b"} and torch.equal(back[1].nu["b"], b[1].nu["b"])
+    assert merge_states([a, (b[0], b[1]._replace(count=1))], ["a", "b"]) is NO_MERGE  # counts differ
+    assert merge_states([torch.ones(1), torch.ones(1)], ["a", "b"]) is NO_MERGE  # a tensor keyed by no param
+
+
+def test_the_held_update_reads_its_masters_and_moments_while_backward_runs(tmp_path, monkeypatch):
+    """Without overlap (a clip), the update's reads of the groups' masters and moments start as
+    backward starts, before the grads exist: the update finds them read."""
+    from zfunc.offloading.grads import SpilledGrads
+    from zfunc.offloading.swap.engine import SwapEngine
+
+    events, read, deliver = [], SwapEngine.read, SpilledGrads.deliver
+    monkeypatch.setattr(SwapEngine, "read", lambda self, name, out: events.append(name) or read(self, name, out))
+    monkeypatch.setattr(SpilledGrads, "deliver", lambda self, *a: events.append("deliver") or deliver(self, *a))
+    step, state = make(True, where="nvme", path=tmp_path, group_bytes=256)
+    run(step, state, n=1)
+    last = max(k for k, e in enumerate(events) if e == "deliver")
+    assert any(e.endswith(".states") for e in events[:last]) and any(e.endswith(".masters") for e in events[:last])

@@ -35,3 +35,35 @@ def test_ram_and_file_handles_round_trip(tmp_path):
         same, write = disk.store_back(handle, t * 2)
         write.result()
         assert same == handle and torch.equal(disk.fetch(handle).result(), t * 2)
+
+
+def test_a_packed_file_is_read_once_a_pass_and_written_once_all_its_members_are_back(tmp_path):
+    tensors = [torch.arange(n, dtype=dtype) for n, dtype in ((3, torch.float32), (5, torch.int64), (2, torch.bfloat16))]
+    writes = []
+    with SwapEngine(tmp_path) as engine:
+        disk = Store(engine, track=lambda fut, nbytes: writes.append((fut, nbytes)))
+        handles = disk.pack("grp", [t.clone() for t in tensors])
+        assert [h.name for h in handles] == ["grp"] * 3 and len(writes) == 1  # one file, one write
+        assert all(h.offset % 64 == 0 and h.members == 3 and h.file_bytes == handles[0].packed for h in handles)
+        writes[0][0].result()
+        reads = engine.bytes_read
+        got = [disk.fetch(h).result() for h in handles]
+        assert all(torch.equal(a, b) for a, b in zip(got, tensors))
+        assert engine.bytes_read - reads == handles[0].packed  # the pass read the file once
+        got[0].mul_(2)  # updated in the read buffer, as the optimizer's kernel does
+        assert disk.store_back(handles[0], got[0]) == (handles[0], None)  # not written: members remain
+        assert disk.store_back(handles[1], got[1] + 1)[1] is None  # a new tensor is copied into the buffer
+        _, write = disk.store_back(handles[2], got[2])
+        write.result()  # the last member back: the file is written whole
+        again = [Store(engine).fetch(h).result() for h in handles]
+        assert torch.equal(again[0], tensors[0] * 2) and torch.equal(again[1], tensors[1] + 1)
+        assert torch.equal(again[2], tensors[2])
+        fresh = Store(engine)  # a pass that updates one member only: flush writes the rest as read
+        one = fresh.fetch(handles[1]).result()
+        fresh.store_back(handles[1], one * 0)
+        [(name, _, write)] = fresh.flush()
+        write.result()
+        after = [Store(engine).fetch(h).result() for h in handles]
+        assert name == "grp" and torch.equal(after[1], tensors[1] * 0) and torch.equal(after[0], tensors[0] * 2)
+        lone = disk.pack("one", [tensors[0].clone()])  # a lone tensor: a file of its own, as put
+        assert lone == [OnDisk("one", (3,), torch.float32)]

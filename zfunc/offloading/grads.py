@@ -11,13 +11,15 @@ never a whole-model grad:
   host buffers: no copy). Alone (one rank) autograd's own grads, in the compute dtype (``e``
   bytes/param); over ranks the fp32 reduce-scatter slices (4 bytes/param/N: the sums need fp32).
   Over microbatches they are summed in fp32. The norm is taken from the held grads at the end.
-- ``SpilledGrads`` (optimizer on NVMe): each delivered grad is written to its own swap file
-  (``g<i>``) beside the leaf's moments as it arrives, at most ``2 * chunk_bytes`` of writes in
-  flight, and dropped from RAM; each leaf's norm (fp32, as ``optim.global_norm`` takes it) is
-  taken while the grad is in memory, so the global norm (and fp16's overflow check) is known at the
-  end of backward from these partial norms, with no read-back. The update then reads each grad
-  with its master and moments (``LeafUpdate``'s read-ahead). With accumulation a leaf's later
-  microbatches read its file back, add, and write it again (its norm is the last sum's).
+- ``SpilledGrads`` (optimizer on NVMe): the delivered grads of a group of leaves (the state's
+  ``leaf_groups``) are packed into one swap file (``group<k>.grads``) beside the group's moments
+  once the group's last grad arrived (groups some leaf of which got none: at the end of backward),
+  at most ``2 * chunk_bytes`` of writes in flight, and dropped from RAM; each leaf's norm (fp32, as
+  ``optim.global_norm`` takes it) is taken while the grad is in memory, so the global norm (and
+  fp16's overflow check) is known at the end of backward from these partial norms, with no
+  read-back. The update then reads a group's grads with its masters and moments (``LeafUpdate``'s
+  read-ahead). With accumulation a leaf's later microbatches read its group's file back (once),
+  add, and write the group again (its norm is the last sum's).
 
 **Law.** Either sink gives the update the same grads and the same global norm as ``GradSlices``
 does (the norm bit for bit: the same per-leaf fp32 norms, stacked in leaf order). A skipped step
@@ -26,9 +28,9 @@ writes nothing of the state: the grad files are scratch, rewritten by the next s
 **Cost.** ``HeldSlices``: ``e P`` (alone) or ``4 P/N`` of host RAM during the step; on a GPU one
 device-to-host copy per bucket, overlapped with backward. ``SpilledGrads``: ``e P`` (alone) or
 ``4 P/N`` of disk written during backward and read during the update (twice that with
-accumulation), in scratch files overwritten in place (``SwapEngine.write(in_place=True)``: no
+accumulation), in scratch files (one per group of leaves) overwritten in place (``SwapEngine.write(in_place=True)``: no
 spare, blocks allocated by the first step only, so a full disk fails no later step); RAM holds the grads of
-the writes in flight and of the group being delivered.
+the writes in flight, of the bucket being delivered and of the groups of leaves not yet complete.
 """
 from __future__ import annotations
 
@@ -47,9 +49,9 @@ from zfunc.offloading.store import OnDisk, Read
 __all__ = ["HeldSlices", "HostGrads", "SpilledGrads", "grad_file", "leaf_norm"]
 
 
-def grad_file(i: int) -> str:
-    """The swap file name of leaf ``i``'s held grad."""
-    return f"g{i}"
+def grad_file(k: int) -> str:
+    """The swap file name of group ``k``'s held grads (``zfunc.offloading.store.leaf_groups``)."""
+    return f"group{k}.grads"
 
 
 def leaf_norm(g: torch.Tensor) -> torch.Tensor:
@@ -100,7 +102,16 @@ class _HostSlices(GradSlices):
 
 class HeldSlices(ReducedSlices):
     """Grad sink of an offloaded step without overlap, optimizer in RAM: the reduced slices held in
-    host RAM (module docstring) until the update reads them all."""
+    host RAM (module docstring) until the update reads them all. ``on_backward``: called as
+    backward starts (the update's reads of what it keeps in files begin then)."""
+
+    def __init__(self, context: RunContext, on_backward: Any = None):
+        super().__init__(context)
+        self.on_backward = on_backward
+
+    def before_backward(self, loss: torch.Tensor) -> None:
+        if self.on_backward is not None:
+            self.on_backward()
 
     def open(self, pieces) -> GradSlices:
         spec = self.context.spec
@@ -109,16 +120,20 @@ class HeldSlices(ReducedSlices):
 
 
 class SpilledGrads(ReducedSlices):
-    """Grad sink of an offloaded step without overlap, optimizer on NVMe: each grad written to its
-    swap file as it arrives, its norm kept (module docstring). ``engine``: the step's swap engine;
-    ``budget``: bytes of writes in flight."""
+    """Grad sink of an offloaded step without overlap, optimizer on NVMe: each grad written to swap
+    files as it arrives, its norm kept (module docstring), a group of leaves' grads (``groups``:
+    the state's ``leaf_groups``) packed in one file once the group's last grad arrived.
+    ``engine``: the step's swap engine; ``budget``: bytes of writes in flight; ``on_backward``:
+    called as backward starts (the update's reads of masters and moments begin then)."""
 
     early = False
     own = True
 
-    def __init__(self, context: RunContext, engine: Any, budget: int):
+    def __init__(self, context: RunContext, engine: Any, budget: int, groups: list[list[int]],
+                 on_backward: Any = None):
         super().__init__(context)
-        self.engine, self.budget = engine, budget
+        self.engine, self.budget, self.groups, self.on_backward = engine, budget, groups, on_backward
+        self.group_of = {i: k for k, group in enumerate(groups) for i in group}
         self.host = HostGrads(context.spec.device)
         self.peak_ram_bytes = 0  # most grad bytes in RAM at once (writes in flight), for memory()
 
@@ -128,34 +143,80 @@ class SpilledGrads(ReducedSlices):
         self.norms: list[torch.Tensor | None] = [None] * n
         self._writes: deque = deque()
         self._in_flight = 0
+        self._pending: dict[int, dict[int, torch.Tensor]] = {}  # group -> its grads arrived, not yet written
+        self._read_back: dict[int, torch.Tensor] = {}  # group -> its file as read back (accumulation)
         return self
 
     def deliver(self, group: FlatGroup, slices: list[torch.Tensor | None]) -> None:
         for i, g in zip(group.indices, slices):
             if g is None:
                 continue
-            if self.handles[i] is None:  # its norm where it is (on the device while the bucket is there)
+            k = self.group_of[i]
+            pending = self._pending.setdefault(k, {})
+            if self.handles[i] is None and i not in pending:  # its norm where it is (on the device)
                 norm, g = leaf_norm(g), self.host.to_host(g)
                 self.host.ready()  # the write reads the host copy
-            else:  # a later microbatch: sum in fp32 with what the file holds
+            else:  # a later microbatch: sum in fp32 with what is held (in RAM, or in the group's file)
                 g = self.host.to_host(g)
                 self.host.ready()
-                g = self._read(self.handles[i]).float().add_(g.reshape(self.handles[i].shape))
+                before = pending[i] if i in pending else self._member(k, self.handles[i])
+                g = before.float().add_(g.reshape(before.shape))
                 norm = leaf_norm(g)
-            g = g.contiguous()
             self.norms[i] = norm
-            self.handles[i] = OnDisk(grad_file(i), tuple(g.shape), g.dtype)
-            self._writes.append((self.engine.write(grad_file(i), g, in_place=True), g.numel() * g.element_size()))
-            self._in_flight += g.numel() * g.element_size()
-            self.peak_ram_bytes = max(self.peak_ram_bytes, self._in_flight)
-            self._wait(self.budget)
+            pending[i] = g
+            if len(pending) == len(self.groups[k]):
+                self._spill(k)
 
-    def _read(self, handle: OnDisk) -> torch.Tensor:
-        self._wait(0)  # its last write first (the engine orders them; waiting keeps the count simple)
-        from zfunc.offloading.swap.file_format import aligned_empty
+    def before_backward(self, loss: torch.Tensor) -> None:
+        if self.on_backward is not None:  # the update's reads of masters and moments begin now
+            self.on_backward()
 
-        out = aligned_empty(handle.nbytes)[: handle.nbytes].view(handle.dtype).view(handle.shape)
-        return Read(self.engine.read(handle.name, out), out).result()
+    def _member(self, k: int, handle: OnDisk) -> torch.Tensor:
+        """Leaf ``handle``'s grad as its group's file holds it (the file read once, its writes waited for)."""
+        if k not in self._read_back:
+            self._wait(0)  # its last write first (the engine orders them; waiting keeps the count simple)
+            from zfunc.offloading.swap.file_format import aligned_empty
+
+            n = handle.file_bytes
+            out = aligned_empty(n)[:n]  # a lone grad's file holds it with its own dtype and shape
+            out = out if handle.packed else out.view(handle.dtype).view(handle.shape)
+            self._read_back[k] = Read(self.engine.read(handle.name, out), out).result()
+        buf = self._read_back[k]
+        if not handle.packed:
+            return buf
+        return buf[handle.offset : handle.offset + handle.nbytes].view(handle.dtype).view(handle.shape)
+
+    def _spill(self, k: int) -> None:
+        """Write group ``k``'s grads (those arrived, and those an earlier microbatch left in its file)."""
+        pending = self._pending.pop(k)
+        for i in self.groups[k]:
+            if i not in pending and self.handles[i] is not None:
+                pending[i] = self._member(k, self.handles[i]).clone()
+        self._read_back.pop(k, None)
+        members = sorted(pending)
+        tensors = [pending[i].contiguous() for i in members]
+        name = grad_file(k)
+        if len(tensors) == 1:
+            buf, handles = tensors[0], [OnDisk(name, tuple(tensors[0].shape), tensors[0].dtype)]
+        else:
+            from zfunc.offloading.store import PACK_ALIGN, packed_bytes
+            from zfunc.offloading.swap.file_format import aligned_empty
+
+            sizes = [t.numel() * t.element_size() for t in tensors]
+            total = packed_bytes(sizes)
+            buf, handles, offset = aligned_empty(total)[:total], [], 0
+            for t, n in zip(tensors, sizes):
+                buf[offset : offset + n].copy_(t.reshape(-1).view(torch.uint8))
+                handles.append(OnDisk(name, tuple(t.shape), t.dtype, offset, total, len(tensors)))
+                offset = -(-(offset + n) // PACK_ALIGN) * PACK_ALIGN
+        del pending, tensors
+        for i, h in zip(members, handles):
+            self.handles[i] = h
+        nbytes = buf.numel() * buf.element_size()
+        self._writes.append((self.engine.write(name, buf, in_place=True), nbytes))
+        self._in_flight += nbytes
+        self.peak_ram_bytes = max(self.peak_ram_bytes, self._in_flight)
+        self._wait(self.budget)
 
     def _wait(self, budget: int) -> None:
         while self._writes and self._in_flight > budget:
@@ -165,6 +226,8 @@ class SpilledGrads(ReducedSlices):
 
     def result(self) -> list[OnDisk | torch.Tensor]:
         """Each leaf's grad file (a zero grad in RAM for a leaf none was delivered to), every write done."""
+        for k in list(self._pending):  # groups some leaf of which got no grad
+            self._spill(k)
         self._wait(0)
         spec = self.context.spec
         return [torch.zeros(spec.leaves[i].local_shape(spec.rank), dtype=torch.float32) if h is None else h

@@ -4,7 +4,7 @@ An offloaded state is split as a sharded one (``ShardSpec``; a plain step's offl
 one process) and keeps each leaf in RAM or in a swap file (``OnDisk``). Its optimizer state is one
 state per param leaf, ``opt_state/i/...``, made for ``{name_i: piece}``: a checkpoint stores it as
 the plain state's (``logical_paths``), and loads it back leaf by leaf into where the step keeps it
-(``restore``), so that at most one leaf is in RAM at once.
+(``restore``), so that at most one group of leaves is in RAM at once.
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ class OffloadPlacement(ShardPlacement):
 
     def restore(self, step: Any, leaves: TrainState, params: Any, device: str | torch.device) -> TrainState:
         """The offloaded step's state, each leaf read and placed before the next is read
-        (``OffloadedStep.restore``): at most one leaf in RAM at once."""
+        (``OffloadedStep.restore``): at most one group of leaves in RAM at once."""
         masters = tree.leaves(leaves.params)
         state = step.restore(params, lambda i: (masters[i](), tree.map(lambda read: read(), leaves.opt_state[i])),
                              device)

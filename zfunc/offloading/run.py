@@ -23,7 +23,7 @@ import time
 import weakref
 from collections import deque
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -34,7 +34,7 @@ from zfunc.sharding.layout import FlatGroup, leaf_names
 from zfunc.core.state import FIELDS, TrainState
 from zfunc.core.step import NonFiniteError, Step, sum_over_ranks, without_missing_grads
 from zfunc.offloading.grads import leaf_norm
-from zfunc.offloading.store import All, OnDisk, ReadAhead, Store
+from zfunc.offloading.store import All, OnDisk, ReadAhead, Store, done
 
 PyTree = Any
 
@@ -179,7 +179,10 @@ class StoredPieces(Role):
     def __init__(self, context: RunContext, update: LeafUpdate, compute_copies: ComputeCopies,
                  where_params: str | None, fetch_order: list[int]):
         self.context, self.compute_copies, self.where_params = context, compute_copies, where_params
-        self._reader = ReadAhead(lambda i: update._param_store.fetch(update._masters[i]), update._leaf_bytes,
+        # a store of its own: a packed file's read serves its members' fetches of this pass (forward, or
+        # backward's), apart from the update's reads of the same file (which it writes back into)
+        store = Store(update._param_store.engine, update._param_store.pin)
+        self._reader = ReadAhead(lambda i: store.fetch(update._masters[i]), update._leaf_bytes,
                                  fetch_order, update.chunk_bytes)
 
     def finish(self) -> dict[str, Any]:
@@ -222,7 +225,9 @@ class LeafUpdate(_Stores, Role):
         self._skip_updates = False
         self.held_grad_bytes = 0  # the grads held until now for the update (RAM, or their swap files)
         self.spilled = None  # the SpilledGrads sink whose files hold the grads (optimizer on NVMe), if any
-        self._grads: list = []  # the grads being applied (the read-ahead reads a grad's file with its leaf)
+        self._grads: list = []  # the grads being applied
+        self._grads_ahead: ReadAhead | None = None  # reads of the grads held in files, ahead of their leaves
+        self._early: tuple | None = None  # (order, reads) started during backward (``read_ahead``)
         self._device_copies = step.where_params is None  # the device keeps compute-dtype params (ComputeCopies)
         self._device = state.placement.device
         self.update_s = 0.0  # seconds in the leaf updates, held or overlapped with backward, writes included
@@ -275,6 +280,9 @@ class LeafUpdate(_Stores, Role):
                 g_leaves = without_missing_grads(g_leaves, produced)
             # a clip in the optimizer reads the global norm of the grads as given (unscaled): ``raw``
             self._update_leaves(list(range(len(g_leaves))), g_leaves, scale, None if norm is None else raw)
+        for store in (self._param_store, self._opt_store):  # groups not every leaf of which was updated
+            for name, nbytes, write in store.flush():
+                self._track(write, nbytes, name)
         self._wait_writes(None)
         loss_scale = mp.next_loss_scale(loss_scale, finite)
         metrics = self.step.metrics(loss, norm, lr, finite, step, loss_scale, aux)
@@ -314,31 +322,60 @@ class LeafUpdate(_Stores, Role):
         start = time.perf_counter()
         self._grads = grads
         reader = self._leaf_reader(order)
-        for i in order:
-            self._update_leaf(i, grads[i], reader, grad_scale=scale, norm=norm)
+        self._grads_ahead = self._grad_reader(order, grads)
+        for batch in self._batches(order):
+            self._update_batch(batch, grads, reader, scale, norm)
         self._wait_writes(None)
         self.update_s += time.perf_counter() - start
 
+    def _batches(self, order: list[int]) -> list[list[int]]:
+        """``order`` cut into runs of leaves of one group (``leaf_groups``): what one optimizer call updates."""
+        group_of = self.step.group_of(self._state_spec)
+        batches: list[list[int]] = []
+        for i in order:
+            if batches and group_of[batches[-1][-1]] == group_of[i]:
+                batches[-1].append(i)
+            else:
+                batches.append([i])
+        return batches
+
+    def read_ahead(self) -> None:
+        """Start the update's reads of masters and states now, along leaf order (the held update's),
+        while backward still runs: they do not depend on the grads, so the update finds them read.
+        Once per call; nothing where nothing is on disk."""
+        if self._early is None:
+            order = list(range(len(self._masters)))
+            self._early = (order, self._leaf_reader(order))
+            if self._early[1] is not None:
+                self._early[1].start()
+
     def _leaf_reader(self, order: list[int]) -> ReadAhead | None:
-        """Reads of the leaves' masters and states ahead of their updates, along ``order``; None
+        """Reads of the leaves' masters and states ahead of their updates, along ``order`` (3/4 of
+        ``chunk_bytes`` in flight; the grads held in files have the rest, ``_grad_reader``); None
         where nothing is on disk (all in RAM: nothing to wait for, ~0.1 ms a leaf saved)."""
         if self._opt_store.engine is None and self._param_store.engine is None:
             return None
-        return ReadAhead(self._fetch_leaf, self._update_bytes, order, self.chunk_bytes)
+        if self._early is not None and self._early[0] == order and self._early[1] is not None:
+            early, self._early = self._early[1], (None, None)  # started during backward: used once
+            return early
+        return ReadAhead(self._fetch_leaf, self._update_bytes, order, self.chunk_bytes * 3 // 4)
+
+    def _grad_reader(self, order: list[int], grads: list) -> ReadAhead | None:
+        """Reads of the grads held in swap files (``SpilledGrads``) ahead of their leaves' updates."""
+        if not any(isinstance(g, OnDisk) for g in grads):
+            return None
+        return ReadAhead(lambda i: self._opt_store.fetch(grads[i]) if isinstance(grads[i], OnDisk) else done(grads[i]),
+                         lambda i: grads[i].nbytes if isinstance(grads[i], OnDisk) else 0, order,
+                         self.chunk_bytes // 4).start()
 
     def _fetch_leaf(self, i: int) -> All:
         """Pending ``[master, *state tensors]`` of leaf ``i``, all reads started."""
         parts = [self._param_store.fetch(self._masters[i])]
         parts += [self._opt_store.fetch(t) for t in tree.leaves(self._opt_states[i]) if _is_stored(t)]
-        grad = self._grads[i] if i < len(self._grads) else None
-        if isinstance(grad, OnDisk):  # a grad held in its swap file (SpilledGrads): read with its leaf
-            parts.append(self._opt_store.fetch(grad))
         return All(parts)
 
     def _update_bytes(self, i: int) -> int:
-        grad = self._grads[i] if i < len(self._grads) else None
-        return (self._leaf_bytes(i) * (1 + sum(_is_stored(t) for t in tree.leaves(self._opt_states[i])))
-                + (grad.nbytes if isinstance(grad, OnDisk) else 0))
+        return self._leaf_bytes(i) * (1 + sum(_is_stored(t) for t in tree.leaves(self._opt_states[i])))
 
     def _update_leaf(self, i: int, grad: torch.Tensor | None, reader: ReadAhead | None, squares: list | None = None,
                      grad_scale: float = 1.0, norm: torch.Tensor | None = None) -> None:
@@ -348,19 +385,32 @@ class LeafUpdate(_Stores, Role):
         ``optim.apply`` (the kernel unscales the grad, in whatever dtype it came, in its pass and
         appends the unscaled grad's sum of squares where it computes it). ``norm``: the global norm
         of all the grads, of which ``grad`` is one, as given (``optim.apply(norm=)``: for a clip)."""
+        leaf = self._take_leaf(i, grad, reader)
+        new_p, new_state = self._apply([leaf], squares, grad_scale, norm)[0]
+        self._put_leaf(leaf, new_p, new_state)
+
+    def _update_batch(self, batch: list[int], grads: list, reader: ReadAhead | None, grad_scale: float,
+                      norm: torch.Tensor | None) -> None:
+        """Update the leaves ``batch`` (a group's, ``leaf_groups``) with one call of the optimizer
+        on them all where their states merge (``merge_states``: one kernel pass over the group, no
+        per-leaf call cost), else leaf by leaf; each read, and written back, as ``_update_leaf``."""
+        leaves = [self._take_leaf(i, grads[i], reader) for i in batch]
+        for leaf, (new_p, new_state) in zip(leaves, self._apply(leaves, None, grad_scale, norm)):
+            self._put_leaf(leaf, new_p, new_state)
+
+    def _take_leaf(self, i: int, grad: torch.Tensor | None, reader: ReadAhead | None) -> _Leaf:
+        """Leaf ``i``'s master, optimizer state and grad in hand on the CPU (read from the stores)."""
         self._state_in_use._consumed = True  # its files or tensors change from here on
         if reader is None:  # all in RAM: the state's own tensors, nothing to read or write back
-            master, state, state_leaves = self._masters[i], self._opt_states[i], None
+            master, state, state_leaves, s_spec = self._masters[i], self._opt_states[i], None, None
         else:
             state_leaves, s_spec = tree.flatten(self._opt_states[i])
             master, *tensors = reader.get(i)
-            if isinstance(grad, OnDisk):
-                grad = tensors.pop()
             it = iter(tensors)
             state = tree.unflatten(s_spec, [next(it).to("cpu") if _is_stored(t) else t for t in state_leaves])
-        name = self._param_names[i]  # the key its optimizer state was made with
-        on_device = master.device
-        p_cpu = master if on_device.type == "cpu" else master.to("cpu")
+        if isinstance(grad, OnDisk):  # held in its group's swap file (SpilledGrads), read ahead
+            grad = self._grads_ahead.get(i)
+        p_cpu = master if master.device.type == "cpu" else master.to("cpu")
         if grad is not None and grad.device.type != "cpu":
             grad = grad.to("cpu")
         # A master kept in RAM gets its compute copy in the update's own pass (ComputeCopies); so does
@@ -371,38 +421,129 @@ class LeafUpdate(_Stores, Role):
         if (in_ram or self._device_copies) and self.compute_dtype is not torch.float32:
             out = (torch.empty(p_cpu.shape, dtype=self.compute_dtype, pin_memory=True) if on_gpu else
                    self.compute_copies.buffer(self._masters[i], self.compute_dtype, self._param_store.pin))
-        grads = {name: grad}
+        return _Leaf(i, self._param_names[i], master, p_cpu, state, state_leaves, s_spec, grad, out, in_ram, on_gpu)
+
+    def _apply(self, leaves: list[_Leaf], squares: list | None, grad_scale: float,
+               norm: torch.Tensor | None) -> list[tuple[torch.Tensor, Any]]:
+        """The optimizer's kernel on ``leaves``: ``(new master, new state)`` of each. Several leaves
+        whose states merge go in one call (the kernel's law is elementwise: the same values)."""
+        merged = merge_states([leaf.state for leaf in leaves], [leaf.name for leaf in leaves]) if len(leaves) > 1 \
+            else NO_MERGE
+        if merged is NO_MERGE:
+            return [self._apply_one(leaf, squares, grad_scale, norm) for leaf in leaves]
+        grads = {leaf.name: leaf.grad for leaf in leaves}
         known = None if norm is None else optim.known_norm(grads, norm)
-        new_p, new_state = optim.apply(self.optimizer, grads, state, {name: p_cpu},
-                                       out=None if out is None else {name: out}, squares=squares,
+        outs = {leaf.name: leaf.out for leaf in leaves}
+        new_p, new_state = optim.apply(self.optimizer, grads, merged, {leaf.name: leaf.p_cpu for leaf in leaves},
+                                       out=None if all(o is None for o in outs.values()) else outs,
                                        grad_scale=grad_scale, norm=known)
-        new_p = new_p[name]
-        if on_device.type != "cpu":
+        return [(new_p[leaf.name], split_state(new_state, leaf.state, leaf.name)) for leaf in leaves]
+
+    def _apply_one(self, leaf: _Leaf, squares: list | None, grad_scale: float,
+                   norm: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
+        grads = {leaf.name: leaf.grad}
+        known = None if norm is None else optim.known_norm(grads, norm)
+        new_p, new_state = optim.apply(self.optimizer, grads, leaf.state, {leaf.name: leaf.p_cpu},
+                                       out=None if leaf.out is None else {leaf.name: leaf.out}, squares=squares,
+                                       grad_scale=grad_scale, norm=known)
+        return new_p[leaf.name], new_state
+
+    def _put_leaf(self, leaf: _Leaf, new_p: torch.Tensor, new_state: Any) -> None:
+        """Leaf ``leaf.i``'s new master and state where they are kept (written back to files), its
+        compute copy noted."""
+        i, master = leaf.i, leaf.master
+        if master.device.type != "cpu":
             master.copy_(new_p)
             new_p = master
         handle, write = self._param_store.store_back(self._masters[i], new_p)
-        self._track(write, self._leaf_bytes(i), getattr(handle, "name", None))
+        self._track(write, _file_bytes(handle), getattr(handle, "name", None))
         # fp32 on a GPU: the device's copy is the master itself, refreshed from the host's new value each update
-        copy = out if out is not None else (new_p if self._device_copies and (on_gpu or not in_ram) else None)
-        if copy is not None and on_gpu:  # the device's compute-dtype params, updated from the host's pass
+        copy = leaf.out if leaf.out is not None else (
+            new_p if self._device_copies and (leaf.on_gpu or not leaf.in_ram) else None)
+        if copy is not None and leaf.on_gpu:  # the device's compute-dtype params, updated from the host's pass
             kept = self.compute_copies.last(handle)
             if kept is None or kept.dtype != copy.dtype:
                 kept = torch.empty_like(copy, device=self._device)
             copy = kept.copy_(copy, non_blocking=True)
         if copy is not None:
             self.compute_copies.written(handle, copy)
-        if state_leaves is None:  # in RAM: the new state is kept as it is
+        if leaf.state_leaves is None:  # in RAM: the new state is kept as it is
             self._new[i] = (handle, new_state)
             return
         new_leaves = []
-        for old, new in zip(state_leaves, tree.leaves(new_state)):
+        for old, new in zip(leaf.state_leaves, tree.leaves(new_state)):
             if _is_stored(old):
                 kept, write = self._opt_store.store_back(old, new)
-                self._track(write, new.numel() * new.element_size(), getattr(kept, "name", None))
+                self._track(write, _file_bytes(kept), getattr(kept, "name", None))
                 new_leaves.append(kept)
             else:
                 new_leaves.append(new)
-        self._new[i] = (handle, tree.unflatten(s_spec, new_leaves))
+        self._new[i] = (handle, tree.unflatten(leaf.s_spec, new_leaves))
+
+
+class _Leaf(NamedTuple):
+    """One leaf in hand for its update (``LeafUpdate._take_leaf``)."""
+
+    i: int
+    name: str
+    master: torch.Tensor
+    p_cpu: torch.Tensor
+    state: Any
+    state_leaves: list | None  # the stored state's leaves (handles), None when all in RAM
+    s_spec: Any
+    grad: torch.Tensor | None
+    out: torch.Tensor | None
+    in_ram: bool
+    on_gpu: bool
+
+
+NO_MERGE = object()
+
+
+def merge_states(states: list, names: list[str]) -> Any:
+    """One optimizer state for the params ``names`` together, from each one's own state
+    (``optimizer.init({name: piece})``): the per-param dicts (``{name: ...}``) joined, anything
+    else (a count, a hyperparameter) equal in all and kept once. ``NO_MERGE`` where they do not
+    merge so (a tensor not keyed by a param, counts that differ): then they are updated apart."""
+    first = states[0]
+    if isinstance(first, dict):
+        if all(isinstance(s, dict) and list(s) == [n] for s, n in zip(states, names)):
+            return {n: s[n] for s, n in zip(states, names)}
+        if not all(isinstance(s, dict) and s.keys() == first.keys() for s in states):
+            return NO_MERGE
+        parts = {k: merge_states([s[k] for s in states], names) for k in first}
+        return NO_MERGE if any(v is NO_MERGE for v in parts.values()) else parts
+    if isinstance(first, (tuple, list)):
+        if not all(type(s) is type(first) and len(s) == len(first) for s in states):
+            return NO_MERGE
+        parts = [merge_states([s[k] for s in states], names) for k in range(len(first))]
+        if any(p is NO_MERGE for p in parts):
+            return NO_MERGE
+        return type(first)(*parts) if hasattr(first, "_fields") else type(first)(parts)
+    if isinstance(first, torch.Tensor) or isinstance(first, OnDisk):
+        return NO_MERGE
+    try:
+        return first if all(type(s) is type(first) and s == first for s in states) else NO_MERGE
+    except (TypeError, ValueError, RuntimeError):
+        return NO_MERGE
+
+
+def split_state(merged: Any, like: Any, name: str) -> Any:
+    """Param ``name``'s own state, shaped as ``like`` (its state before), from ``merged`` (the new
+    state of several params, ``merge_states``)."""
+    if isinstance(like, dict):
+        if list(like) == [name]:
+            return {name: merged[name]}
+        return {k: split_state(merged[k], like[k], name) for k in like}
+    if isinstance(like, (tuple, list)):
+        parts = [split_state(merged[k], like[k], name) for k in range(len(like))]
+        return type(like)(*parts) if hasattr(like, "_fields") else type(like)(parts)
+    return merged
+
+
+def _file_bytes(x: Any) -> int:
+    """Bytes a write of ``x``'s file moves (its group's, packed)."""
+    return x.file_bytes if isinstance(x, OnDisk) else 0
 
 
 def _is_stored(t: Any) -> bool:

@@ -22,14 +22,23 @@ leaf. Never a stale or delayed update.
 Module buffers (BatchNorm statistics, ``zfunc.model.functional``) are not offloaded: they stay in
 ``state.buffers`` where the forward computes, updated and averaged over ranks as ``zf.shard`` says.
 
-**How a step runs** (one param *leaf* is the unit of storage; each leaf has its own optimizer
-state, ``optimizer.init({name: piece})``, so a leaf can be updated alone):
+**How a step runs** (one param *leaf* is the unit of update; each leaf has its own optimizer
+state, ``optimizer.init({name: piece})``, so a leaf can be updated alone; on NVMe a *group* of
+consecutive leaves, up to ``group_bytes`` of masters, is the unit of storage: its masters in one
+swap file, its optimizer states in another, ``zfunc.offloading.store``'s packed files):
 - forward/backward: exactly ``shard``'s machinery, over a one-process mesh for a plain step.
   With ``params`` offloaded, units are fetched just in time (stage 3's gatherer) from the store,
   reads running ahead in the order recorded on the first step; else params are gathered whole.
-- update: each leaf's master and state are read (``chunk_bytes`` of reads kept in flight ahead),
-  updated by the optimizer's fused kernel on the CPU, and written back asynchronously: disk reads,
-  CPU work and disk writes of consecutive leaves overlap (a 3-deep pipeline).
+- update: each leaf's master and state are read (``chunk_bytes`` of reads kept in flight ahead;
+  on NVMe a group's files are read whole by its first leaf, the next groups' read ahead),
+  updated by the optimizer's fused kernel on the CPU in the read buffer, and written back
+  asynchronously (a group's files once its last leaf is updated: write-behind): disk reads, CPU
+  work and disk writes of consecutive groups overlap (a 3-deep pipeline). A swap file costs
+  ~0.3 ms per transfer whatever its size, so a group's two large transfers replace 2-4 per leaf.
+  Without overlap the reads of masters and states start as backward starts (they need no grad).
+  A group's leaves whose optimizer states merge (per-param dicts, equal counts:
+  ``zfunc.offloading.run.merge_states``) go through the kernel in one call (in RAM too): one
+  call per group, not per leaf; the kernel is elementwise, so the values are the same.
 - overlap with backward: when the optimizer does not need the global grad norm (its
   ``needs_global_norm`` declaration is False: no ``clip_by_global_norm``), there is no fp16
   overflow check and ``accum == 1``, a unit is updated as soon as its reduced grads exist, during
@@ -88,9 +97,9 @@ spare of each file), twice the held grads' on top. The device holds the compute-
 (``params=None``: e Psi/N, plus stages 1/2's whole gather) or a few units, and a bounded number of
 grad buckets; the host ``chunk_bytes`` of reads and twice that of writes in flight.
 
-``init(params, materialize=...)`` starts from meta-device params one leaf at a time, so a model
-larger than RAM can start; ``zf.checkpoint.load(path, step)`` places a checkpoint the same way, one
-leaf at a time (``restore``); ``zf.checkpoint.save`` / ``full_params`` read an offloaded state back
+``init(params, materialize=...)`` starts from meta-device params one group of leaves at a time,
+so a model larger than RAM can start; ``zf.checkpoint.load(path, step)`` places a checkpoint the
+same way, one group at a time (``restore``); ``zf.checkpoint.save`` / ``full_params`` read an offloaded state back
 (``in_ram``).
 
 bf16/fp16: a master kept in RAM gets its compute-dtype copy written by the update in the same pass
@@ -133,7 +142,7 @@ from zfunc.sharding.run import StepRun
 from zfunc.core.step import Step, Transformed
 from zfunc.core.state import TrainState, require_train_state
 from zfunc.offloading.placement import OffloadSpec, in_ram
-from zfunc.offloading.store import OnDisk
+from zfunc.offloading.store import OnDisk, leaf_groups, packed_bytes
 
 __all__ = ["OffloadSpec", "OffloadedStep", "in_ram", "offload", "release"]
 
@@ -153,7 +162,7 @@ class OffloadedStep(Transformed):
     ``stage``) is the sharded step's; what the calls learn it keeps (``learn``)."""
 
     def __init__(self, base: Step, sharded: ShardedStep, optimizer: str, params: str | None, path: str | None,
-                 chunk_bytes: int, overlap: bool | None):
+                 chunk_bytes: int, overlap: bool | None, group_bytes: int | None = None):
         super().__init__(sharded, "offload")
         self.layers = (*base.layers, "offload")  # what the user built: a plain step's shard is internal
         self.sharded = sharded
@@ -163,6 +172,8 @@ class OffloadedStep(Transformed):
         self.held_grad_bytes = 0  # grads the last call held for the norm (RAM or swap files)
         self.peak_spilled_ram_bytes = 0  # most grad bytes in RAM at once on their way to swap files (last call)
         self.chunk_bytes = chunk_bytes
+        self.group_bytes = chunk_bytes // 4 if group_bytes is None else group_bytes  # leaf_groups' cap
+        self._group_of = None  # (layout, each leaf's group), ``group_of``
         self.overlap = _overlap_allowed(base, overlap)
         self.engine = None
         self._made: list[Path] = []  # the folders the engine created for its files (``release``)
@@ -185,7 +196,7 @@ class OffloadedStep(Transformed):
     def init(self, params: PyTree, materialize: Callable[[str, torch.Tensor], torch.Tensor] | None = None
              ) -> TrainState:
         """This rank's fp32 pieces of ``params`` and their optimizer state, placed where the step
-        keeps them (written to swap files for "nvme"), one leaf at a time.
+        keeps them (written to swap files for "nvme"), one group of leaves at a time.
 
         ``materialize(name, like)``: for params built on the meta device (``with
         torch.device("meta"): model = GPT(cfg)``), returns leaf ``name``'s whole initial value
@@ -227,8 +238,9 @@ class OffloadedStep(Transformed):
         """A state placed as ``init`` places it (in RAM, or written to this rank's swap files),
         whose leaf ``i`` (``params``' leaf order) holds the fp32 CPU piece and optimizer state
         ``leaf(i)`` returns, shaped as in ``init_meta(params)``; compute happens on ``device``.
-        ``leaf`` is called one leaf at a time, each placed before the next is asked for, so only
-        one leaf's values need be in RAM at once. Step, RNG and loss scale are the initial ones:
+        ``leaf`` is called one leaf at a time, each group of leaves (``leaf_groups``) placed
+        before the next group's first is asked for, so only one group's values need be in RAM at
+        once. Step, RNG and loss scale are the initial ones:
         what ``zf.checkpoint.load`` fills in next."""
         _, _, treespec, spec = self.sharded._layout(params)
         self.initialized_with = tree.map(lambda x: x.to("meta"), params)
@@ -236,25 +248,37 @@ class OffloadedStep(Transformed):
 
     def _place(self, treespec: Any, spec: ShardSpec, leaf: Callable[[int], tuple[torch.Tensor, Any]],
                device: torch.device) -> TrainState:
-        """Each leaf's piece and optimizer state from ``leaf(i)``, put where the step keeps them."""
+        """Each leaf's piece and optimizer state from ``leaf(i)``, put where the step keeps them: a
+        group of consecutive leaves (``leaf_groups``) at a time, its masters in one swap file and
+        its optimizer states in another (``Store.pack``), so at most a group is in RAM at once."""
         self._swap(spec)
         stores = _Stores(self, device)
         masters, states = [], []
-        for i in range(len(spec.leaves)):
-            piece, state = leaf(i)
-            s_leaves, s_spec = tree.flatten(state)
-            states.append(tree.unflatten(s_spec, [stores._opt_store.put(f"p{i}.s{j}", t) if _is_stored(t) else t
-                                                  for j, t in enumerate(s_leaves)]))
-            # the device keeps the compute-dtype params (ComputeCopies), unless the RAM master is them
-            copy = (piece.to(device, self.compute_dtype, copy=True) if self.where_params is None and (
-                self.where_masters == "nvme" or self.compute_dtype != torch.float32 or device.type != "cpu") else None)
-            if self.where_params == "cpu" and self.compute_dtype != torch.float32:  # the host's, as an update writes it
-                copy = piece.to(self.compute_dtype)
-                copy = copy.pin_memory() if device.type == "cuda" else copy
-            masters.append(stores._param_store.put(f"p{i}.master", piece))
-            if copy is not None:
-                self.compute_copies.written(masters[-1], copy)
-            del piece, state, s_leaves
+        for k, group in enumerate(leaf_groups(spec, self.group_bytes)):
+            pieces, flat, copies = [], [], []
+            for i in group:
+                piece, state = leaf(i)
+                flat.append(tree.flatten(state))
+                # the device keeps the compute-dtype params (ComputeCopies), unless the RAM master is them
+                copy = (piece.to(device, self.compute_dtype, copy=True) if self.where_params is None and (
+                    self.where_masters == "nvme" or self.compute_dtype != torch.float32 or device.type != "cpu")
+                        else None)
+                # params on "cpu" in bf16/fp16: the host keeps the compute copy, as an update writes it
+                if self.where_params == "cpu" and self.compute_dtype != torch.float32:
+                    copy = piece.to(self.compute_dtype)
+                    copy = copy.pin_memory() if device.type == "cuda" else copy
+                pieces.append(piece)
+                copies.append(copy)
+                del piece, state
+            stored = iter(stores._opt_store.pack(f"group{k}.states", [t for s_leaves, _ in flat for t in s_leaves
+                                                                       if _is_stored(t)]))
+            states += [tree.unflatten(s_spec, [next(stored) if _is_stored(t) else t for t in s_leaves])
+                       for s_leaves, s_spec in flat]
+            for handle, copy in zip(stores._param_store.pack(f"group{k}.masters", pieces), copies):
+                masters.append(handle)
+                if copy is not None:
+                    self.compute_copies.written(handle, copy)
+            del pieces, flat, copies
         stores._wait_writes(None)
         self.reserve_room(masters, states)  # the room of the first step's writes, held from now on
         path = self.path if self.engine is None else str(self.engine.path)  # this rank's files
@@ -262,16 +286,28 @@ class OffloadedStep(Transformed):
         return TrainState(tree.unflatten(treespec, masters), tuple(states), 0, self.seed,
                           mp.init_loss_scale(self.precision), off)
 
+    def group_of(self, spec: ShardSpec) -> list[int]:
+        """Each leaf's group (``leaf_groups`` at ``group_bytes``): kept per layout, it is asked each step."""
+        key = (spec.rank, spec.world, len(spec.leaves))
+        if self._group_of is None or self._group_of[0] != key:
+            groups = leaf_groups(spec, self.group_bytes)
+            self._group_of = (key, [k for k, group in enumerate(groups) for _ in group])
+        return self._group_of[1]
+
     def _swap(self, spec: ShardSpec) -> None:
         """The swap engine, on this process's own folder of ``path`` (``rank_dir``), which it locks."""
         if self.engine is None and "nvme" in (self.where_optimizer, self.where_masters):
             from zfunc.offloading.swap.engine import SwapEngine
             from zfunc.offloading.swap.directory import rank_dir
 
-            # the files init writes, fp32 like the local pieces: a master (params on nvme) and, as
-            # for Adam, two moments (optimizer on nvme) per leaf; the engine adds their spares
-            per_leaf = (self.where_masters == "nvme") + 2 * (self.where_optimizer == "nvme")
-            files = [4 * math.prod(leaf.local_shape(spec.rank)) for leaf in spec.leaves for _ in range(per_leaf)]
+            # the files init writes, fp32 like the local pieces: per group of leaves (``leaf_groups``) the
+            # masters (params on nvme) and, as for Adam, two moments per leaf (optimizer on nvme); the engine
+            # adds their spares
+            files = []
+            for group in leaf_groups(spec, self.group_bytes):
+                sizes = [4 * math.prod(spec.leaves[i].local_shape(spec.rank)) for i in group]
+                files += [packed_bytes(sizes)] * (self.where_masters == "nvme")
+                files += [packed_bytes([n for n in sizes for _ in range(2)])] * (self.where_optimizer == "nvme")
             # and the grads held for the norm (SpilledGrads): scratch files the first step writes, in place
             local = sum(math.prod(leaf.local_shape(spec.rank)) for leaf in spec.leaves)
             held = accounting.held_grads(local, precision=self.precision, optimizer=self.where_optimizer,
@@ -288,7 +324,8 @@ class OffloadedStep(Transformed):
         a stat per file once held): ``SwapPathError`` naming the folder, its free and the needed
         bytes if it is not there."""
         if self.engine is not None:
-            self.engine.reserve({x.name: x.nbytes for x in tree.leaves((params, opt_state)) if isinstance(x, OnDisk)})
+            self.engine.reserve({x.name: x.file_bytes for x in tree.leaves((params, opt_state))
+                                 if isinstance(x, OnDisk)})
 
     def _check_state(self, state: Any) -> None:
         require_train_state(state)
@@ -369,9 +406,10 @@ class OffloadedStep(Transformed):
         if self.overlap:
             grads = UpdateOnArrival(context, update, self._update_order)
         elif self.where_optimizer == "nvme":  # held for the norm in swap files beside the moments
-            grads = update.spilled = SpilledGrads(context, self.engine, 2 * self.chunk_bytes)
+            grads = update.spilled = SpilledGrads(context, self.engine, 2 * self.chunk_bytes,
+                                                  leaf_groups(context.spec, self.group_bytes), update.read_ahead)
         else:
-            grads = HeldSlices(context)
+            grads = HeldSlices(context, update.read_ahead)
         params = StoredPieces(context, update, self.compute_copies, self.where_params, self._fetch_order)
         return self.sharded.roles(context, state).replace(params=params, grads=grads, update=update)
 
@@ -424,7 +462,7 @@ def release(step: Step, state: TrainState) -> int:
         return 0
     step._check_state(state)
     engine = step.engine
-    names = [x.name for x in tree.leaves((state.params, state.opt_state)) if isinstance(x, OnDisk)]
+    names = list(dict.fromkeys(x.name for x in tree.leaves((state.params, state.opt_state)) if isinstance(x, OnDisk)))
     names += [grad_file(i) for i in range(len(tree.leaves(state.params))) if engine.file(grad_file(i)).exists()]
     state._consumed = True  # before anything goes: a background save of it finishes first
     freed = 0
@@ -444,7 +482,8 @@ def release(step: Step, state: TrainState) -> int:
 
 
 def offload(step: Step, optimizer: str = "cpu", params: str | None = None, *, path: str | None = None,
-            chunk_bytes: int = 64 << 20, overlap: bool | None = None, units=None, prefetch: int = 1) -> OffloadedStep:
+            chunk_bytes: int = 64 << 20, overlap: bool | None = None, units=None, prefetch: int = 1,
+            group_bytes: int | None = None) -> OffloadedStep:
     """``step`` with its optimizer state and its fp32 master params kept in CPU RAM or
     on NVMe between steps, and updated there by the optimizer's CPU kernel, leaf by leaf.
 
@@ -459,8 +498,12 @@ def offload(step: Step, optimizer: str = "cpu", params: str | None = None, *, pa
         Each process keeps its files in its own folder, ``path/rank00003/`` for global rank 3
         (``path`` itself for a process alone), and locks it while its step lives: ranks given one
         path never share a file, and a second run on a path in use is refused (``SwapInUseError``).
-      chunk_bytes: bytes of reads kept in flight ahead of the update and of param fetches; writes
-        in flight are bounded by twice this.
+      chunk_bytes: bytes of reads kept in flight ahead of the update and of param fetches (plus
+        the group a read reaches into); writes in flight are bounded by twice this.
+      group_bytes: on NVMe, the fp32 master bytes of a group of consecutive leaves kept in one
+        pair of swap files (masters, optimizer state), as DeepSpeed's ``sub_group_size``; a larger
+        leaf is a group alone. Default ``chunk_bytes // 4``: a group's master and Adam moments fit
+        the reads in flight. RAM holds a group's files while its leaves are in use.
       overlap: update units during backward (default: whenever the optimizer allows it; see the
         module docstring); True insists (error if not possible), False never. With overlap only a
         non-finite loss skips a step; non-finite grads behind a finite one raise ``NonFiniteError``
@@ -477,6 +520,8 @@ def offload(step: Step, optimizer: str = "cpu", params: str | None = None, *, pa
         raise ValueError("path: 'nvme' offload needs a directory for its swap files, got none")
     if not isinstance(chunk_bytes, int) or chunk_bytes < 4096:
         raise ValueError(f"chunk_bytes: expected an int >= 4096, got {chunk_bytes!r}")
+    if group_bytes is not None and (not isinstance(group_bytes, int) or group_bytes < 1):
+        raise ValueError(f"group_bytes: expected None or an int >= 1, got {group_bytes!r}")
     if not step.donate:
         raise ValueError("step: offload updates the state where it lives (RAM or files), so it needs a donating "
                          "step; build it with train_step(..., donate=True)")
@@ -487,4 +532,4 @@ def offload(step: Step, optimizer: str = "cpu", params: str | None = None, *, pa
 
         sharded = ShardedStep(step, Mesh.alone(), 3 if params is not None else 2, units or units_mod.auto(),
                               prefetch, 25 << 18, verify=False)
-    return OffloadedStep(step, sharded, optimizer, params, path, chunk_bytes, overlap)
+    return OffloadedStep(step, sharded, optimizer, params, path, chunk_bytes, overlap, group_bytes)
