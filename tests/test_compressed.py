@@ -132,3 +132,27 @@ def test_the_cpu_codec_writes_the_torch_expressions_bits():
     out = torch.empty(3000)
     codec.decode_into(packed, s, out)
     assert torch.equal(out, (signs * s[:, None]).reshape(-1)[:3000])
+
+
+def _ranks_reduce_many(rank, world):
+    comm = zf.Mesh().comm
+    xs = [_inputs(world, 0)[rank].clone(), _inputs(world, 1, (300,))[rank].clone()]
+    errors = [C.error_feedback(x.numel(), world) for x in xs]
+    C.onebit_all_reduce_many(comm, xs, errors, label="test")
+    return xs, dict(comm.bytes)
+
+
+@pytest.mark.multiprocess
+def test_tensors_reduced_together_are_each_their_own_reduce():
+    """Messages of two tensors sent together: each result is its own simulation, bit for bit, and the bytes are
+    the sum of the two single calls' (the same messages, in 4 collectives instead of 8)."""
+    world = 2
+    out = zf.dist.spawn(_ranks_reduce_many, world, world)
+    for t, shape in enumerate([(37, 5), (300,)]):
+        total = C.padded_numel(math.prod(shape), world)
+        want, _, _ = _simulate(_inputs(world, t, shape), [torch.zeros(total)] * world,
+                               [torch.zeros(total // world)] * world)
+        for rank in range(world):
+            assert torch.equal(out[rank][0][t], want), (t, rank)
+    sizes = [C.padded_numel(n, world) for n in (37 * 5, 300)]
+    assert out[0][1][C.KIND] == sum(2 * (p // 8 + 4 * world) for p in sizes)

@@ -119,6 +119,9 @@ class _FakeComm:
         self.seen.append(errors)
         return x
 
+    def compressed_all_reduce_many(self, xs, errors, label=""):
+        return [self.compressed_all_reduce(x, e, label) for x, e in zip(xs, errors)]
+
 
 def test_errors_restart_when_the_state_is_not_the_last_returned():
     comm = _FakeComm()

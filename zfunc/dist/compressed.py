@@ -123,57 +123,83 @@ def _gpu_kernels() -> bool:
 def onebit_all_reduce(comm: Any, x: torch.Tensor, errors: ErrorFeedback, label: str = "") -> torch.Tensor:
     """``x`` <- the compressed mean over ``comm``'s ranks of ``x`` (module docstring), in place;
     ``errors`` are updated in place. Returns ``x``."""
+    return onebit_all_reduce_many(comm, [x], [errors], label)[0]
+
+
+def onebit_all_reduce_many(comm: Any, xs: list[torch.Tensor], errors: list[ErrorFeedback],
+                           label: str = "") -> list[torch.Tensor]:
+    """Each of ``xs`` <- its compressed mean over ``comm``'s ranks, in place, each compressed on its own (its
+    scales, its ``errors``: the same bits as one ``onebit_all_reduce`` per tensor), their messages sent
+    together: one all-to-all of every tensor's signs, one of their scales, one all-gather of each back, the
+    same bytes in 4 collectives instead of 4 per tensor. On fp32 CPU tensors ``zfunc.ops.cpu.codec``
+    compresses in place in the worker error buffer (``c``, then its residual) and sums and decodes in one
+    pass each. Returns ``xs``."""
     world = comm.world
-    if world == 1:
-        return x
-    n, total = x.numel(), errors.worker.numel()
-    if total != padded_numel(n, world) or errors.server.numel() != total // world:
-        raise ValueError(f"errors: expected ErrorFeedback for {n} elements over {world} ranks (worker "
-                         f"{padded_numel(n, world)}, server {padded_numel(n, world) // world}), got worker {total}, "
-                         f"server {errors.server.numel()}")
-    if _on_cpu_kernels(errors.worker.view(world, -1)) and x.dtype == torch.float32 and x.is_contiguous():
-        return _onebit_all_reduce_cpu(comm, x, errors, label)
+    if world == 1 or not xs:
+        return xs
+    for x, e in zip(xs, errors):
+        n, total = x.numel(), e.worker.numel()
+        if total != padded_numel(n, world) or e.server.numel() != total // world:
+            raise ValueError(f"errors: expected ErrorFeedback for {n} elements over {world} ranks (worker "
+                             f"{padded_numel(n, world)}, server {padded_numel(n, world) // world}), got worker "
+                             f"{total}, server {e.server.numel()}")
+    sent = [_worker_compress(x, e, world) for x, e in zip(xs, errors)]
+    packed = torch.cat([p for p, _ in sent], dim=1)  # (world, all tensors' signs): chunk r of each to rank r
+    scales = torch.stack([sc for _, sc in sent], dim=1)
+    got_signs, got_scales = torch.empty_like(packed), torch.empty_like(scales)
+    comm.all_to_all(got_signs, packed, label, kind=KIND)
+    comm.all_to_all(got_scales, scales, label, kind=KIND)
+    widths = [p.shape[1] for p, _ in sent]
+    served = [_serve(signs, got_scales[:, t] / world, e) for t, (signs, e) in
+              enumerate(zip(got_signs.split(widths, dim=1), errors))]
+    s_packed = torch.cat([p.view(-1) for p, _ in served])
+    s_scales = torch.cat([sc.view(-1) for _, sc in served])
+    device = xs[0].device
+    all_signs = torch.empty(world, s_packed.numel(), dtype=torch.uint8, device=device)
+    all_scales = torch.empty(world, s_scales.numel(), dtype=s_scales.dtype, device=device)
+    comm.all_gather(all_signs, s_packed, label, kind=KIND)
+    comm.all_gather(all_scales, s_scales, label, kind=KIND)
+    with torch.no_grad():
+        for t, (x, signs) in enumerate(zip(xs, all_signs.split(widths, dim=1))):
+            if _on_cpu_kernels(signs) and x.dtype == torch.float32 and x.is_contiguous():
+                from zfunc.ops.cpu import codec
+
+                codec.decode_into(signs, all_scales[:, t], x.view(-1))
+            else:
+                x.view(-1).copy_(decode(signs.contiguous(), all_scales[:, t].contiguous()).view(-1)[: x.numel()])
+    return xs
+
+
+def _worker_compress(x: torch.Tensor, errors: ErrorFeedback, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 1 for one tensor: ``c = x + e`` compressed per chunk, ``e`` <- its residual; ``(packed (world x
+    k/8), scales (world))``. On fp32 CPU tensors, in place in ``e`` (``zfunc.ops.cpu.codec``)."""
+    n = x.numel()
+    if _on_cpu_kernels(errors.worker.view(world, -1)) and x.dtype == torch.float32:
+        from zfunc.ops.cpu import codec
+
+        rows = errors.worker.view(world, -1)
+        errors.worker[:n] += x.detach().reshape(-1)
+        scales = torch.linalg.vector_norm(rows, dim=1) / math.sqrt(rows.shape[1])
+        packed, _ = codec.sign_residual(rows, scales, out=rows)
+        return packed, scales
     c = errors.worker.clone()
     c[:n] += x.detach().reshape(-1).float()
     packed, scales, residual = scaled_signs(c.view(world, -1))
     errors.worker.copy_(residual.view(-1))
-    got_signs, got_scales = torch.empty_like(packed), torch.empty_like(scales)
-    comm.all_to_all(got_signs, packed, label, kind=KIND)
-    comm.all_to_all(got_scales, scales, label, kind=KIND)
-    m = decode(got_signs, got_scales / world).sum(0) + errors.server
-    s_packed, s_scale, s_residual = scaled_signs(m.view(1, -1))
-    errors.server.copy_(s_residual.view(-1))
-    all_signs = torch.empty(world, s_packed.shape[1], dtype=torch.uint8, device=x.device)
-    all_scales = torch.empty(world, dtype=s_scale.dtype, device=x.device)
-    comm.all_gather(all_signs, s_packed.view(-1), label, kind=KIND)
-    comm.all_gather(all_scales, s_scale, label, kind=KIND)
-    with torch.no_grad():
-        x.view(-1).copy_(decode(all_signs, all_scales).view(-1)[:n])
-    return x
+    return packed, scales
 
 
-def _onebit_all_reduce_cpu(comm: Any, x: torch.Tensor, errors: ErrorFeedback, label: str) -> torch.Tensor:
-    """``onebit_all_reduce`` on fp32 CPU tensors with ``zfunc.ops.cpu.codec``: the same bits, with the
-    worker's compression in place in its error buffer (which holds ``c`` and then its residual) and the
-    server's sum and the final decode in one pass each (no whole decoded copies)."""
-    from zfunc.ops.cpu import codec
+def _serve(signs: torch.Tensor, scales: torch.Tensor, errors: ErrorFeedback) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 3 for one tensor's chunk: the ranks' ``scale * sign`` (``scales`` already divided by N) summed,
+    plus the server error, recompressed; ``E`` <- its residual. ``(packed (1 x k/8), scale (1))``."""
+    if _on_cpu_kernels(errors.server.view(1, -1)):
+        from zfunc.ops.cpu import codec
 
-    world, n = comm.world, x.numel()
-    c = errors.worker
-    c[:n] += x.detach().reshape(-1)
-    rows = c.view(world, -1)
-    scales = torch.linalg.vector_norm(rows, dim=1) / math.sqrt(rows.shape[1])
-    packed, _ = codec.sign_residual(rows, scales, out=rows)
-    got_signs, got_scales = torch.empty_like(packed), torch.empty_like(scales)
-    comm.all_to_all(got_signs, packed, label, kind=KIND)
-    comm.all_to_all(got_scales, scales, label, kind=KIND)
-    m = codec.decode_sum(got_signs, got_scales / world, errors.server).view(1, -1)
-    s_scale = torch.linalg.vector_norm(m, dim=1) / math.sqrt(m.shape[1])
-    s_packed, _ = codec.sign_residual(m, s_scale, out=errors.server)
-    all_signs = torch.empty(world, s_packed.shape[1], dtype=torch.uint8)
-    all_scales = torch.empty(world, dtype=s_scale.dtype)
-    comm.all_gather(all_signs, s_packed.view(-1), label, kind=KIND)
-    comm.all_gather(all_scales, s_scale, label, kind=KIND)
-    with torch.no_grad():
-        codec.decode_into(all_signs, all_scales, x.view(-1))
-    return x
+        m = codec.decode_sum(signs, scales, errors.server).view(1, -1)
+        scale = torch.linalg.vector_norm(m, dim=1) / math.sqrt(m.shape[1])
+        packed, _ = codec.sign_residual(m, scale, out=errors.server)
+        return packed, scale
+    m = decode(signs.contiguous(), scales.contiguous()).sum(0) + errors.server
+    packed, scale, residual = scaled_signs(m.view(1, -1))
+    errors.server.copy_(residual.view(-1))
+    return packed, scale

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from zfunc.core import env
-from zfunc.dist.compressed import onebit_all_reduce
+from zfunc.dist.compressed import onebit_all_reduce, onebit_all_reduce_many
 
 
 class CollectiveError(RuntimeError):
@@ -173,6 +173,11 @@ class Comm:
         (``zfunc.dist.compressed.onebit_all_reduce``: the algorithm, its law and its bytes, counted
         under "compressed_all_reduce"). ``errors``: this rank's ``ErrorFeedback`` for ``x``."""
         return onebit_all_reduce(self, x, errors, label)
+
+    def compressed_all_reduce_many(self, xs: list[torch.Tensor], errors: list[Any], label: str = "") -> list:
+        """``compressed_all_reduce`` of each of ``xs`` (each its own scales and ``errors``: the same bits),
+        their messages sent together in 4 collectives (``zfunc.dist.compressed.onebit_all_reduce_many``)."""
+        return onebit_all_reduce_many(self, xs, errors, label)
 
     @property
     def world(self) -> int:

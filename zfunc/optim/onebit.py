@@ -5,7 +5,8 @@ After a full-precision warm-up (equal to ``adamw(..., bias_correction=False)`` /
 bias_correction=False)`` exactly: the same code runs), the variance is frozen and the step hands each
 rank its *own* grads (``GradientTransformation.local_grads(state)`` is True: stage 0 skips its grad
 all-reduce); the optimizer all-reduces its momentum instead, 1-bit compressed with error feedback
-(``Comm.compressed_all_reduce``: ~32x fewer bytes than an fp32 all-reduce of the grads).
+(``Comm.compressed_all_reduce``, ``compressed_all_reduce_many``: ~32x fewer bytes than an fp32 all-reduce of
+the grads).
 
 Each param tensor is compressed on its own (its own scales and ``ErrorFeedback``), as DeepSpeed's
 1-bit and 0/1 Adam do; 1-bit LAMB scales every momentum to one magnitude and sends them as one
@@ -58,10 +59,10 @@ class _Channel:
 
     def mean(self, tensors: list[torch.Tensor], label: str, together: bool = False,
              own: bool = False) -> list[torch.Tensor]:
-        """The compressed mean over ranks of each of ``tensors``: one compressed all-reduce (scales,
-        errors) per tensor, as DeepSpeed's 1-bit and 0/1 Adam do, so that a small-magnitude tensor keeps
-        its own scale; ``together`` (1-bit LAMB, whose momenta are scaled to one magnitude first): one
-        message for all."""
+        """The compressed mean over ranks of each of ``tensors``: each compressed on its own (scales,
+        errors), as DeepSpeed's 1-bit and 0/1 Adam do, so that a small-magnitude tensor keeps its own
+        scale, the messages sent together (``onebit_all_reduce_many``: 4 collectives in all); ``together``
+        (1-bit LAMB, whose momenta are scaled to one magnitude first): one message for all."""
         comm = self._comm()
         if comm.world == 1 or not tensors:
             return [t.float() for t in tensors]
@@ -70,15 +71,20 @@ class _Channel:
             return [piece.view_as(t) for piece, t in zip(self._one(comm, 0, flat, label).split(
                 [t.numel() for t in tensors]), tensors)]
         # each tensor is overwritten by its mean: a copy, unless it is a temporary of the caller's (``own``)
-        return [self._one(comm, k, t.reshape(-1).float() if own else t.reshape(-1).float().clone(), label).view_as(t)
-                for k, t in enumerate(tensors)]
+        flats = [t.reshape(-1).float() if own else t.reshape(-1).float().clone() for t in tensors]
+        errors = [self._errors(comm, k, flat) for k, flat in enumerate(flats)]
+        return [flat.view_as(t) for flat, t in zip(comm.compressed_all_reduce_many(flats, errors, label), tensors)]
 
-    def _one(self, comm, k: int, flat: torch.Tensor, label: str) -> torch.Tensor:
+    def _errors(self, comm, k: int, flat: torch.Tensor):
+        """Tensor ``k``'s ``ErrorFeedback`` (zeros when new or resized)."""
         if self.errors is None:
             self.errors = {}
         if k not in self.errors or self.errors[k].worker.numel() != padded_numel(flat.numel(), comm.world):
             self.errors[k] = error_feedback(flat.numel(), comm.world, flat.device)
-        return comm.compressed_all_reduce(flat, self.errors[k], f"{label}, tensor {k}")
+        return self.errors[k]
+
+    def _one(self, comm, k: int, flat: torch.Tensor, label: str) -> torch.Tensor:
+        return comm.compressed_all_reduce(flat, self._errors(comm, k, flat), f"{label}, tensor {k}")
 
     def _comm(self):
         if self.comm is None:
