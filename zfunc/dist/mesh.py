@@ -132,6 +132,8 @@ class Comm:
 
     def _backend_name(self) -> str:
         if self._backend is None:
+            if not self.alone and not dist.is_initialized():
+                return ""  # no process group (a planned mesh's comm, which refuses every call): asked again later
             self._backend = "" if self.alone else str(dist.get_backend(self.group))
         return self._backend
 
