@@ -1,7 +1,7 @@
 """Pipeline parallelism as a transformation of the step (``zf.pipeline``, step.py): schedules as
 plain data (schedules.py: GPipe, 1F1B, interleaved 1F1B, zero-bubble ZB-H1 and ZB-V, a user's), checked before
 they run (check.py), run by one rank's schedule for one step (stage.py), with the backward split
-in two where a schedule asks (split_backward.py).
+in two where a schedule asks (split_backward.py), a stage's grads over its dp ranks (dp_grads.py).
 """
 from zfunc.pipelining.check import Timeline, check
 from zfunc.pipelining.schedules import BUILT_IN, Op, Schedule, build, from_csv

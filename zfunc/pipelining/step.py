@@ -116,7 +116,7 @@ import torch
 from torch import nn
 
 from zfunc.core import compose, placement, precision as mp, tree
-from zfunc.core.microbatches import accumulate, step_seed
+from zfunc.core.microbatches import step_seed
 from zfunc.core.roles import RunContext
 from zfunc.dist import Mesh
 from zfunc.model.functional import BufferScope, carrying
@@ -124,7 +124,8 @@ from zfunc.pipelining.layout import Layout, make_layout
 from zfunc.pipelining.placement import PipelineSpec, as_placed
 from zfunc.pipelining.schedules import BUILT_IN, Schedule
 from zfunc.pipelining.stage import PipelineSchedule, _Run, _digest
-from zfunc.sharding.reduce import GradSlices, average_buffers, average_order
+from zfunc.pipelining.dp_grads import OpGradSlices, reduce_scatter
+from zfunc.sharding.reduce import average_buffers, average_order
 from zfunc.sharding.layout import ShardSpec, bucket_groups, gather_whole
 from zfunc.core.step import Step, Transformed
 from zfunc.core.state import TrainState, require_train_state
@@ -300,7 +301,8 @@ class PipelineStep(Transformed):
         return t
 
     def _loss_and_grads(self, spec: PipelineSpec, params, batch, step, rng, loss_scale, carried: BufferScope):
-        """Mean loss (on every rank) and this rank's fp32 grads, averaged over microbatches (and dp)."""
+        """This rank's mean microbatch loss (None but on the last stage; ``_totals`` makes it every
+        rank's) and its fp32 grads, averaged over microbatches (and dp)."""
         pieces, treespec = tree.flatten(params)
         if self.offloaded:
             pieces = self._stored_pieces(pieces)
@@ -310,7 +312,7 @@ class PipelineStep(Transformed):
         divisor = self.microbatches * (scale or 1.0)
         sliced = None
         if spec.inner is not None and spec.inner.stage >= 2:  # each op's grads reduce-scattered as it ends
-            sliced = _GradSlices(pieces, whole, spec.inner, self._buckets(spec.inner), self.mesh.reduce_comm, step,
+            sliced = OpGradSlices(pieces, whole, spec.inner, self._buckets(spec.inner), self.mesh.reduce_comm, step,
                                  divisor * spec.inner.world)
         run = _Run(self, spec, whole, step, scale, _digest(batch), sliced)
         loss, aux = run.execute(batch, step_seed(rng, step), params)
@@ -323,7 +325,7 @@ class PipelineStep(Transformed):
         elif spec.inner is not None and spec.inner.stage == 0:
             grads = _replicated(grads, self.mesh.reduce_comm, step, divisor, spec.inner.world, self._local_grads)
         elif spec.inner is not None:
-            grads = _reduce_scatter(grads, pieces, spec.inner, self._buckets(spec.inner), self.mesh.reduce_comm, step,
+            grads = reduce_scatter(grads, pieces, spec.inner, self._buckets(spec.inner), self.mesh.reduce_comm, step,
                                     divisor * spec.inner.world)
         else:
             torch._foreach_mul_(grads, 1.0 / divisor)
@@ -375,45 +377,6 @@ class PipelineStep(Transformed):
                              "a unit is fine): move that module into a unit, or put it in eval mode")
         loss = flat[0] / spec.inner.world if spec.inner is not None else flat[0]
         return loss, (flat[2].sqrt() if local_norm is not None else None)
-
-
-class _GradSlices:
-    """ZeRO 2/3 over a stage's dp ranks: each op's grads, whole, reduce-scattered as the op ends
-    (``_reduce_scatter``, divided by ``divisor``) and this rank's fp32 slices summed over the ops: no
-    whole grads outlive an op. Every dp rank of a stage runs the same ops, so the collectives match."""
-
-    def __init__(self, pieces, whole, spec: ShardSpec, buckets, comm, step: int, divisor: float):
-        self.pieces, self.whole, self.spec, self.buckets, self.comm = pieces, whole, spec, buckets, comm
-        self.step, self.divisor, self.slices = step, divisor, None
-
-    def __call__(self, grads: list[torch.Tensor | None]) -> None:
-        if all(g is None for g in grads):  # the same on every dp rank of the stage: skipped by all
-            return
-        grads = [torch.zeros(w.shape, device=w.device) if g is None else g for g, w in zip(grads, self.whole)]
-        self.slices = accumulate(self.slices, _reduce_scatter(grads, self.pieces, self.spec, self.buckets, self.comm,
-                                                              self.step, self.divisor))
-
-    def result(self) -> list[torch.Tensor]:
-        if self.slices is None:
-            return [torch.zeros(p.shape, device=p.device) for p in self.pieces]
-        return self.slices
-
-
-def _reduce_scatter(grads, pieces, spec: ShardSpec, buckets, comm, step: int, divisor: float) -> list[torch.Tensor]:
-    """This rank's fp32 slices of the dp-summed whole ``grads`` divided by ``divisor`` (one
-    reduce-scatter per bucket)."""
-    sink = GradSlices(lambda i: torch.zeros_like(pieces[i], dtype=torch.float32), len(pieces), divisor)
-    works = []
-    for unit in buckets:
-        full = torch.empty(spec.world, unit.segment, dtype=torch.float32, device=pieces[0].device)
-        unit.pack_full([grads[i] for i in unit.indices], spec.leaves, spec.world, full)
-        out = torch.empty(unit.segment, dtype=torch.float32, device=full.device)
-        label = f"reduce-scatter of {unit.name} at step {step}"
-        works.append((comm.reduce_scatter(out, full.view(-1), label=label, async_op=True), out, unit))
-    for work, out, unit in works:
-        work.wait()
-        sink.deliver(unit, unit.local_views(out, spec.leaves, spec.rank))
-    return sink.result()
 
 
 # ----------------------------------------------------------------------------- construction
