@@ -666,7 +666,7 @@ def test_the_held_update_calls_the_optimizer_once_per_group_of_leaves(tmp_path, 
 
 
 def test_states_merge_only_where_per_param_dicts_and_equal_counts_make_one():
-    from zfunc.offloading.run import NO_MERGE, merge_states, split_state
+    from zfunc.offloading.merge import NO_MERGE, merge_states, split_state
 
     opt = zf.optim.chain(zf.optim.clip_by_global_norm(1.0), zf.optim.adamw(1e-3))
     a, b = opt.init({"a": torch.ones(2)}), opt.init({"b": torch.zeros(3)})

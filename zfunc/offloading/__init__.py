@@ -1,7 +1,8 @@
 """Optimizer state and params in CPU RAM or on NVMe, updated as grads arrive (``zf.offload``, step.py).
 
 run.py is one call of an offloaded step; placement.py is how a checkpoint saves and restores its state;
-store.py is where offloaded tensors live between steps; swap/ is the async file engine behind NVMe offload.
+store.py is where offloaded tensors live between steps (packed in groups on NVMe); merge.py joins a group's
+optimizer states for one kernel call; swap/ is the async file engine behind NVMe offload.
 """
 from zfunc.offloading.step import release
 

@@ -34,6 +34,7 @@ from zfunc.sharding.layout import FlatGroup, leaf_names
 from zfunc.core.state import FIELDS, TrainState
 from zfunc.core.step import NonFiniteError, Step, sum_over_ranks, without_missing_grads
 from zfunc.offloading.grads import leaf_norm
+from zfunc.offloading.merge import NO_MERGE, merge_states, split_state
 from zfunc.offloading.store import All, OnDisk, ReadAhead, Store, done
 
 PyTree = Any
@@ -495,50 +496,6 @@ class _Leaf(NamedTuple):
     out: torch.Tensor | None
     in_ram: bool
     on_gpu: bool
-
-
-NO_MERGE = object()
-
-
-def merge_states(states: list, names: list[str]) -> Any:
-    """One optimizer state for the params ``names`` together, from each one's own state
-    (``optimizer.init({name: piece})``): the per-param dicts (``{name: ...}``) joined, anything
-    else (a count, a hyperparameter) equal in all and kept once. ``NO_MERGE`` where they do not
-    merge so (a tensor not keyed by a param, counts that differ): then they are updated apart."""
-    first = states[0]
-    if isinstance(first, dict):
-        if all(isinstance(s, dict) and list(s) == [n] for s, n in zip(states, names)):
-            return {n: s[n] for s, n in zip(states, names)}
-        if not all(isinstance(s, dict) and s.keys() == first.keys() for s in states):
-            return NO_MERGE
-        parts = {k: merge_states([s[k] for s in states], names) for k in first}
-        return NO_MERGE if any(v is NO_MERGE for v in parts.values()) else parts
-    if isinstance(first, (tuple, list)):
-        if not all(type(s) is type(first) and len(s) == len(first) for s in states):
-            return NO_MERGE
-        parts = [merge_states([s[k] for s in states], names) for k in range(len(first))]
-        if any(p is NO_MERGE for p in parts):
-            return NO_MERGE
-        return type(first)(*parts) if hasattr(first, "_fields") else type(first)(parts)
-    if isinstance(first, torch.Tensor) or isinstance(first, OnDisk):
-        return NO_MERGE
-    try:
-        return first if all(type(s) is type(first) and s == first for s in states) else NO_MERGE
-    except (TypeError, ValueError, RuntimeError):
-        return NO_MERGE
-
-
-def split_state(merged: Any, like: Any, name: str) -> Any:
-    """Param ``name``'s own state, shaped as ``like`` (its state before), from ``merged`` (the new
-    state of several params, ``merge_states``)."""
-    if isinstance(like, dict):
-        if list(like) == [name]:
-            return {name: merged[name]}
-        return {k: split_state(merged[k], like[k], name) for k in like}
-    if isinstance(like, (tuple, list)):
-        parts = [split_state(merged[k], like[k], name) for k in range(len(like))]
-        return type(like)(*parts) if hasattr(like, "_fields") else type(like)(parts)
-    return merged
 
 
 def _file_bytes(x: Any) -> int:
