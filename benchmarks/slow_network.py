@@ -108,7 +108,7 @@ def measure(rank: int, world: int, kinds: list[str], rounds: int, width: int, de
 
 # ----------------------------------------------------------------------------- the fallback: a throttled Comm
 def _throttled_measure(rank, world, rate_bps, delay_s, kinds, rounds, width, depth):
-    from zfunc.dist.mesh import Comm
+    from zfunc.dist.comm import Comm
 
     plain = Comm._run
 

@@ -567,7 +567,7 @@ def test_bad_extra_and_leaves_are_refused_before_anything_is_written(tmp_path):
 
 def arrival_worker(rank, world, directory):
     """Saves and gathers called on a subset of ranks fail fast on every rank that came."""
-    zf.dist.mesh.ARRIVAL_TIMEOUT_S = 2.0
+    zf.dist.comm.ARRIVAL_TIMEOUT_S = 2.0
     store = torch.distributed.distributed_c10d._get_default_store()
     _, state = make(2, zf.Mesh(dp=world))
     errors = []

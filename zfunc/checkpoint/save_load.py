@@ -38,7 +38,7 @@ What is guaranteed (the files: ``zfunc.checkpoint.files``; ownership, locks, rep
   that differ before their step digits, or ``run=``.
 - **Every rank or none.** A sharded or pipelined ``save`` and ``full_params`` (``zfunc.core.placement``)
   first check that every rank made the call (``zf.dist.all_arrive``, at most
-  ``zfunc.dist.mesh.ARRIVAL_TIMEOUT_S``); otherwise each rank that came raises ``CollectiveError``
+  ``zfunc.dist.comm.ARRIVAL_TIMEOUT_S``); otherwise each rank that came raises ``CollectiveError``
   naming the call and the missing ranks instead of hanging in a collective.
 - **In the background.** ``save(..., blocking=False)`` snapshots the state and returns a
   ``SaveHandle`` while a thread writes it; the guarantees above hold as for a blocking save
@@ -99,7 +99,7 @@ from zfunc.checkpoint.folder import (checkpoint_path, claim, default_run, locked
 from zfunc.checkpoint.layout import BUFFERS, PARAMS, Slot
 from zfunc.core.state import TrainState
 from zfunc.core.step import Step
-from zfunc.dist.mesh import all_arrive
+from zfunc.dist.comm import all_arrive
 from zfunc.offloading.swap.directory import fsync_dir
 from zfunc.version import __version__
 

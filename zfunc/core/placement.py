@@ -37,7 +37,7 @@ import torch.distributed as dist
 from zfunc.core import tree
 from zfunc.core.slicing import Slicing
 from zfunc.core.state import TrainState
-from zfunc.dist.mesh import all_arrive
+from zfunc.dist.comm import all_arrive
 
 PyTree = Any
 FULL_PARAMS = "zf.checkpoint.full_params"  # the call every process of a split state makes (``arrive``)

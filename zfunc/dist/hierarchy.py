@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
-from zfunc.dist.mesh import Comm
+from zfunc.dist.comm import Comm
 
 _made: dict[tuple, tuple[Any, Any]] = {}  # (purpose, all groups, size) -> (inner, outer) process groups of this rank
 

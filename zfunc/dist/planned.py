@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from zfunc.dist.mesh import P2P, CollectiveError, Comm, Mesh, coordinates
+from zfunc.dist.comm import P2P, CollectiveError, Comm
+from zfunc.dist.mesh import Mesh, coordinates
 
 
 def _refuse(kind: str, label: str) -> CollectiveError:

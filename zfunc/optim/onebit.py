@@ -90,7 +90,7 @@ class _Channel:
         if self.comm is None:
             import torch.distributed as dist
 
-            from zfunc.dist.mesh import Comm
+            from zfunc.dist.comm import Comm
             on = dist.is_available() and dist.is_initialized()
             self.comm = Comm(group=dist.new_group(backend=dist.get_backend()) if on else None, alone=not on)
         return self.comm

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from zfunc.dist.mesh import Comm
+from zfunc.dist.comm import Comm
 
 
 class _Exchange(torch.autograd.Function):

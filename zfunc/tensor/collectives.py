@@ -31,7 +31,7 @@ import weakref
 
 import torch
 
-from zfunc.dist.mesh import Comm
+from zfunc.dist.comm import Comm
 
 
 class _Copy(torch.autograd.Function):

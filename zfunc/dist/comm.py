@@ -1,0 +1,439 @@
+"""Byte-counting collectives (``Comm``) and point-to-point transfers (``P2P``) over ``torch.distributed``.
+
+Every collective zfunc issues goes through a ``Comm``, which counts the bytes of each call type -- the figures the
+comm-volume tests and the sharding docstrings' *cost* lines are checked against -- and names the operation (unit,
+step) in the error when a peer fails or the ranks' calls diverge, instead of hanging silently; point-to-point
+transfers go through a ``P2P``, which does the same. A public collective call that some ranks may skip by mistake
+(``zf.checkpoint.save``) first checks, with ``all_arrive``, that every rank made it.
+
+Byte counts are the full logical tensor, per rank: ``all_gather`` counts its output,
+``reduce_scatter`` its input, ``all_reduce`` twice its tensor (a ring all-reduce is a
+reduce-scatter plus an all-gather), ``all_to_all`` its input. In those units DDP moves 2 Psi bytes
+per step. ``P2P`` counts each sent or received tensor once. ``compressed_all_reduce`` counts the bytes
+it moves (packed signs and scales, ``zfunc.dist.compressed``) under "compressed_all_reduce".
+"""
+from __future__ import annotations
+
+import datetime
+import zlib
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zfunc.core import env
+from zfunc.dist.compressed import onebit_all_reduce, onebit_all_reduce_many
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed: a peer died, timed out, or the ranks issued different collectives."""
+
+
+@dataclass
+class Comm:
+    """Collectives over ``group`` that count bytes per call type and label failures.
+
+    ``label`` is a string like ``"gather unit 'h.0' at step 3"`` that names the operation in errors.
+    ``bytes`` maps call type ("all_gather", "reduce_scatter", "all_reduce") to bytes.
+
+    Every collective is issued by one comm thread, in the order the calls were made, so the order
+    is the same on every rank however the caller overlaps them. Under NCCL a CPU tensor (a small
+    control tensor: a bucket order, an agreement) goes through this rank's current CUDA device: a
+    copy there when called, the result copied back when the work is waited on. A call with ``check=(op,
+    describe)`` first makes the ranks agree they issue the same ``op`` (see ``agree``); on the comm
+    thread that round trip overlaps the caller's compute instead of stalling it. After a failure
+    the thread issues nothing more: mismatched collectives would only add confusion.
+    """
+
+    group: Any = None
+    bytes: Counter = field(default_factory=Counter)
+    alone: bool = False  # a mesh of one process without torch.distributed: collectives are copies
+    _thread: ThreadPoolExecutor | None = field(default=None, repr=False)
+    _failed: str | None = field(default=None, repr=False)
+    _backend: str | None = field(default=None, repr=False)
+
+    def _run(self, kind: str, nbytes: int, label: str, issue: Callable[[], Any], alone: Callable[[], Any] = None,
+             async_op: bool = False, check: tuple | None = None):
+        self.bytes[kind] += nbytes
+        if self.alone:
+            if alone is not None:
+                alone()
+            return _Done()
+        what = f"{kind} failed during {label or 'an unlabelled collective'}"
+        device = self._control_device() if check is not None else None  # the caller's device, not the thread's
+
+        def task():
+            if self._failed:
+                raise CollectiveError(f"{what}: not issued, an earlier collective failed ({self._failed})")
+            try:
+                if check is not None:
+                    self._agree(*check, label, device)
+                return issue()
+            except Exception as e:  # gloo/NCCL raise RuntimeError subclasses with transport details
+                self._failed = str(e)
+                raise
+
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="zfunc-comm")
+        work = _Pending(self._thread.submit(task), what)
+        if not async_op:
+            work.wait()
+        return work
+
+    def all_gather(self, out: torch.Tensor, local: torch.Tensor, label: str = "", async_op: bool = False,
+                   check: tuple | None = None, kind: str = "all_gather"):
+        """``out`` (N * local.numel(), contiguous, rank-major) <- every rank's ``local``.
+
+        ``local`` may already be this rank's chunk of ``out`` (a view): then nothing is copied.
+        On gloo this is one broadcast per rank, each rank sending its own chunk of ``out``: gloo's
+        ring all-gather takes longer for the same bytes (on loopback ranks about 1.5x).
+        """
+        all_gather = _all_gather_by_broadcasts if self._on_gloo() else _all_gather
+        (dev_out, dev_local), back = self._staged(out, local)
+        return self._run(kind, _nbytes(out), label,
+                         lambda: back(all_gather(dev_out, dev_local, group=self.group, async_op=True)),
+                         lambda: _copy_unless_same(out, local), async_op, check)
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, label: str = "", async_op: bool = False,
+                       check: tuple | None = None):
+        """``out`` <- this rank's slice of the sum over ranks of ``full`` (N * out.numel()).
+
+        ``full`` may be in a narrower floating dtype than ``out`` (bf16 grads into fp32 slices): every
+        value is widened before any addition, so ``out`` is exactly the reduce-scatter of
+        ``full.to(out.dtype)``. On gloo this is an all-to-all of ``full`` in its own dtype (bf16: half
+        the bytes of fp32) followed by a local sum in ``out``'s: gloo's own reduce-scatter took 2.4x as
+        long (7.4 MB on 2 loopback ranks: 9.2 vs 3.8 ms), longer even than its all-reduce of the same
+        tensor (6.7 ms). Elsewhere a narrower ``full`` is widened first (NCCL sums in its input's dtype).
+        """
+        on_gloo = self._on_gloo()
+        if not on_gloo and not self.alone and full.dtype != out.dtype:
+            full = full.to(out.dtype)
+        reduce_scatter = _reduce_scatter_by_all_to_all if on_gloo else _reduce_scatter
+        (dev_out, dev_full), back = self._staged(out, full)
+        return self._run("reduce_scatter", _nbytes(full), label,
+                         lambda: back(reduce_scatter(dev_out, dev_full, group=self.group, async_op=True)),
+                         lambda: out.copy_(full), async_op, check)
+
+    def reduce_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype to pack grads of ``dtype`` in for a ``reduce_scatter`` into fp32: their own on gloo
+        and for a comm of one process (sent or copied as they are, widened on arrival: the same sums
+        in fewer bytes), fp32 elsewhere (widened once, while packing)."""
+        return dtype if self.alone or self._on_gloo() else torch.float32
+
+    def _on_gloo(self) -> bool:
+        return self._backend_name() == "gloo"
+
+    def _backend_name(self) -> str:
+        if self._backend is None:
+            if not self.alone and not dist.is_initialized():
+                return ""  # no process group (a planned mesh's comm, which refuses every call): asked again later
+            self._backend = "" if self.alone else str(dist.get_backend(self.group))
+        return self._backend
+
+    def _control_device(self) -> torch.device:
+        """Where this comm's own small tensors live: the current CUDA device under NCCL, else the CPU."""
+        return torch.device("cuda", torch.cuda.current_device()) if self._backend_name() == "nccl" else \
+            torch.device("cpu")
+
+    def _staged(self, out: torch.Tensor, *inputs: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], Callable]:
+        """``(out, *inputs)`` where the backend can reach them, and a function that wraps the issued work so
+        that waiting on it also copies the staged ``out`` back (identity when nothing was staged)."""
+        if self.alone or self._backend_name() != "nccl" or all(t.device.type != "cpu" for t in (out, *inputs)):
+            return (out, *inputs), lambda work: work
+        device = self._control_device()
+        staged = tuple(t.to(device) if t.device.type == "cpu" else t for t in (out, *inputs))
+        if staged[0] is out:
+            return staged, lambda work: work
+        return staged, lambda work: _CopyBackOnWait(work, out, staged[0])
+
+    def all_reduce(self, t: torch.Tensor, label: str = "", async_op: bool = False):
+        """``t`` <- the sum over ranks of ``t``, in place."""
+        (dev_t,), back = self._staged(t)
+        return self._run("all_reduce", 2 * _nbytes(t), label,
+                         lambda: back(dist.all_reduce(dev_t, group=self.group, async_op=True)), None, async_op)
+
+    def all_to_all(self, out: torch.Tensor, full: torch.Tensor, label: str = "", kind: str = "all_to_all",
+                   async_op: bool = False):
+        """``out``'s chunk ``s`` (dim 0 cut in N equal chunks) <- rank ``s``'s chunk ``r`` of its ``full``, on
+        rank ``r``. ``out`` and ``full`` are contiguous, of one shape, dim 0 a multiple of N. Counts ``full``'s
+        bytes under ``kind`` (its own chunk, which stays, included: the whole logical tensor, as the other
+        calls count)."""
+        (dev_out, dev_full), back = self._staged(out, full)
+        return self._run(kind, _nbytes(full), label,
+                         lambda: back(dist.all_to_all_single(dev_out, dev_full, group=self.group, async_op=True)),
+                         lambda: out.copy_(full), async_op)
+
+    def compressed_all_reduce(self, x: torch.Tensor, errors: Any, label: str = "") -> torch.Tensor:
+        """The mean over ranks of ``x`` through 1-bit compression with error feedback, in place
+        (``zfunc.dist.compressed.onebit_all_reduce``: the algorithm, its law and its bytes, counted
+        under "compressed_all_reduce"). ``errors``: this rank's ``ErrorFeedback`` for ``x``."""
+        return onebit_all_reduce(self, x, errors, label)
+
+    def compressed_all_reduce_many(self, xs: list[torch.Tensor], errors: list[Any], label: str = "") -> list:
+        """``compressed_all_reduce`` of each of ``xs`` (each its own scales and ``errors``: the same bits),
+        their messages sent together in 4 collectives (``zfunc.dist.compressed.onebit_all_reduce_many``)."""
+        return onebit_all_reduce_many(self, xs, errors, label)
+
+    @property
+    def world(self) -> int:
+        """The number of ranks in ``group`` (1 for a comm of this process alone)."""
+        return 1 if self.alone else dist.get_world_size(self.group)
+
+    def agree(self, op: tuple[int, ...], describe: Callable[[list[int]], str], label: str) -> None:
+        """Check that every rank is about to issue the same collective ``op`` (small ints).
+
+        gloo aborts the process when ranks exchange buffers of different sizes and NCCL hangs, so
+        a rank whose control flow diverged must be caught before the collective: this all-gathers
+        the ops (a few bytes) and raises ``CollectiveError`` naming what each rank was doing.
+        """
+        self._run("agree", 0, label, lambda: None, check=(op, describe))
+
+    def _agree(self, op: tuple[int, ...], describe: Callable[[list[int]], str], label: str,
+               device: torch.device) -> None:
+        mine = torch.tensor(op, dtype=torch.int64, device=device)
+        world = dist.get_world_size(self.group)
+        everyone = torch.empty(world * len(op), dtype=torch.int64, device=device)
+        _all_gather(everyone, mine, group=self.group)
+        rows, mine = everyone.view(world, len(op)).cpu(), mine.cpu()
+        if not bool((rows == mine).all()):
+            ops = "; ".join(f"rank {r}: {describe(row.tolist())}" for r, row in enumerate(rows))
+            raise CollectiveError(f"ranks diverged at {label}: {ops} "
+                                  "(data-dependent control flow skipped or reordered work on some rank?)")
+
+
+# How long ``all_arrive`` waits for the other ranks: long enough for a rank that reaches the call
+# late in normal training (rank 0 evaluating or logging first), far shorter than the process
+# group's 30 min. Set it here or with ZFUNC_ARRIVAL_TIMEOUT_S.
+ARRIVAL_TIMEOUT_S = env.number("ZFUNC_ARRIVAL_TIMEOUT_S", 300.0, float, lambda s: s > 0, "seconds > 0")
+_calls: Counter = Counter()  # per group: how many all_arrive calls this rank has made
+
+
+def all_arrive(what: str, of: str, group: Any = None, timeout_s: float | None = None) -> None:
+    """Check that every rank of ``group`` makes the call ``what`` before its collectives start.
+
+    A collective issued by some ranks only hangs until the process group's timeout and is then
+    blamed on whatever the other ranks were doing. Here each rank posts ``what`` to the process
+    group's key-value store (a side channel that never mixes with collectives) and waits at most
+    ``timeout_s`` (default ``ARRIVAL_TIMEOUT_S``) for the others; one verdict, set once in the
+    store, decides for every rank, a rank arriving after the others gave up included. Raises
+    ``CollectiveError`` like "zf.checkpoint.save: every rank of the 2-rank state must call it; rank
+    1 did not arrive within 300 s" (``of`` = "state": what the ranks make up), or naming what each
+    rank called when they differ.
+    Cost: a few store round trips per rank. A no-op without torch.distributed or with one rank.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    key = f"zfunc/arrive/{zlib.crc32(repr(ranks).encode()):08x}/{_calls[ranks]}"
+    _calls[ranks] += 1
+    store = dist.distributed_c10d._get_default_store()
+    verdict = f"{key}/verdict"
+    late = store.check([verdict])  # the others decided before this rank came
+    store.set(f"{key}/{me}", what)
+    timeout_s = ARRIVAL_TIMEOUT_S if timeout_s is None else timeout_s
+    if store.check([f"{key}/{r}" for r in range(world)]):  # the last to arrive decides
+        store.compare_set(verdict, "", _agreed(store, key, world))
+    try:
+        store.wait([verdict], datetime.timedelta(seconds=timeout_s))
+    except dist.DistStoreError:  # timed out: give up for everyone, unless someone decided first
+        missing = [r for r in range(world) if not store.check([f"{key}/{r}"])]
+        store.compare_set(verdict, "", f"{what}: every rank of the {world}-rank {of} must call it; "
+                          f"rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} did not arrive "
+                          f"within {timeout_s:g} s")
+    outcome = store.get(verdict).decode()
+    if outcome != "ok":
+        raise CollectiveError(outcome + (" (this rank arrived after the others gave up)" if late else ""))
+    if store.add(f"{key}/read", 1) == world:  # everyone has read the verdict: clear the keys
+        for name in [verdict, f"{key}/read", *(f"{key}/{r}" for r in range(world))]:
+            store.delete_key(name)
+
+
+def _agreed(store: Any, key: str, world: int) -> str:
+    calls = [store.get(f"{key}/{r}").decode() for r in range(world)]
+    if len(set(calls)) == 1:
+        return "ok"
+    return ("ranks made different calls: " + "; ".join(f"rank {r}: {c}" for r, c in enumerate(calls))
+            + " (every rank must make the same collective calls in the same order)")
+
+
+class _Pending:
+    """A collective handed to the comm thread: ``wait()`` returns once it has completed."""
+
+    def __init__(self, future: Future, what: str):
+        self.future, self.what = future, what
+
+    def wait(self) -> bool:
+        try:
+            work = self.future.result()
+            if work is not None:
+                work.wait()
+        except CollectiveError:
+            raise
+        except Exception as e:
+            raise CollectiveError(f"{self.what}: {e}") from e
+        return True
+
+
+# torch 2.13 renamed the tensor collectives; 2.11 has only the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_gather_by_broadcasts(out: torch.Tensor, local: torch.Tensor, group: Any, async_op: bool) -> _AllOf:
+    """``all_gather`` as one broadcast per rank of ``group``, of that rank's chunk of ``out``."""
+    chunks = out.view(dist.get_world_size(group), -1)
+    _copy_unless_same(chunks[dist.get_rank(group)], local)
+    return _AllOf([dist.broadcast(chunk, group=group, group_src=r, async_op=async_op)
+                   for r, chunk in enumerate(chunks)])
+
+
+def _copy_unless_same(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.data_ptr() != src.data_ptr():
+        dst.view(-1).copy_(src.reshape(-1))
+
+
+class _AllOf:
+    """Several works in flight, waited on as one."""
+
+    def __init__(self, works: list[Any]):
+        self.works = works
+
+    def wait(self) -> bool:
+        for work in self.works:
+            if work is not None:
+                work.wait()
+        return True
+
+
+def _reduce_scatter_by_all_to_all(out: torch.Tensor, full: torch.Tensor, group: Any, async_op: bool) -> _SumOnWait:
+    """``reduce_scatter`` as ``all_to_all_single`` (rank r receives every rank's r-th chunk of
+    ``full``) plus a sum of the received chunks into ``out`` when the work is waited on.
+
+    A rank whose own chunk comes first or last (both ranks of two) does not send it to itself: the
+    others' chunks are then contiguous, and its own is added straight from ``full`` (7.2 MB on 2
+    loopback ranks, with the sum: 4.2-4.9 vs 5.5-5.8 ms).
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunks = full.view(world, out.numel())
+    if world > 1 and rank in (0, world - 1):
+        others = chunks[1:] if rank == 0 else chunks[:-1]
+        splits = [0 if r == rank else out.numel() for r in range(world)]
+        received = torch.empty_like(others)
+        work = dist.all_to_all_single(received.view(-1), others.reshape(-1), splits, splits, group=group,
+                                      async_op=async_op)
+        return _SumOnWait(work, received, out, own=chunks[rank])
+    received = torch.empty_like(full)
+    work = dist.all_to_all_single(received, full, group=group, async_op=async_op)
+    return _SumOnWait(work, received.view(world, -1), out)
+
+
+class _SumOnWait:
+    """An all-to-all in flight whose received chunks (rows), and this rank's ``own`` chunk if it
+    was not sent, are summed into ``out`` by ``wait()``."""
+
+    def __init__(self, work: Any, received: torch.Tensor, out: torch.Tensor, own: torch.Tensor | None = None):
+        self.work, self.received, self.out, self.own = work, received, out, own
+
+    def wait(self) -> bool:
+        if self.received is not None:
+            if self.work is not None:
+                self.work.wait()
+            out = self.out.view(-1)
+            if self.own is None:
+                torch.sum(self.received, dim=0, dtype=out.dtype, out=out)
+            elif len(self.received) == 1 and self.own.dtype == out.dtype:
+                torch.add(self.own, self.received[0], out=out)
+            elif len(self.received) == 1:  # narrower chunks: widened before the sum, not after it
+                out.copy_(self.own)
+                out.add_(self.received[0])
+            else:
+                torch.sum(self.received, dim=0, dtype=out.dtype, out=out).add_(self.own)
+            self.received = self.own = None
+        return True
+
+
+class _CopyBackOnWait:
+    """A collective's work on a staged copy of ``out``: waiting on it copies the result into ``out``."""
+
+    def __init__(self, work: Any, out: torch.Tensor, staged: torch.Tensor):
+        self.work, self.out, self.staged = work, out, staged
+
+    def wait(self) -> bool:
+        if self.staged is not None:
+            if self.work is not None:
+                self.work.wait()
+            self.out.copy_(self.staged)
+            self.staged = None
+        return True
+
+
+class _Done:
+    """The finished work of a collective run locally."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class P2P:
+    """Point-to-point sends and receives between the ranks of ``group`` (a pipeline's stages).
+
+    ``peers[i]`` is the global rank of group member ``i``; callers name peers by group rank.
+    ``bytes`` counts "send" and "recv" (each tensor once, on the rank that moves it). Every call
+    returns at once; the result's ``wait()`` raises ``CollectiveError`` naming ``label`` (what
+    moved, between which stages, at which step) when the peer failed or did not answer within the
+    process group's timeout, instead of hanging. Sends and receives between one pair of ranks
+    match in call order per ``tag``.
+    """
+
+    def __init__(self, group: Any = None, peers: tuple[int, ...] = ()):
+        self.group, self.peers = group, tuple(peers)
+        self.bytes: Counter = Counter()
+
+    def send(self, t: torch.Tensor, to: int, label: str, tag: int = 0) -> _P2PWork:
+        """Start sending ``t`` to group rank ``to``; ``t`` must not change until ``wait()``."""
+        return self._issue("send", dist.isend, t, to, label, tag)
+
+    def recv(self, t: torch.Tensor, frm: int, label: str, tag: int = 0) -> _P2PWork:
+        """Start receiving into ``t`` from group rank ``frm``; read ``t`` after ``wait()``."""
+        return self._issue("recv", dist.irecv, t, frm, label, tag)
+
+    def _issue(self, kind: str, op: Callable, t: torch.Tensor, peer: int, label: str, tag: int) -> _P2PWork:
+        what = f"{kind} failed during {label}"
+        if not 0 <= peer < len(self.peers):
+            raise CollectiveError(f"{what}: no peer {peer} in a group of {len(self.peers)} ranks")
+        self.bytes[kind] += _nbytes(t)
+        try:
+            work = op(t, self.peers[peer], group=self.group, tag=tag)
+        except Exception as e:  # gloo raises at once when the peer's connection is gone
+            raise CollectiveError(f"{what}: {e}") from e
+        return _P2PWork(work, what, t)
+
+
+class _P2PWork:
+    """A started send or receive; holds its tensor until ``wait()`` has returned."""
+
+    def __init__(self, work: Any, what: str, tensor: torch.Tensor):
+        self.work, self.what, self.tensor = work, what, tensor
+
+    def done(self) -> bool:
+        """True once the transfer has finished (or failed: ``wait()`` then raises)."""
+        return self.work.is_completed()
+
+    def wait(self) -> torch.Tensor:
+        try:
+            self.work.wait()
+        except Exception as e:
+            raise CollectiveError(f"{self.what}: {e}") from e
+        return self.tensor
+
+
+# The mesh's axes, outermost first: a global rank is their mixed-radix number (see ``Mesh``).
