@@ -238,7 +238,7 @@ def offloaded_step(shapes: list[tuple[int, ...]], packed: bool, updates: list[fl
     ``sum((p * c).sum())`` over leaves of ``shapes``: its ``run(k)`` appends each step's
     ``update_s`` (the leaf updates' seconds) to ``updates``. ``packed``: the grads reach the update
     packed into fresh fp32 copies (the sink's ``own`` off) instead of as autograd's own."""
-    from zfunc.offloading import run as offload_run
+    from zfunc.offloading import grads as offload_grads
 
     gen = torch.Generator().manual_seed(1)
     params = {f"p{i:03d}": torch.randn(s, generator=gen) for i, s in enumerate(shapes)}
@@ -249,7 +249,7 @@ def offloaded_step(shapes: list[tuple[int, ...]], packed: bool, updates: list[fl
     box = [step.init(params)]
 
     def run(k: int) -> None:
-        offload_run.UpdateOnArrival.own = not packed
+        offload_grads.UpdateOnArrival.own = not packed
         try:
             state = box[0]
             for _ in range(k):
@@ -257,7 +257,7 @@ def offloaded_step(shapes: list[tuple[int, ...]], packed: bool, updates: list[fl
                 updates.append(step.update_s)
             box[0] = state
         finally:
-            offload_run.UpdateOnArrival.own = True
+            offload_grads.UpdateOnArrival.own = True
     return run
 
 

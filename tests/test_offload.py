@@ -14,7 +14,7 @@ import zfunc as zf
 from tests.models import (Block, Tiny, assert_same_training, batches, local, token_loss, tree_equal, train_on,
                           with_faults)
 from tests.models import make_offloaded as make  # this file's step: Tiny, offloaded or not
-from zfunc.offloading.run import ComputeCopies
+from zfunc.offloading.copies import ComputeCopies
 from zfunc.offloading.step import OffloadSpec, in_ram, offload, release
 from zfunc.sharding.run import StepRun
 from zfunc.checkpoint import full_params

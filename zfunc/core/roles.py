@@ -28,7 +28,7 @@ Each role is a small object with one job; what the run asks of it:
   delivery as soon as a group is complete, ``result()`` gives the grads (a list in leaf order, or
   None where they were consumed); ``before_backward(loss)`` sees each microbatch's loss between its
   forward and backward. ``zfunc.sharding.run.ReducedSlices`` (fp32 slices like the pieces),
-  ``zfunc.offloading.run.HeldSlices`` (fp32 CPU slices), ``zfunc.offloading.run.UpdateOnArrival`` (updates
+  ``zfunc.offloading.run.HeldSlices`` (fp32 CPU slices), ``zfunc.offloading.grads.UpdateOnArrival`` (updates
   each leaf as its grad arrives).
 - **update** (``update``): ``apply(state, grads, loss, aux, produced) -> (state, metrics)``, given
   this rank's loss and, per leaf, 1 where this rank's backward produced a grad (None at stage 0,

@@ -21,7 +21,10 @@ never a whole-model grad:
   read-ahead). With accumulation a leaf's later microbatches read its group's file back (once),
   add, and write the group again (its norm is the last sum's).
 
-**Law.** Either sink gives the update the same grads and the same global norm as ``GradSlices``
+- ``UpdateOnArrival`` (with overlap: no clip, no fp16, ``accum=1``): no grad waits; each unit's leaves are updated
+  as their reduced grads arrive, during the rest of backward.
+
+**Law.** Either holding sink gives the update the same grads and the same global norm as ``GradSlices``
 does (the norm bit for bit: the same per-leaf fp32 norms, stacked in leaf order). A skipped step
 writes nothing of the state: the grad files are scratch, rewritten by the next step.
 
@@ -35,12 +38,13 @@ the writes in flight, of the bucket being delivered and of the groups of leaves 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import deque
 from typing import Any
 
 import torch
 
-from zfunc.core.roles import RunContext
+from zfunc.core.roles import Role, RunContext
 from zfunc.sharding.layout import FlatGroup
 from zfunc.sharding.reduce import GradSlices
 from zfunc.sharding.run import ReducedSlices
@@ -242,3 +246,59 @@ class SpilledGrads(ReducedSlices):
         with contextlib.suppress(Exception):  # a failed call: its errors were raised already
             self._wait(0)
         return {"peak_spilled_ram_bytes": self.peak_ram_bytes}
+
+
+class UpdateOnArrival(Role):
+    """Grad sink of an offloaded step with overlap: it updates each unit's leaves as soon as their
+    reduced grads arrive, during backward (``update``: the call's ``zfunc.offloading.run.LeafUpdate``,
+    not imported, since it imports this module; over one rank: autograd's own grads, in the compute
+    dtype; unscaled in the kernel's pass). It learns the order it met the leaves in, along which the
+    next call reads them ahead (``update_order``)."""
+
+    early = True
+    own = True
+
+    def __init__(self, context: RunContext, update: Any, update_order: list[int]):
+        self.context, self.update, self.update_order = context, update, update_order
+        self.learned: dict[str, Any] = {}
+
+    def open(self, pieces) -> UpdateOnArrival:
+        self.reader = self.update._leaf_reader(self.update_order)
+        self.seen: list[int] = []
+        return self
+
+    def before_backward(self, loss: torch.Tensor) -> None:
+        """Updates start during backward: a non-finite loss (summed over the ranks, so all decide
+        alike) turns them off for this step, which ``LeafUpdate.apply`` then skips."""
+        total = loss.detach().float().reshape(1).clone()
+        if self.context.spec.world > 1:
+            self.context.sum_across(total, "loss all-reduce before an overlapped backward")
+        self.update._skip_updates = not bool(torch.isfinite(total))
+
+    def deliver(self, unit: FlatGroup, slices: list[torch.Tensor]) -> None:
+        """Update each leaf of ``unit`` with its reduced grad slice (None: no grad; over one rank
+        the reducer hands over autograd's own grads, so a leaf without one comes as None; over N
+        ranks other ranks' grads are unknown, and every slice is a grad); where the norm is wanted,
+        add the slice's sum of squares, which the optimizer's kernel computes in its own pass
+        (``optim.apply(squares=)``), so the grads are read once."""
+        step = self.update
+        scale, wants = 1.0 / self.context.grad_divisor, step._wants_norm
+        start = time.perf_counter()
+        for i, g in zip(unit.indices, slices):
+            self.seen.append(i)
+            produced = not step._skip_updates and g is not None
+            squares = [] if wants and produced else None
+            if not step._skip_updates:  # else a non-finite loss: the step will be skipped
+                step._update_leaf(i, g if produced else None, self.reader, squares, scale)
+            if squares:  # the kernel's sum of the unscaled grad's squares
+                step.add_squares(i, squares[0])
+            elif wants and g is not None:  # another kernel, or a leaf with no grad (zeros): the slice's norm
+                step.add_squares(i, (torch.linalg.vector_norm(g, dtype=torch.float32).double() * scale) ** 2)
+        step.update_s += time.perf_counter() - start
+
+    def result(self):
+        self.learned["update_order"] = self.seen  # all met: the next call reads ahead in this order
+        return None
+
+    def finish(self) -> dict[str, Any]:
+        return self.learned

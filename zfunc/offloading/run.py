@@ -2,25 +2,24 @@
 
 ``OffloadedStep.roles`` gives each call's run (``zfunc.sharding.run.StepRun``, the one run class) the sharded
 step's roles with three replaced: params come from the stores (``StoredPieces``: a leaf's compute
-copy, else its master read ahead from RAM or its swap file, ``_Pieces``), grads go to a sink that
-updates each leaf as its grad arrives (``UpdateOnArrival``, with overlap) or are held
-(``zfunc.offloading.grads``: ``HeldSlices`` in host RAM, ``SpilledGrads`` in swap files), and the
-update runs leaf by leaf from the stores (``LeafUpdate``, ``_update_leaf``), writing back as it
-goes (``_Stores``: at most ``2 * chunk_bytes`` of writes in flight). The schedule stays the sharded
-step's accumulation. ``ComputeCopies`` keeps the compute-dtype copy of each master that the update
-wrote in its own pass (with ``params=None``: the params the device keeps). The roles read the run through the
-call's ``RunContext`` and the step's configuration through what ``OffloadedStep.roles`` gave them.
-Everything here lives for one call, except ``ComputeCopies`` and the read and update orders, which
-the roles return from their ``finish`` for the step to keep (``OffloadedStep.learn``;
-``docs/design.md``, "Run objects"). The law, the cost and the rules for non-finite steps are
-``zfunc.offloading.step``'s.
+copy, else its master read ahead from RAM or its swap file, ``_Pieces``), grads go to a sink
+(``zfunc.offloading.grads``: ``UpdateOnArrival`` updates each leaf as its grad arrives, with overlap;
+``HeldSlices`` holds them in host RAM, ``SpilledGrads`` in swap files), and the update runs leaf by
+leaf from the stores (``LeafUpdate``, ``_update_leaf``), writing back as it goes (``_Stores``: at
+most ``2 * chunk_bytes`` of writes in flight). The schedule stays the sharded step's accumulation.
+``ComputeCopies`` (``zfunc.offloading.copies``) keeps the compute-dtype copy of each master that the
+update wrote in its own pass (with ``params=None``: the params the device keeps). The roles read the
+run through the call's ``RunContext`` and the step's configuration through what
+``OffloadedStep.roles`` gave them. Everything here lives for one call, except ``ComputeCopies`` and
+the read and update orders, which the roles return from their ``finish`` for the step to keep
+(``OffloadedStep.learn``; ``docs/design.md``, "Run objects"). The law, the cost and the rules for
+non-finite steps are ``zfunc.offloading.step``'s.
 """
 from __future__ import annotations
 
 import contextlib
 import math
 import time
-import weakref
 from collections import deque
 from concurrent.futures import Future
 from typing import Any, NamedTuple
@@ -30,9 +29,10 @@ import torch
 from zfunc import optim
 from zfunc.core import placement, precision as mp, tree
 from zfunc.core.roles import Role, RunContext
-from zfunc.sharding.layout import FlatGroup, leaf_names
+from zfunc.sharding.layout import leaf_names
 from zfunc.core.state import FIELDS, TrainState
 from zfunc.core.step import NonFiniteError, Step, sum_over_ranks, without_missing_grads
+from zfunc.offloading.copies import ComputeCopies
 from zfunc.offloading.grads import leaf_norm
 from zfunc.offloading.merge import NO_MERGE, merge_states, split_state
 from zfunc.offloading.store import All, OnDisk, ReadAhead, Store, done
@@ -53,55 +53,6 @@ class _Pieces:
     def __getitem__(self, i: int) -> torch.Tensor:
         copy = self.copies[i]
         return self.reader.get(i) if copy is None else copy
-
-
-class ComputeCopies:
-    """Each RAM master's compute-dtype copy (bf16/fp16), written by the update in the kernel's own
-    pass, so that the next forward gathers it instead of casting the master (a second pass over
-    it, 6 B/param). A copy is used only for the very master tensor it was written from, unchanged
-    since (same object, same version counter); it is dropped when that tensor dies. Keyed by
-    tensor, not held by a step's run: one step object may drive several states. Cost: 2 B/param
-    of host RAM (pinned with a GPU) for every offloaded master in RAM trained in bf16/fp16."""
-
-    def __init__(self):
-        self._by_id: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
-
-    def of(self, master: Any) -> torch.Tensor | None:
-        """The copy written from ``master`` (a tensor, or the ``OnDisk`` handle of its file) as it is now, or None."""
-        entry = self._by_id.get(id(master))
-        if entry is None or entry[0]() is not master or entry[1] != getattr(master, "_version", 0):
-            return None
-        return entry[2]
-
-    def forget(self, masters: list) -> None:
-        """Drop the copies of ``masters`` (files put back to an older version by a failed step)."""
-        for m in masters:
-            self._by_id.pop(id(m), None)
-
-    def last(self, master: Any) -> torch.Tensor | None:
-        """The last copy written from ``master``, whatever it became since (its storage, to write into)."""
-        entry = self._by_id.get(id(master))
-        return entry[2] if entry is not None and entry[0]() is master else None
-
-    def held(self, masters: list) -> int:
-        """Bytes of the copies kept for ``masters`` as they are now."""
-        return sum(c.numel() * c.element_size() for c in map(self.of, masters) if c is not None)
-
-    def buffer(self, master: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-        """Where ``master``'s next copy goes: its old copy's storage, or a new tensor."""
-        entry = self._by_id.get(id(master))
-        if entry is not None and entry[0]() is master and entry[2].dtype == dtype:
-            return entry[2]
-        return torch.empty(master.shape, dtype=dtype, pin_memory=pin)
-
-    def written(self, master: torch.Tensor, copy: torch.Tensor) -> None:
-        """``copy`` now equals ``master`` cast (the version counter read after the write)."""
-        key, by_id, version = id(master), self._by_id, getattr(master, "_version", 0)
-        entry = by_id.get(key)
-        if entry is not None and entry[0]() is master:  # the same master again (each step): no new weakref
-            by_id[key] = (entry[0], version, copy)
-            return
-        by_id[key] = (weakref.ref(master, lambda _: by_id.pop(key, None)), version, copy)
 
 
 class _Stores:
@@ -505,58 +456,3 @@ def _file_bytes(x: Any) -> int:
 
 def _is_stored(t: Any) -> bool:
     return isinstance(t, (torch.Tensor, OnDisk))
-
-
-class UpdateOnArrival(Role):
-    """Grad sink of an offloaded step with overlap: it updates each unit's leaves as soon as their
-    reduced grads arrive (``LeafUpdate``'s leaf update), during backward (over one rank:
-    autograd's own grads, in the compute dtype; unscaled in the kernel's pass). It learns the order
-    it met the leaves in, along which the next call reads them ahead (``update_order``)."""
-
-    early = True
-    own = True
-
-    def __init__(self, context: RunContext, update: LeafUpdate, update_order: list[int]):
-        self.context, self.update, self.update_order = context, update, update_order
-        self.learned: dict[str, Any] = {}
-
-    def open(self, pieces) -> UpdateOnArrival:
-        self.reader = self.update._leaf_reader(self.update_order)
-        self.seen: list[int] = []
-        return self
-
-    def before_backward(self, loss: torch.Tensor) -> None:
-        """Updates start during backward: a non-finite loss (summed over the ranks, so all decide
-        alike) turns them off for this step, which ``LeafUpdate.apply`` then skips."""
-        total = loss.detach().float().reshape(1).clone()
-        if self.context.spec.world > 1:
-            self.context.sum_across(total, "loss all-reduce before an overlapped backward")
-        self.update._skip_updates = not bool(torch.isfinite(total))
-
-    def deliver(self, unit: FlatGroup, slices: list[torch.Tensor]) -> None:
-        """Update each leaf of ``unit`` with its reduced grad slice (None: no grad; over one rank
-        the reducer hands over autograd's own grads, so a leaf without one comes as None; over N
-        ranks other ranks' grads are unknown, and every slice is a grad); where the norm is wanted,
-        add the slice's sum of squares, which the optimizer's kernel computes in its own pass
-        (``optim.apply(squares=)``), so the grads are read once."""
-        step = self.update
-        scale, wants = 1.0 / self.context.grad_divisor, step._wants_norm
-        start = time.perf_counter()
-        for i, g in zip(unit.indices, slices):
-            self.seen.append(i)
-            produced = not step._skip_updates and g is not None
-            squares = [] if wants and produced else None
-            if not step._skip_updates:  # else a non-finite loss: the step will be skipped
-                step._update_leaf(i, g if produced else None, self.reader, squares, scale)
-            if squares:  # the kernel's sum of the unscaled grad's squares
-                step.add_squares(i, squares[0])
-            elif wants and g is not None:  # another kernel, or a leaf with no grad (zeros): the slice's norm
-                step.add_squares(i, (torch.linalg.vector_norm(g, dtype=torch.float32).double() * scale) ** 2)
-        step.update_s += time.perf_counter() - start
-
-    def result(self):
-        self.learned["update_order"] = self.seen  # all met: the next call reads ahead in this order
-        return None
-
-    def finish(self) -> dict[str, Any]:
-        return self.learned

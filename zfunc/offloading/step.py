@@ -133,7 +133,9 @@ from zfunc.core import compose, placement, precision as mp, tree
 from zfunc.dist import Mesh
 from zfunc.offloading import accounting
 from zfunc.offloading.grads import HeldSlices, SpilledGrads, grad_file
-from zfunc.offloading.run import ComputeCopies, LeafUpdate, StoredPieces, UpdateOnArrival, _is_stored, _Stores
+from zfunc.offloading.copies import ComputeCopies
+from zfunc.offloading.grads import UpdateOnArrival
+from zfunc.offloading.run import LeafUpdate, StoredPieces, _is_stored, _Stores
 from zfunc.ops.cpu import hostmem
 from zfunc.core.roles import Roles, RunContext
 from zfunc.sharding.step import ShardedStep
