@@ -172,7 +172,7 @@ def test_the_cpu_codec_writes_the_torch_expressions_bits(bits):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 3 * Q.BLOCK, generator=g) * torch.tensor([1e-3, 1.0, 1e3, 0.0])[:, None]
     qmax = {8: 127, 4: 7}[bits]
-    scales = x.reshape(4, -1, Q.BLOCK).abs().amax(dim=2) / qmax
+    scales = x.reshape(4, -1, Q.BLOCK).abs().amax(dim=2) * (1.0 / qmax)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     q = torch.round(x.reshape(4, -1, Q.BLOCK) / safe[..., None]).clamp_(-qmax, qmax).reshape(4, -1)
     want = (q + 128).to(torch.uint8) if bits == 8 else ((q[:, 0::2] + 8) * 16 + q[:, 1::2] + 8).to(torch.uint8)

@@ -44,10 +44,7 @@ class SecondaryGatherer(Gatherer):
             super()._launch(u)
             return
         out = torch.empty(own.numel() * self.group.world, dtype=own.dtype, device=own.device)
-        check = ((u, self.step), self.describe) if self.verify else None
-        work = self.group.all_gather(out, own, label=self._what(u), async_op=True, check=check, kind=KIND)
-        self.inflight[u] = (work, out)
-        self._count(self._unit_bytes(u))
+        self._issue(u, self.group, out, own, kind=KIND)
 
     def ensure(self, u: int) -> None:
         if self.gathered.get(u):

@@ -69,8 +69,12 @@ class Gatherer:
         ph = self.placeholders[unit.indices[0]]
         out, seg = unit.gather_buffer([self.pieces[i] for i in unit.indices], ph.dtype, ph.device, self.spec.world,
                                       self.spec.rank)
+        self._issue(u, self.comm, out, seg)
+
+    def _issue(self, u: int, comm: Comm, out: torch.Tensor, seg: torch.Tensor, kind: str = "all_gather") -> None:
+        """Start unit ``u``'s all-gather of ``seg`` into ``out`` over ``comm`` (the ranks agreeing first)."""
         check = ((u, self.step), self.describe) if self.verify else None
-        work = self.comm.all_gather(out, seg, label=self._what(u), async_op=True, check=check)
+        work = comm.all_gather(out, seg, label=self._what(u), async_op=True, check=check, kind=kind)
         self.inflight[u] = (work, out)
         self._count(self._unit_bytes(u))
 

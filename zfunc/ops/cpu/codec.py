@@ -98,18 +98,23 @@ def decode_into(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -
 
 
 @njit(**_JIT)
+def _quantize_block(x, r, blk, block, s, qmax, bits, payload):
+    """Block ``blk`` of row ``r`` divided by ``s``, rounded, clamped and offset into ``payload``."""
+    for i in range(blk * block, (blk + 1) * block, 2):
+        q0 = min(max(np.rint(x[r, i] / s), -qmax), qmax)
+        q1 = min(max(np.rint(x[r, i + 1] / s), -qmax), qmax)
+        if bits == 8:
+            payload[r, i] = np.uint8(q0 + 128)
+            payload[r, i + 1] = np.uint8(q1 + 128)
+        else:
+            payload[r, i // 2] = np.uint8((q0 + 8) * 16 + (q1 + 8))
+
+
+@njit(**_JIT)
 def _quantize(x, safe, block, qmax, bits, payload):
     for r in range(x.shape[0]):
         for blk in range(safe.shape[1]):
-            s = safe[r, blk]
-            for i in range(blk * block, (blk + 1) * block, 2):
-                q0 = min(max(np.rint(x[r, i] / s), -qmax), qmax)
-                q1 = min(max(np.rint(x[r, i + 1] / s), -qmax), qmax)
-                if bits == 8:
-                    payload[r, i] = np.uint8(q0 + 128)
-                    payload[r, i + 1] = np.uint8(q1 + 128)
-                else:
-                    payload[r, i // 2] = np.uint8((q0 + 8) * 16 + (q1 + 8))
+            _quantize_block(x, r, blk, block, safe[r, blk], qmax, bits, payload)
 
 
 def quantize(x: torch.Tensor, safe: torch.Tensor, block: int, qmax: int, bits: int) -> torch.Tensor:
@@ -155,23 +160,14 @@ def _quantize_blocks(x, block, qmax, bits, scales, payload):
                 a = abs(x[r, i])
                 if a > amax or a != a:
                     amax = a
-            s = amax / qmax
+            s = amax * (np.float32(1) / qmax)  # the reciprocal's product, as the torch and CUDA paths compute it
             scales[r, blk] = s
-            if not s > 0:
-                s = np.float32(1)
-            for i in range(blk * block, (blk + 1) * block, 2):
-                q0 = min(max(np.rint(x[r, i] / s), -qmax), qmax)
-                q1 = min(max(np.rint(x[r, i + 1] / s), -qmax), qmax)
-                if bits == 8:
-                    payload[r, i] = np.uint8(q0 + 128)
-                    payload[r, i + 1] = np.uint8(q1 + 128)
-                else:
-                    payload[r, i // 2] = np.uint8((q0 + 8) * 16 + (q1 + 8))
+            _quantize_block(x, r, blk, block, s if s > 0 else np.float32(1), qmax, bits, payload)
 
 
 def quantize_blocks(x: torch.Tensor, block: int, qmax: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(payload, scales)`` of fp32 rows ``x`` (R x n, n a multiple of ``block``) in one pass per block:
-    ``scales = amax |x| / qmax`` per block and the payload of ``quantize`` (0 scales dividing by 1): the
+    ``scales = amax |x| * (1 / qmax)`` per block and the payload of ``quantize`` (0 scales dividing by 1): the
     bits of ``zfunc.dist.quantized.quantize``'s torch expressions."""
     x = x.contiguous()
     scales = torch.empty(x.shape[0], x.shape[1] // block, dtype=torch.float32)
