@@ -58,5 +58,8 @@ def test_the_cli_takes_a_link_per_axis(capsys):
     plain, slow = step([]), step(["--link", "dp=0.125"])
     assert slow["dp_comm"] > 100 * plain["dp_comm"]
     assert step(["--link", "dp=0.125", "--quantize-grads", "4"])["step"] < slow["step"] / 1.5  # compression pays
-    with pytest.raises(SystemExit):
-        main(["--params", "1.3e9", "--link", "dp"])
+    for bad in ("dp", "dp=0", "dp=-1", "dp=nan", "dp=inf", "xp=1"):
+        with pytest.raises(SystemExit):
+            main(["--params", "1.3e9", "--link", bad])
+        assert f"--link: expected AXIS=GB/s with AXIS one of dp, pp, sp, tp and GB/s a number > 0, such as dp=0.125, " \
+               f"got '{bad}'" in capsys.readouterr().err

@@ -192,9 +192,13 @@ def _links(p: argparse.ArgumentParser, given: list[str]) -> dict[str, float]:
     for text in given:
         axis, _, value = text.partition("=")
         try:
-            links[axis] = float(value) * GB
+            gbps = float(value)
         except ValueError:
-            p.error(f"--link: expected AXIS=GB/s such as dp=0.125, got {text!r}")
+            gbps = math.nan
+        if axis not in hardware.AXES or not gbps > 0 or math.isinf(gbps):
+            p.error(f"--link: expected AXIS=GB/s with AXIS one of {', '.join(hardware.AXES)} and GB/s a number > 0, "
+                    f"such as dp=0.125, got {text!r}")
+        links[axis] = gbps * GB
     return links
 
 
