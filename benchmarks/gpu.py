@@ -1,6 +1,7 @@
 """Every GPU figure zfunc reports, in one process: the kernels against torch's and against the measured
 copy bandwidth, the GPT recipe's model in bf16 (tokens/s, MFU), zfunc's step against a plain torch
-loop, and the largest GPT that trains with its optimizer and params offloaded to CPU RAM.
+loop, and the largest GPT that trains with its optimizer (then also its params) offloaded to CPU RAM,
+beside the largest that plain torch trains.
 
     python benchmarks/gpu.py OUT_DIR [--budget-s 300] [--only adamw,gpt] [--dry-run]
 
@@ -286,7 +287,9 @@ def _tokens(run: Run, cfg, batch: int, block: int, seed: int):
     return x[:, :-1].contiguous(), x[:, 1:].contiguous()
 
 
-def _zfunc_step(run: Run, model, precision: str, offload=None):
+def _zfunc_step(run: Run, model, precision: str, offload: tuple[str, str | None] | None = None):
+    """zfunc's step for ``model`` (AdamW, clip 1.0) and its state; ``offload``: ``(optimizer, params)``
+    as ``zf.offload`` takes them (units of GPT blocks), or None for the plain step."""
     from recipes import gpt
 
     apply, params = zf.functionalize(model)
@@ -298,7 +301,7 @@ def _zfunc_step(run: Run, model, precision: str, offload=None):
                         zf.optim.adamw(3e-4, b2=0.95, weight_decay=0.1, mask=zf.optim.decay_mask))
     step = zf.train_step(loss_fn, tx, precision)
     if offload:
-        step = zf.offload(step, "cpu", "cpu", units=zf.units.by_class(gpt.Block))
+        step = zf.offload(step, *offload, units=zf.units.by_class(gpt.Block) if offload[1] else None)
     return step, step.init(params, model.materializer(0))
 
 
@@ -366,9 +369,10 @@ def zfunc_vs_torch(run: Run, flavor: str, batch: int, block: int, rounds: int) -
     return {"flavor": flavor, "batch": batch, "block": block, "s": t, "zfunc_over_torch": t["zfunc"] / t["torch"]}
 
 
-def offload_largest(run: Run, candidates: tuple[str, ...], block: int) -> dict:
+def offload_largest(run: Run, candidates: tuple[str, ...], block: int, params: str | None = "cpu") -> dict:
     """The largest GPT flavor (of ``candidates``, ascending) that trains a step with its optimizer
-    state and fp32 params in CPU RAM (``zf.offload(step, "cpu", "cpu")``), and each one's
+    state and fp32 masters in CPU RAM (``zf.offload(step, "cpu", params)``: ``params="cpu"`` also
+    fetches each unit's compute params from RAM; None keeps them whole on the GPU), and each one's
     ``max_memory_allocated`` against the device bytes offload accounts for (compute params kept +
     the step's peak of gathered params): batch 1 so activations stay small beside them."""
     tried = {}
@@ -387,7 +391,7 @@ def offload_largest(run: Run, candidates: tuple[str, ...], block: int) -> dict:
             break
         t0 = time.monotonic()
         try:
-            step, state = _zfunc_step(run, model, _precision(run), offload=True)
+            step, state = _zfunc_step(run, model, _precision(run), offload=("cpu", params))
             init_s = time.monotonic() - t0
             batch = _tokens(run, cfg, 1, block, 0)
             state, _ = step(state, batch)
@@ -423,9 +427,54 @@ def offload_largest(run: Run, candidates: tuple[str, ...], block: int) -> dict:
         finally:
             step = state = None
             _free(run)
-    return {"largest": largest, "tried": tried, "plain_step_predicted": _plain_largest(run),
-            "nvme": "not run (needs a local NVMe path and more time)",
+    return {"largest": largest, "params": params, "tried": tried, "plain_step_predicted": _plain_largest(run),
+            "nvme": "not run: the GPU machine's 64 GiB disk holds the ~14 B/param of at most ~4B params, "
+                    "below what RAM already holds",
             "deepspeed": "not run: DeepSpeed is not installed on the GPU machine"}
+
+
+def plain_largest(run: Run, candidates: tuple[str, ...], block: int) -> dict:
+    """The largest GPT flavor (of ``candidates``, ascending) that plain torch trains a step of on the
+    GPU, as a user writes it (fp32 params, bf16 autocast, fused AdamW, clip 1.0; batch 1 as
+    ``offload_largest``), run until one runs out of memory: the peer of the offloaded rows."""
+    from recipes import gpt
+
+    tried, largest = {}, None
+    for flavor in candidates:
+        _, cfg, _ = _gpt(run, flavor, 1, block)
+        model = opt = None
+        try:
+            torch.manual_seed(0)
+            with torch.device(run.device):
+                model = gpt.GPT(cfg)
+            n = model.num_params(non_embedding=False)
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                                    fused=run.cuda)
+            x, y = _tokens(run, cfg, 1, block, 0)
+
+            def one():
+                with torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=run.cuda):
+                    loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                return loss
+
+            one()  # allocates the optimizer state
+            if run.cuda:
+                torch.cuda.reset_peak_memory_stats()
+            step_s = _time_once(run, one)
+            tried[flavor] = {"params": n, "step_s": step_s,
+                             "max_memory_allocated": torch.cuda.max_memory_allocated() if run.cuda else None}
+            largest = flavor
+        except torch.OutOfMemoryError as e:
+            tried[flavor] = {"out_of_memory": str(e).splitlines()[0][:200]}
+            break
+        finally:
+            model = opt = None
+            _free(run)
+    return {"largest": largest, "tried": tried}
 
 
 def _activation_bytes(run: Run, flavor: str, block: int, batch) -> int:
@@ -549,6 +598,11 @@ FIGURES = {
                                                       run.n(7, 2))),
     "offload_largest": (90, lambda run: offload_largest(run, ("1.3B", "2.7B", "6.7B") if not run.dry else ("debug",),
                                                         run.n(256, 32))),
+    "plain_largest": (30, lambda run: plain_largest(run, ("1.3B", "2.7B", "6.7B") if not run.dry else ("debug",),
+                                                    run.n(256, 32))),
+    # last: 6.7B's ~100 GB of host RAM takes ~90 s to set up, and the budget check skips what no longer fits
+    "offload_optimizer_largest": (90, lambda run: offload_largest(
+        run, ("2.7B", "6.7B", "13B") if not run.dry else ("debug",), run.n(256, 32), params=None)),
 }
 
 # ---------------------------------------------------------------------------------------- table
@@ -592,10 +646,12 @@ def table(doc: dict) -> str:
         tps = _dig(figures, (name, "tokens_per_s"))
         if isinstance(tps, (int, float)):
             lines.append(f"{name + ' tokens/s':40} {tps:>10,.0f}")
+    for label, path in (("largest GPT, plain torch (run)", ("plain_largest", "largest")),
+                        ("largest GPT, plain step (predicted)", ("offload_largest", "plain_step_predicted", "largest")),
+                        ("largest GPT, optimizer in CPU RAM", ("offload_optimizer_largest", "largest"))):
+        lines.append(f"{label:40} {str(_dig(figures, path)):>10}")
     largest = _dig(figures, ("offload_largest", "largest"))
     lines.append(f"{'largest GPT, optimizer+params in CPU RAM':40} {str(largest):>10}")
-    plain = _dig(figures, ("offload_largest", "plain_step_predicted", "largest"))
-    lines.append(f"{'largest GPT, plain step (predicted)':40} {str(plain):>10}")
     if largest:
         ratio = _dig(figures, ("offload_largest", "tried", largest, "peak_over_accounted"))
         if isinstance(ratio, (int, float)):

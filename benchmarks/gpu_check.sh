@@ -99,11 +99,14 @@ tail -n 25 "$OUT/pytest.log"
 stage "benchmarks/gpu.py"
 LEFT=$((LIMIT_S - SECONDS - 20))
 if [ $DRY -eq 1 ]; then
-  timeout 300 python3 benchmarks/gpu.py "$OUT" --dry-run --budget-s 240 || fail "benchmarks/gpu.py --dry-run"
+  timeout 300 python3 benchmarks/gpu.py "$OUT" --dry-run --budget-s 240 ${GPU_CHECK_ONLY:+--only "$GPU_CHECK_ONLY"} \
+    || fail "benchmarks/gpu.py --dry-run"
 elif [ $LEFT -lt 60 ]; then
   fail "benchmarks/gpu.py: only $LEFT s left of $LIMIT_S"
 else
-  timeout $((LEFT + 15)) python3 benchmarks/gpu.py "$OUT" --budget-s "$LEFT" --host-gib 110 || fail "benchmarks/gpu.py"
+  # GPU_CHECK_ONLY=a,b runs only those figures (benchmarks/gpu.py --only): a rerun for what the last one missed
+  timeout $((LEFT + 15)) python3 benchmarks/gpu.py "$OUT" --budget-s "$LEFT" --host-gib 110 \
+    ${GPU_CHECK_ONLY:+--only "$GPU_CHECK_ONLY"} || fail "benchmarks/gpu.py"
 fi
 for f in gpu.json gpu.txt; do [ -s "$OUT/$f" ] || fail "benchmarks/gpu.py wrote no $f"; done
 

@@ -23,9 +23,12 @@ def test_the_dry_run_checks_every_stage_and_writes_the_results(tmp_path):
     assert doc["dry_run"] is True
     figures = doc["figures"]
     assert set(figures) >= {"copy_bandwidth", "adamw", "bf16_one_pass", "grad_norm", "gpt_125M", "gpt_1.3B",
-                            "zfunc_vs_torch", "offload_largest"}
+                            "zfunc_vs_torch", "offload_largest", "plain_largest", "offload_optimizer_largest"}
     assert [k for k, v in figures.items() if "error" in v or "skipped" in v] == []
     assert figures["adamw"]["10M"]["zfunc"] == "needs CUDA"  # the kernels are not timed without a GPU
-    assert figures["gpt_125M"]["tokens_per_s"] > 0 and figures["offload_largest"]["largest"] == "debug"
+    assert figures["gpt_125M"]["tokens_per_s"] > 0
+    for name in ("offload_largest", "plain_largest", "offload_optimizer_largest"):
+        assert figures[name]["largest"] == "debug", (name, figures[name])
+    assert figures["offload_optimizer_largest"]["params"] is None
     assert "tests/test_gpu_kernels.py" in (tmp_path / "check.log").read_text()  # among the files collected
     assert "zfunc GPU figures" in (tmp_path / "gpu.txt").read_text()
