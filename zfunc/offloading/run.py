@@ -31,7 +31,8 @@ from zfunc.core import placement, precision as mp, tree
 from zfunc.core.roles import Role, RunContext
 from zfunc.sharding.layout import leaf_names
 from zfunc.core.state import FIELDS, TrainState
-from zfunc.core.step import NonFiniteError, Step, sum_over_ranks, without_missing_grads
+from zfunc.core.step import NonFiniteError, Step
+from zfunc.core.totals import sum_over_ranks, without_missing_grads
 from zfunc.offloading.copies import ComputeCopies
 from zfunc.offloading.grads import leaf_norm
 from zfunc.offloading.merge import NO_MERGE, merge_states, split_state

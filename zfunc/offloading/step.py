@@ -141,7 +141,8 @@ from zfunc.core.roles import Roles, RunContext
 from zfunc.sharding.step import ShardedStep
 from zfunc.sharding.layout import ShardSpec, leaf_names, local_piece
 from zfunc.sharding.run import StepRun
-from zfunc.core.step import Step, Transformed
+from zfunc.core.step import Step
+from zfunc.core.transformed import Transformed
 from zfunc.core.state import TrainState, require_train_state
 from zfunc.offloading.placement import OffloadSpec, in_ram
 from zfunc.offloading.store import OnDisk, leaf_groups, packed_bytes
