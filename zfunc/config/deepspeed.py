@@ -91,8 +91,10 @@ from typing import Any
 
 from zfunc.config import json_file
 from zfunc.core import compose
-from zfunc.config.plan import (OPTIMIZER_DEFAULTS, PLACES, SCHEDULER_DEFAULTS, SCHEDULERS, Plan, _check_bool,
-                          _check_choice, _check_int, _check_number, _optimizer_params, _scheduler_params)
+from zfunc.config.checks import _check_bool, _check_choice, _check_int, _check_number
+from zfunc.config.params import (OPTIMIZER_DEFAULTS, SCHEDULER_DEFAULTS, SCHEDULERS, _optimizer_params,
+                                 _scheduler_params)
+from zfunc.config.plan import PLACES, Plan
 
 
 class IgnoredKeysWarning(UserWarning):
