@@ -60,7 +60,7 @@ class _Stores:
     """Where one call (an ``init`` or a step) puts leaves: the optimizer's and the params' stores,
     the writes in flight (at most ``2 * chunk_bytes``) and the files the call rewrote. ``step`` is
     the ``OffloadedStep`` (read: its chunk size, engine and where it keeps each store), not
-    imported: zfunc.offloading.step imports this module."""
+    imported: zfunc.offloading.offloaded imports this module."""
 
     def __init__(self, step: Any, device: torch.device):
         pin = device.type == "cuda"

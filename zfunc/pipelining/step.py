@@ -134,7 +134,7 @@ from zfunc.model.materialize import Materializer
 from zfunc.model.units import Selector
 from zfunc.offloading.run import LeafUpdate
 from zfunc.offloading.store import Store
-from zfunc.offloading.step import with_outcome
+from zfunc.offloading.offloaded import with_outcome
 
 PyTree = Any
 SCHEDULES = BUILT_IN
