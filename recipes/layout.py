@@ -265,7 +265,7 @@ def rank0_params(model: Any, params: dict, plan: Any) -> dict:
 def _auto_name(path: str) -> str | None:
     """The Hugging Face name of the value an "auto" at ``path`` takes (zf.config.from_deepspeed's
     auto names), or None where "auto" is a tuning knob's."""
-    from zfunc.config.deepspeed import AUTO_NAMES
+    from zfunc.config.deepspeed_keys import AUTO_NAMES
 
     *parents, key = path.split(".")
     if key == "enabled" and parents:

@@ -10,7 +10,7 @@ import zfunc as zf
 from recipes import bert, loop
 from recipes.bert import CLS, IGNORE, MASK, PAD, SEP
 from tests.models import assert_same_training, recipe_step, train_on
-from zfunc.offloading.step import in_ram
+from zfunc.offloading.placement import in_ram
 from zfunc.checkpoint import full_params
 
 STEPS = 4

@@ -20,7 +20,7 @@ import zfunc as zf
 from tests.models import (Block, Tiny, assert_same_training, batches, local, mesh_shaped, token_loss, train_on,
                           untile)
 from zfunc.core import compose
-from zfunc.offloading.step import in_ram
+from zfunc.offloading.placement import in_ram
 from zfunc.checkpoint import full_params
 
 

@@ -11,6 +11,7 @@ import torch
 
 from zfunc import config as C
 from zfunc.config import deepspeed as D
+from zfunc.config.deepspeed_keys import _BATCH_KEYS
 from zfunc.config import json_file
 from tests.recipe_runs import HF_ZERO2, HF_ZERO3
 from zfunc import optim
@@ -451,7 +452,7 @@ def resolve(tmp_path, config, *flags, notices=False):
 
 
 def test_a_config_without_batch_sizes_takes_them_from_the_flags_and_says_so_once(tmp_path, capsys):
-    no_sizes = {k: v for k, v in HF_ZERO2.items() if k not in D._BATCH_KEYS}  # left to the Trainer, as HF's
+    no_sizes = {k: v for k, v in HF_ZERO2.items() if k not in _BATCH_KEYS}  # left to the Trainer, as HF's
     plan, args = resolve(tmp_path, no_sizes, "--batch-size", "16", "--accum", "2", "--precision", "bf16",
                          notices=True)
     assert (plan.global_batch, plan.micro_batch, plan.accum, args.batch_size, args.accum) == (16, 8, 2, 16, 2)

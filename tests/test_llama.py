@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import zfunc as zf
 from recipes import llama
 from tests.models import assert_same_training, recipe_step, train_on
-from zfunc.offloading.step import in_ram
+from zfunc.offloading.placement import in_ram
 from zfunc.checkpoint import full_params
 
 STEPS = 4

@@ -15,7 +15,7 @@ import torch
 import zfunc as zf
 from tests.models import assert_same_training, batches, make, train_on
 from zfunc.core import compose, placement
-from zfunc.core.step import Transformed
+from zfunc.core.transformed import Transformed
 
 
 # ------------------------------------------------------------------------------ the transformation

@@ -15,7 +15,9 @@ from tests.models import (Block, Tiny, assert_same_training, batches, local, tok
                           with_faults)
 from tests.models import make_offloaded as make  # this file's step: Tiny, offloaded or not
 from zfunc.offloading.copies import ComputeCopies
-from zfunc.offloading.step import OffloadSpec, in_ram, offload, release
+from zfunc.offloading.placement import OffloadSpec, in_ram
+from zfunc.offloading.teardown import release
+from zfunc.offloading.step import offload
 from zfunc.sharding.run import StepRun
 from zfunc.checkpoint import full_params
 from zfunc.core.tree import leaves as tree_leaves

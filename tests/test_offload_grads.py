@@ -9,7 +9,7 @@ from tests.models import make_offloaded as make
 from zfunc.ops.cpu import adam as cpu_adam
 from zfunc.checkpoint import full_params
 from zfunc.sharding.layout import FlatGroup
-from zfunc.offloading.step import in_ram
+from zfunc.offloading.placement import in_ram
 
 
 def same_training(step, state, clip, precision, accum=1, world=1, rank=0):

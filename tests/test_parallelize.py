@@ -9,7 +9,7 @@ from torch import nn
 
 import zfunc as zf
 from tests.models import Tiny, adamw, assert_same_training, batches, token_loss, train_on
-from zfunc.offloading.step import OffloadedStep
+from zfunc.offloading.offloaded import OffloadedStep
 from zfunc.sharding.step import ShardedStep
 from zfunc.model.tiling import TiledLinear
 

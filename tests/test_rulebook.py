@@ -14,7 +14,7 @@ from tests.models import Tiny
 from zfunc import plan as zp
 from zfunc.config import deepspeed as D
 from zfunc.core import compose
-from zfunc.core.step import Transformed
+from zfunc.core.transformed import Transformed
 
 # rule name -> plan fields that break that rule alone
 CASES = {

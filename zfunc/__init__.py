@@ -15,7 +15,8 @@ from zfunc import checkpoint, config, dist, offloading, ops, optim, plan, sequen
 from zfunc.config.apply import parallelize
 from zfunc.core import precision, tree
 from zfunc.core.state import ConsumedStateError, TrainState
-from zfunc.core.step import NonFiniteError, Step, train_step, value_and_grad
+from zfunc.core.grads import value_and_grad
+from zfunc.core.step import NonFiniteError, Step, train_step
 from zfunc.dist import Mesh
 from zfunc.model import functional, materialize, tiling, units
 from zfunc.model.functional import ModuleChangedError, functionalize

@@ -33,7 +33,7 @@ Each role is a small object with one job; what the run asks of it:
 - **update** (``update``): ``apply(state, grads, loss, aux, produced) -> (state, metrics)``, given
   this rank's loss and, per leaf, 1 where this rank's backward produced a grad (None at stage 0,
   whose loss and grads are totals already). It sums what needs summing over the ranks with
-  ``context.sum_across`` (``zfunc.core.step.sum_over_ranks``: the squared grad norm's parts, the
+  ``context.sum_across`` (``zfunc.core.totals.sum_over_ranks``: the squared grad norm's parts, the
   loss and the flags in one all-reduce), decides with ``context.finite`` and updates.
   ``zfunc.sharding.run.PlainUpdate`` (the plain step's rule on this rank's pieces),
   ``zfunc.offloading.run.LeafUpdate`` (leaf by leaf from the stores, writes in flight).

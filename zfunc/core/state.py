@@ -39,7 +39,7 @@ class TrainState:
     split, on every rank of a sharded state).
     ``placement`` is static metadata, not a pytree child: ``None`` for a plain state, else the spec
     of the transformation that placed ``params`` and ``opt_state``: ``zfunc.sharding.layout.ShardSpec``
-    (split over ranks), ``zfunc.offloading.step.OffloadSpec`` (and kept in RAM or swap files),
+    (split over ranks), ``zfunc.offloading.placement.OffloadSpec`` (and kept in RAM or swap files),
     ``zfunc.pipelining.step.PipelineSpec`` (one pipeline stage's share).
     """
 

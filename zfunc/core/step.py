@@ -11,10 +11,9 @@ state -- the optimizer writes into its tensors -- and marks it, so touching it a
 copy and the input state stays intact. ``init`` copies the caller's tensors. The batch is never
 written to.
 
-Gradients use ``torch.autograd.grad`` over ``torch.func.functional_call`` with detached leaves
-that require grad: it supports saved-tensor hooks and non-reentrant checkpointing, which
-``torch.func.grad`` refuses (docs/design.md, section 1), and costs the same as ``loss.backward()``. A param
-the loss never uses gets no grad (``None``), and the optimizer leaves it alone, as torch does.
+Gradients come from ``zfunc.core.grads`` (``torch.autograd.grad`` over detached leaves that require
+grad); a param the loss never uses gets no grad (``None``), and the optimizer leaves it alone, as torch does.
+Transformations wrap a ``Step`` in a ``zfunc.core.transformed.Transformed``.
 
 Non-finite steps: when the loss or the grads hold an inf or a nan, the step does not update. It
 returns a state with the same params and optimizer state, ``step + 1`` (a skipped step counts, as
@@ -51,8 +50,10 @@ from zfunc import optim
 from zfunc.model import functional as module
 from zfunc.model.materialize import Materializer, leaf as materialize_leaf
 from zfunc.core import precision as mp, tree
-from zfunc.core.microbatches import accumulate, run_microbatches, step_seed
-from zfunc.core.roles import Accumulation, SumAcross
+from zfunc.core.grads import _LocalGrads
+from zfunc.core.microbatches import run_microbatches, step_seed
+from zfunc.core.roles import Accumulation
+from zfunc.core.totals import without_missing_grads
 from zfunc.ops.cpu import hostmem
 from zfunc.core.state import TrainState, require_train_state
 
@@ -61,111 +62,6 @@ PyTree = Any
 
 class NonFiniteError(FloatingPointError):
     """More non-finite steps (loss or grads inf/nan) in a row than ``train_step(max_skips=)``."""
-
-
-def split_loss(out: Any, has_aux: bool) -> tuple[torch.Tensor, Any]:
-    """``(loss, aux)`` from what a loss function returned, the loss checked to be a scalar tensor."""
-    loss, aux = out if has_aux else (out, None)
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
-        got = f"shape {tuple(loss.shape)} {loss.dtype}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ValueError(f"loss_fn: expected a 0-d floating-point tensor (a scalar loss), got {got}")
-    return loss, aux
-
-
-class _LocalGrads:
-    """The plain step's forward and backward: grads of ``loss_fn(params, microbatch)`` (its loss times
-    ``scale``, None: 1) with respect to ``params``' floating leaves, by ``torch.autograd.grad`` over
-    detached leaves that require grad, summed in fp32 over the microbatches (``accumulate``)."""
-
-    __slots__ = ("loss_fn", "scale", "has_aux", "treespec", "flags", "wrt", "params", "live", "acc", "left", "squares")
-
-    def __init__(self, params: PyTree, loss_fn: Callable, scale: float | None, has_aux: bool, squares_at: int = 0):
-        """``squares_at``: the number of backwards whose last adds its grads to the sums in one pass
-        with the sum of the squares of the results (``optim.add_with_squares``, into ``squares``:
-        the norm with no read of its own); 0: none does."""
-        leaves, self.treespec = tree.flatten(params)
-        self.flags = [isinstance(x, torch.Tensor) and x.is_floating_point() for x in leaves]
-        diff = [x.detach().requires_grad_() if f else x for x, f in zip(leaves, self.flags)]
-        self.wrt = diff if all(self.flags) else [x for x, f in zip(diff, self.flags) if f]
-        self.params = tree.unflatten(self.treespec, diff)
-        self.loss_fn, self.scale, self.has_aux = loss_fn, scale, has_aux
-        self.live: dict[int, torch.Tensor] = {}  # microbatches between forward and backward: their losses
-        self.acc: list | None = None
-        self.left, self.squares = squares_at, None
-
-    def forward(self, i: int, micro: PyTree) -> tuple[torch.Tensor, Any]:
-        """Microbatch ``i``'s ``(loss, aux)``; its graph kept for ``backward(i)``."""
-        with torch.enable_grad():
-            loss, aux = split_loss(self.loss_fn(self.params, micro), self.has_aux)
-        self.live[i] = loss
-        return loss, aux
-
-    def backward(self, i: int) -> None:
-        """Microbatch ``i``'s grads, added to the sums (``None`` for a leaf it did not use)."""
-        grads = self.grads(self.live.pop(i))
-        self.left -= 1
-        if self.left == 0 and self.acc is not None:
-            self.squares = optim.add_with_squares(self.acc, grads)
-            if self.squares is not None:
-                return
-        self.acc = accumulate(self.acc, grads)
-
-    def grads(self, loss: torch.Tensor) -> list:
-        """The grads of ``loss`` (times ``scale``), a list in leaf order, ``None`` for a leaf that is
-        not floating or that the loss did not use."""
-        if self.scale is not None:
-            with torch.enable_grad():  # the product joins the graph (the backward itself needs no grad mode)
-                loss = loss * self.scale
-        grads = _grads(loss, self.wrt)
-        if len(grads) != len(self.flags):
-            it = iter(grads)
-            grads = [next(it) if f else None for f in self.flags]
-        return list(grads)
-
-
-_ENGINE = torch.autograd.Variable._execution_engine
-
-
-def _grads(loss: torch.Tensor, wrt: list) -> tuple:
-    """``torch.autograd.grad(loss, wrt, allow_unused=True)``. In a process without CUDA, whose
-    graphs run on the calling thread, on plain tensors: torch's engine called directly, as that
-    function ends up calling it, without its argument handling, ``__torch_function__`` dispatch
-    and stash of the caller's context for device threads (6 of the 16 us it takes, at 1e3 params,
-    of a plain CPU step's ~47)."""
-    if (type(loss) is torch.Tensor and loss.grad_fn is not None and not torch.cuda.is_initialized()
-            and all(type(x) is torch.Tensor for x in wrt)):
-        return _ENGINE.run_backward((loss,), (torch.ones_like(loss),), False, False, tuple(wrt), True, False)
-    return torch.autograd.grad(loss, wrt, allow_unused=True)
-
-
-def _differentiable(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and x.is_floating_point()
-
-
-def _or_zeros(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(like) if g is None else g
-
-
-def value_and_grad(fn: Callable[..., Any], has_aux: bool = False) -> Callable[..., Any]:
-    """``fn(params, *args) -> loss`` becomes ``(params, *args) -> (loss, grads)``.
-
-    ``loss`` must be a 0-d floating tensor; it comes back detached. ``grads`` has the structure of
-    ``params``, a tensor (zeros where unused) for each floating leaf and ``None`` elsewhere. With
-    ``has_aux`` ``fn`` returns ``(loss, aux)`` and the result is ``((loss, aux), grads)``. Pure:
-    ``params`` are read, never written.
-    """
-
-    def wrapped(params: PyTree, *args: Any):
-        local = _LocalGrads(params, fn, None, has_aux)
-        with torch.enable_grad():
-            loss, aux = split_loss(fn(local.params, *args), has_aux)
-        grads = local.grads(loss)
-        leaves = tree.leaves(params)
-        grads = [_or_zeros(g, x) if _differentiable(x) else None for g, x in zip(grads, leaves)]
-        grads = tree.unflatten(local.treespec, grads)
-        return ((loss.detach(), aux) if has_aux else loss.detach()), grads
-
-    return wrapped
 
 
 def check_single_device(params: PyTree) -> torch.device:
@@ -386,75 +282,6 @@ class Step:
         loss, aux = run_microbatches(self.schedule, batch, dtype, step_seed(rng, step), params, local.forward,
                                      local.backward)
         return loss, aux, tree.unflatten(local.treespec, local.acc), count * (scale or 1.0), local.squares
-
-
-class _FromInner:
-    """A configuration field of a ``Transformed`` step: its ``inner`` step's, unless set on this
-    step (an instance attribute of the same name, which this non-data descriptor yields to)."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, step: Any, owner: type | None = None) -> Any:
-        return self if step is None else getattr(step.inner, self.name)
-
-
-class Transformed(Step):
-    """Base of the steps that transformations return: it *wraps* ``inner``, the step it was given,
-    keeps the roles its transformation owns (where params come from, where grads go, how the
-    update runs, the microbatch schedule; docs/design.md) and reads the configuration fields below
-    from ``inner``: the loss, the optimizer, precision, accumulation, donation, seed and skip
-    policy. Nothing is copied, so a chain of wrappers has one source for each field; setting one
-    (``step.loss_fn = ...``) sets it on this step only. Anything else a transformation reads of
-    the step it wraps, it reads from ``inner`` (or the wrapped step it keeps) by name.
-    ``layers`` records the transformation (``zfunc.core.compose``).
-    """
-
-    loss_fn = _FromInner()
-    optimizer = _FromInner()
-    precision = _FromInner()
-    accum = _FromInner()
-    donate = _FromInner()
-    has_aux = _FromInner()
-    seed = _FromInner()
-    max_skips = _FromInner()
-    grad_norm = _FromInner()
-    compute_dtype = _FromInner()
-    schedule = _FromInner()
-
-    def __init__(self, inner: Step, layer: str):  # no Step.__init__: its fields are inner's
-        self.inner = inner
-        self.layers = (*inner.layers, layer)
-
-
-def sum_over_ranks(sum_across: SumAcross, sq_norm: torch.Tensor | None, loss: torch.Tensor | None,
-                   produced: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    """The step's scalars summed over the ranks in one call of ``sum_across`` (one all-reduce):
-    this rank's squared grad norm (its parts: the sum of its grads' squares), its loss and, per
-    leaf, whether it produced a grad; each None where there is none to sum. Returns the totals
-    ``(norm, loss, produced)``: the global grad norm (the square root of the summed squares), the
-    summed loss and the number of ranks that produced a grad for each leaf (None where not given).
-    Cost: one all-reduce of ``1 + 1 + leaves`` fp32 numbers at most, on the device of the norm
-    (else of the loss)."""
-    given = [(what, x) for what, x in (("grad-norm", sq_norm), ("loss", loss), ("grads-produced", produced))
-             if x is not None]
-    ref = given[0][1]
-    flat = torch.cat([x.reshape(-1).to(ref.device, torch.float32) for _, x in given])
-    names = [what for what, _ in given]
-    label = (", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]) + " all-reduce"
-    flat = sum_across(flat, label)
-    k = int(sq_norm is not None)
-    norm = flat[0].sqrt() if k else None
-    if loss is not None:
-        loss, k = flat[k], k + 1
-    return norm, loss, (None if produced is None else flat[k:])
-
-
-def without_missing_grads(grads: PyTree, produced: torch.Tensor) -> PyTree:
-    """``grads`` with ``None`` for the params no rank produced a grad for (``produced``: per leaf,
-    the ranks that did; their grads are zeros): the optimizer leaves those alone, as DDP does."""
-    leaves, treespec = tree.flatten(grads)
-    return tree.unflatten(treespec, [g if n > 0 else None for g, n in zip(leaves, produced.tolist())])
 
 
 def _values(state: TrainState) -> tuple:

@@ -31,7 +31,8 @@ from zfunc.core import placement, precision as mp, tree
 from zfunc.core.roles import Role, RunContext
 from zfunc.sharding.layout import leaf_names
 from zfunc.core.state import FIELDS, TrainState
-from zfunc.core.step import NonFiniteError, Step, sum_over_ranks, without_missing_grads
+from zfunc.core.step import NonFiniteError, Step
+from zfunc.core.totals import sum_over_ranks, without_missing_grads
 from zfunc.offloading.copies import ComputeCopies
 from zfunc.offloading.grads import leaf_norm
 from zfunc.offloading.merge import NO_MERGE, merge_states, split_state
@@ -59,7 +60,7 @@ class _Stores:
     """Where one call (an ``init`` or a step) puts leaves: the optimizer's and the params' stores,
     the writes in flight (at most ``2 * chunk_bytes``) and the files the call rewrote. ``step`` is
     the ``OffloadedStep`` (read: its chunk size, engine and where it keeps each store), not
-    imported: zfunc.offloading.step imports this module."""
+    imported: zfunc.offloading.offloaded imports this module."""
 
     def __init__(self, step: Any, device: torch.device):
         pin = device.type == "cuda"

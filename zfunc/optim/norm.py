@@ -2,7 +2,7 @@
 
 ``global_norm`` is the L2 norm of the grad tensors it is given, together. It reads nothing but its
 arguments: where the grads are one rank's share (a sharded step), the step sums the squares over
-the ranks itself (``zfunc.core.step.sum_over_ranks``, one all-reduce of its own scalars) and hands
+the ranks itself (``zfunc.core.totals.sum_over_ranks``, one all-reduce of its own scalars) and hands
 the total to the optimizer as a ``KnownNorm`` (``known_norm``, ``optim.apply(norm=)``), which
 clipping then takes instead of reading the grads again.
 """

@@ -24,7 +24,7 @@ import torch
 from zfunc.core import tree
 from zfunc.core.microbatches import accumulate, run_microbatches, split_batch
 from zfunc.model.functional import run_by
-from zfunc.core.step import split_loss
+from zfunc.core.grads import split_loss
 from zfunc.pipelining.check import Timeline, check
 from zfunc.pipelining.hooks import _StageOutput, _StageRun
 from zfunc.pipelining.placement import PipelineSpec

@@ -127,13 +127,14 @@ from zfunc.pipelining.stage import PipelineSchedule, _Run, _digest
 from zfunc.pipelining.dp_grads import OpGradSlices, reduce_scatter
 from zfunc.sharding.reduce import average_buffers, average_order
 from zfunc.sharding.layout import ShardSpec, bucket_groups, gather_whole
-from zfunc.core.step import Step, Transformed
+from zfunc.core.step import Step
+from zfunc.core.transformed import Transformed
 from zfunc.core.state import TrainState, require_train_state
 from zfunc.model.materialize import Materializer
 from zfunc.model.units import Selector
 from zfunc.offloading.run import LeafUpdate
 from zfunc.offloading.store import Store
-from zfunc.offloading.step import with_outcome
+from zfunc.offloading.offloaded import with_outcome
 
 PyTree = Any
 SCHEDULES = BUILT_IN

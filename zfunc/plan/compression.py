@@ -31,7 +31,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from zfunc.config.plan import OPTIMIZER_DEFAULTS, Plan
+from zfunc.config.params import OPTIMIZER_DEFAULTS
+from zfunc.config.plan import Plan
 from zfunc.plan.cost import engine_comm
 from zfunc.plan.memory import partition_params
 from zfunc.plan.model import ModelSpec

@@ -28,7 +28,9 @@ import torch
 from zfunc.core import precision as mp, tree
 from zfunc.core.microbatches import run_microbatches, step_seed
 from zfunc.core.roles import Role, RunContext
-from zfunc.core.step import Step, TrainState, split_loss, sum_over_ranks
+from zfunc.core.grads import split_loss
+from zfunc.core.step import Step, TrainState
+from zfunc.core.totals import sum_over_ranks
 from zfunc.model.functional import BufferScope, carrying, run_by
 from zfunc.sharding.layout import FlatGroup, ShardSpec, _placeholder, bucket_groups, gather_whole, leaf_names
 from zfunc.sharding.hpz import SecondaryGatherer

@@ -88,7 +88,8 @@ from zfunc.sharding.layout import FlatGroup, LeafShard, ShardSpec, leaf_names, l
 from zfunc.sharding.reduce import Buckets
 from zfunc.core.roles import Roles, RunContext
 from zfunc.sharding.run import LocalPieces, PlainUpdate, ReducedSlices, StepRun
-from zfunc.core.step import Step, Transformed, check_single_device
+from zfunc.core.step import Step, check_single_device
+from zfunc.core.transformed import Transformed
 from zfunc.core.state import TrainState, require_train_state
 from zfunc.model.units import Selector
 

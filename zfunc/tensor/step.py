@@ -42,7 +42,8 @@ from torch import nn
 from zfunc import optim
 from zfunc.core import compose, placement, tree
 from zfunc.core.state import TrainState, require_train_state
-from zfunc.core.step import Step, Transformed
+from zfunc.core.step import Step
+from zfunc.core.transformed import Transformed
 from zfunc.tensor.layout import Layout, layout_of
 
 

@@ -43,7 +43,7 @@ no atomic replace (blocks allocated by its first write only).
 **One engine per directory.** An engine holds an exclusive ``flock`` on the directory for its
 lifetime; a second engine on it is refused with ``SwapInUseError`` (``zfunc.offloading.swap.directory``).
 ``read_only=True`` takes no lock and creates, writes and removes nothing (so it reads a full
-disk), for a reader beside the holder (``zfunc.offloading.step.in_ram`` between steps); ``lock=False``, a
+disk), for a reader beside the holder (``zfunc.offloading.placement.in_ram`` between steps); ``lock=False``, a
 writer taking no lock, for tests. A reader that keeps a file open across two writes of its name
 would see its spare overwritten (``spare=False`` gives such readers the version they opened). Ranks
 of one job given one path use ``rank_dir(path)``.
