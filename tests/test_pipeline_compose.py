@@ -38,27 +38,21 @@ def worker(rank, world, directory):
         for block in step.model.blocks:
             block.register_forward_pre_hook(lambda module, args: calls.append(module))
         state, losses, norms = train_on(step, state, batches(), step.mesh.rank, step.mesh.dp)
-        ck.save(state, directory / f"{zero}-{remat}-{schedule}")
+        ck.save(state, directory / checkpoint_name((zero, remat, schedule)))
         out.append((losses, norms, ck.full_params(state), len(calls)))
     return out
 
 
-@pytest.mark.multiprocess
-def test_pp2_x_dp2_with_zero_2_and_3_and_remat_units_equals_the_plain_step_and_loads_into_one_process(tmp_path):
-    results = zf.dist.spawn(worker, 4, 4, tmp_path)
-    plain_step, ref = make()
-    ref, ref_losses, ref_norms = train_on(plain_step, ref, batches())
-    for k, (zero, remat, schedule) in enumerate(CONFIGS):
-        what = f"zero {zero}, remat {remat}, {schedule}"
-        for rank, out in enumerate(results):
-            assert_same_training(out[k][:3], (ref_losses, ref_norms, ref.params), f"{what}, rank {rank}")
-            # a stage's 2 blocks run once per microbatch (2 a step, 3 steps), 3 times with remat: twice in
-            # forward (zf.remat calls the module inside its call) and again in backward
-            assert out[k][3] >= 6 * 2 * (3 if remat else 1), (what, rank, out[k][3])
-        loaded = ck.load(tmp_path / f"{zero}-{remat}-{schedule}", make()[0])
-        assert loaded.step == ref.step
-        for name, value in ref.params.items():
-            torch.testing.assert_close(loaded.params[name], value, rtol=1e-5, atol=1e-5, msg=f"{what}: {name}")
+def checkpoint_name(config: tuple) -> str:
+    """The folder a pp 2 x dp 2 worker saves ``config``'s state in."""
+    return "-".join(map(str, config))
+
+
+def check_block_calls(config: tuple, calls: int, what: str) -> None:
+    """A stage's 2 blocks run once per microbatch (2 a step, 3 steps), 3 times with remat: twice in
+    forward (zf.remat calls the module inside its call) and again in backward."""
+    remat = config[1]
+    assert calls >= 6 * 2 * (3 if remat else 1), (what, calls)
 
 
 def offload_worker(rank, world, directory, where, params_at):
@@ -118,24 +112,44 @@ def sharded_offload_worker(rank, world, directory):
         step = zf.pipeline(zf.offload(step, where, params_at, path=path), stages=2, microbatches=2, model=model,
                            units=by_block)
         state, losses, norms = train_on(step, step.init(params), batches(), step.mesh.rank, step.mesh.dp)
-        ck.save(state, directory / f"sharded-offload-{zero}-{where}-{params_at}")
+        ck.save(state, directory / checkpoint_name((zero, where, params_at)))
         out.append((losses, norms, ck.full_params(state), str(state.placement)))
         zf.offloading.release(step, state)
     return out
 
 
+def check_placement(config: tuple, placement: str, what: str) -> None:
+    """The state's placement names the stage's ZeRO stage over its 2 dp ranks and where offload put it."""
+    zero, where, params_at = config
+    want = f"stage {zero} over 2 ranks, optimizer on {where}, params on {params_at or 'the compute device'}"
+    assert want in placement, (what, placement)
+
+
+# pp 2 x dp 2 on 4 ranks: the worker, its configs, what a config is called, the check of what the worker
+# returns beside losses, norms and params
+PP2_X_DP2 = {
+    "zero-2-3-and-remat": (worker, CONFIGS, "zero {}, remat {}, {}", check_block_calls),
+    "zero-slices-offloaded": (sharded_offload_worker, SHARDED_OFFLOADS, "zero {}, optimizer on {}, params on {}",
+                              check_placement),
+}
+
+
 @pytest.mark.multiprocess
-def test_pp2_x_dp2_with_each_stages_zero_slices_offloaded_equals_the_plain_step_and_loads_into_one_process(tmp_path):
-    results = zf.dist.spawn(sharded_offload_worker, 4, 4, tmp_path)
+@pytest.mark.parametrize("family", list(PP2_X_DP2))
+def test_pp2_x_dp2_equals_the_plain_step_and_loads_into_one_process(tmp_path, family):
+    """ZeRO 2 and 3 and remat'ed units over each stage's dp ranks (``CONFIGS``), or each stage's ZeRO
+    slices offloaded (``SHARDED_OFFLOADS``): every rank trains as the plain step and every config's
+    checkpoint loads into one process."""
+    run, configs, label, check = PP2_X_DP2[family]
+    results = zf.dist.spawn(run, 4, 4, tmp_path)
     plain_step, ref = make()
     ref, ref_losses, ref_norms = train_on(plain_step, ref, batches())
-    for k, (zero, where, params_at) in enumerate(SHARDED_OFFLOADS):
-        what = f"zero {zero}, optimizer on {where}, params on {params_at}"
+    for k, config in enumerate(configs):
+        what = label.format(*config)
         for rank, out in enumerate(results):
-            want = f"stage {zero} over 2 ranks, optimizer on {where}, params on {params_at or 'the compute device'}"
-            assert want in out[k][3], out[k][3]
             assert_same_training(out[k][:3], (ref_losses, ref_norms, ref.params), f"{what}, rank {rank}")
-        loaded = ck.load(tmp_path / f"sharded-offload-{zero}-{where}-{params_at}", make()[0])
+            check(config, out[k][3], f"{what}, rank {rank}")
+        loaded = ck.load(tmp_path / checkpoint_name(config), make()[0])
         assert loaded.step == ref.step
         for name, value in ref.params.items():
             torch.testing.assert_close(loaded.params[name], value, rtol=1e-5, atol=1e-5, msg=f"{what}: {name}")

@@ -1,6 +1,8 @@
 """CPU kernels and the host facts they depend on.
 
-``adam``: Numba optimizer kernels for state in CPU RAM (AdamW/Adam, Lion, SGD), one memory pass per step; ``lamb``:
+``adam``: Numba optimizer kernels for state in CPU RAM (AdamW/Adam, Lion, SGD), one memory pass per step (its
+compiled updates in ``blocks``, run over a range by ``sweep``; the Numba toolkit they share with ``lamb`` and ``norm``
+in ``intrinsics``; their buffers' checks in ``checks``); ``lamb``:
 LAMB in the same family, two passes per tensor; ``norm``: the sum of squares of CPU grads in one read (a step's
 global grad norm);
 ``codec``: the compressed collectives' sign packing and int8/int4 blocks in one pass each;
@@ -11,7 +13,8 @@ CPU multiplies matrices in natively. Modules load on first attribute access (Num
 """
 import importlib
 
-_MODULES = ("adam", "codec", "gomp", "hostmem", "lamb", "norm", "onebit", "units")
+_MODULES = ("adam", "blocks", "checks", "codec", "gomp", "hostmem", "intrinsics", "lamb", "norm", "onebit", "sweep",
+            "units")
 
 
 def __getattr__(name: str):

@@ -25,8 +25,10 @@ from numba import njit
 
 from zfunc.ops.cpu import gomp
 from zfunc.ops.cpu import adam as _adam
-from zfunc.ops.cpu.adam import (_F32, _GRAD, _JIT, _PARALLEL_MIN, _POOL_SIZE, _SQ_BLOCK, _add_square, _leaf_ok,
-                                _load, _prange_of, _ptr, _reject, _sqrt)
+from zfunc.ops.cpu.adam import _PARALLEL_MIN, _POOL_SIZE
+from zfunc.ops.cpu.blocks import _prange_of
+from zfunc.ops.cpu.checks import _GRAD, _leaf_ok, _reject
+from zfunc.ops.cpu.intrinsics import _F32, _JIT, _SQ_BLOCK, _add_square, _load, _ptr, _sqrt
 
 __all__ = ["lamb_many_", "trust_ratio"]
 

@@ -24,7 +24,10 @@ from numba import njit, types
 from numba.extending import overload
 
 from zfunc.ops.cpu import adam, gomp
-from zfunc.ops.cpu.adam import _F32, _F64, _GRAD, _JIT, _PARALLEL_MIN, _SQ_BLOCK, _add_square, _load, _prange_of, _ptr
+from zfunc.ops.cpu.adam import _PARALLEL_MIN
+from zfunc.ops.cpu.blocks import _prange_of
+from zfunc.ops.cpu.checks import _GRAD
+from zfunc.ops.cpu.intrinsics import _F32, _F64, _JIT, _SQ_BLOCK, _add_square, _load, _ptr
 
 __all__ = ["sum_squares"]
 
