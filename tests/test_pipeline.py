@@ -234,6 +234,7 @@ def test_one_stage_equals_plain_step_with_accumulation():
     assert [op[:2] for op in step.timings["ops"]] == [(kind, i) for i in range(4) for kind in "FB"]
     assert all(0 < busy <= end - start for _, _, start, end, _, busy in step.timings["ops"])
     assert sum(op[5] for op in step.timings["ops"]) == pytest.approx(step.timings["compute_s"])
+    assert zf.pipelining.measured.bubble([step.timings]) == pytest.approx((step.timings["bubble"],))  # one rank
 
 
 def test_a_pipelined_state_saves_loads_and_gathers_its_params(tmp_path):
