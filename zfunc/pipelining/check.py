@@ -19,8 +19,8 @@ rank's next op and what it waits for.
 **Costs.** ``costs`` per kind, default ``F = I = W = 1`` and ``B = I + W = 2`` (a backward costs
 about two forwards; zero-bubble splits it in two), communication free; a key ``(kind, stage)``
 sets one virtual stage's, a key ``(kind, microbatch, stage)`` one op's (measured op times: the
-bubble the schedule implies for them, which a run's measured bubble exceeds by its communication
-and its runtime's own time between ops; ``zfunc.pipelining.measured``). The bubble of a rank is
+bubble the schedule implies for them, which a run's measured bubble exceeds by its transfers'
+latency; ``zfunc.pipelining.measured``). The bubble of a rank is
 ``1 - busy / makespan``: for 1F1B, ``(p - 1) / (m + p - 1)``. Cost of the check: O(ops x ranks)
 in the worst case, a few milliseconds at p = 8, m = 32.
 """

@@ -11,8 +11,9 @@ share a clock when the ranks share a host (Linux's monotonic clock), which ``bub
   own span instead, which leaves out the time it waits, done, for the others: the last stage of
   1F1B ends first, 1 - 12/13 of the span where the theory says 1 - 12/15 at p = 2, m = 4.)
 - ``implied(plan, timings)``: ``check(plan, costs)`` with each op's measured ``busy_s``, the
-  bubble the schedule implies for exactly those op times. The measured ``bubble`` exceeds it by
-  what the schedule leaves out: transfers, the runtime's time between ops and a late start.
+  bubble the schedule implies for exactly those op times (each op's ``busy_s`` includes the
+  runtime's work for it). The measured ``bubble`` exceeds it by what the schedule leaves out:
+  the transfers' latency, a rank's late start, its time after its last op (the last sends).
 
 Law: a run whose ops take their ``busy_s`` and start when ``check``'s simulation starts them
 measures the simulation's bubble: ``bubble(t) == implied(plan, t).bubble``. Why per op and per
