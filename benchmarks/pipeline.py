@@ -13,7 +13,9 @@ holding the same blocks (embeddings + the first blocks on stage 0, the last bloc
 head on the last stage; ``--n-layer`` a multiple of ``2 p``). After a warm-up step each, they run
 interleaved: per round and batch, each zfunc step right before torch's of the same kind, after a
 barrier; a step is as slow as its slowest rank. The ratio is the median of the pairs' ratios
-(torch's time / zfunc's), the times the medians.
+(torch's time / zfunc's), the times the medians. CPU time, which load moves far less than the
+wall clock: each step's process CPU time (every thread: the main one, gloo's, zfunc's comm
+thread) summed over the ranks, the median of the pairs' ratios (torch's / zfunc's).
 
 The same work on both sides: AdamW, the microbatch losses averaged, and with ``--norm clip`` (the
 default) both clip the grads at the global norm ``CLIP`` as torchtitan does across pp ranks
@@ -27,11 +29,12 @@ on rank 0).
 
 Bubble, per stage, the median over steps (``zf.pipelining.measured``, from every rank's
 ``step.timings`` of a step): measured, the rank's idle fraction of the pipeline's makespan (first
-rank's start to last rank's end, ``1 - compute / makespan``; compute is each op's time less its
-waits on peers); theory, the schedule's simulated bubble with unit op costs
-(``step.schedule.timeline(p)``; ``(p - 1) / (m + p - 1)`` for GPipe and 1F1B), and the same
+rank's start to last rank's end, ``1 - compute / makespan``; compute is each op's time from the
+previous op's end, less its waits on peers: the runtime's work for an op is no idle time);
+theory, the schedule's simulated bubble with unit op costs (``step.schedule.timeline(p)``;
+``(p - 1) / (m + p - 1)`` for GPipe and 1F1B), and the same
 simulation with each op taking that step's measured time: the bubble the schedule implies for
-those ops, which the measured one exceeds only by transfers and the runtime's time between ops.
+those ops, which the measured one exceeds only by the transfers' latency and a late start or end.
 On this shared 2-core machine, compare ratios, not absolute times; the load average is printed.
 """
 from __future__ import annotations
@@ -151,9 +154,10 @@ def torch_trainer(gpt: GPT, rank: int, p: int, m: int, schedule: str, batch: int
     return run
 
 
-def zfunc_trainer(gpt: GPT, mesh: zf.Mesh, m: int, schedule: str, norm: str):
+def zfunc_trainer(gpt: GPT, mesh: zf.Mesh, m: int, schedule: str, norm: str | None = None):
     """``run(tokens)`` for zf.pipeline; ``norm`` "clip": clipped at the global grad norm ``CLIP``
-    (the step's one all-reduce carries the norm's square), "none": no grad norm computed."""
+    (the step's one all-reduce carries the norm's square), "none": no grad norm computed, None:
+    the norm computed for the metrics, no clip (the step's default)."""
     apply, params = zf.functionalize(gpt)
 
     def loss_fn(p, tokens):
@@ -161,7 +165,7 @@ def zfunc_trainer(gpt: GPT, mesh: zf.Mesh, m: int, schedule: str, norm: str):
 
     opt = zf.optim.chain(zf.optim.clip_by_global_norm(CLIP), zf.optim.adamw(LR)) if norm == "clip" else \
         zf.optim.adamw(LR)
-    inner = zf.train_step(loss_fn, opt, grad_norm=norm == "clip")
+    inner = zf.train_step(loss_fn, opt, grad_norm=norm != "none")
     step = zf.pipeline(inner, stages=mesh.pp, microbatches=m,
                        schedule=schedule, model=gpt, units=zf.units.by_class(Block), mesh=mesh,
                        virtual_stages=VIRTUAL[schedule])
@@ -187,7 +191,7 @@ def worker(rank: int, p: int, cfg: GPTConfig, ms: list[int], batch: int, steps: 
         for s in schedules:
             trainers[("zfunc", s, m)], holders[(s, m)] = zfunc_trainer(copy.deepcopy(base), mesh, m, s, norm)
             trainers[("torch", s, m)] = torch_trainer(copy.deepcopy(base), rank, p, m, s, batch, norm)
-    times = {k: [] for k in trainers}
+    times, cpu = {k: [] for k in trainers}, {k: [] for k in trainers}
     for run in trainers.values():  # warm-up: shapes, allocator
         run(data[0])
     for h in holders.values():
@@ -196,10 +200,11 @@ def worker(rank: int, p: int, cfg: GPTConfig, ms: list[int], batch: int, steps: 
         for tokens in data:
             for k, run in trainers.items():  # zfunc's step, then torch's of the same kind: a pair
                 torch.distributed.barrier()  # every trainer starts its step together on all ranks
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 run(tokens)
                 times[k].append(time.perf_counter() - t0)
-    return times, {k: (h["timings"], h["theory"]) for k, h in holders.items()}
+                cpu[k].append(time.process_time() - c0)  # every thread of the rank: gloo's, the comm thread
+    return times, {k: (h["timings"], h["theory"]) for k, h in holders.items()}, cpu
 
 
 def bubbles(schedule: str, p: int, m: int, per_rank: list[list[dict]]) -> tuple[list[float], ...]:
@@ -245,10 +250,14 @@ def main(argv=None) -> None:
     med = {k: statistics.median(v) for k, v in slowest.items()}
     paired = {(s, m): statistics.median(t / z for t, z in zip(slowest["torch", s, m], slowest["zfunc", s, m]))
               for m in ms for s in schedules}
+    summed = {k: [sum(r[2][k][i] for r in results) for i in range(len(results[0][2][k]))] for k in results[0][2]}
+    cpu = {(s, m): statistics.median(t / z for t, z in zip(summed["torch", s, m], summed["zfunc", s, m]))
+           for m in ms for s in schedules}
     print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print("\n| m | schedule (torch's) | bubble theory | theory at the step's op times, per stage | bubble measured "
-          "per stage (its excess, paired) | zfunc ms/step | torch ms/step | zfunc speed vs torch (paired) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "per stage (its excess, paired) | zfunc ms/step | torch ms/step | zfunc speed vs torch (paired) | CPU time "
+          "torch / zfunc (paired) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for m in ms:
         for s in schedules:
             theory = results[0][1][(s, m)][1]
@@ -256,7 +265,7 @@ def main(argv=None) -> None:
             z, t = med[("zfunc", s, m)], med[("torch", s, m)]
             print(f"| {m} | {s} ({TORCH[s]}) | {theory:.2f} | {', '.join(f'{b:.2f}' for b in implied)} | "
                   f"{', '.join(f'{b:.2f} ({e:+.2f})' for b, e in zip(measured, excess))} | {z * 1e3:.1f} | "
-                  f"{t * 1e3:.1f} | {paired[s, m]:.2f}x |")
+                  f"{t * 1e3:.1f} | {paired[s, m]:.2f}x | {cpu[s, m]:.2f} |")
 
 
 if __name__ == "__main__":
