@@ -1,7 +1,7 @@
 """Pipeline parallelism on p gloo ranks of this CPU: zf.pipeline vs torch.distributed.pipelining.
 
     python benchmarks/pipeline.py [--stages 2] [--microbatches 2,4,8] [--n-layer 4] [--n-embd 192]
-                                  [--block-size 128] [--batch 16] [--steps 3] [--rounds 3]
+                                  [--block-size 128] [--batch 16] [--steps 3] [--rounds 3] [--norm clip|none]
                                   [--schedules gpipe,1f1b,interleaved-1f1b,zero-bubble,zbv]
 
 One spawn of ``--stages`` ranks; every rank builds, from the same initial GPT (recipes/gpt.py),
@@ -10,28 +10,38 @@ for each microbatch count m and schedule: zfunc's step and torch's schedule of t
 rank, ``ScheduleZBVZeroBubble``, whose V places stages ``r`` and ``2p - 1 - r`` on rank ``r``,
 against zfunc's ZB-H1 ("zero-bubble") and ZB-V ("zbv", the same V)) over ``PipelineStage``s
 holding the same blocks (embeddings + the first blocks on stage 0, the last blocks + final norm +
-head on the last stage; ``--n-layer`` a multiple of ``2 p``). They run interleaved, ``--steps``
-steps each per round, for ``--rounds`` rounds, after a warm-up step; a step is as slow as its
-slowest rank, and the median is reported.
+head on the last stage; ``--n-layer`` a multiple of ``2 p``). After a warm-up step each, they run
+interleaved: per round and batch, each zfunc step right before torch's of the same kind, after a
+barrier; a step is as slow as its slowest rank. The ratio is the median of the pairs' ratios
+(torch's time / zfunc's), the times the medians. CPU time, which load moves far less than the
+wall clock: each step's process CPU time (every thread: the main one, gloo's, zfunc's comm
+thread) summed over the ranks, the median of the pairs' ratios (torch's / zfunc's).
 
-Both sides train with AdamW (no clipping) and average the microbatch losses. Differences: torch
-cannot tie ``wte``/``lm_head`` across stages, so its last stage trains an untied copy of the head,
-while zfunc lends the tied weight from stage 0 and returns its grad (a little more traffic);
-zfunc also all-reduces the loss and grad norm so every rank has the metrics.
+The same work on both sides: AdamW, the microbatch losses averaged, and with ``--norm clip`` (the
+default) both clip the grads at the global norm ``CLIP`` as torchtitan does across pp ranks
+(``clip_across_stages``: each rank's norm, one all-reduce of its square over the pipeline, one
+scale of every grad; zfunc's step carries the square in the one all-reduce it makes anyway, with
+the loss, so every rank has the metrics); ``--norm none``: neither computes a grad norm (zfunc
+still all-reduces the loss: one scalar). Differences: torch cannot tie ``wte``/``lm_head`` across
+stages, so its last stage trains an untied copy of the head, while zfunc lends the tied weight
+from stage 0 and returns its grad (a little more traffic; none with the V, which puts both ends
+on rank 0).
 
-Measured bubble, per stage: ``step.timings["bubble"]``, ``1 - compute / wall`` over zfunc's
-schedule (from the batch's split to its last send done; compute is each op's time less its waits
-on peers: ``PipelineStep``'s docstring says what that counts). Theory, two ways: the schedule's
-simulated bubble with unit op costs (``step.schedule.timeline(p)``; ``(p - 1) / (m + p - 1)`` for
-GPipe and 1F1B), and the same simulation with each ``(kind, virtual stage)``'s measured op time
-(median ``busy_s`` of ``step.timings["ops"]``, gathered from every rank): the bubble the schedule
-implies for these ops, which the measured one exceeds only by transfers and the runtime's time
-between ops. On this shared 2-core machine, compare ratios, not absolute times.
+Bubble, per stage, the median over steps (``zf.pipelining.measured``, from every rank's
+``step.timings`` of a step): measured, the rank's idle fraction of the pipeline's makespan (first
+rank's start to last rank's end, ``1 - compute / makespan``; compute is each op's time from the
+previous op's end, less its waits on peers: the runtime's work for an op is no idle time);
+theory, the schedule's simulated bubble with unit op costs (``step.schedule.timeline(p)``;
+``(p - 1) / (m + p - 1)`` for GPipe and 1F1B), and the same
+simulation with each op taking that step's measured time: the bubble the schedule implies for
+those ops, which the measured one exceeds only by the transfers' latency and a late start or end.
+On this shared 2-core machine, compare ratios, not absolute times; the load average is printed.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import sys
 import time
@@ -47,6 +57,7 @@ import zfunc as zf  # noqa: E402
 from recipes.gpt import GPT, Block, GPTConfig  # noqa: E402
 
 LR = 1e-3
+CLIP = 1.0  # max global grad norm with --norm clip
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
 TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
          "zero-bubble": "ScheduleZBVZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
@@ -102,9 +113,21 @@ def torch_stage_module(gpt: GPT, k: int, count: int) -> nn.Module:
     return FirstStage(gpt, blocks) if k == 0 else LastStage(gpt, blocks) if k == count - 1 else MiddleStage(blocks)
 
 
-def torch_trainer(gpt: GPT, rank: int, p: int, m: int, schedule: str, batch: int):
+def clip_across_stages(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """torchtitan's ``clip_grad_norm_`` under pp: this rank's grads' norm, its square summed over
+    the pipeline's ranks (one all-reduce), every rank's grads scaled by one global factor."""
+    grads = [q.grad for q in params if q.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True) ** 2
+    torch.distributed.all_reduce(norm)
+    norm = norm.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm
+
+
+def torch_trainer(gpt: GPT, rank: int, p: int, m: int, schedule: str, batch: int, norm: str):
     """``run(tokens)`` for torch.distributed.pipelining on ``p`` ranks: its schedule of the same
-    kind (``TORCH``), its stages placed as that schedule places them (loop or V)."""
+    kind (``TORCH``), its stages placed as that schedule places them (loop or V); ``norm`` "clip":
+    clipped at the global grad norm ``CLIP`` as torchtitan does (``clip_across_stages``)."""
     from torch.distributed import pipelining as tp
 
     kind = TORCH[schedule]
@@ -115,43 +138,49 @@ def torch_trainer(gpt: GPT, rank: int, p: int, m: int, schedule: str, batch: int
     stages = [tp.PipelineStage(mod, k, count, torch.device("cpu")) for mod, k in zip(modules, mine)]
     cls = getattr(tp, kind)
     sched = cls(stages if v > 1 or kind == "ScheduleZBVZeroBubble" else stages[0], m, loss_fn=lm_loss)
-    opt = torch.optim.AdamW([q for mod in modules for q in mod.parameters()], lr=LR, fused=True)
+    params = [q for mod in modules for q in mod.parameters()]
+    opt = torch.optim.AdamW(params, lr=LR, fused=True)
 
     def run(tokens):
         x, y = tokens[:, :-1], tokens[:, 1:]
         args = (x,) if 0 in mine else ()
         kwargs = dict(target=y, losses=[]) if count - 1 in mine else {}
         sched.step(*args, **kwargs)
+        if norm == "clip":
+            clip_across_stages(params, CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     return run
 
 
-def zfunc_trainer(gpt: GPT, mesh: zf.Mesh, m: int, schedule: str):
+def zfunc_trainer(gpt: GPT, mesh: zf.Mesh, m: int, schedule: str, norm: str | None = None):
+    """``run(tokens)`` for zf.pipeline; ``norm`` "clip": clipped at the global grad norm ``CLIP``
+    (the step's one all-reduce carries the norm's square), "none": no grad norm computed, None:
+    the norm computed for the metrics, no clip (the step's default)."""
     apply, params = zf.functionalize(gpt)
 
     def loss_fn(p, tokens):
         return lm_loss(apply(p, tokens[:, :-1]), tokens[:, 1:])
 
-    step = zf.pipeline(zf.train_step(loss_fn, zf.optim.adamw(LR)), stages=mesh.pp, microbatches=m,
+    opt = zf.optim.chain(zf.optim.clip_by_global_norm(CLIP), zf.optim.adamw(LR)) if norm == "clip" else \
+        zf.optim.adamw(LR)
+    inner = zf.train_step(loss_fn, opt, grad_norm=norm != "none")
+    step = zf.pipeline(inner, stages=mesh.pp, microbatches=m,
                        schedule=schedule, model=gpt, units=zf.units.by_class(Block), mesh=mesh,
                        virtual_stages=VIRTUAL[schedule])
-    holder = {"state": step.init(params), "bubbles": [], "busy": {},
-              "theory": max(step.schedule.timeline(mesh.pp).bubble)}
+    holder = {"state": step.init(params), "timings": [], "theory": max(step.schedule.timeline(mesh.pp).bubble)}
 
     def run(tokens):
         holder["state"], metrics = step(holder["state"], tokens)
         metrics["loss"].item()
-        holder["bubbles"].append(step.timings["bubble"])
-        for kind, _, _, _, stage, busy in step.timings["ops"]:
-            holder["busy"].setdefault((kind, stage), []).append(busy)
+        holder["timings"].append(step.timings)
 
     return run, holder
 
 
 def worker(rank: int, p: int, cfg: GPTConfig, ms: list[int], batch: int, steps: int, rounds: int,
-           schedules: list[str]):
+           schedules: list[str], norm: str):
     mesh = zf.Mesh(pp=p)
     torch.manual_seed(0)
     base = GPT(cfg)
@@ -160,29 +189,35 @@ def worker(rank: int, p: int, cfg: GPTConfig, ms: list[int], batch: int, steps: 
     trainers, holders = {}, {}
     for m in ms:
         for s in schedules:
-            trainers[("zfunc", s, m)], holders[(s, m)] = zfunc_trainer(copy.deepcopy(base), mesh, m, s)
-            trainers[("torch", s, m)] = torch_trainer(copy.deepcopy(base), rank, p, m, s, batch)
-    times = {k: [] for k in trainers}
+            trainers[("zfunc", s, m)], holders[(s, m)] = zfunc_trainer(copy.deepcopy(base), mesh, m, s, norm)
+            trainers[("torch", s, m)] = torch_trainer(copy.deepcopy(base), rank, p, m, s, batch, norm)
+    times, cpu = {k: [] for k in trainers}, {k: [] for k in trainers}
     for run in trainers.values():  # warm-up: shapes, allocator
         run(data[0])
     for h in holders.values():
-        h["bubbles"].clear()
-        h["busy"].clear()
+        h["timings"].clear()
     for _ in range(rounds):
-        for k, run in trainers.items():
-            for tokens in data:
+        for tokens in data:
+            for k, run in trainers.items():  # zfunc's step, then torch's of the same kind: a pair
                 torch.distributed.barrier()  # every trainer starts its step together on all ranks
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 run(tokens)
                 times[k].append(time.perf_counter() - t0)
-    return times, {k: (statistics.median(h["bubbles"]), h["theory"],
-                       {op: statistics.median(b) for op, b in h["busy"].items()}) for k, h in holders.items()}
+                cpu[k].append(time.process_time() - c0)  # every thread of the rank: gloo's, the comm thread
+    return times, {k: (h["timings"], h["theory"]) for k, h in holders.items()}, cpu
 
 
-def bubble_at(schedule: str, p: int, m: int, costs: dict) -> tuple[float, ...]:
-    """Each rank's simulated bubble of ``schedule`` with ``costs`` per ``(kind, virtual stage)``."""
+def bubbles(schedule: str, p: int, m: int, per_rank: list[list[dict]]) -> tuple[list[float], ...]:
+    """Per rank, the median over steps of: the measured bubble over the pipeline's makespan, the
+    bubble the schedule implies for that step's op times (``zf.pipelining.measured``), and the
+    first's excess over the second, step by step."""
     plan = zf.pipelining.build(schedule, p, m, VIRTUAL[schedule])
-    return zf.pipelining.check(plan, {**dict.fromkeys("FBIW", 0.0), **costs}).bubble
+    steps = [[rank[j] for rank in per_rank] for j in range(len(per_rank[0]))]
+    measured = [zf.pipelining.measured.bubble(t) for t in steps]
+    implied = [zf.pipelining.measured.implied(plan, t).bubble for t in steps]
+    return ([statistics.median(b[r] for b in measured) for r in range(p)],
+            [statistics.median(b[r] for b in implied) for r in range(p)],
+            [statistics.median(a[r] - b[r] for a, b in zip(measured, implied)) for r in range(p)])
 
 
 def main(argv=None) -> None:
@@ -196,6 +231,8 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--schedules", default=",".join(SCHEDULES), help=f"a subset of {SCHEDULES}")
+    ap.add_argument("--norm", choices=("clip", "none"), default="clip",
+                    help=f"clip: both clip at the global grad norm {CLIP} (torchtitan's way); none: no grad norm")
     args = ap.parse_args(argv)
     p, ms = args.stages, [int(x) for x in args.microbatches.split(",")]
     schedules = args.schedules.split(",")
@@ -205,22 +242,30 @@ def main(argv=None) -> None:
     cfg = GPTConfig(n_layer=args.n_layer, n_head=4, n_embd=args.n_embd, block_size=args.block_size)
     n_params = sum(x.numel() for x in GPT(cfg).parameters())
     print(f"GPT {n_params / 1e6:.2f}M params ({args.n_layer} blocks), {p} stages on {p} gloo ranks, batch "
-          f"{args.batch}x{cfg.block_size}, torch {torch.__version__}; median of {args.rounds}x{args.steps} steps")
-    results = zf.dist.spawn(worker, p, p, cfg, ms, args.batch, args.steps, args.rounds, schedules, timeout_s=3600)
-    med = {k: statistics.median(max(r[0][k][i] for r in results) for i in range(len(results[0][0][k])))
-           for k in results[0][0]}
-    print("\n| m | schedule (torch's) | bubble theory | theory at measured op times, per stage | bubble measured "
-          "per stage | zfunc ms/step | torch ms/step | zfunc speed vs torch |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"{args.batch}x{cfg.block_size}, torch {torch.__version__}; median of {args.rounds}x{args.steps} steps; "
+          f"grad norm: {args.norm}; load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    results = zf.dist.spawn(worker, p, p, cfg, ms, args.batch, args.steps, args.rounds, schedules, args.norm,
+                            timeout_s=3600)
+    slowest = {k: [max(r[0][k][i] for r in results) for i in range(len(results[0][0][k]))] for k in results[0][0]}
+    med = {k: statistics.median(v) for k, v in slowest.items()}
+    paired = {(s, m): statistics.median(t / z for t, z in zip(slowest["torch", s, m], slowest["zfunc", s, m]))
+              for m in ms for s in schedules}
+    summed = {k: [sum(r[2][k][i] for r in results) for i in range(len(results[0][2][k]))] for k in results[0][2]}
+    cpu = {(s, m): statistics.median(t / z for t, z in zip(summed["torch", s, m], summed["zfunc", s, m]))
+           for m in ms for s in schedules}
+    print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print("\n| m | schedule (torch's) | bubble theory | theory at the step's op times, per stage | bubble measured "
+          "per stage (its excess, paired) | zfunc ms/step | torch ms/step | zfunc speed vs torch (paired) | CPU time "
+          "torch / zfunc (paired) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for m in ms:
         for s in schedules:
             theory = results[0][1][(s, m)][1]
-            at_costs = ", ".join(f"{b:.2f}" for b in bubble_at(s, p, m, {k: v for r in results
-                                                                          for k, v in r[1][(s, m)][2].items()}))
-            measured = ", ".join(f"{r[1][(s, m)][0]:.2f}" for r in results)
+            measured, implied, excess = bubbles(s, p, m, [r[1][(s, m)][0] for r in results])
             z, t = med[("zfunc", s, m)], med[("torch", s, m)]
-            print(f"| {m} | {s} ({TORCH[s]}) | {theory:.2f} | {at_costs} | {measured} | {z * 1e3:.1f} | "
-                  f"{t * 1e3:.1f} | {t / z:.2f}x |")
+            print(f"| {m} | {s} ({TORCH[s]}) | {theory:.2f} | {', '.join(f'{b:.2f}' for b in implied)} | "
+                  f"{', '.join(f'{b:.2f} ({e:+.2f})' for b, e in zip(measured, excess))} | {z * 1e3:.1f} | "
+                  f"{t * 1e3:.1f} | {paired[s, m]:.2f}x | {cpu[s, m]:.2f} |")
 
 
 if __name__ == "__main__":

@@ -232,8 +232,10 @@ def test_one_stage_equals_plain_step_with_accumulation():
     check_equal([(losses, norms, dict(state.params))], train_on(*make(), batches()), "one stage")
     assert step.peak_live_microbatches == 1 and step.timings["wait_s"] == 0 < step.timings["compute_s"]
     assert [op[:2] for op in step.timings["ops"]] == [(kind, i) for i in range(4) for kind in "FB"]
-    assert all(0 < busy <= end - start for _, _, start, end, _, busy in step.timings["ops"])
+    ends = [0.0] + [op[3] for op in step.timings["ops"]]  # an op is busy from the previous one's end
+    assert all(0 < busy <= end - before for (_, _, _, end, _, busy), before in zip(step.timings["ops"], ends))
     assert sum(op[5] for op in step.timings["ops"]) == pytest.approx(step.timings["compute_s"])
+    assert zf.pipelining.measured.bubble([step.timings]) == pytest.approx((step.timings["bubble"],))  # one rank
 
 
 def test_a_pipelined_state_saves_loads_and_gathers_its_params(tmp_path):

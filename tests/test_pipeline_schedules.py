@@ -120,3 +120,38 @@ def test_zf_plan_predicts_each_schedules_bubble_and_live_microbatches():
     live = {name: zp.plan(model, cluster, dataclasses.replace(base, pipeline_schedule=name, virtual_stages=v))
             .memory["gpu"]["activations"] for name, v in (("1f1b", 1), ("zero-bubble", 1), ("gpipe", 1), ("zbv", 1))}
     assert live["zbv"] == live["zero-bubble"] == live["1f1b"] < live["gpipe"], live  # ZB-V: 2p halves of a stage
+
+
+def test_costs_per_op_override_those_per_stage_and_kind():
+    """GPipe on 2 ranks, 2 microbatches; F of microbatch 1 on stage 0 costs 3: rank 1 waits for it."""
+    timeline = check(build("gpipe", 2, 2), {("F", 1, 0): 3.0, ("F", 0): 1.0})
+    assert [(str(op), start, end) for op, start, end in timeline.spans[1][:2]] == [("1F0", 1.0, 2.0), ("1F1", 4.0, 5.0)]
+
+
+def simulated_timings(timeline, shift=(0.0, 0.0)):
+    """What each rank's step.timings would read if the run went as ``timeline`` says (rank r's
+    schedule starting at shift[r])."""
+    out = []
+    for r, row in enumerate(timeline.spans):
+        t0 = shift[r] if r < len(shift) else 0.0
+        ops = [(op.kind, op.microbatch, start - t0, end - t0, op.stage, end - start) for op, start, end in row]
+        out.append({"t0": t0, "step_s": row[-1][2] - t0, "compute_s": sum(o[5] for o in ops), "ops": ops})
+    return out
+
+
+@pytest.mark.parametrize("name,p,m,v", [("1f1b", 2, 4, 1), ("zbv", 2, 4, 1), ("zbv", 4, 8, 1),
+                                        ("interleaved-1f1b", 2, 4, 2)])
+def test_a_run_that_runs_as_simulated_measures_the_simulated_bubble(name, p, m, v):
+    """zf.pipelining.measured: the bubble over the pipeline's makespan of a run whose ops start and
+    last as check's simulation says (uneven op times, ranks' clocks started apart) is the simulation's."""
+    plan = build(name, p, m, v)
+    costs = {(op.kind, op.microbatch, op.stage): 1.0 + 0.1 * ((3 * op.microbatch + op.stage) % 5) + (op.kind != "F")
+             for row in plan.ops for op in row}
+    timeline = check(plan, costs)
+    timings = simulated_timings(timeline, shift=(0.0, 0.5))  # rank 1 starts later: its first op waits anyway
+    assert zf.pipelining.measured.bubble(timings) == pytest.approx(timeline.bubble)
+    assert zf.pipelining.measured.implied(plan, timings).bubble == pytest.approx(timeline.bubble)
+    assert zf.pipelining.measured.makespan(timings) == pytest.approx(timeline.makespan)
+    if name == "1f1b":  # the last stage ends first: its own span's idle fraction is below the theory's
+        own = 1 - timings[1]["compute_s"] / timings[1]["step_s"]
+        assert own < timeline.bubble[1] - 0.05

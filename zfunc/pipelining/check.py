@@ -18,8 +18,9 @@ rank's next op and what it waits for.
 
 **Costs.** ``costs`` per kind, default ``F = I = W = 1`` and ``B = I + W = 2`` (a backward costs
 about two forwards; zero-bubble splits it in two), communication free; a key ``(kind, stage)``
-sets one virtual stage's (measured op times: the bubble the schedule implies for them, which a
-run's measured bubble exceeds by its communication and its runtime's own time between ops). The bubble of a rank is
+sets one virtual stage's, a key ``(kind, microbatch, stage)`` one op's (measured op times: the
+bubble the schedule implies for them, which a run's measured bubble exceeds by its transfers'
+latency; ``zfunc.pipelining.measured``). The bubble of a rank is
 ``1 - busy / makespan``: for 1F1B, ``(p - 1) / (m + p - 1)``. Cost of the check: O(ops x ranks)
 in the worst case, a few milliseconds at p = 8, m = 32.
 """
@@ -88,10 +89,11 @@ def _needs(op: Op, last: int) -> Op | None:
     return None
 
 
-def check(schedule: Schedule, costs: Mapping[str | tuple[str, int], float] | None = None) -> Timeline:
+def check(schedule: Schedule, costs: Mapping[str | tuple[str, int] | tuple[str, int, int], float] | None = None
+          ) -> Timeline:
     """Refuse ``schedule`` if it computes some grad other than once or deadlocks; else its
-    ``Timeline`` under ``costs`` (per kind, default ``UNIT_COSTS``, or per ``(kind, stage)``).
-    See the module docstring."""
+    ``Timeline`` under ``costs`` (per kind, default ``UNIT_COSTS``, per ``(kind, stage)`` or per op,
+    ``(kind, microbatch, stage)``, the most specific key found). See the module docstring."""
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule: expected a zfunc.pipelining.Schedule, got {type(schedule).__name__}")
     costs = {**UNIT_COSTS, **(costs or {})}
@@ -119,7 +121,8 @@ def check(schedule: Schedule, costs: Mapping[str | tuple[str, int], float] | Non
                 if ready is None:
                     break
                 start = max(clock[r], ready)
-                clock[r] = end = start + costs.get((op.kind, op.stage), costs[op.kind])
+                cost = costs.get((op.kind, op.microbatch, op.stage))
+                clock[r] = end = start + (costs.get((op.kind, op.stage), costs[op.kind]) if cost is None else cost)
                 spans[r].append((op, start, end))
                 if op.kind in "FBI":
                     finish[("F" if op.kind == "F" else "G", op.microbatch, op.stage)] = end

@@ -136,7 +136,7 @@ class _Run:
         """The rank's ops on ``batch`` through the microbatch loop (``run_microbatches``, seeded by
         ``seed``): ``(loss, aux)``, the mean of this rank's microbatch losses (None but where the
         last stage runs) and their aux."""
-        self.t0 = time.perf_counter()
+        self.t0 = self.last_end = time.perf_counter()
         self.ops, self.k = self.plan.ops[self.s], 0
         loss, aux = run_microbatches(self.ps.schedule, batch, self.ps.compute_dtype, seed, params, self.forward,
                                      self.backward, self.p, self.s)
@@ -160,18 +160,22 @@ class _Run:
     def _op(self, op: Op, run):
         """Run one op, its receive and the next one's posted first (transfers overlap compute),
         timed and traced, then the sends that completed reaped. Before the first, the shared params
-        set out (once the batch has split)."""
+        set out (once the batch has split). Its busy time runs from the previous op's end (the
+        runtime's work between the two: reaping, posting, the microbatch loop) to its own end, less
+        its waits on peers: the work a rank does for an op is not idle time."""
+        waited = self.wait_s
         if self.k == 0:
             self._start_shared()
         for ahead in self.ops[self.k : self.k + 2]:
             self._post(ahead)
         self.k += 1
-        start, waited = time.perf_counter(), self.wait_s
+        start = time.perf_counter()
         out = run()
         end = time.perf_counter()
-        busy = end - start - (self.wait_s - waited)
+        busy = end - self.last_end - (self.wait_s - waited)
         self.compute_s += busy
         self.trace.append((op.kind, op.microbatch, start - self.t0, end - self.t0, op.stage, busy))
+        self.last_end = end
         self._reap_sends()
         return out
 
@@ -197,10 +201,13 @@ class _Run:
         return out
 
     def _reap_sends(self) -> None:
-        done = [w for w in self.sends if w.done()]
-        for w in done:
-            w.wait()  # already complete: raises only if it failed
-        self.sends = [w for w in self.sends if w not in done]
+        """Wait for the sends that completed, oldest first, up to the first still in flight (one
+        ``done()`` per op as a rule, not one per pending send); the rest wait at the step's end."""
+        k = 0
+        while k < len(self.sends) and self.sends[k].done():
+            self.sends[k].wait()  # already complete: raises only if it failed
+            k += 1
+        del self.sends[:k]
 
     def _post(self, op: Op) -> None:
         """Post the receive ``op`` needs from another rank, once its shape is known."""

@@ -155,14 +155,17 @@ class PipelineStep(Transformed):
     activations this rank held at once, and ``timings`` has the schedule's wall time ``step_s``, the
     time spent blocked on peers ``wait_s``, forward + backward compute ``compute_s``, this rank's
     measured ``bubble`` (``1 - compute_s / step_s``) and ``ops``: each op's ``(kind, microbatch,
-    start_s, end_s, stage, busy_s)`` from the schedule's start, ``busy_s`` its time less its waits
-    on peers. ``step_s`` runs from the schedule's start (the batch's split) to its last send done;
-    ``compute_s`` sums the ops' ``busy_s``, which include each op's own runtime work (posting its
-    sends, the stage's hooks, summing its grads). So the measured bubble counts the waits on peers
-    (the schedule's dependencies and the transfers' latency) and the runtime's time between ops
-    (posting receives, the shared params' exchange, waiting for the last sends);
-    ``zfunc.pipelining.check(plan, costs)`` with the measured ``busy_s`` per ``(kind, stage)`` gives
-    the bubble the schedule itself implies for those op times.
+    start_s, end_s, stage, busy_s)`` from the schedule's start, ``busy_s`` the time from the
+    previous op's end (or the schedule's start) to its own, less its waits on peers, and ``t0``,
+    the schedule's start (``time.perf_counter()``: ranks on one host share its clock). ``step_s``
+    runs from the schedule's start (the batch's split) to its last send done; ``compute_s`` sums
+    the ops' ``busy_s``, which include the runtime's work for each op (posting its receives and
+    sends, the stage's hooks, summing its grads, reaping the sends before it). So the measured
+    bubble counts what a rank does not work: the waits on peers (the schedule's dependencies and
+    the transfers' latency) and the time after its last op (the shared params' grads, the last sends);
+    ``zfunc.pipelining.measured`` puts every rank's timings of a step together: each rank's idle
+    fraction of the pipeline's makespan (the theory's definition) and the bubble the schedule itself
+    implies for those op times (``check`` with each op's ``busy_s``).
     """
 
     def __init__(self, base: Step, model: nn.Module, layout: Layout, microbatches: int, schedule: PipelineSchedule,
@@ -319,7 +322,8 @@ class PipelineStep(Transformed):
         loss, aux = run.execute(batch, step_seed(rng, step), params)
         self.peak_live_microbatches = run.peak_live
         self.timings = {"step_s": run.step_s, "wait_s": run.wait_s, "compute_s": run.compute_s,
-                        "bubble": 1.0 - run.compute_s / run.step_s if run.step_s > 0 else 0.0, "ops": run.trace}
+                        "bubble": 1.0 - run.compute_s / run.step_s if run.step_s > 0 else 0.0, "ops": run.trace,
+                        "t0": run.t0}
         grads = [torch.zeros(w.shape, device=w.device) if g is None else g for g, w in zip(run.acc, whole)]
         if sliced is not None:
             grads = sliced.result()
