@@ -195,7 +195,8 @@ def _serve(signs: torch.Tensor, scales: torch.Tensor, errors: ErrorFeedback) -> 
     if _on_cpu_kernels(errors.server.view(1, -1)):
         from zfunc.ops.cpu import codec
 
-        m = codec.decode_sum(signs, scales, errors.server).view(1, -1)
+        # m = the sum plus E, written over E (read before written), then its residual over it in turn
+        m = codec.decode_sum(signs, scales, errors.server, out=errors.server).view(1, -1)
         scale = torch.linalg.vector_norm(m, dim=1) / math.sqrt(m.shape[1])
         packed, _ = codec.sign_residual(m, scale, out=errors.server)
         return packed, scale

@@ -34,7 +34,7 @@ from zfunc.core import tree
 from zfunc.dist.compressed import error_feedback, padded_numel
 from zfunc.optim.adam import AdamState, _adam_update
 from zfunc.optim.base import (GradientTransformation, MaskOrFn, PyTree, ScalarOrSchedule, _check_betas, _check_int,
-                              _check_non_negative, _check_number, _grad_leaves, _mask_leaves)
+                              _check_non_negative, _check_number, _grad_leaves, _mask_leaves, _update_in_place)
 from zfunc.optim.kernels import _zeros_like
 from zfunc.optim.lamb import _check_coeffs, lamb_direction, trust_ratio
 from zfunc.optim.schedules import _as_schedule
@@ -178,9 +178,43 @@ def onebit_adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
         channel.done(state.count + 1)
         return tree.unflatten(treespec, updates), AdamState(state.count + 1, tree.unflatten(treespec, mus), state.nu)
 
+    def apply(grads, state, params):
+        """``update`` and its updates added into ``params``, the same bits, consuming its arguments: on fp32
+        CPU tensors after warm-up the momentum is formed, all-reduced and masked in ``mu``'s own tensors and
+        each param updated in the update's pass (``zfunc.ops.cpu.onebit``): no new tensor of a param's size."""
+        if state.count < freeze_step or not _in_place_ok(grads, state, params):
+            return _update_in_place(update, grads, state, params)
+        channel.check(state.count)
+        from zfunc.ops.cpu import onebit as cpu_onebit
+
+        g_leaves, treespec = _grad_leaves(grads, params)
+        p_leaves, m_leaves, v_leaves = tree.leaves(params), tree.leaves(state.mu), tree.leaves(state.nu)
+        decay = _mask_leaves(mask, params, len(p_leaves))
+        masks = _mask_list(momentum_mask, params, len(p_leaves))
+        live = [k for k, g in enumerate(g_leaves) if g is not None]
+        local = [cpu_onebit.local_momentum_(m_leaves[k], g_leaves[k], b1) for k in live]
+        channel.mean(local, f"1-bit Adam momentum at update {state.count + 1}", own=True)  # into mu's tensors
+        step_lr = lr(state.count)
+        for k in live:
+            m = m_leaves[k] if masks[k] is None else m_leaves[k].mul_(masks[k].to(m_leaves[k].device, torch.float32))
+            cpu_onebit.frozen_adam_apply_(p_leaves[k], m, v_leaves[k], step_lr, 1 - step_lr * weight_decay
+                                          if (weight_decay and decay[k]) else None, eps)
+        channel.done(state.count + 1)
+        return params, AdamState(state.count + 1, state.mu, state.nu)
+
     return GradientTransformation(lambda params: AdamState(0, _zeros_like(params), _zeros_like(params)), update,
-                                  None, lambda state: lr(state.count),
+                                  apply, lambda state: lr(state.count),
                                   local_grads=lambda state: state.count >= freeze_step)
+
+
+def _in_place_ok(grads: PyTree, state: AdamState, params: PyTree) -> bool:
+    """Every grad (or None), param, momentum and variance an fp32 contiguous CPU tensor, each of its param's
+    size: ``onebit_adam``'s in-place ``apply`` runs on them (``zfunc.ops.cpu.onebit``)."""
+    from zfunc.ops.cpu import onebit as cpu_onebit
+
+    g_leaves = tree.structure(params).flatten_up_to(grads)
+    return all(cpu_onebit.usable(*([p, m, v] if g is None else [p, m, v, g]))
+               for p, m, v, g in zip(tree.leaves(params), tree.leaves(state.mu), tree.leaves(state.nu), g_leaves))
 
 
 class ZeroOneAdamState(NamedTuple):

@@ -74,21 +74,31 @@ def _decode_sum(packed, scales, add, out):
             out[8 * j + b] = acc + add[8 * j + b]
 
 
-def decode_sum(packed: torch.Tensor, scales: torch.Tensor, add: torch.Tensor) -> torch.Tensor:
+def decode_sum(packed: torch.Tensor, scales: torch.Tensor, add: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """The rows ``scale * sign`` summed, plus ``add`` (8n fp32): the bits of
-    ``decode(packed, scales).sum(0) + add``, rows summed in order (as torch sums a few rows)."""
-    out = torch.empty(packed.shape[1] * 8, dtype=torch.float32)
-    _decode_sum(packed.contiguous().numpy(), scales.contiguous().numpy(), add.contiguous().numpy(), out.numpy())
+    ``decode(packed, scales).sum(0) + add``, rows summed in order (as torch sums a few rows); written
+    into ``out`` (8n fp32 contiguous; ``add`` itself allowed: each element is read before it is written)
+    where given, else a new tensor."""
+    out = torch.empty(packed.shape[1] * 8, dtype=torch.float32) if out is None else out
+    _decode_sum(packed.contiguous().numpy(), scales.contiguous().numpy(), add.contiguous().numpy(),
+                out.view(-1).numpy())
     return out
 
 
 @njit(**_JIT)
 def _decode_into(packed, scales, out):
-    k = packed.shape[1] * 8
-    for i in range(out.shape[0]):
-        r, c = i // k, i % k
-        s = scales[r]
-        out[i] = s if (packed[r, c // 8] >> (c % 8)) & 1 else -s
+    k, n = packed.shape[1] * 8, out.shape[0]
+    for r in range(packed.shape[0]):
+        s, base = scales[r], r * k
+        if base + k <= n:  # a whole row: 8 stores per byte, no bounds to test
+            for j in range(packed.shape[1]):
+                byte = packed[r, j]
+                for b in range(8):
+                    out[base + 8 * j + b] = s if (byte >> b) & 1 else -s
+        else:
+            for c in range(max(n - base, 0)):
+                out[base + c] = s if (packed[r, c // 8] >> (c % 8)) & 1 else -s
 
 
 def decode_into(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
