@@ -58,12 +58,18 @@ class _Channel:
         self.errors = None
 
     def mean(self, tensors: list[torch.Tensor], label: str, together: bool = False,
-             own: bool = False) -> list[torch.Tensor]:
+             own: bool = False, blend: tuple | None = None) -> list[torch.Tensor]:
         """The compressed mean over ranks of each of ``tensors``: each compressed on its own (scales,
         errors), as DeepSpeed's 1-bit and 0/1 Adam do, so that a small-magnitude tensor keeps its own
         scale, the messages sent together (``onebit_all_reduce_many``: 4 collectives in all); ``together``
-        (1-bit LAMB, whose momenta are scaled to one magnitude first): one message for all."""
+        (1-bit LAMB, whose momenta are scaled to one magnitude first): one message for all. ``blend`` ``(ys,
+        a, b)`` (``own`` tensors, not ``together``): the mean of ``t a + b y`` for each t, written into t
+        (``onebit_all_reduce_many``'s ``blend``: formed in the compression's first pass)."""
         comm = self._comm()
+        if blend is not None and (comm.world == 1 or not own or together):
+            ys, a, b = blend
+            tensors = [t.copy_(t * a + b * y) if own else t * a + b * y for t, y in zip(tensors, ys)]
+            blend = None
         if comm.world == 1 or not tensors:
             return [t.float() for t in tensors]
         if together:
@@ -73,7 +79,9 @@ class _Channel:
         # each tensor is overwritten by its mean: a copy, unless it is a temporary of the caller's (``own``)
         flats = [t.reshape(-1).float() if own else t.reshape(-1).float().clone() for t in tensors]
         errors = [self._errors(comm, k, flat) for k, flat in enumerate(flats)]
-        return [flat.view_as(t) for flat, t in zip(comm.compressed_all_reduce_many(flats, errors, label), tensors)]
+        extra = {} if blend is None else {"blend": ([y.reshape(-1) for y in blend[0]], *blend[1:])}
+        return [flat.view_as(t) for flat, t in zip(comm.compressed_all_reduce_many(flats, errors, label, **extra),
+                                                   tensors)]
 
     def _errors(self, comm, k: int, flat: torch.Tensor):
         """Tensor ``k``'s ``ErrorFeedback`` (zeros when new or resized)."""
@@ -192,8 +200,9 @@ def onebit_adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
         decay = _mask_leaves(mask, params, len(p_leaves))
         masks = _mask_list(momentum_mask, params, len(p_leaves))
         live = [k for k, g in enumerate(g_leaves) if g is not None]
-        local = [cpu_onebit.local_momentum_(m_leaves[k], g_leaves[k], b1) for k in live]
-        channel.mean(local, f"1-bit Adam momentum at update {state.count + 1}", own=True)  # into mu's tensors
+        # the local momentum b1 m + (1 - b1) g is formed in the compression's first pass; its mean lands in m
+        channel.mean([m_leaves[k] for k in live], f"1-bit Adam momentum at update {state.count + 1}", own=True,
+                     blend=([g_leaves[k] for k in live], b1, 1 - b1))
         step_lr = lr(state.count)
         for k in live:
             m = m_leaves[k] if masks[k] is None else m_leaves[k].mul_(masks[k].to(m_leaves[k].device, torch.float32))

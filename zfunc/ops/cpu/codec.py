@@ -18,6 +18,17 @@ _JIT = dict(cache=True, fastmath=False, nogil=True, error_model="numpy", boundsc
 
 
 @njit(**_JIT)
+def _add_blend(e, x, y, a, b):
+    for i in range(e.shape[0]):
+        e[i] = e[i] + (x[i] * a + b * y[i])
+
+
+def add_blend_(e: torch.Tensor, x: torch.Tensor, y: torch.Tensor, a: float, b: float) -> None:
+    """``e += x * a + b * y`` (fp32, contiguous, one size) in one pass: the bits of that torch expression."""
+    _add_blend(e.view(-1).numpy(), x.view(-1).numpy(), y.view(-1).numpy(), np.float32(a), np.float32(b))
+
+
+@njit(**_JIT)
 def _sign_residual(rows, scales, packed, residual):
     for r in range(rows.shape[0]):
         s = scales[r]
