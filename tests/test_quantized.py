@@ -183,3 +183,7 @@ def test_the_cpu_codec_writes_the_torch_expressions_bits(bits):
     out = torch.empty(700)
     codec.dequantize_sum(payload, scales, Q.BLOCK, bits, out)
     assert torch.equal(out, back[:, :700].sum(0))
+    if bits == 8:  # the all-gather's rows, straight into their destination
+        rows = torch.empty(4, 700)
+        codec.dequantize_into(payload, scales, Q.BLOCK, rows)
+        assert torch.equal(rows, back[:, :700])

@@ -164,6 +164,22 @@ def _dequantize(payload, scales, block, bits, out):
                     out[r, 2 * j + 1] = (np.float32(byte & 15) - np.float32(8)) * s
 
 
+@njit(**_JIT)
+def _dequantize_into(payload, scales, block, out):
+    k = out.shape[1]
+    for r in range(out.shape[0]):
+        for blk in range(scales.shape[1]):
+            s = scales[r, blk]
+            for i in range(blk * block, min((blk + 1) * block, k)):
+                out[r, i] = (np.float32(payload[r, i]) - np.float32(128)) * s
+
+
+def dequantize_into(payload: torch.Tensor, scales: torch.Tensor, block: int, out: torch.Tensor) -> None:
+    """``out`` (R x k fp32, contiguous, k at most the payload's row) <- the first k values of each int8 row of
+    ``dequantize(payload, scales, block, 8)``: the same bits, no whole dequantized copy."""
+    _dequantize_into(payload.contiguous().numpy(), scales.contiguous().numpy(), block, out.numpy())
+
+
 def dequantize(payload: torch.Tensor, scales: torch.Tensor, block: int, bits: int) -> torch.Tensor:
     """fp32 rows from a payload and its per-block scales: the bits of ``(q * scale)``, ``q`` the signed
     value ``zfunc.dist.quantized.quantize`` offset into each byte or nibble."""
