@@ -119,11 +119,14 @@ class _FakeComm:
         self.seen.append(errors)
         return x
 
-    def compressed_all_reduce_many(self, xs, errors, label="", blend=None):
+    def compressed_all_reduce_many(self, xs, errors, label="", blend=None, then=None):
         if blend is not None:  # the value reduced, x a + b y, is the mean: written into x
             for x, y in zip(xs, blend[0]):
                 x.copy_(x * blend[1] + blend[2] * y)
-        return [self.compressed_all_reduce(x, e, label) for x, e in zip(xs, errors)]
+        out = [self.compressed_all_reduce(x, e, label) for x, e in zip(xs, errors)]
+        for k in range(len(xs) if then is not None else 0):
+            then(k)
+        return out
 
 
 def test_errors_restart_when_the_state_is_not_the_last_returned():

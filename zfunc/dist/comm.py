@@ -174,11 +174,11 @@ class Comm:
         return onebit_all_reduce(self, x, errors, label)
 
     def compressed_all_reduce_many(self, xs: list[torch.Tensor], errors: list[Any], label: str = "",
-                                   blend: tuple | None = None) -> list:
+                                   **options: Any) -> list:
         """``compressed_all_reduce`` of each of ``xs`` (each its own scales and ``errors``: the same bits),
-        their messages sent together in 4 collectives (``zfunc.dist.compressed.onebit_all_reduce_many``;
-        ``blend``: its ``x a + b y``)."""
-        return onebit_all_reduce_many(self, xs, errors, label, blend)
+        their messages sent together in 4 collectives (``zfunc.dist.compressed.onebit_all_reduce_many``, which
+        takes ``options``: ``blend``, ``then``)."""
+        return onebit_all_reduce_many(self, xs, errors, label, **options)
 
     @property
     def world(self) -> int:

@@ -24,7 +24,7 @@ per tensor kept by the caller (``ErrorFeedback``). Over one rank nothing is sent
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -127,7 +127,8 @@ def onebit_all_reduce(comm: Any, x: torch.Tensor, errors: ErrorFeedback, label: 
 
 
 def onebit_all_reduce_many(comm: Any, xs: list[torch.Tensor], errors: list[ErrorFeedback],
-                           label: str = "", blend: tuple | None = None) -> list[torch.Tensor]:
+                           label: str = "", blend: tuple | None = None,
+                           then: Callable[[int], None] | None = None) -> list[torch.Tensor]:
     """Each of ``xs`` <- its compressed mean over ``comm``'s ranks, in place, each compressed on its own (its
     scales, its ``errors``: the same bits as one ``onebit_all_reduce`` per tensor), their messages sent
     together: one all-to-all of every tensor's signs, one of their scales, one all-gather of each back, the
@@ -135,7 +136,10 @@ def onebit_all_reduce_many(comm: Any, xs: list[torch.Tensor], errors: list[Error
     compresses in place in the worker error buffer (``c``, then its residual) and sums and decodes in one
     pass each. ``blend`` ``(ys, a, b)``: the value reduced for ``xs[k]`` is ``xs[k] * a + b * ys[k]`` (1-bit
     Adam's local momentum), the bits of that torch expression, formed in the pass that adds it to the worker
-    error (no pass or tensor of its own); ``xs[k]`` still receives the mean. Returns ``xs``."""
+    error (no pass or tensor of its own); ``xs[k]`` still receives the mean. ``then(k)`` runs as soon as
+    ``xs[k]`` holds its mean, before the next tensor is decoded: work on it there finds it in the cache
+    (1-bit Adam's param update: the model's momenta do not fit a CPU's last-level cache, one tensor's do).
+    Returns ``xs``."""
     world = comm.world
     if blend is not None:
         ys, a, b = blend
@@ -145,6 +149,8 @@ def onebit_all_reduce_many(comm: Any, xs: list[torch.Tensor], errors: list[Error
         if blend is not None:
             for x, y in zip(xs, ys):
                 x.copy_(_blended(x, y, a, b))
+        for k in range(len(xs) if then is not None else 0):
+            then(k)
         return xs
     for x, e in zip(xs, errors):
         n, total = x.numel(), e.worker.numel()
@@ -177,6 +183,8 @@ def onebit_all_reduce_many(comm: Any, xs: list[torch.Tensor], errors: list[Error
                 codec.decode_into(signs, all_scales[:, t], x.view(-1))
             else:
                 x.view(-1).copy_(decode(signs.contiguous(), all_scales[:, t].contiguous()).view(-1)[: x.numel()])
+            if then is not None:
+                then(t)
     return xs
 
 

@@ -58,20 +58,24 @@ class _Channel:
         self.errors = None
 
     def mean(self, tensors: list[torch.Tensor], label: str, together: bool = False,
-             own: bool = False, blend: tuple | None = None) -> list[torch.Tensor]:
+             own: bool = False, blend: tuple | None = None, then=None) -> list[torch.Tensor]:
         """The compressed mean over ranks of each of ``tensors``: each compressed on its own (scales,
         errors), as DeepSpeed's 1-bit and 0/1 Adam do, so that a small-magnitude tensor keeps its own
         scale, the messages sent together (``onebit_all_reduce_many``: 4 collectives in all); ``together``
         (1-bit LAMB, whose momenta are scaled to one magnitude first): one message for all. ``blend`` ``(ys,
         a, b)`` (``own`` tensors, not ``together``): the mean of ``t a + b y`` for each t, written into t
-        (``onebit_all_reduce_many``'s ``blend``: formed in the compression's first pass)."""
+        (``onebit_all_reduce_many``'s ``blend``: formed in the compression's first pass). ``then(k)``
+        (not ``together``): run on tensor k's mean as soon as it is decoded (``onebit_all_reduce_many``)."""
         comm = self._comm()
         if blend is not None and (comm.world == 1 or not own or together):
             ys, a, b = blend
             tensors = [t.copy_(t * a + b * y) if own else t * a + b * y for t, y in zip(tensors, ys)]
             blend = None
         if comm.world == 1 or not tensors:
-            return [t.float() for t in tensors]
+            out = [t.float() for t in tensors]
+            for k in range(len(out) if then is not None else 0):
+                then(k)
+            return out
         if together:
             flat = torch.cat([t.reshape(-1).float() for t in tensors])
             return [piece.view_as(t) for piece, t in zip(self._one(comm, 0, flat, label).split(
@@ -80,6 +84,8 @@ class _Channel:
         flats = [t.reshape(-1).float() if own else t.reshape(-1).float().clone() for t in tensors]
         errors = [self._errors(comm, k, flat) for k, flat in enumerate(flats)]
         extra = {} if blend is None else {"blend": ([y.reshape(-1) for y in blend[0]], *blend[1:])}
+        if then is not None:
+            extra["then"] = then
         return [flat.view_as(t) for flat, t in zip(comm.compressed_all_reduce_many(flats, errors, label, **extra),
                                                    tensors)]
 
@@ -200,14 +206,17 @@ def onebit_adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
         decay = _mask_leaves(mask, params, len(p_leaves))
         masks = _mask_list(momentum_mask, params, len(p_leaves))
         live = [k for k, g in enumerate(g_leaves) if g is not None]
-        # the local momentum b1 m + (1 - b1) g is formed in the compression's first pass; its mean lands in m
-        channel.mean([m_leaves[k] for k in live], f"1-bit Adam momentum at update {state.count + 1}", own=True,
-                     blend=([g_leaves[k] for k in live], b1, 1 - b1))
         step_lr = lr(state.count)
-        for k in live:
+
+        def step_param(j):  # live leaf j's mean is in its m, still in the cache: mask it, update its param
+            k = live[j]
             m = m_leaves[k] if masks[k] is None else m_leaves[k].mul_(masks[k].to(m_leaves[k].device, torch.float32))
             cpu_onebit.frozen_adam_apply_(p_leaves[k], m, v_leaves[k], step_lr, 1 - step_lr * weight_decay
                                           if (weight_decay and decay[k]) else None, eps)
+
+        # the local momentum b1 m + (1 - b1) g is formed in the compression's first pass; its mean lands in m
+        channel.mean([m_leaves[k] for k in live], f"1-bit Adam momentum at update {state.count + 1}", own=True,
+                     blend=([g_leaves[k] for k in live], b1, 1 - b1), then=step_param)
         channel.done(state.count + 1)
         return params, AdamState(state.count + 1, state.mu, state.nu)
 
