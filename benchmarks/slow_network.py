@@ -54,6 +54,7 @@ import zfunc as zf  # noqa: E402
 TRAINERS = ("fp32", "1bit", "z3", "z3-int8", "z2", "z2-int4")
 NODE_TRAINERS = ("z3", "z3-hpz", "z2", "z2-int4", "z2-int4-flat")
 PEERS = {"1bit": "fp32", "z3-int8": "z3", "z2-int4": "z2", "z3-hpz": "z3", "z2-int4-flat": "z2"}
+LR = 1e-5  # small enough that 1-bit Adam, its variance frozen after one update, stays finite for 50+ steps
 STAGES = {"fp32": 0, "1bit": 0, "z3": 3, "z3-int8": 3, "z3-hpz": 3, "z2": 2, "z2-int4": 2, "z2-int4-flat": 2}
 
 
@@ -68,7 +69,7 @@ def _trainer(kind: str, mesh, width: int, depth: int, flat=None):
     def loss_fn(p, batch):
         return (apply(p, batch) ** 2).mean()
 
-    opt = zf.optim.onebit_adam(1e-4, freeze_step=1, comm=mesh.comm) if kind == "1bit" else zf.optim.adamw(1e-4)
+    opt = zf.optim.onebit_adam(LR, freeze_step=1, comm=mesh.comm) if kind == "1bit" else zf.optim.adamw(LR)
     stage = STAGES[kind]
     units = zf.units.by_class(nn.Linear) if stage == 3 else None
     step = zf.shard(zf.train_step(loss_fn, opt, "fp32", grad_norm=False), flat if kind.endswith("-flat") else mesh,

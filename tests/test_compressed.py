@@ -132,6 +132,13 @@ def test_the_cpu_codec_writes_the_torch_expressions_bits():
     out = torch.empty(3000)
     codec.decode_into(packed, s, out)
     assert torch.equal(out, (signs * s[:, None]).reshape(-1)[:3000])
+    summed = add.clone()
+    codec.decode_sum(packed, s, summed, out=summed)  # over its own addend
+    assert torch.equal(summed, (signs * s[:, None]).sum(0) + add)
+    e, x, y = (torch.randn(1000, generator=g) for _ in range(3))
+    want = e + (x * 0.9 + (1 - 0.9) * y)
+    codec.add_blend_(e, x, y, 0.9, 1 - 0.9)
+    assert torch.equal(e, want)
 
 
 def _ranks_reduce_many(rank, world):

@@ -119,8 +119,14 @@ class _FakeComm:
         self.seen.append(errors)
         return x
 
-    def compressed_all_reduce_many(self, xs, errors, label=""):
-        return [self.compressed_all_reduce(x, e, label) for x, e in zip(xs, errors)]
+    def compressed_all_reduce_many(self, xs, errors, label="", blend=None, then=None):
+        if blend is not None:  # the value reduced, x a + b y, is the mean: written into x
+            for x, y in zip(xs, blend[0]):
+                x.copy_(x * blend[1] + blend[2] * y)
+        out = [self.compressed_all_reduce(x, e, label) for x, e in zip(xs, errors)]
+        for k in range(len(xs) if then is not None else 0):
+            then(k)
+        return out
 
 
 def test_errors_restart_when_the_state_is_not_the_last_returned():
@@ -148,6 +154,50 @@ def test_momentum_mask_keeps_masked_entries_zero():
     for t in range(3):
         _, state = tx.update(_grads(t), state, params)
     assert state.mu["z"][1] == 0 and state.mu["z"][0] != 0
+
+
+def _apply_against_update(comm, rank=0, steps=4):
+    """``onebit_adam``'s in-place ``apply`` and its ``update`` plus the add, side by side on the same grads:
+    (params, momenta) of each after ``steps``, weight decay on every leaf but "b", a momentum mask on "z"."""
+    mask = {"w": torch.ones(8, 4), "b": torch.ones(4), "z": torch.tensor([1.0, 0.0, 1.0])}
+    out = []
+    for in_place in (True, False):
+        tx = optim.onebit_adam(LR, weight_decay=0.1, freeze_step=2, momentum_mask=mask, comm=comm,
+                               mask={"w": True, "b": False, "z": True})
+        params = _params()
+        state = tx.init(params)
+        for t in range(steps):
+            grads = {k: g * (1 + rank) for k, g in _grads(t).items()}
+            if in_place:
+                mu = state.mu["w"]
+                params, state = tx.apply(grads, state, params)
+                assert (state.mu["w"] is mu) == (t >= 2)  # after warm-up the momentum's own tensor
+            else:
+                updates, state = tx.update(grads, state, params)
+                params = optim.apply_updates(params, updates)
+        out.append((params, state.mu))
+    return out
+
+
+def test_the_in_place_apply_is_the_update_bit_for_bit():
+    """After warm-up ``apply`` forms the momentum, takes its compressed mean and updates each param in the
+    tensors it is given: the bits of ``update`` and ``apply_updates`` (here a comm whose mean is the input)."""
+    (got, got_mu), (want, want_mu) = _apply_against_update(_FakeComm())
+    for k in want:
+        assert torch.equal(got[k], want[k]) and torch.equal(got_mu[k], want_mu[k]), k
+    assert got_mu["z"][1] == 0
+
+
+def _apply_worker(rank, world):
+    return _apply_against_update(zf.Mesh().comm, rank)
+
+
+@pytest.mark.multiprocess
+def test_the_in_place_apply_is_the_update_bit_for_bit_over_two_ranks():
+    """The same with the real 1-bit compressed mean over 2 ranks (their grads differ)."""
+    for (got, got_mu), (want, want_mu) in zf.dist.spawn(_apply_worker, 2, 2):
+        for k in want:
+            assert torch.equal(got[k], want[k]) and torch.equal(got_mu[k], want_mu[k]), k
 
 
 def test_shard_refuses_stages_1_to_3_for_a_1bit_optimizer():

@@ -180,6 +180,11 @@ def test_the_cpu_codec_writes_the_torch_expressions_bits(bits):
     assert torch.equal(payload, want) and torch.equal(got_scales, scales)
     back = (q.reshape(4, -1, Q.BLOCK) * scales[..., None]).reshape(4, -1)
     assert torch.equal(codec.dequantize(payload, scales, Q.BLOCK, bits), back)
-    out = torch.empty(700)
-    codec.dequantize_sum(payload, scales, Q.BLOCK, bits, out)
-    assert torch.equal(out, back[:, :700].sum(0))
+    for k in (700, 701):  # whole blocks, a partial one, an odd tail
+        out = torch.empty(k)
+        codec.dequantize_sum(payload, scales, Q.BLOCK, bits, out)
+        assert torch.equal(out, back[:, :k].sum(0)), k
+    if bits == 8:  # the all-gather's rows, straight into their destination
+        rows = torch.empty(4, 700)
+        codec.dequantize_into(payload, scales, Q.BLOCK, rows)
+        assert torch.equal(rows, back[:, :700])

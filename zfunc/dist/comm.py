@@ -173,10 +173,12 @@ class Comm:
         under "compressed_all_reduce"). ``errors``: this rank's ``ErrorFeedback`` for ``x``."""
         return onebit_all_reduce(self, x, errors, label)
 
-    def compressed_all_reduce_many(self, xs: list[torch.Tensor], errors: list[Any], label: str = "") -> list:
+    def compressed_all_reduce_many(self, xs: list[torch.Tensor], errors: list[Any], label: str = "",
+                                   **options: Any) -> list:
         """``compressed_all_reduce`` of each of ``xs`` (each its own scales and ``errors``: the same bits),
-        their messages sent together in 4 collectives (``zfunc.dist.compressed.onebit_all_reduce_many``)."""
-        return onebit_all_reduce_many(self, xs, errors, label)
+        their messages sent together in 4 collectives (``zfunc.dist.compressed.onebit_all_reduce_many``, which
+        takes ``options``: ``blend``, ``then``)."""
+        return onebit_all_reduce_many(self, xs, errors, label, **options)
 
     @property
     def world(self) -> int:

@@ -24,7 +24,7 @@ per tensor kept by the caller (``ErrorFeedback``). Over one rank nothing is sent
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -127,15 +127,30 @@ def onebit_all_reduce(comm: Any, x: torch.Tensor, errors: ErrorFeedback, label: 
 
 
 def onebit_all_reduce_many(comm: Any, xs: list[torch.Tensor], errors: list[ErrorFeedback],
-                           label: str = "") -> list[torch.Tensor]:
+                           label: str = "", blend: tuple | None = None,
+                           then: Callable[[int], None] | None = None) -> list[torch.Tensor]:
     """Each of ``xs`` <- its compressed mean over ``comm``'s ranks, in place, each compressed on its own (its
     scales, its ``errors``: the same bits as one ``onebit_all_reduce`` per tensor), their messages sent
     together: one all-to-all of every tensor's signs, one of their scales, one all-gather of each back, the
     same bytes in 4 collectives instead of 4 per tensor. On fp32 CPU tensors ``zfunc.ops.cpu.codec``
     compresses in place in the worker error buffer (``c``, then its residual) and sums and decodes in one
-    pass each. Returns ``xs``."""
+    pass each. ``blend`` ``(ys, a, b)``: the value reduced for ``xs[k]`` is ``xs[k] * a + b * ys[k]`` (1-bit
+    Adam's local momentum), the bits of that torch expression, formed in the pass that adds it to the worker
+    error (no pass or tensor of its own); ``xs[k]`` still receives the mean. ``then(k)`` runs as soon as
+    ``xs[k]`` holds its mean, before the next tensor is decoded: work on it there finds it in the cache
+    (1-bit Adam's param update: the model's momenta do not fit a CPU's last-level cache, one tensor's do).
+    Returns ``xs``."""
     world = comm.world
+    if blend is not None:
+        ys, a, b = blend
+        if len(ys) != len(xs):
+            raise ValueError(f"blend: expected one y per x ({len(xs)}), got {len(ys)}")
     if world == 1 or not xs:
+        if blend is not None:
+            for x, y in zip(xs, ys):
+                x.copy_(_blended(x, y, a, b))
+        for k in range(len(xs) if then is not None else 0):
+            then(k)
         return xs
     for x, e in zip(xs, errors):
         n, total = x.numel(), e.worker.numel()
@@ -143,7 +158,8 @@ def onebit_all_reduce_many(comm: Any, xs: list[torch.Tensor], errors: list[Error
             raise ValueError(f"errors: expected ErrorFeedback for {n} elements over {world} ranks (worker "
                              f"{padded_numel(n, world)}, server {padded_numel(n, world) // world}), got worker "
                              f"{total}, server {e.server.numel()}")
-    sent = [_worker_compress(x, e, world) for x, e in zip(xs, errors)]
+    sent = [_worker_compress(x, e, world, None if blend is None else (ys[t], a, b))
+            for t, (x, e) in enumerate(zip(xs, errors))]
     packed = torch.cat([p for p, _ in sent], dim=1)  # (world, all tensors' signs): chunk r of each to rank r
     scales = torch.stack([sc for _, sc in sent], dim=1)
     got_signs, got_scales = torch.empty_like(packed), torch.empty_like(scales)
@@ -167,23 +183,36 @@ def onebit_all_reduce_many(comm: Any, xs: list[torch.Tensor], errors: list[Error
                 codec.decode_into(signs, all_scales[:, t], x.view(-1))
             else:
                 x.view(-1).copy_(decode(signs.contiguous(), all_scales[:, t].contiguous()).view(-1)[: x.numel()])
+            if then is not None:
+                then(t)
     return xs
 
 
-def _worker_compress(x: torch.Tensor, errors: ErrorFeedback, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 1 for one tensor: ``c = x + e`` compressed per chunk, ``e`` <- its residual; ``(packed (world x
-    k/8), scales (world))``. On fp32 CPU tensors, in place in ``e`` (``zfunc.ops.cpu.codec``)."""
+def _blended(x: torch.Tensor, y: torch.Tensor, a: float, b: float) -> torch.Tensor:
+    return x * a + b * y
+
+
+def _worker_compress(x: torch.Tensor, errors: ErrorFeedback, world: int,
+                     blend: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 1 for one tensor: ``c = x + e`` (``blend`` ``(y, a, b)``: ``c = (x a + b y) + e``) compressed per
+    chunk, ``e`` <- its residual; ``(packed (world x k/8), scales (world))``. On fp32 CPU tensors, in place
+    in ``e`` (``zfunc.ops.cpu.codec``)."""
     n = x.numel()
-    if _on_cpu_kernels(errors.worker.view(world, -1)) and x.dtype == torch.float32:
+    if _on_cpu_kernels(errors.worker.view(world, -1)) and x.dtype == torch.float32 and x.is_contiguous() and (
+            blend is None or (blend[0].dtype == torch.float32 and blend[0].is_contiguous())):
         from zfunc.ops.cpu import codec
 
         rows = errors.worker.view(world, -1)
-        errors.worker[:n] += x.detach().reshape(-1)
+        if blend is None:
+            errors.worker[:n] += x.detach().reshape(-1)
+        else:
+            codec.add_blend_(errors.worker[:n], x.detach().reshape(-1), blend[0].detach().reshape(-1), *blend[1:])
         scales = torch.linalg.vector_norm(rows, dim=1) / math.sqrt(rows.shape[1])
         packed, _ = codec.sign_residual(rows, scales, out=rows)
         return packed, scales
     c = errors.worker.clone()
-    c[:n] += x.detach().reshape(-1).float()
+    value = x if blend is None else _blended(x, blend[0].to(x.dtype), *blend[1:])
+    c[:n] += value.detach().reshape(-1).float()
     packed, scales, residual = scaled_signs(c.view(world, -1))
     errors.worker.copy_(residual.view(-1))
     return packed, scales
@@ -195,7 +224,8 @@ def _serve(signs: torch.Tensor, scales: torch.Tensor, errors: ErrorFeedback) -> 
     if _on_cpu_kernels(errors.server.view(1, -1)):
         from zfunc.ops.cpu import codec
 
-        m = codec.decode_sum(signs, scales, errors.server).view(1, -1)
+        # m = the sum plus E, written over E (read before written), then its residual over it in turn
+        m = codec.decode_sum(signs, scales, errors.server, out=errors.server).view(1, -1)
         scale = torch.linalg.vector_norm(m, dim=1) / math.sqrt(m.shape[1])
         packed, _ = codec.sign_residual(m, scale, out=errors.server)
         return packed, scale

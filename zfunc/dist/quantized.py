@@ -138,8 +138,11 @@ class QuantizedComm:
         if not self.weights or not out.is_floating_point() or self.inner.world == 1:
             return self.inner.all_gather(out, local, label, async_op, check, kind)
         world, k = self.inner.world, local.numel()
-        seg = torch.zeros(1, _padded(k), dtype=torch.float32, device=local.device)
-        seg[0, :k] = local.reshape(-1)
+        if k == _padded(k) and local.dtype == torch.float32 and local.is_contiguous():  # whole blocks: no copy
+            seg = local.detach().view(1, k)
+        else:
+            seg = torch.zeros(1, _padded(k), dtype=torch.float32, device=local.device)
+            seg[0, :k] = local.reshape(-1)
         payload, scales = quantize(seg, 8)
         all_payload = torch.empty(world, payload.shape[1], dtype=torch.uint8, device=out.device)
         all_scales = torch.empty(world, scales.shape[1], dtype=torch.float32, device=out.device)
@@ -148,7 +151,12 @@ class QuantizedComm:
 
         def finish():
             with torch.no_grad():
-                out.view(world, -1).copy_(dequantize(all_payload, all_scales, 8)[:, :k])
+                if out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous():
+                    from zfunc.ops.cpu import codec  # straight into out: the same bits, no whole copy
+
+                    codec.dequantize_into(all_payload, all_scales, BLOCK, out.view(world, -1))
+                else:
+                    out.view(world, -1).copy_(dequantize(all_payload, all_scales, 8)[:, :k])
 
         work = _Dequantized(works, finish)
         if not async_op:

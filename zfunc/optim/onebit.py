@@ -34,7 +34,7 @@ from zfunc.core import tree
 from zfunc.dist.compressed import error_feedback, padded_numel
 from zfunc.optim.adam import AdamState, _adam_update
 from zfunc.optim.base import (GradientTransformation, MaskOrFn, PyTree, ScalarOrSchedule, _check_betas, _check_int,
-                              _check_non_negative, _check_number, _grad_leaves, _mask_leaves)
+                              _check_non_negative, _check_number, _grad_leaves, _mask_leaves, _update_in_place)
 from zfunc.optim.kernels import _zeros_like
 from zfunc.optim.lamb import _check_coeffs, lamb_direction, trust_ratio
 from zfunc.optim.schedules import _as_schedule
@@ -58,14 +58,24 @@ class _Channel:
         self.errors = None
 
     def mean(self, tensors: list[torch.Tensor], label: str, together: bool = False,
-             own: bool = False) -> list[torch.Tensor]:
+             own: bool = False, blend: tuple | None = None, then=None) -> list[torch.Tensor]:
         """The compressed mean over ranks of each of ``tensors``: each compressed on its own (scales,
         errors), as DeepSpeed's 1-bit and 0/1 Adam do, so that a small-magnitude tensor keeps its own
         scale, the messages sent together (``onebit_all_reduce_many``: 4 collectives in all); ``together``
-        (1-bit LAMB, whose momenta are scaled to one magnitude first): one message for all."""
+        (1-bit LAMB, whose momenta are scaled to one magnitude first): one message for all. ``blend`` ``(ys,
+        a, b)`` (``own`` tensors, not ``together``): the mean of ``t a + b y`` for each t, written into t
+        (``onebit_all_reduce_many``'s ``blend``: formed in the compression's first pass). ``then(k)``
+        (not ``together``): run on tensor k's mean as soon as it is decoded (``onebit_all_reduce_many``)."""
         comm = self._comm()
+        if blend is not None and (comm.world == 1 or not own or together):
+            ys, a, b = blend
+            tensors = [t.copy_(t * a + b * y) if own else t * a + b * y for t, y in zip(tensors, ys)]
+            blend = None
         if comm.world == 1 or not tensors:
-            return [t.float() for t in tensors]
+            out = [t.float() for t in tensors]
+            for k in range(len(out) if then is not None else 0):
+                then(k)
+            return out
         if together:
             flat = torch.cat([t.reshape(-1).float() for t in tensors])
             return [piece.view_as(t) for piece, t in zip(self._one(comm, 0, flat, label).split(
@@ -73,7 +83,11 @@ class _Channel:
         # each tensor is overwritten by its mean: a copy, unless it is a temporary of the caller's (``own``)
         flats = [t.reshape(-1).float() if own else t.reshape(-1).float().clone() for t in tensors]
         errors = [self._errors(comm, k, flat) for k, flat in enumerate(flats)]
-        return [flat.view_as(t) for flat, t in zip(comm.compressed_all_reduce_many(flats, errors, label), tensors)]
+        extra = {} if blend is None else {"blend": ([y.reshape(-1) for y in blend[0]], *blend[1:])}
+        if then is not None:
+            extra["then"] = then
+        return [flat.view_as(t) for flat, t in zip(comm.compressed_all_reduce_many(flats, errors, label, **extra),
+                                                   tensors)]
 
     def _errors(self, comm, k: int, flat: torch.Tensor):
         """Tensor ``k``'s ``ErrorFeedback`` (zeros when new or resized)."""
@@ -178,9 +192,47 @@ def onebit_adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
         channel.done(state.count + 1)
         return tree.unflatten(treespec, updates), AdamState(state.count + 1, tree.unflatten(treespec, mus), state.nu)
 
+    def apply(grads, state, params):
+        """``update`` and its updates added into ``params``, the same bits, consuming its arguments: on fp32
+        CPU tensors after warm-up the momentum is formed, all-reduced and masked in ``mu``'s own tensors and
+        each param updated in the update's pass (``zfunc.ops.cpu.onebit``): no new tensor of a param's size."""
+        if state.count < freeze_step or not _in_place_ok(grads, state, params):
+            return _update_in_place(update, grads, state, params)
+        channel.check(state.count)
+        from zfunc.ops.cpu import onebit as cpu_onebit
+
+        g_leaves, treespec = _grad_leaves(grads, params)
+        p_leaves, m_leaves, v_leaves = tree.leaves(params), tree.leaves(state.mu), tree.leaves(state.nu)
+        decay = _mask_leaves(mask, params, len(p_leaves))
+        masks = _mask_list(momentum_mask, params, len(p_leaves))
+        live = [k for k, g in enumerate(g_leaves) if g is not None]
+        step_lr = lr(state.count)
+
+        def step_param(j):  # live leaf j's mean is in its m, still in the cache: mask it, update its param
+            k = live[j]
+            m = m_leaves[k] if masks[k] is None else m_leaves[k].mul_(masks[k].to(m_leaves[k].device, torch.float32))
+            cpu_onebit.frozen_adam_apply_(p_leaves[k], m, v_leaves[k], step_lr, 1 - step_lr * weight_decay
+                                          if (weight_decay and decay[k]) else None, eps)
+
+        # the local momentum b1 m + (1 - b1) g is formed in the compression's first pass; its mean lands in m
+        channel.mean([m_leaves[k] for k in live], f"1-bit Adam momentum at update {state.count + 1}", own=True,
+                     blend=([g_leaves[k] for k in live], b1, 1 - b1), then=step_param)
+        channel.done(state.count + 1)
+        return params, AdamState(state.count + 1, state.mu, state.nu)
+
     return GradientTransformation(lambda params: AdamState(0, _zeros_like(params), _zeros_like(params)), update,
-                                  None, lambda state: lr(state.count),
+                                  apply, lambda state: lr(state.count),
                                   local_grads=lambda state: state.count >= freeze_step)
+
+
+def _in_place_ok(grads: PyTree, state: AdamState, params: PyTree) -> bool:
+    """Every grad (or None), param, momentum and variance an fp32 contiguous CPU tensor, each of its param's
+    size: ``onebit_adam``'s in-place ``apply`` runs on them (``zfunc.ops.cpu.onebit``)."""
+    from zfunc.ops.cpu import onebit as cpu_onebit
+
+    g_leaves = tree.structure(params).flatten_up_to(grads)
+    return all(cpu_onebit.usable(*([p, m, v] if g is None else [p, m, v, g]))
+               for p, m, v, g in zip(tree.leaves(params), tree.leaves(state.mu), tree.leaves(state.nu), g_leaves))
 
 
 class ZeroOneAdamState(NamedTuple):

@@ -6,7 +6,10 @@ tests/test_compressed.py and tests/test_quantized.py compare them): the arithmet
 operations, in the same order per element, and rounding is half to even as ``torch.round``. Cost:
 one read of the input and one write of each output, on the calling thread (the ranks of a CPU run
 each have their own cores); ~5-20x faster than the torch expressions on one thread (``torch.where``
-with a broadcast scale and a table lookup per byte are what they replace).
+with a broadcast scale and a table lookup per byte are what they replace). Every inner loop runs over a
+1-D view from index 0 (a row, a block, a chunk of ``_CHUNK`` values that stays in L1): indexed so, LLVM
+vectorizes it; with a 2-D index or an offset start, Numba's negative-index wraparound keeps it scalar
+(2-20x slower per value).
 """
 from __future__ import annotations
 
@@ -15,22 +18,45 @@ import torch
 from numba import njit
 
 _JIT = dict(cache=True, fastmath=False, nogil=True, error_model="numpy", boundscheck=False)
+_CHUNK = 2048  # values per inner loop where a kernel makes two passes over its data (8 KiB: in L1)
+
+
+@njit(**_JIT)
+def _add_blend(e, x, y, a, b):
+    for i in range(e.shape[0]):
+        e[i] = e[i] + (x[i] * a + b * y[i])
+
+
+def add_blend_(e: torch.Tensor, x: torch.Tensor, y: torch.Tensor, a: float, b: float) -> None:
+    """``e += x * a + b * y`` (fp32, contiguous, one size) in one pass: the bits of that torch expression."""
+    _add_blend(e.view(-1).numpy(), x.view(-1).numpy(), y.view(-1).numpy(), np.float32(a), np.float32(b))
+
+
+@njit(**_JIT)
+def _pack_chunk(x, packed):
+    for j in range(packed.shape[0]):
+        byte = 0
+        for b in range(8):
+            byte |= (x[8 * j + b] >= 0) << b
+        packed[j] = byte
+
+
+@njit(**_JIT)
+def _residual_chunk(x, s, out):
+    ns = -s  # v - (-s) is v + s exactly
+    for i in range(x.shape[0]):
+        v = x[i]
+        out[i] = v - (s if v >= 0 else ns)
 
 
 @njit(**_JIT)
 def _sign_residual(rows, scales, packed, residual):
+    k = rows.shape[1]
     for r in range(rows.shape[0]):
-        s = scales[r]
-        for j in range(packed.shape[1]):
-            byte = 0
-            for b in range(8):
-                v = rows[r, 8 * j + b]
-                if v >= 0:
-                    byte |= 1 << b
-                    residual[r, 8 * j + b] = v - s
-                else:
-                    residual[r, 8 * j + b] = v + s
-            packed[r, j] = byte
+        for c in range(0, k, _CHUNK):  # the chunk's signs packed before its residual may overwrite it
+            e = min(c + _CHUNK, k)
+            _pack_chunk(rows[r, c:e], packed[r, c // 8:e // 8])
+            _residual_chunk(rows[r, c:e], scales[r], residual[r, c:e])
 
 
 def sign_residual(rows: torch.Tensor, scales: torch.Tensor,
@@ -47,13 +73,33 @@ def sign_residual(rows: torch.Tensor, scales: torch.Tensor,
 
 
 @njit(**_JIT)
+def _signs(packed, s, out):
+    ns = -s
+    for j in range(packed.shape[0]):
+        byte = packed[j]
+        for b in range(8):
+            out[8 * j + b] = s if (byte >> b) & 1 else ns
+
+
+@njit(**_JIT)
+def _add_signs(packed, s, out):
+    ns = -s
+    for j in range(packed.shape[0]):
+        byte = packed[j]
+        for b in range(8):
+            out[8 * j + b] += s if (byte >> b) & 1 else ns
+
+
+@njit(**_JIT)
+def _sum_into(a, b, out):
+    for i in range(out.shape[0]):
+        out[i] = a[i] + b[i]
+
+
+@njit(**_JIT)
 def _decode(packed, scales, out):
     for r in range(packed.shape[0]):
-        s = scales[r]
-        for j in range(packed.shape[1]):
-            byte = packed[r, j]
-            for b in range(8):
-                out[r, 8 * j + b] = s if (byte >> b) & 1 else -s
+        _signs(packed[r], scales[r], out[r])
 
 
 def decode(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -66,29 +112,39 @@ def decode(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 @njit(**_JIT)
 def _decode_sum(packed, scales, add, out):
-    for j in range(packed.shape[1]):
-        for b in range(8):
-            acc = scales[0] if (packed[0, j] >> b) & 1 else -scales[0]
-            for r in range(1, packed.shape[0]):
-                acc += scales[r] if (packed[r, j] >> b) & 1 else -scales[r]
-            out[8 * j + b] = acc + add[8 * j + b]
+    k = packed.shape[1] * 8
+    acc = np.empty(min(_CHUNK, k), np.float32)
+    for c in range(0, k, _CHUNK):  # per chunk: the rows' signs summed in order in acc, then + add
+        e = min(c + _CHUNK, k)
+        part = acc[: e - c]
+        _signs(packed[0, c // 8:e // 8], scales[0], part)
+        for r in range(1, packed.shape[0]):
+            _add_signs(packed[r, c // 8:e // 8], scales[r], part)
+        _sum_into(part, add[c:e], out[c:e])
 
 
-def decode_sum(packed: torch.Tensor, scales: torch.Tensor, add: torch.Tensor) -> torch.Tensor:
+def decode_sum(packed: torch.Tensor, scales: torch.Tensor, add: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """The rows ``scale * sign`` summed, plus ``add`` (8n fp32): the bits of
-    ``decode(packed, scales).sum(0) + add``, rows summed in order (as torch sums a few rows)."""
-    out = torch.empty(packed.shape[1] * 8, dtype=torch.float32)
-    _decode_sum(packed.contiguous().numpy(), scales.contiguous().numpy(), add.contiguous().numpy(), out.numpy())
+    ``decode(packed, scales).sum(0) + add``, rows summed in order (as torch sums a few rows); written
+    into ``out`` (8n fp32 contiguous; ``add`` itself allowed: each element is read before it is written)
+    where given, else a new tensor."""
+    out = torch.empty(packed.shape[1] * 8, dtype=torch.float32) if out is None else out
+    _decode_sum(packed.contiguous().numpy(), scales.contiguous().numpy(), add.contiguous().numpy(),
+                out.view(-1).numpy())
     return out
 
 
 @njit(**_JIT)
 def _decode_into(packed, scales, out):
-    k = packed.shape[1] * 8
-    for i in range(out.shape[0]):
-        r, c = i // k, i % k
-        s = scales[r]
-        out[i] = s if (packed[r, c // 8] >> (c % 8)) & 1 else -s
+    k, n = packed.shape[1] * 8, out.shape[0]
+    for r in range(packed.shape[0]):
+        s, base = scales[r], r * k
+        if base + k <= n:  # a whole row
+            _signs(packed[r], s, out[base:base + k])
+        else:
+            for c in range(max(n - base, 0)):
+                out[base + c] = s if (packed[r, c // 8] >> (c % 8)) & 1 else -s
 
 
 def decode_into(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
@@ -98,23 +154,25 @@ def decode_into(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -
 
 
 @njit(**_JIT)
-def _quantize_block(x, r, blk, block, s, qmax, bits, payload):
-    """Block ``blk`` of row ``r`` divided by ``s``, rounded, clamped and offset into ``payload``."""
-    for i in range(blk * block, (blk + 1) * block, 2):
-        q0 = min(max(np.rint(x[r, i] / s), -qmax), qmax)
-        q1 = min(max(np.rint(x[r, i + 1] / s), -qmax), qmax)
-        if bits == 8:
-            payload[r, i] = np.uint8(q0 + 128)
-            payload[r, i + 1] = np.uint8(q1 + 128)
-        else:
-            payload[r, i // 2] = np.uint8((q0 + 8) * 16 + (q1 + 8))
+def _quantize_block(x, s, qmax, bits, payload):
+    """One block ``x`` divided by ``s``, rounded, clamped and offset into its ``payload`` bytes."""
+    if bits == 8:
+        for i in range(x.shape[0]):
+            payload[i] = np.uint8(min(max(np.rint(x[i] / s), -qmax), qmax) + 128)
+    else:
+        for j in range(payload.shape[0]):
+            q0 = min(max(np.rint(x[2 * j] / s), -qmax), qmax)
+            q1 = min(max(np.rint(x[2 * j + 1] / s), -qmax), qmax)
+            payload[j] = np.uint8((q0 + 8) * 16 + (q1 + 8))
 
 
 @njit(**_JIT)
 def _quantize(x, safe, block, qmax, bits, payload):
+    per = block * bits // 8
     for r in range(x.shape[0]):
         for blk in range(safe.shape[1]):
-            _quantize_block(x, r, blk, block, safe[r, blk], qmax, bits, payload)
+            _quantize_block(x[r, blk * block:(blk + 1) * block], safe[r, blk], qmax, bits,
+                            payload[r, blk * per:(blk + 1) * per])
 
 
 def quantize(x: torch.Tensor, safe: torch.Tensor, block: int, qmax: int, bits: int) -> torch.Tensor:
@@ -129,18 +187,54 @@ def quantize(x: torch.Tensor, safe: torch.Tensor, block: int, qmax: int, bits: i
 
 
 @njit(**_JIT)
+def _dequantize_block(payload, s, bits, out):
+    """One block's values ``q * s`` from its payload bytes into ``out`` (as many as ``out`` holds)."""
+    if bits == 8:
+        for i in range(out.shape[0]):
+            out[i] = (np.float32(payload[i]) - np.float32(128)) * s
+    else:
+        for j in range(out.shape[0] // 2):
+            byte = payload[j]
+            out[2 * j] = (np.float32(byte >> 4) - np.float32(8)) * s
+            out[2 * j + 1] = (np.float32(byte & 15) - np.float32(8)) * s
+
+
+@njit(**_JIT)
+def _add_dequantized_block(payload, s, bits, out):
+    """``out += q * s`` for one block (as many values as ``out`` holds; int4: an even count)."""
+    if bits == 8:
+        for i in range(out.shape[0]):
+            out[i] += (np.float32(payload[i]) - np.float32(128)) * s
+    else:
+        for j in range(out.shape[0] // 2):
+            byte = payload[j]
+            out[2 * j] += (np.float32(byte >> 4) - np.float32(8)) * s
+            out[2 * j + 1] += (np.float32(byte & 15) - np.float32(8)) * s
+
+
+@njit(**_JIT)
 def _dequantize(payload, scales, block, bits, out):
+    per = block * bits // 8
     for r in range(out.shape[0]):
         for blk in range(scales.shape[1]):
-            s = scales[r, blk]
-            if bits == 8:
-                for i in range(blk * block, (blk + 1) * block):
-                    out[r, i] = (np.float32(payload[r, i]) - np.float32(128)) * s
-            else:
-                for j in range(blk * block // 2, (blk + 1) * block // 2):
-                    byte = payload[r, j]
-                    out[r, 2 * j] = (np.float32(byte >> 4) - np.float32(8)) * s
-                    out[r, 2 * j + 1] = (np.float32(byte & 15) - np.float32(8)) * s
+            _dequantize_block(payload[r, blk * per:(blk + 1) * per], scales[r, blk], bits,
+                              out[r, blk * block:(blk + 1) * block])
+
+
+@njit(**_JIT)
+def _dequantize_into(payload, scales, block, out):
+    k = out.shape[1]
+    for r in range(out.shape[0]):
+        for blk in range(scales.shape[1]):
+            lo, hi = blk * block, min((blk + 1) * block, k)
+            if lo < hi:
+                _dequantize_block(payload[r, lo:hi], scales[r, blk], 8, out[r, lo:hi])
+
+
+def dequantize_into(payload: torch.Tensor, scales: torch.Tensor, block: int, out: torch.Tensor) -> None:
+    """``out`` (R x k fp32, contiguous, k at most the payload's row) <- the first k values of each int8 row of
+    ``dequantize(payload, scales, block, 8)``: the same bits, no whole dequantized copy."""
+    _dequantize_into(payload.contiguous().numpy(), scales.contiguous().numpy(), block, out.numpy())
 
 
 def dequantize(payload: torch.Tensor, scales: torch.Tensor, block: int, bits: int) -> torch.Tensor:
@@ -152,17 +246,29 @@ def dequantize(payload: torch.Tensor, scales: torch.Tensor, block: int, bits: in
 
 
 @njit(**_JIT)
+def _amax(x):
+    """``max |x|``; where there is a NaN, the last one's ``|x|`` (as torch's amax propagates a NaN)."""
+    amax, nan = np.float32(0), False
+    for i in range(x.shape[0]):
+        a = abs(x[i])
+        nan |= a != a
+        amax = a if a > amax else amax
+    if nan:
+        for i in range(x.shape[0] - 1, -1, -1):
+            if x[i] != x[i]:
+                return abs(x[i])
+    return amax
+
+
+@njit(**_JIT)
 def _quantize_blocks(x, block, qmax, bits, scales, payload):
+    per = block * bits // 8
     for r in range(x.shape[0]):
         for blk in range(scales.shape[1]):
-            amax = np.float32(0)
-            for i in range(blk * block, (blk + 1) * block):
-                a = abs(x[r, i])
-                if a > amax or a != a:
-                    amax = a
-            s = amax * (np.float32(1) / qmax)  # the reciprocal's product, as the torch and CUDA paths compute it
+            xb = x[r, blk * block:(blk + 1) * block]
+            s = _amax(xb) * (np.float32(1) / qmax)  # the reciprocal's product, as the torch and CUDA paths compute it
             scales[r, blk] = s
-            _quantize_block(x, r, blk, block, s if s > 0 else np.float32(1), qmax, bits, payload)
+            _quantize_block(xb, s if s > 0 else np.float32(1), qmax, bits, payload[r, blk * per:(blk + 1) * per])
 
 
 def quantize_blocks(x: torch.Tensor, block: int, qmax: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,18 +284,22 @@ def quantize_blocks(x: torch.Tensor, block: int, qmax: int, bits: int) -> tuple[
 
 @njit(**_JIT)
 def _dequantize_sum(payload, scales, block, bits, out):
-    for i in range(out.shape[0]):
-        acc = np.float32(0)
-        for r in range(payload.shape[0]):
-            s = scales[r, i // block]
-            if bits == 8:
-                q = np.float32(payload[r, i]) - np.float32(128)
-            elif i % 2 == 0:
-                q = np.float32(payload[r, i // 2] >> 4) - np.float32(8)
-            else:
-                q = np.float32(payload[r, i // 2] & 15) - np.float32(8)
-            acc = q * s if r == 0 else acc + q * s
-        out[i] = acc
+    k, per = out.shape[0], block * bits // 8
+    tail = np.empty(block, np.float32)  # an odd-length int4 tail, dequantized whole
+    for blk in range(scales.shape[1]):  # per block: row 0 written, the later rows added in order
+        lo, hi = blk * block, min((blk + 1) * block, k)
+        if lo >= hi:
+            break
+        pb = blk * per
+        if bits == 4 and (hi - lo) % 2:
+            for r in range(payload.shape[0]):
+                _dequantize_block(payload[r, pb:pb + per], scales[r, blk], bits, tail)
+                for i in range(hi - lo):
+                    out[lo + i] = tail[i] if r == 0 else out[lo + i] + tail[i]
+            continue
+        _dequantize_block(payload[0, pb:pb + per], scales[0, blk], bits, out[lo:hi])
+        for r in range(1, payload.shape[0]):
+            _add_dequantized_block(payload[r, pb:pb + per], scales[r, blk], bits, out[lo:hi])
 
 
 def dequantize_sum(payload: torch.Tensor, scales: torch.Tensor, block: int, bits: int, out: torch.Tensor) -> None:
