@@ -140,22 +140,54 @@ def test_stage_0_all_reduces_overlap_the_last_backward(accum):
         assert memory["whole_params"] == 0 and memory["grad_shard"] == memory["params"]
 
 
-def test_stage_0_bucket_sizes_follow_ddp_and_the_model():
+def test_bucket_sizes_follow_ddp_and_the_model():
     """Stage 0: a 1 MiB first bucket (DDP's); by default the others hold a quarter of the grads,
-    within [1, 25] MiB; an explicit bucket_mb is taken as given; stages 1/2 keep bucket_mb."""
+    within [1, 25] MiB; an explicit bucket_mb is taken as given. Stages 1/2 fit their buckets alike,
+    counted in a rank's segment, unless bucket_mb is given or a step offloading them runs them."""
     step, _ = make()
     mib = 1 << 18  # fp32 elements
 
-    def spec(elements):
-        return ShardSpec(0, 1, 0, (LeafShard((elements // 1024, 1024), elements // 1024),))
+    def spec(elements, stage=0, world=1):
+        return ShardSpec(stage, world, 0, (LeafShard((elements // 1024, 1024), elements // 1024 // world),))
 
     default = zf.shard(step, zf.Mesh(), 0)
     assert default._bucket_sizes(spec(4 * mib)) == (mib, mib)  # a small model: 1 MiB buckets
     assert default._bucket_sizes(spec(32 * mib)) == (8 * mib, mib)
     assert default._bucket_sizes(spec(1024 * mib)) == (25 * mib, mib)  # a big one: DDP's 25 MiB
+    assert default._bucket_sizes(spec(1024 * mib), fit=False) == (25 * mib, mib)  # stage 0 fits whoever runs it
     assert zf.shard(step, zf.Mesh(), 0, bucket_mb=2)._bucket_sizes(spec(1024 * mib)) == (2 * mib, mib)
     assert zf.shard(step, zf.Mesh(), 0, bucket_mb=0.5)._bucket_sizes(spec(mib)) == (mib // 2, mib // 2)
-    assert zf.shard(step, zf.Mesh(), 2)._bucket_sizes(spec(1024 * mib)) == (25 * mib, None)
+    stage2 = zf.shard(step, zf.Mesh(), 2)
+    assert stage2._bucket_sizes(spec(64 * mib, 2, 2)) == (8 * mib, mib)  # a quarter of a rank's 32 MiB
+    assert stage2._bucket_sizes(spec(1024 * mib, 2, 2)) == (25 * mib, mib)
+    assert stage2._bucket_sizes(spec(1024 * mib, 2, 2), fit=False) == (25 * mib, None)
+    assert zf.shard(step, zf.Mesh(), 1, bucket_mb=25)._bucket_sizes(spec(64 * mib, 1, 2)) == (25 * mib, None)
+
+
+def default_buckets_worker(rank, world, configs):
+    """Stages 1/2 with their default (fitted) buckets on a Tiny wide enough for several: the law's
+    records, the number of grad buckets and of param gathers."""
+    mesh = zf.Mesh(dp=world)
+    out = []
+    for stage, accum, clip in configs:
+        step, state = make(stage, mesh, accum, clip, model_kw={"d": 600}, bucket_mb=None)
+        state, losses, norms = train_on(step, state, batches(world), rank, world)
+        out.append(((losses, norms, full_params(state, mesh)), len(step._flat_groups), len(step._gather_groups)))
+    return out
+
+
+@pytest.mark.multiprocess
+def test_default_buckets_reduce_during_backward_and_gather_at_once():
+    """By default stages 1/2 cut their grads into buckets of a quarter of a rank's segment (at least
+    1 MiB: here 2 for Tiny's 1.1M params over 2 ranks), so all but the last reduce-scatter overlap
+    backward, and gather the params in one 25 MiB group; the law holds as with any buckets."""
+    configs = [(1, 1, True), (2, 1, True), (1, 2, False)]
+    for rank, result in enumerate(zf.dist.spawn(default_buckets_worker, 2, 2, configs)):
+        for (stage, accum, clip), (got, buckets, gathers) in zip(configs, result):
+            step, state = make(accum=accum, clip=clip, model_kw={"d": 600})
+            state, losses, norms = train_on(step, state, batches(2))
+            assert_same_training(got, (losses, norms, state.params), f"stage {stage}, accum {accum}, rank {rank}")
+            assert (buckets, gathers) == (2, 1), (stage, accum)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -15,6 +15,7 @@ it moves (packed signs and scales, ``zfunc.dist.compressed``) under "compressed_
 from __future__ import annotations
 
 import datetime
+import threading
 import zlib
 from collections import Counter
 from collections.abc import Callable
@@ -40,13 +41,15 @@ class Comm:
     ``label`` is a string like ``"gather unit 'h.0' at step 3"`` that names the operation in errors.
     ``bytes`` maps call type ("all_gather", "reduce_scatter", "all_reduce") to bytes.
 
-    Every collective is issued by one comm thread, in the order the calls were made, so the order
-    is the same on every rank however the caller overlaps them. Under NCCL a CPU tensor (a small
-    control tensor: a bucket order, an agreement) goes through this rank's current CUDA device: a
-    copy there when called, the result copied back when the work is waited on. A call with ``check=(op,
-    describe)`` first makes the ranks agree they issue the same ``op`` (see ``agree``); on the comm
-    thread that round trip overlaps the caller's compute instead of stalling it. After a failure
-    the thread issues nothing more: mismatched collectives would only add confusion.
+    Every collective is issued in the order the calls were made, so the order is the same on every
+    rank however the caller overlaps them: by one comm thread, or, on gloo, by the caller itself when
+    the call has no check and nothing is waiting for the thread (an issue that only enqueues gloo's
+    own work: the hand-over to the comm thread and back cost ~0.1 ms of CPU a collective). Under
+    NCCL a CPU tensor (a small control tensor: a bucket order, an agreement) goes through this rank's
+    current CUDA device: a copy there when called, the result copied back when the work is waited on.
+    A call with ``check=(op, describe)`` first makes the ranks agree they issue the same ``op`` (see
+    ``agree``); on the comm thread that round trip overlaps the caller's compute instead of stalling
+    it. After a failure nothing more is issued: mismatched collectives would only add confusion.
     """
 
     group: Any = None
@@ -55,6 +58,8 @@ class Comm:
     _thread: ThreadPoolExecutor | None = field(default=None, repr=False)
     _failed: str | None = field(default=None, repr=False)
     _backend: str | None = field(default=None, repr=False)
+    _lock: Any = field(default_factory=threading.Lock, repr=False)  # orders direct issues among the thread's
+    _queued: int = field(default=0, repr=False)  # calls handed to the comm thread and not yet issued
 
     def _run(self, kind: str, nbytes: int, label: str, issue: Callable[[], Any], alone: Callable[[], Any] = None,
              async_op: bool = False, check: tuple | None = None):
@@ -77,9 +82,23 @@ class Comm:
                 self._failed = str(e)
                 raise
 
-        if self._thread is None:
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="zfunc-comm")
-        work = _Pending(self._thread.submit(task), what)
+        def queued():
+            try:
+                return task()
+            finally:
+                with self._lock:
+                    self._queued -= 1
+
+        with self._lock:  # a call issued here comes after every call handed to the thread before it
+            direct = check is None and not self._queued and self._on_gloo()
+            if direct:
+                work = _Pending(_issued(task), what)
+            else:
+                self._queued += 1
+        if not direct:
+            if self._thread is None:
+                self._thread = ThreadPoolExecutor(1, thread_name_prefix="zfunc-comm")
+            work = _Pending(self._thread.submit(queued), what)
         if not async_op:
             work.wait()
         return work
@@ -261,6 +280,16 @@ def _agreed(store: Any, key: str, world: int) -> str:
         return "ok"
     return ("ranks made different calls: " + "; ".join(f"rank {r}: {c}" for r, c in enumerate(calls))
             + " (every rank must make the same collective calls in the same order)")
+
+
+def _issued(task: Callable[[], Any]) -> Future:
+    """``task`` run now, its result or exception held in a finished future."""
+    future: Future = Future()
+    try:
+        future.set_result(task())
+    except Exception as e:
+        future.set_exception(e)
+    return future
 
 
 class _Pending:

@@ -56,6 +56,7 @@ class StepRun:
         self.groups: list[FlatGroup] | None = sharded._flat_groups  # buckets, or stage 3's units
         self.unit_order: list[int] = sharded.order or []  # stage 3: the units' run order ([]: record it)
         self.buckets_ordered = sharded._buckets_ordered
+        self.gather_groups: list[FlatGroup] | None = sharded._gather_groups  # stages 1/2's param gathers
         self.learned: dict[str, Any] = {"unit_order": self.unit_order} if self.stage == 3 and not sharded.order else {}
         self.peak_gathered_bytes = 0  # most whole-param bytes held at once
         self.peak_whole_grad_bytes = 0  # most whole-grad bytes held at once
@@ -84,8 +85,8 @@ class StepRun:
     def finish(self) -> dict[str, Any]:
         """End the call: each role's ``finish`` (its work in flight ends) and what the call learned,
         the roles' and the run's, for ``step.learn``: ``groups``, ``unit_order``, ``grad_order``,
-        ``buckets_ordered``, ``bucket_buffers``, ``buffer_names`` where this call learned them, and
-        the peaks it measured (``ShardedStep.learn`` says what each is)."""
+        ``buckets_ordered``, ``bucket_buffers``, ``gather_groups``, ``buffer_names`` where this call
+        learned them, and the peaks it measured (``ShardedStep.learn`` says what each is)."""
         learned = self.roles.finish()
         learned.update(self.learned)
         learned.update(peak_gathered_bytes=self.peak_gathered_bytes, peak_whole_grad_bytes=self.peak_whole_grad_bytes)
@@ -153,8 +154,9 @@ class StepRun:
     def _start_sharded(self) -> None:
         """Stages 1-3: stages 1/2 gather every param whole now; reducers are made per microbatch,
         except at stage 1 with accumulation, which sums whole grads and reduce-scatters once."""
-        self.whole = (self._own_whole() or gather_whole(self.pieces, self.spec, self._buckets(), self.mesh.comm,
-                                                         self.step.compute_dtype, self.device, f"step {self.number}")
+        self.whole = (self._own_whole() or gather_whole(self.pieces, self.spec, self._gather_groups(),
+                                                         self.mesh.comm, self.step.compute_dtype, self.device,
+                                                         f"step {self.number}")
                       if self.stage < 3 else None)
         self.peak_gathered_bytes = tree.nbytes(self.whole) if self.whole else 0
         self.eager, self.reducer = self.stage > 1 or self.roles.schedule.count == 1, None
@@ -229,9 +231,26 @@ class StepRun:
     def _buckets(self) -> list[FlatGroup]:
         """Stages 0-2's buckets: the step's, else made now (and learned)."""
         if self.groups is None:
-            size, first = self.sharded._bucket_sizes(self.spec)
+            size, first = self._bucket_sizes()
             self.groups = self.learned["groups"] = bucket_groups(self.spec.leaves, size, first_elems=first)
         return self.groups
+
+    def _bucket_sizes(self) -> tuple[int, int | None]:
+        """The grad buckets' sizes (``ShardedStep._bucket_sizes``): fitted to the model unless a step that
+        offloads the sharded one runs it."""
+        return self.sharded._bucket_sizes(self.spec, fit=self.step is self.sharded)
+
+    def _gather_groups(self) -> list[FlatGroup]:
+        """Stages 1/2: the groups the params are all-gathered in at the start of the step. Where the grad
+        buckets are fitted smaller than ``bucket_mb`` (``_bucket_sizes``), groups of ``bucket_mb`` in leaf
+        order (one collective for a model under 25 MiB a rank: a gather has no backward to overlap, and
+        each collective costs its own round trip), made once and learned; else the grad buckets."""
+        if self._bucket_sizes()[0] >= self.sharded.bucket_elems:
+            return self._buckets()
+        if self.gather_groups is None:
+            self.gather_groups = self.learned["gather_groups"] = bucket_groups(self.spec.leaves,
+                                                                               self.sharded.bucket_elems)
+        return self.gather_groups
 
     def _units(self, module) -> list[FlatGroup]:
         """Stage 3's units: the step's, else bound now to the leaves of the model the loss runs."""
@@ -264,7 +283,7 @@ class StepRun:
         order = torch.tensor(arrived + [i for i in reversed(range(len(spec.leaves))) if i not in seen])
         everyone = torch.empty(spec.world * order.numel(), dtype=order.dtype)
         self.mesh.comm.all_gather(everyone, order, label=f"bucket order at step {step}")
-        size, first = self.sharded._bucket_sizes(spec)
+        size, first = self._bucket_sizes()
         self.groups = bucket_groups(spec.leaves, size, everyone[: order.numel()].tolist(), first)
         self.buckets_ordered = True
         self.learned.update(groups=self.groups, grad_order=None, buckets_ordered=True)

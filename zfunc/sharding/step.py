@@ -123,7 +123,8 @@ class ShardedStep(Transformed):
         self._grad_order: list[int] | None = None
         self._buckets_ordered = False
         self._bucket_buffers: Buckets | None = None  # stage 0's fp32 buckets, kept from step to step
-        self.fit_buckets = fit_buckets  # stage 0 without bucket_mb: buckets sized to the model
+        self._gather_groups: list[FlatGroup] | None = None  # stages 1/2: the param gathers' groups
+        self.fit_buckets = fit_buckets  # stages 0-2 without bucket_mb: buckets sized to the model
         self._buffer_names: list[str] = []  # the module buffers averaged in the last step
         # what the last call measured (``memory``)
         self.peak_gathered_bytes = 0  # most whole-param bytes held at once in the last step
@@ -220,7 +221,8 @@ class ShardedStep(Transformed):
         ``unit_order``: the order stage 3's units ran in (the first step records it, prefetch and
         the reduce order follow it); ``grad_order``: the order the first step's backward produced
         the grads in (stages 0-2), until the next call rebuilds the buckets in it
-        (``buckets_ordered``); ``bucket_buffers``: stage 0's kept fp32 buckets; ``buffer_names``:
+        (``buckets_ordered``); ``bucket_buffers``: stage 0's kept fp32 buckets; ``gather_groups``: the
+        groups stages 1/2 gather params in, where not the buckets; ``buffer_names``:
         the module buffers the call averaged; ``peak_gathered_bytes`` and ``peak_whole_grad_bytes``:
         what it measured (``memory``). A field the call did not learn stays as it was."""
         self._flat_groups = learned.get("groups", self._flat_groups)
@@ -228,6 +230,7 @@ class ShardedStep(Transformed):
         self._grad_order = learned.get("grad_order", self._grad_order)
         self._buckets_ordered = learned.get("buckets_ordered", self._buckets_ordered)
         self._bucket_buffers = learned.get("bucket_buffers", self._bucket_buffers)
+        self._gather_groups = learned.get("gather_groups", self._gather_groups)
         self._buffer_names = learned.get("buffer_names", self._buffer_names)
         self.peak_gathered_bytes = learned.get("peak_gathered_bytes", self.peak_gathered_bytes)
         self.peak_whole_grad_bytes = learned.get("peak_whole_grad_bytes", self.peak_whole_grad_bytes)
@@ -274,18 +277,20 @@ class ShardedStep(Transformed):
             "comm": self.mesh.comm_bytes(),
         }
 
-    def _bucket_sizes(self, spec: ShardSpec) -> tuple[int, int | None]:
-        """``(elements per bucket, elements in the first)`` (None: as the others). Stage 0 caps its
-        first bucket at 1 MiB, as DDP does, so that the first all-reduce starts early in backward;
-        with ``fit_buckets`` the others hold a quarter of the grads, within [1, 25] MiB: DDP's
-        fixed 25 MiB leaves a small model one bucket after the first, whose all-reduce then waits
-        for the end of backward (``benchmarks/shard.py`` compares stage 0 with DDP)."""
-        if self.stage != 0:
-            return self.bucket_elems, None
-        size = self.bucket_elems
-        if self.fit_buckets:
-            size = min(size, max(FIRST_BUCKET_ELEMS, sum(leaf.rows * leaf.rowsize for leaf in spec.leaves) // 4))
-        return size, min(size, FIRST_BUCKET_ELEMS)
+    def _bucket_sizes(self, spec: ShardSpec, fit: bool = True) -> tuple[int, int | None]:
+        """``(elements per bucket, elements in the first)`` (None: as the others), counted in a rank's
+        segment (stages 1/2: its rows of each leaf). With ``fit_buckets`` (no ``bucket_mb`` given) the
+        buckets hold a quarter of the segment, within [1, 25] MiB of fp32, the first at most 1 MiB, as
+        DDP's ``first_bucket_bytes_cap``: so the first reduce starts early in backward and all but the
+        last overlap it. DDP's fixed 25 MiB leaves a small model one bucket after the first, whose
+        reduce then waits for the end of backward, and at stages 1/2 one bucket in all, its
+        reduce-scatter wholly after backward (``benchmarks/shard.py`` compares stages 0-2 with DDP).
+        Stage 0's first bucket is at most 1 MiB whatever ``bucket_mb``; at stages 1/2, ``fit=False`` (a
+        step that offloads the sharded one, whose buckets feed its updates) keeps 25 MiB for every bucket."""
+        size, fitted = self.bucket_elems, self.fit_buckets and (fit or self.stage == 0)
+        if fitted:
+            size = min(size, max(FIRST_BUCKET_ELEMS, sum(leaf.chunk * leaf.rowsize for leaf in spec.leaves) // 4))
+        return size, (min(size, FIRST_BUCKET_ELEMS) if fitted or self.stage == 0 else None)
 
 
 def shard(step: Step, mesh: Mesh, stage: int, units: Selector | None = None, *, prefetch: int = 1,
@@ -301,9 +306,9 @@ def shard(step: Step, mesh: Mesh, stage: int, units: Selector | None = None, *, 
         hold the same params and each computes grads from its own tokens (``zf.Mesh``'s docstring).
       units: stage 3's gather units, a selector from ``zf.units`` (default ``zf.units.auto()``).
       prefetch: stage 3: how many units ahead to all-gather while one computes (0 turns it off).
-      bucket_mb: stages 0-2: size of the flat buffers the collectives move (fp32 MiB). Default 25;
-        at stage 0 a quarter of the grads, within [1, 25] MiB, after a first bucket of 1 MiB
-        (``ShardedStep._bucket_sizes`` says why).
+      bucket_mb: stages 0-2: size of the flat buffers the grad collectives move (fp32 MiB, a rank's
+        segment). Default: a quarter of the grads, within [1, 25] MiB, after a first bucket of 1 MiB
+        (``ShardedStep._bucket_sizes`` says why); stages 1/2 gather params in groups of 25 MiB.
       verify: before each stage-3 gather (whose order follows the model's control flow), check all
         ranks gather the same unit (one all-gather of a few bytes, on the comm thread), so
         diverging control flow is reported by unit and step instead of aborting gloo or hanging
@@ -341,7 +346,7 @@ def shard(step: Step, mesh: Mesh, stage: int, units: Selector | None = None, *, 
     grad_bits = _grad_bits(quantize_grads, quantize_weights, stage)
     hpz = _hpz(hpz, stage, mesh.dp)
     return ShardedStep(step, mesh, stage, units or units_mod.auto(), prefetch, bucket_elems, verify,
-                       fit_buckets=stage == 0 and bucket_mb is None, quantize_weights=quantize_weights,
+                       fit_buckets=stage < 3 and bucket_mb is None, quantize_weights=quantize_weights,
                        grad_bits=grad_bits, hpz=hpz)
 
 
