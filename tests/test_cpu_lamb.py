@@ -85,3 +85,22 @@ def test_lamb_many_names_what_it_cannot_update():
         tx = optim.lamb(1e-3, backend="numba")
         d = {"w": torch.zeros(3, dtype=torch.float64)}
         tx.apply(d, tx.init(d), d)
+
+
+def test_lamb_and_the_norm_run_one_thread_after_a_fork(two_threads, monkeypatch):
+    # os.fork leaves a child without its OpenMP workers (zfunc.ops.cpu.adam._one_thread_after_fork): every
+    # kernel family reads the pool size per call, so none starts a team of 2 there
+    from zfunc.ops.cpu import norm as cpu_norm
+
+    teams = []
+    real_run = cpu_lamb._run
+    monkeypatch.setattr(cpu_lamb, "_run", lambda block, team, k, a: (teams.append(k), real_run(block, team, k, a)))
+    p = {"big": torch.randn(40_000)}
+    tx = optim.lamb(1e-2, backend="numba")
+    _run(tx, p, [{"big": torch.randn(40_000)}])
+    monkeypatch.setattr(cpu_adam, "_POOL_SIZE", 1)
+    _run(tx, p, [{"big": torch.randn(40_000)}])
+    assert teams[0] == 2 and teams[-1] == 1, teams
+    assert cpu_adam.get_num_threads() == 1
+    g = torch.randn(40_000)
+    assert cpu_norm.sum_squares([g]) == pytest.approx(float((g.double() ** 2).sum()), rel=1e-6)  # on one thread

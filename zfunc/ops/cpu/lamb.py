@@ -25,7 +25,7 @@ from numba import njit
 
 from zfunc.ops.cpu import gomp
 from zfunc.ops.cpu import adam as _adam
-from zfunc.ops.cpu.adam import _PARALLEL_MIN, _POOL_SIZE
+from zfunc.ops.cpu.adam import _PARALLEL_MIN
 from zfunc.ops.cpu.blocks import _prange_of
 from zfunc.ops.cpu.checks import _GRAD, _leaf_ok, _reject
 from zfunc.ops.cpu.intrinsics import _F32, _JIT, _SQ_BLOCK, _add_square, _load, _ptr, _sqrt
@@ -156,7 +156,7 @@ def lamb_many_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: 
                 _reject(flat, name, dtypes, size, "lamb_many_")  # raises, naming the culprit
         leaf_wd = wd if d else 0.0
         if size >= _PARALLEL_MIN:
-            k = min(_adam._num_threads or torch.get_num_threads(), _POOL_SIZE)
+            k = _adam.get_num_threads()  # read per call: 1 in a forked child
             per = _chunk(size, k)
             sq = np.zeros(2 * k, dtype=np.float64)
             _run(_moments_block, _moments_team, k, (0, size, p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(),
