@@ -122,7 +122,7 @@ class _Run:
         self.stand_ins = [zero.expand(self.shapes[n]).detach().requires_grad_() for n in self.stand_in_names]
         self.params.update(zip(self.stand_in_names, self.stand_ins))
         self.acc: list[torch.Tensor | None] = [None] * len(self.owned)
-        self.sink = sink if sink is not None else (lambda grads: accumulate(self.acc, grads))  # owned params' grads
+        self.sink = sink  # None: owned params' grads summed into acc (no lambda: a cycle would keep the run alive)
         self.lent_acc: list[torch.Tensor | None] = [None] * len(self.lent_names)
         self.outputs: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.pending: dict[tuple[int, int], Any] = {}  # after "I", until "W"
@@ -191,7 +191,7 @@ class _Run:
         self.sends.append(self.p2p.send(t, peer, label, tag))
 
     def _recv(self, shape, dtype: torch.dtype, peer: int, what: str, tag: int):
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        buf = self.ps.recv_buffers.take(shape, dtype, self.device)  # reused across steps once nothing refers to it
         return self.p2p.recv(buf, peer, f"recv of {what} from stage {peer} to {self.s} at step {self.number}", tag)
 
     def _wait(self, work) -> torch.Tensor:
@@ -272,7 +272,7 @@ class _Run:
             self._send(torch.cat(flat), self.lender, "the shared params' grads", 1)
         elif self.s == self.lender != self.borrower and self.shared:
             back = dict(zip(self.shared, self._wait(self.returned).split(self.sizes)))
-            self.sink([back[n].view(self.shapes[n]) if n in back else None for n in self.spec.owned])
+            self._owned_grads([back[n].view(self.shapes[n]) if n in back else None for n in self.spec.owned])
 
     # -- compute
     def _input(self, op: Op) -> torch.Tensor | None:
@@ -370,9 +370,15 @@ class _Run:
             grads = list(torch.autograd.grad([root], self._weights(), grad_out, allow_unused=True))
         self._add_weight_grads(grads)
 
+    def _owned_grads(self, grads: list[torch.Tensor | None]) -> None:
+        if self.sink is None:
+            accumulate(self.acc, grads)
+        else:
+            self.sink(grads)
+
     def _add_weight_grads(self, grads: list[torch.Tensor | None]) -> None:
         n, k = len(self.owned), len(self.lent)
-        self.sink(grads[:n])
+        self._owned_grads(grads[:n])
         accumulate(self.lent_acc, grads[n : n + k])
         used = [name for name, g in zip(self.stand_in_names, grads[n + k :]) if g is not None]
         if used:

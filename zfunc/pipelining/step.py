@@ -48,7 +48,10 @@ stage's copy would be right.
 
 **Cost** (per rank; ``Psi_s`` = params of stage s, ``Psi_sh`` = shared ones, ``A`` = bytes of one
 microbatch's activation at a stage boundary). Between steps: ``(4 + opt) Psi_s`` bytes (fp32
-masters + optimizer state, 8 for Adam; stage 0 also ``(4 + opt) Psi_sh``). During a step: the
+masters + optimizer state, 8 for Adam; stage 0 also ``(4 + opt) Psi_sh``), and on the step object
+(not the state) the receive buffers it reuses call after call (``zfunc.pipelining.buffers``: about
+its peak of live microbatches' received activations per incoming boundary, an activation grad or
+two, and on the last stage the lent ``Psi_sh``; what a step allocated anyway). During a step: the
 fp32 grad sums (``4 Psi_s``), a compute-dtype copy of the params unless fp32, the activations of
 as many microbatches as the schedule's docstring states (``p - s`` on stage s with 1F1B, all
 ``m`` with GPipe, ``p`` with zero-bubble, which holds a microbatch's graph from its forward to its
@@ -120,6 +123,7 @@ from zfunc.core.microbatches import step_seed
 from zfunc.core.roles import RunContext
 from zfunc.dist import Mesh
 from zfunc.model.functional import BufferScope, carrying
+from zfunc.pipelining.buffers import RecvBuffers
 from zfunc.pipelining.layout import Layout, make_layout
 from zfunc.pipelining.placement import PipelineSpec, as_placed
 from zfunc.pipelining.schedules import BUILT_IN, Schedule
@@ -179,6 +183,7 @@ class PipelineStep(Transformed):
         self.ranks = schedule.plan(mesh.pp).ranks  # virtual stage -> rank
         self.peak_live_microbatches, self.timings = 0, {}
         self._bucket_cache: list | None = None
+        self.recv_buffers = RecvBuffers()  # zfunc.pipelining.buffers: kept across calls, never in the state
 
     def init(self, params: PyTree, materialize: Materializer | None = None) -> TrainState:
         """This stage's fp32 params (split over the dp ranks if the step is sharded) and their
