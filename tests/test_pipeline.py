@@ -68,9 +68,9 @@ def law_worker(rank, world, configs):
     for model, *pipe in configs:
         step, state = make(pipe, mesh, model=model)
         data = batches()
-        state, losses, norms = train_on(step, state, data[:1])
-        pooled = step.recv_buffers.nbytes()  # the receive buffers of a step, kept
-        state, more, norms_more = train_on(step, state, data[1:])
+        state, losses, norms = train_on(step, state, data[:2])
+        pooled = step.recv_buffers.nbytes()  # the receive buffers of a step with known shapes, kept
+        state, more, norms_more = train_on(step, state, data[2:])
         out.append((losses + more, norms + norms_more, dict(state.params), step.peak_live_microbatches,
                     mesh.comm_bytes(), step.timings["bubble"], (pooled, step.recv_buffers.nbytes())))
     return out
@@ -220,6 +220,8 @@ def test_a_non_finite_step_is_skipped_on_every_stage():
 
 def refusing_worker(rank, world, model_kw, own_batch):
     step, state = make(("gpipe", 2, None), zf.Mesh(pp=world), **model_kw)
+    if own_batch == "later":  # a first step alike: the second one's header is checked as it arrives, not waited for
+        state, _ = step(state, batches(n=2)[0])
     step(state, batches(n=2)[rank if own_batch else 0])
 
 
@@ -228,10 +230,26 @@ def refusing_worker(rank, world, model_kw, own_batch):
     ({"between": True}, False, "unit 'blocks.2' \\(first of stage 1\\) must get the output of unit 'blocks.1'"),
     ({"reuse": True}, False, "stage 1's forward used param 'blocks.0.ln.weight', which stage 0 holds"),
     ({}, True, "stages 0 and 1 were given different batches at step 0"),
+    ({}, "later", "stages 0 and 1 were given different batches at step 1"),
 ])
 def test_what_a_pipeline_cannot_split_is_refused(model_kw, own_batch, error):
     with pytest.raises(RuntimeError, match=f"rank 1 of 2 failed:(.|\n)*{error}"):
         zf.dist.spawn(refusing_worker, 2, 2, model_kw, own_batch, timeout_s=30)
+
+
+def shapes_worker(rank, world, data):
+    step, state = make(("1f1b", 2, None), zf.Mesh(pp=world))
+    state, losses, norms = train_on(step, state, data)
+    return losses, norms, dict(state.params)
+
+
+@pytest.mark.multiprocess
+def test_a_new_batch_shape_gets_its_header_waited_for_and_trains_as_the_plain_step():
+    """Stage shapes are kept from the last step with the batch's shapes; a batch of other shapes
+    (a shorter sequence, then back) gets its header waited for again."""
+    data = [tuple(t[:, :n] for t in batch) for batch, n in zip(batches(n=5), (5, 5, 3, 5, 5))]
+    results = zf.dist.spawn(shapes_worker, 2, 2, data)
+    check_equal(results, train_on(*make(), data), "1f1b, sequences of 5, 5, 3, 5, 5 tokens")
 
 
 # ------------------------------------------------------------------------------------ one process

@@ -129,6 +129,8 @@ class _Run:
         self.local: dict[tuple[str, int, int], torch.Tensor] = {}  # ("F" | "G", microbatch, stage) -> its input
         self.meta_in: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}  # stage -> its input's shape, dtype
         self.meta_out: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}  # stage -> its output's
+        self.headers: dict[int, Any] = {}  # stage -> its header's receive, posted at the start when its shape is known
+        self.headed: set[int] = set()  # stages whose output's header went out this step
         self.posted, self.recvs, self.sends = set(), {}, []
         self.peak_live, self.wait_s, self.compute_s, self.trace = 0, 0.0, 0.0, []
 
@@ -138,12 +140,17 @@ class _Run:
         last stage runs) and their aux."""
         self.t0 = self.last_end = time.perf_counter()
         self.ops, self.k = self.plan.ops[self.s], 0
+        signature = _signature(batch)
+        known = self.ps.boundary_shapes
+        if known is not None and known[0] == signature:  # the last step's shapes: no header to wait for
+            self.meta_in, self.meta_out = dict(known[1]), dict(known[2])
         loss, aux = run_microbatches(self.ps.schedule, batch, self.ps.compute_dtype, seed, params, self.forward,
                                      self.backward, self.p, self.s)
         self._finish_shared()
         for work in self.sends:
             self._wait(work)
         self.step_s = time.perf_counter() - self.t0
+        self.ps.boundary_shapes = (signature, self.meta_in, self.meta_out)
         return loss, aux
 
     def forward(self, i: int, micro: PyTree) -> tuple[torch.Tensor, Any] | None:
@@ -166,6 +173,9 @@ class _Run:
         waited = self.wait_s
         if self.k == 0:
             self._start_shared()
+            for k in self.meta_in:  # known shapes: the headers are checked as their first activation is read
+                self.headers[k] = self._recv(_HEADER, torch.int64, self.ranks[k - 1], "the activation shape",
+                                             self._tag(k - 1, 0, 2))
         for ahead in self.ops[self.k : self.k + 2]:
             self._post(ahead)
         self.k += 1
@@ -236,9 +246,18 @@ class _Run:
 
     def _recv_header(self, k: int) -> None:
         """Stage ``k``'s input shape, from the rank of stage ``k - 1``, checked against this step."""
+        header = self._recv(_HEADER, torch.int64, self.ranks[k - 1], "the activation shape", self._tag(k - 1, 0, 2))
+        self.meta_in[k] = self._read_header(k, self._wait(header).tolist())
+
+    def _check_header(self, k: int) -> None:
+        """Stage ``k``'s header, received while its activations were (their shape known from the last
+        step with this batch's shapes), checked against this step and that shape."""
+        meta = self._read_header(k, self._wait(self.headers.pop(k)).tolist())
+        if meta != self.meta_in[k]:
+            raise ValueError(_changed(self.ranks[k - 1], k - 1, self.meta_in[k], meta, self.number))
+
+    def _read_header(self, k: int, header: list[int]) -> tuple[tuple[int, ...], torch.dtype]:
         peer = self.ranks[k - 1]
-        header = self._wait(self._recv(_HEADER, torch.int64, peer, "the activation shape",
-                                       self._tag(k - 1, 0, 2))).tolist()
         number, m, digest, code, ndim = header[:5]
         if (number, m) != (self.number, self.m):
             raise ValueError(f"pipeline: stage {peer} runs step {number} with {m} microbatches but stage "
@@ -246,7 +265,7 @@ class _Run:
         if digest != self.digest:
             raise ValueError(f"pipeline: stages {peer} and {self.s} were given different batches at step "
                              f"{self.number}; every rank of a pipeline must call the step with the same batch")
-        self.meta_in[k] = (tuple(header[5 : 5 + ndim]), _DTYPES[code])
+        return tuple(header[5 : 5 + ndim]), _DTYPES[code]
 
     # -- shared params: stage 0's rank lends them to the last stage's, which returns their grads (tag 1)
     def _start_shared(self) -> None:
@@ -284,6 +303,8 @@ class _Run:
             return self.local.pop(("F", i, k)).requires_grad_()
         if k not in self.meta_in:
             self._recv_header(k)
+        elif k in self.headers:
+            self._check_header(k)
         self._post(op)
         return self._wait(self.recvs.pop(op)).requires_grad_()
 
@@ -298,10 +319,13 @@ class _Run:
         if k == self.last:
             return output, aux
         sent, peer = output.detach().contiguous(), self.ranks[k + 1]
-        if k not in self.meta_out:
-            self.meta_out[k] = (tuple(sent.shape), sent.dtype)
+        if k not in self.headed:  # the first output of stage k this step: its header first
+            self.headed.add(k)
+            known, self.meta_out[k] = self.meta_out.get(k), (tuple(sent.shape), sent.dtype)
             if peer != self.s:
                 self._send_header(sent, k)
+            if known is not None and known != self.meta_out[k]:  # the next stage expects the known shape
+                raise ValueError(_changed(self.s, k, known, self.meta_out[k], self.number))
         if peer == self.s:
             self.local["F", i, k + 1] = sent
         else:
@@ -385,6 +409,18 @@ class _Run:
             holder = self.ranks[self.ps.layout.owner.get(used[0], 0)]
             raise ValueError(f"pipeline: stage {self.s}'s forward used param '{used[0]}', which stage {holder} "
                              "holds: a pipeline unit's params must be read only inside the unit")
+
+
+def _changed(rank: int, k: int, was, now, number: int) -> str:
+    return (f"pipeline: stage {k}'s output (rank {rank}) is {now[0]} {now[1]} at step {number} but was {was[0]} "
+            f"{was[1]} at the last step with this batch's shapes: a stage's output shape must follow from the batch's")
+
+
+def _signature(batch: PyTree) -> tuple:
+    """What a stage's output shapes follow from: the batch's structure, its tensors' shapes and
+    dtypes, its other leaves."""
+    leaves, spec = tree.flatten(batch)
+    return str(spec), tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in leaves)
 
 
 def _digest(batch: PyTree) -> int:

@@ -58,7 +58,11 @@ as many microbatches as the schedule's docstring states (``p - s`` on stage s wi
 weight grads; per virtual stage with interleaving: ``step.peak_live_microbatches``), and on
 the last stage the lent params and their grads. Communication per step: each boundary between
 two virtual stages on two ranks carries ``m A`` forward (activations), ``m A`` back (their grads)
-and a 104-byte header (shape, step, a digest of the batch to check the stages got the same one);
+and a 104-byte header (shape, step, a digest of the batch to check the stages got the same one),
+which the receiving stage waits for before posting its first activation's receive only on a step
+whose batch shapes differ from the last step's; otherwise it knows the shapes, posts both at once
+and checks the header before it reads that activation (a stage's output shape must follow from
+the batch's shapes and structure: a change under the same ones is refused on both stages);
 ``Psi_sh`` in the compute dtype goes from stage 0 to the last stage and ``4 Psi_sh`` of fp32
 grads back (what all-reducing a replica's grads would cost); one all-reduce over the pipeline of
 three scalars (loss, grad norm, a count of stray buffers). ``mesh.comm_bytes()`` counts it
@@ -184,6 +188,7 @@ class PipelineStep(Transformed):
         self.peak_live_microbatches, self.timings = 0, {}
         self._bucket_cache: list | None = None
         self.recv_buffers = RecvBuffers()  # zfunc.pipelining.buffers: kept across calls, never in the state
+        self.boundary_shapes: tuple | None = None  # (batch signature, stage -> input, output shape): the last step's
 
     def init(self, params: PyTree, materialize: Materializer | None = None) -> TrainState:
         """This stage's fp32 params (split over the dp ranks if the step is sharded) and their
