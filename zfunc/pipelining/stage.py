@@ -16,7 +16,6 @@ the rules and costs it implements are in ``zfunc.pipelining.step``'s docstring.
 from __future__ import annotations
 
 import time
-import zlib
 from typing import Any
 
 import torch
@@ -26,15 +25,13 @@ from zfunc.core.microbatches import accumulate, run_microbatches, split_batch
 from zfunc.model.functional import run_by
 from zfunc.core.step import split_loss
 from zfunc.pipelining.check import Timeline, check
+from zfunc.pipelining import header as hdr
 from zfunc.pipelining.hooks import _StageOutput, _StageRun
 from zfunc.pipelining.placement import PipelineSpec
 from zfunc.pipelining.schedules import Op, Schedule, build
 from zfunc.pipelining.split_backward import PendingWeights, input_grad, weight_grads
 
 PyTree = Any
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_MAX_DIMS = 8
-_HEADER = 5 + _MAX_DIMS  # int64s: step, microbatches, batch digest, dtype, ndim, shape
 
 
 def schedule_ops(schedule: str, stages: int, stage: int, microbatches: int) -> list[tuple[str, int]]:
@@ -140,7 +137,7 @@ class _Run:
         last stage runs) and their aux."""
         self.t0 = self.last_end = time.perf_counter()
         self.ops, self.k = self.plan.ops[self.s], 0
-        signature = _signature(batch)
+        signature = hdr.signature(batch)
         known = self.ps.boundary_shapes
         if known is not None and known[0] == signature:  # the last step's shapes: no header to wait for
             self.meta_in, self.meta_out = dict(known[1]), dict(known[2])
@@ -174,7 +171,7 @@ class _Run:
         if self.k == 0:
             self._start_shared()
             for k in self.meta_in:  # known shapes: the headers are checked as their first activation is read
-                self.headers[k] = self._recv(_HEADER, torch.int64, self.ranks[k - 1], "the activation shape",
+                self.headers[k] = self._recv(hdr.SIZE, torch.int64, self.ranks[k - 1], "the activation shape",
                                              self._tag(k - 1, 0, 2))
         for ahead in self.ops[self.k : self.k + 2]:
             self._post(ahead)
@@ -237,16 +234,13 @@ class _Run:
 
     def _send_header(self, out: torch.Tensor, k: int) -> None:
         """Step, microbatches, batch digest, dtype and shape of stage ``k``'s outputs to follow."""
-        if out.dim() > _MAX_DIMS or out.dtype not in _DTYPES:
-            raise ValueError(f"pipeline: stage {self.s} output has shape {tuple(out.shape)} {out.dtype}; expected at "
-                             f"most {_MAX_DIMS} dims and one of {_DTYPES}")
-        header = [self.number, self.m, self.digest, _DTYPES.index(out.dtype), out.dim(), *out.shape]
-        self._send(torch.tensor(header + [0] * (_HEADER - len(header)), device=self.device), self.ranks[k + 1],
-                   "the activation shape", self._tag(k, 0, 2))
+        header = hdr.pack(out, self.s, self.number, self.m, self.digest)
+        self._send(torch.tensor(header, device=self.device), self.ranks[k + 1], "the activation shape",
+                   self._tag(k, 0, 2))
 
     def _recv_header(self, k: int) -> None:
         """Stage ``k``'s input shape, from the rank of stage ``k - 1``, checked against this step."""
-        header = self._recv(_HEADER, torch.int64, self.ranks[k - 1], "the activation shape", self._tag(k - 1, 0, 2))
+        header = self._recv(hdr.SIZE, torch.int64, self.ranks[k - 1], "the activation shape", self._tag(k - 1, 0, 2))
         self.meta_in[k] = self._read_header(k, self._wait(header).tolist())
 
     def _check_header(self, k: int) -> None:
@@ -254,18 +248,10 @@ class _Run:
         step with this batch's shapes), checked against this step and that shape."""
         meta = self._read_header(k, self._wait(self.headers.pop(k)).tolist())
         if meta != self.meta_in[k]:
-            raise ValueError(_changed(self.ranks[k - 1], k - 1, self.meta_in[k], meta, self.number))
+            raise ValueError(hdr.changed(self.ranks[k - 1], k - 1, self.meta_in[k], meta, self.number))
 
-    def _read_header(self, k: int, header: list[int]) -> tuple[tuple[int, ...], torch.dtype]:
-        peer = self.ranks[k - 1]
-        number, m, digest, code, ndim = header[:5]
-        if (number, m) != (self.number, self.m):
-            raise ValueError(f"pipeline: stage {peer} runs step {number} with {m} microbatches but stage "
-                             f"{self.s} runs step {self.number} with {self.m}: the ranks' steps diverged")
-        if digest != self.digest:
-            raise ValueError(f"pipeline: stages {peer} and {self.s} were given different batches at step "
-                             f"{self.number}; every rank of a pipeline must call the step with the same batch")
-        return tuple(header[5 : 5 + ndim]), _DTYPES[code]
+    def _read_header(self, k: int, header: list[int]) -> hdr.Meta:
+        return hdr.read(header, self.ranks[k - 1], self.s, self.number, self.m, self.digest)
 
     # -- shared params: stage 0's rank lends them to the last stage's, which returns their grads (tag 1)
     def _start_shared(self) -> None:
@@ -325,7 +311,7 @@ class _Run:
             if peer != self.s:
                 self._send_header(sent, k)
             if known is not None and known != self.meta_out[k]:  # the next stage expects the known shape
-                raise ValueError(_changed(self.s, k, known, self.meta_out[k], self.number))
+                raise ValueError(hdr.changed(self.s, k, known, self.meta_out[k], self.number))
         if peer == self.s:
             self.local["F", i, k + 1] = sent
         else:
@@ -410,23 +396,3 @@ class _Run:
             raise ValueError(f"pipeline: stage {self.s}'s forward used param '{used[0]}', which stage {holder} "
                              "holds: a pipeline unit's params must be read only inside the unit")
 
-
-def _changed(rank: int, k: int, was, now, number: int) -> str:
-    return (f"pipeline: stage {k}'s output (rank {rank}) is {now[0]} {now[1]} at step {number} but was {was[0]} "
-            f"{was[1]} at the last step with this batch's shapes: a stage's output shape must follow from the batch's")
-
-
-def _signature(batch: PyTree) -> tuple:
-    """What a stage's output shapes follow from: the batch's structure, its tensors' shapes and
-    dtypes, its other leaves."""
-    leaves, spec = tree.flatten(batch)
-    return str(spec), tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in leaves)
-
-
-def _digest(batch: PyTree) -> int:
-    """crc32 of the batch's tensors' bytes: adjacent stages compare it (cheap: the batch is small)."""
-    crc = 0
-    for x in tree.leaves(batch):
-        if isinstance(x, torch.Tensor):
-            crc = zlib.crc32(x.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy(), crc)
-    return crc

@@ -131,7 +131,8 @@ from zfunc.pipelining.buffers import RecvBuffers
 from zfunc.pipelining.layout import Layout, make_layout
 from zfunc.pipelining.placement import PipelineSpec, as_placed
 from zfunc.pipelining.schedules import BUILT_IN, Schedule
-from zfunc.pipelining.stage import PipelineSchedule, _Run, _digest
+from zfunc.pipelining.header import digest
+from zfunc.pipelining.stage import PipelineSchedule, _Run
 from zfunc.pipelining.dp_grads import OpGradSlices, reduce_scatter
 from zfunc.sharding.reduce import average_buffers, average_order
 from zfunc.sharding.layout import ShardSpec, bucket_groups, gather_whole
@@ -327,7 +328,7 @@ class PipelineStep(Transformed):
         if spec.inner is not None and spec.inner.stage >= 2:  # each op's grads reduce-scattered as it ends
             sliced = OpGradSlices(pieces, whole, spec.inner, self._buckets(spec.inner), self.mesh.reduce_comm, step,
                                  divisor * spec.inner.world)
-        run = _Run(self, spec, whole, step, scale, _digest(batch), sliced)
+        run = _Run(self, spec, whole, step, scale, digest(batch), sliced)
         loss, aux = run.execute(batch, step_seed(rng, step), params)
         self.peak_live_microbatches = run.peak_live
         self.timings = {"step_s": run.step_s, "wait_s": run.wait_s, "compute_s": run.compute_s,
