@@ -15,7 +15,9 @@ interleaved: per round and batch, each zfunc step right before torch's of the sa
 barrier; a step is as slow as its slowest rank. The ratio is the median of the pairs' ratios
 (torch's time / zfunc's), the times the medians. CPU time, which load moves far less than the
 wall clock: each step's process CPU time (every thread: the main one, gloo's, zfunc's comm
-thread) summed over the ranks, the median of the pairs' ratios (torch's / zfunc's).
+thread) summed over the ranks, the median of the pairs' ratios (torch's / zfunc's); and of it,
+from ``getrusage``, the kernel's share (sys), the minor page faults and the voluntary context
+switches per step, summed over the ranks, medians over the steps (counts load does not move).
 
 The same work on both sides: AdamW, the microbatch losses averaged, and with ``--norm clip`` (the
 default) both clip the grads at the global norm ``CLIP`` as torchtitan does across pp ranks
@@ -42,6 +44,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import resource
 import statistics
 import sys
 import time
@@ -200,11 +203,18 @@ def worker(rank: int, p: int, cfg: GPTConfig, ms: list[int], batch: int, steps: 
         for tokens in data:
             for k, run in trainers.items():  # zfunc's step, then torch's of the same kind: a pair
                 torch.distributed.barrier()  # every trainer starts its step together on all ranks
-                t0, c0 = time.perf_counter(), time.process_time()
+                t0, c0 = time.perf_counter(), _usage()
                 run(tokens)
                 times[k].append(time.perf_counter() - t0)
-                cpu[k].append(time.process_time() - c0)  # every thread of the rank: gloo's, the comm thread
+                cpu[k].append([b - a for a, b in zip(c0, _usage())])  # every thread of the rank: gloo's, comm's
     return times, {k: (h["timings"], h["theory"]) for k, h in holders.items()}, cpu
+
+
+def _usage() -> tuple[float, float, int, int]:
+    """This process's (every thread's) CPU time, its kernel share, minor page faults and voluntary
+    context switches so far (``getrusage``): the first two load moves little, the counts not at all."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime, r.ru_stime, r.ru_minflt, r.ru_nvcsw
 
 
 def bubbles(schedule: str, p: int, m: int, per_rank: list[list[dict]]) -> tuple[list[float], ...]:
@@ -250,14 +260,16 @@ def main(argv=None) -> None:
     med = {k: statistics.median(v) for k, v in slowest.items()}
     paired = {(s, m): statistics.median(t / z for t, z in zip(slowest["torch", s, m], slowest["zfunc", s, m]))
               for m in ms for s in schedules}
-    summed = {k: [sum(r[2][k][i] for r in results) for i in range(len(results[0][2][k]))] for k in results[0][2]}
-    cpu = {(s, m): statistics.median(t / z for t, z in zip(summed["torch", s, m], summed["zfunc", s, m]))
+    summed = {k: [[sum(r[2][k][i][c] for r in results) for c in range(4)] for i in range(len(results[0][2][k]))]
+              for k in results[0][2]}
+    cpu = {(s, m): statistics.median(t[0] / z[0] for t, z in zip(summed["torch", s, m], summed["zfunc", s, m]))
            for m in ms for s in schedules}
+    usage = {k: [statistics.median(step[c] for step in v) for c in range(1, 4)] for k, v in summed.items()}
     print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print("\n| m | schedule (torch's) | bubble theory | theory at the step's op times, per stage | bubble measured "
           "per stage (its excess, paired) | zfunc ms/step | torch ms/step | zfunc speed vs torch (paired) | CPU time "
-          "torch / zfunc (paired) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "torch / zfunc (paired) | sys ms, minor faults, voluntary switches per step: zfunc / torch |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for m in ms:
         for s in schedules:
             theory = results[0][1][(s, m)][1]
@@ -265,7 +277,12 @@ def main(argv=None) -> None:
             z, t = med[("zfunc", s, m)], med[("torch", s, m)]
             print(f"| {m} | {s} ({TORCH[s]}) | {theory:.2f} | {', '.join(f'{b:.2f}' for b in implied)} | "
                   f"{', '.join(f'{b:.2f} ({e:+.2f})' for b, e in zip(measured, excess))} | {z * 1e3:.1f} | "
-                  f"{t * 1e3:.1f} | {paired[s, m]:.2f}x | {cpu[s, m]:.2f} |")
+                  f"{t * 1e3:.1f} | {paired[s, m]:.2f}x | {cpu[s, m]:.2f} | {_counts(usage['zfunc', s, m])} / "
+                  f"{_counts(usage['torch', s, m])} |")
+
+
+def _counts(u: list[float]) -> str:
+    return f"{u[0] * 1e3:.1f}, {u[1]:.0f}, {u[2]:.0f}"
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from tests.models import (Block, NormSpy, NormStack, NormUnit, adamw, assert_sam
 from recipes import gpt
 from zfunc.checkpoint import full_params
 from zfunc.pipelining import Schedule, build, check, from_csv
+from zfunc.pipelining.buffers import RecvBuffers
 from zfunc.pipelining.schedules import peak_live
 
 
@@ -66,9 +67,12 @@ def law_worker(rank, world, configs):
     out = []
     for model, *pipe in configs:
         step, state = make(pipe, mesh, model=model)
-        state, losses, norms = train_on(step, state, batches())
-        out.append((losses, norms, dict(state.params), step.peak_live_microbatches, mesh.comm_bytes(),
-                    step.timings["bubble"]))
+        data = batches()
+        state, losses, norms = train_on(step, state, data[:2])
+        pooled = step.recv_buffers.nbytes()  # the receive buffers of a step with known shapes, kept
+        state, more, norms_more = train_on(step, state, data[2:])
+        out.append((losses + more, norms + norms_more, dict(state.params), step.peak_live_microbatches,
+                    mesh.comm_bytes(), step.timings["bubble"], (pooled, step.recv_buffers.nbytes())))
     return out
 
 
@@ -83,7 +87,8 @@ def test_pipelined_step_equals_plain_step(world):
         check_equal([r[k][:3] for r in results], refs[model], what)
         name = schedule.name if isinstance(schedule, Schedule) else schedule
         for stage, r in enumerate(results):
-            live, nbytes, bubble = r[k][3:]
+            live, nbytes, bubble, (pooled, kept) = r[k][3:]
+            assert kept == pooled and (pooled > 0) == (nbytes["recv"] > 0), (what, stage, pooled, kept)  # reused
             # the schedule's peak of live microbatches (per virtual stage), as its docstring states
             expected = check(CUSTOM).peak_live[stage] if name == "custom" else peak_live(name, world, m, stage, v)
             assert live == expected, (what, stage, live)
@@ -91,6 +96,25 @@ def test_pipelined_step_equals_plain_step(world):
             if model == "tiny":
                 ranks = build(name, world, m, v).ranks if name != "custom" else None
                 assert (nbytes["send"], nbytes["recv"]) == p2p_bytes(stage, world, v, ranks), (what, stage, nbytes)
+
+
+def test_a_receive_buffer_is_reused_only_once_nothing_refers_to_its_memory():
+    pool, cpu = RecvBuffers(), torch.device("cpu")
+    a = pool.take((2, 3), torch.float32, cpu).requires_grad_()
+    loss = (a * a).sum()  # autograd saved a
+    b = pool.take((2, 3), torch.float32, cpu)
+    row = b[0]
+    del b
+    c = pool.take((2, 3), torch.float32, cpu)  # b's memory is still seen through its row
+    assert len({a.data_ptr(), row.data_ptr(), c.data_ptr()}) == 3
+    del a, c
+    d = pool.take((2, 3), torch.float32, cpu)  # c's: nothing refers to it
+    assert d.data_ptr() not in (row.data_ptr(),) and len(pool.pools[torch.Size((2, 3)), torch.float32, cpu]) == 3
+    loss.backward()
+    del loss, row, d
+    assert {pool.take((2, 3), torch.float32, cpu).data_ptr() for _ in range(2)} <= \
+        {b.data_ptr() for b in pool.pools[torch.Size((2, 3)), torch.float32, cpu]}
+    assert pool.take((3,), torch.int64, cpu).dtype == torch.int64 and pool.nbytes() == 3 * 6 * 4 + 3 * 8
 
 
 def p2p_bytes(stage, p, v=1, ranks=None, header=13 * 8, acts=8 * 5 * 6 * 4, shared=(VOCAB * 6 + 6 + 6) * 4):
@@ -196,6 +220,8 @@ def test_a_non_finite_step_is_skipped_on_every_stage():
 
 def refusing_worker(rank, world, model_kw, own_batch):
     step, state = make(("gpipe", 2, None), zf.Mesh(pp=world), **model_kw)
+    if own_batch == "later":  # a first step alike: the second one's header is checked as it arrives, not waited for
+        state, _ = step(state, batches(n=2)[0])
     step(state, batches(n=2)[rank if own_batch else 0])
 
 
@@ -204,10 +230,26 @@ def refusing_worker(rank, world, model_kw, own_batch):
     ({"between": True}, False, "unit 'blocks.2' \\(first of stage 1\\) must get the output of unit 'blocks.1'"),
     ({"reuse": True}, False, "stage 1's forward used param 'blocks.0.ln.weight', which stage 0 holds"),
     ({}, True, "stages 0 and 1 were given different batches at step 0"),
+    ({}, "later", "stages 0 and 1 were given different batches at step 1"),
 ])
 def test_what_a_pipeline_cannot_split_is_refused(model_kw, own_batch, error):
     with pytest.raises(RuntimeError, match=f"rank 1 of 2 failed:(.|\n)*{error}"):
         zf.dist.spawn(refusing_worker, 2, 2, model_kw, own_batch, timeout_s=30)
+
+
+def shapes_worker(rank, world, data):
+    step, state = make(("1f1b", 2, None), zf.Mesh(pp=world))
+    state, losses, norms = train_on(step, state, data)
+    return losses, norms, dict(state.params)
+
+
+@pytest.mark.multiprocess
+def test_a_new_batch_shape_gets_its_header_waited_for_and_trains_as_the_plain_step():
+    """Stage shapes are kept from the last step with the batch's shapes; a batch of other shapes
+    (a shorter sequence, then back) gets its header waited for again."""
+    data = [tuple(t[:, :n] for t in batch) for batch, n in zip(batches(n=5), (5, 5, 3, 5, 5))]
+    results = zf.dist.spawn(shapes_worker, 2, 2, data)
+    check_equal(results, train_on(*make(), data), "1f1b, sequences of 5, 5, 3, 5, 5 tokens")
 
 
 # ------------------------------------------------------------------------------------ one process

@@ -16,7 +16,6 @@ the rules and costs it implements are in ``zfunc.pipelining.step``'s docstring.
 from __future__ import annotations
 
 import time
-import zlib
 from typing import Any
 
 import torch
@@ -26,15 +25,13 @@ from zfunc.core.microbatches import accumulate, run_microbatches, split_batch
 from zfunc.model.functional import run_by
 from zfunc.core.grads import split_loss
 from zfunc.pipelining.check import Timeline, check
+from zfunc.pipelining import header as hdr
 from zfunc.pipelining.hooks import _StageOutput, _StageRun
 from zfunc.pipelining.placement import PipelineSpec
 from zfunc.pipelining.schedules import Op, Schedule, build
 from zfunc.pipelining.split_backward import PendingWeights, input_grad, weight_grads
 
 PyTree = Any
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_MAX_DIMS = 8
-_HEADER = 5 + _MAX_DIMS  # int64s: step, microbatches, batch digest, dtype, ndim, shape
 
 
 def schedule_ops(schedule: str, stages: int, stage: int, microbatches: int) -> list[tuple[str, int]]:
@@ -122,13 +119,15 @@ class _Run:
         self.stand_ins = [zero.expand(self.shapes[n]).detach().requires_grad_() for n in self.stand_in_names]
         self.params.update(zip(self.stand_in_names, self.stand_ins))
         self.acc: list[torch.Tensor | None] = [None] * len(self.owned)
-        self.sink = sink if sink is not None else (lambda grads: accumulate(self.acc, grads))  # owned params' grads
+        self.sink = sink  # None: owned params' grads summed into acc (no lambda: a cycle would keep the run alive)
         self.lent_acc: list[torch.Tensor | None] = [None] * len(self.lent_names)
         self.outputs: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.pending: dict[tuple[int, int], Any] = {}  # after "I", until "W"
         self.local: dict[tuple[str, int, int], torch.Tensor] = {}  # ("F" | "G", microbatch, stage) -> its input
         self.meta_in: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}  # stage -> its input's shape, dtype
         self.meta_out: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}  # stage -> its output's
+        self.headers: dict[int, Any] = {}  # stage -> its header's receive, posted at the start when its shape is known
+        self.headed: set[int] = set()  # stages whose output's header went out this step
         self.posted, self.recvs, self.sends = set(), {}, []
         self.peak_live, self.wait_s, self.compute_s, self.trace = 0, 0.0, 0.0, []
 
@@ -138,12 +137,17 @@ class _Run:
         last stage runs) and their aux."""
         self.t0 = self.last_end = time.perf_counter()
         self.ops, self.k = self.plan.ops[self.s], 0
+        signature = hdr.signature(batch)
+        known = self.ps.boundary_shapes
+        if known is not None and known[0] == signature:  # the last step's shapes: no header to wait for
+            self.meta_in, self.meta_out = dict(known[1]), dict(known[2])
         loss, aux = run_microbatches(self.ps.schedule, batch, self.ps.compute_dtype, seed, params, self.forward,
                                      self.backward, self.p, self.s)
         self._finish_shared()
         for work in self.sends:
             self._wait(work)
         self.step_s = time.perf_counter() - self.t0
+        self.ps.boundary_shapes = (signature, self.meta_in, self.meta_out)
         return loss, aux
 
     def forward(self, i: int, micro: PyTree) -> tuple[torch.Tensor, Any] | None:
@@ -166,6 +170,9 @@ class _Run:
         waited = self.wait_s
         if self.k == 0:
             self._start_shared()
+            for k in self.meta_in:  # known shapes: the headers are checked as their first activation is read
+                self.headers[k] = self._recv(hdr.SIZE, torch.int64, self.ranks[k - 1], "the activation shape",
+                                             self._tag(k - 1, 0, 2))
         for ahead in self.ops[self.k : self.k + 2]:
             self._post(ahead)
         self.k += 1
@@ -191,7 +198,7 @@ class _Run:
         self.sends.append(self.p2p.send(t, peer, label, tag))
 
     def _recv(self, shape, dtype: torch.dtype, peer: int, what: str, tag: int):
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        buf = self.ps.recv_buffers.take(shape, dtype, self.device)  # reused across steps once nothing refers to it
         return self.p2p.recv(buf, peer, f"recv of {what} from stage {peer} to {self.s} at step {self.number}", tag)
 
     def _wait(self, work) -> torch.Tensor:
@@ -227,26 +234,24 @@ class _Run:
 
     def _send_header(self, out: torch.Tensor, k: int) -> None:
         """Step, microbatches, batch digest, dtype and shape of stage ``k``'s outputs to follow."""
-        if out.dim() > _MAX_DIMS or out.dtype not in _DTYPES:
-            raise ValueError(f"pipeline: stage {self.s} output has shape {tuple(out.shape)} {out.dtype}; expected at "
-                             f"most {_MAX_DIMS} dims and one of {_DTYPES}")
-        header = [self.number, self.m, self.digest, _DTYPES.index(out.dtype), out.dim(), *out.shape]
-        self._send(torch.tensor(header + [0] * (_HEADER - len(header)), device=self.device), self.ranks[k + 1],
-                   "the activation shape", self._tag(k, 0, 2))
+        header = hdr.pack(out, self.s, self.number, self.m, self.digest)
+        self._send(torch.tensor(header, device=self.device), self.ranks[k + 1], "the activation shape",
+                   self._tag(k, 0, 2))
 
     def _recv_header(self, k: int) -> None:
         """Stage ``k``'s input shape, from the rank of stage ``k - 1``, checked against this step."""
-        peer = self.ranks[k - 1]
-        header = self._wait(self._recv(_HEADER, torch.int64, peer, "the activation shape",
-                                       self._tag(k - 1, 0, 2))).tolist()
-        number, m, digest, code, ndim = header[:5]
-        if (number, m) != (self.number, self.m):
-            raise ValueError(f"pipeline: stage {peer} runs step {number} with {m} microbatches but stage "
-                             f"{self.s} runs step {self.number} with {self.m}: the ranks' steps diverged")
-        if digest != self.digest:
-            raise ValueError(f"pipeline: stages {peer} and {self.s} were given different batches at step "
-                             f"{self.number}; every rank of a pipeline must call the step with the same batch")
-        self.meta_in[k] = (tuple(header[5 : 5 + ndim]), _DTYPES[code])
+        header = self._recv(hdr.SIZE, torch.int64, self.ranks[k - 1], "the activation shape", self._tag(k - 1, 0, 2))
+        self.meta_in[k] = self._read_header(k, self._wait(header).tolist())
+
+    def _check_header(self, k: int) -> None:
+        """Stage ``k``'s header, received while its activations were (their shape known from the last
+        step with this batch's shapes), checked against this step and that shape."""
+        meta = self._read_header(k, self._wait(self.headers.pop(k)).tolist())
+        if meta != self.meta_in[k]:
+            raise ValueError(hdr.changed(self.ranks[k - 1], k - 1, self.meta_in[k], meta, self.number))
+
+    def _read_header(self, k: int, header: list[int]) -> hdr.Meta:
+        return hdr.read(header, self.ranks[k - 1], self.s, self.number, self.m, self.digest)
 
     # -- shared params: stage 0's rank lends them to the last stage's, which returns their grads (tag 1)
     def _start_shared(self) -> None:
@@ -272,7 +277,7 @@ class _Run:
             self._send(torch.cat(flat), self.lender, "the shared params' grads", 1)
         elif self.s == self.lender != self.borrower and self.shared:
             back = dict(zip(self.shared, self._wait(self.returned).split(self.sizes)))
-            self.sink([back[n].view(self.shapes[n]) if n in back else None for n in self.spec.owned])
+            self._owned_grads([back[n].view(self.shapes[n]) if n in back else None for n in self.spec.owned])
 
     # -- compute
     def _input(self, op: Op) -> torch.Tensor | None:
@@ -284,6 +289,8 @@ class _Run:
             return self.local.pop(("F", i, k)).requires_grad_()
         if k not in self.meta_in:
             self._recv_header(k)
+        elif k in self.headers:
+            self._check_header(k)
         self._post(op)
         return self._wait(self.recvs.pop(op)).requires_grad_()
 
@@ -298,10 +305,13 @@ class _Run:
         if k == self.last:
             return output, aux
         sent, peer = output.detach().contiguous(), self.ranks[k + 1]
-        if k not in self.meta_out:
-            self.meta_out[k] = (tuple(sent.shape), sent.dtype)
+        if k not in self.headed:  # the first output of stage k this step: its header first
+            self.headed.add(k)
+            known, self.meta_out[k] = self.meta_out.get(k), (tuple(sent.shape), sent.dtype)
             if peer != self.s:
                 self._send_header(sent, k)
+            if known is not None and known != self.meta_out[k]:  # the next stage expects the known shape
+                raise ValueError(hdr.changed(self.s, k, known, self.meta_out[k], self.number))
         if peer == self.s:
             self.local["F", i, k + 1] = sent
         else:
@@ -370,9 +380,15 @@ class _Run:
             grads = list(torch.autograd.grad([root], self._weights(), grad_out, allow_unused=True))
         self._add_weight_grads(grads)
 
+    def _owned_grads(self, grads: list[torch.Tensor | None]) -> None:
+        if self.sink is None:
+            accumulate(self.acc, grads)
+        else:
+            self.sink(grads)
+
     def _add_weight_grads(self, grads: list[torch.Tensor | None]) -> None:
         n, k = len(self.owned), len(self.lent)
-        self.sink(grads[:n])
+        self._owned_grads(grads[:n])
         accumulate(self.lent_acc, grads[n : n + k])
         used = [name for name, g in zip(self.stand_in_names, grads[n + k :]) if g is not None]
         if used:
@@ -380,11 +396,3 @@ class _Run:
             raise ValueError(f"pipeline: stage {self.s}'s forward used param '{used[0]}', which stage {holder} "
                              "holds: a pipeline unit's params must be read only inside the unit")
 
-
-def _digest(batch: PyTree) -> int:
-    """crc32 of the batch's tensors' bytes: adjacent stages compare it (cheap: the batch is small)."""
-    crc = 0
-    for x in tree.leaves(batch):
-        if isinstance(x, torch.Tensor):
-            crc = zlib.crc32(x.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy(), crc)
-    return crc

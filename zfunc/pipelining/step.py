@@ -48,14 +48,21 @@ stage's copy would be right.
 
 **Cost** (per rank; ``Psi_s`` = params of stage s, ``Psi_sh`` = shared ones, ``A`` = bytes of one
 microbatch's activation at a stage boundary). Between steps: ``(4 + opt) Psi_s`` bytes (fp32
-masters + optimizer state, 8 for Adam; stage 0 also ``(4 + opt) Psi_sh``). During a step: the
+masters + optimizer state, 8 for Adam; stage 0 also ``(4 + opt) Psi_sh``), and on the step object
+(not the state) the receive buffers it reuses call after call (``zfunc.pipelining.buffers``: about
+its peak of live microbatches' received activations per incoming boundary, an activation grad or
+two, and on the last stage the lent ``Psi_sh``; what a step allocated anyway). During a step: the
 fp32 grad sums (``4 Psi_s``), a compute-dtype copy of the params unless fp32, the activations of
 as many microbatches as the schedule's docstring states (``p - s`` on stage s with 1F1B, all
 ``m`` with GPipe, ``p`` with zero-bubble, which holds a microbatch's graph from its forward to its
 weight grads; per virtual stage with interleaving: ``step.peak_live_microbatches``), and on
 the last stage the lent params and their grads. Communication per step: each boundary between
 two virtual stages on two ranks carries ``m A`` forward (activations), ``m A`` back (their grads)
-and a 104-byte header (shape, step, a digest of the batch to check the stages got the same one);
+and a 104-byte header (shape, step, a digest of the batch to check the stages got the same one),
+which the receiving stage waits for before posting its first activation's receive only on a step
+whose batch shapes differ from the last step's; otherwise it knows the shapes, posts both at once
+and checks the header before it reads that activation (a stage's output shape must follow from
+the batch's shapes and structure: a change under the same ones is refused on both stages);
 ``Psi_sh`` in the compute dtype goes from stage 0 to the last stage and ``4 Psi_sh`` of fp32
 grads back (what all-reducing a replica's grads would cost); one all-reduce over the pipeline of
 three scalars (loss, grad norm, a count of stray buffers). ``mesh.comm_bytes()`` counts it
@@ -120,10 +127,12 @@ from zfunc.core.microbatches import step_seed
 from zfunc.core.roles import RunContext
 from zfunc.dist import Mesh
 from zfunc.model.functional import BufferScope, carrying
+from zfunc.pipelining.buffers import RecvBuffers
 from zfunc.pipelining.layout import Layout, make_layout
 from zfunc.pipelining.placement import PipelineSpec, as_placed
 from zfunc.pipelining.schedules import BUILT_IN, Schedule
-from zfunc.pipelining.stage import PipelineSchedule, _Run, _digest
+from zfunc.pipelining.header import digest
+from zfunc.pipelining.stage import PipelineSchedule, _Run
 from zfunc.pipelining.dp_grads import OpGradSlices, reduce_scatter
 from zfunc.sharding.reduce import average_buffers, average_order
 from zfunc.sharding.layout import ShardSpec, bucket_groups, gather_whole
@@ -180,6 +189,8 @@ class PipelineStep(Transformed):
         self.ranks = schedule.plan(mesh.pp).ranks  # virtual stage -> rank
         self.peak_live_microbatches, self.timings = 0, {}
         self._bucket_cache: list | None = None
+        self.recv_buffers = RecvBuffers()  # zfunc.pipelining.buffers: kept across calls, never in the state
+        self.boundary_shapes: tuple | None = None  # (batch signature, stage -> input, output shape): the last step's
 
     def init(self, params: PyTree, materialize: Materializer | None = None) -> TrainState:
         """This stage's fp32 params (split over the dp ranks if the step is sharded) and their
@@ -318,7 +329,7 @@ class PipelineStep(Transformed):
         if spec.inner is not None and spec.inner.stage >= 2:  # each op's grads reduce-scattered as it ends
             sliced = OpGradSlices(pieces, whole, spec.inner, self._buckets(spec.inner), self.mesh.reduce_comm, step,
                                  divisor * spec.inner.world)
-        run = _Run(self, spec, whole, step, scale, _digest(batch), sliced)
+        run = _Run(self, spec, whole, step, scale, digest(batch), sliced)
         loss, aux = run.execute(batch, step_seed(rng, step), params)
         self.peak_live_microbatches = run.peak_live
         self.timings = {"step_s": run.step_s, "wait_s": run.wait_s, "compute_s": run.compute_s,
