@@ -21,7 +21,9 @@ defaults) on a batch of 4 rows, so a step's compute is a few ms and an fp32 all-
 Bytes per step are the mesh's counters after warm-up (``mesh.comm_bytes()``). Times: each round runs
 one step of every trainer in a shuffled order (the same on both ranks); a ratio is the median over
 rounds of the peer's step time over the trainer's in the same round (paired), so the load of this
-shared machine cancels. Prints a markdown table per network.
+shared machine cancels. The CPU columns are rank 0's process CPU time per step (every thread: compute,
+codecs, gloo's), paired likewise: on a loaded machine, where wall times wait on the scheduler, they show
+what compression costs. Prints a markdown table per network, with the load average.
 
 ``--ranks-per-node 2`` (namespaces only): 4 ranks, 2 in each namespace (a "node"): inside a namespace
 ranks talk over its loopback, unshaped; across, over the shaped veth pair. Each rank is told its
@@ -85,7 +87,7 @@ def measure(rank: int, world: int, kinds: list[str], rounds: int, width: int, de
     flat = zf.Mesh(ranks_per_node=world) if any(k.endswith("-flat") for k in kinds) else None  # one "node"
     batch = torch.randn(4, width, generator=torch.Generator().manual_seed(rank))
     trainers = {k: _trainer(k, mesh, width, depth, flat) for k in kinds}
-    sent, times = {}, {k: [] for k in kinds}
+    sent, times, cpu = {}, {k: [] for k in kinds}, {k: [] for k in kinds}
     for k, (step, state) in trainers.items():  # warm-up: 1bit leaves its full-precision step behind
         for _ in range(2):
             state, _ = step(state, batch)
@@ -99,12 +101,13 @@ def measure(rank: int, world: int, kinds: list[str], rounds: int, width: int, de
         for k in order.sample(kinds, len(kinds)):
             step, state = trainers[k]
             mesh.comm.all_reduce(torch.zeros(1), label="round barrier")
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             state, m = step(state, batch)
             float(m["loss"])
             times[k].append(time.perf_counter() - t0)
+            cpu[k].append(time.process_time() - c0)  # this process's threads: compute, codec and gloo's
             trainers[k] = (step, state)
-    return {"bytes": sent, "times": times}
+    return {"bytes": sent, "times": times, "cpu": cpu}
 
 
 # ----------------------------------------------------------------------------- the fallback: a throttled Comm
@@ -201,14 +204,16 @@ def _worker(path: str, kinds, rounds, width, depth) -> None:
 # ----------------------------------------------------------------------------- report
 def report(network: str, ranks: list[dict], kinds: list[str]) -> None:
     times = {k: [max(r["times"][k][i] for r in ranks) for i in range(len(ranks[0]["times"][k]))] for k in kinds}
-    print(f"\n### {network}\n")
+    print(f"\n### {network} (load average {os.getloadavg()[0]:.1f})\n")
     print("| trainer | bytes/step (counted, rank 0) | peer | step bytes: peer / this | compressed collective: "
-          "peer's fp32 / this | median ms/step | speed vs peer (paired median) |")
-    print("|---|---|---|---|---|---|---|")
+          "peer's fp32 / this | median ms/step | speed vs peer (paired median) | CPU ms/step (rank 0) | "
+          "CPU: peer / this |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for k in kinds:
         mine = ranks[0]["bytes"][k]
         peer = PEERS.get(k)
-        ratio = squeezed = speed = ""
+        ratio = squeezed = speed = cpu_ratio = ""
+        cpu = ranks[0]["cpu"][k]
         if peer in kinds:
             theirs = ranks[0]["bytes"][peer]
             ratio = f"{sum(theirs.values()) / sum(mine.values()):.1f}x"
@@ -218,9 +223,10 @@ def report(network: str, ranks: list[dict], kinds: list[str]) -> None:
                                          ("quantized_reduce_scatter_across_nodes", "reduce_scatter")) if mine.get(c)]
             squeezed = ", ".join(f"{f} {theirs[f] / mine[c]:.1f}x" for c, f in pairs)
             speed = f"{statistics.median(p / o for p, o in zip(times[peer], times[k])):.2f}x"
+            cpu_ratio = f"{statistics.median(p / o for p, o in zip(ranks[0]['cpu'][peer], cpu)):.2f}x"
         detail = ", ".join(f"{n} {v / 1e6:.2f} MB" for n, v in sorted(mine.items()) if v)
         print(f"| {k} | {detail} | {peer or ''} | {ratio} | {squeezed} | {statistics.median(times[k]) * 1e3:.0f} "
-              f"| {speed} |")
+              f"| {speed} | {statistics.median(cpu) * 1e3:.0f} | {cpu_ratio} |")
 
 
 def main(argv=None) -> None:

@@ -152,7 +152,7 @@ def _ranks_reduce_many(rank, world):
 @pytest.mark.multiprocess
 def test_tensors_reduced_together_are_each_their_own_reduce():
     """Messages of two tensors sent together: each result is its own simulation, bit for bit, and the bytes are
-    the sum of the two single calls' (the same messages, in 4 collectives instead of 8)."""
+    the sum of the two single calls' (the same messages, in 2 collectives instead of 4)."""
     world = 2
     out = zf.dist.spawn(_ranks_reduce_many, world, world)
     for t, shape in enumerate([(37, 5), (300,)]):

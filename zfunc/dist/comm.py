@@ -195,7 +195,7 @@ class Comm:
     def compressed_all_reduce_many(self, xs: list[torch.Tensor], errors: list[Any], label: str = "",
                                    **options: Any) -> list:
         """``compressed_all_reduce`` of each of ``xs`` (each its own scales and ``errors``: the same bits),
-        their messages sent together in 4 collectives (``zfunc.dist.compressed.onebit_all_reduce_many``, which
+        their messages sent together in 2 collectives (``zfunc.dist.compressed.onebit_all_reduce_many``, which
         takes ``options``: ``blend``, ``then``)."""
         return onebit_all_reduce_many(self, xs, errors, label, **options)
 

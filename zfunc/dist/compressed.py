@@ -7,10 +7,11 @@ Over N ranks, for a tensor x of n elements padded to P (a multiple of 8N), rank 
    ``s_j = ||c_j||_2 / sqrt(k)`` and the signs ``b_j = sign(c_j)`` (0 counts as +), packed 8 to a
    byte (one pass each way: an int64 multiply to pack, a table lookup to unpack); keeps ``e = c - s * b``
    (what the compression lost) for the next call;
-2. sends chunk j's signs and scale to rank j (one all-to-all): each rank is the *server* of 1/N;
+2. sends chunk j's signs and scale to rank j (one all-to-all, the scale's bytes after the signs): each
+   rank is the *server* of 1/N;
 3. as server of chunk r: averages what it received, ``m = sum_i s_ir b_ir / N``, adds its server
    error ``E``, compresses m the same way (one scale for the chunk) and keeps ``E = m - S * sign(m)``;
-4. all-gathers every server's signs and scale: every rank ends with the same ``S_r sign(m_r)`` for
+4. all-gathers every server's signs and scale (one all-gather): every rank ends with the same ``S_r sign(m_r)`` for
    every chunk r, its result, written into x.
 
 Law: equal bit for bit to a plain-torch simulation of these steps over the N ranks' inputs
@@ -131,8 +132,8 @@ def onebit_all_reduce_many(comm: Any, xs: list[torch.Tensor], errors: list[Error
                            then: Callable[[int], None] | None = None) -> list[torch.Tensor]:
     """Each of ``xs`` <- its compressed mean over ``comm``'s ranks, in place, each compressed on its own (its
     scales, its ``errors``: the same bits as one ``onebit_all_reduce`` per tensor), their messages sent
-    together: one all-to-all of every tensor's signs, one of their scales, one all-gather of each back, the
-    same bytes in 4 collectives instead of 4 per tensor. On fp32 CPU tensors ``zfunc.ops.cpu.codec``
+    together: one all-to-all of every tensor's signs and scales, one all-gather back, the same bytes in 2
+    collectives instead of 2 per tensor (each one a sync of the ranks). On fp32 CPU tensors ``zfunc.ops.cpu.codec``
     compresses in place in the worker error buffer (``c``, then its residual) and sums and decodes in one
     pass each. ``blend`` ``(ys, a, b)``: the value reduced for ``xs[k]`` is ``xs[k] * a + b * ys[k]`` (1-bit
     Adam's local momentum), the bits of that torch expression, formed in the pass that adds it to the worker
@@ -160,21 +161,19 @@ def onebit_all_reduce_many(comm: Any, xs: list[torch.Tensor], errors: list[Error
                              f"{total}, server {e.server.numel()}")
     sent = [_worker_compress(x, e, world, None if blend is None else (ys[t], a, b))
             for t, (x, e) in enumerate(zip(xs, errors))]
-    packed = torch.cat([p for p, _ in sent], dim=1)  # (world, all tensors' signs): chunk r of each to rank r
-    scales = torch.stack([sc for _, sc in sent], dim=1)
-    got_signs, got_scales = torch.empty_like(packed), torch.empty_like(scales)
-    comm.all_to_all(got_signs, packed, label, kind=KIND)
-    comm.all_to_all(got_scales, scales, label, kind=KIND)
+    # one message per rank: every tensor's signs for it, then their fp32 scales as bytes (one all-to-all)
     widths = [p.shape[1] for p, _ in sent]
+    message = torch.cat([p for p, _ in sent] + [torch.stack([sc for _, sc in sent], dim=1).view(torch.uint8)], dim=1)
+    got = torch.empty_like(message)
+    comm.all_to_all(got, message, label, kind=KIND)
+    got_signs, got_scales = _unpack(got, sum(widths))
     served = [_serve(signs, got_scales[:, t] / world, e) for t, (signs, e) in
               enumerate(zip(got_signs.split(widths, dim=1), errors))]
-    s_packed = torch.cat([p.view(-1) for p, _ in served])
-    s_scales = torch.cat([sc.view(-1) for _, sc in served])
-    device = xs[0].device
-    all_signs = torch.empty(world, s_packed.numel(), dtype=torch.uint8, device=device)
-    all_scales = torch.empty(world, s_scales.numel(), dtype=s_scales.dtype, device=device)
-    comm.all_gather(all_signs, s_packed, label, kind=KIND)
-    comm.all_gather(all_scales, s_scales, label, kind=KIND)
+    s_message = torch.cat([p.view(-1) for p, _ in served] + [torch.cat([sc.view(-1) for _, sc in served])
+                                                              .view(torch.uint8)])
+    everyone = torch.empty(world, s_message.numel(), dtype=torch.uint8, device=s_message.device)
+    comm.all_gather(everyone, s_message, label, kind=KIND)  # likewise: one all-gather
+    all_signs, all_scales = _unpack(everyone, sum(widths))
     with torch.no_grad():
         for t, (x, signs) in enumerate(zip(xs, all_signs.split(widths, dim=1))):
             if _on_cpu_kernels(signs) and x.dtype == torch.float32 and x.is_contiguous():
@@ -186,6 +185,12 @@ def onebit_all_reduce_many(comm: Any, xs: list[torch.Tensor], errors: list[Error
             if then is not None:
                 then(t)
     return xs
+
+
+def _unpack(message: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A message's rows as ``(signs (rows x width uint8), scales (rows x T fp32))``: the signs, then the
+    scales' bytes."""
+    return message[:, :width], message[:, width:].contiguous().view(torch.float32)
 
 
 def _blended(x: torch.Tensor, y: torch.Tensor, a: float, b: float) -> torch.Tensor:

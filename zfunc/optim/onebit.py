@@ -61,7 +61,7 @@ class _Channel:
              own: bool = False, blend: tuple | None = None, then=None) -> list[torch.Tensor]:
         """The compressed mean over ranks of each of ``tensors``: each compressed on its own (scales,
         errors), as DeepSpeed's 1-bit and 0/1 Adam do, so that a small-magnitude tensor keeps its own
-        scale, the messages sent together (``onebit_all_reduce_many``: 4 collectives in all); ``together``
+        scale, the messages sent together (``onebit_all_reduce_many``: 2 collectives in all); ``together``
         (1-bit LAMB, whose momenta are scaled to one magnitude first): one message for all. ``blend`` ``(ys,
         a, b)`` (``own`` tensors, not ``together``): the mean of ``t a + b y`` for each t, written into t
         (``onebit_all_reduce_many``'s ``blend``: formed in the compression's first pass). ``then(k)``

@@ -241,7 +241,8 @@ class GradAllReducer(GradReducer):
 
     def _slices(self, u: int, out: torch.Tensor) -> list[torch.Tensor]:
         segment = self.groups()[u].segment
-        out[:segment].mul_(self.scale)  # while the all-reduce's output is still in the cache
+        if self.scale != 1.0:  # 1.0: a 1-bit optimizer's own grads, one microbatch: no pass to make
+            out[:segment].mul_(self.scale)  # while the all-reduce's output is still in the cache
         if out.numel() > segment:
             self.loss.copy_(out[segment])
         return self.buckets.views[u]

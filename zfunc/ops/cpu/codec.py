@@ -156,14 +156,15 @@ def decode_into(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -
 @njit(**_JIT)
 def _quantize_block(x, s, qmax, bits, payload):
     """One block ``x`` divided by ``s``, rounded, clamped and offset into its ``payload`` bytes."""
+    # the offset value is a whole number in [0, 255]: through int32 the conversion vectorizes (to uint8 it does not)
     if bits == 8:
         for i in range(x.shape[0]):
-            payload[i] = np.uint8(min(max(np.rint(x[i] / s), -qmax), qmax) + 128)
+            payload[i] = np.uint8(np.int32(min(max(np.rint(x[i] / s), -qmax), qmax) + np.float32(128)))
     else:
         for j in range(payload.shape[0]):
             q0 = min(max(np.rint(x[2 * j] / s), -qmax), qmax)
             q1 = min(max(np.rint(x[2 * j + 1] / s), -qmax), qmax)
-            payload[j] = np.uint8((q0 + 8) * 16 + (q1 + 8))
+            payload[j] = np.uint8(np.int32((q0 + 8) * 16 + (q1 + 8)))
 
 
 @njit(**_JIT)
@@ -246,27 +247,32 @@ def dequantize(payload: torch.Tensor, scales: torch.Tensor, block: int, bits: in
 
 
 @njit(**_JIT)
-def _amax(x):
-    """``max |x|``; where there is a NaN, the last one's ``|x|`` (as torch's amax propagates a NaN)."""
-    amax, nan = np.float32(0), False
-    for i in range(x.shape[0]):
-        a = abs(x[i])
-        nan |= a != a
-        amax = a if a > amax else amax
-    if nan:
+def _amax(x, bits, word):
+    """``max |x|`` (``bits``: ``x``'s int32 view; ``word``: a 1-element int32 array, its float32 view read
+    back); where there is a NaN, the last one's ``|x|`` (as torch's amax propagates a NaN). The max runs
+    over the bits of ``|x|``, an integer max (which vectorizes; a float one does not without fast-math):
+    for floats >= 0 the bits order as the values, and every NaN's exceed inf's."""
+    top = np.int32(0)
+    for i in range(bits.shape[0]):
+        a = bits[i] & np.int32(0x7FFFFFFF)
+        top = a if a > top else top
+    if top > np.int32(0x7F800000):
         for i in range(x.shape[0] - 1, -1, -1):
             if x[i] != x[i]:
                 return abs(x[i])
-    return amax
+    word[0] = top
+    return word.view(np.float32)[0]
 
 
 @njit(**_JIT)
 def _quantize_blocks(x, block, qmax, bits, scales, payload):
     per = block * bits // 8
+    xbits, word = x.view(np.int32), np.empty(1, np.int32)
     for r in range(x.shape[0]):
         for blk in range(scales.shape[1]):
             xb = x[r, blk * block:(blk + 1) * block]
-            s = _amax(xb) * (np.float32(1) / qmax)  # the reciprocal's product, as the torch and CUDA paths compute it
+            amax = _amax(xb, xbits[r, blk * block:(blk + 1) * block], word)
+            s = amax * (np.float32(1) / qmax)  # the reciprocal's product, as the torch and CUDA paths compute it
             scales[r, blk] = s
             _quantize_block(xb, s if s > 0 else np.float32(1), qmax, bits, payload[r, blk * per:(blk + 1) * per])
 
