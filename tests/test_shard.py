@@ -142,8 +142,8 @@ def test_stage_0_all_reduces_overlap_the_last_backward(accum):
 
 def test_bucket_sizes_follow_ddp_and_the_model():
     """Stage 0: a 1 MiB first bucket (DDP's); by default the others hold a quarter of the grads,
-    within [1, 25] MiB; an explicit bucket_mb is taken as given. Stages 1/2 fit their buckets alike,
-    counted in a rank's segment, unless bucket_mb is given or a step offloading them runs them."""
+    within [1, 25] MiB; an explicit bucket_mb is taken as given. Stages 1/2: by default half of a
+    rank's segment, within [1, 25] MiB, unless bucket_mb is given or a step offloading them runs them."""
     step, _ = make()
     mib = 1 << 18  # fp32 elements
 
@@ -158,14 +158,15 @@ def test_bucket_sizes_follow_ddp_and_the_model():
     assert zf.shard(step, zf.Mesh(), 0, bucket_mb=2)._bucket_sizes(spec(1024 * mib)) == (2 * mib, mib)
     assert zf.shard(step, zf.Mesh(), 0, bucket_mb=0.5)._bucket_sizes(spec(mib)) == (mib // 2, mib // 2)
     stage2 = zf.shard(step, zf.Mesh(), 2)
-    assert stage2._bucket_sizes(spec(64 * mib, 2, 2)) == (8 * mib, mib)  # a quarter of a rank's 32 MiB
-    assert stage2._bucket_sizes(spec(1024 * mib, 2, 2)) == (25 * mib, mib)
-    assert stage2._bucket_sizes(spec(1024 * mib, 2, 2), fit=False) == (25 * mib, None)
+    assert stage2._bucket_sizes(spec(64 * mib, 2, 2)) == (16 * mib, None)  # half of a rank's 32 MiB
+    assert stage2._bucket_sizes(spec(mib, 2, 2)) == (mib, None)  # at least 1 MiB
+    assert stage2._bucket_sizes(spec(1024 * mib, 2, 2)) == (25 * mib, None)
+    assert stage2._bucket_sizes(spec(64 * mib, 2, 2), fit=False) == (25 * mib, None)
     assert zf.shard(step, zf.Mesh(), 1, bucket_mb=25)._bucket_sizes(spec(64 * mib, 1, 2)) == (25 * mib, None)
 
 
 def default_buckets_worker(rank, world, configs):
-    """Stages 1/2 with their default (fitted) buckets on a Tiny wide enough for several: the law's
+    """Stages 1/2 with their default (fitted) buckets on a Tiny wide enough for two: the law's
     records, the number of grad buckets and of param gathers."""
     mesh = zf.Mesh(dp=world)
     out = []
@@ -178,9 +179,9 @@ def default_buckets_worker(rank, world, configs):
 
 @pytest.mark.multiprocess
 def test_default_buckets_reduce_during_backward_and_gather_at_once():
-    """By default stages 1/2 cut their grads into buckets of a quarter of a rank's segment (at least
-    1 MiB: here 2 for Tiny's 1.1M params over 2 ranks), so all but the last reduce-scatter overlap
-    backward, and gather the params in one 25 MiB group; the law holds as with any buckets."""
+    """By default stages 1/2 cut a rank's grads into two buckets (halves of its segment, at least 1 MiB:
+    Tiny's 1.1M params over 2 ranks), so the first reduce-scatter overlaps the rest of backward, and
+    gather the params in one 25 MiB group; the law holds as with any buckets."""
     configs = [(1, 1, True), (2, 1, True), (1, 2, False)]
     for rank, result in enumerate(zf.dist.spawn(default_buckets_worker, 2, 2, configs)):
         for (stage, accum, clip), (got, buckets, gathers) in zip(configs, result):

@@ -293,7 +293,8 @@ def _issued(task: Callable[[], Any]) -> Future:
 
 
 class _Pending:
-    """A collective handed to the comm thread: ``wait()`` returns once it has completed."""
+    """A collective issued (by the comm thread, or by its caller: an issue already finished):
+    ``wait()`` returns once it has completed."""
 
     def __init__(self, future: Future, what: str):
         self.future, self.what = future, what

@@ -279,18 +279,24 @@ class ShardedStep(Transformed):
 
     def _bucket_sizes(self, spec: ShardSpec, fit: bool = True) -> tuple[int, int | None]:
         """``(elements per bucket, elements in the first)`` (None: as the others), counted in a rank's
-        segment (stages 1/2: its rows of each leaf). With ``fit_buckets`` (no ``bucket_mb`` given) the
-        buckets hold a quarter of the segment, within [1, 25] MiB of fp32, the first at most 1 MiB, as
-        DDP's ``first_bucket_bytes_cap``: so the first reduce starts early in backward and all but the
-        last overlap it. DDP's fixed 25 MiB leaves a small model one bucket after the first, whose
-        reduce then waits for the end of backward, and at stages 1/2 one bucket in all, its
-        reduce-scatter wholly after backward (``benchmarks/shard.py`` compares stages 0-2 with DDP).
-        Stage 0's first bucket is at most 1 MiB whatever ``bucket_mb``; at stages 1/2, ``fit=False`` (a
-        step that offloads the sharded one, whose buckets feed its updates) keeps 25 MiB for every bucket."""
-        size, fitted = self.bucket_elems, self.fit_buckets and (fit or self.stage == 0)
-        if fitted:
-            size = min(size, max(FIRST_BUCKET_ELEMS, sum(leaf.chunk * leaf.rowsize for leaf in spec.leaves) // 4))
-        return size, (min(size, FIRST_BUCKET_ELEMS) if fitted or self.stage == 0 else None)
+        segment (stages 1/2: its rows of each leaf). Stage 0 caps its first bucket at 1 MiB, as DDP
+        does, so that the first all-reduce starts early in backward; with ``fit_buckets`` (no
+        ``bucket_mb`` given) its others hold a quarter of the grads, within [1, 25] MiB: DDP's fixed
+        25 MiB leaves a small model one bucket after the first, whose all-reduce then waits for the end
+        of backward (``benchmarks/shard.py`` compares stage 0 with DDP). Stages 1/2 with
+        ``fit_buckets`` cut a rank's segment in halves, within [1, 25] MiB: with 25 MiB a small model
+        is one bucket, its reduce-scatter wholly after backward; in halves the first overlaps the
+        second half of backward, for one more collective (~0.6 ms of CPU on gloo here; a quarter, three
+        more, cost more CPU than their overlap saved on a 2-core BERT step). ``fit=False`` (a step that
+        offloads the sharded one, whose buckets feed its updates): stages 1/2 keep ``bucket_mb``'s size."""
+        size = self.bucket_elems
+        if self.stage == 0:
+            if self.fit_buckets:
+                size = min(size, max(FIRST_BUCKET_ELEMS, sum(leaf.rows * leaf.rowsize for leaf in spec.leaves) // 4))
+            return size, min(size, FIRST_BUCKET_ELEMS)
+        if self.fit_buckets and fit:
+            size = min(size, max(FIRST_BUCKET_ELEMS, -(-sum(leaf.chunk * leaf.rowsize for leaf in spec.leaves) // 2)))
+        return size, None
 
 
 def shard(step: Step, mesh: Mesh, stage: int, units: Selector | None = None, *, prefetch: int = 1,
@@ -307,8 +313,9 @@ def shard(step: Step, mesh: Mesh, stage: int, units: Selector | None = None, *, 
       units: stage 3's gather units, a selector from ``zf.units`` (default ``zf.units.auto()``).
       prefetch: stage 3: how many units ahead to all-gather while one computes (0 turns it off).
       bucket_mb: stages 0-2: size of the flat buffers the grad collectives move (fp32 MiB, a rank's
-        segment). Default: a quarter of the grads, within [1, 25] MiB, after a first bucket of 1 MiB
-        (``ShardedStep._bucket_sizes`` says why); stages 1/2 gather params in groups of 25 MiB.
+        segment). Default: at stage 0 a quarter of the grads, within [1, 25] MiB, after a first bucket
+        of 1 MiB; at stages 1/2 half of a rank's, within [1, 25] MiB, the params gathered in groups
+        of 25 MiB (``ShardedStep._bucket_sizes`` says why).
       verify: before each stage-3 gather (whose order follows the model's control flow), check all
         ranks gather the same unit (one all-gather of a few bytes, on the comm thread), so
         diverging control flow is reported by unit and step instead of aborting gloo or hanging
