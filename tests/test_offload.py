@@ -679,6 +679,23 @@ def test_states_merge_only_where_per_param_dicts_and_equal_counts_make_one():
     assert merge_states([torch.ones(1), torch.ones(1)], ["a", "b"]) is NO_MERGE  # a tensor keyed by no param
 
 
+def test_a_stage_3_offloaded_step_starts_its_param_reads_before_the_first_gather(tmp_path, monkeypatch):
+    """With params on NVMe, once a step has recorded the order it reads units in, the next step's
+    reads of masters start with the call, before the forward gathers its first unit; training is
+    unchanged (the laws above)."""
+    from zfunc.offloading.swap.engine import SwapEngine
+    from zfunc.sharding.prefetch import Gatherer
+
+    events, read, ensure = [], SwapEngine.read, Gatherer.ensure
+    monkeypatch.setattr(SwapEngine, "read", lambda self, name, out: events.append(name) or read(self, name, out))
+    monkeypatch.setattr(Gatherer, "ensure", lambda self, u: events.append("gather") or ensure(self, u))
+    step, state = make(True, where="nvme", params="nvme", path=tmp_path)
+    state, _, _ = train_on(step, state, batches(1, 1))  # records the read order
+    events.clear()
+    train_on(step, state, batches(1, 1))
+    assert events.index("gather") > 0 and events[0].endswith(".masters"), events[:4]
+
+
 def test_the_held_update_reads_its_masters_and_moments_while_backward_runs(tmp_path, monkeypatch):
     """Without overlap (a clip), the update's reads of the groups' masters and moments start as
     backward starts, before the grads exist: the update finds them read."""
