@@ -164,11 +164,11 @@ def fixtures_step(stage=None, offload=False, world=1):
 
 
 def make_offloaded(clip=True, precision="fp32", accum=1, where=None, params=None, path=None, mesh=None, stage=None,
-                   grad_norm=True, **kw):
-    """``(step, state)`` of Tiny with Numba AdamW: plain, sharded (``stage``) and/or offloaded
-    (``where``: the optimizer state's place, ``params``: the params' place, see ``zf.offload``)."""
+                   grad_norm=True, tiny=None, **kw):
+    """``(step, state)`` of Tiny (``Tiny(**tiny)``) with Numba AdamW: plain, sharded (``stage``) and/or
+    offloaded (``where``: the optimizer state's place, ``params``: the params' place, see ``zf.offload``)."""
     torch.manual_seed(0)
-    apply, p = zf.functionalize(Tiny())
+    apply, p = zf.functionalize(Tiny(**(tiny or {})))
 
     def loss_fn(p, batch):
         x, y, *skip = batch  # skip: a block the model leaves out (its params get no grad)

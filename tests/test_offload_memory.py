@@ -11,6 +11,9 @@ from zfunc.offloading import accounting
 from zfunc.offloading.grads import SpilledGrads
 
 
+SPILLS = dict(d=64, n=2)  # a Tiny whose grads (~20 KB in bf16) exceed the smallest chunk_bytes (4096): spilled
+
+
 def numel() -> int:
     return sum(p.numel() for p in Tiny().parameters())
 
@@ -33,7 +36,7 @@ def test_memory_by_place_and_kind_equals_the_formulas(tmp_path, where, params, p
     else:
         assert 0 < got["step"]["device"]["whole_params"] < e * mine
     held = accounting.held_grads(mine, precision=precision, optimizer=where, world=1, accum=1,
-                                 held=not step.overlap)
+                                 held=not step.overlap, ram_bytes=step.chunk_bytes)
     assert {p: got["step"][p]["held_grads"] for p in ("cpu", "nvme")} == {p: held.get(p, 0) for p in ("cpu", "nvme")}
     assert step.overlap == (not clip and precision != "fp16")
 
@@ -49,7 +52,7 @@ def test_init_checks_the_room_of_the_held_grads_swap_files(tmp_path, monkeypatch
     check = engine.check_path
     monkeypatch.setattr(engine, "check_path", lambda path, need_bytes=0, files=(): asked.append(need_bytes)
                         or check(path, need_bytes, files))
-    step, state = make(clip, precision, accum, "nvme", None, tmp_path)
+    step, state = make(clip, precision, accum, "nvme", None, tmp_path, tiny=SPILLS, chunk_bytes=4096)
     state, _, _ = train_on(step, state, batches(accum, 1))
     assert asked == [step.memory(state)["step"]["nvme"]["held_grads"]]
     assert (asked[0] > 0) == clip
@@ -138,8 +141,8 @@ def test_grads_held_in_ram_are_the_whole_grads_without_a_copy(tmp_path, monkeypa
 def test_spilled_grads_train_as_the_plain_step_in_low_precision_with_accumulation(tmp_path, precision):
     """Held grads in swap files, summed over two microbatches (read back, added, written again), give the
     plain step's training; fp16's overflow check reads the norm from the per-leaf partial norms."""
-    step, state = make(True, precision, 2, "nvme", "nvme", tmp_path)
-    ref_step, ref = make(True, precision, 2)
+    step, state = make(True, precision, 2, "nvme", "nvme", tmp_path, tiny=SPILLS, chunk_bytes=4096)
+    ref_step, ref = make(True, precision, 2, tiny=SPILLS)
     got = train_on(step, state, batches(1, 3))
     want = train_on(ref_step, ref, batches(1, 3))
     assert got[1] == want[1] and got[2] == pytest.approx(want[2], rel=1e-5)
@@ -172,6 +175,32 @@ def test_grads_held_for_a_clip_on_two_ranks_are_each_ranks_fp32_slice(tmp_path):
     results = zf.dist.spawn(held_on_two_worker, 2, 2, str(tmp_path))
     for (stage, where, params, precision), *ranks in zip(HELD_ON_TWO, *results):
         for rank, (mine, held) in enumerate(ranks):
-            want = accounting.held_grads(mine, precision=precision, optimizer=where, world=2, accum=1, held=True)
+            want = accounting.held_grads(mine, precision=precision, optimizer=where, world=2, accum=1, held=True,
+                                         ram_bytes=64 << 20)  # the default chunk_bytes
             assert held == {p: want.get(p, 0) for p in ("cpu", "nvme")}, (stage, where, precision, rank, mine)
             assert 0 < mine < numel()  # a slice: the other rank holds the rest
+
+
+@pytest.mark.parametrize("precision, accum", [("fp32", 1), ("bf16", 2)])
+def test_held_grads_within_chunk_bytes_stay_in_ram_with_the_optimizer_on_nvme(tmp_path, precision, accum):
+    """With the optimizer and masters on NVMe and a clip, grads that fit in ``chunk_bytes`` are held in
+    RAM (no grad files written or read), as ``accounting.held_grads`` says, and train as the plain step
+    (losses and norms bit for bit: the norm is taken as the plain step takes it) and as the same step
+    spilling them (``chunk_bytes`` below their bytes; its norm summed from per-leaf norms) does."""
+    step, state = make(True, precision, accum, "nvme", "nvme", tmp_path / "ram", tiny=SPILLS)
+    spill_step, spill_state = make(True, precision, accum, "nvme", "nvme", tmp_path / "spill", tiny=SPILLS,
+                                   chunk_bytes=4096)
+    ref_step, ref = make(True, precision, accum, tiny=SPILLS)
+    got = train_on(step, state, batches(accum, 3))
+    spilled = train_on(spill_step, spill_state, batches(accum, 3))
+    want = train_on(ref_step, ref, batches(accum, 3))
+    assert not list((tmp_path / "ram").glob("*grads*")) and list((tmp_path / "spill").glob("*grads*"))
+    mem = step.memory(got[0])
+    assert mem["step"]["nvme"]["held_grads"] == 0 and mem["step"]["cpu"]["held_grads"] > 0
+    assert spill_step.memory(spilled[0])["step"]["nvme"]["held_grads"] == mem["step"]["cpu"]["held_grads"]
+    assert got[1:] == want[1:]
+    assert spilled[1] == pytest.approx(want[1], rel=1e-6) and spilled[2] == pytest.approx(want[2], rel=1e-5)
+    full, full_spilled = zf.checkpoint.full_params(got[0]), zf.checkpoint.full_params(spilled[0])
+    for name, w in want[0].params.items():
+        torch.testing.assert_close(full[name], w, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(full_spilled[name], w, rtol=1e-5, atol=1e-6)

@@ -13,7 +13,8 @@ place (``params`` if given, else the optimizer's: the fp32 masters live with the
 - ``whole_params``, on the device during the step: ``e P`` (stages 1/2), the live units (stage 3);
 - ``held_grads``, at the optimizer's place during the step, when the update waits for backward (a
   clip, fp16, ``grad_norm=True``, accumulation): ``e P_r`` alone, ``4 P_r`` over ranks or with
-  accumulation (fp32 sums);
+  accumulation (fp32 sums); with the optimizer on NVMe, in host RAM instead when they fit in the
+  step's ``chunk_bytes`` (``ram_bytes``);
 - ``grad_buckets``, on the device during backward: at most ``GRAD_BUCKETS`` groups (buckets;
   stage 3: units), the one backward is filling and the one on its way to the host.
 
@@ -47,13 +48,23 @@ def resting(mine: float, *, precision: str, optimizer: str, params: str | None,
     return out
 
 
-def held_grads(mine: float, *, precision: str, optimizer: str, world: int, accum: int, held: bool) -> dict[str, float]:
+def held_grads(mine: float, *, precision: str, optimizer: str, world: int, accum: int, held: bool,
+               ram_bytes: float = 0) -> dict[str, float]:
     """Bytes of grads held for the norm during a step, by place: the optimizer's (RAM or its swap
-    files); none when ``held`` is False (updated on arrival)."""
+    files), but host RAM where the optimizer is on NVMe and they fit in ``ram_bytes`` (the step's
+    ``chunk_bytes``: ``spills``); none when ``held`` is False (updated on arrival)."""
     if not held:
         return {}
-    per = elem(precision) if world == 1 and accum == 1 else 4
-    return {optimizer: per * mine}
+    nbytes = (elem(precision) if world == 1 and accum == 1 else 4) * mine
+    return {"nvme" if spills(nbytes, optimizer, ram_bytes) else "cpu" if optimizer == "nvme" else optimizer: nbytes}
+
+
+def spills(nbytes: float, optimizer: str, ram_bytes: float) -> bool:
+    """Whether ``nbytes`` of held grads go to swap files (``SpilledGrads``): with the optimizer on
+    NVMe, when more than ``ram_bytes``. Within it, RAM holds them (``HeldSlices``): no disk write
+    and read-back per step, and no more RAM than the ``2 * chunk_bytes`` of grad writes a spill
+    keeps in flight."""
+    return optimizer == "nvme" and nbytes > ram_bytes
 
 
 def totals(by_kind: dict[str, dict[str, float]]) -> dict[str, float]:

@@ -11,7 +11,8 @@ never a whole-model grad:
   host buffers: no copy). Alone (one rank) autograd's own grads, in the compute dtype (``e``
   bytes/param); over ranks the fp32 reduce-scatter slices (4 bytes/param/N: the sums need fp32).
   Over microbatches they are summed in fp32. The norm is taken from the held grads at the end.
-- ``SpilledGrads`` (optimizer on NVMe): the delivered grads of a group of leaves (the state's
+- ``SpilledGrads`` (optimizer on NVMe, the held grads over ``chunk_bytes``; within it ``HeldSlices``
+  holds them, ``accounting.spills``): the delivered grads of a group of leaves (the state's
   ``leaf_groups``) are packed into one swap file (``group<k>.grads``) beside the group's moments
   once the group's last grad arrived (groups some leaf of which got none: at the end of backward),
   at most ``2 * chunk_bytes`` of writes in flight, and dropped from RAM; each leaf's norm (fp32, as

@@ -192,15 +192,21 @@ class OffloadedStep(Transformed):
                 files += [packed_bytes(sizes)] * (self.where_masters == "nvme")
                 files += [packed_bytes([n for n in sizes for _ in range(2)])] * (self.where_optimizer == "nvme")
             # and the grads held for the norm (SpilledGrads): scratch files the first step writes, in place
-            local = sum(math.prod(leaf.local_shape(spec.rank)) for leaf in spec.leaves)
-            held = accounting.held_grads(local, precision=self.precision, optimizer=self.where_optimizer,
-                                         world=spec.world, accum=self.accum, held=not self.overlap).get("nvme", 0)
+            held = self.spilled_grad_bytes(spec)
             # 4 I/O threads: enough to keep the disk busy under a CPU update, and every thread costs
             # RAM (an allocator arena, a staging buffer), which benchmarks/capacity.py's 1 GiB budget counts
             folder = rank_dir(self.path)
             # the folders the engine is about to create (deepest first): ``release`` removes these alone
             self._made = [d for d in (folder, *folder.parents) if not d.exists()]
             self.engine = SwapEngine(folder, files=files, need_bytes=int(held), threads=4)
+
+    def spilled_grad_bytes(self, spec: ShardSpec) -> int:
+        """Bytes of the grads a step of layout ``spec`` holds for the norm in swap files (``SpilledGrads``;
+        0: none held, or held in RAM, as they fit in ``chunk_bytes``: ``accounting.held_grads``)."""
+        local = sum(math.prod(leaf.local_shape(spec.rank)) for leaf in spec.leaves)
+        return int(accounting.held_grads(local, precision=self.precision, optimizer=self.where_optimizer,
+                                         world=spec.world, accum=self.accum, held=not self.overlap,
+                                         ram_bytes=self.chunk_bytes).get("nvme", 0))
 
     def reserve_room(self, params: PyTree, opt_state: PyTree) -> None:
         """Allocate the room of the next write of each swap file of the state (``SwapEngine.reserve``,
@@ -247,7 +253,9 @@ class OffloadedStep(Transformed):
                           if isinstance(m, torch.Tensor) and self.compute_copies.of(m) is None)
         if copies:
             kinds["device" if self.where_params is None else "cpu"]["compute_params"] = copies
-        held = {self.where_optimizer: self.held_grad_bytes} if self.held_grad_bytes else {}
+        # in swap files (SpilledGrads) where the optimizer is on NVMe and they exceeded chunk_bytes, else in RAM
+        spilled = self.where_optimizer == "nvme" and self.held_grad_bytes > self.chunk_bytes
+        held = {"nvme" if spilled else "cpu": self.held_grad_bytes} if self.held_grad_bytes else {}
         step = {"device": {"whole_params": self.peak_gathered_bytes, "whole_grads": self.peak_whole_grad_bytes},
                 "cpu": {"held_grads": held.get("cpu", 0), "spilled_in_flight": self.peak_spilled_ram_bytes},
                 "nvme": {"held_grads": held.get("nvme", 0)}}
@@ -284,11 +292,12 @@ class OffloadedStep(Transformed):
     def roles(self, context: RunContext, state: TrainState) -> Roles:
         """The roles of one call (``zfunc.core.roles``): the sharded step's, with the three offload owns
         replaced: params from the stores (``StoredPieces``), grads updated on arrival (overlap:
-        ``UpdateOnArrival``) or held (``HeldSlices``), the update leaf by leaf (``LeafUpdate``)."""
+        ``UpdateOnArrival``) or held (``HeldSlices`` in RAM, ``SpilledGrads`` in swap files where the optimizer is
+        on NVMe and they exceed ``chunk_bytes``), the update leaf by leaf (``LeafUpdate``)."""
         update = LeafUpdate(context, state, self)
         if self.overlap:
             grads = UpdateOnArrival(context, update, self._update_order)
-        elif self.where_optimizer == "nvme":  # held for the norm in swap files beside the moments
+        elif self.spilled_grad_bytes(context.spec):  # held for the norm in swap files beside the moments
             grads = update.spilled = SpilledGrads(context, self.engine, 2 * self.chunk_bytes,
                                                   leaf_groups(context.spec, self.group_bytes), update.read_ahead)
         else:

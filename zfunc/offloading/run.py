@@ -137,6 +137,8 @@ class StoredPieces(Role):
         store = Store(update._param_store.engine, update._param_store.pin)
         self._reader = ReadAhead(lambda i: store.fetch(update._masters[i]), update._leaf_bytes,
                                  fetch_order, update.chunk_bytes)
+        if where_params is not None:  # the units' params come from the stores: their first reads start with the call
+            self._reader.start()
 
     def finish(self) -> dict[str, Any]:
         return {"fetch_order": self._reader.seen}  # the next step reads ahead in this order

@@ -46,7 +46,9 @@ swap file, its optimizer states in another, ``zfunc.offloading.store``'s packed 
   in the compute dtype) are held until backward ends and the norm is known, off the device as
   backward produces them (``zfunc.offloading.grads``): in host RAM with the optimizer there, in swap
   files beside the moments with the optimizer on NVMe (each leaf's norm taken on the way, so the
-  global norm needs no read-back), so neither the device nor RAM holds a whole-model grad then.
+  global norm needs no read-back), so neither the device nor RAM holds a whole-model grad then;
+  with the optimizer on NVMe, grads that fit in ``chunk_bytes`` stay in RAM instead (no more RAM
+  than a spill's ``2 * chunk_bytes`` of writes in flight, and no disk write and read-back per step).
 - grads reach CPU-Adam unscaled: it multiplies them by 1/(loss scale x ranks x microbatches), and by
   a ``clip_by_global_norm`` factor in front of it, in its own pass (``optim.apply(grad_scale=)``).
   Alone (one rank) nothing is reduced, so the grads are autograd's own, in the compute dtype
@@ -91,8 +93,8 @@ failing rank raises (the others may wait in a collective): restart them all from
 **Cost** per rank, Psi params over N ranks (fp32 masters, Adam; ``zfunc.offloading.accounting``):
 RAM between steps holds nothing of what is offloaded to "nvme"; ``optimizer="cpu"`` holds 12 Psi/N
 of masters and moments in host RAM. Disk traffic per step with all on NVMe: reads 4 Psi/N per
-forward/backward fetch of params + 12 Psi/N for the update; writes 12 Psi/N; with held grads,
-e Psi (alone) or 4 Psi/N more written and read; disk space up to 24 Psi/N (the swap engine keeps a
+forward/backward fetch of params + 12 Psi/N for the update; writes 12 Psi/N; with held grads over
+``chunk_bytes``, e Psi (alone) or 4 Psi/N more written and read; disk space up to 24 Psi/N (the swap engine keeps a
 spare of each file), twice the held grads' on top. The device holds the compute-dtype params
 (``params=None``: e Psi/N, plus stages 1/2's whole gather) or a few units, and a bounded number of
 grad buckets; the host ``chunk_bytes`` of reads and twice that of writes in flight.
@@ -149,7 +151,8 @@ def offload(step: Step, optimizer: str = "cpu", params: str | None = None, *, pa
         (``path`` itself for a process alone), and locks it while its step lives: ranks given one
         path never share a file, and a second run on a path in use is refused (``SwapInUseError``).
       chunk_bytes: bytes of reads kept in flight ahead of the update and of param fetches (plus
-        the group a read reaches into); writes in flight are bounded by twice this.
+        the group a read reaches into); writes in flight are bounded by twice this. With the
+        optimizer on NVMe, grads held for the norm stay in RAM when they fit in it, else go to swap files.
       group_bytes: on NVMe, the fp32 master bytes of a group of consecutive leaves kept in one
         pair of swap files (masters, optimizer state), as DeepSpeed's ``sub_group_size``; a larger
         leaf is a group alone. Default ``chunk_bytes // 4``: a group's master and Adam moments fit

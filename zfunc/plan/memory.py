@@ -46,7 +46,8 @@ from zfunc.plan.strategy import (BUCKET_MB, PREFETCH, elem, microbatches, opt_by
                                   shard_ranks, tiles)
 
 RESERVE = 2e9  # CUDA context, NCCL buffers, allocator slack per GPU (assumption)
-STAGING = 3 * (64 << 20)  # offload: chunk_bytes of reads ahead and twice that of writes in flight
+CHUNK = 64 << 20  # offload's default chunk_bytes: held grads within it stay in RAM (accounting.held_grads)
+STAGING = 3 * CHUNK  # offload: chunk_bytes of reads ahead and twice that of writes in flight
 
 
 def local_numel(leaves: Sequence[tuple[int, ...]], world: int, rank: int) -> int:
@@ -107,7 +108,7 @@ def offload_bytes(leaves: Sequence[tuple[int, ...]], world: int, rank: int, *, o
     where = accounting.totals(accounting.resting(mine, precision=precision, optimizer=optimizer, params=params,
                                                  optimizer_bytes=optimizer_bytes))
     for place, n in accounting.held_grads(mine, precision=precision, optimizer=optimizer, world=world, accum=accum,
-                                          held=held).items():
+                                          held=held, ram_bytes=CHUNK).items():
         where[place] += n
     return where
 
@@ -212,7 +213,7 @@ def _offloaded_states(places: dict[str, dict[str, float]], s: Plan, P: float, lo
     gpu["whole_grads"] = accounting.GRAD_BUCKETS * e * group
     gpu["comm_buffers"] = (4 + e) * group if N > 1 else 0.0
     held = accounting.held_grads(local, precision=s.precision, optimizer=optimizer, world=N,
-                                 accum=microbatches(s), held=not offload_overlaps(s))
+                                 accum=microbatches(s), held=not offload_overlaps(s), ram_bytes=CHUNK)
     for place, nbytes in held.items():
         places[place]["held_grads"] = nbytes
 
