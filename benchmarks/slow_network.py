@@ -17,7 +17,9 @@ defaults) on a batch of 4 rows, so a step's compute is a few ms and an fp32 all-
   fp32     zf.shard stage 0, adamw: the grads all-reduced in fp32
   1bit     zf.shard stage 0, onebit_adam(freeze_step=1): timed after warm-up, momentum 1-bit compressed
   z3 / z3-int8    stage 3 with fp32 collectives / quantize_weights + quantize_grads=8
-  z2 / z2-int4    stage 2 with fp32 reduce-scatters / quantize_grads=4
+  z3-int8-int4    ZeRO++'s own pairing: quantize_weights (int8 all-gather) + quantize_grads=4 (int4 grads)
+  z2 / z2-int4    stage 2 with fp32 reduce-scatters / quantize_grads=4 (its param all-gather stays fp32:
+                  half the step's bytes are not compressed, so a link-bound step gains at most ~1.8x)
 Bytes per step are the mesh's counters after warm-up (``mesh.comm_bytes()``). Times: each round runs
 one step of every trainer in a shuffled order (the same on both ranks); a ratio is the median over
 rounds of the peer's step time over the trainer's in the same round (paired), so the load of this
@@ -53,11 +55,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zfunc as zf  # noqa: E402
 
-TRAINERS = ("fp32", "1bit", "z3", "z3-int8", "z2", "z2-int4")
+TRAINERS = ("fp32", "1bit", "z3", "z3-int8", "z3-int8-int4", "z2", "z2-int4")
 NODE_TRAINERS = ("z3", "z3-hpz", "z2", "z2-int4", "z2-int4-flat")
-PEERS = {"1bit": "fp32", "z3-int8": "z3", "z2-int4": "z2", "z3-hpz": "z3", "z2-int4-flat": "z2"}
+PEERS = {"1bit": "fp32", "z3-int8": "z3", "z3-int8-int4": "z3", "z2-int4": "z2", "z3-hpz": "z3", "z2-int4-flat": "z2"}
 LR = 1e-5  # small enough that 1-bit Adam, its variance frozen after one update, stays finite for 50+ steps
-STAGES = {"fp32": 0, "1bit": 0, "z3": 3, "z3-int8": 3, "z3-hpz": 3, "z2": 2, "z2-int4": 2, "z2-int4-flat": 2}
+STAGES = {"fp32": 0, "1bit": 0, "z3": 3, "z3-int8": 3, "z3-int8-int4": 3, "z3-hpz": 3, "z2": 2, "z2-int4": 2,
+          "z2-int4-flat": 2}
 
 
 def _model(width: int, depth: int) -> nn.Module:
@@ -75,8 +78,8 @@ def _trainer(kind: str, mesh, width: int, depth: int, flat=None):
     stage = STAGES[kind]
     units = zf.units.by_class(nn.Linear) if stage == 3 else None
     step = zf.shard(zf.train_step(loss_fn, opt, "fp32", grad_norm=False), flat if kind.endswith("-flat") else mesh,
-                    stage, units=units, quantize_weights=kind == "z3-int8",
-                    quantize_grads={"z3-int8": 8, "z2-int4": 4, "z2-int4-flat": 4}.get(kind, False),
+                    stage, units=units, quantize_weights=kind.startswith("z3-int8"),
+                    quantize_grads={"z3-int8": 8, "z3-int8-int4": 4, "z2-int4": 4, "z2-int4-flat": 4}.get(kind, False),
                     hpz=2 if kind == "z3-hpz" else None)
     return step, step.init(params)
 
