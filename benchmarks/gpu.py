@@ -355,18 +355,21 @@ def zfunc_vs_torch(run: Run, flavor: str, batch: int, block: int, rounds: int) -
     def zfunc_step():
         box[0], _ = step(box[0], (x, y))
 
-    def torch_step():
-        with torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=run.cuda):
-            loss = F.cross_entropy(plain(x).flatten(0, 1).float(), y.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    t = paired(run, {"zfunc": zfunc_step, "torch": torch_step}, rounds=rounds, warmup=2)
+    t = paired(run, {"zfunc": zfunc_step, "torch": lambda: _torch_step(run, plain, opt, x, y)}, rounds=rounds,
+               warmup=2)
     step = state = box = plain = opt = None
     _free(run)
     return {"flavor": flavor, "batch": batch, "block": block, "s": t, "zfunc_over_torch": t["zfunc"] / t["torch"]}
+
+
+def _torch_step(run: Run, model, opt, x, y) -> None:
+    """One step of a plain torch loop as a user writes it: bf16 autocast on CUDA, clip 1.0, then ``opt``."""
+    with torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=run.cuda):
+        loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
 
 
 def offload_largest(run: Run, candidates: tuple[str, ...], block: int, params: str | None = "cpu") -> dict:
@@ -452,19 +455,10 @@ def plain_largest(run: Run, candidates: tuple[str, ...], block: int) -> dict:
                                     fused=run.cuda)
             x, y = _tokens(run, cfg, 1, block, 0)
 
-            def one():
-                with torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=run.cuda):
-                    loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                return loss
-
-            one()  # allocates the optimizer state
+            _torch_step(run, model, opt, x, y)  # allocates the optimizer state
             if run.cuda:
                 torch.cuda.reset_peak_memory_stats()
-            step_s = _time_once(run, one)
+            step_s = _time_once(run, lambda: _torch_step(run, model, opt, x, y))
             tried[flavor] = {"params": n, "step_s": step_s,
                              "max_memory_allocated": torch.cuda.max_memory_allocated() if run.cuda else None}
             largest = flavor
