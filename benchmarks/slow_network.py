@@ -234,7 +234,7 @@ def report(network: str, ranks: list[dict], kinds: list[str]) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rates", default="1gbit,10gbit")
+    p.add_argument("--rates", default="1gbit,10gbit", help="shaped links to measure, comma-separated ('': none)")
     p.add_argument("--delay-ms", type=float, default=0.1)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--width", type=int, default=1024)
@@ -254,7 +254,7 @@ def main(argv=None) -> None:
     if args.ranks_per_node != 1 and not can_shape:
         raise SystemExit(f"--ranks-per-node: {args.ranks_per_node} needs network namespaces (root, ip and tc); "
                          "the throttled Comm cannot tell a node's links from the network's")
-    for rate in args.rates.split(","):
+    for rate in [r for r in args.rates.split(",") if r.strip()]:
         if can_shape:
             network, ranks = _netns_run(rate, args.delay_ms, kinds, args.rounds, args.width, args.depth,
                                         args.ranks_per_node)
