@@ -176,7 +176,8 @@ def onebit_all_reduce_many(comm: Any, xs: list[torch.Tensor], errors: list[Error
     all_signs, all_scales = _unpack(everyone, sum(widths))
     with torch.no_grad():
         for t, (x, signs) in enumerate(zip(xs, all_signs.split(widths, dim=1))):
-            if _on_cpu_kernels(signs) and x.dtype == torch.float32 and x.is_contiguous():
+            if signs.device.type == "cpu" and x.device.type == "cpu" and x.dtype == torch.float32 and (
+                    x.is_contiguous()):
                 from zfunc.ops.cpu import codec
 
                 codec.decode_into(signs, all_scales[:, t], x.view(-1))
