@@ -18,7 +18,9 @@ from zfunc.offloading import accounting
 from zfunc.offloading.grads import HeldSlices, SpilledGrads
 from zfunc.offloading.copies import ComputeCopies
 from zfunc.offloading.grads import UpdateOnArrival
-from zfunc.offloading.run import LeafUpdate, StoredPieces, _is_stored, _Stores
+from zfunc.offloading.call_stores import _Stores
+from zfunc.offloading.pieces import StoredPieces
+from zfunc.offloading.run import LeafUpdate, _is_stored
 from zfunc.ops.cpu import hostmem
 from zfunc.core.roles import Roles, RunContext
 from zfunc.sharding.step import ShardedStep

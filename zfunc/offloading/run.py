@@ -1,12 +1,12 @@
-"""Offload's roles (``zfunc.core.roles``) for one call of an offloaded step, and its stores.
+"""Offload's update role (``LeafUpdate``) for one call of an offloaded step.
 
 ``OffloadedStep.roles`` gives each call's run (``zfunc.sharding.run.StepRun``, the one run class) the sharded
-step's roles with three replaced: params come from the stores (``StoredPieces``: a leaf's compute
-copy, else its master read ahead from RAM or its swap file, ``_Pieces``), grads go to a sink
+step's roles with three replaced: params come from the stores (``zfunc.offloading.pieces.StoredPieces``: a
+leaf's compute copy, else its master read ahead from RAM or its swap file), grads go to a sink
 (``zfunc.offloading.grads``: ``UpdateOnArrival`` updates each leaf as its grad arrives, with overlap;
 ``HeldSlices`` holds them in host RAM, ``SpilledGrads`` in swap files), and the update runs leaf by
-leaf from the stores (``LeafUpdate``, ``_update_leaf``), writing back as it goes (``_Stores``: at
-most ``2 * chunk_bytes`` of writes in flight). The schedule stays the sharded step's accumulation.
+leaf from the stores (``LeafUpdate``, ``_update_leaf``), writing back as it goes (``zfunc.offloading.call_stores``: at most ``2 * chunk_bytes`` of writes in flight, a failed call's files
+put back). The schedule stays the sharded step's accumulation.
 ``ComputeCopies`` (``zfunc.offloading.copies``) keeps the compute-dtype copy of each master that the
 update wrote in its own pass (with ``params=None``: the params the device keeps). The roles read the
 run through the call's ``RunContext`` and the step's configuration through what
@@ -17,11 +17,8 @@ non-finite steps are ``zfunc.offloading.step``'s.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import time
-from collections import deque
-from concurrent.futures import Future
 from typing import Any, NamedTuple
 
 import torch
@@ -33,126 +30,12 @@ from zfunc.sharding.layout import leaf_names
 from zfunc.core.state import FIELDS, TrainState
 from zfunc.core.step import NonFiniteError, Step
 from zfunc.core.totals import sum_over_ranks, without_missing_grads
-from zfunc.offloading.copies import ComputeCopies
 from zfunc.offloading.grads import leaf_norm
 from zfunc.offloading.merge import NO_MERGE, merge_states, split_state
-from zfunc.offloading.store import All, OnDisk, ReadAhead, Store, done
+from zfunc.offloading.call_stores import _Stores
+from zfunc.offloading.store import All, OnDisk, ReadAhead, done
 
 PyTree = Any
-
-
-class _Pieces:
-    """The param pieces, as ``shard``'s gatherers index them: a leaf's compute copy where the
-    last update wrote one (``copies[i]``), else its master, read from the store on access."""
-
-    def __init__(self, masters: list, reader: ReadAhead, copies: list):
-        self.masters, self.reader, self.copies = masters, reader, copies
-
-    def __len__(self) -> int:
-        return len(self.masters)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        copy = self.copies[i]
-        return self.reader.get(i) if copy is None else copy
-
-
-class _Stores:
-    """Where one call (an ``init`` or a step) puts leaves: the optimizer's and the params' stores,
-    the writes in flight (at most ``2 * chunk_bytes``) and the files the call rewrote. ``step`` is
-    the ``OffloadedStep`` (read: its chunk size, engine and where it keeps each store), not
-    imported: zfunc.offloading.offloaded imports this module."""
-
-    def __init__(self, step: Any, device: torch.device):
-        pin = device.type == "cuda"
-        self.chunk_bytes, self.engine = step.chunk_bytes, step.engine
-        self._writes: deque = deque()
-        self._in_flight = 0  # bytes of ``_writes``
-        self._rewritten: list[str] = []  # the files whose new versions this call issued
-        self._in_place = (step.where_optimizer, step.where_masters) != ("nvme", "nvme")  # leaves in RAM
-        self._opt_store = Store(step.engine if step.where_optimizer == "nvme" else None, pin, self._track)
-        self._param_store = Store(step.engine if step.where_masters == "nvme" else None, pin, self._track)
-
-    def _track(self, write: Future | None, nbytes: int, name: str | None = None) -> None:
-        """Count ``write`` in flight (``name``: a file the call rewrites, put back if it fails)."""
-        if write is None:
-            return
-        if name is not None:
-            self._rewritten.append(name)
-        self._writes.append((write, nbytes))
-        self._in_flight += nbytes
-        self._wait_writes(2 * self.chunk_bytes)
-
-    def _wait_writes(self, budget: int | None) -> None:
-        """Wait for the oldest writes until at most ``budget`` bytes are in flight (all: None);
-        the first that failed raises (the rest stay counted, for ``_drain``)."""
-        writes = self._writes
-        while writes and (budget is None or self._in_flight > budget):
-            write, nbytes = writes.popleft()
-            self._in_flight -= nbytes
-            write.result()
-
-    def _drain(self) -> None:
-        """Wait for every write in flight, their errors dropped: only a call that has failed
-        already has writes left at its end (a step waits for all of its own before it returns)."""
-        while self._writes:
-            with contextlib.suppress(Exception):
-                self._wait_writes(None)
-
-    def undo(self, state: TrainState) -> str:
-        """After a failed call: every write waited for and every file the call rewrote put back
-        to its version before it (``SwapEngine.restore``); ``state`` (the one the call took) usable
-        again where that leaves it whole: nothing of it lives in RAM, where an update works in
-        place. Says which, for the error."""
-        self._drain()
-        if not state.consumed:
-            return "the state passed in is unchanged"
-        lost = "the state passed in is consumed"
-        try:
-            kept = [self.engine.restore(name) for name in self._rewritten] if self._rewritten else []
-            if not all(k.result() for k in kept):
-                return (f"{lost}: the previous versions of its files were not kept (no spare files: hard links "
-                        "unsupported on the swap disk?); restart from a checkpoint")
-        except OSError as e:
-            return f"{lost}: putting its files back failed ({e}); restart from a checkpoint"
-        if self._in_place:
-            return (f"{lost}: its leaves in RAM were updated in place before the failure (the files written are back "
-                    "to their versions before the step, but only optimizer='nvme' with the masters there too (params "
-                    "None or 'nvme') keeps a failed step's input whole); restart from a checkpoint")
-        state._consumed = False
-        return ("the state passed in is unchanged: the step's files are back to their versions before it (save it, "
-                "or make room and call the step again)")
-
-
-class StoredPieces(Role):
-    """Params source of an offloaded step: a leaf's compute copy where the last update wrote one
-    (``ComputeCopies``: with ``params=None``, the compute-dtype params the device keeps), else its
-    master, read from the store ahead of use (a RAM master is itself the piece), in the order the
-    last step read them (``fetch_order``, ``ReadAhead``); it learns this call's order."""
-
-    def __init__(self, context: RunContext, update: LeafUpdate, compute_copies: ComputeCopies,
-                 where_params: str | None, fetch_order: list[int]):
-        self.context, self.compute_copies, self.where_params = context, compute_copies, where_params
-        # a store of its own: a packed file's read serves its members' fetches of this pass (forward, or
-        # backward's), apart from the update's reads of the same file (which it writes back into)
-        store = Store(update._param_store.engine, update._param_store.pin)
-        self._reader = ReadAhead(lambda i: store.fetch(update._masters[i]), update._leaf_bytes,
-                                 fetch_order, update.chunk_bytes)
-        if where_params is not None:  # the units' params come from the stores: their first reads start with the call
-            self._reader.start()
-
-    def finish(self) -> dict[str, Any]:
-        return {"fetch_order": self._reader.seen}  # the next step reads ahead in this order
-
-    def device(self, pieces) -> torch.device:
-        return self.context.spec.device
-
-    def pieces(self, params) -> tuple[Any, Any]:
-        masters, treespec = tree.flatten(params)
-        copies = [self.compute_copies.of(m) for m in masters]
-        if self.where_params is None and all(c is not None or isinstance(m, torch.Tensor)
-                                             for m, c in zip(masters, copies)):
-            return [m if c is None else c for m, c in zip(masters, copies)], treespec
-        return _Pieces(masters, self._reader, copies), treespec
 
 
 class LeafUpdate(_Stores, Role):

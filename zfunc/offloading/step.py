@@ -37,7 +37,7 @@ swap file, its optimizer states in another, ``zfunc.offloading.store``'s packed 
   ~0.3 ms per transfer whatever its size, so a group's two large transfers replace 2-4 per leaf.
   Without overlap the reads of masters and states start as backward starts (they need no grad).
   A group's leaves whose optimizer states merge (per-param dicts, equal counts:
-  ``zfunc.offloading.run.merge_states``) go through the kernel in one call (in RAM too): one
+  ``zfunc.offloading.merge.merge_states``) go through the kernel in one call (in RAM too): one
   call per group, not per leaf; the kernel is elementwise, so the values are the same.
 - overlap with backward: when the optimizer does not need the global grad norm (its
   ``needs_global_norm`` declaration is False: no ``clip_by_global_norm``), there is no fp16
@@ -117,9 +117,10 @@ cross it once, in the compute dtype.
 The transformation (``offload``) is here; the step it returns (``OffloadedStep``: ``init``, ``restore``,
 ``memory``) is in ``zfunc.offloading.offloaded``; ``release`` in ``zfunc.offloading.teardown``; its placement
 (``OffloadSpec``, ``in_ram``, how a checkpoint saves and restores it) is in ``zfunc.offloading.placement``; the
-roles of one call (``StoredPieces``, ``LeafUpdate``: params from the stores, the leaf-by-leaf update) and its
-stores are in ``zfunc.offloading.run``, the grad sinks (``HeldSlices``, ``SpilledGrads``, ``UpdateOnArrival``)
-in ``zfunc.offloading.grads``, ``ComputeCopies`` in ``zfunc.offloading.copies``; the run that drives them is
+roles of one call are ``StoredPieces`` (params from the stores, ``zfunc.offloading.pieces``) and ``LeafUpdate``
+(the leaf-by-leaf update, ``zfunc.offloading.run``), a call's stores and writes in flight are in
+``zfunc.offloading.call_stores``, the grad sinks (``HeldSlices``, ``SpilledGrads``, ``UpdateOnArrival``) in
+``zfunc.offloading.grads``, ``ComputeCopies`` in ``zfunc.offloading.copies``; the run that drives them is
 shard's (``zfunc.sharding.run.StepRun``).
 """
 from __future__ import annotations
