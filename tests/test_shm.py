@@ -1,0 +1,118 @@
+"""zfunc.dist.shm: collectives through shared memory between the ranks of one host, against gloo's."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zfunc as zf
+from zfunc.dist import shm
+
+pytestmark = pytest.mark.skipif(not shm.supported(), reason="shared-memory channels need x86-64 Linux")
+
+
+def _gloo_reduce_scatter(out, full, world):
+    everyone = [torch.empty_like(full) for _ in range(world)]
+    dist.all_gather(everyone, full)
+    rank, m = dist.get_rank(), out.numel()
+    return torch.stack([e.view(world, m)[rank].to(out.dtype) for e in everyone]).sum(0)
+
+
+def _against_gloo(rank, world, slot_bytes):
+    """Each collective on a channel (slot_bytes small: in pieces) and on gloo, of the same inputs."""
+    channel = shm.open_channel(None, f"test-{slot_bytes}", slot_bytes=slot_bytes)
+    gen = torch.Generator().manual_seed(rank)
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        local = torch.randn(1001, generator=gen).to(dtype)
+        out, ref = torch.empty(world * 1001, dtype=dtype), torch.empty(world * 1001, dtype=dtype)
+        channel.all_gather(out, local)
+        dist.all_gather_into_tensor(ref, local)
+        results[f"all_gather {dtype}"] = torch.equal(out, ref)
+        full = torch.randn(world * 777, generator=gen).to(dtype)
+        out = torch.empty(777, dtype=torch.float32)
+        channel.reduce_scatter(out, full)
+        results[f"reduce_scatter {dtype}->fp32"] = (out - _gloo_reduce_scatter(out, full, world)).abs().max().item()
+        t = torch.randn(3000, generator=gen).to(dtype)
+        ref = t.clone()
+        channel.all_reduce(t)
+        dist.all_reduce(ref)
+        results[f"all_reduce {dtype}"] = (t.float() - ref.float()).abs().max().item()
+        results[f"all_reduce {dtype} bits"] = t.view(torch.int16 if dtype == torch.bfloat16 else torch.int32).tolist()
+    return results
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world,slot_bytes", [(2, 16 << 20), (3, 1024)])
+def test_channel_collectives_equal_gloo_and_replicas_agree_bit_for_bit(world, slot_bytes):
+    ranks = zf.dist.spawn(_against_gloo, world, world, slot_bytes)
+    for r in ranks:
+        for dtype in ("torch.float32", "torch.bfloat16"):
+            assert r[f"all_gather {dtype}"]
+            assert r[f"reduce_scatter {dtype}->fp32"] <= (0 if world == 2 else 1e-6)
+            # on 3 ranks the order of the additions differs from gloo's ring: fp32 rounding apart, bf16 an ulp
+            assert r[f"all_reduce {dtype}"] <= {2: 0, 3: 1e-6 if dtype == "torch.float32" else 0.07}[world]
+        assert all(r[k] == ranks[0][k] for k in r if k.endswith("bits"))  # every replica the same bits
+
+
+def _comm_takes_the_channel(rank, world):
+    mesh = zf.Mesh(dp=world)
+    t = torch.full((4,), float(rank + 1))
+    mesh.comm.all_reduce(t)
+    out = torch.empty(2)
+    work = mesh.comm.reduce_scatter(out, torch.arange(2.0 * world) * (rank + 1), async_op=True)
+    work.wait()
+    channel = shm.channel_of(mesh.comm.group)
+    return t.tolist(), out.tolist(), None if channel is None else channel.count, dict(mesh.comm.bytes)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("setting", ["on", "off"])
+def test_comm_runs_its_collectives_on_the_channel_unless_turned_off(setting, monkeypatch):
+    monkeypatch.setenv("ZFUNC_SHM", setting)
+    ranks = zf.dist.spawn(_comm_takes_the_channel, 2, 2)
+    for rank, (t, out, count, nbytes) in enumerate(ranks):
+        assert t == [3.0] * 4
+        assert out == [3.0 * (2 * rank), 3.0 * (2 * rank + 1)]
+        assert count == (2 if setting == "on" else None)
+        assert nbytes == {"all_reduce": 32, "reduce_scatter": 16}  # counted alike on either transport
+
+
+def _peer_dies(rank, world):
+    channel = shm.open_channel(None, "dies", slot_bytes=4096)
+    if rank == 1:
+        os._exit(3)
+    try:
+        channel.all_gather(torch.empty(2 * world), torch.ones(2))
+    except shm.ShmError as e:
+        raise AssertionError(str(e)) from None
+
+
+@pytest.mark.multiprocess
+def test_a_peer_that_dies_fails_the_collective_naming_it():
+    with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+\) died before it could write its input"):
+        zf.dist.spawn(_peer_dies, 2, 2, timeout_s=60)
+
+
+def _peer_late(rank, world):
+    channel = shm.open_channel(None, "late", slot_bytes=4096, timeout_s=1.0)
+    if rank == 1:
+        dist.barrier()  # rank 0 has given up by now
+        return "late"
+    try:
+        channel.all_reduce(torch.ones(2))
+        return "no error"
+    except shm.ShmError as e:
+        return str(e)
+    finally:
+        dist.barrier()
+
+
+@pytest.mark.multiprocess
+def test_a_peer_that_does_not_arrive_within_the_timeout_fails_the_collective():
+    message = zf.dist.spawn(_peer_late, 2, 2, timeout_s=60)[0]
+    assert "rank 1 did not write its input within 1 s" in message
+
+
+def test_a_comm_of_one_process_has_no_channel():
+    assert zf.Mesh().comm._channel(torch.ones(1)) is None  # it copies
