@@ -33,12 +33,13 @@ def _against_gloo(rank, world, slot_bytes):
         out = torch.empty(777, dtype=torch.float32)
         channel.reduce_scatter(out, full)
         results[f"reduce_scatter {dtype}->fp32"] = (out - _gloo_reduce_scatter(out, full, world)).abs().max().item()
-        t = torch.randn(3000, generator=gen).to(dtype)
-        ref = t.clone()
-        channel.all_reduce(t)
-        dist.all_reduce(ref)
-        results[f"all_reduce {dtype}"] = (t.float() - ref.float()).abs().max().item()
-        results[f"all_reduce {dtype} bits"] = t.view(torch.int16 if dtype == torch.bfloat16 else torch.int32).tolist()
+        for n in (3000, 50001):  # one phase; above ONE_PHASE_BYTES, chunks summed by their rank and copied
+            t = torch.randn(n, generator=gen).to(dtype)
+            ref = t.clone()
+            channel.all_reduce(t)
+            dist.all_reduce(ref)
+            results[f"all_reduce {dtype} {n}"] = (t.float() - ref.float()).abs().max().item()
+            results[f"all_reduce {dtype} {n} bits"] = t.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)
     return results
 
 
@@ -51,8 +52,9 @@ def test_channel_collectives_equal_gloo_and_replicas_agree_bit_for_bit(world, sl
             assert r[f"all_gather {dtype}"]
             assert r[f"reduce_scatter {dtype}->fp32"] <= (0 if world == 2 else 1e-6)
             # on 3 ranks the order of the additions differs from gloo's ring: fp32 rounding apart, bf16 an ulp
-            assert r[f"all_reduce {dtype}"] <= {2: 0, 3: 1e-6 if dtype == "torch.float32" else 0.07}[world]
-        assert all(r[k] == ranks[0][k] for k in r if k.endswith("bits"))  # every replica the same bits
+            for n in (3000, 50001):
+                assert r[f"all_reduce {dtype} {n}"] <= {2: 0, 3: 1e-6 if dtype == "torch.float32" else 0.07}[world]
+        assert all(torch.equal(r[k], ranks[0][k]) for k in r if k.endswith("bits"))  # every replica the same bits
 
 
 def _comm_takes_the_channel(rank, world):

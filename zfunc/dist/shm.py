@@ -6,17 +6,19 @@ wake-ups of gloo's threads. A ``Channel`` instead maps one shared segment into e
 group: each rank writes its input into its own slot, marks it written, waits until every rank
 has, and reads what it needs straight from the others' slots (the same gather: ~0.4 ms).
 
-**Law.** ``all_gather`` moves bytes (exact); ``reduce_scatter`` and ``all_reduce`` sum the ranks'
-values in rank order, widened to the output's dtype before any addition, one ``torch.sum`` over a
-view of the slots: every rank computes the same sums from the same bytes, so an all-reduce leaves
-the replicas bit-identical. On 2 ranks the sums equal gloo's (``a + b = b + a``); on more the order
-is rank order.
+**Law.** ``all_gather`` moves bytes (exact). ``reduce_scatter`` widens every value to the output's
+dtype before any addition and adds the others' values to this rank's own in rank order (as zfunc's
+gloo path does); ``all_reduce`` sums the ranks' values in rank order, one ``torch.sum`` over a view
+of the slots, so every rank computes the same sums from the same bytes and the replicas stay
+bit-identical. On 2 ranks both equal gloo's bit for bit (``a + b = b + a``); on more they differ from
+gloo's ring order by rounding.
 
 **Protocol.** The segment starts with a page of control words, one 64-byte line per rank: the
-number of the last collective whose input it wrote (``written``), the last whose slots it finished
-reading (``read``) and its pid. Collective ``k``: wait until every rank has read ``k - 1`` (nobody
-still reads this rank's slot), write the slot, publish ``written = k``, wait until every rank has,
-compute, publish ``read = k``. One wait is on the critical path; the other is usually met already.
+number of the last phase whose input it wrote (``written``), the last whose slots it finished
+reading (``read``) and its pid. Phase ``k``: wait until every rank has read ``k - 1`` (nobody still
+reads this rank's slot), write the slot, publish ``written = k``, wait until every rank has, compute,
+publish ``read = k`` (a large all-reduce writes its reduced chunk back and publishes once more
+before the copies). One wait is on the critical path; the other is usually met already.
 Ordering rests on x86's total store order (a store of a word is seen after the stores before it),
 so channels open only on x86-64 Linux. A wait polls, then yields the core, then sleeps 50 us
 between polls; it checks every second that the peers' processes live and gives up after the
@@ -58,6 +60,7 @@ SLOT_BYTES = int(env.number("ZFUNC_SHM_SLOT_MB", 16, int, lambda mb: mb >= 1, "a
 CONTROL_BYTES = 4096  # one 64-byte line per rank: WRITTEN, READ, PID; ranks beyond 64 are refused
 WRITTEN, READ, PID = 0, 1, 2
 _WORDS_PER_RANK = 8
+ONE_PHASE_BYTES = 64 << 10  # an all-reduce up to this size: every rank sums every value
 _SPIN_S, _YIELD_S, _SLEEP_S, _LIVENESS_S = 20e-6, 1e-3, 50e-6, 1.0
 
 
@@ -89,36 +92,67 @@ class Channel:
 
     # ------------------------------------------------------------------ collectives
     def all_gather(self, out: torch.Tensor, local: torch.Tensor) -> None:
-        """``out`` (world * local.numel(), contiguous) <- every rank's ``local``, rank-major."""
+        """``out`` (world * local.numel(), contiguous) <- every rank's ``local``, rank-major (``local`` may be
+        this rank's chunk of ``out``: then it is not copied)."""
         out, local = out.view(-1), local.reshape(-1)
         n = local.numel()
+        chunks = out.view(self.world, n)
+        if chunks[self.rank].data_ptr() != local.data_ptr():
+            chunks[self.rank].copy_(local)
+        others = [r for r in range(self.world) if r != self.rank]
         with self.lock:
             for start, size in self._pieces(n, local.element_size()):
                 slots = self._post(local[start:start + size])
-                out.view(self.world, n)[:, start:start + size].copy_(slots)
+                for r in others:
+                    chunks[r, start:start + size].copy_(slots[r])
                 self._done()
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> None:
         """``out`` <- this rank's chunk of the sum over ranks of ``full`` (world * out.numel()), every
-        value widened to ``out``'s dtype before the sum."""
+        value widened to ``out``'s dtype before the sum: this rank's own value first, then the others'
+        in rank order (one addition on 2 ranks: the same bits as gloo's)."""
         out, full = out.view(-1), full.reshape(-1)
         m = out.numel()
+        rows = full.view(self.world, m)
         with self.lock:
             for start, size in self._pieces(m, full.element_size(), rows=self.world):
                 # this rank posts, for every rank, its piece of that rank's chunk: (world, size)
-                slots = self._post(full.view(self.world, m)[:, start:start + size])
-                torch.sum(slots[:, self.rank * size:(self.rank + 1) * size], dim=0, dtype=out.dtype,
-                          out=out[start:start + size])
+                slots = self._post(rows[:, start:start + size], skip=self.rank)
+                mine = out[start:start + size]
+                cut = slice(self.rank * size, (self.rank + 1) * size)
+                theirs = [slots[r, cut] for r in range(self.world) if r != self.rank]
+                own = rows[self.rank, start:start + size]
+                if len(theirs) == 1 and own.dtype == mine.dtype:
+                    torch.add(own, theirs[0], out=mine)
+                else:
+                    mine.copy_(own)
+                    for row in theirs:
+                        mine.add_(row)
                 self._done()
 
     def all_reduce(self, t: torch.Tensor) -> None:
         """``t`` (contiguous) <- the sum over ranks of ``t`` (in ``t``'s dtype), in place; the same bits on
-        every rank."""
+        every rank. Up to ``ONE_PHASE_BYTES`` every rank sums every value (one barrier); above, as a ring
+        does, each rank sums its chunk of the ranks' values and the others copy it (two barriers, a
+        ``world``-th of the additions)."""
         flat = t.view(-1)
         with self.lock:
             for start, size in self._pieces(flat.numel(), flat.element_size()):
-                slots = self._post(flat[start:start + size])
-                torch.sum(slots, dim=0, dtype=t.dtype, out=flat[start:start + size])
+                piece = flat[start:start + size]
+                slots = self._post(piece)
+                if size * flat.element_size() <= ONE_PHASE_BYTES:
+                    torch.sum(slots, dim=0, dtype=t.dtype, out=piece)
+                    self._done()
+                    continue
+                cuts = [size * r // self.world for r in range(self.world + 1)]
+                mine = slice(cuts[self.rank], cuts[self.rank + 1])
+                torch.sum(slots[:, mine], dim=0, dtype=t.dtype, out=piece[mine])
+                slots[self.rank, mine].copy_(piece[mine])  # nobody else reads this part of this slot before now
+                self._publish()
+                for r in range(self.world):
+                    if r != self.rank:
+                        theirs = slice(cuts[r], cuts[r + 1])
+                        piece[theirs].copy_(slots[r, theirs])
                 self._done()
 
     def close(self) -> None:
@@ -131,17 +165,27 @@ class Channel:
         step = max(1, self.slot_bytes // (itemsize * rows))
         return [(s, min(step, n - s)) for s in range(0, n, step)] or [(0, 0)]
 
-    def _post(self, data: torch.Tensor) -> torch.Tensor:
-        """Write ``data`` into this rank's slot once every rank has read the last collective's; return
-        every rank's copy, ``(world, data.numel())`` of ``data``'s dtype, once all have written."""
-        self.count += 1
-        self._wait(READ, self.count - 1, "finish reading the previous collective")
+    def _post(self, data: torch.Tensor, skip: int | None = None) -> torch.Tensor:
+        """Write ``data`` (row ``skip`` of it left out: nobody reads it) into this rank's slot once every rank
+        has read the last collective's; return every rank's copy, ``(world, data.numel())`` of ``data``'s
+        dtype, once all have written."""
+        self._wait(READ, self.count, "finish reading the previous collective")
         nbytes = data.numel() * data.element_size()
-        mine = self.slots[self.rank, :nbytes].view(data.dtype)
-        mine.view(data.shape).copy_(data)
+        mine = self.slots[self.rank, :nbytes].view(data.dtype).view(data.shape)
+        if skip is None:
+            mine.copy_(data)
+        else:
+            for r in range(len(data)):
+                if r != skip:
+                    mine[r].copy_(data[r])
+        self._publish()
+        return self.slots[:, :nbytes].view(data.dtype)
+
+    def _publish(self) -> None:
+        """Mark what this rank wrote as collective ``count + 1``'s and wait until every rank has."""
+        self.count += 1
         self.control[self.rank, WRITTEN] = self.count
         self._wait(WRITTEN, self.count, "write its input")
-        return self.slots[:, :nbytes].view(data.dtype)
 
     def _done(self) -> None:
         self.control[self.rank, READ] = self.count
