@@ -42,6 +42,9 @@ class Comm:
     ``label`` is a string like ``"gather unit 'h.0' at step 3"`` that names the operation in errors.
     ``bytes`` maps call type ("all_gather", "reduce_scatter", "all_reduce") to bytes.
 
+    On gloo, with every rank of the group on this host, the all-gather, reduce-scatter and all-reduce of
+    CPU tensors go through the group's shared-memory channel (``zfunc.dist.shm``: the law of its sums
+    there); an async one then runs on the comm thread, since the channel's call returns only when done.
     Every collective is issued in the order the calls were made, so the order is the same on every
     rank however the caller overlaps them: by one comm thread, or, on gloo, by the caller itself when
     the call has no check and nothing is waiting for the thread (an issue that only enqueues gloo's
