@@ -21,8 +21,9 @@ publish ``read = k`` (a large all-reduce writes its reduced chunk back and publi
 before the copies). One wait is on the critical path; the other is usually met already.
 Ordering rests on x86's total store order (a store of a word is seen after the stores before it),
 so channels open only on x86-64 Linux. A wait polls, then yields the core, then sleeps 50 us
-between polls; it checks every second that the peers' processes live and gives up after the
-process group's timeout, raising ``CollectiveError`` either way.
+between polls (1 ms after 0.1 s); it checks every second that the peers' processes live and gives
+up after the process group's timeout, raising ``ShmError`` either way (``Comm`` wraps it in a
+``CollectiveError`` naming the operation).
 
 **Setup.** ``open_channel`` is collective over the group: through the default store every rank
 posts its host (hostname and boot id); on one host rank 0 creates the segment under a fresh name,
@@ -61,7 +62,7 @@ CONTROL_BYTES = 4096  # one 64-byte line per rank: WRITTEN, READ, PID; ranks bey
 WRITTEN, READ, PID = 0, 1, 2
 _WORDS_PER_RANK = 8
 ONE_PHASE_BYTES = 64 << 10  # an all-reduce up to this size: every rank sums every value
-_SPIN_S, _YIELD_S, _SLEEP_S, _LIVENESS_S = 20e-6, 1e-3, 50e-6, 1.0
+_SPIN_S, _YIELD_S, _SLEEP_S, _NAP_AFTER_S, _NAP_S, _LIVENESS_S = 20e-6, 1e-3, 50e-6, 0.1, 1e-3, 1.0
 
 
 class ShmError(RuntimeError):
@@ -203,7 +204,7 @@ class Channel:
             if waited < _YIELD_S:
                 os.sched_yield()
                 continue
-            time.sleep(_SLEEP_S)
+            time.sleep(_SLEEP_S if waited < _NAP_AFTER_S else _NAP_S)  # a long wait (a peer evaluating) costs ~0
             if now - last_check >= _LIVENESS_S:
                 last_check = now
                 self._check_peers(word, k, what, waited)
