@@ -48,6 +48,7 @@ import secrets
 import socket
 import threading
 import time
+import weakref
 
 import numpy as np
 import torch
@@ -221,22 +222,23 @@ class Channel:
                            f"{what} within {self.timeout_s:g} s (collective {k} of this channel)")
 
 
-_channels: dict[int, tuple[object, Channel | None]] = {}  # id(process group) -> (the group, its channel)
+_channels: dict[int, tuple[weakref.ref, Channel | None]] = {}  # id(process group) -> (the group, its channel)
 _opening = threading.Lock()
 
 
 def channel_of(group) -> Channel | None:
     """The channel of ``group`` (None: the default group), opened at its first call (collective: every rank
     of the group makes that call at the same collective), or None where it cannot be had or
-    ``ZFUNC_SHM=off``. One channel per process group, shared by every ``Comm`` over it."""
+    ``ZFUNC_SHM=off``. One channel per process group, shared by every ``Comm`` over it, dropped with it."""
     if not ENABLED:
         return None
     pg = group if group is not None else dist.group.WORLD
     with _opening:
         held = _channels.get(id(pg))
-        if held is None or held[0] is not pg:
+        if held is None or held[0]() is not pg:
             name = getattr(pg, "group_name", None) or dist.distributed_c10d._get_process_group_name(pg)
-            held = _channels[id(pg)] = (pg, open_channel(group, name))
+            held = _channels[id(pg)] = (weakref.ref(pg), open_channel(group, name))
+            weakref.finalize(pg, _channels.pop, id(pg), None)
         return held[1]
 
 
@@ -268,7 +270,10 @@ def open_channel(group, key: str, slot_bytes: int = SLOT_BYTES, timeout_s: float
         return None
     store = dist.distributed_c10d._get_default_store()
     wait = datetime.timedelta(seconds=timeout_s or 1800)
-    base = f"zfunc/shm/{key}"
+    # every rank opens ``key`` once per generation (a process group re-made under the same name after a
+    # re-init sharing this store is the next): the counter's value names the generation alike on every rank
+    generation = -(-store.add(f"zfunc/shm/{key}/opens", 1) // world)
+    base = f"zfunc/shm/{key}/{generation}"
     store.set(f"{base}/host/{rank}", f"{_host()}|{int(supported())}")
     store.wait([f"{base}/host/{r}" for r in range(world)], wait)
     hosts = {store.get(f"{base}/host/{r}").decode() for r in range(world)}
