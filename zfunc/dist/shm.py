@@ -22,7 +22,7 @@ before the copies). One wait is on the critical path; the other is usually met a
 Ordering rests on x86's total store order (a store of a word is seen after the stores before it),
 so channels open only on x86-64 Linux. A wait polls, then yields the core, then sleeps 50 us
 between polls (1 ms after 0.1 s); it checks every second that the peers' processes live and gives
-up after the process group's timeout, raising ``ShmError`` either way (``Comm`` wraps it in a
+up after the process group's own timeout, raising ``ShmError`` either way (``Comm`` wraps it in a
 ``CollectiveError`` naming the operation).
 
 **Setup.** ``open_channel`` is collective over the group: through the default store every rank
@@ -269,7 +269,8 @@ def open_channel(group, key: str, slot_bytes: int = SLOT_BYTES, timeout_s: float
     if world >= CONTROL_BYTES // (8 * _WORDS_PER_RANK):  # the last line holds the token
         return None
     store = dist.distributed_c10d._get_default_store()
-    wait = datetime.timedelta(seconds=timeout_s or 1800)
+    timeout_s = timeout_s or _timeout_s(group)
+    wait = datetime.timedelta(seconds=timeout_s)
     # every rank opens ``key`` once per generation (a process group re-made under the same name after a
     # re-init sharing this store is the next): the counter's value names the generation alike on every rank
     generation = -(-store.add(f"zfunc/shm/{key}/opens", 1) // world)
@@ -304,8 +305,16 @@ def open_channel(group, key: str, slot_bytes: int = SLOT_BYTES, timeout_s: float
             os.unlink(path)  # every rank has attached (or given up): the name is no longer needed
     if not everyone:
         return None
-    timeout_s = timeout_s or dist.default_pg_timeout.total_seconds()
     return Channel(segment, world, rank, slot_bytes, timeout_s, f"shared-memory channel {key}")
+
+
+def _timeout_s(group) -> float:
+    """The process group's own collective timeout (what gloo would wait), else torch's default."""
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        return pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        return dist.default_pg_timeout.total_seconds()
 
 
 def _map(path: str, size: int, create: bool) -> mmap.mmap:
