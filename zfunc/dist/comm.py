@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from zfunc.core import env
-from zfunc.dist import shm
+from zfunc.dist import mailbox, shm
 from zfunc.dist.compressed import onebit_all_reduce, onebit_all_reduce_many
 
 
@@ -452,12 +452,19 @@ class P2P:
     returns at once; the result's ``wait()`` raises ``CollectiveError`` naming ``label`` (what
     moved, between which stages, at which step) when the peer failed or did not answer within the
     process group's timeout, instead of hanging. Sends and receives between one pair of ranks
-    match in call order per ``tag``.
+    match in call order per ``tag``. On gloo with every rank of the group on this host, a CPU
+    tensor up to half a ring (``zfunc.dist.mailbox``: 2 MiB by default) goes through shared memory.
     """
 
     def __init__(self, group: Any = None, peers: tuple[int, ...] = ()):
         self.group, self.peers = group, tuple(peers)
         self.bytes: Counter = Counter()
+        # made by every rank of the group at once (the mesh's construction): its shared-memory rings open now
+        self._boxes = mailbox.mailboxes_of(group) if self._on_one_gloo_host() else None
+
+    def _on_one_gloo_host(self) -> bool:
+        return (self.group is not None and len(self.peers) > 1 and dist.is_available() and dist.is_initialized()
+                and str(dist.get_backend(self.group)) == "gloo")
 
     def send(self, t: torch.Tensor, to: int, label: str, tag: int = 0) -> _P2PWork:
         """Start sending ``t`` to group rank ``to``; ``t`` must not change until ``wait()``."""
@@ -472,6 +479,13 @@ class P2P:
         if not 0 <= peer < len(self.peers):
             raise CollectiveError(f"{what}: no peer {peer} in a group of {len(self.peers)} ranks")
         self.bytes[kind] += _nbytes(t)
+        boxes = self._boxes
+        if boxes is not None and t.device.type == "cpu" and t.is_contiguous() and boxes.fits(_nbytes(t)):
+            try:
+                work = boxes.send(t, peer, tag) if kind == "send" else boxes.recv(t, peer, tag)
+            except Exception as e:
+                raise CollectiveError(f"{what}: {e}") from e
+            return _P2PWork(work, what, t)
         try:
             work = op(t, self.peers[peer], group=self.group, tag=tag)
         except Exception as e:  # gloo raises at once when the peer's connection is gone
@@ -487,7 +501,11 @@ class _P2PWork:
 
     def done(self) -> bool:
         """True once the transfer has finished (or failed: ``wait()`` then raises)."""
-        return self.work.is_completed()
+        done = getattr(self.work, "done", None)  # a transfer through shared memory
+        try:
+            return done() if done is not None else self.work.is_completed()
+        except Exception:
+            return True  # failed: wait() raises it
 
     def wait(self) -> torch.Tensor:
         try:

@@ -49,6 +49,7 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -194,21 +195,7 @@ class Channel:
 
     def _wait(self, word: int, k: int, what: str) -> None:
         column = self.control[:, word]
-        if column.min() >= k:
-            return
-        start = last_check = time.monotonic()
-        while column.min() < k:
-            now = time.monotonic()
-            waited = now - start
-            if waited < _SPIN_S:
-                continue
-            if waited < _YIELD_S:
-                os.sched_yield()
-                continue
-            time.sleep(_SLEEP_S if waited < _NAP_AFTER_S else _NAP_S)  # a long wait (a peer evaluating) costs ~0
-            if now - last_check >= _LIVENESS_S:
-                last_check = now
-                self._check_peers(word, k, what, waited)
+        poll(lambda: column.min() >= k, lambda waited: self._check_peers(word, k, what, waited))
 
     def _check_peers(self, word: int, k: int, what: str, waited: float) -> None:
         late = [r for r in range(self.world) if self.control[r, word] < k]
@@ -222,7 +209,7 @@ class Channel:
                            f"{what} within {self.timeout_s:g} s (collective {k} of this channel)")
 
 
-_channels: dict[int, tuple[weakref.ref, Channel | None]] = {}  # id(process group) -> (the group, its channel)
+_held: dict[tuple[str, int], tuple[weakref.ref, object]] = {}  # (kind, id(process group)) -> (the group, its object)
 _opening = threading.Lock()
 
 
@@ -230,16 +217,48 @@ def channel_of(group) -> Channel | None:
     """The channel of ``group`` (None: the default group), opened at its first call (collective: every rank
     of the group makes that call at the same collective), or None where it cannot be had or
     ``ZFUNC_SHM=off``. One channel per process group, shared by every ``Comm`` over it, dropped with it."""
+    return held_for(group, "collectives", open_channel)
+
+
+def held_for(group, kind: str, opener: Callable) -> object | None:
+    """``opener(group, name)`` for ``group``'s first call of this ``kind`` (``name``: the process group's,
+    the same on every rank), the same object at later calls; None where ``ZFUNC_SHM=off``."""
     if not ENABLED:
         return None
     pg = group if group is not None else dist.group.WORLD
+    key = (kind, id(pg))
     with _opening:
-        held = _channels.get(id(pg))
+        held = _held.get(key)
         if held is None or held[0]() is not pg:
             name = getattr(pg, "group_name", None) or dist.distributed_c10d._get_process_group_name(pg)
-            held = _channels[id(pg)] = (weakref.ref(pg), open_channel(group, name))
-            weakref.finalize(pg, _channels.pop, id(pg), None)
+            held = _held[key] = (weakref.ref(pg), opener(group, f"{kind}/{name}"))
+            weakref.finalize(pg, _held.pop, key, None)
         return held[1]
+
+
+def poll(ready: Callable[[], bool], stalled: Callable[[float], None]) -> None:
+    """Return once ``ready()``: polls, then yields the core, then sleeps (50 us, 1 ms after 0.1 s),
+    calling ``stalled(seconds waited)`` about once a second (it raises to give up)."""
+    if ready():
+        return
+    start = last_check = time.monotonic()
+    while not ready():
+        now = time.monotonic()
+        waited = now - start
+        if waited < _SPIN_S:
+            continue
+        if waited < _YIELD_S:
+            os.sched_yield()
+            continue
+        time.sleep(_SLEEP_S if waited < _NAP_AFTER_S else _NAP_S)  # a long wait (a peer evaluating) costs ~0
+        if now - last_check >= _LIVENESS_S:
+            last_check = now
+            stalled(waited)
+
+
+def dead(pids: list[int]) -> list[int]:
+    """Those of ``pids`` (nonzero) whose process is gone."""
+    return [pid for pid in pids if pid and not _alive(pid)]
 
 
 def _alive(pid: int) -> bool:
@@ -265,9 +284,21 @@ def open_channel(group, key: str, slot_bytes: int = SLOT_BYTES, timeout_s: float
     """A ``Channel`` over ``group``'s ranks, or None on every rank where one cannot be had (ranks on
     more than one host, an unsupported machine, no room in ``/dev/shm``). Collective: every rank of
     ``group`` calls it with the same ``key`` (unique to this channel and the same on every rank)."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world = dist.get_world_size(group)
     if world >= CONTROL_BYTES // (8 * _WORDS_PER_RANK):  # the last line holds the token
         return None
+    opened = open_segment(group, key, CONTROL_BYTES + world * slot_bytes, timeout_s)
+    if opened is None:
+        return None
+    segment, timeout_s = opened
+    return Channel(segment, world, dist.get_rank(group), slot_bytes, timeout_s, f"shared-memory channel {key}")
+
+
+def open_segment(group, key: str, nbytes: int, timeout_s: float | None = None) -> tuple[mmap.mmap, float] | None:
+    """A shared segment of ``nbytes`` mapped by every rank of ``group`` (the first page's last 16 bytes
+    hold a token), and the timeout to wait on peers; or None on every rank where one cannot be had.
+    Collective, like ``open_channel``, whose module docstring says how."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     store = dist.distributed_c10d._get_default_store()
     timeout_s = timeout_s or _timeout_s(group)
     wait = datetime.timedelta(seconds=timeout_s)
@@ -285,15 +316,15 @@ def open_channel(group, key: str, slot_bytes: int = SLOT_BYTES, timeout_s: float
         if rank == 0:
             token = secrets.token_hex(8)
             path = os.path.join(SHM_DIR, f"zfunc-{os.getpid()}-{secrets.token_hex(6)}")
-            segment = _map(path, CONTROL_BYTES + world * slot_bytes, create=True)
+            segment = _map(path, nbytes, create=True)
             segment[CONTROL_BYTES - 16:CONTROL_BYTES] = token.encode()
             store.set(f"{base}/segment", f"{path}|{token}")
         else:
             store.wait([f"{base}/segment"], wait)
             path, token = store.get(f"{base}/segment").decode().split("|")
-            segment = _map(path, CONTROL_BYTES + world * slot_bytes, create=False)
+            segment = _map(path, nbytes, create=False)
             if segment[CONTROL_BYTES - 16:CONTROL_BYTES] != token.encode():
-                raise OSError(f"{path} holds another channel's token")
+                raise OSError(f"{path} holds another segment's token")
         ok = "1"
     except OSError:
         ok = "0"
@@ -303,9 +334,7 @@ def open_channel(group, key: str, slot_bytes: int = SLOT_BYTES, timeout_s: float
     if rank == 0 and path is not None:
         with contextlib.suppress(OSError):
             os.unlink(path)  # every rank has attached (or given up): the name is no longer needed
-    if not everyone:
-        return None
-    return Channel(segment, world, rank, slot_bytes, timeout_s, f"shared-memory channel {key}")
+    return (segment, timeout_s) if everyone else None
 
 
 def _timeout_s(group) -> float:
