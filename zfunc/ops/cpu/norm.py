@@ -56,9 +56,9 @@ def _sum_squares_range(lo, hi, g_at, g_tag, a_at, a_tag):
     """The sum of squares of ``g[lo:hi]`` (``a_tag`` None), or of ``a[lo:hi] += g[lo:hi]`` (fp32
     ``a``), on the calling thread: the range's whole ``_SQ_BLOCK`` blocks cut into ``_STREAMS``
     equal runs read side by side (block j of every run in one loop), then the rest block by block.
-    A core reads four streams from DRAM ~1.3x faster than one (more lines in flight: 20-24 GB/s
-    against 15-18 here), where a sum over one stream waits on each line's latency; in cache it is
-    as fast. Each block is an fp32 partial as before; the runs' fp64 sums are added in run order."""
+    One core reads four streams from DRAM ~1.3x faster than one (more lines in flight, where a sum
+    over one stream waits on each line's latency); in cache it is as fast. Each block is one fp32
+    partial, summed in fp64 per run; the runs' sums are added in run order."""
     g, a = _ptr(g_at, g_tag), _ptr(a_at, a_tag)
     lo, hi = np.uintp(lo), np.uintp(hi)  # unsigned: no wraparound check, so the loop vectorizes
     block = np.uintp(_SQ_BLOCK)
