@@ -13,7 +13,8 @@ optimizer's plus the engine's own work per step. The trainers:
   the grad before the update (zfunc's CPU norm kernel, ``zfunc.ops.cpu.norm``); every other check
   stays on (donation, the loss's finiteness, the RNG seeded from the state);
 - zfunc, grad norm off: the same with ``train_step(grad_norm=False)``: no norm, only the loss checked;
-  ``--grad-norm`` picks the rows (default both; each zfunc row is paired against every peer);
+  ``--grad-norm`` picks the rows (default both; each zfunc row is paired against every peer, and
+  the two zfunc rows against each other: what the norm's read costs a step);
 - torch: ``opt.zero_grad(set_to_none=True); loss.backward(); opt.step()`` with
   ``torch.optim.AdamW(fused=True)``;
 - DeepSpeed: the same loop with ``deepspeed.ops.adam.DeepSpeedCPUAdam`` (``DS_ACCELERATOR=cpu``,
@@ -183,6 +184,11 @@ def step_rows(n: int, rounds: int, steps: int, with_deepspeed: bool, one_at_a_ti
                 print(f"    vs {name:<24} {statistics.median(t) * 1e3:8.3f} ms/step   speedup {paired(t, mine):.3f}x "
                       f"(rounds {ratios[0]:.2f}-{ratios[-1]:.2f}); CPU time {statistics.median(cpu[name]) * 1e3:.3f} "
                       f"ms, speedup {paired(cpu[name], cpu[zname]):.3f}x; {faults(name)}")
+    if len(ours) == 2:  # what the norm costs: the paired difference of the two zfunc rows
+        on, off = cpu[ZFUNC["on"]], cpu[ZFUNC["off"]]
+        extra = statistics.median(a - b for a, b in zip(on, off))
+        print(f"  the grad norm's read (on - off, paired CPU time): {extra * 1e3:.3f} ms/step, "
+              f"{extra / statistics.median(on) * 100:.1f}% of the default step")
 
 
 def gpt_leaf_shapes(total: int, d: int = 768) -> list[tuple[int, ...]]:
