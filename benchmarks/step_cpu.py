@@ -30,7 +30,8 @@ Where a step's time goes (CPU time per step from ``time.thread_time`` around the
 - the update: zfunc's kernel is one pass (p, g, m, v read once; p, m, v written once, in place:
   donation), AVX-512 where the CPU has it (a sqrt and a division per vector, as DeepSpeed's); with
   the grad norm on, the grad is read once more before it (4 B/param on the update's 28: a skipped
-  step must write nothing, so every grad is read before the first write);
+  step must write nothing, so every grad is read before the first write), at DRAM rate wherever the
+  cache does not keep the fresh grad (here already at 1M); ``--grad-norm both`` prints what it costs;
 - the engine's own work per step: zfunc calls torch's autograd engine directly on a CPU-only
   process; at small sizes Python runs from DRAM after each step's arrays stream through the cache,
   so the shortest path wins;

@@ -23,8 +23,12 @@ too the returned state holds the old values. ``max_skips`` such steps in a row a
 next one raises ``NonFiniteError`` naming the step and the cause, the state passed in still intact.
 Cost: the loss (computed anyway) and the grad norm (computed for the metrics and for clipping)
 are checked, one host sync of two scalars per step. The norm is one read of the grads before the
-update (CPU grads: zfunc's kernel, ``optim.global_norm``; 4 B/param of fp32 grads, where AdamW's
-update moves 28): for a skipped step to write nothing, every grad is read before the first write.
+update (CPU grads: zfunc's kernel over the flat list of grads, ``optim.squares_in_ram``; elsewhere
+``local_norm``; 4 B/param of fp32 grads, where AdamW's update moves 28): for a skipped step to write
+nothing, every grad is read before the first write. The update then reads each grad again, from
+the cache only where the grads fit in what the cache keeps between the two passes; past that the
+read runs at DRAM rate (a 100M-param step: ~20 ms of ~500, most of the rest faulting in the fresh
+grad and temporaries, as in any torch loop).
 Accumulated over microbatches on the CPU, that read is the last microbatch's add to the sums, which
 sums the squares in its own pass (``optim.add_with_squares``): no read of its own. The grads'
 unscale (1/(microbatches x loss scale)) is multiplied in the optimizer's pass, not in one of its own.
