@@ -13,7 +13,8 @@ optimizer's plus the engine's own work per step. The trainers:
   the grad before the update (zfunc's CPU norm kernel, ``zfunc.ops.cpu.norm``); every other check
   stays on (donation, the loss's finiteness, the RNG seeded from the state);
 - zfunc, grad norm off: the same with ``train_step(grad_norm=False)``: no norm, only the loss checked;
-  ``--grad-norm`` picks the rows (default both; each zfunc row is paired against every peer);
+  ``--grad-norm`` picks the rows (default both; each zfunc row is paired against every peer, and
+  the two zfunc rows against each other: what the norm's read costs a step);
 - torch: ``opt.zero_grad(set_to_none=True); loss.backward(); opt.step()`` with
   ``torch.optim.AdamW(fused=True)``;
 - DeepSpeed: the same loop with ``deepspeed.ops.adam.DeepSpeedCPUAdam`` (``DS_ACCELERATOR=cpu``,
@@ -29,7 +30,8 @@ Where a step's time goes (CPU time per step from ``time.thread_time`` around the
 - the update: zfunc's kernel is one pass (p, g, m, v read once; p, m, v written once, in place:
   donation), AVX-512 where the CPU has it (a sqrt and a division per vector, as DeepSpeed's); with
   the grad norm on, the grad is read once more before it (4 B/param on the update's 28: a skipped
-  step must write nothing, so every grad is read before the first write);
+  step must write nothing, so every grad is read before the first write), at DRAM rate wherever the
+  cache does not keep the fresh grad (here already at 1M); ``--grad-norm both`` prints what it costs;
 - the engine's own work per step: zfunc calls torch's autograd engine directly on a CPU-only
   process; at small sizes Python runs from DRAM after each step's arrays stream through the cache,
   so the shortest path wins;
@@ -37,7 +39,9 @@ Where a step's time goes (CPU time per step from ``time.thread_time`` around the
   block lies free there, and the next step faults it back in; a CPU step's ``init`` sets glibc to
   keep freed memory (``zfunc.ops.cpu.hostmem.reuse_freed_memory``), for every trainer of the
   process. Blocks of 32 MiB or more (a 20M-param grad) are mapped and unmapped on every step in
-  every trainer unless ``ZFUNC_HEAP_REUSE=all``.
+  every trainer unless ``ZFUNC_HEAP_REUSE=all``. Each trainer's line ends with its system time and
+  minor page faults per step (``getrusage``, medians): the same faults in every trainer show that
+  none allocates more than the others.
 The README's results hold the figures of the reference command (``--threads 1``); use it on a
 loaded machine, where a 2-thread team waits for its slowest thread and paired ratios drift.
 
@@ -61,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import time
@@ -111,27 +116,34 @@ def deepspeed_adam(params):
 
 
 def interleaved(trainers: dict, rounds: int, steps: int, one_at_a_time: bool = False,
-                cpu: dict | None = None) -> dict[str, list[float]]:
+                cpu: dict | None = None, kernel: dict | None = None) -> dict[str, list[float]]:
     """Seconds per step of each trainer, one sample per round, the order rotating each round.
     ``one_at_a_time``: ``trainers`` are factories, each trainer built for its sample and dropped
     after it (only one trainer's memory at once; building and a warm-up step are not timed).
     ``cpu``: a dict that receives the process's CPU seconds per step likewise (steadier than the
-    wall clock on a loaded machine, where a sample's wall time is mostly when it was scheduled)."""
+    wall clock on a loaded machine, where a sample's wall time is mostly when it was scheduled).
+    ``kernel``: a dict that receives per sample ``(system seconds, minor page faults)`` per step
+    (``getrusage``: the kernel's share of the CPU time, mostly faulting in fresh pages)."""
     if not one_at_a_time:
         for run in trainers.values():
             run(2)  # warm up: JIT load, page faults, lazy state
     names, times = list(trainers), {name: [] for name in trainers}
     cpu = {} if cpu is None else cpu
+    kernel = {} if kernel is None else kernel
     for r in range(rounds):
         for name in names[r % len(names):] + names[: r % len(names)]:
             run = trainers[name]
             if one_at_a_time:
                 run = run()
                 run(1)
+            u0 = resource.getrusage(resource.RUSAGE_SELF)
             t0, c0 = time.perf_counter(), time.process_time()
             run(steps)
             times[name].append((time.perf_counter() - t0) / steps)
             cpu.setdefault(name, []).append((time.process_time() - c0) / steps)
+            u1 = resource.getrusage(resource.RUSAGE_SELF)
+            kernel.setdefault(name, []).append(((u1.ru_stime - u0.ru_stime) / steps,
+                                                (u1.ru_minflt - u0.ru_minflt) / steps))
             del run
     return times
 
@@ -152,22 +164,32 @@ def step_rows(n: int, rounds: int, steps: int, with_deepspeed: bool, one_at_a_ti
         factories["DeepSpeedCPUAdam"] = lambda: torch_loop(deepspeed_adam, w0, c)
     steps = steps or max(1, 2 * 10**7 // n)
     cpu: dict[str, list[float]] = {}
+    kernel: dict[str, list[tuple[float, float]]] = {}
     if one_at_a_time:
-        times = interleaved(factories, rounds, steps, one_at_a_time=True, cpu=cpu)
+        times = interleaved(factories, rounds, steps, one_at_a_time=True, cpu=cpu, kernel=kernel)
     else:
-        times = interleaved({name: make() for name, make in factories.items()}, rounds, steps, cpu=cpu)
+        times = interleaved({name: make() for name, make in factories.items()}, rounds, steps, cpu=cpu, kernel=kernel)
     print(f"n={n:.0e}: {rounds} rounds x {steps} steps, {torch.get_num_threads()} threads"
           f"{', trainers built one at a time' if one_at_a_time else ''}")
+
+    def faults(name: str) -> str:  # the kernel's part of a step: system time and minor page faults (medians)
+        return (f"sys {statistics.median(s for s, _ in kernel[name]) * 1e3:.3f} ms, "
+                f"{statistics.median(f for _, f in kernel[name]):.0f} faults/step")
     for zname in ours:
         mine = times[zname]
         print(f"  {zname}: {statistics.median(mine) * 1e3:.3f} ms/step (median), "
-              f"{statistics.median(cpu[zname]) * 1e3:.3f} ms CPU")
+              f"{statistics.median(cpu[zname]) * 1e3:.3f} ms CPU; {faults(zname)}")
         for name, t in times.items():
             if name not in ours:
                 ratios = sorted(p / o for p, o in zip(t, mine))
                 print(f"    vs {name:<24} {statistics.median(t) * 1e3:8.3f} ms/step   speedup {paired(t, mine):.3f}x "
                       f"(rounds {ratios[0]:.2f}-{ratios[-1]:.2f}); CPU time {statistics.median(cpu[name]) * 1e3:.3f} "
-                      f"ms, speedup {paired(cpu[name], cpu[zname]):.3f}x")
+                      f"ms, speedup {paired(cpu[name], cpu[zname]):.3f}x; {faults(name)}")
+    if len(ours) == 2:  # what the norm costs: the paired difference of the two zfunc rows
+        on, off = cpu[ZFUNC["on"]], cpu[ZFUNC["off"]]
+        extra = statistics.median(a - b for a, b in zip(on, off))
+        print(f"  the grad norm's read (on - off, paired CPU time): {extra * 1e3:.3f} ms/step, "
+              f"{extra / statistics.median(on) * 100:.1f}% of the default step")
 
 
 def gpt_leaf_shapes(total: int, d: int = 768) -> list[tuple[int, ...]]:

@@ -44,6 +44,15 @@ def test_sum_squares_is_the_fp64_sum_and_non_finite_iff_an_element_is(two_thread
             assert math.isnan(s) if math.isnan(bad) else s == math.inf
 
 
+def test_squares_in_ram_reads_the_flat_list_where_the_kernel_takes_it():
+    g = torch.Generator().manual_seed(3)
+    leaves = [torch.randn(300, generator=g), None, torch.randn(20_000, generator=g).to(torch.bfloat16)]
+    assert optim.squares_in_ram(leaves) == pytest.approx(exact([leaves[0], leaves[2]]), rel=1e-6)
+    assert optim.squares_in_ram([None]) is None  # no tensor: the caller's norm (zero)
+    assert optim.squares_in_ram([leaves[0], torch.ones(3, dtype=torch.float64)]) is None
+    assert optim.squares_in_ram([torch.ones(4, 4).t()]) is None
+
+
 def test_sum_squares_names_what_it_cannot_read():
     with pytest.raises(ValueError, match=r"contiguous fp32/bf16/fp16 CPU tensors, got torch.float64"):
         cpu_norm.sum_squares([torch.ones(3, dtype=torch.float64)])

@@ -23,8 +23,12 @@ too the returned state holds the old values. ``max_skips`` such steps in a row a
 next one raises ``NonFiniteError`` naming the step and the cause, the state passed in still intact.
 Cost: the loss (computed anyway) and the grad norm (computed for the metrics and for clipping)
 are checked, one host sync of two scalars per step. The norm is one read of the grads before the
-update (CPU grads: zfunc's kernel, ``optim.global_norm``; 4 B/param of fp32 grads, where AdamW's
-update moves 28): for a skipped step to write nothing, every grad is read before the first write.
+update (CPU grads: zfunc's kernel over the flat list of grads, ``optim.squares_in_ram``; elsewhere
+``local_norm``; 4 B/param of fp32 grads, where AdamW's update moves 28): for a skipped step to write
+nothing, every grad is read before the first write. The update then reads each grad again, from
+the cache only where the grads fit in what the cache keeps between the two passes; past that the
+read runs at DRAM rate (a 100M-param step: ~20 ms of ~500, most of the rest faulting in the fresh
+grad and temporaries, as in any torch loop).
 Accumulated over microbatches on the CPU, that read is the last microbatch's add to the sums, which
 sums the squares in its own pass (``optim.add_with_squares``): no read of its own. The grads'
 unscale (1/(microbatches x loss scale)) is multiplied in the optimizer's pass, not in one of its own.
@@ -168,12 +172,13 @@ class Step:
         fold = type(self)._loss_and_grads is Step._loss_and_grads and not self.optimizer.needs_global_norm
         with module.carrying(buffers) as carried:  # apply reads and updates the state's buffers
             if fold:
-                loss, aux, grads, divisor, squares = self._summed_loss_and_grads(params, batch, step, rng, loss_scale,
-                                                                                 self.needs_norm())
+                loss, aux, grads, divisor, squares = self._summed_loss_and_grads(
+                    params, batch, step, rng, loss_scale, self.needs_norm(), type(self).local_norm is Step.local_norm)
             else:
                 loss, aux, grads = self._loss_and_grads(params, batch, step, rng, loss_scale)
                 divisor, squares = 1.0, None
-        # accumulated: the norm came with the last microbatch's add (``_LocalGrads``); else one read of its own
+        # CPU grads: the norm came with the last microbatch's add or from the kernel's read of the flat grads
+        # (``_summed_loss_and_grads``); else ``local_norm`` reads them
         norm = (self.local_norm(grads) if squares is None
                 else torch.scalar_tensor(math.sqrt(squares), dtype=torch.float32))
         if divisor == 1.0:
@@ -268,11 +273,12 @@ class Step:
                 torch._foreach_mul_(tensors, 1.0 / divisor)
         return loss, aux, grads
 
-    def _summed_loss_and_grads(self, params, batch, step, rng, loss_scale, norm: bool = False):
+    def _summed_loss_and_grads(self, params, batch, step, rng, loss_scale, norm: bool = False, read: bool = False):
         """Mean loss over microbatches, the fp32 grads summed over them as the loss scale left
         them (a pytree), the divisor that makes them the unscaled average (microbatches x loss
-        scale) and, where ``norm`` and the grads were accumulated over microbatches in zfunc's CPU
-        kernel, the sum of their squares (the last add's own pass), else None."""
+        scale) and, where ``norm``, the sum of their squares where zfunc's CPU kernel takes them:
+        accumulated over microbatches, the last add's own pass; else, where ``read``, one read of
+        the flat list of grads (``optim.squares_in_ram``: no walk over the grads' tree); else None."""
         # fp32: the masters themselves (fp32 by construction), not a copy made by a tree map
         dtype = self.compute_dtype
         compute = params if dtype is torch.float32 else mp.cast_floating(params, dtype)
@@ -281,7 +287,10 @@ class Step:
         local = _LocalGrads(compute, self.loss_fn, scale, self.has_aux, count if norm and count > 1 else 0)
         loss, aux = run_microbatches(self.schedule, batch, dtype, step_seed(rng, step), params, local.forward,
                                      local.backward)
-        return loss, aux, tree.unflatten(local.treespec, local.acc), count * (scale or 1.0), local.squares
+        squares = local.squares
+        if squares is None and norm and read and local.acc is not None:
+            squares = optim.squares_in_ram(local.acc)
+        return loss, aux, tree.unflatten(local.treespec, local.acc), count * (scale or 1.0), squares
 
 
 def _values(state: TrainState) -> tuple:

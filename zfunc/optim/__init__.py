@@ -33,7 +33,7 @@ Step counts stay global: ``count`` advances with every update, while torch keeps
 The optimizers live in modules of one concept each; every name is importable from here:
 
     base.py        GradientTransformation, KnownNorm, apply, apply_updates, chain, learning_rate, decay_mask
-    norm.py        global_norm, clip_by_global_norm, known_norm, add_with_squares
+    norm.py        global_norm, clip_by_global_norm, known_norm, add_with_squares, squares_in_ram
     schedules.py   constant_schedule, linear_schedule, linear_warmup, warmup_cosine
     adam.py        adamw, adam, AdamState
     sgd.py         sgd, lion, TraceState
@@ -48,7 +48,7 @@ from zfunc.optim.base import (EmptyState, GradientTransformation, KnownNorm, Mas
                               Schedule, apply, apply_updates, chain, decay_mask, learning_rate)
 from zfunc.optim.lamb import lamb
 from zfunc.optim.onebit import OneBitLambState, ZeroOneAdamState, onebit_adam, onebit_lamb, zero_one_adam
-from zfunc.optim.norm import add_with_squares, clip_by_global_norm, global_norm, known_norm
+from zfunc.optim.norm import add_with_squares, clip_by_global_norm, global_norm, known_norm, squares_in_ram
 from zfunc.optim.schedules import constant_schedule, linear_schedule, linear_warmup, warmup_cosine
 from zfunc.optim.sgd import TraceState, lion, sgd
 
@@ -56,4 +56,4 @@ __all__ = ["AdamState", "EmptyState", "GradientTransformation", "KnownNorm", "Ma
            "ScalarOrSchedule", "Schedule", "TraceState", "ZeroOneAdamState", "adam", "adamw", "add_with_squares",
            "apply", "apply_updates", "chain", "clip_by_global_norm", "constant_schedule", "decay_mask", "global_norm",
            "known_norm", "lamb", "learning_rate", "linear_schedule", "linear_warmup", "lion", "onebit_adam",
-           "onebit_lamb", "sgd", "warmup_cosine", "zero_one_adam"]
+           "onebit_lamb", "sgd", "squares_in_ram", "warmup_cosine", "zero_one_adam"]

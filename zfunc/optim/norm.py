@@ -66,6 +66,18 @@ def sum_squares_in_ram(leaves: list[torch.Tensor]) -> float:
 _cpu_norm = None
 
 
+def squares_in_ram(grads: list[torch.Tensor | None]) -> float | None:
+    """The sum of the squares of ``grads`` (a list of leaves, None for a leaf without grad) in one
+    read by zfunc's CPU kernel (``sum_squares_in_ram``: inf or nan iff some element is) where every
+    tensor among them is a contiguous fp32/bf16/fp16 CPU tensor; None elsewhere (or with no tensor),
+    for the caller to take the norm itself (``global_norm``). Takes the list as it is: no walk over
+    a pytree, no tensor made."""
+    leaves = [g for g in grads if g is not None]
+    if not leaves or not _in_ram(leaves):
+        return None
+    return sum_squares_in_ram(leaves)
+
+
 def add_with_squares(into: list[torch.Tensor | None], grads: list[torch.Tensor | None]) -> float | None:
     """``into[i] += grads[i]`` in place, for every i, and the sum of the squares of the sums (a
     float: the global norm's square, inf or nan iff a sum is), in one pass: zfunc's CPU kernel

@@ -12,8 +12,9 @@ summed in fp64; ~1e-7 on random data), the same for any shape of the leaves, and
 where some element is, or where some |x| > 1.8e19, whose fp32 square overflows (a step then
 counts as non-finite). Cost: leaves of ``_PARALLEL_MIN`` elements or more run one threaded call
 each (a libgomp team, as CPU-Adam's), a lone small leaf one call (~1 us), several small ones one
-call over a table of their addresses; read at about the rate of ``torch._foreach_norm``'s fp32
-read, bf16/fp16 read as such (torch's norm upcasts them, ~25x slower).
+call over a table of their addresses; each call's range read as four runs side by side (one
+core keeps more lines in flight: ~1.3x the rate of one stream from DRAM, ``torch._foreach_norm``'s),
+bf16/fp16 read as such (torch's norm upcasts them, ~25x slower).
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ from zfunc.ops.cpu.checks import _GRAD
 from zfunc.ops.cpu.intrinsics import _F32, _F64, _JIT, _SQ_BLOCK, _add_square, _load, _ptr
 
 __all__ = ["sum_squares"]
+
+_STREAMS = 4  # runs of a range read side by side (``_sum_squares_range``, whose loop writes out four)
 
 
 def _summand(a, g, i):
@@ -51,13 +54,32 @@ def _summand_impl(a, g, i):
 @njit(**_JIT)
 def _sum_squares_range(lo, hi, g_at, g_tag, a_at, a_tag):
     """The sum of squares of ``g[lo:hi]`` (``a_tag`` None), or of ``a[lo:hi] += g[lo:hi]`` (fp32
-    ``a``), on the calling thread."""
+    ``a``), on the calling thread: the range's whole ``_SQ_BLOCK`` blocks cut into ``_STREAMS``
+    equal runs read side by side (block j of every run in one loop), then the rest block by block.
+    One core reads four streams from DRAM ~1.3x faster than one (more lines in flight, where a sum
+    over one stream waits on each line's latency); in cache it is as fast. Each block is one fp32
+    partial, summed in fp64 per run; the runs' sums are added in run order."""
     g, a = _ptr(g_at, g_tag), _ptr(a_at, a_tag)
     lo, hi = np.uintp(lo), np.uintp(hi)  # unsigned: no wraparound check, so the loop vectorizes
-    acc = np.float64(0.0)
-    for b in range(lo, hi, np.uintp(_SQ_BLOCK)):
+    block = np.uintp(_SQ_BLOCK)
+    run = (hi - lo) // (block * np.uintp(_STREAMS)) * block  # elements per run: whole blocks
+    r1, r2, r3 = lo + run, lo + 2 * run, lo + 3 * run
+    s0 = s1 = s2 = s3 = np.float64(0.0)
+    for b in range(np.uintp(0), run, block):
+        p0 = p1 = p2 = p3 = np.float32(0.0)
+        for i in range(b, b + block):
+            p0 = _add_square(p0, _summand(a, g, lo + i))
+            p1 = _add_square(p1, _summand(a, g, r1 + i))
+            p2 = _add_square(p2, _summand(a, g, r2 + i))
+            p3 = _add_square(p3, _summand(a, g, r3 + i))
+        s0 += np.float64(p0)
+        s1 += np.float64(p1)
+        s2 += np.float64(p2)
+        s3 += np.float64(p3)
+    acc = ((s0 + s1) + s2) + s3
+    for b in range(lo + np.uintp(_STREAMS) * run, hi, block):
         part = np.float32(0.0)
-        for i in range(b, min(b + np.uintp(_SQ_BLOCK), hi)):
+        for i in range(b, min(b + block, hi)):
             part = _add_square(part, _summand(a, g, i))
         acc += np.float64(part)
     return acc
