@@ -7,18 +7,18 @@
 One spawn of ``--stages`` ranks; every rank builds, from the same initial GPT (recipes/gpt.py,
 its ``lm_head`` untied from ``wte``: torch's stages cannot tie a weight across ranks, so both
 sides train this one untied model), for each microbatch count m and schedule: zfunc's step and
-torch's schedule of the same kind (``TORCH``: ``ScheduleGPipe``, ``Schedule1F1B``,
-``ScheduleInterleaved1F1B`` with 2 stages per rank, ``ScheduleZBVZeroBubble``, whose V places
-stages ``r`` and ``2p - 1 - r`` on rank ``r``, against zfunc's ZB-H1 ("zero-bubble") and ZB-V
-("zbv", the same V)). Both cut the model alike (``--n-layer`` a multiple of ``2 p``): virtual
+torch's schedule of the same kind, whose ops per rank are zfunc's, in the same order (``TORCH``:
+``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` with 2 stages per rank,
+``ScheduleInterleavedZeroBubble`` with one, ZB-H1, against zfunc's "zero-bubble", and
+``ScheduleZBVZeroBubble``, whose V places stages ``r`` and ``2p - 1 - r`` on rank ``r``, against
+zfunc's ZB-V, "zbv"). Both cut the model alike (``--n-layer`` a multiple of ``2 p``): virtual
 stage 0 the embeddings + its blocks, the last its blocks + final norm + head, each other its
 blocks; torch's ``PipelineStage``s hold those modules, zfunc's pipeline units are those modules
 (``units=["wte", "wpe", "blocks.0", ..., "ln_f", "lm_head"]``, ``split`` to match), so every
-param has one owner stage on both sides and nothing is lent. The first pair of steps' losses
-agree (printed: the largest difference of zfunc's loss and torch's over every step run). After
-a warm-up step each, they run
-interleaved: per round and batch, each zfunc step right before torch's of the same kind, after a
-barrier; a step is as slow as its slowest rank. The ratio is the median of the pairs' ratios
+param has one owner stage on both sides and nothing is lent; their losses agree (printed: the
+largest difference of zfunc's loss and torch's over every step run). After a warm-up step each,
+they run interleaved: per round and batch, each zfunc step right before torch's of the same
+kind, after a barrier; a step is as slow as its slowest rank. The ratio is the median of the pairs' ratios
 (torch's time / zfunc's), the times the medians. CPU time, which load moves far less than the
 wall clock: each step's process CPU time (every thread: the main one, gloo's, zfunc's comm
 thread) summed over the ranks, the median of the pairs' ratios (torch's / zfunc's); and of it,
@@ -68,7 +68,8 @@ LR = 1e-3
 CLIP = 1.0  # max global grad norm with --norm clip
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
 TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
-         "zero-bubble": "ScheduleZBVZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
+         "zero-bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
+MULTI = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")  # take a list of stages
 VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zero-bubble": 1, "zbv": 1}  # zfunc's (ZB-V's 2 implied)
 
 
@@ -150,7 +151,7 @@ def torch_trainer(gpt: GPT, rank: int, p: int, m: int, schedule: str, batch: int
     modules = [torch_stage_module(gpt, k, count) for k in mine]
     stages = [tp.PipelineStage(mod, k, count, torch.device("cpu")) for mod, k in zip(modules, mine)]
     cls = getattr(tp, kind)
-    sched = cls(stages if v > 1 or kind == "ScheduleZBVZeroBubble" else stages[0], m, loss_fn=lm_loss)
+    sched = cls(stages if kind in MULTI else stages[0], m, loss_fn=lm_loss)
     params = [q for mod in modules for q in mod.parameters()]
     opt = torch.optim.AdamW(params, lr=LR, fused=True)
 
