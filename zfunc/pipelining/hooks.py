@@ -14,6 +14,7 @@ from torch import nn
 
 from zfunc.pipelining.layout import Layout
 
+
 def unit_modules(model: nn.Module, layout: Layout) -> list[nn.Module]:
     """The modules of ``layout``'s units in ``model``, in order."""
     return [model.get_submodule(n) for n in layout.units]
