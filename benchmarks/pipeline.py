@@ -182,9 +182,11 @@ def zfunc_units(gpt: GPT, count: int) -> tuple[list[str], list[int]]:
 
 
 def zfunc_trainer(gpt: GPT, mesh: zf.Mesh, m: int, schedule: str, norm: str | None = None):
-    """``run(tokens)`` for zf.pipeline over ``zfunc_units``; ``norm`` "clip": clipped at the global
-    grad norm ``CLIP`` (the step's one all-reduce carries the norm's square), "none": no grad norm
-    computed, None: the norm computed for the metrics, no clip (the step's default)."""
+    """``run(tokens)`` for zf.pipeline over ``zfunc_units`` (an untied ``gpt``; a tied one, as
+    benchmarks/plan_validate.py trains, over ``by_class(Block)``: its embeddings and head shared,
+    lent to the last stage); ``norm`` "clip": clipped at the global grad norm ``CLIP`` (the step's
+    one all-reduce carries the norm's square), "none": no grad norm computed, None: the norm
+    computed for the metrics, no clip (the step's default)."""
     apply, params = zf.functionalize(gpt)
 
     def loss_fn(p, tokens):
@@ -194,7 +196,8 @@ def zfunc_trainer(gpt: GPT, mesh: zf.Mesh, m: int, schedule: str, norm: str | No
         zf.optim.adamw(LR)
     inner = zf.train_step(loss_fn, opt, grad_norm=norm != "none")
     count = mesh.pp * (2 if schedule == "zbv" else VIRTUAL[schedule])
-    units, split = zfunc_units(gpt, count)
+    tied = gpt.lm_head.weight is gpt.wte.weight  # one param cannot be in units of two stages
+    units, split = (zf.units.by_class(Block), None) if tied else zfunc_units(gpt, count)
     step = zf.pipeline(inner, stages=mesh.pp, microbatches=m, schedule=schedule, model=gpt, units=units,
                        split=split, mesh=mesh, virtual_stages=VIRTUAL[schedule])
     holder = {"state": step.init(params), "timings": [], "theory": max(step.schedule.timeline(mesh.pp).bubble)}
