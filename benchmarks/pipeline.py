@@ -4,30 +4,35 @@
                                   [--block-size 128] [--batch 16] [--steps 3] [--rounds 3] [--norm clip|none]
                                   [--schedules gpipe,1f1b,interleaved-1f1b,zero-bubble,zbv]
 
-One spawn of ``--stages`` ranks; every rank builds, from the same initial GPT (recipes/gpt.py),
-for each microbatch count m and schedule: zfunc's step and torch's schedule of the same kind
-(``TORCH``: ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` with 2 stages per
-rank, ``ScheduleZBVZeroBubble``, whose V places stages ``r`` and ``2p - 1 - r`` on rank ``r``,
-against zfunc's ZB-H1 ("zero-bubble") and ZB-V ("zbv", the same V)) over ``PipelineStage``s
-holding the same blocks (embeddings + the first blocks on stage 0, the last blocks + final norm +
-head on the last stage; ``--n-layer`` a multiple of ``2 p``). After a warm-up step each, they run
-interleaved: per round and batch, each zfunc step right before torch's of the same kind, after a
-barrier; a step is as slow as its slowest rank. The ratio is the median of the pairs' ratios
+One spawn of ``--stages`` ranks; every rank builds, from the same initial GPT (recipes/gpt.py,
+its ``lm_head`` untied from ``wte``: torch's stages cannot tie a weight across ranks, so both
+sides train this one untied model), for each microbatch count m and schedule: zfunc's step and
+torch's schedule of the same kind, whose ops per rank are zfunc's, in the same order (``TORCH``:
+``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` with 2 stages per rank,
+``ScheduleInterleavedZeroBubble`` with one, ZB-H1, against zfunc's "zero-bubble", and
+``ScheduleZBVZeroBubble``, whose V places stages ``r`` and ``2p - 1 - r`` on rank ``r``, against
+zfunc's ZB-V, "zbv"). Both cut the model alike (``--n-layer`` a multiple of ``2 p``): virtual
+stage 0 the embeddings + its blocks, the last its blocks + final norm + head, each other its
+blocks; torch's ``PipelineStage``s hold those modules, zfunc's pipeline units are those modules
+(``units=["wte", "wpe", "blocks.0", ..., "ln_f", "lm_head"]``, ``split`` to match), so every
+param has one owner stage on both sides and nothing is lent; their losses agree (printed: the
+largest difference of zfunc's loss and torch's over every step run). After a warm-up step each,
+they run interleaved: per round and batch, each zfunc step right before torch's of the same
+kind, after a barrier; a step is as slow as its slowest rank. The ratio is the median of the pairs' ratios
 (torch's time / zfunc's), the times the medians. CPU time, which load moves far less than the
 wall clock: each step's process CPU time (every thread: the main one, gloo's, zfunc's comm
 thread) summed over the ranks, the median of the pairs' ratios (torch's / zfunc's); and of it,
 from ``getrusage``, the kernel's share (sys), the minor page faults and the voluntary context
 switches per step, summed over the ranks, medians over the steps (counts load does not move).
 
-The same work on both sides: AdamW, the microbatch losses averaged, and with ``--norm clip`` (the
-default) both clip the grads at the global norm ``CLIP`` as torchtitan does across pp ranks
-(``clip_across_stages``: each rank's norm, one all-reduce of its square over the pipeline, one
-scale of every grad; zfunc's step carries the square in the one all-reduce it makes anyway, with
-the loss, so every rank has the metrics); ``--norm none``: neither computes a grad norm (zfunc
-still all-reduces the loss: one scalar). Differences: torch cannot tie ``wte``/``lm_head`` across
-stages, so its last stage trains an untied copy of the head, while zfunc lends the tied weight
-from stage 0 and returns its grad (a little more traffic; none with the V, which puts both ends
-on rank 0).
+The same work on both sides: the same model and stages, AdamW, the microbatch losses averaged,
+and with ``--norm clip`` (the default) both clip the grads at the global norm ``CLIP`` as
+torchtitan does across pp ranks (``clip_across_stages``: each rank's norm, one all-reduce of its
+square over the pipeline, one scale of every grad; zfunc's step carries the square in the one
+all-reduce it makes anyway, with the loss, so every rank has the metrics); ``--norm none``:
+neither computes a grad norm (zfunc still all-reduces the loss: one scalar). What zfunc does
+besides: that all-reduce (torch's loss stays on the last stage) and a 104-byte header per
+boundary per step (``zfunc.pipelining.header``: the step, the batch's digest, the shape).
 
 Bubble, per stage, the median over steps (``zf.pipelining.measured``, from every rank's
 ``step.timings`` of a step): measured, the rank's idle fraction of the pipeline's makespan (first
@@ -63,8 +68,15 @@ LR = 1e-3
 CLIP = 1.0  # max global grad norm with --norm clip
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
 TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
-         "zero-bubble": "ScheduleZBVZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
+         "zero-bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
+MULTI = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")  # take a list of stages
 VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zero-bubble": 1, "zbv": 1}  # zfunc's (ZB-V's 2 implied)
+
+
+def untied(gpt: GPT) -> GPT:
+    """``gpt`` with ``lm_head`` its own param (a copy of ``wte``'s values): the model both sides train."""
+    gpt.lm_head.weight = nn.Parameter(gpt.wte.weight.detach().clone())
+    return gpt
 
 
 class FirstStage(nn.Module):
@@ -93,12 +105,11 @@ class MiddleStage(nn.Module):
 
 
 class LastStage(MiddleStage):
-    """The last blocks, final norm and an (untied) copy of the head."""
+    """The last blocks, final norm and head of an untied GPT."""
 
     def __init__(self, gpt: GPT, blocks: list[Block]):
         super().__init__(blocks)
-        self.ln_f, self.lm_head = gpt.ln_f, nn.Linear(gpt.cfg.n_embd, gpt.cfg.vocab_size, bias=False)
-        self.lm_head.weight = nn.Parameter(gpt.lm_head.weight.detach().clone())
+        self.ln_f, self.lm_head = gpt.ln_f, gpt.lm_head
 
     def forward(self, x):
         return self.lm_head(self.ln_f(super().forward(x)))
@@ -110,7 +121,7 @@ def lm_loss(logits, targets):
 
 def torch_stage_module(gpt: GPT, k: int, count: int) -> nn.Module:
     """Virtual stage ``k`` of ``count``: its share of the blocks, with the embeddings on the first
-    and the final norm and (untied) head on the last."""
+    and the final norm and head on the last."""
     per = len(gpt.blocks) // count
     blocks = list(gpt.blocks)[k * per : (k + 1) * per]
     return FirstStage(gpt, blocks) if k == 0 else LastStage(gpt, blocks) if k == count - 1 else MiddleStage(blocks)
@@ -140,27 +151,42 @@ def torch_trainer(gpt: GPT, rank: int, p: int, m: int, schedule: str, batch: int
     modules = [torch_stage_module(gpt, k, count) for k in mine]
     stages = [tp.PipelineStage(mod, k, count, torch.device("cpu")) for mod, k in zip(modules, mine)]
     cls = getattr(tp, kind)
-    sched = cls(stages if v > 1 or kind == "ScheduleZBVZeroBubble" else stages[0], m, loss_fn=lm_loss)
+    sched = cls(stages if kind in MULTI else stages[0], m, loss_fn=lm_loss)
     params = [q for mod in modules for q in mod.parameters()]
     opt = torch.optim.AdamW(params, lr=LR, fused=True)
 
     def run(tokens):
         x, y = tokens[:, :-1], tokens[:, 1:]
         args = (x,) if 0 in mine else ()
-        kwargs = dict(target=y, losses=[]) if count - 1 in mine else {}
+        losses = []
+        kwargs = dict(target=y, losses=losses) if count - 1 in mine else {}
         sched.step(*args, **kwargs)
         if norm == "clip":
             clip_across_stages(params, CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return torch.stack(losses).mean().item() if losses else None  # the last stage's
 
     return run
 
 
+def zfunc_units(gpt: GPT, count: int) -> tuple[list[str], list[int]]:
+    """The pipeline units and ``split`` that cut ``gpt`` into ``count`` virtual stages as
+    ``torch_stage_module`` does: the embeddings with the first blocks, the final norm and head
+    with the last, so no param is outside a unit (none is lent)."""
+    n, per = len(gpt.blocks), len(gpt.blocks) // count
+    split = [per] * count
+    split[0] += 2
+    split[-1] += 2
+    return ["wte", "wpe", *(f"blocks.{b}" for b in range(n)), "ln_f", "lm_head"], split
+
+
 def zfunc_trainer(gpt: GPT, mesh: zf.Mesh, m: int, schedule: str, norm: str | None = None):
-    """``run(tokens)`` for zf.pipeline; ``norm`` "clip": clipped at the global grad norm ``CLIP``
-    (the step's one all-reduce carries the norm's square), "none": no grad norm computed, None:
-    the norm computed for the metrics, no clip (the step's default)."""
+    """``run(tokens)`` for zf.pipeline over ``zfunc_units`` (an untied ``gpt``; a tied one, as
+    benchmarks/plan_validate.py trains, over ``by_class(Block)``: its embeddings and head shared,
+    lent to the last stage); ``norm`` "clip": clipped at the global grad norm ``CLIP`` (the step's
+    one all-reduce carries the norm's square), "none": no grad norm computed, None: the norm
+    computed for the metrics, no clip (the step's default)."""
     apply, params = zf.functionalize(gpt)
 
     def loss_fn(p, tokens):
@@ -169,15 +195,17 @@ def zfunc_trainer(gpt: GPT, mesh: zf.Mesh, m: int, schedule: str, norm: str | No
     opt = zf.optim.chain(zf.optim.clip_by_global_norm(CLIP), zf.optim.adamw(LR)) if norm == "clip" else \
         zf.optim.adamw(LR)
     inner = zf.train_step(loss_fn, opt, grad_norm=norm != "none")
-    step = zf.pipeline(inner, stages=mesh.pp, microbatches=m,
-                       schedule=schedule, model=gpt, units=zf.units.by_class(Block), mesh=mesh,
-                       virtual_stages=VIRTUAL[schedule])
+    count = mesh.pp * (2 if schedule == "zbv" else VIRTUAL[schedule])
+    tied = gpt.lm_head.weight is gpt.wte.weight  # one param cannot be in units of two stages
+    units, split = (zf.units.by_class(Block), None) if tied else zfunc_units(gpt, count)
+    step = zf.pipeline(inner, stages=mesh.pp, microbatches=m, schedule=schedule, model=gpt, units=units,
+                       split=split, mesh=mesh, virtual_stages=VIRTUAL[schedule])
     holder = {"state": step.init(params), "timings": [], "theory": max(step.schedule.timeline(mesh.pp).bubble)}
 
     def run(tokens):
         holder["state"], metrics = step(holder["state"], tokens)
-        metrics["loss"].item()
         holder["timings"].append(step.timings)
+        return metrics["loss"].item()
 
     return run, holder
 
@@ -186,7 +214,7 @@ def worker(rank: int, p: int, cfg: GPTConfig, ms: list[int], batch: int, steps: 
            schedules: list[str], norm: str):
     mesh = zf.Mesh(pp=p)
     torch.manual_seed(0)
-    base = GPT(cfg)
+    base = untied(GPT(cfg))
     g = torch.Generator().manual_seed(7)
     data = [torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=g) for _ in range(steps)]
     trainers, holders = {}, {}
@@ -194,9 +222,9 @@ def worker(rank: int, p: int, cfg: GPTConfig, ms: list[int], batch: int, steps: 
         for s in schedules:
             trainers[("zfunc", s, m)], holders[(s, m)] = zfunc_trainer(copy.deepcopy(base), mesh, m, s, norm)
             trainers[("torch", s, m)] = torch_trainer(copy.deepcopy(base), rank, p, m, s, batch, norm)
-    times, cpu = {k: [] for k in trainers}, {k: [] for k in trainers}
-    for run in trainers.values():  # warm-up: shapes, allocator
-        run(data[0])
+    times, cpu, losses = {k: [] for k in trainers}, {k: [] for k in trainers}, {k: [] for k in trainers}
+    for k, run in trainers.items():  # warm-up: shapes, allocator
+        losses[k].append(run(data[0]))
     for h in holders.values():
         h["timings"].clear()
     for _ in range(rounds):
@@ -204,10 +232,13 @@ def worker(rank: int, p: int, cfg: GPTConfig, ms: list[int], batch: int, steps: 
             for k, run in trainers.items():  # zfunc's step, then torch's of the same kind: a pair
                 torch.distributed.barrier()  # every trainer starts its step together on all ranks
                 t0, c0 = time.perf_counter(), _usage()
-                run(tokens)
+                loss = run(tokens)
                 times[k].append(time.perf_counter() - t0)
+                losses[k].append(loss)
                 cpu[k].append([b - a for a, b in zip(c0, _usage())])  # every thread of the rank: gloo's, comm's
-    return times, {k: (h["timings"], h["theory"]) for k, h in holders.items()}, cpu
+    gap = max((abs(z - t) for s, m in holders for z, t in zip(losses["zfunc", s, m], losses["torch", s, m])
+               if t is not None), default=None)  # on the last stage's rank
+    return times, {k: (h["timings"], h["theory"]) for k, h in holders.items()}, cpu, gap
 
 
 def _usage() -> tuple[float, float, int, int]:
@@ -265,7 +296,9 @@ def main(argv=None) -> None:
     cpu = {(s, m): statistics.median(t[0] / z[0] for t, z in zip(summed["torch", s, m], summed["zfunc", s, m]))
            for m in ms for s in schedules}
     usage = {k: [statistics.median(step[c] for step in v) for c in range(1, 4)] for k, v in summed.items()}
-    print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}; the same model on both sides: "
+          f"zfunc's and torch's losses differ by at most {max(r[3] for r in results if r[3] is not None):.1e} "
+          "over every step")
     print("\n| m | schedule (torch's) | bubble theory | theory at the step's op times, per stage | bubble measured "
           "per stage (its excess, paired) | zfunc ms/step | torch ms/step | zfunc speed vs torch (paired) | CPU time "
           "torch / zfunc (paired) | sys ms, minor faults, voluntary switches per step: zfunc / torch |")

@@ -15,14 +15,21 @@ from zfunc.pipelining.schedules import peak_live
 
 def make(pipe=None, mesh=None, shard=False, model="tiny", clip=True, grad_norm=True, **model_kw):
     """``(step, state)``: the plain step, or pipelined with ``pipe = (schedule, microbatches, split[,
-    virtual stages])``; model "tiny8" is the tiny one with 8 blocks, "gpt4" the GPT with 4."""
+    virtual stages])``; model "tiny8" is the tiny one with 8 blocks, "gpt4" the GPT with 4, "gpt4-named"
+    that GPT untied with its embeddings, blocks, final norm and head as named units (the cut of
+    benchmarks/pipeline.py and torch's stages: nothing shared)."""
     torch.manual_seed(0)
     if model == "tiny8":
         model, model_kw = "tiny", {**model_kw, "n": 8}
-    if model in ("gpt", "gpt4"):  # the recipe's GPT, unchanged: tied wte/lm_head, positions, final norm
-        layers = 4 if model == "gpt4" else 2
-        model, block = gpt.GPT(gpt.GPTConfig(vocab_size=VOCAB, block_size=5, n_layer=layers, n_head=2, n_embd=8)), \
-            gpt.Block
+    units = None
+    if model in ("gpt", "gpt4", "gpt4-named"):  # the recipe's GPT, unchanged: tied wte/lm_head, positions, final norm
+        layers = 2 if model == "gpt" else 4
+        model_name, model = model, gpt.GPT(gpt.GPTConfig(vocab_size=VOCAB, block_size=5, n_layer=layers, n_head=2,
+                                                         n_embd=8))
+        block = gpt.Block
+        if model_name == "gpt4-named":  # lm_head untied; every param in a named unit: none shared, none lent
+            model.lm_head.weight = torch.nn.Parameter(model.wte.weight.detach().clone())
+            units = ["wte", "wpe", *(f"blocks.{b}" for b in range(layers)), "ln_f", "lm_head"]
     else:
         model, block = Tiny(**model_kw), Block
     apply, params = zf.functionalize(model)
@@ -31,7 +38,7 @@ def make(pipe=None, mesh=None, shard=False, model="tiny", clip=True, grad_norm=T
         schedule, m, split, v = (*pipe, 1)[:4]
         step = zf.shard(step, mesh, stage=1) if shard else step
         step = zf.pipeline(step, stages=mesh.pp, microbatches=m, schedule=schedule, model=model,
-                           units=zf.units.by_class(block), split=split, mesh=None if shard else mesh,
+                           units=units or zf.units.by_class(block), split=split, mesh=None if shard else mesh,
                            virtual_stages=v)
     return step, step.init(params)
 
@@ -57,7 +64,8 @@ CONFIGS = {2: [("tiny", "gpipe", 4, None), ("tiny", "1f1b", 4, None), ("tiny", "
                ("tiny", "gpipe", 1, (3, 1)), ("gpt", "1f1b", 4, None), ("tiny", "interleaved-1f1b", 4, None, 2),
                ("tiny", "interleaved-1f1b", 2, (1, 1, 1, 1), 2), ("tiny", "zero-bubble", 4, None),
                ("gpt", "zero-bubble", 2, None), ("tiny", CUSTOM, 4, None), ("tiny", "zbv", 4, None),
-               ("gpt4", "zbv", 2, None)],  # ZB-V: rank 0 holds the first and last stage, the tied wte/lm_head
+               ("gpt4", "zbv", 2, None),  # ZB-V: rank 0 holds the first and last stage, the tied wte/lm_head
+               ("gpt4-named", "zbv", 4, (3, 1, 1, 3)), ("gpt4-named", "interleaved-1f1b", 4, (3, 1, 1, 3), 2)],
            4: [("tiny", "gpipe", 4, None), ("tiny", "1f1b", 8, None), ("tiny", "1f1b", 2, None),
                ("tiny8", "interleaved-1f1b", 4, None, 2), ("tiny", "zero-bubble", 4, None), ("tiny8", "zbv", 8, None)]}
 

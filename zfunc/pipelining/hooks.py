@@ -14,6 +14,12 @@ from torch import nn
 
 from zfunc.pipelining.layout import Layout
 
+
+def unit_modules(model: nn.Module, layout: Layout) -> list[nn.Module]:
+    """The modules of ``layout``'s units in ``model``, in order."""
+    return [model.get_submodule(n) for n in layout.units]
+
+
 class _StageOutput(BaseException):
     """Stops a non-last stage's forward after its last unit. A ``BaseException``, so a loss
     function's ``except Exception`` cannot swallow it."""
@@ -27,8 +33,10 @@ class _StageRun:
     """Hooks one rank puts on the model for one microbatch's forward of virtual stage ``stage``
     (of ``stages``; see the module docstring)."""
 
-    def __init__(self, model: nn.Module, layout: Layout, stage: int, stages: int, act_in: torch.Tensor | None):
+    def __init__(self, model: nn.Module, layout: Layout, stage: int, stages: int, act_in: torch.Tensor | None,
+                 subs: list[nn.Module] | None = None):
         self.model, self.layout, self.stage, self.stages, self.act_in = model, layout, stage, stages, act_in
+        self.subs = unit_modules(model, layout) if subs is None else subs  # ``unit_modules(model, layout)``
         self.first, self.last = layout.bounds[stage]
         self.seen, self.boundary, self.calls = 0, None, 0
         self.inside: dict[int, int] = {}  # unit -> calls of it under way (zf.remat's wrapper calls it again)
@@ -41,25 +49,24 @@ class _StageRun:
         self.calls += 1
         if self.calls > 1:
             raise ValueError("pipeline: loss_fn ran the model more than once per microbatch")
-        subs = [module.get_submodule(n) for n in self.layout.units]
         handles, skipped = [], []
         try:
-            for k, sub in enumerate(subs):
+            for k, sub in enumerate(self.subs):
                 if self.first <= k <= self.last:
                     handles.append(sub.register_forward_pre_hook(self._enter(k)))
                     handles.append(sub.register_forward_hook(self._leave(k)))
-                else:
+                else:  # the instance's attribute, where nn.Module.__setattr__ puts a function (without its checks)
                     skipped.append((sub, sub.__dict__.get("forward")))
-                    sub.forward = self._skip(k)
+                    sub.__dict__["forward"] = self._skip(k)
             yield
         finally:
             for h in handles:
                 h.remove()
             for sub, forward in skipped:
                 if forward is None:
-                    del sub.forward
+                    del sub.__dict__["forward"]
                 else:
-                    sub.forward = forward
+                    sub.__dict__["forward"] = forward
 
     def _arrive(self, k: int) -> None:
         units = self.layout.units

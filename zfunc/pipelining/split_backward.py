@@ -90,10 +90,18 @@ class PendingWeights:
     from_root: list[int]
 
 
+def _leaves(edges: dict[Node, list[Node]]) -> set[int]:
+    """The ids of the leaf tensors whose grad accumulators are in the graph ``edges``."""
+    return {id(v) for n in edges if not n.next_functions and (v := getattr(n, "variable", None)) is not None}
+
+
 def _groups(weights: list[torch.Tensor], inputs: set[Node], edges: dict[Node, list[Node]]):
     by_node: dict[Node, _Group] = {}
     from_root = []
+    leaves = _leaves(edges)
     for j, w in enumerate(weights):
+        if w.grad_fn is None and id(w) not in leaves:
+            continue  # a leaf not in this graph (another stage's param, a stand-in): no grad, and no node made
         node = _node(w)
         if node not in edges:
             continue  # not in this graph: no grad

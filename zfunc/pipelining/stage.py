@@ -26,7 +26,7 @@ from zfunc.model.functional import run_by
 from zfunc.core.grads import split_loss
 from zfunc.pipelining.check import Timeline, check
 from zfunc.pipelining import header as hdr
-from zfunc.pipelining.hooks import _StageOutput, _StageRun
+from zfunc.pipelining.hooks import _StageOutput, _StageRun, unit_modules
 from zfunc.pipelining.placement import PipelineSpec
 from zfunc.pipelining.schedules import Op, Schedule, build
 from zfunc.pipelining.split_backward import PendingWeights, input_grad, weight_grads
@@ -130,6 +130,7 @@ class _Run:
         self.headed: set[int] = set()  # stages whose output's header went out this step
         self.posted, self.recvs, self.sends = set(), {}, []
         self.peak_live, self.wait_s, self.compute_s, self.trace = 0, 0.0, 0.0, []
+        self.subs = unit_modules(ps.model, ps.layout)  # looked up once per step, not per forward
 
     def execute(self, batch: PyTree, seed: int, params: PyTree) -> tuple[torch.Tensor | None, Any]:
         """The rank's ops on ``batch`` through the microbatch loop (``run_microbatches``, seeded by
@@ -320,7 +321,7 @@ class _Run:
 
     def _run_loss(self, k: int, micro: PyTree, act_in: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
         """``(output, aux)``: stage ``k``'s output activation (aux None), or on the last stage the loss and its aux."""
-        run = _StageRun(self.ps.model, self.ps.layout, k, self.last + 1, act_in)
+        run = _StageRun(self.ps.model, self.ps.layout, k, self.last + 1, act_in, self.subs)
         try:
             with torch.enable_grad(), run_by(run):
                 out = self.ps.loss_fn(self.params, micro)
