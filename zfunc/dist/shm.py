@@ -262,13 +262,18 @@ def dead(pids: list[int]) -> list[int]:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs: it exists and is not a zombie (exited, not yet reaped by its parent)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _host() -> str:
