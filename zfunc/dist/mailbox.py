@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from zfunc.core import env
+from zfunc.dist import shm
 from zfunc.dist.shm import CONTROL_BYTES, ShmError, dead, held_for, open_segment, poll
 
 RING_BYTES = int(env.number("ZFUNC_SHM_RING_MB", 4, int, lambda mb: mb >= 1, "an integer >= 1 (MiB)")) << 20
@@ -221,5 +222,8 @@ def open_mailboxes(group, key: str, ring_bytes: int = RING_BYTES, timeout_s: flo
 
 def mailboxes_of(group) -> Mailboxes | None:
     """The group's mailboxes, opened at the first call (collective: every rank of ``group`` calls it, as
-    ``P2P`` does when it is made), the same object after; None where ``ZFUNC_SHM=off`` or they cannot be had."""
+    ``P2P`` does when it is made), the same object after; None where ``ZFUNC_SHM`` is ``off`` or
+    ``collectives`` or they cannot be had."""
+    if shm.MODE != "on":
+        return None
     return held_for(group, "p2p", open_mailboxes)

@@ -58,7 +58,9 @@ import torch.distributed as dist
 from zfunc.core import env
 
 SHM_DIR = "/dev/shm"
-ENABLED = env.choice("ZFUNC_SHM", "on", ("on", "off")) == "on"  # the same on every rank
+# the same on every rank: "on" (collectives and point-to-point), "collectives" (point-to-point stays on gloo), "off"
+MODE = env.choice("ZFUNC_SHM", "on", ("on", "collectives", "off"))
+ENABLED = MODE != "off"
 SLOT_BYTES = int(env.number("ZFUNC_SHM_SLOT_MB", 16, int, lambda mb: mb >= 1, "an integer >= 1 (MiB)")) << 20
 CONTROL_BYTES = 4096  # one 64-byte line per rank: WRITTEN, READ, PID; ranks beyond 64 are refused
 WRITTEN, READ, PID = 0, 1, 2
