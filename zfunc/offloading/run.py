@@ -5,8 +5,9 @@ step's roles with three replaced: params come from the stores (``zfunc.offloadin
 leaf's compute copy, else its master read ahead from RAM or its swap file), grads go to a sink
 (``zfunc.offloading.grads``: ``UpdateOnArrival`` updates each leaf as its grad arrives, with overlap;
 ``HeldSlices`` holds them in host RAM, ``SpilledGrads`` in swap files), and the update runs leaf by
-leaf from the stores (``LeafUpdate``, ``_update_leaf``), writing back as it goes (``zfunc.offloading.call_stores``: at most ``2 * chunk_bytes`` of writes in flight, a failed call's files
-put back). The schedule stays the sharded step's accumulation.
+leaf from the stores (``LeafUpdate``, ``_update_leaf``), writing back as it goes
+(``zfunc.offloading.call_stores``: at most ``2 * chunk_bytes`` of writes in flight, a failed call's
+files put back). The schedule stays the sharded step's accumulation.
 ``ComputeCopies`` (``zfunc.offloading.copies``) keeps the compute-dtype copy of each master that the
 update wrote in its own pass (with ``params=None``: the params the device keeps). The roles read the
 run through the call's ``RunContext`` and the step's configuration through what
