@@ -223,7 +223,7 @@ def open_mailboxes(group, key: str, ring_bytes: int = RING_BYTES, timeout_s: flo
 def mailboxes_of(group) -> Mailboxes | None:
     """The group's mailboxes, opened at the first call (collective: every rank of ``group`` calls it, as
     ``P2P`` does when it is made), the same object after; None where ``ZFUNC_SHM`` is ``off`` or
-    ``collectives`` or they cannot be had."""
-    if shm.MODE != "on":
+    ``collectives``, on a host with more ranks than cores, or where they cannot be had."""
+    if shm.MODE != "on" or shm.oversubscribed():  # more ranks than cores: gloo's blocking receives measured faster
         return None
     return held_for(group, "p2p", open_mailboxes)

@@ -21,9 +21,9 @@ publish ``read = k`` (a large all-reduce writes its reduced chunk back and publi
 before the copies). One wait is on the critical path; the other is usually met already.
 Ordering rests on x86's total store order (a store of a word is seen after the stores before it),
 so channels open only on x86-64 Linux. A wait polls, then yields the core, then sleeps 50 us
-between polls (1 ms after 0.1 s); it checks every second that the peers' processes live and gives
-up after the process group's own timeout, raising ``ShmError`` either way (``Comm`` wraps it in a
-``CollectiveError`` naming the operation).
+between polls (1 ms after 0.1 s); on a host with more ranks than cores it sleeps at once. It checks
+every second that the peers' processes live and gives up after the process group's own timeout,
+raising ``ShmError`` either way (``Comm`` wraps it in a ``CollectiveError`` naming the operation).
 
 **Setup.** ``open_channel`` is collective over the group: through the default store every rank
 posts its host (hostname and boot id); on one host rank 0 creates the segment under a fresh name,
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import mmap
 import os
 import platform
@@ -238,24 +239,39 @@ def held_for(group, kind: str, opener: Callable) -> object | None:
         return held[1]
 
 
+def oversubscribed() -> bool:
+    """Whether this host runs more ranks than it has cores for this process (``LOCAL_WORLD_SIZE`` under
+    torchrun, else the job's world size): then a wait sleeps at once, leaving the core to a rank that
+    computes, instead of polling it first."""
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or (dist.get_world_size() if dist.is_initialized() else 1)
+    return ranks > len(os.sched_getaffinity(0))
+
+
 def poll(ready: Callable[[], bool], stalled: Callable[[float], None]) -> None:
-    """Return once ``ready()``: polls, then yields the core, then sleeps (50 us, 1 ms after 0.1 s),
-    calling ``stalled(seconds waited)`` about once a second (it raises to give up)."""
+    """Return once ``ready()``: polls, then yields the core (neither where ``oversubscribed``), then
+    sleeps (50 us, 1 ms after 0.1 s), calling ``stalled(seconds waited)`` about once a second (it
+    raises to give up)."""
     if ready():
         return
+    busy_s = 0.0 if _crowded() else _YIELD_S
     start = last_check = time.monotonic()
     while not ready():
         now = time.monotonic()
         waited = now - start
-        if waited < _SPIN_S:
+        if waited < min(_SPIN_S, busy_s):
             continue
-        if waited < _YIELD_S:
+        if waited < busy_s:
             os.sched_yield()
             continue
         time.sleep(_SLEEP_S if waited < _NAP_AFTER_S else _NAP_S)  # a long wait (a peer evaluating) costs ~0
         if now - last_check >= _LIVENESS_S:
             last_check = now
             stalled(waited)
+
+
+@functools.cache
+def _crowded() -> bool:
+    return oversubscribed()
 
 
 def dead(pids: list[int]) -> list[int]:
