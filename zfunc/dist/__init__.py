@@ -4,7 +4,8 @@ or with ``spawn`` (launch.py); a rank's place without a process group, for dry r
 (``Mesh.planned``, planned.py)."""
 from zfunc.dist.compressed import ErrorFeedback, error_feedback
 from zfunc.dist.launch import free_port, init_from_env, loopback_interface, spawn
-from zfunc.dist.comm import P2P, CollectiveError, Comm, all_arrive
+from zfunc.dist.comm import CollectiveError, Comm, all_arrive
+from zfunc.dist.p2p import P2P
 from zfunc.dist.mesh import Mesh
 from zfunc.dist.planned import planned
 

@@ -13,7 +13,8 @@ from typing import Any
 import torch.distributed as dist
 
 from zfunc.core import env
-from zfunc.dist.comm import P2P, Comm
+from zfunc.dist.comm import Comm
+from zfunc.dist.p2p import P2P
 
 AXES = ("pp", "dp", "sp", "tp")
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from zfunc.dist.comm import P2P, CollectiveError, Comm
+from zfunc.dist.comm import CollectiveError, Comm
+from zfunc.dist.p2p import P2P
 from zfunc.dist.mesh import Mesh, coordinates
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from zfunc.dist.comm import P2P
+from zfunc.dist.p2p import P2P
 from zfunc.sequence.layout import SequenceLayout
 
 _KV, _DKV = 1, 2  # point-to-point tags: the blocks and their grads
