@@ -63,7 +63,7 @@ SHM_DIR = "/dev/shm"
 MODE = env.choice("ZFUNC_SHM", "on", ("on", "collectives", "off"))
 ENABLED = MODE != "off"
 SLOT_BYTES = int(env.number("ZFUNC_SHM_SLOT_MB", 16, int, lambda mb: mb >= 1, "an integer >= 1 (MiB)")) << 20
-CONTROL_BYTES = 4096  # one 64-byte line per rank: WRITTEN, READ, PID; ranks beyond 64 are refused
+CONTROL_BYTES = 4096  # one 64-byte line per rank: WRITTEN, READ, PID; the last line's end holds the token
 WRITTEN, READ, PID = 0, 1, 2
 _WORDS_PER_RANK = 8
 ONE_PHASE_BYTES = 64 << 10  # an all-reduce up to this size: every rank sums every value
@@ -240,11 +240,11 @@ def held_for(group, kind: str, opener: Callable) -> object | None:
 
 
 def oversubscribed() -> bool:
-    """Whether this host runs more ranks than it has cores for this process (``LOCAL_WORLD_SIZE`` under
-    torchrun, else the job's world size): then a wait sleeps at once, leaving the core to a rank that
-    computes, instead of polling it first."""
+    """Whether this host runs more ranks than it has cores (``LOCAL_WORLD_SIZE`` under torchrun, else the
+    job's world size, against ``os.cpu_count()``: the same answer on every rank of the host): then a wait
+    sleeps at once, leaving the core to a rank that computes, instead of polling it first."""
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or (dist.get_world_size() if dist.is_initialized() else 1)
-    return ranks > len(os.sched_getaffinity(0))
+    return ranks > (os.cpu_count() or 1)
 
 
 def poll(ready: Callable[[], bool], stalled: Callable[[float], None]) -> None:
