@@ -96,14 +96,22 @@ def _floor(nbytes: float, rounds: int = 50) -> float:
     return best
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--mb", default="0.004,1.9,7.4", help="sizes in MB, comma-separated")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--reps", type=int, default=5)
-    args = parser.parse_args()
-    sizes = [float(s) for s in args.mb.split(",") if s]
+    args = parser.parse_args(argv)
+    try:
+        sizes = [float(s) for s in args.mb.split(",") if s.strip()]
+        if not sizes or not all(0 < s < float("inf") for s in sizes):
+            raise ValueError
+    except ValueError:
+        parser.error(f"--mb: expected comma-separated sizes in MB, each > 0, got {args.mb!r}")
+    for flag, value, least in (("--world", args.world, 2), ("--rounds", args.rounds, 1), ("--reps", args.reps, 1)):
+        if value < least:
+            parser.error(f"{flag}: expected an int >= {least}, got {value}")
     torch.set_num_threads(1)
     ranks = zf.dist.spawn(_worker, args.world, args.world, sizes, args.rounds, args.reps, timeout_s=1800)
     print(f"{args.world} ranks of this host, 1 thread each, {args.rounds} rounds x {args.reps} calls; "

@@ -33,3 +33,18 @@ def test_zero_cpu_refuses_bad_flags(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
         zero_cpu.main(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mb", "abc"], "--mb: expected comma-separated sizes in MB, each > 0, got 'abc'"),
+    (["--mb", "1,0"], "--mb: expected comma-separated sizes in MB, each > 0, got '1,0'"),
+    (["--mb", "nan"], "--mb: expected comma-separated sizes in MB, each > 0, got 'nan'"),
+    (["--world", "1"], "--world: expected an int >= 2, got 1"),
+    (["--reps", "0"], "--reps: expected an int >= 1, got 0"),
+])
+def test_collectives_refuses_bad_flags(capsys, argv, message):
+    from benchmarks import collectives
+
+    with pytest.raises(SystemExit) as e:
+        collectives.main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err

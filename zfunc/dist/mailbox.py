@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from zfunc.core import env
 from zfunc.dist import shm
-from zfunc.dist.shm import CONTROL_BYTES, ShmError, dead, held_for, open_segment, poll
+from zfunc.dist.shm import CONTROL_BYTES, ShmError, give_up_if_gone, held_for, open_segment, poll
 
 RING_BYTES = int(env.number("ZFUNC_SHM_RING_MB", 4, int, lambda mb: mb >= 1, "an integer >= 1 (MiB)")) << 20
 HEADER = 64
@@ -169,11 +169,7 @@ class Mailboxes:
         return True
 
     def _stalled(self, peer: int, waited: float, what: str) -> None:
-        gone = dead([int(self.pids[peer])])
-        if gone:
-            raise ShmError(f"{self.label}: rank {peer} (pid {gone[0]}) died before it could {what}")
-        if waited > self.timeout_s:
-            raise ShmError(f"{self.label}: rank {peer} did not {what} within {self.timeout_s:g} s")
+        give_up_if_gone({peer: int(self.pids[peer])}, what, waited, self.timeout_s, self.label)
 
 
 class _Sent:

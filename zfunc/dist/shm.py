@@ -161,10 +161,6 @@ class Channel:
                         piece[theirs].copy_(slots[r, theirs])
                 self._done()
 
-    def close(self) -> None:
-        """Drop this channel's views of the segment; the mapping goes with the last of them."""
-        self.slots = self.control = None
-
     # ------------------------------------------------------------------ the protocol
     def _pieces(self, n: int, itemsize: int, rows: int = 1) -> list[tuple[int, int]]:
         """``(start, size)`` pieces of ``n`` elements whose ``rows`` rows fit in a slot."""
@@ -201,15 +197,8 @@ class Channel:
         poll(lambda: column.min() >= k, lambda waited: self._check_peers(word, k, what, waited))
 
     def _check_peers(self, word: int, k: int, what: str, waited: float) -> None:
-        late = [r for r in range(self.world) if self.control[r, word] < k]
-        for r in late:
-            pid = int(self.control[r, PID])
-            if pid and not _alive(pid):
-                raise ShmError(f"{self.label}: rank {r} (pid {pid}) died before it could {what} "
-                               f"(collective {k} of this channel)")
-        if waited > self.timeout_s:
-            raise ShmError(f"{self.label}: rank{'s' * (len(late) > 1)} {', '.join(map(str, late))} did not "
-                           f"{what} within {self.timeout_s:g} s (collective {k} of this channel)")
+        late = {r: int(self.control[r, PID]) for r in range(self.world) if self.control[r, word] < k}
+        give_up_if_gone(late, what, waited, self.timeout_s, self.label, f" (collective {k} of this channel)")
 
 
 _held: dict[tuple[str, int], tuple[weakref.ref, object]] = {}  # (kind, id(process group)) -> (the group, its object)
@@ -274,9 +263,16 @@ def _crowded() -> bool:
     return oversubscribed()
 
 
-def dead(pids: list[int]) -> list[int]:
-    """Those of ``pids`` (nonzero) whose process is gone."""
-    return [pid for pid in pids if pid and not _alive(pid)]
+def give_up_if_gone(late: dict[int, int], what: str, waited: float, timeout_s: float, label: str,
+                    where: str = "") -> None:
+    """Raise ``ShmError`` naming the rank where one of ``late`` (rank -> its pid, 0: unknown), which has yet
+    to do ``what``, has died, or naming them all once ``waited`` passes ``timeout_s``; else nothing."""
+    for r, pid in late.items():
+        if pid and not _alive(pid):
+            raise ShmError(f"{label}: rank {r} (pid {pid}) died before it could {what}{where}")
+    if waited > timeout_s:
+        raise ShmError(f"{label}: rank{'s' * (len(late) > 1)} {', '.join(map(str, late))} did not {what} within "
+                       f"{timeout_s:g} s{where}")
 
 
 def _alive(pid: int) -> bool:
