@@ -118,3 +118,24 @@ def test_a_peer_that_does_not_arrive_within_the_timeout_fails_the_collective():
 
 def test_a_comm_of_one_process_has_no_channel():
     assert zf.Mesh().comm._channel(torch.ones(1)) is None  # it copies
+
+
+@pytest.mark.parametrize("posted", ["/etc/passwd|0123456789abcdef",
+                                    "/dev/shm/../tmp/zfunc-1-0123456789ab|0123456789abcdef",
+                                    "/dev/shm/zfunc-1-0123456789ab|not-a-token", "no separator"])
+def test_a_segment_the_store_names_must_be_a_zfunc_segment_in_dev_shm(posted):
+    assert shm._segment_named("/dev/shm/zfunc-12-0123456789ab|0123456789abcdef") == (
+        "/dev/shm/zfunc-12-0123456789ab", "0123456789abcdef")
+    with pytest.raises(OSError, match="not a zfunc segment in /dev/shm"):
+        shm._segment_named(posted)
+
+
+def test_attaching_refuses_a_link_and_a_short_file(tmp_path):
+    target = tmp_path / "target"
+    target.write_bytes(b"\0" * 8192)
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    with pytest.raises(OSError):
+        shm._map(str(link), 8192, create=False)
+    with pytest.raises(OSError, match="has 8192 bytes, 16384 expected"):
+        shm._map(str(target), 16384, create=False)

@@ -45,8 +45,10 @@ import functools
 import mmap
 import os
 import platform
+import re
 import secrets
 import socket
+import stat
 import threading
 import time
 import weakref
@@ -340,7 +342,7 @@ def open_segment(group, key: str, nbytes: int, timeout_s: float | None = None) -
             store.set(f"{base}/segment", f"{path}|{token}")
         else:
             store.wait([f"{base}/segment"], wait)
-            path, token = store.get(f"{base}/segment").decode().split("|")
+            path, token = _segment_named(store.get(f"{base}/segment").decode())
             segment = _map(path, nbytes, create=False)
             if segment[CONTROL_BYTES - 16:CONTROL_BYTES] != token.encode():
                 raise OSError(f"{path} holds another segment's token")
@@ -365,16 +367,29 @@ def _timeout_s(group) -> float:
         return dist.default_pg_timeout.total_seconds()
 
 
+def _segment_named(text: str) -> tuple[str, str]:
+    """The path and token rank 0 posted, checked to be what it makes: a ``zfunc-<pid>-<hex>`` file directly
+    in ``SHM_DIR`` and 16 hex digits (a store entry naming any other file is refused: ``OSError``)."""
+    path, _, token = text.partition("|")
+    if not (re.fullmatch(r"zfunc-\d+-[0-9a-f]{12}", os.path.basename(path)) and os.path.dirname(path) == SHM_DIR
+            and re.fullmatch(r"[0-9a-f]{16}", token)):
+        raise OSError(f"the store names {text!r}, not a zfunc segment in {SHM_DIR}")
+    return path, token
+
+
 def _map(path: str, size: int, create: bool) -> mmap.mmap:
     """``path`` mapped shared, read-write: created with ``size`` bytes (refused if it exists), or attached
-    (refused if shorter)."""
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    (refused if shorter, a link, or not a regular file of this user's)."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
     fd = os.open(path, flags, 0o600)
     try:
+        info = os.fstat(fd)
         if create:
             os.posix_fallocate(fd, 0, size)  # the pages now: a full tmpfs fails here, not with SIGBUS on a write
-        elif os.fstat(fd).st_size < size:
-            raise OSError(f"{path} has {os.fstat(fd).st_size} bytes, {size} expected")
+        elif not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            raise OSError(f"{path} is not a regular file of this user's")
+        elif info.st_size < size:
+            raise OSError(f"{path} has {info.st_size} bytes, {size} expected")
         return mmap.mmap(fd, size)
     finally:
         os.close(fd)
