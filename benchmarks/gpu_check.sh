@@ -3,6 +3,7 @@
 # cupy-cuda13x, numba; no network; no optree): installs what is missing from wheels carried in .whl/
 # (benchmarks/gpu_wheels.sh fetches them here), records the environment, compiles every kernel with the
 # machine's NVRTC (registers, spills), runs `pytest -m gpu -x` (GPU_CHECK_MAXFAIL=N: up to N failures) and benchmarks/gpu.py, and writes all of it
+# (GPU_CHECK_NVRTC=0 / GPU_CHECK_PYTEST=0 skip a stage, GPU_CHECK_ONLY=a,b runs only those figures: a second call's split)
 # under $OUT (default out/gpu_check), in under 8 minutes (each stage under a timeout; the benchmark gets
 # what is left).
 #
@@ -86,7 +87,9 @@ stage "pytest -m gpu -x"
 TESTS="tests/test_gpu_kernels.py tests/test_gpu_engine.py $(grep -l "pytest.mark.gpu" tests/test_*.py \
   | grep -v -e test_markers.py -e test_gpu_kernels.py -e test_gpu_engine.py | tr '\n' ' ')"
 echo "files: $TESTS"
-if [ $DRY -eq 1 ]; then
+if [ "${GPU_CHECK_PYTEST:-1}" = 0 ]; then
+  echo "skipped (GPU_CHECK_PYTEST=0)" > "$OUT/pytest.log"
+elif [ $DRY -eq 1 ]; then
   timeout 120 python3 -m pytest -m gpu --collect-only -q -p no:cacheprovider $TESTS > "$OUT/pytest.log" 2>&1 \
     || fail "pytest collection (see pytest.log)"
 else

@@ -26,7 +26,7 @@ from recipes import flavors, hf, layout, loop, recipe
 
 # ----------------------------------------------------------------------------- config
 # Tuned for ~5 minutes on a 2-core CPU; every key is also a flag (n_layer -> --n-layer).
-MODEL_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=192, block_size=128, dropout=0.0)  # 1.85M params
+MODEL_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=192, block_size=128, dropout=0.0, vocab_multiple=1)  # 1.85M params
 DEFAULTS = dict(
     **MODEL_DEFAULTS, **recipe.MODEL_SOURCE_DEFAULTS,
     **{**recipe.TRAIN_DEFAULTS, "out": "out/gpt"},  # 600 steps x 32 x 128 tokens; AdamW(0.9, 0.95), cosine 3e-3 -> 3e-4
@@ -35,10 +35,14 @@ DEFAULTS = dict(
 )
 UNITS = "class:Block"  # ZeRO-3 gathers, remat and pipeline stages go block by block
 HELP = {**recipe.TRAIN_HELP, **recipe.SAMPLE_HELP, "block_size": "context length in bytes (tokens with --tokenizer)",
-        "flavor": "a published GPT-2/3 size (recipes/flavors.py): " + ", ".join(flavors.GPT_FLAVORS)}
+        "flavor": "a published GPT-2/3 size (recipes/flavors.py): " + ", ".join(flavors.GPT_FLAVORS),
+        "vocab_multiple": "pad the embedding's rows to a multiple of this (Megatron's make-vocab-size-divisible-by: "
+                          "128 makes the output matmul's rows aligned on a GPU); the logits keep the vocabulary's size"}
 RULES = dict(n_layer=recipe.AT_LEAST_1, n_head=recipe.AT_LEAST_1, n_embd=recipe.AT_LEAST_1, **recipe.TRAIN_RULES,
-             dropout=(lambda v: 0 <= v < 1, "a number in [0, 1)"), **recipe.SAMPLE_RULES)
-FLAG_TO_FIELD = dict(n_layer="n_layer", n_head="n_head", n_embd="n_embd", dropout="dropout")
+             dropout=(lambda v: 0 <= v < 1, "a number in [0, 1)"), vocab_multiple=recipe.AT_LEAST_1,
+             **recipe.SAMPLE_RULES)
+FLAG_TO_FIELD = dict(n_layer="n_layer", n_head="n_head", n_embd="n_embd", dropout="dropout",
+                     vocab_multiple="vocab_multiple")
 
 
 # ----------------------------------------------------------------------------- model
@@ -50,6 +54,11 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 192
     dropout: float = 0.0
+    vocab_multiple: int = 1  # embedding rows padded to a multiple of this; logits stay vocab_size wide
+
+    @property
+    def padded_vocab(self) -> int:
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
 
 class CausalSelfAttention(nn.Module):
@@ -90,12 +99,12 @@ class GPT(nn.Module):
         if cfg.n_embd % cfg.n_head:
             raise ValueError(f"n_embd={cfg.n_embd} must be divisible by n_head={cfg.n_head}")
         self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wte = nn.Embedding(cfg.padded_vocab, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab, bias=False)
         self.lm_head.weight = self.wte.weight  # tied
         self.apply(self._init)
         for name, p in self.named_parameters():  # GPT-2: scale residual projections by depth
@@ -116,7 +125,8 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        logits = self.lm_head(self.ln_f(x))
+        return logits if self.cfg.padded_vocab == self.cfg.vocab_size else logits[..., : self.cfg.vocab_size]
 
     def initial_value(self, name: str, like: torch.Tensor, seed: int, rows: slice | None = None) -> torch.Tensor:
         """The initial value of param ``name`` (GPT-2's init, as ``__init__`` draws it), whole or its
@@ -152,6 +162,13 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.wpe.weight.numel() if non_embedding else n
 
+    def flops_per_token(self, context: int) -> int:
+        """Training FLOPs per token at ``context`` tokens (6 per param and token, the padded vocabulary's
+        rows left out; attention's 12 * layers * context * width), as Megatron and PaLM count MFU."""
+        cfg = self.cfg
+        padding = (cfg.padded_vocab - cfg.vocab_size) * cfg.n_embd
+        return 6 * (self.num_params() - padding) + 12 * cfg.n_layer * context * cfg.n_embd
+
 
 # ----------------------------------------------------------------------------- the recipe
 
@@ -170,9 +187,8 @@ def build(args: argparse.Namespace, vocab_size: int) -> recipe.Built:
                                  "block_size", vocab_size)
     cfg = GPTConfig(**kwargs)
     model = GPT(cfg)
-    flops = 6 * model.num_params() + 12 * cfg.n_layer * args.block_size * cfg.n_embd
     return recipe.Built(model, asdict(cfg), cfg.block_size, materialize=model.materializer, units=UNITS,
-                        flops_per_token=flops)
+                        flops_per_token=model.flops_per_token(args.block_size))
 
 
 RECIPE = recipe.Recipe("gpt", __doc__.split("\n\n")[0], DEFAULTS, HELP, RULES, build, units=UNITS,

@@ -52,7 +52,34 @@ def test_adam_launches_one_kernel_per_dtype_pair_and_one_to_reduce(launches):
     outs = [torch.empty(5, dtype=torch.bfloat16), None, torch.empty(3, dtype=torch.bfloat16)]
     adam.adamw_many_(ps, gs, ms, vs, step=1, lr=1e-3, param_outs=outs, grad_sq=True, scale_tensor=torch.ones(1),
                      decay=[True, False, True])
-    assert launches == [("adam_BF16_BF16", 2), ("adam_F32_NONE", 2), ("zf_reduce_partials", 1)]
+    # a CPU counts as one multiprocessor: so few blocks fit the chunk down to CHUNK / 4 (9000 elements: 5 blocks)
+    assert launches == [("adam_BF16_BF16", 2), ("adam_F32_NONE", 5), ("zf_reduce_partials", 1)]
+
+
+def test_fitted_chunk_keeps_four_waves_and_the_table_carries_it(monkeypatch):
+    """The largest of CHUNK, CHUNK/2 that gives 32 blocks per multiprocessor, else CHUNK/4; every table
+    row carries its chunk and the starts count blocks of it."""
+    monkeypatch.setitem(runtime._SMS, -1, 132)  # an H100's multiprocessors, for the CPU stand-in
+    cpu = torch.device("cpu")
+    C = program.CHUNK
+    assert runtime.fitted_chunk([10**9], cpu) == C
+    assert runtime.fitted_chunk([32 * 132 * C // 2], cpu) == C // 2
+    assert runtime.fitted_chunk([10**7], cpu) == C // 4  # 1221 blocks of CHUNK: one wave and a bit
+    rows = [(1, 2, 3, 4, 0, 5000, 0), (1, 2, 3, 4, 0, 1, 0)]
+    tab, blocks, n_rows = runtime._table(rows, cpu, 2048)
+    host = tab.numpy()
+    assert (n_rows, blocks) == (2, 4)
+    assert list(host[program.ROW - 1: 2 * program.ROW: program.ROW]) == [2048, 2048]
+    assert list(host[2 * program.ROW:]) == [0, 3, 4]
+
+
+@pytest.mark.parametrize("value", ["1000", "0", "x", str(2**21)])
+def test_a_forced_chunk_is_checked_and_named(monkeypatch, value):
+    monkeypatch.setenv(runtime.CHUNK_ENV, value)
+    with pytest.raises(ValueError, match=f"ZFUNC_GPU_CHUNK={value!r}.*multiple of 1024"):
+        runtime.fitted_chunk([10], torch.device("cpu"))
+    monkeypatch.setenv(runtime.CHUNK_ENV, "4096")
+    assert runtime.fitted_chunk([10], torch.device("cpu")) == 4096
 
 
 def test_lion_lamb_norm_and_cast_launches(launches):

@@ -638,3 +638,26 @@ def test_resume_may_change_the_layout_but_not_what_is_trained(tmp_path, text_fil
     assert "--tile-lm-head: 0 in the checkpoint, 2 given" in err and "--zero" not in err
     result = gpt.main(flags + ["--steps", "3", "--resume", "--zero", "3", "--remat", "--accum", "2"])
     assert result["history"][-1][0] == 3
+
+
+def test_a_padded_vocabulary_keeps_the_logits_and_the_flops_of_the_real_one(tmp_path, text_file):
+    """vocab_multiple pads the embedding's rows (Megatron's make-vocab-size-divisible-by); the logits are
+    vocab_size wide, the padded rows get no gradient from the loss, and MFU's FLOPs leave them out."""
+    torch.manual_seed(0)
+    plain = gpt.GPT(gpt.GPTConfig(vocab_size=61, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    padded = gpt.GPT(gpt.GPTConfig(vocab_size=61, block_size=8, n_layer=1, n_head=2, n_embd=16, vocab_multiple=64))
+    assert padded.wte.weight.shape == (64, 16) and padded.lm_head.weight is padded.wte.weight
+    assert padded.flops_per_token(8) == plain.flops_per_token(8)
+    x = torch.randint(0, 61, (2, 8))
+    logits = padded(x)
+    assert logits.shape == (2, 8, 61)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), x.flatten()).backward()
+    assert not padded.wte.weight.grad[61:].any() and padded.wte.weight.grad[:61].any()
+    argv = TINY + ["--steps", "2", "--data", str(text_file), "--out"]
+    extra = (gpt.main(argv + [str(tmp_path / "padded"), "--vocab-multiple", "100"])["n_params"]
+             - gpt.main(argv + [str(tmp_path / "plain")])["n_params"])
+    assert extra == (300 - 256) * 32  # bytes: 256 ids, padded to 300 rows of --n-embd 32
+
+
+def test_vocab_multiple_below_one_is_refused(capsys):
+    assert "--vocab-multiple" in exits_2(capsys, gpt.main, TINY + ["--vocab-multiple", "0"])

@@ -20,14 +20,15 @@ from dataclasses import dataclass
 # architecture; CuPy adds the device's own).
 OPTIONS = ("--std=c++17",)
 
-# One block of THREADS threads updates one chunk of CHUNK elements of one tensor (VEC elements a
-# thread per pass, ITERS passes): a 1B-param step is ~122K blocks.
+# One block of THREADS threads updates one chunk of one tensor, VEC elements a thread per pass: CHUNK
+# elements (ITERS passes; a 1B-param step is ~122K blocks), or a smaller multiple of THREADS * VEC where
+# the launch plan fits the chunk to the call (runtime.fitted_chunk). A table row carries its chunk.
 THREADS = 256
 VEC = 4
 ITERS = 8
 CHUNK = THREADS * VEC * ITERS
 REDUCE_THREADS = 1024  # the one block that sums the per-block partial sums
-ROW = 8  # int64 words per tensor row of a table: up to 5 addresses, n, flags, spare
+ROW = 8  # int64 words per tensor row of a table: up to 5 addresses, n, flags, chunk
 
 # Flag bits of a table row.
 DECAY = 1  # this tensor decays (the weight-decay mask)
@@ -120,7 +121,7 @@ struct NONE {  // no output: stores vanish
   static __device__ __forceinline__ void store4(void*, zf_i64, const float*) {}
 };
 
-// The table a multi-tensor launch reads: n_rows rows of ZF_ROW int64 (addresses, n, flags), then
+// The table a multi-tensor launch reads: n_rows rows of ZF_ROW int64 (addresses, n, flags, chunk), then
 // n_rows + 1 chunk starts (row r's chunks are blocks [starts[r], starts[r+1]) of the launch).
 struct zf_chunk { const zf_i64* row; zf_i64 lo, hi; int flags, r; };
 
@@ -135,9 +136,9 @@ __device__ __forceinline__ zf_chunk zf_chunk_of(const zf_i64* table, int n_rows)
   zf_chunk c;
   c.r = lo;
   c.row = table + (zf_i64)ZF_ROW * lo;
-  zf_i64 n = c.row[5];
-  c.lo = (b - starts[lo]) * ZF_CHUNK;
-  c.hi = c.lo + ZF_CHUNK < n ? c.lo + ZF_CHUNK : n;
+  zf_i64 n = c.row[5], chunk = c.row[7];
+  c.lo = (b - starts[lo]) * chunk;
+  c.hi = c.lo + chunk < n ? c.lo + chunk : n;
   c.flags = (int)c.row[6];
   return c;
 }

@@ -177,11 +177,13 @@ def describe(*lists: list) -> tuple:
                  for ts in lists)
 
 
-def planned(key: tuple, build: Callable[[], dict[Any, list[tuple]]], device: torch.device) -> Plan:
+def planned(key: tuple, build: Callable[[], dict[Any, list[tuple]]], device: torch.device,
+            fit: bool = False) -> Plan:
     """The plan cached under ``key`` (a ``describe`` of the call's tensors and whatever else picks
     its rows), else ``build()``'s groups (it checks the tensors and returns, per launch key, rows
     ``(addr0, ..., addr4, n, flags)``) turned into device tables and cached. A training step whose
-    tensors stay put checks and uploads nothing after its first call."""
+    tensors stay put checks and uploads nothing after its first call. ``fit``: each group's chunk is
+    ``fitted_chunk``'s for its sizes (kernels whose blocks are independent), else ``CHUNK``."""
     found = _PLANS.get(key)
     if found is not None:
         _PLANS.move_to_end(key)
@@ -189,7 +191,8 @@ def planned(key: tuple, build: Callable[[], dict[Any, list[tuple]]], device: tor
     device = _index(device)
     launches = []
     for group, rows in build().items():
-        tab, blocks, n_rows = _table(rows, device)
+        chunk = fitted_chunk([row[5] for row in rows], device) if fit else prog.CHUNK
+        tab, blocks, n_rows = _table(rows, device, chunk)
         if blocks:
             launches.append((group, tab, blocks, n_rows))
     plan = _PLANS[key] = Plan(device, tuple(launches), sum(launch[2] for launch in launches))
@@ -198,16 +201,43 @@ def planned(key: tuple, build: Callable[[], dict[Any, list[tuple]]], device: tor
     return plan
 
 
-def _table(rows: list[tuple], device: torch.device) -> tuple[torch.Tensor, int, int]:
+CHUNK_ENV = "ZFUNC_GPU_CHUNK"
+_SMS: dict[int, int] = {}
+
+
+def fitted_chunk(sizes: list[int], device: torch.device) -> int:
+    """Elements per block for a launch over tensors of ``sizes``: the largest of ``CHUNK``,
+    ``CHUNK / 2``, ``CHUNK / 4`` that still gives at least 32 blocks per multiprocessor (four waves
+    of 8 resident blocks), else ``CHUNK / 4``. A launch of one wave and a bit (10M params at
+    ``CHUNK``: 1221 blocks on an H100's 132 SMs) leaves most of the chip idle in its last wave;
+    finer chunks spread that tail. ``ZFUNC_GPU_CHUNK`` (a multiple of ``THREADS * VEC``) overrides."""
+    forced = os.environ.get(CHUNK_ENV)
+    if forced:
+        step = prog.THREADS * prog.VEC
+        if not (forced.isdigit() and int(forced) % step == 0 and step <= int(forced) <= 2**20):
+            raise ValueError(f"{CHUNK_ENV}={forced!r}: expected a multiple of {step} between {step} and {2**20}")
+        return int(forced)
+    index = device.index if device.type == "cuda" else -1
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(device).multi_processor_count if index >= 0 else 1
+    want = 32 * _SMS[index]
+    for chunk in (prog.CHUNK, prog.CHUNK // 2):
+        if sum(-(-n // chunk) for n in sizes) >= want:
+            return chunk
+    return prog.CHUNK // 4
+
+
+def _table(rows: list[tuple], device: torch.device, chunk: int = prog.CHUNK) -> tuple[torch.Tensor, int, int]:
     """``(device table, chunks, rows)`` for ``rows`` (rows of no element dropped): rows of ``ROW``
-    int64, then the chunk starts; chunks is the launch's grid. Uploaded by a non-blocking copy
-    from pinned memory."""
+    int64 (the last word: ``chunk``, elements per block), then the chunk starts; chunks is the
+    launch's grid. Uploaded by a non-blocking copy from pinned memory."""
     rows = [row for row in rows if row[5] > 0]  # an empty tensor owns no chunk
     host = np.zeros(len(rows) * prog.ROW + len(rows) + 1, dtype=np.int64)
     body = host[: len(rows) * prog.ROW].reshape(len(rows), prog.ROW)
     for r, row in enumerate(rows):
         body[r, : len(row)] = row
-    np.cumsum(-(-body[:, 5] // prog.CHUNK), out=host[len(rows) * prog.ROW + 1:])
+    body[:, prog.ROW - 1] = chunk
+    np.cumsum(-(-body[:, 5] // chunk), out=host[len(rows) * prog.ROW + 1:])
     staged = torch.from_numpy(host)
     if device.type == "cuda":
         staged = staged.pin_memory()
@@ -247,11 +277,6 @@ class Partials:
         finite = torch.empty((), dtype=torch.bool, device=self.device)
         self._reduce(None, norm, finite)
         return norm, finite
-
-
-def chunks(n: int) -> int:
-    """Blocks a tensor of ``n`` elements takes in a multi-tensor launch."""
-    return -(-n // prog.CHUNK)
 
 
 def run(name: str, entries: dict, plan: Plan, args: tuple, sums: bool = False) -> Partials | None:
