@@ -205,12 +205,12 @@ def _by_chunk(run: Run, fns: dict, calls: int) -> dict[int, float]:
     try:
         for chunk in (8192, 4096, 2048, 1024):
             os.environ[runtime.CHUNK_ENV] = str(chunk)
-            runtime._PLANS.clear()
+            runtime.forget_plans()
             t = paired(run, fns, calls=calls)
             found[chunk] = t["torch"] / t["zfunc"]
     finally:
         os.environ.pop(runtime.CHUNK_ENV, None)
-        runtime._PLANS.clear()
+        runtime.forget_plans()
     return found
 
 
@@ -415,7 +415,9 @@ def offload_largest(run: Run, candidates: tuple[str, ...], block: int, params: s
     for flavor in candidates:
         model, cfg, _ = _gpt(run, flavor, 1, block)
         n = model.num_params(non_embedding=False)
-        need = 15 * n  # fp32 master + m + v (12) + pinned bf16 copies and grads: 14.0 measured at 1.3B and 2.7B
+        # fp32 master + m + v (12) + pinned bf16 copies and grads: 14.0 measured at 1.3B and 2.7B; with the params
+        # whole on the GPU the host also lands whole fp32 grads: 6.7B planned at 15 (100 GiB) was killed on 128 GiB
+        need = (15 if params else 18) * n
         if host is not None and need > 0.9 * host:
             tried[flavor] = {"params": n, "skipped": f"needs ~{need / 2**30:.0f} GiB of host RAM, "
                                                      f"{host / 2**30:.0f} GiB available"}
@@ -439,7 +441,10 @@ def offload_largest(run: Run, candidates: tuple[str, ...], block: int, params: s
             step_s = time.monotonic() - t1
             mem = step.memory(state)
             on_device = mem["step"]["device"]
-            accounted = mem["device"] + on_device["whole_params"] + on_device["whole_grads"]
+            # with the params whole on the device (params=None) the step computes on the kept compute copies
+            # themselves (sharding/run.py's _own_whole): whole_params names those bytes a second time
+            whole = on_device["whole_params"]
+            accounted = (max(mem["device"], whole) if params is None else mem["device"] + whole) + on_device["whole_grads"]
             peak = torch.cuda.max_memory_allocated() if run.cuda else None
             row = tried[flavor] = {"params": n, "init_s": init_s, "step_s": step_s, "loss": m["loss"].item(),
                                    "max_memory_allocated": peak, "accounted_device_bytes": accounted,
@@ -452,8 +457,9 @@ def offload_largest(run: Run, candidates: tuple[str, ...], block: int, params: s
             step = state = box = None
             _free(run)
             row["activations_saved"] = activations = _activation_bytes(run, flavor, block, batch)
-            if peak and accounted:  # the step's own peak (torch's cuBLAS workspaces live before it) vs what is known
-                row["step_peak_over_accounted_and_activations"] = (peak - before) / (accounted + activations)
+            if peak and accounted:  # the step's own peak (what lived before: the kept bytes, cuBLAS's workspaces)
+                row["step_peak_over_accounted_and_activations"] = ((peak - before)
+                                                                   / (accounted - mem["device"] + activations))
             largest = flavor
         except Exception as e:  # noqa: BLE001 - the largest that trains is the figure; a failure ends the search
             tried[flavor] = {"params": n, "error": f"{type(e).__name__}: {str(e)[:300]}"}

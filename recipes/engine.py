@@ -59,6 +59,30 @@ def unsliced(model: nn.Module, plan) -> nn.Module | None:
     return zf.tile(whole, tiles=plan.tile_lm_head, modules=["lm_head"]) if plan.tile_lm_head else whole
 
 
+COMPILE_REFUSES = (("pp", lambda p: p.pp > 1), ("tp", lambda p: p.tp > 1), ("sp", lambda p: p.sp_size > 1),
+                   ("remat", lambda p: p.remat), ("zero", lambda p: p.zero_stage == 3),
+                   ("offload-params", lambda p: p.offload_params != "none"),
+                   ("tile-lm-head", lambda p: bool(p.tile_lm_head)), ("tile-mlp", lambda p: bool(p.tile_mlp)))
+
+
+def compile_units(model: nn.Module, plan) -> int:
+    """Each module of the plan's unit classes in ``model`` compiled in place (``nn.Module.compile``: its params,
+    buffers and forward's meaning unchanged; one graph serves every identical block), before
+    ``functional``. Returns how many; FlagError naming the flags of a layout that moves, wraps or
+    slices the units (those run eagerly, untested compiled)."""
+    refused = [f"--{flag}" for flag, applies in COMPILE_REFUSES if applies(plan)]
+    if refused:
+        raise FlagError(f"--compile: not with {', '.join(refused)} (expected the plain layout, --zero 0-2 or "
+                        f"--offload-optimizer)")
+    kind, _, classes = (plan.units or "").partition(":")
+    if kind != "class":
+        raise FlagError(f"--compile: expected units named by class ('class:<Name>'), got {plan.units!r}")
+    blocks = [m for m in model.modules() if type(m).__name__ in classes.split(",")]
+    for block in blocks:
+        block.compile()
+    return len(blocks)
+
+
 def functional(model: nn.Module, plan, mesh=None) -> tuple[Callable, dict]:
     """``zf.functionalize`` of ``model`` once the plan's model transformations are applied to it in
     place (its layers sliced over ``mesh``'s tp ranks, the head tiled, the units rematerialized: they

@@ -157,6 +157,8 @@ def _model(recipe: Recipe, run: Run, vocab_size: int, unit: str) -> tuple[Built,
     if plan.tp > 1:
         run = dataclasses.replace(run, mesh=engine.make_mesh(plan, planned=launch.planned))
     whole = engine.unsliced(built.module, plan)
+    if args.compile:
+        run.say(f"compile: {engine.compile_units(built.module, plan)} units compiled by torch.compile")
     apply, params = engine.functional(built.module, plan, run.mesh)
     shown = built if whole is None else dataclasses.replace(built, module=whole)  # the model: all its params
     for line in report.describe(args, plan, launch, shown, run.device, params) + ([vocab] if vocab else []):

@@ -24,7 +24,7 @@ TRAIN_DEFAULTS = dict(
     lr=3e-3, end_lr=3e-4, warmup=40, weight_decay=0.1, grad_clip=1.0,
     precision=None, device=None, data=None, out="out/run", seed=1337,
     eval_every=100, eval_batches=20, ckpt_every=200, keep_last=2, resume=False, overwrite=False, log_every=10,
-    data_cap=None, extend_schedule=False, optimizer="adamw", freeze_step=100,
+    data_cap=None, extend_schedule=False, optimizer="adamw", freeze_step=100, compile=False,
 )
 MODEL_SOURCE_DEFAULTS = dict(flavor=None, hf_config=None, tokenizer=None, dry_run=False, world_size=0)
 TRAIN_HELP = dict(
@@ -42,6 +42,10 @@ TRAIN_HELP = dict(
     precision="default: bf16 on CUDA and on a CPU with native bf16 matrix units (AMX, AVX512-BF16, Arm BF16), "
               "else fp32; the recipe's first line says which and why",
     device="default: cuda if available, else cpu",
+    compile="torch.compile each unit (the recipe's blocks) in place: one graph serves every identical block, "
+            "LayerNorm, activations and residual adds fused (on a GPU); the first step pays the compile; with "
+            "--zero 0-2 and --offload-optimizer (not with --pp, --tp, --sp, --remat, --zero 3, --offload-params, "
+            "--tile-*)",
     out="output dir (checkpoints in OUT/ckpt); one run at a time (OUT/run.lock), and a previous run in it is "
         "continued (--resume) or moved aside (--overwrite), never overwritten",
     eval_every="evaluate every N steps; 0: never (the last step always evaluates)",
@@ -77,6 +81,7 @@ TRAIN_HELP = dict(
 MAY_CHANGE_ON_RESUME = ("steps", "device", "out", "resume", "overwrite", "eval_every", "eval_batches", "ckpt_every",
                         "keep_last", "log_every", "sample_len", "temperature", "top_k", "dry_run", "world_size",
                         "extend_schedule",  # the schedule a resumed run follows, not what it trains on
+                        "compile",  # how the same function runs
                         *layout.MAY_CHANGE_ON_RESUME)
 AT_LEAST_1, AT_LEAST_0 = (lambda v: v >= 1, "an int >= 1"), (lambda v: v >= 0, "an int >= 0")
 FINITE_AT_LEAST_0 = (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")

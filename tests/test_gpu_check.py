@@ -32,3 +32,12 @@ def test_the_dry_run_checks_every_stage_and_writes_the_results(tmp_path):
     assert figures["offload_optimizer_largest"]["params"] is None
     assert "tests/test_gpu_kernels.py" in (tmp_path / "check.log").read_text()  # among the files collected
     assert "zfunc GPU figures" in (tmp_path / "gpu.txt").read_text()
+
+
+@pytest.mark.multiprocess
+def test_the_adam_host_split_needs_a_gpu_and_says_so():
+    import sys
+
+    script = ROOT / "benchmarks" / "gpu_adam_host.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "usage: python benchmarks/gpu_adam_host.py LABEL" in done.stderr

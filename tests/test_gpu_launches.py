@@ -120,3 +120,24 @@ def test_a_mismatched_tensor_is_refused_naming_it(launches):
         adam.adamw_many_([torch.zeros(2), torch.zeros(4)], [torch.zeros(2), torch.zeros(5)],
                          [torch.zeros(2), torch.zeros(4)], [torch.zeros(2), torch.zeros(4)], step=1, lr=1e-3)
     assert launches == []
+
+
+def test_a_plan_is_reused_for_the_same_tensors_and_rebuilt_when_one_moves_or_dies(launches, monkeypatch):
+    """planned: the same tensor objects at the same addresses reuse their plan without a check; a tensor
+    given new storage in place (set_) is checked again; a dead tensor's plans are forgotten."""
+    built = []
+    real = runtime._plan
+    monkeypatch.setattr(runtime, "_plan", lambda *a: built.append(1) or real(*a))
+    runtime.forget_plans()
+    ps = [torch.randn(n) for n in (5, 9000)]
+    gs, ms, vs = ([torch.randn(n) for n in (5, 9000)] for _ in range(3))
+    for _ in range(3):
+        adam.adamw_many_(ps, gs, ms, vs, step=1, lr=1e-3)
+    assert len(built) == 1 and len(runtime._SEEN) == 1
+    ms[1].set_(torch.zeros(9000))  # new storage, same object
+    adam.adamw_many_(ps, gs, ms, vs, step=1, lr=1e-3)
+    assert len(built) == 2
+    described = runtime.describe(ps, gs, ms, vs, [None, None])
+    del gs[0]
+    assert runtime._SEEN == {} and len(runtime._PLANS) == 2 and described  # the checked tables stay
+    runtime.forget_plans()

@@ -661,3 +661,18 @@ def test_a_padded_vocabulary_keeps_the_logits_and_the_flops_of_the_real_one(tmp_
 
 def test_vocab_multiple_below_one_is_refused(capsys):
     assert "--vocab-multiple" in exits_2(capsys, gpt.main, TINY + ["--vocab-multiple", "0"])
+
+
+def test_compile_compiles_each_block_in_place_and_trains(tmp_path, text_file, monkeypatch):
+    """--compile: every unit (Block) goes through nn.Module.compile before the model is functionalized
+    (recorded here; compiling itself is torch's, checked on a GPU by benchmarks/gpu.py), and training runs."""
+    compiled = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: compiled.append(type(self).__name__))
+    out = gpt.main(TINY + ["--steps", "2", "--data", str(text_file), "--out", str(tmp_path), "--compile"])
+    assert compiled == ["Block"] and math.isfinite(out["train_loss"])  # TINY: one layer
+
+
+def test_compile_refuses_layouts_that_move_or_wrap_the_units(capsys, text_file, tmp_path):
+    err = exits_2(capsys, gpt.main, TINY + ["--steps", "1", "--data", str(text_file), "--out", str(tmp_path),
+                                            "--compile", "--remat"])
+    assert "--compile: not with --remat" in err

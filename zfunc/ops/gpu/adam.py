@@ -156,8 +156,8 @@ def adamw_many_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
     def groups() -> dict[tuple[str, str], list[tuple]]:
         return moment_rows(params, grads, exp_avgs, exp_avg_sqs, outs, flags, device)
 
-    key = ("adam", runtime.describe(params, grads, exp_avgs, exp_avg_sqs, outs), tuple(map(bool, flags)))
-    plan = runtime.planned(key, groups, device, fit=True)
+    plan = runtime.planned(("adam", *map(bool, flags)), (params, grads, exp_avgs, exp_avg_sqs, outs), groups, device,
+                           fit=True)
     args = (runtime.ptr(scale_tensor), np.float32(grad_scale)) + consts
     partials = runtime.run("adam", ENTRIES, plan, args, sums=grad_sq)
     return partials.sum() if partials is not None else None

@@ -73,6 +73,6 @@ def cast_many_(srcs: list[torch.Tensor], dsts: list[torch.Tensor], scale: float 
             found.setdefault(key, []).append((s.data_ptr(), d.data_ptr(), 0, 0, 0, s.numel(), flags))
         return found
 
-    plan = runtime.planned(("cast", runtime.describe(srcs, dsts)), groups, device)
+    plan = runtime.planned(("cast",), (srcs, dsts), groups, device)
     partials = runtime.run("cast", ENTRIES, plan, (runtime.ptr(scale_tensor), np.float32(scale)), sums=squares)
     return partials.sum() if partials is not None else None

@@ -145,8 +145,7 @@ def lamb_many_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: 
     def groups() -> dict[tuple[str, str], list[tuple]]:
         return moment_rows(params, grads, exp_avgs, exp_avg_sqs, outs, flags, device)
 
-    plan = runtime.planned(("lamb", runtime.describe(params, grads, exp_avgs, exp_avg_sqs, outs),
-                            tuple(map(bool, flags))), groups, device)
+    plan = runtime.planned(("lamb", *map(bool, flags)), (params, grads, exp_avgs, exp_avg_sqs, outs), groups, device)
     b1, b2 = float(beta1), float(beta2)
     bc1, bc2 = (1.0 - b1 ** step, 1.0 - b2 ** step) if bias_correction else (1.0, 1.0)
     shared = (np.float32(1.0 / bc1), np.float32(1.0 / bc2), np.float32(eps), np.float32(weight_decay))

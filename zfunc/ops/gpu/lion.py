@@ -99,8 +99,7 @@ def lion_many_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: 
             found.setdefault(key, []).append(row)
         return found
 
-    plan = runtime.planned(("lion", runtime.describe(params, grads, exp_avgs, outs), tuple(map(bool, flags))),
-                           groups, device)
+    plan = runtime.planned(("lion", *map(bool, flags)), (params, grads, exp_avgs, outs), groups, device)
     lr, b1, b2 = float(lr), float(beta1), float(beta2)
     args = (runtime.ptr(scale_tensor), np.float32(grad_scale), np.float32(1.0 - lr * float(weight_decay)),
             np.float32(-lr), np.float32(b1), np.float32(1.0 - b1), np.float32(b2), np.float32(1.0 - b2))

@@ -80,7 +80,7 @@ def sum_of_squares(tensors: list[torch.Tensor], scale: float = 1.0,
             found.setdefault(runtime.dtype_name(t.dtype), []).append((0, t.data_ptr(), 0, 0, 0, t.numel(), flags))
         return found
 
-    plan = runtime.planned(("norm", runtime.describe(tensors)), groups, device)
+    plan = runtime.planned(("norm",), (tensors,), groups, device)
     return runtime.run("norm", ENTRIES, plan, (runtime.ptr(scale_tensor), np.float32(scale)), sums=True)
 
 
