@@ -83,13 +83,15 @@ def wake_if_asleep(word: np.ndarray, asleep: np.ndarray) -> None:
         wake(word.ctypes.data)
 
 
-def wait_until(ready: Callable[[], bool], word: np.ndarray, asleep: np.ndarray, stalled: Callable[[float], None],
-               busy_s: float, check_s: float = 1.0) -> None:
+def wait_until(ready: Callable[[], bool], word: np.ndarray | Callable[[], tuple[np.ndarray, int]],
+               asleep: np.ndarray, stalled: Callable[[float], None], busy_s: float, check_s: float = 1.0) -> None:
     """Return once ``ready()``, which turns true only after a peer changes ``word`` (a one-element int64 view
     of a shared segment; its low 32 bits are the futex word) and calls ``wake_if_asleep(word, asleep)``.
     Spins, then yields the core, for ``busy_s`` in all (0: neither), then sleeps in the kernel with
-    ``asleep`` set (only this waiter sets and clears it), calling ``stalled(seconds waited)`` every
-    ``check_s`` (it raises to give up)."""
+    ``asleep`` set to 1 (only this waiter sets and clears it), calling ``stalled(seconds waited)`` every
+    ``check_s`` (it raises to give up). ``word`` may be a function giving, before each sleep, the word
+    that must move next and the mark to set ``asleep`` to (1 or more; then the peer that moves the word
+    wakes it when ``asleep`` holds that mark)."""
     if ready():
         return
     start = time.monotonic()
@@ -101,14 +103,15 @@ def wait_until(ready: Callable[[], bool], word: np.ndarray, asleep: np.ndarray, 
             os.sched_yield()
         if ready():
             return
-    addr, last_check = word.ctypes.data, start
+    last_check = start
     try:
         while True:
-            value = int(word[0])
-            asleep[0] = 1
+            target, mark = (word, 1) if isinstance(word, np.ndarray) else word()
+            value = int(target[0])
+            asleep[0] = mark
             if ready():
                 return
-            wait(addr, value, check_s)
+            wait(target.ctypes.data, value, check_s)
             if ready():
                 return
             now = time.monotonic()
