@@ -18,9 +18,9 @@ def _gloo_reduce_scatter(out, full, world):
     return torch.stack([e.view(world, m)[rank].to(out.dtype) for e in everyone]).sum(0)
 
 
-def _against_gloo(rank, world, slot_bytes):
+def _against_gloo(rank, world, slot_bytes, busy_s):
     """Each collective on a channel (slot_bytes small: in pieces) and on gloo, of the same inputs."""
-    channel = shm.open_channel(None, f"test-{slot_bytes}", slot_bytes=slot_bytes)
+    channel = shm.open_channel(None, f"test-{slot_bytes}", slot_bytes=slot_bytes, busy_s=busy_s)
     gen = torch.Generator().manual_seed(rank)
     results = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -44,9 +44,10 @@ def _against_gloo(rank, world, slot_bytes):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world,slot_bytes", [(2, 16 << 20), (3, 1024)])
-def test_channel_collectives_equal_gloo_and_replicas_agree_bit_for_bit(world, slot_bytes):
-    ranks = zf.dist.spawn(_against_gloo, world, world, slot_bytes)
+@pytest.mark.parametrize("world,slot_bytes,busy_s", [(2, 16 << 20, None), (3, 1024, 0.0)])
+def test_channel_collectives_equal_gloo_and_replicas_agree_bit_for_bit(world, slot_bytes, busy_s):
+    # busy_s=0: every wait sleeps in the kernel at once (woken by the rank it waits for)
+    ranks = zf.dist.spawn(_against_gloo, world, world, slot_bytes, busy_s)
     for r in ranks:
         for dtype in ("torch.float32", "torch.bfloat16"):
             assert r[f"all_gather {dtype}"]
@@ -81,7 +82,7 @@ def test_comm_runs_its_collectives_on_the_channel_unless_turned_off(setting, mon
 
 
 def _peer_dies(rank, world):
-    channel = shm.open_channel(None, "dies", slot_bytes=4096)
+    channel = shm.open_channel(None, "dies", slot_bytes=4096, busy_s=0.0)  # asleep in the kernel, it still checks
     if rank == 1:
         os._exit(3)
     try:

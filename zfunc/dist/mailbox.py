@@ -16,13 +16,16 @@ written; the tensor must not change until then (``P2P.send``'s contract).
 **Law.** A message's bytes arrive unchanged. Only messages up to half a ring (``fits``) use it; both
 sides decide by the tensor's bytes, so a larger message goes through gloo on both.
 
-**Ordering** rests on x86's total store order, as the channel's (``zfunc.dist.shm``). A receive
-waits like a channel's collective, checking that its sender lives and giving up after the process
-group's timeout with ``ShmError``.
+**Ordering** rests on x86's total store order, as the channel's (``zfunc.dist.shm``). **Waiting**
+(a receive for its message, the sending thread for room) spins and yields for ``BUSY_S``, not at all
+on a host with more ranks than cores, then sleeps in the kernel (``zfunc.dist.futex``) on the word
+its peer moves (the ring's end, or its start), flagged asleep in the pair's control line; a peer
+that moves the word makes a system call to wake it only when that flag is set. Every second it
+checks that its peer lives and gives up after the process group's timeout with ``ShmError``.
 
 **Cost.** Memory: ``world * world * ring_bytes`` of shared pages (``ZFUNC_SHM_RING_MB``, default 4 MiB a
-ring). Per message: one copy in, one copy out (two when set aside), no system call when both sides
-are ready.
+ring). Per message: one copy in, one copy out (two when set aside), one memory fence on each side, no
+system call when both sides are ready (a wake-up: one on each side).
 """
 from __future__ import annotations
 
@@ -35,13 +38,16 @@ import torch
 import torch.distributed as dist
 
 from zfunc.core import env
-from zfunc.dist import shm
-from zfunc.dist.shm import CONTROL_BYTES, ShmError, give_up_if_gone, held_for, open_segment, poll
+from zfunc.dist import futex, shm
+from zfunc.dist.shm import CONTROL_BYTES, ShmError, give_up_if_gone, held_for, open_segment
 
 RING_BYTES = int(env.number("ZFUNC_SHM_RING_MB", 4, int, lambda mb: mb >= 1, "an integer >= 1 (MiB)")) << 20
 HEADER = 64
 _WRAP = -1  # a header's tag: the ring's end is skipped, the next message starts at its beginning
-TAIL, HEAD = 0, 1  # a pair's control words: bytes written by the sender, bytes consumed by the receiver
+# a pair's control words: bytes written by the sender, bytes consumed by the receiver, and whether the
+# receiver sleeps until TAIL moves, the sender (its thread) until HEAD does
+TAIL, HEAD, RECV_ASLEEP, SEND_ASLEEP = 0, 1, 2, 3
+BUSY_S = 1e-3  # a wait spins and yields this long before it sleeps in the kernel, where cores outnumber ranks
 
 
 def _padded(nbytes: int) -> int:
@@ -51,9 +57,13 @@ def _padded(nbytes: int) -> int:
 class Mailboxes:
     """The rings of one group's ranks (see the module docstring). Made by ``mailboxes_of``."""
 
-    def __init__(self, segment, world: int, rank: int, ring_bytes: int, timeout_s: float, label: str):
+    def __init__(self, segment, world: int, rank: int, ring_bytes: int, timeout_s: float, label: str,
+                 busy_s: float = BUSY_S):
         self.world, self.rank, self.ring_bytes, self.timeout_s, self.label = world, rank, ring_bytes, timeout_s, label
-        self.control = np.ndarray((world, world, 8), dtype=np.int64, buffer=segment)  # [src, dst]: TAIL, HEAD
+        self.busy_s = busy_s
+        self.control = np.ndarray((world, world, 8), dtype=np.int64, buffer=segment)  # [src, dst]: TAIL, HEAD, ..
+        # one-element views of each pair's words: what a futex waits on and is woken at
+        self.words = [[[self.control[s, d, w:w + 1] for w in range(4)] for d in range(world)] for s in range(world)]
         self.pids = np.ndarray((world,), dtype=np.int64, buffer=segment, offset=world * world * 64)
         self.rings = torch.frombuffer(segment, dtype=torch.uint8, count=world * world * ring_bytes,
                                       offset=CONTROL_BYTES).view(world, world, ring_bytes)
@@ -93,7 +103,9 @@ class Mailboxes:
                     return
                 to, tag, data, sent = self._backlog[0]
             try:
-                poll(lambda: self._write(to, tag, data), lambda waited: self._stalled(to, waited, "make room"))
+                words = self.words[self.rank][to]
+                futex.wait_until(lambda: self._write(to, tag, data), words[HEAD], words[SEND_ASLEEP],
+                                 lambda waited: self._stalled(to, waited, "make room"), self.busy_s)
             except Exception as e:  # the receiver died or timed out: this send and every later one fail
                 with self._send_lock:
                     for *_, later in self._backlog:
@@ -122,6 +134,8 @@ class Mailboxes:
         ring[at + HEADER:at + HEADER + data.numel()].copy_(data)
         ring[at:at + 16].view(torch.int64).copy_(torch.tensor([tag, data.numel()]))
         control[TAIL] = tail + skip + need  # published after the message's bytes (total store order)
+        words = self.words[self.rank][to]
+        futex.wake_if_asleep(words[TAIL], words[RECV_ASLEEP])
         return True
 
     # ------------------------------------------------------------------ receiving
@@ -134,7 +148,9 @@ class Mailboxes:
         out_bytes = out.reshape(-1).view(torch.uint8)
         with self._recv_lock:
             if block:
-                poll(lambda: self._take(out_bytes, frm, tag), lambda waited: self._stalled(frm, waited, "send"))
+                words = self.words[frm][self.rank]
+                futex.wait_until(lambda: self._take(out_bytes, frm, tag), words[TAIL], words[RECV_ASLEEP],
+                                 lambda waited: self._stalled(frm, waited, "send"), self.busy_s)
                 return True
             return self._take(out_bytes, frm, tag)
 
@@ -143,23 +159,28 @@ class Mailboxes:
         if kept:
             return self._deliver(out, kept.popleft(), frm, tag)
         control, size, ring = self.control[frm, self.rank], self.ring_bytes, self.rings[frm, self.rank]
-        while True:
+        found = moved = False
+        while not found:
             head = int(control[HEAD])
             if head == int(control[TAIL]):
-                return False
+                break
             at = head % size
             got, nbytes = ring[at:at + 16].view(torch.int64).tolist()
             if got == _WRAP:
                 control[HEAD] = head + size - at
+                moved = True
                 continue
             payload = ring[at + HEADER:at + HEADER + nbytes]
             if got == tag:
-                self._deliver(out, payload, frm, tag)
+                found = self._deliver(out, payload, frm, tag)
             else:
                 self._set_aside[(frm, got)].append(payload.clone())
             control[HEAD] = head + HEADER + _padded(nbytes)  # the bytes are copied: the sender may reuse them
-            if got == tag:
-                return True
+            moved = True
+        if moved:  # room in the ring: a sender waiting for it wakes
+            words = self.words[frm][self.rank]
+            futex.wake_if_asleep(words[HEAD], words[SEND_ASLEEP])
+        return found
 
     def _deliver(self, out: torch.Tensor, payload: torch.Tensor, frm: int, tag: int) -> bool:
         if payload.numel() != out.numel():
@@ -203,9 +224,11 @@ class _Received:
             self.taken = self.boxes.take(self.out, self.frm, self.tag, block=True)
 
 
-def open_mailboxes(group, key: str, ring_bytes: int = RING_BYTES, timeout_s: float | None = None) -> Mailboxes | None:
+def open_mailboxes(group, key: str, ring_bytes: int = RING_BYTES, timeout_s: float | None = None,
+                   busy_s: float | None = None) -> Mailboxes | None:
     """``Mailboxes`` over ``group``'s ranks, or None on every rank where they cannot be had. Collective:
-    every rank of ``group`` calls it with the same ``key``."""
+    every rank of ``group`` calls it with the same ``key``. A wait spins and yields ``busy_s`` before it
+    sleeps in the kernel (default: ``BUSY_S``, 0 on a host with more ranks than cores)."""
     world = dist.get_world_size(group)
     if world * world * 64 + world * 8 > CONTROL_BYTES - 16:  # the pairs' lines and the pids in the first page
         return None
@@ -213,13 +236,15 @@ def open_mailboxes(group, key: str, ring_bytes: int = RING_BYTES, timeout_s: flo
     if opened is None:
         return None
     segment, timeout_s = opened
-    return Mailboxes(segment, world, dist.get_rank(group), ring_bytes, timeout_s, f"shared-memory mailboxes {key}")
+    busy_s = (0.0 if shm.oversubscribed() else BUSY_S) if busy_s is None else busy_s
+    return Mailboxes(segment, world, dist.get_rank(group), ring_bytes, timeout_s, f"shared-memory mailboxes {key}",
+                     busy_s)
 
 
 def mailboxes_of(group) -> Mailboxes | None:
     """The group's mailboxes, opened at the first call (collective: every rank of ``group`` calls it, as
     ``P2P`` does when it is made), the same object after; None where ``ZFUNC_SHM`` is ``off`` or
-    ``collectives``, on a host with more ranks than cores, or where they cannot be had."""
-    if shm.MODE != "on" or shm.oversubscribed():  # more ranks than cores: gloo's blocking receives measured faster
+    ``collectives``, or where they cannot be had."""
+    if shm.MODE != "on":
         return None
     return held_for(group, "p2p", open_mailboxes)

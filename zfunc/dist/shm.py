@@ -20,9 +20,11 @@ reads this rank's slot), write the slot, publish ``written = k``, wait until eve
 publish ``read = k`` (a large all-reduce writes its reduced chunk back and publishes once more
 before the copies). One wait is on the critical path; the other is usually met already.
 Ordering rests on x86's total store order (a store of a word is seen after the stores before it),
-so channels open only on x86-64 Linux. A wait polls, then yields the core, then sleeps 50 us
-between polls (1 ms after 0.1 s); on a host with more ranks than cores it sleeps at once. It checks
-every second that the peers' processes live and gives up after the process group's own timeout,
+so channels open only on x86-64 Linux. A wait spins, then yields the core (for ``BUSY_S`` in all;
+on a host with more ranks than cores, not at all), then sleeps in the kernel (``zfunc.dist.futex``)
+on the word of a rank it waits for, marking in its own line which; a rank that publishes a word
+makes a system call to wake its sleepers only when some line names that word. It checks every
+second that the peers' processes live and gives up after the process group's own timeout,
 raising ``ShmError`` either way (``Comm`` wraps it in a ``CollectiveError`` naming the operation).
 
 **Setup.** ``open_channel`` is collective over the group: through the default store every rank
@@ -41,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import functools
 import mmap
 import os
 import platform
@@ -50,7 +51,6 @@ import secrets
 import socket
 import stat
 import threading
-import time
 import weakref
 from collections.abc import Callable
 
@@ -59,17 +59,18 @@ import torch
 import torch.distributed as dist
 
 from zfunc.core import env
+from zfunc.dist import futex
 
 SHM_DIR = "/dev/shm"
 # the same on every rank: "on" (collectives and point-to-point), "collectives" (point-to-point stays on gloo), "off"
 MODE = env.choice("ZFUNC_SHM", "on", ("on", "collectives", "off"))
 ENABLED = MODE != "off"
 SLOT_BYTES = int(env.number("ZFUNC_SHM_SLOT_MB", 16, int, lambda mb: mb >= 1, "an integer >= 1 (MiB)")) << 20
-CONTROL_BYTES = 4096  # one 64-byte line per rank: WRITTEN, READ, PID; the last line's end holds the token
-WRITTEN, READ, PID = 0, 1, 2
+CONTROL_BYTES = 4096  # one 64-byte line per rank: WRITTEN, READ, PID, ASLEEP; the last line's end holds the token
+WRITTEN, READ, PID, ASLEEP = 0, 1, 2, 3  # ASLEEP: 0, or 1 + 2 * rank + word of the word this rank sleeps on
 _WORDS_PER_RANK = 8
 ONE_PHASE_BYTES = 64 << 10  # an all-reduce up to this size: every rank sums every value
-_SPIN_S, _YIELD_S, _SLEEP_S, _NAP_AFTER_S, _NAP_S, _LIVENESS_S = 20e-6, 1e-3, 50e-6, 0.1, 1e-3, 1.0
+BUSY_S = 1e-3  # a wait spins and yields this long before it sleeps in the kernel, where cores outnumber ranks
 
 
 class ShmError(RuntimeError):
@@ -88,10 +89,13 @@ class Channel:
     Made by ``open_channel``; every rank of the group makes the same calls in the same order (as
     with any collective). Not thread-safe: one caller at a time (``Comm`` issues in order)."""
 
-    def __init__(self, segment: mmap.mmap, world: int, rank: int, slot_bytes: int, timeout_s: float, label: str):
+    def __init__(self, segment: mmap.mmap, world: int, rank: int, slot_bytes: int, timeout_s: float, label: str,
+                 busy_s: float = BUSY_S):
         self.segment, self.world, self.rank, self.slot_bytes = segment, world, rank, slot_bytes
-        self.timeout_s, self.label = timeout_s, label
+        self.timeout_s, self.label, self.busy_s = timeout_s, label, busy_s
         self.control = np.ndarray((world, _WORDS_PER_RANK), dtype=np.int64, buffer=segment)
+        self.words = [[self.control[r, w:w + 1] for w in (WRITTEN, READ)] for r in range(world)]  # futex words
+        self.asleep = self.control[rank, ASLEEP:ASLEEP + 1]
         self.slots = torch.frombuffer(segment, dtype=torch.uint8, count=world * slot_bytes,
                                       offset=CONTROL_BYTES).view(world, slot_bytes)
         self.count = int(self.control[rank, WRITTEN])
@@ -189,14 +193,28 @@ class Channel:
         """Mark what this rank wrote as collective ``count + 1``'s and wait until every rank has."""
         self.count += 1
         self.control[self.rank, WRITTEN] = self.count
+        self._wake(WRITTEN)
         self._wait(WRITTEN, self.count, "write its input")
 
     def _done(self) -> None:
         self.control[self.rank, READ] = self.count
+        self._wake(READ)
+
+    def _wake(self, word: int) -> None:
+        """After this rank stored ``word``: wake the ranks asleep on it."""
+        futex.fence()
+        if (self.control[:, ASLEEP] == 1 + 2 * self.rank + word).any():
+            futex.wake(self.words[self.rank][word].ctypes.data)
 
     def _wait(self, word: int, k: int, what: str) -> None:
         column = self.control[:, word]
-        poll(lambda: column.min() >= k, lambda waited: self._check_peers(word, k, what, waited))
+
+        def late() -> tuple[np.ndarray, int]:  # the word to sleep on: a rank's that has yet to reach k
+            r = int(column.argmin())
+            return self.words[r][word], 1 + 2 * r + word
+
+        futex.wait_until(lambda: column.min() >= k, late, self.asleep,
+                         lambda waited: self._check_peers(word, k, what, waited), self.busy_s)
 
     def _check_peers(self, word: int, k: int, what: str, waited: float) -> None:
         late = {r: int(self.control[r, PID]) for r in range(self.world) if self.control[r, word] < k}
@@ -233,36 +251,9 @@ def held_for(group, kind: str, opener: Callable) -> object | None:
 def oversubscribed() -> bool:
     """Whether this host runs more ranks than it has cores (``LOCAL_WORLD_SIZE`` under torchrun, else the
     job's world size, against ``os.cpu_count()``: the same answer on every rank of the host): then a wait
-    sleeps at once, leaving the core to a rank that computes, instead of polling it first."""
+    sleeps at once, leaving the core to a rank that computes, instead of spinning first."""
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or (dist.get_world_size() if dist.is_initialized() else 1)
     return ranks > (os.cpu_count() or 1)
-
-
-def poll(ready: Callable[[], bool], stalled: Callable[[float], None]) -> None:
-    """Return once ``ready()``: polls, then yields the core (neither where ``oversubscribed``), then
-    sleeps (50 us, 1 ms after 0.1 s), calling ``stalled(seconds waited)`` about once a second (it
-    raises to give up)."""
-    if ready():
-        return
-    busy_s = 0.0 if _crowded() else _YIELD_S
-    start = last_check = time.monotonic()
-    while not ready():
-        now = time.monotonic()
-        waited = now - start
-        if waited < min(_SPIN_S, busy_s):
-            continue
-        if waited < busy_s:
-            os.sched_yield()
-            continue
-        time.sleep(_SLEEP_S if waited < _NAP_AFTER_S else _NAP_S)  # a long wait (a peer evaluating) costs ~0
-        if now - last_check >= _LIVENESS_S:
-            last_check = now
-            stalled(waited)
-
-
-@functools.cache
-def _crowded() -> bool:
-    return oversubscribed()
 
 
 def give_up_if_gone(late: dict[int, int], what: str, waited: float, timeout_s: float, label: str,
@@ -301,10 +292,12 @@ def _host() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def open_channel(group, key: str, slot_bytes: int = SLOT_BYTES, timeout_s: float | None = None) -> Channel | None:
+def open_channel(group, key: str, slot_bytes: int = SLOT_BYTES, timeout_s: float | None = None,
+                 busy_s: float | None = None) -> Channel | None:
     """A ``Channel`` over ``group``'s ranks, or None on every rank where one cannot be had (ranks on
     more than one host, an unsupported machine, no room in ``/dev/shm``). Collective: every rank of
-    ``group`` calls it with the same ``key`` (unique to this channel and the same on every rank)."""
+    ``group`` calls it with the same ``key`` (unique to this channel and the same on every rank). A wait
+    spins and yields ``busy_s`` before it sleeps (default ``BUSY_S``, 0 on a host with more ranks than cores)."""
     world = dist.get_world_size(group)
     if world >= CONTROL_BYTES // (8 * _WORDS_PER_RANK):  # the last line holds the token
         return None
@@ -312,7 +305,9 @@ def open_channel(group, key: str, slot_bytes: int = SLOT_BYTES, timeout_s: float
     if opened is None:
         return None
     segment, timeout_s = opened
-    return Channel(segment, world, dist.get_rank(group), slot_bytes, timeout_s, f"shared-memory channel {key}")
+    busy_s = (0.0 if oversubscribed() else BUSY_S) if busy_s is None else busy_s
+    return Channel(segment, world, dist.get_rank(group), slot_bytes, timeout_s, f"shared-memory channel {key}",
+                   busy_s)
 
 
 def open_segment(group, key: str, nbytes: int, timeout_s: float | None = None) -> tuple[mmap.mmap, float] | None:
