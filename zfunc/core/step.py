@@ -197,17 +197,18 @@ class Step:
 
     def _direct(self, loss_scale) -> bool:
         """Whether this call is the plain step's one fp32 microbatch in a process without CUDA, with
-        nothing scaled or reworked (no loss scale, ``_loss_and_grads`` and ``local_norm`` not
-        overridden, an optimizer that reads no global norm). Then ``__call__`` runs the microbatch
-        loop's work for it written out (``grads.one_microbatch``: the same loss and grads, bit for
-        bit, in a dozen Python calls where the loop's layers make ~40) and takes the norm from the
-        flat list of grads (``optim.squares_in_ram``). Read on every call, from the fields as they
-        are now (a transformation or a test may set ``schedule`` or ``optimizer`` on a step)."""
+        nothing scaled or reworked (no loss scale; ``_loss_and_grads`` and ``local_norm`` not
+        overridden). Then ``__call__`` runs the microbatch loop's work for it written out
+        (``grads.one_microbatch``: the same loss and grads, bit for bit, in a dozen Python calls
+        where the loop's layers make ~40) and takes the norm from the flat list of grads
+        (``optim.squares_in_ram``: the same kernel over the same tensors as ``global_norm``'s). With
+        nothing to divide, folding the unscale into the update or not is the same step, clipping
+        included. Read on every call, from the fields as they are now (a transformation or a test
+        may set ``schedule`` on a step)."""
         schedule, cls = self.schedule, type(self)
         return (type(schedule) is Accumulation and schedule.count == 1 and self.compute_dtype is torch.float32
                 and (loss_scale is None or loss_scale.scale == 1.0) and cls._loss_and_grads is Step._loss_and_grads
-                and cls.local_norm is Step.local_norm and not self.optimizer.needs_global_norm
-                and not torch.cuda.is_initialized())
+                and cls.local_norm is Step.local_norm and not torch.cuda.is_initialized())
 
     def _check_state(self, state: Any) -> None:
         if type(state) is not TrainState:  # the exact class needs no further call
