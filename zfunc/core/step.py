@@ -235,7 +235,8 @@ class Step:
         finite = self.finite(loss, norm, step, loss_scale)  # may raise: nothing written yet
         if produced is not None:
             grads = without_missing_grads(grads, produced)
-        lr = optim.learning_rate(self.optimizer, opt_state)
+        rate = self.optimizer.learning_rate  # ``optim.learning_rate``, inlined: every step reads it
+        lr = None if rate is None else float(rate(opt_state))
         if self.donate:
             state._consumed = True
         else:
