@@ -197,8 +197,8 @@ class Step:
 
     def _direct(self, loss_scale) -> bool:
         """Whether this call is the plain step's one fp32 microbatch in a process without CUDA, with
-        nothing scaled or reworked (no loss scale; ``_loss_and_grads`` and ``local_norm`` not
-        overridden). Then ``__call__`` runs the microbatch loop's work for it written out
+        nothing scaled or reworked (no loss scale; ``_loss_and_grads``, ``_summed_loss_and_grads`` and
+        ``local_norm`` not overridden). Then ``__call__`` runs the microbatch loop's work for it written out
         (``grads.one_microbatch``: the same loss and grads, bit for bit, in a dozen Python calls
         where the loop's layers make ~40) and takes the norm from the flat list of grads
         (``optim.squares_in_ram``: the same kernel over the same tensors as ``global_norm``'s). With
@@ -208,7 +208,8 @@ class Step:
         schedule, cls = self.schedule, type(self)
         return (type(schedule) is Accumulation and schedule.count == 1 and self.compute_dtype is torch.float32
                 and (loss_scale is None or loss_scale.scale == 1.0) and cls._loss_and_grads is Step._loss_and_grads
-                and cls.local_norm is Step.local_norm and not torch.cuda.is_initialized())
+                and cls._summed_loss_and_grads is Step._summed_loss_and_grads and cls.local_norm is Step.local_norm
+                and not torch.cuda.is_initialized())
 
     def _check_state(self, state: Any) -> None:
         if type(state) is not TrainState:  # the exact class needs no further call
