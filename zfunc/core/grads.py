@@ -1,5 +1,7 @@
 """Gradients of a loss function of params: ``value_and_grad``, and the plain step's forward and
-backward over its microbatches (``_LocalGrads``).
+backward over its microbatches (``_LocalGrads``, driven by the microbatch loop) or, for its one fp32
+microbatch on a CPU-only process, in one function (``one_microbatch``: the same loss and grads, bit
+for bit, in fewer Python calls).
 
 Gradients use ``torch.autograd.grad`` over detached leaves that require grad: it supports
 saved-tensor hooks and non-reentrant checkpointing, which ``torch.func.grad`` refuses
