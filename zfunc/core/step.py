@@ -173,9 +173,10 @@ class Step:
             squares = optim.squares_in_ram(grads) if self.needs_norm() else None
             grads, divisor = treespec.unflatten(grads), 1.0
         else:
-            # The grads' unscale (1/(microbatches x loss scale)) rides in the update's own pass (``update(grad_scale=)``)
-            # instead of a pass of its own, unless a subclass reworks the grads (its ``_loss_and_grads``) or clipping
-            # reads them (its factor is folded into the same multiply, which would round differently).
+            # The grads' unscale (1/(microbatches x loss scale)) rides in the update's own pass
+            # (``update(grad_scale=)``) instead of a pass of its own, unless a subclass reworks the grads (its
+            # ``_loss_and_grads``) or clipping reads them (its factor is folded into the same multiply, which would
+            # round differently).
             fold = type(self)._loss_and_grads is Step._loss_and_grads and not self.optimizer.needs_global_norm
             with module.carrying(buffers) as carried:  # apply reads and updates the state's buffers
                 if fold:
