@@ -200,8 +200,8 @@ class Step:
         """Whether this call is the plain step's one fp32 microbatch in a process without CUDA, with
         nothing scaled or reworked (no loss scale; ``_loss_and_grads``, ``_summed_loss_and_grads`` and
         ``local_norm`` not overridden). Then ``__call__`` runs the microbatch loop's work for it written out
-        (``grads.one_microbatch``: the same loss and grads, bit for bit, in a dozen Python calls
-        where the loop's layers make ~40) and takes the norm from the flat list of grads
+        (``grads.one_microbatch``: the same loss and grads, bit for bit, in ~7 Python calls
+        where the loop's layers make ~30) and takes the norm from the flat list of grads
         (``optim.squares_in_ram``: the same kernel over the same tensors as ``global_norm``'s). With
         nothing to divide, folding the unscale into the update or not is the same step, clipping
         included. Read on every call, from the fields as they are now (a transformation or a test
