@@ -51,7 +51,7 @@ class TrainState:
             raise TypeError("buffers: expected a dict[str, Tensor] (name -> module buffer), "
                             f"got {type(buffers).__name__}")
         self._values = (params, opt_state, step, rng, loss_scale, {} if buffers is None else buffers)
-        self._consumed = False
+        self._taken = False  # not ``_consumed``, whose setter runs only on taking
         self.placement = placement
 
     def _get(self, i: int) -> Any:

@@ -54,7 +54,7 @@ from zfunc import optim
 from zfunc.model import functional as module
 from zfunc.model.materialize import Materializer, leaf as materialize_leaf
 from zfunc.core import precision as mp, tree
-from zfunc.core.grads import _LocalGrads
+from zfunc.core.grads import _LocalGrads, one_microbatch
 from zfunc.core.microbatches import run_microbatches, step_seed
 from zfunc.core.roles import Accumulation
 from zfunc.core.totals import without_missing_grads
@@ -166,19 +166,28 @@ class Step:
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         self._check_state(state)
         params, _, step, rng, loss_scale, buffers = _values(state)
-        # The grads' unscale (1/(microbatches x loss scale)) rides in the update's own pass (``update(grad_scale=)``)
-        # instead of a pass of its own, unless a subclass reworks the grads (its ``_loss_and_grads``) or clipping
-        # reads them (its factor is folded into the same multiply, which would round differently).
-        fold = type(self)._loss_and_grads is Step._loss_and_grads and not self.optimizer.needs_global_norm
-        with module.carrying(buffers) as carried:  # apply reads and updates the state's buffers
-            if fold:
-                loss, aux, grads, divisor, squares = self._summed_loss_and_grads(
-                    params, batch, step, rng, loss_scale, self.needs_norm(), type(self).local_norm is Step.local_norm)
-            else:
-                loss, aux, grads = self._loss_and_grads(params, batch, step, rng, loss_scale)
-                divisor, squares = 1.0, None
+        if self._direct(loss_scale):  # one fp32 microbatch, nothing scaled: the loop's work written out
+            with module.carrying(buffers) as carried:
+                loss, aux, grads, treespec = one_microbatch(params, self.loss_fn, self.has_aux, batch,
+                                                            step_seed(rng, step))
+            squares = optim.squares_in_ram(grads) if self.needs_norm() else None
+            grads, divisor = treespec.unflatten(grads), 1.0
+        else:
+            # The grads' unscale (1/(microbatches x loss scale)) rides in the update's own pass
+            # (``update(grad_scale=)``) instead of a pass of its own, unless a subclass reworks the grads (its
+            # ``_loss_and_grads``) or clipping reads them (its factor is folded into the same multiply, which would
+            # round differently).
+            fold = type(self)._loss_and_grads is Step._loss_and_grads and not self.optimizer.needs_global_norm
+            with module.carrying(buffers) as carried:  # apply reads and updates the state's buffers
+                if fold:
+                    loss, aux, grads, divisor, squares = self._summed_loss_and_grads(
+                        params, batch, step, rng, loss_scale, self.needs_norm(),
+                        type(self).local_norm is Step.local_norm)
+                else:
+                    loss, aux, grads = self._loss_and_grads(params, batch, step, rng, loss_scale)
+                    divisor, squares = 1.0, None
         # CPU grads: the norm came with the last microbatch's add or from the kernel's read of the flat grads
-        # (``_summed_loss_and_grads``); else ``local_norm`` reads them
+        # (``_summed_loss_and_grads``, ``squares_in_ram``); else ``local_norm`` reads them
         norm = (self.local_norm(grads) if squares is None
                 else torch.scalar_tensor(math.sqrt(squares), dtype=torch.float32))
         if divisor == 1.0:
@@ -187,8 +196,25 @@ class Step:
             norm = norm * (1.0 / divisor)
         return self.update(state, grads, loss, aux, norm, carried.buffers, grad_scale=1.0 / divisor)
 
+    def _direct(self, loss_scale) -> bool:
+        """Whether this call is the plain step's one fp32 microbatch in a process without CUDA, with
+        nothing scaled or reworked (no loss scale; ``_loss_and_grads``, ``_summed_loss_and_grads`` and
+        ``local_norm`` not overridden). Then ``__call__`` runs the microbatch loop's work for it written out
+        (``grads.one_microbatch``: the same loss and grads, bit for bit, in ~7 Python calls
+        where the loop's layers make ~30) and takes the norm from the flat list of grads
+        (``optim.squares_in_ram``: the same kernel over the same tensors as ``global_norm``'s). With
+        nothing to divide, folding the unscale into the update or not is the same step, clipping
+        included. Read on every call, from the fields as they are now (a transformation or a test
+        may set ``schedule`` on a step)."""
+        schedule, cls = self.schedule, type(self)
+        return (type(schedule) is Accumulation and schedule.count == 1 and self.compute_dtype is torch.float32
+                and (loss_scale is None or loss_scale.scale == 1.0) and cls._loss_and_grads is Step._loss_and_grads
+                and cls._summed_loss_and_grads is Step._summed_loss_and_grads and cls.local_norm is Step.local_norm
+                and not torch.cuda.is_initialized())
+
     def _check_state(self, state: Any) -> None:
-        require_train_state(state)
+        if type(state) is not TrainState:  # the exact class needs no further call
+            require_train_state(state)
         if state.placement is not None:
             raise ValueError(f"state: this state is sharded ({state.placement}); feed it to the sharded step "
                              "it came from, not to the plain step")
@@ -211,7 +237,8 @@ class Step:
         finite = self.finite(loss, norm, step, loss_scale)  # may raise: nothing written yet
         if produced is not None:
             grads = without_missing_grads(grads, produced)
-        lr = optim.learning_rate(self.optimizer, opt_state)
+        rate = self.optimizer.learning_rate  # ``optim.learning_rate``, inlined: every step reads it
+        lr = None if rate is None else float(rate(opt_state))
         if self.donate:
             state._consumed = True
         else:
@@ -295,7 +322,8 @@ class Step:
 
 def _values(state: TrainState) -> tuple:
     """``state``'s fields in ``FIELDS`` order, read at once (raises ``ConsumedStateError`` as each field would)."""
-    state.step  # noqa: B018 - the consumed check
+    if state._taken:
+        state.step  # noqa: B018 - raises
     return state._values
 
 

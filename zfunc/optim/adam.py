@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -67,15 +68,18 @@ def _adam_apply_fused(grads, state, params, *, lr, b1, b2, eps, weight_decay, de
     decay mask a flag per leaf); ``out``, ``squares`` (zfunc's kernels only: a float from CPU-Adam, a
     0-d fp64 device tensor from the CUDA kernel) and ``grad_scale`` (zfunc's kernels: in their pass;
     torch: a multiply of the grads cast to the params' dtype) as in ``apply``."""
-    p_leaves, treespec = tree.flatten(params)
+    p_leaves, treespec = optree.tree_flatten(params, namespace=tree.NAMESPACE)
     backend = _resolve_backend(backend, p_leaves)
     g_leaves = treespec.flatten_up_to(grads)
-    m_leaves, v_leaves = _leaves_like(treespec, state.mu), _leaves_like(treespec, state.nu)
+    try:  # the moments along the params' treespec (~10x cheaper than a flatten); flattened where containers differ
+        m_leaves, v_leaves = treespec.flatten_up_to(state.mu), treespec.flatten_up_to(state.nu)
+    except ValueError:
+        m_leaves, v_leaves = _leaves_like(treespec, state.mu), _leaves_like(treespec, state.nu)
     o_leaves = None if out is None else treespec.flatten_up_to(out)
     decay = None if mask is None else _mask_leaves(mask, params, len(p_leaves))
     count = state.count + 1
     step_lr = float(lr(state.count))
-    if backend in ("numba", "cupy"):  # updated in place: the same trees
+    if backend == "numba" or backend == "cupy":  # updated in place: the same trees
         kernel = _numba_adam if backend == "numba" else _cupy_adam
         sq = kernel(p_leaves, g_leaves, m_leaves, v_leaves, o_leaves, decay, count, step_lr, b1, b2, eps,
                     weight_decay, decoupled, squares is not None, 1.0 if grad_scale is None else grad_scale)
@@ -133,10 +137,8 @@ def _adam_family(learning_rate, b1, b2, eps, weight_decay, mask, backend, decoup
     if not bias_correction:  # the fused kernels always correct: the pure update runs
         return GradientTransformation(init, update, None, lambda state: hyper["lr"](state.count))
 
-    def apply_(grads, state, params, out=None, squares=None, grad_scale=None):
-        return _adam_apply_fused(grads, state, params, backend=backend, out=out, squares=squares,
-                                 grad_scale=grad_scale, **hyper)
-
+    # apply(grads, state, params, out=None, squares=None, grad_scale=None): a partial, no Python frame of its own
+    apply_ = functools.partial(_adam_apply_fused, backend=backend, **hyper)
     return GradientTransformation(init, update, apply_, lambda state: hyper["lr"](state.count), writes_out=True,
                                   sums_squares=True, scales_grads=True)
 

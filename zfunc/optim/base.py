@@ -125,6 +125,8 @@ def apply(tx: GradientTransformation, grads: PyTree, state: PyTree, params: PyTr
     are one rank's share and over every leaf where they are a part of the grads; a ``tx`` that
     ``needs_global_norm`` takes it instead of computing one from ``grads``.
     """
+    if out is None and squares is None and grad_scale is None and norm is None and tx.apply is not None:
+        return tx.apply(grads, state, params)  # the plain step's call: nothing to route
     known = {"norm": norm} if norm is not None and tx.needs_global_norm else {}
     if grad_scale is not None and (grad_scale != 1.0 or _low_precision(grads)):
         if tx.scales_grads and (out is None or tx.writes_out):

@@ -32,15 +32,27 @@ def _numba_adam(ps, gs, ms, vs, outs, decay, count, lr, b1, b2, eps, weight_deca
     write it (a contiguous bf16/fp16 CPU tensor), else copied after. ``grad_sq``: returns the sum
     of the squares of the grads read (else None). ``grad_scale``: the kernel updates with (and
     sums the squares of) ``grad * grad_scale``, multiplied in its pass."""
-    from zfunc.ops.cpu import adam as cpu_adam
-
+    global _cpu_adam
+    if _cpu_adam is None:  # Numba loads on first use
+        from zfunc.ops.cpu import adam as _cpu_adam
+    cpu_adam = _cpu_adam
     n = len(ps)
-    outs = [None] * n if outs is None else outs
-    plain = decay is None and all(g is not None and g.dtype in _GRAD_DTYPES and g.is_contiguous() for g in gs)
-    if plain and all(o is None for o in outs):  # the common case: one group, nothing to fix up
+    plain = decay is None  # loops, not all(): no generator made on every step's path
+    if plain:
+        for g in gs:
+            if g is None or g.dtype not in _GRAD_DTYPES or not g.is_contiguous():
+                plain = False
+                break
+    if plain and outs is not None:
+        for o in outs:
+            if o is not None:
+                plain = False
+                break
+    if plain:  # the common case: one group, nothing to fix up
         return cpu_adam.adamw_many_(ps, gs, ms, vs, step=count, lr=lr, beta1=b1, beta2=b2, eps=eps,
                                     weight_decay=weight_decay, decoupled=decoupled, grad_sq=grad_sq,
                                     grad_scale=grad_scale)
+    outs = [None] * n if outs is None else outs
     total = 0.0
     for flag in (True, False):
         idx = [i for i in range(n) if gs[i] is not None and (decay is None or decay[i]) is flag]
@@ -57,6 +69,9 @@ def _numba_adam(ps, gs, ms, vs, outs, decay, count, lr, b1, b2, eps, weight_deca
         _copy_pairs([ps[i] for i in idx], [o if f is None else None for o, f in zip(o_, fused)])
     _copy_pairs(ps, [o if g is None else None for o, g in zip(outs, gs)])  # no grad: the param unchanged
     return total if grad_sq else None
+
+
+_cpu_adam = None
 
 
 def _copy_pairs(ps: list[torch.Tensor], outs: list[torch.Tensor | None]) -> None:
@@ -110,9 +125,14 @@ def _resolve_backend(backend: str, params: PyTree) -> str:
     if backend != "auto":
         return backend
     leaves = params if isinstance(params, list) else tree.tensors(params)
-    tensors = [p for p in leaves if isinstance(p, torch.Tensor)]
-    if leaves and all(p.dtype is torch.float32 and p.is_cpu and p.is_contiguous() for p in tensors):
+    in_ram = bool(leaves)
+    for p in leaves:  # a loop, not all(): no generator made on every step's path
+        if isinstance(p, torch.Tensor) and not (p.dtype is torch.float32 and p.is_cpu and p.is_contiguous()):
+            in_ram = False
+            break
+    if in_ram:
         return "numba"
+    tensors = [p for p in leaves if isinstance(p, torch.Tensor)]
     if tensors and all(p.dtype is torch.float32 and p.is_cuda and p.is_contiguous() for p in tensors) and (
             len({p.device for p in tensors}) == 1 and _gpu_kernels_usable()):
         return "cupy"

@@ -72,10 +72,13 @@ def squares_in_ram(grads: list[torch.Tensor | None]) -> float | None:
     tensor among them is a contiguous fp32/bf16/fp16 CPU tensor; None elsewhere (or with no tensor),
     for the caller to take the norm itself (``global_norm``). Takes the list as it is: no walk over
     a pytree, no tensor made."""
-    leaves = [g for g in grads if g is not None]
-    if not leaves or not _in_ram(leaves):
-        return None
-    return sum_squares_in_ram(leaves)
+    leaves = []
+    for g in grads:  # ``_in_ram`` in the same loop: no generator or further call on every step's path
+        if g is not None:
+            if not (g.is_cpu and g.dtype in _KERNEL_DTYPES and g.is_contiguous()):
+                return None
+            leaves.append(g)
+    return sum_squares_in_ram(leaves) if leaves else None
 
 
 def add_with_squares(into: list[torch.Tensor | None], grads: list[torch.Tensor | None]) -> float | None:

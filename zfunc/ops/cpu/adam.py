@@ -228,14 +228,17 @@ def adamw_many_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
     for p, g, m, v, o in zip(params, grads, exp_avgs, exp_avg_sqs, outs):
         n = p.numel()
         g_tag, out_tag = _GRAD.get(g.dtype), None if o is None else _OUT.get(o.dtype)
-        if not (_leaf_ok(p, n, (_FLOAT32,)) and g_tag is not None and _leaf_ok(g, n, _GRAD)
-                and _leaf_ok(m, n, (_FLOAT32,)) and _leaf_ok(v, n, (_FLOAT32,))
+        # ``_leaf_ok`` of each buffer, written out: four calls cost more than the rest of a leaf's checks
+        if not (p.dtype is _FLOAT32 and p.is_cpu and p.is_contiguous()
+                and g_tag is not None and g.is_cpu and g.is_contiguous() and g.numel() == n
+                and m.dtype is _FLOAT32 and m.is_cpu and m.is_contiguous() and m.numel() == n
+                and v.dtype is _FLOAT32 and v.is_cpu and v.is_contiguous() and v.numel() == n
                 and (o is None or out_tag is not None and _leaf_ok(o, n, _OUT))):
             flat = [None if t is None else t.reshape(-1) if t.is_contiguous() else t for t in (p, g, m, v, o)]
             _prepare("adamw_many_", ("exp_avg", "exp_avg_sq"), *flat, 0, None)  # raises, naming the culprit
         if n >= _PARALLEL_MIN:
             k = min(_num_threads or torch.get_num_threads(), _POOL_SIZE)
-            sq, sq_at, sq_tag, per = _squares(grad_sq, k, 0, n)
+            sq, sq_at, sq_tag, per = _squares(grad_sq, k, 0, n) if grad_sq or k > 1 else (None, 0, None, n)
             args = (0, n, p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), 0 if o is None else o.data_ptr(),
                     g_tag, out_tag, n >= _STREAM_MIN, sq_at, sq_tag, 0, per) + consts
             _run(_adamw_block, _adamw_team, k, args, g_tag, out_tag, sq_tag)

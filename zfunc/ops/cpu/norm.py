@@ -156,7 +156,8 @@ def sum_squares(tensors: list[torch.Tensor], add_to: list[torch.Tensor] | None =
                                  f"got {a.dtype} on {a.device}, {a.numel()} elements"
                                  f"{'' if a.is_contiguous() else ', non-contiguous'}")
             a_at = a.data_ptr()
-        k = adam.get_num_threads() if n >= _PARALLEL_MIN else 1  # the kernels' count (1 in a forked child)
+        # the kernels' count (1 in a forked child): ``adam.get_num_threads()``, inlined as ``adamw_many_`` does
+        k = min(adam._num_threads or torch.get_num_threads(), adam._POOL_SIZE) if n >= _PARALLEL_MIN else 1
         if k > 1:
             per = ((n + k - 1) // k + gomp.ALIGN - 1) // gomp.ALIGN * gomp.ALIGN  # gomp.chunk_length
             if slots is None:
