@@ -444,7 +444,8 @@ def offload_largest(run: Run, candidates: tuple[str, ...], block: int, params: s
             # with the params whole on the device (params=None) the step computes on the kept compute copies
             # themselves (sharding/run.py's _own_whole): whole_params names those bytes a second time
             whole = on_device["whole_params"]
-            accounted = (max(mem["device"], whole) if params is None else mem["device"] + whole) + on_device["whole_grads"]
+            kept = max(mem["device"], whole) if params is None else mem["device"] + whole
+            accounted = kept + on_device["whole_grads"]
             peak = torch.cuda.max_memory_allocated() if run.cuda else None
             row = tried[flavor] = {"params": n, "init_s": init_s, "step_s": step_s, "loss": m["loss"].item(),
                                    "max_memory_allocated": peak, "accounted_device_bytes": accounted,

@@ -65,7 +65,7 @@ def main(label: str) -> None:
         torch.cuda.synchronize()
         for name, fn in fns.items():
             print(measure(f"{label} n={n:.0e}", name, fn), flush=True)
-        del p, g, m, v
+        fns = p = g = m = v = None  # the closures hold the buffers
         torch.cuda.empty_cache()
 
 
