@@ -20,6 +20,12 @@ round (the same on every rank); a step is as slow as its slowest rank; the figur
 over rounds of the paired ratio DeepSpeed / zfunc (> 1: zfunc faster), after two warm-up steps.
 The losses of the first steps (the mean over the ranks, as zfunc's metrics give it) are compared
 (the same batches: they agree to the optimizers' rounding, printed as the largest difference).
+
+The reference: a third trainer in the same rounds runs torch's forward and backward alone on the
+same model and batch (``loss.backward()``, the grads then dropped; no collective, no update), the
+work every engine here does whatever it offloads. Each engine's step over it (paired) says how much
+of the step is that shared work: an engine near 1.0x has little left to gain but in the forward and
+backward themselves (its grads' memory, its threads), whatever it offloads.
 Memory: each trainer holds ~16 B/param in RAM or its swap files under ``--dir`` (removed at the end).
 """
 from __future__ import annotations
@@ -106,6 +112,18 @@ def deepspeed_trainer(kind: str, model: GPT, batch: int, folder: Path):
     return run
 
 
+def forward_backward_trainer(model: GPT):
+    """``run(tokens)``: torch's forward and backward alone (the reference, module docstring)."""
+    def run(tokens):
+        loss = lm_loss(model(tokens[:, :-1]), tokens)
+        loss.backward()
+        for p in model.parameters():
+            p.grad = None
+        return loss.item()
+
+    return run
+
+
 def worker(rank: int, world: int, cfg: GPTConfig, batch: int, rounds: int, trainers: list[str], root: str):
     mesh = zf.Mesh(dp=world)
     torch.manual_seed(0)
@@ -114,6 +132,9 @@ def worker(rank: int, world: int, cfg: GPTConfig, batch: int, rounds: int, train
     built = {}
     for name in trainers:
         side, kind = name.split("-")
+        if side == "torch":
+            built[name] = forward_backward_trainer(copy.deepcopy(base))
+            continue
         make = zfunc_trainer if side == "zf" else deepspeed_trainer
         built[name] = make(kind, copy.deepcopy(base), mesh if side == "zf" else batch, folder)
     g = torch.Generator().manual_seed(100 + rank)
@@ -161,11 +182,12 @@ def main(argv=None) -> None:
     print(f"GPT {n_params / 1e6:.2f}M params, batch {args.batch}x{cfg.block_size} per rank, fp32, "
           f"torch {torch.__version__}")
     print("\n| processes | offload | zfunc ms/step | DeepSpeed ms/step | zfunc speed vs DeepSpeed, paired "
-          "| largest loss difference (2 steps) |")
-    print("|---|---|---|---|---|---|")
+          "| largest loss difference (2 steps) | forward+backward alone ms/step | zfunc / forward+backward, paired "
+          "| DeepSpeed / forward+backward, paired |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for world in args.world:
         trainers = [f"{side}-{kind}" for kind in kinds for side in ("zf", "ds")
-                    if side == "zf" or kind == "cpu" or nvme_peer]
+                    if side == "zf" or kind == "cpu" or nvme_peer] + ["torch-fb"]
         root = Path(args.dir)
         shutil.rmtree(root, ignore_errors=True)
         root.mkdir(parents=True)
@@ -175,18 +197,20 @@ def main(argv=None) -> None:
         finally:
             shutil.rmtree(root, ignore_errors=True)
         times = {k: [max(ts) for ts in zip(*(r[0][k] for r in results))] for k in trainers}
-        losses = results[0][1]
+        losses, fb_t = results[0][1], times["torch-fb"]
+        fb = f"{statistics.median(fb_t) * 1e3:.1f}"
+        over = lambda ts: f"{statistics.median(t / f for t, f in zip(ts, fb_t)):.2f}x"  # noqa: E731
         for kind in kinds:
             zf_t = times[f"zf-{kind}"]
             if f"ds-{kind}" not in times:
                 print(f"| {world} | {kind} | {statistics.median(zf_t) * 1e3:.1f} | not run (DeepSpeed's async_io "
-                      "cannot be built here: libaio-dev) | - | - |")
+                      f"cannot be built here: libaio-dev) | - | - | {fb} | {over(zf_t)} | - |")
                 continue
             ds_t = times[f"ds-{kind}"]
             ratio = statistics.median(d / z for d, z in zip(ds_t, zf_t))
             diff = max(abs(a - b) for a, b in zip(losses[f"zf-{kind}"], losses[f"ds-{kind}"]))
             print(f"| {world} | {kind} | {statistics.median(zf_t) * 1e3:.1f} | {statistics.median(ds_t) * 1e3:.1f} "
-                  f"| {ratio:.2f}x | {diff:.1e} |")
+                  f"| {ratio:.2f}x | {diff:.1e} | {fb} | {over(zf_t)} | {over(ds_t)} |")
 
 
 if __name__ == "__main__":
