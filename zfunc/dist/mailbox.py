@@ -17,8 +17,8 @@ written; the tensor must not change until then (``P2P.send``'s contract).
 sides decide by the tensor's bytes, so a larger message goes through gloo on both.
 
 **Ordering** rests on x86's total store order, as the channel's (``zfunc.dist.shm``). **Waiting**
-(a receive for its message, the sending thread for room) spins and yields for ``BUSY_S``, not at all
-on a host with more ranks than cores, then sleeps in the kernel (``zfunc.dist.futex``) on the word
+(a receive for its message, the sending thread for room) spins and yields for ``busy_s`` (default
+``BUSY_S``: not at all), then sleeps in the kernel (``zfunc.dist.futex``) on the word
 its peer moves (the ring's end, or its start), flagged asleep in the pair's control line; a peer
 that moves the word makes a system call to wake it only when that flag is set. Every second it
 checks that its peer lives and gives up after the process group's timeout with ``ShmError``.
@@ -47,7 +47,10 @@ _WRAP = -1  # a header's tag: the ring's end is skipped, the next message starts
 # a pair's control words: bytes written by the sender, bytes consumed by the receiver, and whether the
 # receiver sleeps until TAIL moves, the sender (its thread) until HEAD does
 TAIL, HEAD, RECV_ASLEEP, SEND_ASLEEP = 0, 1, 2, 3
-BUSY_S = 1e-3  # a wait spins and yields this long before it sleeps in the kernel, where cores outnumber ranks
+# A wait spins and yields this long before it sleeps in the kernel. None: a pipeline's receive finds its
+# message already there or waits out a bubble (ms), where a spin only burns the core (on 2 stages of 2 cores,
+# 1 ms of spin measured 1-3% slower than none, with 2-5% more CPU; benchmarks/pipeline.py, paired).
+BUSY_S = 0.0
 
 
 def _padded(nbytes: int) -> int:
@@ -228,7 +231,7 @@ def open_mailboxes(group, key: str, ring_bytes: int = RING_BYTES, timeout_s: flo
                    busy_s: float | None = None) -> Mailboxes | None:
     """``Mailboxes`` over ``group``'s ranks, or None on every rank where they cannot be had. Collective:
     every rank of ``group`` calls it with the same ``key``. A wait spins and yields ``busy_s`` before it
-    sleeps in the kernel (default: ``BUSY_S``, 0 on a host with more ranks than cores)."""
+    sleeps in the kernel (default: ``BUSY_S``)."""
     world = dist.get_world_size(group)
     if world * world * 64 + world * 8 > CONTROL_BYTES - 16:  # the pairs' lines and the pids in the first page
         return None
@@ -236,7 +239,7 @@ def open_mailboxes(group, key: str, ring_bytes: int = RING_BYTES, timeout_s: flo
     if opened is None:
         return None
     segment, timeout_s = opened
-    busy_s = (0.0 if shm.oversubscribed() else BUSY_S) if busy_s is None else busy_s
+    busy_s = BUSY_S if busy_s is None else busy_s
     return Mailboxes(segment, world, dist.get_rank(group), ring_bytes, timeout_s, f"shared-memory mailboxes {key}",
                      busy_s)
 
