@@ -17,8 +17,10 @@ blocks; torch's ``PipelineStage``s hold those modules, zfunc's pipeline units ar
 (``units=["wte", "wpe", "blocks.0", ..., "ln_f", "lm_head"]``, ``split`` to match), so every
 param has one owner stage on both sides and nothing is lent; their losses agree (printed: the
 largest difference of zfunc's loss and torch's over every step run). After a warm-up step each,
-they run interleaved: per round and batch, each zfunc step right before torch's of the same
-kind, after a barrier; a step is as slow as its slowest rank. The ratio is the median of the pairs' ratios
+they run interleaved: per round and batch, zfunc's step and torch's of the same kind as a pair,
+each after a barrier, the pair's order alternating from one batch to the next (whichever runs
+first pays for what the step before it left in the caches and the allocator; a fixed order had
+zfunc pay it on every pair); a step is as slow as its slowest rank. The ratio is the median of the pairs' ratios
 (torch's time / zfunc's), the times the medians. CPU time, which load moves far less than the
 wall clock: each step's process CPU time (every thread: the main one, gloo's, zfunc's comm
 thread) summed over the ranks, the median of the pairs' ratios (torch's / zfunc's); and of it,
@@ -227,9 +229,12 @@ def worker(rank: int, p: int, cfg: GPTConfig, ms: list[int], batch: int, steps: 
         losses[k].append(run(data[0]))
     for h in holders.values():
         h["timings"].clear()
-    for _ in range(rounds):
-        for tokens in data:
-            for k, run in trainers.items():  # zfunc's step, then torch's of the same kind: a pair
+    pairs = list(zip(list(trainers)[::2], list(trainers)[1::2]))  # (zfunc's, torch's) of each kind
+    for r in range(rounds):
+        for j, tokens in enumerate(data):
+            flip = (r * len(data) + j) % 2  # the pair's order alternates (module docstring), alike on every rank
+            for k in [key for pair in pairs for key in (pair[::-1] if flip else pair)]:
+                run = trainers[k]
                 torch.distributed.barrier()  # every trainer starts its step together on all ranks
                 t0, c0 = time.perf_counter(), _usage()
                 loss = run(tokens)
