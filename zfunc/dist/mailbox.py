@@ -49,7 +49,7 @@ _WRAP = -1  # a header's tag: the ring's end is skipped, the next message starts
 TAIL, HEAD, RECV_ASLEEP, SEND_ASLEEP = 0, 1, 2, 3
 # A wait spins and yields this long before it sleeps in the kernel. None: a pipeline's receive finds its
 # message already there or waits out a bubble (ms), where a spin only burns the core (on 2 stages of 2 cores,
-# 1 ms of spin measured 1-3% slower than none, with 2-5% more CPU; benchmarks/pipeline.py, paired).
+# 1 ms of spin measured 0-3% slower than none over four alternated runs of benchmarks/pipeline.py).
 BUSY_S = 0.0
 
 
