@@ -148,8 +148,9 @@ def test_the_70b_plan_with_everything_on_nvme_names_ram_and_disk_and_the_leanest
     small = machine(ram_available=32 * GB, disk_path=str(tmp_path), disk_free=100 * GB)
     monkeypatch.setattr(verdict, "this_machine", lambda path, device: small)
     swap = tmp_path / "zf"
+    # bf16 named: the default precision follows this CPU's bf16 units (fp32 grads, 4 B/param, without them)
     result = llama.main(["--flavor", "70B", "--zero", "3", "--offload-optimizer", "nvme", "--offload-params", "nvme",
-                         "--nvme-path", str(swap), "--dry-run", "--out", str(tmp_path / "out")])
+                         "--precision", "bf16", "--nvme-path", str(swap), "--dry-run", "--out", str(tmp_path / "out")])
     printed = capsys.readouterr().out
     held = 2 * result["n_params"]  # the bf16 grads held for the clip: scratch files, no spares
     assert result["fits"] is False and result["needs"]["disk"] == 2 * result["plan_bytes"]["nvme"] - held
