@@ -47,9 +47,10 @@ _WRAP = -1  # a header's tag: the ring's end is skipped, the next message starts
 # a pair's control words: bytes written by the sender, bytes consumed by the receiver, and whether the
 # receiver sleeps until TAIL moves, the sender (its thread) until HEAD does
 TAIL, HEAD, RECV_ASLEEP, SEND_ASLEEP = 0, 1, 2, 3
-# A wait spins and yields this long before it sleeps in the kernel. None: a pipeline's receive finds its
-# message already there or waits out a bubble (ms), where a spin only burns the core (on 2 stages of 2 cores,
-# 1 ms of spin measured 0-3% slower than none over four alternated runs of benchmarks/pipeline.py).
+# A wait spins and yields this long before it sleeps in the kernel; by default not at all: a pipeline's
+# receive finds its message already there or waits out a bubble (ms), where a spin only burns the core
+# (2 stages on 2 cores: 1 ms of spin measured 0-3% slower than none, four alternated runs of
+# benchmarks/pipeline.py each way).
 BUSY_S = 0.0
 
 
