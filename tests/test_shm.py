@@ -81,6 +81,41 @@ def test_comm_runs_its_collectives_on_the_channel_unless_turned_off(setting, mon
         assert nbytes == {"all_reduce": 32, "reduce_scatter": 16}  # counted alike on either transport
 
 
+def _checked_gathers(rank, world):
+    """Checked all-gathers on the channel: one agreed, then ranks posting different ops, then one posting none."""
+    from zfunc.dist.comm import Comm
+    channel = shm.channel_of(None) or shm.open_channel(None, "unused")
+    seen, out = [], torch.empty(2 * world)
+
+    def gather(op):
+        before = channel.count
+        try:
+            Comm().all_gather(out, torch.full((2,), float(rank)), "gather of 'h.0'", check=None if op is None else
+                              (op, lambda o: f"unit {o[0]} at step {o[1]}"))
+            seen.append(("ok", out.tolist(), channel.count - before))
+        except zf.dist.CollectiveError as e:
+            seen.append(("diverged", str(e), channel.count - before))
+
+    gather((3, 7))
+    gather((rank, 7))
+    gather((3, 7) if rank == 0 else None)
+    gather((3, 8))  # the channel is still in step after the failures
+    return seen
+
+
+@pytest.mark.multiprocess
+def test_a_checked_gather_agrees_within_its_own_barrier_and_names_each_ranks_op():
+    for rank, seen in enumerate(zf.dist.spawn(_checked_gathers, 2, 2)):
+        assert seen[0] == ("ok", [0.0, 0.0, 1.0, 1.0], 1)  # one collective: no agreement round trip of its own
+        assert seen[1][0] == "diverged" and seen[1][2] == 1
+        assert "ranks diverged at gather of 'h.0': rank 0: unit 0 at step 7; rank 1: unit 1 at step 7" in seen[1][1]
+        if rank == 0:
+            assert seen[2][0] == "diverged" and "rank 1: a collective with no check" in seen[2][1]
+        else:
+            assert seen[2][0] == "ok"  # it checked nothing, so it cannot tell
+        assert seen[3] == ("ok", [0.0, 0.0, 1.0, 1.0], 1)
+
+
 def _peer_dies(rank, world):
     channel = shm.open_channel(None, "dies", slot_bytes=4096, busy_s=0.0)  # asleep in the kernel, it still checks
     if rank == 1:

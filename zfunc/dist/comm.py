@@ -53,7 +53,9 @@ class Comm:
     current CUDA device: a copy there when called, the result copied back when the work is waited on.
     A call with ``check=(op, describe)`` first makes the ranks agree they issue the same ``op`` (see
     ``agree``); on the comm thread that round trip overlaps the caller's compute instead of stalling
-    it. After a failure nothing more is issued: mismatched collectives would only add confusion.
+    it. A checked all-gather through the shared-memory channel needs no round trip of its own: the
+    ranks compare their ops within the gather's barrier, before anything is read. After a failure
+    nothing more is issued: mismatched collectives would only add confusion.
     """
 
     group: Any = None
@@ -117,9 +119,17 @@ class Comm:
         ring all-gather takes longer for the same bytes (on loopback ranks about 1.5x).
         """
         channel = self._channel(out, local)
-        if channel is not None:
-            return self._run(kind, _nbytes(out), label, lambda: channel.all_gather(out, local),
-                             lambda: _copy_unless_same(out, local), async_op, check, blocking=True)
+        if channel is not None and (check is None or len(check[0]) <= shm.OP_INTS):
+            op, describe = check if check is not None else (None, None)
+
+            def gather():  # the agreement rides on the gather's own barrier
+                try:
+                    channel.all_gather(out, local, op)
+                except shm.Diverged as e:
+                    raise CollectiveError(_diverged(label, e.ops, describe)) from None
+
+            return self._run(kind, _nbytes(out), label, gather, lambda: _copy_unless_same(out, local), async_op,
+                             blocking=True)
         all_gather = _all_gather_by_broadcasts if self._on_gloo() else _all_gather
         (dev_out, dev_local), back = self._staged(out, local)
         return self._run(kind, _nbytes(out), label,
@@ -250,9 +260,14 @@ class Comm:
             _all_gather(everyone, mine, group=self.group)
         rows, mine = everyone.view(world, len(op)).cpu(), mine.cpu()
         if not bool((rows == mine).all()):
-            ops = "; ".join(f"rank {r}: {describe(row.tolist())}" for r, row in enumerate(rows))
-            raise CollectiveError(f"ranks diverged at {label}: {ops} "
-                                  "(data-dependent control flow skipped or reordered work on some rank?)")
+            raise CollectiveError(_diverged(label, [row.tolist() for row in rows], describe))
+
+
+def _diverged(label: str, ops: list[list[int] | None], describe: Callable[[list[int]], str]) -> str:
+    """Words for ranks that were about to issue the ops ``ops`` (None: a collective with no check) at ``label``."""
+    each = "; ".join(f"rank {r}: {describe(op) if op is not None else 'a collective with no check'}"
+                     for r, op in enumerate(ops))
+    return f"ranks diverged at {label}: {each} (data-dependent control flow skipped or reordered work on some rank?)"
 
 
 # How long ``all_arrive`` waits for the other ranks: long enough for a rank that reaches the call

@@ -18,7 +18,10 @@ number of the last phase whose input it wrote (``written``), the last whose slot
 reading (``read``) and its pid. Phase ``k``: wait until every rank has read ``k - 1`` (nobody still
 reads this rank's slot), write the slot, publish ``written = k``, wait until every rank has, compute,
 publish ``read = k`` (a large all-reduce writes its reduced chunk back and publishes once more
-before the copies). One wait is on the critical path; the other is usually met already.
+before the copies). One wait is on the critical path; the other is usually met already. An
+all-gather given an ``op`` (a few ints naming what the rank is doing) stores it in its line before
+``written = k``, and after the wait every rank compares every line's: the ranks agree on the
+collective within its own barrier.
 Ordering rests on x86's total store order (a store of a word is seen after the stores before it),
 so channels open only on x86-64 Linux. A wait spins, then yields the core (for ``BUSY_S`` in all;
 on a host with more ranks than cores, not at all), then sleeps in the kernel (``zfunc.dist.futex``)
@@ -66,8 +69,10 @@ SHM_DIR = "/dev/shm"
 MODE = env.choice("ZFUNC_SHM", "on", ("on", "collectives", "off"))
 ENABLED = MODE != "off"
 SLOT_BYTES = int(env.number("ZFUNC_SHM_SLOT_MB", 16, int, lambda mb: mb >= 1, "an integer >= 1 (MiB)")) << 20
-CONTROL_BYTES = 4096  # one 64-byte line per rank: WRITTEN, READ, PID, ASLEEP; the last line's end holds the token
+CONTROL_BYTES = 4096  # one 64-byte line per rank: WRITTEN, READ, PID, ASLEEP, OP_AT, OP; the last line's end: the token
 WRITTEN, READ, PID, ASLEEP = 0, 1, 2, 3  # ASLEEP: 0, or 1 + 2 * rank + word of the word this rank sleeps on
+OP_AT, OP = 4, 5  # the collective whose op this rank posted, and the op: its length, then up to OP_INTS ints
+OP_INTS = 2
 _WORDS_PER_RANK = 8
 ONE_PHASE_BYTES = 64 << 10  # an all-reduce up to this size: every rank sums every value
 BUSY_S = 1e-3  # a wait spins and yields this long before it sleeps in the kernel, where cores outnumber ranks
@@ -75,6 +80,14 @@ BUSY_S = 1e-3  # a wait spins and yields this long before it sleeps in the kerne
 
 class ShmError(RuntimeError):
     """A shared-memory collective failed: a peer died or did not arrive within the timeout."""
+
+
+class Diverged(ShmError):
+    """The ranks posted different ops for one collective: ``ops[r]`` is rank ``r``'s (None: it posted none)."""
+
+    def __init__(self, ops: list[list[int] | None]):
+        super().__init__(f"the ranks posted different ops: {ops}")
+        self.ops = ops
 
 
 def supported() -> bool:
@@ -103,9 +116,12 @@ class Channel:
         self.lock = threading.Lock()  # Comms over one group share its channel: one collective at a time
 
     # ------------------------------------------------------------------ collectives
-    def all_gather(self, out: torch.Tensor, local: torch.Tensor) -> None:
+    def all_gather(self, out: torch.Tensor, local: torch.Tensor, op: tuple[int, ...] | None = None) -> None:
         """``out`` (world * local.numel(), contiguous) <- every rank's ``local``, rank-major (``local`` may be
-        this rank's chunk of ``out``: then it is not copied)."""
+        this rank's chunk of ``out``: then it is not copied).
+
+        ``op`` (up to ``OP_INTS`` ints): every rank must pass the same, or all raise ``Diverged`` before
+        anything is read: the agreement rides on the collective's own barrier, at no extra round trip."""
         out, local = out.view(-1), local.reshape(-1)
         n = local.numel()
         chunks = out.view(self.world, n)
@@ -114,7 +130,7 @@ class Channel:
         others = [r for r in range(self.world) if r != self.rank]
         with self.lock:
             for start, size in self._pieces(n, local.element_size()):
-                slots = self._post(local[start:start + size])
+                slots = self._post(local[start:start + size], op=op if start == 0 else None)
                 for r in others:
                     chunks[r, start:start + size].copy_(slots[r])
                 self._done()
@@ -173,10 +189,10 @@ class Channel:
         step = max(1, self.slot_bytes // (itemsize * rows))
         return [(s, min(step, n - s)) for s in range(0, n, step)] or [(0, 0)]
 
-    def _post(self, data: torch.Tensor, skip: int | None = None) -> torch.Tensor:
+    def _post(self, data: torch.Tensor, skip: int | None = None, op: tuple[int, ...] | None = None) -> torch.Tensor:
         """Write ``data`` (row ``skip`` of it left out: nobody reads it) into this rank's slot once every rank
         has read the last collective's; return every rank's copy, ``(world, data.numel())`` of ``data``'s
-        dtype, once all have written."""
+        dtype, once all have written (and, given ``op``, posted the same one: else ``Diverged``)."""
         self._wait(READ, self.count, "finish reading the previous collective")
         nbytes = data.numel() * data.element_size()
         mine = self.slots[self.rank, :nbytes].view(data.dtype).view(data.shape)
@@ -186,8 +202,32 @@ class Channel:
             for r in range(len(data)):
                 if r != skip:
                     mine[r].copy_(data[r])
+        if op is not None:
+            self._post_op(op)
         self._publish()
+        if op is not None:
+            self._compare_ops(op)
         return self.slots[:, :nbytes].view(data.dtype)
+
+    def _post_op(self, op: tuple[int, ...]) -> None:
+        """Post ``op`` as this rank's for the collective about to be published (stored before ``WRITTEN``:
+        a peer that sees the collective written sees its op)."""
+        if len(op) > OP_INTS:
+            raise ValueError(f"op={op!r}: a channel posts at most {OP_INTS} ints")
+        line = self.control[self.rank]
+        line[OP] = len(op)
+        line[OP + 1:OP + 1 + len(op)] = op
+        line[OP_AT] = self.count + 1
+
+    def _compare_ops(self, op: tuple[int, ...]) -> None:
+        """Raise ``Diverged`` unless every rank posted ``op`` for this collective (every rank compares the
+        same words, so all raise or none does; each marks the collective read first, so the channel
+        stays in step for the next one)."""
+        lines = self.control[:, OP_AT:OP + 1 + OP_INTS].copy()
+        ops = [[int(x) for x in line[2:2 + int(line[1])]] if line[0] == self.count else None for line in lines]
+        if any(o != list(op) for o in ops):
+            self._done()
+            raise Diverged(ops)
 
     def _publish(self) -> None:
         """Mark what this rank wrote as collective ``count + 1``'s and wait until every rank has."""
