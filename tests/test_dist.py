@@ -236,12 +236,12 @@ def listening_addresses(pid):
     return found
 
 
-def report_listeners(rank):
+def report_listeners(rank, world, parent):
     mesh = zf.Mesh(dp=2)  # the default group and the reduce group: gloo devices of their own
     t = torch.ones(1)
     mesh.comm.all_reduce(t)
     mesh.reduce_comm.all_reduce(t)
-    return listening_addresses(os.getpid()), listening_addresses(os.getppid()), int(os.environ["MASTER_PORT"])
+    return listening_addresses(os.getpid()), listening_addresses(parent), int(os.environ["MASTER_PORT"])
 
 
 def non_loopback_interface():
@@ -265,7 +265,7 @@ def test_spawn_listens_on_loopback_only(gloo_ifname, monkeypatch):
         if gloo_ifname is None:
             pytest.skip("no interface besides loopback")
         monkeypatch.setenv("GLOO_SOCKET_IFNAME", gloo_ifname)
-    for rank, (own, parent, store_port) in enumerate(zf.dist.spawn(report_listeners, 2)):
+    for rank, (own, parent, store_port) in enumerate(zf.dist.spawn(report_listeners, 2, 2, os.getpid())):
         assert own, f"rank {rank}: gloo listens on nothing?"
         assert store_port in [port for _, port in parent], parent
         for ip, port in own + parent:

@@ -2,7 +2,13 @@
 
 ``spawn(fn, n)`` runs ``fn`` on ``n`` gloo ranks in child processes, every socket of the run bound
 to loopback (the rendezvous store this process serves, each rank's gloo sockets), and returns their
-results by rank; a failing or hanging rank stops the run with its traceback. ``free_port`` and
+results by rank; a failing or hanging rank stops the run with its traceback. The ranks fork from a
+server process that has imported torch once (multiprocessing's "forkserver", started at the first
+spawn): a rank starts in well under a second instead of the ~3 s a fresh interpreter takes to import
+torch. A forked rank has the server's environment, so a spawn whose environment differs from the one
+the server started with (a variable set since) starts fresh interpreters ("spawn"), as
+``ZFUNC_SPAWN_METHOD=spawn`` does for every spawn: what zfunc and torch read from the environment at
+import always follows the caller's. ``free_port`` and
 ``loopback_interface`` are for launches of one's own (``torchrun`` on this machine).
 """
 from __future__ import annotations
@@ -14,11 +20,19 @@ import socket
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import forkserver
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from zfunc.core import env
+
+# "forkserver": ranks fork from a server that imported these once; "spawn": fresh interpreters
+SPAWN_METHOD = env.choice("ZFUNC_SPAWN_METHOD", "forkserver", ("forkserver", "spawn"))
+PRELOAD = ("torch", "torch.distributed", "torch.multiprocessing")
+VOLATILE = ("PYTEST_CURRENT_TEST",)  # variables nothing reads at import: a rank forks whatever they say
 
 
 def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> None:
@@ -85,8 +99,32 @@ def _same_file(fd: int, other: int) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
+_server_environ: dict[str, str] | None = None  # the environment the fork server started with
+
+
+def _context():
+    """The multiprocessing context ranks start in: the fork server while this process's environment is
+    the one the server started with, else (or where there is none, or ``SPAWN_METHOD`` says) "spawn"."""
+    global _server_environ
+    if SPAWN_METHOD == "forkserver" and "forkserver" in mp.get_all_start_methods():
+        if _server_environ is None:
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload(list(PRELOAD))
+            forkserver.ensure_running()
+            _server_environ = dict(os.environ)
+        if _without_volatile(_server_environ) == _without_volatile(os.environ):
+            return mp.get_context("forkserver")
+    return mp.get_context("spawn")
+
+
+def _without_volatile(environ) -> dict[str, str]:
+    return {k: v for k, v in environ.items() if k not in VOLATILE}
+
+
 def _worker(rank: int, world_size: int, port: int, timeout_s: float, fn: Callable, args: tuple, results,
-            loopback: str) -> None:
+            loopback: str, environ: dict[str, str]) -> None:
+    os.environ.clear()  # the caller's (a forked rank has the fork server's; they differ only in VOLATILE)
+    os.environ.update(environ)
     # gloo listens for its peers on the address GLOO_SOCKET_IFNAME names, else on the one the hostname
     # resolves to (often the LAN's); every rank of a spawn is on this machine, so loopback it is, for
     # the groups ``fn`` creates too.
@@ -128,13 +166,14 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size: expected an int >= 1, got {world_size!r}")
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.SimpleQueue()
     collective_timeout = max(5.0, timeout_s / 2)
     loopback = loopback_interface()
     store = _loopback_store(datetime.timedelta(seconds=collective_timeout))
     procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(r, world_size, store.port, collective_timeout, fn, args, results, loopback))
+                         args=(r, world_size, store.port, collective_timeout, fn, args, results, loopback,
+                               dict(os.environ)))
              for r in range(world_size)]
     for p in procs:
         p.start()
