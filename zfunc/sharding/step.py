@@ -317,11 +317,12 @@ def shard(step: Step, mesh: Mesh, stage: int, units: Selector | None = None, *, 
         of 1 MiB; at stages 1/2 half of a rank's, within [1, 25] MiB, the params gathered in groups
         of 25 MiB (``ShardedStep._bucket_sizes`` says why).
       verify: before each stage-3 gather (whose order follows the model's control flow), check all
-        ranks gather the same unit (one all-gather of a few bytes, on the comm thread), so
-        diverging control flow is reported by unit and step instead of aborting gloo or hanging
-        NCCL. It delays each gather by a round trip, mostly hidden on the comm thread: 0-5% of a
-        stage-3 step of the 1.8M-param GPT on 2 loopback ranks (benchmarks/shard.py shows both). Reduce-scatters
-        need no check: they run in a fixed order on a process group of their own.
+        ranks gather the same unit, so diverging control flow is reported by unit and step instead
+        of aborting gloo or hanging NCCL. Ranks on one host (the shared-memory channel) compare
+        their units within the gather's own barrier, at no extra round trip; elsewhere it is one
+        all-gather of a few bytes on the comm thread before each gather (benchmarks/shard.py's zf-3
+        and zf-3* rows show the cost). Reduce-scatters need no check: they run in a fixed order on a
+        process group of their own.
       quantize_weights: ZeRO++'s qwZ, stage 3: params all-gathered as block-quantized int8 (a scale
         per 256 values; ``zfunc.dist.quantized``): ~3.9x fewer bytes than fp32, every rank computing
         with the same dequantized values (within half a quantization step of the masters).
