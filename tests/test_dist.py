@@ -272,6 +272,22 @@ def test_spawn_listens_on_loopback_only(gloo_ifname, monkeypatch):
             assert ip.is_loopback, f"rank {rank} or its parent listens on {ip} port {port}"
 
 
+def report_parent_and_environment(rank, world):
+    return os.getppid(), os.environ.get("PYTEST_CURRENT_TEST"), os.environ.get("ZFUNC_TEST_MARK")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(zf.dist.launch.SPAWN_METHOD != "forkserver", reason="ZFUNC_SPAWN_METHOD=spawn")
+def test_ranks_fork_from_the_server_with_the_callers_environment_unless_it_changed(monkeypatch):
+    monkeypatch.delenv("ZFUNC_TEST_MARK", raising=False)
+    now = os.environ["PYTEST_CURRENT_TEST"]  # differs from test to test: it does not stop a fork
+    for parent, current, mark in zf.dist.spawn(report_parent_and_environment, 2, 2):
+        assert parent != os.getpid() and current == now and mark is None  # forked by the server
+    monkeypatch.setenv("ZFUNC_TEST_MARK", "set")  # zfunc or torch could read it at import: fresh interpreters
+    for parent, current, mark in zf.dist.spawn(report_parent_and_environment, 2, 2):
+        assert parent == os.getpid() and mark == "set"
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="counts open fds in Linux's /proc")
 def test_a_store_that_fails_to_start_leaves_no_socket_open(monkeypatch):
     def refuse(*args, master_listen_fd, **kwargs):
