@@ -8,7 +8,8 @@ spawn): a rank starts in well under a second instead of the ~3 s a fresh interpr
 torch. A forked rank has the server's environment, so a spawn whose environment differs from the one
 the server started with (a variable set since) starts fresh interpreters ("spawn"), as
 ``ZFUNC_SPAWN_METHOD=spawn`` does for every spawn: what zfunc and torch read from the environment at
-import always follows the caller's. ``free_port`` and
+import always follows the caller's. (A fork server that something else in this process started before
+zfunc's first spawn is taken to have the environment of that spawn, and lacks the preload.) ``free_port`` and
 ``loopback_interface`` are for launches of one's own (``torchrun`` on this machine).
 """
 from __future__ import annotations
