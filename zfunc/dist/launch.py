@@ -3,14 +3,15 @@
 ``spawn(fn, n)`` runs ``fn`` on ``n`` gloo ranks in child processes, every socket of the run bound
 to loopback (the rendezvous store this process serves, each rank's gloo sockets), and returns their
 results by rank; a failing or hanging rank stops the run with its traceback. The ranks fork from a
-server process that has imported torch once (multiprocessing's "forkserver", started at the first
-spawn): a rank starts in well under a second instead of the ~3 s a fresh interpreter takes to import
-torch. A forked rank has the server's environment, so a spawn whose environment differs from the one
-the server started with (a variable set since) starts fresh interpreters ("spawn"), as
-``ZFUNC_SPAWN_METHOD=spawn`` does for every spawn: what zfunc and torch read from the environment at
-import always follows the caller's. (A fork server that something else in this process started before
-zfunc's first spawn is taken to have the environment of that spawn, and lacks the preload.) ``free_port`` and
-``loopback_interface`` are for launches of one's own (``torchrun`` on this machine).
+server process that has imported torch and zfunc once (multiprocessing's "forkserver", started at
+the first spawn): a 2-rank spawn takes ~0.1 s instead of the ~3 s a fresh interpreter takes to
+import torch. A forked rank has the server's environment, so a spawn whose environment differs
+from the one the server started with (a variable set since) starts fresh interpreters ("spawn"),
+as ``ZFUNC_SPAWN_METHOD=spawn`` does for every spawn: what zfunc and torch read from the
+environment at import always follows the caller's. (A fork server that something else in this
+process started before zfunc's first spawn is taken to have the environment of that spawn, and
+lacks the preload.) ``free_port`` and ``loopback_interface`` are for launches of one's own
+(``torchrun`` on this machine).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from zfunc.core import env
 
 # "forkserver": ranks fork from a server that imported these once; "spawn": fresh interpreters
 SPAWN_METHOD = env.choice("ZFUNC_SPAWN_METHOD", "forkserver", ("forkserver", "spawn"))
-PRELOAD = ("torch", "torch.distributed", "torch.multiprocessing")
+PRELOAD = ("torch", "torch.distributed", "torch.multiprocessing", "zfunc")  # zfunc reads ZFUNC_* at import
 VOLATILE = ("PYTEST_CURRENT_TEST",)  # variables nothing reads at import: a rank forks whatever they say
 
 
