@@ -82,7 +82,8 @@ def test_comm_runs_its_collectives_on_the_channel_unless_turned_off(setting, mon
 
 
 def _checked_gathers(rank, world):
-    """Checked all-gathers on the channel: one agreed, then ranks posting different ops, then one posting none."""
+    """Checked all-gathers on the channel: agreed (2 ints, then 3), then ranks posting different ops, then one
+    posting none."""
     from zfunc.dist.comm import Comm
     channel = shm.channel_of(None) or shm.open_channel(None, "unused")
     seen, out = [], torch.empty(2 * world)
@@ -97,6 +98,7 @@ def _checked_gathers(rank, world):
             seen.append(("diverged", str(e), channel.count - before))
 
     gather((3, 7))
+    gather((3, 7, 9))  # more ints than a control line holds: a separate agreement first
     gather((rank, 7))
     gather((3, 7) if rank == 0 else None)
     gather((3, 8))  # the channel is still in step after the failures
@@ -107,13 +109,14 @@ def _checked_gathers(rank, world):
 def test_a_checked_gather_agrees_within_its_own_barrier_and_names_each_ranks_op():
     for rank, seen in enumerate(zf.dist.spawn(_checked_gathers, 2, 2)):
         assert seen[0] == ("ok", [0.0, 0.0, 1.0, 1.0], 1)  # one collective: no agreement round trip of its own
-        assert seen[1][0] == "diverged" and seen[1][2] == 1
-        assert "ranks diverged at gather of 'h.0': rank 0: unit 0 at step 7; rank 1: unit 1 at step 7" in seen[1][1]
+        assert seen[1] == ("ok", [0.0, 0.0, 1.0, 1.0], 2)
+        assert seen[2][0] == "diverged" and seen[2][2] == 1
+        assert "ranks diverged at gather of 'h.0': rank 0: unit 0 at step 7; rank 1: unit 1 at step 7" in seen[2][1]
         if rank == 0:
-            assert seen[2][0] == "diverged" and "rank 1: a collective with no check" in seen[2][1]
+            assert seen[3][0] == "diverged" and "rank 1: a collective with no check" in seen[3][1]
         else:
-            assert seen[2][0] == "ok"  # it checked nothing, so it cannot tell
-        assert seen[3] == ("ok", [0.0, 0.0, 1.0, 1.0], 1)
+            assert seen[3][0] == "ok"  # it checked nothing, so it cannot tell
+        assert seen[4] == ("ok", [0.0, 0.0, 1.0, 1.0], 1)
 
 
 def _peer_dies(rank, world):

@@ -119,17 +119,18 @@ class Comm:
         ring all-gather takes longer for the same bytes (on loopback ranks about 1.5x).
         """
         channel = self._channel(out, local)
-        if channel is not None and (check is None or len(check[0]) <= shm.OP_INTS):
-            op, describe = check if check is not None else (None, None)
+        if channel is not None:
+            rides = check is not None and len(check[0]) <= shm.OP_INTS  # the agreement rides on the gather's barrier
+            op, describe = check if rides else (None, None)
 
-            def gather():  # the agreement rides on the gather's own barrier
+            def gather():
                 try:
                     channel.all_gather(out, local, op)
                 except shm.Diverged as e:
                     raise CollectiveError(_diverged(label, e.ops, describe)) from None
 
             return self._run(kind, _nbytes(out), label, gather, lambda: _copy_unless_same(out, local), async_op,
-                             blocking=True)
+                             None if rides else check, blocking=True)
         all_gather = _all_gather_by_broadcasts if self._on_gloo() else _all_gather
         (dev_out, dev_local), back = self._staged(out, local)
         return self._run(kind, _nbytes(out), label,

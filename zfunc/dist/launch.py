@@ -110,11 +110,13 @@ def _context():
     global _server_environ
     if SPAWN_METHOD == "forkserver" and "forkserver" in mp.get_all_start_methods():
         if _server_environ is None:
-            ctx = mp.get_context("forkserver")
-            ctx.set_forkserver_preload(list(PRELOAD))
-            forkserver.ensure_running()
-            _server_environ = dict(os.environ)
-        if _without_volatile(_server_environ) == _without_volatile(os.environ):
+            mp.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
+            try:
+                forkserver.ensure_running()
+                _server_environ = dict(os.environ)
+            except OSError:  # no server (e.g. no room for its socket): fresh interpreters from now on
+                _server_environ = {}
+        if _server_environ and _without_volatile(_server_environ) == _without_volatile(os.environ):
             return mp.get_context("forkserver")
     return mp.get_context("spawn")
 
