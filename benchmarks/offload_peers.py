@@ -2,6 +2,7 @@
 
     python benchmarks/offload_peers.py [--world 1 2] [--kinds cpu,nvme] [--n-layer 4] [--n-embd 192]
                                        [--block-size 128] [--batch 8] [--rounds 11] [--dir /tmp/zfunc-offload-peers]
+                                       [--processes own|shared]
 
 For each ``--world`` (one spawn of that many gloo ranks) every rank builds, from the same initial
 GPT (recipes/gpt.py: GPT-2's shape, tied embedding and head), fp32, AdamW (lr 1e-3, weight decay
@@ -15,9 +16,12 @@ GPT (recipes/gpt.py: GPT-2's shape, tied embedding and head), fp32, AdamW (lr 1e
   ``offload_param`` on ``nvme`` (its ``async_io`` op, JIT-built from ``libaio-dev``; where it cannot
   be built the row says so and only zfunc runs).
 
-``DS_ACCELERATOR=cpu``. Each round runs one step of every trainer, in an order shuffled anew each
-round (the same on every rank); a step is as slow as its slowest rank; the figure is the median
-over rounds of the paired ratio DeepSpeed / zfunc (> 1: zfunc faster), after two warm-up steps.
+``DS_ACCELERATOR=cpu``. Each trainer runs in processes of its own (``--processes own``, the default:
+``benchmarks/turns.py``, a spawn per trainer taking turns; ``shared``: every trainer in each rank's one
+process, as before, where one engine's threads and allocator state slow the others). Each round runs one
+step of every trainer, in an order shuffled anew each round (the same on every rank); a step is as
+slow as its slowest rank; the figure is the median over rounds of the paired ratio DeepSpeed / zfunc
+(> 1: zfunc faster), after two warm-up steps.
 The losses of the first steps (the mean over the ranks, as zfunc's metrics give it) are compared
 (the same batches: they agree to the optimizers' rounding, printed as the largest difference).
 
@@ -51,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zfunc as zf  # noqa: E402
 from recipes.gpt import GPT, Block, GPTConfig  # noqa: E402
+from benchmarks.turns import take_turns  # noqa: E402
 
 LR, WD = 1e-3, 0.01
 KINDS = ("cpu", "nvme")
@@ -124,21 +129,28 @@ def forward_backward_trainer(model: GPT):
     return run
 
 
+def make_trainer(name: str, base: GPT, mesh: zf.Mesh, batch: int, folder: Path):
+    """Trainer ``name`` ("zf-cpu", "ds-nvme", "torch-fb", ...) on a copy of ``base``: ``run(tokens) -> loss``."""
+    side, kind = name.split("-")
+    if side == "torch":
+        return forward_backward_trainer(copy.deepcopy(base))
+    if side == "zf":
+        return zfunc_trainer(kind, copy.deepcopy(base), mesh, folder)
+    return deepspeed_trainer(kind, copy.deepcopy(base), batch, folder)
+
+
+def rank_batches(cfg: GPTConfig, batch: int, rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return [torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=g) for _ in range(4)]
+
+
 def worker(rank: int, world: int, cfg: GPTConfig, batch: int, rounds: int, trainers: list[str], root: str):
+    """``--processes shared``: every trainer in this rank's process, one step each per round."""
     mesh = zf.Mesh(dp=world)
     torch.manual_seed(0)
     base = GPT(cfg)
-    folder = Path(root)
-    built = {}
-    for name in trainers:
-        side, kind = name.split("-")
-        if side == "torch":
-            built[name] = forward_backward_trainer(copy.deepcopy(base))
-            continue
-        make = zfunc_trainer if side == "zf" else deepspeed_trainer
-        built[name] = make(kind, copy.deepcopy(base), mesh if side == "zf" else batch, folder)
-    g = torch.Generator().manual_seed(100 + rank)
-    data = [torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=g) for _ in range(4)]
+    built = {name: make_trainer(name, base, mesh, batch, Path(root)) for name in trainers}
+    data = rank_batches(cfg, batch, rank)
     losses = {k: [run(data[0]), run(data[1])] for k, run in built.items()}  # warm-up, and the losses compared
     times = {k: [] for k in built}
     for r in range(rounds):
@@ -148,6 +160,26 @@ def worker(rank: int, world: int, cfg: GPTConfig, batch: int, rounds: int, train
             built[k](data[r % len(data)])
             times[k].append(time.perf_counter() - t0)
     return times, losses
+
+
+def build_alone(name: str, rank: int, world: int, cfg: GPTConfig, batch: int, root: str):
+    """``--processes own`` (``turns.take_turns``): trainer ``name`` alone in this rank's process, warmed up by
+    two steps whose losses it returns; then ``step(round)`` trains on the round's batch."""
+    torch.manual_seed(0)
+    run = make_trainer(name, GPT(cfg), zf.Mesh(dp=world), batch, Path(root))
+    data = rank_batches(cfg, batch, rank)
+    losses = [run(data[0]), run(data[1])]
+    return (lambda r: run(data[r % len(data)])), losses
+
+
+def timed(world: int, cfg: GPTConfig, batch: int, rounds: int, trainers: list[str], root: str, processes: str):
+    """Per trainer: each round's step seconds (the slowest rank's), and the two warm-up losses (rank 0's)."""
+    if processes == "own":
+        times, extras = take_turns(build_alone, trainers, world, rounds, (cfg, batch, root))
+        return times, {k: ranks[0] for k, ranks in extras.items()}
+    results = zf.dist.spawn(worker, world, world, cfg, batch, rounds, trainers, root, timeout_s=3600)
+    times = {k: [max(ts) for ts in zip(*(r[0][k] for r in results))] for k in trainers}
+    return times, results[0][1]
 
 
 def async_io_builds() -> bool:
@@ -166,6 +198,9 @@ def main(argv=None) -> None:
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--rounds", type=int, default=11)
+    p.add_argument("--processes", choices=("own", "shared"), default="own",
+                   help="own: each trainer in processes of its own, taking turns (benchmarks/turns.py); "
+                        "shared: every trainer in each rank's one process")
     p.add_argument("--dir", default="/tmp/zfunc-offload-peers", help="swap files of both (removed at the end)")
     args = p.parse_args(argv)
     for flag, values in (("--world", args.world), ("--rounds", [args.rounds]), ("--batch", [args.batch])):
@@ -180,7 +215,7 @@ def main(argv=None) -> None:
     n_params = sum(x.numel() for x in GPT(cfg).parameters())
     nvme_peer = "nvme" in kinds and async_io_builds()
     print(f"GPT {n_params / 1e6:.2f}M params, batch {args.batch}x{cfg.block_size} per rank, fp32, "
-          f"torch {torch.__version__}")
+          f"torch {torch.__version__}, --processes {args.processes}")
     print("\n| processes | offload | zfunc ms/step | DeepSpeed ms/step | zfunc speed vs DeepSpeed, paired "
           "| largest loss difference (2 steps) | forward+backward alone ms/step | zfunc / forward+backward, paired "
           "| DeepSpeed / forward+backward, paired |")
@@ -192,12 +227,10 @@ def main(argv=None) -> None:
         shutil.rmtree(root, ignore_errors=True)
         root.mkdir(parents=True)
         try:
-            results = zf.dist.spawn(worker, world, world, cfg, args.batch, args.rounds, trainers, str(root),
-                                    timeout_s=3600)
+            times, losses = timed(world, cfg, args.batch, args.rounds, trainers, str(root), args.processes)
         finally:
             shutil.rmtree(root, ignore_errors=True)
-        times = {k: [max(ts) for ts in zip(*(r[0][k] for r in results))] for k in trainers}
-        losses, fb_t = results[0][1], times["torch-fb"]
+        fb_t = times["torch-fb"]
         fb = f"{statistics.median(fb_t) * 1e3:.1f}"
         over = lambda ts: f"{statistics.median(t / f for t, f in zip(ts, fb_t)):.2f}x"  # noqa: E731
         for kind in kinds:

@@ -1,10 +1,11 @@
 """ZeRO on 2 gloo ranks of this CPU: DDP, FSDP2, DeepSpeed's ZeRO and zfunc stages 0/1/2/3 on the same GPT.
 
     python benchmarks/shard.py [--world 2] [--n-layer 4] [--n-embd 192] [--batch 8] [--rounds 60]
-                               [--trainers ddp,zf-0] [--deepspeed]
+                               [--trainers ddp,zf-0] [--deepspeed] [--processes own|shared]
 
-Phase 1 (throughput): one spawn; every rank builds all seven trainers (or ``--trainers``) from the same initial GPT and
-runs them interleaved: each round runs one step of every trainer, in an order shuffled anew each
+Phase 1 (throughput): every trainer (or ``--trainers``) built from the same initial GPT, each in a spawn
+of its own (``--processes own``, the default: ``benchmarks/turns.py``; ``shared``: one spawn whose ranks
+build them all), run interleaved: each round runs one step of every trainer, in an order shuffled anew each
 round (the same on every rank), for ``--rounds`` rounds. What runs before a trainer shifts its
 timings, and an order that merely rotates keeps each trainer behind the same one: stage 1, always
 behind FSDP2, came out 0.01-0.03x below the identical stage 2 step in three runs of three;
@@ -42,6 +43,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zfunc as zf  # noqa: E402
+from benchmarks.turns import take_turns  # noqa: E402
 from recipes.gpt import GPT, Block, GPTConfig  # noqa: E402
 
 # zf-3* is stage 3 with verify=False: no per-collective agreement check between the ranks (which
@@ -176,6 +178,17 @@ def throughput_worker(rank: int, world: int, cfg: GPTConfig, batch: int, rounds:
     return times
 
 
+def build_alone(kind: str, rank: int, world: int, cfg: GPTConfig, batch: int):
+    """``--processes own`` (``turns.take_turns``): trainer ``kind`` alone in this rank's process, warmed up as
+    ``throughput_worker`` warms up each; ``step(round)`` trains on the round's batch."""
+    torch.manual_seed(0)
+    run = build(kind, GPT(cfg), zf.Mesh(dp=world), batch)[0]
+    data = batches(cfg, batch, rank, 5)
+    for _ in range(2):
+        run(data[0]).item()
+    return (lambda r: run(data[r % len(data)]).item()), None
+
+
 def paired_ratio(peer: list[float], ours: list[float]) -> float:
     """Median over rounds of peer time / our time in the same round (> 1: we are faster)."""
     return statistics.median(p / o for p, o in zip(peer, ours))
@@ -205,6 +218,9 @@ def main(argv=None) -> None:
     p.add_argument("--trainers", default=",".join(TRAINERS),
                    help=f"a comma-separated subset of {','.join(TRAINERS + DEEPSPEED)}")
     p.add_argument("--deepspeed", action="store_true", help=f"add {','.join(DEEPSPEED)} (needs deepspeed installed)")
+    p.add_argument("--processes", choices=("own", "shared"), default="own",
+                   help="own: each trainer in processes of its own, taking turns (benchmarks/turns.py); "
+                        "shared: every trainer in each rank's one process")
     args = p.parse_args(argv)
     kinds = tuple(args.trainers.split(",")) + (DEEPSPEED if args.deepspeed else ())
     if set(kinds) - set(TRAINERS + DEEPSPEED) or "ddp" not in kinds:
@@ -214,10 +230,13 @@ def main(argv=None) -> None:
     cfg = GPTConfig(n_layer=args.n_layer, n_head=4, n_embd=args.n_embd, block_size=args.block_size)
     n_params = sum(x.numel() for x in GPT(cfg).parameters())
     print(f"GPT {n_params / 1e6:.2f}M params, {args.world} gloo ranks, batch {args.batch}x{cfg.block_size} per rank, "
-          f"torch {torch.__version__}")
-    results = zf.dist.spawn(throughput_worker, args.world, args.world, cfg, args.batch, args.rounds, kinds,
-                            timeout_s=3600)
-    times = {k: [max(ts) for ts in zip(*(r[k] for r in results))] for k in kinds}  # the slowest rank
+          f"torch {torch.__version__}, --processes {args.processes}")
+    if args.processes == "own":
+        times = take_turns(build_alone, list(kinds), args.world, args.rounds, (cfg, args.batch))[0]
+    else:
+        results = zf.dist.spawn(throughput_worker, args.world, args.world, cfg, args.batch, args.rounds, kinds,
+                                timeout_s=3600)
+        times = {k: [max(ts) for ts in zip(*(r[k] for r in results))] for k in kinds}  # the slowest rank
     med = {k: statistics.median(v) for k, v in times.items()}
     peers = [peer for peer in ("ddp", "fsdp2") if peer in kinds]
     vs = {k: {peer: paired_ratio(times[peer], times[k]) for peer in peers} for k in kinds}
