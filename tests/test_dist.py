@@ -2,6 +2,7 @@
 import datetime
 import ipaddress
 import os
+import time
 
 import pytest
 import torch
@@ -77,6 +78,20 @@ def failing(rank):
 def test_spawn_reports_the_failing_rank():
     with pytest.raises(RuntimeError, match="rank 1 of 2 failed:(.|\n)*boom on rank 1"):
         zf.dist.spawn(failing, 2)
+
+
+def quitter(rank):
+    import os
+
+    os._exit(0)  # skips the worker's report of a result
+
+
+@pytest.mark.multiprocess
+def test_spawn_names_a_rank_that_exits_without_a_result_at_once():
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 0 of 1 exited \(code 0\) without a result"):
+        zf.dist.spawn(quitter, 1, timeout_s=60)
+    assert time.monotonic() - t0 < 30  # not the timeout
 
 
 def sleeper(rank):
