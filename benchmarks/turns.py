@@ -13,7 +13,9 @@ engine has set up: its threads, its allocator's state, its OpenMP team and whate
 between calls are its own. On this 2-core machine, a process that had built DeepSpeed's and zfunc's
 offloaded trainers ran torch's forward and backward alone (2 threads, one rank) at 259 ms a step,
 against 162 ms in a process of its own (``benchmarks/offload_peers.py --world 1``, ``--processes
-shared`` then ``own``, the same hour); on 2 ranks of one thread each the two agreed (264 / 276 ms).
+shared`` then ``own``, the same hour); on 2 ranks of one thread each the two agreed (264-285 ms shared,
+266-288 ms own). Costs: a process per rank per trainer (each holds its own torch and model), and
+the coordinator sleeps on semaphores between turns.
 
 A turn: the coordinator releases the trainer's ``go`` semaphore once per rank; each rank takes it,
 meets its peers at a barrier (``torch.distributed.barrier``), times ``step(round)``
