@@ -18,10 +18,9 @@ GPT (recipes/gpt.py: GPT-2's shape, tied embedding and head), fp32, AdamW (lr 1e
 
 ``DS_ACCELERATOR=cpu``. Each trainer runs in processes of its own (``--processes own``, the default:
 ``benchmarks/turns.py``, a spawn per trainer taking turns; ``shared``: every trainer in each rank's one
-process, as before, where one engine's threads and allocator state slow the others). Each round runs one
-step of every trainer, in an order shuffled anew each round (the same on every rank); a step is as
-slow as its slowest rank; the figure is the median over rounds of the paired ratio DeepSpeed / zfunc
-(> 1: zfunc faster), after two warm-up steps.
+process). Each round runs one step of every trainer, in an order shuffled anew each round (the same
+on every rank); a step is as slow as its slowest rank; the figure is the median over rounds of the
+paired ratio DeepSpeed / zfunc (> 1: zfunc faster), after two warm-up steps.
 The losses of the first steps (the mean over the ranks, as zfunc's metrics give it) are compared
 (the same batches: they agree to the optimizers' rounding, printed as the largest difference).
 

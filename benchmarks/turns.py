@@ -10,12 +10,10 @@ its trainer the turn: one trainer at a time, in an order shuffled anew each roun
 So the rounds interleave the trainers as a one-process benchmark does (the load this shared machine
 sees drifts over seconds, and paired ratios cancel it), but no engine runs in a process that another
 engine has set up: its threads, its allocator's state, its OpenMP team and whatever it leaves behind
-between calls are its own. On this 2-core machine, a process that had built DeepSpeed's and zfunc's
-offloaded trainers ran torch's forward and backward alone (2 threads, one rank) at 259 ms a step,
-against 162 ms in a process of its own (``benchmarks/offload_peers.py --world 1``, ``--processes
-shared`` then ``own``, the same hour); on 2 ranks of one thread each the two agreed (264-285 ms shared,
-266-288 ms own). Costs: a process per rank per trainer (each holds its own torch and model), and
-the coordinator sleeps on semaphores between turns.
+between calls are its own. Where that matters most is one process of several threads: the
+README's results (the offload row) show torch's forward and backward alone slower in a process
+where both engines' trainers were built than in one of its own. Costs: a process per rank per
+trainer (each holds its own torch and model); the coordinator sleeps on semaphores between turns.
 
 A turn: the coordinator releases the trainer's ``go`` semaphore once per rank; each rank takes it,
 meets its peers at a barrier (``torch.distributed.barrier``), times ``step(round)``
