@@ -121,6 +121,9 @@ def take_turns(build: Callable[..., tuple[Callable[[int], Any], Any]], names: li
     failed = next((g for g in groups if g.error is not None), None)
     if failed is not None:
         raise RuntimeError(f"trainer {failed.name!r} failed") from failed.error
+    late = [g.name for g in groups if g.result is None]
+    if late:
+        raise TimeoutError(f"trainers {late}: their processes did not end within 60 s of the last turn")
     times = {g.name: [max(ts) for ts in zip(*(times for times, _ in g.result))] for g in groups}
     extras = {g.name: [extra for _, extra in g.result] for g in groups}
     return times, extras
