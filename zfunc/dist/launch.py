@@ -207,6 +207,8 @@ def _collect(procs, results, world_size: int, timeout_s: float) -> list[Any]:
             # children (running the caller's ``fn``) hold, and ``get()`` has already unpickled the
             # message around these bytes; weights_only would refuse results that are not tensors.
             out[rank] = torch.load(io.BytesIO(value), weights_only=False)
+        if len(out) == world_size:
+            break
         gone = [i for i, code in enumerate(codes) if i not in out and code is not None]
         if gone and codes[gone[0]] == 0:
             raise RuntimeError(f"rank {gone[0]} of {world_size} exited (code 0) without a result")
