@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zfunc as zf  # noqa: E402
 from recipes.gpt import GPT, Block, GPTConfig  # noqa: E402
+from benchmarks.shard import batches  # noqa: E402
 from benchmarks.turns import take_turns  # noqa: E402
 
 LR, WD = 1e-3, 0.01
@@ -138,18 +139,13 @@ def make_trainer(name: str, base: GPT, mesh: zf.Mesh, batch: int, folder: Path):
     return deepspeed_trainer(kind, copy.deepcopy(base), batch, folder)
 
 
-def rank_batches(cfg: GPTConfig, batch: int, rank: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + rank)
-    return [torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=g) for _ in range(4)]
-
-
 def worker(rank: int, world: int, cfg: GPTConfig, batch: int, rounds: int, trainers: list[str], root: str):
     """``--processes shared``: every trainer in this rank's process, one step each per round."""
     mesh = zf.Mesh(dp=world)
     torch.manual_seed(0)
     base = GPT(cfg)
     built = {name: make_trainer(name, base, mesh, batch, Path(root)) for name in trainers}
-    data = rank_batches(cfg, batch, rank)
+    data = batches(cfg, batch, rank, 4)
     losses = {k: [run(data[0]), run(data[1])] for k, run in built.items()}  # warm-up, and the losses compared
     times = {k: [] for k in built}
     for r in range(rounds):
@@ -166,7 +162,7 @@ def build_alone(name: str, rank: int, world: int, cfg: GPTConfig, batch: int, ro
     two steps whose losses it returns; then ``step(round)`` trains on the round's batch."""
     torch.manual_seed(0)
     run = make_trainer(name, GPT(cfg), zf.Mesh(dp=world), batch, Path(root))
-    data = rank_batches(cfg, batch, rank)
+    data = batches(cfg, batch, rank, 4)
     losses = [run(data[0]), run(data[1])]
     return (lambda r: run(data[r % len(data)])), losses
 

@@ -197,7 +197,7 @@ def _collect(procs, results, world_size: int, timeout_s: float) -> list[Any]:
     ten spawns polling every 10 ms took ~10% of a core)."""
     deadline = time.monotonic() + timeout_s
     out: dict[int, Any] = {}
-    while len(out) < world_size:
+    while True:
         codes = [p.exitcode for p in procs]  # before the drain: a rank that has exited has sent its result
         while not results.empty():
             rank, ok, value = results.get()
@@ -208,7 +208,7 @@ def _collect(procs, results, world_size: int, timeout_s: float) -> list[Any]:
             # message around these bytes; weights_only would refuse results that are not tensors.
             out[rank] = torch.load(io.BytesIO(value), weights_only=False)
         if len(out) == world_size:
-            break
+            return [out[r] for r in range(world_size)]
         gone = [i for i, code in enumerate(codes) if i not in out and code is not None]
         if gone and codes[gone[0]] == 0:
             raise RuntimeError(f"rank {gone[0]} of {world_size} exited (code 0) without a result")
@@ -221,7 +221,6 @@ def _collect(procs, results, world_size: int, timeout_s: float) -> list[Any]:
             raise TimeoutError(f"spawn: ranks {late} did not finish in {timeout_s} s")
         running = [p.sentinel for i, p in enumerate(procs) if i not in out and codes[i] is None]
         connection.wait([results._reader, *running], timeout=min(1.0, left))  # SimpleQueue's read end
-    return [out[r] for r in range(world_size)]
 
 
 def _survivors(procs, results, out: dict, world_size: int, grace_s: float = 20.0) -> str:
