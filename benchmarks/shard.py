@@ -222,6 +222,9 @@ def main(argv=None) -> None:
                    help="own: each trainer in processes of its own, taking turns (benchmarks/turns.py); "
                         "shared: every trainer in each rank's one process")
     args = p.parse_args(argv)
+    for flag, value in (("--world", args.world), ("--rounds", args.rounds), ("--batch", args.batch)):
+        if value < 1:
+            p.error(f"{flag}: expected an int >= 1, got {value}")
     kinds = tuple(args.trainers.split(",")) + (DEEPSPEED if args.deepspeed else ())
     if set(kinds) - set(TRAINERS + DEEPSPEED) or "ddp" not in kinds:
         p.error(f"--trainers: expected 'ddp' and others of {','.join(TRAINERS + DEEPSPEED)}, got {args.trainers!r}")

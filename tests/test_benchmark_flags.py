@@ -23,6 +23,18 @@ def test_offload_peers_refuses_bad_flags(capsys, monkeypatch, argv, message):
 
 
 @pytest.mark.parametrize("argv, message", [
+    (["--rounds", "0"], "--rounds: expected an int >= 1, got 0"),
+    (["--world", "-1"], "--world: expected an int >= 1, got -1"),
+    (["--batch", "0"], "--batch: expected an int >= 1, got 0"),
+    (["--processes", "mine"], "argument --processes: invalid choice: 'mine'"),
+])
+def test_shard_refuses_bad_flags(capsys, argv, message):
+    from benchmarks import shard
+
+    assert message in exits_2(capsys, shard.main, argv)
+
+
+@pytest.mark.parametrize("argv, message", [
     (["--stages", "0,4"], "--stages: expected a comma-separated subset of 0,1,2,3, got '0,4'"),
     (["--dim", "6"], "--dim: expected an int >= 1 and a multiple of 4 (4 heads), got 6"),
     (["--rounds", "0"], "--rounds: expected an int >= 1, got 0"),
