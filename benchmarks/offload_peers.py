@@ -1,6 +1,6 @@
 """The offloaded step against DeepSpeed's own ZeRO-Offload and ZeRO-Infinity, same model, same batches.
 
-    python benchmarks/offload_peers.py [--world 1 2] [--kinds cpu,nvme] [--n-layer 4] [--n-embd 192]
+    python benchmarks/offload_peers.py [--world 1 2] [--kinds cpu,nvme,nvme-opt] [--n-layer 4] [--n-embd 192]
                                        [--block-size 128] [--batch 8] [--rounds 11] [--dir /tmp/zfunc-offload-peers]
                                        [--processes own|shared]
 
@@ -11,10 +11,23 @@ GPT (recipes/gpt.py: GPT-2's shape, tied embedding and head), fp32, AdamW (lr 1e
 - ``cpu`` (ZeRO-Offload): ``zf.offload(step, "cpu")``, the step ``zf.shard(..., stage=2)`` over the
   ranks (a plain step alone), against DeepSpeed's engine at ZeRO stage 2 with
   ``offload_optimizer: cpu`` (its ``DeepSpeedCPUAdam``);
-- ``nvme`` (ZeRO-Infinity): ``zf.offload(step, "nvme", params="nvme")``, stage 3 over the ranks
-  (units: each ``Block``), against DeepSpeed at stage 3 with ``offload_optimizer`` and
-  ``offload_param`` on ``nvme`` (its ``async_io`` op, JIT-built from ``libaio-dev``; where it cannot
-  be built the row says so and only zfunc runs).
+- ``nvme`` (ZeRO-Infinity, optimizer and params on NVMe): ``zf.offload(step, "nvme", params="nvme")``,
+  stage 3 over the ranks (units: each ``Block``), against DeepSpeed at stage 3 with
+  ``offload_optimizer`` and ``offload_param`` on ``nvme`` (its ``async_io`` op, JIT-built from
+  ``libaio-dev``; where it cannot be built the row says so and only zfunc runs);
+- ``nvme-opt`` (the optimizer on NVMe, params in RAM): ``zf.offload(step, "nvme", params="cpu")``
+  against DeepSpeed with ``offload_param: cpu``.
+
+**What DeepSpeed puts on NVMe.** Its param swapper takes a param's partition only from 1 MiB up
+(``MIN_AIO_BYTES``) and, by default, keeps up to ``max_in_cpu`` = 1e9 elements in RAM anyway: on the
+default 1.85M model no param of DeepSpeed's leaves RAM, so there its ``nvme`` row does the work of
+``nvme-opt`` while zfunc reads every param from its files. The last column says which share each
+engine keeps on NVMe; ``--n-embd 512`` (12.8M params) gives DeepSpeed 90-98% of them there, the
+like-for-like ZeRO-Infinity row. To run that at all, DeepSpeed gets ``max_in_cpu: 0``, a swap buffer
+per param (its default 5 is fewer than one unit's params: the forward fails for want of one), no
+param prefetch where it swaps params (its prefetch of NVMe params asserts, ``param N already
+assigned swap buffer id M``) and ``keep_given_dtype`` (its ``zero.Init`` picks bf16 on a CPU
+whatever dtype it is given, and fp32 params in bf16 swap buffers fail the first forward).
 
 ``DS_ACCELERATOR=cpu``. Each trainer runs in processes of its own (``--processes own``, the default:
 ``benchmarks/turns.py``, a spawn per trainer taking turns; ``shared``: every trainer in each rank's one
@@ -58,7 +71,8 @@ from benchmarks.shard import batches  # noqa: E402
 from benchmarks.turns import take_turns  # noqa: E402
 
 LR, WD = 1e-3, 0.01
-KINDS = ("cpu", "nvme")
+SWAPPABLE_BYTES = 1 << 20  # DeepSpeed keeps a param partition smaller than this in RAM (its MIN_AIO_BYTES)
+KINDS = ("cpu", "nvme", "nvme-opt")
 
 
 def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -77,7 +91,8 @@ def zfunc_trainer(kind: str, model: GPT, mesh: zf.Mesh, folder: Path):
         step = zf.offload(step, "cpu")
     else:
         units = zf.units.by_class(Block) if mesh.dp == 1 else None
-        step = zf.offload(step, "nvme", params="nvme", path=str(folder / "zfunc"), units=units)
+        where_params = "nvme" if kind == "nvme" else "cpu"
+        step = zf.offload(step, "nvme", params=where_params, path=str(folder / f"zfunc-{kind}"), units=units)
     holder = {"state": step.init(params)}
 
     def run(tokens):
@@ -87,13 +102,54 @@ def zfunc_trainer(kind: str, model: GPT, mesh: zf.Mesh, folder: Path):
     return run
 
 
-def deepspeed_config(kind: str, batch: int, folder: Path) -> dict:
+def deepspeed_config(kind: str, batch: int, folder: Path, model: torch.nn.Module, world: int) -> dict:
+    """DeepSpeed's config for ``kind`` (module docstring)."""
     zero = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    if kind != "cpu":
+        nvme = {"device": "nvme", "nvme_path": str(folder / f"deepspeed-{kind}")}
+        zero = {"stage": 3, "offload_optimizer": nvme, "offload_param": {"device": "cpu"}}
     if kind == "nvme":
-        nvme = {"device": "nvme", "nvme_path": str(folder / "deepspeed")}
-        zero = {"stage": 3, "offload_optimizer": nvme, "offload_param": nvme}
+        sizes = [p.numel() for p in model.parameters()]
+        zero["offload_param"] = {**nvme, "max_in_cpu": 0, "buffer_count": len(sizes), "buffer_size": max(sizes)}
+        if -(-max(sizes) // world) * next(model.parameters()).element_size() >= SWAPPABLE_BYTES:
+            zero["stage3_prefetch_bucket_size"] = 0  # its prefetch of NVMe params asserts (module docstring)
     return {"train_micro_batch_size_per_gpu": batch, "gradient_clipping": 1.0, "zero_optimization": zero,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}}
+
+
+def keep_given_dtype() -> None:
+    """Make ``deepspeed.zero.Init`` keep the dtype it is given on a CPU accelerator.
+
+    Its ``_set_dtype`` reads ``dtype or torch.float16 if fp16 else torch.bfloat16 if
+    is_bf16_supported else torch.float32``: by precedence a given dtype counts only where fp16 is
+    supported, and ``is_bf16_supported`` is tested uncalled (a bound method: true), so on a CPU it
+    picks bf16 whatever it is given. The param swapper then keeps fp32 params in bf16 buffers and
+    the first forward of ZeRO-Infinity with params on NVMe fails (``float != c10::BFloat16``). This
+    gives it the precedence its ``dtype or`` intends (the engine passes the model's dtype); with
+    ``dtype=None`` it behaves as before."""
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    original = Init._set_dtype
+    if getattr(original, "zfunc_keeps_dtype", False):
+        return
+
+    def set_dtype(self, ds_config, dtype):
+        if dtype is not None:  # its else branch's ``dtype or``, whatever the config
+            self.dtype = dtype
+        else:
+            original(self, ds_config, dtype)
+
+    set_dtype.zfunc_keeps_dtype = True
+    Init._set_dtype = set_dtype
+
+
+def nvme_share(model: torch.nn.Module) -> float:
+    """The share of ``model``'s param elements DeepSpeed keeps on NVMe (its partitions' ``final_location``)."""
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+
+    parts = [p.ds_tensor for p in model.parameters()]
+    on = sum(t.ds_numel for t in parts if getattr(t, "final_location", None) == OffloadDeviceEnum.nvme)
+    return on / sum(t.ds_numel for t in parts)
 
 
 def deepspeed_trainer(kind: str, model: GPT, batch: int, folder: Path):
@@ -103,8 +159,10 @@ def deepspeed_trainer(kind: str, model: GPT, batch: int, folder: Path):
     from deepspeed.utils import logger
 
     logger.setLevel(logging.WARNING)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=deepspeed_config(kind, batch, folder))
+    if kind == "nvme":
+        keep_given_dtype()
+    config = deepspeed_config(kind, batch, folder, model, torch.distributed.get_world_size())
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
     def run(tokens):
         loss = lm_loss(engine(tokens[:, :-1]), tokens)
@@ -114,6 +172,7 @@ def deepspeed_trainer(kind: str, model: GPT, batch: int, folder: Path):
         torch.distributed.all_reduce(mean)
         return mean.item() / torch.distributed.get_world_size()
 
+    run.params_on_nvme = nvme_share(model) if kind == "nvme" else 0.0
     return run
 
 
@@ -131,7 +190,7 @@ def forward_backward_trainer(model: GPT):
 
 def make_trainer(name: str, base: GPT, mesh: zf.Mesh, batch: int, folder: Path):
     """Trainer ``name`` ("zf-cpu", "ds-nvme", "torch-fb", ...) on a copy of ``base``: ``run(tokens) -> loss``."""
-    side, kind = name.split("-")
+    side, kind = name.split("-", 1)
     if side == "torch":
         return forward_backward_trainer(copy.deepcopy(base))
     if side == "zf":
@@ -146,7 +205,7 @@ def worker(rank: int, world: int, cfg: GPTConfig, batch: int, rounds: int, train
     base = GPT(cfg)
     built = {name: make_trainer(name, base, mesh, batch, Path(root)) for name in trainers}
     data = batches(cfg, batch, rank, 4)
-    losses = {k: [run(data[0]), run(data[1])] for k, run in built.items()}  # warm-up, and the losses compared
+    losses = {k: ([run(data[0]), run(data[1])], on_nvme(run)) for k, run in built.items()}  # warm-up, compared
     times = {k: [] for k in built}
     for r in range(rounds):
         for k in random.Random(r).sample(list(built), len(built)):
@@ -157,18 +216,24 @@ def worker(rank: int, world: int, cfg: GPTConfig, batch: int, rounds: int, train
     return times, losses
 
 
+def on_nvme(run) -> float | None:
+    """The share of a DeepSpeed trainer's param elements on NVMe (None for the others)."""
+    return getattr(run, "params_on_nvme", None)
+
+
 def build_alone(name: str, rank: int, world: int, cfg: GPTConfig, batch: int, root: str):
     """``--processes own`` (``turns.take_turns``): trainer ``name`` alone in this rank's process, warmed up by
-    two steps whose losses it returns; then ``step(round)`` trains on the round's batch."""
+    two steps whose losses it returns (with ``on_nvme``); then ``step(round)`` trains on the round's batch."""
     torch.manual_seed(0)
     run = make_trainer(name, GPT(cfg), zf.Mesh(dp=world), batch, Path(root))
     data = batches(cfg, batch, rank, 4)
     losses = [run(data[0]), run(data[1])]
-    return (lambda r: run(data[r % len(data)])), losses
+    return (lambda r: run(data[r % len(data)])), (losses, on_nvme(run))
 
 
 def timed(world: int, cfg: GPTConfig, batch: int, rounds: int, trainers: list[str], root: str, processes: str):
-    """Per trainer: each round's step seconds (the slowest rank's), and the two warm-up losses (rank 0's)."""
+    """Per trainer: each round's step seconds (the slowest rank's), and the two warm-up losses with the
+    share of params on NVMe (rank 0's; ``on_nvme``)."""
     if processes == "own":
         times, extras = take_turns(build_alone, trainers, world, rounds, (cfg, batch, root))
         return times, {k: ranks[0] for k, ranks in extras.items()}
@@ -208,13 +273,13 @@ def main(argv=None) -> None:
         p.error("DeepSpeed is not installed (DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed)")
     cfg = GPTConfig(n_layer=args.n_layer, n_head=4, n_embd=args.n_embd, block_size=args.block_size)
     n_params = sum(x.numel() for x in GPT(cfg).parameters())
-    nvme_peer = "nvme" in kinds and async_io_builds()
+    nvme_peer = kinds != ["cpu"] and async_io_builds()
     print(f"GPT {n_params / 1e6:.2f}M params, batch {args.batch}x{cfg.block_size} per rank, fp32, "
           f"torch {torch.__version__}, --processes {args.processes}")
     print("\n| processes | offload | zfunc ms/step | DeepSpeed ms/step | zfunc speed vs DeepSpeed, paired "
           "| largest loss difference (2 steps) | forward+backward alone ms/step | zfunc / forward+backward, paired "
-          "| DeepSpeed / forward+backward, paired |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| DeepSpeed / forward+backward, paired | params on NVMe, zfunc / DeepSpeed |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for world in args.world:
         trainers = [f"{side}-{kind}" for kind in kinds for side in ("zf", "ds")
                     if side == "zf" or kind == "cpu" or nvme_peer] + ["torch-fb"]
@@ -230,15 +295,17 @@ def main(argv=None) -> None:
         over = lambda ts: f"{statistics.median(t / f for t, f in zip(ts, fb_t)):.2f}x"  # noqa: E731
         for kind in kinds:
             zf_t = times[f"zf-{kind}"]
+            zf_nvme = f"{100 if kind == 'nvme' else 0}%"
             if f"ds-{kind}" not in times:
                 print(f"| {world} | {kind} | {statistics.median(zf_t) * 1e3:.1f} | not run (DeepSpeed's async_io "
-                      f"cannot be built here: libaio-dev) | - | - | {fb} | {over(zf_t)} | - |")
+                      f"cannot be built here: libaio-dev) | - | - | {fb} | {over(zf_t)} | - | {zf_nvme} / - |")
                 continue
             ds_t = times[f"ds-{kind}"]
             ratio = statistics.median(d / z for d, z in zip(ds_t, zf_t))
-            diff = max(abs(a - b) for a, b in zip(losses[f"zf-{kind}"], losses[f"ds-{kind}"]))
+            (zf_losses, _), (ds_losses, ds_nvme) = losses[f"zf-{kind}"], losses[f"ds-{kind}"]
+            diff = max(abs(a - b) for a, b in zip(zf_losses, ds_losses))
             print(f"| {world} | {kind} | {statistics.median(zf_t) * 1e3:.1f} | {statistics.median(ds_t) * 1e3:.1f} "
-                  f"| {ratio:.2f}x | {diff:.1e} | {fb} | {over(zf_t)} | {over(ds_t)} |")
+                  f"| {ratio:.2f}x | {diff:.1e} | {fb} | {over(zf_t)} | {over(ds_t)} | {zf_nvme} / {ds_nvme:.0%} |")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from tests.recipe_runs import exits_2  # noqa: E402
     (["--world", "0"], "--world: expected ints >= 1, got [0]"),
     (["--rounds", "-1"], "--rounds: expected ints >= 1, got -1"),
     (["--batch", "0"], "--batch: expected ints >= 1, got 0"),
-    (["--kinds", "disk"], "--kinds: expected a comma-separated subset of cpu,nvme, got 'disk'"),
+    (["--kinds", "disk"], "--kinds: expected a comma-separated subset of cpu,nvme,nvme-opt, got 'disk'"),
 ])
 def test_offload_peers_refuses_bad_flags(capsys, monkeypatch, argv, message):
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # what the benchmark sets on import, undone after the test
