@@ -71,6 +71,18 @@ def test_the_mapping_is_released_with_its_last_tensor():
     assert "hg" not in _vma_of(address).get("VmFlags", "")  # unmapped (or the address reused unadvised)
 
 
+@needs_thp
+def test_transient_puts_what_glibc_would_map_afresh_on_huge_pages(monkeypatch):
+    n = hostmem._MMAP_MIN // 4  # fp32 elements: the first size glibc maps rather than reuses
+    big, small = hostmem.transient(n, torch.float32, "cpu"), hostmem.transient(n - 1, torch.float32, "cpu")
+    assert (big.shape, big.dtype, small.shape) == ((n,), torch.float32, (n - 1,))
+    assert "hg" in _vma_of(big.data_ptr())["VmFlags"].split()
+    assert "hg" not in _vma_of(small.data_ptr()).get("VmFlags", "").split()  # the heap's, reused step to step
+    monkeypatch.setattr(hostmem, "HEAP_REUSE", "all")  # the heap serves every size: torch's own then
+    assert "hg" not in _vma_of(hostmem.transient(n, torch.float32, "cpu").data_ptr()).get("VmFlags", "").split()
+    assert hostmem.transient(n, torch.float32, "meta").device.type == "meta"
+
+
 def test_zeros_like_and_copy_to_equal_torch():
     x = torch.randn(BIG)
     z = hostmem.zeros_like(x)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from zfunc.ops.cpu import hostmem
 from zfunc.sharding.prefetch import Gatherer
 
 KIND = "hpz_all_gather"  # the byte counter's call type of the re-gathers inside a group
@@ -43,7 +44,7 @@ class SecondaryGatherer(Gatherer):
         if own is None:
             super()._launch(u)
             return
-        out = torch.empty(own.numel() * self.group.world, dtype=own.dtype, device=own.device)
+        out = hostmem.transient(own.numel() * self.group.world, own.dtype, own.device)
         self._issue(u, self.group, out, own, kind=KIND)
 
     def ensure(self, u: int) -> None:

@@ -19,6 +19,7 @@ import torch
 from zfunc.core import placement, tree
 from zfunc.core.state import TrainState
 from zfunc.dist.mesh import Mesh
+from zfunc.ops.cpu import hostmem
 
 PyTree = Any
 
@@ -177,7 +178,7 @@ class FlatGroup:
                       rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, seg)``: a ``(world * segment,)`` buffer in ``dtype`` for this group's all-gather,
         and ``seg``, this rank's segment of it, holding ``pieces`` (in ``indices`` order) padded."""
-        out = torch.empty(world * self.segment, dtype=dtype, device=device)
+        out = hostmem.transient(world * self.segment, dtype, device)
         seg = out[rank * self.segment : (rank + 1) * self.segment]
         sizes, piece, pads = self._segment_cuts(self._leaves, rank)
         views = seg.split(sizes)  # a cat into ``seg`` that casts took 1.5x as long
@@ -190,7 +191,7 @@ class FlatGroup:
     def unpack_gathered(self, gathered: torch.Tensor, leaves: tuple[LeafShard, ...], world: int) -> list[torch.Tensor]:
         """Whole params (views into one new flat buffer) from an all-gathered ``(world * segment,)`` buffer."""
         numels = [math.prod(leaves[i].shape) for i in self.indices]
-        flat = torch.empty(sum(numels), dtype=gathered.dtype, device=gathered.device)
+        flat = hostmem.transient(sum(numels), gathered.dtype, gathered.device)
         outs = [part.view(leaves[i].shape) for part, i in zip(flat.split(numels), self.indices)]
         self.unpack_into(gathered, leaves, world, outs)
         return outs

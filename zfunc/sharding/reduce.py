@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from zfunc.model.functional import BufferScope
+from zfunc.ops.cpu import hostmem
 from zfunc.sharding.layout import FlatGroup, LeafShard, ShardSpec
 
 
@@ -119,11 +120,11 @@ class GradReducer:
         device = self.device
         dtypes = {g.dtype for g in grads.values() if g is not None}
         wire = self.comm.reduce_dtype(dtypes.pop()) if len(dtypes) == 1 else torch.float32
-        full = torch.empty(world, group.segment, dtype=wire, device=device)
+        full = hostmem.transient(world * group.segment, wire, device).view(world, group.segment)
         group.pack_full([grads.get(i) for i in group.indices], self.spec.leaves, world, full)
         if not self.keep_whole:
             self._held(-sum(g.numel() * g.element_size() for g in grads.values() if g is not None))
-        out = torch.empty(group.segment, dtype=torch.float32, device=device)
+        out = hostmem.transient(group.segment, torch.float32, device)
         work = self.comm.reduce_scatter(out, full.view(-1), label=what, async_op=True)
         self.works.append((work, out, u))
         if self.on_group_done is not None:
