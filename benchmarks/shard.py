@@ -20,7 +20,9 @@ the root). ``--deepspeed`` adds DeepSpeed's own engine at stages 1/2/3 (``ds-1``
 ``DS_ACCELERATOR=cpu``, ``deepspeed.initialize`` on the same gloo group, torch's AdamW as its client
 optimizer, ``gradient_clipping`` 1.0, fp32), each compared with zfunc's stage of the same number.
 Phase 2 (memory): a fresh spawn per trainer, so each peak RSS is its own: peak RSS minus the RSS
-after building the model, per rank, beside the bytes the trainer accounts for.
+after building the model, per rank, beside the bytes the trainer accounts for; before that the
+trainer takes two steps of a tiny GPT, so that what it loads once per process is left out of the
+growth and printed on its own (``memory_worker``).
 Prints a markdown table and one README row.
 """
 from __future__ import annotations
@@ -194,8 +196,20 @@ def paired_ratio(peer: list[float], ours: list[float]) -> float:
     return statistics.median(p / o for p, o in zip(peer, ours))
 
 
+TINY = GPTConfig(n_layer=1, n_head=4, n_embd=16, block_size=16)  # loads a trainer's code, holds next to nothing
+
+
 def memory_worker(rank: int, world: int, kind: str, cfg: GPTConfig, batch: int, steps: int):
+    """``(peak RSS growth, accounted state, one-off load)`` of trainer ``kind`` on this rank, in bytes.
+    First the same trainer takes two steps on ``TINY``: whatever it loads once per process (zfunc's
+    Numba runtime and CPU-Adam kernels: ~120 MB) is then in the RSS the growth starts from, and its
+    size is the one-off load."""
     mesh = zf.Mesh(dp=world)
+    start = rss_bytes()
+    run, _ = build(kind, GPT(TINY), mesh, 2)
+    for tokens in batches(TINY, 2, rank, 2):
+        run(tokens).item()
+    del run
     torch.manual_seed(0)
     base = GPT(cfg)
     data = batches(cfg, batch, rank, steps)
@@ -204,7 +218,7 @@ def memory_worker(rank: int, world: int, kind: str, cfg: GPTConfig, batch: int, 
     del base
     for tokens in data:
         run(tokens).item()
-    return peak_rss_bytes() - before, accounted()
+    return peak_rss_bytes() - before, accounted(), before - start
 
 
 def main(argv=None) -> None:
@@ -249,16 +263,18 @@ def main(argv=None) -> None:
     memory = {k: zf.dist.spawn(memory_worker, args.world, args.world, k, cfg, args.batch, 2, timeout_s=600)
               for k in kinds}
     print("\n| trainer | median ms/step | vs DDP, paired (of medians) | vs FSDP2, paired (of medians) "
-          "| vs DeepSpeed's same stage, paired (of medians) | peak RSS growth/rank (MB) | accounted state/rank (MB) |")
-    print("|---|---|---|---|---|---|---|")
+          "| vs DeepSpeed's same stage, paired (of medians) | peak RSS growth/rank (MB) | accounted state/rank (MB) "
+          "| loaded once per process (MB) |")
+    print("|---|---|---|---|---|---|---|---|")
     for k in kinds:
         rss = max(m[0] for m in memory[k]) / 2**20
         acc = max(m[1] for m in memory[k]) / 2**20
+        once = max(m[2] for m in memory[k]) / 2**20
         ratios = [f"{vs[k][peer]:.3f}x ({med[peer] / med[k]:.2f}x)" if peer in vs[k] else "-"
                   for peer in ("ddp", "fsdp2")]
         ratios.append(f"{vs[k]['deepspeed']:.3f}x ({med[f'ds-{k[3]}'] / med[k]:.2f}x)" if "deepspeed" in vs[k] else "-")
         accounted = "-" if acc != acc else f"{acc:.2f}"  # nan: DeepSpeed's
-        print(f"| {k} | {med[k] * 1e3:.1f} | {' | '.join(ratios)} | {rss:.1f} | {accounted} |")
+        print(f"| {k} | {med[k] * 1e3:.1f} | {' | '.join(ratios)} | {rss:.1f} | {accounted} | {once:.1f} |")
     if set(kinds) == set(TRAINERS):
         print(f"\nREADME row: | ZeRO on {args.world} gloo ranks, GPT {n_params / 1e6:.1f}M "
               f"| `python benchmarks/shard.py` "
