@@ -202,8 +202,8 @@ TINY = GPTConfig(n_layer=1, n_head=4, n_embd=16, block_size=16)  # loads a train
 def memory_worker(rank: int, world: int, kind: str, cfg: GPTConfig, batch: int, steps: int):
     """``(peak RSS growth, accounted state, one-off load)`` of trainer ``kind`` on this rank, in bytes.
     First the same trainer takes two steps on ``TINY``: whatever it loads once per process (zfunc's
-    Numba runtime and CPU-Adam kernels: ~120 MB) is then in the RSS the growth starts from, and its
-    size is the one-off load."""
+    Numba runtime and CPU-Adam kernels: ~160 MB a rank on 2 ranks; DDP's first use: ~110 MB) is then
+    in the RSS the growth starts from, and its size is the one-off load."""
     mesh = zf.Mesh(dp=world)
     start = rss_bytes()
     run, _ = build(kind, GPT(TINY), mesh, 2)
