@@ -1,4 +1,5 @@
 """offload: state in CPU RAM or swap files trains exactly as the plain (or sharded) step."""
+import gc
 import os
 import subprocess
 import sys
@@ -46,6 +47,37 @@ def test_offloaded_step_equals_the_plain_step(tmp_path, where, params, clip, pre
     placed = step.memory(state)
     assert (placed["nvme"] > 0) == ("nvme" in (where, params))
     assert (placed["device"] > 0) == (params is None)
+
+
+def cyclic_garbage(fn) -> list:
+    """What ``fn()`` leaves that only Python's cyclic GC would free (reference cycles)."""
+    gc.collect()
+    gc.disable()
+    try:
+        fn()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        return list(gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+
+
+@pytest.mark.parametrize("where, params, clip", [("nvme", "nvme", True), ("nvme", "cpu", True), ("cpu", None, False)])
+def test_a_call_leaves_no_reference_cycles(tmp_path, where, params, clip):
+    # a cycle through a call's run and roles keeps every buffer of the call (reads, grads) alive
+    # until the cyclic GC happens to run: a 12.8M GPT's NVMe step grew by ~100 MB of RSS a step
+    step, state = make(clip, "fp32", 1, where, params, tmp_path)
+    holder = {"state": state}
+    data = batches(1, 2)
+
+    def one_step(batch):
+        holder["state"], _ = step(holder["state"], batch)
+
+    one_step(data[0])  # the first call learns the layout
+    garbage = cyclic_garbage(lambda: one_step(data[1]))
+    assert not [type(o).__qualname__ for o in garbage if torch.is_tensor(o) or hasattr(o, "__dict__")]
 
 
 @pytest.mark.parametrize("where, params", [("cpu", None), ("nvme", "nvme")])

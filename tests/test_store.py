@@ -67,3 +67,22 @@ def test_a_packed_file_is_read_once_a_pass_and_written_once_all_its_members_are_
         assert name == "grp" and torch.equal(after[1], tensors[1] * 0) and torch.equal(after[0], tensors[0] * 2)
         lone = disk.pack("one", [tensors[0].clone()])  # a lone tensor: a file of its own, as put
         assert lone == [OnDisk("one", (3,), torch.float32)]
+
+
+def test_big_buffers_round_trip_on_mappings_of_their_own(tmp_path):
+    # from hostmem.HUGE_MIN bytes a pass's buffers are mappings of their own (unmapped when freed,
+    # not kept by the heap), still 4096-aligned for O_DIRECT
+    from zfunc.ops.cpu import hostmem
+
+    big = [torch.randn(hostmem.HUGE_MIN // 8 + 7), torch.randn(hostmem.HUGE_MIN // 8 + 3)]  # > HUGE_MIN packed
+    with SwapEngine(tmp_path) as engine:
+        disk = Store(engine, track=lambda fut, nbytes: fut.result())
+        handles = disk.pack("big", [t.clone() for t in big])
+        got = [disk.fetch(h).result() for h in handles]
+        assert got[0].data_ptr() % 4096 == 0 and all(torch.equal(a, b) for a, b in zip(got, big))
+        for h, t in zip(handles, got):
+            _, write = disk.store_back(h, t * 3)
+        write.result()
+        lone = disk.put("lone", big[0].clone())
+        assert torch.equal(Store(engine).fetch(lone).result(), big[0])
+        assert all(torch.equal(a, b * 3) for a, b in zip([Store(engine).fetch(h).result() for h in handles], big))

@@ -20,47 +20,71 @@ from zfunc.core.state import TrainState
 from zfunc.offloading.store import Store
 
 
-class _Stores:
-    """Where one call (an ``init`` or a step) puts leaves: the optimizer's and the params' stores,
-    the writes in flight (at most ``2 * chunk_bytes``) and the files the call rewrote. ``step`` is
-    the ``OffloadedStep`` (read: its chunk size, engine and where it keeps each store), not
-    imported: zfunc.offloading.offloaded imports this module."""
+class _Writes:
+    """The writes one call has in flight (at most ``budget`` bytes: each new write waits for the
+    oldest beyond that) and the files whose new versions it issued. Its own object, not part of
+    ``_Stores``: a ``Store`` holds its ``track``, and a bound method of the ``_Stores`` that holds the
+    store would make a reference cycle, which keeps the call's buffers alive until Python's cyclic
+    GC runs (a 12.8M GPT's two-rank NVMe step grew by ~100 MB of RSS a step)."""
 
-    def __init__(self, step: Any, device: torch.device):
-        pin = device.type == "cuda"
-        self.chunk_bytes, self.engine = step.chunk_bytes, step.engine
-        self._writes: deque = deque()
-        self._in_flight = 0  # bytes of ``_writes``
-        self._rewritten: list[str] = []  # the files whose new versions this call issued
-        self._in_place = (step.where_optimizer, step.where_masters) != ("nvme", "nvme")  # leaves in RAM
-        self._opt_store = Store(step.engine if step.where_optimizer == "nvme" else None, pin, self._track)
-        self._param_store = Store(step.engine if step.where_masters == "nvme" else None, pin, self._track)
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.writes: deque = deque()
+        self.in_flight = 0  # bytes of ``writes``
+        self.rewritten: list[str] = []  # the files whose new versions this call issued
 
-    def _track(self, write: Future | None, nbytes: int, name: str | None = None) -> None:
+    def track(self, write: Future | None, nbytes: int, name: str | None = None) -> None:
         """Count ``write`` in flight (``name``: a file the call rewrites, put back if it fails)."""
         if write is None:
             return
         if name is not None:
-            self._rewritten.append(name)
-        self._writes.append((write, nbytes))
-        self._in_flight += nbytes
-        self._wait_writes(2 * self.chunk_bytes)
+            self.rewritten.append(name)
+        self.writes.append((write, nbytes))
+        self.in_flight += nbytes
+        self.wait(self.budget)
 
-    def _wait_writes(self, budget: int | None) -> None:
+    def wait(self, budget: int | None) -> None:
         """Wait for the oldest writes until at most ``budget`` bytes are in flight (all: None);
-        the first that failed raises (the rest stay counted, for ``_drain``)."""
-        writes = self._writes
-        while writes and (budget is None or self._in_flight > budget):
+        the first that failed raises (the rest stay counted, for ``drain``)."""
+        writes = self.writes
+        while writes and (budget is None or self.in_flight > budget):
             write, nbytes = writes.popleft()
-            self._in_flight -= nbytes
+            self.in_flight -= nbytes
             write.result()
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
         """Wait for every write in flight, their errors dropped: only a call that has failed
         already has writes left at its end (a step waits for all of its own before it returns)."""
-        while self._writes:
+        while self.writes:
             with contextlib.suppress(Exception):
-                self._wait_writes(None)
+                self.wait(None)
+
+
+class _Stores:
+    """Where one call (an ``init`` or a step) puts leaves: the optimizer's and the params' stores,
+    the writes in flight (``_Writes``, at most ``2 * chunk_bytes``) and the files the call rewrote.
+    ``step`` is the ``OffloadedStep`` (read: its chunk size, engine and where it keeps each store),
+    not imported: zfunc.offloading.offloaded imports this module."""
+
+    def __init__(self, step: Any, device: torch.device):
+        pin = device.type == "cuda"
+        self.chunk_bytes, self.engine = step.chunk_bytes, step.engine
+        self._pending = _Writes(2 * step.chunk_bytes)
+        self._in_place = (step.where_optimizer, step.where_masters) != ("nvme", "nvme")  # leaves in RAM
+        self._opt_store = Store(step.engine if step.where_optimizer == "nvme" else None, pin, self._pending.track)
+        self._param_store = Store(step.engine if step.where_masters == "nvme" else None, pin, self._pending.track)
+
+    def _track(self, write: Future | None, nbytes: int, name: str | None = None) -> None:
+        """``_Writes.track``: count ``write`` in flight."""
+        self._pending.track(write, nbytes, name)
+
+    def _wait_writes(self, budget: int | None) -> None:
+        """``_Writes.wait``: the oldest writes waited for down to ``budget`` bytes (all: None)."""
+        self._pending.wait(budget)
+
+    def _drain(self) -> None:
+        """``_Writes.drain``: every write in flight waited for, errors dropped."""
+        self._pending.drain()
 
     def undo(self, state: TrainState) -> str:
         """After a failed call: every write waited for and every file the call rewrote put back
@@ -72,7 +96,7 @@ class _Stores:
             return "the state passed in is unchanged"
         lost = "the state passed in is consumed"
         try:
-            kept = [self.engine.restore(name) for name in self._rewritten] if self._rewritten else []
+            kept = [self.engine.restore(name) for name in self._pending.rewritten] if self._pending.rewritten else []
             if not all(k.result() for k in kept):
                 return (f"{lost}: the previous versions of its files were not kept (no spare files: hard links "
                         "unsupported on the swap disk?); restart from a checkpoint")

@@ -20,6 +20,7 @@ record in one place (``step.learn``).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -39,6 +40,18 @@ from zfunc.sharding.reduce import (Buckets, GradAllReducer, GradReducer, GradSli
                                    average_order)
 
 PyTree = Any
+
+
+def _summer(comm) -> Callable[[torch.Tensor, str], torch.Tensor]:
+    """The context's ``sum_across``: ``t`` summed over the data-parallel ranks, in place, by ``comm``.
+    A closure over the comm, not a bound method of the run: the run holds the context, which the
+    roles hold, and a cycle through them keeps every buffer of the call alive until Python's cyclic
+    GC runs."""
+    def sum_across(t: torch.Tensor, label: str) -> torch.Tensor:
+        comm.all_reduce(t, label=label)
+        return t
+
+    return sum_across
 
 
 class StepRun:
@@ -63,7 +76,7 @@ class StepRun:
         self.produced: torch.Tensor | None = None  # per leaf, 1 where this rank's backward produced a grad
         self._live: dict[int, tuple] = {}  # microbatches between their forward and backward
         self.context = RunContext(self.spec, 1.0 if self.stage == 0 else self.reduce_divisor,
-                                  None if self.stage == 0 else self._sum_across, step.finite)
+                                  None if self.stage == 0 else _summer(self.mesh.comm), step.finite)
         self.roles = step.roles(self.context, state)  # this call's params source, grad sink, update and schedule
         self._opt_state = state.opt_state if self.stage == 0 else None  # read before backward consumes it
         if self.roles.schedule.count != step.accum:
@@ -91,11 +104,6 @@ class StepRun:
         learned.update(self.learned)
         learned.update(peak_gathered_bytes=self.peak_gathered_bytes, peak_whole_grad_bytes=self.peak_whole_grad_bytes)
         return learned
-
-    def _sum_across(self, t: torch.Tensor, label: str) -> torch.Tensor:
-        """``t`` summed over the data-parallel ranks, in place (the context's ``sum_across``)."""
-        self.mesh.comm.all_reduce(t, label=label)
-        return t
 
     # ------------------------------------------------------------------ forward and backward
     def _loss_and_grads(self, state: TrainState, batch: PyTree):
