@@ -59,6 +59,18 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 @pytest.fixture(autouse=True)
+def _fork_server_with_the_sessions_environment(request):
+    """zfunc forks ranks from its fork server only while the environment is the one the server
+    started with (``zfunc.dist.launch``), else starts fresh interpreters. Started here, before the
+    first test that starts processes sets any variable (``monkeypatch.setenv``), the server holds
+    the session's environment, whichever test comes first."""
+    if request.node.get_closest_marker("multiprocess"):
+        from zfunc.dist import launch
+
+        launch._context()
+
+
+@pytest.fixture(autouse=True)
 def _processes_need_the_multiprocess_marker(request):
     """Errors (at teardown) when a test without the marker started a process, in its setup or call."""
     yield

@@ -298,6 +298,9 @@ def test_ranks_fork_from_the_server_with_the_callers_environment_unless_it_chang
     now = os.environ["PYTEST_CURRENT_TEST"]  # differs from test to test: it does not stop a fork
     for parent, current, mark in zf.dist.spawn(report_parent_and_environment, 2, 2):
         assert parent != os.getpid() and current == now and mark is None  # forked by the server
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")  # torch sets it on first use: still forked
+    for parent, current, mark in zf.dist.spawn(report_parent_and_environment, 2, 2):
+        assert parent != os.getpid()
     monkeypatch.setenv("ZFUNC_TEST_MARK", "set")  # zfunc or torch could read it at import: fresh interpreters
     for parent, current, mark in zf.dist.spawn(report_parent_and_environment, 2, 2):
         assert parent == os.getpid() and mark == "set"

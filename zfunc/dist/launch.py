@@ -34,7 +34,10 @@ from zfunc.core import env
 # "forkserver": ranks fork from a server that imported these once; "spawn": fresh interpreters
 SPAWN_METHOD = env.choice("ZFUNC_SPAWN_METHOD", "forkserver", ("forkserver", "spawn"))
 PRELOAD = ("torch", "torch.distributed", "torch.multiprocessing", "zfunc")  # zfunc reads ZFUNC_* at import
-VOLATILE = ("PYTEST_CURRENT_TEST",)  # variables nothing reads at import: a rank forks whatever they say
+# Variables nothing reads at import (a rank forks whatever they say, and takes the caller's values):
+# pytest's per-test name; the cache folder torch's inductor puts in os.environ on its first use (a
+# Hugging Face model's import does it), after which every spawn would start fresh interpreters.
+VOLATILE = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
 
 
 def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> None:
