@@ -46,8 +46,8 @@ def test_nvme_row_asks_deepspeed_to_swap_every_param_it_can(peers, tmp_path, n_e
 
 
 def test_keep_given_dtype_gives_zero_init_the_dtype_it_is_given(peers, monkeypatch):
-    pytest.importorskip("deepspeed")
-    from deepspeed.runtime.zero.partition_parameters import Init
+    # the module itself: another test may have left a stand-in ``deepspeed`` in sys.modules
+    Init = pytest.importorskip("deepspeed.runtime.zero.partition_parameters").Init
 
     original = Init._set_dtype
     monkeypatch.setattr(Init, "_set_dtype", original)  # put back after the test
