@@ -29,8 +29,8 @@ class _Writes:
 
     def __init__(self, budget: int):
         self.budget = budget
-        self.writes: deque = deque()
-        self.in_flight = 0  # bytes of ``writes``
+        self.queue: deque = deque()
+        self.in_flight = 0  # bytes of ``queue``
         self.rewritten: list[str] = []  # the files whose new versions this call issued
 
     def track(self, write: Future | None, nbytes: int, name: str | None = None) -> None:
@@ -39,23 +39,23 @@ class _Writes:
             return
         if name is not None:
             self.rewritten.append(name)
-        self.writes.append((write, nbytes))
+        self.queue.append((write, nbytes))
         self.in_flight += nbytes
         self.wait(self.budget)
 
     def wait(self, budget: int | None) -> None:
         """Wait for the oldest writes until at most ``budget`` bytes are in flight (all: None);
         the first that failed raises (the rest stay counted, for ``drain``)."""
-        writes = self.writes
-        while writes and (budget is None or self.in_flight > budget):
-            write, nbytes = writes.popleft()
+        queue = self.queue
+        while queue and (budget is None or self.in_flight > budget):
+            write, nbytes = queue.popleft()
             self.in_flight -= nbytes
             write.result()
 
     def drain(self) -> None:
         """Wait for every write in flight, their errors dropped: only a call that has failed
         already has writes left at its end (a step waits for all of its own before it returns)."""
-        while self.writes:
+        while self.queue:
             with contextlib.suppress(Exception):
                 self.wait(None)
 
@@ -69,34 +69,22 @@ class _Stores:
     def __init__(self, step: Any, device: torch.device):
         pin = device.type == "cuda"
         self.chunk_bytes, self.engine = step.chunk_bytes, step.engine
-        self._pending = _Writes(2 * step.chunk_bytes)
+        self.writes = _Writes(2 * step.chunk_bytes)
         self._in_place = (step.where_optimizer, step.where_masters) != ("nvme", "nvme")  # leaves in RAM
-        self._opt_store = Store(step.engine if step.where_optimizer == "nvme" else None, pin, self._pending.track)
-        self._param_store = Store(step.engine if step.where_masters == "nvme" else None, pin, self._pending.track)
-
-    def _track(self, write: Future | None, nbytes: int, name: str | None = None) -> None:
-        """``_Writes.track``: count ``write`` in flight."""
-        self._pending.track(write, nbytes, name)
-
-    def _wait_writes(self, budget: int | None) -> None:
-        """``_Writes.wait``: the oldest writes waited for down to ``budget`` bytes (all: None)."""
-        self._pending.wait(budget)
-
-    def _drain(self) -> None:
-        """``_Writes.drain``: every write in flight waited for, errors dropped."""
-        self._pending.drain()
+        self._opt_store = Store(step.engine if step.where_optimizer == "nvme" else None, pin, self.writes.track)
+        self._param_store = Store(step.engine if step.where_masters == "nvme" else None, pin, self.writes.track)
 
     def undo(self, state: TrainState) -> str:
         """After a failed call: every write waited for and every file the call rewrote put back
         to its version before it (``SwapEngine.restore``); ``state`` (the one the call took) usable
         again where that leaves it whole: nothing of it lives in RAM, where an update works in
         place. Says which, for the error."""
-        self._drain()
+        self.writes.drain()
         if not state.consumed:
             return "the state passed in is unchanged"
         lost = "the state passed in is consumed"
         try:
-            kept = [self.engine.restore(name) for name in self._pending.rewritten] if self._pending.rewritten else []
+            kept = [self.engine.restore(name) for name in self.writes.rewritten] if self.writes.rewritten else []
             if not all(k.result() for k in kept):
                 return (f"{lost}: the previous versions of its files were not kept (no spare files: hard links "
                         "unsupported on the swap disk?); restart from a checkpoint")

@@ -164,7 +164,7 @@ class OffloadedStep(Transformed):
                 if copy is not None:
                     self.compute_copies.written(handle, copy)
             del pieces, flat, copies
-        stores._wait_writes(None)
+        stores.writes.wait(None)
         self.reserve_room(masters, states)  # the room of the first step's writes, held from now on
         path = self.path if self.engine is None else str(self.engine.path)  # this rank's files
         off = OffloadSpec(*_shard_fields(spec), self.where_optimizer, self.where_params, path, device)

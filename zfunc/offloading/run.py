@@ -72,7 +72,7 @@ class LeafUpdate(_Stores, Role):
         self.update_s = 0.0  # seconds in the leaf updates, held or overlapped with backward, writes included
 
     def finish(self) -> dict[str, Any]:
-        self._drain()
+        self.writes.drain()
         return {"update_s": self.update_s, "held_grad_bytes": self.held_grad_bytes}
 
     def undo(self, state: TrainState) -> str:
@@ -121,8 +121,8 @@ class LeafUpdate(_Stores, Role):
             self._update_leaves(list(range(len(g_leaves))), g_leaves, scale, None if norm is None else raw)
         for store in (self._param_store, self._opt_store):  # groups not every leaf of which was updated
             for name, nbytes, write in store.flush():
-                self._track(write, nbytes, name)
-        self._wait_writes(None)
+                self.writes.track(write, nbytes, name)
+        self.writes.wait(None)
         loss_scale = mp.next_loss_scale(loss_scale, finite)
         metrics = self.step.metrics(loss, norm, lr, finite, step, loss_scale, aux)
         masters = [self._new.get(i, (m, None))[0] for i, m in enumerate(self._masters)]
@@ -164,7 +164,7 @@ class LeafUpdate(_Stores, Role):
         self._grads_ahead = self._grad_reader(order, grads)
         for batch in self._batches(order):
             self._update_batch(batch, grads, reader, scale, norm)
-        self._wait_writes(None)
+        self.writes.wait(None)
         self.update_s += time.perf_counter() - start
 
     def _batches(self, order: list[int]) -> list[list[int]]:
@@ -295,7 +295,7 @@ class LeafUpdate(_Stores, Role):
             master.copy_(new_p)
             new_p = master
         handle, write = self._param_store.store_back(self._masters[i], new_p)
-        self._track(write, _file_bytes(handle), getattr(handle, "name", None))
+        self.writes.track(write, _file_bytes(handle), getattr(handle, "name", None))
         # fp32 on a GPU: the device's copy is the master itself, refreshed from the host's new value each update
         copy = leaf.out if leaf.out is not None else (
             new_p if self._device_copies and (leaf.on_gpu or not leaf.in_ram) else None)
@@ -313,7 +313,7 @@ class LeafUpdate(_Stores, Role):
         for old, new in zip(leaf.state_leaves, tree.leaves(new_state)):
             if _is_stored(old):
                 kept, write = self._opt_store.store_back(old, new)
-                self._track(write, _file_bytes(kept), getattr(kept, "name", None))
+                self.writes.track(write, _file_bytes(kept), getattr(kept, "name", None))
                 new_leaves.append(kept)
             else:
                 new_leaves.append(new)
