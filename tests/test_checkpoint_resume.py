@@ -115,9 +115,10 @@ def test_a_load_reads_into_small_pages_then_advises_them_huge(tmp_path):
     t.fill_(2)
     landing.settle(t)
     assert "hg" in _vm_flags(t.data_ptr()) and bool((t == 2).all())
-    small = landing.empty([5], torch.float32)
+    small = landing.empty([5], torch.float32)  # torch's, wherever its heap puts it: settle leaves it be
+    before = _vm_flags(small.data_ptr())
     landing.settle(small)
-    assert "hg" not in _vm_flags(small.data_ptr())
+    assert _vm_flags(small.data_ptr()) == before
     step = zf.train_step(lambda p, x: (p["w"][:3] * x).sum(), zf.optim.adamw(1e-3))
     state = step.init({"w": torch.randn(big)})
     ck.save(state, tmp_path / "c")

@@ -1,6 +1,9 @@
 """hostmem: CPU tensors on transparent huge pages, equal to torch's in everything but the pages."""
 import gc
 import mmap
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -54,8 +57,8 @@ def test_big_tensors_are_advised_for_huge_pages_at_spread_offsets():
         assert vma["range"] == (t.data_ptr(), t.data_ptr() + -(-t.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
     # not all at one offset within their huge pages, where a kernel's streams would collide
     assert len({t.data_ptr() % hostmem.HUGE for t in ts}) > 4
-    small = hostmem.empty(100)
-    assert "hg" not in _vma_of(small.data_ptr()).get("VmFlags", "").split()
+    small = hostmem.empty(100)  # torch.empty's own (not a view into a mapping of hostmem's)
+    assert small.untyped_storage().nbytes() == small.nbytes
 
 
 @needs_thp
@@ -77,9 +80,10 @@ def test_transient_puts_what_glibc_would_map_afresh_on_huge_pages(monkeypatch):
     big, small = hostmem.transient(n, torch.float32, "cpu"), hostmem.transient(n - 1, torch.float32, "cpu")
     assert (big.shape, big.dtype, small.shape) == ((n,), torch.float32, (n - 1,))
     assert "hg" in _vma_of(big.data_ptr())["VmFlags"].split()
-    assert "hg" not in _vma_of(small.data_ptr()).get("VmFlags", "").split()  # the heap's, reused step to step
+    assert small.untyped_storage().nbytes() == small.nbytes  # torch.empty's own below it: the heap's
     monkeypatch.setattr(hostmem, "HEAP_REUSE", "all")  # the heap serves every size: torch's own then
-    assert "hg" not in _vma_of(hostmem.transient(n, torch.float32, "cpu").data_ptr()).get("VmFlags", "").split()
+    same = hostmem.transient(n, torch.float32, "cpu")
+    assert same.untyped_storage().nbytes() == same.nbytes
     assert hostmem.transient(n, torch.float32, "meta").device.type == "meta"
 
 
@@ -159,3 +163,29 @@ def test_zfunc_heap_reuse_refuses_an_unknown_mode(monkeypatch):
     monkeypatch.setenv("ZFUNC_HEAP_REUSE", "most")
     with pytest.raises(ValueError, match=r"ZFUNC_HEAP_REUSE: expected one of \('small', 'all', 'off'\), got 'most'"):
         env.choice("ZFUNC_HEAP_REUSE", "small", hostmem._MODES)
+
+
+def _in_fresh_python(code: str, **environ: str) -> str:
+    env_ = {k: v for k, v in os.environ.items() if k != hostmem.TORCH_THP} | environ
+    done = subprocess.run([sys.executable, "-c", code], env=env_, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+_ON = "from zfunc.ops.cpu import hostmem; print(hostmem.torch_on_huge_pages())"
+
+
+@needs_thp
+@pytest.mark.multiprocess
+def test_import_zfunc_puts_torch_s_big_cpu_tensors_on_huge_pages():
+    assert _in_fresh_python(f"import torch, zfunc; {_ON}") == "True"
+    # zfunc's own processes inherit it through the environment
+    assert _in_fresh_python("import os, zfunc; print(os.environ['THP_MEM_ALLOC_ENABLE'])") == "1"
+
+
+@needs_thp
+@pytest.mark.multiprocess
+def test_a_user_s_setting_or_an_earlier_allocation_keeps_torch_s_pages():
+    assert _in_fresh_python(f"import zfunc; {_ON}", THP_MEM_ALLOC_ENABLE="0") == "False"
+    # torch read its switch at the first allocation, before zfunc set it
+    assert _in_fresh_python(f"import torch; torch.ones(3); import zfunc; {_ON}") == "False"

@@ -8,9 +8,11 @@ stream across pages, starts over. On 2 MiB pages both happen 512x less often
 
 Linux backs anonymous memory with huge pages when transparent huge pages (THP) are ``always``, or
 for ranges advised ``MADV_HUGEPAGE`` when they are ``madvise`` (many distributions' default).
-torch's CPU allocator never advises, so its big tensors live on 4 KiB pages
-under ``madvise``. ``empty`` maps fresh memory, advises it before the first touch and hands it
-to torch (``torch.frombuffer``; the mapping is unmapped when the last tensor over it is freed).
+torch's CPU allocator advises tensors from 2 MiB only when its ``THP_MEM_ALLOC_ENABLE`` is set at
+its first allocation, which ``import zfunc`` does (``torch_huge_pages``: a step's fresh grads and
+temporaries then fault in 512x less often), and starts each on a page boundary. ``empty`` maps
+fresh memory, advises it before the first touch and hands it to torch (``torch.frombuffer``; the
+mapping is unmapped when the last tensor over it is freed).
 Each tensor starts at its own page-aligned offset within a huge page (``_colour``): buffers that
 all start on a huge-page boundary make a kernel's streams collide in the caches and DRAM banks,
 which cost more than the huge pages gained. Below ``HUGE_MIN`` bytes, where THP is ``never`` or
@@ -37,7 +39,8 @@ import torch
 
 from zfunc.core import env
 
-__all__ = ["HUGE_MIN", "copy_to", "empty", "huge_pages_available", "reuse_freed_memory", "transient", "zeros_like"]
+__all__ = ["HUGE_MIN", "TORCH_THP", "copy_to", "empty", "huge_pages_available", "reuse_freed_memory",
+           "torch_huge_pages", "torch_on_huge_pages", "transient", "zeros_like"]
 
 HUGE = 2 << 20  # bytes in a huge page (x86-64 and aarch64 with 4 KiB base pages)
 # Smaller tensors: torch.empty. Huge pages pay where a kernel's streams outgrow the last-level
@@ -46,6 +49,9 @@ HUGE = 2 << 20  # bytes in a huge page (x86-64 and aarch64 with 4 KiB base pages
 # about 12 MiB.
 HUGE_MIN = 8 << 20
 _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
+# torch's own switch: its CPU allocator puts tensors from 2 MiB on transparent huge pages (2 MiB-aligned,
+# advised MADV_HUGEPAGE); read once, at the process's first CPU allocation.
+TORCH_THP = "THP_MEM_ALLOC_ENABLE"
 
 
 @functools.cache
@@ -60,6 +66,47 @@ def huge_pages_available() -> bool:
     except OSError:
         return False
     return "[never]" not in mode
+
+
+def torch_huge_pages() -> bool:
+    """Turn on torch's huge pages for CPU tensors from 2 MiB (``TORCH_THP=1`` in ``os.environ``) where THP
+    is available and the variable is not set already; ``import zfunc`` calls it first thing. Returns
+    whether the variable now says on.
+
+    Why: a train step allocates its grads and the forward's temporaries afresh every step, and on
+    4 KiB pages the kernel faults each page in: a fresh 400 MB tensor filled by one pass took 223 ms
+    and 97,657 faults here, on huge pages 55 ms and 568 (a 100M-param CPU step: 800 -> 300 ms).
+    Law and cost: torch reads the variable once, at the process's first CPU allocation, so it takes
+    effect only where nothing has been allocated before ``import zfunc`` (importing torch alone
+    allocates nothing); ``torch_on_huge_pages`` says whether it did. It applies to the whole process
+    and, through the environment, to processes started from it; a tensor's huge pages cover only
+    its own bytes (torch advises exactly those), so no tensor holds more memory than on 4 KiB pages.
+    ``THP_MEM_ALLOC_ENABLE=0`` set before the import keeps torch's 4 KiB pages.
+    """
+    if TORCH_THP not in os.environ and huge_pages_available():
+        os.environ[TORCH_THP] = "1"
+    return os.environ.get(TORCH_THP, "0").strip() not in ("", "0")
+
+
+def torch_on_huge_pages() -> bool:
+    """Whether torch's CPU allocator advises tensors from 2 MiB ``MADV_HUGEPAGE`` in this process:
+    allocates one 4 MiB tensor and reads its mapping's flags in ``/proc/self/smaps`` (``hg``).
+    False where that file does not exist (not Linux)."""
+    probe = torch.empty(HUGE, dtype=torch.int16)  # held while its mapping is read
+    ptr = probe.data_ptr()
+    try:
+        with open("/proc/self/smaps") as f:
+            inside = False
+            for line in f:
+                head = line.split(maxsplit=1)[0]
+                if "-" in head and not head.endswith(":"):
+                    lo, hi = (int(x, 16) for x in head.split("-"))
+                    inside = lo <= ptr < hi
+                elif inside and head == "VmFlags:":
+                    return "hg" in line.split()[1:]
+    except OSError:
+        pass
+    return False
 
 
 def empty(shape: int | tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
