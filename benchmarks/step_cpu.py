@@ -2,7 +2,8 @@
 
     python benchmarks/step_cpu.py [--sizes 1e6 2e7 1e8] [--rounds 15] [--steps 0] [--no-deepspeed]
                                   [--grad-norm {off,on,both}] [--offload-params 2e7] [--no-offload-step]
-                                  [--threads 0] [--one-at-a-time 5e7]
+                                  [--threads 0] [--one-at-a-time 5e7] [--processes {shared,own}]
+                                  [--peers-thp {default,on}]
 
 Each trainer trains one fp32 param vector ``w`` of ``n`` elements on the loss ``(w * c).sum()``
 (``c`` fixed): forward and backward are two cheap elementwise passes, so the step time is the
@@ -24,6 +25,15 @@ the ratio printed is the median over rounds of peer time / zfunc time (paired me
 is faster). Memory: ~16 B/param per trainer (param, grad, two moments) plus ``w0`` and ``c``; from
 ``--one-at-a-time`` params (default 5e7) each trainer is built for its own sample and dropped
 after it (building and one warm-up step untimed), so only one is held: ~3.5 GB at 1e8.
+
+Where the trainers run (``--processes``): ``shared`` (default), all in this process, which has
+imported zfunc and so put torch's CPU tensors from 2 MiB on huge pages for every trainer
+(``hostmem.torch_huge_pages``: the same pages for all, the engines' own work compared);
+``own``, each in a process of its own (this script with ``--serve``, one trainer stepping at a time,
+the order rotating as above; every trainer held at once, ~2.4 GB each at 1e8), where
+``--peers-thp default`` starts the peers' processes with ``THP_MEM_ALLOC_ENABLE=0``, torch's
+default, as their users run them, and ``on`` gives them zfunc's pages. The first line of each size
+says which trainer ran on which pages.
 
 Where a step's time goes (CPU time per step from ``time.thread_time`` around the pieces):
 - forward + backward: the same two elementwise passes and a fresh grad in every trainer;
@@ -64,9 +74,11 @@ leaf's bookkeeping, ~10 us a leaf beyond ``optim.apply``).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import time
 
@@ -77,6 +89,7 @@ import torch  # noqa: E402
 
 import zfunc as zf  # noqa: E402
 from zfunc import optim  # noqa: E402
+from zfunc.ops.cpu import hostmem  # noqa: E402
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.1
 
@@ -152,25 +165,47 @@ def paired(peer: list[float], ours: list[float]) -> float:
     return statistics.median(p / o for p, o in zip(peer, ours))
 
 
-def step_rows(n: int, rounds: int, steps: int, with_deepspeed: bool, one_at_a_time: bool,
-              grad_norm: str = "both") -> None:
+TORCH_FUSED, DEEPSPEED = "torch AdamW(fused=True)", "DeepSpeedCPUAdam"
+
+
+def trainer_names(grad_norm: str, with_deepspeed: bool) -> tuple[list[str], list[str]]:
+    """(zfunc's rows, every trainer's name) for ``--grad-norm`` and ``--no-deepspeed``."""
+    ours = [ZFUNC[k] for k in (("on", "off") if grad_norm == "both" else (grad_norm,))]
+    return ours, ours + [TORCH_FUSED] + ([DEEPSPEED] if with_deepspeed else [])
+
+
+def make_trainer(name: str, n: int):
+    """Trainer ``name`` on the ``n``-element problem every trainer shares (seeded: the same in any process)."""
     gen = torch.Generator().manual_seed(0)
     w0, c = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-2
-    ours = [ZFUNC[k] for k in (("on", "off") if grad_norm == "both" else (grad_norm,))]
-    factories = {name: (lambda on=name == ZFUNC["on"]: zfunc_trainer(w0, c, on)) for name in ours}
-    factories |= {"torch AdamW(fused=True)": lambda: torch_loop(
-                     lambda ps: torch.optim.AdamW(ps, LR, BETAS, EPS, WD, fused=True), w0, c)}
-    if with_deepspeed:
-        factories["DeepSpeedCPUAdam"] = lambda: torch_loop(deepspeed_adam, w0, c)
+    if name in ZFUNC.values():
+        return zfunc_trainer(w0, c, name == ZFUNC["on"])
+    if name == TORCH_FUSED:
+        return torch_loop(lambda ps: torch.optim.AdamW(ps, LR, BETAS, EPS, WD, fused=True), w0, c)
+    if name == DEEPSPEED:
+        return torch_loop(deepspeed_adam, w0, c)
+    raise ValueError(f"name: expected one of {[*ZFUNC.values(), TORCH_FUSED, DEEPSPEED]}, got {name!r}")
+
+
+def step_rows(n: int, rounds: int, steps: int, with_deepspeed: bool, one_at_a_time: bool,
+              grad_norm: str = "both", processes: str = "shared", peers_thp: str = "default") -> None:
+    ours, names = trainer_names(grad_norm, with_deepspeed)
     steps = steps or max(1, 2 * 10**7 // n)
     cpu: dict[str, list[float]] = {}
     kernel: dict[str, list[tuple[float, float]]] = {}
-    if one_at_a_time:
+    pages = {}
+    if processes == "own":
+        times = own_processes(names, n, rounds, steps, peers_thp, cpu, kernel, pages)
+    elif one_at_a_time:
+        factories = {name: (lambda name=name: make_trainer(name, n)) for name in names}
         times = interleaved(factories, rounds, steps, one_at_a_time=True, cpu=cpu, kernel=kernel)
     else:
-        times = interleaved({name: make() for name, make in factories.items()}, rounds, steps, cpu=cpu, kernel=kernel)
-    print(f"n={n:.0e}: {rounds} rounds x {steps} steps, {torch.get_num_threads()} threads"
-          f"{', trainers built one at a time' if one_at_a_time else ''}")
+        times = interleaved({name: make_trainer(name, n) for name in names}, rounds, steps, cpu=cpu, kernel=kernel)
+    layout = ("each trainer in a process of its own, torch's huge pages " +
+              ", ".join(f"{k}: {'on' if v else 'off'}" for k, v in pages.items())) if pages else (
+        f"one process{', trainers built one at a time' if one_at_a_time else ''}, torch's huge pages "
+        f"{'on' if hostmem.torch_on_huge_pages() else 'off'}")
+    print(f"n={n:.0e}: {rounds} rounds x {steps} steps, {torch.get_num_threads()} threads, {layout}")
 
     def faults(name: str) -> str:  # the kernel's part of a step: system time and minor page faults (medians)
         return (f"sys {statistics.median(s for s, _ in kernel[name]) * 1e3:.3f} ms, "
@@ -190,6 +225,66 @@ def step_rows(n: int, rounds: int, steps: int, with_deepspeed: bool, one_at_a_ti
         extra = statistics.median(a - b for a, b in zip(on, off))
         print(f"  the grad norm's read (on - off, paired CPU time): {extra * 1e3:.3f} ms/step, "
               f"{extra / statistics.median(on) * 100:.1f}% of the default step")
+
+
+def own_processes(names: list[str], n: int, rounds: int, steps: int, peers_thp: str, cpu: dict, kernel: dict,
+                  pages: dict) -> dict[str, list[float]]:
+    """``--processes own``: each trainer served by a process of its own (this script with ``--serve``,
+    over its stdin and stdout), the rounds interleaved as in ``interleaved``: one trainer steps at a
+    time, the order rotating. Every process imports zfunc (this script does), so torch's huge pages
+    are on in each (``hostmem.torch_huge_pages``) unless ``peers_thp`` is "default": the peers'
+    processes then start with ``THP_MEM_ALLOC_ENABLE=0``, torch's default, as their users run them.
+    Fills ``cpu``, ``kernel`` as ``interleaved`` does, and ``pages`` with each trainer's
+    ``hostmem.torch_on_huge_pages()``."""
+    procs = {}
+    try:
+        for name in names:
+            environ = dict(os.environ)
+            if peers_thp == "default" and name not in ZFUNC.values():
+                environ[hostmem.TORCH_THP] = "0"
+            procs[name] = subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--serve", name, "--sizes", str(n), "--steps", str(steps),
+                 "--threads", str(torch.get_num_threads())], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                text=True, env=environ)
+        for name, proc in procs.items():  # built and warmed up, one after another
+            pages[name] = _reply(name, proc)["huge_pages"]
+        times = {name: [] for name in names}
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                procs[name].stdin.write("step\n")
+                procs[name].stdin.flush()
+                got = _reply(name, procs[name])
+                times[name].append(got["s"])
+                cpu.setdefault(name, []).append(got["cpu"])
+                kernel.setdefault(name, []).append((got["sys"], got["faults"]))
+        return times
+    finally:
+        for proc in procs.values():
+            proc.stdin.close()
+        for proc in procs.values():
+            proc.wait(timeout=60)
+
+
+def _reply(name: str, proc: subprocess.Popen) -> dict:
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"trainer {name!r}: its process ended (exit code {proc.wait()}) without a reply")
+    return json.loads(line)
+
+
+def serve(name: str, n: int, steps: int) -> None:
+    """``--serve``: build trainer ``name``, warm it up, say so; then ``steps`` timed steps per line read."""
+    run = make_trainer(name, n)
+    run(2)
+    print(json.dumps({"huge_pages": hostmem.torch_on_huge_pages()}), flush=True)
+    for _ in sys.stdin:
+        u0 = resource.getrusage(resource.RUSAGE_SELF)
+        t0, c0 = time.perf_counter(), time.process_time()
+        run(steps)
+        t1, c1 = time.perf_counter(), time.process_time()
+        u1 = resource.getrusage(resource.RUSAGE_SELF)
+        print(json.dumps({"s": (t1 - t0) / steps, "cpu": (c1 - c0) / steps, "sys": (u1.ru_stime - u0.ru_stime) / steps,
+                          "faults": (u1.ru_minflt - u0.ru_minflt) / steps}), flush=True)
 
 
 def gpt_leaf_shapes(total: int, d: int = 768) -> list[tuple[int, ...]]:
@@ -298,11 +393,21 @@ def main(argv=None) -> None:
                     "for its own sample, so only one trainer's memory (~20 B/param) is held at once")
     ap.add_argument("--threads", type=int, default=0, help="torch (and so zfunc's kernel) threads; 0: torch's default. "
                     "On a loaded machine 1 is steadier: a team of threads waits for its slowest")
+    ap.add_argument("--processes", choices=("shared", "own"), default="shared",
+                    help="shared: every trainer in this process; own: each in a process of its own")
+    ap.add_argument("--peers-thp", choices=("default", "on"), default="default",
+                    help="with --processes own: the peers' processes on torch's default 4 KiB pages (as their "
+                         "users run them) or on huge pages as zfunc's")
+    ap.add_argument("--serve", metavar="TRAINER", help=argparse.SUPPRESS)  # one trainer of --processes own
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.serve:
+        serve(args.serve, int(args.sizes[0]), args.steps)
+        return
     for n in args.sizes:
-        step_rows(int(n), args.rounds, args.steps, not args.no_deepspeed, n >= args.one_at_a_time, args.grad_norm)
+        step_rows(int(n), args.rounds, args.steps, not args.no_deepspeed, n >= args.one_at_a_time, args.grad_norm,
+                  args.processes, args.peers_thp)
     if args.offload_params:
         offload_rows(int(args.offload_params), args.rounds, not args.no_offload_step)
 
