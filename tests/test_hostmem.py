@@ -189,3 +189,39 @@ def test_a_user_s_setting_or_an_earlier_allocation_keeps_torch_s_pages():
     assert _in_fresh_python(f"import zfunc; {_ON}", THP_MEM_ALLOC_ENABLE="0") == "False"
     # torch read its switch at the first allocation, before zfunc set it
     assert _in_fresh_python(f"import torch; torch.ones(3); import zfunc; {_ON}") == "False"
+
+
+def _in_heap(address: int) -> bool:
+    """Whether ``address`` lies in glibc's main heap (the ``[heap]`` mappings of /proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return line.rstrip().endswith("[heap]")
+    return False
+
+
+@pytest.mark.skipif(not (hostmem.reuse_freed_memory() and hostmem.HEAP_REUSE == "small"),
+                    reason="not glibc, or ZFUNC_HEAP_REUSE is not the default")
+def test_a_cpu_step_s_big_temporaries_come_from_the_heap_it_keeps():
+    seen = []
+
+    def loss(p, b):
+        seen.append(_in_heap(torch.ones(12 << 20).data_ptr()))  # 48 MiB: glibc would map it afresh
+        return (p["w"] * b).sum()
+    step = zf.train_step(loss, zf.optim.sgd(0.1))
+    state, _ = step(step.init({"w": torch.ones(3)}), torch.ones(3))
+    assert seen == [True]
+
+
+def test_keeping_step_memory_serves_big_blocks_from_the_heap_until_the_exit():
+    calls = []
+    keep = hostmem._KeepingStepMemory()
+    keep.mallopt = lambda *a: calls.append(a)
+    with pytest.raises(RuntimeError):
+        with keep:
+            assert calls == [(hostmem._M_MMAP_MAX, 0)]
+            raise RuntimeError("a failing step")
+    assert calls == [(hostmem._M_MMAP_MAX, 0), (hostmem._M_MMAP_MAX, hostmem._GLIBC_MMAP_MAX)]
+    with hostmem._KeepingStepMemory():  # where reuse_freed_memory did not apply: nothing to do
+        pass
