@@ -3,7 +3,6 @@
     python benchmarks/step_cpu.py [--sizes 1e6 2e7 1e8] [--rounds 15] [--steps 0] [--no-deepspeed]
                                   [--grad-norm {off,on,both}] [--offload-params 2e7] [--no-offload-step]
                                   [--threads 0] [--one-at-a-time 5e7] [--processes {shared,own}]
-                                  [--peers-thp {default,on}]
 
 Each trainer trains one fp32 param vector ``w`` of ``n`` elements on the loss ``(w * c).sum()``
 (``c`` fixed): forward and backward are two cheap elementwise passes, so the step time is the
@@ -26,14 +25,14 @@ is faster). Memory: ~16 B/param per trainer (param, grad, two moments) plus ``w0
 ``--one-at-a-time`` params (default 5e7) each trainer is built for its own sample and dropped
 after it (building and one warm-up step untimed), so only one is held: ~3.5 GB at 1e8.
 
-Where the trainers run (``--processes``): ``shared`` (default), all in this process, which has
-imported zfunc and so put torch's CPU tensors from 2 MiB on huge pages for every trainer
-(``hostmem.torch_huge_pages``: the same pages for all, the engines' own work compared);
-``own``, each in a process of its own (this script with ``--serve``, one trainer stepping at a time,
-the order rotating as above; every trainer held at once, ~2.4 GB each at 1e8), where
-``--peers-thp default`` starts the peers' processes with ``THP_MEM_ALLOC_ENABLE=0``, torch's
-default, as their users run them, and ``on`` gives them zfunc's pages. The first line of each size
-says which trainer ran on which pages.
+Where the trainers run (``--processes``): ``shared`` (default), all in this process, whose heap
+and pages they share (memory one trainer's step left free in the heap serves the next trainer's
+grads: the engines' own work compared); ``own``, each in a process of its own, as its users run it
+(this script with ``--serve``, one trainer stepping at a time, the order rotating as above; every
+trainer held at once, ~2.4 GB each at 1e8): what a CPU step keeps between its calls
+(``hostmem.keeping_step_memory``) then serves only its own engine. The first line of each size
+says whether torch put big tensors on huge pages (``hostmem.torch_on_huge_pages``: where
+``THP_MEM_ALLOC_ENABLE=1`` is set for the run, every trainer's process).
 
 Where a step's time goes (CPU time per step from ``time.thread_time`` around the pieces):
 - forward + backward: the same two elementwise passes and a fresh grad in every trainer;
@@ -188,14 +187,14 @@ def make_trainer(name: str, n: int):
 
 
 def step_rows(n: int, rounds: int, steps: int, with_deepspeed: bool, one_at_a_time: bool,
-              grad_norm: str = "both", processes: str = "shared", peers_thp: str = "default") -> None:
+              grad_norm: str = "both", processes: str = "shared") -> None:
     ours, names = trainer_names(grad_norm, with_deepspeed)
     steps = steps or max(1, 2 * 10**7 // n)
     cpu: dict[str, list[float]] = {}
     kernel: dict[str, list[tuple[float, float]]] = {}
     pages = {}
     if processes == "own":
-        times = own_processes(names, n, rounds, steps, peers_thp, cpu, kernel, pages)
+        times = own_processes(names, n, rounds, steps, cpu, kernel, pages)
     elif one_at_a_time:
         factories = {name: (lambda name=name: make_trainer(name, n)) for name in names}
         times = interleaved(factories, rounds, steps, one_at_a_time=True, cpu=cpu, kernel=kernel)
@@ -227,25 +226,19 @@ def step_rows(n: int, rounds: int, steps: int, with_deepspeed: bool, one_at_a_ti
               f"{extra / statistics.median(on) * 100:.1f}% of the default step")
 
 
-def own_processes(names: list[str], n: int, rounds: int, steps: int, peers_thp: str, cpu: dict, kernel: dict,
+def own_processes(names: list[str], n: int, rounds: int, steps: int, cpu: dict, kernel: dict,
                   pages: dict) -> dict[str, list[float]]:
     """``--processes own``: each trainer served by a process of its own (this script with ``--serve``,
     over its stdin and stdout), the rounds interleaved as in ``interleaved``: one trainer steps at a
-    time, the order rotating. Every process imports zfunc (this script does), so torch's huge pages
-    are on in each (``hostmem.torch_huge_pages``) unless ``peers_thp`` is "default": the peers'
-    processes then start with ``THP_MEM_ALLOC_ENABLE=0``, torch's default, as their users run them.
-    Fills ``cpu``, ``kernel`` as ``interleaved`` does, and ``pages`` with each trainer's
-    ``hostmem.torch_on_huge_pages()``."""
+    time, the order rotating; every process has this one's environment. Fills ``cpu`` and ``kernel``
+    as ``interleaved`` does, and ``pages`` with each trainer's ``hostmem.torch_on_huge_pages()``."""
     procs = {}
     try:
         for name in names:
-            environ = dict(os.environ)
-            if peers_thp == "default" and name not in ZFUNC.values():
-                environ[hostmem.TORCH_THP] = "0"
             procs[name] = subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), "--serve", name, "--sizes", str(n), "--steps", str(steps),
                  "--threads", str(torch.get_num_threads())], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                text=True, env=environ)
+                text=True)
         for name, proc in procs.items():  # built and warmed up, one after another
             pages[name] = _reply(name, proc)["huge_pages"]
         times = {name: [] for name in names}
@@ -395,9 +388,6 @@ def main(argv=None) -> None:
                     "On a loaded machine 1 is steadier: a team of threads waits for its slowest")
     ap.add_argument("--processes", choices=("shared", "own"), default="shared",
                     help="shared: every trainer in this process; own: each in a process of its own")
-    ap.add_argument("--peers-thp", choices=("default", "on"), default="default",
-                    help="with --processes own: the peers' processes on torch's default 4 KiB pages (as their "
-                         "users run them) or on huge pages as zfunc's")
     ap.add_argument("--serve", metavar="TRAINER", help=argparse.SUPPRESS)  # one trainer of --processes own
     args = ap.parse_args(argv)
     if args.threads:
@@ -407,7 +397,7 @@ def main(argv=None) -> None:
         return
     for n in args.sizes:
         step_rows(int(n), args.rounds, args.steps, not args.no_deepspeed, n >= args.one_at_a_time, args.grad_norm,
-                  args.processes, args.peers_thp)
+                  args.processes)
     if args.offload_params:
         offload_rows(int(args.offload_params), args.rounds, not args.no_offload_step)
 

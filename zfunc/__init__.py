@@ -11,10 +11,6 @@ optim/, sharding/ (``zf.shard``), offloading/ (``zf.offload``), pipelining/ (``z
 (``zf.sequence_parallel``), tensor/ (``zf.tensor_parallel``), checkpoint/, config/ (``zf.config``,
 ``zf.parallelize``), plan/ (the estimator), dist/, ops/ (kernels).
 """
-from zfunc.ops.cpu import hostmem as _hostmem
-
-_hostmem.torch_huge_pages()  # before anything below allocates: torch reads its switch at its first allocation
-
 from zfunc import checkpoint, config, dist, offloading, ops, optim, plan, sequence
 from zfunc.config.apply import parallelize
 from zfunc.core import precision, tree

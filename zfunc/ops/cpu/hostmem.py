@@ -9,10 +9,10 @@ stream across pages, starts over. On 2 MiB pages both happen 512x less often
 Linux backs anonymous memory with huge pages when transparent huge pages (THP) are ``always``, or
 for ranges advised ``MADV_HUGEPAGE`` when they are ``madvise`` (many distributions' default).
 torch's CPU allocator advises tensors from 2 MiB only when its ``THP_MEM_ALLOC_ENABLE`` is set at
-its first allocation, which ``import zfunc`` does (``torch_huge_pages``: a step's fresh grads and
-temporaries then fault in 512x less often), and starts each on a page boundary. ``empty`` maps
-fresh memory, advises it before the first touch and hands it to torch (``torch.frombuffer``; the
-mapping is unmapped when the last tensor over it is freed).
+its first allocation (``torch_on_huge_pages`` says whether it does), and starts each on a page
+boundary. ``empty``
+maps fresh memory, advises it before the first touch and hands it to torch (``torch.frombuffer``;
+the mapping is unmapped when the last tensor over it is freed).
 Each tensor starts at its own page-aligned offset within a huge page (``_colour``): buffers that
 all start on a huge-page boundary make a kernel's streams collide in the caches and DRAM banks,
 which cost more than the huge pages gained. Below ``HUGE_MIN`` bytes, where THP is ``never`` or
@@ -24,7 +24,8 @@ grads, the forward's temporaries). glibc gives the top of its heap back to the O
 ``M_TRIM_THRESHOLD`` bytes lie free there (by default twice the largest block it has freed, so
 two 4 MiB grads freed together), and the next step faults the same bytes in again, ~1 us per 4 KiB
 page, in whichever trainer of a process the heap's layout happens to put on the boundary. Kept,
-they are reused.
+they are reused. Blocks from 32 MiB glibc maps and unmaps one by one; ``keeping_step_memory``
+serves those from the heap too while a CPU step's call runs, so a step's big grads are kept as well.
 """
 from __future__ import annotations
 
@@ -39,8 +40,8 @@ import torch
 
 from zfunc.core import env
 
-__all__ = ["HUGE_MIN", "TORCH_THP", "copy_to", "empty", "huge_pages_available", "keeping_step_memory",
-           "reuse_freed_memory", "torch_huge_pages", "torch_on_huge_pages", "transient", "zeros_like"]
+__all__ = ["HUGE_MIN", "copy_to", "empty", "huge_pages_available", "keeping_step_memory", "reuse_freed_memory",
+           "torch_on_huge_pages", "transient", "zeros_like"]
 
 HUGE = 2 << 20  # bytes in a huge page (x86-64 and aarch64 with 4 KiB base pages)
 # Smaller tensors: torch.empty. Huge pages pay where a kernel's streams outgrow the last-level
@@ -49,9 +50,6 @@ HUGE = 2 << 20  # bytes in a huge page (x86-64 and aarch64 with 4 KiB base pages
 # about 12 MiB.
 HUGE_MIN = 8 << 20
 _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
-# torch's own switch: its CPU allocator puts tensors from 2 MiB on transparent huge pages (2 MiB-aligned,
-# advised MADV_HUGEPAGE); read once, at the process's first CPU allocation.
-TORCH_THP = "THP_MEM_ALLOC_ENABLE"
 
 
 @functools.cache
@@ -68,30 +66,20 @@ def huge_pages_available() -> bool:
     return "[never]" not in mode
 
 
-def torch_huge_pages() -> bool:
-    """Turn on torch's huge pages for CPU tensors from 2 MiB (``TORCH_THP=1`` in ``os.environ``) where THP
-    is available and the variable is not set already; ``import zfunc`` calls it first thing. Returns
-    whether the variable now says on.
-
-    Why: a train step allocates its grads and the forward's temporaries afresh every step, and on
-    4 KiB pages the kernel faults each page in: a fresh 400 MB tensor filled by one pass took 223 ms
-    and 97,657 faults here, on huge pages 55 ms and 568 (a 100M-param CPU step: 800 -> 300 ms).
-    Law and cost: torch reads the variable once, at the process's first CPU allocation, so it takes
-    effect only where nothing has been allocated before ``import zfunc`` (importing torch alone
-    allocates nothing); ``torch_on_huge_pages`` says whether it did. It applies to the whole process
-    and, through the environment, to processes started from it; a tensor's huge pages cover only
-    its own bytes (torch advises exactly those), so no tensor holds more memory than on 4 KiB pages.
-    ``THP_MEM_ALLOC_ENABLE=0`` set before the import keeps torch's 4 KiB pages.
-    """
-    if TORCH_THP not in os.environ and huge_pages_available():
-        os.environ[TORCH_THP] = "1"
-    return os.environ.get(TORCH_THP, "0").strip() not in ("", "0")
-
-
 def torch_on_huge_pages() -> bool:
-    """Whether torch's CPU allocator advises tensors from 2 MiB ``MADV_HUGEPAGE`` in this process:
-    allocates one 4 MiB tensor and reads its mapping's flags in ``/proc/self/smaps`` (``hg``).
-    False where that file does not exist (not Linux)."""
+    """Whether torch's CPU allocator advises tensors from 2 MiB ``MADV_HUGEPAGE`` in this process, as
+    it does where ``THP_MEM_ALLOC_ENABLE=1`` was in the environment at its first allocation: allocates
+    one 4 MiB tensor and reads its mapping's flags in ``/proc/self/smaps`` (``hg``). False where that
+    file does not exist (not Linux).
+
+    zfunc leaves that switch to the user. Its gain and cost, this repository's 2-core VM: memory
+    freed and allocated again at once is faster on huge pages (a fresh 400 MB tensor filled in a
+    loop: 223 -> 55 ms, 97,657 -> 568 faults), but memory the host takes back while it lies free
+    (free page reporting) is slower to fault in on them (the same loop with 3 s pauses: 300-870 ms
+    instead of ~200; ``torch.load`` of a 0.6-2.4 GB checkpoint in a fresh process: 0.15-0.24 GB/s
+    instead of 0.47-0.8). A CPU step keeps its own memory instead (``keeping_step_memory``), which
+    gains the first without the second.
+    """
     probe = torch.empty(HUGE, dtype=torch.int16)  # held while its mapping is read
     ptr = probe.data_ptr()
     try:
