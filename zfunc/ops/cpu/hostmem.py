@@ -223,22 +223,26 @@ def reuse_freed_memory() -> bool:
 
 class _KeepingStepMemory:
     """``with keeping_step_memory:`` around a CPU step's call: while it runs, every block the step
-    allocates comes from glibc's heap (``M_MMAP_MAX`` 0), big ones included, so that the grads and
-    temporaries it frees stay in the heap (up to ``KEEP_FREED`` bytes at its top) for the next call
-    to reuse instead of being unmapped and faulted in afresh, page by page, every step: as a GPU
-    caching allocator keeps a step's memory. Outside the calls a big block comes from the heap's
-    free memory where it has enough, else from a mapping of its own, unmapped when freed, as glibc
-    does by default: what else the process allocates (a checkpoint's copies, a data loader's
-    batches) does not grow the heap. In effect only where ``reuse_freed_memory`` applied ``small`` (with
-    ``all`` the heap serves every block anyway); a no-op elsewhere. Each exit restores glibc's
-    default, so a call nested in another, or one running on another thread, ends it early for the
-    rest (fewer blocks kept, nothing else), and a call that never returns (a thread stuck in a dead
-    collective) holds it only until the next call ends.
+    allocates comes from glibc's heap (``M_MMAP_MAX`` 0), big ones included, and nothing is trimmed
+    off the heap's top (``M_TRIM_THRESHOLD`` -1; glibc gives the whole free top back at once when it
+    outgrows the threshold, which a step freeing more than ``KEEP_FREED`` would do every step). So
+    the grads and temporaries it frees stay in the heap for the next call to reuse, instead of being
+    unmapped and faulted in afresh, page by page, every step: as a GPU caching allocator keeps a
+    step's memory.
 
-    Cost: two ``mallopt`` calls a step (~1 us); the resident size holds a step's peak transient
-    memory between steps (at most ``KEEP_FREED`` of it at the heap's top). A 100M-param CPU step
-    (all optimizer, 800 MB of fresh grad and temporaries a step) took 195,314 faults a step on 4 KiB
-    pages and 1,136 on huge pages, none with this (``benchmarks/step_cpu.py``).
+    Outside the calls glibc's big blocks come from the heap's free memory where it has enough, else
+    from mappings of their own, unmapped when freed, and the threshold is ``KEEP_FREED`` again: a
+    free between calls that joins a free top of more than that gives it all back (and the next call
+    faults it in again). In effect only where ``reuse_freed_memory`` applied ``small`` (with ``all``
+    the heap serves every block anyway); a no-op elsewhere. Each exit restores the defaults, so a
+    call nested in another, or running on another thread, ends it early for the rest (fewer blocks
+    kept, nothing else), and a call that never returns (a thread stuck in a dead collective) holds
+    it only until the next call ends.
+
+    Cost: four ``mallopt`` calls a step (~2.5 us); the resident size keeps a step's peak transient
+    memory between steps. A 100M-param CPU step (all optimizer, 800 MB of fresh grad and
+    temporaries a step) took 195,314 faults a step on 4 KiB pages, none with this
+    (``benchmarks/step_cpu.py --processes own``).
     """
 
     __slots__ = ("mallopt",)
@@ -249,10 +253,12 @@ class _KeepingStepMemory:
     def __enter__(self) -> None:
         if self.mallopt is not None:
             self.mallopt(_M_MMAP_MAX, 0)
+            self.mallopt(_M_TRIM_THRESHOLD, -1)  # glibc: never trim
 
     def __exit__(self, *exc) -> bool:
         if self.mallopt is not None:
             self.mallopt(_M_MMAP_MAX, _GLIBC_MMAP_MAX)
+            self.mallopt(_M_TRIM_THRESHOLD, KEEP_FREED)
         return False
 
 
