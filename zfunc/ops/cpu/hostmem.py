@@ -10,9 +10,8 @@ Linux backs anonymous memory with huge pages when transparent huge pages (THP) a
 for ranges advised ``MADV_HUGEPAGE`` when they are ``madvise`` (many distributions' default).
 torch's CPU allocator advises tensors from 2 MiB only when its ``THP_MEM_ALLOC_ENABLE`` is set at
 its first allocation (``torch_on_huge_pages`` says whether it does), and starts each on a page
-boundary. ``empty``
-maps fresh memory, advises it before the first touch and hands it to torch (``torch.frombuffer``;
-the mapping is unmapped when the last tensor over it is freed).
+boundary. ``empty`` maps fresh memory, advises it before the first touch and hands it to torch
+(``torch.frombuffer``; the mapping is unmapped when the last tensor over it is freed).
 Each tensor starts at its own page-aligned offset within a huge page (``_colour``): buffers that
 all start on a huge-page boundary make a kernel's streams collide in the caches and DRAM banks,
 which cost more than the huge pages gained. Below ``HUGE_MIN`` bytes, where THP is ``never`` or
@@ -77,8 +76,8 @@ def torch_on_huge_pages() -> bool:
     loop: 223 -> 55 ms, 97,657 -> 568 faults), but memory the host takes back while it lies free
     (free page reporting) is slower to fault in on them (the same loop with 3 s pauses: 300-870 ms
     instead of ~200; ``torch.load`` of a 0.6-2.4 GB checkpoint in a fresh process: 0.15-0.24 GB/s
-    instead of 0.47-0.8). A CPU step keeps its own memory instead (``keeping_step_memory``), which
-    gains the first without the second.
+    where earlier runs read 0.47-1.04). A CPU step keeps its own memory instead
+    (``keeping_step_memory``), which gains the first without the second.
     """
     probe = torch.empty(HUGE, dtype=torch.int16)  # held while its mapping is read
     ptr = probe.data_ptr()
