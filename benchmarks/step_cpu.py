@@ -251,11 +251,14 @@ def own_processes(names: list[str], n: int, rounds: int, steps: int, cpu: dict, 
                 cpu.setdefault(name, []).append(got["cpu"])
                 kernel.setdefault(name, []).append((got["sys"], got["faults"]))
         return times
-    finally:
+    finally:  # end of input: each server returns; one that does not within a minute is killed
         for proc in procs.values():
             proc.stdin.close()
         for proc in procs.values():
-            proc.wait(timeout=60)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def _reply(name: str, proc: subprocess.Popen) -> dict:
