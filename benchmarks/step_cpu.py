@@ -29,10 +29,10 @@ Where the trainers run (``--processes``): ``shared`` (default), all in this proc
 and pages they share (memory one trainer's step left free in the heap serves the next trainer's
 grads: the engines' own work compared); ``own``, each in a process of its own, as its users run it
 (this script with ``--serve``, one trainer stepping at a time, the order rotating as above; every
-trainer held at once, ~2.4 GB each at 1e8): what a CPU step keeps between its calls
-(``hostmem.keeping_step_memory``) then serves only its own engine. The first line of each size
-says whether torch put big tensors on huge pages (``hostmem.torch_on_huge_pages``: where
-``THP_MEM_ALLOC_ENABLE=1`` is set for the run, every trainer's process).
+trainer held at once, ~2.4 GB each at 1e8): what an engine does to its process's memory then
+serves only itself. The first line of each size says whether torch put big tensors on huge pages
+(``hostmem.torch_on_huge_pages``: where ``THP_MEM_ALLOC_ENABLE=1`` is set for the run, every
+trainer's process).
 
 Where a step's time goes (CPU time per step from ``time.thread_time`` around the pieces):
 - forward + backward: the same two elementwise passes and a fresh grad in every trainer;

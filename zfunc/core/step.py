@@ -121,8 +121,7 @@ class Step:
     def init(self, params: PyTree, materialize: Materializer | None = None) -> TrainState:
         """A fresh state: fp32 copies of ``params`` (the caller's tensors are never aliased), the
         optimizer's initial state, step 0, ``rng = seed`` and fp16's initial loss scale. On the
-        CPU, also ``hostmem.reuse_freed_memory()`` (the process keeps freed heap memory; each call
-        then runs ``with hostmem.keeping_step_memory``, its big grads and temporaries from the heap too).
+        CPU, also ``hostmem.reuse_freed_memory()`` (the process keeps freed heap memory).
 
         ``materialize``: for params on the meta device (``with torch.device("meta"): model =
         GPT(cfg)``), what makes each leaf's whole value (``zfunc.model.materialize``: ``leaf``),
@@ -165,10 +164,6 @@ class Step:
         return None
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
-        with hostmem.keeping_step_memory:  # the step's freed grads and temporaries stay for the next
-            return self._call(state, batch)
-
-    def _call(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, Any]]:
         self._check_state(state)
         params, _, step, rng, loss_scale, buffers = _values(state)
         if self._direct(loss_scale):  # one fp32 microbatch, nothing scaled: the loop's work written out

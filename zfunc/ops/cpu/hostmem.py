@@ -23,8 +23,7 @@ grads, the forward's temporaries). glibc gives the top of its heap back to the O
 ``M_TRIM_THRESHOLD`` bytes lie free there (by default twice the largest block it has freed, so
 two 4 MiB grads freed together), and the next step faults the same bytes in again, ~1 us per 4 KiB
 page, in whichever trainer of a process the heap's layout happens to put on the boundary. Kept,
-they are reused. Blocks from 32 MiB glibc maps and unmaps one by one; ``keeping_step_memory``
-serves those from the heap too while a CPU step's call runs, so a step's big grads are kept as well.
+they are reused.
 """
 from __future__ import annotations
 
@@ -39,8 +38,8 @@ import torch
 
 from zfunc.core import env
 
-__all__ = ["HUGE_MIN", "copy_to", "empty", "huge_pages_available", "keeping_step_memory", "reuse_freed_memory",
-           "torch_on_huge_pages", "transient", "zeros_like"]
+__all__ = ["HUGE_MIN", "copy_to", "empty", "huge_pages_available", "reuse_freed_memory", "torch_on_huge_pages",
+           "transient", "zeros_like"]
 
 HUGE = 2 << 20  # bytes in a huge page (x86-64 and aarch64 with 4 KiB base pages)
 # Smaller tensors: torch.empty. Huge pages pay where a kernel's streams outgrow the last-level
@@ -76,8 +75,7 @@ def torch_on_huge_pages() -> bool:
     loop: 223 -> 55 ms, 97,657 -> 568 faults), but memory the host takes back while it lies free
     (free page reporting) is slower to fault in on them (the same loop with 3 s pauses: 300-870 ms
     instead of ~200; ``torch.load`` of a 0.6-2.4 GB checkpoint in a fresh process: 0.15-0.24 GB/s
-    where earlier runs read 0.47-1.04). A CPU step keeps its own memory instead
-    (``keeping_step_memory``), which gains the first without the second.
+    where earlier runs read 0.47-1.04).
     """
     probe = torch.empty(HUGE, dtype=torch.int16)  # held while its mapping is read
     ptr = probe.data_ptr()
@@ -215,52 +213,5 @@ def reuse_freed_memory() -> bool:
         return False
     # Setting either threshold stops glibc's own adjustment of both, so both are set.
     ok = bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_MIN)) and bool(mallopt(_M_TRIM_THRESHOLD, KEEP_FREED))
-    if ok and HEAP_REUSE == "small":
-        keeping_step_memory.mallopt = mallopt
     return ok and (HEAP_REUSE == "small" or bool(mallopt(_M_MMAP_MAX, 0)))
 
-
-class _KeepingStepMemory:
-    """``with keeping_step_memory:`` around a CPU step's call: while it runs, every block the step
-    allocates comes from glibc's heap (``M_MMAP_MAX`` 0), big ones included, and nothing is trimmed
-    off the heap's top (``M_TRIM_THRESHOLD`` -1; glibc gives the whole free top back at once when it
-    outgrows the threshold, which a step freeing more than ``KEEP_FREED`` would do every step). So
-    the grads and temporaries it frees stay in the heap for the next call to reuse, instead of being
-    unmapped and faulted in afresh, page by page, every step: as a GPU caching allocator keeps a
-    step's memory.
-
-    Outside the calls glibc's big blocks come from the heap's free memory where it has enough, else
-    from mappings of their own, unmapped when freed, and the threshold is ``KEEP_FREED`` again: a
-    free between calls that joins a free top of more than that gives it all back (and the next call
-    faults it in again). In effect only where ``reuse_freed_memory`` applied ``small`` (with ``all``
-    the heap serves every block anyway); a no-op elsewhere. Each exit restores the defaults, so a
-    call nested in another, or running on another thread, ends it early for the rest (fewer blocks
-    kept, nothing else), and a call that never returns (a thread stuck in a dead collective) holds
-    it only until the next call ends.
-
-    Cost: four ``mallopt`` calls a step (~2.5 us); the resident size keeps a step's peak transient
-    memory between steps. A 100M-param CPU step (all optimizer, 800 MB of fresh grad and
-    temporaries a step) took 195,314 faults a step on 4 KiB pages, none with this
-    (``benchmarks/step_cpu.py --processes own``).
-    """
-
-    __slots__ = ("mallopt",)
-
-    def __init__(self):
-        self.mallopt = None
-
-    def __enter__(self) -> None:
-        if self.mallopt is not None:
-            self.mallopt(_M_MMAP_MAX, 0)
-            self.mallopt(_M_TRIM_THRESHOLD, -1)  # glibc: never trim
-
-    def __exit__(self, *exc) -> bool:
-        if self.mallopt is not None:
-            self.mallopt(_M_MMAP_MAX, _GLIBC_MMAP_MAX)
-            self.mallopt(_M_TRIM_THRESHOLD, KEEP_FREED)
-        return False
-
-
-# glibc's default M_MMAP_MAX (malloc.c's DEFAULT_MMAP_MAX): restored after a step
-_GLIBC_MMAP_MAX = 65536
-keeping_step_memory = _KeepingStepMemory()
