@@ -180,4 +180,3 @@ _ON = "from zfunc.ops.cpu import hostmem; print(hostmem.torch_on_huge_pages())"
 def test_torch_on_huge_pages_says_whether_torch_s_own_switch_took_effect():
     assert _in_fresh_python(f"import zfunc; {_ON}") == "False"  # zfunc leaves torch's pages alone
     assert _in_fresh_python(f"import zfunc; {_ON}", THP_MEM_ALLOC_ENABLE="1") == "True"
-

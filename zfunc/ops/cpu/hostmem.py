@@ -214,4 +214,3 @@ def reuse_freed_memory() -> bool:
     # Setting either threshold stops glibc's own adjustment of both, so both are set.
     ok = bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_MIN)) and bool(mallopt(_M_TRIM_THRESHOLD, KEEP_FREED))
     return ok and (HEAP_REUSE == "small" or bool(mallopt(_M_MMAP_MAX, 0)))
-
