@@ -4,6 +4,7 @@ import mmap
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import zfunc as zf
 from zfunc.core import env
 from zfunc.ops.cpu import hostmem
 
+ROOT = Path(__file__).resolve().parents[1]
 BIG = hostmem.HUGE_MIN // 4 + 1000  # fp32 elements: past the threshold, not a multiple of a page
 
 
@@ -166,7 +168,9 @@ def test_zfunc_heap_reuse_refuses_an_unknown_mode(monkeypatch):
 
 
 def _in_fresh_python(code: str, **environ: str) -> str:
+    """What ``code`` prints in a fresh interpreter (this checkout's zfunc first on its path)."""
     env_ = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"} | environ
+    env_["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, "-c", code], env=env_, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
