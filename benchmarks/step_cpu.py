@@ -143,21 +143,38 @@ def interleaved(trainers: dict, rounds: int, steps: int, one_at_a_time: bool = F
     cpu = {} if cpu is None else cpu
     kernel = {} if kernel is None else kernel
     for r in range(rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in rotated(names, r):
             run = trainers[name]
             if one_at_a_time:
                 run = run()
                 run(1)
-            u0 = resource.getrusage(resource.RUSAGE_SELF)
-            t0, c0 = time.perf_counter(), time.process_time()
-            run(steps)
-            times[name].append((time.perf_counter() - t0) / steps)
-            cpu.setdefault(name, []).append((time.process_time() - c0) / steps)
-            u1 = resource.getrusage(resource.RUSAGE_SELF)
-            kernel.setdefault(name, []).append(((u1.ru_stime - u0.ru_stime) / steps,
-                                                (u1.ru_minflt - u0.ru_minflt) / steps))
+            record(name, sample(run, steps), times, cpu, kernel)
             del run
     return times
+
+
+def rotated(names: list[str], r: int) -> list[str]:
+    """Round ``r``'s order: ``names`` rotated by ``r``."""
+    return names[r % len(names):] + names[: r % len(names)]
+
+
+def sample(run, steps: int) -> dict[str, float]:
+    """``run(steps)`` timed, per step: wall seconds ``s``, this process's CPU seconds ``cpu``, its
+    system seconds ``sys`` and minor page faults ``faults`` (``getrusage``)."""
+    u0 = resource.getrusage(resource.RUSAGE_SELF)
+    t0, c0 = time.perf_counter(), time.process_time()
+    run(steps)
+    t1, c1 = time.perf_counter(), time.process_time()
+    u1 = resource.getrusage(resource.RUSAGE_SELF)
+    return {"s": (t1 - t0) / steps, "cpu": (c1 - c0) / steps, "sys": (u1.ru_stime - u0.ru_stime) / steps,
+            "faults": (u1.ru_minflt - u0.ru_minflt) / steps}
+
+
+def record(name: str, got: dict[str, float], times: dict, cpu: dict, kernel: dict) -> None:
+    """Append a ``sample`` of trainer ``name`` to the three series ``interleaved`` fills."""
+    times[name].append(got["s"])
+    cpu.setdefault(name, []).append(got["cpu"])
+    kernel.setdefault(name, []).append((got["sys"], got["faults"]))
 
 
 def paired(peer: list[float], ours: list[float]) -> float:
@@ -243,13 +260,10 @@ def own_processes(names: list[str], n: int, rounds: int, steps: int, cpu: dict, 
             pages[name] = _reply(name, proc)["huge_pages"]
         times = {name: [] for name in names}
         for r in range(rounds):
-            for name in names[r % len(names):] + names[: r % len(names)]:
+            for name in rotated(names, r):
                 procs[name].stdin.write("step\n")
                 procs[name].stdin.flush()
-                got = _reply(name, procs[name])
-                times[name].append(got["s"])
-                cpu.setdefault(name, []).append(got["cpu"])
-                kernel.setdefault(name, []).append((got["sys"], got["faults"]))
+                record(name, _reply(name, procs[name]), times, cpu, kernel)
         return times
     finally:  # end of input: each server returns; one that does not within a minute is killed
         for proc in procs.values():
@@ -274,13 +288,7 @@ def serve(name: str, n: int, steps: int) -> None:
     run(2)
     print(json.dumps({"huge_pages": hostmem.torch_on_huge_pages()}), flush=True)
     for _ in sys.stdin:
-        u0 = resource.getrusage(resource.RUSAGE_SELF)
-        t0, c0 = time.perf_counter(), time.process_time()
-        run(steps)
-        t1, c1 = time.perf_counter(), time.process_time()
-        u1 = resource.getrusage(resource.RUSAGE_SELF)
-        print(json.dumps({"s": (t1 - t0) / steps, "cpu": (c1 - c0) / steps, "sys": (u1.ru_stime - u0.ru_stime) / steps,
-                          "faults": (u1.ru_minflt - u0.ru_minflt) / steps}), flush=True)
+        print(json.dumps(sample(run, steps)), flush=True)
 
 
 def gpt_leaf_shapes(total: int, d: int = 768) -> list[tuple[int, ...]]:
