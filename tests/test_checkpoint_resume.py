@@ -90,20 +90,6 @@ def test_a_restarted_job_loads_importing_nothing_torch_load_does_not(tmp_path):
     assert not {m for m in imported["zfunc"] if m.startswith(("sympy", "torch.fx.experimental", "torch._dynamo"))}
 
 
-def _vm_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping of this process that holds ``address``."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and head == "VmFlags:":
-                return line.split()[1:]
-    return []
-
-
 @pytest.mark.skipif(not hostmem.huge_pages_available(), reason="no transparent huge pages here")
 def test_a_load_reads_into_small_pages_then_advises_them_huge(tmp_path):
     """Law: what ``landing`` gives is ``torch.empty``'s equal; a big tensor is read on 4 KiB pages
@@ -111,17 +97,17 @@ def test_a_load_reads_into_small_pages_then_advises_them_huge(tmp_path):
     big = hostmem.HUGE_MIN // 4 + 1000
     t = landing.empty([3, big], torch.bfloat16)
     assert (tuple(t.shape), t.dtype, t.is_contiguous(), t.data_ptr() % 4096) == ((3, big), torch.bfloat16, True, 0)
-    assert "nh" in _vm_flags(t.data_ptr()) and "hg" not in _vm_flags(t.data_ptr())
+    assert "nh" in hostmem.vm_flags(t.data_ptr()) and "hg" not in hostmem.vm_flags(t.data_ptr())
     t.fill_(2)
     landing.settle(t)
-    assert "hg" in _vm_flags(t.data_ptr()) and bool((t == 2).all())
+    assert "hg" in hostmem.vm_flags(t.data_ptr()) and bool((t == 2).all())
     small = landing.empty([5], torch.float32)  # torch's, wherever its heap puts it: settle leaves it be
-    before = _vm_flags(small.data_ptr())
+    before = hostmem.vm_flags(small.data_ptr())
     landing.settle(small)
-    assert _vm_flags(small.data_ptr()) == before
+    assert hostmem.vm_flags(small.data_ptr()) == before
     step = zf.train_step(lambda p, x: (p["w"][:3] * x).sum(), zf.optim.adamw(1e-3))
     state = step.init({"w": torch.randn(big)})
     ck.save(state, tmp_path / "c")
     loaded = ck.load(tmp_path / "c", step)
     for got, want in ((loaded.params["w"], state.params["w"]), (loaded.opt_state.mu["w"], state.opt_state.mu["w"])):
-        assert torch.equal(got, want) and "hg" in _vm_flags(got.data_ptr())
+        assert torch.equal(got, want) and "hg" in hostmem.vm_flags(got.data_ptr())

@@ -184,3 +184,13 @@ _ON = "from zfunc.ops.cpu import hostmem; print(hostmem.torch_on_huge_pages())"
 def test_torch_on_huge_pages_says_whether_torch_s_own_switch_took_effect():
     assert _in_fresh_python(f"import zfunc; {_ON}") == "False"  # zfunc leaves torch's pages alone
     assert _in_fresh_python(f"import zfunc; {_ON}", THP_MEM_ALLOC_ENABLE="1") == "True"
+
+
+def test_vm_flags_reads_the_flags_of_the_mapping_that_holds_an_address():
+    t = hostmem.empty(BIG)
+    assert ("hg" in hostmem.vm_flags(t.data_ptr())) == hostmem.huge_pages_available()
+    assert "rd" in hostmem.vm_flags(t.data_ptr())
+    assert hostmem.vm_flags(0) == []  # no mapping holds it
+    for bad in (-1, 1.5, "0x10"):
+        with pytest.raises(ValueError, match="address: expected a non-negative int"):
+            hostmem.vm_flags(bad)

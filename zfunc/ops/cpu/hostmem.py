@@ -39,7 +39,7 @@ import torch
 from zfunc.core import env
 
 __all__ = ["HUGE_MIN", "copy_to", "empty", "huge_pages_available", "reuse_freed_memory", "torch_on_huge_pages",
-           "transient", "zeros_like"]
+           "transient", "vm_flags", "zeros_like"]
 
 HUGE = 2 << 20  # bytes in a huge page (x86-64 and aarch64 with 4 KiB base pages)
 # Smaller tensors: torch.empty. Huge pages pay where a kernel's streams outgrow the last-level
@@ -67,8 +67,8 @@ def huge_pages_available() -> bool:
 def torch_on_huge_pages() -> bool:
     """Whether torch's CPU allocator advises tensors from 2 MiB ``MADV_HUGEPAGE`` in this process, as
     it does where ``THP_MEM_ALLOC_ENABLE=1`` was in the environment at its first allocation: allocates
-    one 4 MiB tensor and reads its mapping's flags in ``/proc/self/smaps`` (``hg``). False where that
-    file does not exist (not Linux).
+    one 4 MiB tensor and reads its mapping's flags (``vm_flags``: ``hg``). False where
+    ``/proc/self/smaps`` does not exist (not Linux).
 
     zfunc leaves that switch to the user. Its gain and cost, this repository's 2-core VM: memory
     freed and allocated again at once is faster on huge pages (a fresh 400 MB tensor filled in a
@@ -78,7 +78,14 @@ def torch_on_huge_pages() -> bool:
     where earlier runs read 0.47-1.04).
     """
     probe = torch.empty(HUGE, dtype=torch.int16)  # held while its mapping is read
-    ptr = probe.data_ptr()
+    return "hg" in vm_flags(probe.data_ptr())
+
+
+def vm_flags(address: int) -> list[str]:
+    """The ``VmFlags`` of the mapping of this process that holds ``address`` (``/proc/self/smaps``:
+    ``hg`` advised huge, ``nh`` advised not); empty where there is none, or no such file (not Linux)."""
+    if not isinstance(address, int) or address < 0:
+        raise ValueError(f"address: expected a non-negative int (a data_ptr()), got {address!r}")
     try:
         with open("/proc/self/smaps") as f:
             inside = False
@@ -86,12 +93,12 @@ def torch_on_huge_pages() -> bool:
                 head = line.split(maxsplit=1)[0]
                 if "-" in head and not head.endswith(":"):
                     lo, hi = (int(x, 16) for x in head.split("-"))
-                    inside = lo <= ptr < hi
+                    inside = lo <= address < hi
                 elif inside and head == "VmFlags:":
-                    return "hg" in line.split()[1:]
+                    return line.split()[1:]
     except OSError:
         pass
-    return False
+    return []
 
 
 def empty(shape: int | tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
