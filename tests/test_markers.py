@@ -1,5 +1,6 @@
 """The suite's markers: a test that starts a process without ``multiprocess`` errors, so
 ``-m "not multiprocess"`` stays an inner loop without processes; ``-m`` keeps slow and gpu out."""
+import os
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,9 @@ def test_alone():
 
 
 @pytest.fixture
-def suite(pytester):
+def suite(pytester, monkeypatch):
+    # the suite's conftest imports zfunc: its pytest process finds this checkout's, installed or not
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     pytester.makepyprojecttoml((ROOT / "pyproject.toml").read_text())
     (pytester.path / "tests").mkdir()
     (pytester.path / "tests" / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
