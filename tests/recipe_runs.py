@@ -1,14 +1,22 @@
 """What the tests that run the recipes as a user would (their command line, torchrun) share: the
-repository ``ROOT``, the ``TINY`` GPT flags, a refused command line (``exits_2``, ``refused_before_built``), reading
-``OUT/metrics.jsonl``, comparing losses, and Hugging Face's DeepSpeed test configs (``HF_ZERO2``,
-``HF_ZERO3``)."""
+repository ``ROOT`` and a child Python's path to it (``checkout_pythonpath``), the ``TINY`` GPT flags, a
+refused command line (``exits_2``, ``refused_before_built``), reading ``OUT/metrics.jsonl``, comparing
+losses, and Hugging Face's DeepSpeed test configs (``HF_ZERO2``, ``HF_ZERO3``)."""
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def checkout_pythonpath() -> str:
+    """``PYTHONPATH`` for a child Python that must import this checkout's zfunc, installed or not:
+    ``ROOT`` first, then the session's own ``PYTHONPATH`` where it has one (no empty entry)."""
+    return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
         "--batch-size", "8", "--lr", "1e-2", "--warmup", "5", "--eval-batches", "2",

@@ -4,16 +4,15 @@ import mmap
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import zfunc as zf
+from tests.recipe_runs import checkout_pythonpath
 from zfunc.core import env
 from zfunc.ops.cpu import hostmem
 
-ROOT = Path(__file__).resolve().parents[1]
 BIG = hostmem.HUGE_MIN // 4 + 1000  # fp32 elements: past the threshold, not a multiple of a page
 
 
@@ -170,7 +169,7 @@ def test_zfunc_heap_reuse_refuses_an_unknown_mode(monkeypatch):
 def _in_fresh_python(code: str, **environ: str) -> str:
     """What ``code`` prints in a fresh interpreter (this checkout's zfunc first on its path)."""
     env_ = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"} | environ
-    env_["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env_["PYTHONPATH"] = checkout_pythonpath()
     done = subprocess.run([sys.executable, "-c", code], env=env_, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()

@@ -1,11 +1,8 @@
 """The suite's markers: a test that starts a process without ``multiprocess`` errors, so
 ``-m "not multiprocess"`` stays an inner loop without processes; ``-m`` keeps slow and gpu out."""
-import os
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.recipe_runs import ROOT, checkout_pythonpath
 
 SPAWNING = '''
 import multiprocessing, subprocess, sys
@@ -35,7 +32,7 @@ def test_alone():
 @pytest.fixture
 def suite(pytester, monkeypatch):
     # the suite's conftest imports zfunc: its pytest process finds this checkout's, installed or not
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("PYTHONPATH", checkout_pythonpath())
     pytester.makepyprojecttoml((ROOT / "pyproject.toml").read_text())
     (pytester.path / "tests").mkdir()
     (pytester.path / "tests" / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
